@@ -1,0 +1,330 @@
+"""Typed, validated trainer configuration.
+
+Every config object is keyword-only and checks itself at construction: a bad value raises
+:class:`ConfigError` naming the field and what to change, before any process group starts.
+Named model sizes are plain functions (``tiny()``, ``gpt_100m()``, ``gpt_8b()``) derived by
+copy-and-change, not piles of flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the field and the fix."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+def _require(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(field_name, message)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A GPT-style decoder-only transformer."""
+
+    name: str
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, int) and value >= 1,
+                f"model.{name}",
+                f"must be a positive integer, got {value!r}",
+            )
+        _require(
+            self.d_model % self.n_heads == 0,
+            "model.n_heads",
+            f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})",
+        )
+        _require(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
+
+    def num_params(self) -> int:
+        """Exact parameter count of :class:`trainer.model.GPT` for this config."""
+        d, f, v, s = self.d_model, self.d_ff, self.vocab_size, self.seq_len
+        per_block = (
+            2 * 2 * d  # two LayerNorms (weight + bias)
+            + 3 * d * d + 3 * d  # qkv projection
+            + d * d + d  # attention output projection
+            + d * f + f + f * d + d  # MLP
+        )
+        return v * d + s * d + self.n_layers * per_block + 2 * d + d * v
+
+
+def tiny() -> ModelConfig:
+    """A few hundred thousand parameters: one training step in well under a second on one core."""
+    return ModelConfig(
+        name="tiny", vocab_size=512, seq_len=64, d_model=64, n_layers=2, n_heads=4, d_ff=256
+    )
+
+
+def gpt_100m() -> ModelConfig:
+    """~110M parameters (GPT-2 small shape with a 16k vocabulary): the single-GPU smoke size."""
+    return ModelConfig(
+        name="100m",
+        vocab_size=16384,
+        seq_len=1024,
+        d_model=768,
+        n_layers=12,
+        n_heads=12,
+        d_ff=3072,
+    )
+
+
+def gpt_8b() -> ModelConfig:
+    """~7.5B parameters, the 8B class (Llama-3-8B widths). For p5.48xlarge nodes (8x H100 80 GB
+    each), FSDP2 over >= 2 nodes; not run on the CPU machines. Global batch and sequence length
+    are set in TrainConfig."""
+    return dataclasses.replace(
+        gpt_100m(),
+        name="8b",
+        vocab_size=128256,
+        seq_len=8192,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        d_ff=14336,
+    )
+
+
+MODEL_SIZES: dict[str, Callable[[], ModelConfig]] = {
+    "tiny": tiny,
+    "100m": gpt_100m,
+    "8b": gpt_8b,
+}
+
+
+def model_config(name: str) -> ModelConfig:
+    if name not in MODEL_SIZES:
+        raise ConfigError(
+            "model", f"unknown model size {name!r}; choose one of {sorted(MODEL_SIZES)}"
+        )
+    return MODEL_SIZES[name]()
+
+
+# ----------------------------------------------------------------------------------------------
+# Fault layers
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class InProcessConfig:
+    """In-process restart (``nvidia_resiliency_ext.inprocess.Wrapper``).
+
+    gloo collectives cannot be aborted, so ``pg_timeout_s`` (how long a collective waits for a
+    silent peer) must be below ``soft_timeout_s``: the healthy ranks must leave the collective by
+    themselves before the Wrapper escalates to killing ranks.
+    """
+
+    enabled: bool = True
+    pg_timeout_s: float = 3.0
+    soft_timeout_s: float = 8.0
+    hard_timeout_s: float = 16.0
+    heartbeat_timeout_s: float = 12.0
+    barrier_timeout_s: float = 60.0
+    completion_timeout_s: float = 60.0
+    max_restarts: int = 5
+
+    def __post_init__(self) -> None:
+        for name in (
+            "pg_timeout_s",
+            "soft_timeout_s",
+            "hard_timeout_s",
+            "heartbeat_timeout_s",
+            "barrier_timeout_s",
+            "completion_timeout_s",
+        ):
+            value = getattr(self, name)
+            _require(value > 0, f"inprocess.{name}", f"must be > 0 seconds, got {value}")
+        _require(
+            self.max_restarts >= 0,
+            "inprocess.max_restarts",
+            f"must be >= 0, got {self.max_restarts}",
+        )
+        if not self.enabled:
+            return
+        _require(
+            self.pg_timeout_s < self.soft_timeout_s,
+            "inprocess.pg_timeout_s",
+            f"must be below inprocess.soft_timeout_s ({self.pg_timeout_s} >= "
+            f"{self.soft_timeout_s}): gloo collectives cannot be aborted, so a peer stuck in one "
+            "must time out by itself before the Wrapper's soft timeout",
+        )
+        _require(
+            self.soft_timeout_s < self.hard_timeout_s < self.barrier_timeout_s,
+            "inprocess.hard_timeout_s",
+            "timeouts must nest: soft_timeout_s < hard_timeout_s < barrier_timeout_s, got "
+            f"{self.soft_timeout_s} / {self.hard_timeout_s} / {self.barrier_timeout_s}",
+        )
+        _require(
+            1.0 < self.heartbeat_timeout_s < self.barrier_timeout_s,
+            "inprocess.heartbeat_timeout_s",
+            f"must be between 1 s and barrier_timeout_s ({self.barrier_timeout_s})",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class InJobConfig:
+    """In-job restart: ``ft_launcher`` + ``RankMonitorClient`` heartbeats.
+
+    The heartbeat timeout is what ft_launcher waits for a silent rank before it kills the worker
+    group. A heartbeat is sent after every step, so it must cover a step, the blocking part of a
+    checkpoint save, and a whole in-process restart including the checkpoint load.
+    """
+
+    enabled: bool = True
+    max_restarts: int = 3
+    initial_heartbeat_timeout_s: float = 90.0
+    heartbeat_timeout_s: float = 30.0
+    monitor_interval_s: float = 0.5
+    workers_stop_timeout_s: float = 5.0
+    # Survivors of a lost node wait this long in rendezvous before ft_launcher gives up (exit 1).
+    rdzv_join_timeout_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.max_restarts >= 0, "injob.max_restarts", f"must be >= 0, got {self.max_restarts}"
+        )
+        for name in (
+            "initial_heartbeat_timeout_s",
+            "heartbeat_timeout_s",
+            "monitor_interval_s",
+            "workers_stop_timeout_s",
+            "rdzv_join_timeout_s",
+        ):
+            value = getattr(self, name)
+            _require(value > 0, f"injob.{name}", f"must be > 0 seconds, got {value}")
+        _require(
+            self.heartbeat_timeout_s <= self.initial_heartbeat_timeout_s,
+            "injob.initial_heartbeat_timeout_s",
+            "must be >= injob.heartbeat_timeout_s: the first heartbeat comes after start-up and "
+            "the checkpoint load",
+        )
+
+
+class ResumePolicy(str, enum.Enum):
+    AUTO = "auto"  # resume from the newest valid checkpoint; fail if some exist but none is valid
+    FRESH = "fresh"  # ignore existing checkpoints and start at step 0 (explicit opt-in)
+
+
+class Device(str, enum.Enum):
+    AUTO = "auto"  # CUDA + NCCL when a GPU is present, else CPU + gloo
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    run_root: Path
+    data_dir: Path
+    model: ModelConfig = field(default_factory=tiny)
+    steps: int = 20
+    global_batch: int = 8
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    seed: int = 1234
+    device: Device = Device.AUTO
+    ckpt_interval: int = 5
+    keep_last: int = 3
+    resume: ResumePolicy = ResumePolicy.AUTO
+    verify_data: bool = True
+    verify_checkpoint_on_resume: bool = True
+    # Upper bound on waiting for the async writer of one checkpoint (dead or stuck worker).
+    ckpt_timeout_s: float = 300.0
+    faults: tuple[str, ...] = ()
+    inprocess: InProcessConfig = field(default_factory=InProcessConfig)
+    injob: InJobConfig = field(default_factory=InJobConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 1, "steps", f"must be a positive number of steps, got {self.steps}")
+        _require(
+            self.global_batch >= 1, "global_batch", f"must be >= 1, got {self.global_batch}"
+        )
+        _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _require(
+            self.ckpt_interval >= 1,
+            "ckpt_interval",
+            f"checkpoint interval needs to be at least 1 step, got {self.ckpt_interval}",
+        )
+        _require(self.keep_last >= 1, "keep_last", f"must keep at least 1, got {self.keep_last}")
+        _require(self.ckpt_timeout_s > 0, "ckpt_timeout_s", "must be > 0 seconds")
+        _require(
+            str(self.run_root) != "", "run_root", "set the run directory (shared filesystem)"
+        )
+        _require(
+            self.data_dir.is_dir(),
+            "data_dir",
+            f"dataset directory {str(self.data_dir)!r} does not exist; write one with "
+            "`python -m trainer.data --out DIR` or hydrate it first",
+        )
+        # Validate fault specs early (import here: faults imports nothing from config).
+        from trainer.faults import parse_fault
+
+        for spec in self.faults:
+            parse_fault(spec)
+        if self.inprocess.enabled and self.injob.enabled:
+            # DESIGN §2: an inner layer must get its chance before the outer one gives up.
+            _require(
+                self.inprocess.hard_timeout_s < self.injob.heartbeat_timeout_s,
+                "injob.heartbeat_timeout_s",
+                f"must exceed inprocess.hard_timeout_s ({self.inprocess.hard_timeout_s} s) so "
+                "that an in-process restart completes before ft_launcher declares the rank dead",
+            )
+
+    def per_rank_batch(self, world_size: int) -> int:
+        if self.global_batch % world_size != 0:
+            raise ConfigError(
+                "global_batch",
+                f"{self.global_batch} is not divisible by the world size {world_size}; pick a "
+                "multiple of the number of ranks",
+            )
+        return self.global_batch // world_size
+
+    def fingerprint(self) -> str:
+        """Hash of everything that determines the trained parameters (not paths or timeouts).
+
+        Stored in every checkpoint manifest, so a checkpoint is never resumed by a run whose
+        model or optimisation settings differ.
+        """
+        relevant = {
+            "model": dataclasses.asdict(self.model),
+            "global_batch": self.global_batch,
+            "lr": self.lr,
+            "weight_decay": self.weight_decay,
+            "seed": self.seed,
+        }
+        blob = json.dumps(relevant, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["run_root"] = str(self.run_root)
+        out["data_dir"] = str(self.data_dir)
+        out["device"] = self.device.value
+        out["resume"] = self.resume.value
+        out["faults"] = list(self.faults)
+        return out

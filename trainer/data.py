@@ -1,0 +1,282 @@
+"""Token shards on the shared filesystem and the deterministic, resumable sampler over them.
+
+Layout of a dataset directory (the run's "FSx" copy)::
+
+    dataset.json          manifest: format, dtype, vocab size, every shard with tokens/bytes/sha256
+    shard_00000.bin ...   little-endian uint16 tokens, one flat stream across shards
+
+Sample ``i`` is the window of ``seq_len + 1`` tokens starting at token ``i * seq_len`` of the stream
+(inputs are the first ``seq_len``, targets the last ``seq_len``). The sampler visits samples in a
+seeded permutation per epoch; the global batch of step ``s`` (1-based) is the samples
+``(s-1)*G ... s*G-1`` of that order and rank ``r`` of ``W`` takes its contiguous slice of
+``G/W``. So the data of a step depends only on (seed, step), not on the world size or on restarts:
+the sampler's position *is* the step, and it is saved (and checked) in every checkpoint.
+
+``python -m trainer.data --out DIR`` writes a seeded synthetic dataset whose tokens follow a sparse
+random Markov chain, so a model has something to learn and the loss falls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MANIFEST = "dataset.json"
+FORMAT = "nvrx-tokens-v1"
+DTYPE = np.dtype("<u2")
+_HASH_CHUNK = 8 << 20
+
+
+class DataError(RuntimeError):
+    """The dataset is missing, short or corrupt. The message names the file."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing a synthetic dataset
+# ----------------------------------------------------------------------------------------------
+def _markov_tokens(rng: np.random.Generator, n: int, vocab: int, chains: int = 256) -> np.ndarray:
+    """``n`` tokens from a sparse Markov chain: each token has 4 likely successors."""
+    successors = rng.integers(0, vocab, size=(vocab, 4))
+    probs = np.array([0.6, 0.2, 0.12, 0.08])
+    length = -(-n // chains)
+    out = np.empty((chains, length), dtype=np.int64)
+    out[:, 0] = rng.integers(0, vocab, size=chains)
+    picks = rng.choice(4, size=(chains, length), p=probs)
+    for t in range(1, length):  # vectorised over the parallel chains
+        out[:, t] = successors[out[:, t - 1], picks[:, t]]
+    return out.reshape(-1)[:n]
+
+
+def write_synthetic_dataset(
+    out: Path,
+    *,
+    shards: int = 4,
+    tokens_per_shard: int = 65536,
+    vocab_size: int = 512,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Write a seeded dataset and its manifest (written last, atomically). Idempotent: the same
+    arguments give byte-identical files."""
+    if shards < 1 or tokens_per_shard < 2:
+        raise ValueError("shards must be >= 1 and tokens_per_shard >= 2")
+    if not 2 <= vocab_size <= 65536:
+        raise ValueError(f"vocab_size must be in [2, 65536] for uint16 tokens, got {vocab_size}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tokens = _markov_tokens(rng, shards * tokens_per_shard, vocab_size).astype(DTYPE)
+    files = []
+    for i in range(shards):
+        name = f"shard_{i:05d}.bin"
+        part = tokens[i * tokens_per_shard : (i + 1) * tokens_per_shard]
+        tmp = out / f".{name}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(part.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out / name)
+        files.append(
+            {
+                "name": name,
+                "tokens": int(part.size),
+                "bytes": int(part.nbytes),
+                "sha256": hashlib.sha256(part.tobytes()).hexdigest(),
+            }
+        )
+    manifest = {
+        "format": FORMAT,
+        "dtype": "uint16",
+        "vocab_size": vocab_size,
+        "seed": seed,
+        "total_tokens": int(tokens.size),
+        "files": files,
+    }
+    tmp = out / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, out / MANIFEST)
+    return manifest
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+# ----------------------------------------------------------------------------------------------
+def load_manifest(data_dir: Path) -> dict[str, Any]:
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        raise DataError(
+            f"dataset manifest {path} is missing; write a dataset with "
+            f"`python -m trainer.data --out {data_dir}` or hydrate it first"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        assert manifest["format"] == FORMAT and isinstance(files, list) and files
+        for entry in files:
+            assert {"name", "tokens", "bytes", "sha256"} <= set(entry)
+    except (json.JSONDecodeError, KeyError, AssertionError, TypeError) as e:
+        raise DataError(f"dataset manifest {path} is malformed ({type(e).__name__}: {e})") from e
+    return manifest
+
+
+def verify_dataset(data_dir: Path, *, digests: bool = True) -> dict[str, Any]:
+    """Check every shard is present, full-sized and (optionally) matches its digest."""
+    data_dir = Path(data_dir)
+    manifest = load_manifest(data_dir)
+    for entry in manifest["files"]:
+        path = data_dir / entry["name"]
+        if not path.is_file():
+            raise DataError(f"dataset shard {path} is missing (listed in {MANIFEST})")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise DataError(
+                f"dataset shard {path} is {'short' if size < entry['bytes'] else 'too long'}: "
+                f"{size} bytes, manifest says {entry['bytes']}"
+            )
+        if digests and sha256_file(path) != entry["sha256"]:
+            raise DataError(f"dataset shard {path} is corrupt: sha256 does not match {MANIFEST}")
+    return manifest
+
+
+class TokenStream:
+    """The concatenated shards, memory-mapped."""
+
+    def __init__(self, data_dir: Path, manifest: dict[str, Any]) -> None:
+        self.maps = [
+            np.memmap(Path(data_dir) / e["name"], dtype=DTYPE, mode="r") for e in manifest["files"]
+        ]
+        self.offsets = np.cumsum([0] + [m.size for m in self.maps])
+        self.total = int(self.offsets[-1])
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        out = np.empty(length, dtype=np.int64)
+        filled = 0
+        shard = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        while filled < length:
+            local = start + filled - int(self.offsets[shard])
+            take = min(length - filled, self.maps[shard].size - local)
+            out[filled : filled + take] = self.maps[shard][local : local + take]
+            filled += take
+            shard += 1
+        return out
+
+
+@dataclass
+class SamplerState:
+    consumed_samples: int
+    seed: int
+    num_samples: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "consumed_samples": self.consumed_samples,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+        }
+
+
+class StepSampler:
+    """Maps (step, rank) to a batch of token windows, deterministically."""
+
+    def __init__(
+        self, data_dir: Path, *, seq_len: int, global_batch: int, seed: int, verify: bool = True
+    ) -> None:
+        manifest = verify_dataset(data_dir, digests=verify)
+        self.vocab_size = int(manifest["vocab_size"])
+        self.stream = TokenStream(data_dir, manifest)
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.seed = seed
+        self.num_samples = (self.stream.total - 1) // seq_len
+        if self.num_samples < global_batch:
+            raise DataError(
+                f"dataset in {data_dir} is too small: {self.stream.total} tokens give "
+                f"{self.num_samples} samples of seq_len {seq_len}, fewer than one global batch "
+                f"({global_batch})"
+            )
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            self._perm_epoch = epoch
+        assert self._perm is not None
+        return self._perm
+
+    def sample_ids(self, step: int, rank: int, world_size: int) -> list[int]:
+        per_rank = self.global_batch // world_size
+        first = (step - 1) * self.global_batch + rank * per_rank
+        ids = []
+        for g in range(first, first + per_rank):
+            epoch, pos = divmod(g, self.num_samples)
+            ids.append(int(self._order(epoch)[pos]))
+        return ids
+
+    def batch(self, step: int, rank: int, world_size: int) -> tuple[np.ndarray, np.ndarray]:
+        rows = [
+            self.stream.window(i * self.seq_len, self.seq_len + 1)
+            for i in self.sample_ids(step, rank, world_size)
+        ]
+        arr = np.stack(rows)
+        return arr[:, :-1], arr[:, 1:]
+
+    def state_at(self, step: int) -> SamplerState:
+        return SamplerState(step * self.global_batch, self.seed, self.num_samples)
+
+    def check_state(self, state: dict[str, Any], step: int) -> None:
+        """A checkpoint's sampler position must be where this sampler would be at its step."""
+        expected = self.state_at(step).to_dict()
+        if {k: state.get(k) for k in expected} != expected:
+            raise DataError(
+                f"checkpoint data-loader state {state} does not match this dataset/config at step "
+                f"{step} (expected {expected}): resuming would change the data order"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.data", description="Write a seeded synthetic token dataset."
+    )
+    p.add_argument("--out", type=Path, required=True, help="dataset directory to write")
+    p.add_argument("--shards", type=int, default=4)
+    p.add_argument("--tokens-per-shard", type=int, default=65536)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verify", action="store_true", help="only verify an existing dataset")
+    args = p.parse_args(argv)
+    try:
+        if args.verify:
+            m = verify_dataset(args.out)
+        else:
+            m = write_synthetic_dataset(
+                args.out,
+                shards=args.shards,
+                tokens_per_shard=args.tokens_per_shard,
+                vocab_size=args.vocab_size,
+                seed=args.seed,
+            )
+    except (DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"dir": str(args.out), "files": len(m["files"]), "tokens": m["total_tokens"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

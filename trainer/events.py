@@ -1,0 +1,47 @@
+"""The run's event log: ``<run_root>/events.jsonl``, one JSON object per line (DESIGN §5).
+
+Rank 0 writes steps, checkpoints, restarts and resumes; any rank writes the ``fault`` it fires
+(the faulting rank may not be rank 0). Lines are appended with one ``write`` on an ``O_APPEND``
+descriptor, which keeps concurrent writers' lines whole on a local or Lustre filesystem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+class EventLog:
+    def __init__(self, run_root: Path, *, enabled: bool = True) -> None:
+        self.path = Path(run_root) / "events.jsonl"
+        self.enabled = enabled
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"t": time.time(), "kind": kind, **fields}
+        if self.enabled:
+            line = (json.dumps(event, sort_keys=True, default=str) + "\n").encode()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        return event
+
+
+def read_events(run_root: Path) -> list[dict[str, Any]]:
+    """All events of a run; a torn last line (writer killed mid-write) is skipped."""
+    path = Path(run_root) / "events.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

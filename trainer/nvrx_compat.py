@@ -1,0 +1,84 @@
+"""The NVRx surface this project uses, resolved once by feature detection (0.4.1 ... 0.7.x).
+
+0.4.1 is the newest wheel for Python 3.11 / glibc 2.36; 0.7.0 needs Python 3.12 + glibc 2.39,
+deprecates in-process restart and adds NVML health checks that fail without a GPU. Everything
+version-dependent is decided here so the rest of the trainer reads the same on both.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import logging
+from typing import Any
+
+from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async as _fs_async
+from nvidia_resiliency_ext.checkpointing.async_ckpt import state_dict_saver as _saver
+from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
+
+log = logging.getLogger(__name__)
+
+FileSystemWriterAsync = _fs_async.FileSystemWriterAsync
+_PLAN_PARAMS = set(inspect.signature(_saver.save_state_dict_async_plan).parameters)
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("nvidia-resiliency-ext")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def save_state_dict_async_plan(state_dict: Any, writer: Any, **kwargs: Any) -> Any:
+    """``state_dict_saver.save_state_dict_async_plan`` with only the keywords this NVRx knows."""
+    return _saver.save_state_dict_async_plan(
+        state_dict, writer, **{k: v for k, v in kwargs.items() if k in _PLAN_PARAMS}
+    )
+
+
+def new_metadata_cache() -> Any:
+    """A per-checkpointer plan cache (the save plan is identical from one save to the next)."""
+    cls = getattr(_saver, "CheckpointMetadataCache", None)
+    if cls is None or "metadata_cache" not in _PLAN_PARAMS:
+        return None
+    return cls()
+
+
+def warm_write_results_queue() -> None:
+    """NVRx's writer reports results through a ``multiprocessing`` Manager queue that it creates
+    lazily (a process spawn, ~1 s): create it at init rather than inside the first save."""
+    getter = getattr(_fs_async, "_get_write_results_queue", None)
+    if getter is not None:
+        getter()
+
+
+# -- in-process restart -----------------------------------------------------------------------
+def inprocess_available() -> tuple[bool, str]:
+    """Whether ``nvidia_resiliency_ext.inprocess.Wrapper`` can be used, and why not."""
+    try:
+        from nvidia_resiliency_ext import inprocess
+    except Exception as e:  # pragma: no cover - depends on the installed wheel
+        return False, f"nvidia_resiliency_ext.inprocess cannot be imported: {e}"
+    if not hasattr(inprocess, "Wrapper"):  # pragma: no cover
+        return False, f"NVRx {version()} has no inprocess.Wrapper (removed after its deprecation)"
+    return True, ""
+
+
+def disable_device_health_checks(wrapper: Any) -> None:
+    """0.7+: with ``LOCAL_RANK`` set the Wrapper chains GPU/NVLink/NIC checks (NVML) into its
+    restart health check; on CPU they fail on every restart. Keep only ours."""
+    if hasattr(wrapper, "restart_health_check"):
+        wrapper.restart_health_check = getattr(wrapper, "health_check", None)
+
+
+__all__ = [
+    "AsyncCallsQueue",
+    "AsyncRequest",
+    "FileSystemWriterAsync",
+    "disable_device_health_checks",
+    "inprocess_available",
+    "new_metadata_cache",
+    "save_state_dict_async_plan",
+    "version",
+    "warm_write_results_queue",
+]

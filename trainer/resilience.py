@@ -1,0 +1,119 @@
+"""NVRx glue: the in-process restart Wrapper and ft_launcher heartbeats.
+
+Both layers are switchable by config and each works without the other:
+- in-process (``inprocess.Wrapper``) restarts the train function in every rank of the same
+  interpreters after an exception or a timed-out collective;
+- in-job (``ft_launcher`` + ``RankMonitorClient``) kills and respawns the workers when a rank dies
+  or stops sending heartbeats.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainer import nvrx_compat
+from trainer.config import InProcessConfig
+
+log = logging.getLogger(__name__)
+
+FT_RANK_MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
+
+
+class Heartbeat:
+    """``RankMonitorClient`` heartbeats when the worker runs under ft_launcher, no-op otherwise.
+
+    One per process (it survives in-process restarts). A heartbeat goes out after every step, so
+    ft_launcher's heartbeat timeout covers a step, the blocking part of a save, and a whole
+    in-process restart with its checkpoint load (validated in :class:`trainer.config.TrainConfig`).
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.client: Any = None
+        if enabled and os.environ.get(FT_RANK_MONITOR_SOCKET_ENV):
+            from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+
+            self.client = RankMonitorClient()
+            self.client.init_workload_monitoring()
+
+    @property
+    def active(self) -> bool:
+        return self.client is not None
+
+    def beat(self) -> None:
+        if self.client is not None:
+            self.client.send_heartbeat()
+
+    def request_shutdown(self, reason: str) -> None:
+        """Ask ft_launcher not to restart the workers (a fatal error no restart can fix)."""
+        if self.client is None:
+            return
+        from nvidia_resiliency_ext.fault_tolerance import WorkloadAction, WorkloadControlRequest
+
+        try:
+            self.client.send_workload_control_request(
+                WorkloadControlRequest(WorkloadAction.ShutdownWorkload, reason[:500])
+            )
+        except Exception as e:  # the launcher link is best effort: the exit code still says it
+            log.warning("could not ask ft_launcher to shut down: %s", e)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.shutdown_workload_monitoring()
+            self.client = None
+
+
+def wrap_inprocess(
+    fn: Callable[..., Any],
+    cfg: InProcessConfig,
+    *,
+    world_size: int,
+    on_restart: Callable[[], None],
+    logfile: Path,
+    store_port: int,
+) -> Callable[..., Any]:
+    """Wrap ``fn`` in ``inprocess.Wrapper`` (must happen before any process group exists).
+
+    - restarts only with the full world (``RetryController(min_world_size=world_size)``): if a rank
+      is gone for good, shrinking would change the data order, so the Wrapper gives up and the
+      in-job layer (ft_launcher) restarts every worker instead;
+    - ``on_restart`` runs as the Wrapper's finalize (drop the save in flight);
+    - no CUDA health check on CPU (the default ThreadedFinalize/CudaHealthCheck need CUDA).
+    """
+    from nvidia_resiliency_ext import inprocess
+
+    class _Finalize(inprocess.finalize.Finalize):
+        def __call__(self, state: Any) -> Any:
+            on_restart()
+            return state
+
+    health: Any = None
+    import torch
+
+    if torch.cuda.is_available():
+        health = inprocess.health_check.CudaHealthCheck(
+            timeout=datetime.timedelta(seconds=cfg.soft_timeout_s)
+        )
+    s = datetime.timedelta(seconds=1)
+    wrapper = inprocess.Wrapper(
+        store_kwargs={"port": store_port, "timeout": datetime.timedelta(seconds=cfg.barrier_timeout_s)},
+        initialize=inprocess.initialize.RetryController(
+            max_iterations=cfg.max_restarts + 1,
+            min_world_size=world_size,
+            min_active_world_size=world_size,
+        ),
+        finalize=_Finalize(),
+        health_check=health,
+        soft_timeout=cfg.soft_timeout_s * s,
+        hard_timeout=cfg.hard_timeout_s * s,
+        heartbeat_timeout=cfg.heartbeat_timeout_s * s,
+        barrier_timeout=cfg.barrier_timeout_s * s,
+        completion_timeout=cfg.completion_timeout_s * s,
+        monitor_process_logfile=str(logfile.absolute()),
+    )
+    nvrx_compat.disable_device_health_checks(wrapper)
+    return wrapper(fn)

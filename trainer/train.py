@@ -1,0 +1,320 @@
+"""Worker entry point: ``python -m trainer.train --run-root DIR --data-dir DIR [options]``.
+
+Runs under ``ft_launcher`` (in-job restart), under plain ``torchrun``, or as a single process for
+debugging (no launcher environment: world size 1). CPU + gloo without a GPU, CUDA + NCCL with one.
+
+Local, 2 simulated nodes x 1 CPU worker each (run both lines, e.g. in two shells; the first agent
+to start hosts the c10d rendezvous store)::
+
+    ft_launcher --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d \\
+        --rdzv-endpoint=127.0.0.1:29500 --rdzv-id=run1 --rdzv-conf=join_timeout=20 \\
+        --max-restarts=3 --monitor-interval=0.5 --workers-stop-timeout=5 \\
+        --ft-initial-rank-heartbeat-timeout=90 --ft-rank-heartbeat-timeout=30 \\
+        --ft-workload-check-interval=1 --ft-enable-nic-monitor=false \\
+        -m trainer.train --run-root /tmp/run1 --data-dir /tmp/data --model tiny --steps 20
+
+One node, 2 CPU workers: the same with ``--nnodes=1 --nproc-per-node=2``.
+
+EKS, p5.48xlarge, 8 GPUs per node, N nodes (one pod per node; ``$JOB-0.$SVC`` is the index-0 pod
+of the Indexed Job behind its headless Service; add ``--ft-gpu-memory-reclaim-timeout=0`` only on
+CPU hosts with NVRx >= 0.7)::
+
+    ft_launcher --nnodes=$N --nproc-per-node=8 --rdzv-backend=c10d \\
+        --rdzv-endpoint=$JOB-0.$SVC:29500 --rdzv-id=$RUN_ID --rdzv-conf=join_timeout=120 \\
+        --max-restarts=3 --monitor-interval=1 --workers-stop-timeout=30 \\
+        --ft-initial-rank-heartbeat-timeout=900 --ft-rank-heartbeat-timeout=300 \\
+        --ft-workload-check-interval=5 --ft-enable-nic-monitor=false \\
+        -m trainer.train --run-root /fsx/runs/$RUN_ID --data-dir /fsx/data/$DATASET \\
+        --model 8b --steps 10000 --global-batch 512 --ckpt-interval 200 --device cuda \\
+        --pg-timeout 120 --soft-timeout 240 --hard-timeout 280 --inprocess-heartbeat-timeout 200 \\
+        --barrier-timeout 600
+
+(``trainer.launch.ft_launcher_argv`` builds the same line from a config.)
+
+Exit codes: 0 done (``<run_root>/result.json`` written); 2 bad configuration (nothing started);
+3 fatal, do not restart (bad data, no valid checkpoint: ft_launcher is asked to shut the workload
+down instead of respawning); anything else is a crash that the in-job layer may restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.config import (
+    ConfigError,
+    Device,
+    InJobConfig,
+    InProcessConfig,
+    ResumePolicy,
+    TrainConfig,
+    model_config,
+)
+from trainer.data import DataError, StepSampler
+from trainer.events import EventLog
+from trainer.faults import FaultSpecError
+
+EXIT_CONFIG = 2
+EXIT_FATAL = 3
+
+log = logging.getLogger("trainer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--run-root", type=Path, required=True, help="run directory on the shared filesystem")
+    a("--data-dir", type=Path, required=True, help="token dataset directory (dataset.json)")
+    a("--model", default="tiny", help="named model size: tiny, 100m, 8b")
+    a("--steps", type=int, default=20, help="total optimizer steps of the run")
+    a("--global-batch", type=int, default=8, help="sequences per step across all ranks")
+    a("--lr", type=float, default=3e-3)
+    a("--seed", type=int, default=1234)
+    a("--device", choices=[d.value for d in Device], default="auto")
+    a("--ckpt-interval", type=int, default=5, help="save every N steps (and at the last step)")
+    a("--keep-last", type=int, default=3, help="committed checkpoints to keep")
+    a("--resume", choices=[r.value for r in ResumePolicy], default="auto")
+    a("--ckpt-timeout", type=float, default=300.0, help="max seconds for one async save")
+    a("--no-verify-data", action="store_true", help="skip dataset digest check at start")
+    a("--inject", action="append", default=[], metavar="SPEC", help="fault, e.g. sigkill@step=7")
+    a("--no-inprocess", action="store_true", help="disable in-process restart")
+    a("--no-injob", action="store_true", help="do not send ft_launcher heartbeats")
+    a("--pg-timeout", type=float, default=InProcessConfig.pg_timeout_s)
+    a("--soft-timeout", type=float, default=InProcessConfig.soft_timeout_s)
+    a("--hard-timeout", type=float, default=InProcessConfig.hard_timeout_s)
+    a("--inprocess-heartbeat-timeout", type=float, default=InProcessConfig.heartbeat_timeout_s)
+    a("--barrier-timeout", type=float, default=InProcessConfig.barrier_timeout_s)
+    a("--inprocess-max-restarts", type=int, default=InProcessConfig.max_restarts)
+    a("--heartbeat-timeout", type=float, default=InJobConfig.heartbeat_timeout_s,
+      help="must match ft_launcher --ft-rank-heartbeat-timeout")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    inprocess = InProcessConfig(
+        enabled=not args.no_inprocess,
+        pg_timeout_s=args.pg_timeout,
+        soft_timeout_s=args.soft_timeout,
+        hard_timeout_s=args.hard_timeout,
+        heartbeat_timeout_s=args.inprocess_heartbeat_timeout,
+        barrier_timeout_s=args.barrier_timeout,
+        completion_timeout_s=args.barrier_timeout,
+        max_restarts=args.inprocess_max_restarts,
+    )
+    injob = InJobConfig(enabled=not args.no_injob, heartbeat_timeout_s=args.heartbeat_timeout,
+                        initial_heartbeat_timeout_s=max(args.heartbeat_timeout, 90.0))
+    return TrainConfig(
+        run_root=args.run_root,
+        data_dir=args.data_dir,
+        model=model_config(args.model),
+        steps=args.steps,
+        global_batch=args.global_batch,
+        lr=args.lr,
+        seed=args.seed,
+        device=Device(args.device),
+        ckpt_interval=args.ckpt_interval,
+        keep_last=args.keep_last,
+        resume=ResumePolicy(args.resume),
+        ckpt_timeout_s=args.ckpt_timeout,
+        verify_data=not args.no_verify_data,
+        faults=tuple(args.inject),
+        inprocess=inprocess,
+        injob=injob,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ensure_dist_env() -> None:
+    """Single-process debugging: no launcher, so be a world of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        )
+
+
+def _cpu_threads() -> None:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def run(cfg: TrainConfig) -> dict[str, Any]:
+    """Run training in this worker process; raises on failure."""
+    from trainer import nvrx_compat
+    from trainer.async_ckpt import AsyncCheckpointer
+    from trainer.checkpoint import FatalError
+    from trainer.loop import ProcessContext, train
+    from trainer.parallel import resolve_device
+    from trainer.resilience import Heartbeat, wrap_inprocess
+
+    _ensure_dist_env()
+    _cpu_threads()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cfg.per_rank_batch(world)
+    cfg.run_root.mkdir(parents=True, exist_ok=True)
+    events = EventLog(cfg.run_root)
+    placement = resolve_device(cfg.device)
+    sampler = StepSampler(
+        cfg.data_dir,
+        seq_len=cfg.model.seq_len,
+        global_batch=cfg.global_batch,
+        seed=cfg.seed,
+        verify=cfg.verify_data,
+    )
+    if sampler.vocab_size > cfg.model.vocab_size:
+        raise DataError(
+            f"dataset {cfg.data_dir} has vocab_size {sampler.vocab_size}, larger than model "
+            f"{cfg.model.name!r} ({cfg.model.vocab_size})"
+        )
+    inprocess_ok, why_not = nvrx_compat.inprocess_available()
+    use_inprocess = cfg.inprocess.enabled and inprocess_ok
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    heartbeat = Heartbeat(cfg.injob.enabled)
+    saver = AsyncCheckpointer(device=placement.device, timeout_s=cfg.ckpt_timeout_s)
+    ctx = ProcessContext(
+        cfg=cfg,
+        placement=placement,
+        sampler=sampler,
+        saver=saver,
+        events=events,
+        heartbeat=heartbeat,
+        restart_count=restart_count,
+        stage_attempt=int(os.environ.get("NVRX_STAGE_ATTEMPT", "1")),
+    )
+    if rank == 0:
+        events.emit(
+            "worker_start",
+            world_size=world,
+            device=str(placement.device),
+            backend=placement.backend,
+            nvrx_version=nvrx_compat.version(),
+            torch_version=torch.__version__,
+            inprocess=use_inprocess,
+            inprocess_unavailable=None if inprocess_ok else why_not,
+            injob=heartbeat.active,
+            restart_count=restart_count,
+            config_hash=cfg.fingerprint(),
+        )
+        if restart_count > 0:
+            events.emit("restart", layer="injob", restart_count=restart_count)
+    try:
+        if not use_inprocess:
+            return train(ctx)
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        master_port = int(os.environ["MASTER_PORT"])
+        # Own ports next to the launcher's store: +1 for the Wrapper, +2 for our process groups.
+        ctx.base_store = TCPStore(
+            os.environ["MASTER_ADDR"],
+            master_port + 2,
+            world,
+            is_master=rank == 0,
+            timeout=datetime.timedelta(seconds=cfg.inprocess.barrier_timeout_s),
+            multi_tenant=True,
+        )
+
+        def on_restart() -> None:
+            import torch.distributed as dist
+
+            saver.abandon()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+        def attempt(call_wrapper: Any = None) -> dict[str, Any]:
+            try:
+                return train(ctx, call_wrapper)
+            except (FatalError, DataError) as e:
+                # No restart can fix it: escape the Wrapper (RestartAbort is a BaseException).
+                from nvidia_resiliency_ext.inprocess.exception import RestartAbort
+
+                raise RestartAbort(str(e)) from e
+
+        wrapped = wrap_inprocess(
+            attempt,
+            cfg.inprocess,
+            world_size=world,
+            on_restart=on_restart,
+            logfile=cfg.run_root / "logs" / "inprocess-monitor-{rank}.log",
+            store_port=master_port + 1,
+        )
+        (cfg.run_root / "logs").mkdir(exist_ok=True)
+        return wrapped()  # type: ignore[no-any-return]
+    except BaseException as e:
+        fatal = _fatal_cause(e, (FatalError, DataError))
+        if fatal is not None:
+            heartbeat.request_shutdown(f"{type(fatal).__name__}: {fatal}")
+        raise
+    finally:
+        saver.close()
+        heartbeat.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("NVRX_LOG_LEVEL", "WARNING"),
+        format="%(asctime)s %(levelname)s [rank %(process)d] %(name)s: %(message)s",
+    )
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except (ConfigError, FaultSpecError) as e:
+        print(f"error: invalid configuration: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    from trainer.checkpoint import FatalError
+
+    try:
+        result = run(cfg)
+    except ConfigError as e:
+        print(f"error: invalid configuration: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except BaseException as e:
+        fatal = _fatal_cause(e, (FatalError, DataError))
+        if fatal is None:
+            raise
+        _report_fatal(cfg, fatal)
+        return EXIT_FATAL
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(result))
+    return 0
+
+
+def _fatal_cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The fatal error behind ``exc`` (the in-process Wrapper re-raises it wrapped)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, kinds):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _report_fatal(cfg: TrainConfig, error: BaseException) -> None:
+    message = f"{type(error).__name__}: {error}"
+    print(f"error: {message}", file=sys.stderr)
+    if int(os.environ.get("RANK", "0")) == 0:
+        EventLog(cfg.run_root).emit("fatal", error=message, requeue=False)
+        (cfg.run_root / "result.json").write_text(
+            json.dumps({"status": "failed", "error": message, "requeue": False}) + "\n"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
