@@ -7,6 +7,8 @@ Spellings are the ones that work on NVRx 0.4.1 and still on 0.7.0 (not ``--ft-pa
 from __future__ import annotations
 
 import shutil
+import sys
+from pathlib import Path
 from dataclasses import dataclass
 
 from trainer.config import TrainConfig
@@ -24,7 +26,7 @@ class LaunchSpec:
 
 def ft_launcher_argv(cfg: TrainConfig, spec: LaunchSpec, trainer_args: list[str]) -> list[str]:
     inj = cfg.injob
-    launcher = shutil.which("ft_launcher") or "ft_launcher"
+    launcher = _ft_launcher_path()
     argv = [
         launcher,
         f"--nnodes={spec.nnodes}",
@@ -47,6 +49,14 @@ def ft_launcher_argv(cfg: TrainConfig, spec: LaunchSpec, trainer_args: list[str]
     return [*argv, "-m", "trainer.train", *trainer_args]
 
 
+def _ft_launcher_path() -> str:
+    # The console script of the interpreter running us (a venv need not be on PATH).
+    beside = Path(sys.executable).parent / "ft_launcher"
+    if beside.exists():
+        return str(beside)
+    return shutil.which("ft_launcher") or "ft_launcher"
+
+
 def _nvrx_major_minor() -> tuple[int, int]:
     from trainer.nvrx_compat import version
 
@@ -56,3 +66,37 @@ def _nvrx_major_minor() -> tuple[int, int]:
     except ValueError:
         return (0, 0)
 
+
+
+def trainer_args(cfg: TrainConfig) -> list[str]:
+    """The ``python -m trainer.train`` flags that rebuild ``cfg`` in each worker."""
+    ip, ij = cfg.inprocess, cfg.injob
+    args = [
+        f"--run-root={cfg.run_root}",
+        f"--data-dir={cfg.data_dir}",
+        f"--model={cfg.model.name}",
+        f"--steps={cfg.steps}",
+        f"--global-batch={cfg.global_batch}",
+        f"--lr={cfg.lr}",
+        f"--seed={cfg.seed}",
+        f"--device={cfg.device.value}",
+        f"--ckpt-interval={cfg.ckpt_interval}",
+        f"--keep-last={cfg.keep_last}",
+        f"--resume={cfg.resume.value}",
+        f"--ckpt-timeout={cfg.ckpt_timeout_s}",
+        f"--pg-timeout={ip.pg_timeout_s}",
+        f"--soft-timeout={ip.soft_timeout_s}",
+        f"--hard-timeout={ip.hard_timeout_s}",
+        f"--inprocess-heartbeat-timeout={ip.heartbeat_timeout_s}",
+        f"--barrier-timeout={ip.barrier_timeout_s}",
+        f"--inprocess-max-restarts={ip.max_restarts}",
+        f"--heartbeat-timeout={ij.heartbeat_timeout_s}",
+    ]
+    if not cfg.verify_data:
+        args.append("--no-verify-data")
+    if not ip.enabled:
+        args.append("--no-inprocess")
+    if not ij.enabled:
+        args.append("--no-injob")
+    args += [f"--inject={spec}" for spec in cfg.faults]
+    return args

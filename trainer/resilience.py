@@ -14,7 +14,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from trainer import nvrx_compat
 from trainer.config import InProcessConfig
@@ -116,4 +116,11 @@ def wrap_inprocess(
         monitor_process_logfile=str(logfile.absolute()),
     )
     nvrx_compat.disable_device_health_checks(wrapper)
-    return wrapper(fn)
+
+    def entry(call_wrapper: Any = None) -> Any:
+        return fn(call_wrapper)
+
+    # The Wrapper injects its CallWrapper by parameter *annotation object*; this module uses
+    # postponed (string) annotations, so set the real class explicitly.
+    entry.__annotations__ = {"call_wrapper": Optional[inprocess.CallWrapper], "return": Any}  # noqa: UP045
+    return wrapper(entry)

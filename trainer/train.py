@@ -109,8 +109,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         completion_timeout_s=args.barrier_timeout,
         max_restarts=args.inprocess_max_restarts,
     )
-    injob = InJobConfig(enabled=not args.no_injob, heartbeat_timeout_s=args.heartbeat_timeout,
-                        initial_heartbeat_timeout_s=max(args.heartbeat_timeout, 90.0))
+    injob = InJobConfig(
+        enabled=not args.no_injob,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        initial_heartbeat_timeout_s=max(args.heartbeat_timeout, InJobConfig.initial_heartbeat_timeout_s),
+    )
     return TrainConfig(
         run_root=args.run_root,
         data_dir=args.data_dir,

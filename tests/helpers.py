@@ -1,0 +1,111 @@
+"""Real-process helpers: run the trainer under ft_launcher, torchrun-free single processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from trainer.config import InJobConfig, InProcessConfig, TrainConfig
+from trainer.events import read_events
+from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Short timeouts so that drills detect faults in seconds, still nested as DESIGN §2 requires:
+# pg < soft < hard < ft_launcher heartbeat.
+FAST_INPROCESS = InProcessConfig(
+    pg_timeout_s=2.0,
+    soft_timeout_s=4.0,
+    hard_timeout_s=8.0,
+    heartbeat_timeout_s=6.0,
+    barrier_timeout_s=30.0,
+    completion_timeout_s=30.0,
+)
+FAST_INJOB = InJobConfig(heartbeat_timeout_s=12.0, initial_heartbeat_timeout_s=60.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_config(run_root: Path, data_dir: Path, **overrides: Any) -> TrainConfig:
+    base = TrainConfig(
+        run_root=run_root,
+        data_dir=data_dir,
+        steps=20,
+        ckpt_interval=5,
+        inprocess=FAST_INPROCESS,
+        injob=FAST_INJOB,
+    )
+    return replace(base, **overrides)
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return env
+
+
+@dataclass
+class RunOutcome:
+    returncode: int
+    log: str
+    result: dict[str, Any] | None
+    events: list[dict[str, Any]]
+
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["kind"] == kind]
+
+
+def _outcome(cfg: TrainConfig, rc: int, log: str) -> RunOutcome:
+    path = cfg.run_root / "result.json"
+    result = json.loads(path.read_text()) if path.exists() else None
+    return RunOutcome(rc, log, result, read_events(cfg.run_root))
+
+
+def _run(argv: list[str], log_path: Path, timeout: float) -> int:
+    """Run in a new session and kill the whole session afterwards: a SIGKILLed trainer outside
+    ft_launcher leaves its checkpoint writer behind, which must not outlive the test."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=worker_env(), cwd=REPO,
+            start_new_session=True,
+        )
+        try:
+            return proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+def run_ft_launcher(cfg: TrainConfig, *, nproc: int = 2, timeout: float = 240) -> RunOutcome:
+    spec = LaunchSpec(
+        nnodes=1, nproc_per_node=nproc, rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_id=cfg.run_root.name,
+    )
+    argv = ft_launcher_argv(cfg, spec, trainer_args(cfg))
+    log_path = cfg.run_root.parent / f"{cfg.run_root.name}.log"
+    rc = _run(argv, log_path, timeout)
+    return _outcome(cfg, rc, log_path.read_text())
+
+
+def run_single(cfg: TrainConfig, *, timeout: float = 180) -> RunOutcome:
+    """One process, world size 1, no launcher (the debugging mode)."""
+    argv = [sys.executable, "-m", "trainer.train", *trainer_args(cfg)]
+    log_path = cfg.run_root.parent / f"{cfg.run_root.name}.log"
+    rc = _run(argv, log_path, timeout)
+    return _outcome(cfg, rc, log_path.read_text())
