@@ -186,5 +186,11 @@ class CheckpointManager:
         if spec is not None:
             victim = sorted(path.glob("*.distcp"))[0]
             flip_bytes(victim)
-            self.events.emit("fault", fault=str(spec), kind="corrupt-checkpoint", step=result.step,
-                             rank=0, file=str(victim))
+            self.events.emit(
+                "fault",
+                fault=str(spec),
+                fault_kind=spec.kind,
+                step=result.step,
+                rank=0,
+                file=str(victim),
+            )

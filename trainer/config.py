@@ -95,7 +95,7 @@ def gpt_100m() -> ModelConfig:
 
 
 def gpt_8b() -> ModelConfig:
-    """~7.5B parameters, the 8B class (Llama-3-8B widths). For p5.48xlarge nodes (8x H100 80 GB
+    """~7.5B parameters, the 8B class (Llama-3-8B width, depth and vocabulary). For p5.48xlarge nodes (8x H100 80 GB
     each), FSDP2 over >= 2 nodes; not run on the CPU machines. Global batch and sequence length
     are set in TrainConfig."""
     return dataclasses.replace(
@@ -106,7 +106,7 @@ def gpt_8b() -> ModelConfig:
         d_model=4096,
         n_layers=32,
         n_heads=32,
-        d_ff=14336,
+        d_ff=16384,
     )
 
 

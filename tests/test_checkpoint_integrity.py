@@ -1,0 +1,100 @@
+"""Checkpoints under faults, with real trainer processes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import RunOutcome, make_config, run_ft_launcher, run_single
+from trainer import manifest
+from trainer.faults import flip_bytes
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def single_baseline(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> RunOutcome:
+    cfg = make_config(tmp_path_factory.mktemp("single") / "baseline", dataset, steps=20)
+    out = run_single(cfg)
+    assert out.returncode == 0, out.log[-3000:]
+    return out
+
+
+def test_sigkill_while_writing_leaves_nothing_trusted(single_baseline, dataset: Path, tmp_path: Path):
+    # The save of step 10 blocks first on committing step 5, so step 5 is committed for sure.
+    cfg = make_config(tmp_path / "run", dataset, steps=20,
+                      faults=("sigkill@step=10,phase=checkpoint",))
+    killed = run_single(cfg)
+    assert killed.returncode == -9
+    # The save of step 10 was in flight: its directory is partial, nothing points at it.
+    assert manifest.partial_path(cfg.run_root, 10).exists()
+    assert not manifest.committed_path(cfg.run_root, 10).exists()
+    assert manifest.read_latest(cfg.run_root) == 5
+    assert manifest.choose_resume(cfg.run_root, fingerprint=cfg.fingerprint()).step == 5
+
+    resumed = run_single(cfg)  # the fault fired once: this life runs to the end
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    loaded = [e for e in resumed.of_kind("resume") if e["action"] == "loaded"]
+    assert [e["step"] for e in loaded] == [5]
+    assert any(e["action"] == "removed-partial" for e in resumed.of_kind("resume"))
+    assert resumed.result["params_sha256"] == single_baseline.result["params_sha256"]
+
+
+def test_corrupt_checkpoint_skipped_with_event(single_baseline, dataset: Path, tmp_path: Path):
+    cfg = make_config(tmp_path / "run", dataset, steps=10)
+    assert run_single(cfg).returncode == 0
+    victim = sorted(manifest.committed_path(cfg.run_root, 10).glob("*.distcp"))[0]
+    flip_bytes(victim)
+
+    out = run_single(replace(cfg, steps=20))
+    assert out.returncode == 0, out.log[-3000:]
+    skipped = [e for e in out.of_kind("resume") if e["action"] == "skipped"]
+    assert len(skipped) == 1 and skipped[0]["step"] == 10 and victim.name in skipped[0]["reason"]
+    loaded = [e for e in out.of_kind("resume") if e["action"] == "loaded"]
+    assert [e["step"] for e in loaded] == [5]
+    assert out.result["params_sha256"] == single_baseline.result["params_sha256"]
+
+
+def test_injected_corruption_is_caught_by_the_next_resume(single_baseline, dataset, tmp_path):
+    # Deterministic order: step 10 commits (and is corrupted) when the save of step 15 starts,
+    # then the rank dies with step 15 in flight; the restart must skip 10 and load 5.
+    cfg = make_config(tmp_path / "run", dataset, steps=20,
+                      faults=("corrupt-checkpoint@step=10", "sigkill@step=15,phase=checkpoint"))
+    out = run_ft_launcher(cfg, nproc=1)
+    assert out.returncode == 0, out.log[-3000:]
+    corrupted = [f for f in out.of_kind("fault") if f["fault_kind"] == "corrupt-checkpoint"]
+    assert len(corrupted) == 1 and corrupted[0]["step"] == 10
+    assert any(e["action"] == "skipped" and e["step"] == 10 for e in out.of_kind("resume"))
+    assert [r["layer"] for r in out.of_kind("restart")] == ["injob"]
+    assert [e["step"] for e in out.of_kind("resume") if e["action"] == "loaded"] == [5]
+    assert out.result["params_sha256"] == single_baseline.result["params_sha256"]
+
+
+def test_no_valid_checkpoint_fails_clearly(dataset: Path, tmp_path: Path):
+    cfg = make_config(tmp_path / "run", dataset, steps=10)
+    assert run_single(cfg).returncode == 0
+    for step in manifest.committed_steps(cfg.run_root):
+        flip_bytes(sorted(manifest.committed_path(cfg.run_root, step).glob("*.distcp"))[0])
+    out = run_single(replace(cfg, steps=15))
+    assert out.returncode == 3, out.log[-3000:]
+    assert "none is valid" in out.log and "Refusing to start from step 0" in out.log
+    assert out.result is not None and out.result["status"] == "failed"
+    assert out.of_kind("fatal")
+    assert not [e for e in out.of_kind("step") if e["step"] > 10], "must not train from scratch"
+
+
+def test_two_rank_checkpoint_loads_on_one_rank(dataset: Path, tmp_path: Path):
+    cfg = make_config(tmp_path / "run", dataset, steps=10)
+    two = run_ft_launcher(cfg, nproc=2)
+    assert two.returncode == 0, two.log[-3000:]
+    assert two.result["world_size"] == 2
+    # Same run, one rank: resumes from the 2-rank checkpoint at step 10 (resharded), trains no
+    # step, and digests the loaded parameters.
+    one = run_single(cfg)
+    assert one.returncode == 0, one.log[-3000:]
+    loaded = [e for e in one.of_kind("resume") if e["action"] == "loaded"][-1]
+    assert loaded["saved_world_size"] == 2 and loaded["world_size"] == 1 and loaded["step"] == 10
+    assert one.result["world_size"] == 1
+    assert one.result["params_sha256"] == two.result["params_sha256"]

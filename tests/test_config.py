@@ -1,0 +1,108 @@
+"""Bad configuration fails before any process group starts, naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, make_config, worker_env
+from trainer.config import ConfigError, InJobConfig, InProcessConfig, model_config, tiny
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"steps": -1}, "steps"),
+        ({"steps": 0}, "steps"),
+        ({"ckpt_interval": 0}, "ckpt_interval"),
+        ({"keep_last": 0}, "keep_last"),
+        ({"global_batch": 0}, "global_batch"),
+        ({"lr": 0.0}, "lr"),
+    ],
+)
+def test_bad_values_name_the_field(overrides, field, dataset: Path, tmp_path: Path):
+    with pytest.raises(ConfigError) as err:
+        make_config(tmp_path / "run", dataset, **overrides)
+    assert err.value.field == field
+    assert field in str(err.value)
+
+
+def test_unknown_model_size():
+    with pytest.raises(ConfigError, match=r"model: unknown model size 'huge'"):
+        model_config("huge")
+
+
+def test_missing_data_dir(tmp_path: Path):
+    with pytest.raises(ConfigError, match="data_dir: dataset directory .* does not exist"):
+        make_config(tmp_path / "run", tmp_path / "nope")
+
+
+def test_gloo_timeout_must_be_below_soft_timeout():
+    with pytest.raises(ConfigError, match=r"inprocess.pg_timeout_s: must be below"):
+        InProcessConfig(pg_timeout_s=10, soft_timeout_s=8)
+
+
+def test_layer_timeouts_nest(dataset: Path, tmp_path: Path):
+    # ft_launcher must not give up on a rank while the in-process layer may still recover it.
+    with pytest.raises(ConfigError, match=r"injob.heartbeat_timeout_s: must exceed"):
+        make_config(
+            tmp_path / "run",
+            dataset,
+            inprocess=InProcessConfig(hard_timeout_s=16),
+            injob=InJobConfig(heartbeat_timeout_s=10),
+        )
+    # ... unless the in-process layer is switched off.
+    make_config(
+        tmp_path / "run",
+        dataset,
+        inprocess=InProcessConfig(enabled=False, hard_timeout_s=16),
+        injob=InJobConfig(heartbeat_timeout_s=10),
+    )
+
+
+def test_bad_fault_spec_rejected(dataset: Path, tmp_path: Path):
+    with pytest.raises(ValueError, match="invalid fault spec 'explode@step=3'"):
+        make_config(tmp_path / "run", dataset, faults=("explode@step=3",))
+
+
+def test_model_param_counts():
+    assert tiny().num_params() < 1_000_000
+    assert 100e6 < model_config("100m").num_params() < 130e6
+    assert 7e9 < model_config("8b").num_params() < 9e9
+
+
+def test_fingerprint_ignores_paths_and_timeouts(dataset: Path, tmp_path: Path):
+    a = make_config(tmp_path / "a", dataset)
+    b = replace(a, run_root=tmp_path / "b", ckpt_timeout_s=99.0)
+    c = replace(a, lr=a.lr * 2)
+    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (["--steps", "-3"], "steps"),
+        (["--ckpt-interval", "0"], "ckpt_interval"),
+        (["--model", "huge"], "model"),
+        (["--data-dir", "/nonexistent/data"], "data_dir"),
+    ],
+)
+def test_cli_rejects_bad_config_before_starting(args, field, dataset: Path, tmp_path: Path):
+    argv = [sys.executable, "-m", "trainer.train", "--run-root", str(tmp_path / "run"),
+            "--data-dir", str(dataset), *args]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=worker_env(), cwd=REPO,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"invalid configuration: {field}" in proc.stderr
+    assert not (tmp_path / "run").exists(), "nothing may start on a bad config"
+
+
+def test_param_count_formula_matches_the_model():
+    from trainer.model import GPT
+
+    cfg = tiny()
+    assert sum(p.numel() for p in GPT(cfg).parameters()) == cfg.num_params()
