@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -79,22 +80,26 @@ def _run(argv: list[str], log_path: Path, timeout: float) -> int:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=worker_env(), cwd=REPO,
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=worker_env(),
+            cwd=REPO,
             start_new_session=True,
         )
         try:
             return proc.wait(timeout=timeout)
         finally:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait()
 
 
 def run_ft_launcher(cfg: TrainConfig, *, nproc: int = 2, timeout: float = 240) -> RunOutcome:
     spec = LaunchSpec(
-        nnodes=1, nproc_per_node=nproc, rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        nnodes=1,
+        nproc_per_node=nproc,
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
         rdzv_id=cfg.run_root.name,
     )
     argv = ft_launcher_argv(cfg, spec, trainer_args(cfg))

@@ -20,8 +20,7 @@ from trainer.async_ckpt import AsyncCheckpointer, CheckpointWorkerDied
 @pytest.fixture(scope="module")
 def group():
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
     yield dist.new_group(backend="gloo")
     dist.destroy_process_group()
 
@@ -36,8 +35,12 @@ def saver(group):
 
 def _state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(256, 1024, generator=g), "b": torch.randn(1024, generator=g),
-            "step": torch.tensor(3.0), "lr": 0.1}
+    return {
+        "w": torch.randn(256, 1024, generator=g),
+        "b": torch.randn(1024, generator=g),
+        "step": torch.tensor(3.0),
+        "lr": 0.1,
+    }
 
 
 def test_writer_started_at_bind(saver: AsyncCheckpointer):
@@ -61,7 +64,10 @@ def test_snapshot_is_taken_at_save_time(saver: AsyncCheckpointer, tmp_path: Path
         if isinstance(v, torch.Tensor):
             assert torch.equal(loaded[k], v), k
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        ".digests-rank0.json", ".metadata", "__0_0.distcp"]
+        ".digests-rank0.json",
+        ".metadata",
+        "__0_0.distcp",
+    ]
 
 
 def test_buffers_are_reused_between_saves(saver: AsyncCheckpointer, tmp_path: Path):

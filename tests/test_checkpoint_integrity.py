@@ -22,10 +22,13 @@ def single_baseline(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return out
 
 
-def test_sigkill_while_writing_leaves_nothing_trusted(single_baseline, dataset: Path, tmp_path: Path):
+def test_sigkill_while_writing_leaves_nothing_trusted(
+    single_baseline, dataset: Path, tmp_path: Path
+):
     # The save of step 10 blocks first on committing step 5, so step 5 is committed for sure.
-    cfg = make_config(tmp_path / "run", dataset, steps=20,
-                      faults=("sigkill@step=10,phase=checkpoint",))
+    cfg = make_config(
+        tmp_path / "run", dataset, steps=20, faults=("sigkill@step=10,phase=checkpoint",)
+    )
     killed = run_single(cfg)
     assert killed.returncode == -9
     # The save of step 10 was in flight: its directory is partial, nothing points at it.
@@ -60,8 +63,12 @@ def test_corrupt_checkpoint_skipped_with_event(single_baseline, dataset: Path, t
 def test_injected_corruption_is_caught_by_the_next_resume(single_baseline, dataset, tmp_path):
     # Deterministic order: step 10 commits (and is corrupted) when the save of step 15 starts,
     # then the rank dies with step 15 in flight; the restart must skip 10 and load 5.
-    cfg = make_config(tmp_path / "run", dataset, steps=20,
-                      faults=("corrupt-checkpoint@step=10", "sigkill@step=15,phase=checkpoint"))
+    cfg = make_config(
+        tmp_path / "run",
+        dataset,
+        steps=20,
+        faults=("corrupt-checkpoint@step=10", "sigkill@step=15,phase=checkpoint"),
+    )
     out = run_ft_launcher(cfg, nproc=1)
     assert out.returncode == 0, out.log[-3000:]
     corrupted = [f for f in out.of_kind("fault") if f["fault_kind"] == "corrupt-checkpoint"]

@@ -92,10 +92,19 @@ def test_fingerprint_ignores_paths_and_timeouts(dataset: Path, tmp_path: Path):
     ],
 )
 def test_cli_rejects_bad_config_before_starting(args, field, dataset: Path, tmp_path: Path):
-    argv = [sys.executable, "-m", "trainer.train", "--run-root", str(tmp_path / "run"),
-            "--data-dir", str(dataset), *args]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=worker_env(), cwd=REPO,
-                          timeout=120)
+    argv = [
+        sys.executable,
+        "-m",
+        "trainer.train",
+        "--run-root",
+        str(tmp_path / "run"),
+        "--data-dir",
+        str(dataset),
+        *args,
+    ]
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, env=worker_env(), cwd=REPO, timeout=120
+    )
     assert proc.returncode == 2, proc.stderr
     assert f"invalid configuration: {field}" in proc.stderr
     assert not (tmp_path / "run").exists(), "nothing may start on a bad config"

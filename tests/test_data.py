@@ -32,7 +32,9 @@ def test_step_data_independent_of_world_size(dataset: Path):
 def test_windows_cross_shard_boundaries(tmp_path: Path):
     write_synthetic_dataset(tmp_path, shards=3, tokens_per_shard=100, seed=1)
     sampler = StepSampler(tmp_path, seq_len=30, global_batch=2, seed=0)
-    flat = np.concatenate([np.fromfile(tmp_path / f"shard_{i:05d}.bin", dtype="<u2") for i in range(3)])
+    flat = np.concatenate(
+        [np.fromfile(tmp_path / f"shard_{i:05d}.bin", dtype="<u2") for i in range(3)]
+    )
     assert np.array_equal(sampler.stream.window(90, 31), flat[90:121])
 
 

@@ -25,9 +25,17 @@ def test_parse_round_trips(spec: str, expected: FaultSpec):
 
 @pytest.mark.parametrize(
     "spec",
-    ["boom@step=1", "exception", "exception@rank=1", "exception@step=0", "exception@step=x",
-     "exception@step=1,rank=-1", "hang@step=2,phase=checkpoint", "node-loss@step=2,rank=1",
-     "exception@step=1,step=2"],
+    [
+        "boom@step=1",
+        "exception",
+        "exception@rank=1",
+        "exception@step=0",
+        "exception@step=x",
+        "exception@step=1,rank=-1",
+        "hang@step=2,phase=checkpoint",
+        "node-loss@step=2,rank=1",
+        "exception@step=1,step=2",
+    ],
 )
 def test_invalid_specs(spec: str):
     with pytest.raises(FaultSpecError, match="invalid fault spec"):
@@ -36,8 +44,9 @@ def test_invalid_specs(spec: str):
 
 def test_fires_once_per_run_across_restarts(tmp_path: Path):
     fired: list[str] = []
-    first_life = FaultInjector(["exception@step=3,rank=1"], tmp_path, rank=1,
-                               on_fire=lambda s: fired.append(str(s)))
+    first_life = FaultInjector(
+        ["exception@step=3,rank=1"], tmp_path, rank=1, on_fire=lambda s: fired.append(str(s))
+    )
     first_life.maybe_fire(2)
     with pytest.raises(InjectedFault):
         first_life.maybe_fire(3)

@@ -120,7 +120,9 @@ class _Staging:
         buf.share_memory_()
         if self.device.type == "cuda" and buf.numel() > 0:
             # Page-lock the shared buffer so the device-to-host copy runs at full speed.
-            torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
+            torch.cuda.cudart().cudaHostRegister(
+                buf.data_ptr(), buf.numel() * buf.element_size(), 0
+            )
         if isinstance(t, DTensor):
             return DTensor.from_local(
                 buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()

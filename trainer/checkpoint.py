@@ -77,11 +77,9 @@ class CheckpointManager:
         step, path, info = payload
         t0 = time.perf_counter()
         model_sd, optim_sd = get_state_dict(model, optim)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path), process_group=self.group)
-        set_state_dict(
-            model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path), process_group=self.group)  # in place, resharding
+        set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
         try:
             sampler.check_state(info.get("data_loader", {}), step)
         except Exception as e:

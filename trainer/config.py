@@ -60,16 +60,23 @@ class ModelConfig:
             "model.n_heads",
             f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})",
         )
-        _require(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
+        _require(
+            0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}"
+        )
 
     def num_params(self) -> int:
         """Exact parameter count of :class:`trainer.model.GPT` for this config."""
         d, f, v, s = self.d_model, self.d_ff, self.vocab_size, self.seq_len
         per_block = (
             2 * 2 * d  # two LayerNorms (weight + bias)
-            + 3 * d * d + 3 * d  # qkv projection
-            + d * d + d  # attention output projection
-            + d * f + f + f * d + d  # MLP
+            + 3 * d * d
+            + 3 * d  # qkv projection
+            + d * d
+            + d  # attention output projection
+            + d * f
+            + f
+            + f * d
+            + d  # MLP
         )
         return v * d + s * d + self.n_layers * per_block + 2 * d + d * v
 
@@ -95,9 +102,10 @@ def gpt_100m() -> ModelConfig:
 
 
 def gpt_8b() -> ModelConfig:
-    """~7.5B parameters, the 8B class (Llama-3-8B width, depth and vocabulary). For p5.48xlarge nodes (8x H100 80 GB
-    each), FSDP2 over >= 2 nodes; not run on the CPU machines. Global batch and sequence length
-    are set in TrainConfig."""
+    """~7.5B parameters, the 8B class (Llama-3-8B width, depth and vocabulary).
+
+    For p5.48xlarge nodes (8x H100 80 GB each), FSDP2 over >= 2 nodes; not run on CPU machines.
+    Global batch is set in TrainConfig."""
     return dataclasses.replace(
         gpt_100m(),
         name="8b",
@@ -223,12 +231,12 @@ class InJobConfig:
         )
 
 
-class ResumePolicy(str, enum.Enum):
+class ResumePolicy(enum.StrEnum):
     AUTO = "auto"  # resume from the newest valid checkpoint; fail if some exist but none is valid
     FRESH = "fresh"  # ignore existing checkpoints and start at step 0 (explicit opt-in)
 
 
-class Device(str, enum.Enum):
+class Device(enum.StrEnum):
     AUTO = "auto"  # CUDA + NCCL when a GPU is present, else CPU + gloo
     CPU = "cpu"
     CUDA = "cuda"
@@ -261,9 +269,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "steps", f"must be a positive number of steps, got {self.steps}")
-        _require(
-            self.global_batch >= 1, "global_batch", f"must be >= 1, got {self.global_batch}"
-        )
+        _require(self.global_batch >= 1, "global_batch", f"must be >= 1, got {self.global_batch}")
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _require(
             self.ckpt_interval >= 1,
@@ -272,9 +278,7 @@ class TrainConfig:
         )
         _require(self.keep_last >= 1, "keep_last", f"must keep at least 1, got {self.keep_last}")
         _require(self.ckpt_timeout_s > 0, "ckpt_timeout_s", "must be > 0 seconds")
-        _require(
-            str(self.run_root) != "", "run_root", "set the run directory (shared filesystem)"
-        )
+        _require(str(self.run_root) != "", "run_root", "set the run directory (shared filesystem)")
         _require(
             self.data_dir.is_dir(),
             "data_dir",

@@ -8,13 +8,15 @@ rank digest identically.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 
-def tensor_dict_sha256(tensors: dict[str, torch.Tensor]) -> str:
+def tensor_dict_sha256(tensors: Mapping[str, Any]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].detach().to("cpu").contiguous()

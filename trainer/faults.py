@@ -125,7 +125,9 @@ class FaultInjector:
         """Atomically record that ``spec`` fired; False when it already has (in an earlier life)."""
         self.marker_dir.mkdir(parents=True, exist_ok=True)
         try:
-            fd = os.open(self.marker_dir / f"{spec.slug}.fired", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            fd = os.open(
+                self.marker_dir / f"{spec.slug}.fired", os.O_CREAT | os.O_EXCL | os.O_WRONLY
+            )
         except FileExistsError:
             return False
         with os.fdopen(fd, "w") as f:
@@ -153,7 +155,11 @@ class FaultInjector:
         """The ``corrupt-checkpoint`` fault to apply to the checkpoint just committed, if any.
         Only rank 0 commits, so only rank 0 asks."""
         for spec in self.specs:
-            if spec.kind == "corrupt-checkpoint" and committed_step >= spec.step and self._claim(spec):
+            if (
+                spec.kind == "corrupt-checkpoint"
+                and committed_step >= spec.step
+                and self._claim(spec)
+            ):
                 return spec
         return None
 

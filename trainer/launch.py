@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import shutil
 import sys
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 from trainer.config import TrainConfig
 
@@ -67,7 +67,6 @@ def _nvrx_major_minor() -> tuple[int, int]:
         return (0, 0)
 
 
-
 def trainer_args(cfg: TrainConfig) -> list[str]:
     """The ``python -m trainer.train`` flags that rebuild ``cfg`` in each worker."""
     ip, ij = cfg.inprocess, cfg.injob
@@ -100,3 +99,41 @@ def trainer_args(cfg: TrainConfig) -> list[str]:
         args.append("--no-injob")
     args += [f"--inject={spec}" for spec in cfg.faults]
     return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainer.launch [--nnodes N] [--nproc-per-node P] [--rdzv-endpoint H:P]
+    [--rdzv-id ID] TRAINER_ARGS...``: validate the trainer config here, then exec ft_launcher."""
+    import argparse
+    import os
+
+    from trainer.config import ConfigError
+    from trainer.faults import FaultSpecError
+    from trainer.train import build_parser, config_from_args
+
+    p = argparse.ArgumentParser(prog="python -m trainer.launch", add_help=False)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--nproc-per-node", type=int, default=2)
+    p.add_argument("--rdzv-endpoint", default="127.0.0.1:29500")
+    p.add_argument("--rdzv-id", default="nvrx")
+    launch, rest = p.parse_known_args(argv)
+    try:
+        cfg = config_from_args(build_parser().parse_args(rest))
+    except (ConfigError, FaultSpecError) as e:
+        print(f"error: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    spec = LaunchSpec(
+        nnodes=launch.nnodes,
+        nproc_per_node=launch.nproc_per_node,
+        rdzv_endpoint=launch.rdzv_endpoint,
+        rdzv_id=launch.rdzv_id,
+    )
+    argv_out = ft_launcher_argv(cfg, spec, trainer_args(cfg))
+    print(" ".join(argv_out), file=sys.stderr, flush=True)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.execv(argv_out[0], argv_out)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -78,7 +78,11 @@ def _emit_recoveries(ctx: ProcessContext, layer: str, step: int) -> None:
     last_recovered = max((e["t"] for e in events if e["kind"] == "recovered"), default=0.0)
     now = time.time()
     for e in events:
-        if e["kind"] == "fault" and e["t"] > last_recovered and e.get("fault_kind") != "corrupt-checkpoint":
+        if (
+            e["kind"] == "fault"
+            and e["t"] > last_recovered
+            and e.get("fault_kind") != "corrupt-checkpoint"
+        ):
             ctx.events.emit(
                 "recovered",
                 layer=layer,

@@ -3,7 +3,7 @@
 ::
 
     <run_root>/checkpoints/step_000000100.partial/   being written: never trusted
-    <run_root>/checkpoints/step_000000100/           committed: DCP shards + .metadata + manifest.json
+    <run_root>/checkpoints/step_000000100/           committed: shards, .metadata, manifest.json
     <run_root>/checkpoints/LATEST                    newest committed step, written last
 
 Commit: every rank's shards written and fsynced (each rank's async writer also leaves a digest
@@ -102,7 +102,11 @@ def _collect_file_entries(directory: Path, world_size: int) -> list[dict[str, An
             continue
         if name not in entries or entries[name]["bytes"] != path.stat().st_size:
             # No sidecar for it (e.g. the DCP .metadata, written by the coordinator): hash here.
-            entries[name] = {"name": name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+            entries[name] = {
+                "name": name,
+                "bytes": path.stat().st_size,
+                "sha256": sha256_file(path),
+            }
     return [entries[k] for k in sorted(entries)]
 
 
@@ -143,7 +147,9 @@ def committed_steps(run_root: Path) -> list[int]:
     root = checkpoints_dir(run_root)
     if not root.is_dir():
         return []
-    steps = [int(m.group(1)) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()]
+    steps = [
+        int(m.group(1)) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()
+    ]
     return sorted(steps)
 
 
@@ -208,7 +214,9 @@ def verify_checkpoint(directory: Path, *, digests: bool = True) -> Verdict:
             return Verdict(False, f"{path} is missing", manifest)
         size = path.stat().st_size
         if size != entry["bytes"]:
-            return Verdict(False, f"{path} is {size} bytes, manifest says {entry['bytes']}", manifest)
+            return Verdict(
+                False, f"{path} is {size} bytes, manifest says {entry['bytes']}", manifest
+            )
         if digests and sha256_file(path) != entry["sha256"]:
             return Verdict(False, f"{path} does not match its sha256 in the manifest", manifest)
     if not any(e["name"] == ".metadata" for e in manifest["files"]):

@@ -100,7 +100,10 @@ def wrap_inprocess(
         )
     s = datetime.timedelta(seconds=1)
     wrapper = inprocess.Wrapper(
-        store_kwargs={"port": store_port, "timeout": datetime.timedelta(seconds=cfg.barrier_timeout_s)},
+        store_kwargs={
+            "port": store_port,
+            "timeout": datetime.timedelta(seconds=cfg.barrier_timeout_s),
+        },
         initialize=inprocess.initialize.RetryController(
             max_iterations=cfg.max_restarts + 1,
             min_world_size=world_size,

@@ -93,8 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--inprocess-heartbeat-timeout", type=float, default=InProcessConfig.heartbeat_timeout_s)
     a("--barrier-timeout", type=float, default=InProcessConfig.barrier_timeout_s)
     a("--inprocess-max-restarts", type=int, default=InProcessConfig.max_restarts)
-    a("--heartbeat-timeout", type=float, default=InJobConfig.heartbeat_timeout_s,
-      help="must match ft_launcher --ft-rank-heartbeat-timeout")
+    a(
+        "--heartbeat-timeout",
+        type=float,
+        default=InJobConfig.heartbeat_timeout_s,
+        help="must match ft_launcher --ft-rank-heartbeat-timeout",
+    )
     return p
 
 
@@ -112,7 +116,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     injob = InJobConfig(
         enabled=not args.no_injob,
         heartbeat_timeout_s=args.heartbeat_timeout,
-        initial_heartbeat_timeout_s=max(args.heartbeat_timeout, InJobConfig.initial_heartbeat_timeout_s),
+        initial_heartbeat_timeout_s=max(
+            args.heartbeat_timeout, InJobConfig.initial_heartbeat_timeout_s
+        ),
     )
     return TrainConfig(
         run_root=args.run_root,
@@ -144,8 +150,12 @@ def _ensure_dist_env() -> None:
     """Single-process debugging: no launcher, so be a world of one."""
     if "RANK" not in os.environ:
         os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
         )
 
 
@@ -297,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _fatal_cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+def _fatal_cause(
+    exc: BaseException, kinds: tuple[type[BaseException], ...]
+) -> BaseException | None:
     """The fatal error behind ``exc`` (the in-process Wrapper re-raises it wrapped)."""
     seen: set[int] = set()
     cur: BaseException | None = exc
