@@ -26,6 +26,7 @@ class Drill:
 # Faults at step 14 with checkpoints every 5 steps: at least step 5 is committed by then.
 DRILLS = [
     Drill("exception", "exception@step=14,rank=1", "inprocess"),
+    Drill("stall", "stall@step=14,rank=1", "inprocess"),
     Drill("sigkill", "sigkill@step=14,rank=1", "injob"),
     Drill("hang", "hang@step=14,rank=1", "injob"),
 ]

@@ -6,6 +6,9 @@ its shards are being written and before the commit).
 
 Kinds handled by the trainer:
 - ``exception``: raises :class:`InjectedFault` in the rank (recovered in-process).
+- ``stall``: the rank stops making progress in Python (as one waiting forever on a collective
+  its peers never join). Peers' collectives time out, and the in-process layer interrupts the
+  stalled rank and restarts every rank in place (recovered in-process).
 - ``hang``: the rank stops dead (SIGSTOP to itself), as a rank wedged in native code does: no
   heartbeats, no progress; only killing it helps (recovered in-job by ft_launcher).
 - ``sigkill``: the rank SIGKILLs itself (recovered in-job).
@@ -26,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("exception", "hang", "sigkill", "node-loss", "corrupt-checkpoint")
-TRAINER_KINDS = ("exception", "hang", "sigkill", "corrupt-checkpoint")
+KINDS = ("exception", "stall", "hang", "sigkill", "node-loss", "corrupt-checkpoint")
+TRAINER_KINDS = ("exception", "stall", "hang", "sigkill", "corrupt-checkpoint")
 PHASES = ("step", "checkpoint")
 
 
@@ -167,6 +170,10 @@ class FaultInjector:
 def _fire(spec: FaultSpec) -> None:
     if spec.kind == "exception":
         raise InjectedFault(f"injected fault {spec}")
+    if spec.kind == "stall":
+        # Interruptible: the Wrapper's monitor thread raises its restart exception in here.
+        while True:
+            time.sleep(0.05)
     if spec.kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # never reached: SIGKILL is not deliverable late
