@@ -101,6 +101,7 @@ class _Staging:
         self.device = device
         self.key: tuple[Any, ...] | None = None
         self.buffers: list[torch.Tensor] = []
+        self.reallocated = False
 
     @staticmethod
     def _leaves(obj: Any, out: list[torch.Tensor]) -> None:
@@ -133,7 +134,8 @@ class _Staging:
         leaves: list[torch.Tensor] = []
         self._leaves(state_dict, leaves)
         key = tuple((tuple(t.shape), t.dtype, type(t)) for t in leaves)
-        if key != self.key:
+        self.reallocated = key != self.key
+        if self.reallocated:
             self.buffers = [self._alloc(t) for t in leaves]
             self.key = key
         it = iter(self.buffers)
@@ -229,6 +231,10 @@ class AsyncCheckpointer:
             raise CheckpointWriteError("previous save not finalized: call wait() first")
         t0 = time.perf_counter()
         staged = self.staging.stage(state_dict)
+        if self.staging.reallocated and self.cache_plan:
+            # NVRx reuses a validated cached plan without re-checking tensor sizes: a new state
+            # layout must start a new cache.
+            self._md_cache = nvrx_compat.new_metadata_cache()
         writer = nvrx_compat.FileSystemWriterAsync(str(directory), thread_count=1)
         writer, metadata, dist_wrapper = nvrx_compat.save_state_dict_async_plan(
             staged,

@@ -108,6 +108,22 @@ def parse_fault(spec: str) -> FaultSpec:
     )
 
 
+def claim(run_root: Path, spec: FaultSpec) -> bool:
+    """Atomically record that ``spec`` fired in this run; False when it already has (in an
+    earlier life of a worker, or an earlier attempt of the stage)."""
+    marker_dir = Path(run_root) / "faults"
+    marker_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(marker_dir / f"{spec.slug}.fired", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{time.time()}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return True
+
+
 class FaultInjector:
     """Fires the trainer-side faults of a run, each at most once per run."""
 
@@ -125,19 +141,7 @@ class FaultInjector:
         self.on_fire = on_fire
 
     def _claim(self, spec: FaultSpec) -> bool:
-        """Atomically record that ``spec`` fired; False when it already has (in an earlier life)."""
-        self.marker_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(
-                self.marker_dir / f"{spec.slug}.fired", os.O_CREAT | os.O_EXCL | os.O_WRONLY
-            )
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{time.time()}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        return True
+        return claim(self.marker_dir.parent, spec)
 
     def _due(self, spec: FaultSpec, step: int, phase: str) -> bool:
         target_rank = 0 if spec.rank is None else spec.rank

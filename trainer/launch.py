@@ -26,7 +26,7 @@ class LaunchSpec:
 
 def ft_launcher_argv(cfg: TrainConfig, spec: LaunchSpec, trainer_args: list[str]) -> list[str]:
     inj = cfg.injob
-    launcher = _ft_launcher_path()
+    launcher = ft_launcher_path()
     argv = [
         launcher,
         f"--nnodes={spec.nnodes}",
@@ -49,7 +49,7 @@ def ft_launcher_argv(cfg: TrainConfig, spec: LaunchSpec, trainer_args: list[str]
     return [*argv, "-m", "trainer.train", *trainer_args]
 
 
-def _ft_launcher_path() -> str:
+def ft_launcher_path() -> str:
     # The console script of the interpreter running us (a venv need not be on PATH).
     beside = Path(sys.executable).parent / "ft_launcher"
     if beside.exists():

@@ -160,8 +160,13 @@ def _ensure_dist_env() -> None:
 
 
 def _cpu_threads() -> None:
+    """Intra-op threads per worker: NVRX_CPU_THREADS when the launcher knows how many workers
+    share the host (several simulated nodes), else cores / local workers. Results are bitwise
+    reproducible for a given thread count, not across thread counts."""
+    explicit = os.environ.get("NVRX_CPU_THREADS")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    threads = int(explicit) if explicit else (os.cpu_count() or 1) // local_world
+    torch.set_num_threads(max(1, threads))
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:

@@ -1,0 +1,162 @@
+"""Pipeline parameters and result (DESIGN §5). The parameter models are the Prefect UI form:
+every field has limits and a description, and bad values are rejected naming the field."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from trainer.faults import FaultSpecError, parse_fault
+
+_RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+def new_run_id() -> str:
+    return time.strftime("run-%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(2)
+
+
+class DatasetLocation(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    bucket: str = Field("nvrx-datasets", min_length=3, max_length=63, description="S3 bucket")
+    prefix: str = Field("synthetic/v1", min_length=1, description="prefix holding dataset.json")
+
+
+class ExportLocation(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    bucket: str = Field("nvrx-checkpoints", min_length=3, max_length=63, description="S3 bucket")
+    prefix: str = Field("exports", description="prefix; objects go to <prefix>/<run_id>/step_<N>/")
+
+
+class PipelineParams(BaseModel):
+    """One training run, from preflight to a verified checkpoint in S3."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str | None = Field(
+        None,
+        description="Names the run; an existing id resumes it from its newest valid checkpoint. "
+        "Lowercase letters, digits, dashes. Empty: a new id.",
+    )
+    backend: Literal["local"] = Field(
+        "local", description="local: simulated nodes on this machine (the embedded default)"
+    )
+    model: Literal["tiny", "100m", "8b"] = Field("tiny", description="named model size")
+    steps: int = Field(20, ge=1, le=10_000_000, description="total optimizer steps")
+    global_batch: int = Field(8, ge=1, le=1_000_000, description="sequences per step, all ranks")
+    ckpt_interval: int = Field(5, ge=1, le=1_000_000, description="checkpoint every N steps")
+    keep_last: int = Field(3, ge=1, le=100, description="committed checkpoints to keep")
+    nodes: int = Field(2, ge=1, le=64, description="nodes (simulated nodes on the local backend)")
+    nproc_per_node: int = Field(1, ge=1, le=8, description="worker processes per node")
+    faults: list[str] = Field(
+        default_factory=list,
+        description="fault drill, e.g. exception@step=7,rank=1 or node-loss@step=9,node=1; "
+        "kinds: exception, stall, hang, sigkill, node-loss, corrupt-checkpoint",
+    )
+    inprocess_restart: bool = Field(True, description="NVRx in-process restart layer")
+    injob_restart: bool = Field(True, description="ft_launcher in-job restart layer")
+    max_train_attempts: int = Field(
+        3, ge=1, le=10, description="train-stage attempts (retried only after node loss)"
+    )
+    train_timeout_s: float = Field(
+        1800, ge=30, le=30 * 86400, description="deadline of one train-stage attempt"
+    )
+    dataset: DatasetLocation = Field(default_factory=DatasetLocation)
+    export: ExportLocation = Field(default_factory=ExportLocation)
+    s3_endpoint: str | None = Field(
+        "http://127.0.0.1:8333",
+        description="S3 endpoint URL; a local one is started on demand. Empty: AWS S3",
+    )
+    seed_demo_dataset: bool = Field(
+        True, description="local S3 only: write a synthetic dataset if the prefix is empty"
+    )
+    state_dir: str = Field(
+        ".state", min_length=1, description="local state: the 'FSx' directory, S3 data, runs"
+    )
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: str | None) -> str | None:
+        if v in (None, ""):
+            return None
+        if not _RUN_ID.match(v):
+            raise ValueError("use 1-63 lowercase letters, digits and dashes, starting alphanumeric")
+        return v
+
+    @field_validator("faults")
+    @classmethod
+    def _faults(cls, v: list[str]) -> list[str]:
+        for spec in v:
+            try:
+                parse_fault(spec)
+            except FaultSpecError as e:
+                raise ValueError(str(e)) from None
+        return v
+
+    @field_validator("s3_endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v in (None, ""):
+            return None
+        if not re.match(r"^https?://[^/@\s]+(:\d+)?/?$", v):
+            raise ValueError("expected http(s)://host[:port] with no path or credentials")
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PipelineParams:
+        world = self.nodes * self.nproc_per_node
+        if self.global_batch % world:
+            raise ValueError(
+                f"global_batch ({self.global_batch}) must be divisible by nodes * "
+                f"nproc_per_node ({world})"
+            )
+        for spec in map(parse_fault, self.faults):
+            if spec.kind == "node-loss" and (spec.node or 0) >= self.nodes:
+                raise ValueError(f"faults: {spec} names node {spec.node}, there are {self.nodes}")
+            if spec.rank is not None and spec.rank >= world:
+                raise ValueError(f"faults: {spec} names rank {spec.rank}, world size is {world}")
+            if spec.step > self.steps:
+                raise ValueError(f"faults: {spec} is after the last step ({self.steps})")
+        return self
+
+
+class CheckpointInfo(BaseModel):
+    step: int | None = None
+    uri: str | None = None
+    validated: bool = False
+
+
+class ExportInfo(BaseModel):
+    uri: str | None = None
+    objects: int = 0
+    bytes: int = 0
+    verified: bool = False
+
+
+class FaultRecord(BaseModel):
+    kind: str
+    step: int | None = None
+    rank: int | None = None
+    node: int | None = None
+    recovered_by: Literal["inprocess", "injob", "stage-retry", "none"] = "none"
+    recovery_s: float | None = None
+
+
+class PipelineResult(BaseModel):
+    status: Literal["completed", "failed"]
+    run_id: str
+    target_steps: int
+    final_step: int = 0
+    final_loss: float | None = None
+    params_sha256: str | None = None
+    checkpoint: CheckpointInfo = Field(default_factory=CheckpointInfo)
+    export: ExportInfo = Field(default_factory=ExportInfo)
+    faults: list[FaultRecord] = Field(default_factory=list)
+    stage_attempts: dict[str, int] = Field(default_factory=dict)
+    stage_durations_s: dict[str, float] = Field(default_factory=dict)
+    ettr: float | None = None
+    wall_s: float = 0.0
+    error: str | None = None

@@ -1,0 +1,49 @@
+"""The pipeline's exception hierarchy. Which of these a stage retry may fix is decided in exactly
+one place: :mod:`tasks.retry_policy`."""
+
+from __future__ import annotations
+
+
+class PipelineError(Exception):
+    """Base of every failure the pipeline reports with a cause."""
+
+
+class PreflightFailed(PipelineError):
+    pass
+
+
+class HydrationError(PipelineError):
+    pass
+
+
+class StorageError(PipelineError):
+    """S3 unreachable, missing bucket, bad credentials: the message says which."""
+
+
+class TrainingFailed(PipelineError):
+    """The train stage ended without completing all steps."""
+
+
+class NodeLossExhausted(TrainingFailed):
+    """A node was lost and the in-job layer could not continue without it: a whole-stage retry
+    on the nodes available, from the newest valid checkpoint, is the remedy."""
+
+
+class InJobExhausted(TrainingFailed):
+    """ft_launcher used up ``--max-restarts`` on faults that kept coming back (no node lost)."""
+
+
+class DoNotRequeue(TrainingFailed):
+    """The workload asked not to be restarted (bad data, no valid checkpoint; exit 93/3)."""
+
+
+class TrainTimeout(TrainingFailed):
+    """The train stage's own deadline passed."""
+
+
+class ValidationFailed(PipelineError):
+    pass
+
+
+class ExportError(PipelineError):
+    pass

@@ -1,0 +1,1 @@
+"""Preflight: gather a snapshot once (:mod:`.local`), judge it with pure checks (:mod:`.checks`)."""

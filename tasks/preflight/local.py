@@ -1,0 +1,87 @@
+"""Gather the local preflight snapshot once; every source in its own try so one failure only
+blinds the checks that need it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+from tasks.preflight.checks import Snapshot
+from tasks.storage.s3 import S3Settings, describe_client_error
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def gather_local(
+    *,
+    state_dir: Path,
+    s3: S3Settings,
+    client: Any,
+    buckets: tuple[str, ...],
+    dataset_bucket: str,
+    dataset_prefix: str,
+) -> Snapshot:
+    snap = Snapshot()
+    f, err = snap.facts, snap.errors
+    try:
+        import psutil
+
+        f["cpu_count"] = os.cpu_count() or 1
+        f["mem_available_gb"] = psutil.virtual_memory().available / 1e9
+    except Exception as e:
+        err["host"] = str(e)
+    try:
+        where = _existing_parent(state_dir)
+        f["disk_path"] = str(where)
+        f["disk_free_gb"] = shutil.disk_usage(where).free / 1e9
+    except Exception as e:
+        err["disk"] = str(e)
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+    except OSError as e:
+        err["ports"] = str(e)
+    try:
+        import torch
+
+        from trainer import launch, nvrx_compat
+
+        f["torch_version"] = torch.__version__
+        f["nvrx_version"] = nvrx_compat.version()
+        path = launch.ft_launcher_path()
+        f["ft_launcher"] = path if shutil.which(path) else ""
+    except Exception as e:
+        err["versions"] = str(e)
+    f["s3_endpoint"] = s3.endpoint_url
+    try:
+        client.list_buckets()
+    except Exception as e:
+        err["s3"] = describe_client_error(e, bucket=None, endpoint=s3.endpoint_url)
+        return snap
+    f["buckets"] = {}
+    for b in buckets:
+        try:
+            client.head_bucket(Bucket=b)
+            f["buckets"][b] = True
+        except Exception:
+            f["buckets"][b] = False
+    try:
+        body = client.get_object(Bucket=dataset_bucket, Key=f"{dataset_prefix}/dataset.json")[
+            "Body"
+        ]
+        f["dataset_files"] = len(json.loads(body.read())["files"])
+    except Exception as e:
+        err["dataset"] = (
+            f"s3://{dataset_bucket}/{dataset_prefix}/dataset.json: "
+            + describe_client_error(e, bucket=dataset_bucket, endpoint=s3.endpoint_url)
+        )
+    return snap

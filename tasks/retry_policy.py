@@ -1,0 +1,23 @@
+"""The one mapping from failure to retry decision (pure; the Prefect hook is a thin adapter)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tasks.errors import NodeLossExhausted
+
+
+def stage_retry_allowed(error: BaseException | None) -> bool:
+    """A whole train stage is retried only when the in-job layers were exhausted by node loss.
+    Every other failure repeats on a retry (a bug, bad data, a fault that keeps coming) and must
+    fail fast with its cause."""
+    return isinstance(error, NodeLossExhausted)
+
+
+def prefect_retry_condition(task: Any, task_run: Any, state: Any) -> bool:
+    """``retry_condition_fn`` for the task that runs the train stage."""
+    try:
+        state.result()
+    except BaseException as e:  # the stage's exception comes back out of the failed state
+        return stage_retry_allowed(e)
+    return False
