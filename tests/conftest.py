@@ -12,3 +12,37 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("data")
     write_synthetic_dataset(path, shards=4, tokens_per_shard=65536, vocab_size=512, seed=0)
     return path
+
+
+@pytest.fixture(scope="session")
+def s3_settings(tmp_path_factory: pytest.TempPathFactory):
+    """A real SeaweedFS S3 server over HTTP on 127.0.0.1, for the whole session."""
+    from tasks.backends.local import free_port
+    from tasks.storage.local_s3 import LocalS3Server
+    from tasks.storage.s3 import S3Settings
+
+    port = free_port()
+    while port + 10003 > 65535:  # its gRPC ports sit 10000 above
+        port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    server = LocalS3Server(endpoint, tmp_path_factory.mktemp("seaweed"))
+    server.start()
+    yield S3Settings(endpoint_url=endpoint)
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One Prefect test server (real API over HTTP, SQLite) for the session."""
+    import os
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        temporary_settings,
+    )
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield PREFECT_API_URL.value()

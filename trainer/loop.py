@@ -37,7 +37,8 @@ class ProcessContext:
     saver: AsyncCheckpointer
     events: EventLog
     heartbeat: Any
-    restart_count: int = 0  # ft_launcher's TORCHELASTIC_RESTART_COUNT
+    restart_count: int = 0  # ft_launcher's TORCHELASTIC_RESTART_COUNT (this agent's restarts)
+    respawned: bool = False  # this worker replaces an earlier one of the same launcher job
     stage_attempt: int = 1  # the pipeline's train-stage attempt (NVRX_STAGE_ATTEMPT)
     base_store: Any = None  # long-lived store for per-iteration process groups (in-process mode)
     started: float = field(default_factory=time.time)
@@ -62,10 +63,19 @@ def _init_process_group(ctx: ProcessContext, iteration: int) -> tuple[int, int]:
     return rank, world
 
 
+def is_respawn(events: list[dict[str, Any]], job_id: str | None) -> bool:
+    """Was a worker of this launcher job (same rendezvous id) already training? With several
+    nodes, an agent that restarts because *another* node's workers failed does not count it in
+    its TORCHELASTIC_RESTART_COUNT, so the restart count alone misses those respawns."""
+    return bool(job_id) and any(
+        e["kind"] == "train_start" and e.get("job_id") == job_id for e in events
+    )
+
+
 def _recovery_layer(ctx: ProcessContext, iteration: int) -> str | None:
     if iteration > 0:
         return "inprocess"
-    if ctx.restart_count > 0:
+    if ctx.restart_count > 0 or ctx.respawned:
         return "injob"
     if ctx.stage_attempt > 1:
         return "stage-retry"
@@ -134,6 +144,7 @@ def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
             per_rank_batch=per_rank,
             iteration=iteration,
             restart_count=ctx.restart_count,
+            job_id=os.environ.get("TORCHELASTIC_RUN_ID"),
         )
 
     for step in range(first_step, cfg.steps + 1):

@@ -39,6 +39,10 @@ class Heartbeat:
 
             self.client = RankMonitorClient()
             self.client.init_workload_monitoring()
+            # Beat at once: NVRx 0.4.1's rank monitor server turns permanently ABORTED (every
+            # later heartbeat of this node's rank fails) if a respawned worker's connection is
+            # lost before its first heartbeat. Keep that window as short as possible.
+            self.client.send_heartbeat()
 
     @property
     def active(self) -> bool:

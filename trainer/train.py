@@ -174,7 +174,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     from trainer import nvrx_compat
     from trainer.async_ckpt import AsyncCheckpointer
     from trainer.checkpoint import FatalError
-    from trainer.loop import ProcessContext, train
+    from trainer.events import read_events
+    from trainer.loop import ProcessContext, is_respawn, train
     from trainer.parallel import resolve_device
     from trainer.resilience import Heartbeat, wrap_inprocess
 
@@ -200,6 +201,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     inprocess_ok, why_not = nvrx_compat.inprocess_available()
     use_inprocess = cfg.inprocess.enabled and inprocess_ok
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    respawned = is_respawn(read_events(cfg.run_root), os.environ.get("TORCHELASTIC_RUN_ID"))
     heartbeat = Heartbeat(cfg.injob.enabled)
     saver = AsyncCheckpointer(device=placement.device, timeout_s=cfg.ckpt_timeout_s)
     ctx = ProcessContext(
@@ -210,6 +212,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         events=events,
         heartbeat=heartbeat,
         restart_count=restart_count,
+        respawned=respawned,
         stage_attempt=int(os.environ.get("NVRX_STAGE_ATTEMPT", "1")),
     )
     if rank == 0:
@@ -226,7 +229,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             restart_count=restart_count,
             config_hash=cfg.fingerprint(),
         )
-        if restart_count > 0:
+        if restart_count > 0 or respawned:
             events.emit("restart", layer="injob", restart_count=restart_count)
     try:
         if not use_inprocess:

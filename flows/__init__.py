@@ -1,0 +1,1 @@
+"""Prefect flows only: the pipeline, its stages, parameter/result models, CLI, deployments."""

@@ -1,0 +1,271 @@
+"""``nvrx-pipeline``: run the pipeline, serve its deployments, validate or export a checkpoint.
+
+    nvrx-pipeline run [--config FILE] [--set key=value ...] [--inject SPEC ...]
+                      [--run-id ID] [--json]
+    nvrx-pipeline serve
+    nvrx-pipeline validate PATH [--json]
+    nvrx-pipeline export PATH S3_URI [--run-id ID] [--json]
+
+With ``--json`` the last line of stdout is one JSON object (the ``PipelineResult`` for ``run``).
+Exit codes: 0 success, 1 the pipeline or command failed, 2 bad parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _set_dotted(d: dict[str, Any], key: str, raw: str) -> None:
+    try:
+        value: Any = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw  # a bare string
+    parts = key.split(".")
+    for p in parts[:-1]:
+        d = d.setdefault(p, {})
+    d[parts[-1]] = value
+
+
+def load_params_dict(
+    config: Path | None, sets: list[str], inject: list[str], run_id: str | None
+) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    if config is not None:
+        text = config.read_text()
+        if config.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"{config}: expected a mapping of parameters")
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--set {item!r}: expected key=value (dotted keys for nested fields)")
+        _set_dotted(data, key.strip(), value.strip())
+    if inject:
+        data["faults"] = [*data.get("faults", []), *inject]
+    if run_id:
+        data["run_id"] = run_id
+    return data
+
+
+def format_validation_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "params"
+        lines.append(f"  {loc}: {err['msg']}")
+    return "invalid parameters:\n" + "\n".join(lines)
+
+
+class _LiveProgress:
+    """Tails the run's events: a progress bar on a terminal, plain lines otherwise."""
+
+    def __init__(self, run_root: Path, target: int, tty: bool) -> None:
+        self.run_root, self.target, self.tty = run_root, target, tty
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> _LiveProgress:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+    def _run(self) -> None:
+        from tasks.train_stage import EventTail
+
+        path = self.run_root / "events.jsonl"
+        tail = EventTail(path)
+        out = sys.stderr
+        if self.tty:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            with Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total} steps"),
+                TimeElapsedColumn(),
+                transient=False,
+            ) as bar:
+                task = bar.add_task("training", total=self.target)
+                while not self.stop.wait(0.5):
+                    for e in tail.read_new():
+                        if e["kind"] == "step":
+                            bar.update(
+                                task,
+                                completed=e["step"],
+                                description=f"training loss {e['loss']:.3f}",
+                            )
+                        elif e["kind"] in ("fault", "restart", "recovered"):
+                            bar.console.print(_describe(e))
+            return
+        while not self.stop.wait(1.0):
+            for e in tail.read_new():
+                if e["kind"] == "step" and (e["step"] % 10 == 0 or e["step"] == self.target):
+                    print(f"step {e['step']}/{self.target} loss {e['loss']:.4f}", file=out)
+                elif e["kind"] in ("fault", "restart", "recovered"):
+                    print(_describe(e), file=out)
+
+
+def _describe(e: dict[str, Any]) -> str:
+    if e["kind"] == "fault":
+        return f"fault: {e.get('fault')} at step {e.get('step')}"
+    if e["kind"] == "restart":
+        return f"restart by the {e.get('layer')} layer"
+    return f"recovered from {e.get('fault')} by {e.get('layer')} in {e.get('recovery_s')} s"
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flows.context import RunContext
+    from flows.models import PipelineParams, PipelineResult, new_run_id
+
+    try:
+        data = load_params_dict(args.config, args.set, args.inject, args.run_id)
+        data.setdefault("run_id", new_run_id())  # known up front: progress tails its events
+        params = PipelineParams(**data)
+    except ValidationError as e:
+        print(f"error: {format_validation_error(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    ctx = RunContext.create(params)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows.pipeline import training_pipeline
+
+    status = 0
+    with _LiveProgress(ctx.run_root, params.steps, sys.stderr.isatty()):
+        state = training_pipeline(params, return_state=True)
+    if state.is_completed():
+        result = state.result()
+    else:
+        status = EXIT_FAILED
+        saved = ctx.run_root / "pipeline_result.json"
+        if saved.exists():
+            result = PipelineResult.model_validate_json(saved.read_text())
+        else:
+            result = PipelineResult(
+                status="failed", run_id=ctx.run_id, target_steps=params.steps, error=state.message
+            )
+        print(f"error: pipeline failed: {result.error or state.message}", file=sys.stderr)
+    if args.json:
+        print(result.model_dump_json(), flush=True)
+    else:
+        from flows.report import render_report
+
+        print(render_report(result))
+    return status
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from trainer.manifest import verify_checkpoint
+
+    verdict = verify_checkpoint(args.path)
+    report = {
+        "status": "passed" if verdict.ok else "failed",
+        "path": str(args.path),
+        "checks": [
+            {
+                "name": "manifest digests",
+                "status": "PASSED" if verdict.ok else "FAILED",
+                "detail": verdict.reason or "every file matches its size and sha256",
+            }
+        ],
+    }
+    print(
+        json.dumps(report) if args.json else f"{report['status']}: {report['checks'][0]['detail']}"
+    )
+    return 0 if verdict.ok else EXIT_FAILED
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from tasks.errors import PipelineError
+    from tasks.export import export_checkpoint
+    from tasks.storage.s3 import S3Settings, boto3_client, parse_s3_uri
+
+    try:
+        bucket, prefix = parse_s3_uri(args.s3_uri)
+        settings = S3Settings(endpoint_url=args.endpoint or os.environ.get("AWS_ENDPOINT_URL"))
+        report = export_checkpoint(
+            boto3_client(settings),
+            args.path,
+            bucket,
+            prefix,
+            args.run_id or args.path.parent.parent.name,
+            endpoint=settings.endpoint_url,
+        )
+    except (PipelineError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    print(json.dumps(report.to_dict()) if args.json else f"exported {report.uri}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from flows.deployments import serve_all
+
+    serve_all()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nvrx-pipeline", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the whole pipeline")
+    run.add_argument("--config", type=Path, help="YAML or JSON file of PipelineParams")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a parameter (dotted keys: dataset.bucket=...)",
+    )
+    run.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="fault drill, e.g. node-loss@step=9,node=1",
+    )
+    run.add_argument("--run-id", help="name the run; an existing id resumes it")
+    run.add_argument("--json", action="store_true", help="print the PipelineResult as JSON last")
+    run.set_defaults(fn=cmd_run)
+    serve = sub.add_parser("serve", help="serve the deployments (schedules included)")
+    serve.set_defaults(fn=cmd_serve)
+    val = sub.add_parser("validate", help="validate a committed checkpoint directory")
+    val.add_argument("path", type=Path)
+    val.add_argument("--json", action="store_true")
+    val.set_defaults(fn=cmd_validate)
+    exp = sub.add_parser("export", help="export a committed checkpoint to S3")
+    exp.add_argument("path", type=Path)
+    exp.add_argument("s3_uri")
+    exp.add_argument("--run-id")
+    exp.add_argument("--endpoint", help="S3 endpoint URL (default: AWS, or $AWS_ENDPOINT_URL)")
+    exp.add_argument("--json", action="store_true")
+    exp.set_defaults(fn=cmd_export)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

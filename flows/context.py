@@ -1,0 +1,60 @@
+"""Where a run lives, derived once from its parameters (no Prefect here)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from flows.models import PipelineParams, new_run_id
+from tasks.storage.s3 import S3Settings
+from trainer.config import (
+    InJobConfig,
+    InProcessConfig,
+    TrainConfig,
+    model_config,
+)
+
+
+@dataclass(frozen=True)
+class RunContext:
+    run_id: str
+    state_dir: Path
+    run_root: Path  # on the shared filesystem ("FSx"): checkpoints, events, logs
+    data_dir: Path  # the hydrated dataset on the shared filesystem
+    s3: S3Settings
+
+    @classmethod
+    def create(cls, params: PipelineParams) -> RunContext:
+        state = Path(params.state_dir).absolute()
+        fsx = state / "fsx"
+        run_id = params.run_id or new_run_id()
+        return cls(
+            run_id=run_id,
+            state_dir=state,
+            run_root=fsx / "runs" / run_id,
+            data_dir=fsx / "datasets" / params.dataset.bucket / params.dataset.prefix,
+            s3=S3Settings(endpoint_url=params.s3_endpoint),
+        )
+
+
+def train_config(params: PipelineParams, ctx: RunContext) -> TrainConfig:
+    """The trainer config of this run. The Wrapper's soft timeout must also exceed the longest
+    wait a rank spends inside one C call (process-group start-up skew, a collective waiting for a
+    slower peer): the Wrapper only sees progress when the main thread runs Python. The trainer's
+    defaults (3/8/16 s, ft_launcher heartbeat 30 s) hold on a loaded 2-core machine; the 2/4/8 s
+    set that the trainer's own drills use did not, with two simulated nodes."""
+    inprocess = InProcessConfig()
+    injob = InJobConfig()
+    return TrainConfig(
+        run_root=ctx.run_root,
+        data_dir=ctx.data_dir,
+        model=model_config(params.model),
+        steps=params.steps,
+        global_batch=params.global_batch,
+        ckpt_interval=params.ckpt_interval,
+        keep_last=params.keep_last,
+        faults=tuple(params.faults),
+        inprocess=dataclasses.replace(inprocess, enabled=params.inprocess_restart),
+        injob=dataclasses.replace(injob, enabled=params.injob_restart),
+    )

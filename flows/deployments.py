@@ -1,0 +1,48 @@
+"""Deployments of the pipeline: on demand (the Prefect UI's Run button) and a nightly schedule.
+
+``nvrx-pipeline serve`` serves both from this process (no work pool needed); ``deploy/prefect.yaml``
+declares the same two for a process work pool (``prefect deploy --all``). Run parameters merge
+*shallowly* over these defaults: a run that overrides ``params`` replaces the whole object, and
+fields it leaves out take the model defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ON_DEMAND = "on-demand"
+NIGHTLY = "nightly"
+NIGHTLY_CRON = "0 2 * * *"
+
+
+def default_parameters() -> dict[str, Any]:
+    from flows.models import PipelineParams
+
+    return {"params": PipelineParams().model_dump(mode="json")}
+
+
+def deployments() -> list[Any]:
+    from flows.pipeline import training_pipeline
+
+    return [
+        training_pipeline.to_deployment(
+            name=ON_DEMAND,
+            parameters=default_parameters(),
+            description="Run the training pipeline on demand (embedded default backend).",
+            tags=["nvrx"],
+        ),
+        training_pipeline.to_deployment(
+            name=NIGHTLY,
+            cron=NIGHTLY_CRON,
+            parameters=default_parameters(),
+            description="Nightly training run with the default drill-free parameters.",
+            tags=["nvrx", "scheduled"],
+        ),
+    ]
+
+
+def serve_all(limit: int = 1) -> None:
+    from prefect import serve
+
+    # One pipeline at a time per server: a run owns this machine's cores and local S3.
+    serve(*deployments(), limit=limit)

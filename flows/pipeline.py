@@ -1,0 +1,176 @@
+"""``training_pipeline(params) -> PipelineResult``: preflight -> hydrate -> train -> validate ->
+export. Orchestration only: the stages are flows in :mod:`flows.stages`, the work is in
+``tasks``. The train stage is retried as a whole only on ``NodeLossExhausted``
+(:mod:`tasks.retry_policy`); every other failure fails the flow with its cause."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+from prefect.logging import get_run_logger
+
+from flows.context import RunContext
+from flows.models import (
+    CheckpointInfo,
+    ExportInfo,
+    FaultRecord,
+    PipelineParams,
+    PipelineResult,
+)
+from flows.report import render_report
+from flows.stages import (
+    export_flow,
+    hydrate_flow,
+    preflight_flow,
+    seed_demo_dataset,
+    train_stage,
+    validate_flow,
+)
+from tasks import run_summary
+from tasks.storage.local_s3 import local_s3
+from trainer.events import read_events
+
+T = TypeVar("T")
+
+
+def build_result(
+    params: PipelineParams,
+    ctx: RunContext,
+    *,
+    status: str,
+    train: dict[str, Any] | None,
+    validation: dict[str, Any] | None,
+    export: dict[str, Any] | None,
+    durations: dict[str, float],
+    attempts: dict[str, int],
+    wall_s: float,
+    since: float,
+    error: str | None = None,
+) -> PipelineResult:
+    # This invocation only: a resumed run id has events from earlier pipeline runs too.
+    events = [e for e in read_events(ctx.run_root) if e["t"] >= since]
+    faults = [
+        FaultRecord(**{k: v for k, v in f.items() if k != "t"})
+        for f in run_summary.faults_with_recovery(events)
+    ]
+    train = train or {}
+    return PipelineResult(
+        status=status,  # type: ignore[arg-type]
+        run_id=ctx.run_id,
+        target_steps=params.steps,
+        final_step=train.get("final_step") or run_summary.progress(events),
+        final_loss=train.get("final_loss"),
+        params_sha256=train.get("params_sha256"),
+        checkpoint=CheckpointInfo(
+            step=(validation or {}).get("step"),
+            uri=(validation or {}).get("path"),
+            validated=bool((validation or {}).get("validated")),
+        ),
+        export=ExportInfo(
+            **{
+                k: (export or {}).get(k)
+                for k in ("uri", "objects", "bytes", "verified")
+                if (export or {}).get(k) is not None
+            }
+        ),
+        faults=faults,
+        stage_attempts=attempts,
+        stage_durations_s={k: round(v, 3) for k, v in durations.items()},
+        ettr=run_summary.ettr(events),
+        wall_s=round(wall_s, 3),
+        error=error,
+    )
+
+
+@flow(name="nvrx-training-pipeline")
+def training_pipeline(params: PipelineParams) -> PipelineResult:
+    log = get_run_logger()
+    ctx = RunContext.create(params)
+    log.info("run %s: run root %s", ctx.run_id, ctx.run_root)
+    t0 = time.monotonic()
+    since = time.time()
+    durations: dict[str, float] = {}
+    attempts: dict[str, int] = {}
+    out: dict[str, Any] = {}
+
+    def stage(name: str, fn: Callable[[], T]) -> T:
+        started = time.monotonic()
+        try:
+            return fn()
+        finally:
+            durations[name] = durations.get(name, 0.0) + time.monotonic() - started
+            attempts[name] = (
+                run_summary.stage_attempts(
+                    [e for e in read_events(ctx.run_root) if e["t"] >= since]
+                )
+                if name == "train"
+                else 1
+            )
+
+    try:
+        with local_s3(ctx.s3, ctx.state_dir) as server:
+            if server is not None:
+                log.info(
+                    "started local S3 server at %s (data in %s)",
+                    ctx.s3.endpoint_url,
+                    server.data_dir,
+                )
+            if params.seed_demo_dataset and ctx.s3.is_local:
+                seed_demo_dataset(params, ctx)
+            stage("preflight", lambda: preflight_flow(params, ctx))
+            stage("hydrate", lambda: hydrate_flow(params, ctx))
+            retries = params.max_train_attempts - 1
+            out["train"] = stage(
+                "train", lambda: train_stage.with_options(retries=retries)(params, ctx)
+            )
+            out["validation"] = stage("validate", lambda: validate_flow(params, ctx))
+            out["export"] = stage(
+                "export", lambda: export_flow(params, ctx, out["validation"]["path"])
+            )
+    except BaseException as e:
+        result = build_result(
+            params,
+            ctx,
+            status="failed",
+            train=out.get("train"),
+            validation=out.get("validation"),
+            export=out.get("export"),
+            durations=durations,
+            attempts=attempts,
+            wall_s=time.monotonic() - t0,
+            since=since,
+            error=f"{type(e).__name__}: {e}",
+        )
+        _publish(ctx, result)
+        raise
+    result = build_result(
+        params,
+        ctx,
+        status="completed",
+        train=out["train"],
+        validation=out["validation"],
+        export=out["export"],
+        durations=durations,
+        attempts=attempts,
+        wall_s=time.monotonic() - t0,
+        since=since,
+    )
+    _publish(ctx, result)
+    return result
+
+
+def _publish(ctx: RunContext, result: PipelineResult) -> None:
+    ctx.run_root.mkdir(parents=True, exist_ok=True)
+    (ctx.run_root / "pipeline_result.json").write_text(result.model_dump_json(indent=1) + "\n")
+    try:
+        create_markdown_artifact(
+            render_report(result),
+            key="run-report",
+            description=f"run {result.run_id}: {result.status}",
+        )
+    except Exception as e:  # a report must never mask the run's own outcome
+        get_run_logger().warning("could not publish the run report: %s", e)

@@ -1,0 +1,51 @@
+"""The run report (markdown artifact): a pure function of the result."""
+
+from __future__ import annotations
+
+from flows.models import PipelineResult
+
+_STAGES = ("preflight", "hydrate", "train", "validate", "export")
+
+
+def render_report(r: PipelineResult) -> str:
+    icon = "completed" if r.status == "completed" else "FAILED"
+    lines = [
+        f"# Run `{r.run_id}`: {icon}",
+        "",
+        f"- steps: **{r.final_step} / {r.target_steps}**, final loss "
+        f"{'n/a' if r.final_loss is None else f'{r.final_loss:.4f}'}",
+        f"- ETTR (productive training time / train-stage wall time): "
+        f"**{'n/a' if r.ettr is None else f'{r.ettr:.3f}'}**",
+        f"- wall time: {r.wall_s:.1f} s",
+    ]
+    if r.error:
+        lines.append(f"- cause: `{r.error}`")
+    lines += ["", "## Stages", "", "| stage | attempts | duration (s) |", "| --- | --- | --- |"]
+    for s in _STAGES:
+        if s in r.stage_durations_s:
+            lines.append(f"| {s} | {r.stage_attempts.get(s, 1)} | {r.stage_durations_s[s]:.1f} |")
+    lines += ["", "## Faults", ""]
+    if r.faults:
+        lines += [
+            "| fault | step | rank | node | recovered by | recovery (s) |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for f in r.faults:
+            rec = "n/a" if f.recovery_s is None else f"{f.recovery_s:.1f}"
+            lines.append(
+                f"| {f.kind} | {f.step} | {'' if f.rank is None else f.rank} | "
+                f"{'' if f.node is None else f.node} | {f.recovered_by} | {rec} |"
+            )
+    else:
+        lines.append("none")
+    lines += [
+        "",
+        "## Outputs",
+        "",
+        f"- checkpoint: step {r.checkpoint.step} at `{r.checkpoint.uri}` "
+        f"({'validated' if r.checkpoint.validated else 'not validated'})",
+        f"- export: `{r.export.uri}` ({r.export.objects} objects, {r.export.bytes} bytes, "
+        f"{'verified' if r.export.verified else 'not verified'})",
+        f"- params_sha256: `{r.params_sha256}`",
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,261 @@
+"""The stage flows: each its own Prefect flow run (logs, artifacts); the work is in ``tasks``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, task
+from prefect.artifacts import (
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.logging import get_run_logger
+
+from flows.context import RunContext, train_config
+from flows.models import PipelineParams
+from tasks.backends.base import LaunchRequest
+from tasks.backends.local import LocalBackend
+from tasks.classify import EndKind
+from tasks.errors import PreflightFailed, StorageError
+from tasks.export import ExportReport, export_checkpoint
+from tasks.hydrate import HydrateReport, hydrate_dataset, upload_dataset
+from tasks.preflight.checks import Requirements, failures, run_checks
+from tasks.preflight.local import gather_local
+from tasks.retry_policy import prefect_retry_condition
+from tasks.storage.s3 import boto3_client, check_bucket, s3fs_filesystem
+from tasks.train_stage import run_attempt
+from tasks.validate import ValidationReport, validate_latest
+from trainer.data import write_synthetic_dataset
+
+
+# -- demo data ------------------------------------------------------------------------------------
+@task(name="seed-demo-dataset")
+def seed_demo_dataset(params: PipelineParams, ctx: RunContext) -> bool:
+    """Local S3 only: create the buckets and a synthetic dataset when the prefix is empty."""
+    log = get_run_logger()
+    client = boto3_client(ctx.s3)
+    for bucket in (params.dataset.bucket, params.export.bucket):
+        try:
+            client.head_bucket(Bucket=bucket)
+        except Exception:
+            client.create_bucket(Bucket=bucket)
+            log.info("created bucket %s", bucket)
+    key = f"{params.dataset.prefix}/dataset.json"
+    try:
+        client.head_object(Bucket=params.dataset.bucket, Key=key)
+        return False
+    except Exception:
+        pass
+    staging = ctx.state_dir / "seed" / params.dataset.prefix
+    write_synthetic_dataset(staging, vocab_size=512, seed=0)
+    n = upload_dataset(client, staging, params.dataset.bucket, params.dataset.prefix)
+    log.info(
+        "seeded s3://%s/%s with a synthetic dataset (%d objects)",
+        params.dataset.bucket,
+        params.dataset.prefix,
+        n,
+    )
+    return True
+
+
+# -- preflight ------------------------------------------------------------------------------------
+@task(name="gather-preflight-snapshot")
+def gather_snapshot(params: PipelineParams, ctx: RunContext) -> Any:
+    return gather_local(
+        state_dir=ctx.state_dir,
+        s3=ctx.s3,
+        client=boto3_client(ctx.s3),
+        buckets=(params.dataset.bucket, params.export.bucket),
+        dataset_bucket=params.dataset.bucket,
+        dataset_prefix=params.dataset.prefix,
+    )
+
+
+@flow(name="preflight")
+def preflight_flow(params: PipelineParams, ctx: RunContext) -> list[dict[str, str]]:
+    snap = gather_snapshot(params, ctx)
+    req = Requirements(
+        workers=params.nodes * params.nproc_per_node,
+        buckets=(params.dataset.bucket, params.export.bucket),
+        dataset_uri=f"s3://{params.dataset.bucket}/{params.dataset.prefix}",
+    )
+    results = run_checks(snap, req)
+    rows = [
+        {"check": r.name, "status": r.status.value, "detail": r.detail, "fix": r.fix}
+        for r in results
+    ]
+    create_table_artifact(rows, key="preflight", description=f"preflight of {ctx.run_id}")
+    failed = failures(results)
+    if failed:
+        listing = "; ".join(f"{r.name}: {r.detail} (fix: {r.fix})" for r in failed)
+        raise PreflightFailed(f"{len(failed)} preflight check(s) failed: {listing}")
+    get_run_logger().info(
+        "preflight passed: %s", ", ".join(f"{r.name} {r.status}" for r in results)
+    )
+    return rows
+
+
+# -- hydrate --------------------------------------------------------------------------------------
+@flow(name="hydrate")
+def hydrate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
+    log = get_run_logger()
+    fs = s3fs_filesystem(ctx.s3)
+    artifact = create_progress_artifact(0.0, key="hydrate-progress", description="files hydrated")
+
+    def progress(done: int, total: int, name: str) -> None:
+        update_progress_artifact(artifact, 100.0 * done / max(total, 1))
+        log.info("hydrate %d/%d %s", done, total, name)
+
+    report: HydrateReport = hydrate_dataset(
+        fs, params.dataset.bucket, params.dataset.prefix, ctx.data_dir, progress=progress
+    )
+    log.info(
+        "hydrated %s -> %s: %d files, %d downloaded, %d already present and verified",
+        report.source,
+        report.dest,
+        report.files,
+        report.downloaded,
+        report.skipped,
+    )
+    return report.to_dict()
+
+
+# -- train ----------------------------------------------------------------------------------------
+class _Progress:
+    """Streams rank-0 progress into the flow log (throttled) and a progress artifact."""
+
+    def __init__(self, target: int, attempt: int) -> None:
+        self.log = get_run_logger()
+        self.target = target
+        self.artifact = create_progress_artifact(
+            0.0, key="train-progress", description=f"training steps (attempt {attempt})"
+        )
+        self.last_log = 0.0
+
+    def __call__(self, e: dict[str, Any]) -> None:
+        kind = e["kind"]
+        if kind == "step":
+            now = time.monotonic()
+            if now - self.last_log >= 2.0 or e["step"] == self.target:
+                self.last_log = now
+                update_progress_artifact(self.artifact, 100.0 * e["step"] / self.target)
+                self.log.info(
+                    "step %d/%d loss %.4f %.0f tok/s",
+                    e["step"],
+                    self.target,
+                    e["loss"],
+                    e.get("tokens_per_s", 0.0),
+                )
+        elif kind == "fault":
+            self.log.warning("fault injected: %s at step %s", e.get("fault"), e.get("step"))
+        elif kind == "restart":
+            self.log.warning("restart by the %s layer", e.get("layer"))
+        elif kind == "recovered":
+            self.log.info(
+                "recovered from %s by %s in %.1f s",
+                e.get("fault"),
+                e.get("layer"),
+                e.get("recovery_s", 0.0),
+            )
+        elif kind == "resume" and e.get("action") in ("loaded", "skipped", "failed"):
+            self.log.info("resume %s: step %s %s", e["action"], e.get("step"), e.get("reason", ""))
+        elif kind == "checkpoint":
+            self.log.info(
+                "checkpoint step %d committed (blocked %.3f s)", e["step"], e["blocking_s"]
+            )
+        elif kind == "fatal":
+            self.log.error("trainer fatal error: %s", e.get("error"))
+
+
+@flow(name="train")
+def train_flow(params: PipelineParams, ctx: RunContext, attempt: int) -> dict[str, Any]:
+    log = get_run_logger()
+    cfg = train_config(params, ctx)
+    backend = LocalBackend()
+    log.info(
+        "train attempt %d: %d node(s) x %d worker(s), %d steps, backend %s",
+        attempt,
+        params.nodes,
+        params.nproc_per_node,
+        params.steps,
+        backend.name,
+    )
+    report = run_attempt(
+        backend,
+        LaunchRequest(
+            run_id=ctx.run_id,
+            attempt=attempt,
+            cfg=cfg,
+            nodes=params.nodes,
+            nproc_per_node=params.nproc_per_node,
+        ),
+        deadline_s=params.train_timeout_s,
+        on_event=_Progress(params.steps, attempt),
+    )
+    if report.outcome.kind != EndKind.COMPLETED:
+        error = report.outcome.error()
+        assert error is not None
+        raise error
+    log.info("train attempt %d completed in %.1f s", attempt, report.wall_s)
+    return report.outcome.details["result"]
+
+
+@task(name="train-stage", retry_condition_fn=prefect_retry_condition)
+def train_stage(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
+    """The train stage as a task: Prefect retries it (a new ``train`` flow run per attempt)
+    only when :func:`tasks.retry_policy.stage_retry_allowed` says so."""
+    from prefect.runtime import task_run
+
+    return train_flow(params, ctx, attempt=int(task_run.run_count or 1))
+
+
+# -- validate -------------------------------------------------------------------------------------
+@flow(name="validate")
+def validate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
+    report: ValidationReport = validate_latest(ctx.run_root)
+    if report.fell_back_from:
+        get_run_logger().warning(
+            "newest checkpoint(s) invalid, using step %d: %s", report.step, report.fell_back_from
+        )
+    create_table_artifact(
+        [
+            {
+                "step": report.step,
+                "path": report.path,
+                "validated": report.validated,
+                "fell_back_from": str(report.fell_back_from or ""),
+            }
+        ],
+        key="validation",
+    )
+    return report.to_dict()
+
+
+# -- export ---------------------------------------------------------------------------------------
+@flow(name="export")
+def export_flow(params: PipelineParams, ctx: RunContext, checkpoint_path: str) -> dict[str, Any]:
+    from pathlib import Path
+
+    client = boto3_client(ctx.s3)
+    try:
+        check_bucket(client, params.export.bucket, endpoint=ctx.s3.endpoint_url)
+    except StorageError:
+        raise
+    report: ExportReport = export_checkpoint(
+        client,
+        Path(checkpoint_path),
+        params.export.bucket,
+        params.export.prefix,
+        ctx.run_id,
+        endpoint=ctx.s3.endpoint_url,
+    )
+    get_run_logger().info(
+        "exported %s: %d objects (%d uploaded, %d already there), verified",
+        report.uri,
+        report.objects,
+        report.uploaded,
+        report.skipped,
+    )
+    return report.to_dict()

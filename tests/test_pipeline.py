@@ -1,0 +1,146 @@
+"""The whole pipeline on the embedded default, against real parts: the Prefect test server,
+SeaweedFS over HTTP, real ft_launcher agents as simulated nodes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flows.context import RunContext
+from flows.models import PipelineParams, PipelineResult
+from tasks.storage.s3 import S3Settings, boto3_client
+from trainer import manifest
+from trainer.faults import flip_bytes
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    faults: tuple[str, ...]
+    train_attempts: int
+    recovered_by: str | None
+
+
+SCENARIOS = [
+    Scenario("exception", ("exception@step=14,rank=1",), 1, "inprocess"),
+    Scenario("sigkill", ("sigkill@step=14,rank=0",), 1, "injob"),
+    Scenario("hang", ("hang@step=14,rank=1",), 1, "injob"),
+    Scenario("node-loss", ("node-loss@step=12,node=1",), 2, "stage-retry"),
+]
+
+
+def make_params(state: Path, s3: S3Settings, **kw: Any) -> PipelineParams:
+    base: dict[str, Any] = {
+        "state_dir": str(state),
+        "s3_endpoint": s3.endpoint_url,
+        "steps": 20,
+        "nodes": 2,
+        "nproc_per_node": 1,
+    }
+    return PipelineParams(**{**base, **kw})
+
+
+def run_pipeline(params: PipelineParams) -> tuple[Any, PipelineResult | None]:
+    from flows.pipeline import training_pipeline
+
+    state = training_pipeline(params, return_state=True)
+    result = state.result(raise_on_failure=False) if state.is_completed() else None
+    return state, result
+
+
+def assert_exported(result: PipelineResult, s3: S3Settings) -> None:
+    """Every object of the committed checkpoint is in S3 and its bytes hash to the manifest's."""
+    assert result.export.verified and result.export.uri
+    bucket, _, base = result.export.uri.removeprefix("s3://").partition("/")
+    client = boto3_client(s3)
+    local = manifest.read_manifest(Path(result.checkpoint.uri))  # type: ignore[arg-type]
+    remote = json.loads(client.get_object(Bucket=bucket, Key=f"{base}manifest.json")["Body"].read())
+    assert remote == local
+    for entry in local["files"]:
+        body = client.get_object(Bucket=bucket, Key=f"{base}{entry['name']}")["Body"].read()
+        assert hashlib.sha256(body).hexdigest() == entry["sha256"], entry["name"]
+    assert result.export.objects == len(local["files"]) + 1
+
+
+@pytest.fixture(scope="module")
+def baseline(prefect_server, s3_settings, tmp_path_factory) -> PipelineResult:
+    params = make_params(tmp_path_factory.mktemp("pipe"), s3_settings, run_id="baseline")
+    state, result = run_pipeline(params)
+    assert state.is_completed(), state.message
+    assert result is not None
+    assert result.status == "completed" and result.final_step == 20
+    assert result.stage_attempts["train"] == 1 and result.faults == []
+    assert result.checkpoint.validated and result.checkpoint.step == 20
+    assert 0 < (result.ettr or 0) <= 1
+    assert_exported(result, s3_settings)
+    return result
+
+
+@pytest.mark.parametrize("sc", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_pipeline_recovers(sc: Scenario, baseline: PipelineResult, s3_settings, tmp_path: Path):
+    params = make_params(tmp_path, s3_settings, run_id=f"drill-{sc.name}", faults=list(sc.faults))
+    state, result = run_pipeline(params)
+    assert state.is_completed(), state.message
+    assert result is not None
+    assert result.final_step == result.target_steps == 20
+    assert result.params_sha256 == baseline.params_sha256
+    assert result.stage_attempts["train"] == sc.train_attempts
+    assert [(f.kind, f.recovered_by) for f in result.faults] == [
+        (sc.faults[0].split("@")[0], sc.recovered_by)
+    ]
+    assert result.faults[0].recovery_s and result.faults[0].recovery_s > 0
+    assert_exported(result, s3_settings)
+
+
+def test_bad_dataset_fails_fast_without_retry(prefect_server, s3_settings, tmp_path: Path):
+    from tasks.hydrate import upload_dataset
+    from trainer.data import write_synthetic_dataset
+
+    local = tmp_path / "bad"
+    write_synthetic_dataset(local, shards=2, tokens_per_shard=4096)
+    flip_bytes(local / "shard_00001.bin")  # the manifest no longer matches this shard
+    client = boto3_client(s3_settings)
+    for b in ("nvrx-datasets", "nvrx-checkpoints"):
+        try:
+            client.head_bucket(Bucket=b)
+        except Exception:
+            client.create_bucket(Bucket=b)
+    upload_dataset(client, local, "nvrx-datasets", "corrupt/v1")
+    params = make_params(
+        tmp_path / "state",
+        s3_settings,
+        run_id="bad-data",
+        dataset={"bucket": "nvrx-datasets", "prefix": "corrupt/v1"},
+    )
+    state, _ = run_pipeline(params)
+    assert state.is_failed()
+    assert "HydrationError" in state.message and "shard_00001.bin" in state.message
+    events = RunContext.create(params).run_root / "events.jsonl"
+    assert not events.exists() or "stage_attempt" not in events.read_text()
+
+
+def test_unrecoverable_training_failure_is_not_retried(baseline, s3_settings, tmp_path: Path):
+    """Checkpoints exist but none is valid: the trainer refuses to start over; the stage fails
+    with that cause after one attempt (not retried: only node loss is)."""
+    params = make_params(tmp_path, s3_settings, run_id="no-valid-ckpt", steps=10)
+    state, _ = run_pipeline(params)
+    assert state.is_completed(), state.message
+    run_root = RunContext.create(params).run_root
+    for step in manifest.committed_steps(run_root):
+        flip_bytes(sorted(manifest.committed_path(run_root, step).glob("*.distcp"))[0])
+    again = make_params(tmp_path, s3_settings, run_id="no-valid-ckpt", steps=20)
+    state, _ = run_pipeline(again)
+    assert state.is_failed()
+    assert "DoNotRequeue" in state.message and "none is valid" in state.message
+    saved = PipelineResult.model_validate_json((run_root / "pipeline_result.json").read_text())
+    assert saved.status == "failed" and saved.stage_attempts["train"] == 1
+    attempts = [json.loads(line) for line in (run_root / "events.jsonl").read_text().splitlines()]
+    ends = [e for e in attempts if e["kind"] == "stage_attempt_end"]
+    assert [e["outcome"] for e in ends] == ["completed", "do-not-requeue"]
