@@ -5,11 +5,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-RUN_ROOT ?= runs/demo
-DATA_DIR ?= runs/data
+STATE_DIR ?= .state
 PORT ?= 29500
 
-.PHONY: all venv run test test-fast lint bench clean
+.PHONY: all venv run run-trainer serve test test-fast lint bench clean
 
 all: test
 
@@ -22,15 +21,25 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-# The embedded default: 2 CPU ranks under ft_launcher, async checkpoints, and a short fault
-# drill (one exception recovered in-process, one SIGKILL recovered by ft_launcher).
+# The whole pipeline on the embedded default (local S3 server, 2 simulated nodes, gloo) with a
+# short fault drill: one exception (in-process), one SIGKILL (in-job), one node loss (stage retry).
 run: venv
-	$(PY) -m trainer.data --out $(DATA_DIR)
-	rm -rf $(RUN_ROOT)
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(VENV)/bin/nvrx-pipeline run \
+		--set state_dir=$(STATE_DIR) --set steps=30 \
+		--inject exception@step=8,rank=1 --inject sigkill@step=16,rank=0 \
+		--inject node-loss@step=24,node=1
+
+# The trainer alone under one ft_launcher (no Prefect, no S3).
+run-trainer: venv
+	$(PY) -m trainer.data --out $(STATE_DIR)/trainer-demo/data
+	rm -rf $(STATE_DIR)/trainer-demo/run
 	$(PY) -m trainer.launch --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:$(PORT) \
-		--run-root $(RUN_ROOT) --data-dir $(DATA_DIR) --model tiny --steps 30 --ckpt-interval 5 \
-		--inject exception@step=12,rank=1 --inject sigkill@step=22,rank=0
-	$(PY) -m trainer.report $(RUN_ROOT)
+		--run-root $(STATE_DIR)/trainer-demo/run --data-dir $(STATE_DIR)/trainer-demo/data \
+		--steps 30 --inject exception@step=12,rank=1 --inject sigkill@step=22,rank=0
+	$(PY) -m trainer.report $(STATE_DIR)/trainer-demo/run
+
+serve: venv
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(VENV)/bin/nvrx-pipeline serve
 
 test: venv
 	$(PY) -m pytest -q
@@ -47,4 +56,4 @@ bench: venv
 	$(PY) benchmarks/checkpoint_stall.py
 
 clean:
-	rm -rf runs .pytest_cache .ruff_cache .mypy_cache
+	rm -rf .state .pytest_cache .ruff_cache .mypy_cache

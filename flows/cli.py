@@ -188,9 +188,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
             }
         ],
     }
-    print(
-        json.dumps(report) if args.json else f"{report['status']}: {report['checks'][0]['detail']}"
-    )
+    detail = verdict.reason or "every file matches its size and sha256"
+    print(json.dumps(report) if args.json else f"{report['status']}: {detail}")
     return 0 if verdict.ok else EXIT_FAILED
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 from prefect import flow, task
 from prefect.artifacts import (
@@ -21,7 +22,7 @@ from tasks.classify import EndKind
 from tasks.errors import PreflightFailed, StorageError
 from tasks.export import ExportReport, export_checkpoint
 from tasks.hydrate import HydrateReport, hydrate_dataset, upload_dataset
-from tasks.preflight.checks import Requirements, failures, run_checks
+from tasks.preflight.checks import Requirements, Snapshot, failures, run_checks
 from tasks.preflight.local import gather_local
 from tasks.retry_policy import prefect_retry_condition
 from tasks.storage.s3 import boto3_client, check_bucket, s3fs_filesystem
@@ -81,7 +82,7 @@ def preflight_flow(params: PipelineParams, ctx: RunContext) -> list[dict[str, st
         buckets=(params.dataset.bucket, params.export.bucket),
         dataset_uri=f"s3://{params.dataset.bucket}/{params.dataset.prefix}",
     )
-    results = run_checks(snap, req)
+    results = run_checks(cast(Snapshot, snap), req)
     rows = [
         {"check": r.name, "status": r.status.value, "detail": r.detail, "fix": r.fix}
         for r in results
@@ -102,7 +103,10 @@ def preflight_flow(params: PipelineParams, ctx: RunContext) -> list[dict[str, st
 def hydrate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
     log = get_run_logger()
     fs = s3fs_filesystem(ctx.s3)
-    artifact = create_progress_artifact(0.0, key="hydrate-progress", description="files hydrated")
+    # Sync context: these return the value, not a coroutine (their typing covers both).
+    artifact = cast(
+        UUID, create_progress_artifact(0.0, key="hydrate-progress", description="files hydrated")
+    )
 
     def progress(done: int, total: int, name: str) -> None:
         update_progress_artifact(artifact, 100.0 * done / max(total, 1))
@@ -129,8 +133,11 @@ class _Progress:
     def __init__(self, target: int, attempt: int) -> None:
         self.log = get_run_logger()
         self.target = target
-        self.artifact = create_progress_artifact(
-            0.0, key="train-progress", description=f"training steps (attempt {attempt})"
+        self.artifact = cast(
+            UUID,
+            create_progress_artifact(
+                0.0, key="train-progress", description=f"training steps (attempt {attempt})"
+            ),
         )
         self.last_log = 0.0
 

@@ -48,8 +48,14 @@ def served(prefect_server: str, tmp_path: Path):
         TORCH_CPP_LOG_LEVEL="ERROR",
     )
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve"], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "serve"],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         yield proc
     finally:
@@ -91,15 +97,21 @@ def test_run_button_endpoint(served, prefect_server: str, s3_settings, tmp_path:
         assert any(s["schedule"].get("cron") == NIGHTLY_CRON for s in nightly["schedules"])
 
         # Bad parameters: rejected by the server, naming the field.
-        bad = api.post(f"/deployments/{dep_id}/create_flow_run",
-                       json={"parameters": {"params": {"steps": 0}}})
+        bad = api.post(
+            f"/deployments/{dep_id}/create_flow_run", json={"parameters": {"params": {"steps": 0}}}
+        )
         assert bad.status_code in (409, 422), bad.text
         assert "steps" in bad.text
 
-        override = {"run_id": "via-run-button", "steps": 10, "state_dir": str(tmp_path / "state"),
-                    "s3_endpoint": s3_settings.endpoint_url}
-        r = api.post(f"/deployments/{dep_id}/create_flow_run",
-                     json={"parameters": {"params": override}})
+        override = {
+            "run_id": "via-run-button",
+            "steps": 10,
+            "state_dir": str(tmp_path / "state"),
+            "s3_endpoint": s3_settings.endpoint_url,
+        }
+        r = api.post(
+            f"/deployments/{dep_id}/create_flow_run", json={"parameters": {"params": override}}
+        )
         assert r.status_code == 201, r.text
         run = _wait_final(api, r.json()["id"], deadline)
     log = (tmp_path / "serve.log").read_text()

@@ -1,0 +1,77 @@
+"""Preflight checks are pure functions over a snapshot; a blind check is SKIPPED, not PASSED."""
+
+from __future__ import annotations
+
+from tasks.preflight.checks import Requirements, Snapshot, Status, failures, run_checks
+
+REQ = Requirements(workers=2, buckets=("data", "ckpt"), dataset_uri="s3://data/v1")
+
+
+def healthy() -> Snapshot:
+    return Snapshot(
+        facts={
+            "cpu_count": 2,
+            "mem_available_gb": 20.0,
+            "disk_free_gb": 50.0,
+            "disk_path": "/x",
+            "torch_version": "2.13.0+cpu",
+            "nvrx_version": "0.4.1",
+            "ft_launcher": "/bin/ft",
+            "s3_endpoint": "http://127.0.0.1:8333",
+            "buckets": {"data": True, "ckpt": True},
+            "dataset_files": 4,
+        }
+    )
+
+
+def by_name(results):
+    return {r.name: r for r in results}
+
+
+def test_all_pass():
+    results = run_checks(healthy(), REQ)
+    assert {r.status for r in results} == {Status.PASSED}
+
+
+def test_s3_down_fails_once_and_skips_dependents():
+    snap = healthy()
+    snap.errors["s3"] = "S3 endpoint http://127.0.0.1:8333 is unreachable"
+    r = by_name(run_checks(snap, REQ))
+    assert r["S3 endpoint reachable"].status == Status.FAILED
+    assert r["S3 buckets present"].status == Status.SKIPPED
+    assert r["dataset present"].status == Status.SKIPPED
+    assert "unreachable" in r["S3 buckets present"].detail
+
+
+def test_every_failure_listed_with_fix():
+    snap = healthy()
+    snap.facts.update(
+        mem_available_gb=0.5,
+        disk_free_gb=0.1,
+        nvrx_version="0.3.0",
+        buckets={"data": True, "ckpt": False},
+    )
+    snap.errors["dataset"] = "s3://data/v1/dataset.json: missing"
+    failed = failures(run_checks(snap, REQ))
+    names = {f.name for f in failed}
+    assert names == {
+        "memory",
+        "free disk on run root",
+        "torch / NVRx versions",
+        "S3 buckets present",
+        "dataset present",
+    }
+    assert all(f.fix for f in failed)
+    assert "ckpt" in by_name(failed)["S3 buckets present"].detail
+
+
+def test_host_source_failure_is_skipped_not_passed():
+    snap = healthy()
+    snap.errors["host"] = "psutil unavailable"
+    r = by_name(run_checks(snap, REQ))
+    assert r["cpu cores"].status == r["memory"].status == Status.SKIPPED
+
+
+def test_oversubscription_fails():
+    r = by_name(run_checks(healthy(), Requirements(workers=64)))
+    assert r["cpu cores"].status == Status.FAILED

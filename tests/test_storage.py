@@ -1,0 +1,89 @@
+"""S3 pieces against a real SeaweedFS server over HTTP."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tasks.backends.local import free_port
+from tasks.errors import HydrationError, StorageError
+from tasks.hydrate import hydrate_dataset, upload_dataset
+from tasks.storage.local_s3 import endpoint_is_up, local_s3
+from tasks.storage.s3 import S3Settings, boto3_client, check_bucket, s3fs_filesystem
+from trainer.data import verify_dataset, write_synthetic_dataset
+
+
+@pytest.fixture(scope="module")
+def seeded(s3_settings: S3Settings, tmp_path_factory) -> tuple[S3Settings, str]:
+    client = boto3_client(s3_settings)
+    bucket = "hydrate-test"
+    client.create_bucket(Bucket=bucket)
+    local = tmp_path_factory.mktemp("src")
+    write_synthetic_dataset(local, shards=3, tokens_per_shard=5000, seed=4)
+    upload_dataset(client, local, bucket, "ds/v1")
+    return s3_settings, bucket
+
+
+def test_hydrate_is_verified_and_idempotent(seeded, tmp_path: Path):
+    settings, bucket = seeded
+    fs = s3fs_filesystem(settings)
+    seen: list[str] = []
+    first = hydrate_dataset(
+        fs, bucket, "ds/v1", tmp_path / "fsx", progress=lambda d, t, n: seen.append(n)
+    )
+    assert (first.files, first.downloaded, first.skipped) == (3, 3, 0)
+    assert seen == ["shard_00000.bin", "shard_00001.bin", "shard_00002.bin"]
+    verify_dataset(tmp_path / "fsx")
+    second = hydrate_dataset(fs, bucket, "ds/v1", tmp_path / "fsx")
+    assert (second.downloaded, second.skipped, second.bytes_downloaded) == (0, 3, 0)
+    # A damaged local copy is fetched again, nothing else.
+    (tmp_path / "fsx" / "shard_00001.bin").write_bytes(b"junk")
+    third = hydrate_dataset(fs, bucket, "ds/v1", tmp_path / "fsx")
+    assert (third.downloaded, third.skipped) == (1, 2)
+
+
+def test_hydrate_missing_prefix_is_named(seeded, tmp_path: Path):
+    settings, bucket = seeded
+    with pytest.raises(HydrationError, match=r"s3://hydrate-test/nope/dataset.json not found"):
+        hydrate_dataset(s3fs_filesystem(settings), bucket, "nope", tmp_path)
+
+
+def test_hydrate_rejects_corrupt_source(seeded, tmp_path: Path):
+    settings, bucket = seeded
+    client = boto3_client(settings)
+    body = json.loads(client.get_object(Bucket=bucket, Key="ds/v1/dataset.json")["Body"].read())
+    for key in ("dataset.json",):
+        client.put_object(Bucket=bucket, Key=f"bad/{key}", Body=json.dumps(body).encode())
+    for e in body["files"]:
+        client.put_object(Bucket=bucket, Key=f"bad/{e['name']}", Body=b"\0" * e["bytes"])
+    with pytest.raises(
+        HydrationError, match=r"s3://hydrate-test/bad/shard_00000.bin does not match"
+    ):
+        hydrate_dataset(s3fs_filesystem(settings), bucket, "bad", tmp_path)
+    assert not (tmp_path / "dataset.json").exists()
+
+
+def test_clear_errors(s3_settings: S3Settings):
+    client = boto3_client(s3_settings)
+    with pytest.raises(StorageError, match="bucket 'no-such-bucket' does not exist"):
+        check_bucket(client, "no-such-bucket", endpoint=s3_settings.endpoint_url)
+    down = S3Settings(endpoint_url=f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(StorageError, match="unreachable"):
+        check_bucket(boto3_client(down), "x-bucket", endpoint=down.endpoint_url)
+
+
+def test_local_server_started_on_demand_and_stopped(tmp_path: Path):
+    port = free_port()
+    while port + 10003 > 65535:
+        port = free_port()
+    settings = S3Settings(endpoint_url=f"http://127.0.0.1:{port}")
+    assert not endpoint_is_up(settings.endpoint_url)
+    with local_s3(settings, tmp_path) as server:
+        assert server is not None and endpoint_is_up(settings.endpoint_url)
+        boto3_client(settings).create_bucket(Bucket="on-demand")
+        with local_s3(settings, tmp_path) as again:
+            assert again is None  # already up: not ours to start or stop
+    assert not endpoint_is_up(settings.endpoint_url)
+    assert (tmp_path / "s3").is_dir()  # data under the state directory
