@@ -16,6 +16,7 @@ from typing import Any
 from tasks.errors import ExportError, StorageError
 from tasks.storage.s3 import describe_client_error, validate_bucket, validate_prefix
 from trainer import manifest as ckpt_manifest
+from trainer.hashing import sha256_file
 
 
 @dataclass
@@ -62,7 +63,7 @@ def export_checkpoint(
         for entry in entries:
             name = ckpt_manifest.MANIFEST if entry is None else entry["name"]
             path = ckpt_dir / name
-            sha = ckpt_manifest.sha256_file(path) if entry is None else entry["sha256"]
+            sha = sha256_file(path) if entry is None else entry["sha256"]
             key = f"{base}/{name}"
             total += path.stat().st_size
             if (

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from tasks.errors import HydrationError
-from trainer.data import MANIFEST, DataError, sha256_file, verify_dataset
+from trainer.data import MANIFEST, DataError, verify_dataset
+from trainer.hashing import sha256_file
 
 
 @dataclass

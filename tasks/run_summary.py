@@ -5,27 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainer.report import faults_with_recovery
 
-def faults_with_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    recovered: dict[tuple[Any, Any], dict[str, Any]] = {}
-    for e in events:
-        if e["kind"] == "recovered":
-            recovered.setdefault((e.get("fault"), e.get("fault_step")), e)
-    out = []
-    for f in (e for e in events if e["kind"] == "fault"):
-        r = recovered.get((f.get("fault"), f.get("step")))
-        out.append(
-            {
-                "kind": f.get("fault_kind"),
-                "step": f.get("step"),
-                "rank": f.get("rank"),
-                "node": f.get("node"),
-                "recovered_by": r["layer"] if r else "none",
-                "recovery_s": r["recovery_s"] if r else None,
-                "t": f["t"],
-            }
-        )
-    return out
+__all__ = ["ettr", "faults_with_recovery", "productive_s", "progress", "stage_attempts"]
 
 
 def stage_attempts(events: list[dict[str, Any]], stage: str = "train") -> int:

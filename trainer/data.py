@@ -29,22 +29,15 @@ from typing import Any
 
 import numpy as np
 
+from trainer.hashing import sha256_file
+
 MANIFEST = "dataset.json"
 FORMAT = "nvrx-tokens-v1"
 DTYPE = np.dtype("<u2")
-_HASH_CHUNK = 8 << 20
 
 
 class DataError(RuntimeError):
     """The dataset is missing, short or corrupt. The message names the file."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------

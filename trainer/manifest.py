@@ -14,7 +14,6 @@ atomically. A reader trusts a directory only if its manifest exists and every fi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -24,13 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.hashing import sha256_file
+
 FORMAT = "nvrx-ckpt-v1"
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
 PARTIAL_SUFFIX = ".partial"
 DIGEST_SIDECAR = ".digests-rank{rank}.json"
 _STEP_RE = re.compile(r"^step_(\d{9})$")
-_HASH_CHUNK = 8 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -55,14 +55,6 @@ def committed_path(run_root: Path, step: int) -> Path:
 
 def partial_path(run_root: Path, step: int) -> Path:
     return checkpoints_dir(run_root) / (step_dirname(step) + PARTIAL_SUFFIX)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def fsync_dir(path: Path) -> None:

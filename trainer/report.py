@@ -11,34 +11,42 @@ from typing import Any
 from trainer.events import read_events
 
 
+def faults_with_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every fault with the layer that recovered it and how long it took (``none`` if no
+    ``recovered`` event closed it)."""
+    recovered: dict[tuple[Any, Any], dict[str, Any]] = {}
+    for e in events:
+        if e["kind"] == "recovered":
+            recovered.setdefault((e.get("fault"), e.get("fault_step")), e)
+    out = []
+    for f in (e for e in events if e["kind"] == "fault"):
+        r = recovered.get((f.get("fault"), f.get("step")))
+        out.append(
+            {
+                "fault": f.get("fault"),
+                "kind": f.get("fault_kind"),
+                "step": f.get("step"),
+                "rank": f.get("rank"),
+                "node": f.get("node"),
+                "recovered_by": r["layer"] if r else "none",
+                "recovery_s": r["recovery_s"] if r else None,
+                "t": f["t"],
+            }
+        )
+    return out
+
+
 def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     """Pure: faults with the layer that recovered each and how long it took, checkpoints, steps."""
     steps = [e for e in events if e["kind"] == "step"]
     checkpoints = [e for e in events if e["kind"] == "checkpoint"]
-    recovered = {
-        (r.get("fault"), r.get("fault_step")): r for r in events if r["kind"] == "recovered"
-    }
-    faults = []
-    for f in (e for e in events if e["kind"] == "fault"):
-        r = recovered.get((f.get("fault"), f.get("step")))
-        faults.append(
-            {
-                "fault": f.get("fault"),
-                "step": f.get("step"),
-                "rank": f.get("rank"),
-                "recovered_by": r["layer"]
-                if r
-                else ("n/a" if f.get("fault_kind") == "corrupt-checkpoint" else "none"),
-                "recovery_s": r["recovery_s"] if r else None,
-            }
-        )
     end = next((e for e in reversed(events) if e["kind"] in ("train_end", "fatal")), None)
     blocking = [c["blocking_s"] for c in checkpoints]
     return {
         "final_step": max((s["step"] for s in steps), default=0),
         "steps_run": len(steps),
         "final_loss": steps[-1]["loss"] if steps else None,
-        "faults": faults,
+        "faults": faults_with_recovery(events),
         "restarts": [{"layer": e["layer"], "t": e["t"]} for e in events if e["kind"] == "restart"],
         "checkpoints": len(checkpoints),
         "ckpt_blocking_s_max": max(blocking, default=None),
