@@ -174,28 +174,27 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from trainer.manifest import verify_checkpoint
+    from tasks.validation.checkpoint import Expectations, validate_checkpoint
 
-    verdict = verify_checkpoint(args.path)
-    report = {
-        "status": "passed" if verdict.ok else "failed",
-        "path": str(args.path),
-        "checks": [
-            {
-                "name": "manifest digests",
-                "status": "PASSED" if verdict.ok else "FAILED",
-                "detail": verdict.reason or "every file matches its size and sha256",
-            }
-        ],
-    }
-    detail = verdict.reason or "every file matches its size and sha256"
-    print(json.dumps(report) if args.json else f"{report['status']}: {detail}")
-    return 0 if verdict.ok else EXIT_FAILED
+    if not args.path.is_dir():
+        print(f"error: {args.path} is not a checkpoint directory", file=sys.stderr)
+        return EXIT_USAGE
+    exp = Expectations(
+        model=args.model, data_dir=args.data_dir, global_batch=args.global_batch, seed=args.seed
+    )
+    report = validate_checkpoint(args.path, exp)
+    if args.json:
+        print(json.dumps(report.to_dict()), flush=True)
+    else:
+        print(f"{report.status.upper()}: {report.path} (step {report.step})")
+        for c in report.checks:
+            print(f"  {c['status']:<8} {c['name']}: {c['detail']}")
+    return 0 if report.passed else EXIT_FAILED
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from tasks.errors import PipelineError
-    from tasks.export import export_checkpoint
+    from tasks.export import ExportOptions, export_checkpoint
     from tasks.storage.s3 import S3Settings, boto3_client, parse_s3_uri
 
     try:
@@ -208,11 +207,18 @@ def cmd_export(args: argparse.Namespace) -> int:
             prefix,
             args.run_id or args.path.parent.parent.name,
             endpoint=settings.endpoint_url,
+            options=ExportOptions(sse=args.sse, kms_key_id=args.kms_key_id),
         )
     except (PipelineError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
-    print(json.dumps(report.to_dict()) if args.json else f"exported {report.uri}")
+    if args.json:
+        print(json.dumps(report.to_dict()), flush=True)
+    else:
+        print(
+            f"exported {report.uri}: {report.objects} objects ({report.uploaded} uploaded, "
+            f"{report.skipped} already there), verified by {report.verification}"
+        )
     return 0
 
 
@@ -249,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(fn=cmd_serve)
     val = sub.add_parser("validate", help="validate a committed checkpoint directory")
     val.add_argument("path", type=Path)
+    val.add_argument("--model", help="model size (default: the one in the manifest)")
+    val.add_argument("--data-dir", type=Path, help="dataset: enables the held-out loss check")
+    val.add_argument("--global-batch", type=int, default=8)
+    val.add_argument("--seed", type=int, default=1234)
     val.add_argument("--json", action="store_true")
     val.set_defaults(fn=cmd_validate)
     exp = sub.add_parser("export", help="export a committed checkpoint to S3")
@@ -256,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("s3_uri")
     exp.add_argument("--run-id")
     exp.add_argument("--endpoint", help="S3 endpoint URL (default: AWS, or $AWS_ENDPOINT_URL)")
+    exp.add_argument("--sse", choices=["AES256", "aws:kms"], help="server-side encryption")
+    exp.add_argument("--kms-key-id", help="KMS key id or ARN (with --sse aws:kms)")
     exp.add_argument("--json", action="store_true")
     exp.set_defaults(fn=cmd_export)
     return p

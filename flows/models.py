@@ -29,6 +29,16 @@ class ExportLocation(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bucket: str = Field("nvrx-checkpoints", min_length=3, max_length=63, description="S3 bucket")
     prefix: str = Field("exports", description="prefix; objects go to <prefix>/<run_id>/step_<N>/")
+    sse: Literal["none", "AES256", "aws:kms"] = Field(
+        "none", description="server-side encryption: none, AES256 (SSE-S3) or aws:kms (SSE-KMS)"
+    )
+    kms_key_id: str | None = Field(None, description="KMS key id or ARN, with sse=aws:kms")
+
+    @model_validator(mode="after")
+    def _kms(self) -> ExportLocation:
+        if self.kms_key_id and self.sse != "aws:kms":
+            raise ValueError("kms_key_id needs sse='aws:kms'")
+        return self
 
 
 class PipelineParams(BaseModel):
@@ -127,6 +137,8 @@ class CheckpointInfo(BaseModel):
     step: int | None = None
     uri: str | None = None
     validated: bool = False
+    # Newer committed checkpoints that failed validation (the chosen one is a fallback).
+    fell_back_from: list[int] = Field(default_factory=list)
 
 
 class ExportInfo(BaseModel):

@@ -69,6 +69,7 @@ def build_result(
             step=(validation or {}).get("step"),
             uri=(validation or {}).get("path"),
             validated=bool((validation or {}).get("validated")),
+            fell_back_from=[r["step"] for r in (validation or {}).get("fell_back_from", [])],
         ),
         export=ExportInfo(
             **{

@@ -43,7 +43,12 @@ def render_report(r: PipelineResult) -> str:
         "## Outputs",
         "",
         f"- checkpoint: step {r.checkpoint.step} at `{r.checkpoint.uri}` "
-        f"({'validated' if r.checkpoint.validated else 'not validated'})",
+        f"({'validated' if r.checkpoint.validated else 'not validated'}"
+        + (
+            f"; FALLBACK: newer step(s) {r.checkpoint.fell_back_from} failed validation)"
+            if r.checkpoint.fell_back_from
+            else ")"
+        ),
         f"- export: `{r.export.uri}` ({r.export.objects} objects, {r.export.bytes} bytes, "
         f"{'verified' if r.export.verified else 'not verified'})",
         f"- params_sha256: `{r.params_sha256}`",

@@ -19,15 +19,16 @@ from flows.models import PipelineParams
 from tasks.backends.base import LaunchRequest
 from tasks.backends.local import LocalBackend
 from tasks.classify import EndKind
-from tasks.errors import PreflightFailed, StorageError
-from tasks.export import ExportReport, export_checkpoint
+from tasks.errors import PreflightFailed, StorageError, ValidationFailed
+from tasks.export import ExportOptions, ExportReport, export_checkpoint
 from tasks.hydrate import HydrateReport, hydrate_dataset, upload_dataset
 from tasks.preflight.checks import Requirements, Snapshot, failures, run_checks
 from tasks.preflight.local import gather_local
 from tasks.retry_policy import prefect_retry_condition
 from tasks.storage.s3 import boto3_client, check_bucket, s3fs_filesystem
 from tasks.train_stage import run_attempt
-from tasks.validate import ValidationReport, validate_latest
+from tasks.validate import validate_latest
+from tasks.validation.checkpoint import Expectations
 from trainer.data import write_synthetic_dataset
 
 
@@ -221,23 +222,42 @@ def train_stage(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
 # -- validate -------------------------------------------------------------------------------------
 @flow(name="validate")
 def validate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
-    report: ValidationReport = validate_latest(ctx.run_root)
-    if report.fell_back_from:
-        get_run_logger().warning(
-            "newest checkpoint(s) invalid, using step %d: %s", report.step, report.fell_back_from
-        )
-    create_table_artifact(
-        [
-            {
-                "step": report.step,
-                "path": report.path,
-                "validated": report.validated,
-                "fell_back_from": str(report.fell_back_from or ""),
-            }
-        ],
-        key="validation",
+    cfg = train_config(params, ctx)
+    exp = Expectations(
+        model=params.model,
+        config_hash=cfg.fingerprint(),
+        world_size=params.nodes * params.nproc_per_node,
+        data_dir=ctx.data_dir,
+        global_batch=params.global_batch,
+        seed=cfg.seed,
     )
-    return report.to_dict()
+    try:
+        outcome = validate_latest(ctx.run_root, exp)
+    except ValidationFailed:
+        raise
+    log = get_run_logger()
+    for r in outcome.rejected:
+        log.warning(
+            "checkpoint step %s FAILED validation: %s",
+            r.step,
+            "; ".join(c["detail"] for c in r.failed_checks()),
+        )
+    if outcome.fell_back:
+        log.warning("falling back to checkpoint step %s", outcome.chosen.step)
+    rows = [
+        {"step": r.step, "check": c["name"], "status": c["status"], "detail": c["detail"]}
+        for r in [*outcome.rejected, outcome.chosen]
+        for c in r.checks
+    ]
+    create_table_artifact(
+        rows, key="validation", description=f"checkpoint validation of {ctx.run_id}"
+    )
+    log.info(
+        "checkpoint step %s validated (%s MB/s digests)",
+        outcome.chosen.step,
+        outcome.chosen.hash_mb_s,
+    )
+    return outcome.to_dict()
 
 
 # -- export ---------------------------------------------------------------------------------------
@@ -250,6 +270,10 @@ def export_flow(params: PipelineParams, ctx: RunContext, checkpoint_path: str) -
         check_bucket(client, params.export.bucket, endpoint=ctx.s3.endpoint_url)
     except StorageError:
         raise
+    options = ExportOptions(
+        sse=None if params.export.sse == "none" else params.export.sse,
+        kms_key_id=params.export.kms_key_id,
+    )
     report: ExportReport = export_checkpoint(
         client,
         Path(checkpoint_path),
@@ -257,6 +281,7 @@ def export_flow(params: PipelineParams, ctx: RunContext, checkpoint_path: str) -
         params.export.prefix,
         ctx.run_id,
         endpoint=ctx.s3.endpoint_url,
+        options=options,
     )
     get_run_logger().info(
         "exported %s: %d objects (%d uploaded, %d already there), verified",

@@ -1,5 +1,5 @@
-"""Checkpoint validation, first version: the committed checkpoint's manifest digests verify.
-(A later issue adds metadata coverage, a fresh-process load and a loss check.)"""
+"""The validate stage's decision: the newest committed checkpoint that passes every check; when
+the newest fails, fall back to the previous valid one (reported), and fail when none is valid."""
 
 from __future__ import annotations
 
@@ -8,34 +8,43 @@ from pathlib import Path
 from typing import Any
 
 from tasks.errors import ValidationFailed
+from tasks.validation.checkpoint import CheckpointReport, Expectations, validate_checkpoint
 from trainer import manifest
 
 
 @dataclass
-class ValidationReport:
-    step: int
-    path: str
-    validated: bool
-    fell_back_from: list[dict[str, Any]] = field(default_factory=list)
+class ValidationOutcome:
+    chosen: CheckpointReport
+    rejected: list[CheckpointReport] = field(default_factory=list)
+
+    @property
+    def fell_back(self) -> bool:
+        return bool(self.rejected)
 
     def to_dict(self) -> dict[str, Any]:
-        return self.__dict__.copy()
+        return {
+            "step": self.chosen.step,
+            "path": self.chosen.path,
+            "validated": self.chosen.passed,
+            "report": self.chosen.to_dict(),
+            "fell_back_from": [
+                {"step": r.step, "failed": r.failed_checks()} for r in self.rejected
+            ],
+        }
 
 
-def validate_latest(run_root: Path) -> ValidationReport:
-    """The newest committed checkpoint that verifies; earlier failures are reported, and none
-    valid fails the stage."""
-    rejected: list[dict[str, Any]] = []
+def validate_latest(run_root: Path, exp: Expectations) -> ValidationOutcome:
+    rejected: list[CheckpointReport] = []
     for step in reversed(manifest.committed_steps(run_root)):
-        path = manifest.committed_path(run_root, step)
-        verdict = manifest.verify_checkpoint(path)
-        if verdict.ok:
-            return ValidationReport(step, str(path), True, rejected)
-        rejected.append({"step": step, "reason": verdict.reason})
+        report = validate_checkpoint(manifest.committed_path(run_root, step), exp)
+        if report.passed:
+            return ValidationOutcome(report, rejected)
+        rejected.append(report)
     if not rejected:
         raise ValidationFailed(
             f"no committed checkpoint under {manifest.checkpoints_dir(run_root)}"
         )
-    raise ValidationFailed(
-        "no valid checkpoint: " + "; ".join(f"step {r['step']}: {r['reason']}" for r in rejected)
+    details = "; ".join(
+        f"step {r.step}: " + ", ".join(c["detail"] for c in r.failed_checks()) for r in rejected
     )
+    raise ValidationFailed(f"no valid checkpoint: {details}")

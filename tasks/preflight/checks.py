@@ -3,24 +3,13 @@ SKIPPED (with why), never PASSED: a blind check must not look healthy."""
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tasks.checks import CheckResult, Status, failures
 
-class Status(enum.StrEnum):
-    PASSED = "PASSED"
-    FAILED = "FAILED"
-    SKIPPED = "SKIPPED"
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    name: str
-    status: Status
-    detail: str
-    fix: str = ""
+__all__ = ["CHECKS", "CheckResult", "Requirements", "Snapshot", "Status", "failures", "run_checks"]
 
 
 @dataclass
@@ -185,7 +174,3 @@ CHECKS: tuple[Check, ...] = (
 
 def run_checks(snap: Snapshot, req: Requirements) -> list[CheckResult]:
     return [check(snap, req) for check in CHECKS]
-
-
-def failures(results: list[CheckResult]) -> list[CheckResult]:
-    return [r for r in results if r.status == Status.FAILED]

@@ -50,6 +50,8 @@ class LocalS3Server:
     endpoint: str
     data_dir: Path
     process: subprocess.Popen[bytes] | None = None
+    # SeaweedFS identities JSON; None: anonymous access (the embedded default).
+    s3_config: Path | None = None
 
     @property
     def port(self) -> int:
@@ -70,9 +72,10 @@ class LocalS3Server:
             f"-master.port={p + 1}",
             f"-volume.port={p + 2}",
             f"-filer.port={p + 3}",
+            *([f"-s3.config={self.s3_config}"] if self.s3_config else []),
         ]
 
-    def start(self, timeout: float = 90.0) -> None:
+    def start(self, timeout: float = 90.0, *, credentials: dict[str, str] | None = None) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.data_dir / "weed.log", "ab")  # noqa: SIM115 - owned by the child
         self.process = subprocess.Popen(
@@ -84,10 +87,10 @@ class LocalS3Server:
         )
         log.close()
         (self.data_dir / "weed.pid").write_text(f"{self.process.pid}\n")
-        self._wait_ready(timeout)
+        self._wait_ready(timeout, credentials)
 
-    def _wait_ready(self, timeout: float) -> None:
-        client = boto3_client(S3Settings(endpoint_url=self.endpoint))
+    def _wait_ready(self, timeout: float, credentials: dict[str, str] | None) -> None:
+        client = boto3_client(S3Settings(endpoint_url=self.endpoint), credentials=credentials)
         deadline = time.monotonic() + timeout
         last: Exception | None = None
         while time.monotonic() < deadline:

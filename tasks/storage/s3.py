@@ -36,7 +36,9 @@ class S3Settings:
         return {}
 
 
-def boto3_client(settings: S3Settings) -> Any:
+def boto3_client(settings: S3Settings, *, credentials: dict[str, str] | None = None) -> Any:
+    """``credentials`` (aws_access_key_id/aws_secret_access_key) override the default chain;
+    for tests and explicit keys only."""
     import boto3
     from botocore.config import Config
 
@@ -50,7 +52,7 @@ def boto3_client(settings: S3Settings) -> Any:
             read_timeout=60,
             max_pool_connections=16,
         ),
-        **settings.credentials(),
+        **(credentials if credentials is not None else settings.credentials()),
     )
 
 

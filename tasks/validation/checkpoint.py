@@ -1,0 +1,316 @@
+"""Checkpoint validation: gather facts about one checkpoint directory once (:func:`gather`), judge
+them with pure checks (:func:`judge`), into a :class:`CheckpointReport`.
+
+Checks (each PASSED / FAILED / SKIPPED with why):
+1. manifest well-formed; step, world size and config hash consistent with the run;
+2. every file present with its size and sha256 (hashed in parallel; MB/s reported);
+3. the DCP metadata covers every model and optimizer entry the model config defines, shapes too;
+4. loads on CPU in a fresh process on world size 1 (resharding) and every tensor is finite;
+5. optional: the loss on a held-out batch is within a tolerance of the loss recorded at that step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tasks.checks import CheckResult, Status
+from trainer import manifest as ckpt_manifest
+from trainer.hashing import sha256_file
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Expectations:
+    """What the run says the checkpoint must be; None: not known (the check is SKIPPED)."""
+
+    model: str | None = None
+    config_hash: str | None = None
+    world_size: int | None = None
+    data_dir: Path | None = None  # enables the held-out loss check
+    global_batch: int = 8
+    seed: int = 1234
+    loss_tolerance: float = 0.25  # relative
+    load_timeout_s: float = 600.0
+
+
+@dataclass
+class Facts:
+    path: Path
+    manifest: dict[str, Any] | None = None
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> size, sha256
+    hash_mb_s: float | None = None
+    dcp_entries: dict[str, tuple[int, ...] | None] | None = None  # key -> shape (None: bytes)
+    expected_entries: dict[str, tuple[int, ...] | None] | None = None
+    load: dict[str, Any] | None = None
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class CheckpointReport:
+    status: str  # "passed" | "failed"
+    path: str
+    step: int | None
+    checks: list[dict[str, str]]
+    hash_mb_s: float | None = None
+    params_sha256: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def failed_checks(self) -> list[dict[str, str]]:
+        return [c for c in self.checks if c["status"] == Status.FAILED.value]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+# -- gathering (I/O) --------------------------------------------------------------------------
+def _hash_files(path: Path, names: list[str]) -> tuple[dict[str, dict[str, Any]], float]:
+    t0 = time.perf_counter()
+    present = [n for n in names if (path / n).is_file()]
+    # hashlib releases the GIL on large buffers: threads hash files in parallel.
+    with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) * 2)) as pool:
+        digests = dict(
+            zip(present, pool.map(lambda n: sha256_file(path / n), present), strict=True)
+        )
+    total = sum((path / n).stat().st_size for n in present)
+    seconds = time.perf_counter() - t0
+    files = {n: {"bytes": (path / n).stat().st_size, "sha256": digests[n]} for n in present}
+    return files, (total / 1e6 / seconds if seconds > 0 else 0.0)
+
+
+def expected_entries(model_name: str) -> dict[str, tuple[int, ...] | None]:
+    """Every DCP key a checkpoint of this model must hold (model params and AdamW state)."""
+    import torch
+
+    from trainer.config import model_config
+    from trainer.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(model_config(model_name))
+    out: dict[str, tuple[int, ...] | None] = {}
+    for name, p in model.named_parameters():
+        out[f"model.{name}"] = tuple(p.shape)
+        out[f"optim.state.{name}.exp_avg"] = tuple(p.shape)
+        out[f"optim.state.{name}.exp_avg_sq"] = tuple(p.shape)
+        out[f"optim.state.{name}.step"] = ()
+    return out
+
+
+def _dcp_entries(path: Path) -> dict[str, tuple[int, ...] | None]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = FileSystemReader(str(path)).read_metadata()
+    return {
+        k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None
+        for k, v in md.state_dict_metadata.items()
+    }
+
+
+def _fresh_process_load(path: Path, step: int, exp: Expectations) -> dict[str, Any]:
+    assert exp.model is not None
+    argv = [
+        sys.executable,
+        "-m",
+        "tasks.validation.load_check",
+        str(path),
+        "--model",
+        exp.model,
+        "--step",
+        str(step),
+        "--global-batch",
+        str(exp.global_batch),
+        "--seed",
+        str(exp.seed),
+    ]
+    if exp.data_dir is not None:
+        argv += ["--data-dir", str(exp.data_dir)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, env=env, cwd=_REPO, timeout=exp.load_timeout_s
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout)[-800:]
+        return {"loaded": False, "error": f"load process exited {proc.returncode}: {tail}"}
+    return dict(json.loads(lines[-1]))
+
+
+def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
+    path = Path(path)
+    facts = Facts(path=path)
+    try:
+        facts.manifest = ckpt_manifest.read_manifest(path)
+    except ckpt_manifest.CheckpointError as e:
+        facts.errors["manifest"] = str(e)
+        return facts
+    names = [e["name"] for e in facts.manifest["files"]]
+    facts.files, facts.hash_mb_s = _hash_files(path, names)
+    try:
+        facts.dcp_entries = _dcp_entries(path)
+    except Exception as e:
+        facts.errors["dcp"] = f"cannot read {path / '.metadata'}: {type(e).__name__}: {e}"
+    model = exp.model or facts.manifest.get("model")
+    if model:
+        try:
+            facts.expected_entries = expected_entries(model)
+        except Exception as e:
+            facts.errors["expected"] = f"model {model!r}: {e}"
+    else:
+        facts.errors["expected"] = "model size unknown (not in the manifest, none given)"
+    digests_ok = all(
+        facts.files.get(e["name"], {}).get("sha256") == e["sha256"] for e in facts.manifest["files"]
+    )
+    if not load:
+        facts.errors["load"] = "not requested"
+    elif not digests_ok:
+        facts.errors["load"] = "skipped: files do not match the manifest"
+    elif not model:
+        facts.errors["load"] = "model size unknown"
+    else:
+        try:
+            facts.load = _fresh_process_load(
+                path,
+                int(facts.manifest["step"]),
+                Expectations(**{**exp.__dict__, "model": model}),
+            )
+        except subprocess.TimeoutExpired:
+            facts.errors["load"] = f"load did not finish in {exp.load_timeout_s} s"
+    return facts
+
+
+# -- judging (pure) ---------------------------------------------------------------------------
+Check = Callable[[Facts, Expectations], CheckResult]
+
+
+def _skip(name: str, why: str) -> CheckResult:
+    return CheckResult(name, Status.SKIPPED, why)
+
+
+def check_manifest(f: Facts, exp: Expectations) -> CheckResult:
+    name = "manifest"
+    if "manifest" in f.errors:
+        return CheckResult(name, Status.FAILED, f.errors["manifest"])
+    m = f.manifest or {}
+    problems = []
+    dir_step = f.path.name.removeprefix("step_")
+    if not dir_step.isdigit() or int(dir_step) != m.get("step"):
+        problems.append(f"step {m.get('step')} does not match directory {f.path.name}")
+    if exp.config_hash is not None and m.get("config_hash") != exp.config_hash:
+        problems.append(f"config hash {m.get('config_hash')} != the run's {exp.config_hash}")
+    if exp.world_size is not None and m.get("world_size") != exp.world_size:
+        problems.append(f"world size {m.get('world_size')} != the run's {exp.world_size}")
+    if problems:
+        return CheckResult(name, Status.FAILED, "; ".join(problems))
+    return CheckResult(
+        name,
+        Status.PASSED,
+        f"step {m['step']}, world size {m['world_size']}, {len(m['files'])} files",
+    )
+
+
+def check_files(f: Facts, exp: Expectations) -> CheckResult:
+    name = "files and digests"
+    if f.manifest is None:
+        return _skip(name, "no manifest")
+    bad = []
+    for e in f.manifest["files"]:
+        got = f.files.get(e["name"])
+        if got is None:
+            bad.append(f"{f.path / e['name']} is missing")
+        elif got["bytes"] != e["bytes"]:
+            bad.append(f"{f.path / e['name']} is {got['bytes']} bytes, manifest says {e['bytes']}")
+        elif got["sha256"] != e["sha256"]:
+            bad.append(f"{f.path / e['name']} does not match its sha256")
+    if bad:
+        return CheckResult(name, Status.FAILED, "; ".join(bad))
+    return CheckResult(
+        name, Status.PASSED, f"{len(f.files)} files verified at {f.hash_mb_s or 0:.0f} MB/s"
+    )
+
+
+def check_coverage(f: Facts, exp: Expectations) -> CheckResult:
+    name = "DCP metadata covers the model and optimizer"
+    for source in ("manifest", "dcp", "expected"):
+        if source in f.errors:
+            return _skip(name, f.errors[source])
+    have, want = f.dcp_entries or {}, f.expected_entries or {}
+    missing = sorted(k for k in want if k not in have)
+    wrong = sorted(k for k, shape in want.items() if k in have and have[k] != shape)
+    if missing or wrong:
+        detail = []
+        if missing:
+            detail.append(f"{len(missing)} missing, e.g. {missing[:3]}")
+        if wrong:
+            detail.append(f"{len(wrong)} with wrong shapes, e.g. {wrong[:3]}")
+        return CheckResult(name, Status.FAILED, "; ".join(detail))
+    return CheckResult(name, Status.PASSED, f"{len(want)} entries present with their shapes")
+
+
+def check_load(f: Facts, exp: Expectations) -> CheckResult:
+    name = "loads on 1 CPU rank, all tensors finite"
+    if "load" in f.errors:
+        return _skip(name, f.errors["load"])
+    res = f.load or {}
+    if not res.get("loaded"):
+        return CheckResult(name, Status.FAILED, str(res.get("error", "did not load")))
+    if res.get("nonfinite"):
+        return CheckResult(name, Status.FAILED, f"non-finite values in {res['nonfinite']}")
+    return CheckResult(name, Status.PASSED, f"{res.get('tensors')} tensors loaded, all finite")
+
+
+def check_loss(f: Facts, exp: Expectations) -> CheckResult:
+    name = "held-out loss near the recorded loss"
+    if exp.data_dir is None:
+        return _skip(name, "no dataset given (optional check)")
+    if "load" in f.errors or not (f.load or {}).get("loaded"):
+        return _skip(name, "checkpoint did not load")
+    recorded = (f.manifest or {}).get("loss")
+    got = (f.load or {}).get("heldout_loss")
+    if recorded is None:
+        return _skip(name, "the manifest records no loss")
+    if got is None:
+        return CheckResult(name, Status.FAILED, "held-out loss is not finite")
+    if abs(got - recorded) > exp.loss_tolerance * abs(recorded):
+        return CheckResult(
+            name,
+            Status.FAILED,
+            f"held-out loss {got:.4f} vs recorded {recorded:.4f} "
+            f"(tolerance {exp.loss_tolerance:.0%})",
+        )
+    return CheckResult(name, Status.PASSED, f"held-out {got:.4f} vs recorded {recorded:.4f}")
+
+
+CHECKS: tuple[Check, ...] = (check_manifest, check_files, check_coverage, check_load, check_loss)
+
+
+def judge(f: Facts, exp: Expectations) -> CheckpointReport:
+    results = [c(f, exp) for c in CHECKS]
+    failed = any(r.status == Status.FAILED for r in results)
+    return CheckpointReport(
+        status="failed" if failed else "passed",
+        path=str(f.path),
+        step=(f.manifest or {}).get("step"),
+        checks=[r.to_dict() for r in results],
+        hash_mb_s=None if f.hash_mb_s is None else round(f.hash_mb_s, 1),
+        params_sha256=(f.load or {}).get("params_sha256"),
+    )
+
+
+def validate_checkpoint(path: Path, exp: Expectations, *, load: bool = True) -> CheckpointReport:
+    return judge(gather(path, exp, load=load), exp)
