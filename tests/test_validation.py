@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, make_config, run_single, worker_env
 from tasks.checks import Status
 from tasks.validation.checkpoint import Expectations, Facts, gather, judge, validate_checkpoint
+from tests.helpers import REPO, make_config, run_single, worker_env
 from trainer import manifest
 from trainer.faults import flip_bytes
 
