@@ -54,6 +54,8 @@ lint: venv
 
 bench: venv
 	$(PY) benchmarks/checkpoint_stall.py
+	$(PY) benchmarks/pipeline_overhead.py
+	$(PY) benchmarks/transfer_throughput.py
 
 clean:
 	rm -rf .state .pytest_cache .ruff_cache .mypy_cache

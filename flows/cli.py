@@ -207,7 +207,9 @@ def cmd_export(args: argparse.Namespace) -> int:
             prefix,
             args.run_id or args.path.parent.parent.name,
             endpoint=settings.endpoint_url,
-            options=ExportOptions(sse=args.sse, kms_key_id=args.kms_key_id),
+            options=ExportOptions(
+                sse=args.sse, kms_key_id=args.kms_key_id, consolidated=args.consolidated
+            ),
         )
     except (PipelineError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -268,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--endpoint", help="S3 endpoint URL (default: AWS, or $AWS_ENDPOINT_URL)")
     exp.add_argument("--sse", choices=["AES256", "aws:kms"], help="server-side encryption")
     exp.add_argument("--kms-key-id", help="KMS key id or ARN (with --sse aws:kms)")
+    exp.add_argument(
+        "--consolidated",
+        action="store_true",
+        help="also export the full weights as one model.safetensors",
+    )
     exp.add_argument("--json", action="store_true")
     exp.set_defaults(fn=cmd_export)
     return p

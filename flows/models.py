@@ -33,6 +33,9 @@ class ExportLocation(BaseModel):
         "none", description="server-side encryption: none, AES256 (SSE-S3) or aws:kms (SSE-KMS)"
     )
     kms_key_id: str | None = Field(None, description="KMS key id or ARN, with sse=aws:kms")
+    consolidated: bool = Field(
+        False, description="also export the full weights as one model.safetensors"
+    )
 
     @model_validator(mode="after")
     def _kms(self) -> ExportLocation:

@@ -273,6 +273,7 @@ def export_flow(params: PipelineParams, ctx: RunContext, checkpoint_path: str) -
     options = ExportOptions(
         sse=None if params.export.sse == "none" else params.export.sse,
         kms_key_id=params.export.kms_key_id,
+        consolidated=params.export.consolidated,
     )
     report: ExportReport = export_checkpoint(
         client,

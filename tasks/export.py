@@ -30,6 +30,11 @@ from trainer import manifest as ckpt_manifest
 from trainer.hashing import sha256_file
 
 _CHUNK = 8 << 20
+CONSOLIDATED = "model.safetensors"
+
+
+def _sha_of(man: dict[str, Any], name: str) -> str:
+    return str(next(e["sha256"] for e in man["files"] if e["name"] == name))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +42,9 @@ class ExportOptions:
     sse: str | None = None  # None, "AES256" (SSE-S3) or "aws:kms" (SSE-KMS)
     kms_key_id: str | None = None
     max_workers: int = 4
+    # Also export the full model weights as one model.safetensors (its digest goes into the
+    # uploaded manifest under "consolidated").
+    consolidated: bool = False
 
     def __post_init__(self) -> None:
         if self.sse not in (None, "AES256", "aws:kms"):
@@ -136,9 +144,27 @@ def export_checkpoint(
         extra["SSEKMSKeyId"] = opts.kms_key_id
     config = _transfer_config()
     modes: set[str] = set()
+    sources = {e["name"]: ckpt_dir / e["name"] for e in man["files"]}
+    manifest_path = ckpt_dir / ckpt_manifest.MANIFEST
+    staging = None
+    if opts.consolidated:
+        import json
+        import tempfile
+
+        from tasks.validation.checkpoint import consolidate
+
+        staging = Path(tempfile.mkdtemp(prefix="nvrx-export-"))
+        info = consolidate(ckpt_dir, staging / CONSOLIDATED)
+        sources[CONSOLIDATED] = staging / CONSOLIDATED
+        entry = {k: info[k] for k in ("bytes", "sha256", "params_sha256")}
+        manifest_path = staging / ckpt_manifest.MANIFEST
+        manifest_path.write_text(
+            json.dumps({**man, "consolidated": {CONSOLIDATED: entry}}, indent=1, sort_keys=True)
+        )
 
     def put(name: str, sha: str) -> tuple[bool, int]:
-        path, key = ckpt_dir / name, f"{base}/{name}"
+        path = manifest_path if name == ckpt_manifest.MANIFEST else sources[name]
+        key = f"{base}/{name}"
         same, _ = _matches(client, bucket, key, _head(client, bucket, key), path, sha)
         if same:
             on_object(name, "present")
@@ -159,21 +185,27 @@ def export_checkpoint(
 
     try:
         client.head_bucket(Bucket=bucket)
-        files = [(e["name"], e["sha256"]) for e in man["files"]]
+        files = [
+            (name, sha256_file(src) if name == CONSOLIDATED else _sha_of(man, name))
+            for name, src in sources.items()
+        ]
         with ThreadPoolExecutor(max_workers=opts.max_workers) as pool:
             results = list(pool.map(lambda f: put(*f), files))
         # Last, and only after every other object verified: the manifest.
-        manifest_sha = sha256_file(ckpt_dir / ckpt_manifest.MANIFEST)
-        results.append(put(ckpt_manifest.MANIFEST, manifest_sha))
+        results.append(put(ckpt_manifest.MANIFEST, sha256_file(manifest_path)))
+        total = sum(p.stat().st_size for p in sources.values()) + manifest_path.stat().st_size
     except ExportError:
         raise
     except StorageError:
         raise
     except Exception as e:
         raise StorageError(describe_client_error(e, bucket=bucket, endpoint=endpoint)) from e
+    finally:
+        if staging is not None:
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
     uploaded = sum(1 for done, _ in results if done)
-    total = sum((ckpt_dir / e["name"]).stat().st_size for e in man["files"])
-    total += (ckpt_dir / ckpt_manifest.MANIFEST).stat().st_size
     return ExportReport(
         uri=f"s3://{bucket}/{base}/",
         objects=len(results),

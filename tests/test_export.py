@@ -214,3 +214,29 @@ def test_wrong_credentials(ckpt: Path, tmp_path: Path):
         assert "wrong" not in str(err.value) and "right-secret" not in str(err.value)
     finally:
         server.stop()
+
+
+def test_consolidated_safetensors(ckpt: Path, client, s3_settings):
+    from safetensors.torch import load
+
+    from trainer.digest import tensor_dict_sha256
+
+    report = export_checkpoint(
+        client,
+        ckpt,
+        BUCKET,
+        "cons",
+        "run1",
+        endpoint=s3_settings.endpoint_url,
+        options=ExportOptions(consolidated=True),
+    )
+    objs = remote_objects(client, "cons/run1/step_5/")
+    remote_manifest = json.loads(objs["manifest.json"])
+    entry = remote_manifest["consolidated"]["model.safetensors"]
+    assert hashlib.sha256(objs["model.safetensors"]).hexdigest() == entry["sha256"]
+    weights = load(objs["model.safetensors"])
+    assert tensor_dict_sha256(weights) == entry["params_sha256"]
+    assert {k: v for k, v in remote_manifest.items() if k != "consolidated"} == (
+        manifest.read_manifest(ckpt)
+    )
+    assert report.objects == len(manifest.read_manifest(ckpt)["files"]) + 2

@@ -119,7 +119,9 @@ def _dcp_entries(path: Path) -> dict[str, tuple[int, ...] | None]:
     }
 
 
-def _fresh_process_load(path: Path, step: int, exp: Expectations) -> dict[str, Any]:
+def _fresh_process_load(
+    path: Path, step: int, exp: Expectations, *, safetensors_out: Path | None = None
+) -> dict[str, Any]:
     assert exp.model is not None
     argv = [
         sys.executable,
@@ -137,6 +139,8 @@ def _fresh_process_load(path: Path, step: int, exp: Expectations) -> dict[str, A
     ]
     if exp.data_dir is not None:
         argv += ["--data-dir", str(exp.data_dir)]
+    if safetensors_out is not None:
+        argv += ["--safetensors", str(safetensors_out)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
     env.pop("RANK", None)
@@ -310,6 +314,19 @@ def judge(f: Facts, exp: Expectations) -> CheckpointReport:
         hash_mb_s=None if f.hash_mb_s is None else round(f.hash_mb_s, 1),
         params_sha256=(f.load or {}).get("params_sha256"),
     )
+
+
+def consolidate(path: Path, out: Path, *, model: str | None = None) -> dict[str, Any]:
+    """Write the checkpoint's full model weights as one safetensors file (fresh process, one CPU
+    rank). Returns ``{path, bytes, sha256}`` plus the ``params_sha256`` of the weights."""
+    man = ckpt_manifest.read_manifest(path)
+    name = model or man.get("model")
+    if not name:
+        raise ValueError(f"{path}: model size unknown (not in the manifest)")
+    res = _fresh_process_load(path, int(man["step"]), Expectations(model=name), safetensors_out=out)
+    if not res.get("loaded") or "safetensors" not in res:
+        raise RuntimeError(f"consolidating {path} failed: {res.get('error')}")
+    return {**res["safetensors"], "params_sha256": res["params_sha256"]}
 
 
 def validate_checkpoint(path: Path, exp: Expectations, *, load: bool = True) -> CheckpointReport:

@@ -21,7 +21,14 @@ from typing import Any
 
 
 def load_and_inspect(
-    path: Path, model_name: str, *, data_dir: Path | None, global_batch: int, seed: int, step: int
+    path: Path,
+    model_name: str,
+    *,
+    data_dir: Path | None,
+    global_batch: int,
+    seed: int,
+    step: int,
+    safetensors_out: Path | None = None,
 ) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -55,6 +62,10 @@ def load_and_inspect(
             "params_sha256": tensor_dict_sha256(model.state_dict()),
             "heldout_loss": None,
         }
+        if safetensors_out is not None:
+            out["safetensors"] = _write_safetensors(
+                model, safetensors_out, step=step, digest=out["params_sha256"]
+            )
         if data_dir is not None:
             from trainer.data import StepSampler
 
@@ -69,6 +80,20 @@ def load_and_inspect(
         return out
     finally:
         dist.destroy_process_group()
+
+
+def _write_safetensors(model: Any, out: Path, *, step: int, digest: str) -> dict[str, Any]:
+    """The full model weights in one safetensors file, for inference users."""
+    from safetensors.torch import save_file
+
+    from trainer.hashing import sha256_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(tmp), metadata={"step": str(step), "params_sha256": digest})
+    os.replace(tmp, out)
+    return {"path": str(out), "bytes": out.stat().st_size, "sha256": sha256_file(out)}
 
 
 def _tensors(obj: Any, prefix: str = "") -> Any:
@@ -100,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--safetensors", type=Path, help="also write the full weights here")
     args = p.parse_args(argv)
     try:
         out = load_and_inspect(
@@ -109,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             global_batch=args.global_batch,
             seed=args.seed,
             step=args.step,
+            safetensors_out=args.safetensors,
         )
     except Exception as e:
         out = {"loaded": False, "error": f"{type(e).__name__}: {e}"[:2000]}
