@@ -5,6 +5,7 @@
     nvrx-pipeline serve
     nvrx-pipeline validate PATH [--json]
     nvrx-pipeline export PATH S3_URI [--run-id ID] [--json]
+    nvrx-pipeline render-k8s [--config FILE] [--set key=value ...] [--run-id ID] [--attempt N]
 
 With ``--json`` the last line of stdout is one JSON object (the ``PipelineResult`` for ``run``).
 Exit codes: 0 success, 1 the pipeline or command failed, 2 bad parameters.
@@ -224,6 +225,35 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_render_k8s(args: argparse.Namespace) -> int:
+    import yaml
+
+    from flows.context import eks_train_config
+    from flows.models import PipelineParams, new_run_id
+    from tasks.backends.eks.render import render_all
+
+    try:
+        data = load_params_dict(args.config, args.set, [], args.run_id)
+        data["backend"] = "eks"
+        params = PipelineParams(**data)
+    except ValidationError as e:
+        print(f"error: {format_validation_error(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    run_id = params.run_id or new_run_id()
+    docs = render_all(
+        eks_train_config(params, run_id),
+        run_id=run_id,
+        attempt=args.attempt,
+        nodes=params.nodes,
+        eks=params.eks,
+    )
+    print(yaml.safe_dump_all(docs, sort_keys=False), end="")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from flows.deployments import serve_all
 
@@ -253,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-id", help="name the run; an existing id resumes it")
     run.add_argument("--json", action="store_true", help="print the PipelineResult as JSON last")
     run.set_defaults(fn=cmd_run)
+    rk = sub.add_parser("render-k8s", help="print the EKS train-stage manifests as YAML")
+    rk.add_argument("--config", type=Path, help="YAML or JSON file of PipelineParams")
+    rk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    rk.add_argument("--run-id", help="run id (default: a new one)")
+    rk.add_argument("--attempt", type=int, default=1, help="train-stage attempt (names the Job)")
+    rk.set_defaults(fn=cmd_render_k8s)
     serve = sub.add_parser("serve", help="serve the deployments (schedules included)")
     serve.set_defaults(fn=cmd_serve)
     val = sub.add_parser("validate", help="validate a committed checkpoint directory")

@@ -9,6 +9,7 @@ from pathlib import Path
 from flows.models import PipelineParams, new_run_id
 from tasks.storage.s3 import S3Settings
 from trainer.config import (
+    Device,
     InJobConfig,
     InProcessConfig,
     TrainConfig,
@@ -38,23 +39,71 @@ class RunContext:
         )
 
 
-def train_config(params: PipelineParams, ctx: RunContext) -> TrainConfig:
+def train_config(
+    params: PipelineParams,
+    *,
+    run_root: Path,
+    data_dir: Path,
+    device: Device = Device.AUTO,
+    local_paths: bool = True,
+    inprocess: InProcessConfig | None = None,
+    injob: InJobConfig | None = None,
+) -> TrainConfig:
     """The trainer config of this run. The Wrapper's soft timeout must also exceed the longest
     wait a rank spends inside one C call (process-group start-up skew, a collective waiting for a
     slower peer): the Wrapper only sees progress when the main thread runs Python. The trainer's
     defaults (3/8/16 s, ft_launcher heartbeat 30 s) hold on a loaded 2-core machine; the 2/4/8 s
     set that the trainer's own drills use did not, with two simulated nodes."""
-    inprocess = InProcessConfig()
-    injob = InJobConfig()
     return TrainConfig(
-        run_root=ctx.run_root,
-        data_dir=ctx.data_dir,
+        run_root=run_root,
+        data_dir=data_dir,
         model=model_config(params.model),
         steps=params.steps,
         global_batch=params.global_batch,
         ckpt_interval=params.ckpt_interval,
         keep_last=params.keep_last,
         faults=tuple(params.faults),
-        inprocess=dataclasses.replace(inprocess, enabled=params.inprocess_restart),
-        injob=dataclasses.replace(injob, enabled=params.injob_restart),
+        device=device,
+        local_paths=local_paths,
+        inprocess=dataclasses.replace(
+            inprocess or InProcessConfig(), enabled=params.inprocess_restart
+        ),
+        injob=dataclasses.replace(injob or InJobConfig(), enabled=params.injob_restart),
+    )
+
+
+# GPU nodes: NCCL collectives of a large model, checkpoint I/O to FSx and a rendezvous of many
+# pods take minutes, not seconds. Still nested: pg < soft < hard < ft_launcher heartbeat.
+EKS_INPROCESS = InProcessConfig(
+    pg_timeout_s=120.0,
+    soft_timeout_s=240.0,
+    hard_timeout_s=280.0,
+    heartbeat_timeout_s=200.0,
+    barrier_timeout_s=600.0,
+    completion_timeout_s=600.0,
+)
+EKS_INJOB = InJobConfig(
+    heartbeat_timeout_s=300.0,
+    initial_heartbeat_timeout_s=900.0,
+    monitor_interval_s=1.0,
+    workers_stop_timeout_s=30.0,
+    rdzv_join_timeout_s=120.0,
+)
+
+
+def local_train_config(params: PipelineParams, ctx: RunContext) -> TrainConfig:
+    return train_config(params, run_root=ctx.run_root, data_dir=ctx.data_dir)
+
+
+def eks_train_config(params: PipelineParams, run_id: str) -> TrainConfig:
+    """The trainer config as the EKS pods see it: the run and the data on the FSx mount."""
+    fsx = Path(params.eks.fsx_mount)
+    return train_config(
+        params,
+        run_root=fsx / "runs" / run_id,
+        data_dir=fsx / "datasets" / params.dataset.bucket / params.dataset.prefix,
+        device=Device.CUDA,
+        local_paths=False,
+        inprocess=EKS_INPROCESS,
+        injob=EKS_INJOB,
     )

@@ -44,6 +44,38 @@ class ExportLocation(BaseModel):
         return self
 
 
+class EksParams(BaseModel):
+    """Where and how the train stage runs on Amazon EKS (backend=eks)."""
+
+    model_config = ConfigDict(extra="forbid")
+    namespace: str = Field(
+        "nvrx",
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        max_length=63,
+        description="Kubernetes namespace of the training Job",
+    )
+    image: str = Field(
+        "REGISTRY/nvrx-pipeline:latest",
+        min_length=1,
+        description="training image (deploy/eks/Dockerfile)",
+    )
+    service_account: str = Field("nvrx-trainer", description="ServiceAccount of training pods")
+    instance_type: str = Field("p5.48xlarge", description="node instance type (node affinity)")
+    gpus_per_node: int = Field(8, ge=1, le=16, description="nvidia.com/gpu per pod (= ranks)")
+    efa_per_node: int = Field(32, ge=0, le=64, description="vpc.amazonaws.com/efa per pod")
+    fsx_claim: str = Field("fsx-claim", description="PVC of the FSx for Lustre file system")
+    fsx_mount: str = Field("/fsx", description="where pods mount the FSx volume")
+    shm_gi: int = Field(64, ge=1, le=2048, description="/dev/shm size (memory emptyDir), GiB")
+    rdzv_port: int = Field(29500, ge=1024, le=65535, description="c10d rendezvous port")
+    unreachable_toleration_s: int = Field(
+        60, ge=0, le=3600, description="evict pods this long after their node goes unreachable"
+    )
+    unschedulable_timeout_s: float = Field(
+        900, ge=30, description="fail the stage when pods stay unschedulable this long"
+    )
+    keep_failed_job: bool = Field(True, description="keep a failed Job for forensics")
+
+
 class PipelineParams(BaseModel):
     """One training run, from preflight to a verified checkpoint in S3."""
 
@@ -54,8 +86,10 @@ class PipelineParams(BaseModel):
         description="Names the run; an existing id resumes it from its newest valid checkpoint. "
         "Lowercase letters, digits, dashes. Empty: a new id.",
     )
-    backend: Literal["local"] = Field(
-        "local", description="local: simulated nodes on this machine (the embedded default)"
+    backend: Literal["local", "eks"] = Field(
+        "local",
+        description="local: simulated nodes on this machine (the embedded default); eks: an "
+        "Indexed Job on Amazon EKS",
     )
     model: Literal["tiny", "100m", "8b"] = Field("tiny", description="named model size")
     steps: int = Field(20, ge=1, le=10_000_000, description="total optimizer steps")
@@ -77,6 +111,7 @@ class PipelineParams(BaseModel):
     train_timeout_s: float = Field(
         1800, ge=30, le=30 * 86400, description="deadline of one train-stage attempt"
     )
+    eks: EksParams = Field(default_factory=EksParams)
     dataset: DatasetLocation = Field(default_factory=DatasetLocation)
     export: ExportLocation = Field(default_factory=ExportLocation)
     s3_endpoint: str | None = Field(
@@ -118,13 +153,22 @@ class PipelineParams(BaseModel):
             raise ValueError("expected http(s)://host[:port] with no path or credentials")
         return v.rstrip("/")
 
+    @property
+    def ranks_per_node(self) -> int:
+        """Workers per node: one per GPU on EKS, ``nproc_per_node`` CPU workers locally."""
+        return self.eks.gpus_per_node if self.backend == "eks" else self.nproc_per_node
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
     @model_validator(mode="after")
     def _consistent(self) -> PipelineParams:
-        world = self.nodes * self.nproc_per_node
+        world = self.world_size
         if self.global_batch % world:
             raise ValueError(
-                f"global_batch ({self.global_batch}) must be divisible by nodes * "
-                f"nproc_per_node ({world})"
+                f"global_batch ({self.global_batch}) must be divisible by the world size "
+                f"({world} = nodes x ranks per node)"
             )
         for spec in map(parse_fault, self.faults):
             if spec.kind == "node-loss" and (spec.node or 0) >= self.nodes:

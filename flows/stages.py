@@ -14,7 +14,7 @@ from prefect.artifacts import (
 )
 from prefect.logging import get_run_logger
 
-from flows.context import RunContext, train_config
+from flows.context import RunContext, local_train_config
 from flows.models import PipelineParams
 from tasks.backends.base import LaunchRequest
 from tasks.backends.local import LocalBackend
@@ -79,7 +79,7 @@ def gather_snapshot(params: PipelineParams, ctx: RunContext) -> Any:
 def preflight_flow(params: PipelineParams, ctx: RunContext) -> list[dict[str, str]]:
     snap = gather_snapshot(params, ctx)
     req = Requirements(
-        workers=params.nodes * params.nproc_per_node,
+        workers=params.world_size,
         buckets=(params.dataset.bucket, params.export.bucket),
         dataset_uri=f"s3://{params.dataset.bucket}/{params.dataset.prefix}",
     )
@@ -180,7 +180,7 @@ class _Progress:
 @flow(name="train")
 def train_flow(params: PipelineParams, ctx: RunContext, attempt: int) -> dict[str, Any]:
     log = get_run_logger()
-    cfg = train_config(params, ctx)
+    cfg = local_train_config(params, ctx)
     backend = LocalBackend()
     log.info(
         "train attempt %d: %d node(s) x %d worker(s), %d steps, backend %s",
@@ -222,11 +222,11 @@ def train_stage(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
 # -- validate -------------------------------------------------------------------------------------
 @flow(name="validate")
 def validate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
-    cfg = train_config(params, ctx)
+    cfg = local_train_config(params, ctx)
     exp = Expectations(
         model=params.model,
         config_hash=cfg.fingerprint(),
-        world_size=params.nodes * params.nproc_per_node,
+        world_size=params.world_size,
         data_dir=ctx.data_dir,
         global_batch=params.global_batch,
         seed=cfg.seed,

@@ -266,6 +266,9 @@ class TrainConfig:
     faults: tuple[str, ...] = ()
     inprocess: InProcessConfig = field(default_factory=InProcessConfig)
     injob: InJobConfig = field(default_factory=InJobConfig)
+    # False when the config is built for workers elsewhere (an EKS pod's /fsx): paths are then
+    # checked by the workers, not here.
+    local_paths: bool = True
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "steps", f"must be a positive number of steps, got {self.steps}")
@@ -280,7 +283,7 @@ class TrainConfig:
         _require(self.ckpt_timeout_s > 0, "ckpt_timeout_s", "must be > 0 seconds")
         _require(str(self.run_root) != "", "run_root", "set the run directory (shared filesystem)")
         _require(
-            self.data_dir.is_dir(),
+            not self.local_paths or self.data_dir.is_dir(),
             "data_dir",
             f"dataset directory {str(self.data_dir)!r} does not exist; write one with "
             "`python -m trainer.data --out DIR` or hydrate it first",

@@ -1,0 +1,192 @@
+"""Render the train stage's Kubernetes objects (pure: parameters in, manifests out).
+
+An Indexed ``batch/v1`` Job (``completions = parallelism = nodes``, one pod per node,
+``restartPolicy: Never``, ``backoffLimit: 0``, a pod failure policy) and a headless Service that
+gives the index-0 pod a stable DNS name for the c10d rendezvous. Each pod runs ``ft_launcher``
+with ``--nproc-per-node`` = GPUs per node. Names derive from (run id, attempt) only, so applying
+the same attempt twice is idempotent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+
+from trainer.config import TrainConfig
+from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
+
+CONTAINER = "trainer"
+LABEL_RUN = "nvrx.io/run-id"
+LABEL_ATTEMPT = "nvrx.io/attempt"
+EXIT_DO_NOT_REQUEUE = 93
+
+
+def job_name(run_id: str, attempt: int) -> str:
+    """DNS-1123 label, <= 52 chars (pod hostnames append '-<index>'), stable per attempt."""
+    base = re.sub(r"[^a-z0-9-]", "-", run_id.lower()).strip("-")
+    suffix = f"-a{attempt}"
+    if len(base) + len(suffix) + 5 > 52:
+        digest = hashlib.sha256(run_id.encode()).hexdigest()[:6]
+        base = f"{base[: 52 - len(suffix) - 5 - 7]}-{digest}"
+    return f"nvrx-{base}{suffix}"
+
+
+def labels(run_id: str, attempt: int) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "nvrx-pipeline",
+        "app.kubernetes.io/component": "trainer",
+        LABEL_RUN: re.sub(r"[^A-Za-z0-9_.-]", "-", run_id)[:63],
+        LABEL_ATTEMPT: str(attempt),
+    }
+
+
+def render_service(run_id: str, attempt: int, *, namespace: str, port: int) -> dict[str, Any]:
+    name = job_name(run_id, attempt)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(run_id, attempt)},
+        "spec": {
+            "clusterIP": "None",  # headless: DNS names for the pods, no load balancing
+            # Resolvable before the pods are ready: ranks rendezvous while starting up.
+            "publishNotReadyAddresses": True,
+            "selector": {"batch.kubernetes.io/job-name": name},
+            "ports": [{"name": "rdzv", "port": port, "targetPort": port, "protocol": "TCP"}],
+        },
+    }
+
+
+def render_job(
+    cfg: TrainConfig,
+    *,
+    run_id: str,
+    attempt: int,
+    nodes: int,
+    eks: Any,  # flows.models.EksParams (duck-typed: tasks never imports flows)
+) -> dict[str, Any]:
+    name = job_name(run_id, attempt)
+    ns = eks.namespace
+    rdzv = f"{name}-0.{name}.{ns}.svc.cluster.local:{eks.rdzv_port}"
+    spec = LaunchSpec(
+        nnodes=nodes,
+        nproc_per_node=eks.gpus_per_node,
+        rdzv_endpoint=rdzv,
+        rdzv_id=name,
+        cpu_only=False,
+    )
+    argv = ft_launcher_argv(cfg, spec, trainer_args(cfg))
+    argv[0] = "ft_launcher"  # the image's entry point, not this machine's path
+    resources = {"nvidia.com/gpu": str(eks.gpus_per_node)}
+    if eks.efa_per_node:
+        resources["vpc.amazonaws.com/efa"] = str(eks.efa_per_node)
+    env = [
+        {"name": "NVRX_STAGE_ATTEMPT", "value": str(attempt)},
+        {"name": "TORCH_CPP_LOG_LEVEL", "value": "ERROR"},
+        {"name": "FI_PROVIDER", "value": "efa"},
+        {"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"},
+        {"name": "NCCL_DEBUG", "value": "WARN"},
+        {"name": "NCCL_SOCKET_IFNAME", "value": "^lo,docker"},
+    ]
+    pod_labels = labels(run_id, attempt)
+    template = {
+        "metadata": {"labels": pod_labels},
+        "spec": {
+            "restartPolicy": "Never",
+            "subdomain": name,  # <job>-<index>.<service> resolves through the headless Service
+            "serviceAccountName": eks.service_account,
+            "terminationGracePeriodSeconds": 30,
+            "nodeSelector": {"node.kubernetes.io/instance-type": eks.instance_type},
+            "affinity": {
+                "podAntiAffinity": {  # one pod (= one ft_launcher agent) per node
+                    "requiredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "labelSelector": {
+                                "matchLabels": {
+                                    LABEL_RUN: pod_labels[LABEL_RUN],
+                                    LABEL_ATTEMPT: str(attempt),
+                                }
+                            },
+                            "topologyKey": "kubernetes.io/hostname",
+                        }
+                    ]
+                }
+            },
+            "tolerations": [
+                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                {"key": "vpc.amazonaws.com/efa", "operator": "Exists", "effect": "NoSchedule"},
+                # Evict sooner than the default 300 s when a node is lost: the stage retry
+                # (not a wait) is what recovers a node loss.
+                {
+                    "key": "node.kubernetes.io/unreachable",
+                    "operator": "Exists",
+                    "effect": "NoExecute",
+                    "tolerationSeconds": eks.unreachable_toleration_s,
+                },
+                {
+                    "key": "node.kubernetes.io/not-ready",
+                    "operator": "Exists",
+                    "effect": "NoExecute",
+                    "tolerationSeconds": eks.unreachable_toleration_s,
+                },
+            ],
+            "containers": [
+                {
+                    "name": CONTAINER,
+                    "image": eks.image,
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": argv[:1],
+                    "args": argv[1:],
+                    "env": env,
+                    "ports": [{"name": "rdzv", "containerPort": eks.rdzv_port}],
+                    "resources": {"limits": dict(resources), "requests": dict(resources)},
+                    "volumeMounts": [
+                        {"name": "fsx", "mountPath": eks.fsx_mount},
+                        {"name": "shm", "mountPath": "/dev/shm"},
+                    ],
+                }
+            ],
+            "volumes": [
+                {"name": "fsx", "persistentVolumeClaim": {"claimName": eks.fsx_claim}},
+                {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{eks.shm_gi}Gi"}},
+            ],
+        },
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": ns, "labels": labels(run_id, attempt)},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": nodes,
+            "parallelism": nodes,
+            "backoffLimit": 0,  # restarts belong to ft_launcher (in-job) and the stage retry
+            "podFailurePolicy": {
+                "rules": [
+                    {  # the workload asked not to be requeued
+                        "action": "FailJob",
+                        "onExitCodes": {
+                            "containerName": CONTAINER,
+                            "operator": "In",
+                            "values": [EXIT_DO_NOT_REQUEUE],
+                        },
+                    },
+                    {  # a node went away: end the Job now; the watcher classifies node loss
+                        "action": "FailJob",
+                        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+                    },
+                ]
+            },
+            "ttlSecondsAfterFinished": 7 * 24 * 3600,
+            "template": template,
+        },
+    }
+
+
+def render_all(
+    cfg: TrainConfig, *, run_id: str, attempt: int, nodes: int, eks: Any
+) -> list[dict[str, Any]]:
+    return [
+        render_service(run_id, attempt, namespace=eks.namespace, port=eks.rdzv_port),
+        render_job(cfg, run_id=run_id, attempt=attempt, nodes=nodes, eks=eks),
+    ]
