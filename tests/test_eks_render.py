@@ -47,7 +47,7 @@ def test_manifests_validate_strictly(attempt: int):
 
 
 def test_schema_catches_a_wrong_field():
-    svc, job = render(params())
+    _svc, job = render(params())
     job["spec"]["template"]["spec"]["containers"][0]["resource"] = {}  # typo'd field
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(job, K8S_VERSION, strict=True)
