@@ -1,0 +1,244 @@
+"""How a train attempt on EKS ended, from the Pod/Node/Job objects the watcher observed.
+
+Pure: :func:`observe_pod` / :func:`observe_node` / :func:`observe_job` turn API objects (dicts as
+the API serialises them) into small snapshots; :func:`classify_history` judges the whole observed
+history (a node seen unreachable once stays a lost node, even after it is deleted).
+
+Node loss, as a watcher sees it (PLATFORM_NOTES): the Node's ``Ready`` goes ``Unknown`` with reason
+``NodeStatusUnknown`` (taint ``node.kubernetes.io/unreachable``); its pods get a
+``DisruptionTarget=True`` condition with reason ``DeletionByTaintManager`` (or ``DeletionByPodGC``
+once the Node is deleted, ``EvictionByEvictionAPI`` on a drain / spot reclaim,
+``TerminationByKubelet``/``PreemptionByScheduler``); or a pod simply vanishes together with its
+node. ``NodeLost`` is not relied on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tasks.classify import EXIT_DO_NOT_REQUEUE, EndKind, Outcome
+
+NODE_LOSS_REASONS = frozenset(
+    {
+        "DeletionByTaintManager",
+        "DeletionByPodGC",
+        "EvictionByEvictionAPI",
+        "TerminationByKubelet",
+        "PreemptionByScheduler",
+    }
+)
+IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName"})
+
+
+@dataclass(frozen=True)
+class PodObs:
+    name: str
+    t: float
+    index: int | None = None
+    phase: str = "Pending"
+    node: str | None = None
+    exit_code: int | None = None
+    terminated_reason: str | None = None  # e.g. OOMKilled, Error, Completed
+    waiting_reason: str | None = None  # e.g. ImagePullBackOff
+    waiting_message: str = ""
+    disruption_reason: str | None = None  # DisruptionTarget=True reason
+    unschedulable_message: str | None = None  # PodScheduled=False/Unschedulable
+    status_reason: str | None = None  # Evicted, Terminated
+    deleted: bool = False
+
+
+@dataclass(frozen=True)
+class NodeObs:
+    name: str
+    t: float
+    ready: str = "True"  # True / False / Unknown
+    reason: str = ""
+    deleted: bool = False
+
+
+@dataclass(frozen=True)
+class JobObs:
+    t: float
+    complete: bool = False
+    failed: bool = False
+    failed_reason: str = ""
+    failed_message: str = ""
+
+
+@dataclass
+class History:
+    pods: list[PodObs] = field(default_factory=list)
+    nodes: list[NodeObs] = field(default_factory=list)
+    jobs: list[JobObs] = field(default_factory=list)
+    completions: int = 1
+
+
+# -- observation (pure conversions of API objects) -------------------------------------------
+def _conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
+
+
+def observe_pod(pod: dict[str, Any], t: float, *, deleted: bool = False) -> PodObs:
+    meta, spec, status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status") or {}
+    conds = _conditions(pod)
+    annotations = meta.get("annotations") or {}
+    labels = meta.get("labels") or {}
+    raw_index = labels.get("batch.kubernetes.io/job-completion-index") or annotations.get(
+        "batch.kubernetes.io/job-completion-index"
+    )
+    exit_code = terminated_reason = waiting_reason = None
+    waiting_message = ""
+    for cs in status.get("containerStatuses") or []:
+        state = cs.get("state") or {}
+        if "terminated" in state:
+            exit_code = state["terminated"].get("exitCode")
+            terminated_reason = state["terminated"].get("reason")
+        if "waiting" in state:
+            waiting_reason = state["waiting"].get("reason")
+            waiting_message = state["waiting"].get("message", "")
+    disruption = conds.get("DisruptionTarget")
+    scheduled = conds.get("PodScheduled")
+    return PodObs(
+        name=meta.get("name", "?"),
+        t=t,
+        index=int(raw_index) if raw_index is not None else None,
+        phase=status.get("phase", "Pending"),
+        node=spec.get("nodeName"),
+        exit_code=exit_code,
+        terminated_reason=terminated_reason,
+        waiting_reason=waiting_reason,
+        waiting_message=waiting_message,
+        disruption_reason=disruption.get("reason")
+        if disruption and disruption.get("status") == "True"
+        else None,
+        unschedulable_message=scheduled.get("message", "")
+        if scheduled
+        and scheduled.get("status") == "False"
+        and scheduled.get("reason") == "Unschedulable"
+        else None,
+        status_reason=status.get("reason"),
+        deleted=deleted,
+    )
+
+
+def observe_node(node: dict[str, Any], t: float, *, deleted: bool = False) -> NodeObs:
+    ready = _conditions(node).get("Ready", {})
+    return NodeObs(
+        name=node.get("metadata", {}).get("name", "?"),
+        t=t,
+        ready=ready.get("status", "Unknown"),
+        reason=ready.get("reason", ""),
+        deleted=deleted,
+    )
+
+
+def observe_job(job: dict[str, Any], t: float) -> JobObs:
+    conds = _conditions(job)
+    failed = conds.get("Failed", {})
+    return JobObs(
+        t=t,
+        complete=conds.get("Complete", {}).get("status") == "True",
+        failed=failed.get("status") == "True",
+        failed_reason=failed.get("reason", ""),
+        failed_message=failed.get("message", ""),
+    )
+
+
+# -- judgement ---------------------------------------------------------------------------------
+def _latest(pods: Iterable[PodObs]) -> dict[str, PodObs]:
+    out: dict[str, PodObs] = {}
+    for p in sorted(pods, key=lambda p: p.t):
+        out[p.name] = p
+    return out
+
+
+def classify_history(h: History, *, now: float, unschedulable_timeout_s: float) -> Outcome | None:
+    """The attempt's outcome, or None while it is still running normally."""
+    pods = _latest(h.pods)
+    lost_nodes = {n.name for n in h.nodes if n.deleted or (n.ready == "Unknown")}
+    job = max(h.jobs, key=lambda j: j.t) if h.jobs else None
+
+    # 1. The workload asked not to be requeued.
+    for p in pods.values():
+        if p.exit_code == EXIT_DO_NOT_REQUEUE:
+            return Outcome(
+                EndKind.DO_NOT_REQUEUE,
+                f"pod {p.name} exited {EXIT_DO_NOT_REQUEUE}: the workload asked not to "
+                "be requeued (see its log)",
+            )
+    # 2. Completed.
+    succeeded = [p for p in pods.values() if p.phase == "Succeeded"]
+    if (job is not None and job.complete) or (
+        len(succeeded) >= h.completions and all(p.phase == "Succeeded" for p in pods.values())
+    ):
+        return Outcome(EndKind.COMPLETED, f"all {h.completions} pods succeeded")
+    # 3. Node loss, in any of its guises.
+    evidence = []
+    for p in pods.values():
+        if p.disruption_reason in NODE_LOSS_REASONS:
+            evidence.append(f"pod {p.name}: DisruptionTarget {p.disruption_reason}")
+        elif p.node in lost_nodes and p.phase not in ("Succeeded",):
+            evidence.append(f"pod {p.name} on lost node {p.node}")
+        elif p.deleted and p.node is not None and p.node in lost_nodes:
+            evidence.append(f"pod {p.name} vanished with node {p.node}")
+        elif p.status_reason in ("Evicted", "Terminated") and p.phase == "Failed":
+            evidence.append(f"pod {p.name}: {p.status_reason} by the kubelet")
+    if evidence:
+        # Nodes of disrupted pods count as lost too (the Node object may still look Ready).
+        nodes = sorted(
+            lost_nodes
+            | {p.node for p in pods.values() if p.node and p.disruption_reason in NODE_LOSS_REASONS}
+        )
+        return Outcome(
+            EndKind.NODE_LOSS,
+            "node loss: "
+            + "; ".join(evidence)
+            + (f" (nodes {nodes} unreachable or gone)" if nodes else ""),
+            {"lost_nodes": nodes},
+        )
+    # 4. Could never have run.
+    for p in pods.values():
+        if p.waiting_reason in IMAGE_PULL_REASONS:
+            return Outcome(
+                EndKind.BUG,
+                f"image pull failure for pod {p.name}: {p.waiting_reason} "
+                f"{p.waiting_message}".strip(),
+            )
+    pending = [p for p in pods.values() if p.unschedulable_message is not None]
+    if pending:
+        first_seen = min(
+            o.t for o in h.pods if o.name == pending[0].name and o.unschedulable_message is not None
+        )
+        if now - first_seen > unschedulable_timeout_s:
+            return Outcome(
+                EndKind.TIMEOUT,
+                f"pod {pending[0].name} unschedulable for {now - first_seen:.0f} s: "
+                f"{pending[0].unschedulable_message}",
+            )
+    # 5. Failed pods.
+    failed = [p for p in pods.values() if p.phase == "Failed"]
+    for p in failed:
+        if p.terminated_reason == "OOMKilled":
+            return Outcome(
+                EndKind.BUG,
+                f"pod {p.name} was OOMKilled and ft_launcher could not "
+                "recover it: lower the per-GPU batch or raise the memory limit",
+            )
+    for p in failed:
+        if p.exit_code == 1:
+            return Outcome(
+                EndKind.INJOB_EXHAUSTED,
+                f"pod {p.name}: ft_launcher exhausted its in-job restarts (exit 1)",
+            )
+    if failed:
+        p = failed[0]
+        return Outcome(
+            EndKind.BUG,
+            f"pod {p.name} failed (exit {p.exit_code}, "
+            f"{p.terminated_reason or p.status_reason or 'no reason'})",
+        )
+    if job is not None and job.failed:
+        return Outcome(EndKind.BUG, f"Job failed: {job.failed_reason} {job.failed_message}".strip())
+    return None

@@ -1,0 +1,251 @@
+"""EKS end classification over recorded object sequences, shaped as the API serialises them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tasks.backends.eks.classify import (
+    History,
+    classify_history,
+    observe_job,
+    observe_node,
+    observe_pod,
+)
+from tasks.classify import EndKind
+
+JOB = "nvrx-run1-a1"
+
+
+def pod(
+    index: int,
+    *,
+    phase: str = "Running",
+    node: str | None = "ip-10-0-1-1",
+    exit_code=None,
+    reason=None,
+    waiting=None,
+    conditions=(),
+    status_reason=None,
+) -> dict[str, Any]:
+    cs: dict[str, Any] = {"name": "trainer", "ready": phase == "Running"}
+    if exit_code is not None:
+        cs["state"] = {"terminated": {"exitCode": exit_code, "reason": reason or "Error"}}
+    elif waiting:
+        cs["state"] = {"waiting": {"reason": waiting[0], "message": waiting[1]}}
+    else:
+        cs["state"] = {"running": {"startedAt": "2026-11-29T10:00:00Z"}}
+    status: dict[str, Any] = {
+        "phase": phase,
+        "containerStatuses": [cs],
+        "conditions": [dict(c) for c in conditions],
+    }
+    if status_reason:
+        status["reason"] = status_reason
+    return {
+        "metadata": {
+            "name": f"{JOB}-{index}-abcde",
+            "labels": {
+                "batch.kubernetes.io/job-completion-index": str(index),
+                "batch.kubernetes.io/job-name": JOB,
+            },
+        },
+        "spec": {"nodeName": node},
+        "status": status,
+    }
+
+
+def node(name: str, ready: str = "True", reason: str = "KubeletReady") -> dict[str, Any]:
+    return {
+        "metadata": {"name": name},
+        "status": {"conditions": [{"type": "Ready", "status": ready, "reason": reason}]},
+    }
+
+
+def job(**conds: str) -> dict[str, Any]:
+    return {"status": {"conditions": [{"type": k, "status": v} for k, v in conds.items()]}}
+
+
+def history(
+    *steps: tuple[float, str, dict[str, Any]] | tuple[float, str, dict[str, Any], bool],
+    completions: int = 2,
+) -> History:
+    h = History(completions=completions)
+    for step in steps:
+        t, kind, obj = step[0], step[1], step[2]
+        deleted = bool(step[3]) if len(step) > 3 else False
+        if kind == "pod":
+            h.pods.append(observe_pod(obj, t, deleted=deleted))
+        elif kind == "node":
+            h.nodes.append(observe_node(obj, t, deleted=deleted))
+        else:
+            h.jobs.append(observe_job(obj, t))
+    return h
+
+
+RUNNING = [
+    (0, "pod", pod(0)),
+    (0, "pod", pod(1, node="ip-10-0-1-2")),
+    (0, "node", node("ip-10-0-1-1")),
+    (0, "node", node("ip-10-0-1-2")),
+]
+DISRUPTED = {"type": "DisruptionTarget", "status": "True"}
+
+SCENARIOS = [
+    ("still-running", RUNNING, None),
+    (
+        "completed",
+        [
+            *RUNNING,
+            (50, "pod", pod(0, phase="Succeeded", exit_code=0, reason="Completed")),
+            (
+                51,
+                "pod",
+                pod(1, phase="Succeeded", exit_code=0, reason="Completed", node="ip-10-0-1-2"),
+            ),
+            (52, "job", job(Complete="True")),
+        ],
+        EndKind.COMPLETED,
+    ),
+    (
+        "node-unreachable",
+        [*RUNNING, (30, "node", node("ip-10-0-1-2", "Unknown", "NodeStatusUnknown"))],
+        EndKind.NODE_LOSS,
+    ),
+    (
+        "taint-manager-eviction",
+        [
+            *RUNNING,
+            (
+                330,
+                "pod",
+                pod(
+                    1,
+                    node="ip-10-0-1-2",
+                    conditions=[{**DISRUPTED, "reason": "DeletionByTaintManager"}],
+                ),
+            ),
+        ],
+        EndKind.NODE_LOSS,
+    ),
+    (
+        "pod-gc-after-node-deleted",
+        [
+            *RUNNING,
+            (40, "node", node("ip-10-0-1-2"), True),
+            (
+                41,
+                "pod",
+                pod(
+                    1,
+                    phase="Failed",
+                    node="ip-10-0-1-2",
+                    conditions=[{**DISRUPTED, "reason": "DeletionByPodGC"}],
+                ),
+            ),
+        ],
+        EndKind.NODE_LOSS,
+    ),
+    (
+        "spot-eviction",
+        [
+            *RUNNING,
+            (20, "pod", pod(0, conditions=[{**DISRUPTED, "reason": "EvictionByEvictionAPI"}])),
+        ],
+        EndKind.NODE_LOSS,
+    ),
+    (
+        "kubelet-termination",
+        [
+            *RUNNING,
+            (
+                20,
+                "pod",
+                pod(
+                    0,
+                    phase="Failed",
+                    exit_code=137,
+                    status_reason="Terminated",
+                    conditions=[{**DISRUPTED, "reason": "TerminationByKubelet"}],
+                ),
+            ),
+        ],
+        EndKind.NODE_LOSS,
+    ),
+    (
+        "pod-vanished-with-node",
+        [
+            *RUNNING,
+            (60, "node", node("ip-10-0-1-2"), True),
+            (60, "pod", pod(1, node="ip-10-0-1-2"), True),
+        ],
+        EndKind.NODE_LOSS,
+    ),
+    (
+        "injob-exhausted",
+        [*RUNNING, (90, "pod", pod(0, phase="Failed", exit_code=1))],
+        EndKind.INJOB_EXHAUSTED,
+    ),
+    (
+        "do-not-requeue",
+        [*RUNNING, (90, "pod", pod(1, phase="Failed", exit_code=93, node="ip-10-0-1-2"))],
+        EndKind.DO_NOT_REQUEUE,
+    ),
+    (
+        "image-pull",
+        [
+            (
+                0,
+                "pod",
+                pod(
+                    0,
+                    phase="Pending",
+                    node=None,
+                    waiting=("ImagePullBackOff", 'Back-off pulling image "registry/nvrx:bad"'),
+                ),
+            )
+        ],
+        EndKind.BUG,
+    ),
+    (
+        "oom",
+        [*RUNNING, (70, "pod", pod(0, phase="Failed", exit_code=137, reason="OOMKilled"))],
+        EndKind.BUG,
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "steps", "kind"), SCENARIOS, ids=[s[0] for s in SCENARIOS])
+def test_recorded_histories(name, steps, kind):
+    outcome = classify_history(history(*steps), now=1000, unschedulable_timeout_s=600)
+    if kind is None:
+        assert outcome is None
+        return
+    assert outcome is not None and outcome.kind == kind, outcome
+    assert outcome.message
+
+
+def test_messages_say_what_happened():
+    pull = classify_history(history(*SCENARIOS[10][1]), now=10, unschedulable_timeout_s=600)
+    assert pull is not None and "registry/nvrx:bad" in pull.message
+    oom = classify_history(history(*SCENARIOS[11][1]), now=100, unschedulable_timeout_s=600)
+    assert oom is not None and "OOMKilled" in oom.message
+    lost = classify_history(history(*SCENARIOS[3][1]), now=100, unschedulable_timeout_s=600)
+    assert lost is not None and lost.details["lost_nodes"] == ["ip-10-0-1-2"]
+
+
+def test_unschedulable_only_after_its_timeout():
+    msg = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    p = pod(
+        0,
+        phase="Pending",
+        node=None,
+        conditions=[
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": msg}
+        ],
+    )
+    h = history((0, "pod", p), (100, "pod", p))
+    assert classify_history(h, now=100, unschedulable_timeout_s=600) is None
+    out = classify_history(h, now=700, unschedulable_timeout_s=600)
+    assert out is not None and out.kind == EndKind.TIMEOUT and msg in out.message
