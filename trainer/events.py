@@ -13,11 +13,26 @@ import time
 from pathlib import Path
 from typing import Any
 
+ECHO_ENV = "NVRX_EVENTS_STDOUT"  # set: every event is also printed on stdout
+STDOUT_PREFIX = "NVRX_EVENT "
+
+
+def parse_stdout_line(line: str) -> dict[str, Any] | None:
+    """The event in a log line printed by an echoing :class:`EventLog`, if any."""
+    if not line.startswith(STDOUT_PREFIX):
+        return None
+    try:
+        event = json.loads(line[len(STDOUT_PREFIX) :])
+    except json.JSONDecodeError:
+        return None
+    return event if isinstance(event, dict) else None
+
 
 class EventLog:
     def __init__(self, run_root: Path, *, enabled: bool = True) -> None:
         self.path = Path(run_root) / "events.jsonl"
         self.enabled = enabled
+        self.echo = os.environ.get(ECHO_ENV) == "1"
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -30,6 +45,9 @@ class EventLog:
                 os.write(fd, line)
             finally:
                 os.close(fd)
+            if self.echo:
+                # On EKS the flow cannot read the pods' FSx: it follows the rank-0 pod's log.
+                os.write(1, STDOUT_PREFIX.encode() + line)
         return event
 
 

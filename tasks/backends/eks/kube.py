@@ -1,0 +1,149 @@
+"""The thin seam over the official ``kubernetes`` client: plain dicts in and out.
+
+Responses are used as raw JSON (``_preload_content=False`` / ``deserialize=False``): the pure
+classifier reads dicts, and the client's model classes are never needed. Selectors are applied
+client-side as well (a real API server filters, the emulator used in tests does not; filtering
+twice is harmless).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+
+
+def _json(resp: Any) -> Any:
+    return json.loads(resp.data)
+
+
+class Kube:
+    def __init__(self, api_client: Any) -> None:
+        from kubernetes import client
+
+        self.core = client.CoreV1Api(api_client)
+        self.batch = client.BatchV1Api(api_client)
+        self._exc = client.ApiException
+
+    @classmethod
+    def from_environment(cls) -> Kube:
+        """In-cluster config when running in a pod, else the local kubeconfig."""
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        return cls(client.ApiClient())
+
+    # -- apply / delete ----------------------------------------------------------------------
+    def apply(self, obj: dict[str, Any]) -> None:
+        """Create, or patch when it exists (same run + attempt -> same name: idempotent)."""
+        ns, name, kind = obj["metadata"]["namespace"], obj["metadata"]["name"], obj["kind"]
+        create, patch = {
+            "Job": (self.batch.create_namespaced_job, self.batch.patch_namespaced_job),
+            "Service": (self.core.create_namespaced_service, self.core.patch_namespaced_service),
+        }[kind]
+        try:
+            create(ns, obj, _preload_content=False)
+        except self._exc as e:
+            if e.status != 409:
+                raise
+            patch(name, ns, obj, _preload_content=False)
+
+    def delete_job(self, ns: str, name: str) -> None:
+        for fn in (self.batch.delete_namespaced_job, self.core.delete_namespaced_service):
+            try:
+                fn(name, ns, propagation_policy="Background", _preload_content=False)
+            except self._exc as e:
+                if e.status != 404:
+                    raise
+
+    # -- reads ---------------------------------------------------------------------------------
+    def read_job(self, ns: str, name: str) -> dict[str, Any] | None:
+        try:
+            return dict(_json(self.batch.read_namespaced_job(name, ns, _preload_content=False)))
+        except self._exc as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def job_pods(self, ns: str, job: str) -> list[dict[str, Any]]:
+        items = _json(
+            self.core.list_namespaced_pod(
+                ns, label_selector=f"{JOB_NAME_LABEL}={job}", _preload_content=False
+            )
+        )["items"]
+        return [p for p in items if (p["metadata"].get("labels") or {}).get(JOB_NAME_LABEL) == job]
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return list(_json(self.core.list_node(_preload_content=False))["items"])
+
+    def pod_log(self, ns: str, pod: str, *, since_seconds: int | None = None) -> str:
+        try:
+            resp = self.core.read_namespaced_pod_log(
+                pod, ns, container="trainer", since_seconds=since_seconds, _preload_content=False
+            )
+            return str(resp.data.decode(errors="replace"))
+        except self._exc:
+            return ""  # not started yet, or already gone: logs are best effort
+
+    # -- watches -------------------------------------------------------------------------------
+    def watch(
+        self,
+        what: str,
+        ns: str,
+        out: queue.Queue[tuple[str, str, dict[str, Any]]],
+        stop: threading.Event,
+        *,
+        timeout_s: int = 30,
+    ) -> None:
+        """Stream ``(what, type, object)`` into ``out`` until ``stop``. A watch that ends or
+        fails is resumed from the last resourceVersion when the server gives numeric ones, else
+        started over (the caller's history dedupes by time, so replays are harmless)."""
+        func, args = (
+            (self.core.list_namespaced_pod, (ns,)) if what == "pod" else (self.core.list_node, ())
+        )
+        version: str | None = None
+        while not stop.is_set():
+            kwargs: dict[str, Any] = {
+                # The literal "true": the client would send "True" for a bool, which some
+                # servers (and the emulator in the tests) do not take as a watch request.
+                "watch": "true",
+                "timeout_seconds": timeout_s,
+                "_preload_content": False,
+                "_request_timeout": timeout_s + 5,
+            }
+            if version and version.isdigit():
+                kwargs["resource_version"] = version
+            try:
+                resp = func(*args, **kwargs)
+                buf = b""
+                for chunk in resp.stream(4096):
+                    if stop.is_set():
+                        break
+                    buf += chunk
+                    *lines, buf = buf.split(b"\n")
+                    for line in lines:
+                        if not line.strip():
+                            continue
+                        event = json.loads(line)
+                        obj = event.get("object") or {}
+                        version = (obj.get("metadata") or {}).get("resourceVersion") or version
+                        out.put((what, str(event.get("type")), obj))
+                resp.release_conn()
+            except Exception:  # connection reset, read timeout, bad line: resume
+                version = None
+                stop.wait(1.0)
+
+
+def iter_queue(q: queue.Queue[Any]) -> Iterator[Any]:
+    while True:
+        try:
+            yield q.get_nowait()
+        except queue.Empty:
+            return
