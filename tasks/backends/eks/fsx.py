@@ -1,0 +1,197 @@
+"""FSx for Lustre hydration: the data repository association (idempotent), an
+``IMPORT_METADATA_FROM_REPOSITORY`` task polled with backoff (FSx has no waiters), and the
+hydration Job that preloads file contents with ``lfs hsm_restore`` in batches and waits until
+``lfs hsm_action`` reports NOOP for every file.
+
+The boto3 calls go through ``fsx`` (a boto3 FSx client): tests drive it with
+``botocore.stub.Stubber``, which checks every call and response against the real FSx service model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tasks.errors import HydrationError
+
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELED")
+
+
+@dataclass(frozen=True)
+class Backoff:
+    first_s: float = 5.0
+    factor: float = 1.6
+    max_s: float = 60.0
+    deadline_s: float = 3600.0
+
+    def delays(self) -> Any:
+        delay, waited = self.first_s, 0.0
+        while waited < self.deadline_s:
+            yield delay
+            waited += delay
+            delay = min(delay * self.factor, self.max_s)
+
+
+def ensure_association(
+    fsx: Any,
+    *,
+    file_system_id: str,
+    file_system_path: str,
+    s3_path: str,
+    token: str,
+    backoff: Backoff = Backoff(),
+    sleep: Callable[[float], None] = time.sleep,
+) -> str:
+    """The association id linking ``file_system_path`` to ``s3_path``, created only if missing."""
+    found = fsx.describe_data_repository_associations(
+        Filters=[{"Name": "file-system-id", "Values": [file_system_id]}]
+    )["Associations"]
+    match = next(
+        (
+            a
+            for a in found
+            if a.get("FileSystemPath") == file_system_path
+            and a.get("DataRepositoryPath") == s3_path
+        ),
+        None,
+    )
+    if match is None:
+        clash = next((a for a in found if a.get("FileSystemPath") == file_system_path), None)
+        if clash is not None:
+            raise HydrationError(
+                f"{file_system_id}:{file_system_path} is already associated with "
+                f"{clash.get('DataRepositoryPath')}, not {s3_path}: remove that association or "
+                "choose another path"
+            )
+        match = fsx.create_data_repository_association(
+            FileSystemId=file_system_id,
+            FileSystemPath=file_system_path,
+            DataRepositoryPath=s3_path,
+            BatchImportMetaDataOnCreate=False,  # our import task does it, and reports
+            ClientRequestToken=token,
+        )["Association"]
+    assoc_id = str(match["AssociationId"])
+    for delay in [0.0, *backoff.delays()]:
+        if delay:
+            sleep(delay)
+            match = fsx.describe_data_repository_associations(AssociationIds=[assoc_id])[
+                "Associations"
+            ][0]
+        state = match.get("Lifecycle")
+        if state == "AVAILABLE":
+            return assoc_id
+        if state in ("FAILED", "MISCONFIGURED", "DELETING"):
+            detail = (match.get("FailureDetails") or {}).get("Message", "")
+            raise HydrationError(f"data repository association {assoc_id} is {state}: {detail}")
+    raise HydrationError(f"data repository association {assoc_id} not AVAILABLE in time")
+
+
+def import_metadata(
+    fsx: Any,
+    *,
+    file_system_id: str,
+    paths: list[str],
+    report_path: str,
+    token: str,
+    backoff: Backoff = Backoff(),
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
+    """Run an ``IMPORT_METADATA_FROM_REPOSITORY`` task and poll it to the end. A failed task
+    raises naming its failure report's location."""
+    task = fsx.create_data_repository_task(
+        Type="IMPORT_METADATA_FROM_REPOSITORY",
+        Paths=paths,
+        FileSystemId=file_system_id,
+        Report={
+            "Enabled": True,
+            "Path": report_path,
+            "Format": "REPORT_CSV_20191124",
+            "Scope": "FAILED_FILES_ONLY",
+        },
+        ClientRequestToken=token,
+    )["DataRepositoryTask"]
+    task_id = task["TaskId"]
+    for delay in backoff.delays():
+        if task.get("Lifecycle") in TERMINAL:
+            break
+        sleep(delay)
+        task = fsx.describe_data_repository_tasks(TaskIds=[task_id])["DataRepositoryTasks"][0]
+    state = task.get("Lifecycle")
+    if state == "SUCCEEDED":
+        return dict(task)
+    report = (task.get("Report") or {}).get("Path", report_path)
+    detail = (task.get("FailureDetails") or {}).get("Message", "")
+    if state in ("FAILED", "CANCELED"):
+        raise HydrationError(
+            f"FSx import task {task_id} {state}: {detail} (failure report under {report})"
+        )
+    raise HydrationError(f"FSx import task {task_id} still {state} at the deadline")
+
+
+HSM_SCRIPT = r"""set -euo pipefail
+cd "$DATA_DIR"
+find . -type f > /tmp/files
+total=$(wc -l < /tmp/files)
+echo "hydrating $total files under $DATA_DIR"
+# lfs hsm_restore is asynchronous; batches of at most 1000 files per call.
+xargs -a /tmp/files -d '\n' -n 1000 lfs hsm_restore
+while true; do
+  pending=$(xargs -a /tmp/files -d '\n' -n 1000 lfs hsm_action | grep -vc 'NOOP' || true)
+  echo "pending $pending / $total"
+  [ "$pending" -eq 0 ] && break
+  sleep 10
+done
+bytes=$(xargs -a /tmp/files -d '\n' du -cb | tail -1 | cut -f1)
+echo "hydrated files=$total bytes=$bytes"
+python -m trainer.data --verify --out "$DATA_DIR"
+"""
+
+
+def render_hydration_job(
+    *,
+    name: str,
+    namespace: str,
+    image: str,
+    data_dir: str,
+    fsx_claim: str,
+    fsx_mount: str,
+    service_account: str,
+) -> dict[str, Any]:
+    """A Job that mounts the FSx claim and preloads ``data_dir`` (needs root for ``lfs``)."""
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {
+                "app.kubernetes.io/name": "nvrx-pipeline",
+                "app.kubernetes.io/component": "hydrate",
+            },
+        },
+        "spec": {
+            "backoffLimit": 2,
+            "ttlSecondsAfterFinished": 24 * 3600,
+            "template": {
+                "metadata": {"labels": {"app.kubernetes.io/component": "hydrate"}},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "serviceAccountName": service_account,
+                    "containers": [
+                        {
+                            "name": "hydrate",
+                            "image": image,
+                            "command": ["bash", "-c", HSM_SCRIPT],
+                            "env": [{"name": "DATA_DIR", "value": data_dir}],
+                            "securityContext": {"runAsUser": 0},
+                            "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
+                            "volumeMounts": [{"name": "fsx", "mountPath": fsx_mount}],
+                        }
+                    ],
+                    "volumes": [{"name": "fsx", "persistentVolumeClaim": {"claimName": fsx_claim}}],
+                },
+            },
+        },
+    }
