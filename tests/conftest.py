@@ -46,3 +46,48 @@ def prefect_server():
 
     with prefect_test_harness(), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         yield PREFECT_API_URL.value()
+
+
+@pytest.fixture
+def kube():
+    """kmock's Kubernetes emulator over real HTTP, driven by the official client (no real API
+    server can run here); two Ready nodes to start with."""
+    import asyncio
+    import threading
+
+    from tasks.backends.eks.kube import Kube
+
+    kmock = pytest.importorskip("kmock")
+    from kubernetes import client
+
+    ready, state = threading.Event(), {}
+
+    def serve() -> None:
+        async def main() -> None:
+            async with kmock.KubernetesEmulator() as emu, kmock.Server(emu) as srv:
+                state["url"] = str(srv.url).rstrip("/")
+                ready.set()
+                while not state.get("stop"):
+                    await asyncio.sleep(0.05)
+
+        asyncio.run(main())
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    assert ready.wait(15)
+    cfg = client.Configuration()
+    cfg.host = state["url"]
+    k = Kube(client.ApiClient(cfg))
+    for n in ("ip-10-0-1-1", "ip-10-0-1-2"):
+        k.core.create_node(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": n},
+                "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+            },
+            _preload_content=False,
+        )
+    yield k
+    state["stop"] = True
+    t.join(0.5)  # daemon thread: open watch streams may keep it a little longer

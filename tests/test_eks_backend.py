@@ -6,7 +6,6 @@ kmock has no controllers, selectors or validation; the manifests' schema is chec
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -22,36 +21,6 @@ from tasks.backends.eks.stage import run_eks_attempt
 from tasks.classify import EndKind
 
 NS = "nvrx"
-
-
-@pytest.fixture
-def kube():
-    kmock = pytest.importorskip("kmock")
-    from kubernetes import client
-
-    ready, state = threading.Event(), {}
-
-    def serve() -> None:
-        async def main() -> None:
-            async with kmock.KubernetesEmulator() as emu, kmock.Server(emu) as srv:
-                state["url"] = str(srv.url).rstrip("/")
-                ready.set()
-                while not state.get("stop"):
-                    await asyncio.sleep(0.05)
-
-        asyncio.run(main())
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    assert ready.wait(15)
-    cfg = client.Configuration()
-    cfg.host = state["url"]
-    k = Kube(client.ApiClient(cfg))
-    for n in ("ip-10-0-1-1", "ip-10-0-1-2"):
-        k.core.create_node(node_obj(n), _preload_content=False)
-    yield k
-    state["stop"] = True
-    t.join(0.5)  # daemon thread: open watch streams may keep it a little longer
 
 
 def node_obj(name: str, ready: str = "True", reason: str = "KubeletReady") -> dict[str, Any]:

@@ -27,6 +27,9 @@ class Kube:
 
         self.core = client.CoreV1Api(api_client)
         self.batch = client.BatchV1Api(api_client)
+        self.apps = client.AppsV1Api(api_client)
+        self.storage = client.StorageV1Api(api_client)
+        self.authz = client.AuthorizationV1Api(api_client)
         self._exc = client.ApiException
 
     @classmethod

@@ -1,0 +1,255 @@
+"""EKS preflight: gather one snapshot (Kubernetes API + FSx + S3), then pure checks.
+
+A check whose source could not be read is SKIPPED with the reason, never PASSED.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from tasks.checks import CheckResult, Status
+from tasks.preflight.checks import Snapshot
+
+# What the flow runner needs to be allowed to do (SelfSubjectAccessReview each).
+PERMISSIONS: tuple[tuple[str, str, str, str], ...] = (
+    # (group, resource, subresource, verb)
+    ("batch", "jobs", "", "create"),
+    ("batch", "jobs", "", "delete"),
+    ("", "pods", "", "list"),
+    ("", "pods", "", "watch"),
+    ("", "pods", "log", "get"),
+    ("", "services", "", "create"),
+    ("", "nodes", "", "list"),
+)
+DEVICE_PLUGINS = ("nvidia-device-plugin", "aws-efa-k8s-device-plugin")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EksRequirements:
+    nodes: int
+    gpus_per_node: int
+    efa_per_node: int
+    instance_type: str
+    namespace: str
+    fsx_claim: str
+    file_system_id: str | None
+    tolerated_taints: tuple[str, ...] = ("nvidia.com/gpu", "vpc.amazonaws.com/efa")
+
+
+# -- gathering ---------------------------------------------------------------------------------
+def _raw(resp: Any) -> Any:
+    return json.loads(resp.data)
+
+
+def gather_eks(kube: Any, fsx: Any | None, req: EksRequirements) -> Snapshot:
+    """``kube``: :class:`tasks.backends.eks.kube.Kube`; ``fsx``: a boto3 FSx client (or None)."""
+    snap = Snapshot()
+    f, err = snap.facts, snap.errors
+    try:
+        f["nodes"] = kube.nodes()
+    except Exception as e:
+        err["nodes"] = f"cannot list nodes: {e}"
+    try:
+        found = {}
+        for ds in _raw(kube.apps.list_daemon_set_for_all_namespaces(_preload_content=False))[
+            "items"
+        ]:
+            found[ds["metadata"]["name"]] = ds.get("status") or {}
+        f["daemonsets"] = found
+    except Exception as e:
+        err["daemonsets"] = f"cannot list DaemonSets: {e}"
+    try:
+        pvc = _raw(
+            kube.core.read_namespaced_persistent_volume_claim(
+                req.fsx_claim, req.namespace, _preload_content=False
+            )
+        )
+        f["pvc_phase"] = (pvc.get("status") or {}).get("phase", "Unknown")
+        f["csi_driver"] = [
+            d["metadata"]["name"]
+            for d in _raw(kube.storage.list_csi_driver(_preload_content=False))["items"]
+        ]
+    except Exception as e:
+        err["storage"] = f"cannot read PVC {req.namespace}/{req.fsx_claim} or CSI drivers: {e}"
+    try:
+        f["access"] = {}
+        for group, resource, sub, verb in PERMISSIONS:
+            review = {
+                "apiVersion": "authorization.k8s.io/v1",
+                "kind": "SelfSubjectAccessReview",
+                "spec": {
+                    "resourceAttributes": {
+                        "group": group,
+                        "resource": resource,
+                        "subresource": sub,
+                        "verb": verb,
+                        "namespace": req.namespace,
+                    }
+                },
+            }
+            out = _raw(kube.authz.create_self_subject_access_review(review, _preload_content=False))
+            allowed = (out.get("status") or {}).get("allowed")
+            if allowed is None:
+                raise RuntimeError("the API server did not answer the access review")
+            f["access"][f"{verb} {resource}{'/' + sub if sub else ''}"] = bool(allowed)
+    except Exception as e:
+        err["access"] = f"cannot review permissions: {e}"
+    if fsx is None or not req.file_system_id:
+        err["fsx"] = "no FSx file system id configured"
+    else:
+        try:
+            fs = fsx.describe_file_systems(FileSystemIds=[req.file_system_id])["FileSystems"][0]
+            f["fsx_lifecycle"] = fs.get("Lifecycle")
+            assocs = fsx.describe_data_repository_associations(
+                Filters=[{"Name": "file-system-id", "Values": [req.file_system_id]}]
+            )["Associations"]
+            f["fsx_associations"] = [a.get("DataRepositoryPath") for a in assocs]
+        except Exception as e:
+            err["fsx"] = f"cannot describe FSx {req.file_system_id}: {e}"
+    return snap
+
+
+# -- checks (pure) -----------------------------------------------------------------------------
+def _skip(name: str, snap: Snapshot, source: str) -> CheckResult | None:
+    if source in snap.errors:
+        return CheckResult(name, Status.SKIPPED, snap.errors[source])
+    return None
+
+
+def _ready(node: dict[str, Any]) -> bool:
+    conds = {c["type"]: c for c in (node.get("status") or {}).get("conditions") or []}
+    return conds.get("Ready", {}).get("status") == "True" and not (node.get("spec") or {}).get(
+        "unschedulable", False
+    )
+
+
+def usable_nodes(snap: Snapshot, req: EksRequirements) -> tuple[list[str], list[str]]:
+    """(usable node names, reasons others are not): Ready, right type, enough *allocatable*
+    GPUs and EFA, and no NoSchedule/NoExecute taint our pods do not tolerate."""
+    usable, why = [], []
+    for n in snap.facts.get("nodes", []):
+        name = n["metadata"]["name"]
+        labels = n["metadata"].get("labels") or {}
+        alloc = (n.get("status") or {}).get("allocatable") or {}
+        taints = [
+            t
+            for t in (n.get("spec") or {}).get("taints") or []
+            if t.get("effect") in ("NoSchedule", "NoExecute")
+            and t.get("key") not in req.tolerated_taints
+        ]
+        problems = []
+        if not _ready(n):
+            problems.append("not Ready")
+        if labels.get("node.kubernetes.io/instance-type") != req.instance_type:
+            problems.append(f"type {labels.get('node.kubernetes.io/instance-type')}")
+        if int(alloc.get("nvidia.com/gpu", "0")) < req.gpus_per_node:
+            problems.append(f"allocatable GPUs {alloc.get('nvidia.com/gpu', '0')}")
+        if req.efa_per_node and int(alloc.get("vpc.amazonaws.com/efa", "0")) < req.efa_per_node:
+            problems.append(f"allocatable EFA {alloc.get('vpc.amazonaws.com/efa', '0')}")
+        if taints:
+            problems.append("untolerated taints " + ",".join(t["key"] for t in taints))
+        (why.append(f"{name}: {'; '.join(problems)}") if problems else usable.append(name))
+    return usable, why
+
+
+def check_nodes(snap: Snapshot, req: EksRequirements) -> CheckResult:
+    name = "GPU/EFA nodes"
+    if (s := _skip(name, snap, "nodes")) is not None:
+        return s
+    usable, why = usable_nodes(snap, req)
+    if len(usable) < req.nodes:
+        return CheckResult(
+            name,
+            Status.FAILED,
+            f"{len(usable)} usable node(s), need {req.nodes}"
+            + (f" ({'; '.join(why[:5])})" if why else ""),
+            "scale the GPU node group or lower nodes",
+        )
+    return CheckResult(name, Status.PASSED, f"{len(usable)} usable {req.instance_type} node(s)")
+
+
+def check_device_plugins(snap: Snapshot, req: EksRequirements) -> CheckResult:
+    name = "NVIDIA and EFA device plugins"
+    if (s := _skip(name, snap, "daemonsets")) is not None:
+        return s
+    bad = []
+    for plugin in DEVICE_PLUGINS:
+        status = next(
+            (v for k, v in snap.facts["daemonsets"].items() if k.startswith(plugin)), None
+        )
+        if status is None:
+            bad.append(f"{plugin} missing")
+        elif status.get("numberReady", 0) < status.get("desiredNumberScheduled", 0):
+            bad.append(
+                f"{plugin} {status.get('numberReady', 0)}/"
+                f"{status.get('desiredNumberScheduled', 0)} ready"
+            )
+    if bad:
+        return CheckResult(
+            name,
+            Status.FAILED,
+            "; ".join(bad),
+            "install or repair the device plugin DaemonSets (deploy/eks/README.md)",
+        )
+    return CheckResult(name, Status.PASSED, "ready")
+
+
+def check_storage(snap: Snapshot, req: EksRequirements) -> CheckResult:
+    name = "FSx CSI driver and claim"
+    if (s := _skip(name, snap, "storage")) is not None:
+        return s
+    problems = []
+    if "fsx.csi.aws.com" not in snap.facts["csi_driver"]:
+        problems.append("CSI driver fsx.csi.aws.com not installed")
+    if snap.facts["pvc_phase"] != "Bound":
+        problems.append(f"PVC {req.fsx_claim} is {snap.facts['pvc_phase']}, not Bound")
+    if problems:
+        return CheckResult(name, Status.FAILED, "; ".join(problems), "apply deploy/eks/fsx.yaml")
+    return CheckResult(name, Status.PASSED, f"{req.fsx_claim} Bound")
+
+
+def check_permissions(snap: Snapshot, req: EksRequirements) -> CheckResult:
+    name = "permissions"
+    if (s := _skip(name, snap, "access")) is not None:
+        return s
+    denied = [k for k, ok in snap.facts["access"].items() if not ok]
+    if denied:
+        return CheckResult(
+            name,
+            Status.FAILED,
+            f"not allowed: {denied}",
+            "apply deploy/eks/rbac.yaml and run as its ServiceAccount",
+        )
+    return CheckResult(name, Status.PASSED, f"{len(snap.facts['access'])} actions allowed")
+
+
+def check_fsx(snap: Snapshot, req: EksRequirements) -> CheckResult:
+    name = "FSx file system"
+    if (s := _skip(name, snap, "fsx")) is not None:
+        return s
+    if snap.facts["fsx_lifecycle"] != "AVAILABLE":
+        return CheckResult(
+            name,
+            Status.FAILED,
+            f"{req.file_system_id} is {snap.facts['fsx_lifecycle']}",
+            "wait for it or fix it in the console",
+        )
+    if not snap.facts["fsx_associations"]:
+        return CheckResult(
+            name,
+            Status.FAILED,
+            f"{req.file_system_id} has no data repository association",
+            "the hydrate stage creates it; check IAM if it fails",
+        )
+    return CheckResult(
+        name, Status.PASSED, f"AVAILABLE, linked to {snap.facts['fsx_associations']}"
+    )
+
+
+EKS_CHECKS = (check_nodes, check_device_plugins, check_storage, check_permissions, check_fsx)
+
+
+def run_eks_checks(snap: Snapshot, req: EksRequirements) -> list[CheckResult]:
+    return [c(snap, req) for c in EKS_CHECKS]
