@@ -19,9 +19,12 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from flows.models import PipelineParams
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -132,19 +135,31 @@ def _describe(e: dict[str, Any]) -> str:
     return f"recovered from {e.get('fault')} by {e.get('layer')} in {e.get('recovery_s')} s"
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from flows.context import RunContext
-    from flows.models import PipelineParams, PipelineResult, new_run_id
+def params_from_args(
+    args: argparse.Namespace, *, inject: list[str], **forced: Any
+) -> PipelineParams | None:
+    """PipelineParams from --config/--set/--run-id (+ forced fields); None after printing why
+    the parameters are invalid."""
+    from flows.models import PipelineParams, new_run_id
 
     try:
-        data = load_params_dict(args.config, args.set, args.inject, args.run_id)
+        data = load_params_dict(args.config, args.set, inject, args.run_id)
+        data.update(forced)
         data.setdefault("run_id", new_run_id())  # known up front: progress tails its events
-        params = PipelineParams(**data)
+        return PipelineParams(**data)
     except ValidationError as e:
         print(f"error: {format_validation_error(e)}", file=sys.stderr)
-        return EXIT_USAGE
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+    return None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flows.context import RunContext
+    from flows.models import PipelineResult
+
+    params = params_from_args(args, inject=args.inject)
+    if params is None:
         return EXIT_USAGE
     ctx = RunContext.create(params)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -229,20 +244,12 @@ def cmd_render_k8s(args: argparse.Namespace) -> int:
     import yaml
 
     from flows.context import eks_train_config
-    from flows.models import PipelineParams, new_run_id
     from tasks.backends.eks.render import render_all
 
-    try:
-        data = load_params_dict(args.config, args.set, [], args.run_id)
-        data["backend"] = "eks"
-        params = PipelineParams(**data)
-    except ValidationError as e:
-        print(f"error: {format_validation_error(e)}", file=sys.stderr)
+    params = params_from_args(args, inject=[], backend="eks")
+    if params is None:
         return EXIT_USAGE
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    run_id = params.run_id or new_run_id()
+    run_id = params.run_id or ""
     docs = render_all(
         eks_train_config(params, run_id),
         run_id=run_id,
