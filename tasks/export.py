@@ -2,8 +2,9 @@
 
 - Refuses a checkpoint whose files do not match its manifest (names the file).
 - Uploads in parallel (boto3's managed transfer: multipart above 8 MiB, several files at once).
-- Verifies every object after upload: the server's full-object CRC32 against ours where it returns
-  one, otherwise the size plus a sha256 of the bytes read back.
+- Verifies every object after upload against the server's CRC32 (full-object, or the composite
+  CRC32 of a multipart upload, recomputed locally over the same part size) where it returns one,
+  otherwise the size plus a sha256 of the bytes read back.
 - Uploads ``manifest.json`` last and only once everything else verified, so a reader trusts a
   prefix only when its manifest is there and matches.
 - Idempotent: objects already present with the same size and sha256 (metadata, and checksum where
@@ -62,7 +63,7 @@ class ExportReport:
     bytes: int  # the whole exported set
     bytes_uploaded: int
     verified: bool
-    verification: str  # "crc32" or "read-back", per the server's capabilities
+    verification: str  # "crc32", "crc32-composite" or "read-back", per the server
 
     def to_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -76,12 +77,23 @@ def crc32_b64(path: Path) -> str:
     return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 
+def composite_crc32_b64(path: Path, part_size: int) -> str:
+    """S3's COMPOSITE CRC32 of a multipart upload: the CRC32 of the parts' CRC32s, "-<parts>"."""
+    digests, parts = b"", 0
+    with open(path, "rb") as f:
+        while chunk := f.read(part_size):
+            digests += zlib.crc32(chunk).to_bytes(4, "big")
+            parts += 1
+    return base64.b64encode(zlib.crc32(digests).to_bytes(4, "big")).decode() + f"-{parts}"
+
+
+_PART = 8 << 20  # multipart threshold and part size: also what the composite CRC is over
+
+
 def _transfer_config() -> Any:
     from boto3.s3.transfer import TransferConfig
 
-    return TransferConfig(
-        multipart_threshold=8 << 20, multipart_chunksize=8 << 20, max_concurrency=4
-    )
+    return TransferConfig(multipart_threshold=_PART, multipart_chunksize=_PART, max_concurrency=4)
 
 
 def _head(client: Any, bucket: str, key: str) -> dict[str, Any] | None:
@@ -115,6 +127,9 @@ def _matches(
     remote_crc = head.get("ChecksumCRC32")
     if remote_crc and "-" not in remote_crc:
         return remote_crc == crc32_b64(path), "crc32"
+    if remote_crc and remote_crc == composite_crc32_b64(path, _PART):
+        return True, "crc32-composite"
+    # No checksum, or parts of another size (uploaded by someone else): read the bytes back.
     return _read_back_sha(client, bucket, key) == sha, "read-back"
 
 
