@@ -140,10 +140,28 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_port_run(count: int = 3, attempts: int = 50) -> int:
+    """A port P with P..P+count-1 all free right now: the in-process layer puts its stores on
+    MASTER_PORT+1 and +2, so those must be free too."""
+    for _ in range(attempts):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + count > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no run of free local ports found for MASTER_PORT")
 
 
 def _ensure_dist_env() -> None:
@@ -155,7 +173,7 @@ def _ensure_dist_env() -> None:
             LOCAL_RANK="0",
             LOCAL_WORLD_SIZE="1",
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
+            MASTER_PORT=str(_free_port_run()),
         )
 
 
