@@ -157,14 +157,6 @@ class OursProbe:
 
 
 # -- the methods ----------------------------------------------------------------------------------
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Bench:
     def __init__(self, rank: int, world: int, ckpt_group: dist.ProcessGroup, root: Path) -> None:
         self.rank = rank

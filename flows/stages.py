@@ -19,13 +19,13 @@ from flows.models import PipelineParams
 from tasks.backends.base import LaunchRequest
 from tasks.backends.local import LocalBackend
 from tasks.classify import EndKind
-from tasks.errors import PreflightFailed, StorageError, ValidationFailed
+from tasks.errors import PreflightFailed
 from tasks.export import ExportOptions, ExportReport, export_checkpoint
 from tasks.hydrate import HydrateReport, hydrate_dataset, upload_dataset
 from tasks.preflight.checks import Requirements, Snapshot, failures, run_checks
 from tasks.preflight.local import gather_local
 from tasks.retry_policy import prefect_retry_condition
-from tasks.storage.s3 import boto3_client, check_bucket, s3fs_filesystem
+from tasks.storage.s3 import boto3_client, s3fs_filesystem
 from tasks.train_stage import run_attempt
 from tasks.validate import validate_latest
 from tasks.validation.checkpoint import Expectations
@@ -231,10 +231,7 @@ def validate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
         global_batch=params.global_batch,
         seed=cfg.seed,
     )
-    try:
-        outcome = validate_latest(ctx.run_root, exp)
-    except ValidationFailed:
-        raise
+    outcome = validate_latest(ctx.run_root, exp)  # raises ValidationFailed when none is valid
     log = get_run_logger()
     for r in outcome.rejected:
         log.warning(
@@ -266,10 +263,6 @@ def export_flow(params: PipelineParams, ctx: RunContext, checkpoint_path: str) -
     from pathlib import Path
 
     client = boto3_client(ctx.s3)
-    try:
-        check_bucket(client, params.export.bucket, endpoint=ctx.s3.endpoint_url)
-    except StorageError:
-        raise
     options = ExportOptions(
         sse=None if params.export.sse == "none" else params.export.sse,
         kms_key_id=params.export.kms_key_id,

@@ -57,7 +57,8 @@ def partial_path(run_root: Path, step: int) -> Path:
     return checkpoints_dir(run_root) / (step_dirname(step) + PARTIAL_SUFFIX)
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory entry, e.g. after a rename)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -72,7 +73,7 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def write_digest_sidecar(directory: Path, rank: int, files: list[Path]) -> None:
@@ -129,7 +130,7 @@ def commit(
     if dst.exists():  # an earlier life committed this step already; the new one supersedes it
         shutil.rmtree(dst)
     os.rename(src, dst)
-    fsync_dir(dst.parent)
+    fsync_path(dst.parent)
     _write_atomic(checkpoints_dir(run_root) / LATEST, f"{step}\n")
     prune(run_root, keep_last)
     return dst
