@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flows.models import PipelineParams, new_run_id
+from tasks.preflight.eks import EksRequirements
 from tasks.storage.s3 import S3Settings
 from trainer.config import (
     Device,
@@ -27,15 +28,20 @@ class RunContext:
 
     @classmethod
     def create(cls, params: PipelineParams) -> RunContext:
+        """Locally "FSx" is a directory under the state dir; on EKS it is the FSx claim, which
+        the flow runner mounts at the same path as the training pods (``eks.fsx_mount``)."""
         state = Path(params.state_dir).absolute()
-        fsx = state / "fsx"
+        eks = params.backend == "eks"
+        fsx = Path(params.eks.fsx_mount) if eks else state / "fsx"
         run_id = params.run_id or new_run_id()
         return cls(
             run_id=run_id,
             state_dir=state,
             run_root=fsx / "runs" / run_id,
             data_dir=fsx / "datasets" / params.dataset.bucket / params.dataset.prefix,
-            s3=S3Settings(endpoint_url=params.s3_endpoint),
+            s3=S3Settings(endpoint_url=params.s3_endpoint, region=params.eks.region)
+            if eks
+            else S3Settings(endpoint_url=params.s3_endpoint),
         )
 
 
@@ -93,6 +99,26 @@ EKS_INJOB = InJobConfig(
 
 def local_train_config(params: PipelineParams, ctx: RunContext) -> TrainConfig:
     return train_config(params, run_root=ctx.run_root, data_dir=ctx.data_dir)
+
+
+def stage_train_config(params: PipelineParams, ctx: RunContext) -> TrainConfig:
+    """The trainer config of this run's backend (what validation compares checkpoints to)."""
+    if params.backend == "eks":
+        return eks_train_config(params, ctx.run_id)
+    return local_train_config(params, ctx)
+
+
+def eks_requirements(params: PipelineParams) -> EksRequirements:
+    eks = params.eks
+    return EksRequirements(
+        nodes=params.nodes,
+        gpus_per_node=eks.gpus_per_node,
+        efa_per_node=eks.efa_per_node,
+        instance_type=eks.instance_type,
+        namespace=eks.namespace,
+        fsx_claim=eks.fsx_claim,
+        file_system_id=eks.file_system_id,
+    )
 
 
 def eks_train_config(params: PipelineParams, run_id: str) -> TrainConfig:

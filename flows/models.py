@@ -44,6 +44,9 @@ class ExportLocation(BaseModel):
         return self
 
 
+LOCAL_S3_ENDPOINT = "http://127.0.0.1:8333"
+
+
 class EksParams(BaseModel):
     """Where and how the train stage runs on Amazon EKS (backend=eks)."""
 
@@ -74,6 +77,28 @@ class EksParams(BaseModel):
         900, ge=30, description="fail the stage when pods stay unschedulable this long"
     )
     keep_failed_job: bool = Field(True, description="keep a failed Job for forensics")
+    file_system_id: str | None = Field(
+        None,
+        pattern=r"^fs-[0-9a-f]{8,21}$",
+        description="FSx for Lustre file system id (fs-...) mounted by the fsx_claim PVC",
+    )
+    region: str = Field(
+        "us-east-1",
+        pattern=r"^[a-z]{2}(-[a-z]+)+-\d$",
+        description="AWS region of the cluster, the FSx file system and the buckets",
+    )
+    node_wait_s: float = Field(
+        900,
+        ge=0,
+        le=24 * 3600,
+        description="after a node loss, wait this long for enough healthy nodes before the "
+        "next train attempt",
+    )
+    hydrate_timeout_s: float = Field(
+        6 * 3600,
+        ge=60,
+        description="deadline for the FSx import task plus the hydration Job",
+    )
 
 
 class PipelineParams(BaseModel):
@@ -115,8 +140,9 @@ class PipelineParams(BaseModel):
     dataset: DatasetLocation = Field(default_factory=DatasetLocation)
     export: ExportLocation = Field(default_factory=ExportLocation)
     s3_endpoint: str | None = Field(
-        "http://127.0.0.1:8333",
-        description="S3 endpoint URL; a local one is started on demand. Empty: AWS S3",
+        LOCAL_S3_ENDPOINT,
+        description="S3 endpoint URL; a local one is started on demand. Empty: AWS S3 "
+        "(the default with backend=eks)",
     )
     seed_demo_dataset: bool = Field(
         True, description="local S3 only: write a synthetic dataset if the prefix is empty"
@@ -164,6 +190,10 @@ class PipelineParams(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> PipelineParams:
+        if self.backend == "eks" and self.s3_endpoint == LOCAL_S3_ENDPOINT:
+            # The embedded default's local server makes no sense on a cluster (a form that
+            # re-sends the default would otherwise start one in the flow runner's pod): AWS S3.
+            self.s3_endpoint = None
         world = self.world_size
         if self.global_batch % world:
             raise ValueError(

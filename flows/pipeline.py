@@ -31,7 +31,6 @@ from flows.stages import (
     validate_flow,
 )
 from tasks import run_summary
-from tasks.errors import PipelineError
 from tasks.storage.local_s3 import local_s3
 from trainer.events import read_events
 
@@ -91,12 +90,6 @@ def build_result(
 @flow(name="nvrx-training-pipeline")
 def training_pipeline(params: PipelineParams) -> PipelineResult:
     log = get_run_logger()
-    if params.backend != "local":
-        raise PipelineError(
-            f"backend={params.backend!r}: the EKS preflight, FSx hydration and train-stage wiring "
-            "are not implemented yet (issue 5); `nvrx-pipeline render-k8s` shows the manifests. "
-            "Use backend=local."
-        )
     ctx = RunContext.create(params)
     log.info("run %s: run root %s", ctx.run_id, ctx.run_root)
     t0 = time.monotonic()
@@ -120,7 +113,8 @@ def training_pipeline(params: PipelineParams) -> PipelineResult:
             )
 
     try:
-        with local_s3(ctx.s3, ctx.state_dir) as server:
+        # The embedded default starts its own S3 server; a cluster uses the one it is given.
+        with local_s3(ctx.s3 if params.backend == "local" else None, ctx.state_dir) as server:
             if server is not None:
                 log.info(
                     "started local S3 server at %s (data in %s)",

@@ -14,22 +14,34 @@ from prefect.artifacts import (
 )
 from prefect.logging import get_run_logger
 
-from flows.context import RunContext, local_train_config
+from flows.context import (
+    RunContext,
+    eks_requirements,
+    eks_train_config,
+    local_train_config,
+    stage_train_config,
+)
 from flows.models import PipelineParams
 from tasks.backends.base import LaunchRequest
+from tasks.backends.eks.clients import connect
+from tasks.backends.eks.hydrate import hydrate_fsx
+from tasks.backends.eks.train import eks_train_attempt
 from tasks.backends.local import LocalBackend
+from tasks.checks import CheckResult
 from tasks.classify import EndKind
 from tasks.errors import PreflightFailed
 from tasks.export import ExportOptions, ExportReport, export_checkpoint
 from tasks.hydrate import HydrateReport, hydrate_dataset, upload_dataset
-from tasks.preflight.checks import Requirements, Snapshot, failures, run_checks
-from tasks.preflight.local import gather_local
+from tasks.preflight.checks import S3_CHECKS, Requirements, Snapshot, failures, run_checks
+from tasks.preflight.eks import gather_eks, run_eks_checks
+from tasks.preflight.local import gather_local, gather_s3
 from tasks.retry_policy import prefect_retry_condition
 from tasks.storage.s3 import boto3_client, s3fs_filesystem
-from tasks.train_stage import run_attempt
+from tasks.train_stage import AttemptReport, run_attempt
 from tasks.validate import validate_latest
 from tasks.validation.checkpoint import Expectations
 from trainer.data import write_synthetic_dataset
+from trainer.events import STDOUT_PREFIX
 
 
 # -- demo data ------------------------------------------------------------------------------------
@@ -65,25 +77,34 @@ def seed_demo_dataset(params: PipelineParams, ctx: RunContext) -> bool:
 # -- preflight ------------------------------------------------------------------------------------
 @task(name="gather-preflight-snapshot")
 def gather_snapshot(params: PipelineParams, ctx: RunContext) -> Any:
-    return gather_local(
-        state_dir=ctx.state_dir,
-        s3=ctx.s3,
-        client=boto3_client(ctx.s3),
-        buckets=(params.dataset.bucket, params.export.bucket),
-        dataset_bucket=params.dataset.bucket,
-        dataset_prefix=params.dataset.prefix,
-    )
+    s3 = {
+        "s3": ctx.s3,
+        "client": boto3_client(ctx.s3),
+        "buckets": (params.dataset.bucket, params.export.bucket),
+        "dataset_bucket": params.dataset.bucket,
+        "dataset_prefix": params.dataset.prefix,
+    }
+    if params.backend == "eks":
+        clients = connect(params.eks.region)
+        snap = gather_eks(clients.kube, clients.fsx, eks_requirements(params))
+        gather_s3(snap, **s3)
+        return snap
+    return gather_local(state_dir=ctx.state_dir, **s3)
 
 
 @flow(name="preflight")
 def preflight_flow(params: PipelineParams, ctx: RunContext) -> list[dict[str, str]]:
-    snap = gather_snapshot(params, ctx)
+    snap = cast(Snapshot, gather_snapshot(params, ctx))
     req = Requirements(
         workers=params.world_size,
         buckets=(params.dataset.bucket, params.export.bucket),
         dataset_uri=f"s3://{params.dataset.bucket}/{params.dataset.prefix}",
     )
-    results = run_checks(cast(Snapshot, snap), req)
+    if params.backend == "eks":
+        results = run_eks_checks(snap, eks_requirements(params))
+        results += [check(snap, req) for check in S3_CHECKS]
+    else:
+        results = run_checks(snap, req)
     rows = [
         {"check": r.name, "status": r.status.value, "detail": r.detail, "fix": r.fix}
         for r in results
@@ -103,6 +124,24 @@ def preflight_flow(params: PipelineParams, ctx: RunContext) -> list[dict[str, st
 @flow(name="hydrate")
 def hydrate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
     log = get_run_logger()
+    if params.backend == "eks":
+        fsx_report = hydrate_fsx(
+            connect(params.eks.region),
+            run_id=ctx.run_id,
+            eks=params.eks,
+            bucket=params.dataset.bucket,
+            prefix=params.dataset.prefix,
+            data_dir=ctx.data_dir,
+            progress=log.info,
+        )
+        log.info(
+            "hydrated %s -> FSx %s: %d files, %d bytes, checked against the manifest",
+            fsx_report.source,
+            fsx_report.dest,
+            fsx_report.files,
+            fsx_report.bytes,
+        )
+        return fsx_report.to_dict()
     fs = s3fs_filesystem(ctx.s3)
     # Sync context: these return the value, not a coroutine (their typing covers both).
     artifact = cast(
@@ -177,9 +216,44 @@ class _Progress:
             self.log.error("trainer fatal error: %s", e.get("error"))
 
 
+def _eks_attempt(params: PipelineParams, ctx: RunContext, attempt: int) -> AttemptReport:
+    log = get_run_logger()
+    log.info(
+        "train attempt %d on EKS: %d node(s) x %d GPU(s), %d steps, namespace %s",
+        attempt,
+        params.nodes,
+        params.eks.gpus_per_node,
+        params.steps,
+        params.eks.namespace,
+    )
+
+    def on_log(line: str) -> None:
+        if not line.startswith(STDOUT_PREFIX):  # those arrive as events from events.jsonl
+            log.info("[rank 0] %s", line)
+
+    def on_wait(check: CheckResult, waited: float) -> None:
+        log.warning("waiting for healthy nodes (%.0f s): %s", waited, check.detail)
+
+    return eks_train_attempt(
+        connect(params.eks.region),
+        cfg=eks_train_config(params, ctx.run_id),
+        run_id=ctx.run_id,
+        attempt=attempt,
+        nodes=params.nodes,
+        eks=params.eks,
+        requirements=eks_requirements(params),
+        deadline_s=params.train_timeout_s,
+        on_event=_Progress(params.steps, attempt),
+        on_log=on_log,
+        on_wait=on_wait,
+    )
+
+
 @flow(name="train")
 def train_flow(params: PipelineParams, ctx: RunContext, attempt: int) -> dict[str, Any]:
     log = get_run_logger()
+    if params.backend == "eks":
+        return _finish_attempt(_eks_attempt(params, ctx, attempt))
     cfg = local_train_config(params, ctx)
     backend = LocalBackend()
     log.info(
@@ -202,12 +276,16 @@ def train_flow(params: PipelineParams, ctx: RunContext, attempt: int) -> dict[st
         deadline_s=params.train_timeout_s,
         on_event=_Progress(params.steps, attempt),
     )
+    return _finish_attempt(report)
+
+
+def _finish_attempt(report: AttemptReport) -> dict[str, Any]:
     if report.outcome.kind != EndKind.COMPLETED:
         error = report.outcome.error()
         assert error is not None
         raise error
-    log.info("train attempt %d completed in %.1f s", attempt, report.wall_s)
-    return report.outcome.details["result"]
+    get_run_logger().info("train attempt %d completed in %.1f s", report.attempt, report.wall_s)
+    return dict(report.outcome.details["result"])
 
 
 @task(name="train-stage", retry_condition_fn=prefect_retry_condition)
@@ -222,7 +300,7 @@ def train_stage(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
 # -- validate -------------------------------------------------------------------------------------
 @flow(name="validate")
 def validate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
-    cfg = local_train_config(params, ctx)
+    cfg = stage_train_config(params, ctx)
     exp = Expectations(
         model=params.model,
         config_hash=cfg.fingerprint(),

@@ -91,3 +91,20 @@ def kube():
     yield k
     state["stop"] = True
     t.join(0.5)  # daemon thread: open watch streams may keep it a little longer
+
+
+@pytest.fixture(scope="session")
+def baseline(prefect_server, s3_settings, tmp_path_factory):
+    """A fault-free pipeline run on the embedded default: what every drill must equal."""
+    from tests.pipeline_helpers import assert_exported, make_params, run_pipeline
+
+    params = make_params(tmp_path_factory.mktemp("pipe"), s3_settings, run_id="baseline")
+    state, result = run_pipeline(params)
+    assert state.is_completed(), state.message
+    assert result is not None
+    assert result.status == "completed" and result.final_step == 20
+    assert result.stage_attempts["train"] == 1 and result.faults == []
+    assert result.checkpoint.validated and result.checkpoint.step == 20
+    assert 0 < (result.ettr or 0) <= 1
+    assert_exported(result, s3_settings)
+    return result

@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
@@ -19,52 +18,7 @@ from tasks.backends.eks.kube import Kube
 from tasks.backends.eks.render import job_name
 from tasks.backends.eks.stage import run_eks_attempt
 from tasks.classify import EndKind
-
-NS = "nvrx"
-
-
-def node_obj(name: str, ready: str = "True", reason: str = "KubeletReady") -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": name},
-        "status": {"conditions": [{"type": "Ready", "status": ready, "reason": reason}]},
-    }
-
-
-def pod_obj(job: str, index: int, node: str | None) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": f"{job}-{index}-x",
-            "namespace": NS,
-            "labels": {
-                "batch.kubernetes.io/job-name": job,
-                "batch.kubernetes.io/job-completion-index": str(index),
-            },
-        },
-        "spec": {"nodeName": node, "containers": [{"name": "trainer", "image": "img"}]},
-        "status": {
-            "phase": "Running",
-            "containerStatuses": [{"name": "trainer", "ready": True, "state": {"running": {}}}],
-        },
-    }
-
-
-def terminated(code: int, reason: str = "Error", phase: str = "Failed") -> dict[str, Any]:
-    return {
-        "status": {
-            "phase": phase,
-            "containerStatuses": [
-                {
-                    "name": "trainer",
-                    "ready": False,
-                    "state": {"terminated": {"exitCode": code, "reason": reason}},
-                }
-            ],
-        }
-    }
+from tests.eks_cluster import NS, node_obj, pod_obj, terminated
 
 
 class ControlPlane(threading.Thread):

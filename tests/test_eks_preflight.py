@@ -9,6 +9,7 @@ from botocore.stub import Stubber
 from tasks.checks import Status
 from tasks.preflight.checks import Snapshot
 from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks
+from tests.eks_cluster import p5, seed_cluster
 
 REQ = EksRequirements(
     nodes=2,
@@ -19,34 +20,6 @@ REQ = EksRequirements(
     fsx_claim="fsx-claim",
     file_system_id="fs-0123456789abcdef0",
 )
-
-
-def p5(
-    name: str,
-    *,
-    gpus: str = "8",
-    efa: str = "32",
-    ready: str = "True",
-    taints=(),
-    itype: str = "p5.48xlarge",
-) -> dict:
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {
-            "name": name,
-            "labels": {
-                "node.kubernetes.io/instance-type": itype,
-                "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
-            },
-        },
-        "spec": {"taints": [dict(t) for t in taints]},
-        "status": {
-            "capacity": {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32"},
-            "allocatable": {"nvidia.com/gpu": gpus, "vpc.amazonaws.com/efa": efa},
-            "conditions": [{"type": "Ready", "status": ready}],
-        },
-    }
 
 
 def healthy() -> Snapshot:
@@ -121,51 +94,7 @@ def test_blind_sources_are_skipped():
 
 
 def test_gather_against_emulator_and_stubbed_fsx(kube):
-    for n in kube.nodes():
-        kube.core.delete_node(n["metadata"]["name"], _preload_content=False)
-    for name in ("a", "b"):
-        kube.core.create_node(p5(name), _preload_content=False)
-    for ds in ("nvidia-device-plugin-daemonset", "aws-efa-k8s-device-plugin-daemonset"):
-        kube.apps.create_namespaced_daemon_set(
-            "kube-system",
-            {
-                "apiVersion": "apps/v1",
-                "kind": "DaemonSet",
-                "metadata": {"name": ds, "namespace": "kube-system"},
-                "spec": {
-                    "selector": {"matchLabels": {"a": ds}},
-                    "template": {
-                        "metadata": {"labels": {"a": ds}},
-                        "spec": {"containers": [{"name": "c", "image": "i"}]},
-                    },
-                },
-                "status": {"numberReady": 2, "desiredNumberScheduled": 2},
-            },
-            _preload_content=False,
-        )
-    kube.core.create_namespaced_persistent_volume_claim(
-        "nvrx",
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": "fsx-claim", "namespace": "nvrx"},
-            "spec": {
-                "accessModes": ["ReadWriteMany"],
-                "resources": {"requests": {"storage": "1200Gi"}},
-            },
-            "status": {"phase": "Bound"},
-        },
-        _preload_content=False,
-    )
-    kube.storage.create_csi_driver(
-        {
-            "apiVersion": "storage.k8s.io/v1",
-            "kind": "CSIDriver",
-            "metadata": {"name": "fsx.csi.aws.com"},
-            "spec": {},
-        },
-        _preload_content=False,
-    )
+    seed_cluster(kube)
     fsx = boto3.client(
         "fsx", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
     )

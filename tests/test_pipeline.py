@@ -3,17 +3,16 @@ SeaweedFS over HTTP, real ft_launcher agents as simulated nodes."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from flows.context import RunContext
-from flows.models import PipelineParams, PipelineResult
-from tasks.storage.s3 import S3Settings, boto3_client
+from flows.models import PipelineResult
+from tasks.storage.s3 import boto3_client
+from tests.pipeline_helpers import assert_exported, make_params, run_pipeline
 from trainer import manifest
 from trainer.faults import flip_bytes
 
@@ -34,53 +33,6 @@ SCENARIOS = [
     Scenario("hang", ("hang@step=14,rank=1",), 1, "injob"),
     Scenario("node-loss", ("node-loss@step=12,node=1",), 2, "stage-retry"),
 ]
-
-
-def make_params(state: Path, s3: S3Settings, **kw: Any) -> PipelineParams:
-    base: dict[str, Any] = {
-        "state_dir": str(state),
-        "s3_endpoint": s3.endpoint_url,
-        "steps": 20,
-        "nodes": 2,
-        "nproc_per_node": 1,
-    }
-    return PipelineParams(**{**base, **kw})
-
-
-def run_pipeline(params: PipelineParams) -> tuple[Any, PipelineResult | None]:
-    from flows.pipeline import training_pipeline
-
-    state = training_pipeline(params, return_state=True)
-    result = state.result(raise_on_failure=False) if state.is_completed() else None
-    return state, result
-
-
-def assert_exported(result: PipelineResult, s3: S3Settings) -> None:
-    """Every object of the committed checkpoint is in S3 and its bytes hash to the manifest's."""
-    assert result.export.verified and result.export.uri
-    bucket, _, base = result.export.uri.removeprefix("s3://").partition("/")
-    client = boto3_client(s3)
-    local = manifest.read_manifest(Path(result.checkpoint.uri))  # type: ignore[arg-type]
-    remote = json.loads(client.get_object(Bucket=bucket, Key=f"{base}manifest.json")["Body"].read())
-    assert remote == local
-    for entry in local["files"]:
-        body = client.get_object(Bucket=bucket, Key=f"{base}{entry['name']}")["Body"].read()
-        assert hashlib.sha256(body).hexdigest() == entry["sha256"], entry["name"]
-    assert result.export.objects == len(local["files"]) + 1
-
-
-@pytest.fixture(scope="module")
-def baseline(prefect_server, s3_settings, tmp_path_factory) -> PipelineResult:
-    params = make_params(tmp_path_factory.mktemp("pipe"), s3_settings, run_id="baseline")
-    state, result = run_pipeline(params)
-    assert state.is_completed(), state.message
-    assert result is not None
-    assert result.status == "completed" and result.final_step == 20
-    assert result.stage_attempts["train"] == 1 and result.faults == []
-    assert result.checkpoint.validated and result.checkpoint.step == 20
-    assert 0 < (result.ettr or 0) <= 1
-    assert_exported(result, s3_settings)
-    return result
 
 
 @pytest.mark.parametrize("sc", SCENARIOS, ids=[s.name for s in SCENARIOS])

@@ -46,7 +46,7 @@ class EventLog:
             finally:
                 os.close(fd)
             if self.echo:
-                # On EKS the flow cannot read the pods' FSx: it follows the rank-0 pod's log.
+                # Structured progress in `kubectl logs` and the rank-0 log the flow streams.
                 os.write(1, STDOUT_PREFIX.encode() + line)
         return event
 

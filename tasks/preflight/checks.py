@@ -172,5 +172,9 @@ CHECKS: tuple[Check, ...] = (
 )
 
 
+# What both backends check of S3 (the EKS preflight adds its own cluster and FSx checks).
+S3_CHECKS: tuple[Check, ...] = (check_s3_endpoint, check_buckets, check_dataset)
+
+
 def run_checks(snap: Snapshot, req: Requirements) -> list[CheckResult]:
     return [check(snap, req) for check in CHECKS]

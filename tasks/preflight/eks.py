@@ -96,8 +96,10 @@ def gather_eks(kube: Any, fsx: Any | None, req: EksRequirements) -> Snapshot:
             f["access"][f"{verb} {resource}{'/' + sub if sub else ''}"] = bool(allowed)
     except Exception as e:
         err["access"] = f"cannot review permissions: {e}"
-    if fsx is None or not req.file_system_id:
-        err["fsx"] = "no FSx file system id configured"
+    if not req.file_system_id:
+        f["fsx_lifecycle"] = None  # a configuration error, not a blind source: check_fsx fails
+    elif fsx is None:
+        err["fsx"] = "no FSx client"
     else:
         try:
             fs = fsx.describe_file_systems(FileSystemIds=[req.file_system_id])["FileSystems"][0]
@@ -229,6 +231,13 @@ def check_fsx(snap: Snapshot, req: EksRequirements) -> CheckResult:
     name = "FSx file system"
     if (s := _skip(name, snap, "fsx")) is not None:
         return s
+    if not req.file_system_id:
+        return CheckResult(
+            name,
+            Status.FAILED,
+            "no FSx file system id configured",
+            "set eks.file_system_id to the fs-... id behind the fsx_claim PVC",
+        )
     if snap.facts["fsx_lifecycle"] != "AVAILABLE":
         return CheckResult(
             name,

@@ -61,12 +61,34 @@ def gather_local(
         f["ft_launcher"] = path if shutil.which(path) else ""
     except Exception as e:
         err["versions"] = str(e)
+    gather_s3(
+        snap,
+        s3=s3,
+        client=client,
+        buckets=buckets,
+        dataset_bucket=dataset_bucket,
+        dataset_prefix=dataset_prefix,
+    )
+    return snap
+
+
+def gather_s3(
+    snap: Snapshot,
+    *,
+    s3: S3Settings,
+    client: Any,
+    buckets: tuple[str, ...],
+    dataset_bucket: str,
+    dataset_prefix: str,
+) -> None:
+    """The S3 part of a snapshot (both backends): endpoint, buckets, the dataset manifest."""
+    f, err = snap.facts, snap.errors
     f["s3_endpoint"] = s3.endpoint_url
     try:
         client.list_buckets()
     except Exception as e:
         err["s3"] = describe_client_error(e, bucket=None, endpoint=s3.endpoint_url)
-        return snap
+        return
     f["buckets"] = {}
     for b in buckets:
         try:
@@ -84,4 +106,3 @@ def gather_local(
             f"s3://{dataset_bucket}/{dataset_prefix}/dataset.json: "
             + describe_client_error(e, bucket=dataset_bucket, endpoint=s3.endpoint_url)
         )
-    return snap

@@ -139,8 +139,9 @@ def ensure_local_s3(settings: S3Settings, state_dir: Path) -> LocalS3Server | No
 
 
 @contextlib.contextmanager
-def local_s3(settings: S3Settings, state_dir: Path) -> Iterator[LocalS3Server | None]:
-    server = ensure_local_s3(settings, state_dir)
+def local_s3(settings: S3Settings | None, state_dir: Path) -> Iterator[LocalS3Server | None]:
+    """``settings`` None: never start one (a cluster run uses the endpoint it is given)."""
+    server = None if settings is None else ensure_local_s3(settings, state_dir)
     try:
         yield server
     finally:

@@ -9,9 +9,11 @@ twice is harmless).
 from __future__ import annotations
 
 import json
+import math
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
@@ -86,14 +88,58 @@ class Kube:
     def nodes(self) -> list[dict[str, Any]]:
         return list(_json(self.core.list_node(_preload_content=False))["items"])
 
-    def pod_log(self, ns: str, pod: str, *, since_seconds: int | None = None) -> str:
-        try:
-            resp = self.core.read_namespaced_pod_log(
-                pod, ns, container="trainer", since_seconds=since_seconds, _preload_content=False
-            )
-            return str(resp.data.decode(errors="replace"))
-        except self._exc:
-            return ""  # not started yet, or already gone: logs are best effort
+    def follow_log(
+        self,
+        ns: str,
+        pod: str,
+        on_line: Callable[[str], None],
+        stop: threading.Event,
+        *,
+        container: str = "trainer",
+        read_timeout_s: float = 60.0,
+    ) -> None:
+        """Stream the container's log lines into ``on_line`` until ``stop`` (a thread body).
+
+        ``follow=true`` keeps one connection open; when it drops (API server restart, idle
+        read timeout, the container restarting) it is reopened with ``sinceSeconds`` reaching
+        back past the last line seen, and the kubelet's timestamps drop the overlap, so no
+        line is delivered twice and none is skipped. Best effort: logs are for people, the
+        run's outcome never depends on them."""
+        last: datetime | None = None
+        while not stop.is_set():
+            kwargs: dict[str, Any] = {
+                "container": container,
+                "follow": True,
+                "timestamps": True,
+                "_preload_content": False,
+                "_request_timeout": (5, read_timeout_s),
+            }
+            if last is not None:
+                behind = (datetime.now(UTC) - last).total_seconds()
+                kwargs["since_seconds"] = max(1, math.ceil(behind) + 1)
+            try:
+                resp = self.core.read_namespaced_pod_log(pod, ns, **kwargs)
+                buf = b""
+                for chunk in resp.stream(4096):
+                    buf += chunk
+                    *lines, buf = buf.split(b"\n")
+                    for raw in lines:
+                        ts, _, text = raw.decode(errors="replace").partition(" ")
+                        try:
+                            when = datetime.fromisoformat(ts)
+                        except ValueError:  # not a timestamped line: deliver as is
+                            on_line(raw.decode(errors="replace"))
+                            continue
+                        if last is not None and when <= last:
+                            continue  # overlap of a reopened stream
+                        last = when
+                        on_line(text)
+                    if stop.is_set():
+                        break
+                resp.release_conn()
+            except Exception:  # not started yet, gone, connection dropped: retry
+                pass
+            stop.wait(1.0)
 
     # -- watches -------------------------------------------------------------------------------
     def watch(

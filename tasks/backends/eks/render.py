@@ -82,7 +82,7 @@ def render_job(
         resources["vpc.amazonaws.com/efa"] = str(eks.efa_per_node)
     env = [
         {"name": "NVRX_STAGE_ATTEMPT", "value": str(attempt)},
-        {"name": "NVRX_EVENTS_STDOUT", "value": "1"},  # progress reaches the flow via pod logs
+        {"name": "NVRX_EVENTS_STDOUT", "value": "1"},  # structured progress in `kubectl logs`
         {"name": "TORCH_CPP_LOG_LEVEL", "value": "ERROR"},
         {"name": "FI_PROVIDER", "value": "efa"},
         {"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"},

@@ -1,5 +1,5 @@
 """One train-stage attempt on EKS: apply the Job and Service, watch Pods and Nodes, follow the
-rank-0 pod's log for progress, classify the history, clean up.
+rank-0 pod's log, classify the history, clean up.
 
 The deadline is enforced here (Prefect cannot interrupt blocking code). A failed Job is kept for
 forensics by default; a completed one, and one that lost a node (the stage retry relaunches it
@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tasks.backends.eks.classify import History, classify_history, observe_job, observe_node
@@ -21,7 +21,6 @@ from tasks.backends.eks.kube import JOB_NAME_LABEL, Kube, iter_queue
 from tasks.backends.eks.render import job_name, render_all
 from tasks.classify import EndKind, Outcome
 from trainer.config import TrainConfig
-from trainer.events import parse_stdout_line
 
 
 @dataclass
@@ -30,25 +29,36 @@ class EksAttemptReport:
     job: str
     outcome: Outcome
     wall_s: float
-    events: list[dict[str, Any]] = field(default_factory=list)
     kept_job: bool = False
 
 
-class _LogFollower:
-    """New event lines of the rank-0 pod's log (re-read and diffed: simple and restart-safe)."""
+class _RankZeroLog:
+    """Follows the log of the newest rank-0 pod (a relaunched pod gets a new stream)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kube: Kube, ns: str, on_line: Callable[[str], None]) -> None:
+        self.kube, self.ns, self.on_line = kube, ns, on_line
         self.pod: str | None = None
-        self.seen = 0
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
 
-    def poll(self, kube: Kube, ns: str, pod: str | None) -> list[dict[str, Any]]:
-        if pod is None:
-            return []
-        if pod != self.pod:
-            self.pod, self.seen = pod, 0
-        lines = kube.pod_log(ns, pod).splitlines()
-        new, self.seen = lines[self.seen :], len(lines)
-        return [e for e in map(parse_stdout_line, new) if e is not None]
+    def follow(self, pod: str | None) -> None:
+        if pod is None or pod == self.pod:
+            return
+        self.close(grace_s=0.0)
+        self.pod, self._stop = pod, threading.Event()
+        self._thread = threading.Thread(
+            target=self.kube.follow_log,
+            args=(self.ns, pod, self.on_line, self._stop),
+            daemon=True,
+            name=f"log-{pod}",
+        )
+        self._thread.start()
+
+    def close(self, grace_s: float) -> None:
+        """Give the stream ``grace_s`` to deliver the last lines of an ended container."""
+        if self._thread is not None and self._stop is not None:
+            self._thread.join(grace_s)
+            self._stop.set()
 
 
 def run_eks_attempt(
@@ -60,15 +70,17 @@ def run_eks_attempt(
     nodes: int,
     eks: Any,
     deadline_s: float,
-    on_event: Callable[[dict[str, Any]], None] = lambda e: None,
+    on_log: Callable[[str], None] = lambda line: None,
+    on_poll: Callable[[], None] = lambda: None,
     poll_s: float = 1.0,
 ) -> EksAttemptReport:
+    """``on_log`` gets the rank-0 pod's log lines (from a follower thread); ``on_poll`` runs
+    once per watch loop iteration, in this thread (the caller reads its progress there)."""
     ns = eks.namespace
     name = job_name(run_id, attempt)
     for doc in render_all(cfg, run_id=run_id, attempt=attempt, nodes=nodes, eks=eks):
         kube.apply(doc)
     history = History(completions=nodes)
-    events: list[dict[str, Any]] = []
     q: queue.Queue[tuple[str, str, dict[str, Any]]] = queue.Queue()
     stop = threading.Event()
     watchers = [
@@ -79,7 +91,7 @@ def run_eks_attempt(
     ]
     for w in watchers:
         w.start()
-    follower = _LogFollower()
+    log = _RankZeroLog(kube, ns, on_log)
     started = time.monotonic()
     outcome: Outcome | None = None
     try:
@@ -94,10 +106,10 @@ def run_eks_attempt(
             job = kube.read_job(ns, name)
             if job is not None:
                 history.jobs.append(observe_job(job, now))
-            rank0 = next((p.name for p in reversed(history.pods) if p.index == 0 and p.node), None)
-            for e in follower.poll(kube, ns, rank0):
-                events.append(e)
-                on_event(e)
+            log.follow(
+                next((p.name for p in reversed(history.pods) if p.index == 0 and p.node), None)
+            )
+            on_poll()
             outcome = classify_history(
                 history, now=now, unschedulable_timeout_s=eks.unschedulable_timeout_s
             )
@@ -111,9 +123,7 @@ def run_eks_attempt(
                 time.sleep(poll_s)
     finally:
         stop.set()
-    for e in follower.poll(kube, ns, follower.pod):  # the last lines
-        events.append(e)
-        on_event(e)
+        log.close(grace_s=2.0)
     latest = {p.name: p for p in history.pods}
     settled = all(p.phase in ("Succeeded", "Failed") or p.deleted for p in latest.values())
     # Keep a failed Job whose pods have all ended (its objects and logs are the forensics); never
@@ -125,4 +135,4 @@ def run_eks_attempt(
     )
     if not keep:
         kube.delete_job(ns, name)
-    return EksAttemptReport(attempt, name, outcome, time.monotonic() - started, events, keep)
+    return EksAttemptReport(attempt, name, outcome, time.monotonic() - started, keep)

@@ -1,0 +1,54 @@
+"""Before a train attempt that follows a node loss: wait, bounded, until the cluster again has
+enough healthy GPU/EFA nodes. The decision is the preflight's own pure node check, re-run on a
+fresh node list each poll, so "healthy" means the same thing before the first attempt and
+after a loss."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from tasks.backends.eks.kube import Kube
+from tasks.checks import CheckResult, Status
+from tasks.errors import TrainingFailed
+from tasks.preflight.checks import Snapshot
+from tasks.preflight.eks import EksRequirements, check_nodes
+
+
+class CapacityNotRestored(TrainingFailed):
+    """Too few healthy nodes came back within ``eks.node_wait_s``: another attempt now would
+    only sit unschedulable. Not retried; re-run the pipeline (same run id) when capacity is
+    back."""
+
+
+def node_check(kube: Kube, req: EksRequirements) -> CheckResult:
+    snap = Snapshot()
+    try:
+        snap.facts["nodes"] = kube.nodes()
+    except Exception as e:
+        snap.errors["nodes"] = f"cannot list nodes: {e}"
+    return check_nodes(snap, req)
+
+
+def wait_for_nodes(
+    kube: Kube,
+    req: EksRequirements,
+    *,
+    timeout_s: float,
+    poll_s: float,
+    on_wait: Callable[[CheckResult, float], None] = lambda r, waited: None,
+) -> CheckResult:
+    started = time.monotonic()
+    while True:
+        result = node_check(kube, req)
+        if result.status == Status.PASSED:
+            return result
+        waited = time.monotonic() - started
+        if waited >= timeout_s:
+            raise CapacityNotRestored(
+                f"after {waited:.0f} s (eks.node_wait_s={timeout_s:.0f}) still too few healthy "
+                f"nodes: {result.detail}; {result.fix or 'check the node group'}, then re-run "
+                "with the same run_id to resume from the newest valid checkpoint"
+            )
+        on_wait(result, waited)
+        time.sleep(poll_s)

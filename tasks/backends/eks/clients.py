@@ -1,0 +1,47 @@
+"""The clients the EKS stages talk to, built once per stage from the environment.
+
+In production: the in-cluster (or kubeconfig) Kubernetes client and a boto3 FSx client whose
+credentials come from the pod's IRSA role. :func:`use_clients` swaps in other clients for the
+duration of a block: the tests pass a :class:`~tasks.backends.eks.kube.Kube` on kmock's
+emulator and an FSx client under ``botocore.stub.Stubber``; everything downstream is the same
+code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tasks.backends.eks.fsx import Backoff
+from tasks.backends.eks.kube import Kube
+
+
+@dataclass
+class EksClients:
+    kube: Kube
+    fsx: Any  # a boto3 FSx client
+    fsx_backoff: Backoff = field(default_factory=Backoff)
+    poll_s: float = 5.0  # Kubernetes status polls (Jobs, nodes)
+
+
+_override: EksClients | None = None
+
+
+def connect(region: str) -> EksClients:
+    if _override is not None:
+        return _override
+    import boto3
+
+    return EksClients(kube=Kube.from_environment(), fsx=boto3.client("fsx", region_name=region))
+
+
+@contextlib.contextmanager
+def use_clients(clients: EksClients) -> Iterator[EksClients]:
+    global _override
+    previous, _override = _override, clients
+    try:
+        yield clients
+    finally:
+        _override = previous

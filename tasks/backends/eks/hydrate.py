@@ -1,0 +1,167 @@
+"""The hydrate stage on EKS: link the dataset prefix to FSx, import its metadata, preload the
+file contents with the hydration Job, then check the manifest on the FSx mount.
+
+The flow runner mounts the same FSx claim at the same path as the training pods
+(deploy/eks/work-pool-template.json), so what it reads under ``data_dir`` is what the pods will
+read. The hydration Job digests every file (``python -m trainer.data --verify``); the flow only
+re-checks presence and sizes, which costs a stat per file instead of a second full read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.backends.eks.clients import EksClients
+from tasks.backends.eks.fsx import ensure_association, import_metadata, render_hydration_job
+from tasks.backends.eks.kube import Kube
+from tasks.errors import HydrationError
+from trainer.data import DataError, verify_dataset
+
+
+@dataclass
+class FsxHydrateReport:
+    source: str
+    dest: str
+    files: int
+    bytes: int
+    association_id: str
+    import_task_id: str
+    job: str
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def fsx_dataset_path(bucket: str, prefix: str) -> str:
+    """Where a dataset lives on the file system (relative to its root; the pods and the flow
+    runner see it under their FSx mount)."""
+    return f"/datasets/{bucket}/{prefix}".rstrip("/")
+
+
+def _token(run_id: str, what: str) -> str:
+    # ClientRequestToken: <= 63 chars; the same run asking again gets the same answer.
+    return f"{run_id[: 62 - len(what)]}-{what}"
+
+
+def wait_for_job(
+    kube: Kube,
+    ns: str,
+    name: str,
+    *,
+    deadline_s: float,
+    poll_s: float,
+    on_wait: Callable[[float], None] = lambda waited: None,
+) -> None:
+    """Until the Job has condition Complete; raises on Failed (with the controller's reason) or
+    at the deadline."""
+    started = time.monotonic()
+    while True:
+        job = kube.read_job(ns, name)
+        if job is None:
+            raise HydrationError(f"Job {ns}/{name} disappeared before completing")
+        conds = {
+            c.get("type"): c
+            for c in (job.get("status") or {}).get("conditions") or []
+            if c.get("status") == "True"
+        }
+        if "Complete" in conds:
+            return
+        if "Failed" in conds:
+            c = conds["Failed"]
+            raise HydrationError(
+                f"Job {ns}/{name} failed: {c.get('reason', '')} {c.get('message', '')}".rstrip()
+                + f"; see `kubectl logs -n {ns} job/{name}`"
+            )
+        waited = time.monotonic() - started
+        if waited > deadline_s:
+            raise HydrationError(
+                f"Job {ns}/{name} did not complete within {deadline_s:.0f} s "
+                f"(eks.hydrate_timeout_s); see `kubectl describe -n {ns} job/{name}`"
+            )
+        on_wait(waited)
+        time.sleep(poll_s)
+
+
+def hydrate_fsx(
+    clients: EksClients,
+    *,
+    run_id: str,
+    eks: Any,
+    bucket: str,
+    prefix: str,
+    data_dir: Path,
+    progress: Callable[[str], None] = lambda msg: None,
+) -> FsxHydrateReport:
+    """``eks``: :class:`flows.models.EksParams`; ``data_dir``: the dataset as this process sees
+    it on the FSx mount."""
+    if not eks.file_system_id:
+        raise HydrationError("eks.file_system_id is not set: give the fs-... id of the FSx claim")
+    t0 = time.monotonic()
+    s3_path = f"s3://{bucket}/{prefix}/"
+    fs_path = fsx_dataset_path(bucket, prefix)
+    assoc = ensure_association(
+        clients.fsx,
+        file_system_id=eks.file_system_id,
+        file_system_path=fs_path,
+        s3_path=s3_path,
+        token=_token(run_id, "dra"),
+        backoff=clients.fsx_backoff,
+    )
+    progress(f"data repository association {assoc}: {fs_path} <-> {s3_path}")
+    task = import_metadata(
+        clients.fsx,
+        file_system_id=eks.file_system_id,
+        paths=[fs_path.lstrip("/")],
+        report_path=f"{s3_path}_fsx-reports/{run_id}",
+        token=_token(run_id, "import"),
+        backoff=clients.fsx_backoff,
+    )
+    progress(f"metadata import task {task['TaskId']} SUCCEEDED")
+    name = f"nvrx-{run_id[:40]}-hydrate"
+    job = render_hydration_job(
+        name=name,
+        namespace=eks.namespace,
+        image=eks.image,
+        data_dir=f"{eks.fsx_mount}{fs_path}",
+        fsx_claim=eks.fsx_claim,
+        fsx_mount=eks.fsx_mount,
+        service_account=eks.service_account,
+    )
+    clients.kube.apply(job)  # same run -> same name: a re-run joins the Job already there
+    remaining = eks.hydrate_timeout_s - (time.monotonic() - t0)
+    last_note = [0.0]
+
+    def note(waited: float) -> None:
+        if waited - last_note[0] >= 30.0:  # a line every 30 s, not every poll
+            last_note[0] = waited
+            progress(f"hydration Job {name} running for {waited:.0f} s")
+
+    wait_for_job(
+        clients.kube,
+        eks.namespace,
+        name,
+        deadline_s=remaining,
+        poll_s=clients.poll_s,
+        on_wait=note,
+    )
+    try:
+        manifest = verify_dataset(data_dir, digests=False)
+    except DataError as e:
+        raise HydrationError(
+            f"hydration Job {name} completed but the dataset on FSx is incomplete: {e}"
+        ) from e
+    return FsxHydrateReport(
+        source=s3_path,
+        dest=str(data_dir),
+        files=len(manifest["files"]),
+        bytes=sum(int(f["bytes"]) for f in manifest["files"]),
+        association_id=assoc,
+        import_task_id=str(task["TaskId"]),
+        job=name,
+        seconds=round(time.monotonic() - t0, 3),
+    )

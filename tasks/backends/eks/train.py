@@ -1,0 +1,125 @@
+"""One train-stage attempt on EKS as the pipeline runs it: after a node loss, remove the old Job
+and wait (bounded) for healthy nodes; record the attempt in the run's ``events.jsonl`` on FSx;
+run the Job (:func:`run_eks_attempt`); record a lost node as a fault so the next attempt's
+``recovered`` event (the trainer emits it) closes it with layer ``stage-retry``.
+
+The flow runner mounts the same FSx claim at the same path as the pods, so ``cfg.run_root``
+names the same directory in both: progress comes from the trainer's own ``events.jsonl``
+(every rank, nothing lost to log rotation), the result from its ``result.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from tasks.backends.eks.capacity import wait_for_nodes
+from tasks.backends.eks.clients import EksClients
+from tasks.backends.eks.render import job_name
+from tasks.backends.eks.stage import run_eks_attempt
+from tasks.checks import CheckResult
+from tasks.classify import EndKind, Outcome
+from tasks.preflight.eks import EksRequirements
+from tasks.train_stage import AttemptReport, EventTail
+from trainer.config import TrainConfig
+from trainer.events import EventLog
+
+
+def eks_train_attempt(
+    clients: EksClients,
+    *,
+    cfg: TrainConfig,
+    run_id: str,
+    attempt: int,
+    nodes: int,
+    eks: Any,
+    requirements: EksRequirements,
+    deadline_s: float,
+    on_event: Callable[[dict[str, Any]], None] = lambda e: None,
+    on_log: Callable[[str], None] = lambda line: None,
+    on_wait: Callable[[CheckResult, float], None] = lambda r, waited: None,
+) -> AttemptReport:
+    """``eks``: :class:`flows.models.EksParams`. Returns when the Job ended (or was stopped);
+    the outcome's ``details["result"]`` holds the trainer's result when it completed."""
+    kube = clients.kube
+    if attempt > 1:
+        # Normally gone already (run_eks_attempt deletes a Job that lost a node); a flow runner
+        # that died mid-attempt may have left it running, holding the nodes we need.
+        kube.delete_job(eks.namespace, job_name(run_id, attempt - 1))
+        wait_for_nodes(
+            kube, requirements, timeout_s=eks.node_wait_s, poll_s=clients.poll_s, on_wait=on_wait
+        )
+    run_root = cfg.run_root
+    run_root.mkdir(parents=True, exist_ok=True)
+    result_path = run_root / "result.json"
+    result_path.unlink(missing_ok=True)  # only this attempt's result counts
+    events = EventLog(run_root)
+    tail = EventTail(events.path)
+    seen: list[dict[str, Any]] = []
+
+    def pump() -> None:
+        for e in tail.read_new():
+            seen.append(e)
+            on_event(e)
+
+    events.emit(
+        "stage_attempt",
+        stage="train",
+        attempt=attempt,
+        nodes=nodes,
+        nproc_per_node=eks.gpus_per_node,
+        backend="eks",
+        job=job_name(run_id, attempt),
+    )
+    pump()
+    report = run_eks_attempt(
+        kube,
+        cfg=cfg,
+        run_id=run_id,
+        attempt=attempt,
+        nodes=nodes,
+        eks=eks,
+        deadline_s=deadline_s,
+        on_log=on_log,
+        on_poll=pump,
+        poll_s=clients.poll_s,
+    )
+    pump()
+    outcome = report.outcome
+    if outcome.kind == EndKind.NODE_LOSS:
+        step = max((e["step"] for e in seen if e["kind"] == "step"), default=None)
+        on_event(
+            events.emit(
+                "fault",
+                fault=f"node-loss@step={step}" if step is not None else "node-loss",
+                fault_kind="node-loss",
+                step=step,
+                node=None,
+                rank=None,
+                nodes=outcome.details.get("lost_nodes", []),
+                detail=outcome.message,
+            )
+        )
+    elif outcome.kind == EndKind.COMPLETED:
+        if result_path.exists():
+            outcome.details["result"] = json.loads(result_path.read_text())
+        else:
+            outcome = Outcome(
+                EndKind.BUG,
+                f"Job {report.job} completed but {result_path} is missing: does this flow "
+                f"runner mount the same FSx file system at {eks.fsx_mount} as the pods "
+                "(deploy/eks/work-pool-template.json)?",
+            )
+    events.emit(
+        "stage_attempt_end",
+        stage="train",
+        attempt=attempt,
+        outcome=outcome.kind.value,
+        message=outcome.message,
+        wall_s=round(report.wall_s, 3),
+        job=report.job,
+        kept_job=report.kept_job,
+    )
+    pump()
+    return AttemptReport(attempt, outcome, report.wall_s, seen)

@@ -1,0 +1,45 @@
+"""Helpers of the pipeline tests (both backends)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from flows.models import PipelineParams, PipelineResult
+from tasks.storage.s3 import S3Settings, boto3_client
+from trainer import manifest
+
+
+def make_params(state: Path, s3: S3Settings, **kw: Any) -> PipelineParams:
+    base: dict[str, Any] = {
+        "state_dir": str(state),
+        "s3_endpoint": s3.endpoint_url,
+        "steps": 20,
+        "nodes": 2,
+        "nproc_per_node": 1,
+    }
+    return PipelineParams(**{**base, **kw})
+
+
+def run_pipeline(params: PipelineParams) -> tuple[Any, PipelineResult | None]:
+    from flows.pipeline import training_pipeline
+
+    state = training_pipeline(params, return_state=True)
+    result = state.result(raise_on_failure=False) if state.is_completed() else None
+    return state, result
+
+
+def assert_exported(result: PipelineResult, s3: S3Settings) -> None:
+    """Every object of the committed checkpoint is in S3 and its bytes hash to the manifest's."""
+    assert result.export.verified and result.export.uri
+    bucket, _, base = result.export.uri.removeprefix("s3://").partition("/")
+    client = boto3_client(s3)
+    local = manifest.read_manifest(Path(result.checkpoint.uri))  # type: ignore[arg-type]
+    remote = json.loads(client.get_object(Bucket=bucket, Key=f"{base}manifest.json")["Body"].read())
+    assert remote == local
+    for entry in local["files"]:
+        body = client.get_object(Bucket=bucket, Key=f"{base}{entry['name']}")["Body"].read()
+        assert hashlib.sha256(body).hexdigest() == entry["sha256"], entry["name"]
+    assert result.export.objects == len(local["files"]) + 1
