@@ -176,3 +176,105 @@ def test_node_loss_then_next_attempt_succeeds(kube: Kube):
         ("nvrx-k-retry-a1", EndKind.NODE_LOSS),
         ("nvrx-k-retry-a2", EndKind.COMPLETED),
     ]
+
+
+def test_wait_for_nodes_gives_up_with_the_reason(kube: Kube):
+    from tasks.backends.eks.capacity import CapacityNotRestored, wait_for_nodes
+    from tests.eks_cluster import NODES, p5, seed_cluster
+    from tests.test_eks_preflight import REQ
+
+    seed_cluster(kube)
+    kube.core.patch_node_status(NODES[1], p5(NODES[1], ready="Unknown"), _preload_content=False)
+    waits: list[float] = []
+    with pytest.raises(CapacityNotRestored) as err:
+        wait_for_nodes(kube, REQ, timeout_s=0.6, poll_s=0.2, on_wait=lambda r, w: waits.append(w))
+    assert "1 usable node(s), need 2" in str(err.value) and f"{NODES[1]}: not Ready" in str(
+        err.value
+    )
+    assert "same run_id" in str(err.value) and waits
+    kube.core.patch_node_status(NODES[1], p5(NODES[1]), _preload_content=False)
+    assert wait_for_nodes(kube, REQ, timeout_s=5, poll_s=0.2).detail.startswith("2 usable")
+
+
+def test_hydration_job_failure_names_the_job(kube: Kube):
+    from tasks.backends.eks.fsx import render_hydration_job
+    from tasks.backends.eks.hydrate import wait_for_job
+    from tasks.errors import HydrationError
+
+    job = render_hydration_job(
+        name="nvrx-r1-hydrate",
+        namespace=NS,
+        image="img",
+        data_dir="/fsx/datasets/b/p",
+        fsx_claim="fsx-claim",
+        fsx_mount="/fsx",
+        service_account="nvrx-trainer",
+    )
+    kube.apply(job)
+    kube.batch.patch_namespaced_job_status(
+        "nvrx-r1-hydrate",
+        NS,
+        {
+            "status": {
+                "conditions": [
+                    {
+                        "type": "Failed",
+                        "status": "True",
+                        "reason": "BackoffLimitExceeded",
+                        "message": "Job has reached the specified backoff limit",
+                    }
+                ]
+            }
+        },
+        _preload_content=False,
+    )
+    with pytest.raises(HydrationError) as err:
+        wait_for_job(kube, NS, "nvrx-r1-hydrate", deadline_s=5, poll_s=0.1)
+    assert "BackoffLimitExceeded" in str(err.value)
+    assert "kubectl logs -n nvrx job/nvrx-r1-hydrate" in str(err.value)
+
+
+def test_log_follow_survives_a_dropped_stream_without_duplicates():
+    """kmock has no log subresource: a minimal HTTP endpoint plays the API server's
+    ``pods/log?follow=true&timestamps=true``, dropping the first stream mid-line."""
+    import http.server
+    from datetime import UTC, datetime, timedelta
+
+    from kubernetes import client
+
+    base = datetime.now(UTC) - timedelta(seconds=5)
+    lines = [f"{(base + timedelta(seconds=i)).isoformat()} line {i}" for i in range(5)]
+    requests: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            requests.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()
+            if len(requests) == 1:  # three lines and half of the fourth, then the drop
+                self.wfile.write(("\n".join(lines[:3]) + "\n" + lines[3][:12]).encode())
+            else:  # reopened with sinceSeconds: overlapping lines come again
+                self.wfile.write(("\n".join(lines[1:]) + "\n").encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cfg = client.Configuration()
+    cfg.host = f"http://127.0.0.1:{server.server_address[1]}"
+    kube = Kube(client.ApiClient(cfg))
+    got: list[str] = []
+    stop = threading.Event()
+    t = threading.Thread(target=kube.follow_log, args=(NS, "p", got.append, stop), daemon=True)
+    t.start()
+    deadline = time.time() + 10
+    while len(requests) < 3 and time.time() < deadline:
+        time.sleep(0.1)
+    stop.set()
+    t.join(5)
+    server.shutdown()
+    assert got == [f"line {i}" for i in range(5)]
+    assert "follow=true" in requests[0] and "timestamps=true" in requests[0]
+    assert "sinceSeconds" not in requests[0] and "sinceSeconds=" in requests[1]

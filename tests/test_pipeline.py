@@ -27,10 +27,12 @@ class Scenario:
     recovered_by: str | None
 
 
+# One fault per recovery layer. A hang is recovered by the same in-job layer as a SIGKILL
+# through the pipeline; its own drill (tests/test_fault_drills.py) checks it bitwise, and the
+# CI budget has no room for a second slow in-job pipeline run.
 SCENARIOS = [
     Scenario("exception", ("exception@step=14,rank=1",), 1, "inprocess"),
     Scenario("sigkill", ("sigkill@step=14,rank=0",), 1, "injob"),
-    Scenario("hang", ("hang@step=14,rank=1",), 1, "injob"),
     Scenario("node-loss", ("node-loss@step=12,node=1",), 2, "stage-retry"),
 ]
 

@@ -109,8 +109,8 @@ class Kube:
         while not stop.is_set():
             kwargs: dict[str, Any] = {
                 "container": container,
-                "follow": True,
-                "timestamps": True,
+                "follow": "true",  # literal, as in watch(): the client would send "True"
+                "timestamps": "true",
                 "_preload_content": False,
                 "_request_timeout": (5, read_timeout_s),
             }
