@@ -160,6 +160,7 @@ def test_rbac_grants_exactly_what_the_flows_need() -> None:
     assert _rules(cluster_role) == {
         ("", "nodes"): {"get", "list", "watch"},
         ("apps", "daemonsets"): {"get", "list"},
+        ("storage.k8s.io", "csidrivers"): {"get", "list"},
     }
 
     pipeline_subject = [{"kind": "ServiceAccount", "name": PIPELINE_SA, "namespace": NAMESPACE}]
