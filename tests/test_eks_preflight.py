@@ -134,3 +134,13 @@ def test_gather_against_emulator_and_stubbed_fsx(kube):
     # kmock stores the access review but, having no authorizer, never answers it: SKIPPED.
     assert s["permissions"] == Status.SKIPPED
     assert "did not answer" in snap.errors["access"]
+
+
+def test_missing_file_system_id_fails_with_the_fix():
+    import dataclasses
+
+    snap = healthy()
+    r = {x.name: x for x in run_eks_checks(snap, dataclasses.replace(REQ, file_system_id=None))}[
+        "FSx file system"
+    ]
+    assert r.status == Status.FAILED and "eks.file_system_id" in r.fix

@@ -90,3 +90,25 @@ def test_report_lists_faults_and_outputs():
     assert "| node-loss | 12 |  | 1 | stage-retry | 18.5 |" in md
     assert "| train | 2 | 50.0 |" in md and "0.420" in md
     assert json.loads(r.model_dump_json())["faults"][0]["recovered_by"] == "stage-retry"
+
+
+def test_eks_backend_uses_aws_s3_unless_an_endpoint_is_given():
+    from flows.models import PipelineParams
+
+    assert PipelineParams(backend="eks", eks={"gpus_per_node": 1}).s3_endpoint is None
+    given = PipelineParams(
+        backend="eks", eks={"gpus_per_node": 1}, s3_endpoint="http://s3.lan:9000"
+    )
+    assert given.s3_endpoint == "http://s3.lan:9000"
+    assert PipelineParams().s3_endpoint == "http://127.0.0.1:8333"  # the embedded default
+
+
+def test_eks_file_system_id_is_checked():
+    import pydantic
+    import pytest
+
+    from flows.models import PipelineParams
+
+    with pytest.raises(pydantic.ValidationError) as err:
+        PipelineParams(backend="eks", eks={"file_system_id": "fsx-123"})
+    assert "file_system_id" in str(err.value)
