@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STATE_DIR ?= .state
 PORT ?= 29500
 
-.PHONY: all venv run run-trainer serve test test-fast lint bench clean
+.PHONY: all venv run run-trainer serve test test-fast lint bench bench-ettr clean
 
 all: test
 
@@ -52,10 +52,18 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# A few minutes each on 2 cores; results and plots under benchmarks/results/.
 bench: venv
-	$(PY) benchmarks/checkpoint_stall.py
-	$(PY) benchmarks/pipeline_overhead.py
-	$(PY) benchmarks/transfer_throughput.py
+	mkdir -p benchmarks/results
+	$(PY) benchmarks/checkpoint_stall.py --mb-per-rank 100 400 1000 --out benchmarks/results/checkpoint_stall.json
+	$(PY) benchmarks/recovery_time.py --out benchmarks/results/recovery_time.json --plot benchmarks/results
+	$(PY) benchmarks/pipeline_overhead.py --out benchmarks/results/pipeline_overhead.json
+	$(PY) benchmarks/transfer_throughput.py --out benchmarks/results/transfer_throughput.json
+
+# The long one: >= 10 min of training with a fault every ~2 min, ours and the torchrun baseline.
+bench-ettr: venv
+	mkdir -p benchmarks/results
+	$(PY) benchmarks/ettr.py --out benchmarks/results/ettr.json --plot benchmarks/results
 
 clean:
-	rm -rf .state .pytest_cache .ruff_cache .mypy_cache
+	rm -rf .state .pytest_cache .ruff_cache .mypy_cache benchmarks/results

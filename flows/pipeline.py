@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.logging import get_run_logger
 
 from flows.context import RunContext
@@ -21,7 +21,7 @@ from flows.models import (
     PipelineParams,
     PipelineResult,
 )
-from flows.report import render_report
+from flows.report import png_data_uri, render_report
 from flows.stages import (
     export_flow,
     hydrate_flow,
@@ -33,6 +33,7 @@ from flows.stages import (
 from tasks import run_summary
 from tasks.storage.local_s3 import local_s3
 from trainer.events import read_events
+from trainer.timeline import plot_timeline
 
 T = TypeVar("T")
 
@@ -147,7 +148,7 @@ def training_pipeline(params: PipelineParams) -> PipelineResult:
             since=since,
             error=f"{type(e).__name__}: {e}",
         )
-        _publish(ctx, result)
+        _publish(ctx, result, since)
         raise
     result = build_result(
         params,
@@ -161,11 +162,11 @@ def training_pipeline(params: PipelineParams) -> PipelineResult:
         wall_s=time.monotonic() - t0,
         since=since,
     )
-    _publish(ctx, result)
+    _publish(ctx, result, since)
     return result
 
 
-def _publish(ctx: RunContext, result: PipelineResult) -> None:
+def _publish(ctx: RunContext, result: PipelineResult, since: float) -> None:
     ctx.run_root.mkdir(parents=True, exist_ok=True)
     (ctx.run_root / "pipeline_result.json").write_text(result.model_dump_json(indent=1) + "\n")
     try:
@@ -176,3 +177,18 @@ def _publish(ctx: RunContext, result: PipelineResult) -> None:
         )
     except Exception as e:  # a report must never mask the run's own outcome
         get_run_logger().warning("could not publish the run report: %s", e)
+    try:
+        events = [e for e in read_events(ctx.run_root) if e["t"] >= since]
+        if any(e["kind"] == "step" for e in events):
+            png = plot_timeline(
+                events,
+                ctx.run_root / "timeline.png",
+                title=f"run {result.run_id}: step vs wall time ({result.status})",
+            )
+            create_image_artifact(
+                png_data_uri(png),
+                key="recovery-timeline",
+                description=f"run {result.run_id}: steps, faults, restarts and checkpoints ({png})",
+            )
+    except Exception as e:
+        get_run_logger().warning("could not publish the recovery timeline: %s", e)

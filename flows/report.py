@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+from pathlib import Path
+
 from flows.models import PipelineResult
 
 _STAGES = ("preflight", "hydrate", "train", "validate", "export")
@@ -54,3 +57,9 @@ def render_report(r: PipelineResult) -> str:
         f"- params_sha256: `{r.params_sha256}`",
     ]
     return "\n".join(lines) + "\n"
+
+
+def png_data_uri(path: Path) -> str:
+    """The image inline (``data:`` URL): the artifact needs no bucket, presigned URL or server
+    to keep serving it, and the file stays next to the run (``timeline.png``)."""
+    return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode()

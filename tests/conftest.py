@@ -107,4 +107,17 @@ def baseline(prefect_server, s3_settings, tmp_path_factory):
     assert result.checkpoint.validated and result.checkpoint.step == 20
     assert 0 < (result.ettr or 0) <= 1
     assert_exported(result, s3_settings)
+    # The recovery timeline: a PNG beside the run, and the same image as an artifact of the run.
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.context import RunContext
+
+    png = RunContext.create(params).run_root / "timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["recovery-timeline"]))
+        )
+    assert any(str(a.data).startswith("data:image/png;base64,") for a in arts)
     return result

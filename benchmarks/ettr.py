@@ -1,0 +1,257 @@
+"""ETTR (effective training time ratio) under a fault schedule, ours next to plain torchrun.
+
+ETTR = productive training time / wall time. Productive time is the sum, over steps, of the
+last execution of each step (work redone after a fault is not productive); wall time runs from
+launching the job to its end, including start-up, every recovery and every re-submission.
+
+1. Calibrate (short fault-free runs): seconds per step and the training-blocking seconds per
+   checkpoint, ours (async) and the baseline (synchronous ``torch.save``).
+2. Checkpoint interval from Young's formula, for each: ``sqrt(2 * MTBF * checkpoint cost)``
+   seconds, in steps.
+3. Run each for ``--minutes`` of expected training with a mixed fault every ``--mtbf-s``
+   seconds of progress (cycling exception, sigkill, hang, node-loss), and once without faults
+   for ``--clean-minutes``.
+
+Ours: the pipeline's train stage on the embedded default (local backend, 2 simulated nodes, the
+pipeline's timeouts), node loss answered by the stage retry. Baseline: torchrun
+``--max-restarts`` (one node, 2 ranks, DDP, synchronous ``torch.save``); a hang is only noticed
+at its process-group timeout (``--baseline-pg-timeout-s``; torch's default is 30 min), and a
+node loss ends the job, which this script re-submits at once (a person would take longer: this
+favours the baseline).
+
+    python benchmarks/ettr.py [--minutes 10] [--clean-minutes 3] [--mtbf-s 120]
+        [--json] [--out FILE] [--plot DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+from tasks.backends.base import LaunchRequest  # noqa: E402
+from tasks.backends.local import LocalBackend, free_port  # noqa: E402
+from tasks.classify import EndKind  # noqa: E402
+from tasks.run_summary import productive_s  # noqa: E402
+from tasks.train_stage import run_attempt  # noqa: E402
+from trainer.config import TrainConfig  # noqa: E402
+from trainer.data import write_synthetic_dataset  # noqa: E402
+from trainer.events import read_events  # noqa: E402
+from trainer.timeline import plot_timeline, recovery_phases  # noqa: E402
+
+CYCLE = ("exception@step={s},rank=1", "sigkill@step={s},rank=1", "hang@step={s},rank=1")
+CYCLE += ("node-loss@step={s},node=1",)
+
+
+def young_interval_s(mtbf_s: float, cost_s: float) -> float:
+    return math.sqrt(2.0 * mtbf_s * cost_s)
+
+
+def schedule(steps: int, step_s: float, mtbf_s: float) -> list[str]:
+    every = max(2, round(mtbf_s / step_s))
+    return [CYCLE[i % len(CYCLE)].format(s=s) for i, s in enumerate(range(every, steps, every))]
+
+
+def run_ours(
+    root: Path, data: Path, *, steps: int, interval: int, faults: list[str]
+) -> dict[str, Any]:
+    cfg = TrainConfig(
+        run_root=root, data_dir=data, steps=steps, ckpt_interval=interval, faults=tuple(faults)
+    )
+    t0 = time.monotonic()
+    attempts = 0
+    while True:
+        attempts += 1
+        report = run_attempt(
+            LocalBackend(),
+            LaunchRequest(run_id=root.name, attempt=attempts, cfg=cfg, nodes=2, nproc_per_node=1),
+            deadline_s=7200,
+        )
+        if report.outcome.kind != EndKind.NODE_LOSS or attempts > len(faults):
+            break
+    if report.outcome.kind != EndKind.COMPLETED:
+        raise RuntimeError(f"ours: {report.outcome.message}")
+    return {"wall_s": time.monotonic() - t0, "attempts": attempts, "events": read_events(root)}
+
+
+def run_baseline(
+    root: Path, data: Path, *, steps: int, interval: int, faults: list[str], pg_timeout_s: float
+) -> dict[str, Any]:
+    root.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    submissions = 0
+    while submissions <= len(faults):
+        submissions += 1
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            f"--max-restarts={len(faults) + 1}",
+            "--monitor-interval=0.5",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            str(REPO / "benchmarks" / "baseline_trainer.py"),
+            f"--run-root={root}",
+            f"--data-dir={data}",
+            f"--steps={steps}",
+            f"--ckpt-interval={interval}",
+            f"--pg-timeout-s={pg_timeout_s}",
+            *[f"--fault={f}" for f in faults],
+        ]
+        with open(root / f"torchrun-{submissions}.log", "w") as log:
+            subprocess.run(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+                start_new_session=True,  # a node-loss fault kills this whole process group
+                timeout=7200,
+            )
+        if any(e["kind"] == "train_end" for e in read_events(root)):
+            break
+    else:
+        raise RuntimeError("baseline did not finish")
+    return {"wall_s": time.monotonic() - t0, "attempts": submissions, "events": read_events(root)}
+
+
+def summarize(run: dict[str, Any]) -> dict[str, Any]:
+    evs = run["events"]
+    prod = productive_s(evs)
+    steps = sorted((e for e in evs if e["kind"] == "step"), key=lambda e: e["t"])
+    first = steps[0]["t"] if steps else None
+    end = steps[-1]["t"] if steps else None
+    phases = recovery_phases(evs)
+    return {
+        "wall_s": round(run["wall_s"], 1),
+        "productive_s": round(prod, 1),
+        "ettr": round(prod / run["wall_s"], 4),
+        # Without the one-time start-up (launch to first step): what a days-long job converges to.
+        "ettr_after_startup": round(prod / (end - first), 4)
+        if first and end and end > first
+        else None,
+        "faults": len([e for e in evs if e["kind"] == "fault"]),
+        "recovered": sum(1 for p in phases if p.get("recovered")),
+        "recovery_s_mean": round(
+            statistics.fmean(p["total_s"] for p in phases if p.get("recovered")), 2
+        )
+        if any(p.get("recovered") for p in phases)
+        else None,
+        "checkpoints": len([e for e in evs if e["kind"] == "checkpoint"]),
+        "attempts": run["attempts"],
+    }
+
+
+def calibrate(root: Path, data: Path, pg_timeout_s: float) -> dict[str, float]:
+    ours = run_ours(root / "cal-ours", data, steps=40, interval=5, faults=[])["events"]
+    base = run_baseline(
+        root / "cal-base", data, steps=40, interval=5, faults=[], pg_timeout_s=pg_timeout_s
+    )["events"]
+
+    def med(evs: list[dict[str, Any]], kind: str, key: str) -> float:
+        return statistics.median(e[key] for e in evs if e["kind"] == kind and e.get("step", 0) > 5)
+
+    return {
+        "ours_step_s": med(ours, "step", "step_s"),
+        "ours_ckpt_block_s": med(ours, "checkpoint", "blocking_s"),
+        "base_step_s": med(base, "step", "step_s"),
+        "base_ckpt_block_s": med(base, "checkpoint", "blocking_s"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--clean-minutes", type=float, default=3.0)
+    p.add_argument("--mtbf-s", type=float, default=120.0)
+    p.add_argument("--baseline-pg-timeout-s", type=float, default=60.0)
+    p.add_argument("--skip", nargs="*", default=[], choices=["ours", "baseline", "clean"])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--plot", type=Path, help="write the timelines (PNG) here")
+    args = p.parse_args(argv)
+
+    root = Path(tempfile.mkdtemp(prefix="nvrx-bench-ettr-"))
+    data = root / "data"
+    write_synthetic_dataset(data, vocab_size=512, seed=0)
+    cal = calibrate(root, data, args.baseline_pg_timeout_s)
+    print(f"calibration: {cal}", file=sys.stderr, flush=True)
+    out: dict[str, Any] = {"benchmark": "ettr", "calibration": cal, "mtbf_s": args.mtbf_s}
+    runs: dict[str, Any] = {}
+    for who in ("ours", "baseline"):
+        step_s = cal[f"{'ours' if who == 'ours' else 'base'}_step_s"]
+        cost = cal[f"{'ours' if who == 'ours' else 'base'}_ckpt_block_s"]
+        interval = max(1, round(young_interval_s(args.mtbf_s, cost) / step_s))
+        for mode, minutes in (("faults", args.minutes), ("clean", args.clean_minutes)):
+            if who in args.skip or (mode == "clean" and "clean" in args.skip):
+                continue
+            steps = max(20, round(minutes * 60 / step_s))
+            faults = schedule(steps, step_s, args.mtbf_s) if mode == "faults" else []
+            print(
+                f"{who}/{mode}: {steps} steps, ckpt every {interval}, {len(faults)} faults",
+                file=sys.stderr,
+                flush=True,
+            )
+            d = root / f"{who}-{mode}"
+            if who == "ours":
+                run = run_ours(d, data, steps=steps, interval=interval, faults=faults)
+            else:
+                run = run_baseline(
+                    d,
+                    data,
+                    steps=steps,
+                    interval=interval,
+                    faults=faults,
+                    pg_timeout_s=args.baseline_pg_timeout_s,
+                )
+            runs[f"{who}-{mode}"] = run
+            out[f"{who}-{mode}"] = {
+                **summarize(run),
+                "steps": steps,
+                "ckpt_interval_steps": interval,
+                "young_interval_s": round(young_interval_s(args.mtbf_s, cost), 2),
+                "fault_schedule": faults,
+            }
+            print(f"{who}/{mode}: {out[f'{who}-{mode}']}", file=sys.stderr, flush=True)
+    if args.plot and "ours-faults" in runs:
+        base = runs.get("baseline-faults")
+        plot_timeline(
+            runs["ours-faults"]["events"],
+            args.plot / "ettr-timeline.png",
+            title=f"ETTR run: a fault every ~{args.mtbf_s:.0f} s",
+            compare=("torchrun baseline", base["events"]) if base else None,
+        )
+    print(
+        "| run | wall s | productive s | ETTR | ETTR after start-up | faults (recovered) "
+        "| mean recovery s | ckpt every (steps) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for key in ("ours-faults", "baseline-faults", "ours-clean", "baseline-clean"):
+        if key in out:
+            r = out[key]
+            print(
+                f"| {key} | {r['wall_s']} | {r['productive_s']} | {r['ettr']} | "
+                f"{r['ettr_after_startup']} | {r['faults']} ({r['recovered']}) | "
+                f"{r['recovery_s_mean']} | {r['ckpt_interval_steps']} |"
+            )
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1))
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""Recovery phases from events (pure) and the timeline plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainer.timeline import plot_timeline, recovery_phases
+
+
+def ev(t: float, kind: str, **kw: object) -> dict[str, object]:
+    return {"t": t, "kind": kind, **kw}
+
+
+def test_phases_of_an_in_job_recovery():
+    events = [
+        ev(0.0, "worker_start"),
+        ev(1.0, "step", step=16, step_s=0.1),
+        ev(1.05, "fault", fault="sigkill@step=17,rank=1", fault_kind="sigkill", step=17),
+        ev(1.06, "step", step=16, step_s=0.1),  # rank 0 finishing the step the fault raced
+        ev(4.0, "worker_start"),
+        ev(6.5, "resume", action="loaded", step=15, load_s=0.5),
+        ev(7.0, "step", step=16, step_s=0.1),
+    ]
+    [row] = recovery_phases(events)
+    assert row["recovered"] and row["kind"] == "sigkill"
+    assert row["detect_s"] == 2.95 and row["restart_s"] == 2.0 and row["load_s"] == 0.5
+    assert row["first_step_s"] == 0.5 and row["total_s"] == 5.95
+    assert (
+        abs(
+            sum(row[k] for k in ("detect_s", "restart_s", "load_s", "first_step_s"))
+            - row["total_s"]
+        )
+        < 1e-6
+    )
+
+
+def test_superseded_load_and_unrecovered_fault():
+    events = [
+        ev(0.0, "fault", fault="node-loss@step=9,node=1", fault_kind="node-loss", step=9),
+        ev(1.0, "restart", layer="inprocess"),  # survivors try in place first
+        ev(2.0, "resume", action="loaded", step=5, load_s=0.2),  # never gets a step done
+        ev(5.0, "stage_attempt", attempt=2),
+        ev(9.0, "resume", action="loaded", step=5, load_s=0.4),
+        ev(9.5, "step", step=6),
+        ev(20.0, "fault", fault="hang@step=12,rank=0", fault_kind="hang", step=12),
+    ]
+    first, second = recovery_phases(events)
+    assert first["total_s"] == 9.5 and first["load_s"] == 0.4 and first["detect_s"] == 1.0
+    assert first["restart_s"] == 7.6  # from the first reaction to the load that counted
+    assert second == {
+        "fault": "hang@step=12,rank=0",
+        "kind": "hang",
+        "step": 12,
+        "layer": None,
+        "recovered": False,
+    }
+
+
+def test_plot_is_a_png(tmp_path: Path):
+    events = [ev(float(i), "step", step=i) for i in range(1, 20)]
+    events += [ev(5.5, "fault", fault_kind="exception"), ev(6.0, "restart", layer="inprocess")]
+    events += [ev(10.0, "checkpoint", step=10, blocking_s=0.01)]
+    out = plot_timeline(events, tmp_path / "t.png", compare=("baseline", events[:5]))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
