@@ -268,6 +268,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_automations(args: argparse.Namespace) -> int:
+    import yaml
+
+    from flows.automations import AutomationConfigError, apply, load, resolve
+
+    try:
+        if args.dry_run:
+            resolved = resolve(
+                load(args.file),
+                # Dry run: no server to look names up in; a nil id stands in for each one given.
+                {
+                    k: "00000000-0000-0000-0000-000000000000"
+                    for k, given in _placeholder_flags(args)
+                    if given
+                },
+            )
+            print(yaml.safe_dump({"automations": resolved.automations}, sort_keys=False), end="")
+            applied: dict[str, str] = {}
+            skipped = resolved.skipped
+        else:
+            applied, skipped = apply(
+                path=args.file, notify_block=args.notify_block, deployment=args.deployment
+            )
+    except AutomationConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for name, aid in applied.items():
+        print(f"applied {name} ({aid})")
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    return 0
+
+
+def _placeholder_flags(args: argparse.Namespace) -> list[tuple[str, bool]]:
+    return [("{notify_block}", bool(args.notify_block)), ("{deployment}", bool(args.deployment))]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nvrx-pipeline", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -320,6 +357,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exp.add_argument("--json", action="store_true")
     exp.set_defaults(fn=cmd_export)
+    auto = sub.add_parser("automations", help="Prefect automations for nvrx events")
+    auto_sub = auto.add_subparsers(dest="action", required=True)
+    ap = auto_sub.add_parser("apply", help="create or replace the shipped automations")
+    from flows.automations import DEFAULT_FILE
+
+    ap.add_argument("--file", type=Path, default=DEFAULT_FILE, help="automations YAML")
+    ap.add_argument(
+        "--notify-block", help="notification block TYPE-SLUG/NAME, e.g. slack-webhook/ops"
+    )
+    ap.add_argument("--deployment", help="deployment FLOW/NAME to re-run on capacity.restored")
+    ap.add_argument("--dry-run", action="store_true", help="print what would be applied")
+    ap.set_defaults(fn=cmd_automations)
     return p
 
 

@@ -14,6 +14,7 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.logging import get_run_logger
 
 from flows.context import RunContext
+from flows.events import emit
 from flows.models import (
     CheckpointInfo,
     ExportInfo,
@@ -99,7 +100,10 @@ def training_pipeline(params: PipelineParams) -> PipelineResult:
     attempts: dict[str, int] = {}
     out: dict[str, Any] = {}
 
+    current: dict[str, str] = {}
+
     def stage(name: str, fn: Callable[[], T]) -> T:
+        current["stage"] = name
         started = time.monotonic()
         try:
             return fn()
@@ -135,6 +139,13 @@ def training_pipeline(params: PipelineParams) -> PipelineResult:
                 "export", lambda: export_flow(params, ctx, out["validation"]["path"])
             )
     except BaseException as e:
+        emit(
+            "run.failed",
+            ctx.run_id,
+            stage=current.get("stage"),
+            cause=f"{type(e).__name__}: {e}",
+            step=run_summary.progress([x for x in read_events(ctx.run_root) if x["t"] >= since]),
+        )
         result = build_result(
             params,
             ctx,
@@ -163,6 +174,14 @@ def training_pipeline(params: PipelineParams) -> PipelineResult:
         since=since,
     )
     _publish(ctx, result, since)
+    emit(
+        "run.completed",
+        ctx.run_id,
+        step=result.final_step,
+        export_uri=result.export.uri,
+        ettr=result.ettr,
+        faults=len(result.faults),
+    )
     return result
 
 

@@ -21,6 +21,7 @@ from flows.context import (
     local_train_config,
     stage_train_config,
 )
+from flows.events import emit, emit_for_trainer_event, last_attempt_cause
 from flows.models import PipelineParams
 from tasks.backends.base import LaunchRequest
 from tasks.backends.eks.clients import connect
@@ -170,9 +171,10 @@ def hydrate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
 class _Progress:
     """Streams rank-0 progress into the flow log (throttled) and a progress artifact."""
 
-    def __init__(self, target: int, attempt: int) -> None:
+    def __init__(self, target: int, attempt: int, run_id: str) -> None:
         self.log = get_run_logger()
         self.target = target
+        self.run_id = run_id
         self.artifact = cast(
             UUID,
             create_progress_artifact(
@@ -182,6 +184,7 @@ class _Progress:
         self.last_log = 0.0
 
     def __call__(self, e: dict[str, Any]) -> None:
+        emit_for_trainer_event(self.run_id, e)
         kind = e["kind"]
         if kind == "step":
             now = time.monotonic()
@@ -243,7 +246,7 @@ def _eks_attempt(params: PipelineParams, ctx: RunContext, attempt: int) -> Attem
         eks=params.eks,
         requirements=eks_requirements(params),
         deadline_s=params.train_timeout_s,
-        on_event=_Progress(params.steps, attempt),
+        on_event=_Progress(params.steps, attempt, ctx.run_id),
         on_log=on_log,
         on_wait=on_wait,
     )
@@ -252,6 +255,10 @@ def _eks_attempt(params: PipelineParams, ctx: RunContext, attempt: int) -> Attem
 @flow(name="train")
 def train_flow(params: PipelineParams, ctx: RunContext, attempt: int) -> dict[str, Any]:
     log = get_run_logger()
+    if attempt > 1:
+        cause = last_attempt_cause(ctx.run_root)
+        log.warning("stage retry: train attempt %d after: %s", attempt, cause)
+        emit("stage.retried", ctx.run_id, stage="train", attempt=attempt, cause=cause)
     if params.backend == "eks":
         return _finish_attempt(_eks_attempt(params, ctx, attempt))
     cfg = local_train_config(params, ctx)
@@ -274,7 +281,7 @@ def train_flow(params: PipelineParams, ctx: RunContext, attempt: int) -> dict[st
             nproc_per_node=params.nproc_per_node,
         ),
         deadline_s=params.train_timeout_s,
-        on_event=_Progress(params.steps, attempt),
+        on_event=_Progress(params.steps, attempt, ctx.run_id),
     )
     return _finish_attempt(report)
 
@@ -354,6 +361,14 @@ def export_flow(params: PipelineParams, ctx: RunContext, checkpoint_path: str) -
         ctx.run_id,
         endpoint=ctx.s3.endpoint_url,
         options=options,
+    )
+    emit(
+        "export.completed",
+        ctx.run_id,
+        uri=report.uri,
+        objects=report.objects,
+        bytes=report.bytes,
+        verified=True,
     )
     get_run_logger().info(
         "exported %s: %d objects (%d uploaded, %d already there), verified",

@@ -1,0 +1,129 @@
+"""Apply the shipped automations (``deploy/automations.yaml``) to a Prefect server.
+
+The file holds Prefect's own automation schema with two placeholders, ``{notify_block}`` and
+``{deployment}``, filled from names at apply time (ids differ per server). Resolution is a pure
+function (:func:`resolve`); only :func:`apply` talks to the server. Applying is idempotent: an
+automation with the same name is replaced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_FILE = Path(__file__).resolve().parents[1] / "deploy" / "automations.yaml"
+PLACEHOLDERS = {"{notify_block}": "--notify-block", "{deployment}": "--deployment"}
+
+
+class AutomationConfigError(ValueError):
+    pass
+
+
+@dataclass
+class Resolved:
+    automations: list[dict[str, Any]] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> why
+
+
+def load(path: Path = DEFAULT_FILE) -> list[dict[str, Any]]:
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise AutomationConfigError(f"cannot read automations file {path}: {e}") from e
+    items = (doc or {}).get("automations")
+    if not isinstance(items, list) or not all(isinstance(a, dict) and a.get("name") for a in items):
+        raise AutomationConfigError(
+            f"{path}: expected `automations:` as a list of objects with a `name`"
+        )
+    return items
+
+
+def _fill(value: Any, ids: dict[str, str]) -> Any:
+    if isinstance(value, dict):
+        return {k: _fill(v, ids) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill(v, ids) for v in value]
+    if isinstance(value, str) and value in ids:
+        return ids[value]
+    return value
+
+
+def _needs(value: Any) -> set[str]:
+    if isinstance(value, dict):
+        return set().union(*(_needs(v) for v in value.values())) if value else set()
+    if isinstance(value, list):
+        return set().union(*(_needs(v) for v in value)) if value else set()
+    return {value} if isinstance(value, str) and value in PLACEHOLDERS else set()
+
+
+def resolve(items: list[dict[str, Any]], ids: dict[str, str]) -> Resolved:
+    """Fill placeholders with ids (``{"{notify_block}": "<uuid>", ...}``); an automation that
+    needs one not given is skipped, naming the flag that provides it. Each result is validated
+    against Prefect's ``AutomationCore`` (a bad file fails here, naming the automation)."""
+    from prefect.events.schemas.automations import AutomationCore
+
+    out = Resolved()
+    for item in items:
+        missing = sorted(_needs(item) - set(ids))
+        if missing:
+            out.skipped[item["name"]] = "needs " + ", ".join(PLACEHOLDERS[m] for m in missing)
+            continue
+        filled = _fill(item, ids)
+        try:
+            AutomationCore.model_validate(filled)
+        except Exception as e:  # pydantic lists every action type of the union: keep it short
+            raise AutomationConfigError(
+                f"automation {item['name']!r} is invalid: {str(e)[:600]}"
+            ) from e
+        out.automations.append(filled)
+    return out
+
+
+def lookup_ids(client: Any, *, notify_block: str | None, deployment: str | None) -> dict[str, str]:
+    """Names to ids on this server: ``TYPE-SLUG/NAME`` of a block, ``FLOW/DEPLOYMENT``."""
+    ids: dict[str, str] = {}
+    if notify_block:
+        type_slug, _, name = notify_block.partition("/")
+        try:
+            block = client.read_block_document_by_name(name=name, block_type_slug=type_slug)
+        except Exception as e:
+            raise AutomationConfigError(
+                f"--notify-block {notify_block}: no such block ({e}); create it in the UI "
+                "(Blocks) or with `prefect block create`, and pass TYPE-SLUG/NAME"
+            ) from e
+        ids["{notify_block}"] = str(block.id)
+    if deployment:
+        try:
+            dep = client.read_deployment_by_name(deployment)
+        except Exception as e:
+            raise AutomationConfigError(
+                f"--deployment {deployment}: no such deployment ({e}); pass FLOW/DEPLOYMENT, "
+                "e.g. nvrx-training-pipeline/eks-on-demand"
+            ) from e
+        ids["{deployment}"] = str(dep.id)
+    return ids
+
+
+def apply(
+    *, path: Path = DEFAULT_FILE, notify_block: str | None = None, deployment: str | None = None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Create or replace the automations. Returns (name -> id applied, name -> why skipped)."""
+    from prefect.client.orchestration import get_client
+    from prefect.events.schemas.automations import AutomationCore
+
+    items = load(path)
+    with get_client(sync_client=True) as client:
+        resolved = resolve(
+            items, lookup_ids(client, notify_block=notify_block, deployment=deployment)
+        )
+        applied = {}
+        for item in resolved.automations:
+            for old in client.read_automations_by_name(item["name"]):
+                client.delete_automation(old.id)
+            applied[item["name"]] = str(
+                client.create_automation(AutomationCore.model_validate(item))
+            )
+    return applied, resolved.skipped

@@ -1,0 +1,103 @@
+"""Prefect events for what operators act on, each about the run (resource
+``nvrx.run.<run_id>``) and related to the flow run that saw it, so automations can match on
+either.
+
+| event | when | payload |
+| --- | --- | --- |
+| ``nvrx.fault.detected`` | a fault was seen (drill, lost node) | kind, rank, node, step |
+| ``nvrx.recovery.completed`` | the first step after a recovery | layer, seconds, fault, step |
+| ``nvrx.stage.retried`` | a train-stage attempt after the first | stage, attempt, cause |
+| ``nvrx.checkpoint.committed`` | a checkpoint committed | step, blocking_s, path |
+| ``nvrx.export.completed`` | the checkpoint verified in S3 | uri, objects, bytes |
+| ``nvrx.run.completed`` / ``nvrx.run.failed`` | the pipeline ended | status, cause, step |
+
+Emitting never fails a run: outside a Prefect context (plain function calls, benchmarks)
+``emit_event`` is a no-op, and any error is logged and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from trainer.events import read_events
+
+RESOURCE_PREFIX = "nvrx.run."
+_log = logging.getLogger(__name__)
+
+
+def run_resource(run_id: str) -> dict[str, str]:
+    return {
+        "prefect.resource.id": f"{RESOURCE_PREFIX}{run_id}",
+        "prefect.resource.name": run_id,
+        "prefect.resource.role": "nvrx-run",
+    }
+
+
+def _related() -> list[dict[str, str]]:
+    from prefect.runtime import flow_run
+
+    fid = flow_run.get_id()
+    if not fid:
+        return []
+    return [
+        {
+            "prefect.resource.id": f"prefect.flow-run.{fid}",
+            "prefect.resource.role": "flow-run",
+            "prefect.resource.name": str(flow_run.get_name() or fid),
+        }
+    ]
+
+
+def emit(name: str, run_id: str, **payload: Any) -> None:
+    from prefect.events import emit_event
+
+    try:
+        emit_event(
+            event=f"nvrx.{name}",
+            resource=run_resource(run_id),
+            related=_related(),
+            payload={k: v for k, v in payload.items() if v is not None},
+        )
+    except Exception as e:  # events inform; they must never fail the run
+        _log.warning("could not emit nvrx.%s: %s", name, e)
+
+
+def emit_for_trainer_event(run_id: str, e: dict[str, Any]) -> None:
+    """Map one ``events.jsonl`` line (trainer or train-stage watcher) to its Prefect event."""
+    kind = e.get("kind")
+    if kind == "fault":
+        emit(
+            "fault.detected",
+            run_id,
+            kind=e.get("fault_kind"),
+            fault=e.get("fault"),
+            rank=e.get("rank"),
+            node=e.get("node"),
+            nodes=e.get("nodes"),
+            step=e.get("step"),
+        )
+    elif kind == "recovered":
+        emit(
+            "recovery.completed",
+            run_id,
+            layer=e.get("layer"),
+            seconds=e.get("recovery_s"),
+            fault=e.get("fault"),
+            fault_kind=e.get("fault_kind"),
+            step=e.get("step"),
+        )
+    elif kind == "checkpoint":
+        emit(
+            "checkpoint.committed",
+            run_id,
+            step=e.get("step"),
+            blocking_s=e.get("blocking_s"),
+            path=e.get("path"),
+        )
+
+
+def last_attempt_cause(run_root: Any) -> str | None:
+    """Why the previous train attempt ended (its ``stage_attempt_end`` message)."""
+    ends = [e for e in read_events(run_root) if e["kind"] == "stage_attempt_end"]
+    return ends[-1].get("message") if ends else None
