@@ -43,3 +43,25 @@ def assert_exported(result: PipelineResult, s3: S3Settings) -> None:
         body = client.get_object(Bucket=bucket, Key=f"{base}{entry['name']}")["Body"].read()
         assert hashlib.sha256(body).hexdigest() == entry["sha256"], entry["name"]
     assert result.export.objects == len(local["files"]) + 1
+
+
+def nvrx_events(run_id: str, *, expect: str, timeout_s: float = 15.0) -> list[Any]:
+    """The Prefect events about run ``run_id`` (oldest first), once ``expect`` is among them
+    (the server persists events asynchronously)."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    flt = EventFilter(
+        event=EventNameFilter(prefix=["nvrx."]),
+        resource=EventResourceFilter(id=[f"nvrx.run.{run_id}"]),
+    )
+    deadline = time.time() + timeout_s
+    while True:
+        with get_client(sync_client=True) as client:
+            page = client.read_events(filter=flt, limit=50)  # the server caps a page at 50
+        events = sorted(page.events, key=lambda e: e.occurred)
+        if any(e.event == expect for e in events) or time.time() > deadline:
+            return events
+        time.sleep(0.5)

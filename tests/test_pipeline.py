@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from flows.context import RunContext
 from flows.models import PipelineResult
 from tasks.storage.s3 import boto3_client
-from tests.pipeline_helpers import assert_exported, make_params, run_pipeline
+from tests.pipeline_helpers import assert_exported, make_params, nvrx_events, run_pipeline
 from trainer import manifest
 from trainer.faults import flip_bytes
 
@@ -51,6 +52,24 @@ def test_pipeline_recovers(sc: Scenario, baseline: PipelineResult, s3_settings, 
     ]
     assert result.faults[0].recovery_s and result.faults[0].recovery_s > 0
     assert_exported(result, s3_settings)
+    # What operators' automations see: Prefect events about the run, tied to its flow runs.
+    events = nvrx_events(params.run_id or "", expect="nvrx.run.completed")
+    by_name: dict[str, list[Any]] = {}
+    for e in events:
+        by_name.setdefault(e.event, []).append(e)
+    [fault] = by_name["nvrx.fault.detected"]
+    assert fault.payload["kind"] == sc.faults[0].split("@")[0] and fault.payload["step"]
+    [recovery] = by_name["nvrx.recovery.completed"]
+    assert recovery.payload["layer"] == sc.recovered_by and recovery.payload["seconds"] > 0
+    assert len(by_name.get("nvrx.stage.retried", [])) == sc.train_attempts - 1
+    if sc.train_attempts == 2:
+        retried = by_name["nvrx.stage.retried"][0].payload
+        assert retried["attempt"] == 2 and "node" in retried["cause"]
+    assert [e.payload["step"] for e in by_name["nvrx.checkpoint.committed"]][-1] == 20
+    [export] = by_name["nvrx.export.completed"]
+    assert export.payload["uri"] == result.export.uri
+    assert export.payload["bytes"] == result.export.bytes
+    assert all(any(r.get("prefect.resource.role") == "flow-run" for r in e.related) for e in events)
 
 
 def test_bad_dataset_fails_fast_without_retry(prefect_server, s3_settings, tmp_path: Path):
@@ -76,6 +95,10 @@ def test_bad_dataset_fails_fast_without_retry(prefect_server, s3_settings, tmp_p
     state, _ = run_pipeline(params)
     assert state.is_failed()
     assert "HydrationError" in state.message and "shard_00001.bin" in state.message
+    [failed] = [
+        e for e in nvrx_events("bad-data", expect="nvrx.run.failed") if e.event == "nvrx.run.failed"
+    ]
+    assert failed.payload["stage"] == "hydrate" and "shard_00001.bin" in failed.payload["cause"]
     events = RunContext.create(params).run_root / "events.jsonl"
     assert not events.exists() or "stage_attempt" not in events.read_text()
 
