@@ -114,7 +114,8 @@ class _LiveProgress:
                             bar.update(
                                 task,
                                 completed=e["step"],
-                                description=f"training loss {e['loss']:.3f}",
+                                description=f"training loss {e['loss']:.3f} "
+                                f"{e.get('tokens_per_s', 0):,.0f} tok/s",
                             )
                         elif e["kind"] in ("fault", "restart", "recovered"):
                             bar.console.print(_describe(e))
@@ -122,9 +123,14 @@ class _LiveProgress:
         while not self.stop.wait(1.0):
             for e in tail.read_new():
                 if e["kind"] == "step" and (e["step"] % 10 == 0 or e["step"] == self.target):
-                    print(f"step {e['step']}/{self.target} loss {e['loss']:.4f}", file=out)
+                    print(
+                        f"step {e['step']}/{self.target} loss {e['loss']:.4f} "
+                        f"{e.get('tokens_per_s', 0):.0f} tok/s",
+                        file=out,
+                        flush=True,
+                    )
                 elif e["kind"] in ("fault", "restart", "recovered"):
-                    print(_describe(e), file=out)
+                    print(_describe(e), file=out, flush=True)
 
 
 def _describe(e: dict[str, Any]) -> str:
@@ -268,6 +274,54 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from tasks import run_summary
+    from trainer.events import read_events
+
+    run_root = args.run_root or Path(args.state_dir) / "fsx" / "runs" / args.run_id
+    if not (run_root / "events.jsonl").exists():
+        print(
+            f"error: no events for run {args.run_id!r} at {run_root}/events.jsonl; pass "
+            "--state-dir (local runs) or --run-root (e.g. /fsx/runs/ID on EKS)",
+            file=sys.stderr,
+        )
+        return 2
+    saved = run_root / "pipeline_result.json"
+    st = run_summary.status(
+        read_events(run_root), json.loads(saved.read_text()) if saved.exists() else None
+    )
+    if args.json:
+        print(json.dumps({"run_id": args.run_id, **st}))
+        return 0
+    loss = "" if st["loss"] is None else f", loss {st['loss']:.4f}, {st['tokens_per_s']:.0f} tok/s"
+    print(f"run {args.run_id}: {st['state']}")
+    print(f"  step {st['step']}{loss}")
+    if st["stages"]:
+        print("  stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in st["stages"].items()))
+    for a in st["train_attempts"]:
+        print(f"  train attempt {a['attempt']} ({a['backend']}): {a['outcome']}")
+    for f in st["faults"]:
+        rec = (
+            "not recovered"
+            if f["recovered_by"] == "none"
+            else (f"recovered by {f['recovered_by']} in {f['recovery_s']:.1f} s")
+        )
+        print(f"  fault {f['fault']}: {rec}")
+    print(
+        f"  checkpoints: {st['checkpoints']} committed, latest step {st['latest_checkpoint_step']}"
+        + (f", max blocking {st['ckpt_blocking_s_max']:.3f} s" if st["checkpoints"] else "")
+    )
+    if st["ettr"] is not None:
+        print(f"  ETTR: {st['ettr']:.3f}")
+    if st["export_uri"]:
+        print(f"  export: {st['export_uri']}")
+    if st["error"]:
+        print(f"  error: {st['error']}")
+    return 0
+
+
 def cmd_automations(args: argparse.Namespace) -> int:
     import yaml
 
@@ -357,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exp.add_argument("--json", action="store_true")
     exp.set_defaults(fn=cmd_export)
+    stp = sub.add_parser("status", help="summarise a run from its events file")
+    stp.add_argument("run_id")
+    stp.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
+    stp.add_argument("--run-root", type=Path, help="the run directory itself (EKS: /fsx/runs/ID)")
+    stp.add_argument("--json", action="store_true")
+    stp.set_defaults(fn=cmd_status)
     auto = sub.add_parser("automations", help="Prefect automations for nvrx events")
     auto_sub = auto.add_subparsers(dest="action", required=True)
     ap = auto_sub.add_parser("apply", help="create or replace the shipped automations")

@@ -23,10 +23,22 @@ def render_report(r: PipelineResult) -> str:
     ]
     if r.error:
         lines.append(f"- cause: `{r.error}`")
-    lines += ["", "## Stages", "", "| stage | attempts | duration (s) |", "| --- | --- | --- |"]
+    lines += [
+        "",
+        "## Stage timeline",
+        "",
+        "| stage | starts at (s) | duration (s) | attempts | |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    at = 0.0
     for s in _STAGES:
         if s in r.stage_durations_s:
-            lines.append(f"| {s} | {r.stage_attempts.get(s, 1)} | {r.stage_durations_s[s]:.1f} |")
+            d = r.stage_durations_s[s]
+            bar = "#" * max(1, round(20 * d / max(r.wall_s, 1e-9)))
+            lines.append(
+                f"| {s} | {at:.1f} | {d:.1f} | {r.stage_attempts.get(s, 1)} | `{bar}` |"
+            )
+            at += d
     lines += ["", "## Faults", ""]
     if r.faults:
         lines += [
@@ -55,6 +67,9 @@ def render_report(r: PipelineResult) -> str:
         f"- export: `{r.export.uri}` ({r.export.objects} objects, {r.export.bytes} bytes, "
         f"{'verified' if r.export.verified else 'not verified'})",
         f"- params_sha256: `{r.params_sha256}`",
+        "",
+        "The recovery timeline (step versus wall time, faults, restarts and checkpoints) is the "
+        "`recovery-timeline` image artifact of this run.",
     ]
     return "\n".join(lines) + "\n"
 

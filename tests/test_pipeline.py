@@ -38,8 +38,39 @@ SCENARIOS = [
 ]
 
 
+def assert_report_and_status(result: PipelineResult, params: Any, state: Path, capsys) -> None:
+    """The run report artifact and `nvrx-pipeline status` agree with the events file."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.cli import main
+    from tasks import run_summary
+    from trainer.events import read_events
+
+    events = read_events(RunContext.create(params).run_root)
+    ettr = run_summary.ettr(events)
+    assert ettr is not None and result.ettr == ettr
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["run-report"]))
+        )
+    [report] = [a for a in arts if f"# Run `{result.run_id}`: completed" in str(a.data)]
+    text = str(report.data)
+    assert text.index("completed") < text.index("## Stage timeline") < text.index("## Faults")
+    assert f"**{ettr:.3f}**" in text
+    for f in run_summary.faults_with_recovery(events):
+        assert f"| {f['kind']} | {f['step']} |" in text and f"| {f['recovered_by']} |" in text
+    capsys.readouterr()
+    assert main(["status", result.run_id, "--state-dir", str(state), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert st["state"] == "completed" and st["step"] == 20 and st["ettr"] == ettr
+    assert [f["recovered_by"] for f in st["faults"]] == [f.recovered_by for f in result.faults]
+
+
 @pytest.mark.parametrize("sc", SCENARIOS, ids=[s.name for s in SCENARIOS])
-def test_pipeline_recovers(sc: Scenario, baseline: PipelineResult, s3_settings, tmp_path: Path):
+def test_pipeline_recovers(
+    sc: Scenario, baseline: PipelineResult, s3_settings, tmp_path: Path, capsys
+):
     params = make_params(tmp_path, s3_settings, run_id=f"drill-{sc.name}", faults=list(sc.faults))
     state, result = run_pipeline(params)
     assert state.is_completed(), state.message
@@ -70,6 +101,7 @@ def test_pipeline_recovers(sc: Scenario, baseline: PipelineResult, s3_settings, 
     assert export.payload["uri"] == result.export.uri
     assert export.payload["bytes"] == result.export.bytes
     assert all(any(r.get("prefect.resource.role") == "flow-run" for r in e.related) for e in events)
+    assert_report_and_status(result, params, tmp_path, capsys)
 
 
 def test_bad_dataset_fails_fast_without_retry(prefect_server, s3_settings, tmp_path: Path):
