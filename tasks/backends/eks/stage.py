@@ -22,6 +22,11 @@ from tasks.backends.eks.render import job_name, render_all
 from tasks.classify import EndKind, Outcome
 from trainer.config import TrainConfig
 
+# Failures whose Job is kept for forensics (when its pods have ended), and how long to wait
+# for the other pods to end after the first failure decided the outcome.
+KEEPABLE = (EndKind.DO_NOT_REQUEUE, EndKind.INJOB_EXHAUSTED, EndKind.BUG)
+SETTLE_S = 30.0
+
 
 @dataclass
 class EksAttemptReport:
@@ -94,15 +99,23 @@ def run_eks_attempt(
     log = _RankZeroLog(kube, ns, on_log)
     started = time.monotonic()
     outcome: Outcome | None = None
+
+    def drain(now: float) -> None:
+        for what, kind, obj in iter_queue(q):
+            if what == "pod":
+                if (obj.get("metadata", {}).get("labels") or {}).get(JOB_NAME_LABEL) == name:
+                    history.pods.append(_observe_pod(obj, now, deleted=kind == "DELETED"))
+            else:
+                history.nodes.append(observe_node(obj, now, deleted=kind == "DELETED"))
+
+    def settled() -> bool:
+        latest = {p.name: p for p in history.pods}
+        return all(p.phase in ("Succeeded", "Failed") or p.deleted for p in latest.values())
+
     try:
         while outcome is None:
             now = time.time()
-            for what, kind, obj in iter_queue(q):
-                if what == "pod":
-                    if (obj.get("metadata", {}).get("labels") or {}).get(JOB_NAME_LABEL) == name:
-                        history.pods.append(_observe_pod(obj, now, deleted=kind == "DELETED"))
-                else:
-                    history.nodes.append(observe_node(obj, now, deleted=kind == "DELETED"))
+            drain(now)
             job = kube.read_job(ns, name)
             if job is not None:
                 history.jobs.append(observe_job(job, now))
@@ -121,18 +134,21 @@ def run_eks_attempt(
                 )
             if outcome is None:
                 time.sleep(poll_s)
+        ended = any(p.phase == "Failed" for p in history.pods)
+        if outcome.kind in KEEPABLE and eks.keep_failed_job and ended:
+            # The first failed pod decides the outcome; the Job controller then stops the others
+            # (backoffLimit 0). Give them a moment to end, so the Job can be kept with every
+            # pod's final state instead of being deleted while some still run.
+            settle_until = time.monotonic() + SETTLE_S
+            while not settled() and time.monotonic() < settle_until:
+                time.sleep(poll_s)
+                drain(time.time())
     finally:
         stop.set()
         log.close(grace_s=2.0)
-    latest = {p.name: p for p in history.pods}
-    settled = all(p.phase in ("Succeeded", "Failed") or p.deleted for p in latest.values())
     # Keep a failed Job whose pods have all ended (its objects and logs are the forensics); never
     # keep one that still holds nodes (deadline, unschedulable, image pulls retrying).
-    keep = (
-        eks.keep_failed_job
-        and settled
-        and outcome.kind in (EndKind.DO_NOT_REQUEUE, EndKind.INJOB_EXHAUSTED, EndKind.BUG)
-    )
+    keep = eks.keep_failed_job and settled() and outcome.kind in KEEPABLE
     if not keep:
         kube.delete_job(ns, name)
     return EksAttemptReport(attempt, name, outcome, time.monotonic() - started, keep)
