@@ -99,7 +99,8 @@ def run_attempt(
                     for spec in drills:
                         if e["step"] >= spec.step and claim(run_root, spec):
                             node = spec.node or 0
-                            lost = events.emit(
+                            # Reaches on_event through the tail, like every other event.
+                            events.emit(
                                 "fault",
                                 fault=str(spec),
                                 fault_kind="node-loss",
@@ -107,7 +108,6 @@ def run_attempt(
                                 node=node,
                                 rank=None,
                             )
-                            on_event(lost)
                             job.lose_node(node)
                             loss_at = time.monotonic()
             status = job.status()

@@ -89,17 +89,15 @@ def eks_train_attempt(
     outcome = report.outcome
     if outcome.kind == EndKind.NODE_LOSS:
         step = max((e["step"] for e in seen if e["kind"] == "step"), default=None)
-        on_event(
-            events.emit(
-                "fault",
-                fault=f"node-loss@step={step}" if step is not None else "node-loss",
-                fault_kind="node-loss",
-                step=step,
-                node=None,
-                rank=None,
-                nodes=outcome.details.get("lost_nodes", []),
-                detail=outcome.message,
-            )
+        events.emit(  # reaches on_event through the tail (pump), like every other event
+            "fault",
+            fault=f"node-loss@step={step}" if step is not None else "node-loss",
+            fault_kind="node-loss",
+            step=step,
+            node=None,
+            rank=None,
+            nodes=outcome.details.get("lost_nodes", []),
+            detail=outcome.message,
         )
     elif outcome.kind == EndKind.COMPLETED:
         if result_path.exists():
