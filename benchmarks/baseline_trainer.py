@@ -90,8 +90,15 @@ def main(argv: list[str] | None = None) -> int:
             world_size=world,
             baseline=True,
         )
+    timeout = datetime.timedelta(seconds=args.pg_timeout_s)
+    # torchrun's agent keeps its store across restarts; without a fresh key prefix per restart
+    # the new workers read the dead ones' gloo addresses and hang in init (torch 2.13 here).
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    prefix = f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     dist.init_process_group(
-        "gloo", timeout=datetime.timedelta(seconds=args.pg_timeout_s), rank=rank, world_size=world
+        "gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=world, timeout=timeout
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     cfg = model_config(args.model)
