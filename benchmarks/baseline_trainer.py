@@ -60,8 +60,8 @@ def _fire(spec: FaultSpec) -> None:
     if spec.kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
     if spec.kind == "node-loss":
-        # The whole job goes (torchrun agent and every rank, as with a lost single-node job's
-        # host): torchrun cannot restart it; the caller re-submits, as a person would.
+        # This rank's host goes: its torchrun agent and every rank on it (one session per
+        # simulated node). torchrun cannot continue without it; the job is re-submitted.
         os.killpg(os.getpgid(0), signal.SIGKILL)
     if spec.kind in ("hang", "stall"):
         # Blocks in Python: peers wait in the next all-reduce until the pg timeout.
@@ -82,6 +82,7 @@ def save(path: Path, model: torch.nn.Module, optim: torch.optim.Optimizer, step:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    node = int(os.environ.get("GROUP_RANK", "0"))
     events = EventLog(args.run_root)
     if rank == 0:
         events.emit(
@@ -91,15 +92,18 @@ def main(argv: list[str] | None = None) -> int:
             baseline=True,
         )
     timeout = datetime.timedelta(seconds=args.pg_timeout_s)
-    # torchrun's agent keeps its store across restarts; without a fresh key prefix per restart
-    # the new workers read the dead ones' gloo addresses and hang in init (torch 2.13 here).
+    # torchrun's agent keeps its store across restarts, so new workers would read the dead ones'
+    # gloo addresses and hang in init (torch 2.13 here); a per-restart key prefix does not work
+    # across nodes either (an agent restarted by a peer's failure keeps its restart count). So
+    # rank 0 hosts a fresh store for each incarnation, as the trainer does.
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]) + 1,
+        world,
+        is_master=rank == 0,
+        timeout=timeout,
     )
-    prefix = f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    dist.init_process_group(
-        "gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=world, timeout=timeout
-    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     cfg = model_config(args.model)
     torch.manual_seed(args.seed)
@@ -127,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.global_batch * cfg.seq_len
     for step in range(start, args.steps + 1):
         for spec in faults:
-            if spec.step == step and spec.rank in (None, rank) and claim(args.run_root, spec):
+            mine = (
+                spec.node in (None, node) if spec.kind == "node-loss" else spec.rank in (None, rank)
+            )
+            if spec.step == step and mine and claim(args.run_root, spec):
                 events.emit("fault", fault=str(spec), fault_kind=spec.kind, step=step, rank=rank)
                 _fire(spec)
         t0 = time.perf_counter()
@@ -161,3 +168,58 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def torchrun_job(
+    *, nnodes: int, nproc_per_node: int, max_restarts: int, trainer_args: list[str]
+) -> list[list[str]]:
+    """One ``torchrun`` command per simulated node (c10d rendezvous on 127.0.0.1), as a user
+    would start it on each host of an ``nnodes`` job."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={nnodes}",
+            f"--nproc-per-node={nproc_per_node}",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.5",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=baseline",
+            str(Path(__file__).resolve()),
+            *trainer_args,
+        ]
+        for _ in range(nnodes)
+    ]
+
+
+def run_job(argvs: list[list[str]], log_dir: Path, *, timeout_s: float) -> list[int]:
+    """Start every node's torchrun (each in its own session, as on separate hosts) and wait.
+    A node that dies by a signal (a node-loss fault) ends the job: the others are stopped at
+    once instead of waiting out torchrun's rendezvous timeout (this favours the baseline)."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    procs = []
+    for i, argv in enumerate(argvs):
+        log = open(log_dir / f"torchrun-node{i}.log", "a")  # noqa: SIM115
+        procs.append(
+            subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        )
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        if any((p.returncode or 0) < 0 for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+        time.sleep(0.2)
+    return [int(p.returncode) for p in procs]

@@ -14,7 +14,8 @@ launching the job to its end, including start-up, every recovery and every re-su
 
 Ours: the pipeline's train stage on the embedded default (local backend, 2 simulated nodes, the
 pipeline's timeouts), node loss answered by the stage retry. Baseline: torchrun
-``--max-restarts`` (one node, 2 ranks, DDP, synchronous ``torch.save``); a hang is only noticed
+``--max-restarts`` (the same 2 simulated nodes, one agent and rank each, DDP, synchronous
+``torch.save``); a hang is only noticed
 at its process-group timeout (``--baseline-pg-timeout-s``; torch's default is 30 min), and a
 node loss ends the job, which this script re-submits at once (a person would take longer: this
 favours the baseline).
@@ -30,7 +31,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,8 +41,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
+from benchmarks.baseline_trainer import run_job, torchrun_job  # noqa: E402
 from tasks.backends.base import LaunchRequest  # noqa: E402
-from tasks.backends.local import LocalBackend, free_port  # noqa: E402
+from tasks.backends.local import LocalBackend  # noqa: E402
 from tasks.classify import EndKind  # noqa: E402
 from tasks.run_summary import productive_s  # noqa: E402
 from tasks.train_stage import run_attempt  # noqa: E402
@@ -94,32 +95,23 @@ def run_baseline(
     submissions = 0
     while submissions <= len(faults):
         submissions += 1
-        argv = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node=2",
-            f"--max-restarts={len(faults) + 1}",
-            "--monitor-interval=0.5",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            str(REPO / "benchmarks" / "baseline_trainer.py"),
-            f"--run-root={root}",
-            f"--data-dir={data}",
-            f"--steps={steps}",
-            f"--ckpt-interval={interval}",
-            f"--pg-timeout-s={pg_timeout_s}",
-            *[f"--fault={f}" for f in faults],
-        ]
-        with open(root / f"torchrun-{submissions}.log", "w") as log:
-            subprocess.run(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONPATH": str(REPO)},
-                start_new_session=True,  # a node-loss fault kills this whole process group
-                timeout=7200,
-            )
+        run_job(
+            torchrun_job(
+                nnodes=2,
+                nproc_per_node=1,
+                max_restarts=len(faults) + 1,
+                trainer_args=[
+                    f"--run-root={root}",
+                    f"--data-dir={data}",
+                    f"--steps={steps}",
+                    f"--ckpt-interval={interval}",
+                    f"--pg-timeout-s={pg_timeout_s}",
+                    *[f"--fault={f}" for f in faults],
+                ],
+            ),
+            root,
+            timeout_s=7200,
+        )
         if any(e["kind"] == "train_end" for e in read_events(root)):
             break
     else:

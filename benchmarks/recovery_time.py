@@ -4,8 +4,9 @@ Ours: the pipeline's train stage on the embedded default (``tasks.train_stage.ru
 the local backend: 2 simulated nodes, each an ft_launcher agent with 1 gloo rank, the tiny
 model, the trainer's default timeouts as the pipeline uses them), a node loss answered by the
 stage retry (attempt 2, as the pipeline's task retry does). Baseline: ``torchrun
---max-restarts 3`` on one node with 2 ranks, DDP and a synchronous ``torch.save`` checkpoint
-(``benchmarks/baseline_trainer.py``), same model, data, steps, checkpoint interval and faults;
+--max-restarts 3`` on the same 2 simulated nodes (one agent and rank each), DDP and a
+synchronous ``torch.save`` checkpoint (``benchmarks/baseline_trainer.py``), same model, data,
+steps, checkpoint interval and faults;
 it has no hang detection other than its process-group timeout (``--baseline-pg-timeout-s``,
 torch's default is 30 min) and no automatic answer to a lost node (torchrun's job fails; a
 person re-submits it).
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,8 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
+from benchmarks.baseline_trainer import run_job, torchrun_job  # noqa: E402
 from tasks.backends.base import LaunchRequest  # noqa: E402
-from tasks.backends.local import LocalBackend, free_port  # noqa: E402
+from tasks.backends.local import LocalBackend  # noqa: E402
 from tasks.classify import EndKind  # noqa: E402
 from tasks.train_stage import run_attempt  # noqa: E402
 from trainer.config import InJobConfig, TrainConfig  # noqa: E402
@@ -85,30 +86,26 @@ def run_baseline(
     run_root.mkdir(parents=True)
     if kind == "node-loss":
         return []  # torchrun has no answer: the job fails and waits for a person
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--max-restarts=3",
-        "--monitor-interval=0.5",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        str(REPO / "benchmarks" / "baseline_trainer.py"),
-        f"--run-root={run_root}",
-        f"--data-dir={data}",
-        f"--steps={args.steps}",
-        f"--ckpt-interval={args.ckpt_interval}",
-        f"--pg-timeout-s={args.baseline_pg_timeout_s}",
-        f"--fault={SPECS[kind].format(s=args.fault_step)}",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with open(run_root / "torchrun.log", "w") as log:
-        rc = subprocess.run(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=900
-        ).returncode
-    if rc != 0:
-        raise RuntimeError(f"baseline/{kind}: torchrun exited {rc} (see {run_root}/torchrun.log)")
+    # The same topology as ours: 2 simulated nodes, one torchrun agent with 1 rank each.
+    rcs = run_job(
+        torchrun_job(
+            nnodes=2,
+            nproc_per_node=1,
+            max_restarts=3,
+            trainer_args=[
+                f"--run-root={run_root}",
+                f"--data-dir={data}",
+                f"--steps={args.steps}",
+                f"--ckpt-interval={args.ckpt_interval}",
+                f"--pg-timeout-s={args.baseline_pg_timeout_s}",
+                f"--fault={SPECS[kind].format(s=args.fault_step)}",
+            ],
+        ),
+        run_root,
+        timeout_s=900,
+    )
+    if any(rcs):  # reported as not recovered (the phases find no step after the fault)
+        print(f"baseline/{kind}: torchrun exited {rcs} (logs in {run_root})", file=sys.stderr)
     return read_events(run_root)
 
 
@@ -153,13 +150,14 @@ def main(argv: list[str] | None = None) -> int:
                 args.plot / f"recovery-{kind}.png",
                 title=f"{kind}: ours vs torchrun baseline",
                 compare=("torchrun baseline", base) if base else None,
+                align_on_fault=True,
             )
 
     def fmt(ph: dict[str, Any] | None) -> list[str]:
         if not ph:
             return ["-"] * 5
         if not ph.get("recovered"):
-            return ["not recovered"] + ["-"] * 4
+            return ["job failed, not recovered"] + ["-"] * 4
         return [
             f"{ph[k]:.1f}" for k in ("detect_s", "restart_s", "load_s", "first_step_s", "total_s")
         ]

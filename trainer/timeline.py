@@ -75,11 +75,18 @@ def recovery_phases(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def plot_timeline(
-    events: list[dict[str, Any]], out: Path, *, title: str = "", compare: Any = None
+    events: list[dict[str, Any]],
+    out: Path,
+    *,
+    title: str = "",
+    compare: Any = None,
+    align_on_fault: bool = False,
 ) -> Path:
     """Step versus wall time, faults / restarts / checkpoints marked; PNG at ``out``.
 
-    ``compare``: optional ``(label, events)`` of a second run drawn on the same axes."""
+    ``compare``: optional ``(label, events)`` of a second run drawn on the same axes;
+    ``align_on_fault``: time 0 is each run's first fault (else its first event), so two runs'
+    recoveries line up."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,6 +99,8 @@ def plot_timeline(
         if not evs:
             continue
         t0 = evs[0]["t"]
+        if align_on_fault:
+            t0 = next((e["t"] for e in evs if e["kind"] == "fault"), t0)
         steps = [(e["t"] - t0, e["step"]) for e in evs if e["kind"] == "step"]
         color = ("tab:blue", "tab:gray")[i % 2]
         if steps:
@@ -118,7 +127,7 @@ def plot_timeline(
     ax.plot([], [], color="tab:red", label="fault")
     ax.plot([], [], color="tab:orange", ls="--", label="restart / new attempt")
     ax.plot([], [], "|", color="tab:green", ms=8, label="checkpoint committed")
-    ax.set_xlabel("wall time (s)")
+    ax.set_xlabel("seconds since the fault" if align_on_fault else "wall time (s)")
     ax.set_ylabel("step")
     ax.set_title(title or "recovery timeline")
     ax.grid(alpha=0.3)
