@@ -24,10 +24,11 @@ class Drill:
 
 
 # Faults at step 14 with checkpoints every 5 steps: at least step 5 is committed by then.
+# `exception` (in-process) and `sigkill` (in-job) run through the whole pipeline instead, with
+# the same bitwise, fired-once and resume-point checks (tests/test_pipeline.py); running them
+# here as well cost ~2 min of the CI budget for no extra assertion.
 DRILLS = [
-    Drill("exception", "exception@step=14,rank=1", "inprocess"),
     Drill("stall", "stall@step=14,rank=1", "inprocess"),
-    Drill("sigkill", "sigkill@step=14,rank=1", "injob"),
     Drill("hang", "hang@step=14,rank=1", "injob"),
 ]
 

@@ -15,6 +15,7 @@ from flows.models import PipelineResult
 from tasks.storage.s3 import boto3_client
 from tests.pipeline_helpers import assert_exported, make_params, nvrx_events, run_pipeline
 from trainer import manifest
+from trainer.events import read_events
 from trainer.faults import flip_bytes
 
 pytestmark = pytest.mark.slow
@@ -45,7 +46,6 @@ def assert_report_and_status(result: PipelineResult, params: Any, state: Path, c
 
     from flows.cli import main
     from tasks import run_summary
-    from trainer.events import read_events
 
     events = read_events(RunContext.create(params).run_root)
     ettr = run_summary.ettr(events)
@@ -82,6 +82,11 @@ def test_pipeline_recovers(
         (sc.faults[0].split("@")[0], sc.recovered_by)
     ]
     assert result.faults[0].recovery_s and result.faults[0].recovery_s > 0
+    run_events = read_events(RunContext.create(params).run_root)
+    assert [e["fault"] for e in run_events if e["kind"] == "fault"] == list(sc.faults)  # once
+    loaded = [e for e in run_events if e["kind"] == "resume" and e.get("action") == "loaded"]
+    fault_step = int(sc.faults[0].split("step=")[1].split(",")[0])
+    assert loaded and 5 <= loaded[-1]["step"] < fault_step, "resume from a committed checkpoint"
     assert_exported(result, s3_settings)
     # What operators' automations see: Prefect events about the run, tied to its flow runs.
     events = nvrx_events(params.run_id or "", expect="nvrx.run.completed")
