@@ -82,13 +82,18 @@ def test_report_lists_faults_and_outputs():
             )
         ],
         stage_attempts={"train": 2},
-        stage_durations_s={"train": 50.0},
+        stage_durations_s={"preflight": 5.0, "train": 50.0, "export": 15.0},
         ettr=0.42,
         wall_s=70,
     )
     md = render_report(r)
+    assert md.startswith("# Run `r1`: completed")  # the outcome leads
     assert "| node-loss | 12 |  | 1 | stage-retry | 18.5 |" in md
-    assert "| train | 2 | 50.0 |" in md and "0.420" in md
+    # the stage timeline: start offsets accumulate, bars scale with the share of wall time
+    assert "| preflight | 0.0 | 5.0 | 1 | `#` |" in md
+    assert "| train | 5.0 | 50.0 | 2 | `##############` |" in md
+    assert "| export | 55.0 | 15.0 | 1 | `####` |" in md
+    assert "**0.420**" in md
     assert json.loads(r.model_dump_json())["faults"][0]["recovered_by"] == "stage-retry"
 
 
