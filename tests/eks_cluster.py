@@ -81,6 +81,20 @@ def terminated(code: int, reason: str = "Error", phase: str = "Failed") -> dict[
     }
 
 
+def mark_disrupted(kube: Any, pod: str, reason: str = "DeletionByTaintManager") -> None:
+    """What the node lifecycle controller does to a pod on an unreachable node."""
+    kube.core.patch_namespaced_pod_status(
+        pod,
+        NS,
+        {
+            "status": {
+                "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": reason}]
+            }
+        },
+        _preload_content=False,
+    )
+
+
 def seed_cluster(kube: Any) -> None:
     """Two p5 nodes, the NVIDIA and EFA device plugins ready, the FSx CSI driver and a Bound
     claim: a cluster the EKS preflight passes."""

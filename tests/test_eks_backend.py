@@ -18,7 +18,7 @@ from tasks.backends.eks.kube import Kube
 from tasks.backends.eks.render import job_name
 from tasks.backends.eks.stage import run_eks_attempt
 from tasks.classify import EndKind
-from tests.eks_cluster import NS, node_obj, pod_obj, terminated
+from tests.eks_cluster import NS, mark_disrupted, node_obj, pod_obj, terminated
 
 
 class ControlPlane(threading.Thread):
@@ -59,22 +59,7 @@ def lose_node(k: Kube, job: str) -> None:
         node_obj("ip-10-0-1-2", "Unknown", "NodeStatusUnknown"),
         _preload_content=False,
     )
-    k.core.patch_namespaced_pod_status(
-        f"{job}-1-x",
-        NS,
-        {
-            "status": {
-                "conditions": [
-                    {
-                        "type": "DisruptionTarget",
-                        "status": "True",
-                        "reason": "DeletionByTaintManager",
-                    }
-                ]
-            }
-        },
-        _preload_content=False,
-    )
+    mark_disrupted(k, f"{job}-1-x")
 
 
 def exit_code(code: int, reason: str = "Error") -> Callable[[Kube, str], None]:

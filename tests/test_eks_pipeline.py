@@ -39,7 +39,7 @@ from tasks.backends.eks.kube import Kube
 from tasks.backends.local import kill_tree
 from tasks.hydrate import hydrate_dataset
 from tasks.storage.s3 import S3Settings, s3fs_filesystem
-from tests.eks_cluster import NODES, NS, p5, pod_obj, seed_cluster, terminated
+from tests.eks_cluster import NODES, NS, mark_disrupted, p5, pod_obj, seed_cluster, terminated
 from tests.helpers import FAST_INJOB, FAST_INPROCESS, REPO, free_port, worker_env
 from tests.pipeline_helpers import assert_exported, run_pipeline
 from trainer.config import Device
@@ -178,22 +178,7 @@ class Cluster(threading.Thread):
         lost = NODES[1]
         unknown = p5(lost, ready="Unknown")
         self.kube.core.patch_node_status(lost, unknown, _preload_content=False)
-        self.kube.core.patch_namespaced_pod_status(
-            f"{job}-1-x",
-            NS,
-            {
-                "status": {
-                    "conditions": [
-                        {
-                            "type": "DisruptionTarget",
-                            "status": "True",
-                            "reason": "DeletionByTaintManager",
-                        }
-                    ]
-                }
-            },
-            _preload_content=False,
-        )
+        mark_disrupted(self.kube, f"{job}-1-x")
         # The node group replaces the node a little later: the flow must wait for it.
         time.sleep(3.0)
         self.kube.core.patch_node_status(lost, p5(lost), _preload_content=False)
