@@ -7,8 +7,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STATE_DIR ?= .state
 PORT ?= 29500
+# apt-get needs root: CI runs as root; elsewhere go through sudo.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all venv run run-trainer serve test test-fast lint bench bench-ettr clean
+.PHONY: all venv browser run run-trainer serve test test-fast lint bench bench-ettr screenshots clean
 
 all: test
 
@@ -20,6 +22,13 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 venv: $(VENV)/.installed
+
+# Headless Chromium for the real-browser UI test: Debian's package, driven by Playwright's Python
+# client against that binary (no browser download; `playwright install` is never needed).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium; }
+	@chromium --version 2>/dev/null
 
 # The whole pipeline on the embedded default (local S3 server, 2 simulated nodes, gloo) with a
 # short fault drill: one exception (in-process), one SIGKILL (in-job), one node loss (stage retry).
@@ -41,7 +50,7 @@ run-trainer: venv
 serve: venv
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(VENV)/bin/nvrx-pipeline serve
 
-test: venv
+test: venv browser
 	$(PY) -m pytest -q
 
 test-fast: venv
@@ -64,6 +73,10 @@ bench: venv
 bench-ettr: venv
 	mkdir -p benchmarks/results
 	$(PY) benchmarks/ettr.py --out benchmarks/results/ettr.json --plot benchmarks/results
+
+# Refresh the Prefect UI screenshots in docs/img (the browser test takes them).
+screenshots: venv browser
+	NVRX_SCREENSHOT_DIR=docs/img $(PY) -m pytest -q tests/test_ui_browser.py
 
 clean:
 	rm -rf .state .pytest_cache .ruff_cache .mypy_cache benchmarks/results

@@ -2,7 +2,7 @@
 
     nvrx-pipeline run [--config FILE] [--set key=value ...] [--inject SPEC ...]
                       [--run-id ID] [--json]
-    nvrx-pipeline serve
+    nvrx-pipeline serve [--config FILE] [--set key=value ...]
     nvrx-pipeline validate PATH [--json]
     nvrx-pipeline export PATH S3_URI [--run-id ID] [--json]
     nvrx-pipeline render-k8s [--config FILE] [--set key=value ...] [--run-id ID] [--attempt N]
@@ -269,8 +269,21 @@ def cmd_render_k8s(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from flows.deployments import serve_all
+    from flows.models import PipelineParams
 
-    serve_all()
+    try:
+        data = load_params_dict(args.config, args.set, [], None)
+        if data.get("run_id"):
+            # Every run of a deployment would share it, and each later run would resume the first.
+            raise ValueError("run_id: a deployment default cannot name the run; set it per run")
+        defaults = PipelineParams(**data)
+    except ValidationError as e:
+        print(f"error: {format_validation_error(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    serve_all(defaults)
     return 0
 
 
@@ -388,6 +401,14 @@ def build_parser() -> argparse.ArgumentParser:
     rk.add_argument("--attempt", type=int, default=1, help="train-stage attempt (names the Job)")
     rk.set_defaults(fn=cmd_render_k8s)
     serve = sub.add_parser("serve", help="serve the deployments (schedules included)")
+    serve.add_argument("--config", type=Path, help="YAML or JSON file: the deployments' defaults")
+    serve.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a default parameter of both deployments (the UI form starts from these)",
+    )
     serve.set_defaults(fn=cmd_serve)
     val = sub.add_parser("validate", help="validate a committed checkpoint directory")
     val.add_argument("path", type=Path)

@@ -8,41 +8,45 @@ fields it leaves out take the model defaults.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flows.models import PipelineParams
 
 ON_DEMAND = "on-demand"
 NIGHTLY = "nightly"
 NIGHTLY_CRON = "0 2 * * *"
 
 
-def default_parameters() -> dict[str, Any]:
+def default_parameters(defaults: PipelineParams | None = None) -> dict[str, Any]:
     from flows.models import PipelineParams
 
-    return {"params": PipelineParams().model_dump(mode="json")}
+    return {"params": (defaults or PipelineParams()).model_dump(mode="json")}
 
 
-def deployments() -> list[Any]:
+def deployments(defaults: PipelineParams | None = None) -> list[Any]:
+    """Both deployments, with ``defaults`` (validated) as the parameters the UI form starts from."""
     from flows.pipeline import training_pipeline
 
     return [
         training_pipeline.to_deployment(
             name=ON_DEMAND,
-            parameters=default_parameters(),
+            parameters=default_parameters(defaults),
             description="Run the training pipeline on demand (embedded default backend).",
             tags=["nvrx"],
         ),
         training_pipeline.to_deployment(
             name=NIGHTLY,
             cron=NIGHTLY_CRON,
-            parameters=default_parameters(),
+            parameters=default_parameters(defaults),
             description="Nightly training run with the default drill-free parameters.",
             tags=["nvrx", "scheduled"],
         ),
     ]
 
 
-def serve_all(limit: int = 1) -> None:
+def serve_all(defaults: PipelineParams | None = None, limit: int = 1) -> None:
     from prefect import serve
 
     # One pipeline at a time per server: a run owns this machine's cores and local S3.
-    serve(*deployments(), limit=limit)
+    serve(*deployments(defaults), limit=limit)

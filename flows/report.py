@@ -35,9 +35,7 @@ def render_report(r: PipelineResult) -> str:
         if s in r.stage_durations_s:
             d = r.stage_durations_s[s]
             bar = "#" * max(1, round(20 * d / max(r.wall_s, 1e-9)))
-            lines.append(
-                f"| {s} | {at:.1f} | {d:.1f} | {r.stage_attempts.get(s, 1)} | `{bar}` |"
-            )
+            lines.append(f"| {s} | {at:.1f} | {d:.1f} | {r.stage_attempts.get(s, 1)} | `{bar}` |")
             at += d
     lines += ["", "## Faults", ""]
     if r.faults:
