@@ -185,6 +185,8 @@ def test_custom_run_from_the_ui(ui_stack: dict[str, Any], s3_settings) -> None:
         assert bad.status_code in (409, 422), bad.text
         assert "steps" in bad.text
 
+        # Assertions wait as long as actions do: a loaded 2-core CI machine renders slowly.
+        expect.set_options(timeout=60_000)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium_path(), headless=True)
             try:
