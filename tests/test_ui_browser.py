@@ -76,9 +76,8 @@ def ui_stack(s3_settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     tmp = tmp_path_factory.mktemp("ui")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")
-    }  # not the test harness's server
+    # Nothing of the test harness's Prefect settings: this stack has its own server and home.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(
         PREFECT_HOME=str(tmp / "prefect-home"),
         PREFECT_API_URL=f"{base}/api",
