@@ -142,16 +142,21 @@ def _describe(e: dict[str, Any]) -> str:
 
 
 def params_from_args(
-    args: argparse.Namespace, *, inject: list[str], **forced: Any
+    args: argparse.Namespace, *, inject: list[str], deployment: bool = False, **forced: Any
 ) -> PipelineParams | None:
     """PipelineParams from --config/--set/--run-id (+ forced fields); None after printing why
-    the parameters are invalid."""
+    the parameters are invalid. ``deployment``: defaults of a deployment, which name no run."""
     from flows.models import PipelineParams, new_run_id
 
     try:
-        data = load_params_dict(args.config, args.set, inject, args.run_id)
+        data = load_params_dict(args.config, args.set, inject, getattr(args, "run_id", None))
         data.update(forced)
-        data.setdefault("run_id", new_run_id())  # known up front: progress tails its events
+        if deployment:
+            if data.get("run_id"):
+                # Every run of the deployment would share it; each later one would resume the first.
+                raise ValueError("run_id: a deployment default cannot name the run; set it per run")
+        else:
+            data.setdefault("run_id", new_run_id())  # known up front: progress tails its events
         return PipelineParams(**data)
     except ValidationError as e:
         print(f"error: {format_validation_error(e)}", file=sys.stderr)
@@ -269,19 +274,9 @@ def cmd_render_k8s(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from flows.deployments import serve_all
-    from flows.models import PipelineParams
 
-    try:
-        data = load_params_dict(args.config, args.set, [], None)
-        if data.get("run_id"):
-            # Every run of a deployment would share it, and each later run would resume the first.
-            raise ValueError("run_id: a deployment default cannot name the run; set it per run")
-        defaults = PipelineParams(**data)
-    except ValidationError as e:
-        print(f"error: {format_validation_error(e)}", file=sys.stderr)
-        return EXIT_USAGE
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    defaults = params_from_args(args, inject=[], deployment=True)
+    if defaults is None:
         return EXIT_USAGE
     serve_all(defaults)
     return 0
