@@ -6,6 +6,9 @@
     nvrx-pipeline validate PATH [--json]
     nvrx-pipeline export PATH S3_URI [--run-id ID] [--json]
     nvrx-pipeline render-k8s [--config FILE] [--set key=value ...] [--run-id ID] [--attempt N]
+    nvrx-pipeline prepare-dataset INPUT ... --out DIR [--tokenizer tokenizer.json
+                      | --vocab-size N --input-dtype uint16|uint32] [--dtype uint16|uint32]
+                      [--s3-uri S3_URI [--s3-endpoint URL]] [--json]
 
 With ``--json`` the last line of stdout is one JSON object (the ``PipelineResult`` for ``run``).
 Exit codes: 0 success, 1 the pipeline or command failed, 2 bad parameters.
@@ -206,9 +209,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if not args.path.is_dir():
         print(f"error: {args.path} is not a checkpoint directory", file=sys.stderr)
         return EXIT_USAGE
-    exp = Expectations(
-        model=args.model, data_dir=args.data_dir, global_batch=args.global_batch, seed=args.seed
+    # The workload, batch and seed come from the checkpoint's own manifest unless overridden.
+    workload = (
+        None if args.workload is None else {"ref": args.workload, "options": args.workload_options}
     )
+    exp = Expectations(workload=workload, data_dir=args.data_dir)
     report = validate_checkpoint(args.path, exp)
     if args.json:
         print(json.dumps(report.to_dict()), flush=True)
@@ -367,6 +372,119 @@ def _placeholder_flags(args: argparse.Namespace) -> list[tuple[str, bool]]:
     return [("{notify_block}", bool(args.notify_block)), ("{deployment}", bool(args.deployment))]
 
 
+def cmd_prepare_dataset(args: argparse.Namespace) -> int:
+    """Token files or JSONL text -> a dataset directory (and, with --s3-uri, its S3 prefix).
+    Exit 2 with ``error: <field>: <message>`` for bad input, 1 if the upload fails."""
+    from tasks.errors import StorageError
+    from tasks.storage.s3 import S3Settings, parse_s3_uri
+    from trainer import prepare
+    from trainer.data import DataError
+
+    def usage(field: str, message: str) -> int:
+        print(f"error: {field}: {message}", file=sys.stderr)
+        return EXIT_USAGE
+
+    target = client = None
+    if args.s3_uri:
+        from tasks.storage.s3 import boto3_client, check_bucket, describe_client_error
+
+        try:
+            target = parse_s3_uri(args.s3_uri)
+        except StorageError as e:
+            return usage("s3_uri", str(e))
+        settings = S3Settings(
+            endpoint_url=args.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
+        )
+        try:  # before the conversion, which can take a while: the bucket must be there
+            client = boto3_client(settings)
+            check_bucket(client, target[0], endpoint=settings.endpoint_url)
+        except StorageError as e:
+            print(f"error: upload: {e}", file=sys.stderr)
+            return EXIT_FAILED
+    elif args.s3_endpoint:
+        return usage("s3_endpoint", "only means something with --s3-uri")
+    last = [-1]
+
+    def progress(done: int, total: int, what: str) -> None:  # a line every 10 %
+        tenth = 10 * done // max(total, 1)
+        if tenth != last[0]:
+            last[0] = tenth
+            print(f"prepare: {10 * tenth:3d}% ({what})", file=sys.stderr, flush=True)
+
+    common: dict[str, Any] = {"dtype": args.dtype, "progress": progress}
+    if args.shard_tokens is not None:
+        common["shard_tokens"] = args.shard_tokens
+    try:
+        if args.tokenizer is not None:
+            if args.input_dtype is not None:
+                return usage("input_dtype", "is for token files; JSONL is tokenized (--tokenizer)")
+            manifest = prepare.from_jsonl(
+                args.inputs,
+                args.out,
+                tokenizer_json=args.tokenizer,
+                text_field=args.text_field,
+                append_eos=not args.no_eos,
+                eos_id=args.eos_id,
+                vocab_size=args.vocab_size,
+                **common,
+            )
+        else:
+            if args.vocab_size is None:
+                return usage(
+                    "vocab_size",
+                    "token files need --vocab-size (the tokenizer's vocabulary size); "
+                    "JSONL text needs --tokenizer",
+                )
+            for flag, given in (
+                ("--text-field", args.text_field != "text"),
+                ("--eos-id", args.eos_id is not None),
+                ("--no-eos", args.no_eos),
+            ):
+                if given:
+                    return usage(flag.lstrip("-").replace("-", "_"), "needs --tokenizer")
+            manifest = prepare.from_token_files(
+                args.inputs,
+                args.out,
+                vocab_size=args.vocab_size,
+                input_dtype=args.input_dtype,
+                **common,
+            )
+    except prepare.PrepareError as e:
+        return usage(e.field, e.message)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    summary: dict[str, Any] = {
+        "dir": str(args.out),
+        "dtype": manifest["dtype"],
+        "vocab_size": manifest["vocab_size"],
+        "files": len(manifest["files"]),
+        "tokens": manifest["total_tokens"],
+        "source": manifest["source"]["kind"],
+    }
+    if target is not None:
+        from tasks.hydrate import upload_dataset
+
+        bucket, prefix = target
+        try:
+            objects = upload_dataset(client, args.out, bucket, prefix)
+        except Exception as e:  # boto3/botocore errors: one line with the cause
+            why = describe_client_error(e, bucket=bucket, endpoint=settings.endpoint_url)
+            print(f"error: upload: {why}", file=sys.stderr)
+            return EXIT_FAILED
+        summary.update(uri=f"s3://{bucket}/{prefix}", objects=objects)
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        print(
+            f"wrote {summary['dir']}: {summary['files']} shards, {summary['tokens']} "
+            f"{summary['dtype']} tokens (vocab_size {summary['vocab_size']})"
+        )
+        if target is not None:
+            print(f"uploaded {summary['uri']} ({summary['objects']} objects)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nvrx-pipeline", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -407,10 +525,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(fn=cmd_serve)
     val = sub.add_parser("validate", help="validate a committed checkpoint directory")
     val.add_argument("path", type=Path)
-    val.add_argument("--model", help="model size (default: the one in the manifest)")
+    val.add_argument(
+        "--workload", help="workload that wrote it (default: the one its manifest names)"
+    )
+    val.add_argument(
+        "--workload-options", type=json.loads, default={}, help="with --workload: JSON object"
+    )
     val.add_argument("--data-dir", type=Path, help="dataset: enables the held-out loss check")
-    val.add_argument("--global-batch", type=int, default=8)
-    val.add_argument("--seed", type=int, default=1234)
     val.add_argument("--json", action="store_true")
     val.set_defaults(fn=cmd_validate)
     exp = sub.add_parser("export", help="export a committed checkpoint to S3")
@@ -445,6 +566,27 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--deployment", help="deployment FLOW/NAME to re-run on capacity.restored")
     ap.add_argument("--dry-run", action="store_true", help="print what would be applied")
     ap.set_defaults(fn=cmd_automations)
+    prep = sub.add_parser(
+        "prepare-dataset",
+        help="turn token files (.bin/.npy) or JSONL text into a dataset (optionally upload it)",
+        description="Token files (.bin raw tokens, .npy integer arrays) or, with --tokenizer, "
+        "JSONL text -> shard_*.bin + dataset.json in --out. Exit 2 for bad input "
+        "(error: <field>: <message>), 1 if the upload fails.",
+    )
+    prep.add_argument("inputs", nargs="+", type=Path, help="input files, concatenated in order")
+    prep.add_argument("--out", type=Path, required=True, help="dataset directory to write")
+    prep.add_argument("--tokenizer", type=Path, help="local tokenizer.json: inputs are JSONL")
+    prep.add_argument("--text-field", default="text", help="JSONL field with the text (text)")
+    prep.add_argument("--eos-id", type=int, help="EOS id after each document (default: found)")
+    prep.add_argument("--no-eos", action="store_true", help="no EOS between JSONL documents")
+    prep.add_argument("--input-dtype", help="dtype of raw .bin inputs: uint16 or uint32")
+    prep.add_argument("--vocab-size", type=int, help="vocabulary size (required for token files)")
+    prep.add_argument("--dtype", help="output dtype, uint16 or uint32 (default: smallest fitting)")
+    prep.add_argument("--shard-tokens", type=int, help="tokens per output shard (64 Mi)")
+    prep.add_argument("--s3-uri", help="also upload the dataset to s3://bucket/prefix")
+    prep.add_argument("--s3-endpoint", help="S3 endpoint URL (default: AWS, or $AWS_ENDPOINT_URL)")
+    prep.add_argument("--json", action="store_true", help="print a summary as JSON last")
+    prep.set_defaults(fn=cmd_prepare_dataset)
     return p
 
 

@@ -7,7 +7,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer.data import DataError, StepSampler, verify_dataset, write_synthetic_dataset
+from trainer.data import (
+    DataError,
+    StepSampler,
+    check_vocab_fits,
+    dtype_for_vocab,
+    load_manifest,
+    verify_dataset,
+    write_synthetic_dataset,
+)
 
 
 def test_dataset_is_reproducible(tmp_path: Path):
@@ -81,3 +89,86 @@ def test_too_small_for_one_batch(tmp_path: Path):
     write_synthetic_dataset(tmp_path, shards=1, tokens_per_shard=100)
     with pytest.raises(DataError, match="too small"):
         StepSampler(tmp_path, seq_len=64, global_batch=8, seed=0)
+
+
+def test_dtype_for_vocab_and_fits():
+    assert dtype_for_vocab(512) == dtype_for_vocab(65536) == "uint16"
+    assert dtype_for_vocab(65537) == dtype_for_vocab(128256) == "uint32"
+    for bad in (0, -3, 2.5, True, "512"):
+        with pytest.raises(DataError, match="vocab_size"):
+            dtype_for_vocab(bad)  # type: ignore[arg-type]
+    check_vocab_fits(65536, "uint16")
+    check_vocab_fits(128256, "uint32")
+    with pytest.raises(DataError, match=r"^vocab_size: vocab_size 65537 does not fit dtype uint16"):
+        check_vocab_fits(65537, "uint16")
+    with pytest.raises(DataError, match=r"dtype: 'int32' .* allowed: uint16, uint32"):
+        check_vocab_fits(100, "int32")
+
+
+def test_uint32_dataset_round_trips_through_the_sampler(tmp_path: Path):
+    m = write_synthetic_dataset(tmp_path, shards=2, tokens_per_shard=3000, vocab_size=128256)
+    assert m["dtype"] == "uint32" and m["files"][0]["bytes"] == 3000 * 4
+    flat = np.concatenate(
+        [np.fromfile(tmp_path / f"shard_{i:05d}.bin", dtype="<u4") for i in range(2)]
+    )
+    assert flat.max() > 65535  # ids a uint16 dataset could not hold
+    sampler = StepSampler(tmp_path, seq_len=50, global_batch=4, seed=0)
+    assert sampler.vocab_size == 128256
+    x, y = sampler.batch(1, 0, 1)
+    assert x.dtype == y.dtype == np.int64
+    for row, i in zip(x, sampler.sample_ids(1, 0, 1), strict=True):
+        assert np.array_equal(row, flat[i * 50 : i * 50 + 50])
+    assert np.array_equal(sampler.stream.window(2990, 20), flat[2990:3010])  # across shards
+
+
+def test_explicit_dtype_and_default_digests_unchanged(tmp_path: Path):
+    a = write_synthetic_dataset(tmp_path / "a", shards=1, tokens_per_shard=1000)
+    b = write_synthetic_dataset(tmp_path / "b", shards=1, tokens_per_shard=1000, dtype="uint16")
+    c = write_synthetic_dataset(tmp_path / "c", shards=1, tokens_per_shard=1000, dtype="uint32")
+    assert a == b and a["dtype"] == "uint16"
+    assert c["dtype"] == "uint32" and c["files"][0]["bytes"] == 4000
+    # Same tokens whatever the width.
+    assert np.array_equal(
+        np.fromfile(tmp_path / "a" / "shard_00000.bin", dtype="<u2"),
+        np.fromfile(tmp_path / "c" / "shard_00000.bin", dtype="<u4"),
+    )
+    with pytest.raises(DataError, match="vocab_size 70000 does not fit dtype uint16"):
+        write_synthetic_dataset(tmp_path / "d", vocab_size=70000, dtype="uint16")
+
+
+def _rewrite_manifest(path: Path, **changes) -> None:
+    m = json.loads((path / "dataset.json").read_text())
+    m.update(changes)
+    (path / "dataset.json").write_text(json.dumps(m))
+
+
+def test_uint16_manifest_with_a_llama3_vocab_is_refused(copy: Path):
+    _rewrite_manifest(copy, vocab_size=128256)
+    with pytest.raises(DataError) as e:
+        load_manifest(copy)
+    msg = str(e.value)
+    for part in ("vocab_size 128256", "dtype uint16", "65536", "write the shards as uint32"):
+        assert part in msg, msg
+    with pytest.raises(DataError, match="vocab_size 128256"):
+        StepSampler(copy, seq_len=64, global_batch=8, seed=0)
+
+
+@pytest.mark.parametrize("dtype", ["int16", "uint8", "float32", None, "<u2"])
+def test_unknown_dtype_names_the_field_and_allowed_values(copy: Path, dtype):
+    _rewrite_manifest(copy, dtype=dtype)
+    with pytest.raises(DataError, match=r"dtype: .* allowed: uint16, uint32"):
+        verify_dataset(copy)
+
+
+@pytest.mark.parametrize("vocab", [0, -1, "512", 512.0, None])
+def test_vocab_size_must_be_a_positive_int(copy: Path, vocab):
+    _rewrite_manifest(copy, vocab_size=vocab)
+    with pytest.raises(DataError, match="vocab_size must be a positive integer"):
+        load_manifest(copy)
+
+
+def test_shard_bytes_must_be_tokens_times_itemsize(copy: Path):
+    # A uint16 dataset relabelled uint32: sizes still match the files, token counts do not.
+    _rewrite_manifest(copy, dtype="uint32")
+    with pytest.raises(DataError, match=r"shard_00000.bin: .* 65536 tokens of uint32 \(262144"):
+        verify_dataset(copy, digests=False)

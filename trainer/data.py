@@ -3,7 +3,9 @@
 Layout of a dataset directory (the run's "FSx" copy)::
 
     dataset.json          manifest: format, dtype, vocab size, every shard with tokens/bytes/sha256
-    shard_00000.bin ...   little-endian uint16 tokens, one flat stream across shards
+    shard_00000.bin ...   little-endian tokens of the manifest's ``dtype`` (``uint16``, or
+                          ``uint32`` for vocabularies over 65,536 ids such as Llama 3's),
+                          one flat stream across shards
 
 Sample ``i`` is the window of ``seq_len + 1`` tokens starting at token ``i * seq_len`` of the stream
 (inputs are the first ``seq_len``, targets the last ``seq_len``). The sampler visits samples in a
@@ -13,7 +15,8 @@ seeded permutation per epoch; the global batch of step ``s`` (1-based) is the sa
 the sampler's position *is* the step, and it is saved (and checked) in every checkpoint.
 
 ``python -m trainer.data --out DIR`` writes a seeded synthetic dataset whose tokens follow a sparse
-random Markov chain, so a model has something to learn and the loss falls.
+random Markov chain, so a model has something to learn and the loss falls. Real data (token files
+or JSONL text) becomes a dataset with :mod:`trainer.prepare`.
 """
 
 from __future__ import annotations
@@ -33,11 +36,52 @@ from trainer.hashing import sha256_file
 
 MANIFEST = "dataset.json"
 FORMAT = "nvrx-tokens-v1"
-DTYPE = np.dtype("<u2")
+DTYPE = np.dtype("<u2")  # the default token dtype (uint16)
+# Token dtypes a dataset may use (always little-endian) and the vocabulary each can hold.
+DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+MAX_VOCAB: dict[str, int] = {"uint16": 1 << 16, "uint32": 1 << 32}
 
 
 class DataError(RuntimeError):
     """The dataset is missing, short or corrupt. The message names the file."""
+
+
+def token_dtype(name: object, *, field: str = "dtype") -> np.dtype[Any]:
+    """The numpy dtype of a token dtype name; DataError naming ``field`` and the allowed values."""
+    if not isinstance(name, str) or name not in DTYPES:
+        raise DataError(
+            f"{field}: {name!r} is not a token dtype; allowed: {', '.join(DTYPES)} (little-endian)"
+        )
+    return DTYPES[name]
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+    """The smallest token dtype that holds ids ``0 .. vocab_size - 1``."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise DataError(f"vocab_size: must be a positive integer, got {vocab_size!r}")
+    for name, limit in MAX_VOCAB.items():
+        if vocab_size <= limit:
+            return name
+    raise DataError(f"vocab_size: {vocab_size} is over {MAX_VOCAB['uint32']}, the uint32 limit")
+
+
+def check_vocab_fits(vocab_size: int, dtype: str, *, field: str = "vocab_size") -> None:
+    """``vocab_size`` must be a positive int whose ids all fit ``dtype``; the error names
+    ``field`` (where the vocab size came from), ``vocab_size`` and ``dtype`` and says the fix."""
+    token_dtype(dtype)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise DataError(f"{field}: vocab_size must be a positive integer, got {vocab_size!r}")
+    limit = MAX_VOCAB[dtype]
+    if vocab_size > limit:
+        fix = (
+            "write the shards as uint32"
+            if dtype != "uint32"
+            else "vocabularies over 2**32 ids are not supported"
+        )
+        raise DataError(
+            f"{field}: vocab_size {vocab_size} does not fit dtype {dtype} (at most {limit} token "
+            f"ids, vocab_size <= {limit}); {fix}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -63,17 +107,21 @@ def write_synthetic_dataset(
     tokens_per_shard: int = 65536,
     vocab_size: int = 512,
     seed: int = 0,
+    dtype: str | None = None,
 ) -> dict[str, Any]:
     """Write a seeded dataset and its manifest (written last, atomically). Idempotent: the same
-    arguments give byte-identical files."""
+    arguments give byte-identical files. ``dtype``: ``"uint16"`` or ``"uint32"`` (default: the
+    smallest that holds ``vocab_size``)."""
     if shards < 1 or tokens_per_shard < 2:
         raise ValueError("shards must be >= 1 and tokens_per_shard >= 2")
-    if not 2 <= vocab_size <= 65536:
-        raise ValueError(f"vocab_size must be in [2, 65536] for uint16 tokens, got {vocab_size}")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
+        raise ValueError(f"vocab_size must be an integer >= 2, got {vocab_size!r}")
+    dtype = dtype_for_vocab(vocab_size) if dtype is None else dtype
+    check_vocab_fits(vocab_size, dtype)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    tokens = _markov_tokens(rng, shards * tokens_per_shard, vocab_size).astype(DTYPE)
+    tokens = _markov_tokens(rng, shards * tokens_per_shard, vocab_size).astype(DTYPES[dtype])
     files = []
     for i in range(shards):
         name = f"shard_{i:05d}.bin"
@@ -94,7 +142,7 @@ def write_synthetic_dataset(
         )
     manifest = {
         "format": FORMAT,
-        "dtype": "uint16",
+        "dtype": dtype,
         "vocab_size": vocab_size,
         "seed": seed,
         "total_tokens": int(tokens.size),
@@ -124,6 +172,12 @@ def load_manifest(data_dir: Path) -> dict[str, Any]:
             assert {"name", "tokens", "bytes", "sha256"} <= set(entry)
     except (json.JSONDecodeError, KeyError, AssertionError, TypeError) as e:
         raise DataError(f"dataset manifest {path} is malformed ({type(e).__name__}: {e})") from e
+    token_dtype(manifest.get("dtype"), field=f"dataset manifest {path}: dtype")
+    check_vocab_fits(
+        manifest.get("vocab_size"),  # type: ignore[arg-type]  # checked there
+        manifest["dtype"],
+        field=f"dataset manifest {path}",
+    )
     return manifest
 
 
@@ -131,8 +185,15 @@ def verify_dataset(data_dir: Path, *, digests: bool = True) -> dict[str, Any]:
     """Check every shard is present, full-sized and (optionally) matches its digest."""
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)
+    itemsize = DTYPES[manifest["dtype"]].itemsize
     for entry in manifest["files"]:
         path = data_dir / entry["name"]
+        if entry["bytes"] != entry["tokens"] * itemsize:
+            raise DataError(
+                f"dataset shard {path}: {MANIFEST} says {entry['tokens']} tokens of "
+                f"{manifest['dtype']} ({entry['tokens'] * itemsize} bytes) but {entry['bytes']} "
+                "bytes: the manifest's dtype or sizes are wrong"
+            )
         if not path.is_file():
             raise DataError(f"dataset shard {path} is missing (listed in {MANIFEST})")
         size = path.stat().st_size
@@ -150,8 +211,9 @@ class TokenStream:
     """The concatenated shards, memory-mapped."""
 
     def __init__(self, data_dir: Path, manifest: dict[str, Any]) -> None:
+        dtype = token_dtype(manifest.get("dtype"))
         self.maps = [
-            np.memmap(Path(data_dir) / e["name"], dtype=DTYPE, mode="r") for e in manifest["files"]
+            np.memmap(Path(data_dir) / e["name"], dtype=dtype, mode="r") for e in manifest["files"]
         ]
         self.offsets = np.cumsum([0] + [m.size for m in self.maps])
         self.total = int(self.offsets[-1])
@@ -251,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens-per-shard", type=int, default=65536)
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--dtype", choices=list(DTYPES), help="token dtype (default: the smallest that fits)"
+    )
     p.add_argument("--verify", action="store_true", help="only verify an existing dataset")
     args = p.parse_args(argv)
     try:
@@ -263,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                 tokens_per_shard=args.tokens_per_shard,
                 vocab_size=args.vocab_size,
                 seed=args.seed,
+                dtype=args.dtype,
             )
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,491 @@
+"""Bring your own data: turn token files or JSONL text into a dataset (``trainer.data`` format).
+
+Two sources:
+
+- :func:`from_token_files`: already-tokenized ``.bin`` files (raw little-endian ``uint16`` or
+  ``uint32``; the caller says which) or ``.npy`` arrays (any integer dtype, flattened);
+- :func:`from_jsonl`: JSONL text, one document per line, tokenized with a local ``tokenizer.json``
+  (Hugging Face ``tokenizers``), each document followed by the tokenizer's EOS id.
+
+Both stream: inputs are read and encoded in chunks and shards are written as they fill, so memory
+stays bounded whatever the input size. The result is ``shard_00000.bin ...`` of the output dtype
+and ``dataset.json`` (written last, atomically, so a half-written directory never looks complete)
+with every shard's tokens, bytes and sha256 and a ``source`` block that says what produced it (the
+inputs' names and sha256, the tokenizer's sha256). Errors are :class:`PrepareError`, whose ``field``
+names the parameter or the file (``path:line`` for a JSONL line) at fault.
+
+No Prefect and no S3 here; ``nvrx-pipeline prepare-dataset`` wraps this and can upload the result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer.data import (
+    DTYPES,
+    FORMAT,
+    MANIFEST,
+    DataError,
+    check_vocab_fits,
+    dtype_for_vocab,
+    token_dtype,
+)
+from trainer.hashing import sha256_file
+
+Progress = Callable[[int, int, str], None]
+DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB of uint16, 256 MiB of uint32 per shard
+CHUNK_TOKENS = 1 << 20  # tokens read per step from a token file
+BATCH_LINES = 1024  # JSONL lines encoded per encode_batch call
+# Tried in order when the tokenizer's tokenizer_config.json does not name its eos_token.
+EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>")
+SHARD_NAME = "shard_{:05d}.bin"
+
+
+class PrepareError(DataError):
+    """Bad input for a dataset conversion; ``field`` is the parameter or file at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _no_progress(done: int, total: int, what: str) -> None:
+    pass
+
+
+def _check_shard_tokens(shard_tokens: int) -> None:
+    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise PrepareError("shard_tokens", f"must be a positive integer, got {shard_tokens!r}")
+
+
+@contextmanager
+def _as_prepare_error() -> Iterator[None]:
+    """trainer.data's checks raise DataError("field: message"); here they become PrepareError."""
+    try:
+        yield
+    except PrepareError:
+        raise
+    except DataError as e:
+        field, _, message = str(e).partition(": ")
+        raise PrepareError(field, message) from e
+
+
+def _out_dtype(vocab_size: int, dtype: str | None) -> str:
+    with _as_prepare_error():
+        name = dtype_for_vocab(vocab_size) if dtype is None else dtype
+        token_dtype(name)
+        check_vocab_fits(vocab_size, name)
+    return name
+
+
+def _inputs(paths: Sequence[Path | str], out: Path) -> list[Path]:
+    if not paths:
+        raise PrepareError("inputs", "no input files given")
+    result = []
+    for p in map(Path, paths):
+        if not p.is_file():
+            raise PrepareError("inputs", f"{p} is not a file")
+        r = p.resolve()
+        if r.parent == out.resolve() and (r.name == MANIFEST or r.name.startswith("shard_")):
+            raise PrepareError("out", f"{out} holds the input {p.name}; write to another directory")
+        result.append(p)
+    return result
+
+
+class ShardWriter:
+    """Appends tokens to ``shard_NNNNN.bin`` files of ``shard_tokens`` tokens each (the last may be
+    shorter), hashing as it writes; each shard is renamed into place once complete. ``finish``
+    writes the manifest last; ``abort`` removes what this writer wrote."""
+
+    def __init__(self, out: Path, dtype: str, shard_tokens: int) -> None:
+        self.out, self.dtype, self.shard_tokens = out, DTYPES[dtype], shard_tokens
+        self.dtype_name = dtype
+        out.mkdir(parents=True, exist_ok=True)
+        # An older manifest here would describe shards about to be overwritten.
+        (out / MANIFEST).unlink(missing_ok=True)
+        self.files: list[dict[str, Any]] = []
+        self.total = 0
+        self._f: Any = None
+        self._hash: Any = None
+        self._count = 0
+
+    def _tmp(self) -> Path:
+        return self.out / f".{SHARD_NAME.format(len(self.files))}.tmp"
+
+    def write(self, tokens: np.ndarray) -> None:
+        """``tokens``: integers already checked to be in ``[0, vocab_size)``."""
+        data = np.ascontiguousarray(tokens, dtype=self.dtype)
+        while data.size:
+            if self._f is None:
+                self._f = open(self._tmp(), "wb")  # noqa: SIM115  # closed in _close_shard
+                self._hash = hashlib.sha256()
+                self._count = 0
+            take = min(data.size, self.shard_tokens - self._count)
+            raw = data[:take].tobytes()
+            self._f.write(raw)
+            self._hash.update(raw)
+            self._count += take
+            self.total += take
+            data = data[take:]
+            if self._count == self.shard_tokens:
+                self._close_shard()
+
+    def _close_shard(self) -> None:
+        assert self._f is not None
+        tmp = self._tmp()
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        self._f = None
+        name = SHARD_NAME.format(len(self.files))
+        os.replace(tmp, self.out / name)
+        self.files.append(
+            {
+                "name": name,
+                "tokens": self._count,
+                "bytes": self._count * self.dtype.itemsize,
+                "sha256": self._hash.hexdigest(),
+            }
+        )
+
+    def finish(self, vocab_size: int, source: dict[str, Any]) -> dict[str, Any]:
+        if self._f is not None:
+            self._close_shard()
+        if self.total < 2:
+            self.abort()
+            raise PrepareError("inputs", f"hold {self.total} tokens; a dataset needs at least 2")
+        keep = {f["name"] for f in self.files}
+        for stale in self.out.glob("shard_*.bin"):  # from an earlier, longer conversion
+            if stale.name not in keep:
+                stale.unlink()
+        manifest = {
+            "format": FORMAT,
+            "dtype": self.dtype_name,
+            "vocab_size": vocab_size,
+            "total_tokens": self.total,
+            "files": self.files,
+            "source": source,
+        }
+        tmp = self.out / f".{MANIFEST}.tmp"
+        with open(tmp, "w") as f:
+            f.write(json.dumps(manifest, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.out / MANIFEST)
+        return manifest
+
+    def abort(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+            self._tmp().unlink(missing_ok=True)
+        for entry in self.files:
+            (self.out / entry["name"]).unlink(missing_ok=True)
+        self.files = []
+
+
+def _check_range(tokens: np.ndarray, vocab_size: int, where: str, first_index: int) -> None:
+    if not tokens.size:
+        return
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0:
+        at = first_index + int(np.argmax(tokens < 0))
+        raise PrepareError(where, f"negative token {lo} (first negative at token {at})")
+    if hi >= vocab_size:
+        at = first_index + int(np.argmax(tokens >= vocab_size))
+        raise PrepareError(
+            where,
+            f"token {hi} is not below vocab_size {vocab_size} (first out of range at token "
+            f"{at}); pass the vocabulary size the data was tokenized with",
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Token files
+# ----------------------------------------------------------------------------------------------
+def _open_token_file(path: Path, input_dtype: str | None) -> tuple[np.ndarray, str]:
+    """A read-only view of the file's tokens (memory-mapped, never loaded whole) and its dtype."""
+    if path.suffix == ".npy":
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as e:
+            raise PrepareError(str(path), f"not a readable .npy array ({e})") from e
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise PrepareError(
+                str(path), f"holds {arr.dtype} values; token arrays must have an integer dtype"
+            )
+        return arr, str(arr.dtype)
+    if path.suffix != ".bin":
+        raise PrepareError(
+            str(path), "unknown input type: token files are .bin (raw) or .npy (numpy)"
+        )
+    if input_dtype is None:
+        raise PrepareError(
+            "input_dtype",
+            f"{path.name} is a raw .bin file, which does not record its dtype; pass "
+            f"--input-dtype ({' or '.join(DTYPES)})",
+        )
+    with _as_prepare_error():
+        dt = token_dtype(input_dtype, field="input_dtype")
+    size = path.stat().st_size
+    if size % dt.itemsize:
+        raise PrepareError(
+            str(path), f"is {size} bytes, not a whole number of {input_dtype} tokens"
+        )
+    if size == 0:
+        return np.empty(0, dtype=dt), input_dtype
+    return np.memmap(path, dtype=dt, mode="r"), input_dtype
+
+
+def _chunks(arr: np.ndarray, chunk_tokens: int) -> Iterator[np.ndarray]:
+    """The array's elements in C order, flat, a bounded number at a time."""
+    if arr.ndim <= 1:
+        flat = arr.reshape(-1)
+        for i in range(0, flat.size, chunk_tokens):
+            yield np.asarray(flat[i : i + chunk_tokens])
+        return
+    row = int(np.prod(arr.shape[1:]))
+    if row == 0:
+        return
+    rows = max(1, chunk_tokens // row)
+    for i in range(0, arr.shape[0], rows):
+        yield np.asarray(arr[i : i + rows]).reshape(-1)
+
+
+def from_token_files(
+    paths: Sequence[Path | str],
+    out: Path | str,
+    *,
+    vocab_size: int,
+    input_dtype: str | None = None,
+    dtype: str | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Re-shard token files into a dataset at ``out``; returns its manifest.
+
+    ``paths``: ``.bin`` files of raw little-endian ``input_dtype`` tokens, or ``.npy`` integer
+    arrays (1-D, or flattened in C order), concatenated in the order given. ``dtype``: the
+    output's (default: the smallest holding ``vocab_size``). Every token must be in
+    ``[0, vocab_size)``. ``progress(done_tokens, total_tokens, file_name)`` is called per chunk.
+    """
+    out = Path(out)
+    progress = progress or _no_progress
+    _check_shard_tokens(shard_tokens)
+    name = _out_dtype(vocab_size, dtype)
+    files = _inputs(paths, out)
+    # Every input is checked before anything is written; each is mapped again when its turn
+    # comes (a map holds a file descriptor, and there may be thousands of inputs).
+    total = sum(int(_open_token_file(p, input_dtype)[0].size) for p in files)
+    writer = ShardWriter(out, name, shard_tokens)
+    inputs = []
+    done = 0
+    try:
+        for path in files:
+            arr, in_dtype = _open_token_file(path, input_dtype)
+            first = done
+            for chunk in _chunks(arr, CHUNK_TOKENS):
+                _check_range(chunk, vocab_size, str(path), done - first)
+                writer.write(chunk)
+                done += chunk.size
+                progress(done, total, path.name)
+            inputs.append(
+                {
+                    "name": path.name,
+                    "dtype": in_dtype,
+                    "tokens": done - first,
+                    "bytes": path.stat().st_size,
+                    "sha256": sha256_file(path),
+                }
+            )
+            del arr  # unmap before the next input
+        source = {"kind": "token-files", "inputs": inputs}
+        return writer.finish(vocab_size, source)
+    except BaseException:
+        writer.abort()
+        raise
+
+
+# ----------------------------------------------------------------------------------------------
+# JSONL text
+# ----------------------------------------------------------------------------------------------
+def load_tokenizer(tokenizer_json: Path | str) -> Any:
+    """A ``tokenizers.Tokenizer`` from a local file (never a hub download)."""
+    path = Path(tokenizer_json)
+    if not path.is_file():
+        raise PrepareError("tokenizer", f"{path} is not a file (a local tokenizer.json)")
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises plain Exception
+        raise PrepareError("tokenizer", f"{path} is not a tokenizer.json ({e})") from e
+
+
+def find_eos_id(tokenizer: Any, tokenizer_json: Path | str | None = None) -> int | None:
+    """The tokenizer's end-of-text id: the ``eos_token`` of a ``tokenizer_config.json`` beside
+    ``tokenizer_json`` if there is one, else the first of :data:`EOS_CANDIDATES` it knows."""
+    names: list[str] = []
+    if tokenizer_json is not None:
+        config = Path(tokenizer_json).with_name("tokenizer_config.json")
+        try:
+            eos = json.loads(config.read_text()).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            eos = None
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            names.append(eos)
+    for name in [*names, *EOS_CANDIDATES]:
+        tid = tokenizer.token_to_id(name)
+        if tid is not None:
+            return int(tid)
+    return None
+
+
+def _jsonl_batches(
+    path: Path, text_field: str, batch_lines: int, hasher: Any, on_bytes: Callable[[int], None]
+) -> Iterator[list[str]]:
+    """Batches of documents from a JSONL file, read line by line; blank lines are skipped."""
+    batch: list[str] = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            hasher.update(raw)
+            on_bytes(len(raw))
+            if not raw.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                doc = json.loads(raw)
+            except UnicodeDecodeError as e:
+                raise PrepareError(where, f"not UTF-8 ({e})") from e
+            except json.JSONDecodeError as e:
+                raise PrepareError(where, f"not valid JSON ({e.msg} at column {e.colno})") from e
+            if not isinstance(doc, dict):
+                raise PrepareError(where, f"expected a JSON object, got {type(doc).__name__}")
+            text = doc.get(text_field)
+            if not isinstance(text, str):
+                why = "missing" if text_field not in doc else f"a {type(text).__name__}"
+                keys = ", ".join(sorted(map(str, doc))[:8]) or "none"
+                raise PrepareError(
+                    where,
+                    f"text field {text_field!r} is {why}, not a string (keys: {keys}); "
+                    "choose the field with --text-field",
+                )
+            batch.append(text)
+            if len(batch) >= batch_lines:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def from_jsonl(
+    paths: Sequence[Path | str],
+    out: Path | str,
+    *,
+    tokenizer_json: Path | str,
+    text_field: str = "text",
+    append_eos: bool = True,
+    eos_id: int | None = None,
+    vocab_size: int | None = None,
+    dtype: str | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    batch_lines: int = BATCH_LINES,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Tokenize JSONL documents (the string ``text_field`` of each line) into a dataset at
+    ``out``; returns its manifest.
+
+    Each document is ``tokenizer.encode(text).ids`` (the tokenizer's own special tokens
+    included), then ``eos_id`` when ``append_eos``: by default the tokenizer's EOS
+    (:func:`find_eos_id`); a tokenizer without a known one needs ``eos_id``. ``vocab_size``
+    defaults to ``tokenizer.get_vocab_size()``. ``progress(done_bytes, total_bytes, file_name)``
+    is called per batch of ``batch_lines`` lines.
+    """
+    out = Path(out)
+    progress = progress or _no_progress
+    _check_shard_tokens(shard_tokens)
+    if batch_lines < 1:
+        raise PrepareError("batch_lines", f"must be a positive integer, got {batch_lines!r}")
+    if not text_field:
+        raise PrepareError("text_field", "must not be empty")
+    files = _inputs(paths, out)
+    tok = load_tokenizer(tokenizer_json)
+    vocab = int(tok.get_vocab_size()) if vocab_size is None else vocab_size
+    name = _out_dtype(vocab, dtype)
+    eos: int | None = None
+    if append_eos:
+        eos = find_eos_id(tok, tokenizer_json) if eos_id is None else eos_id
+        if eos is None:
+            raise PrepareError(
+                "eos_id",
+                f"tokenizer {tokenizer_json} has no end-of-text token known here "
+                f"({', '.join(EOS_CANDIDATES)}, or eos_token in tokenizer_config.json); pass "
+                "--eos-id N, or --no-eos to concatenate documents without one",
+            )
+        if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < vocab:
+            raise PrepareError("eos_id", f"{eos!r} is not a token id below vocab_size {vocab}")
+    total = sum(p.stat().st_size for p in files)
+    writer = ShardWriter(out, name, shard_tokens)
+    state = {"done": 0}
+    inputs = []
+    documents = 0
+
+    def count(n: int) -> None:
+        state["done"] += n
+
+    try:
+        for path in files:
+            hasher = hashlib.sha256()
+            first_tokens, first_docs = writer.total, documents
+            for batch in _jsonl_batches(path, text_field, batch_lines, hasher, count):
+                ids = _encode(tok, batch, eos)
+                _check_range(ids, vocab, str(path), writer.total - first_tokens)
+                writer.write(ids)
+                documents += len(batch)
+                progress(state["done"], total, path.name)
+            progress(state["done"], total, path.name)
+            inputs.append(
+                {
+                    "name": path.name,
+                    "bytes": path.stat().st_size,
+                    "sha256": hasher.hexdigest(),
+                    "documents": documents - first_docs,
+                    "tokens": writer.total - first_tokens,
+                }
+            )
+        source = {
+            "kind": "jsonl",
+            "inputs": inputs,
+            "text_field": text_field,
+            "tokenizer": {
+                "name": Path(tokenizer_json).name,
+                "sha256": sha256_file(Path(tokenizer_json)),
+            },
+            "append_eos": append_eos,
+            "eos_id": eos,
+            "documents": documents,
+        }
+        return writer.finish(vocab, source)
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _encode(tok: Any, texts: list[str], eos: int | None) -> np.ndarray:
+    encodings = tok.encode_batch(texts)
+    pieces: Iterable[list[int]] = (
+        (e.ids for e in encodings) if eos is None else ([*e.ids, eos] for e in encodings)
+    )
+    flat = [i for ids in pieces for i in ids]
+    return np.asarray(flat, dtype=np.int64)
