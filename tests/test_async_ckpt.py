@@ -118,3 +118,419 @@ def test_save_requires_previous_finalized(saver: AsyncCheckpointer, tmp_path: Pa
     with pytest.raises(Exception, match="previous save not finalized"):
         saver.save(_state(6), tmp_path / "f", step=6)
     saver.wait()
+
+
+# -- FSDP2 (DTensor) state: staging keeps CPU buffers, layout and plan ---------------------------
+def _fsdp_model(device: torch.device, world: int, seed: int = 0):
+    """A small FSDP2 model (uneven first dim: padded shards at 2 ranks) and its AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(24, 37), torch.nn.LayerNorm(37), torch.nn.Linear(37, 5)
+    ).to(device)
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optim
+
+
+def _train_step(model, optim, device: torch.device, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 24, generator=g).to(device)
+    model(x).square().mean().backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
+def _state_of(model, optim) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optim)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _leaves(obj, prefix: str = ""):
+    """(path, value) of every tensor, DTensors as themselves."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, f"{prefix}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{prefix}/{i}")
+
+
+def _local_snapshot(state: dict) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        p: (t._local_tensor if isinstance(t, DTensor) else t).detach().to("cpu", copy=True)
+        for p, t in _leaves(state)
+    }
+
+
+def _assert_bitwise(state: dict, expected: dict[str, torch.Tensor]) -> None:
+    got = _local_snapshot(state)
+    assert got.keys() == expected.keys()
+    for p, t in expected.items():
+        assert got[p].dtype == t.dtype and torch.equal(got[p], t), p
+
+
+def _capture_stage(saver: AsyncCheckpointer) -> list[dict]:
+    """Record what ``save`` hands to the DCP planner (this test's saver only)."""
+    seen: list[dict] = []
+    inner = saver.staging.stage
+
+    def stage(state_dict):
+        staged = inner(state_dict)
+        seen.append(staged)
+        return staged
+
+    saver.staging.stage = stage  # type: ignore[method-assign]
+    return seen
+
+
+def _check_staged(staged: dict, source: dict) -> None:
+    """Every staged tensor is CPU (DTensor: its local tensor), no staged tensor aliases the
+    source, and a DTensor keeps its global shape, stride, placements and mesh."""
+    from torch.distributed.tensor import DTensor
+
+    src = dict(_leaves(source))
+    out = dict(_leaves(staged))
+    assert out.keys() == src.keys()
+    for p, t in out.items():
+        s = src[p]
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        assert local.device.type == "cpu", p
+        assert local.is_shared(), p
+        assert isinstance(t, DTensor) == isinstance(s, DTensor), p
+        if isinstance(t, DTensor):
+            assert t.device.type == "cpu", p
+            assert t.shape == s.shape and t.stride() == s.stride(), p
+            assert t.placements == s.placements and t.device_mesh is s.device_mesh, p
+            assert local.shape == s._local_tensor.shape, p
+            assert local.data_ptr() != s._local_tensor.data_ptr() or local.numel() == 0, p
+        else:
+            assert t.shape == s.shape and t.dtype == s.dtype, p
+            assert t.data_ptr() != s.data_ptr() or t.numel() == 0, p
+
+
+def _fsdp_round_trip(saver: AsyncCheckpointer, root: Path, device: torch.device, world: int):
+    """Two saves of an FSDP2 model's state, each followed by an optimizer step before the write
+    is finalized; the first checkpoint loads back bitwise equal, buffers are reused."""
+    model, optim = _fsdp_model(device, world)
+    rank = dist.get_rank()
+    _train_step(model, optim, device, seed=rank)
+    seen = _capture_stage(saver)
+
+    state = _state_of(model, optim)
+    expected = _local_snapshot(state)
+    saver.save(state, root / "a", step=1)
+    assert saver.staging.reallocated
+    _check_staged(seen[-1], state)
+    first = [b.data_ptr() for b in saver.staging.buffers]
+    _train_step(model, optim, device, seed=100 + rank)  # mutates what was just saved
+    result = saver.wait()
+    assert result is not None and result.step == 1
+
+    state = _state_of(model, optim)
+    expected_b = _local_snapshot(state)
+    saver.save(state, root / "b", step=2)
+    assert not saver.staging.reallocated
+    assert [b.data_ptr() for b in saver.staging.buffers] == first
+    _check_staged(seen[-1], state)
+    _train_step(model, optim, device, seed=200 + rank)
+    assert saver.wait() is not None
+
+    for name, want in (("a", expected), ("b", expected_b)):
+        fresh_model, fresh_optim = _fsdp_model(device, world, seed=7)
+        _train_step(fresh_model, fresh_optim, device, seed=999)  # optimizer state exists
+        target = _state_of(fresh_model, fresh_optim)
+        dcp.load(target, checkpoint_id=str(root / name))
+        _assert_bitwise(target, want)
+
+
+def test_fsdp2_state_staged_on_cpu_round_trip(saver: AsyncCheckpointer, tmp_path: Path):
+    _fsdp_round_trip(saver, tmp_path, torch.device("cpu"), world=1)
+
+
+def test_before_optimizer_step_is_a_noop_on_cpu(saver: AsyncCheckpointer, tmp_path: Path):
+    saver.before_optimizer_step()  # nothing pending
+    saver.save(_state(7), tmp_path / "g", step=7)
+    assert saver.pending is not None and saver.pending.request is None  # handed over at once
+    assert saver._step_hook is None and not saver.staging.copier.in_flight
+    saver.before_optimizer_step()
+    result = saver.wait()
+    assert result is not None and result.deferred_s == 0.0
+    saver.before_optimizer_step()
+
+
+def test_device_mesh_dtensor_is_staged_on_cpu(saver: AsyncCheckpointer, tmp_path: Path):
+    """A DTensor whose mesh is a CUDA mesh (built without CUDA: no process group, no device
+    memory) is staged, planned and written with a CPU local tensor. ``DTensor.from_local`` of
+    the buffer on that mesh (the old staging) moves it to the mesh's device: fails here."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    cuda_mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)
+    local = torch.randn(6, 4, generator=torch.Generator().manual_seed(5))
+    spec = DTensorSpec(cuda_mesh, (Shard(0),), TensorMeta(local.shape, local.stride(), local.dtype))
+    source = {"x": DTensor(local, spec, requires_grad=False), "n": 3}
+    seen = _capture_stage(saver)
+    saver.save(source, tmp_path / "mesh", step=1)
+    staged = seen[-1]["x"]
+    assert staged.device_mesh.device_type == "cuda" and staged._local_tensor.device.type == "cpu"
+    assert staged.device.type == "cpu" and staged._local_tensor.is_shared()
+    assert staged.placements == (Shard(0),) and staged.shape == local.shape
+    assert saver.wait() is not None
+    target = {"x": distribute_tensor(torch.zeros(6, 4), init_device_mesh("cpu", (1,)), [Shard(0)])}
+    dcp.load(target, checkpoint_id=str(tmp_path / "mesh"))
+    assert torch.equal(target["x"].to_local(), local)
+
+
+def test_layout_change_reallocates(saver: AsyncCheckpointer, tmp_path: Path):
+    saver.save(_state(1), tmp_path / "h", step=1)
+    saver.wait()
+    changed = _state(1)
+    changed["w"] = torch.randn(128, 1024)  # same key, other shape: new buffers, new plan cache
+    saver.save(changed, tmp_path / "i", step=2)
+    assert saver.staging.reallocated
+    assert saver.wait() is not None
+    loaded = {"w": torch.zeros(128, 1024)}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "i"))
+    assert torch.equal(loaded["w"], changed["w"])
+
+
+# -- the deferred hand-off of the CUDA path, driven on CPU ---------------------------------------
+class _FakeInFlightCopy:
+    """Stands in for the CUDA side-stream copy: the copy itself runs synchronously, but it
+    reports "in flight" until ``finish()``, so the checkpointer's CUDA control flow (deferred
+    hand-off, step hook, GPU-side ordering) runs on CPU."""
+
+    non_blocking = False
+
+    def __init__(self) -> None:
+        self.done = True
+        self.ordered = 0
+        self.synchronized = 0
+
+    def copying(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            yield
+            self.done = False
+
+        return ctx()
+
+    @property
+    def in_flight(self) -> bool:
+        return not self.done
+
+    def query(self) -> bool:
+        return self.done
+
+    def order_current_stream(self) -> None:
+        self.ordered += 1
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self.done = True
+
+
+def _handed_over(saver: AsyncCheckpointer) -> bool:
+    return saver.pending is not None and saver.pending.request is None
+
+
+def test_write_waits_for_the_copy(saver, tmp_path: Path, monkeypatch):
+    fake = _FakeInFlightCopy()
+    monkeypatch.setattr(saver.staging, "_copier", fake)
+    saver.save(_state(11), tmp_path / "j", step=1)
+    assert not _handed_over(saver) and saver.queue.get_num_unfinalized_calls() == 0
+    assert saver._step_hook is not None  # the optimizer safety net is armed
+    assert saver.poll() is None and not _handed_over(saver)  # copy "running": not handed over
+    saver.before_optimizer_step()  # still running: ordered on the stream, not handed over
+    assert fake.ordered == 1 and not _handed_over(saver)
+    fake.done = True  # the copy completes
+    deadline = time.time() + 60
+    result = saver.poll()
+    assert _handed_over(saver) or result is not None
+    assert saver._step_hook is None
+    while result is None and time.time() < deadline:
+        time.sleep(0.05)
+        result = saver.poll()
+    assert result is not None and result.step == 1 and fake.synchronized == 0
+    loaded = _state(99)
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "j"))
+    assert torch.equal(loaded["w"], _state(11)["w"])
+
+
+def test_optimizer_step_hook_and_blocking_wait(saver, tmp_path: Path, monkeypatch):
+    fake = _FakeInFlightCopy()
+    monkeypatch.setattr(saver.staging, "_copier", fake)
+    param = torch.nn.Parameter(torch.ones(3))
+    optim = torch.optim.SGD([param], lr=0.1)
+    param.grad = torch.ones(3)
+
+    saver.save(_state(12), tmp_path / "k", step=1)
+    optim.step()  # the global pre-hook calls before_optimizer_step()
+    assert fake.ordered == 1 and not _handed_over(saver)
+    result = saver.wait()  # blocks for the copy, hands over, waits for the writer
+    assert result is not None and fake.synchronized == 1 and saver._step_hook is None
+    optim.step()
+    assert fake.ordered == 1  # hook removed
+
+    saver.save(_state(13), tmp_path / "l", step=2)
+    fake.done = True
+    saver.before_optimizer_step()  # copy done: handed over right here
+    assert _handed_over(saver) and saver._step_hook is None
+    assert saver.wait() is not None
+
+
+def test_abandon_never_hands_over_an_unfinished_copy(saver, tmp_path: Path, monkeypatch):
+    fake = _FakeInFlightCopy()
+    monkeypatch.setattr(saver.staging, "_copier", fake)
+    saver.save(_state(14), tmp_path / "m", step=1)
+    saver.abandon()
+    assert saver.pending is None and fake.synchronized == 1 and saver._step_hook is None
+    assert saver.queue.get_num_unfinalized_calls() == 0
+    assert not (tmp_path / "m" / "__0_0.distcp").exists()
+    saver.save(_state(15), tmp_path / "n", step=2)  # usable afterwards
+    fake.done = True
+    assert saver.wait() is not None
+
+
+# -- several ranks, and CUDA (separate processes) ------------------------------------------------
+def _rank_main(rank: int, world: int, port: int, root: str, device_type: str, check: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = device_type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    timeout = datetime.timedelta(seconds=120)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    saver = AsyncCheckpointer(device=device, timeout_s=120)
+    try:
+        saver.bind(dist.new_group(backend="gloo", timeout=timeout))
+        if check == "round_trip":
+            _fsdp_round_trip(saver, Path(root), device, world)
+        elif check == "save_returns_before_copy":
+            _save_returns_before_copy(saver, Path(root), device)
+        else:
+            raise ValueError(check)
+    finally:
+        saver.close()
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, root: Path, device_type: str, check: str) -> None:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(
+        _rank_main,
+        args=(world, free_port(), str(root), device_type, check),
+        nprocs=world,
+        start_method="spawn",
+    )
+
+
+def test_fsdp2_two_ranks_round_trip(tmp_path: Path):
+    _spawn(2, tmp_path, "cpu", "round_trip")
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+def test_cuda_fsdp2_round_trip(tmp_path: Path):
+    """CUDA FSDP2, 1 rank: staged on CPU, reused, the optimizer step right after ``save`` (via
+    the global step hook, the loop not calling ``before_optimizer_step``) does not leak into
+    the checkpoint, which loads back bitwise equal."""
+    _spawn(1, tmp_path, "cuda", "round_trip")
+
+
+def _save_returns_before_copy(saver: AsyncCheckpointer, root: Path, device: torch.device):
+    state = {"w": torch.randn(64 << 20, device=device), "step": torch.tensor(3.0)}  # 256 MiB
+    saver.save(state, root / "warm", step=0)  # allocates and pins the buffers
+    assert saver.wait() is not None
+    assert all(b.is_pinned() for b in saver.staging.buffers if b.numel() > 1)
+    expected = state["w"].cpu()
+    torch.cuda._sleep(4_000_000_000)  # >= 1 s of GPU work queued before the save
+    t0 = time.perf_counter()
+    blocking = saver.save(state, root / "a", step=1)
+    assert time.perf_counter() - t0 < 0.5 and blocking < 0.5
+    assert saver.staging.copier.in_flight and not _handed_over(saver)
+    assert saver.poll() is None and not _handed_over(saver)
+    t1 = time.perf_counter()
+    saver.before_optimizer_step()  # a GPU-side wait: the host goes on
+    assert time.perf_counter() - t1 < 0.2
+    state["w"].add_(1.0)  # "optimizer step": queued after the copy
+    result = saver.wait()
+    assert result is not None and result.blocking_s >= blocking
+    torch.cuda.synchronize()
+    loaded = {"w": torch.zeros(64 << 20), "step": torch.tensor(0.0)}
+    dcp.load(loaded, checkpoint_id=str(root / "a"))
+    assert torch.equal(loaded["w"], expected)
+    assert torch.equal(state["w"].cpu(), expected + 1.0)
+
+
+@needs_cuda
+def test_cuda_save_returns_before_the_copy_finishes(tmp_path: Path):
+    _spawn(1, tmp_path, "cuda", "save_returns_before_copy")
+
+
+# -- benchmarks/gpu_check.py: its CPU-only parts ---------------------------------------------------
+def test_gpu_check_dry_run(tmp_path: Path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, worker_env
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "gpu_check.py"),
+            "--dry-run",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=worker_env(),
+        check=True,
+    )
+    plan = json.loads(out.stdout)
+    assert list(plan["parts"]) == ["env", "ckpt", "drills", "summary"]
+    models = plan["parts"]["ckpt"]["models"]
+    assert 100e6 < models["100m"]["params"] < 120e6 and 0.9e9 < models["1b"]["params"] < 1.1e9
+    runs = plan["parts"]["drills"]["runs"]
+    assert set(runs) == {"baseline", "exception", "sigkill"}
+    assert "--inject" not in runs["baseline"]
+    assert runs["exception"][-2:] == ["--inject", "exception@step=12,rank=0"]
+    assert runs["sigkill"][runs["sigkill"].index("--device") :][:2] == ["--device", "cuda"]
+    assert not list(tmp_path.iterdir())  # a dry run writes nothing
+
+
+def test_gpu_check_summary_of_partial_results(tmp_path: Path):
+    """A part killed by its timeout leaves the earlier parts' files; the summary says so."""
+    import json
+
+    from benchmarks import gpu_check
+
+    (tmp_path / "env.json").write_text(json.dumps({"torch": "x", "cuda_available": True}))
+    (tmp_path / "rc_env").write_text("0\n")
+    (tmp_path / "rc_ckpt").write_text("124\n")
+    s = gpu_check.part_summary(tmp_path, None)  # type: ignore[arg-type]
+    assert s["part_rc"] == {"env": "0", "ckpt": "124", "drills": None}
+    assert s["ckpt"] is None and s["ok"] == {"ckpt_bitwise": False, "drills_bitwise_and_rc0": False}
+    assert json.loads((tmp_path / "summary.json").read_text()) == s

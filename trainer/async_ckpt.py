@@ -1,16 +1,44 @@
 """Asynchronous DCP checkpoint saves through NVRx's async machinery, with an explicit CPU path.
 
-What blocks training: copying the state into staging buffers that are allocated once (in shared
-memory, pinned as well on CUDA) and reused, the DCP save plan (cached after the first save), and
-handing the request to NVRx's persistent writer process. The writer process (an
-``AsyncCallsQueue(persistent=True)`` worker, started when the checkpointer is bound to its first
-process group, not at the first save) writes this rank's DCP shard with NVRx's
-``FileSystemWriterAsync`` (fsync included) and digests it, while training goes on.
+A save takes a snapshot of this rank's state into CPU staging buffers, plans the DCP save, and
+hands the write to NVRx's persistent writer process (an ``AsyncCallsQueue(persistent=True)``
+worker, started when the checkpointer is bound to its first process group, not at the first
+save). The writer writes this rank's DCP shard with NVRx's ``FileSystemWriterAsync`` (fsync
+included) and digests it while training goes on; ``poll()`` (every step, every rank) commits the
+save (DCP finalize: gather of write results, ``.metadata``) once every rank's writer is done.
+
+Staging buffers: one CPU tensor per state tensor, allocated once (in shared memory, so the writer
+process receives a handle, not the bytes; page-locked once as well when the source is on CUDA)
+and refilled on every save while the state layout is unchanged. A ``DTensor`` is staged as
+``DTensor(cpu_buffer, source._spec)``: same global shape, placements and mesh (so the DCP planner
+makes the same plan, and the cached plan stays valid), but its local tensor stays on the CPU.
+
+What blocks training, and what overlaps:
+
+- **CPU** (``device.type == "cpu"``): ``save()`` blocks for the staging copy (synchronous; it is
+  required: "moving to CPU" is a no-op for CPU tensors, so without it the writer would read the
+  live parameters while ``optimizer.step()`` mutates them: measured corrupt checkpoints), the DCP
+  plan (cached after the first save) and the hand-off of the request to the writer. The file
+  writes, fsync and digests overlap training. ``before_optimizer_step()`` is a no-op.
+- **CUDA**: ``save()`` blocks only while the device-to-host copies are *enqueued* on a side CUDA
+  stream (which first waits on the current stream, so it copies the state as of the finished
+  optimizer step), a ``torch.cuda.Event`` is recorded behind them, and the DCP plan is made; no
+  ``torch.cuda.synchronize()``. The copy overlaps the next step's forward and backward. Before
+  the next ``optimizer.step()`` (which mutates the parameters and optimizer state being copied)
+  the training loop calls ``before_optimizer_step()``: it makes the current stream wait on that
+  event (a GPU-side wait; the host does not block) and, if the copy has already completed, hands
+  the write request to the writer. Otherwise the request is handed over by the first ``poll()``
+  that sees the event completed (the writer must never read a buffer the copy is still filling).
+  As a safety net the checkpointer also registers a global optimizer step pre-hook while a copy
+  is in flight (``torch.optim.optimizer.register_optimizer_step_pre_hook``) that calls
+  ``before_optimizer_step()``; any *other* in-place change of parameters or optimizer state
+  between ``save()`` and the next optimizer step must call ``before_optimizer_step()`` first.
+  The writes overlap training as on CPU. ``poll(block=True)``/``wait()`` wait for the copy on the
+  host first.
 
 Why the explicit CPU path (NVRx 0.4.1 hard-codes CUDA in three places; no monkeypatching here):
-- we never pass a ``preload_fn``: NVRx's preload calls ``torch.cuda.synchronize()``. Our own staging
-  copy *is* the snapshot: on CPU "moving to CPU" is a no-op, so without it the writer would pickle
-  the live parameters while ``optimizer.step()`` mutates them (corrupt checkpoints, measured).
+- we never pass a ``preload_fn``: NVRx's preload calls ``torch.cuda.synchronize()``; our own
+  staging copy *is* the snapshot, and its buffers are CPU tensors as the writer asserts.
 - we always finalize NVRx calls with ``no_dist=True`` (its distributed check allocates on
   ``torch.cuda.current_device()``), and agree across ranks ourselves with a CPU all-reduce on a
   dedicated gloo group, then run the DCP finalize (gather write results, write ``.metadata``).
@@ -21,17 +49,26 @@ Why the explicit CPU path (NVRx 0.4.1 hard-codes CUDA in three places; no monkey
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._state_dict_utils import (
+    _copy_state_dict,
+    _identity_func,
+    _iterate_state_dict,
+)
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainer import nvrx_compat
 from trainer.manifest import write_digest_sidecar
@@ -83,6 +120,13 @@ class _Pending:
     dist_wrapper: Any
     started: float
     blocking_s: float
+    # The write request, until it is handed to the writer (CUDA: once the copy has completed).
+    request: Any = None
+    # The source state, kept alive until the device-to-host copy has completed: the caching
+    # allocator must not hand its memory to anything else while the side stream reads it.
+    sources: Any = None
+    # Training-thread seconds spent on this save after ``save()`` returned (deferred hand-off).
+    deferred_s: float = 0.0
     locally_done: bool = False
 
 
@@ -90,79 +134,202 @@ class _Pending:
 class SaveResult:
     step: int
     directory: Path
+    # Seconds the training thread spent on this save: ``save()`` plus any deferred hand-off.
     blocking_s: float
     total_s: float
+    deferred_s: float = 0.0
+
+
+class _SyncCopy:
+    """CPU: the staging copy runs on the calling thread and is complete when ``copy_`` returns,
+    so nothing is ever in flight and every method is a no-op."""
+
+    non_blocking = False
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        yield
+
+    @property
+    def in_flight(self) -> bool:
+        return False
+
+    def query(self) -> bool:
+        """Whether the last copy has completed (and forget it if so)."""
+        return True
+
+    def order_current_stream(self) -> None:
+        """Make work queued after this call on the current stream run after the copy."""
+
+    def synchronize(self) -> None:
+        """Block the host until the copy has completed."""
+
+
+class _CudaSideStreamCopy(_SyncCopy):
+    """CUDA: device-to-host copies on a side stream that first waits on the current stream (so
+    it sees the finished optimizer step); an event recorded behind them tells when they are
+    done. Nothing here synchronizes the device."""
+
+    non_blocking = True
+
+    def __init__(self, device: torch.device) -> None:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        # Created on the training thread after its current stream is set up (as DCP's
+        # DefaultStager does), never the default stream.
+        self.stream = torch.cuda.Stream(device=device)
+        self.event: torch.cuda.Event | None = None
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:  # even after a failed copy: whatever was enqueued must be waited for
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            self.event = event
+
+    @property
+    def in_flight(self) -> bool:
+        return self.event is not None
+
+    def query(self) -> bool:
+        if self.event is None:
+            return True
+        if self.event.query():
+            self.event = None
+            return True
+        return False
+
+    def order_current_stream(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+
+def _make_copier(device: torch.device) -> _SyncCopy:
+    return _CudaSideStreamCopy(device) if device.type == "cuda" else _SyncCopy()
+
+
+def _signature(obj: Any) -> Any:
+    """The state layout that the staging buffers (and the cached DCP plan) depend on: structure,
+    and per tensor its local shape, dtype, device type and, for a DTensor, its global shape and
+    placements. Values of non-tensor entries (a learning rate) are not part of it."""
+    if isinstance(obj, ShardedTensor):
+        raise TypeError("ShardedTensor (FSDP1) state is not supported: use FSDP2 (DTensor)")
+    if isinstance(obj, DTensor):
+        local = obj._local_tensor
+        return (
+            "D",
+            tuple(local.shape),
+            local.dtype,
+            local.device.type,
+            tuple(obj.shape),
+            tuple(obj.placements),
+        )
+    if isinstance(obj, torch.Tensor):
+        return ("T", tuple(obj.shape), obj.dtype, obj.device.type)
+    if isinstance(obj, dict):
+        return ("{", tuple((k, _signature(v)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return ("[" if isinstance(obj, list) else "(", tuple(_signature(v) for v in obj))
+    return type(obj).__name__
 
 
 class _Staging:
-    """Buffers the size of this rank's state, allocated once and refilled on every save."""
+    """CPU buffers the size of this rank's state, allocated once and refilled on every save.
+
+    Built with torch's own state-dict helpers (``torch.distributed._state_dict_utils``):
+    ``_iterate_state_dict`` to build the staged state around the buffers, ``_copy_state_dict`` to
+    fill them. Not ``_create_cpu_state_dict``: it gives 0-dim tensors a buffer that is neither
+    shared nor pinned (on CUDA a copy into pageable memory makes the host wait for the stream)
+    and returns a 0-dim DTensor itself, i.e. the live device tensor.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.key: tuple[Any, ...] | None = None
-        self.buffers: list[torch.Tensor] = []
+        self.key: Any = None
+        self.buffers: list[torch.Tensor] = []  # local CPU tensors, in traversal order
         self.reallocated = False
+        self._copier: _SyncCopy | None = None
+
+    @property
+    def copier(self) -> _SyncCopy:
+        if self._copier is None:
+            self._copier = _make_copier(self.device)
+        return self._copier
 
     @staticmethod
-    def _leaves(obj: Any, out: list[torch.Tensor]) -> None:
-        if isinstance(obj, torch.Tensor):
-            out.append(obj)
-        elif isinstance(obj, dict):
-            for k in obj:
-                _Staging._leaves(obj[k], out)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                _Staging._leaves(v, out)
-
-    def _alloc(self, t: torch.Tensor) -> torch.Tensor:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        buf = torch.empty(local.shape, dtype=local.dtype, device="cpu")
+    def _alloc(src: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty(tuple(src.shape), dtype=src.dtype, device="cpu")
         # Shared memory: the writer process receives a handle, not a copy of the bytes.
         buf.share_memory_()
-        if self.device.type == "cuda" and buf.numel() > 0:
-            # Page-lock the shared buffer so the device-to-host copy runs at full speed.
-            torch.cuda.cudart().cudaHostRegister(
-                buf.data_ptr(), buf.numel() * buf.element_size(), 0
-            )
-        if isinstance(t, DTensor):
-            return DTensor.from_local(
-                buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-            )
+        nbytes = buf.numel() * buf.element_size()
+        if src.device.type == "cuda" and nbytes > 0:
+            # Page-lock the shared buffer once (cudaHostRegister, as torch's own
+            # _create_cpu_state_dict(pin_memory=True, share_memory=True) does) so the
+            # device-to-host copy is truly asynchronous and runs at full speed.
+            from torch.cuda import _pin_memory_utils
+
+            _pin_memory_utils.pin_memory(buf.data_ptr(), nbytes)
+            weakref.finalize(buf, _pin_memory_utils.unpin_memory, buf.data_ptr())
         return buf
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        leaves: list[torch.Tensor] = []
-        self._leaves(state_dict, leaves)
-        key = tuple((tuple(t.shape), t.dtype, type(t)) for t in leaves)
+        """Copy ``state_dict`` into the buffers; returns the staged state (CPU tensors only).
+
+        On CUDA the copy may still be in flight when this returns (see ``copier``)."""
+        key = _signature(state_dict)
         self.reallocated = key != self.key
         if self.reallocated:
-            self.buffers = [self._alloc(t) for t in leaves]
-            self.key = key
-        it = iter(self.buffers)
+            self.key = None
+            self.buffers = []
+        reuse = iter(self.buffers)
+        fresh: list[torch.Tensor] = []
 
-        def fill(obj: Any) -> Any:
-            if isinstance(obj, torch.Tensor):
-                buf = next(it)
-                src = obj.to_local() if isinstance(obj, DTensor) else obj
-                dst = buf.to_local() if isinstance(buf, DTensor) else buf
-                dst.copy_(src.detach(), non_blocking=self.device.type == "cuda")
+        def buffer_for(local: torch.Tensor) -> torch.Tensor:
+            if self.reallocated:
+                buf = self._alloc(local)
+                fresh.append(buf)
                 return buf
-            if isinstance(obj, dict):
-                return {k: fill(v) for k, v in obj.items()}
-            if isinstance(obj, list):
-                return [fill(v) for v in obj]
-            if isinstance(obj, tuple):
-                return tuple(fill(v) for v in obj)
-            return obj
+            return next(reuse)
 
-        staged = fill(state_dict)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        def tensor_func(obj: torch.Tensor, _pg: Any, _device: Any, _c: Any) -> torch.Tensor:
+            return buffer_for(obj)
+
+        def dtensor_func(obj: DTensor, _pg: Any, _device: Any, _c: Any) -> DTensor:
+            # Same spec (mesh, placements, global shape and stride), CPU local tensor. Never
+            # DTensor.from_local(buf, mesh): that moves the buffer to the mesh's device.
+            return DTensor(buffer_for(obj._local_tensor), obj._spec, requires_grad=False)
+
+        with torch.no_grad():
+            target = _iterate_state_dict(
+                state_dict, _identity_func, dtensor_func, tensor_func, type_check=False
+            )
+            if self.reallocated:
+                self.buffers = fresh
+                self.key = key
+            with self.copier.copying():
+                staged = _copy_state_dict(
+                    state_dict, target, non_blocking=self.copier.non_blocking, type_check=False
+                )
         return staged
 
 
 class AsyncCheckpointer:
-    """One per process; survives in-process restarts (re-``bind`` to each new process group)."""
+    """One per process; survives in-process restarts (re-``bind`` to each new process group).
+
+    Per save, every rank: ``save()`` after an optimizer step; ``before_optimizer_step()`` right
+    before the next ``optimizer.step()`` (a no-op on CPU); ``poll()`` every step until it returns
+    the ``SaveResult`` (or ``wait()``). See the module docstring for what blocks on CPU and CUDA.
+    """
 
     def __init__(self, *, device: torch.device, timeout_s: float = 300.0, cache_plan: bool = True):
         self.device = device
@@ -173,6 +340,7 @@ class AsyncCheckpointer:
         self.group: dist.ProcessGroup | None = None
         self.pending: _Pending | None = None
         self._md_cache: Any = None
+        self._step_hook: Any = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def bind(self, group: dist.ProcessGroup) -> None:
@@ -184,7 +352,7 @@ class AsyncCheckpointer:
             self.queue = nvrx_compat.AsyncCallsQueue(persistent=True)
             nvrx_compat.warm_write_results_queue()
             self.queue.schedule_async_request(nvrx_compat.AsyncRequest(_noop, (), []))
-            self.pending = None
+            self._forget_pending()
             self._drain_local(time.monotonic() + self.timeout_s, what="writer start-up")
 
     def _worker_process(self) -> Any:
@@ -214,6 +382,8 @@ class AsyncCheckpointer:
 
     def close(self) -> None:
         """Idempotent. Waits for (and commits) a save in flight only if ``wait`` was called."""
+        self._wait_copy_quietly()
+        self._remove_step_hook()
         if self.queue is None:
             return
         if self.pending is None and self._worker_alive() and not self.queue.async_calls:
@@ -225,11 +395,39 @@ class AsyncCheckpointer:
     # -- saving --------------------------------------------------------------------------------
     def save(self, state_dict: dict[str, Any], directory: Path, step: int) -> float:
         """Start an async save of this rank's shard; returns the seconds training was blocked.
-        Every rank calls it; the previous save must have been finalized (``wait``/``poll``)."""
+        Every rank calls it; the previous save must have been finalized (``wait``/``poll``).
+
+        On CUDA the device-to-host copy may still be running when this returns: call
+        ``before_optimizer_step()`` before anything modifies the state in place."""
         assert self.group is not None, "bind() first"
         if self.pending is not None:
             raise CheckpointWriteError("previous save not finalized: call wait() first")
         t0 = time.perf_counter()
+        try:
+            request, writer, metadata, dist_wrapper = self._stage_and_plan(state_dict, directory)
+        except BaseException:
+            self.staging.copier.synchronize()  # nothing may still be copying into the buffers
+            raise
+        self.pending = _Pending(
+            step,
+            Path(directory),
+            writer,
+            metadata,
+            dist_wrapper,
+            t0,
+            0.0,
+            request=request,
+            sources=state_dict,
+        )
+        if self.staging.copier.query():  # CPU: always (the copy is synchronous)
+            self._hand_off()
+        else:
+            self._install_step_hook()
+        blocking = time.perf_counter() - t0
+        self.pending.blocking_s = blocking
+        return blocking
+
+    def _stage_and_plan(self, state_dict: dict[str, Any], directory: Path) -> tuple[Any, ...]:
         staged = self.staging.stage(state_dict)
         if self.staging.reallocated and self.cache_plan:
             # NVRx reuses a validated cached plan without re-checking tensor sizes: a new state
@@ -250,10 +448,88 @@ class AsyncCheckpointer:
         request = nvrx_compat.AsyncRequest(
             _write_shard, (save_fn, str(directory), rank, buckets, results_queue), []
         )
+        return request, writer, metadata, dist_wrapper
+
+    def before_optimizer_step(self) -> None:
+        """Call right before every ``optimizer.step()`` (all ranks; cheap when idle).
+
+        While a device-to-host copy of the last ``save()`` is in flight (CUDA only), makes the
+        current CUDA stream wait for it, so the step cannot modify what is still being copied
+        (a GPU-side wait: the host does not block), and hands the write to the writer process
+        if the copy has already completed (otherwise the next ``poll()`` does). A no-op on CPU
+        and when no copy is pending."""
+        p = self.pending
+        if p is None or p.request is None:
+            return
+        t0 = time.perf_counter()
+        copier = self.staging.copier
+        copier.order_current_stream()
+        if copier.query():
+            self._hand_off()
+        p.deferred_s += time.perf_counter() - t0
+
+    def _hand_off(self) -> None:
+        """Give the write request to the writer process; the staging copy must be complete."""
+        p = self.pending
+        assert p is not None and p.request is not None
+        request, p.request, p.sources = p.request, None, None
+        self._remove_step_hook()
         self.queue.schedule_async_request(request)
-        blocking = time.perf_counter() - t0
-        self.pending = _Pending(step, Path(directory), writer, metadata, dist_wrapper, t0, blocking)
-        return blocking
+
+    def _try_hand_off(self, *, block: bool) -> bool:
+        """Hand the pending request over once its copy is complete; whether it has been."""
+        p = self.pending
+        assert p is not None
+        if p.request is None:
+            return True
+        copier = self.staging.copier
+        if block:
+            t0 = time.perf_counter()
+            copier.synchronize()
+            self._hand_off()
+            p.deferred_s += time.perf_counter() - t0
+            return True
+        if copier.query():
+            t0 = time.perf_counter()
+            self._hand_off()
+            p.deferred_s += time.perf_counter() - t0
+            return True
+        return False
+
+    def _install_step_hook(self) -> None:
+        """Safety net while a copy is in flight: every optimizer's ``step()`` first calls
+        ``before_optimizer_step()`` (torch's global optimizer step pre-hook)."""
+        if self._step_hook is None:
+            ref = weakref.ref(self)
+
+            def hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+                saver = ref()
+                if saver is not None:
+                    saver.before_optimizer_step()
+
+            self._step_hook = register_optimizer_step_pre_hook(hook)
+
+    def _remove_step_hook(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+
+    def _wait_copy_quietly(self) -> None:
+        """Before forgetting a save whose copy may be in flight (fault paths): let the copy end
+        so no stream still reads the sources or writes the buffers."""
+        if self.pending is None or self.pending.request is None:
+            return
+        try:
+            self.staging.copier.synchronize()
+        except Exception as e:  # a failed device: nothing to protect any more
+            log.warning("waiting for the staging copy failed: %s", e)
+        self.pending.request = None
+        self.pending.sources = None
+
+    def _forget_pending(self) -> None:
+        self._wait_copy_quietly()
+        self._remove_step_hook()
+        self.pending = None
 
     def _drain_local(self, deadline: float, *, what: str) -> None:
         """Wait until this rank's writer has finished everything it was given."""
@@ -269,9 +545,11 @@ class AsyncCheckpointer:
                 raise CheckpointTimeout(f"async checkpoint writer did not finish {what} in time")
             time.sleep(0.005)
 
-    def _locally_done(self) -> bool:
+    def _locally_done(self, *, block: bool) -> bool:
         assert self.pending is not None
         if not self.pending.locally_done:
+            if not self._try_hand_off(block=block):
+                return False
             self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
             self.pending.locally_done = self.queue.get_num_unfinalized_calls() == 0
         return self.pending.locally_done
@@ -279,19 +557,21 @@ class AsyncCheckpointer:
     def poll(self, *, block: bool = False) -> SaveResult | None:
         """Every rank, every step: finalize the save in flight once all ranks' writers are done.
 
-        Non-blocking by default (one tiny CPU all-reduce while a save is in flight). With
-        ``block=True`` waits, bounded by ``timeout_s``; a dead writer on any rank raises on all.
+        Non-blocking by default (one tiny CPU all-reduce while a save is in flight; on CUDA it
+        also hands the write to the writer once the staging copy has completed). With
+        ``block=True`` waits (for the copy, then for the writers), bounded by ``timeout_s``; a
+        dead writer on any rank raises on all.
         """
         if self.pending is None:
             return None
         deadline = time.monotonic() + self.timeout_s
         while True:
-            done = self._locally_done()
+            done = self._locally_done(block=block)
             dead = not done and not self._worker_alive()
             flags = torch.tensor([0 if done else 1, 1 if dead else 0], dtype=torch.int64)
             dist.all_reduce(flags, group=self.group)
             if flags[1] > 0:
-                self.pending = None
+                self._forget_pending()
                 self._reset_queue()
                 raise CheckpointWorkerDied(
                     f"async checkpoint writer died on {int(flags[1])} rank(s); the save in flight "
@@ -302,7 +582,7 @@ class AsyncCheckpointer:
             if not block:
                 return None
             if time.monotonic() > deadline:
-                self.pending = None
+                self._forget_pending()
                 self._reset_queue()
                 raise CheckpointTimeout(f"checkpoint write not done after {self.timeout_s} s")
             time.sleep(0.005)
@@ -335,11 +615,20 @@ class AsyncCheckpointer:
         )
         if outcome[0]:
             raise CheckpointWriteError(f"checkpoint step {p.step} in {p.directory}: {outcome[0]}")
-        return SaveResult(p.step, p.directory, p.blocking_s, time.perf_counter() - p.started)
+        return SaveResult(
+            p.step,
+            p.directory,
+            p.blocking_s + p.deferred_s,
+            time.perf_counter() - p.started,
+            p.deferred_s,
+        )
 
     def abandon(self) -> None:
         """After a fault (no collectives possible): let this rank's writer finish whatever it is
-        writing, then forget the save; it never commits, and its ``.partial`` is removed later."""
+        writing, then forget the save; it never commits, and its ``.partial`` is removed later.
+        A write whose staging copy had not completed is never handed to the writer."""
+        self._wait_copy_quietly()
+        self._remove_step_hook()
         if self.queue is None:
             self.pending = None
             return

@@ -1,0 +1,649 @@
+"""One-GPU check of the CUDA path: environment, checkpoint blocking time, fault drills.
+
+Run by ``benchmarks/gpu_check.sh OUT_DIR`` (which makes the venv and gives every part its own
+``timeout``); each part is one invocation of this driver and writes its JSON result into
+``OUT_DIR`` as soon as it finishes, so a part that times out keeps the earlier ones:
+
+- ``env``    -> ``env.json``: nvidia-smi, torch / CUDA / NVRx versions, /dev/shm, disk, memory.
+- ``ckpt``   -> ``ckpt.json`` (rewritten after every model): per model size (``build_model``),
+  the seconds training is blocked by ``trainer.async_ckpt.AsyncCheckpointer.save`` next to the
+  pinned device-to-host floor (``copy_`` of the same bytes into pinned buffers, timed with CUDA
+  events) and to a synchronous ``torch.distributed.checkpoint.save``; several samples, median
+  and spread, ``ours_vs_floor`` and ``ours_vs_sync_dcp``; and whether the checkpoint written by
+  ours loads back bitwise equal (``dcp.load``).
+- ``drills`` -> ``drills.json`` (rewritten after every run): the real trainer under ft_launcher
+  on 1 GPU, fault-free, with an exception and with a SIGKILL; ``params_sha256`` of each drill
+  compared with the fault-free run, recovery times from ``events.jsonl``.
+- ``summary`` -> ``summary.json``: the headline numbers and which parts finished.
+
+``--dry-run`` prints the plan (parts, model sizes, commands) as JSON and touches no GPU.
+
+    python benchmarks/gpu_check.py --out OUT --part env|ckpt|drills|summary [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+PARTS = ("env", "ckpt", "drills", "summary")
+MODELS = ("100m", "1b")
+GIB = 1 << 30
+DRILL_STEPS = 30
+DRILL_FAULT_STEP = 12
+DRILLS = {
+    "baseline": None,
+    "exception": f"exception@step={DRILL_FAULT_STEP},rank=0",
+    "sigkill": f"sigkill@step={DRILL_FAULT_STEP},rank=0",
+}
+
+
+# -- the two swappable pieces: what model, what trainer command ----------------------------------
+def model_config(name: str) -> Any:
+    from trainer.config import gpt_100m
+
+    if name == "100m":
+        return gpt_100m()
+    if name == "1b":
+        return dataclasses.replace(
+            gpt_100m(),
+            name="1b",
+            d_model=2048,
+            n_layers=16,
+            n_heads=16,
+            d_ff=8192,
+            vocab_size=32000,
+            seq_len=2048,
+        )
+    raise ValueError(f"unknown model {name!r} (known: {', '.join(MODELS)})")
+
+
+def build_model(name: str, device: Any = "cpu") -> tuple[Any, Callable[[int], Any]]:
+    """The model of size ``name`` on ``device`` and a function making a ``batch``-sequence input
+    batch for it (``model(*inputs)`` returns the loss). The one place to swap the workload."""
+    import torch
+
+    from trainer.model import GPT
+
+    cfg = model_config(name)
+    with torch.device(device):
+        model = GPT(cfg)
+
+    def batch(n: int) -> tuple[Any, Any]:
+        g = torch.Generator().manual_seed(n)
+        idx = torch.randint(0, cfg.vocab_size, (n, cfg.seq_len + 1), generator=g)
+        return idx[:, :-1].to(device), idx[:, 1:].to(device)
+
+    return model, batch
+
+
+def drill_command(
+    run_root: Path,
+    data_dir: Path,
+    port: int,
+    inject: str | None,
+    *,
+    model: str = "100m",
+    device: str = "cuda",
+) -> list[str]:
+    """The trainer under ft_launcher on 1 GPU (the one place to change when the CLI changes)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.launch",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--run-root",
+        str(run_root),
+        "--data-dir",
+        str(data_dir),
+        "--model",
+        model,
+        "--steps",
+        str(DRILL_STEPS),
+        "--global-batch",
+        "8",
+        "--device",
+        device,
+    ]
+    if inject:
+        cmd += ["--inject", inject]
+    return cmd
+
+
+def drill_vocab_size(model: str) -> int:
+    from trainer.config import model_config as trainer_model_config
+
+    return int(trainer_model_config(model).vocab_size)
+
+
+def data_command(data_dir: Path, vocab_size: int = 16384) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "trainer.data",
+        "--out",
+        str(data_dir),
+        "--vocab-size",
+        str(vocab_size),
+        "--tokens-per-shard",
+        "1048576",
+    ]
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.replace(path)
+
+
+def stats(xs: list[float]) -> dict[str, Any]:
+    if not xs:
+        return {"n": 0}
+    return {
+        "n": len(xs),
+        "median": statistics.median(xs),
+        "min": min(xs),
+        "max": max(xs),
+        "spread": max(xs) - min(xs),
+        "samples": [round(x, 6) for x in xs],
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scratch(args: argparse.Namespace, part: str) -> Path:
+    """Checkpoints and run directories go outside OUT_DIR (which is what comes back)."""
+    import tempfile
+
+    base = Path(args.scratch) if args.scratch else Path(tempfile.gettempdir()) / "nvrx-gpu-check"
+    root = base / part
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    return root
+
+
+def _run(cmd: list[str], timeout: float) -> dict[str, Any]:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return {"rc": p.returncode, "out": (p.stdout + p.stderr)[-4000:]}
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"rc": None, "error": f"{type(e).__name__}: {e}"}
+
+
+# -- part a: environment -------------------------------------------------------------------------
+def part_env(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from trainer import nvrx_compat
+
+    info: dict[str, Any] = {
+        "python": sys.version,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "nvrx": nvrx_compat.version(),
+        "nvidia_smi": _run(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,memory.total,pcie.link.gen.current,"
+                "pcie.link.width.current,clocks.max.sm",
+                "--format=csv",
+            ],
+            20,
+        ),
+        "nvidia_smi_topo": _run(["nvidia-smi", "topo", "-m"], 20),
+        "dev_shm_free_gib": shutil.disk_usage("/dev/shm").free / GIB
+        if Path("/dev/shm").exists()
+        else None,
+        "out_disk_free_gib": shutil.disk_usage(out).free / GIB,
+        "sharing_strategy": torch.multiprocessing.get_sharing_strategy(),
+    }
+    with contextlib.suppress(ValueError, OSError):
+        info["mem_total_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info["device"] = {
+            "name": p.name,
+            "capability": f"{p.major}.{p.minor}",
+            "memory_gib": p.total_memory / GIB,
+            "count": torch.cuda.device_count(),
+        }
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    write_json(out / "env.json", info)
+    return info
+
+
+# -- part b: checkpoint blocking time ------------------------------------------------------------
+def _local(t: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _tensors(obj: Any) -> list[Any]:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _init_dist() -> Any:
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        torch.cuda.set_device(0)
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=600),
+        )
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=600))
+
+
+def _shard(model: Any) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cuda", (1,))
+    for block in getattr(model, "blocks", []):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _floor_s(state: dict[str, Any], pinned: list[Any]) -> float:
+    """Pinned device-to-host copy of the same bytes, timed with CUDA events (GPU time)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    srcs = [_local(t) for t in _tensors(state)]
+    torch.cuda.synchronize()
+    start.record()
+    for dst, src in zip(pinned, srcs, strict=True):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0
+
+
+def bench_model(name: str, root: Path, samples: int, deadline: float) -> dict[str, Any]:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from trainer.async_ckpt import AsyncCheckpointer
+
+    group = _init_dist()
+    device = torch.device("cuda", 0)
+    res: dict[str, Any] = {"model": name}
+    t_build = time.perf_counter()
+    torch.manual_seed(0)
+    model, batch = build_model(name, device)
+    res["params"] = sum(p.numel() for p in model.parameters())
+    model = _shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def train_step(seed: int) -> None:
+        loss = model(*batch(1 + seed % 2))
+        loss.backward()
+        saver.before_optimizer_step()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    saver = AsyncCheckpointer(device=device, timeout_s=600)
+    saver.bind(group)
+    try:
+        train_step(0)
+        torch.cuda.synchronize()
+        res["build_s"] = time.perf_counter() - t_build
+
+        def state() -> dict[str, Any]:
+            msd, osd = get_state_dict(model, optim)
+            return {"model": msd, "optim": osd}
+
+        sd = state()
+        nbytes = sum(_local(t).numel() * _local(t).element_size() for t in _tensors(sd))
+        res["state_gib"] = nbytes / GIB
+        res["gpu_mem_max_gib"] = torch.cuda.max_memory_allocated() / GIB
+
+        # floor: pinned buffers allocated once, untimed
+        pinned = [torch.empty_like(_local(t), device="cpu").pin_memory() for t in _tensors(sd)]
+        _floor_s(sd, pinned)
+        floor = [_floor_s(sd, pinned) for _ in range(samples)]
+        del pinned
+
+        # ours: the first save allocates, shares and pins the staging buffers (reported apart)
+        ours_save, ours_total, ours_incl_deferred, copy_done = [], [], [], []
+        kept: Path | None = None  # the last checkpoint written, for the bitwise check
+        for i in range(samples + 1):
+            if i > 0 and time.monotonic() > deadline:
+                res["truncated"] = "deadline"
+                break
+            d = root / f"ours-{name}-{i}"
+            sd = state()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            blocking = saver.save(sd, d, step=i)
+            saver.staging.copier.synchronize()  # host-side only, to time the copy itself
+            t_copy = time.perf_counter() - t0
+            result = saver.wait()
+            assert result is not None
+            if i == 0:
+                res["ours_first_save_s"] = blocking
+            else:
+                ours_save.append(blocking)
+                ours_total.append(result.total_s)
+                ours_incl_deferred.append(result.blocking_s)
+                copy_done.append(t_copy)
+            if kept is not None:
+                shutil.rmtree(kept, ignore_errors=True)
+            kept = d
+        res["ours_save_s"] = stats(ours_save)
+        res["ours_save_plus_deferred_s"] = stats(ours_incl_deferred)
+        res["ours_copy_complete_s"] = stats(copy_done)
+        res["ours_total_s"] = stats(ours_total)
+
+        # bitwise: the last checkpoint of ours against the state it was taken from
+        expected = [_local(t).detach().cpu() for t in _tensors(sd)]
+        train_step(1)  # change the live state, then load the checkpoint over it
+        sd = state()
+        assert kept is not None
+        dcp.load(sd, checkpoint_id=str(kept))
+        got = [_local(t).detach().cpu() for t in _tensors(sd)]
+        res["bitwise_equal"] = len(got) == len(expected) and all(
+            a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, expected, strict=True)
+        )
+        shutil.rmtree(kept, ignore_errors=True)
+        del expected, got
+
+        # synchronous dcp.save (the stock reference)
+        sync = []
+        for i in range(max(2, samples - 1)):
+            if i > 0 and time.monotonic() > deadline:
+                res["truncated"] = "deadline"
+                break
+            d = root / f"dcp-{name}-{i}"
+            sd = state()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(d)), process_group=group)
+            sync.append(time.perf_counter() - t0)
+            shutil.rmtree(d, ignore_errors=True)
+        res["floor_s"] = stats(floor)
+        res["sync_dcp_s"] = stats(sync)
+        med = res["ours_save_s"].get("median")
+        if med is not None:
+            res["ours_vs_floor"] = med / statistics.median(floor)
+            if sync:
+                res["ours_vs_sync_dcp"] = med / statistics.median(sync)
+            res["ours_plus_deferred_vs_floor"] = res["ours_save_plus_deferred_s"][
+                "median"
+            ] / statistics.median(floor)
+    finally:
+        saver.close()
+        torch.cuda.empty_cache()
+    return res
+
+
+def part_ckpt(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    deadline = time.monotonic() + args.budget_s
+    result: dict[str, Any] = {"samples": args.samples, "models": {}}
+    root = _scratch(args, "ckpt")
+    try:
+        for name in args.models:
+            if time.monotonic() > deadline:
+                result["models"][name] = {"skipped": "deadline"}
+                continue
+            try:
+                result["models"][name] = bench_model(name, root, args.samples, deadline)
+            except Exception as e:  # keep the other size's numbers
+                import traceback
+
+                result["models"][name] = {"error": repr(e), "trace": traceback.format_exc()[-3000:]}
+                torch.cuda.empty_cache()
+            write_json(out / "ckpt.json", result)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    write_json(out / "ckpt.json", result)
+    return result
+
+
+# -- part c: fault drills ------------------------------------------------------------------------
+def _drill(
+    name: str, root: Path, data: Path, timeout: float, args: argparse.Namespace
+) -> dict[str, Any]:
+    from trainer.events import read_events
+
+    run_root = root / name
+    cmd = drill_command(
+        run_root, data, free_port(), DRILLS[name], model=args.drill_model, device=args.drill_device
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    t0 = time.perf_counter()
+    log_path = root / f"{name}.log"
+    with open(log_path, "w") as log:
+        p = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            rc: int | None = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)  # ft_launcher, its workers and their checkpoint writers
+            p.wait()
+            rc = None
+    events = read_events(run_root)
+    result_path = run_root / "result.json"
+    result = json.loads(result_path.read_text()) if result_path.exists() else None
+    ckpt_blocking = [e["ckpt_blocking_s"] for e in events if e.get("ckpt_blocking_s") is not None]
+    return {
+        "cmd": cmd,
+        "rc": rc,
+        "timed_out": rc is None,
+        "wall_s": time.perf_counter() - t0,
+        "params_sha256": (result or {}).get("params_sha256"),
+        "final_loss": (result or {}).get("final_loss"),
+        "faults": [e for e in events if e["kind"] == "fault"],
+        "restarts": [e for e in events if e["kind"] == "restart"],
+        "recovered": [e for e in events if e["kind"] == "recovered"],
+        "recovery_s": [e.get("recovery_s") for e in events if e["kind"] == "recovered"],
+        "ckpt_blocking_s": stats(ckpt_blocking),
+        "checkpoints": [e for e in events if e["kind"] == "checkpoint"][-3:],
+        "log_tail": log_path.read_text()[-3000:],
+    }
+
+
+def part_drills(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    deadline = time.monotonic() + args.budget_s
+    root = _scratch(args, "drills")
+    data = root / "data"
+    made = _run(data_command(data, drill_vocab_size(args.drill_model)), 120)
+    result: dict[str, Any] = {"data": made, "runs": {}}
+    write_json(out / "drills.json", result)
+    try:
+        for name in DRILLS:
+            left = deadline - time.monotonic()
+            if left < 20:
+                result["runs"][name] = {"skipped": "deadline"}
+                continue
+            result["runs"][name] = _drill(name, root, data, left, args)
+            base = result["runs"].get("baseline", {}).get("params_sha256")
+            for run in result["runs"].values():
+                if "params_sha256" in run:
+                    run["matches_baseline"] = base is not None and run["params_sha256"] == base
+            write_json(out / "drills.json", result)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    write_json(out / "drills.json", result)
+    return result
+
+
+# -- summary -------------------------------------------------------------------------------------
+def part_summary(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    def load(name: str) -> Any:
+        p = out / f"{name}.json"
+        return json.loads(p.read_text()) if p.exists() else None
+
+    rcs = {}
+    for part in PARTS[:-1]:
+        p = out / f"rc_{part}"
+        rcs[part] = p.read_text().strip() if p.exists() else None
+    env, ckpt, drills = load("env"), load("ckpt"), load("drills")
+    summary: dict[str, Any] = {
+        "part_rc": rcs,  # 124: killed by its timeout
+        "env": None
+        if env is None
+        else {k: env.get(k) for k in ("torch", "torch_cuda", "nvrx", "device", "cuda_available")},
+        "ckpt": None,
+        "drills": None,
+    }
+    if ckpt is not None:
+        summary["ckpt"] = {
+            name: {
+                k: m.get(k)
+                for k in (
+                    "params",
+                    "state_gib",
+                    "ours_vs_floor",
+                    "ours_vs_sync_dcp",
+                    "ours_plus_deferred_vs_floor",
+                    "bitwise_equal",
+                    "error",
+                    "skipped",
+                    "truncated",
+                )
+                if m.get(k) is not None
+            }
+            | {
+                k: m[k].get("median")
+                for k in ("ours_save_s", "floor_s", "sync_dcp_s", "ours_total_s")
+                if isinstance(m.get(k), dict)
+            }
+            for name, m in ckpt.get("models", {}).items()
+        }
+    if drills is not None:
+        summary["drills"] = {
+            name: {
+                k: r.get(k)
+                for k in ("rc", "timed_out", "matches_baseline", "recovery_s", "wall_s", "skipped")
+                if k in r
+            }
+            for name, r in drills.get("runs", {}).items()
+        }
+    ok_ckpt = bool(ckpt) and all(
+        m.get("bitwise_equal") is True for m in ckpt.get("models", {}).values()
+    )
+    ok_drills = bool(drills) and all(
+        r.get("rc") == 0 and r.get("matches_baseline") is True
+        for r in drills.get("runs", {}).values()
+    )
+    summary["ok"] = {"ckpt_bitwise": ok_ckpt, "drills_bitwise_and_rc0": ok_drills}
+    write_json(out / "summary.json", summary)
+    return summary
+
+
+# -- plan / main ---------------------------------------------------------------------------------
+def plan(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    models = {}
+    for name in args.models:
+        cfg = model_config(name)
+        n = cfg.num_params()
+        # fp32 parameters + AdamW exp_avg + exp_avg_sq: the bytes one save copies
+        models[name] = {"config": dataclasses.asdict(cfg), "params": n, "state_gib": 12 * n / GIB}
+    root = Path(args.scratch or "$TMPDIR/nvrx-gpu-check") / "drills"
+    return {
+        "out": str(out),
+        "parts": {
+            "env": {"writes": "env.json"},
+            "ckpt": {"writes": "ckpt.json", "models": models, "samples": args.samples},
+            "drills": {
+                "writes": "drills.json",
+                "data": data_command(root / "data", drill_vocab_size(args.drill_model)),
+                "runs": {
+                    name: drill_command(
+                        root / name,
+                        root / "data",
+                        0,
+                        inject,
+                        model=args.drill_model,
+                        device=args.drill_device,
+                    )
+                    for name, inject in DRILLS.items()
+                },
+            },
+            "summary": {"writes": "summary.json"},
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--part", choices=PARTS, action="append", help="default: all, in order")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--samples", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=150.0, help="soft deadline of one part")
+    p.add_argument("--scratch", help="scratch directory (default: $TMPDIR/nvrx-gpu-check)")
+    p.add_argument("--keep", action="store_true", help="keep the drill run directories")
+    p.add_argument("--dry-run", action="store_true", help="print the plan as JSON, run nothing")
+    # the drills' plumbing on a CPU machine: --drill-device cpu --drill-model tiny
+    p.add_argument("--drill-model", default="100m")
+    p.add_argument("--drill-device", default="cuda")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        print(json.dumps(plan(args.out, args), indent=2, default=str))
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    funcs = {"env": part_env, "ckpt": part_ckpt, "drills": part_drills, "summary": part_summary}
+    for part in args.part or PARTS:
+        t0 = time.perf_counter()
+        res = funcs[part](args.out, args)
+        print(f"{part}: done in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        if part == "summary":
+            print(json.dumps(res, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
