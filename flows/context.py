@@ -14,7 +14,6 @@ from trainer.config import (
     InJobConfig,
     InProcessConfig,
     TrainConfig,
-    model_config,
 )
 
 
@@ -63,7 +62,9 @@ def train_config(
     return TrainConfig(
         run_root=run_root,
         data_dir=data_dir,
-        model=model_config(params.model),
+        workload=_script_absolute(params.workload) if local_paths else params.workload,
+        workload_options=dict(params.workload_options),
+        script_args=tuple(params.script_args),
         steps=params.steps,
         global_batch=params.global_batch,
         ckpt_interval=params.ckpt_interval,
@@ -76,6 +77,14 @@ def train_config(
         ),
         injob=dataclasses.replace(injob or InJobConfig(), enabled=params.injob_restart),
     )
+
+
+def _script_absolute(workload: str) -> str:
+    """A script named relative to where the pipeline was started, as the workers (which run in
+    another directory) must see it."""
+    if not workload.startswith("script:"):
+        return workload
+    return "script:" + str(Path(workload.removeprefix("script:")).absolute())
 
 
 # GPU nodes: NCCL collectives of a large model, checkpoint I/O to FSx and a rendezvous of many

@@ -6,11 +6,14 @@ from __future__ import annotations
 import re
 import secrets
 import time
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainer.faults import FaultSpecError, parse_fault
+
+if TYPE_CHECKING:
+    from trainer.workload import Workload
 
 _RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
@@ -116,7 +119,23 @@ class PipelineParams(BaseModel):
         description="local: simulated nodes on this machine (the embedded default); eks: an "
         "Indexed Job on Amazon EKS",
     )
-    model: Literal["tiny", "100m", "8b"] = Field("tiny", description="named model size")
+    workload: str = Field(
+        "gpt-tiny",
+        min_length=1,
+        description="what to train: gpt-tiny, gpt-100m, gpt-8b, llama-tiny, llama-1b, "
+        "llama3-8b, or package.module:attr naming a trainer.workload.WorkloadSpec importable "
+        "on the workers",
+    )
+    script_args: list[str] = Field(
+        default_factory=list,
+        description="script mode (workload script:PATH): the script's own arguments; "
+        "{run_root}, {data_dir}, {steps}, {global_batch}, {seed} are filled in",
+    )
+    workload_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description='the workload\'s own options (e.g. {"mixed_precision": "bf16"} for '
+        "Llama), validated by the workload",
+    )
     steps: int = Field(20, ge=1, le=10_000_000, description="total optimizer steps")
     global_batch: int = Field(8, ge=1, le=1_000_000, description="sequences per step, all ranks")
     ckpt_interval: int = Field(5, ge=1, le=1_000_000, description="checkpoint every N steps")
@@ -180,6 +199,41 @@ class PipelineParams(BaseModel):
         return v.rstrip("/")
 
     @property
+    def is_script(self) -> bool:
+        return self.workload.startswith("script:")
+
+    def workload_spec(self) -> Workload | None:
+        """The workload, resolved, with its options validated (cached); None for a script."""
+        from trainer.workload import load_workload
+
+        if self.is_script:
+            return None
+        return load_workload(self.workload, self.workload_options)
+
+    def _check_workload(self) -> None:
+        """Resolve the workload and validate its options now, before anything launches."""
+        from trainer.config import ConfigError
+
+        if self.is_script:
+            if self.workload_options:
+                raise ValueError("workload_options: a script takes script_args, not options")
+            if not self.workload.removeprefix("script:").strip():
+                raise ValueError("workload: name the script, e.g. script:path/to/train.py")
+            if self.export.consolidated:
+                raise ValueError(
+                    "export.consolidated: a script's model is its own; the pipeline exports "
+                    "its DCP checkpoint (load it with torch.distributed.checkpoint)"
+                )
+            return
+        if self.script_args:
+            raise ValueError("script_args: only a script:PATH workload takes them")
+
+        try:
+            self.workload_spec()
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+
+    @property
     def ranks_per_node(self) -> int:
         """Workers per node: one per GPU on EKS, ``nproc_per_node`` CPU workers locally."""
         return self.eks.gpus_per_node if self.backend == "eks" else self.nproc_per_node
@@ -194,6 +248,7 @@ class PipelineParams(BaseModel):
             # The embedded default's local server makes no sense on a cluster (a form that
             # re-sends the default would otherwise start one in the flow runner's pod): AWS S3.
             self.s3_endpoint = None
+        self._check_workload()
         world = self.world_size
         if self.global_batch % world:
             raise ValueError(

@@ -100,6 +100,8 @@ def preflight_flow(params: PipelineParams, ctx: RunContext) -> list[dict[str, st
         workers=params.world_size,
         buckets=(params.dataset.bucket, params.export.bucket),
         dataset_uri=f"s3://{params.dataset.bucket}/{params.dataset.prefix}",
+        workload=params.workload,
+        vocab_size=None if (wl := params.workload_spec()) is None else wl.vocab_size,
     )
     if params.backend == "eks":
         results = run_eks_checks(snap, eks_requirements(params))
@@ -308,13 +310,12 @@ def train_stage(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
 @flow(name="validate")
 def validate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
     cfg = stage_train_config(params, ctx)
+    # The workload, batch and seed come from each checkpoint's manifest; the config hash says
+    # whether that is this run's.
     exp = Expectations(
-        model=params.model,
         config_hash=cfg.fingerprint(),
         world_size=params.world_size,
         data_dir=ctx.data_dir,
-        global_batch=params.global_batch,
-        seed=cfg.seed,
     )
     outcome = validate_latest(ctx.run_root, exp)  # raises ValidationFailed when none is valid
     log = get_run_logger()

@@ -32,6 +32,7 @@ from trainer.hashing import sha256_file
 
 _CHUNK = 8 << 20
 CONSOLIDATED = "model.safetensors"
+PRETRAINED = "hf"  # the workload's own layout, e.g. <prefix>/hf/config.json + safetensors
 
 
 def _sha_of(man: dict[str, Any], name: str) -> str:
@@ -162,6 +163,7 @@ def export_checkpoint(
     sources = {e["name"]: ckpt_dir / e["name"] for e in man["files"]}
     manifest_path = ckpt_dir / ckpt_manifest.MANIFEST
     staging = None
+    staged: set[str] = set()  # files made here (not in the checkpoint's manifest)
     if opts.consolidated:
         import json
         import tempfile
@@ -169,12 +171,22 @@ def export_checkpoint(
         from tasks.validation.checkpoint import consolidate
 
         staging = Path(tempfile.mkdtemp(prefix="nvrx-export-"))
-        info = consolidate(ckpt_dir, staging / CONSOLIDATED)
+        info = consolidate(ckpt_dir, staging / CONSOLIDATED, pretrained_out=staging / PRETRAINED)
         sources[CONSOLIDATED] = staging / CONSOLIDATED
-        entry = {k: info[k] for k in ("bytes", "sha256", "params_sha256")}
+        staged.add(CONSOLIDATED)
+        consolidated: dict[str, Any] = {
+            CONSOLIDATED: {k: info[k] for k in ("bytes", "sha256", "params_sha256")}
+        }
+        if info.get("pretrained"):
+            # The workload's own layout (Hugging Face for Llama), loadable without this project.
+            for f in info["pretrained"]["files"]:
+                name = f"{PRETRAINED}/{f['name']}"
+                sources[name] = staging / PRETRAINED / f["name"]
+                staged.add(name)
+            consolidated[PRETRAINED] = {"files": info["pretrained"]["files"]}
         manifest_path = staging / ckpt_manifest.MANIFEST
         manifest_path.write_text(
-            json.dumps({**man, "consolidated": {CONSOLIDATED: entry}}, indent=1, sort_keys=True)
+            json.dumps({**man, "consolidated": consolidated}, indent=1, sort_keys=True)
         )
 
     def put(name: str, sha: str) -> tuple[bool, int]:
@@ -201,7 +213,7 @@ def export_checkpoint(
     try:
         client.head_bucket(Bucket=bucket)
         files = [
-            (name, sha256_file(src) if name == CONSOLIDATED else _sha_of(man, name))
+            (name, sha256_file(src) if name in staged else _sha_of(man, name))
             for name, src in sources.items()
         ]
         with ThreadPoolExecutor(max_workers=opts.max_workers) as pool:

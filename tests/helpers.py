@@ -13,9 +13,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from trainer.config import InJobConfig, InProcessConfig, TrainConfig
+from trainer.config import InJobConfig, InProcessConfig, TrainConfig, save_config
 from trainer.events import read_events
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
+from trainer.launch import worker_env as launch_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,6 +51,11 @@ def make_config(run_root: Path, data_dir: Path, **overrides: Any) -> TrainConfig
     return replace(base, **overrides)
 
 
+def write_config(cfg: TrainConfig) -> Path:
+    """The config file the workers read, beside the run directory."""
+    return save_config(cfg, cfg.run_root.parent / f"{cfg.run_root.name}.config.json")
+
+
 def worker_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -74,7 +80,7 @@ def _outcome(cfg: TrainConfig, rc: int, log: str) -> RunOutcome:
     return RunOutcome(rc, log, result, read_events(cfg.run_root))
 
 
-def _run(argv: list[str], log_path: Path, timeout: float) -> int:
+def _run(argv: list[str], log_path: Path, timeout: float, env: dict[str, str] | None = None) -> int:
     """Run in a new session and kill the whole session afterwards: a SIGKILLed trainer outside
     ft_launcher leaves its checkpoint writer behind, which must not outlive the test."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -83,7 +89,7 @@ def _run(argv: list[str], log_path: Path, timeout: float) -> int:
             argv,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=worker_env(),
+            env={**worker_env(), **(env or {})},
             cwd=REPO,
             start_new_session=True,
         )
@@ -102,15 +108,17 @@ def run_ft_launcher(cfg: TrainConfig, *, nproc: int = 2, timeout: float = 240) -
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         rdzv_id=cfg.run_root.name,
     )
-    argv = ft_launcher_argv(cfg, spec, trainer_args(cfg))
+    config = write_config(cfg)
+    argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config))
     log_path = cfg.run_root.parent / f"{cfg.run_root.name}.log"
-    rc = _run(argv, log_path, timeout)
+    rc = _run(argv, log_path, timeout, launch_env(config))
     return _outcome(cfg, rc, log_path.read_text())
 
 
 def run_single(cfg: TrainConfig, *, timeout: float = 180) -> RunOutcome:
     """One process, world size 1, no launcher (the debugging mode)."""
-    argv = [sys.executable, "-m", "trainer.train", *trainer_args(cfg)]
+    config = write_config(cfg)
+    argv = [sys.executable, *trainer_args(cfg, config)]
     log_path = cfg.run_root.parent / f"{cfg.run_root.name}.log"
-    rc = _run(argv, log_path, timeout)
+    rc = _run(argv, log_path, timeout, launch_env(config))
     return _outcome(cfg, rc, log_path.read_text())

@@ -87,7 +87,8 @@ def test_fingerprint_ignores_paths_and_timeouts(dataset: Path, tmp_path: Path):
     [
         (["--steps", "-3"], "steps"),
         (["--ckpt-interval", "0"], "ckpt_interval"),
-        (["--model", "huge"], "model"),
+        (["--workload", "gpt-huge"], "workload"),
+        (["--workload-options", '{"size": "huge"}'], "workload_options.size"),
         (["--data-dir", "/nonexistent/data"], "data_dir"),
     ],
 )

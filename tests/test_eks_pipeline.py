@@ -40,9 +40,9 @@ from tasks.backends.local import kill_tree
 from tasks.hydrate import hydrate_dataset
 from tasks.storage.s3 import S3Settings, s3fs_filesystem
 from tests.eks_cluster import NODES, NS, mark_disrupted, p5, pod_obj, seed_cluster, terminated
-from tests.helpers import FAST_INJOB, FAST_INPROCESS, REPO, free_port, worker_env
+from tests.helpers import FAST_INJOB, FAST_INPROCESS, REPO, free_port, worker_env, write_config
 from tests.pipeline_helpers import assert_exported, run_pipeline
-from trainer.config import Device
+from trainer.config import Device, load_config
 from trainer.events import read_events
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
 
@@ -110,9 +110,13 @@ class Cluster(threading.Thread):
         container = job["spec"]["template"]["spec"]["containers"][0]
         env = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("NVRX_")}
         attempt = int(env["NVRX_STAGE_ATTEMPT"])
-        # What the pods run, on this machine's CPUs: one launcher with both ranks.
+        # What the pods run, on this machine's CPUs: one launcher with both ranks, reading the
+        # config the flow wrote for this attempt (what the Job's command names).
+        [config_arg] = [a for a in container["args"] if a.startswith("--config=")]
+        written = load_config(Path(config_arg.split("=", 1)[1]))
+        assert written == eks_train_config(self.params, self.ctx.run_id)
         cfg = dataclasses.replace(
-            eks_train_config(self.params, self.ctx.run_id),
+            written,
             device=Device.CPU,
             inprocess=FAST_INPROCESS,
             injob=FAST_INJOB,
@@ -126,7 +130,7 @@ class Cluster(threading.Thread):
                 rdzv_endpoint=f"127.0.0.1:{free_port()}",
                 rdzv_id=name,
             ),
-            trainer_args(cfg),
+            trainer_args(cfg, write_config(cfg)),
         )
         log = open(self.ctx.run_root.parent / f"{name}.log", "w")  # noqa: SIM115
         proc = subprocess.Popen(

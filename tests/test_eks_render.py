@@ -23,7 +23,7 @@ def params(**kw) -> PipelineParams:
             "backend": "eks",
             "nodes": 4,
             "global_batch": 256,
-            "model": "8b",
+            "workload": "llama3-8b",
             "run_id": "run-2026-11-29",
             **kw,
         }
@@ -76,8 +76,16 @@ def test_launch_contract():
     args = c["args"]
     assert f"--rdzv-endpoint={name}-0.{name}.nvrx.svc.cluster.local:29500" in args
     assert "--nproc-per-node=8" in args and "--nnodes=4" in args and "--max-restarts=3" in args
-    assert "--run-root=/fsx/runs/run-2026-11-29" in args and "--device=cuda" in args
-    assert "--inject=exception@step=5,rank=3" in args
+    # The workers read the attempt's whole config from the shared FSx mount (the flow writes
+    # it there before it creates the Job); nothing travels as flags.
+    assert args[-3:] == [
+        "-m",
+        "trainer.train",
+        "--config=/fsx/runs/run-2026-11-29/config/train-attempt1.json",
+    ]
+    cfg = eks_train_config(p, "run-2026-11-29")
+    assert str(cfg.run_root) == "/fsx/runs/run-2026-11-29" and cfg.device.value == "cuda"
+    assert cfg.faults == ("exception@step=5,rank=3",) and cfg.workload == "llama3-8b"
     assert c["resources"]["limits"] == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32"}
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert mounts == {"/fsx": "fsx", "/dev/shm": "shm"}

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from tasks.preflight.checks import Requirements, Snapshot, Status, failures, run_checks
 
-REQ = Requirements(workers=2, buckets=("data", "ckpt"), dataset_uri="s3://data/v1")
+REQ = Requirements(
+    workers=2,
+    buckets=("data", "ckpt"),
+    dataset_uri="s3://data/v1",
+    workload="gpt-tiny",
+    vocab_size=512,
+)
 
 
 def healthy() -> Snapshot:
@@ -20,6 +26,8 @@ def healthy() -> Snapshot:
             "s3_endpoint": "http://127.0.0.1:8333",
             "buckets": {"data": True, "ckpt": True},
             "dataset_files": 4,
+            "dataset_vocab_size": 512,
+            "dataset_dtype": "uint16",
         }
     )
 
@@ -75,3 +83,21 @@ def test_host_source_failure_is_skipped_not_passed():
 def test_oversubscription_fails():
     r = by_name(run_checks(healthy(), Requirements(workers=64)))
     assert r["cpu cores"].status == Status.FAILED
+
+
+def test_vocabulary_must_fit_the_workload_and_the_dtype():
+    from dataclasses import replace
+
+    name = "dataset vocabulary fits the workload"
+    snap = healthy()
+    snap.facts["dataset_vocab_size"] = 128256
+    snap.facts["dataset_dtype"] = "uint32"
+    r = by_name(run_checks(snap, REQ))[name]  # Llama 3 data for the 512-token GPT
+    assert r.status == Status.FAILED and "128256" in r.detail and "512" in r.detail
+    r = by_name(run_checks(snap, replace(REQ, workload="llama3-8b", vocab_size=128256)))[name]
+    assert r.status == Status.PASSED
+    snap.facts["dataset_dtype"] = "uint16"  # 128256 ids cannot be uint16 tokens
+    r = by_name(run_checks(snap, replace(REQ, workload="llama3-8b", vocab_size=128256)))[name]
+    assert r.status == Status.FAILED and "uint32" in r.fix and "128256" in r.detail
+    snap.errors["dataset"] = "no dataset.json"
+    assert by_name(run_checks(snap, REQ))[name].status == Status.SKIPPED

@@ -39,7 +39,7 @@ def statuses(report) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_valid_checkpoint_passes_every_check(trained, ckpt: Path, dataset: Path):
-    exp = Expectations(model="tiny", config_hash=trained[1]["hash"], world_size=1, data_dir=dataset)
+    exp = Expectations(config_hash=trained[1]["hash"], world_size=1, data_dir=dataset)
     report = validate_checkpoint(ckpt, exp)
     assert report.passed, report.checks
     assert set(statuses(report).values()) == {"PASSED"}
@@ -52,7 +52,7 @@ def test_valid_checkpoint_passes_every_check(trained, ckpt: Path, dataset: Path)
 def test_flipped_bytes_fail_naming_the_file(ckpt: Path):
     victim = sorted(ckpt.glob("*.distcp"))[0]
     flip_bytes(victim)
-    report = validate_checkpoint(ckpt, Expectations(model="tiny"))
+    report = validate_checkpoint(ckpt, Expectations())
     s = statuses(report)
     assert not report.passed
     assert s["files and digests"] == "FAILED"
@@ -77,8 +77,8 @@ def test_cli_validate_json(ckpt: Path):
 
 
 def test_run_mismatch_detected(ckpt: Path):
-    facts = gather(ckpt, Expectations(model="tiny"), load=False)
-    report = judge(facts, Expectations(model="tiny", config_hash="other", world_size=4))
+    facts = gather(ckpt, Expectations(), load=False)
+    report = judge(facts, Expectations(config_hash="other", world_size=4))
     detail = report.checks[0]["detail"]
     assert report.checks[0]["status"] == "FAILED"
     assert "config hash" in detail and "world size 1 != the run's 4" in detail

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,8 @@ from torch.optim import Optimizer
 from trainer import __version__, manifest
 from trainer.async_ckpt import AsyncCheckpointer, SaveResult
 from trainer.config import ResumePolicy, TrainConfig
-from trainer.data import StepSampler
 from trainer.events import EventLog
-from trainer.faults import FaultInjector, flip_bytes
+from trainer.workload import DataSource
 
 
 class FatalError(Exception):
@@ -43,7 +43,6 @@ class CheckpointManager:
         cfg: TrainConfig,
         saver: AsyncCheckpointer,
         events: EventLog,
-        faults: FaultInjector,
         *,
         rank: int,
         world_size: int,
@@ -52,7 +51,8 @@ class CheckpointManager:
         self.cfg = cfg
         self.saver = saver
         self.events = events
-        self.faults = faults
+        # Rank 0, after each commit (step, committed directory): the loop's hooks.
+        self.on_commit: Callable[[int, Path], None] = lambda step, path: None
         self.rank = rank
         self.world_size = world_size
         self.group = group
@@ -61,7 +61,7 @@ class CheckpointManager:
         saver.bind(group)
 
     # -- resume --------------------------------------------------------------------------------
-    def resume(self, model: nn.Module, optim: Optimizer, sampler: StepSampler) -> Resumed:
+    def resume(self, model: nn.Module, optim: Optimizer, sampler: DataSource) -> Resumed:
         """All ranks. Rank 0 picks the newest valid checkpoint (emitting a ``resume`` event for
         every newer one it skips and why), everyone loads it, resharding if the world size
         changed."""
@@ -126,7 +126,7 @@ class CheckpointManager:
         return step % self.cfg.ckpt_interval == 0 or step == self.cfg.steps
 
     def maybe_save(
-        self, step: int, model: nn.Module, optim: Optimizer, sampler: StepSampler, loss: float
+        self, step: int, model: nn.Module, optim: Optimizer, sampler: DataSource, loss: float
     ) -> float | None:
         """Every rank after finishing ``step``. Returns seconds training was blocked, if saved."""
         if not self.due(step):
@@ -162,7 +162,9 @@ class CheckpointManager:
         info = {
             "config_hash": self.fingerprint,
             "trainer_version": __version__,
-            "model": self.cfg.model.name,
+            # What produced it, whole: validation and export rebuild the model from this.
+            "workload": self.cfg.workload_record(),
+            "config": self.cfg.to_dict(),
             "rng": {"seed": self.cfg.seed, "scheme": "reseeded per (seed, step, rank)"},
             **self._inflight,
         }
@@ -180,15 +182,4 @@ class CheckpointManager:
             blocking_s=round(result.blocking_s, 4),
             total_s=round(result.total_s + time.perf_counter() - t0, 4),
         )
-        spec = self.faults.corruption_due(result.step)
-        if spec is not None:
-            victim = sorted(path.glob("*.distcp"))[0]
-            flip_bytes(victim)
-            self.events.emit(
-                "fault",
-                fault=str(spec),
-                fault_kind=spec.kind,
-                step=result.step,
-                rank=0,
-                file=str(victim),
-            )
+        self.on_commit(result.step, path)

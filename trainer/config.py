@@ -15,7 +15,10 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.workload import Workload
 
 
 class ConfigError(ValueError):
@@ -249,7 +252,13 @@ class Device(enum.StrEnum):
 class TrainConfig:
     run_root: Path
     data_dir: Path
-    model: ModelConfig = field(default_factory=tiny)
+    # What to train (trainer.workload): a built-in name or 'package.module:attr', and its options
+    # (validated by the workload's own options model).
+    workload: str = "gpt-tiny"
+    workload_options: dict[str, Any] = field(default_factory=dict)
+    # Script mode (workload "script:PATH"): the script's own arguments; {run_root}, {data_dir},
+    # {steps}, {global_batch} and {seed} are replaced by this config's values.
+    script_args: tuple[str, ...] = ()
     steps: int = 20
     global_batch: int = 8
     lr: float = 3e-3
@@ -281,6 +290,25 @@ class TrainConfig:
         )
         _require(self.keep_last >= 1, "keep_last", f"must keep at least 1, got {self.keep_last}")
         _require(self.ckpt_timeout_s > 0, "ckpt_timeout_s", "must be > 0 seconds")
+        _require(
+            isinstance(self.workload_options, dict),
+            "workload_options",
+            f"must be a mapping of option names to values, got {type(self.workload_options)}",
+        )
+        if self.is_script:
+            _require(
+                not self.workload_options,
+                "workload_options",
+                "a training script takes script_args, not workload options",
+            )
+            _require(
+                not self.local_paths or self.script_path.is_file(),
+                "workload",
+                f"training script {str(self.script_path)!r} not found",
+            )
+        else:
+            _require(not self.script_args, "script_args", "only a script: workload takes them")
+            _ = self.wl  # resolve the workload and validate its options now, naming the field
         _require(str(self.run_root) != "", "run_root", "set the run directory (shared filesystem)")
         _require(
             not self.local_paths or self.data_dir.is_dir(),
@@ -302,6 +330,48 @@ class TrainConfig:
                 "that an in-process restart completes before ft_launcher declares the rank dead",
             )
 
+    @property
+    def is_script(self) -> bool:
+        """Script mode: a user's training script runs under the layers (``trainer.script``)."""
+        return self.workload.startswith("script:")
+
+    @property
+    def script_path(self) -> Path:
+        return Path(self.workload.removeprefix("script:"))
+
+    def expanded_script_args(self) -> list[str]:
+        values = {
+            "run_root": str(self.run_root),
+            "data_dir": str(self.data_dir),
+            "steps": str(self.steps),
+            "global_batch": str(self.global_batch),
+            "seed": str(self.seed),
+        }
+        out = []
+        for arg in self.script_args:
+            for key, value in values.items():
+                arg = arg.replace("{" + key + "}", value)
+            out.append(arg)
+        return out
+
+    @property
+    def wl(self) -> Workload:
+        """The workload, resolved and its options validated (cached per reference+options)."""
+        from trainer.workload import load_workload
+
+        return load_workload(self.workload, self.workload_options)
+
+    def workload_record(self) -> dict[str, Any]:
+        """What a checkpoint manifest says of the workload that wrote it."""
+        if self.is_script:
+            return {
+                "ref": self.workload,
+                "name": "script",
+                "options": {},
+                "args": list(self.script_args),
+            }
+        return self.wl.describe()
+
     def per_rank_batch(self, world_size: int) -> int:
         if self.global_batch % world_size != 0:
             raise ConfigError(
@@ -318,7 +388,9 @@ class TrainConfig:
         model or optimisation settings differ.
         """
         relevant = {
-            "model": dataclasses.asdict(self.model),
+            "workload": {"script": self.workload, "args": list(self.script_args)}
+            if self.is_script
+            else {"name": self.wl.name, "options": self.wl.options_dict()},
             "global_batch": self.global_batch,
             "lr": self.lr,
             "weight_decay": self.weight_decay,
@@ -328,10 +400,81 @@ class TrainConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-ready; :meth:`from_dict` gives back an equal config."""
         out = dataclasses.asdict(self)
         out["run_root"] = str(self.run_root)
         out["data_dir"] = str(self.data_dir)
         out["device"] = self.device.value
         out["resume"] = self.resume.value
         out["faults"] = list(self.faults)
+        out["script_args"] = list(self.script_args)
         return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """The inverse of :meth:`to_dict`. Unknown keys are refused (a typo must not fall back
+        to a default silently); missing keys take the defaults."""
+        data = dict(data)
+        data.pop("format", None)
+        _check_keys(cls, data, "")
+        nested: dict[str, Any] = {}
+        for name, kind in (("inprocess", InProcessConfig), ("injob", InJobConfig)):
+            if name in data:
+                sub = data.pop(name)
+                _require(isinstance(sub, dict), name, "must be a mapping")
+                _check_keys(kind, sub, f"{name}.")
+                nested[name] = kind(**sub)
+        try:
+            if "run_root" in data:
+                data["run_root"] = Path(data["run_root"])
+            if "data_dir" in data:
+                data["data_dir"] = Path(data["data_dir"])
+            if "device" in data:
+                data["device"] = Device(data["device"])
+            if "resume" in data:
+                data["resume"] = ResumePolicy(data["resume"])
+        except ValueError as e:
+            raise ConfigError("config", str(e)) from e
+        for key in ("faults", "script_args"):
+            if key in data:
+                data[key] = tuple(data[key])
+        return cls(**data, **nested)
+
+
+CONFIG_FORMAT = "nvrx-train-config-v1"
+
+
+def _check_keys(kind: type, data: dict[str, Any], prefix: str) -> None:
+    known = {f.name for f in dataclasses.fields(kind)}
+    for key in data:
+        _require(key in known, f"{prefix}{key}", f"unknown field; known: {sorted(known)}")
+
+
+def config_file(run_root: Path, attempt: int) -> Path:
+    """Where the config of one train-stage attempt lives (what every worker reads)."""
+    return Path(run_root) / "config" / f"train-attempt{attempt}.json"
+
+
+def save_config(cfg: TrainConfig, path: Path) -> Path:
+    """Write ``cfg`` atomically as JSON (the one serialized form workers read)."""
+    import os
+
+    path = Path(path).absolute()  # workers may run in another directory
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"format": CONFIG_FORMAT, **cfg.to_dict()}, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_config(path: Path) -> TrainConfig:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError("config", f"cannot read training config {path}: {e}") from e
+    _require(
+        isinstance(data, dict) and data.get("format") == CONFIG_FORMAT,
+        "config",
+        f"{path} is not a training config (format {CONFIG_FORMAT!r} expected)",
+    )
+    return TrainConfig.from_dict(data)

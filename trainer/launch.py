@@ -46,7 +46,7 @@ def ft_launcher_argv(cfg: TrainConfig, spec: LaunchSpec, trainer_args: list[str]
     ]
     if spec.cpu_only and _nvrx_major_minor() >= (0, 7):
         argv.append("--ft-gpu-memory-reclaim-timeout=0")
-    return [*argv, "-m", "trainer.train", *trainer_args]
+    return [*argv, *trainer_args]
 
 
 def ft_launcher_path() -> str:
@@ -67,38 +67,22 @@ def _nvrx_major_minor() -> tuple[int, int]:
         return (0, 0)
 
 
-def trainer_args(cfg: TrainConfig) -> list[str]:
-    """The ``python -m trainer.train`` flags that rebuild ``cfg`` in each worker."""
-    ip, ij = cfg.inprocess, cfg.injob
-    args = [
-        f"--run-root={cfg.run_root}",
-        f"--data-dir={cfg.data_dir}",
-        f"--model={cfg.model.name}",
-        f"--steps={cfg.steps}",
-        f"--global-batch={cfg.global_batch}",
-        f"--lr={cfg.lr}",
-        f"--seed={cfg.seed}",
-        f"--device={cfg.device.value}",
-        f"--ckpt-interval={cfg.ckpt_interval}",
-        f"--keep-last={cfg.keep_last}",
-        f"--resume={cfg.resume.value}",
-        f"--ckpt-timeout={cfg.ckpt_timeout_s}",
-        f"--pg-timeout={ip.pg_timeout_s}",
-        f"--soft-timeout={ip.soft_timeout_s}",
-        f"--hard-timeout={ip.hard_timeout_s}",
-        f"--inprocess-heartbeat-timeout={ip.heartbeat_timeout_s}",
-        f"--barrier-timeout={ip.barrier_timeout_s}",
-        f"--inprocess-max-restarts={ip.max_restarts}",
-        f"--heartbeat-timeout={ij.heartbeat_timeout_s}",
-    ]
-    if not cfg.verify_data:
-        args.append("--no-verify-data")
-    if not ip.enabled:
-        args.append("--no-inprocess")
-    if not ij.enabled:
-        args.append("--no-injob")
-    args += [f"--inject={spec}" for spec in cfg.faults]
-    return args
+CONFIG_ENV = "NVRX_CONFIG"  # the attempt's config file, for script mode (trainer.script)
+
+
+def trainer_args(cfg: TrainConfig, config_path: Path) -> list[str]:
+    """What ft_launcher runs in each worker: the built-in trainer reading the attempt's config
+    file (one serialized config; nothing is lost on a round trip through flags), or in script
+    mode the user's script with its own arguments (it finds the config through
+    ``NVRX_CONFIG``, see :func:`worker_env`)."""
+    if cfg.is_script:
+        return [str(cfg.script_path), *cfg.expanded_script_args()]
+    return ["-m", "trainer.train", f"--config={config_path}"]
+
+
+def worker_env(config_path: Path) -> dict[str, str]:
+    """Environment every worker needs besides the launcher's own."""
+    return {CONFIG_ENV: str(config_path)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import os
 
-    from trainer.config import ConfigError
+    from trainer.config import ConfigError, save_config
     from trainer.faults import FaultSpecError
     from trainer.train import build_parser, config_from_args
 
@@ -128,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         rdzv_endpoint=launch.rdzv_endpoint,
         rdzv_id=launch.rdzv_id,
     )
-    argv_out = ft_launcher_argv(cfg, spec, trainer_args(cfg))
+    path = save_config(cfg, cfg.run_root / "config" / "launch.json")
+    argv_out = ft_launcher_argv(cfg, spec, trainer_args(cfg, path))
+    os.environ.update(worker_env(path))
     print(" ".join(argv_out), file=sys.stderr, flush=True)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     os.execv(argv_out[0], argv_out)

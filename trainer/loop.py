@@ -1,6 +1,10 @@
 """The train function: build, resume, step, save. Re-entered by the in-process Wrapper after a
 fault, so everything it builds (process groups, model, optimizer) is built again each time;
-what outlives a restart (sampler, async writer, heartbeat client) is passed in."""
+what outlives a restart (data source, async writer, heartbeat client) is passed in.
+
+The loop is training only: what the workload computes, the checkpoint manager's save/poll, and
+four hook points (:mod:`trainer.hooks`) where drills, heartbeats, the Wrapper's ping and events
+attach."""
 
 from __future__ import annotations
 
@@ -19,12 +23,11 @@ from trainer import manifest
 from trainer.async_ckpt import AsyncCheckpointer
 from trainer.checkpoint import CheckpointManager
 from trainer.config import TrainConfig
-from trainer.data import StepSampler
 from trainer.digest import params_sha256
-from trainer.events import EventLog, read_events
-from trainer.faults import FaultInjector, FaultSpec
-from trainer.model import GPT
-from trainer.parallel import Placement, shard_model
+from trainer.events import EventLog
+from trainer.hooks import FaultDrills, Heartbeats, Hooks, StepEnd, StepEvents, WrapperPing
+from trainer.parallel import Placement
+from trainer.workload import DataSource, OptimSettings
 
 
 @dataclass
@@ -33,7 +36,7 @@ class ProcessContext:
 
     cfg: TrainConfig
     placement: Placement
-    sampler: StepSampler
+    sampler: DataSource
     saver: AsyncCheckpointer
     events: EventLog
     heartbeat: Any
@@ -49,7 +52,7 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _init_process_group(ctx: ProcessContext, iteration: int) -> tuple[int, int]:
+def init_process_group(ctx: ProcessContext, iteration: int) -> tuple[int, int]:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=ctx.cfg.inprocess.pg_timeout_s)
     if ctx.base_store is not None:
@@ -72,7 +75,7 @@ def is_respawn(events: list[dict[str, Any]], job_id: str | None) -> bool:
     )
 
 
-def _recovery_layer(ctx: ProcessContext, iteration: int) -> str | None:
+def recovery_layer(ctx: ProcessContext, iteration: int) -> str | None:
     if iteration > 0:
         return "inprocess"
     if ctx.restart_count > 0 or ctx.respawned:
@@ -82,105 +85,85 @@ def _recovery_layer(ctx: ProcessContext, iteration: int) -> str | None:
     return None
 
 
-def _emit_recoveries(ctx: ProcessContext, layer: str, step: int) -> None:
-    """Rank 0, after the first step completed since a restart: close every open fault."""
-    events = read_events(ctx.cfg.run_root)
-    last_recovered = max((e["t"] for e in events if e["kind"] == "recovered"), default=0.0)
-    now = time.time()
-    for e in events:
-        if (
-            e["kind"] == "fault"
-            and e["t"] > last_recovered
-            and e.get("fault_kind") != "corrupt-checkpoint"
-        ):
-            ctx.events.emit(
-                "recovered",
-                layer=layer,
-                fault=e.get("fault"),
-                fault_kind=e.get("fault_kind"),
-                fault_step=e.get("step"),
-                rank=e.get("rank"),
-                step=step,
-                recovery_s=round(now - e["t"], 3),
-            )
+def build_hooks(
+    ctx: ProcessContext, *, rank: int, call_wrapper: Any, first_step: int, layer: str | None
+) -> Hooks:
+    """The fault-tolerance hooks of this worker, in the order they run at each point."""
+    hooks: list[Any] = [FaultDrills(ctx.cfg.faults, ctx.cfg.run_root, ctx.events, rank=rank)]
+    hooks.append(Heartbeats(ctx.heartbeat))
+    if call_wrapper is not None:
+        hooks.append(WrapperPing(call_wrapper))
+    if rank == 0:
+        hooks.append(StepEvents(ctx.events, first_step=first_step, recovery_layer=layer))
+    return Hooks(*hooks)
 
 
 def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
     """One attempt of the whole training run in this process (all ranks)."""
-    cfg = ctx.cfg
+    cfg, wl = ctx.cfg, ctx.cfg.wl
+    device = ctx.placement.device
     iteration = getattr(call_wrapper, "iteration", 0)
-    rank, world = _init_process_group(ctx, iteration)
+    rank, world = init_process_group(ctx, iteration)
     # Checkpoint collectives (resume decision, commit, DCP finalize) get their own gloo group:
     # its timeout covers checkpoint I/O, and async-save traffic never collides with FSDP's.
     ckpt_group = dist.new_group(
         backend="gloo", timeout=datetime.timedelta(seconds=cfg.ckpt_timeout_s)
     )
-    layer = _recovery_layer(ctx, iteration)
     if rank == 0 and iteration > 0:
         ctx.events.emit("restart", layer="inprocess", iteration=iteration)
-
-    def on_fault(spec: FaultSpec) -> None:
-        ctx.events.emit("fault", fault=str(spec), fault_kind=spec.kind, step=spec.step, rank=rank)
-
-    faults = FaultInjector(cfg.faults, cfg.run_root, rank=rank, on_fire=on_fault)
-    per_rank = cfg.per_rank_batch(world)
+    cfg.per_rank_batch(world)
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank and every restart
-    model = shard_model(GPT(cfg.model).to(ctx.placement.device), ctx.placement, world)
-    optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    model = wl.shard(wl.build_model(device), device=device, world_size=world)
+    optim = wl.build_optimizer(model, OptimSettings(lr=cfg.lr, weight_decay=cfg.weight_decay))
     ckpt = CheckpointManager(
-        cfg, ctx.saver, ctx.events, faults, rank=rank, world_size=world, group=ckpt_group
+        cfg, ctx.saver, ctx.events, rank=rank, world_size=world, group=ckpt_group
     )
     resumed = ckpt.resume(model, optim, ctx.sampler)
-    loss_value = resumed.loss
-    tokens_per_step = cfg.global_batch * cfg.model.seq_len
     first_step = resumed.step + 1
+    hooks = build_hooks(
+        ctx,
+        rank=rank,
+        call_wrapper=call_wrapper,
+        first_step=first_step,
+        layer=recovery_layer(ctx, iteration),
+    )
+    ckpt.on_commit = hooks.on_commit
     if rank == 0:
         ctx.events.emit(
             "train_start",
             start_step=first_step,
             steps=cfg.steps,
             world_size=world,
-            per_rank_batch=per_rank,
+            per_rank_batch=cfg.per_rank_batch(world),
             iteration=iteration,
             restart_count=ctx.restart_count,
             job_id=os.environ.get("TORCHELASTIC_RUN_ID"),
+            workload=wl.ref,
         )
 
+    loss_value = resumed.loss
+    tokens_per_step = cfg.global_batch * wl.seq_len
     for step in range(first_step, cfg.steps + 1):
         t0 = time.perf_counter()
-        faults.maybe_fire(step)
+        hooks.on_step_start(step)
         torch.manual_seed(step_seed(cfg.seed, step, rank))  # dropout RNG: exact on resume
         x, y = ctx.sampler.batch(step, rank, world)
-        inputs = torch.from_numpy(x).to(ctx.placement.device)
-        targets = torch.from_numpy(y).to(ctx.placement.device)
-        loss = model(inputs, targets)
+        loss = wl.loss(model, torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
         loss.backward()
-        optim.step()
+        ctx.saver.before_optimizer_step()  # a save's device-to-host copy must see this step's
+        optim.step()  # parameters, not the next one's
         optim.zero_grad(set_to_none=True)
-        reduced = loss.detach().clone()
+        reduced = loss.detach().float().clone()
         dist.all_reduce(reduced)  # gloo has no AVG: sum, then divide
         loss_value = float(reduced.item() / world)
         step_s = time.perf_counter() - t0
 
         blocking = ckpt.maybe_save(step, model, optim, ctx.sampler, loss_value)
         if blocking is not None:
-            faults.maybe_fire(step, phase="checkpoint")
+            hooks.on_save_started(step)
         ckpt.poll()
-        ctx.heartbeat.beat()
-        if call_wrapper is not None:
-            call_wrapper.ping()
-        if rank == 0:
-            ctx.events.emit(
-                "step",
-                step=step,
-                loss=round(loss_value, 6),
-                step_s=round(step_s, 4),
-                tokens_per_s=round(tokens_per_step / step_s, 1),
-                ckpt_blocking_s=None if blocking is None else round(blocking, 4),
-            )
-            if step == first_step and layer is not None:
-                _emit_recoveries(ctx, layer, step)
+        hooks.on_step_end(StepEnd(step, loss_value, step_s, tokens_per_step, blocking))
 
     ckpt.finish()
     digest = params_sha256(model, rank=rank)
@@ -194,14 +177,14 @@ def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
         "config_hash": cfg.fingerprint(),
     }
     if rank == 0:
-        _write_result(cfg, result)
+        write_result(cfg, result)
         ctx.events.emit("train_end", **{k: v for k, v in result.items() if k != "status"})
     dist.barrier(group=ckpt_group)
     dist.destroy_process_group()
     return result
 
 
-def _write_result(cfg: TrainConfig, result: dict[str, Any]) -> None:
+def write_result(cfg: TrainConfig, result: dict[str, Any]) -> None:
     path = cfg.run_root / "result.json"
     tmp = path.with_name(".result.json.tmp")
     tmp.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")

@@ -187,6 +187,17 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def workload_of(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """``{"ref", "options"}`` of the workload that wrote a checkpoint (older manifests name
+    only a GPT size under ``model``)."""
+    wl = manifest.get("workload")
+    if isinstance(wl, dict) and isinstance(wl.get("ref"), str):
+        return {"ref": wl["ref"], "options": dict(wl.get("options") or {})}
+    if isinstance(manifest.get("model"), str):
+        return {"ref": f"gpt-{manifest['model']}", "options": {}}
+    return None
+
+
 @dataclass
 class Verdict:
     ok: bool

@@ -1,4 +1,8 @@
-"""Worker entry point: ``python -m trainer.train --run-root DIR --data-dir DIR [options]``.
+"""Worker entry point: ``python -m trainer.train --config FILE [overrides]``.
+
+The config file is the attempt's whole :class:`~trainer.config.TrainConfig` as JSON (the launcher
+writes it: ``trainer.config.save_config``); flags override single fields, for debugging. Without
+``--config``, ``--run-root`` and ``--data-dir`` plus flags make a config from the defaults.
 
 Runs under ``ft_launcher`` (in-job restart), under plain ``torchrun``, or as a single process for
 debugging (no launcher environment: world size 1). CPU + gloo without a GPU, CUDA + NCCL with one.
@@ -11,7 +15,7 @@ to start hosts the c10d rendezvous store)::
         --max-restarts=3 --monitor-interval=0.5 --workers-stop-timeout=5 \\
         --ft-initial-rank-heartbeat-timeout=90 --ft-rank-heartbeat-timeout=30 \\
         --ft-workload-check-interval=1 --ft-enable-nic-monitor=false \\
-        -m trainer.train --run-root /tmp/run1 --data-dir /tmp/data --model tiny --steps 20
+        -m trainer.train --run-root /tmp/run1 --data-dir /tmp/data --workload gpt-tiny --steps 20
 
 One node, 2 CPU workers: the same with ``--nnodes=1 --nproc-per-node=2``.
 
@@ -24,10 +28,7 @@ CPU hosts with NVRx >= 0.7)::
         --max-restarts=3 --monitor-interval=1 --workers-stop-timeout=30 \\
         --ft-initial-rank-heartbeat-timeout=900 --ft-rank-heartbeat-timeout=300 \\
         --ft-workload-check-interval=5 --ft-enable-nic-monitor=false \\
-        -m trainer.train --run-root /fsx/runs/$RUN_ID --data-dir /fsx/data/$DATASET \\
-        --model 8b --steps 10000 --global-batch 512 --ckpt-interval 200 --device cuda \\
-        --pg-timeout 120 --soft-timeout 240 --hard-timeout 280 --inprocess-heartbeat-timeout 200 \\
-        --barrier-timeout 600
+        -m trainer.train --config /fsx/runs/$RUN_ID/config/train-attempt1.json
 
 (``trainer.launch.ft_launcher_argv`` builds the same line from a config.)
 
@@ -44,8 +45,9 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,14 +55,16 @@ from trainer.config import (
     ConfigError,
     Device,
     InJobConfig,
-    InProcessConfig,
     ResumePolicy,
     TrainConfig,
-    model_config,
+    load_config,
 )
-from trainer.data import DataError, StepSampler
+from trainer.data import DataError
 from trainer.events import EventLog
 from trainer.faults import FaultSpecError
+
+if TYPE_CHECKING:
+    from trainer.workload import DataSource
 
 EXIT_CONFIG = 2
 EXIT_FATAL = 3
@@ -71,73 +75,104 @@ log = logging.getLogger("trainer")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("\n")[0])
     a = p.add_argument
-    a("--run-root", type=Path, required=True, help="run directory on the shared filesystem")
-    a("--data-dir", type=Path, required=True, help="token dataset directory (dataset.json)")
-    a("--model", default="tiny", help="named model size: tiny, 100m, 8b")
-    a("--steps", type=int, default=20, help="total optimizer steps of the run")
-    a("--global-batch", type=int, default=8, help="sequences per step across all ranks")
-    a("--lr", type=float, default=3e-3)
-    a("--seed", type=int, default=1234)
-    a("--device", choices=[d.value for d in Device], default="auto")
-    a("--ckpt-interval", type=int, default=5, help="save every N steps (and at the last step)")
-    a("--keep-last", type=int, default=3, help="committed checkpoints to keep")
-    a("--resume", choices=[r.value for r in ResumePolicy], default="auto")
-    a("--ckpt-timeout", type=float, default=300.0, help="max seconds for one async save")
+    a(
+        "--config",
+        type=Path,
+        help="the attempt's training config (JSON, written by the launcher); the flags below "
+        "override single fields of it, for debugging",
+    )
+    a("--run-root", type=Path, help="run directory on the shared filesystem")
+    a("--data-dir", type=Path, help="token dataset directory (dataset.json)")
+    a("--workload", help="gpt-tiny, llama-tiny, ... or package.module:attr")
+    a("--workload-options", type=json.loads, help="workload options as a JSON object")
+    a("--model", help="shorthand for --workload gpt-SIZE (tiny, 100m, 8b)")
+    a("--steps", type=int, help="total optimizer steps of the run")
+    a("--global-batch", type=int, help="sequences per step across all ranks")
+    a("--lr", type=float)
+    a("--weight-decay", type=float)
+    a("--seed", type=int)
+    a("--device", choices=[d.value for d in Device])
+    a("--ckpt-interval", type=int, help="save every N steps (and at the last step)")
+    a("--keep-last", type=int, help="committed checkpoints to keep")
+    a("--resume", choices=[r.value for r in ResumePolicy])
+    a("--ckpt-timeout", type=float, help="max seconds for one async save")
     a("--no-verify-data", action="store_true", help="skip dataset digest check at start")
     a("--inject", action="append", default=[], metavar="SPEC", help="fault, e.g. sigkill@step=7")
     a("--no-inprocess", action="store_true", help="disable in-process restart")
     a("--no-injob", action="store_true", help="do not send ft_launcher heartbeats")
-    a("--pg-timeout", type=float, default=InProcessConfig.pg_timeout_s)
-    a("--soft-timeout", type=float, default=InProcessConfig.soft_timeout_s)
-    a("--hard-timeout", type=float, default=InProcessConfig.hard_timeout_s)
-    a("--inprocess-heartbeat-timeout", type=float, default=InProcessConfig.heartbeat_timeout_s)
-    a("--barrier-timeout", type=float, default=InProcessConfig.barrier_timeout_s)
-    a("--inprocess-max-restarts", type=int, default=InProcessConfig.max_restarts)
-    a(
-        "--heartbeat-timeout",
-        type=float,
-        default=InJobConfig.heartbeat_timeout_s,
-        help="must match ft_launcher --ft-rank-heartbeat-timeout",
-    )
+    a("--pg-timeout", type=float)
+    a("--soft-timeout", type=float)
+    a("--hard-timeout", type=float)
+    a("--inprocess-heartbeat-timeout", type=float)
+    a("--barrier-timeout", type=float)
+    a("--inprocess-max-restarts", type=int)
+    a("--heartbeat-timeout", type=float, help="must match ft_launcher --ft-rank-heartbeat-timeout")
     return p
 
 
+# flag dest -> TrainConfig field (top level) or (section, field)
+_TOP = {
+    "run_root": "run_root",
+    "data_dir": "data_dir",
+    "workload": "workload",
+    "workload_options": "workload_options",
+    "steps": "steps",
+    "global_batch": "global_batch",
+    "lr": "lr",
+    "weight_decay": "weight_decay",
+    "seed": "seed",
+    "device": "device",
+    "ckpt_interval": "ckpt_interval",
+    "keep_last": "keep_last",
+    "resume": "resume",
+    "ckpt_timeout": "ckpt_timeout_s",
+}
+_INPROCESS = {
+    "pg_timeout": "pg_timeout_s",
+    "soft_timeout": "soft_timeout_s",
+    "hard_timeout": "hard_timeout_s",
+    "inprocess_heartbeat_timeout": "heartbeat_timeout_s",
+    "barrier_timeout": "barrier_timeout_s",
+    "inprocess_max_restarts": "max_restarts",
+}
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    inprocess = InProcessConfig(
-        enabled=not args.no_inprocess,
-        pg_timeout_s=args.pg_timeout,
-        soft_timeout_s=args.soft_timeout,
-        hard_timeout_s=args.hard_timeout,
-        heartbeat_timeout_s=args.inprocess_heartbeat_timeout,
-        barrier_timeout_s=args.barrier_timeout,
-        completion_timeout_s=args.barrier_timeout,
-        max_restarts=args.inprocess_max_restarts,
-    )
-    injob = InJobConfig(
-        enabled=not args.no_injob,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        initial_heartbeat_timeout_s=max(
-            args.heartbeat_timeout, InJobConfig.initial_heartbeat_timeout_s
-        ),
-    )
-    return TrainConfig(
-        run_root=args.run_root,
-        data_dir=args.data_dir,
-        model=model_config(args.model),
-        steps=args.steps,
-        global_batch=args.global_batch,
-        lr=args.lr,
-        seed=args.seed,
-        device=Device(args.device),
-        ckpt_interval=args.ckpt_interval,
-        keep_last=args.keep_last,
-        resume=ResumePolicy(args.resume),
-        ckpt_timeout_s=args.ckpt_timeout,
-        verify_data=not args.no_verify_data,
-        faults=tuple(args.inject),
-        inprocess=inprocess,
-        injob=injob,
-    )
+    """The config file if given, else defaults; then every flag given overrides its field."""
+    if args.config is not None:
+        data = load_config(args.config).to_dict()
+    else:
+        if args.run_root is None or args.data_dir is None:
+            raise ConfigError("config", "pass --config FILE, or --run-root and --data-dir")
+        data = {}
+    if args.model is not None:
+        data["workload"] = f"gpt-{args.model}"
+    for dest, name in _TOP.items():
+        value = getattr(args, dest)
+        if value is not None:
+            data[name] = str(value) if isinstance(value, Path) else value
+    inprocess = data.setdefault("inprocess", {})
+    for dest, name in _INPROCESS.items():
+        if getattr(args, dest) is not None:
+            inprocess[name] = getattr(args, dest)
+    if args.barrier_timeout is not None:
+        inprocess["completion_timeout_s"] = args.barrier_timeout
+    injob = data.setdefault("injob", {})
+    if args.heartbeat_timeout is not None:
+        injob["heartbeat_timeout_s"] = args.heartbeat_timeout
+        injob["initial_heartbeat_timeout_s"] = max(
+            args.heartbeat_timeout,
+            injob.get("initial_heartbeat_timeout_s", InJobConfig.initial_heartbeat_timeout_s),
+        )
+    if args.no_inprocess:
+        inprocess["enabled"] = False
+    if args.no_injob:
+        injob["enabled"] = False
+    if args.no_verify_data:
+        data["verify_data"] = False
+    if args.inject:
+        data["faults"] = [*data.get("faults", []), *args.inject]
+    return TrainConfig.from_dict(data)
 
 
 def _free_port_run(count: int = 3, attempts: int = 50) -> int:
@@ -187,8 +222,39 @@ def _cpu_threads() -> None:
     torch.set_num_threads(max(1, threads))
 
 
-def run(cfg: TrainConfig) -> dict[str, Any]:
-    """Run training in this worker process; raises on failure."""
+def workload_data(cfg: TrainConfig) -> DataSource:
+    """The workload's data source, its vocabulary checked against the model's."""
+    from trainer.workload import DataSettings
+
+    wl = cfg.wl
+    sampler = wl.data_source(
+        DataSettings(
+            data_dir=cfg.data_dir,
+            seq_len=wl.seq_len,
+            global_batch=cfg.global_batch,
+            seed=cfg.seed,
+            verify=cfg.verify_data,
+        )
+    )
+    if sampler.vocab_size > wl.vocab_size:
+        raise DataError(
+            f"dataset {cfg.data_dir} has vocab_size {sampler.vocab_size}, larger than the "
+            f"vocabulary of workload {wl.ref!r} ({wl.vocab_size}): tokens would index past the "
+            "embedding"
+        )
+    return sampler
+
+
+def run(
+    cfg: TrainConfig,
+    body: Callable[[Any, Any], dict[str, Any]] | None = None,
+    data: Callable[[TrainConfig], DataSource] = workload_data,
+) -> dict[str, Any]:
+    """Run training in this worker process under the enabled layers; raises on failure.
+
+    ``body(ctx, call_wrapper)`` is one attempt of the training run (re-entered by the in-process
+    layer after a fault): the built-in loop (:func:`trainer.loop.train`) by default, a user
+    script's train function in script mode (:mod:`trainer.script`)."""
     from trainer import nvrx_compat
     from trainer.async_ckpt import AsyncCheckpointer
     from trainer.checkpoint import FatalError
@@ -197,6 +263,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     from trainer.parallel import resolve_device
     from trainer.resilience import Heartbeat, wrap_inprocess
 
+    body = body or train
     _ensure_dist_env()
     _cpu_threads()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -204,18 +271,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     cfg.run_root.mkdir(parents=True, exist_ok=True)
     events = EventLog(cfg.run_root)
     placement = resolve_device(cfg.device)
-    sampler = StepSampler(
-        cfg.data_dir,
-        seq_len=cfg.model.seq_len,
-        global_batch=cfg.global_batch,
-        seed=cfg.seed,
-        verify=cfg.verify_data,
-    )
-    if sampler.vocab_size > cfg.model.vocab_size:
-        raise DataError(
-            f"dataset {cfg.data_dir} has vocab_size {sampler.vocab_size}, larger than model "
-            f"{cfg.model.name!r} ({cfg.model.vocab_size})"
-        )
+    sampler = data(cfg)
     inprocess_ok, why_not = nvrx_compat.inprocess_available()
     use_inprocess = cfg.inprocess.enabled and inprocess_ok
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -251,7 +307,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             events.emit("restart", layer="injob", restart_count=restart_count)
     try:
         if not use_inprocess:
-            return train(ctx)
+            return body(ctx, None)
         import datetime
 
         from torch.distributed import TCPStore
@@ -276,7 +332,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
         def attempt(call_wrapper: Any = None) -> dict[str, Any]:
             try:
-                return train(ctx, call_wrapper)
+                return body(ctx, call_wrapper)
             except (FatalError, DataError) as e:
                 # No restart can fix it: escape the Wrapper (RestartAbort is a BaseException).
                 from nvidia_resiliency_ext.inprocess.exception import RestartAbort
@@ -315,10 +371,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FaultSpecError) as e:
         print(f"error: invalid configuration: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    return execute(cfg)
+
+
+def execute(
+    cfg: TrainConfig,
+    body: Callable[[Any, Any], dict[str, Any]] | None = None,
+    data: Callable[[TrainConfig], DataSource] = workload_data,
+) -> int:
+    """:func:`run`, turned into the worker's exit code (DESIGN §5): 0 done, 2 bad
+    configuration, 3 fatal (ft_launcher is asked not to restart); a crash raises."""
     from trainer.checkpoint import FatalError
 
     try:
-        result = run(cfg)
+        result = run(cfg, body, data)
     except ConfigError as e:
         print(f"error: invalid configuration: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -19,7 +19,8 @@ from pathlib import Path
 import psutil
 
 from tasks.backends.base import JobStatus, LaunchRequest
-from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
+from trainer.config import config_file, save_config
+from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -85,8 +86,9 @@ class LocalBackend:
             rdzv_endpoint=f"127.0.0.1:{free_port()}",
             rdzv_id=f"{request.run_id}-attempt{request.attempt}",
         )
-        argv = ft_launcher_argv(cfg, spec, trainer_args(cfg))
-        env = dict(os.environ)
+        config = save_config(cfg, config_file(cfg.run_root, request.attempt))
+        argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config))
+        env = {**os.environ, **worker_env(config)}
         env["NVRX_STAGE_ATTEMPT"] = str(request.attempt)
         # All simulated nodes share this host's cores.
         workers = request.nodes * request.nproc_per_node

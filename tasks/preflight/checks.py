@@ -29,6 +29,8 @@ class Requirements:
     min_nvrx: tuple[int, int, int] = (0, 4, 1)
     buckets: tuple[str, ...] = ()
     dataset_uri: str = ""
+    workload: str = ""
+    vocab_size: int | None = None  # the workload's vocabulary (embedding rows)
 
 
 Check = Callable[[Snapshot, Requirements], CheckResult]
@@ -160,6 +162,52 @@ def check_dataset(snap: Snapshot, req: Requirements) -> CheckResult:
     return CheckResult(name, Status.PASSED, f"{req.dataset_uri}: {files} shards in the manifest")
 
 
+_DTYPE_LIMIT = {"uint16": 1 << 16, "uint32": 1 << 32}
+
+
+def check_vocabulary(snap: Snapshot, req: Requirements) -> CheckResult:
+    """The data's token ids must index inside the model's embedding, and fit the shards' dtype."""
+    name = "dataset vocabulary fits the workload"
+    if (skip := _needs("s3", name, snap)) is not None:
+        return skip
+    if (skip := _needs("dataset", name, snap)) is not None:
+        return skip
+    data_vocab = snap.facts.get("dataset_vocab_size")
+    dtype = snap.facts.get("dataset_dtype")
+    if req.vocab_size is None:
+        return CheckResult(name, Status.SKIPPED, "the workload's vocabulary is not known")
+    if not isinstance(data_vocab, int) or data_vocab < 1:
+        return CheckResult(
+            name,
+            Status.FAILED,
+            f"{req.dataset_uri}/dataset.json has no valid vocab_size ({data_vocab!r})",
+            "write the dataset with `nvrx-pipeline prepare-dataset`",
+        )
+    limit = _DTYPE_LIMIT.get(str(dtype))
+    if limit is None or data_vocab > limit:
+        return CheckResult(
+            name,
+            Status.FAILED,
+            f"dataset vocab_size {data_vocab} does not fit its token dtype {dtype!r} "
+            f"(at most {limit or 0} ids)",
+            "write the shards as uint32 (`nvrx-pipeline prepare-dataset --dtype uint32`)",
+        )
+    if data_vocab > req.vocab_size:
+        return CheckResult(
+            name,
+            Status.FAILED,
+            f"dataset vocab_size {data_vocab} is larger than workload {req.workload!r}'s "
+            f"vocabulary {req.vocab_size}: token ids would index past the embedding",
+            "tokenize with the model's tokenizer, or pick a workload with a large enough "
+            "vocabulary",
+        )
+    return CheckResult(
+        name,
+        Status.PASSED,
+        f"dataset vocab_size {data_vocab} ({dtype}) <= workload vocabulary {req.vocab_size}",
+    )
+
+
 CHECKS: tuple[Check, ...] = (
     check_cores,
     check_memory,
@@ -169,11 +217,17 @@ CHECKS: tuple[Check, ...] = (
     check_s3_endpoint,
     check_buckets,
     check_dataset,
+    check_vocabulary,
 )
 
 
 # What both backends check of S3 (the EKS preflight adds its own cluster and FSx checks).
-S3_CHECKS: tuple[Check, ...] = (check_s3_endpoint, check_buckets, check_dataset)
+S3_CHECKS: tuple[Check, ...] = (
+    check_s3_endpoint,
+    check_buckets,
+    check_dataset,
+    check_vocabulary,
+)
 
 
 def run_checks(snap: Snapshot, req: Requirements) -> list[CheckResult]:

@@ -100,7 +100,10 @@ def gather_s3(
         body = client.get_object(Bucket=dataset_bucket, Key=f"{dataset_prefix}/dataset.json")[
             "Body"
         ]
-        f["dataset_files"] = len(json.loads(body.read())["files"])
+        dataset = json.loads(body.read())
+        f["dataset_files"] = len(dataset["files"])
+        f["dataset_vocab_size"] = dataset.get("vocab_size")
+        f["dataset_dtype"] = dataset.get("dtype", "uint16")
     except Exception as e:
         err["dataset"] = (
             f"s3://{dataset_bucket}/{dataset_prefix}/dataset.json: "

@@ -33,12 +33,11 @@ _REPO = Path(__file__).resolve().parents[2]
 class Expectations:
     """What the run says the checkpoint must be; None: not known (the check is SKIPPED)."""
 
-    model: str | None = None
+    # {"ref", "options"}: overrides the workload the manifest says wrote the checkpoint.
+    workload: dict[str, Any] | None = None
     config_hash: str | None = None
     world_size: int | None = None
     data_dir: Path | None = None  # enables the held-out loss check
-    global_batch: int = 8
-    seed: int = 1234
     loss_tolerance: float = 0.25  # relative
     load_timeout_s: float = 600.0
 
@@ -90,21 +89,23 @@ def _hash_files(path: Path, names: list[str]) -> tuple[dict[str, dict[str, Any]]
     return files, (total / 1e6 / seconds if seconds > 0 else 0.0)
 
 
-def expected_entries(model_name: str) -> dict[str, tuple[int, ...] | None]:
-    """Every DCP key a checkpoint of this model must hold (model params and AdamW state)."""
+def expected_entries(workload: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
+    """Every DCP key a checkpoint of this workload must hold: the model's parameters with their
+    shapes and, with the default AdamW, its state (a workload's own optimizer may keep other
+    state, so only the model is checked then)."""
     import torch
 
-    from trainer.config import model_config
-    from trainer.model import GPT
+    from trainer.workload import adamw, load_workload
 
-    with torch.device("meta"):
-        model = GPT(model_config(model_name))
+    wl = load_workload(workload["ref"], workload.get("options") or {})
+    model = wl.build_model(torch.device("meta"))
     out: dict[str, tuple[int, ...] | None] = {}
     for name, p in model.named_parameters():
         out[f"model.{name}"] = tuple(p.shape)
-        out[f"optim.state.{name}.exp_avg"] = tuple(p.shape)
-        out[f"optim.state.{name}.exp_avg_sq"] = tuple(p.shape)
-        out[f"optim.state.{name}.step"] = ()
+        if wl.spec.build_optimizer is adamw:
+            out[f"optim.state.{name}.exp_avg"] = tuple(p.shape)
+            out[f"optim.state.{name}.exp_avg_sq"] = tuple(p.shape)
+            out[f"optim.state.{name}.step"] = ()
     return out
 
 
@@ -120,31 +121,30 @@ def _dcp_entries(path: Path) -> dict[str, tuple[int, ...] | None]:
 
 
 def _fresh_process_load(
-    path: Path, step: int, exp: Expectations, *, safetensors_out: Path | None = None
+    path: Path,
+    exp: Expectations,
+    *,
+    safetensors_out: Path | None = None,
+    pretrained_out: Path | None = None,
 ) -> dict[str, Any]:
-    assert exp.model is not None
-    argv = [
-        sys.executable,
-        "-m",
-        "tasks.validation.load_check",
-        str(path),
-        "--model",
-        exp.model,
-        "--step",
-        str(step),
-        "--global-batch",
-        str(exp.global_batch),
-        "--seed",
-        str(exp.seed),
-    ]
+    argv = [sys.executable, "-m", "tasks.validation.load_check", str(path)]
+    if exp.workload is not None:
+        argv += [
+            "--workload",
+            exp.workload["ref"],
+            "--workload-options",
+            json.dumps(exp.workload.get("options") or {}),
+        ]
     if exp.data_dir is not None:
         argv += ["--data-dir", str(exp.data_dir)]
     if safetensors_out is not None:
         argv += ["--safetensors", str(safetensors_out)]
+    if pretrained_out is not None:
+        argv += ["--pretrained", str(pretrained_out)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NVRX_CONFIG"):
+        env.pop(key, None)  # a world of its own
     proc = subprocess.run(
         argv, capture_output=True, text=True, env=env, cwd=_REPO, timeout=exp.load_timeout_s
     )
@@ -165,34 +165,40 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
         return facts
     names = [e["name"] for e in facts.manifest["files"]]
     facts.files, facts.hash_mb_s = _hash_files(path, names)
-    try:
-        facts.dcp_entries = _dcp_entries(path)
-    except Exception as e:
-        facts.errors["dcp"] = f"cannot read {path / '.metadata'}: {type(e).__name__}: {e}"
-    model = exp.model or facts.manifest.get("model")
-    if model:
-        try:
-            facts.expected_entries = expected_entries(model)
-        except Exception as e:
-            facts.errors["expected"] = f"model {model!r}: {e}"
-    else:
-        facts.errors["expected"] = "model size unknown (not in the manifest, none given)"
     digests_ok = all(
         facts.files.get(e["name"], {}).get("sha256") == e["sha256"] for e in facts.manifest["files"]
     )
+    if not digests_ok:
+        # The DCP .metadata is a pickle: never read it before the manifest vouched for it.
+        facts.errors["dcp"] = "not read: files do not match the manifest"
+    else:
+        try:
+            facts.dcp_entries = _dcp_entries(path)
+        except Exception as e:
+            facts.errors["dcp"] = f"cannot read {path / '.metadata'}: {type(e).__name__}: {e}"
+    workload = exp.workload or ckpt_manifest.workload_of(facts.manifest)
+    if workload and workload["ref"].startswith("script:"):
+        # A user's script builds its own model: nothing here can rebuild it to compare.
+        why = f"written by the training script {workload['ref'][7:]!r}: its model is its own"
+        facts.errors["expected"] = why
+        facts.errors["load"] = why
+        return facts
+    if workload:
+        try:
+            facts.expected_entries = expected_entries(workload)
+        except Exception as e:
+            facts.errors["expected"] = f"workload {workload['ref']!r}: {e}"
+    else:
+        facts.errors["expected"] = "workload unknown (not in the manifest, none given)"
     if not load:
         facts.errors["load"] = "not requested"
     elif not digests_ok:
         facts.errors["load"] = "skipped: files do not match the manifest"
-    elif not model:
-        facts.errors["load"] = "model size unknown"
+    elif not workload:
+        facts.errors["load"] = "workload unknown"
     else:
         try:
-            facts.load = _fresh_process_load(
-                path,
-                int(facts.manifest["step"]),
-                Expectations(**{**exp.__dict__, "model": model}),
-            )
+            facts.load = _fresh_process_load(path, exp)
         except subprocess.TimeoutExpired:
             facts.errors["load"] = f"load did not finish in {exp.load_timeout_s} s"
     return facts
@@ -316,17 +322,26 @@ def judge(f: Facts, exp: Expectations) -> CheckpointReport:
     )
 
 
-def consolidate(path: Path, out: Path, *, model: str | None = None) -> dict[str, Any]:
-    """Write the checkpoint's full model weights as one safetensors file (fresh process, one CPU
-    rank). Returns ``{path, bytes, sha256}`` plus the ``params_sha256`` of the weights."""
-    man = ckpt_manifest.read_manifest(path)
-    name = model or man.get("model")
-    if not name:
-        raise ValueError(f"{path}: model size unknown (not in the manifest)")
-    res = _fresh_process_load(path, int(man["step"]), Expectations(model=name), safetensors_out=out)
+def consolidate(
+    path: Path,
+    out: Path,
+    *,
+    pretrained_out: Path | None = None,
+    workload: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write the checkpoint's full model weights as one safetensors file and, when the workload
+    has one, its own self-contained layout (an HF directory for Llama) (fresh process, one CPU
+    rank). Returns ``{path, bytes, sha256, params_sha256, pretrained}``."""
+    res = _fresh_process_load(
+        path, Expectations(workload=workload), safetensors_out=out, pretrained_out=pretrained_out
+    )
     if not res.get("loaded") or "safetensors" not in res:
         raise RuntimeError(f"consolidating {path} failed: {res.get('error')}")
-    return {**res["safetensors"], "params_sha256": res["params_sha256"]}
+    return {
+        **res["safetensors"],
+        "params_sha256": res["params_sha256"],
+        "pretrained": res.get("pretrained"),
+    }
 
 
 def validate_checkpoint(path: Path, exp: Expectations, *, load: bool = True) -> CheckpointReport:

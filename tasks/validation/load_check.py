@@ -2,8 +2,9 @@
 and report on it as JSON: every tensor finite, the parameters' digest, and optionally the loss on a
 held-out batch (the batch of the step *after* the checkpoint, which it has not trained on).
 
-    python -m tasks.validation.load_check CKPT_DIR --model tiny [--data-dir D --global-batch N
-        --seed S]
+    python -m tasks.validation.load_check CKPT_DIR --step N --workload gpt-tiny
+        [--workload-options JSON] [--data-dir D --global-batch N --seed S]
+        [--safetensors FILE] [--pretrained DIR]
 
 Runs in its own process so that a corrupt checkpoint cannot take the caller down, and so that the
 load sees no state of the writer (a fresh interpreter is what a resuming job has).
@@ -22,31 +23,43 @@ from typing import Any
 
 def load_and_inspect(
     path: Path,
-    model_name: str,
     *,
-    data_dir: Path | None,
-    global_batch: int,
-    seed: int,
-    step: int,
+    workload: dict[str, Any] | None = None,
+    data_dir: Path | None = None,
     safetensors_out: Path | None = None,
+    pretrained_out: Path | None = None,
 ) -> dict[str, Any]:
+    """``workload``: ``{"ref", "options"}`` to override what the checkpoint's manifest says
+    produced it (its workload, optimizer settings, batch and seed come from the manifest)."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from trainer.config import model_config
+    from trainer import manifest as ckpt_manifest
     from trainer.digest import tensor_dict_sha256
-    from trainer.model import GPT
+    from trainer.workload import DataSettings, OptimSettings, load_workload
 
     torch.set_num_threads(1)
-    cfg = model_config(model_name)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    man = ckpt_manifest.read_manifest(path)
+    step = int(man["step"])
+    produced = ckpt_manifest.workload_of(man)
+    chosen = workload or produced
+    if chosen is None:
+        raise ValueError(f"{path}: the manifest does not say which workload wrote it; name one")
+    wl = load_workload(chosen["ref"], chosen.get("options") or {})
+    cfg = man.get("config") or {}
+    # Its own port, whatever MASTER_PORT the caller's environment carries (it may be in use).
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
     try:
-        model = GPT(cfg)
-        optim = torch.optim.AdamW(model.parameters())
+        torch.manual_seed(0)
+        model = wl.build_model("cpu")
+        optim = wl.build_optimizer(
+            model,
+            OptimSettings(lr=cfg.get("lr", 1e-3), weight_decay=cfg.get("weight_decay", 0.0)),
+        )
         model_sd, optim_sd = get_state_dict(model, optim)
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
         model.load_state_dict(model_sd)
@@ -66,16 +79,22 @@ def load_and_inspect(
             out["safetensors"] = _write_safetensors(
                 model, safetensors_out, step=step, digest=out["params_sha256"]
             )
+        if pretrained_out is not None:
+            out["pretrained"] = _write_pretrained(wl, model, pretrained_out)
         if data_dir is not None:
-            from trainer.data import StepSampler
-
-            sampler = StepSampler(
-                data_dir, seq_len=cfg.seq_len, global_batch=global_batch, seed=seed, verify=False
+            source = wl.data_source(
+                DataSettings(
+                    data_dir=data_dir,
+                    seq_len=wl.seq_len,
+                    global_batch=int(cfg.get("global_batch", 8)),
+                    seed=int(cfg.get("seed", 1234)),
+                    verify=False,
+                )
             )
-            x, y = sampler.batch(step + 1, 0, 1)
+            x, y = source.batch(step + 1, 0, 1)
             model.eval()
             with torch.no_grad():
-                loss = model(torch.from_numpy(x), torch.from_numpy(y))
+                loss = wl.loss(model, torch.from_numpy(x), torch.from_numpy(y))
             out["heldout_loss"] = float(loss) if math.isfinite(float(loss)) else None
         return out
     finally:
@@ -94,6 +113,35 @@ def _write_safetensors(model: Any, out: Path, *, step: int, digest: str) -> dict
     save_file(tensors, str(tmp), metadata={"step": str(step), "params_sha256": digest})
     os.replace(tmp, out)
     return {"path": str(out), "bytes": out.stat().st_size, "sha256": sha256_file(out)}
+
+
+def _write_pretrained(wl: Any, model: Any, out: Path) -> dict[str, Any] | None:
+    """The workload's own self-contained layout (Hugging Face for Llama): every file with its
+    size and sha256, or None when the workload has none."""
+    import shutil
+
+    from trainer.hashing import sha256_file
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if not wl.export_pretrained(model, tmp):
+        shutil.rmtree(tmp)
+        return None
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    return {
+        "path": str(out),
+        "files": [
+            {
+                "name": str(p.relative_to(out)),
+                "bytes": p.stat().st_size,
+                "sha256": sha256_file(p),
+            }
+            for p in files
+        ],
+    }
 
 
 def _tensors(obj: Any, prefix: str = "") -> Any:
@@ -120,22 +168,21 @@ def _free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tasks.validation.load_check")
     p.add_argument("path", type=Path)
-    p.add_argument("--model", required=True)
-    p.add_argument("--step", type=int, required=True)
-    p.add_argument("--data-dir", type=Path)
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--workload", help="override the manifest's workload")
+    p.add_argument("--workload-options", type=json.loads, default={})
+    p.add_argument("--data-dir", type=Path, help="enables the held-out loss")
     p.add_argument("--safetensors", type=Path, help="also write the full weights here")
+    p.add_argument("--pretrained", type=Path, help="also write the workload's own layout here")
     args = p.parse_args(argv)
     try:
         out = load_and_inspect(
             args.path,
-            args.model,
+            workload=None
+            if args.workload is None
+            else {"ref": args.workload, "options": args.workload_options},
             data_dir=args.data_dir,
-            global_batch=args.global_batch,
-            seed=args.seed,
-            step=args.step,
             safetensors_out=args.safetensors,
+            pretrained_out=args.pretrained,
         )
     except Exception as e:
         out = {"loaded": False, "error": f"{type(e).__name__}: {e}"[:2000]}

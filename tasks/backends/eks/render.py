@@ -13,8 +13,8 @@ import hashlib
 import re
 from typing import Any
 
-from trainer.config import TrainConfig
-from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
+from trainer.config import TrainConfig, config_file
+from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
 
 CONTAINER = "trainer"
 LABEL_RUN = "nvrx.io/run-id"
@@ -75,13 +75,17 @@ def render_job(
         rdzv_id=name,
         cpu_only=False,
     )
-    argv = ft_launcher_argv(cfg, spec, trainer_args(cfg))
+    # The flow runner writes this file on the shared FSx mount before it creates the Job
+    # (eks_train_attempt); the pods read the same path.
+    config = config_file(cfg.run_root, attempt)
+    argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config))
     argv[0] = "ft_launcher"  # the image's entry point, not this machine's path
     resources = {"nvidia.com/gpu": str(eks.gpus_per_node)}
     if eks.efa_per_node:
         resources["vpc.amazonaws.com/efa"] = str(eks.efa_per_node)
     env = [
         {"name": "NVRX_STAGE_ATTEMPT", "value": str(attempt)},
+        *({"name": k, "value": v} for k, v in worker_env(config).items()),
         {"name": "NVRX_EVENTS_STDOUT", "value": "1"},  # structured progress in `kubectl logs`
         {"name": "TORCH_CPP_LOG_LEVEL", "value": "ERROR"},
         {"name": "FI_PROVIDER", "value": "efa"},

@@ -22,7 +22,7 @@ from tasks.checks import CheckResult
 from tasks.classify import EndKind, Outcome
 from tasks.preflight.eks import EksRequirements
 from tasks.train_stage import AttemptReport, EventTail
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, config_file, save_config
 from trainer.events import EventLog
 
 
@@ -54,6 +54,7 @@ def eks_train_attempt(
     run_root.mkdir(parents=True, exist_ok=True)
     result_path = run_root / "result.json"
     result_path.unlink(missing_ok=True)  # only this attempt's result counts
+    save_config(cfg, config_file(run_root, attempt))  # what every pod's workers read
     events = EventLog(run_root)
     tail = EventTail(events.path)
     seen: list[dict[str, Any]] = []

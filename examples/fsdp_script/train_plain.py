@@ -1,0 +1,92 @@
+"""A plain FSDP2 training script, as a user would write it (no fault tolerance).
+
+    torchrun --nproc-per-node 2 examples/fsdp_script/train_plain.py --data-dir DATA --steps 20
+
+A small causal transformer LM over a token dataset (``dataset.json`` + shards), FSDP2 on each
+layer, AdamW. The batch of a step is drawn from (seed, step): the same step sees the same data.
+``train.py`` beside it is this script converted to run under the NVRx layers.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--data-dir", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int, d: int = 64, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True)
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1])
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x, src_mask=mask, is_causal=True)
+        return self.head(x)
+
+
+def load_tokens(data_dir: Path) -> tuple[np.ndarray, int]:
+    manifest = json.loads((data_dir / "dataset.json").read_text())
+    dtype = np.dtype("<u4" if manifest.get("dtype") == "uint32" else "<u2")
+    shards = [np.fromfile(data_dir / f["name"], dtype=dtype) for f in manifest["files"]]
+    return np.concatenate(shards), int(manifest["vocab_size"])
+
+
+def get_batch(tokens, step, rank, world, args) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = np.random.default_rng([args.seed, step]).integers(
+        0, len(tokens) - args.seq_len - 1, size=args.batch
+    )
+    per_rank = args.batch // world
+    rows = [tokens[s : s + args.seq_len + 1] for s in starts[rank * per_rank :][:per_rank]]
+    batch = torch.from_numpy(np.stack(rows).astype(np.int64))
+    return batch[:, :-1], batch[:, 1:]
+
+
+def train(args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo")  # "nccl" on GPUs
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, vocab = load_tokens(args.data_dir)
+    torch.manual_seed(args.seed)
+    model = TinyLM(vocab)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    for step in range(1, args.steps + 1):
+        x, y = get_batch(tokens, step, rank, world, args)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        if rank == 0:
+            print(f"step {step} loss {loss.item():.4f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    train(parse_args())

@@ -1,0 +1,259 @@
+"""The workload API and the one serialized training config: references, options, the config
+file every worker reads (a round trip that keeps every field), and what the manifest records."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.config import (
+    ConfigError,
+    Device,
+    InJobConfig,
+    InProcessConfig,
+    ResumePolicy,
+    TrainConfig,
+    load_config,
+    save_config,
+)
+from trainer.train import build_parser, config_from_args
+from trainer.workload import BUILTIN, load_workload
+
+
+def _every_field_changed(dataset: Path, tmp_path: Path) -> TrainConfig:
+    """A config where every field (nested ones too) differs from its default."""
+    return TrainConfig(
+        run_root=tmp_path / "run",
+        data_dir=dataset,
+        workload="llama-tiny",
+        workload_options={"seq_len": 32, "activation_checkpointing": True},
+        steps=7,
+        global_batch=4,
+        lr=1e-3,
+        weight_decay=0.05,
+        seed=99,
+        device=Device.CPU,
+        ckpt_interval=3,
+        keep_last=2,
+        resume=ResumePolicy.FRESH,
+        verify_data=False,
+        verify_checkpoint_on_resume=False,
+        ckpt_timeout_s=77.0,
+        faults=("exception@step=2,rank=0", "sigkill@step=5"),
+        inprocess=InProcessConfig(
+            enabled=False,
+            pg_timeout_s=2.5,
+            soft_timeout_s=7.0,
+            hard_timeout_s=15.0,
+            heartbeat_timeout_s=11.0,
+            barrier_timeout_s=50.0,
+            completion_timeout_s=55.0,
+            max_restarts=4,
+        ),
+        injob=InJobConfig(
+            enabled=False,
+            max_restarts=2,
+            initial_heartbeat_timeout_s=80.0,
+            heartbeat_timeout_s=25.0,
+            monitor_interval_s=0.7,
+            workers_stop_timeout_s=4.0,
+            rdzv_join_timeout_s=19.0,
+        ),
+        local_paths=False,
+    )
+
+
+def _assert_all_differ(cfg: TrainConfig, default: TrainConfig) -> None:
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in ("run_root", "data_dir", "script_args"):  # script_args: the next test
+            continue
+        ours, theirs = getattr(cfg, f.name), getattr(default, f.name)
+        if dataclasses.is_dataclass(ours):
+            for sub in dataclasses.fields(ours):  # type: ignore[arg-type]
+                assert getattr(ours, sub.name) != getattr(theirs, sub.name), f"{f.name}.{sub.name}"
+        else:
+            assert ours != theirs, f.name
+
+
+def test_config_file_round_trip_keeps_every_field(dataset: Path, tmp_path: Path):
+    cfg = _every_field_changed(dataset, tmp_path)
+    _assert_all_differ(cfg, TrainConfig(run_root=tmp_path / "run", data_dir=dataset))
+    path = save_config(cfg, tmp_path / "attempt.json")
+    assert load_config(path) == cfg
+    # ... and through the worker's own command line (what ft_launcher runs).
+    assert config_from_args(build_parser().parse_args([f"--config={path}"])) == cfg
+    assert load_config(path).fingerprint() == cfg.fingerprint()
+
+
+def test_script_config_round_trip(dataset: Path, tmp_path: Path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    cfg = TrainConfig(
+        run_root=tmp_path / "run",
+        data_dir=dataset,
+        workload=f"script:{script}",
+        script_args=("--data-dir", "{data_dir}", "--steps", "{steps}"),
+        steps=6,
+    )
+    assert load_config(save_config(cfg, tmp_path / "s.json")) == cfg
+    assert cfg.expanded_script_args() == ["--data-dir", str(dataset), "--steps", "6"]
+    with pytest.raises(ConfigError, match=r"^script_args: only a script"):
+        dataclasses.replace(cfg, workload="gpt-tiny")
+    with pytest.raises(ConfigError, match=r"^workload: training script .* not found"):
+        dataclasses.replace(cfg, workload=f"script:{tmp_path / 'nope.py'}")
+
+
+def test_flags_override_single_fields_of_the_file(dataset: Path, tmp_path: Path):
+    cfg = _every_field_changed(dataset, tmp_path)
+    path = save_config(cfg, tmp_path / "attempt.json")
+    got = config_from_args(build_parser().parse_args([f"--config={path}", "--steps=9"]))
+    assert got == dataclasses.replace(cfg, steps=9)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda d: d.update(stpes=3), "stpes"),
+        (lambda d: d["inprocess"].update(soft=1), "inprocess.soft"),
+        (lambda d: d.update(device="tpu"), "config"),
+        (lambda d: d.update(workload="nope"), "workload"),
+    ],
+)
+def test_bad_config_file_names_the_field(mutate, field, dataset: Path, tmp_path: Path):
+    path = save_config(_every_field_changed(dataset, tmp_path), tmp_path / "a.json")
+    data = json.loads(path.read_text())
+    mutate(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("ref", "options", "field", "words"),
+    [
+        ("gpt-huge", {}, "workload", "not a built-in workload"),
+        ("no_such_pkg.mod:spec", {}, "workload", "cannot import module 'no_such_pkg.mod'"),
+        ("json:no_such_attr", {}, "workload", "has no attribute 'no_such_attr'"),
+        ("json:dumps", {}, "workload", "not a trainer.workload.WorkloadSpec"),
+        ("script:train.py", {}, "workload", "training script"),
+        ("gpt-tiny", {"size": "huge"}, "workload_options.size", "tiny"),
+        ("gpt-tiny", {"dropout": 2.0}, "workload_options.dropout", "less than 1"),
+        ("llama-tiny", {"hidden": 3}, "workload_options.hidden", "unknown option"),
+        ("llama-tiny", {"mixed_precision": "fp8"}, "workload_options.mixed_precision", "bf16"),
+    ],
+)
+def test_bad_workloads_are_refused_naming_the_field(ref, options, field, words):
+    with pytest.raises(ConfigError) as err:
+        load_workload(ref, options)
+    assert err.value.field == field and words in str(err.value)
+
+
+def test_pipeline_params_refuse_bad_workloads_before_anything_starts():
+    from pydantic import ValidationError
+
+    from flows.models import PipelineParams
+
+    with pytest.raises(ValidationError, match=r"workload_options\.size"):
+        PipelineParams(workload="llama-tiny", workload_options={"size": "70b"})
+    with pytest.raises(ValidationError, match=r"workload: cannot import module 'nope'"):
+        PipelineParams(workload="nope:spec")
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_builtin_workloads_build_on_meta(name: str):
+    """Every named shape builds (on the meta device: no memory) with its blocks found."""
+    from trainer.workload import _outermost
+
+    wl = load_workload(name)
+    model = wl.build_model(torch.device("meta"))
+    blocks = _outermost(model, wl.spec.block_classes(wl.options))
+    assert blocks and wl.vocab_size >= 512 and wl.seq_len >= 64
+    n = sum(p.numel() for p in model.parameters())
+    expected = {"gpt-tiny": (1e5, 1e6), "llama-tiny": (1e5, 1e6), "gpt-100m": (1e8, 1.3e8)}
+    expected |= {"llama-1b": (1.1e9, 1.4e9), "llama3-8b": (7.9e9, 8.1e9), "gpt-8b": (7e9, 9e9)}
+    lo, hi = expected[name]
+    assert lo < n < hi, (name, n)
+
+
+def test_a_workload_from_outside_the_repository(tmp_path: Path, monkeypatch):
+    (tmp_path / "my_workloads").mkdir()
+    (tmp_path / "my_workloads" / "__init__.py").write_text("")
+    (tmp_path / "my_workloads" / "mlp.py").write_text(OUTSIDE_WORKLOAD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    wl = load_workload("my_workloads.mlp:spec", {"width": 16})
+    model = wl.build_model("cpu")
+    x = torch.randint(0, 64, (2, 8))
+    loss = wl.loss(model, x, x)
+    assert loss.shape == () and torch.isfinite(loss)
+    with pytest.raises(ConfigError, match=r"workload_options.width"):
+        load_workload("my_workloads.mlp:spec", {"width": 1})
+    sys.modules.pop("my_workloads.mlp", None)
+
+
+# A user's workload: its own model, block and options, nothing from this repository but the API.
+OUTSIDE_WORKLOAD = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from pydantic import BaseModel, ConfigDict, Field
+    from torch import nn
+
+    from trainer.workload import WorkloadSpec
+
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        width: int = Field(32, ge=8)
+
+
+    class Block(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.fc = nn.Linear(width, width)
+
+        def forward(self, x):
+            return x + torch.tanh(self.fc(x))
+
+
+    class Mlp(nn.Module):
+        def __init__(self, width, vocab=512):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, width)
+            self.blocks = nn.ModuleList(Block(width) for _ in range(2))
+            self.head = nn.Linear(width, vocab)
+
+        def forward(self, idx):
+            x = self.emb(idx)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+
+    def build(o, device):
+        with device:
+            return Mlp(o.width)
+
+
+    def loss(model, inputs, targets):
+        logits = model(inputs)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+    spec = WorkloadSpec(
+        name="outside-mlp",
+        options=Options,
+        build_model=build,
+        block_classes=lambda o: (Block,),
+        loss=loss,
+        vocab_size=lambda o: 512,
+        seq_len=lambda o: 64,
+    )
+    """
+)

@@ -1,0 +1,172 @@
+"""Fault tolerance beside the training loop: composed step hooks.
+
+The loop calls four points and knows nothing of what hangs on them::
+
+    hooks.on_step_start(step)            # before the step's forward pass
+    hooks.on_step_end(StepEnd(...))      # after the optimizer step (and a save, if one started)
+    hooks.on_save_started(step)          # a save of `step` was handed to the async writer
+    hooks.on_commit(step, path)          # rank 0: checkpoint `step` is committed at `path`
+
+Drills, ft_launcher heartbeats, the in-process Wrapper's ping, step/recovery events: each is one
+small hook; :class:`Hooks` composes them (as NVRx's ``Compose`` does for its extension points).
+Script mode (``trainer.script``) gives a user's own loop the same hooks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.events import EventLog, read_events
+from trainer.faults import FaultInjector, FaultSpec, flip_bytes
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    step: int
+    loss: float
+    step_s: float
+    tokens: int  # tokens in the global batch of this step
+    ckpt_blocking_s: float | None = None  # set when a save started at this step
+
+
+class Hook:
+    """Base class: every point is a no-op; a hook overrides the ones it needs."""
+
+    def on_step_start(self, step: int) -> None:
+        pass
+
+    def on_step_end(self, end: StepEnd) -> None:
+        pass
+
+    def on_save_started(self, step: int) -> None:
+        pass
+
+    def on_commit(self, step: int, path: Path) -> None:
+        pass
+
+
+class Hooks(Hook):
+    """Calls each hook in order at every point."""
+
+    def __init__(self, *hooks: Hook) -> None:
+        self.hooks = list(hooks)
+
+    def on_step_start(self, step: int) -> None:
+        for h in self.hooks:
+            h.on_step_start(step)
+
+    def on_step_end(self, end: StepEnd) -> None:
+        for h in self.hooks:
+            h.on_step_end(end)
+
+    def on_save_started(self, step: int) -> None:
+        for h in self.hooks:
+            h.on_save_started(step)
+
+    def on_commit(self, step: int, path: Path) -> None:
+        for h in self.hooks:
+            h.on_commit(step, path)
+
+
+class FaultDrills(Hook):
+    """Injected faults (tests, benchmarks, game days): at a step's start, right after a save was
+    handed to the writer (``phase=checkpoint``), and corrupting a committed checkpoint."""
+
+    def __init__(self, specs: tuple[str, ...], run_root: Path, events: EventLog, *, rank: int):
+        self.events = events
+        self.rank = rank
+        self.injector = FaultInjector(specs, run_root, rank=rank, on_fire=self._fired)
+
+    def _fired(self, spec: FaultSpec) -> None:
+        self.events.emit(
+            "fault", fault=str(spec), fault_kind=spec.kind, step=spec.step, rank=self.rank
+        )
+
+    def on_step_start(self, step: int) -> None:
+        self.injector.maybe_fire(step)
+
+    def on_save_started(self, step: int) -> None:
+        self.injector.maybe_fire(step, phase="checkpoint")
+
+    def on_commit(self, step: int, path: Path) -> None:
+        spec = self.injector.corruption_due(step)
+        if spec is None:
+            return
+        victim = sorted(path.glob("*.distcp"))[0]
+        flip_bytes(victim)
+        self.events.emit(
+            "fault",
+            fault=str(spec),
+            fault_kind=spec.kind,
+            step=step,
+            rank=self.rank,
+            file=str(victim),
+        )
+
+
+class Heartbeats(Hook):
+    """ft_launcher heartbeats (``RankMonitorClient``), one per finished step."""
+
+    def __init__(self, heartbeat: Any) -> None:
+        self.heartbeat = heartbeat
+
+    def on_step_end(self, end: StepEnd) -> None:
+        self.heartbeat.beat()
+
+
+class WrapperPing(Hook):
+    """Tells the in-process Wrapper the rank makes progress (its soft/hard timeouts)."""
+
+    def __init__(self, call_wrapper: Any) -> None:
+        self.call_wrapper = call_wrapper
+
+    def on_step_end(self, end: StepEnd) -> None:
+        self.call_wrapper.ping()
+
+
+class StepEvents(Hook):
+    """Rank 0: a ``step`` event per step, and after the first step since a restart a
+    ``recovered`` event closing every open fault (what recovery times are measured from)."""
+
+    def __init__(self, events: EventLog, *, first_step: int, recovery_layer: str | None):
+        self.events = events
+        self.first_step = first_step
+        self.layer = recovery_layer
+
+    def on_step_end(self, end: StepEnd) -> None:
+        self.events.emit(
+            "step",
+            step=end.step,
+            loss=round(end.loss, 6),
+            step_s=round(end.step_s, 4),
+            tokens_per_s=round(end.tokens / end.step_s, 1) if end.step_s > 0 else None,
+            ckpt_blocking_s=None if end.ckpt_blocking_s is None else round(end.ckpt_blocking_s, 4),
+        )
+        if end.step == self.first_step and self.layer is not None:
+            emit_recoveries(self.events, self.layer, end.step)
+
+
+def emit_recoveries(events: EventLog, layer: str, step: int) -> None:
+    """Close every fault recorded since the last recovery, attributing it to ``layer``."""
+    history = read_events(events.path.parent)
+    last_recovered = max((e["t"] for e in history if e["kind"] == "recovered"), default=0.0)
+    now = time.time()
+    for e in history:
+        if (
+            e["kind"] == "fault"
+            and e["t"] > last_recovered
+            and e.get("fault_kind") != "corrupt-checkpoint"
+        ):
+            events.emit(
+                "recovered",
+                layer=layer,
+                fault=e.get("fault"),
+                fault_kind=e.get("fault_kind"),
+                fault_step=e.get("step"),
+                rank=e.get("rank"),
+                step=step,
+                recovery_s=round(now - e["t"], 3),
+            )
