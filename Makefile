@@ -67,6 +67,7 @@ bench: venv
 	$(PY) benchmarks/checkpoint_stall.py --mb-per-rank 100 400 1000 --out benchmarks/results/checkpoint_stall.json
 	$(PY) benchmarks/recovery_time.py --out benchmarks/results/recovery_time.json --plot benchmarks/results
 	$(PY) benchmarks/pipeline_overhead.py --out benchmarks/results/pipeline_overhead.json
+	$(PY) benchmarks/layer_overhead.py --out benchmarks/results/layer_overhead.json
 	$(PY) benchmarks/transfer_throughput.py --out benchmarks/results/transfer_throughput.json
 
 # The long one: >= 10 min of training with a fault every ~2 min, ours and the torchrun baseline.

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime
 import json
 import os
@@ -46,7 +45,7 @@ if str(REPO) not in sys.path:
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 PARTS = ("env", "ckpt", "drills", "summary")
-MODELS = ("100m", "1b")
+MODELS = ("gpt-100m", "llama-1b")
 GIB = 1 << 30
 DRILL_STEPS = 30
 DRILL_FAULT_STEP = 12
@@ -58,42 +57,37 @@ DRILLS = {
 
 
 # -- the two swappable pieces: what model, what trainer command ----------------------------------
-def model_config(name: str) -> Any:
-    from trainer.config import gpt_100m
+def workload(name: str) -> Any:
+    from trainer.workload import load_workload
 
-    if name == "100m":
-        return gpt_100m()
-    if name == "1b":
-        return dataclasses.replace(
-            gpt_100m(),
-            name="1b",
-            d_model=2048,
-            n_layers=16,
-            n_heads=16,
-            d_ff=8192,
-            vocab_size=32000,
-            seq_len=2048,
-        )
-    raise ValueError(f"unknown model {name!r} (known: {', '.join(MODELS)})")
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r} (known: {', '.join(MODELS)})")
+    return load_workload(name)
+
+
+def param_count(name: str) -> int:
+    import torch
+
+    model = workload(name).build_model(torch.device("meta"))
+    return sum(p.numel() for p in model.parameters())
 
 
 def build_model(name: str, device: Any = "cpu") -> tuple[Any, Callable[[int], Any]]:
-    """The model of size ``name`` on ``device`` and a function making a ``batch``-sequence input
-    batch for it (``model(*inputs)`` returns the loss). The one place to swap the workload."""
+    """The workload's model on ``device`` (FSDP2-sharded on a 1-GPU mesh) and a function making
+    an ``n``-sequence batch, returning its loss (``loss_of(n)``). The one place to swap models."""
     import torch
 
-    from trainer.model import GPT
-
-    cfg = model_config(name)
+    wl = workload(name)
     with torch.device(device):
-        model = GPT(cfg)
+        model = wl.build_model(torch.device(device))
+    model = wl.shard(model, device=torch.device(device), world_size=1)
 
-    def batch(n: int) -> tuple[Any, Any]:
+    def loss_of(n: int) -> Any:
         g = torch.Generator().manual_seed(n)
-        idx = torch.randint(0, cfg.vocab_size, (n, cfg.seq_len + 1), generator=g)
-        return idx[:, :-1].to(device), idx[:, 1:].to(device)
+        idx = torch.randint(0, wl.vocab_size, (n, wl.seq_len + 1), generator=g).to(device)
+        return wl.loss(model, idx[:, :-1], idx[:, 1:])
 
-    return model, batch
+    return model, loss_of
 
 
 def drill_command(
@@ -277,17 +271,6 @@ def _init_dist() -> Any:
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=600))
 
 
-def _shard(model: Any) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cuda", (1,))
-    for block in getattr(model, "blocks", []):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 def _floor_s(state: dict[str, Any], pinned: list[Any]) -> float:
     """Pinned device-to-host copy of the same bytes, timed with CUDA events (GPU time)."""
     import torch
@@ -315,13 +298,12 @@ def bench_model(name: str, root: Path, samples: int, deadline: float) -> dict[st
     res: dict[str, Any] = {"model": name}
     t_build = time.perf_counter()
     torch.manual_seed(0)
-    model, batch = build_model(name, device)
-    res["params"] = sum(p.numel() for p in model.parameters())
-    model = _shard(model)
+    model, loss_of = build_model(name, device)
+    res["params"] = param_count(name)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def train_step(seed: int) -> None:
-        loss = model(*batch(1 + seed % 2))
+        loss = loss_of(1 + seed % 2)
         loss.backward()
         saver.before_optimizer_step()
         optim.step()
@@ -587,10 +569,9 @@ def part_summary(out: Path, args: argparse.Namespace) -> dict[str, Any]:
 def plan(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     models = {}
     for name in args.models:
-        cfg = model_config(name)
-        n = cfg.num_params()
+        n = param_count(name)
         # fp32 parameters + AdamW exp_avg + exp_avg_sq: the bytes one save copies
-        models[name] = {"config": dataclasses.asdict(cfg), "params": n, "state_gib": 12 * n / GIB}
+        models[name] = {"workload": name, "params": n, "state_gib": 12 * n / GIB}
     root = Path(args.scratch or "$TMPDIR/nvrx-gpu-check") / "drills"
     return {
         "out": str(out),

@@ -38,11 +38,19 @@ def assert_exported(result: PipelineResult, s3: S3Settings) -> None:
     client = boto3_client(s3)
     local = manifest.read_manifest(Path(result.checkpoint.uri))  # type: ignore[arg-type]
     remote = json.loads(client.get_object(Bucket=bucket, Key=f"{base}manifest.json")["Body"].read())
+    # A consolidated export adds what it made (model.safetensors, hf/...) under "consolidated".
+    consolidated = remote.pop("consolidated", {})
     assert remote == local
-    for entry in local["files"]:
+    made = [{"name": n, **e} for n, e in consolidated.items() if "sha256" in e]
+    made += [
+        {**f, "name": f"{d}/{f['name']}"}
+        for d, e in consolidated.items()
+        for f in e.get("files", [])
+    ]
+    for entry in [*local["files"], *made]:
         body = client.get_object(Bucket=bucket, Key=f"{base}{entry['name']}")["Body"].read()
         assert hashlib.sha256(body).hexdigest() == entry["sha256"], entry["name"]
-    assert result.export.objects == len(local["files"]) + 1
+    assert result.export.objects == len(local["files"]) + len(made) + 1
 
 
 def nvrx_events(run_id: str, *, expect: str, timeout_s: float = 15.0) -> list[Any]:

@@ -1,5 +1,5 @@
-"""Device, backend and FSDP2 sharding. CPU + gloo without a GPU, CUDA + NCCL with one;
-nothing else in the trainer changes between the two."""
+"""Device and backend: CPU + gloo without a GPU, CUDA + NCCL with one; nothing else in the
+trainer changes between the two (FSDP2 sharding is the workload's: ``Workload.shard``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from trainer.config import Device
 
@@ -30,19 +27,6 @@ def resolve_device(choice: Device) -> Placement:
         torch.cuda.set_device(local_rank)
         return Placement(torch.device("cuda", local_rank), "nccl")
     return Placement(torch.device("cpu"), "gloo")
-
-
-def shard_model(model: nn.Module, placement: Placement, world_size: int) -> nn.Module:
-    """FSDP2 ``fully_shard`` per transformer block, then the root (embeddings and head).
-
-    FSDP2 trains on CPU with gloo (forward, backward, AdamW, DCP resume all measured bitwise
-    exact), so there is no FSDP1 fallback.
-    """
-    mesh = init_device_mesh(placement.device.type, (world_size,))
-    for block in model.blocks:  # type: ignore[union-attr]
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def world() -> tuple[int, int]:

@@ -1,0 +1,181 @@
+"""Overhead of the three layers on a workload's training loop: steps per second with all three on
+(async checkpoints every ``--ckpt-interval`` steps, ft_launcher heartbeats, in-process Wrapper)
+against the same loop with none (plain ``torchrun``, no heartbeats, no Wrapper, one checkpoint at
+the very end, outside the measured window). Target: <= 2 % on ``llama-tiny``.
+
+    python benchmarks/layer_overhead.py [--workload llama-tiny] [--steps 60] [--repeats 3]
+        [--nproc 2] [--json] [--out FILE]
+
+Both variants run in this one invocation, interleaved (on, none, on, none, ...), on the same
+dataset and config. The rate of a run is measured after start-up: from the ``step`` event of
+step ``--warmup`` to the one of the last-but-one step (the last step's save and the final
+digest are excluded in both variants), from the events' timestamps, so the hooks, the save's
+blocking copy and the commit polls are inside the window. Reported: per-run rates, the median
+rate of each variant, and the median and spread (min..max) of the per-pair ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+TARGET_OVERHEAD = 0.02
+
+
+def _env(config: Path) -> dict[str, str]:
+    from trainer.launch import worker_env
+
+    env = {**os.environ, **worker_env(config)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_once(cfg, *, layers: bool, nproc: int, warmup: int, log: Path) -> float:
+    """One training run; returns steps/s over the measured window."""
+    from trainer.config import save_config
+    from trainer.events import read_events
+    from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
+
+    shutil.rmtree(cfg.run_root, ignore_errors=True)
+    config = save_config(cfg, cfg.run_root.parent / f"{cfg.run_root.name}.json")
+    port = _free_port()
+    if layers:
+        spec = LaunchSpec(
+            nnodes=1, nproc_per_node=nproc, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id="bench"
+        )
+        argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config))
+    else:
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            *trainer_args(cfg, config),
+        ]
+    with open(log, "w") as f:
+        rc = subprocess.run(
+            argv, stdout=f, stderr=subprocess.STDOUT, env=_env(config), cwd=REPO, timeout=900
+        ).returncode
+    if rc != 0:
+        raise RuntimeError(f"run failed (exit {rc}), see {log}")
+    steps = {e["step"]: e["t"] for e in read_events(cfg.run_root) if e["kind"] == "step"}
+    return _rate(steps, warmup, cfg.steps - 1)
+
+
+def _rate(step_times: dict[int, float], first: int, last: int) -> float:
+    return (last - first) / (step_times[last] - step_times[first])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", default="llama-tiny")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=5, help="steps excluded as start-up")
+    p.add_argument("--ckpt-interval", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+
+    from trainer.config import InJobConfig, InProcessConfig, TrainConfig
+    from trainer.data import write_synthetic_dataset
+
+    work = Path(tempfile.mkdtemp(prefix="nvrx-bench-layers-"))
+    data = work / "data"
+    write_synthetic_dataset(data, shards=4, tokens_per_shard=65536, vocab_size=512, seed=0)
+    base = TrainConfig(
+        run_root=work / "run",
+        data_dir=data,
+        workload=args.workload,
+        steps=args.steps,
+        global_batch=8,
+        ckpt_interval=args.ckpt_interval,
+    )
+    on = base
+    none = replace(
+        base,
+        ckpt_interval=args.steps,  # only the last step saves: outside the window
+        inprocess=replace(InProcessConfig(), enabled=False),
+        injob=replace(InJobConfig(), enabled=False),
+    )
+    runs: list[dict[str, object]] = []
+    for i in range(args.repeats):
+        for name, cfg, layers in (("layers", on, True), ("none", none, False)):
+            t0 = time.monotonic()
+            rate = run_once(
+                replace(cfg, run_root=work / f"{name}-{i}"),
+                layers=layers,
+                nproc=args.nproc,
+                warmup=args.warmup,
+                log=work / f"{name}-{i}.log",
+            )
+            runs.append(
+                {
+                    "repeat": i,
+                    "variant": name,
+                    "steps_per_s": round(rate, 3),
+                    "wall_s": round(time.monotonic() - t0, 1),
+                }
+            )
+            print(f"repeat {i} {name:>6}: {rate:.3f} steps/s", file=sys.stderr, flush=True)
+    rate = {
+        v: [float(r["steps_per_s"]) for r in runs if r["variant"] == v] for v in ("layers", "none")
+    }
+    ratios = [a / b for a, b in zip(rate["layers"], rate["none"], strict=True)]
+    overheads = [1 - r for r in ratios]
+    out = {
+        "workload": args.workload,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "ckpt_interval": args.ckpt_interval,
+        "nproc": args.nproc,
+        "runs": runs,
+        "median_steps_per_s": {k: round(statistics.median(v), 3) for k, v in rate.items()},
+        "ratio_layers_vs_none": {
+            "median": round(statistics.median(ratios), 4),
+            "min": round(min(ratios), 4),
+            "max": round(max(ratios), 4),
+        },
+        "overhead": round(statistics.median(overheads), 4),
+        "target_overhead": TARGET_OVERHEAD,
+        "met": statistics.median(overheads) <= TARGET_OVERHEAD,
+    }
+    print(
+        f"layers {out['median_steps_per_s']['layers']} vs none {out['median_steps_per_s']['none']}"
+        f" steps/s: overhead {out['overhead']:.1%} (ratios {out['ratio_layers_vs_none']}),"
+        f" target <= {TARGET_OVERHEAD:.0%}: {'met' if out['met'] else 'MISSED'}"
+    )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(out))
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

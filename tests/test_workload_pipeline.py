@@ -1,0 +1,237 @@
+"""Workloads other than the built-in GPT through the whole pipeline, against real parts (Prefect
+test server, SeaweedFS, ft_launcher agents as simulated nodes): the Hugging Face Llama, an existing
+training script in script mode, and a workload from a module outside the repository.
+
+Each drill case runs fault-free once and once with its drill table (every fault in one run, so
+the suite pays for two pipeline runs per workload, not one per fault); the parameters must be
+bitwise equal."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flows.context import RunContext
+from flows.models import PipelineResult
+from tasks.storage.s3 import boto3_client
+from tests.helpers import REPO
+from tests.pipeline_helpers import assert_exported, make_params, run_pipeline
+from trainer import manifest
+from trainer.events import read_events
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = REPO / "examples" / "fsdp_script" / "train.py"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    params: dict[str, Any]
+    faults: tuple[str, ...]
+    recovered_by: tuple[str, ...]
+    train_attempts: int
+    steps: int = 12
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+CASES = [
+    Case(
+        "llama-tiny",
+        {"workload": "llama-tiny", "export": {"consolidated": True}},
+        ("exception@step=4,rank=1", "sigkill@step=7,rank=0", "node-loss@step=10,node=1"),
+        ("inprocess", "injob", "stage-retry"),
+        2,
+    ),
+    Case(
+        "script",
+        {
+            "workload": f"script:{SCRIPT.relative_to(REPO)}",
+            "script_args": ["--data-dir", "{data_dir}", "--steps", "{steps}"],
+        },
+        ("sigkill@step=5,rank=0", "node-loss@step=10,node=1"),
+        ("injob", "stage-retry"),
+        2,
+    ),
+]
+
+
+def _run(tmp: Path, s3, case: Case, run_id: str, faults: tuple[str, ...]) -> PipelineResult:
+    params = make_params(
+        tmp,
+        s3,
+        run_id=run_id,
+        steps=case.steps,
+        ckpt_interval=3,
+        faults=list(faults),
+        **case.params,
+    )
+    state, result = run_pipeline(params)
+    assert state.is_completed(), state.message
+    assert result is not None and result.final_step == case.steps
+    assert result.checkpoint.validated and result.checkpoint.step == case.steps
+    assert_exported(result, s3)
+    return result
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_workload_recovers_bitwise(
+    case: Case, prefect_server, s3_settings, tmp_path: Path, monkeypatch
+):
+    monkeypatch.chdir(REPO)  # the script is named relative to the repository
+    clean = _run(tmp_path / "clean", s3_settings, case, f"{case.name}-clean", ())
+    drilled = _run(tmp_path / "drill", s3_settings, case, f"{case.name}-drill", case.faults)
+    assert drilled.params_sha256 == clean.params_sha256
+    assert [f.recovered_by for f in drilled.faults] == list(case.recovered_by)
+    assert drilled.stage_attempts["train"] == case.train_attempts
+    run_root = RunContext.create(
+        make_params(tmp_path / "drill", s3_settings, run_id=drilled.run_id)
+    ).run_root
+    man = manifest.read_manifest(manifest.committed_path(run_root, case.steps))
+    # The manifest says what produced the checkpoint, whole.
+    assert man["workload"]["ref"] == case.params["workload"] or case.name == "script"
+    assert man["config"]["steps"] == case.steps and man["config"]["faults"] == list(case.faults)
+    if case.name == "llama-tiny":
+        _assert_hf_export_matches_checkpoint(drilled, s3_settings, tmp_path, run_root)
+    else:
+        report = json.loads((run_root / "pipeline_result.json").read_text())
+        assert report["checkpoint"]["validated"]
+
+
+def _assert_hf_export_matches_checkpoint(
+    result: PipelineResult, s3, tmp_path: Path, run_root: Path
+) -> None:
+    """The consolidated export is an HF directory that ``from_pretrained`` loads, and it gives
+    the logits of the committed checkpoint (loaded with DCP) on a fixed batch."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import LlamaForCausalLM
+
+    from trainer.workload import load_workload
+
+    bucket, _, base = (result.export.uri or "").removeprefix("s3://").partition("/")
+    client = boto3_client(s3)
+    remote = json.loads(client.get_object(Bucket=bucket, Key=f"{base}manifest.json")["Body"].read())
+    hf_files = remote["consolidated"]["hf"]["files"]
+    assert {f["name"] for f in hf_files} >= {"config.json", "model.safetensors"}
+    local = tmp_path / "hf"
+    local.mkdir()
+    for f in hf_files:
+        client.download_file(bucket, f"{base}hf/{f['name']}", str(local / f["name"]))
+    exported = LlamaForCausalLM.from_pretrained(str(local)).eval()
+
+    wl = load_workload("llama-tiny")
+    from_ckpt = wl.build_model("cpu").eval()
+    state = {"model": from_ckpt.state_dict()}
+    dcp.load(state, checkpoint_id=str(result.checkpoint.uri))
+    from_ckpt.load_state_dict(state["model"])
+    batch = torch.arange(64).remainder(wl.vocab_size).reshape(2, 32)
+    with torch.no_grad():
+        a = exported(input_ids=batch).logits
+        b = from_ckpt(input_ids=batch).logits
+    assert torch.equal(a, b)
+
+
+OUTSIDE = """
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from trainer.workload import WorkloadSpec
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    width: int = Field(32, ge=8)
+    vocab: int = Field(512, ge=2)
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Mlp(nn.Module):
+    def __init__(self, o):
+        super().__init__()
+        self.emb = nn.Embedding(o.vocab, o.width)
+        self.blocks = nn.ModuleList(Block(o.width) for _ in range(2))
+        self.head = nn.Linear(o.width, o.vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def build(o, device):
+    with device:
+        return Mlp(o)
+
+
+def loss(model, inputs, targets):
+    return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+
+
+spec = WorkloadSpec(
+    name="outside-mlp",
+    options=Options,
+    build_model=build,
+    block_classes=lambda o: (Block,),
+    loss=loss,
+    vocab_size=lambda o: o.vocab,
+    seq_len=lambda o: 32,
+)
+"""
+
+
+@pytest.fixture
+def outside_module(tmp_path: Path, monkeypatch) -> str:
+    """A package in a temporary directory, on the path of this process and of the workers."""
+    pkg = tmp_path / "site" / "team_workloads"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mlp.py").write_text(OUTSIDE)
+    monkeypatch.syspath_prepend(str(pkg.parent))
+    monkeypatch.setenv("PYTHONPATH", str(pkg.parent))
+    return "team_workloads.mlp:spec"
+
+
+def test_a_workload_from_outside_the_repository(
+    outside_module: str, prefect_server, s3_settings, tmp_path: Path
+):
+    case = Case("outside", {"workload": outside_module}, (), (), 1, steps=9)
+    result = _run(tmp_path, s3_settings, case, "outside-clean", ("exception@step=5,rank=0",))
+    assert [f.recovered_by for f in result.faults] == ["inprocess"]
+    events = read_events(
+        RunContext.create(make_params(tmp_path, s3_settings, run_id="outside-clean")).run_root
+    )
+    assert {e.get("workload") for e in events if e["kind"] == "train_start"} == {outside_module}
+
+
+def test_data_vocabulary_larger_than_the_model_fails_preflight(
+    outside_module: str, prefect_server, s3_settings, tmp_path: Path
+):
+    """The demo dataset has 512 token ids; a 64-token model cannot embed them: refused at
+    preflight with both numbers, before any stage after it runs."""
+    params = make_params(
+        tmp_path,
+        s3_settings,
+        run_id="vocab-mismatch",
+        workload=outside_module,
+        workload_options={"vocab": 64},
+    )
+    state, _ = run_pipeline(params)
+    assert state.is_failed()
+    assert "vocab_size 512" in state.message and "vocabulary 64" in state.message
+    assert not (RunContext.create(params).run_root / "events.jsonl").exists()
