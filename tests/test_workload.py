@@ -257,3 +257,48 @@ OUTSIDE_WORKLOAD = textwrap.dedent(
     )
     """
 )
+
+
+ACTIVATION_CHECKPOINTING_PROBE = """
+import socket, torch, torch.distributed as dist
+from trainer.workload import OptimSettings, load_workload
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+x = torch.randint(0, 512, (2, 32))
+out = []
+for ac in (False, True):
+    wl = load_workload("llama-tiny", {"activation_checkpointing": ac, "mixed_precision": "bf16"})
+    torch.manual_seed(0)
+    model = wl.shard(wl.build_model("cpu"), device=torch.device("cpu"), world_size=1)
+    optim = wl.build_optimizer(model, OptimSettings(lr=1e-3, weight_decay=0.0))
+    for _ in range(2):
+        wl.loss(model, x, x).backward()
+        optim.step()
+        optim.zero_grad()
+    out.append({n.replace("_checkpoint_wrapped_module.", ""): p.full_tensor().clone()
+                for n, p in model.named_parameters()})
+    wrapped = sum("CheckpointWrapper" in type(m).__name__ for m in model.modules())
+    assert wrapped == (2 if ac else 0), wrapped
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # bf16 is CUDA-only
+assert out[0].keys() == out[1].keys()
+assert all(torch.equal(out[0][k], out[1][k]) for k in out[0])
+print("ok")
+"""
+
+
+def test_activation_checkpointing_recomputes_the_same_training():
+    """Activation checkpointing wraps each decoder layer and changes no result (CPU: bitwise)."""
+    import subprocess
+
+    from tests.helpers import REPO, worker_env
+
+    proc = subprocess.run(
+        [sys.executable, "-c", ACTIVATION_CHECKPOINTING_PROBE],
+        capture_output=True,
+        text=True,
+        env=worker_env(),
+        cwd=REPO,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
