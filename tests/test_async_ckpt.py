@@ -512,7 +512,8 @@ def test_gpu_check_dry_run(tmp_path: Path):
     plan = json.loads(out.stdout)
     assert list(plan["parts"]) == ["env", "ckpt", "drills", "summary"]
     models = plan["parts"]["ckpt"]["models"]
-    assert 100e6 < models["100m"]["params"] < 120e6 and 0.9e9 < models["1b"]["params"] < 1.1e9
+    assert 100e6 < models["gpt-100m"]["params"] < 120e6
+    assert 1.1e9 < models["llama-1b"]["params"] < 1.4e9
     runs = plan["parts"]["drills"]["runs"]
     assert set(runs) == {"baseline", "exception", "sigkill"}
     assert "--inject" not in runs["baseline"]
