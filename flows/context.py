@@ -24,6 +24,8 @@ class RunContext:
     run_root: Path  # on the shared filesystem ("FSx"): checkpoints, events, logs
     data_dir: Path  # the hydrated dataset on the shared filesystem
     s3: S3Settings
+    # Initial weights given as s3://... (workload_options.init_weights): where they are hydrated.
+    weights_dir: Path | None = None
 
     @classmethod
     def create(cls, params: PipelineParams) -> RunContext:
@@ -33,6 +35,7 @@ class RunContext:
         eks = params.backend == "eks"
         fsx = Path(params.eks.fsx_mount) if eks else state / "fsx"
         run_id = params.run_id or new_run_id()
+        weights = params.s3_init_weights()
         return cls(
             run_id=run_id,
             state_dir=state,
@@ -41,6 +44,9 @@ class RunContext:
             s3=S3Settings(endpoint_url=params.s3_endpoint, region=params.eks.region)
             if eks
             else S3Settings(endpoint_url=params.s3_endpoint),
+            weights_dir=None
+            if weights is None
+            else fsx / "weights" / weights.removeprefix("s3://").rstrip("/"),
         )
 
 
@@ -49,6 +55,7 @@ def train_config(
     *,
     run_root: Path,
     data_dir: Path,
+    weights_dir: Path | None = None,
     device: Device = Device.AUTO,
     local_paths: bool = True,
     inprocess: InProcessConfig | None = None,
@@ -63,7 +70,7 @@ def train_config(
         run_root=run_root,
         data_dir=data_dir,
         workload=_script_absolute(params.workload) if local_paths else params.workload,
-        workload_options=dict(params.workload_options),
+        workload_options=_hydrated(params.workload_options, weights_dir),
         script_args=tuple(params.script_args),
         steps=params.steps,
         global_batch=params.global_batch,
@@ -77,6 +84,14 @@ def train_config(
         ),
         injob=dataclasses.replace(injob or InJobConfig(), enabled=params.injob_restart),
     )
+
+
+def _hydrated(options: dict[str, object], weights_dir: Path | None) -> dict[str, object]:
+    """The workers read initial weights from the shared filesystem, where hydrate put them."""
+    out = dict(options)
+    if weights_dir is not None:
+        out["init_weights"] = str(weights_dir)
+    return out
 
 
 def _script_absolute(workload: str) -> str:
@@ -107,7 +122,9 @@ EKS_INJOB = InJobConfig(
 
 
 def local_train_config(params: PipelineParams, ctx: RunContext) -> TrainConfig:
-    return train_config(params, run_root=ctx.run_root, data_dir=ctx.data_dir)
+    return train_config(
+        params, run_root=ctx.run_root, data_dir=ctx.data_dir, weights_dir=ctx.weights_dir
+    )
 
 
 def stage_train_config(params: PipelineParams, ctx: RunContext) -> TrainConfig:

@@ -198,6 +198,11 @@ class PipelineParams(BaseModel):
             raise ValueError("expected http(s)://host[:port] with no path or credentials")
         return v.rstrip("/")
 
+    def s3_init_weights(self) -> str | None:
+        """``workload_options.init_weights`` when it names an S3 prefix (hydrated like the data)."""
+        value = self.workload_options.get("init_weights")
+        return value if isinstance(value, str) and value.startswith("s3://") else None
+
     @property
     def is_script(self) -> bool:
         return self.workload.startswith("script:")
@@ -227,6 +232,12 @@ class PipelineParams(BaseModel):
             return
         if self.script_args:
             raise ValueError("script_args: only a script:PATH workload takes them")
+        if self.s3_init_weights() and self.backend == "eks":
+            raise ValueError(
+                "workload_options.init_weights: on EKS give a directory on the FSx mount "
+                "(import it with the file system's data repository association); s3:// "
+                "weights are hydrated by the local backend only"
+            )
 
         try:
             self.workload_spec()

@@ -32,7 +32,7 @@ from tasks.checks import CheckResult
 from tasks.classify import EndKind
 from tasks.errors import PreflightFailed
 from tasks.export import ExportOptions, ExportReport, export_checkpoint
-from tasks.hydrate import HydrateReport, hydrate_dataset, upload_dataset
+from tasks.hydrate import HydrateReport, hydrate_dataset, hydrate_weights, upload_dataset
 from tasks.preflight.checks import S3_CHECKS, Requirements, Snapshot, failures, run_checks
 from tasks.preflight.eks import gather_eks, run_eks_checks
 from tasks.preflight.local import gather_local, gather_s3
@@ -158,6 +158,16 @@ def hydrate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
     report: HydrateReport = hydrate_dataset(
         fs, params.dataset.bucket, params.dataset.prefix, ctx.data_dir, progress=progress
     )
+    weights = params.s3_init_weights()
+    if weights is not None and ctx.weights_dir is not None:
+        w = hydrate_weights(fs, weights, ctx.weights_dir)
+        log.info(
+            "hydrated initial weights %s -> %s: %d files, %d downloaded",
+            w.source,
+            w.dest,
+            w.files,
+            w.downloaded,
+        )
     log.info(
         "hydrated %s -> %s: %d files, %d downloaded, %d already present and verified",
         report.source,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -117,3 +118,67 @@ def upload_dataset(client: Any, local: Path, bucket: str, prefix: str) -> int:
         client.upload_file(str(local / entry["name"]), bucket, f"{prefix}/{entry['name']}")
     client.upload_file(str(local / MANIFEST), bucket, f"{prefix}/{MANIFEST}")
     return len(manifest["files"]) + 1
+
+
+# Files of a Hugging Face model directory that the Llama workload reads; nothing else is fetched
+# (no pickled *.bin / *.pt: only safetensors are ever loaded).
+_WEIGHT_SUFFIXES = (".safetensors", ".json")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+
+
+def hydrate_weights(
+    fs: Any,
+    uri: str,
+    dest: Path,
+    *,
+    progress: Callable[[int, int, str], None] = lambda done, total, name: None,
+) -> HydrateReport:
+    """Copy an HF-format weights directory (``config.json`` + ``*.safetensors``) from S3 to the
+    shared filesystem. Idempotent (files present with the listed size are skipped); each file
+    lands through a temporary name, ``config.json`` last. Names are untrusted: only plain file
+    names are accepted (no separators, no leading dot)."""
+    t0 = time.perf_counter()
+    src = uri.removeprefix("s3://").rstrip("/")
+    try:
+        listing = fs.ls(src, detail=True, refresh=True)
+    except FileNotFoundError as e:
+        raise HydrationError(f"initial weights {uri} not found") from e
+    entries = []
+    for item in listing:
+        name = str(item["name"]).rsplit("/", 1)[-1]
+        if item.get("type") != "file" or not name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        if not _SAFE_NAME.match(name):
+            raise HydrationError(f"initial weights {uri}: refusing the object name {name!r}")
+        entries.append((name, int(item["size"])))
+    names = {n for n, _ in entries}
+    if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
+        raise HydrationError(
+            f"initial weights {uri} must hold config.json and *.safetensors (an HF model "
+            f"directory), found {sorted(names) or 'nothing'}"
+        )
+    entries.sort(key=lambda e: e[0] == "config.json")  # config.json last: marks it complete
+    dest.mkdir(parents=True, exist_ok=True)
+    downloaded = skipped = nbytes = 0
+    for i, (name, size) in enumerate(entries):
+        local = dest / name
+        if local.is_file() and local.stat().st_size == size:
+            skipped += 1
+        else:
+            tmp = dest / f".{name}.part"
+            fs.get_file(f"{src}/{name}", str(tmp))
+            if tmp.stat().st_size != size:
+                tmp.unlink()
+                raise HydrationError(f"{uri}/{name}: downloaded size differs from the listing")
+            os.replace(tmp, local)
+            downloaded, nbytes = downloaded + 1, nbytes + size
+        progress(i + 1, len(entries), name)
+    return HydrateReport(
+        source=uri,
+        dest=str(dest),
+        files=len(entries),
+        downloaded=downloaded,
+        skipped=skipped,
+        bytes_downloaded=nbytes,
+        seconds=round(time.perf_counter() - t0, 3),
+    )

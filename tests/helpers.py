@@ -122,3 +122,64 @@ def run_single(cfg: TrainConfig, *, timeout: float = 180) -> RunOutcome:
     log_path = cfg.run_root.parent / f"{cfg.run_root.name}.log"
     rc = _run(argv, log_path, timeout, launch_env(config))
     return _outcome(cfg, rc, log_path.read_text())
+
+
+# A user's workload in a module of its own: its own model, block and options, nothing from this
+# repository but the workload API (the tests write it to a temporary directory).
+OUTSIDE_WORKLOAD = """
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from trainer.workload import WorkloadSpec
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    width: int = Field(32, ge=8)
+    vocab: int = Field(512, ge=2)
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Mlp(nn.Module):
+    def __init__(self, o):
+        super().__init__()
+        self.emb = nn.Embedding(o.vocab, o.width)
+        self.blocks = nn.ModuleList(Block(o.width) for _ in range(2))
+        self.head = nn.Linear(o.width, o.vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def build(o, device):
+    with device:
+        return Mlp(o)
+
+
+def loss(model, inputs, targets):
+    return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+
+
+spec = WorkloadSpec(
+    name="outside-mlp",
+    options=Options,
+    build_model=build,
+    block_classes=lambda o: (Block,),
+    loss=loss,
+    vocab_size=lambda o: o.vocab,
+    seq_len=lambda o: 32,
+)
+"""

@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import OUTSIDE_WORKLOAD
 from trainer.config import (
     ConfigError,
     Device,
@@ -195,68 +195,6 @@ def test_a_workload_from_outside_the_repository(tmp_path: Path, monkeypatch):
     with pytest.raises(ConfigError, match=r"workload_options.width"):
         load_workload("my_workloads.mlp:spec", {"width": 1})
     sys.modules.pop("my_workloads.mlp", None)
-
-
-# A user's workload: its own model, block and options, nothing from this repository but the API.
-OUTSIDE_WORKLOAD = textwrap.dedent(
-    """
-    import torch
-    import torch.nn.functional as F
-    from pydantic import BaseModel, ConfigDict, Field
-    from torch import nn
-
-    from trainer.workload import WorkloadSpec
-
-
-    class Options(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        width: int = Field(32, ge=8)
-
-
-    class Block(nn.Module):
-        def __init__(self, width):
-            super().__init__()
-            self.fc = nn.Linear(width, width)
-
-        def forward(self, x):
-            return x + torch.tanh(self.fc(x))
-
-
-    class Mlp(nn.Module):
-        def __init__(self, width, vocab=512):
-            super().__init__()
-            self.emb = nn.Embedding(vocab, width)
-            self.blocks = nn.ModuleList(Block(width) for _ in range(2))
-            self.head = nn.Linear(width, vocab)
-
-        def forward(self, idx):
-            x = self.emb(idx)
-            for b in self.blocks:
-                x = b(x)
-            return self.head(x)
-
-
-    def build(o, device):
-        with device:
-            return Mlp(o.width)
-
-
-    def loss(model, inputs, targets):
-        logits = model(inputs)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-    spec = WorkloadSpec(
-        name="outside-mlp",
-        options=Options,
-        build_model=build,
-        block_classes=lambda o: (Block,),
-        loss=loss,
-        vocab_size=lambda o: 512,
-        seq_len=lambda o: 64,
-    )
-    """
-)
 
 
 ACTIVATION_CHECKPOINTING_PROBE = """

@@ -19,7 +19,7 @@ import torch
 from flows.context import RunContext
 from flows.models import PipelineResult
 from tasks.storage.s3 import boto3_client
-from tests.helpers import REPO
+from tests.helpers import OUTSIDE_WORKLOAD, REPO
 from tests.pipeline_helpers import assert_exported, make_params, run_pipeline
 from trainer import manifest
 from trainer.events import read_events
@@ -43,7 +43,12 @@ class Case:
 CASES = [
     Case(
         "llama-tiny",
-        {"workload": "llama-tiny", "export": {"consolidated": True}},
+        {
+            "workload": "llama-tiny",
+            # Initial weights from S3, hydrated beside the dataset (seeded by _seed_weights).
+            "workload_options": {"init_weights": "s3://nvrx-weights/llama-tiny/init"},
+            "export": {"consolidated": True},
+        },
         ("exception@step=4,rank=1", "sigkill@step=7,rank=0", "node-loss@step=10,node=1"),
         ("inprocess", "injob", "stage-retry"),
         2,
@@ -84,6 +89,8 @@ def test_workload_recovers_bitwise(
     case: Case, prefect_server, s3_settings, tmp_path: Path, monkeypatch
 ):
     monkeypatch.chdir(REPO)  # the script is named relative to the repository
+    if "init_weights" in case.params.get("workload_options", {}):
+        _seed_weights(s3_settings, tmp_path / "hf-init")
     clean = _run(tmp_path / "clean", s3_settings, case, f"{case.name}-clean", ())
     drilled = _run(tmp_path / "drill", s3_settings, case, f"{case.name}-drill", case.faults)
     assert drilled.params_sha256 == clean.params_sha256
@@ -98,9 +105,27 @@ def test_workload_recovers_bitwise(
     assert man["config"]["steps"] == case.steps and man["config"]["faults"] == list(case.faults)
     if case.name == "llama-tiny":
         _assert_hf_export_matches_checkpoint(drilled, s3_settings, tmp_path, run_root)
+        ctx = RunContext.create(make_params(tmp_path / "drill", s3_settings, **case.params))
+        assert ctx.weights_dir is not None and (ctx.weights_dir / "model.safetensors").is_file()
+        assert man["workload"]["options"]["init_weights"] == str(ctx.weights_dir)
     else:
         report = json.loads((run_root / "pipeline_result.json").read_text())
         assert report["checkpoint"]["validated"]
+
+
+def _seed_weights(s3, local: Path) -> None:
+    """An HF directory in S3 (seeded differently from the trainer) as the run's initial weights."""
+    from trainer.workload import load_workload
+
+    torch.manual_seed(7)
+    load_workload("llama-tiny").build_model("cpu").save_pretrained(str(local))  # type: ignore[operator]
+    client = boto3_client(s3)
+    try:
+        client.head_bucket(Bucket="nvrx-weights")
+    except Exception:
+        client.create_bucket(Bucket="nvrx-weights")
+    for f in local.iterdir():
+        client.upload_file(str(f), "nvrx-weights", f"llama-tiny/init/{f.name}")
 
 
 def _assert_hf_export_matches_checkpoint(
@@ -136,72 +161,13 @@ def _assert_hf_export_matches_checkpoint(
     assert torch.equal(a, b)
 
 
-OUTSIDE = """
-import torch
-import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
-from torch import nn
-
-from trainer.workload import WorkloadSpec
-
-
-class Options(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    width: int = Field(32, ge=8)
-    vocab: int = Field(512, ge=2)
-
-
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
-
-
-class Mlp(nn.Module):
-    def __init__(self, o):
-        super().__init__()
-        self.emb = nn.Embedding(o.vocab, o.width)
-        self.blocks = nn.ModuleList(Block(o.width) for _ in range(2))
-        self.head = nn.Linear(o.width, o.vocab)
-
-    def forward(self, idx):
-        x = self.emb(idx)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
-def build(o, device):
-    with device:
-        return Mlp(o)
-
-
-def loss(model, inputs, targets):
-    return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
-
-
-spec = WorkloadSpec(
-    name="outside-mlp",
-    options=Options,
-    build_model=build,
-    block_classes=lambda o: (Block,),
-    loss=loss,
-    vocab_size=lambda o: o.vocab,
-    seq_len=lambda o: 32,
-)
-"""
-
-
 @pytest.fixture
 def outside_module(tmp_path: Path, monkeypatch) -> str:
     """A package in a temporary directory, on the path of this process and of the workers."""
     pkg = tmp_path / "site" / "team_workloads"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "mlp.py").write_text(OUTSIDE)
+    (pkg / "mlp.py").write_text(OUTSIDE_WORKLOAD)
     monkeypatch.syspath_prepend(str(pkg.parent))
     monkeypatch.setenv("PYTHONPATH", str(pkg.parent))
     return "team_workloads.mlp:spec"

@@ -98,7 +98,7 @@ def expected_entries(workload: dict[str, Any]) -> dict[str, tuple[int, ...] | No
     from trainer.workload import adamw, load_workload
 
     wl = load_workload(workload["ref"], workload.get("options") or {})
-    model = wl.build_model(torch.device("meta"))
+    model = wl.build_model(torch.device("meta"))  # meta: initial weights are never read
     out: dict[str, tuple[int, ...] | None] = {}
     for name, p in model.named_parameters():
         out[f"model.{name}"] = tuple(p.shape)

@@ -47,7 +47,9 @@ def load_and_inspect(
     chosen = workload or produced
     if chosen is None:
         raise ValueError(f"{path}: the manifest does not say which workload wrote it; name one")
-    wl = load_workload(chosen["ref"], chosen.get("options") or {})
+    options = dict(chosen.get("options") or {})
+    options.pop("init_weights", None)  # the checkpoint's weights replace them anyway
+    wl = load_workload(chosen["ref"], options)
     cfg = man.get("config") or {}
     # Its own port, whatever MASTER_PORT the caller's environment carries (it may be in use).
     dist.init_process_group(

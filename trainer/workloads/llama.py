@@ -81,8 +81,9 @@ class LlamaOptions(BaseModel):
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer")
     init_weights: str | None = Field(
         None,
-        description="HF-format directory (config.json + safetensors) with initial weights; "
-        "its config must match the named shape",
+        description="HF-format directory (config.json + safetensors) with initial weights, on "
+        "the shared filesystem or s3://bucket/prefix (the pipeline hydrates it beside the "
+        "dataset); its config must match the named shape",
     )
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa")
 
@@ -104,6 +105,12 @@ def build_model(o: LlamaOptions, device: torch.device) -> nn.Module:
     with device:
         model = LlamaForCausalLM(hf_config(o))
     if o.init_weights and device.type != "meta":
+        if o.init_weights.startswith("s3://"):
+            raise ConfigError(
+                "workload_options.init_weights",
+                f"{o.init_weights} is not hydrated: run through the pipeline (it copies the "
+                "weights to the shared filesystem) or give a local directory",
+            )
         _load_initial_weights(model, Path(o.init_weights))
     return model
 

@@ -1,0 +1,87 @@
+"""Initial weights from an HF-format directory in S3, hydrated onto the shared filesystem like the
+dataset (real SeaweedFS over HTTP), and loaded by the Llama workload."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.errors import HydrationError
+from tasks.hydrate import hydrate_weights
+from tasks.storage.s3 import boto3_client, s3fs_filesystem
+from trainer.workload import load_workload
+
+
+def _bucket(client, name: str) -> None:
+    try:
+        client.head_bucket(Bucket=name)
+    except Exception:
+        client.create_bucket(Bucket=name)
+
+
+def test_weights_hydrate_and_load(s3_settings, tmp_path: Path):
+    wl = load_workload("llama-tiny")
+    torch.manual_seed(7)
+    source = wl.build_model("cpu")
+    source.save_pretrained(str(tmp_path / "hf"))  # type: ignore[operator]
+    client = boto3_client(s3_settings)
+    _bucket(client, "nvrx-weights")
+    for f in (tmp_path / "hf").iterdir():
+        client.upload_file(str(f), "nvrx-weights", f"llama-tiny/v1/{f.name}")
+    # A pickled checkpoint beside them is never fetched (only safetensors are ever loaded).
+    client.put_object(Bucket="nvrx-weights", Key="llama-tiny/v1/pytorch_model.bin", Body=b"x")
+
+    fs = s3fs_filesystem(s3_settings)
+    dest = tmp_path / "fsx" / "weights"
+    report = hydrate_weights(fs, "s3://nvrx-weights/llama-tiny/v1", dest)
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    assert report.downloaded == 3
+    assert hydrate_weights(fs, "s3://nvrx-weights/llama-tiny/v1", dest).downloaded == 0
+
+    torch.manual_seed(0)  # a different seed: the weights must come from the directory
+    model = load_workload("llama-tiny", {"init_weights": str(dest)}).build_model("cpu")
+    expected = source.state_dict()
+    assert all(torch.equal(t, expected[k]) for k, t in model.state_dict().items())
+
+
+def test_untrusted_weight_listings_are_refused(s3_settings):
+    client = boto3_client(s3_settings)
+    _bucket(client, "nvrx-weights")
+    client.put_object(Bucket="nvrx-weights", Key="hostile/.bashrc.json", Body=b"{}")
+    client.put_object(Bucket="nvrx-weights", Key="hostile/config.json", Body=b"{}")
+    fs = s3fs_filesystem(s3_settings)
+    with pytest.raises(HydrationError, match=r"refusing the object name '.bashrc.json'"):
+        hydrate_weights(fs, "s3://nvrx-weights/hostile", Path("/nonexistent"))
+    client.put_object(Bucket="nvrx-weights", Key="nothing/readme.json", Body=b"{}")
+    with pytest.raises(HydrationError, match=r"must hold config.json and \*.safetensors"):
+        hydrate_weights(fs, "s3://nvrx-weights/nothing", Path("/nonexistent"))
+
+
+def test_s3_weights_map_to_the_hydrated_directory(tmp_path: Path, dataset: Path):
+    from pydantic import ValidationError
+
+    from flows.context import RunContext, train_config
+    from flows.models import PipelineParams
+
+    params = PipelineParams(
+        state_dir=str(tmp_path),
+        workload="llama-tiny",
+        workload_options={"init_weights": "s3://nvrx-weights/llama-tiny/v1"},
+    )
+    ctx = RunContext.create(params)
+    assert ctx.weights_dir == tmp_path.absolute() / "fsx/weights/nvrx-weights/llama-tiny/v1"
+    cfg = train_config(params, run_root=ctx.run_root, data_dir=dataset, weights_dir=ctx.weights_dir)
+    assert cfg.workload_options["init_weights"] == str(ctx.weights_dir)
+    with pytest.raises(ValidationError, match=r"init_weights: on EKS give a directory"):
+        PipelineParams(
+            backend="eks",
+            workload="llama-tiny",
+            workload_options={"init_weights": "s3://b/p"},
+            global_batch=16,
+        )
