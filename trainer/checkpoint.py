@@ -58,7 +58,7 @@ class CheckpointManager:
         self.group = group
         self.fingerprint = cfg.fingerprint()
         self._inflight: dict[str, Any] = {}
-        saver.bind(group)
+        saver.bind(group, warmup_dir=manifest.checkpoints_dir(cfg.run_root) / ".writer-warmup")
 
     # -- resume --------------------------------------------------------------------------------
     def resume(self, model: nn.Module, optim: Optimizer, sampler: DataSource) -> Resumed:
