@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from tests.helpers import free_port
-from trainer.async_ckpt import AsyncCheckpointer, CheckpointWorkerDied
+from trainer.async_ckpt import WARMUP_STEP, AsyncCheckpointer, CheckpointWorkerDied
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +111,25 @@ def test_dead_writer_fails_instead_of_hanging(saver: AsyncCheckpointer, tmp_path
     assert saver.writer_pid() not in (None, pid)
     saver.save(_state(4), tmp_path / "d", step=4)
     assert saver.wait() is not None
+
+
+def test_a_new_writer_warms_up_in_the_background(group, tmp_path: Path):
+    """A fresh writer's first write runs at bind, in the background; it is finalized by poll
+    like a save but never reported as one, and its directory goes away; an already running
+    writer (an in-process restart's re-bind) does not warm up again."""
+    s = AsyncCheckpointer(device=torch.device("cpu"), timeout_s=60)
+    try:
+        s.bind(group, warmup_dir=tmp_path / ".writer-warmup")
+        assert s.pending is not None and s.pending.step == WARMUP_STEP
+        assert s.wait() is None and s.pending is None
+        assert not (tmp_path / ".writer-warmup").exists()
+        s.bind(group, warmup_dir=tmp_path / ".writer-warmup")
+        assert s.pending is None
+        s.save(_state(5), tmp_path / "e", step=5)
+        result = s.wait()
+        assert result is not None and result.step == 5
+    finally:
+        s.close()
 
 
 def test_save_requires_previous_finalized(saver: AsyncCheckpointer, tmp_path: Path):
