@@ -308,7 +308,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"run_id": args.run_id, **st}))
         return 0
-    loss = "" if st["loss"] is None else f", loss {st['loss']:.4f}, {st['tokens_per_s']:.0f} tok/s"
+    loss = "" if st["loss"] is None else f", loss {st['loss']:.4f}"
+    if st["tokens_per_s"] is not None:
+        loss += f", {st['tokens_per_s']:.0f} tok/s"
     print(f"run {args.run_id}: {st['state']}")
     print(f"  step {st['step']}{loss}")
     if st["stages"]:

@@ -36,7 +36,9 @@ class Case:
     faults: tuple[str, ...]
     recovered_by: tuple[str, ...]
     train_attempts: int
-    steps: int = 12
+    # Steps are ~30 ms here: the node loss must come several steps before the end, or the run
+    # may finish before the watcher (polling every 0.2 s) takes the node away.
+    steps: int = 15
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -49,7 +51,7 @@ CASES = [
             "workload_options": {"init_weights": "s3://nvrx-weights/llama-tiny/init"},
             "export": {"consolidated": True},
         },
-        ("exception@step=4,rank=1", "sigkill@step=7,rank=0", "node-loss@step=10,node=1"),
+        ("exception@step=3,rank=1", "sigkill@step=6,rank=0", "node-loss@step=9,node=1"),
         ("inprocess", "injob", "stage-retry"),
         2,
     ),
@@ -59,7 +61,7 @@ CASES = [
             "workload": f"script:{SCRIPT.relative_to(REPO)}",
             "script_args": ["--data-dir", "{data_dir}", "--steps", "{steps}"],
         },
-        ("sigkill@step=5,rank=0", "node-loss@step=10,node=1"),
+        ("sigkill@step=5,rank=0", "node-loss@step=9,node=1"),
         ("injob", "stage-retry"),
         2,
     ),

@@ -137,13 +137,16 @@ class StepEvents(Hook):
         self.layer = recovery_layer
 
     def on_step_end(self, end: StepEnd) -> None:
+        rate = {}
+        if end.tokens and end.step_s > 0:  # a script may not say how many tokens a step has
+            rate["tokens_per_s"] = round(end.tokens / end.step_s, 1)
         self.events.emit(
             "step",
             step=end.step,
             loss=round(end.loss, 6),
             step_s=round(end.step_s, 4),
-            tokens_per_s=round(end.tokens / end.step_s, 1) if end.step_s > 0 else None,
             ckpt_blocking_s=None if end.ckpt_blocking_s is None else round(end.ckpt_blocking_s, 4),
+            **rate,
         )
         if end.step == self.first_step and self.layer is not None:
             emit_recoveries(self.events, self.layer, end.step)

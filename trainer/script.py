@@ -192,8 +192,16 @@ class Session:
         self.ctx.saver.before_optimizer_step()
 
     def step_end(
-        self, step: int, loss: torch.Tensor | float, model: nn.Module, optim: Optimizer
+        self,
+        step: int,
+        loss: torch.Tensor | float,
+        model: nn.Module,
+        optim: Optimizer,
+        *,
+        tokens: int = 0,
     ) -> None:
+        """``tokens``: tokens in the step's global batch, for the tokens/s the progress shows
+        (optional)."""
         hooks, ckpt = self._require_resumed(), self._ckpt
         assert ckpt is not None
         value = torch.as_tensor(loss).detach().float().reshape(1).clone().cpu()
@@ -204,7 +212,7 @@ class Session:
         if blocking is not None:
             hooks.on_save_started(step)
         ckpt.poll()
-        hooks.on_step_end(StepEnd(step, self._loss, step_s, 0, blocking))
+        hooks.on_step_end(StepEnd(step, self._loss, step_s, tokens, blocking))
 
     def finish(self, model: nn.Module) -> dict[str, Any]:
         ckpt = self._ckpt

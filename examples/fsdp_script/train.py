@@ -95,7 +95,7 @@ def train(session: nvrx.Session, args: argparse.Namespace) -> None:
         optim.zero_grad()
         if rank == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
-        session.step_end(step, loss, model, optim)
+        session.step_end(step, loss, model, optim, tokens=args.batch * args.seq_len)
     session.finish(model)
 
 
