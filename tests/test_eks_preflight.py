@@ -6,7 +6,7 @@ from __future__ import annotations
 import boto3
 from botocore.stub import Stubber
 
-from tasks.checks import Status
+from tasks.checks import Status, failures
 from tasks.preflight.checks import Snapshot
 from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks
 from tests.eks_cluster import p5, seed_cluster
@@ -93,6 +93,27 @@ def test_blind_sources_are_skipped():
     assert s["GPU/EFA nodes"] == s["FSx file system"] == Status.SKIPPED
 
 
+def test_failed_nodes_source_fails_the_gate_naming_the_check_and_the_error():
+    snap = healthy()
+    del snap.facts["nodes"]
+    snap.errors["nodes"] = "cannot list nodes: (403) Forbidden"
+    failed = failures(run_eks_checks(snap, REQ))
+    assert [f.name for f in failed] == ["GPU/EFA nodes"]
+    (f,) = failed
+    assert f.status == Status.SKIPPED
+    assert "source 'nodes' failed: cannot list nodes: (403) Forbidden" in f.detail
+    assert "list nodes" in f.fix and "rbac.yaml" in f.fix
+
+
+def test_unanswered_access_review_is_advisory():
+    snap = healthy()
+    del snap.facts["access"]
+    snap.errors["access"] = "cannot review permissions: no answer"
+    results = run_eks_checks(snap, REQ)
+    assert {r.name: r.status for r in results}["permissions"] == Status.SKIPPED
+    assert failures(results) == []
+
+
 def test_gather_against_emulator_and_stubbed_fsx(kube):
     seed_cluster(kube)
     fsx = boto3.client(
@@ -134,6 +155,7 @@ def test_gather_against_emulator_and_stubbed_fsx(kube):
     # kmock stores the access review but, having no authorizer, never answers it: SKIPPED.
     assert s["permissions"] == Status.SKIPPED
     assert "did not answer" in snap.errors["access"]
+    assert failures(run_eks_checks(snap, REQ)) == []  # the gate passes a healthy cluster
 
 
 def test_missing_file_system_id_fails_with_the_fix():

@@ -20,6 +20,7 @@ def healthy() -> Snapshot:
             "mem_available_gb": 20.0,
             "disk_free_gb": 50.0,
             "disk_path": "/x",
+            "loopback_bind": True,
             "torch_version": "2.13.0+cpu",
             "nvrx_version": "0.4.1",
             "ft_launcher": "/bin/ft",
@@ -78,6 +79,44 @@ def test_host_source_failure_is_skipped_not_passed():
     snap.errors["host"] = "psutil unavailable"
     r = by_name(run_checks(snap, REQ))
     assert r["cpu cores"].status == r["memory"].status == Status.SKIPPED
+    assert "psutil unavailable" in r["cpu cores"].detail
+
+
+def test_missing_nvrx_import_fails_the_gate_naming_the_check_and_the_error():
+    snap = healthy()
+    for k in ("torch_version", "nvrx_version", "ft_launcher"):
+        snap.facts.pop(k)
+    snap.errors["versions"] = "No module named 'nvidia_resiliency_ext'"
+    failed = failures(run_checks(snap, REQ))
+    assert [f.name for f in failed] == ["torch / NVRx versions"]
+    (f,) = failed
+    assert f.status == Status.SKIPPED and f.required
+    assert "source 'versions' failed: No module named 'nvidia_resiliency_ext'" in f.detail
+    assert "make venv" in f.fix
+
+
+def test_a_source_never_gathered_is_blind_too():
+    snap = healthy()
+    del snap.facts["loopback_bind"]  # the gatherer forgot it: not a pass
+    (f,) = failures(run_checks(snap, REQ))
+    assert f.name == "loopback ports" and "was not gathered (no loopback_bind)" in f.detail
+
+
+def test_an_advisory_check_may_be_blind():
+    snap = healthy()
+    snap.errors["dataset"] = "s3://data/v1/dataset.json: missing"
+    r = by_name(run_checks(snap, REQ))
+    vocab = r["dataset vocabulary fits the workload"]
+    assert vocab.status == Status.SKIPPED and not vocab.required
+    assert [f.name for f in failures(list(r.values()))] == ["dataset present"]
+
+
+def test_s3_down_lists_its_dependents_as_blind_with_fixes():
+    snap = healthy()
+    snap.errors["s3"] = "S3 endpoint http://127.0.0.1:8333 is unreachable"
+    failed = by_name(failures(run_checks(snap, REQ)))
+    assert set(failed) == {"S3 endpoint reachable", "S3 buckets present", "dataset present"}
+    assert all("unreachable" in f.detail and f.fix for f in failed.values())
 
 
 def test_oversubscription_fails():

@@ -1,5 +1,11 @@
-"""Pure preflight checks over a snapshot gathered once. A check whose data source failed is
-SKIPPED (with why), never PASSED: a blind check must not look healthy."""
+"""Pure preflight checks over a snapshot gathered once.
+
+Each check is declared once (:class:`Check`: its name, the snapshot :class:`Source` s it reads,
+whether the gate needs it, and a pure function). :func:`run_check` is the one place that turns a
+failed or missing source into SKIPPED with the source's error; a check function only ever sees
+sources that were read. The gate (:func:`tasks.checks.failures`) fails a SKIPPED *required*
+check with that error and the source's fix: a blind preflight must not pass.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,20 @@ from typing import Any
 
 from tasks.checks import CheckResult, Status, failures
 
-__all__ = ["CHECKS", "CheckResult", "Requirements", "Snapshot", "Status", "failures", "run_checks"]
+__all__ = [
+    "CHECKS",
+    "S3_CHECKS",
+    "Check",
+    "CheckResult",
+    "Requirements",
+    "Snapshot",
+    "Source",
+    "Status",
+    "Verdict",
+    "failures",
+    "run_check",
+    "run_checks",
+]
 
 
 @dataclass
@@ -18,6 +37,74 @@ class Snapshot:
 
     facts: dict[str, Any] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Source:
+    """One thing the gatherer reads. ``facts``: the keys it puts in the snapshot (any absent:
+    it was never gathered, as blind as a failed read); ``fix``: how to make it readable."""
+
+    name: str
+    facts: tuple[str, ...]
+    fix: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a check function decides; :func:`run_check` adds the check's name."""
+
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+def passed(detail: str) -> Verdict:
+    return Verdict(Status.PASSED, detail)
+
+
+def failed(detail: str, fix: str) -> Verdict:
+    return Verdict(Status.FAILED, detail, fix)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Check:
+    """A preflight check, declared once. Callable as ``check(snapshot, requirements)``."""
+
+    name: str
+    requires: tuple[Source, ...]
+    fn: Callable[[Snapshot, Any], Verdict]
+    # False only for advisory checks whose absence another layer reports loudly (say why at
+    # the declaration).
+    required: bool = True
+
+    def __call__(self, snap: Snapshot, req: Any) -> CheckResult:
+        return run_check(self, snap, req)
+
+
+def source_error(snap: Snapshot, source: Source) -> str | None:
+    """Why ``source`` cannot be trusted in ``snap``, or None when it was read."""
+    if source.name in snap.errors:
+        return f"source {source.name!r} failed: {snap.errors[source.name]}"
+    missing = [k for k in source.facts if k not in snap.facts]
+    if missing:
+        return f"source {source.name!r} was not gathered (no {', '.join(missing)})"
+    return None
+
+
+def run_check(check: Check, snap: Snapshot, req: Any) -> CheckResult:
+    """The only place a blind source becomes SKIPPED (with its error, and its fix when the
+    gate needs the check); otherwise the check's own verdict."""
+    for source in check.requires:
+        why = source_error(snap, source)
+        if why is not None:
+            fix = source.fix if check.required else ""
+            return CheckResult(check.name, Status.SKIPPED, why, fix, required=check.required)
+    v = check.fn(snap, req)
+    return CheckResult(check.name, v.status, v.detail, v.fix, required=check.required)
+
+
+def run_all(checks: tuple[Check, ...], snap: Snapshot, req: Any) -> list[CheckResult]:
+    return [run_check(c, snap, req) for c in checks]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,15 +120,37 @@ class Requirements:
     vocab_size: int | None = None  # the workload's vocabulary (embedding rows)
 
 
-Check = Callable[[Snapshot, Requirements], CheckResult]
-
-
-def _needs(source: str, name: str, snap: Snapshot) -> CheckResult | None:
-    if source in snap.errors:
-        return CheckResult(
-            name, Status.SKIPPED, f"source {source!r} unavailable: {snap.errors[source]}"
-        )
-    return None
+# -- sources (what tasks.preflight.local gathers) ---------------------------------------------
+HOST = Source(
+    name="host",
+    facts=("cpu_count", "mem_available_gb"),
+    fix="make venv (psutil reports cores and memory)",
+)
+DISK = Source(
+    name="disk",
+    facts=("disk_path", "disk_free_gb"),
+    fix="make the state directory's filesystem readable, or point the state directory elsewhere",
+)
+PORTS = Source(
+    name="ports",
+    facts=("loopback_bind",),
+    fix="allow binding 127.0.0.1 ports (rendezvous and stores listen there)",
+)
+VERSIONS = Source(
+    name="versions",
+    facts=("torch_version", "nvrx_version", "ft_launcher"),
+    fix="make venv (reinstall torch and nvidia-resiliency-ext): the trainer cannot start without",
+)
+S3 = Source(
+    name="s3",
+    facts=("buckets",),
+    fix="check the S3 endpoint URL and credentials",
+)
+DATASET = Source(
+    name="dataset",
+    facts=("dataset_files", "dataset_vocab_size", "dataset_dtype"),
+    fix="upload the dataset (with dataset.json) or fix the prefix",
+)
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -52,161 +161,127 @@ def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def check_cores(snap: Snapshot, req: Requirements) -> CheckResult:
-    name = "cpu cores"
-    if (skip := _needs("host", name, snap)) is not None:
-        return skip
-    cores = snap.facts["cpu_count"]
+# -- check functions (pure; they only see sources that were read) -----------------------------
+def cores(snap: Snapshot, req: Requirements) -> Verdict:
+    n = snap.facts["cpu_count"]
     # Oversubscription only slows CPU training down; more than 4 workers per core starves the
     # heartbeat and gloo timeouts.
-    if req.workers > 4 * cores:
-        return CheckResult(
-            name,
-            Status.FAILED,
-            f"{req.workers} workers on {cores} cores",
-            "use fewer nodes or workers per node",
-        )
-    return CheckResult(name, Status.PASSED, f"{cores} cores for {req.workers} workers")
+    if req.workers > 4 * n:
+        return failed(f"{req.workers} workers on {n} cores", "use fewer nodes or workers per node")
+    return passed(f"{n} cores for {req.workers} workers")
 
 
-def check_memory(snap: Snapshot, req: Requirements) -> CheckResult:
-    name = "memory"
-    if (skip := _needs("host", name, snap)) is not None:
-        return skip
+def memory(snap: Snapshot, req: Requirements) -> Verdict:
     gb = snap.facts["mem_available_gb"]
     if gb < req.min_memory_gb:
-        return CheckResult(
-            name,
-            Status.FAILED,
-            f"{gb:.1f} GB available, need {req.min_memory_gb}",
-            "free memory or use a smaller model",
+        return failed(
+            f"{gb:.1f} GB available, need {req.min_memory_gb}", "free memory or use a smaller model"
         )
-    return CheckResult(name, Status.PASSED, f"{gb:.1f} GB available")
+    return passed(f"{gb:.1f} GB available")
 
 
-def check_disk(snap: Snapshot, req: Requirements) -> CheckResult:
-    name = "free disk on run root"
-    if (skip := _needs("disk", name, snap)) is not None:
-        return skip
-    gb = snap.facts["disk_free_gb"]
+def disk(snap: Snapshot, req: Requirements) -> Verdict:
+    gb, where = snap.facts["disk_free_gb"], snap.facts["disk_path"]
     if gb < req.min_free_disk_gb:
-        return CheckResult(
-            name,
-            Status.FAILED,
-            f"{gb:.2f} GB free at {snap.facts['disk_path']}, need {req.min_free_disk_gb}",
+        return failed(
+            f"{gb:.2f} GB free at {where}, need {req.min_free_disk_gb}",
             "free space or point the state directory elsewhere",
         )
-    return CheckResult(name, Status.PASSED, f"{gb:.1f} GB free at {snap.facts['disk_path']}")
+    return passed(f"{gb:.1f} GB free at {where}")
 
 
-def check_ports(snap: Snapshot, req: Requirements) -> CheckResult:
-    name = "loopback ports"
-    if (skip := _needs("ports", name, snap)) is not None:
-        return skip
-    return CheckResult(name, Status.PASSED, "can bind 127.0.0.1 ports for rendezvous and stores")
+def ports(snap: Snapshot, req: Requirements) -> Verdict:
+    return passed("can bind 127.0.0.1 ports for rendezvous and stores")
 
 
-def check_versions(snap: Snapshot, req: Requirements) -> CheckResult:
-    name = "torch / NVRx versions"
-    if (skip := _needs("versions", name, snap)) is not None:
-        return skip
+def versions(snap: Snapshot, req: Requirements) -> Verdict:
     torch_v, nvrx_v = snap.facts["torch_version"], snap.facts["nvrx_version"]
     problems = []
     if _version_tuple(torch_v)[:2] < req.min_torch:
         problems.append(f"torch {torch_v} < {'.'.join(map(str, req.min_torch))}")
     if _version_tuple(nvrx_v)[:3] < req.min_nvrx:
         problems.append(f"nvidia-resiliency-ext {nvrx_v} < {'.'.join(map(str, req.min_nvrx))}")
-    if not snap.facts.get("ft_launcher"):
+    if not snap.facts["ft_launcher"]:
         problems.append("ft_launcher not found")
     if problems:
-        return CheckResult(name, Status.FAILED, "; ".join(problems), "make venv (reinstall)")
-    return CheckResult(name, Status.PASSED, f"torch {torch_v}, NVRx {nvrx_v}")
+        return failed("; ".join(problems), "make venv (reinstall)")
+    return passed(f"torch {torch_v}, NVRx {nvrx_v}")
 
 
-def check_s3_endpoint(snap: Snapshot, req: Requirements) -> CheckResult:
-    name = "S3 endpoint reachable"
+def s3_endpoint(snap: Snapshot, req: Requirements) -> Verdict:
+    # This check judges the S3 source itself, so its failure is a FAILED, not a SKIPPED.
     if "s3" in snap.errors:
-        return CheckResult(
-            name, Status.FAILED, snap.errors["s3"], "check the endpoint URL and credentials"
-        )
-    return CheckResult(name, Status.PASSED, f"{snap.facts.get('s3_endpoint') or 'AWS S3'}")
+        return failed(snap.errors["s3"], S3.fix)
+    return passed(f"{snap.facts.get('s3_endpoint') or 'AWS S3'}")
 
 
-def check_buckets(snap: Snapshot, req: Requirements) -> CheckResult:
-    name = "S3 buckets present"
-    if (skip := _needs("s3", name, snap)) is not None:
-        return skip
+def buckets(snap: Snapshot, req: Requirements) -> Verdict:
     missing = [b for b in req.buckets if not snap.facts["buckets"].get(b)]
     if missing:
-        return CheckResult(
-            name,
-            Status.FAILED,
-            f"missing or not accessible: {missing}",
-            "create the buckets or fix their names",
+        return failed(
+            f"missing or not accessible: {missing}", "create the buckets or fix their names"
         )
-    return CheckResult(name, Status.PASSED, ", ".join(req.buckets))
+    return passed(", ".join(req.buckets))
 
 
-def check_dataset(snap: Snapshot, req: Requirements) -> CheckResult:
-    name = "dataset present"
-    if (skip := _needs("s3", name, snap)) is not None:
-        return skip
+def dataset(snap: Snapshot, req: Requirements) -> Verdict:
+    # Judges the dataset source itself (S3 was readable, the dataset was not).
     if "dataset" in snap.errors:
-        return CheckResult(
-            name,
-            Status.FAILED,
-            snap.errors["dataset"],
-            "upload the dataset (with dataset.json) or fix the prefix",
-        )
-    files = snap.facts["dataset_files"]
-    return CheckResult(name, Status.PASSED, f"{req.dataset_uri}: {files} shards in the manifest")
+        return failed(snap.errors["dataset"], DATASET.fix)
+    return passed(f"{req.dataset_uri}: {snap.facts['dataset_files']} shards in the manifest")
 
 
 _DTYPE_LIMIT = {"uint16": 1 << 16, "uint32": 1 << 32}
 
 
-def check_vocabulary(snap: Snapshot, req: Requirements) -> CheckResult:
+def vocabulary(snap: Snapshot, req: Requirements) -> Verdict:
     """The data's token ids must index inside the model's embedding, and fit the shards' dtype."""
-    name = "dataset vocabulary fits the workload"
-    if (skip := _needs("s3", name, snap)) is not None:
-        return skip
-    if (skip := _needs("dataset", name, snap)) is not None:
-        return skip
-    data_vocab = snap.facts.get("dataset_vocab_size")
-    dtype = snap.facts.get("dataset_dtype")
+    data_vocab = snap.facts["dataset_vocab_size"]
+    dtype = snap.facts["dataset_dtype"]
     if req.vocab_size is None:
-        return CheckResult(name, Status.SKIPPED, "the workload's vocabulary is not known")
+        return Verdict(Status.SKIPPED, "the workload's vocabulary is not known")
     if not isinstance(data_vocab, int) or data_vocab < 1:
-        return CheckResult(
-            name,
-            Status.FAILED,
+        return failed(
             f"{req.dataset_uri}/dataset.json has no valid vocab_size ({data_vocab!r})",
             "write the dataset with `nvrx-pipeline prepare-dataset`",
         )
     limit = _DTYPE_LIMIT.get(str(dtype))
     if limit is None or data_vocab > limit:
-        return CheckResult(
-            name,
-            Status.FAILED,
+        return failed(
             f"dataset vocab_size {data_vocab} does not fit its token dtype {dtype!r} "
             f"(at most {limit or 0} ids)",
             "write the shards as uint32 (`nvrx-pipeline prepare-dataset --dtype uint32`)",
         )
     if data_vocab > req.vocab_size:
-        return CheckResult(
-            name,
-            Status.FAILED,
+        return failed(
             f"dataset vocab_size {data_vocab} is larger than workload {req.workload!r}'s "
             f"vocabulary {req.vocab_size}: token ids would index past the embedding",
             "tokenize with the model's tokenizer, or pick a workload with a large enough "
             "vocabulary",
         )
-    return CheckResult(
-        name,
-        Status.PASSED,
-        f"dataset vocab_size {data_vocab} ({dtype}) <= workload vocabulary {req.vocab_size}",
+    return passed(
+        f"dataset vocab_size {data_vocab} ({dtype}) <= workload vocabulary {req.vocab_size}"
     )
 
+
+# -- the checks, declared once ----------------------------------------------------------------
+check_cores = Check(name="cpu cores", requires=(HOST,), fn=cores)
+check_memory = Check(name="memory", requires=(HOST,), fn=memory)
+check_disk = Check(name="free disk on run root", requires=(DISK,), fn=disk)
+check_ports = Check(name="loopback ports", requires=(PORTS,), fn=ports)
+check_versions = Check(name="torch / NVRx versions", requires=(VERSIONS,), fn=versions)
+check_s3_endpoint = Check(name="S3 endpoint reachable", requires=(), fn=s3_endpoint)
+check_buckets = Check(name="S3 buckets present", requires=(S3,), fn=buckets)
+check_dataset = Check(name="dataset present", requires=(S3,), fn=dataset)
+check_vocabulary = Check(
+    name="dataset vocabulary fits the workload",
+    requires=(S3, DATASET),
+    fn=vocabulary,
+    # Advisory: "dataset present" already fails when the dataset cannot be read, the trainer
+    # checks the vocabulary again before the first step, and a user workload's vocabulary is
+    # not known here.
+    required=False,
+)
 
 CHECKS: tuple[Check, ...] = (
     check_cores,
@@ -220,15 +295,9 @@ CHECKS: tuple[Check, ...] = (
     check_vocabulary,
 )
 
-
 # What both backends check of S3 (the EKS preflight adds its own cluster and FSx checks).
-S3_CHECKS: tuple[Check, ...] = (
-    check_s3_endpoint,
-    check_buckets,
-    check_dataset,
-    check_vocabulary,
-)
+S3_CHECKS: tuple[Check, ...] = (check_s3_endpoint, check_buckets, check_dataset, check_vocabulary)
 
 
 def run_checks(snap: Snapshot, req: Requirements) -> list[CheckResult]:
-    return [check(snap, req) for check in CHECKS]
+    return run_all(CHECKS, snap, req)

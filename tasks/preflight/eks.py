@@ -1,6 +1,8 @@
 """EKS preflight: gather one snapshot (Kubernetes API + FSx + S3), then pure checks.
 
-A check whose source could not be read is SKIPPED with the reason, never PASSED.
+The checks are declared like the local ones (:class:`tasks.preflight.checks.Check`): a check
+whose source could not be read is SKIPPED with the source's error, never PASSED, and the gate
+fails it when the check is required.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.checks import CheckResult, Status
-from tasks.preflight.checks import Snapshot
+from tasks.checks import CheckResult
+from tasks.preflight.checks import Check, Snapshot, Source, Verdict, failed, passed, run_all
 
 # What the flow runner needs to be allowed to do (SelfSubjectAccessReview each).
 PERMISSIONS: tuple[tuple[str, str, str, str], ...] = (
@@ -97,7 +99,8 @@ def gather_eks(kube: Any, fsx: Any | None, req: EksRequirements) -> Snapshot:
     except Exception as e:
         err["access"] = f"cannot review permissions: {e}"
     if not req.file_system_id:
-        f["fsx_lifecycle"] = None  # a configuration error, not a blind source: check_fsx fails
+        # A configuration error, not a blind source: check_fsx fails it.
+        f["fsx_lifecycle"], f["fsx_associations"] = None, []
     elif fsx is None:
         err["fsx"] = "no FSx client"
     else:
@@ -113,13 +116,38 @@ def gather_eks(kube: Any, fsx: Any | None, req: EksRequirements) -> Snapshot:
     return snap
 
 
+# -- sources (what gather_eks reads) ----------------------------------------------------------
+NODES = Source(
+    name="nodes",
+    facts=("nodes",),
+    fix="let the flow runner list nodes (deploy/eks/rbac.yaml) and check its kubeconfig and "
+    "the API endpoint",
+)
+DAEMONSETS = Source(
+    name="daemonsets",
+    facts=("daemonsets",),
+    fix="let the flow runner list DaemonSets in all namespaces (deploy/eks/rbac.yaml)",
+)
+STORAGE = Source(
+    name="storage",
+    facts=("pvc_phase", "csi_driver"),
+    fix="let the flow runner read PersistentVolumeClaims in the namespace and CSIDrivers "
+    "(deploy/eks/rbac.yaml)",
+)
+ACCESS = Source(
+    name="access",
+    facts=("access",),
+    fix="let the flow runner create SelfSubjectAccessReviews",
+)
+FSX = Source(
+    name="fsx",
+    facts=("fsx_lifecycle", "fsx_associations"),
+    fix="give the flow runner fsx:DescribeFileSystems and fsx:DescribeDataRepositoryAssociations "
+    "(IAM) and check eks.region",
+)
+
+
 # -- checks (pure) -----------------------------------------------------------------------------
-def _skip(name: str, snap: Snapshot, source: str) -> CheckResult | None:
-    if source in snap.errors:
-        return CheckResult(name, Status.SKIPPED, snap.errors[source])
-    return None
-
-
 def _ready(node: dict[str, Any]) -> bool:
     conds = {c["type"]: c for c in (node.get("status") or {}).get("conditions") or []}
     return conds.get("Ready", {}).get("status") == "True" and not (node.get("spec") or {}).get(
@@ -156,26 +184,18 @@ def usable_nodes(snap: Snapshot, req: EksRequirements) -> tuple[list[str], list[
     return usable, why
 
 
-def check_nodes(snap: Snapshot, req: EksRequirements) -> CheckResult:
-    name = "GPU/EFA nodes"
-    if (s := _skip(name, snap, "nodes")) is not None:
-        return s
+def nodes(snap: Snapshot, req: EksRequirements) -> Verdict:
     usable, why = usable_nodes(snap, req)
     if len(usable) < req.nodes:
-        return CheckResult(
-            name,
-            Status.FAILED,
+        return failed(
             f"{len(usable)} usable node(s), need {req.nodes}"
             + (f" ({'; '.join(why[:5])})" if why else ""),
             "scale the GPU node group or lower nodes",
         )
-    return CheckResult(name, Status.PASSED, f"{len(usable)} usable {req.instance_type} node(s)")
+    return passed(f"{len(usable)} usable {req.instance_type} node(s)")
 
 
-def check_device_plugins(snap: Snapshot, req: EksRequirements) -> CheckResult:
-    name = "NVIDIA and EFA device plugins"
-    if (s := _skip(name, snap, "daemonsets")) is not None:
-        return s
+def device_plugins(snap: Snapshot, req: EksRequirements) -> Verdict:
     bad = []
     for plugin in DEVICE_PLUGINS:
         status = next(
@@ -189,76 +209,74 @@ def check_device_plugins(snap: Snapshot, req: EksRequirements) -> CheckResult:
                 f"{status.get('desiredNumberScheduled', 0)} ready"
             )
     if bad:
-        return CheckResult(
-            name,
-            Status.FAILED,
-            "; ".join(bad),
-            "install or repair the device plugin DaemonSets (deploy/eks/README.md)",
+        return failed(
+            "; ".join(bad), "install or repair the device plugin DaemonSets (deploy/eks/README.md)"
         )
-    return CheckResult(name, Status.PASSED, "ready")
+    return passed("ready")
 
 
-def check_storage(snap: Snapshot, req: EksRequirements) -> CheckResult:
-    name = "FSx CSI driver and claim"
-    if (s := _skip(name, snap, "storage")) is not None:
-        return s
+def storage(snap: Snapshot, req: EksRequirements) -> Verdict:
     problems = []
     if "fsx.csi.aws.com" not in snap.facts["csi_driver"]:
         problems.append("CSI driver fsx.csi.aws.com not installed")
     if snap.facts["pvc_phase"] != "Bound":
         problems.append(f"PVC {req.fsx_claim} is {snap.facts['pvc_phase']}, not Bound")
     if problems:
-        return CheckResult(name, Status.FAILED, "; ".join(problems), "apply deploy/eks/fsx.yaml")
-    return CheckResult(name, Status.PASSED, f"{req.fsx_claim} Bound")
+        return failed("; ".join(problems), "apply deploy/eks/fsx.yaml")
+    return passed(f"{req.fsx_claim} Bound")
 
 
-def check_permissions(snap: Snapshot, req: EksRequirements) -> CheckResult:
-    name = "permissions"
-    if (s := _skip(name, snap, "access")) is not None:
-        return s
+def permissions(snap: Snapshot, req: EksRequirements) -> Verdict:
     denied = [k for k, ok in snap.facts["access"].items() if not ok]
     if denied:
-        return CheckResult(
-            name,
-            Status.FAILED,
-            f"not allowed: {denied}",
-            "apply deploy/eks/rbac.yaml and run as its ServiceAccount",
+        return failed(
+            f"not allowed: {denied}", "apply deploy/eks/rbac.yaml and run as its ServiceAccount"
         )
-    return CheckResult(name, Status.PASSED, f"{len(snap.facts['access'])} actions allowed")
+    return passed(f"{len(snap.facts['access'])} actions allowed")
 
 
-def check_fsx(snap: Snapshot, req: EksRequirements) -> CheckResult:
-    name = "FSx file system"
-    if (s := _skip(name, snap, "fsx")) is not None:
-        return s
+def fsx(snap: Snapshot, req: EksRequirements) -> Verdict:
     if not req.file_system_id:
-        return CheckResult(
-            name,
-            Status.FAILED,
+        return failed(
             "no FSx file system id configured",
             "set eks.file_system_id to the fs-... id behind the fsx_claim PVC",
         )
     if snap.facts["fsx_lifecycle"] != "AVAILABLE":
-        return CheckResult(
-            name,
-            Status.FAILED,
+        return failed(
             f"{req.file_system_id} is {snap.facts['fsx_lifecycle']}",
             "wait for it or fix it in the console",
         )
     if not snap.facts["fsx_associations"]:
-        return CheckResult(
-            name,
-            Status.FAILED,
+        return failed(
             f"{req.file_system_id} has no data repository association",
             "the hydrate stage creates it; check IAM if it fails",
         )
-    return CheckResult(
-        name, Status.PASSED, f"AVAILABLE, linked to {snap.facts['fsx_associations']}"
-    )
+    return passed(f"AVAILABLE, linked to {snap.facts['fsx_associations']}")
 
 
-EKS_CHECKS = (check_nodes, check_device_plugins, check_storage, check_permissions, check_fsx)
+# -- the checks, declared once ----------------------------------------------------------------
+NODES_CHECK = Check(name="GPU/EFA nodes", requires=(NODES,), fn=nodes)
+EKS_CHECKS: tuple[Check, ...] = (
+    NODES_CHECK,
+    Check(name="NVIDIA and EFA device plugins", requires=(DAEMONSETS,), fn=device_plugins),
+    Check(name="FSx CSI driver and claim", requires=(STORAGE,), fn=storage),
+    Check(
+        name="permissions",
+        requires=(ACCESS,),
+        fn=permissions,
+        # Advisory: an API server without an authorizer (or one that refuses the review) cannot
+        # answer it, while a real missing permission still fails loudly with a 403 at the
+        # Job's create, before any training starts.
+        required=False,
+    ),
+    Check(name="FSx file system", requires=(FSX,), fn=fsx),
+)
+
+
+def check_nodes(snap: Snapshot, req: EksRequirements) -> CheckResult:
+    """The node check alone (the capacity wait re-runs it on a fresh node list)."""
+    return NODES_CHECK(snap, req)
 
 
 def run_eks_checks(snap: Snapshot, req: EksRequirements) -> list[CheckResult]:
-    return [c(snap, req) for c in EKS_CHECKS]
+    return run_all(EKS_CHECKS, snap, req)

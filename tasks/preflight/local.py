@@ -48,6 +48,7 @@ def gather_local(
     try:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
+        f["loopback_bind"] = True
     except OSError as e:
         err["ports"] = str(e)
     try:
