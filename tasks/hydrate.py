@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.errors import HydrationError
-from trainer.data import MANIFEST, DataError, verify_dataset
+from trainer.data import MANIFEST, DataError, check_file_names, verify_dataset
 from trainer.hashing import sha256_file
 
 
@@ -35,10 +37,44 @@ class HydrateReport:
 
 def _local_ok(path: Path, entry: dict[str, Any]) -> bool:
     return (
-        path.is_file()
+        not path.is_symlink()  # a link is replaced by the real file, never written through
+        and path.is_file()
         and path.stat().st_size == entry["bytes"]
         and sha256_file(path) == entry["sha256"]
     )
+
+
+def _symlink_on(path: Path) -> Path | None:
+    """The first component of ``path`` (absolute) that is a symbolic link, if any."""
+    current = Path(path.anchor)
+    for part in path.parts[1:]:
+        current = current / part
+        if current.is_symlink():
+            return current
+    return None
+
+
+def prepare_dest(dest: Path) -> Path:
+    """``dest``, created, after refusing a destination that is, or goes through, a symbolic link:
+    the shared filesystem is writable by others, and a link planted there would send hydration's
+    writes somewhere else. Checked before and after creating it (a link made in between)."""
+    dest = Path(os.path.abspath(dest))
+    for _ in range(2):
+        link = _symlink_on(dest)
+        if link is not None:
+            raise HydrationError(
+                f"hydration destination {dest} goes through the symbolic link {link} -> "
+                f"{os.readlink(link)}: refusing to write through it; pass the real directory "
+                f"({os.path.realpath(dest)}) if that is where the data belongs"
+            )
+        dest.mkdir(parents=True, exist_ok=True)
+    return dest
+
+
+def _staging(dest: Path) -> Path:
+    """A private directory in ``dest`` (unguessable name, mode 0700) for files being written: a
+    name known in advance (``.x.part``) could be planted as a link to a file elsewhere."""
+    return Path(tempfile.mkdtemp(prefix=".hydrate-", dir=dest))
 
 
 def hydrate_dataset(
@@ -59,15 +95,39 @@ def hydrate_dataset(
         raise HydrationError(f"dataset manifest s3://{src}/{MANIFEST} not found") from e
     except json.JSONDecodeError as e:
         raise HydrationError(f"dataset manifest s3://{src}/{MANIFEST} is not valid JSON") from e
+    if not isinstance(manifest, dict):
+        raise HydrationError(f"dataset manifest s3://{src}/{MANIFEST} is not a JSON object")
+    try:
+        # Names are joined onto dest: each must be one plain file name (before any write).
+        check_file_names(manifest, source=f"s3://{src}/{MANIFEST}")
+    except DataError as e:
+        raise HydrationError(str(e)) from e
     files = manifest.get("files") or []
-    dest.mkdir(parents=True, exist_ok=True)
+    dest = prepare_dest(dest)
+    staging = _staging(dest)
+    try:
+        return _hydrate_files(fs, src, dest, staging, manifest, files, progress, max_workers, t0)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
+
+def _hydrate_files(
+    fs: Any,
+    src: str,
+    dest: Path,
+    staging: Path,
+    manifest: dict[str, Any],
+    files: list[dict[str, Any]],
+    progress: Callable[[int, int, str], None],
+    max_workers: int,
+    t0: float,
+) -> HydrateReport:
     def fetch(entry: dict[str, Any]) -> int:
         """Bytes downloaded for this file (0: already present and verified)."""
         local = dest / entry["name"]
         if _local_ok(local, entry):
             return 0
-        tmp = dest / f".{entry['name']}.part"
+        tmp = staging / entry["name"]
         try:
             fs.get_file(f"{src}/{entry['name']}", str(tmp))
         except FileNotFoundError as e:
@@ -93,7 +153,7 @@ def hydrate_dataset(
                 nbytes + got,
             )
             progress(i + 1, len(files), entry["name"])
-    tmp_manifest = dest / f".{MANIFEST}.part"
+    tmp_manifest = staging / MANIFEST
     tmp_manifest.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp_manifest, dest / MANIFEST)
     try:
@@ -114,6 +174,7 @@ def hydrate_dataset(
 def upload_dataset(client: Any, local: Path, bucket: str, prefix: str) -> int:
     """Seed a bucket with a local dataset (demo and tests); the manifest goes last."""
     manifest = json.loads((local / MANIFEST).read_text())
+    check_file_names(manifest, source=str(local / MANIFEST))
     for entry in manifest["files"]:
         client.upload_file(str(local / entry["name"]), bucket, f"{prefix}/{entry['name']}")
     client.upload_file(str(local / MANIFEST), bucket, f"{prefix}/{MANIFEST}")
@@ -123,7 +184,8 @@ def upload_dataset(client: Any, local: Path, bucket: str, prefix: str) -> int:
 # Files of a Hugging Face model directory that the Llama workload reads; nothing else is fetched
 # (no pickled *.bin / *.pt: only safetensors are ever loaded).
 _WEIGHT_SUFFIXES = (".safetensors", ".json")
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+# Used with fullmatch: "$" would accept a trailing newline.
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 
 
 def hydrate_weights(
@@ -148,7 +210,7 @@ def hydrate_weights(
         name = str(item["name"]).rsplit("/", 1)[-1]
         if item.get("type") != "file" or not name.endswith(_WEIGHT_SUFFIXES):
             continue
-        if not _SAFE_NAME.match(name):
+        if not _SAFE_NAME.fullmatch(name):
             raise HydrationError(f"initial weights {uri}: refusing the object name {name!r}")
         entries.append((name, int(item["size"])))
     names = {n for n, _ in entries}
@@ -158,21 +220,24 @@ def hydrate_weights(
             f"directory), found {sorted(names) or 'nothing'}"
         )
     entries.sort(key=lambda e: e[0] == "config.json")  # config.json last: marks it complete
-    dest.mkdir(parents=True, exist_ok=True)
+    dest = prepare_dest(dest)
+    staging = _staging(dest)
     downloaded = skipped = nbytes = 0
-    for i, (name, size) in enumerate(entries):
-        local = dest / name
-        if local.is_file() and local.stat().st_size == size:
-            skipped += 1
-        else:
-            tmp = dest / f".{name}.part"
-            fs.get_file(f"{src}/{name}", str(tmp))
-            if tmp.stat().st_size != size:
-                tmp.unlink()
-                raise HydrationError(f"{uri}/{name}: downloaded size differs from the listing")
-            os.replace(tmp, local)
-            downloaded, nbytes = downloaded + 1, nbytes + size
-        progress(i + 1, len(entries), name)
+    try:
+        for i, (name, size) in enumerate(entries):
+            local = dest / name
+            if not local.is_symlink() and local.is_file() and local.stat().st_size == size:
+                skipped += 1
+            else:
+                tmp = staging / name
+                fs.get_file(f"{src}/{name}", str(tmp))
+                if tmp.stat().st_size != size:
+                    raise HydrationError(f"{uri}/{name}: downloaded size differs from the listing")
+                os.replace(tmp, local)
+                downloaded, nbytes = downloaded + 1, nbytes + size
+            progress(i + 1, len(entries), name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return HydrateReport(
         source=uri,
         dest=str(dest),

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from trainer.hashing import sha256_file
+from trainer.untrusted import UnsafeNameError, check_component
 
 MANIFEST = "dataset.json"
 FORMAT = "nvrx-tokens-v1"
@@ -172,6 +173,7 @@ def load_manifest(data_dir: Path) -> dict[str, Any]:
             assert {"name", "tokens", "bytes", "sha256"} <= set(entry)
     except (json.JSONDecodeError, KeyError, AssertionError, TypeError) as e:
         raise DataError(f"dataset manifest {path} is malformed ({type(e).__name__}: {e})") from e
+    check_file_names(manifest, source=str(path))
     token_dtype(manifest.get("dtype"), field=f"dataset manifest {path}: dtype")
     check_vocab_fits(
         manifest.get("vocab_size"),  # type: ignore[arg-type]  # checked there
@@ -179,6 +181,26 @@ def load_manifest(data_dir: Path) -> dict[str, Any]:
         field=f"dataset manifest {path}",
     )
     return manifest
+
+
+def check_file_names(manifest: dict[str, Any], *, source: str) -> None:
+    """Every ``files[i].name`` is one plain file name: the manifest lives on the shared
+    filesystem (or in a bucket), and its names are joined onto the dataset directory, read,
+    and written by hydration. DataError names the manifest, the field and the value."""
+    files = manifest.get("files")
+    if not isinstance(files, list):
+        raise DataError(f"dataset manifest {source}: files must be a list")
+    seen: set[str] = set()
+    for i, entry in enumerate(files):
+        where = f"dataset manifest {source}: files[{i}].name"
+        name = entry.get("name") if isinstance(entry, dict) else None
+        try:
+            check_component(name, where=where)
+        except UnsafeNameError as e:
+            raise DataError(str(e)) from e
+        if name == MANIFEST or name in seen:
+            raise DataError(f"{where}: {name!r} is the manifest itself or listed twice")
+        seen.add(str(name))
 
 
 def verify_dataset(data_dir: Path, *, digests: bool = True) -> dict[str, Any]:

@@ -18,7 +18,8 @@ from urllib.parse import urlparse
 from tasks.errors import StorageError
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+# Used with fullmatch: "$" would accept a trailing newline ("bucket\n").
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +84,7 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
 
 
 def validate_bucket(bucket: str) -> None:
-    if not _BUCKET_RE.match(bucket or ""):
+    if not isinstance(bucket, str) or not _BUCKET_RE.fullmatch(bucket):
         raise StorageError(
             f"bucket {bucket!r} is not a valid S3 bucket name (3-63 lowercase letters, digits, "
             "dots, hyphens)"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from typing import Any
 from tasks.checks import CheckResult, Status
 from trainer import manifest as ckpt_manifest
 from trainer.hashing import sha256_file
+from trainer.untrusted import METADATA, UnsafeNameError, check_component, load_dcp_metadata
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -75,7 +77,7 @@ class CheckpointReport:
 
 
 # -- gathering (I/O) --------------------------------------------------------------------------
-def _hash_files(path: Path, names: list[str]) -> tuple[dict[str, dict[str, Any]], float]:
+def hash_files(path: Path, names: list[str]) -> tuple[dict[str, dict[str, Any]], float]:
     t0 = time.perf_counter()
     present = [n for n in names if (path / n).is_file()]
     # hashlib releases the GIL on large buffers: threads hash files in parallel.
@@ -87,6 +89,9 @@ def _hash_files(path: Path, names: list[str]) -> tuple[dict[str, dict[str, Any]]
     seconds = time.perf_counter() - t0
     files = {n: {"bytes": (path / n).stat().st_size, "sha256": digests[n]} for n in present}
     return files, (total / 1e6 / seconds if seconds > 0 else 0.0)
+
+
+_hash_files = hash_files  # the name benchmarks/transfer_throughput.py imports
 
 
 def expected_entries(workload: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
@@ -110,14 +115,54 @@ def expected_entries(workload: dict[str, Any]) -> dict[str, tuple[int, ...] | No
 
 
 def _dcp_entries(path: Path) -> dict[str, tuple[int, ...] | None]:
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = FileSystemReader(str(path)).read_metadata()
+    md = load_dcp_metadata(path)  # restricted: a forged .metadata cannot run code
     return {
         k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None
         for k, v in md.state_dict_metadata.items()
     }
+
+
+def check_file_names(manifest: dict[str, Any], path: Path) -> None:
+    """Every ``files[i].name`` of a checkpoint manifest is a plain file name in ``path``: the
+    manifest is untrusted, and its names are joined onto the directory and opened."""
+    for i, entry in enumerate(manifest["files"]):
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if name != METADATA:  # DCP's one dot-file, by its exact name
+            check_component(name, where=f"{path / ckpt_manifest.MANIFEST}: files[{i}].name")
+
+
+# Variables that give a process credentials: the load check needs none, and it reads files that
+# anyone with write access to the shared filesystem controls. Every AWS_* variable goes (keys,
+# session token, profile, role ARN, web identity token file, container credentials URI and
+# token); the SDKs' other sources (~/.aws files, instance metadata) are pointed at nothing.
+# Any other variable named like a secret (HF_TOKEN, PREFECT_API_AUTH_STRING, *_PASSWORD,
+# GOOGLE_APPLICATION_CREDENTIALS, SSH_AUTH_SOCK...) goes too; the check never needs one.
+_SECRET_NAME = re.compile(
+    r"(?:.*_)?(?:SECRET|TOKEN|PASSWORD|PASSWD|API_KEY|APIKEY|KEY|CREDENTIALS?|AUTH)(?:_.*)?",
+    re.IGNORECASE,
+)
+_CHILD_OVERRIDES = {
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+def child_env(parent: dict[str, str]) -> dict[str, str]:
+    """The environment of the load-check process: ``parent`` without credentials and without
+    the trainer's distributed settings (it is a world of its own)."""
+    env = {
+        k: v
+        for k, v in parent.items()
+        if not k.upper().startswith("AWS_") and not _SECRET_NAME.fullmatch(k)
+    }
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NVRX_CONFIG"):
+        env.pop(key, None)
+    env.update(_CHILD_OVERRIDES)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), parent.get("PYTHONPATH")]))
+    return env
 
 
 def _fresh_process_load(
@@ -141,12 +186,13 @@ def _fresh_process_load(
         argv += ["--safetensors", str(safetensors_out)]
     if pretrained_out is not None:
         argv += ["--pretrained", str(pretrained_out)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NVRX_CONFIG"):
-        env.pop(key, None)  # a world of its own
     proc = subprocess.run(
-        argv, capture_output=True, text=True, env=env, cwd=_REPO, timeout=exp.load_timeout_s
+        argv,
+        capture_output=True,
+        text=True,
+        env=child_env(dict(os.environ)),
+        cwd=_REPO,
+        timeout=exp.load_timeout_s,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -163,8 +209,14 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
     except ckpt_manifest.CheckpointError as e:
         facts.errors["manifest"] = str(e)
         return facts
+    try:
+        check_file_names(facts.manifest, path)
+    except UnsafeNameError as e:
+        facts.errors["manifest"] = str(e)
+        facts.errors["load"] = "not loaded: the manifest names files outside the checkpoint"
+        return facts
     names = [e["name"] for e in facts.manifest["files"]]
-    facts.files, facts.hash_mb_s = _hash_files(path, names)
+    facts.files, facts.hash_mb_s = hash_files(path, names)
     digests_ok = all(
         facts.files.get(e["name"], {}).get("sha256") == e["sha256"] for e in facts.manifest["files"]
     )
@@ -236,8 +288,8 @@ def check_manifest(f: Facts, exp: Expectations) -> CheckResult:
 
 def check_files(f: Facts, exp: Expectations) -> CheckResult:
     name = "files and digests"
-    if f.manifest is None:
-        return _skip(name, "no manifest")
+    if f.manifest is None or "manifest" in f.errors:
+        return _skip(name, f.errors.get("manifest", "no manifest"))
     bad = []
     for e in f.manifest["files"]:
         got = f.files.get(e["name"])

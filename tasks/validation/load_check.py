@@ -38,10 +38,12 @@ def load_and_inspect(
 
     from trainer import manifest as ckpt_manifest
     from trainer.digest import tensor_dict_sha256
+    from trainer.untrusted import dcp_load_args
     from trainer.workload import DataSettings, OptimSettings, load_workload
 
     torch.set_num_threads(1)
     man = ckpt_manifest.read_manifest(path)
+    verify_before_loading(path, man)
     step = int(man["step"])
     produced = ckpt_manifest.workload_of(man)
     chosen = workload or produced
@@ -63,7 +65,8 @@ def load_and_inspect(
             OptimSettings(lr=cfg.get("lr", 1e-3), weight_decay=cfg.get("weight_decay", 0.0)),
         )
         model_sd, optim_sd = get_state_dict(model, optim)
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        # Restricted: .metadata through an allowlist unpickler, shard entries weights_only.
+        dcp.load({"model": model_sd, "optim": optim_sd}, **dcp_load_args(path))
         model.load_state_dict(model_sd)
         nonfinite = [
             name
@@ -101,6 +104,40 @@ def load_and_inspect(
         return out
     finally:
         dist.destroy_process_group()
+
+
+def verify_before_loading(path: Path, man: dict[str, Any]) -> None:
+    """Loading unpickles ``.metadata`` and the shards' non-tensor entries: only files whose size
+    and sha256 the manifest vouches for, and only files it lists, are read (DESIGN §8). Raises
+    :class:`UnsafeCheckpointError` naming the files. (The manifest is not signed: this stops
+    corruption and half-done tampering; the restricted unpickler stops a forged pair.)"""
+    from tasks.validation.checkpoint import check_file_names, hash_files
+    from trainer.untrusted import METADATA, UnsafeCheckpointError, load_dcp_metadata
+
+    try:
+        check_file_names(man, path)
+    except ValueError as e:
+        raise UnsafeCheckpointError(str(e)) from e
+    listed = {e["name"]: e for e in man["files"]}
+    if METADATA not in listed:
+        raise UnsafeCheckpointError(f"{path}: {METADATA} is not in its manifest: not loaded")
+    got, _ = hash_files(path, sorted(listed))
+    bad = sorted(
+        n
+        for n, e in listed.items()
+        if got.get(n, {}).get("bytes") != e["bytes"] or got.get(n, {}).get("sha256") != e["sha256"]
+    )
+    if bad:
+        raise UnsafeCheckpointError(
+            f"{path}: {', '.join(bad)} missing or not matching the manifest (size or sha256): "
+            "not loaded"
+        )
+    md = load_dcp_metadata(path)
+    unlisted = sorted({i.relative_path for i in md.storage_data.values()} - set(listed))
+    if unlisted:
+        raise UnsafeCheckpointError(
+            f"{path / METADATA} reads {unlisted}, which the manifest does not list: not loaded"
+        )
 
 
 def _write_safetensors(model: Any, out: Path, *, step: int, digest: str) -> dict[str, Any]:
