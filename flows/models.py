@@ -3,19 +3,28 @@ every field has limits and a description, and bad values are rejected naming the
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from trainer.faults import FaultSpecError, parse_fault
 
 if TYPE_CHECKING:
     from trainer.workload import Workload
 
-_RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# Matched with fullmatch: `re.match(r"^...$")` would accept a trailing newline ("abc\n").
+_RUN_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+_S3_ENDPOINT = re.compile(r"https?://[^/@\s]+(:\d+)?/?")
 
 
 def new_run_id() -> str:
@@ -49,6 +58,24 @@ class ExportLocation(BaseModel):
 
 LOCAL_S3_ENDPOINT = "http://127.0.0.1:8333"
 
+# Which image runs, as which ServiceAccount, in which namespace is the deployment's decision, not
+# the run form's: the EKS work pool's job variables set these in the flow-run pod's environment
+# (deploy/eks/prefect.yaml), comma-separated, and a backend=eks run naming anything else is
+# refused before anything launches. Unset (the CLI, tests), only the field's default is allowed;
+# a backend=local run is never checked, so it never needs EKS values.
+ALLOWED_ENV = {
+    "image": "NVRX_ALLOWED_IMAGES",
+    "service_account": "NVRX_ALLOWED_SERVICE_ACCOUNTS",
+    "namespace": "NVRX_ALLOWED_NAMESPACES",
+}
+
+
+def deployment_allowed(field: str, default: str) -> tuple[str, ...]:
+    """The values the deployment allows for an EKS field (read when a run is validated)."""
+    raw = os.environ.get(ALLOWED_ENV[field], "")
+    values = tuple(v.strip() for v in raw.split(",") if v.strip())
+    return values or (default,)
+
 
 class EksParams(BaseModel):
     """Where and how the train stage runs on Amazon EKS (backend=eks)."""
@@ -58,14 +85,20 @@ class EksParams(BaseModel):
         "nvrx",
         pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
         max_length=63,
-        description="Kubernetes namespace of the training Job",
+        description="Kubernetes namespace of the training Job; one the deployment allows "
+        "(NVRX_ALLOWED_NAMESPACES)",
     )
     image: str = Field(
         "REGISTRY/nvrx-pipeline:latest",
         min_length=1,
-        description="training image (deploy/eks/Dockerfile)",
+        description="training image (deploy/eks/Dockerfile); one the deployment allows "
+        "(NVRX_ALLOWED_IMAGES)",
     )
-    service_account: str = Field("nvrx-trainer", description="ServiceAccount of training pods")
+    service_account: str = Field(
+        "nvrx-trainer",
+        description="ServiceAccount of training pods; one the deployment allows "
+        "(NVRX_ALLOWED_SERVICE_ACCOUNTS)",
+    )
     instance_type: str = Field("p5.48xlarge", description="node instance type (node affinity)")
     gpus_per_node: int = Field(8, ge=1, le=16, description="nvidia.com/gpu per pod (= ranks)")
     efa_per_node: int = Field(32, ge=0, le=64, description="vpc.amazonaws.com/efa per pod")
@@ -103,6 +136,18 @@ class EksParams(BaseModel):
         description="deadline for the FSx import task plus the hydration Job",
     )
 
+    def check_deployment_allows(self) -> None:
+        """Refuse an image, service account or namespace the deployment does not allow (the
+        defaults included: a run that replaces ``params`` falls back to them)."""
+        for field in ALLOWED_ENV:
+            value = getattr(self, field)
+            allowed = deployment_allowed(field, str(type(self).model_fields[field].default))
+            if value not in allowed:
+                raise ValueError(
+                    f"eks.{field}: {value!r} is not allowed by this deployment; allowed: "
+                    f"{', '.join(allowed)} (the deployment sets {ALLOWED_ENV[field]})"
+                )
+
 
 class PipelineParams(BaseModel):
     """One training run, from preflight to a verified checkpoint in S3."""
@@ -139,7 +184,13 @@ class PipelineParams(BaseModel):
     steps: int = Field(20, ge=1, le=10_000_000, description="total optimizer steps")
     global_batch: int = Field(8, ge=1, le=1_000_000, description="sequences per step, all ranks")
     ckpt_interval: int = Field(5, ge=1, le=1_000_000, description="checkpoint every N steps")
-    keep_last: int = Field(3, ge=1, le=100, description="committed checkpoints to keep")
+    keep_last: int = Field(
+        3,
+        ge=2,
+        le=100,
+        description="committed checkpoints to keep: at least 2, so a corruption right after a "
+        "commit still leaves one valid checkpoint",
+    )
     nodes: int = Field(2, ge=1, le=64, description="nodes (simulated nodes on the local backend)")
     nproc_per_node: int = Field(1, ge=1, le=8, description="worker processes per node")
     faults: list[str] = Field(
@@ -175,7 +226,7 @@ class PipelineParams(BaseModel):
     def _run_id(cls, v: str | None) -> str | None:
         if v in (None, ""):
             return None
-        if not _RUN_ID.match(v):
+        if not _RUN_ID.fullmatch(v):
             raise ValueError("use 1-63 lowercase letters, digits and dashes, starting alphanumeric")
         return v
 
@@ -194,7 +245,7 @@ class PipelineParams(BaseModel):
     def _endpoint(cls, v: str | None) -> str | None:
         if v in (None, ""):
             return None
-        if not re.match(r"^https?://[^/@\s]+(:\d+)?/?$", v):
+        if not _S3_ENDPOINT.fullmatch(v):
             raise ValueError("expected http(s)://host[:port] with no path or credentials")
         return v.rstrip("/")
 
@@ -259,6 +310,8 @@ class PipelineParams(BaseModel):
             # The embedded default's local server makes no sense on a cluster (a form that
             # re-sends the default would otherwise start one in the flow runner's pod): AWS S3.
             self.s3_endpoint = None
+        if self.backend == "eks":
+            self.eks.check_deployment_allows()
         self._check_workload()
         world = self.world_size
         if self.global_batch % world:

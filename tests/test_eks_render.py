@@ -1,8 +1,11 @@
 """The EKS train-stage manifests: schema-valid (kubernetes-validate, strict, at the pinned
-Kubernetes version), idempotent names, and the launch contract the watcher relies on."""
+Kubernetes version), idempotent names, the launch contract the watcher relies on, and the
+hardening: every pod the backend renders meets Pod Security "restricted" as the image's
+non-root user, and each Job's NetworkPolicy admits only the Job's own pods."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -12,8 +15,9 @@ import yaml
 
 from flows.context import eks_train_config
 from flows.models import PipelineParams
-from tasks.backends.eks import K8S_VERSION
-from tasks.backends.eks.render import job_name, render_all
+from tasks.backends.eks import K8S_VERSION, security
+from tasks.backends.eks.fsx import render_hydration_job
+from tasks.backends.eks.render import JOB_NAME_LABEL, job_name, labels, render_all
 from tests.helpers import REPO, worker_env
 
 
@@ -47,7 +51,7 @@ def test_manifests_validate_strictly(attempt: int):
 
 
 def test_schema_catches_a_wrong_field():
-    _svc, job = render(params())
+    _policy, _svc, job = render(params())
     job["spec"]["template"]["spec"]["containers"][0]["resource"] = {}  # typo'd field
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(job, K8S_VERSION, strict=True)
@@ -56,14 +60,14 @@ def test_schema_catches_a_wrong_field():
 def test_same_attempt_same_names_next_attempt_new_names():
     a, b, c = render(params(), 1), render(params(), 1), render(params(), 2)
     assert a == b
-    assert a[1]["metadata"]["name"] != c[1]["metadata"]["name"]
+    assert a[2]["metadata"]["name"] != c[2]["metadata"]["name"]
     long = job_name("x" * 80, 3)
     assert len(long) <= 52 and long.endswith("-a3") and long != job_name("x" * 81, 3)
 
 
 def test_launch_contract():
     p = params(faults=["exception@step=5,rank=3"])
-    svc, job = render(p)
+    _policy, svc, job = render(p)
     name = job["metadata"]["name"]
     spec = job["spec"]
     assert spec["completionMode"] == "Indexed"
@@ -88,7 +92,7 @@ def test_launch_contract():
     assert cfg.faults == ("exception@step=5,rank=3",) and cfg.workload == "llama3-8b"
     assert c["resources"]["limits"] == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32"}
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
-    assert mounts == {"/fsx": "fsx", "/dev/shm": "shm"}
+    assert mounts == {"/fsx": "fsx", "/dev/shm": "shm", "/tmp": "tmp", security.HOME: "home"}
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["fsx"]["persistentVolumeClaim"]["claimName"] == "fsx-claim"
     assert vols["shm"]["emptyDir"]["medium"] == "Memory"
@@ -119,8 +123,8 @@ def test_render_k8s_cli():
     )
     assert proc.returncode == 0, proc.stderr
     docs = list(yaml.safe_load_all(proc.stdout))
-    assert [d["kind"] for d in docs] == ["Service", "Job"]
-    assert docs[1]["metadata"]["name"] == "nvrx-cli-run-a2"
+    assert [d["kind"] for d in docs] == ["NetworkPolicy", "Service", "Job"]
+    assert {d["metadata"]["name"] for d in docs} == {"nvrx-cli-run-a2"}
     bad = subprocess.run(
         [*argv[:4], "--set", "global_batch=7"],
         capture_output=True,
@@ -130,3 +134,129 @@ def test_render_k8s_cli():
         timeout=120,
     )
     assert bad.returncode == 2 and "global_batch" in bad.stderr
+
+
+# --- hardening ------------------------------------------------------------------------------------
+RESTRICTED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    """What Pod Security "restricted" (Kubernetes 1.34) would refuse in a pod spec, plus our
+    own rules: the image's UID/GID, a read-only root filesystem, no API token."""
+    bad = []
+    psc = pod.get("securityContext") or {}
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key):
+            bad.append(key)
+    for v in pod.get("volumes") or []:
+        kinds = set(v) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            bad.append(f"volume {v['name']}: {kinds}")
+    if (psc.get("runAsUser"), psc.get("runAsGroup"), psc.get("fsGroup")) != (
+        security.UID,
+        security.GID,
+        security.GID,
+    ):
+        bad.append(f"pod UID/GID {psc}")
+    if pod.get("automountServiceAccountToken") is not False:
+        bad.append("API token mounted")
+    for c in [*pod.get("initContainers", []), *pod["containers"]]:
+        sc = c.get("securityContext") or {}
+        name = c["name"]
+        if sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True:
+            bad.append(f"{name}: runAsNonRoot")
+        if sc.get("runAsUser", psc.get("runAsUser")) in (None, 0):
+            bad.append(f"{name}: runAsUser")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{name}: allowPrivilegeEscalation")
+        if sc.get("privileged"):
+            bad.append(f"{name}: privileged")
+        caps = sc.get("capabilities") or {}
+        if "ALL" not in caps.get("drop", []) or set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            bad.append(f"{name}: capabilities {caps}")
+        seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{name}: seccompProfile {seccomp}")
+        if sc.get("readOnlyRootFilesystem") is not True:
+            bad.append(f"{name}: readOnlyRootFilesystem")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            bad.append(f"{name}: hostPort")
+        writable = {m["mountPath"] for m in c.get("volumeMounts", []) if not m.get("readOnly")}
+        if not {"/tmp", security.HOME} <= writable:
+            bad.append(f"{name}: no writable /tmp and HOME on a read-only root")
+    return bad
+
+
+def hydration_job() -> dict:
+    return render_hydration_job(
+        name="nvrx-r1-hydrate",
+        namespace="nvrx",
+        image="img:1",
+        data_dir="/fsx/datasets/b/p",
+        fsx_claim="fsx-claim",
+        fsx_mount="/fsx",
+        service_account="nvrx-trainer",
+    )
+
+
+def test_every_rendered_pod_is_restricted_and_non_root():
+    _policy, _svc, train = render(params())
+    for job in (train, hydration_job()):
+        kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+        assert restricted_violations(job["spec"]["template"]["spec"]) == [], job["metadata"]
+
+
+def test_restricted_check_can_fail():
+    _policy, _svc, job = render(params())
+    pod = copy.deepcopy(job["spec"]["template"]["spec"])
+    pod["containers"][0]["securityContext"]["capabilities"]["add"] = ["IPC_LOCK"]
+    pod["securityContext"]["runAsUser"] = 0
+    del pod["containers"][0]["securityContext"]["allowPrivilegeEscalation"]
+    found = " ".join(restricted_violations(pod))
+    assert "capabilities" in found and "UID" in found and "allowPrivilegeEscalation" in found
+
+
+def test_network_policy_admits_only_the_jobs_own_pods():
+    p = params()
+    policy, svc, job = render(p)
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    name = job["metadata"]["name"]
+    # same name and labels as the Job: applied, found and deleted with it
+    assert policy["metadata"] == {**job["metadata"], "name": name}
+    assert policy["metadata"]["labels"] == labels("run-2026-11-29", 1)
+    own = {"podSelector": {"matchLabels": {JOB_NAME_LABEL: name}}}
+    spec = policy["spec"]
+    # the pods it protects are the ones the Service (rendezvous DNS) selects: this Job's
+    assert spec["podSelector"]["matchLabels"] == svc["spec"]["selector"] == {JOB_NAME_LABEL: name}
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    # ingress: only from this Job's pods (every port: rendezvous on rdzv_port, and the
+    # TCPStore/in-process/NCCL ports picked at run time); nothing from any namespace or IP block
+    assert spec["ingress"] == [{"from": [own]}]
+    rdzv_port = job["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+    assert rdzv_port == p.eks.rdzv_port and "ports" not in spec["ingress"][0]
+    # egress: this Job's pods, and DNS (port 53 only) in kube-system
+    assert spec["egress"][0] == {"to": [own]}
+    dns = spec["egress"][1]
+    assert {(q["protocol"], q["port"]) for q in dns["ports"]} == {("UDP", 53), ("TCP", 53)}
+    assert dns["to"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "kube-system"
+    }
+    assert len(spec["egress"]) == 2
+    for rule in [*spec["ingress"], *spec["egress"]]:
+        assert all("ipBlock" not in peer for peer in rule["to" if "to" in rule else "from"])
+
+
+def test_network_policy_schema_catches_a_wrong_field():
+    policy, _svc, _job = render(params())
+    policy["spec"]["ingress"][0]["from"][0]["podSelectors"] = {}  # typo'd field
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(policy, K8S_VERSION, strict=True)

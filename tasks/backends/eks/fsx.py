@@ -14,6 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tasks.backends.eks.security import (
+    container_security_context,
+    pod_security_context,
+    scratch_volumes,
+)
 from tasks.errors import HydrationError
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELED")
@@ -159,7 +164,16 @@ def render_hydration_job(
     fsx_mount: str,
     service_account: str,
 ) -> dict[str, Any]:
-    """A Job that mounts the FSx claim and preloads ``data_dir`` (needs root for ``lfs``)."""
+    """A Job that mounts the FSx claim and preloads ``data_dir``, as the image's non-root user.
+
+    ``lfs hsm_restore`` needs no root: the MDT checks an HSM request from a non-admin against
+    ``mdt.*.hsm.{user,group,other}_request_mask``, which allow RESTORE (and only RESTORE) to the
+    owner, the group and everyone else by default (Lustre's mdt_coordinator.c), and FSx does not
+    let anyone change MDT parameters. ``hsm_action`` and the digests only read. So the pod
+    needs read access to the files, which FSx's imported files give (see deploy/eks/README.md),
+    and nothing else: no capability, no API token, no network (the Lustre client is the
+    node's kernel)."""
+    scratch, scratch_mounts = scratch_volumes(tmp_gi=1)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -179,18 +193,26 @@ def render_hydration_job(
                 "spec": {
                     "restartPolicy": "Never",
                     "serviceAccountName": service_account,
+                    "automountServiceAccountToken": False,
+                    "securityContext": pod_security_context(),
                     "containers": [
                         {
                             "name": "hydrate",
                             "image": image,
                             "command": ["bash", "-c", HSM_SCRIPT],
                             "env": [{"name": "DATA_DIR", "value": data_dir}],
-                            "securityContext": {"runAsUser": 0},
+                            "securityContext": container_security_context(),
                             "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
-                            "volumeMounts": [{"name": "fsx", "mountPath": fsx_mount}],
+                            "volumeMounts": [
+                                {"name": "fsx", "mountPath": fsx_mount},
+                                *scratch_mounts,  # the script's file list goes to /tmp
+                            ],
                         }
                     ],
-                    "volumes": [{"name": "fsx", "persistentVolumeClaim": {"claimName": fsx_claim}}],
+                    "volumes": [
+                        {"name": "fsx", "persistentVolumeClaim": {"claimName": fsx_claim}},
+                        *scratch,
+                    ],
                 },
             },
         },

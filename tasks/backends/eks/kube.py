@@ -32,6 +32,7 @@ class Kube:
         self.apps = client.AppsV1Api(api_client)
         self.storage = client.StorageV1Api(api_client)
         self.authz = client.AuthorizationV1Api(api_client)
+        self.networking = client.NetworkingV1Api(api_client)
         self._exc = client.ApiException
 
     @classmethod
@@ -52,6 +53,10 @@ class Kube:
         create, patch = {
             "Job": (self.batch.create_namespaced_job, self.batch.patch_namespaced_job),
             "Service": (self.core.create_namespaced_service, self.core.patch_namespaced_service),
+            "NetworkPolicy": (
+                self.networking.create_namespaced_network_policy,
+                self.networking.patch_namespaced_network_policy,
+            ),
         }[kind]
         try:
             create(ns, obj, _preload_content=False)
@@ -61,7 +66,14 @@ class Kube:
             patch(name, ns, obj, _preload_content=False)
 
     def delete_job(self, ns: str, name: str) -> None:
-        for fn in (self.batch.delete_namespaced_job, self.core.delete_namespaced_service):
+        """The Job and what was rendered with it under the same name (Service, NetworkPolicy).
+        The policy goes last; the Job's pods still end in the background (grace period) after
+        it, which is harmless: nothing new can join a deleted Job."""
+        for fn in (
+            self.batch.delete_namespaced_job,
+            self.core.delete_namespaced_service,
+            self.networking.delete_namespaced_network_policy,
+        ):
             try:
                 fn(name, ns, propagation_policy="Background", _preload_content=False)
             except self._exc as e:

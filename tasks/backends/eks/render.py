@@ -1,10 +1,13 @@
 """Render the train stage's Kubernetes objects (pure: parameters in, manifests out).
 
 An Indexed ``batch/v1`` Job (``completions = parallelism = nodes``, one pod per node,
-``restartPolicy: Never``, ``backoffLimit: 0``, a pod failure policy) and a headless Service that
-gives the index-0 pod a stable DNS name for the c10d rendezvous. Each pod runs ``ft_launcher``
-with ``--nproc-per-node`` = GPUs per node. Names derive from (run id, attempt) only, so applying
-the same attempt twice is idempotent.
+``restartPolicy: Never``, ``backoffLimit: 0``, a pod failure policy), a headless Service that
+gives the index-0 pod a stable DNS name for the c10d rendezvous, and a NetworkPolicy that lets
+only the Job's own pods reach each other. Each pod runs ``ft_launcher`` with
+``--nproc-per-node`` = GPUs per node, as the image's non-root user
+(:mod:`tasks.backends.eks.security`). Names derive from (run id, attempt) only, so applying the
+same attempt twice is idempotent; the three objects share name and labels and are applied and
+deleted together (:class:`tasks.backends.eks.kube.Kube`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,12 @@ import hashlib
 import re
 from typing import Any
 
+from tasks.backends.eks.kube import JOB_NAME_LABEL  # set on every pod by the Job controller
+from tasks.backends.eks.security import (
+    container_security_context,
+    pod_security_context,
+    scratch_volumes,
+)
 from trainer.config import TrainConfig, config_file
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
 
@@ -20,6 +29,7 @@ CONTAINER = "trainer"
 LABEL_RUN = "nvrx.io/run-id"
 LABEL_ATTEMPT = "nvrx.io/attempt"
 EXIT_DO_NOT_REQUEUE = 93
+TMP_GI = 32  # /tmp: torch.compile/Triton caches and tempfiles (ephemeral storage)
 
 
 def job_name(run_id: str, attempt: int) -> str:
@@ -51,7 +61,7 @@ def render_service(run_id: str, attempt: int, *, namespace: str, port: int) -> d
             "clusterIP": "None",  # headless: DNS names for the pods, no load balancing
             # Resolvable before the pods are ready: ranks rendezvous while starting up.
             "publishNotReadyAddresses": True,
-            "selector": {"batch.kubernetes.io/job-name": name},
+            "selector": {JOB_NAME_LABEL: name},
             "ports": [{"name": "rdzv", "port": port, "targetPort": port, "protocol": "TCP"}],
         },
     }
@@ -92,7 +102,11 @@ def render_job(
         {"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"},
         {"name": "NCCL_DEBUG", "value": "WARN"},
         {"name": "NCCL_SOCKET_IFNAME", "value": "^lo,docker"},
+        # Workloads load Hugging Face layouts from directories on FSx; the NetworkPolicy gives
+        # the pods no route to the Hub, so fail fast instead of retrying downloads.
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
     ]
+    scratch, scratch_mounts = scratch_volumes(tmp_gi=TMP_GI)
     pod_labels = labels(run_id, attempt)
     template = {
         "metadata": {"labels": pod_labels},
@@ -100,6 +114,9 @@ def render_job(
             "restartPolicy": "Never",
             "subdomain": name,  # <job>-<index>.<service> resolves through the headless Service
             "serviceAccountName": eks.service_account,
+            # Training pods never call the Kubernetes API (rbac.yaml's nvrx-trainer says so too).
+            "automountServiceAccountToken": False,
+            "securityContext": pod_security_context(),
             "terminationGracePeriodSeconds": 30,
             "nodeSelector": {"node.kubernetes.io/instance-type": eks.instance_type},
             "affinity": {
@@ -144,16 +161,19 @@ def render_job(
                     "args": argv[1:],
                     "env": env,
                     "ports": [{"name": "rdzv", "containerPort": eks.rdzv_port}],
+                    "securityContext": container_security_context(),
                     "resources": {"limits": dict(resources), "requests": dict(resources)},
                     "volumeMounts": [
                         {"name": "fsx", "mountPath": eks.fsx_mount},
                         {"name": "shm", "mountPath": "/dev/shm"},
+                        *scratch_mounts,
                     ],
                 }
             ],
             "volumes": [
                 {"name": "fsx", "persistentVolumeClaim": {"claimName": eks.fsx_claim}},
                 {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{eks.shm_gi}Gi"}},
+                *scratch,
             ],
         },
     }
@@ -188,10 +208,53 @@ def render_job(
     }
 
 
+def render_network_policy(run_id: str, attempt: int, *, namespace: str) -> dict[str, Any]:
+    """Only this Job's pods reach this Job's pods; they reach only each other and DNS.
+
+    No port list, on purpose: besides the c10d rendezvous store on ``eks.rdzv_port`` (hosted by
+    the index-0 agent), the workers' TCPStore (``MASTER_PORT``: torch elastic shares the
+    rendezvous store or has the group's rank-0 agent pick a free port), NVRx's in-process
+    restart stores (``MASTER_PORT+1`` and ``+2``) and NCCL's bootstrap and socket connections
+    all use ports chosen at run time, on whichever pod holds rank 0. What the policy pins is
+    who: pods of this Job, by the label the Job controller sets (a pod created outside the Job
+    cannot claim it). EFA traffic (SRD on the EFA device) and the Lustre client (the node's
+    kernel mounts FSx) do not pass through the pod network, so they need no rule; the training
+    pods call no AWS or Prefect API, so they get no other egress.
+    """
+    name = job_name(run_id, attempt)
+    own_pods = [{"podSelector": {"matchLabels": {JOB_NAME_LABEL: name}}}]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(run_id, attempt)},
+        "spec": {
+            "podSelector": {"matchLabels": {JOB_NAME_LABEL: name}},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": own_pods}],
+            "egress": [
+                {"to": own_pods},
+                {  # the rendezvous host's name (<job>-0.<service>) resolves through cluster DNS
+                    "to": [
+                        {
+                            "namespaceSelector": {
+                                "matchLabels": {"kubernetes.io/metadata.name": "kube-system"}
+                            },
+                            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+                        }
+                    ],
+                    "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+                },
+            ],
+        },
+    }
+
+
 def render_all(
     cfg: TrainConfig, *, run_id: str, attempt: int, nodes: int, eks: Any
 ) -> list[dict[str, Any]]:
+    # The policy first: the pods never run unprotected, not even for the first seconds.
     return [
+        render_network_policy(run_id, attempt, namespace=eks.namespace),
         render_service(run_id, attempt, namespace=eks.namespace, port=eks.rdzv_port),
         render_job(cfg, run_id=run_id, attempt=attempt, nodes=nodes, eks=eks),
     ]

@@ -1,0 +1,167 @@
+"""Every Kubernetes and AWS API call the EKS backend makes, and what it needs to be allowed.
+
+One table, three readers: deploy/eks/rbac.yaml and deploy/eks/iam-flow-runner-policy.json grant
+exactly these (tests/test_deploy_assets.py fails on a grant missing *or* extra), the same test
+greps the sources for client calls and fails on one this table does not list, and
+deploy/eks/README.md shows it to people. Add a call here when the code gains one.
+
+Only the flow runner (ServiceAccount ``nvrx-pipeline``) calls APIs. The training and hydration
+pods (``nvrx-trainer``) call neither Kubernetes nor AWS: no RBAC binding, no IAM role.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KubeCall:
+    method: str  # the kubernetes client's method (CoreV1Api, BatchV1Api, ...)
+    group: str  # API group ("" = core)
+    resource: str  # plural; "pods/log" for a subresource
+    verb: str  # the RBAC verb the API server checks
+    where: str
+    cluster: bool = False  # a cluster-scoped resource, or all namespaces: the ClusterRole
+    default: bool = False  # allowed to every authenticated user by Kubernetes' own defaults
+
+
+@dataclass(frozen=True)
+class AwsCall:
+    method: str  # "<service>.<boto3 method>"
+    actions: tuple[str, ...]  # the IAM actions it needs
+    where: str
+
+
+KUBE_CALLS: tuple[KubeCall, ...] = (
+    # the training Job, its Service and NetworkPolicy, and the hydration Job
+    KubeCall("create_namespaced_job", "batch", "jobs", "create", "kube.Kube.apply"),
+    KubeCall("patch_namespaced_job", "batch", "jobs", "patch", "kube.Kube.apply (on 409)"),
+    KubeCall("read_namespaced_job", "batch", "jobs", "get", "kube.Kube.read_job"),
+    KubeCall("delete_namespaced_job", "batch", "jobs", "delete", "kube.Kube.delete_job"),
+    KubeCall("create_namespaced_service", "", "services", "create", "kube.Kube.apply"),
+    KubeCall("patch_namespaced_service", "", "services", "patch", "kube.Kube.apply (on 409)"),
+    KubeCall("delete_namespaced_service", "", "services", "delete", "kube.Kube.delete_job"),
+    KubeCall(
+        "create_namespaced_network_policy",
+        "networking.k8s.io",
+        "networkpolicies",
+        "create",
+        "kube.Kube.apply",
+    ),
+    KubeCall(
+        "patch_namespaced_network_policy",
+        "networking.k8s.io",
+        "networkpolicies",
+        "patch",
+        "kube.Kube.apply (on 409)",
+    ),
+    KubeCall(
+        "delete_namespaced_network_policy",
+        "networking.k8s.io",
+        "networkpolicies",
+        "delete",
+        "kube.Kube.delete_job",
+    ),
+    # watching the attempt
+    KubeCall("list_namespaced_pod", "", "pods", "list", "kube.Kube.job_pods"),
+    KubeCall("list_namespaced_pod", "", "pods", "watch", "kube.Kube.watch('pod')"),
+    KubeCall("read_namespaced_pod_log", "", "pods/log", "get", "kube.Kube.follow_log"),
+    KubeCall("list_node", "", "nodes", "list", "kube.Kube.nodes", cluster=True),
+    KubeCall("list_node", "", "nodes", "watch", "kube.Kube.watch('node')", cluster=True),
+    # preflight (tasks/preflight/eks.py gather_eks)
+    KubeCall(
+        "list_daemon_set_for_all_namespaces",
+        "apps",
+        "daemonsets",
+        "list",
+        "preflight.eks.gather_eks (device plugins)",
+        cluster=True,
+    ),
+    KubeCall(
+        "read_namespaced_persistent_volume_claim",
+        "",
+        "persistentvolumeclaims",
+        "get",
+        "preflight.eks.gather_eks (FSx claim Bound)",
+    ),
+    KubeCall(
+        "list_csi_driver",
+        "storage.k8s.io",
+        "csidrivers",
+        "list",
+        "preflight.eks.gather_eks (fsx.csi.aws.com)",
+        cluster=True,
+    ),
+    # Every authenticated user may ask what it may do (ClusterRole system:basic-user).
+    KubeCall(
+        "create_self_subject_access_review",
+        "authorization.k8s.io",
+        "selfsubjectaccessreviews",
+        "create",
+        "preflight.eks.gather_eks (permissions)",
+        cluster=True,
+        default=True,
+    ),
+)
+
+# The flow runner's AWS calls on backend=eks. FSx: the hydrate stage and the preflight; S3: the
+# preflight's S3 snapshot (tasks/preflight/local.py gather_s3, shared by both backends) and the
+# export (tasks/export.py). boto3's managed upload_file is several S3 operations.
+AWS_CALLS: tuple[AwsCall, ...] = (
+    AwsCall("fsx.describe_file_systems", ("fsx:DescribeFileSystems",), "preflight.eks.gather_eks"),
+    AwsCall(
+        "fsx.describe_data_repository_associations",
+        ("fsx:DescribeDataRepositoryAssociations",),
+        "preflight.eks.gather_eks; fsx.ensure_association",
+    ),
+    AwsCall(
+        "fsx.create_data_repository_association",
+        ("fsx:CreateDataRepositoryAssociation",),
+        "fsx.ensure_association (only when missing)",
+    ),
+    AwsCall(
+        "fsx.create_data_repository_task",
+        ("fsx:CreateDataRepositoryTask",),
+        "fsx.import_metadata",
+    ),
+    AwsCall(
+        "fsx.describe_data_repository_tasks",
+        ("fsx:DescribeDataRepositoryTasks",),
+        "fsx.import_metadata (polling)",
+    ),
+    AwsCall("s3.list_buckets", ("s3:ListAllMyBuckets",), "preflight.local.gather_s3"),
+    AwsCall("s3.head_bucket", ("s3:ListBucket",), "preflight.local.gather_s3; export"),
+    AwsCall(
+        "s3.get_object",
+        ("s3:GetObject",),
+        "preflight.local.gather_s3 (dataset.json); export (read-back check)",
+    ),
+    AwsCall("s3.head_object", ("s3:GetObject",), "export._head"),
+    AwsCall(
+        "s3.upload_file",
+        ("s3:PutObject", "s3:AbortMultipartUpload"),
+        "export (PutObject, or Create/UploadPart/CompleteMultipartUpload; Abort on failure)",
+    ),
+)
+
+# Not calls the code makes, but what FSx checks on the caller of CreateDataRepositoryAssociation:
+# it creates (once per account) and updates the service-linked role through which FSx reaches
+# the bucket (AWS: "Linking your file system to an Amazon S3 bucket", IAM permissions).
+AWS_IMPLIED: tuple[str, ...] = (
+    "iam:CreateServiceLinkedRole",
+    "iam:AttachRolePolicy",
+    "iam:PutRolePolicy",
+)
+
+
+def rbac_grants(*, cluster: bool) -> dict[tuple[str, str], set[str]]:
+    """{(group, resource): verbs} the Role (``cluster=False``) or ClusterRole must grant."""
+    out: dict[tuple[str, str], set[str]] = {}
+    for c in KUBE_CALLS:
+        if c.cluster == cluster and not c.default:
+            out.setdefault((c.group, c.resource), set()).add(c.verb)
+    return out
+
+
+def iam_actions() -> set[str]:
+    return {a for c in AWS_CALLS for a in c.actions} | set(AWS_IMPLIED)
