@@ -9,13 +9,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainer.faults import FaultSpecError, parse_fault
 

@@ -22,7 +22,15 @@ from tasks.storage.s3 import parse_s3_uri
         ({"nodes": 0}, "nodes"),
         ({"faults": ["boom@step=1"]}, "faults"),
         ({"run_id": "Bad ID"}, "run_id"),
+        # whole-string matches: `re.match("^...$")` would let a trailing newline through
+        ({"run_id": "abc\n"}, "run_id"),
         ({"s3_endpoint": "http://user:pw@host:9000"}, "s3_endpoint"),
+        ({"s3_endpoint": "http://s3.lan:9000\n"}, "s3_endpoint"),
+        ({"eks": {"namespace": "nvrx\n"}}, "namespace"),
+        ({"eks": {"region": "us-east-1\n"}}, "region"),
+        ({"eks": {"file_system_id": "fs-0123456789abcdef0\n"}}, "file_system_id"),
+        # a corruption right after a commit must still leave one valid checkpoint
+        ({"keep_last": 1}, "keep_last"),
         ({"unknown_field": 1}, "unknown_field"),
     ],
 )
@@ -117,3 +125,53 @@ def test_eks_file_system_id_is_checked():
     with pytest.raises(pydantic.ValidationError) as err:
         PipelineParams(backend="eks", eks={"file_system_id": "fsx-123"})
     assert "file_system_id" in str(err.value)
+
+
+def test_run_id_good_values_pass():
+    assert PipelineParams(run_id="abc").run_id == "abc"
+    assert PipelineParams(run_id="").run_id is None
+    assert PipelineParams(keep_last=2).keep_last == 2
+
+
+EKS = {"backend": "eks", "eks": {"gpus_per_node": 1}}
+
+
+@pytest.mark.parametrize(
+    ("field", "env", "allowed", "value"),
+    [
+        ("image", "NVRX_ALLOWED_IMAGES", "reg/nvrx:1,reg/nvrx:2", "reg/evil:1"),
+        ("service_account", "NVRX_ALLOWED_SERVICE_ACCOUNTS", "nvrx-trainer", "admin"),
+        ("namespace", "NVRX_ALLOWED_NAMESPACES", "nvrx, nvrx-dev", "kube-system"),
+    ],
+)
+def test_eks_identity_comes_from_the_deployment(monkeypatch, field, env, allowed, value):
+    monkeypatch.setenv(env, allowed)
+    with pytest.raises(ValidationError) as err:
+        PipelineParams(**{**EKS, "eks": {**EKS["eks"], field: value}})
+    msg = str(err.value)
+    # names the field, the refused value and every allowed one
+    assert f"eks.{field}" in msg and repr(value) in msg and env in msg
+    for ok in allowed.split(","):
+        assert ok.strip() in msg
+    for ok in allowed.split(","):
+        p = PipelineParams(**{**EKS, "eks": {**EKS["eks"], field: ok.strip()}})
+        assert getattr(p.eks, field) == ok.strip()
+
+
+def test_eks_identity_defaults_without_a_deployment(monkeypatch):
+    for env in ("NVRX_ALLOWED_IMAGES", "NVRX_ALLOWED_SERVICE_ACCOUNTS", "NVRX_ALLOWED_NAMESPACES"):
+        monkeypatch.delenv(env, raising=False)
+    PipelineParams(**EKS)  # the defaults are allowed: the CLI and render-k8s need no env
+    with pytest.raises(ValidationError, match="eks.image"):
+        PipelineParams(**{**EKS, "eks": {**EKS["eks"], "image": "reg/other:1"}})
+    # a deployment that allows other images refuses the placeholder default too: a run whose
+    # params replace the deployment's (shallow merge) cannot fall back to it silently
+    monkeypatch.setenv("NVRX_ALLOWED_IMAGES", "reg/nvrx:1")
+    with pytest.raises(ValidationError, match="REGISTRY/nvrx-pipeline:latest"):
+        PipelineParams(**EKS)
+
+
+def test_local_runs_never_need_eks_values(monkeypatch):
+    monkeypatch.setenv("NVRX_ALLOWED_IMAGES", "reg/nvrx:1")
+    monkeypatch.setenv("NVRX_ALLOWED_NAMESPACES", "elsewhere")
+    assert PipelineParams().backend == "local"
