@@ -3,25 +3,40 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from trainer import manifest as m
+from trainer.checkpoint import recorded_commit
+from trainer.config import ConfigError, TrainConfig
+from trainer.events import EventLog, read_events
 from trainer.faults import flip_bytes
 
 FP = "abc123"
 
 
-def _fake_checkpoint(run_root: Path, step: int, *, keep_last: int = 3) -> Path:
+def _write_partial(run_root: Path, step: int, *, fill: bytes = b"x") -> Path:
     partial = m.partial_path(run_root, step)
     partial.mkdir(parents=True)
     (partial / "__0_0.distcp").write_bytes(bytes(range(256)) * (step + 10))
-    (partial / "__1_0.distcp").write_bytes(b"x" * (1000 + step))
+    (partial / "__1_0.distcp").write_bytes(fill * (1000 + step))
     (partial / ".metadata").write_bytes(b"meta" * step)
     m.write_digest_sidecar(partial, 0, [partial / "__0_0.distcp"])
     m.write_digest_sidecar(partial, 1, [partial / "__1_0.distcp"])
+    return partial
+
+
+def _fake_checkpoint(
+    run_root: Path, step: int, *, keep_last: int | None = 3, fill: bytes = b"x"
+) -> Path:
+    _write_partial(run_root, step, fill=fill)
     return m.commit(run_root, step, world_size=2, info={"config_hash": FP}, keep_last=keep_last)
+
+
+def _listing(run_root: Path) -> list[str]:
+    return sorted(p.name for p in m.checkpoints_dir(run_root).iterdir())
 
 
 def test_commit_layout(tmp_path: Path):
@@ -40,6 +55,169 @@ def test_keeps_last_k(tmp_path: Path):
     for step in (5, 10, 15, 20):
         _fake_checkpoint(tmp_path, step, keep_last=2)
     assert m.committed_steps(tmp_path) == [15, 20]
+    assert _listing(tmp_path) == ["LATEST", "step_000000015", "step_000000020"]
+
+
+def test_prune_waits_for_the_newest_to_verify(tmp_path: Path):
+    for step in (5, 10):
+        _fake_checkpoint(tmp_path, step, keep_last=None)
+    newest = _fake_checkpoint(tmp_path, 15, keep_last=None)
+    flip_bytes(newest / "__1_0.distcp")  # damaged on its way to disk
+    pruned = m.prune(tmp_path, 2)
+    assert pruned.removed == [] and "__1_0.distcp does not match its sha256" in pruned.refused
+    assert m.committed_steps(tmp_path) == [5, 10, 15]
+    # Its fallbacks survive: resume skips 15 and loads 10.
+    assert m.choose_resume(tmp_path, fingerprint=FP).step == 10
+    (newest / ".metadata").write_bytes(b"\0")  # the same holds at size-only depth
+    assert m.prune(tmp_path, 2).refused
+
+
+def test_keep_last_1_is_refused():
+    with pytest.raises(ConfigError) as err:
+        TrainConfig(run_root=Path("r"), data_dir=Path("d"), keep_last=1, local_paths=False)
+    assert err.value.field == "keep_last" and "set keep_last to 2 or more" in str(err.value)
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL: nothing after it runs, no ``except Exception`` catches it."""
+
+
+def _kill_at(monkeypatch: pytest.MonkeyPatch, n: int, seen: list[str]) -> None:
+    """Make the n-th rename/replace/rmtree of the manifest module die before it happens."""
+    real = {"rename": os.rename, "replace": os.replace, "rmtree": m.shutil.rmtree}
+
+    def wrap(name: str):
+        def op(*args, **kwargs):
+            seen.append(f"{name} {Path(args[0]).name}")
+            if len(seen) == n:
+                raise Killed(seen[-1])
+            return real[name](*args, **kwargs)
+
+        return op
+
+    monkeypatch.setattr(m.os, "rename", wrap("rename"))
+    monkeypatch.setattr(m.os, "replace", wrap("replace"))
+    monkeypatch.setattr(m.shutil, "rmtree", wrap("rmtree"))
+
+
+# Every rename/removal of a commit that supersedes a committed step 10, in order.
+SUPERSEDE_OPS = [
+    "replace .manifest.json.tmp",  # the manifest, into the partial
+    "rename step_000000010",  # the old copy aside, to .superseded
+    "rename step_000000010.partial",  # the new copy in
+    "replace .LATEST.tmp",
+    "rename step_000000010.superseded",  # the old copy to .deleting...
+    "rmtree step_000000010.deleting",  # ...then removed
+]
+
+
+def _commit_10_again(root: Path) -> None:
+    m.commit(root, 10, world_size=2, info={"config_hash": FP})
+
+
+def test_supersede_ops_are_all_covered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    _fake_checkpoint(tmp_path, 5)
+    _fake_checkpoint(tmp_path, 10)
+    _write_partial(tmp_path, 10, fill=b"y")
+    seen: list[str] = []
+    _kill_at(monkeypatch, 0, seen)
+    _commit_10_again(tmp_path)
+    assert seen == SUPERSEDE_OPS
+
+
+@pytest.mark.parametrize("kill_at", range(1, len(SUPERSEDE_OPS) + 1), ids=SUPERSEDE_OPS)
+def test_superseding_a_committed_step_never_loses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kill_at: int
+):
+    # An earlier life committed step 10 (resume skipped it, say); this life commits it again.
+    _fake_checkpoint(tmp_path, 5)
+    _fake_checkpoint(tmp_path, 10)
+    _write_partial(tmp_path, 10, fill=b"y")
+    seen: list[str] = []
+    _kill_at(monkeypatch, kill_at, seen)
+    with pytest.raises(Killed):
+        _commit_10_again(tmp_path)
+    monkeypatch.undo()
+    # At the instant of the kill a reader still finds a valid step 10 (old or new copy)...
+    assert m.choose_resume(tmp_path, fingerprint=FP).step == 10, seen
+    # ...and after recovery it is committed under its own name, nothing else left over.
+    actions = m.recover(tmp_path, fingerprint=FP)
+    assert _listing(tmp_path) == ["LATEST", "step_000000005", "step_000000010"], (seen, actions)
+    assert m.read_latest(tmp_path) == 10
+    newest = m.committed_path(tmp_path, 10)
+    assert m.verify_checkpoint(newest).ok
+    # The new copy wins once its manifest is written (op 1 is that manifest's rename).
+    new_copy = (newest / "__1_0.distcp").read_bytes()[:1] == b"y"
+    assert new_copy == (kill_at > 1), (seen, actions)
+
+
+def test_complete_partial_is_rolled_forward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    _fake_checkpoint(tmp_path, 5)
+    _write_partial(tmp_path, 10)
+    seen: list[str] = []
+    _kill_at(monkeypatch, 2, seen)  # after its manifest's rename, at the partial's rename
+    with pytest.raises(Killed):
+        m.commit(tmp_path, 10, world_size=2, info={"config_hash": FP})
+    monkeypatch.undo()
+    assert seen == ["replace .manifest.json.tmp", "rename step_000000010.partial"]
+    [action] = m.recover(tmp_path, fingerprint=FP)
+    assert (action.action, action.step) == ("rolled-forward", 10)
+    assert m.committed_steps(tmp_path) == [5, 10] and m.read_latest(tmp_path) == 10
+    assert not list(m.committed_path(tmp_path, 10).glob(".digests-*"))
+    assert m.choose_resume(tmp_path, fingerprint=FP).step == 10
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        ("no-manifest", "no manifest.json: the save never reached its commit"),
+        ("truncated", "__0_0.distcp is 5 bytes"),
+        ("other-config", "config hash"),
+    ],
+)
+def test_incomplete_partial_is_discarded(tmp_path: Path, damage: str, reason: str):
+    _fake_checkpoint(tmp_path, 5)
+    partial = _write_partial(tmp_path, 10)
+    if damage != "no-manifest":
+        fp = "other" if damage == "other-config" else FP
+        files = m._collect_file_entries(partial, 2)
+        doc = {"format": m.FORMAT, "step": 10, "world_size": 2, "config_hash": fp, "files": files}
+        (partial / "manifest.json").write_text(json.dumps(doc))
+    if damage == "truncated":
+        (partial / "__0_0.distcp").write_bytes(b"short")
+    [action] = m.recover(tmp_path, fingerprint=FP)
+    assert (action.action, action.step) == ("removed-partial", 10)
+    assert reason in action.reason
+    assert _listing(tmp_path) == ["LATEST", "step_000000005"]
+
+
+def test_superseded_copy_is_restored_when_its_replacement_never_came(tmp_path: Path):
+    _fake_checkpoint(tmp_path, 5)
+    old = _fake_checkpoint(tmp_path, 10)
+    os.rename(old, m.superseded_path(tmp_path, 10))  # killed right after moving it aside
+    m.partial_path(tmp_path, 10).mkdir()  # ... with its replacement still half-written
+    assert m.choose_resume(tmp_path, fingerprint=FP).step == 10
+    actions = {a.action for a in m.recover(tmp_path, fingerprint=FP)}
+    assert actions == {"removed-partial", "restored-superseded"}
+    assert m.committed_steps(tmp_path) == [5, 10] and m.verify_checkpoint(old).ok
+
+
+@pytest.mark.parametrize("kill_at", [1, 2, 3])
+def test_kill_during_prune_leaves_no_half_deleted_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kill_at: int
+):
+    for step in (5, 10, 15):
+        _fake_checkpoint(tmp_path, step, keep_last=None)
+    seen: list[str] = []
+    _kill_at(monkeypatch, kill_at, seen)
+    with pytest.raises(Killed):
+        m.prune(tmp_path, 1)  # removes 5 then 10
+    monkeypatch.undo()
+    for step in m.committed_steps(tmp_path):  # whatever still looks committed is whole
+        assert m.verify_checkpoint(m.committed_path(tmp_path, step)).ok, seen
+    m.recover(tmp_path, fingerprint=FP)
+    assert not [n for n in _listing(tmp_path) if n.endswith(".deleting")]
+    assert m.choose_resume(tmp_path, fingerprint=FP).step == 15
 
 
 def test_partial_is_never_trusted(tmp_path: Path):
@@ -48,7 +226,7 @@ def test_partial_is_never_trusted(tmp_path: Path):
     (m.partial_path(tmp_path, 10) / "__0_0.distcp").write_bytes(b"half")
     choice = m.choose_resume(tmp_path, fingerprint=FP)
     assert choice.step == 5 and choice.rejected == []
-    assert m.remove_partials(tmp_path) == ["step_000000010.partial"]
+    assert [a.dir for a in m.recover(tmp_path, fingerprint=FP)] == ["step_000000010.partial"]
 
 
 def test_corrupt_newest_falls_back_with_reason(tmp_path: Path):
@@ -75,6 +253,37 @@ def test_other_damage_detected(tmp_path: Path, damage: str):
     assert choice.step == 5 and choice.rejected[0][0] == 10
 
 
+def test_metadata_digest_checked_even_without_full_verification(tmp_path: Path):
+    _fake_checkpoint(tmp_path, 5)
+    newest = _fake_checkpoint(tmp_path, 10)
+    flip_bytes(newest / ".metadata")  # same size: only its digest tells (it is a pickle)
+    flip_bytes(m.committed_path(tmp_path, 5) / "__0_0.distcp")  # not looked at without digests
+    choice = m.choose_resume(tmp_path, fingerprint=FP, verify_digests=False)
+    assert choice.step == 5 and ".metadata does not match its sha256" in choice.rejected[0][1]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../escape", "a/b", "/abs", "..", ".", ".hidden", "x\0y", "x\n", "", 7, None],
+)
+def test_unsafe_file_names_invalidate_the_checkpoint(tmp_path: Path, name: object):
+    path = _fake_checkpoint(tmp_path, 5)
+    doc = json.loads((path / "manifest.json").read_text())
+    doc["files"].append({"name": name, "bytes": 0, "sha256": "0" * 64})
+    (path / "manifest.json").write_text(json.dumps(doc))
+    verdict = m.verify_checkpoint(path)
+    assert not verdict.ok and "not a single safe path component" in verdict.reason
+
+
+def test_manifest_of_another_step_is_rejected(tmp_path: Path):
+    path = _fake_checkpoint(tmp_path, 5)
+    os.rename(path, m.committed_path(tmp_path, 6))
+    assert "holds a manifest of step 5" in m.verify_checkpoint(m.committed_path(tmp_path, 6)).reason
+    assert m.committed_steps(tmp_path) == [6]
+    (m.checkpoints_dir(tmp_path) / "step_000000007\n").mkdir()  # fullmatch: no trailing newline
+    assert m.committed_steps(tmp_path) == [6]
+
+
 def test_other_config_is_not_resumed(tmp_path: Path):
     _fake_checkpoint(tmp_path, 5)
     with pytest.raises(m.NoValidCheckpoint, match="config hash"):
@@ -90,3 +299,28 @@ def test_none_valid_refuses_to_start_over(tmp_path: Path):
 
 def test_no_checkpoints_means_fresh(tmp_path: Path):
     assert m.choose_resume(tmp_path, fingerprint=FP).step is None
+
+
+def test_recorded_commits_count_since_the_last_fresh_start():
+    ev = [
+        {"t": 1, "kind": "checkpoint", "step": 5},
+        {"t": 2, "kind": "checkpoint", "step": 10},
+        {"t": 3, "kind": "resume", "action": "fresh", "archived": "x"},
+    ]
+    assert recorded_commit(ev[:2]) == 10  # checkpoints gone now: refuse to start at step 0
+    assert recorded_commit(ev) is None  # an explicit fresh start expects none
+    assert recorded_commit([*ev, {"t": 4, "kind": "checkpoint", "step": 5}]) == 5
+
+
+def test_torn_last_event_line(tmp_path: Path):
+    log = EventLog(tmp_path)
+    log.emit("step", step=1)
+    with open(log.path, "ab") as f:
+        f.write(b'{"kind": "checkpoint", "st')  # the writer died mid-write
+    assert [e["kind"] for e in read_events(tmp_path)] == ["step"]
+    log.emit("resume", action="loaded")  # must not be glued onto the fragment
+    assert [e["kind"] for e in read_events(tmp_path)] == ["step", "resume"]
+    assert log.path.read_bytes().endswith(b"\n") and log.path.read_text().count("\n") == 3
+    with open(log.path, "ab") as f:
+        f.write(b'\xe2\x82{"t": 1')  # torn inside a multi-byte character
+    assert [e["kind"] for e in read_events(tmp_path)] == ["step", "resume"]

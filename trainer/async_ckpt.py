@@ -92,6 +92,16 @@ class CheckpointTimeout(CheckpointWriteError):
     pass
 
 
+class CheckpointStorageError(CheckpointWriteError):
+    """A rank's write (or the DCP ``.metadata``) failed, e.g. ENOSPC: the storage refused this
+    save. Raised on every rank; the save in flight is lost, the last commit is not."""
+
+    def __init__(self, message: str, *, step: int, directory: Path) -> None:
+        super().__init__(message)
+        self.step = step
+        self.directory = directory
+
+
 def _noop() -> None:
     """First request: makes the persistent worker start (and import torch) at init."""
 
@@ -643,7 +653,11 @@ class AsyncCheckpointer:
             outcome, group_src=p.dist_wrapper.coordinator_rank, group=self.group
         )
         if outcome[0]:
-            raise CheckpointWriteError(f"checkpoint step {p.step} in {p.directory}: {outcome[0]}")
+            raise CheckpointStorageError(
+                f"checkpoint step {p.step} in {p.directory}: {outcome[0]}",
+                step=p.step,
+                directory=p.directory,
+            )
         return SaveResult(
             p.step,
             p.directory,

@@ -6,6 +6,9 @@ live in :mod:`trainer.async_ckpt`, the layout and manifest in :mod:`trainer.mani
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -19,11 +22,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from trainer import __version__, manifest
-from trainer.async_ckpt import AsyncCheckpointer, SaveResult
+from trainer import __version__, manifest, untrusted
+from trainer.async_ckpt import WARMUP_STEP, AsyncCheckpointer, CheckpointStorageError, SaveResult
 from trainer.config import ResumePolicy, TrainConfig
-from trainer.events import EventLog
+from trainer.events import EventLog, read_events
 from trainer.workload import DataSource
+
+log = logging.getLogger(__name__)
 
 
 class FatalError(Exception):
@@ -78,7 +83,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         model_sd, optim_sd = get_state_dict(model, optim)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path), process_group=self.group)  # in place, resharding
+        dcp.load(state, process_group=self.group, **untrusted.dcp_load_args(path))  # resharding
         set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
         try:
             sampler.check_state(info.get("data_loader", {}), step)
@@ -98,14 +103,10 @@ class CheckpointManager:
 
     def _choose(self) -> tuple[str, Any]:
         root = self.cfg.run_root
-        if self.cfg.resume == ResumePolicy.FRESH and manifest.committed_steps(root):
-            ckdir = manifest.checkpoints_dir(root)
-            archived = ckdir.with_name(f"checkpoints.before-fresh-{int(time.time())}")
-            shutil.move(str(ckdir), archived)  # explicit fresh start: keep, never delete
-            self.events.emit("resume", action="fresh", archived=str(archived))
-        removed = manifest.remove_partials(root)
-        if removed:
-            self.events.emit("resume", action="removed-partial", dirs=removed)
+        if self.cfg.resume == ResumePolicy.FRESH:
+            self._start_fresh()
+        for r in manifest.recover(root, fingerprint=self.fingerprint):
+            self.events.emit("resume", action=r.action, dir=r.dir, step=r.step, reason=r.reason)
         try:
             choice = manifest.choose_resume(
                 root,
@@ -118,8 +119,24 @@ class CheckpointManager:
         for step, why in choice.rejected:
             self.events.emit("resume", action="skipped", step=step, reason=why)
         if choice.step is None:
+            recorded = recorded_commit(read_events(root))
+            if recorded is not None:
+                why = _checkpoints_gone(root, recorded)
+                self.events.emit("resume", action="failed", reason=why, recorded_step=recorded)
+                return ("error", why)
             return ("fresh", None)
         return ("load", (choice.step, str(choice.path), choice.manifest))
+
+    def _start_fresh(self) -> None:
+        """Explicit fresh start: archive (never delete) what is there; the ``fresh`` event also
+        tells later resumes that commits recorded before it are not expected on disk."""
+        root = self.cfg.run_root
+        ckdir = manifest.checkpoints_dir(root)
+        archived = None
+        if ckdir.is_dir() and any(ckdir.iterdir()):
+            archived = ckdir.with_name(f"checkpoints.before-fresh-{int(time.time())}")
+            shutil.move(str(ckdir), archived)
+        self.events.emit("resume", action="fresh", archived=archived and str(archived))
 
     # -- saving --------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -147,7 +164,10 @@ class CheckpointManager:
         return blocking
 
     def poll(self, *, block: bool = False) -> SaveResult | None:
-        result = self.saver.poll(block=block)
+        try:
+            result = self.saver.poll(block=block)
+        except CheckpointStorageError as e:
+            raise self._storage_failure(e.step, e.directory, e) from e
         if result is not None:
             self._commit(result)
         return result
@@ -156,8 +176,29 @@ class CheckpointManager:
         self.poll(block=True)
 
     def _commit(self, result: SaveResult) -> None:
-        if self.rank != 0:
-            return
+        """Every rank: rank 0 commits, and everyone learns whether it could (a commit that the
+        storage refuses fails all ranks the same way)."""
+        outcome: list[Any] = [None]
+        error: Exception | None = None
+        path: Path | None = None
+        if self.rank == 0:
+            try:
+                path = self._commit_rank0(result)
+            except Exception as e:
+                error = e
+                outcome[0] = (isinstance(e, OSError), f"{type(e).__name__}: {e}")
+        dist.broadcast_object_list(outcome, src=0, group=self.group)
+        if outcome[0] is not None:
+            storage, text = outcome[0]
+            if storage:
+                raise self._storage_failure(result.step, result.directory, text) from error
+            if error is not None:
+                raise error
+            raise manifest.CheckpointError(f"rank 0 could not commit step {result.step}: {text}")
+        if path is not None:
+            self.on_commit(result.step, path)
+
+    def _commit_rank0(self, result: SaveResult) -> Path:
         t0 = time.perf_counter()
         info = {
             "config_hash": self.fingerprint,
@@ -168,18 +209,81 @@ class CheckpointManager:
             "rng": {"seed": self.cfg.seed, "scheme": "reseeded per (seed, step, rank)"},
             **self._inflight,
         }
-        path = manifest.commit(
-            self.cfg.run_root,
-            result.step,
-            world_size=self.world_size,
-            info=info,
-            keep_last=self.cfg.keep_last,
-        )
+        root = self.cfg.run_root
+        path = manifest.commit(root, result.step, world_size=self.world_size, info=info)
+        pruned = manifest.prune(root, self.cfg.keep_last)
+        if pruned.refused:
+            self.events.emit("prune_refused", step=result.step, reason=pruned.refused)
         self.events.emit(
             "checkpoint",
             step=result.step,
             path=str(path),
             blocking_s=round(result.blocking_s, 4),
             total_s=round(result.total_s + time.perf_counter() - t0, 4),
+            pruned=pruned.removed,
         )
-        self.on_commit(result.step, path)
+        return path
+
+    def _storage_failure(self, step: int, directory: Path, error: object) -> FatalError:
+        """The storage refused a save (a full disk, most often). Fatal, not restarted: every
+        restart would fail the same way until someone frees space. The partial is discarded; the
+        last commit stays valid and the next run resumes from it."""
+        ckdir = manifest.checkpoints_dir(self.cfg.run_root)
+        disk = _disk(ckdir)
+        what = "the writer's warm-up write" if step == WARMUP_STEP else f"the save of step {step}"
+        message = (
+            f"{what} failed: {error}. Disk: {disk['mount']} (holding {ckdir}; "
+            f"{disk['free_bytes']} bytes free). The partial save was discarded; the last "
+            f"committed checkpoint (step {manifest.read_latest(self.cfg.run_root)}) is intact. "
+            f"Free space on {disk['mount']} (or fix the storage), then run again to resume."
+        )
+        if self.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+            # Best effort: on a full disk this event may not fit either.
+            with contextlib.suppress(OSError):
+                self.events.emit(
+                    "checkpoint_failed",
+                    step=step,
+                    error=str(error),
+                    path=str(ckdir),
+                    disk=disk["mount"],
+                    free_bytes=disk["free_bytes"],
+                    last_committed=manifest.read_latest(self.cfg.run_root),
+                )
+        return FatalError(message)
+
+
+def recorded_commit(events: list[dict[str, Any]]) -> int | None:
+    """The newest step the event log says was committed since the last explicit fresh start."""
+    newest: int | None = None
+    for e in events:
+        if e["kind"] == "resume" and e.get("action") == "fresh":
+            newest = None
+        elif e["kind"] == "checkpoint" and isinstance(e.get("step"), int):
+            newest = max(e["step"], newest if newest is not None else e["step"])
+    return newest
+
+
+def _checkpoints_gone(run_root: Path, recorded: int) -> str:
+    ckdir = manifest.checkpoints_dir(run_root)
+    return (
+        f"run {run_root}: its events.jsonl records committed checkpoints up to step {recorded}, "
+        f"but {ckdir} holds no checkpoint (missing or emptied). Refusing to start from step 0: "
+        f"restore {ckdir}, or start over explicitly with resume=fresh."
+    )
+
+
+def _disk(path: Path) -> dict[str, Any]:
+    """The mount point holding ``path`` and its free bytes (None where it cannot be read)."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    mount = probe.resolve()
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    try:
+        st = os.statvfs(probe)
+        free: int | None = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    return {"mount": str(mount), "free_bytes": free}

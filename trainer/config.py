@@ -288,7 +288,12 @@ class TrainConfig:
             "ckpt_interval",
             f"checkpoint interval needs to be at least 1 step, got {self.ckpt_interval}",
         )
-        _require(self.keep_last >= 1, "keep_last", f"must keep at least 1, got {self.keep_last}")
+        _require(
+            self.keep_last >= 2,
+            "keep_last",
+            f"must keep at least 2 committed checkpoints (the previous one is the fallback when "
+            f"the newest turns out damaged), got {self.keep_last}: set keep_last to 2 or more",
+        )
         _require(self.ckpt_timeout_s > 0, "ckpt_timeout_s", "must be > 0 seconds")
         _require(
             isinstance(self.workload_options, dict),

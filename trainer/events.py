@@ -3,6 +3,9 @@
 Rank 0 writes steps, checkpoints, restarts and resumes; any rank writes the ``fault`` it fires
 (the faulting rank may not be rank 0). Lines are appended with one ``write`` on an ``O_APPEND``
 descriptor, which keeps concurrent writers' lines whole on a local or Lustre filesystem.
+
+A writer killed mid-``write`` (or a full disk) can leave a torn last line: readers skip it, and
+the next writer starts its line with a newline so that its event is not glued onto the fragment.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ class EventLog:
         event = {"t": time.time(), "kind": kind, **fields}
         if self.enabled:
             line = (json.dumps(event, sort_keys=True, default=str) + "\n").encode()
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                os.write(fd, line)
+                os.write(fd, _after_torn_line(fd) + line)
             finally:
                 os.close(fd)
             if self.echo:
@@ -51,15 +54,31 @@ class EventLog:
         return event
 
 
+def _after_torn_line(fd: int) -> bytes:
+    """A newline if the file does not end with one (its last line is torn), else nothing."""
+    size = os.fstat(fd).st_size
+    return b"\n" if size and os.pread(fd, 1, size - 1) != b"\n" else b""
+
+
 def read_events(run_root: Path) -> list[dict[str, Any]]:
-    """All events of a run; a torn last line (writer killed mid-write) is skipped."""
+    """All events of a run; a torn line (writer killed mid-write) is skipped."""
     path = Path(run_root) / "events.jsonl"
-    if not path.exists():
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
         return []
     out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    for raw in data.split(b"\n"):
+        event = parse_line(raw)
+        if event is not None:
+            out.append(event)
     return out
+
+
+def parse_line(raw: bytes) -> dict[str, Any] | None:
+    """One ``events.jsonl`` line as an event, or None for a blank, torn or foreign line."""
+    try:
+        event = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return event if isinstance(event, dict) and "kind" in event and "t" in event else None
