@@ -15,7 +15,9 @@ from tasks.errors import (
     TrainTimeout,
 )
 
-# ft_launcher's (NVRx) "do not requeue" exit code.
+# ft_launcher's (NVRx >= 0.7) "do not requeue" exit code. NVRx 0.4.1 has no such code: a
+# worker's no-restart request closes the rendezvous and the launcher exits 1, so the
+# ``control/no_restart`` marker (trainer.resilience) is what tells it from exhausted restarts.
 EXIT_DO_NOT_REQUEUE = 93
 
 
@@ -35,6 +37,7 @@ class EndSnapshot:
     timed_out: bool = False
     result: dict[str, Any] | None = None  # result.json written during this attempt
     fatal: str | None = None  # the trainer's "fatal" event during this attempt
+    no_restart: str | None = None  # the reason in <run_root>/control/no_restart, if written
     target_steps: int = 0
     log_hint: str = ""  # where to look (agent logs)
 
@@ -60,11 +63,17 @@ def classify(s: EndSnapshot) -> Outcome:
     hint = f" (logs: {s.log_hint})" if s.log_hint else ""
     signalled = sorted(n for n, c in s.exit_codes.items() if c is not None and c < 0)
     lost = sorted(set(s.lost_nodes) | set(signalled))
+    # First: a job that said "do not restart" and then lingered until the deadline, or whose
+    # peers were signalled, is reported by its cause, not as a timeout or a node loss.
+    terminal = do_not_requeue_cause(s)
+    if terminal is not None:
+        return Outcome(
+            EndKind.DO_NOT_REQUEUE,
+            f"training cannot continue: {terminal}{hint}",
+            {"exit_codes": dict(s.exit_codes), "no_restart": s.no_restart},
+        )
     if s.timed_out:
         return Outcome(EndKind.TIMEOUT, f"train stage passed its deadline and was stopped{hint}")
-    if s.fatal is not None or EXIT_DO_NOT_REQUEUE in s.exit_codes.values():
-        cause = s.fatal or f"ft_launcher exited {EXIT_DO_NOT_REQUEUE} (do not requeue)"
-        return Outcome(EndKind.DO_NOT_REQUEUE, f"training cannot continue: {cause}{hint}")
     if lost:
         return Outcome(
             EndKind.NODE_LOSS,
@@ -86,3 +95,18 @@ def classify(s: EndSnapshot) -> Outcome:
             f"ft_launcher exhausted its in-job restarts (exit 1) with no node lost{hint}",
         )
     return Outcome(EndKind.BUG, f"unexpected launcher exit codes {s.exit_codes}{hint}")
+
+
+def do_not_requeue_cause(s: EndSnapshot) -> str | None:
+    """Why no retry can help, from every node's end together, or None. A peer's exit 93 can be
+    masked (the others are signalled, so their codes read as killed or 1): any node's 93, the
+    no-restart marker or the trainer's fatal event decides it, before node loss is considered."""
+    nodes_93 = sorted(n for n, c in s.exit_codes.items() if c == EXIT_DO_NOT_REQUEUE)
+    causes = [c for c in (s.fatal, s.no_restart) if c]
+    if nodes_93:
+        causes.append(
+            f"ft_launcher on node(s) {nodes_93} exited {EXIT_DO_NOT_REQUEUE} (do not requeue)"
+        )
+    # The fatal event and the marker usually carry the same message: say it once.
+    unique = list(dict.fromkeys(causes))
+    return "; ".join(unique) if unique else None

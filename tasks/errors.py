@@ -34,7 +34,8 @@ class InJobExhausted(TrainingFailed):
 
 
 class DoNotRequeue(TrainingFailed):
-    """The workload asked not to be restarted (bad data, no valid checkpoint; exit 93/3)."""
+    """No restart can fix it (bad configuration, bad data, no valid checkpoint): a worker wrote
+    the ``control/no_restart`` marker or a fatal event, or a launcher exited 93. Never retried."""
 
 
 class TrainTimeout(TrainingFailed):

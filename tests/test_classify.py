@@ -37,6 +37,26 @@ CASES = [
         EndKind.DO_NOT_REQUEUE,
     ),
     ("exit-93", EndSnapshot({0: 93, 1: 1}, target_steps=20), EndKind.DO_NOT_REQUEUE),
+    # The first peer's 93 tears the step down and the others are signalled (NVRx PR #397):
+    # one node's code alone would read as a node loss.
+    ("exit-93-masked", EndSnapshot({0: 143, 1: 93}, target_steps=20), EndKind.DO_NOT_REQUEUE),
+    (
+        "93-beside-a-killed-peer",
+        EndSnapshot({0: -15, 1: 93}, target_steps=20),
+        EndKind.DO_NOT_REQUEUE,
+    ),
+    # NVRx 0.4.1: the no-restart request closes the rendezvous and every launcher exits 1, which
+    # alone looks like exhausted restarts; the marker says otherwise.
+    (
+        "marker-with-exit-1",
+        EndSnapshot({0: 1, 1: 1}, no_restart="ConfigError: global_batch", target_steps=20),
+        EndKind.DO_NOT_REQUEUE,
+    ),
+    (
+        "marker-then-lingering",
+        EndSnapshot({0: None}, no_restart="DataError: x", timed_out=True, target_steps=20),
+        EndKind.DO_NOT_REQUEUE,
+    ),
     ("timeout", EndSnapshot({0: None, 1: None}, timed_out=True, target_steps=20), EndKind.TIMEOUT),
     ("odd-code", EndSnapshot({0: 7}, target_steps=20), EndKind.BUG),
 ]
@@ -48,6 +68,21 @@ def test_classify(name, snap, kind):
     assert outcome.kind == kind
     assert outcome.message
     assert (outcome.error() is None) == (kind == EndKind.COMPLETED)
+
+
+def test_do_not_requeue_names_every_cause_once():
+    snap = EndSnapshot(
+        {0: 1, 1: 93},
+        fatal="ConfigError: global_batch: 3 is not divisible",
+        no_restart="ConfigError: global_batch: 3 is not divisible",
+        target_steps=20,
+    )
+    outcome = classify(snap)
+    assert outcome.message.count("global_batch") == 1
+    assert "node(s) [1] exited 93" in outcome.message
+    assert outcome.details["exit_codes"] == {0: 1, 1: 93}
+    assert isinstance(outcome.error(), DoNotRequeue)
+    assert not stage_retry_allowed(outcome.error())
 
 
 def test_only_node_loss_is_retried():

@@ -71,6 +71,43 @@ def disable_device_health_checks(wrapper: Any) -> None:
         wrapper.restart_health_check = getattr(wrapper, "health_check", None)
 
 
+# -- in-job (ft_launcher) --------------------------------------------------------------------
+def no_restart_request_supported() -> bool:
+    """Whether this NVRx's launcher takes a worker's "shut the workload down, do not restart"
+    request (``WorkloadAction.ShutdownWorkload`` over the launcher's IPC socket; 0.4.1 has it:
+    the launcher closes the rendezvous at its next round instead of respawning, and exits 1)."""
+    try:
+        from nvidia_resiliency_ext.fault_tolerance.data import WorkloadAction
+    except Exception:  # pragma: no cover - depends on the installed wheel
+        return False
+    return hasattr(WorkloadAction, "ShutdownWorkload")
+
+
+def request_no_restart(rank: int, reason: str) -> bool:
+    """Ask the ft_launcher that started this worker not to restart the workload. Works before
+    (and without) ``RankMonitorClient.init_workload_monitoring``: a worker whose configuration
+    is bad may never get that far. False when not under ft_launcher or not supported."""
+    import os
+
+    from nvidia_resiliency_ext.fault_tolerance.data import FT_LAUNCHER_IPC_SOCKET_ENV_VAR
+
+    path = os.environ.get(FT_LAUNCHER_IPC_SOCKET_ENV_VAR)
+    if not path or not no_restart_request_supported():
+        return False
+    from nvidia_resiliency_ext.fault_tolerance.data import WorkloadAction, WorkloadControlRequest
+    from nvidia_resiliency_ext.fault_tolerance.ipc_connector import IpcConnector
+
+    try:
+        # The message the launcher's RankMonitorClient would send: (global rank, request).
+        IpcConnector(path).send(
+            (rank, WorkloadControlRequest(WorkloadAction.ShutdownWorkload, reason[:500]))
+        )
+    except Exception as e:  # best effort: the no-restart marker still says it
+        log.warning("could not ask ft_launcher not to restart: %s", e)
+        return False
+    return True
+
+
 __all__ = [
     "AsyncCallsQueue",
     "AsyncRequest",
@@ -78,6 +115,8 @@ __all__ = [
     "disable_device_health_checks",
     "inprocess_available",
     "new_metadata_cache",
+    "no_restart_request_supported",
+    "request_no_restart",
     "save_state_dict_async_plan",
     "version",
     "warm_write_results_queue",

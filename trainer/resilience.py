@@ -10,8 +10,10 @@ Both layers are switchable by config and each works without the other:
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
@@ -22,6 +24,47 @@ from trainer.config import InProcessConfig
 log = logging.getLogger(__name__)
 
 FT_RANK_MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
+
+# The terminal marker on the shared filesystem, where NVRx >= 0.7 writes its own before exiting
+# 93: a peer's exit 93 can be masked on multi-node jobs (the others are signalled), so whoever
+# classifies the end reads this file as well as every node's exit code.
+NO_RESTART_MARKER = Path("control") / "no_restart"
+
+
+def stop_without_restart(run_root: Path | None, *, rank: int, reason: str) -> bool:
+    """No restart can fix ``reason`` (bad configuration, a fatal error): write the marker, then
+    ask ft_launcher not to respawn the workers. Returns whether the launcher took the request
+    (False outside ft_launcher, or on an NVRx without it: the marker still ends the stage)."""
+    if run_root is not None:
+        write_no_restart(run_root, rank=rank, reason=reason)
+    return nvrx_compat.request_no_restart(rank, reason)
+
+
+def write_no_restart(run_root: Path, *, rank: int, reason: str) -> None:
+    path = run_root / NO_RESTART_MARKER
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".no_restart.{rank}.{os.getpid()}")
+    tmp.write_text(json.dumps({"t": time.time(), "rank": rank, "reason": reason}) + "\n")
+    os.replace(tmp, path)  # atomic: a reader never sees half a marker
+
+
+def read_no_restart(run_root: Path) -> str | None:
+    """The marker's reason, or None when there is none. A marker that cannot be parsed still
+    means "do not restart" (NVRx's own may hold anything)."""
+    path = run_root / NO_RESTART_MARKER
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        return str(json.loads(text).get("reason") or text.strip() or "no_restart marker")
+    except (ValueError, AttributeError):
+        return text.strip() or f"{path} present"
+
+
+def clear_no_restart(run_root: Path) -> None:
+    """A new attempt starts without an old attempt's verdict (after the config was fixed)."""
+    (run_root / NO_RESTART_MARKER).unlink(missing_ok=True)
 
 
 class Heartbeat:
@@ -51,19 +94,6 @@ class Heartbeat:
     def beat(self) -> None:
         if self.client is not None:
             self.client.send_heartbeat()
-
-    def request_shutdown(self, reason: str) -> None:
-        """Ask ft_launcher not to restart the workers (a fatal error no restart can fix)."""
-        if self.client is None:
-            return
-        from nvidia_resiliency_ext.fault_tolerance import WorkloadAction, WorkloadControlRequest
-
-        try:
-            self.client.send_workload_control_request(
-                WorkloadControlRequest(WorkloadAction.ShutdownWorkload, reason[:500])
-            )
-        except Exception as e:  # the launcher link is best effort: the exit code still says it
-            log.warning("could not ask ft_launcher to shut down: %s", e)
 
     def close(self) -> None:
         if self.client is not None:

@@ -32,9 +32,11 @@ CPU hosts with NVRx >= 0.7)::
 
 (``trainer.launch.ft_launcher_argv`` builds the same line from a config.)
 
-Exit codes: 0 done (``<run_root>/result.json`` written); 2 bad configuration (nothing started);
-3 fatal, do not restart (bad data, no valid checkpoint: ft_launcher is asked to shut the workload
-down instead of respawning); anything else is a crash that the in-job layer may restart.
+Exit codes: 0 done (``<run_root>/result.json`` written); 2 bad configuration; 3 fatal (bad data,
+no valid checkpoint). For 2 and 3 the worker first writes ``<run_root>/control/no_restart`` and
+asks ft_launcher not to restart (NVRx's ``WorkloadAction.ShutdownWorkload``: the launcher closes
+the rendezvous instead of respawning the workers), so the job ends after one start and the
+pipeline reports do-not-requeue. Anything else is a crash that the in-job layer may restart.
 """
 
 from __future__ import annotations
@@ -333,7 +335,7 @@ def run(
         def attempt(call_wrapper: Any = None) -> dict[str, Any]:
             try:
                 return body(ctx, call_wrapper)
-            except (FatalError, DataError) as e:
+            except (FatalError, DataError, ConfigError) as e:
                 # No restart can fix it: escape the Wrapper (RestartAbort is a BaseException).
                 from nvidia_resiliency_ext.inprocess.exception import RestartAbort
 
@@ -349,11 +351,6 @@ def run(
         )
         (cfg.run_root / "logs").mkdir(exist_ok=True)
         return wrapped()  # type: ignore[no-any-return]
-    except BaseException as e:
-        fatal = _fatal_cause(e, (FatalError, DataError))
-        if fatal is not None:
-            heartbeat.request_shutdown(f"{type(fatal).__name__}: {fatal}")
-        raise
     finally:
         saver.close()
         heartbeat.close()
@@ -370,6 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
     except (ConfigError, FaultSpecError) as e:
         print(f"error: invalid configuration: {e}", file=sys.stderr)
+        # No config, so no event log. The marker goes where the flags say the run lives, but
+        # only under a launcher: run by hand, a bad config must leave nothing behind.
+        under_launcher = "TORCHELASTIC_RUN_ID" in os.environ
+        _stop_without_restart(
+            args.run_root if under_launcher else None, f"invalid configuration: {e}"
+        )
         return EXIT_CONFIG
     return execute(cfg)
 
@@ -380,19 +383,24 @@ def execute(
     data: Callable[[TrainConfig], DataSource] = workload_data,
 ) -> int:
     """:func:`run`, turned into the worker's exit code (DESIGN §5): 0 done, 2 bad
-    configuration, 3 fatal (ft_launcher is asked not to restart); a crash raises."""
+    configuration, 3 fatal; a crash raises (the in-job layer may restart it). For 2 and 3 the
+    whole job is stopped without restarts first (:func:`_terminal`): respawning the workers
+    cannot fix either, and under ft_launcher the exit code alone would be retried until the
+    launcher's restarts ran out."""
     from trainer.checkpoint import FatalError
 
     try:
         result = run(cfg, body, data)
-    except ConfigError as e:
-        print(f"error: invalid configuration: {e}", file=sys.stderr)
-        return EXIT_CONFIG
     except BaseException as e:
+        # The in-process Wrapper re-raises what escaped it wrapped: look at the cause.
+        bad_config = _fatal_cause(e, (ConfigError,))
+        if bad_config is not None:
+            _terminal(cfg, f"ConfigError: invalid configuration: {bad_config}")
+            return EXIT_CONFIG
         fatal = _fatal_cause(e, (FatalError, DataError))
         if fatal is None:
             raise
-        _report_fatal(cfg, fatal)
+        _terminal(cfg, f"{type(fatal).__name__}: {fatal}")
         return EXIT_FATAL
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result))
@@ -413,14 +421,27 @@ def _fatal_cause(
     return None
 
 
-def _report_fatal(cfg: TrainConfig, error: BaseException) -> None:
-    message = f"{type(error).__name__}: {error}"
+def _terminal(cfg: TrainConfig, message: str) -> None:
+    """Report an error no restart can fix (rank 0: the ``fatal`` event and result.json, which
+    the pipeline reads as do-not-requeue), then stop the job without restarts."""
     print(f"error: {message}", file=sys.stderr)
     if int(os.environ.get("RANK", "0")) == 0:
         EventLog(cfg.run_root).emit("fatal", error=message, requeue=False)
         (cfg.run_root / "result.json").write_text(
             json.dumps({"status": "failed", "error": message, "requeue": False}) + "\n"
         )
+    _stop_without_restart(cfg.run_root, message)
+
+
+def _stop_without_restart(run_root: Path | None, message: str) -> None:
+    """Every rank that finds the error says so (the marker) and asks its own launcher: on a
+    multi-node job the failing rank need not be rank 0."""
+    from trainer.resilience import stop_without_restart
+
+    try:
+        stop_without_restart(run_root, rank=int(os.environ.get("RANK", "0")), reason=message)
+    except OSError as e:  # the exit code still reports it; never hide the cause behind this
+        log.warning("could not record the no-restart marker: %s", e)
 
 
 if __name__ == "__main__":

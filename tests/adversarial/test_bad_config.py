@@ -1,0 +1,67 @@
+"""Bad configuration is terminal: a worker that finds its configuration bad stops the whole job
+without restarts (NVRx's no-restart request plus the ``control/no_restart`` marker), and the
+pipeline reports do-not-requeue, which the retry policy never retries.
+
+The configuration passes :class:`TrainConfig` construction and is only found bad in the worker,
+where the world size is known: a global batch that does not divide across the ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tasks.backends.base import LaunchRequest
+from tasks.backends.local import LocalBackend
+from tasks.classify import EndKind
+from tasks.retry_policy import stage_retry_allowed
+from tests.helpers import make_config, run_ft_launcher
+from trainer.resilience import read_no_restart
+
+pytestmark = pytest.mark.slow
+
+NPROC = 2
+WORKER_ERROR = "error: ConfigError: invalid configuration: global_batch"
+
+
+def bad_config(run_root: Path, dataset: Path):
+    cfg = make_config(run_root, dataset, global_batch=3)  # 3 sequences over 2 ranks
+    assert cfg.injob.max_restarts >= 1  # restarts are available: not using them is the point
+    return cfg
+
+
+def test_worker_config_error_stops_the_job_after_one_start(tmp_path: Path, dataset: Path):
+    cfg = bad_config(tmp_path / "run", dataset)
+    started = time.monotonic()
+    out = run_ft_launcher(cfg, nproc=NPROC, timeout=120)
+    wall = time.monotonic() - started
+    # One start: each of the 2 workers found the error once; a restart would have printed more.
+    assert out.log.count(WORKER_ERROR) == NPROC, out.log[-3000:]
+    assert "ShutdownWorkload" in out.log  # the launcher received the request
+    assert out.returncode != 0
+    marker = read_no_restart(cfg.run_root)
+    assert marker is not None and "global_batch" in marker
+    (fatal,) = out.of_kind("fatal")
+    assert "global_batch" in fatal["error"] and fatal["requeue"] is False
+    assert out.result == {"status": "failed", "error": fatal["error"], "requeue": False}
+    print(f"bad config under ft_launcher ended in {wall:.1f} s")
+
+
+def test_pipeline_attempt_reports_do_not_requeue(tmp_path: Path, dataset: Path):
+    from tasks.train_stage import run_attempt
+
+    cfg = replace(bad_config(tmp_path / "run", dataset), run_root=tmp_path / "pipe")
+    request = LaunchRequest(run_id="bad", attempt=1, cfg=cfg, nodes=2, nproc_per_node=1)
+    report = run_attempt(LocalBackend(), request, deadline_s=120)
+    assert report.outcome.kind == EndKind.DO_NOT_REQUEUE, report.outcome.message
+    assert "global_batch" in report.outcome.message
+    error = report.outcome.error()
+    assert error is not None and not stage_retry_allowed(error)
+    logs = "".join(
+        p.read_text() for p in sorted((cfg.run_root / "logs").glob("attempt1-node*.log"))
+    )
+    assert logs.count(WORKER_ERROR) == 2, logs[-3000:]  # one per node: no restart anywhere
+    print(f"attempt ended {report.outcome.kind} in {report.wall_s:.1f} s")
