@@ -1,8 +1,11 @@
 """Static EKS deployment assets (``deploy/eks/``), checked offline: no cluster, no Docker, no AWS.
 
-- ``fsx.yaml`` and ``rbac.yaml``: every document validated in strict mode (unknown fields and
-  wrong types fail) against the Kubernetes schema of ``K8S_VERSION`` with kubernetes-validate,
-  plus the facts the pipeline relies on (claim binding, least-privilege rules, IRSA only).
+- ``fsx.yaml``, ``rbac.yaml`` and ``network-policy.yaml``: every document validated in strict
+  mode (unknown fields and wrong types fail) against the Kubernetes schema of ``K8S_VERSION``
+  with kubernetes-validate, plus the facts the pipeline relies on (claim binding, IRSA only).
+- RBAC and IAM: ``rbac.yaml`` and ``iam-flow-runner-policy.json`` grant exactly the calls in
+  ``tasks/backends/eks/permissions.py``, and the sources make no Kubernetes or AWS call that
+  table does not list (a grep of the client calls).
 - ``work-pool-template.json``: a Prefect Kubernetes base job template; its Job manifest, rendered
   as the worker renders it, validated the same way.
 - ``cluster.yaml`` (eksctl, not a Kubernetes resource), ``Dockerfile`` and ``prefect.yaml``:
@@ -26,14 +29,17 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from flows.models import EksParams, PipelineParams
+from flows.models import ALLOWED_ENV, EksParams, PipelineParams
+from tasks.backends.eks import permissions, security
+from tasks.preflight.eks import PERMISSIONS as PREFLIGHT_PERMISSIONS
+from tests.test_eks_render import restricted_violations
 
 # The Kubernetes version of deploy/eks/cluster.yaml; the manifests are validated at this version.
 K8S_VERSION = "1.34"
 
 REPO = Path(__file__).resolve().parents[1]
 EKS_DIR = REPO / "deploy" / "eks"
-MANIFESTS = ("fsx.yaml", "rbac.yaml")
+MANIFESTS = ("fsx.yaml", "rbac.yaml", "network-policy.yaml")
 NAMESPACE = "nvrx"
 PIPELINE_SA = "nvrx-pipeline"
 GPU_INSTANCE = "p5.48xlarge"
@@ -132,11 +138,106 @@ def test_fsx_claim_is_statically_bound_to_the_lustre_volume() -> None:
 def _rules(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
     out: dict[tuple[str, str], set[str]] = {}
     for rule in role["rules"]:
-        assert set(rule) == {"apiGroups", "resources", "verbs"}, rule  # no resourceNames/URLs
+        # no nonResourceURLs; resourceNames only where tested below
+        assert set(rule) <= {"apiGroups", "resources", "verbs", "resourceNames"}, rule
+        for field in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[field], rule  # no wildcards
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
                 out.setdefault((group, resource), set()).update(rule["verbs"])
     return out
+
+
+def _resource_names(role: dict[str, Any]) -> dict[str, list[str]]:
+    return {r["resources"][0]: r["resourceNames"] for r in role["rules"] if "resourceNames" in r}
+
+
+# --- what the code calls --------------------------------------------------------------------------
+
+# The kubernetes client objects on tasks.backends.eks.kube.Kube, and their API groups.
+KUBE_APIS = {
+    "core": "",
+    "batch": "batch",
+    "apps": "apps",
+    "storage": "storage.k8s.io",
+    "authz": "authorization.k8s.io",
+    "networking": "networking.k8s.io",
+}
+KUBE_SOURCES = (*sorted((REPO / "tasks" / "backends" / "eks").glob("*.py")),)
+KUBE_SOURCES += (REPO / "tasks" / "preflight" / "eks.py",)
+KUBE_CALL = re.compile(r"\b(?:self|kube)\.(" + "|".join(KUBE_APIS) + r")\.(\w+)\b")
+# The flow runner's boto3 clients on backend=eks: FSx (hydrate, preflight), S3 (the preflight's
+# S3 snapshot, export).
+AWS_SOURCES = {
+    "fsx": (*KUBE_SOURCES,),
+    "s3": (REPO / "tasks" / "export.py", REPO / "tasks" / "preflight" / "local.py"),
+}
+AWS_CALL = {"fsx": re.compile(r"\bfsx\.(\w+)\("), "s3": re.compile(r"\bclient\.(\w+)\(")}
+VERBS = {"create": "create", "patch": "patch", "delete": "delete", "read": "get", "list": "list"}
+
+
+def _plural(snake: str) -> str:
+    word = snake.replace("_", "")
+    return word[:-1] + "ies" if word.endswith("y") else word + "s"
+
+
+def _verb_resource(method: str) -> tuple[str, str]:
+    """What the API server authorizes for a kubernetes client method, from its name:
+    ``read_namespaced_pod_log`` -> (get, pods/log), ``list_daemon_set_for_all_namespaces`` ->
+    (list, daemonsets)."""
+    verb, _, rest = method.partition("_")
+    rest = rest.removeprefix("namespaced_").removesuffix("_for_all_namespaces")
+    sub = ""
+    for suffix in ("_log", "_status"):
+        if rest.endswith(suffix):
+            rest, sub = rest.removesuffix(suffix), "/" + suffix[1:]
+    return VERBS[verb], _plural(rest) + sub
+
+
+def _kube_calls_in_source() -> set[tuple[str, str]]:
+    """(api group, method) of every kubernetes client call in the EKS sources."""
+    found = set()
+    for path in KUBE_SOURCES:
+        for api, method in KUBE_CALL.findall(path.read_text()):
+            found.add((KUBE_APIS[api], method))
+    return found
+
+
+def test_every_kubernetes_call_is_in_the_permissions_table() -> None:
+    declared = {(c.group, c.method) for c in permissions.KUBE_CALLS}
+    in_source = _kube_calls_in_source()
+    assert in_source, "the grep found no calls: has the client moved?"
+    assert in_source - declared == set(), "add these to tasks/backends/eks/permissions.py"
+    assert declared - in_source == set(), "the code no longer makes these calls"
+    for c in permissions.KUBE_CALLS:
+        verb, resource = _verb_resource(c.method)
+        assert resource == c.resource, c
+        # a watch is a list call with watch=true (Kube.watch)
+        assert c.verb == verb or (c.verb == "watch" and verb == "list"), c
+    watched = {c.resource for c in permissions.KUBE_CALLS if c.verb == "watch"}
+    assert watched == {"pods", "nodes"}
+    assert '"watch": "true"' in (REPO / "tasks" / "backends" / "eks" / "kube.py").read_text()
+
+
+def test_source_grep_catches_an_undeclared_call() -> None:
+    assert KUBE_CALL.findall("kube.core.delete_namespaced_pod(name, ns)") == [
+        ("core", "delete_namespaced_pod")
+    ]
+    assert ("", "delete_namespaced_pod") not in {
+        (c.group, c.method) for c in permissions.KUBE_CALLS
+    }
+    assert _verb_resource("delete_namespaced_network_policy") == ("delete", "networkpolicies")
+
+
+def test_every_aws_call_is_in_the_permissions_table() -> None:
+    declared = {c.method for c in permissions.AWS_CALLS}
+    found = set()
+    for service, paths in AWS_SOURCES.items():
+        for path in paths:
+            found |= {f"{service}.{m}" for m in AWS_CALL[service].findall(path.read_text())}
+    assert {m for m in found if m.startswith("fsx.")}, "the grep found no FSx calls"
+    assert found - declared == set(), "add these to tasks/backends/eks/permissions.py"
+    assert declared - found == set(), "the code no longer makes these calls"
 
 
 def test_rbac_grants_exactly_what_the_flows_need() -> None:
@@ -149,19 +250,18 @@ def test_rbac_grants_exactly_what_the_flows_need() -> None:
             assert doc["metadata"]["namespace"] == NAMESPACE, doc["metadata"]
 
     role = kinds[("Role", PIPELINE_SA)]
-    assert _rules(role) == {
-        ("batch", "jobs"): {"create", "get", "list", "watch", "delete", "patch"},
-        ("", "pods"): {"get", "list", "watch", "delete"},
-        ("", "pods/log"): {"get", "list"},
-        ("", "services"): {"create", "get", "delete", "patch"},
-        ("", "persistentvolumeclaims"): {"get", "list"},
-    }
+    # exactly the calls the code makes: a missing grant fails, and so does an extra one
+    assert _rules(role) == permissions.rbac_grants(cluster=False)
+    # the one object the flows read by name: the FSx claim
+    assert _resource_names(role) == {"persistentvolumeclaims": [EksParams().fsx_claim]}
     cluster_role = next(d for d in docs if d["kind"] == "ClusterRole")
-    assert _rules(cluster_role) == {
-        ("", "nodes"): {"get", "list", "watch"},
-        ("apps", "daemonsets"): {"get", "list"},
-        ("storage.k8s.io", "csidrivers"): {"get", "list"},
-    }
+    assert _rules(cluster_role) == permissions.rbac_grants(cluster=True)
+    assert _resource_names(cluster_role) == {}
+    # what the preflight's access review asks for is granted
+    granted = {**_rules(role), **_rules(cluster_role)}
+    for group, resource, sub, verb in PREFLIGHT_PERMISSIONS:
+        key = (group, f"{resource}/{sub}" if sub else resource)
+        assert verb in granted.get(key, set()), (group, resource, sub, verb)
 
     pipeline_subject = [{"kind": "ServiceAccount", "name": PIPELINE_SA, "namespace": NAMESPACE}]
     binding = next(d for d in docs if d["kind"] == "RoleBinding")
@@ -183,19 +283,98 @@ def test_rbac_grants_exactly_what_the_flows_need() -> None:
     assert [d["kind"] for d in docs].count("ClusterRoleBinding") == 1
 
 
-def test_service_accounts_use_irsa_and_no_static_keys() -> None:
+def test_rbac_check_can_fail() -> None:
+    docs = _load_all("rbac.yaml")
+    role = copy.deepcopy(_by_kind(docs)[("Role", PIPELINE_SA)])
+    role["rules"][0]["verbs"].append("list")  # one verb more than the code uses
+    assert _rules(role) != permissions.rbac_grants(cluster=False)
+
+
+def test_namespace_enforces_pod_security() -> None:
+    ns = _by_kind(_load_all("rbac.yaml"))[("Namespace", NAMESPACE)]
+    labels = ns["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] in ("baseline", "restricted")
+    assert labels["pod-security.kubernetes.io/warn"] == "restricted"
+
+
+def test_only_the_pipeline_has_an_aws_role_and_no_static_keys() -> None:
     docs = _load_all("rbac.yaml")
     accounts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
     assert set(accounts) == {PIPELINE_SA, EksParams().service_account}
-    for sa in accounts.values():
-        assert IRSA_ARN.match(sa["metadata"]["annotations"]["eks.amazonaws.com/role-arn"])
-    assert accounts[EksParams().service_account]["automountServiceAccountToken"] is False
+    annotations = accounts[PIPELINE_SA]["metadata"]["annotations"]
+    assert IRSA_ARN.match(annotations["eks.amazonaws.com/role-arn"])
+    # the training and hydration pods call no AWS API: no role to steal from them
+    trainer = accounts[EksParams().service_account]
+    assert "eks.amazonaws.com/role-arn" not in (trainer["metadata"].get("annotations") or {})
+    assert trainer["automountServiceAccountToken"] is False
     for name in MANIFESTS:
         assert all(d["kind"] != "Secret" for d in _load_all(name))
     for path in EKS_DIR.iterdir():
         text = path.read_text()
         assert not re.search(r"\bA(KI|SI)A[0-9A-Z]{16}\b", text), path
         assert "secret_access_key" not in text.lower(), path
+
+
+def _iam() -> dict[str, Any]:
+    return json.loads((EKS_DIR / "iam-flow-runner-policy.json").read_text())
+
+
+def _as_list(v: str | list[str]) -> list[str]:
+    return [v] if isinstance(v, str) else list(v)
+
+
+def _iam_actions(policy: dict[str, Any]) -> set[str]:
+    return {a for st in policy["Statement"] for a in _as_list(st["Action"])}
+
+
+def test_iam_policy_grants_exactly_the_aws_calls() -> None:
+    policy = _iam()
+    assert policy["Version"] == "2012-10-17"
+    assert all(st["Effect"] == "Allow" and "NotAction" not in st for st in policy["Statement"])
+    actions = _iam_actions(policy)
+    assert not [a for a in actions if "*" in a]  # no wildcard actions
+    assert actions == permissions.iam_actions()
+
+
+def test_iam_policy_is_scoped_to_the_deployments_file_system_and_buckets() -> None:
+    (dep, *_) = _load_one("prefect.yaml")["deployments"]
+    params = PipelineParams.model_validate(dep["parameters"]["params"])
+    fs, region = params.eks.file_system_id, params.eks.region
+    buckets = {params.dataset.bucket, params.export.bucket}
+    for st in _iam()["Statement"]:
+        resources = _as_list(st["Resource"])
+        actions = set(_as_list(st["Action"]))
+        if resources == ["*"]:
+            # only what cannot be scoped: listing buckets and FSx's Describe* listings
+            assert actions <= {"s3:ListAllMyBuckets"} | {
+                a for a in actions if a.startswith("fsx:Describe")
+            }, st
+            continue
+        for arn in resources:
+            if arn.startswith("arn:aws:fsx:"):
+                assert f":{region}:" in arn and (fs in arn or ":task/" in arn), arn
+            elif arn.startswith("arn:aws:s3:::"):
+                bucket = arn.removeprefix("arn:aws:s3:::").split("/")[0]
+                assert bucket in buckets, arn
+            else:
+                assert "aws-service-role/s3.data-source.lustre.fsx.amazonaws.com" in arn, arn
+    # writes go to the export prefix only, never to the dataset bucket
+    writers = [st for st in _iam()["Statement"] if "s3:PutObject" in _as_list(st["Action"])]
+    assert [_as_list(st["Resource"]) for st in writers] == [
+        [f"arn:aws:s3:::{params.export.bucket}/{params.export.prefix}/*"]
+    ]
+
+
+def test_iam_check_can_fail() -> None:
+    policy = _iam()
+    policy["Statement"][0]["Action"].append("fsx:DeleteDataRepositoryAssociation")
+    assert _iam_actions(policy) != permissions.iam_actions()
+
+
+def test_static_network_policy_denies_ingress_namespace_wide() -> None:
+    (policy,) = _load_all("network-policy.yaml")
+    assert policy["metadata"]["namespace"] == NAMESPACE
+    assert policy["spec"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
 
 
 # --- eksctl cluster ------------------------------------------------------------------------------
@@ -263,6 +442,23 @@ def test_dockerfile_entrypoint_is_ft_launcher() -> None:
     entrypoints = [a for i, a in _dockerfile() if i == "ENTRYPOINT"]
     assert len(entrypoints) == 1
     assert json.loads(entrypoints[0]) == ["ft_launcher"]
+
+
+def test_dockerfile_runs_as_the_uid_the_pods_use() -> None:
+    instructions = _dockerfile()
+    args = _args(instructions)
+    users = [a for i, a in instructions if i == "USER"]
+    assert users, "the image must not run as root"
+    uid, _, gid = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], users[-1]).partition(":")
+    # numeric, so the kubelet can verify runAsNonRoot; the same numbers as every pod's
+    assert (int(uid), int(gid)) == (security.UID, security.GID)
+    runs = " ".join(a for i, a in instructions if i == "RUN")
+    assert "useradd --uid ${NVRX_UID}" in runs and "groupadd --gid ${NVRX_GID}" in runs
+    assert f"--home-dir {security.HOME}" in runs
+    assert f"HOME={security.HOME}" in " ".join(a for i, a in instructions if i == "ENV")
+    # the last USER comes after the last RUN: nothing later runs as root
+    last_user = max(n for n, (i, _) in enumerate(instructions) if i == "USER")
+    assert all(i != "RUN" for i, _ in instructions[last_user:])
 
 
 def test_dockerfile_pins_the_base_image_and_installs_nvrx_not_torch() -> None:
@@ -369,6 +565,10 @@ def test_work_pool_job_manifest_renders_to_a_valid_job() -> None:
     _, groups = _node_groups()
     system_labels = groups["system"]["labels"]
     assert pod["nodeSelector"].items() <= system_labels.items()
+    # the flow-run pods run as the image's user too, restricted (they do call the API)
+    assert restricted_violations(pod, api_token=True) == []
+    assert pod["securityContext"] == security.pod_security_context()
+    assert container["securityContext"] == security.container_security_context()
     eks = EksParams()
     volume = next(v for v in pod["volumes"] if "persistentVolumeClaim" in v)
     assert volume["persistentVolumeClaim"]["claimName"] == eks.fsx_claim
@@ -376,7 +576,7 @@ def test_work_pool_job_manifest_renders_to_a_valid_job() -> None:
     assert mount["mountPath"] == eks.fsx_mount
 
 
-def test_eks_prefect_yaml_deploys_valid_eks_runs_to_the_pool() -> None:
+def test_eks_prefect_yaml_deploys_valid_eks_runs_to_the_pool(monkeypatch) -> None:
     spec = _load_one("prefect.yaml")
     try:
         from prefect.cli.deploy._models import PrefectYamlModel
@@ -400,9 +600,21 @@ def test_eks_prefect_yaml_deploys_valid_eks_runs_to_the_pool() -> None:
         path, _, func = dep["entrypoint"].partition(":")
         assert f"def {func}(" in (REPO / path).read_text()
         assert dep["work_pool"]["name"] == "nvrx-eks"
+        variables = dep["work_pool"]["job_variables"]
+        # the flow-run pod's environment allows exactly the deployment's image, ServiceAccount
+        # and namespace; the deployment's parameters validate under it
+        env = variables["env"]
+        assert set(env) == set(ALLOWED_ENV.values())
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
         params = PipelineParams.model_validate(dep["parameters"]["params"])
         assert params.backend == "eks" and params.s3_endpoint is None
-        assert dep["work_pool"]["job_variables"]["image"] == params.eks.image
+        assert variables["image"] == params.eks.image
+        for field, name in ALLOWED_ENV.items():
+            assert env[name].split(",") == [getattr(params.eks, field)]
+        other = {**dep["parameters"]["params"], "eks": {**params.eks.model_dump(), "image": "x"}}
+        with pytest.raises(ValueError, match="eks.image"):
+            PipelineParams.model_validate(other)
 
 
 def test_readme_walks_through_every_asset() -> None:
@@ -418,3 +630,13 @@ def test_readme_walks_through_every_asset() -> None:
     ):
         assert command in readme, command
     assert f'`"{K8S_VERSION}"`' in readme
+
+
+def test_readme_tables_list_every_call_and_grant() -> None:
+    readme = (EKS_DIR / "README.md").read_text()
+    for kc in permissions.KUBE_CALLS:
+        assert f"`{kc.method}`" in readme and f"`{kc.resource}`" in readme, kc
+    for ac in permissions.AWS_CALLS:
+        assert f"`{ac.method}`" in readme, ac
+    for action in permissions.iam_actions():
+        assert f"`{action}`" in readme, action

@@ -24,6 +24,21 @@ def test_prefect_yaml_matches_served_deployments():
     assert deps[NIGHTLY]["schedules"][0]["cron"] == NIGHTLY_CRON
 
 
+def test_local_deployments_ignore_the_eks_allow_lists(monkeypatch):
+    """The EKS worker's allow-lists (deploy/eks/prefect.yaml) never get in a local run's way,
+    and the local deployments name no EKS values to allow."""
+    from flows.models import ALLOWED_ENV
+
+    for name in ALLOWED_ENV.values():
+        monkeypatch.setenv(name, "something-else")
+    spec = yaml.safe_load((REPO / "deploy" / "prefect.yaml").read_text())
+    for d in spec["deployments"]:
+        params = d["parameters"]["params"]
+        assert params["backend"] == "local" and "eks" not in params
+        assert "job_variables" not in d["work_pool"]
+        PipelineParams(**params)
+
+
 def test_served_defaults_carry_overrides():
     from flows.deployments import deployments
     from flows.models import PipelineParams

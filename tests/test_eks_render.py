@@ -149,9 +149,10 @@ RESTRICTED_VOLUMES = {
 }
 
 
-def restricted_violations(pod: dict) -> list[str]:
+def restricted_violations(pod: dict, *, api_token: bool = False) -> list[str]:
     """What Pod Security "restricted" (Kubernetes 1.34) would refuse in a pod spec, plus our
-    own rules: the image's UID/GID, a read-only root filesystem, no API token."""
+    own rules: the image's UID/GID, a read-only root filesystem with writable /tmp and HOME,
+    and no API token unless the pod calls the API (``api_token``: the flow-run pods)."""
     bad = []
     psc = pod.get("securityContext") or {}
     for key in ("hostNetwork", "hostPID", "hostIPC"):
@@ -167,7 +168,7 @@ def restricted_violations(pod: dict) -> list[str]:
         security.GID,
     ):
         bad.append(f"pod UID/GID {psc}")
-    if pod.get("automountServiceAccountToken") is not False:
+    if not api_token and pod.get("automountServiceAccountToken") is not False:
         bad.append("API token mounted")
     for c in [*pod.get("initContainers", []), *pod["containers"]]:
         sc = c.get("securityContext") or {}

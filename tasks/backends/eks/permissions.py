@@ -106,7 +106,7 @@ KUBE_CALLS: tuple[KubeCall, ...] = (
 
 # The flow runner's AWS calls on backend=eks. FSx: the hydrate stage and the preflight; S3: the
 # preflight's S3 snapshot (tasks/preflight/local.py gather_s3, shared by both backends) and the
-# export (tasks/export.py). boto3's managed upload_file is several S3 operations.
+# export (tasks/export.py).
 AWS_CALLS: tuple[AwsCall, ...] = (
     AwsCall("fsx.describe_file_systems", ("fsx:DescribeFileSystems",), "preflight.eks.gather_eks"),
     AwsCall(
@@ -137,10 +137,19 @@ AWS_CALLS: tuple[AwsCall, ...] = (
         "preflight.local.gather_s3 (dataset.json); export (read-back check)",
     ),
     AwsCall("s3.head_object", ("s3:GetObject",), "export._head"),
+    AwsCall("s3.put_object", ("s3:PutObject",), "export (an object up to one part)"),
+    AwsCall("s3.create_multipart_upload", ("s3:PutObject",), "export (a larger object)"),
+    AwsCall("s3.upload_part", ("s3:PutObject",), "export"),
+    AwsCall("s3.complete_multipart_upload", ("s3:PutObject",), "export"),
     AwsCall(
-        "s3.upload_file",
-        ("s3:PutObject", "s3:AbortMultipartUpload"),
-        "export (PutObject, or Create/UploadPart/CompleteMultipartUpload; Abort on failure)",
+        "s3.abort_multipart_upload",
+        ("s3:AbortMultipartUpload",),
+        "export (a part or the digest did not match)",
+    ),
+    AwsCall(
+        "s3.delete_object",
+        ("s3:DeleteObject",),
+        "export (withdraws an old manifest before objects under it change)",
     ),
 )
 
