@@ -67,6 +67,7 @@ def test_happy_path_manifest_last(ckpt: Path, client, s3_settings):
         on_object=lambda n, a: order.append((n, a)),
     )
     assert report.uri == f"s3://{BUCKET}/happy/run1/step_5/" and report.verified
+    assert report.verification == "sha256"  # the server checked each object's digest
     assert order[-1] == ("manifest.json", "uploaded")
     local = manifest.read_manifest(ckpt)
     objs = remote_objects(client, "happy/run1/step_5/")
@@ -78,21 +79,35 @@ def test_happy_path_manifest_last(ckpt: Path, client, s3_settings):
         client, ckpt, BUCKET, "happy", "run1", endpoint=s3_settings.endpoint_url
     )
     assert (again.uploaded, again.skipped) == (0, report.objects)
+    assert again.verification == "unchanged"
 
 
 class _FailAfter:
-    """A real client that breaks after ``k`` uploads (a dropped connection mid-export)."""
+    """A real client that breaks after ``k`` object uploads (a dropped connection mid-export),
+    and records the order of the calls that change the prefix."""
 
     def __init__(self, real: Any, k: int) -> None:
         self.real, self.left = real, k
+        self.calls: list[tuple[str, str]] = []
 
-    def upload_file(self, *a: Any, **kw: Any) -> None:
+    def _upload(self, op: str, **kw: Any) -> Any:
         if self.left <= 0:
             from botocore.exceptions import EndpointConnectionError
 
             raise EndpointConnectionError(endpoint_url="http://injected")
         self.left -= 1
-        self.real.upload_file(*a, **kw)
+        self.calls.append((op, kw["Key"].rsplit("/", 1)[-1]))
+        return getattr(self.real, op)(**kw)
+
+    def put_object(self, **kw: Any) -> Any:
+        return self._upload("put_object", **kw)
+
+    def create_multipart_upload(self, **kw: Any) -> Any:
+        return self._upload("create_multipart_upload", **kw)
+
+    def delete_object(self, **kw: Any) -> Any:
+        self.calls.append(("delete_object", kw["Key"].rsplit("/", 1)[-1]))
+        return self.real.delete_object(**kw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
@@ -138,7 +153,8 @@ def test_mismatched_object_is_replaced(ckpt: Path, client, s3_settings):
     report = export_checkpoint(
         client, ckpt, BUCKET, "mm", "run1", endpoint=s3_settings.endpoint_url
     )
-    assert report.uploaded == 1
+    # The shard, and the manifest again: it was withdrawn before the shard changed.
+    assert (report.uploaded, report.skipped) == (2, report.objects - 2)
     body = client.get_object(Bucket=BUCKET, Key=f"mm/run1/step_5/{name}")["Body"].read()
     assert hashlib.sha256(body).hexdigest() == sha
 
@@ -240,3 +256,92 @@ def test_consolidated_safetensors(ckpt: Path, client, s3_settings):
         manifest.read_manifest(ckpt)
     )
     assert report.objects == len(manifest.read_manifest(ckpt)["files"]) + 2
+
+
+# -- verified against the manifest, and no stale manifest window ---------------------------------
+def _verdict_before_change(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The checkpoint verifies, then a shard changes before its upload (a writer still busy,
+    bit rot, a bug): the export must not publish the changed bytes as the manifest's."""
+    verdict = manifest.verify_checkpoint(ckpt)
+    assert verdict.ok
+    victim = sorted(ckpt.glob("*.distcp"))[0]
+    flip_bytes(victim)
+    monkeypatch.setattr("tasks.export.ckpt_manifest.verify_checkpoint", lambda d: verdict)
+    return victim
+
+
+def test_changed_file_is_refused_by_the_server(ckpt: Path, client, s3_settings, monkeypatch):
+    victim = _verdict_before_change(ckpt, monkeypatch)
+    with pytest.raises(ExportError, match=rf"server refused .*{victim.name}.*manifest's sha256"):
+        export_checkpoint(
+            client, ckpt, BUCKET, "changed", "run1", endpoint=s3_settings.endpoint_url
+        )
+    objs = remote_objects(client, "changed/run1/step_5/")
+    assert victim.name not in objs  # BadDigest: the server stored nothing for it
+    assert "manifest.json" not in objs
+
+
+def test_reexport_withdraws_the_old_manifest_before_any_object(
+    ckpt: Path, client, s3_settings, monkeypatch
+):
+    export_checkpoint(client, ckpt, BUCKET, "again", "run1", endpoint=s3_settings.endpoint_url)
+    victim = _verdict_before_change(ckpt, monkeypatch)
+    # The remote copy is stale too, so the re-export must upload the (now changed) shard.
+    client.put_object(Bucket=BUCKET, Key=f"again/run1/step_5/{victim.name}", Body=b"old")
+    spy = _FailAfter(client, 100)
+    with pytest.raises(ExportError, match="server refused"):
+        export_checkpoint(spy, ckpt, BUCKET, "again", "run1", endpoint=s3_settings.endpoint_url)
+    # The manifest went first, before the (refused) upload of the changed shard.
+    assert spy.calls == [("delete_object", "manifest.json"), ("put_object", victim.name)]
+    objs = remote_objects(client, "again/run1/step_5/")
+    assert "manifest.json" not in objs  # no manifest over objects that changed under it
+
+
+def test_reexport_order_delete_manifest_objects_manifest_last(ckpt: Path, client, s3_settings):
+    export_checkpoint(client, ckpt, BUCKET, "order", "run1", endpoint=s3_settings.endpoint_url)
+    name = sorted(p.name for p in ckpt.glob("*.distcp"))[0]
+    client.put_object(Bucket=BUCKET, Key=f"order/run1/step_5/{name}", Body=b"stale")
+    spy = _FailAfter(client, 100)
+    events: list[tuple[str, str]] = []
+    report = export_checkpoint(
+        spy,
+        ckpt,
+        BUCKET,
+        "order",
+        "run1",
+        endpoint=s3_settings.endpoint_url,
+        on_object=lambda n, a: events.append((n, a)),
+    )
+    assert spy.calls == [
+        ("delete_object", "manifest.json"),
+        ("put_object", name),
+        ("put_object", "manifest.json"),
+    ]
+    assert events[-1] == ("manifest.json", "uploaded") and report.uploaded == 2
+    # Dropped after the manifest was withdrawn: the prefix shows no manifest at all.
+    spy = _FailAfter(client, 0)
+    client.put_object(Bucket=BUCKET, Key=f"order/run1/step_5/{name}", Body=b"stale again")
+    with pytest.raises(StorageError):
+        export_checkpoint(spy, ckpt, BUCKET, "order", "run1", endpoint=s3_settings.endpoint_url)
+    assert spy.calls == [("delete_object", "manifest.json")]
+    assert "manifest.json" not in remote_objects(client, "order/run1/step_5/")
+
+
+def test_multipart_is_verified_per_part_and_whole(client, tmp_path: Path):
+    import os
+
+    from tasks.export import composite_sha256_b64, part_checksums, upload_multipart
+
+    part = 5 << 20
+    path = tmp_path / "big.bin"
+    path.write_bytes(os.urandom(2 * part + 12345))  # 3 parts
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    with pytest.raises(ExportError, match="refusing to complete"):
+        upload_multipart(client, BUCKET, "mp/bad", path, "0" * 64, part_size=part, extra={})
+    with pytest.raises(Exception) as gone:
+        client.head_object(Bucket=BUCKET, Key="mp/bad")
+    assert "404" in str(gone.value) or "Not Found" in str(gone.value)  # aborted: invisible
+    parts = upload_multipart(client, BUCKET, "mp/good", path, sha, part_size=part, extra={})
+    head = client.head_object(Bucket=BUCKET, Key="mp/good", ChecksumMode="ENABLED")
+    assert head["ChecksumSHA256"] == composite_sha256_b64(parts)
+    assert part_checksums(path, part) == (sha, parts)
