@@ -33,10 +33,11 @@ class ValidationOutcome:
         }
 
 
-def validate_latest(run_root: Path, exp: Expectations) -> ValidationOutcome:
+def validate_latest(run_root: Path, exp: Expectations, *, load: bool = True) -> ValidationOutcome:
+    """``load=False`` skips the fresh-process load check (quick checks only)."""
     rejected: list[CheckpointReport] = []
     for step in reversed(manifest.committed_steps(run_root)):
-        report = validate_checkpoint(manifest.committed_path(run_root, step), exp)
+        report = validate_checkpoint(manifest.committed_path(run_root, step), exp, load=load)
         if report.passed:
             return ValidationOutcome(report, rejected)
         rejected.append(report)

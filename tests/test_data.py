@@ -172,3 +172,27 @@ def test_shard_bytes_must_be_tokens_times_itemsize(copy: Path):
     _rewrite_manifest(copy, dtype="uint32")
     with pytest.raises(DataError, match=r"shard_00000.bin: .* 65536 tokens of uint32 \(262144"):
         verify_dataset(copy, digests=False)
+
+
+# Names in the manifest are joined onto the dataset directory: one plain component each.
+@pytest.mark.parametrize(
+    "name",
+    ["/etc/passwd", "../shard.bin", "a/b", "a\\b", "shard\x00.bin", "shard.bin\n", ".hidden", ""],
+)
+def test_unsafe_shard_names_are_refused_naming_the_field(copy: Path, name: str):
+    path = copy / "dataset.json"
+    manifest = json.loads(path.read_text())
+    manifest["files"][2]["name"] = name
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(DataError) as err:
+        load_manifest(copy)
+    assert f"dataset manifest {path}: files[2].name: {name!r}" in str(err.value)
+
+
+def test_duplicate_shard_names_are_refused(copy: Path):
+    path = copy / "dataset.json"
+    manifest = json.loads(path.read_text())
+    manifest["files"][1]["name"] = manifest["files"][0]["name"]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"files\[1\].name: 'shard_00000.bin' .* listed twice"):
+        load_manifest(copy)

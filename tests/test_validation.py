@@ -118,3 +118,40 @@ def test_blind_checks_are_skipped_not_passed():
     assert s["DCP metadata covers the model and optimizer"] == "SKIPPED"
     assert s["loads on 1 CPU rank, all tensors finite"] == "SKIPPED"
     assert s["held-out loss near the recorded loss"] == "SKIPPED"
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "sub/x.distcp", "x\n"])
+def test_manifest_names_outside_the_checkpoint_fail(ckpt: Path, name: str):
+    """Names are joined onto the checkpoint and hashed and loaded: a name that leaves the
+    directory fails the manifest check, and nothing is hashed or loaded."""
+    path = ckpt / "manifest.json"
+    man = json.loads(path.read_text())
+    man["files"][0]["name"] = name
+    path.write_text(json.dumps(man))
+    facts = gather(ckpt, Expectations())
+    assert facts.files == {} and facts.load is None
+    s = statuses(judge(facts, Expectations()))
+    assert s["manifest"] == "FAILED" and s["files and digests"] == "SKIPPED"
+    assert s["loads on 1 CPU rank, all tensors finite"] == "SKIPPED"
+    detail = judge(facts, Expectations()).checks[0]["detail"]
+    assert repr(name) in detail
+
+
+def test_refused_metadata_fails_coverage_and_skips_the_load(ckpt: Path):
+    """A .metadata the restricted reader refuses is a finding (FAILED), not a blind check."""
+    import hashlib
+    import pickle
+
+    data = pickle.dumps({"not": "metadata"})
+    (ckpt / ".metadata").write_bytes(data)
+    path = ckpt / "manifest.json"
+    man = json.loads(path.read_text())
+    for e in man["files"]:
+        if e["name"] == ".metadata":
+            e["bytes"], e["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    path.write_text(json.dumps(man))
+    report = validate_checkpoint(ckpt, Expectations())
+    s = statuses(report)
+    assert s["files and digests"] == "PASSED"
+    assert s["DCP metadata covers the model and optimizer"] == "FAILED"
+    assert s["loads on 1 CPU rank, all tensors finite"] == "SKIPPED"

@@ -208,6 +208,7 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
         facts.manifest = ckpt_manifest.read_manifest(path)
     except ckpt_manifest.CheckpointError as e:
         facts.errors["manifest"] = str(e)
+        facts.errors["load"] = "not loaded: no manifest to vouch for the files"
         return facts
     try:
         check_file_names(facts.manifest, path)
@@ -227,7 +228,8 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
         try:
             facts.dcp_entries = _dcp_entries(path)
         except Exception as e:
-            facts.errors["dcp"] = f"cannot read {path / '.metadata'}: {type(e).__name__}: {e}"
+            # Read and refused (forged or garbled) is a finding about the checkpoint: FAILED.
+            facts.errors["dcp_invalid"] = f"{path / METADATA}: {type(e).__name__}: {e}"
     workload = exp.workload or ckpt_manifest.workload_of(facts.manifest)
     if workload and workload["ref"].startswith("script:"):
         # A user's script builds its own model: nothing here can rebuild it to compare.
@@ -246,6 +248,8 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
         facts.errors["load"] = "not requested"
     elif not digests_ok:
         facts.errors["load"] = "skipped: files do not match the manifest"
+    elif "dcp_invalid" in facts.errors:
+        facts.errors["load"] = "skipped: the DCP metadata was refused"
     elif not workload:
         facts.errors["load"] = "workload unknown"
     else:
@@ -308,6 +312,8 @@ def check_files(f: Facts, exp: Expectations) -> CheckResult:
 
 def check_coverage(f: Facts, exp: Expectations) -> CheckResult:
     name = "DCP metadata covers the model and optimizer"
+    if "dcp_invalid" in f.errors:
+        return CheckResult(name, Status.FAILED, f.errors["dcp_invalid"])
     for source in ("manifest", "dcp", "expected"):
         if source in f.errors:
             return _skip(name, f.errors[source])
