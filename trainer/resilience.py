@@ -18,13 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
-from trainer import nvrx_compat
 from trainer.config import InProcessConfig
 
 log = logging.getLogger(__name__)
 
 FT_RANK_MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
 
+# The marker helpers below are read by the pipeline (tasks/): this module imports NVRx only
+# inside the functions that need it (importing it costs seconds).
+#
 # The terminal marker on the shared filesystem, where NVRx >= 0.7 writes its own before exiting
 # 93: a peer's exit 93 can be masked on multi-node jobs (the others are signalled), so whoever
 # classifies the end reads this file as well as every node's exit code.
@@ -35,6 +37,8 @@ def stop_without_restart(run_root: Path | None, *, rank: int, reason: str) -> bo
     """No restart can fix ``reason`` (bad configuration, a fatal error): write the marker, then
     ask ft_launcher not to respawn the workers. Returns whether the launcher took the request
     (False outside ft_launcher, or on an NVRx without it: the marker still ends the stage)."""
+    from trainer import nvrx_compat
+
     if run_root is not None:
         write_no_restart(run_root, rank=rank, reason=reason)
     return nvrx_compat.request_no_restart(rank, reason)
@@ -119,6 +123,8 @@ def wrap_inprocess(
     - no CUDA health check on CPU (the default ThreadedFinalize/CudaHealthCheck need CUDA).
     """
     from nvidia_resiliency_ext import inprocess
+
+    from trainer import nvrx_compat
 
     class _Finalize(inprocess.finalize.Finalize):
         def __call__(self, state: Any) -> Any:

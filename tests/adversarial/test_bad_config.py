@@ -2,8 +2,9 @@
 without restarts (NVRx's no-restart request plus the ``control/no_restart`` marker), and the
 pipeline reports do-not-requeue, which the retry policy never retries.
 
-The configuration passes :class:`TrainConfig` construction and is only found bad in the worker,
-where the world size is known: a global batch that does not divide across the ranks.
+Each configuration passes :class:`TrainConfig` construction and is only found bad in the worker:
+a global batch that does not divide across the ranks (known only there), and a data directory
+whose dataset does not fit the workload (its vocabulary is larger than the model's embedding).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tasks.backends.local import LocalBackend
 from tasks.classify import EndKind
 from tasks.retry_policy import stage_retry_allowed
 from tests.helpers import make_config, run_ft_launcher
+from trainer.data import write_synthetic_dataset
 from trainer.resilience import read_no_restart
 
 pytestmark = pytest.mark.slow
@@ -33,21 +35,35 @@ def bad_config(run_root: Path, dataset: Path):
     return cfg
 
 
-def test_worker_config_error_stops_the_job_after_one_start(tmp_path: Path, dataset: Path):
-    cfg = bad_config(tmp_path / "run", dataset)
+@pytest.fixture(scope="module")
+def big_vocab_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("data1024")
+    write_synthetic_dataset(path, shards=2, tokens_per_shard=16384, vocab_size=1024, seed=0)
+    return path
+
+
+@pytest.mark.parametrize("case", ["global-batch", "dataset-vocabulary"])
+def test_worker_finds_its_config_bad_and_the_job_ends_after_one_start(
+    case: str, tmp_path: Path, dataset: Path, big_vocab_dataset: Path
+):
+    if case == "global-batch":
+        cfg, line, cause = bad_config(tmp_path / "run", dataset), WORKER_ERROR, "global_batch"
+    else:
+        cfg = make_config(tmp_path / "run", big_vocab_dataset)
+        line, cause = "error: DataError: dataset", "vocab_size 1024"
     started = time.monotonic()
     out = run_ft_launcher(cfg, nproc=NPROC, timeout=120)
     wall = time.monotonic() - started
     # One start: each of the 2 workers found the error once; a restart would have printed more.
-    assert out.log.count(WORKER_ERROR) == NPROC, out.log[-3000:]
+    assert out.log.count(line) == NPROC, out.log[-3000:]
     assert "ShutdownWorkload" in out.log  # the launcher received the request
     assert out.returncode != 0
     marker = read_no_restart(cfg.run_root)
-    assert marker is not None and "global_batch" in marker
+    assert marker is not None and cause in marker
     (fatal,) = out.of_kind("fatal")
-    assert "global_batch" in fatal["error"] and fatal["requeue"] is False
+    assert cause in fatal["error"] and fatal["requeue"] is False
     assert out.result == {"status": "failed", "error": fatal["error"], "requeue": False}
-    print(f"bad config under ft_launcher ended in {wall:.1f} s")
+    print(f"{case}: bad config under ft_launcher ended in {wall:.1f} s")
 
 
 def test_pipeline_attempt_reports_do_not_requeue(tmp_path: Path, dataset: Path):
