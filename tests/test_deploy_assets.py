@@ -163,8 +163,8 @@ KUBE_APIS = {
     "authz": "authorization.k8s.io",
     "networking": "networking.k8s.io",
 }
-KUBE_SOURCES = (*sorted((REPO / "tasks" / "backends" / "eks").glob("*.py")),)
-KUBE_SOURCES += (REPO / "tasks" / "preflight" / "eks.py",)
+# All of tasks/ and flows/: a call added anywhere (not only in the EKS backend) is caught.
+KUBE_SOURCES = tuple(sorted(p for d in ("tasks", "flows") for p in (REPO / d).rglob("*.py")))
 KUBE_CALL = re.compile(r"\b(?:self|kube)\.(" + "|".join(KUBE_APIS) + r")\.(\w+)\b")
 # The flow runner's boto3 clients on backend=eks: FSx (hydrate, preflight), S3 (the preflight's
 # S3 snapshot, export).

@@ -23,8 +23,8 @@ def pod_security_context() -> dict[str, Any]:
         "runAsNonRoot": True,
         "runAsUser": UID,
         "runAsGroup": GID,
-        # emptyDirs (and volumes whose CSI driver applies fsGroup) become group-writable for GID;
-        # the FSx CSI driver does not apply it to RWX Lustre volumes: /fsx/runs is chown'ed to
+        # emptyDirs become group-writable for GID. The kubelet does not chown the FSx volume
+        # (RWX, no fsType: the default fsGroupPolicy skips it), so /fsx/runs is chown'ed to
         # UID:GID once at setup (deploy/eks/README.md, step 8).
         "fsGroup": GID,
         "fsGroupChangePolicy": "OnRootMismatch",  # no recursive chown walk on every start
@@ -39,10 +39,11 @@ def container_security_context() -> dict[str, Any]:
     # added capability at exec (the CRI sets no ambient capabilities:
     # kubernetes/kubernetes#56374), so for this image's user IPC_LOCK would only fail the
     # namespace's Pod Security level (baseline forbids it) while granting nothing. What
-    # registration relies on is the node's memlock limit: EKS GPU AMIs run containerd with
-    # LimitMEMLOCK=infinity, which containers inherit (check `ulimit -l` in a trainer pod says
-    # unlimited). The device nodes the device plugins pass in keep the host's mode: 0666 for
-    # /dev/nvidia* and, by rdma-core's udev rule, /dev/infiniband/uverbs* (verify on a node).
+    # registration relies on is the memlock limit containers inherit from the node's runtime,
+    # which the EKS accelerated AMIs set up for EFA as unlimited (not verified here: check that
+    # `ulimit -l` says unlimited in a trainer pod). The device nodes the device plugins pass in
+    # keep the host's mode: 0666 for /dev/nvidia* and, by rdma-core's udev rule,
+    # /dev/infiniband/uverbs* (verify on a node).
     return {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
