@@ -158,6 +158,30 @@ def test_every_file_flipped_falls_back_to_the_older_checkpoint(
         assert [s for s, _ in choice.rejected] == [NEWEST], name
 
 
+def run_load_check(ckpt: Path) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tasks.validation.load_check", str(ckpt)],
+        capture_output=True,
+        text=True,
+        env=worker_env(),
+        cwd=REPO,
+        timeout=120,
+    )
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [".metadata", "__0_0.distcp"])
+def test_load_check_verifies_digests_before_unpickling(run_root: Path, victim: str) -> None:
+    """The load check (also what export's consolidation runs) refuses files its manifest does
+    not vouch for, whoever calls it."""
+    path = newest(run_root) / victim
+    flip_one_bit(path, flip_offset(path))
+    result = run_load_check(newest(run_root))
+    assert result["loaded"] is False
+    assert f"{victim} missing or not matching the manifest" in result["error"], result
+
+
 # -- (b) a forged .metadata with a matching manifest never runs ----------------------------------
 @pytest.mark.parametrize("payload", sorted(PAYLOADS))
 def test_restricted_unpickler_refuses_payloads(payload: str, run_root: Path, tmp_path: Path):
@@ -199,15 +223,7 @@ def test_forged_metadata_validation_and_load_check_refuse(run_root: Path, tmp_pa
     assert re.search(r"refusing to unpickle (posix|os)\.system", detail), detail
 
     # The load check on its own (the export's consolidation runs it too).
-    proc = subprocess.run(
-        [sys.executable, "-m", "tasks.validation.load_check", str(newest(run_root))],
-        capture_output=True,
-        text=True,
-        env=worker_env(),
-        cwd=REPO,
-        timeout=120,
-    )
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_load_check(newest(run_root))
     assert result["loaded"] is False
     assert "UnsafeCheckpointError" in result["error"], result
     assert not canary.exists()
