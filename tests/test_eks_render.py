@@ -261,3 +261,33 @@ def test_network_policy_schema_catches_a_wrong_field():
     policy["spec"]["ingress"][0]["from"][0]["podSelectors"] = {}  # typo'd field
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+
+
+def test_network_policy_is_applied_and_deleted_with_the_job(kube):
+    """Through the real client against kmock's emulator: the three objects go in together and
+    ``delete_job`` (every path that ends an attempt) removes the policy with the Job."""
+    from kubernetes.client import ApiException
+
+    p = params()
+    docs = render(p)
+    for doc in docs:
+        kube.apply(doc)
+    name = docs[0]["metadata"]["name"]
+
+    def exists(read) -> bool:
+        try:
+            read(name, "nvrx", _preload_content=False)
+            return True
+        except ApiException as e:
+            assert e.status == 404
+            return False
+
+    reads = (
+        kube.networking.read_namespaced_network_policy,
+        kube.core.read_namespaced_service,
+        kube.batch.read_namespaced_job,
+    )
+    assert [exists(r) for r in reads] == [True, True, True]
+    kube.delete_job("nvrx", name)
+    assert [exists(r) for r in reads] == [False, False, False]
+    kube.delete_job("nvrx", name)  # idempotent: already gone is fine
