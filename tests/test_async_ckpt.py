@@ -14,7 +14,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from tests.helpers import free_port
-from trainer.async_ckpt import WARMUP_STEP, AsyncCheckpointer, CheckpointWorkerDied
+from trainer.async_ckpt import (
+    WARMUP_STEP,
+    AsyncCheckpointer,
+    CheckpointStorageError,
+    CheckpointWorkerDied,
+)
 
 
 @pytest.fixture(scope="module")
@@ -554,3 +559,17 @@ def test_gpu_check_summary_of_partial_results(tmp_path: Path):
     assert s["part_rc"] == {"env": "0", "ckpt": "124", "drills": None}
     assert s["ckpt"] is None and s["ok"] == {"ckpt_bitwise": False, "drills_bitwise_and_rc0": False}
     assert json.loads((tmp_path / "summary.json").read_text()) == s
+
+
+def test_failed_write_fails_that_save_only(saver: AsyncCheckpointer, tmp_path: Path):
+    """An OSError in the writer (ENOSPC in production; here the shard's name is taken by a
+    directory) comes back as a CheckpointStorageError naming the step and directory, and the
+    next save works."""
+    doomed = tmp_path / "doomed"
+    (doomed / "__0_0.distcp").mkdir(parents=True)
+    saver.save(_state(5), doomed, step=5)
+    with pytest.raises(CheckpointStorageError, match="1 rank.s. failed to write") as err:
+        saver.wait()
+    assert err.value.step == 5 and err.value.directory == doomed
+    saver.save(_state(6), tmp_path / "ok", step=6)
+    assert saver.wait() is not None

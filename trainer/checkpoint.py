@@ -133,7 +133,9 @@ class CheckpointManager:
         root = self.cfg.run_root
         ckdir = manifest.checkpoints_dir(root)
         archived = None
-        if ckdir.is_dir() and any(ckdir.iterdir()):
+        # Only if it holds steps: the writer's warm-up alone is no checkpoint (if the move
+        # catches the warm-up mid-write, that failure is only logged).
+        if ckdir.is_dir() and any(manifest.step_of(p) is not None for p in ckdir.iterdir()):
             archived = ckdir.with_name(f"checkpoints.before-fresh-{int(time.time())}")
             shutil.move(str(ckdir), archived)
         self.events.emit("resume", action="fresh", archived=archived and str(archived))
@@ -167,6 +169,9 @@ class CheckpointManager:
         try:
             result = self.saver.poll(block=block)
         except CheckpointStorageError as e:
+            if e.step == WARMUP_STEP:  # not a checkpoint; a real save reports a real problem
+                log.warning("the writer's warm-up write failed: %s", e)
+                return None
             raise self._storage_failure(e.step, e.directory, e) from e
         if result is not None:
             self._commit(result)
@@ -230,9 +235,8 @@ class CheckpointManager:
         last commit stays valid and the next run resumes from it."""
         ckdir = manifest.checkpoints_dir(self.cfg.run_root)
         disk = _disk(ckdir)
-        what = "the writer's warm-up write" if step == WARMUP_STEP else f"the save of step {step}"
         message = (
-            f"{what} failed: {error}. Disk: {disk['mount']} (holding {ckdir}; "
+            f"the save of step {step} failed: {error}. Disk: {disk['mount']} (holding {ckdir}; "
             f"{disk['free_bytes']} bytes free). The partial save was discarded; the last "
             f"committed checkpoint (step {manifest.read_latest(self.cfg.run_root)}) is intact. "
             f"Free space on {disk['mount']} (or fix the storage), then run again to resume."
