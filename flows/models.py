@@ -53,10 +53,10 @@ class ExportLocation(BaseModel):
 LOCAL_S3_ENDPOINT = "http://127.0.0.1:8333"
 
 # Which image runs, as which ServiceAccount, in which namespace is the deployment's decision, not
-# the run form's: the EKS work pool's job variables set these in the flow-run pod's environment
-# (deploy/eks/prefect.yaml), comma-separated, and a backend=eks run naming anything else is
-# refused before anything launches. Unset (the CLI, tests), only the field's default is allowed;
-# a backend=local run is never checked, so it never needs EKS values.
+# the run form's: the EKS work pool's base job template fixes these in the flow-run pod's
+# environment (deploy/eks/work-pool-template.json), comma-separated, and a backend=eks run
+# naming anything else is refused before anything launches. Unset (the CLI, tests), only the
+# field's default is allowed; a backend=local run is never checked, so it never needs EKS values.
 ALLOWED_ENV = {
     "image": "NVRX_ALLOWED_IMAGES",
     "service_account": "NVRX_ALLOWED_SERVICE_ACCOUNTS",

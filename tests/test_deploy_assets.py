@@ -521,6 +521,13 @@ def _render(node: Any, values: dict[str, Any]) -> Any:
     return node
 
 
+def _pool_allow_lists() -> dict[str, str]:
+    container = _template()["job_configuration"]["job_manifest"]["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    return {e["name"]: e["value"] for e in container["env"] if e["name"] in ALLOWED_ENV.values()}
+
+
 def test_work_pool_template_defaults_target_the_nvrx_namespace() -> None:
     template = _template()
     assert set(template) == {"job_configuration", "variables"}
@@ -565,6 +572,12 @@ def test_work_pool_job_manifest_renders_to_a_valid_job() -> None:
     _, groups = _node_groups()
     system_labels = groups["system"]["labels"]
     assert pod["nodeSelector"].items() <= system_labels.items()
+    # the allow-lists are fixed in the template: prefect-kubernetes puts the job variables'
+    # env *before* a hard-coded list (KubernetesWorkerJobConfiguration._populate_env_in_manifest)
+    # and the kubelet takes the last definition of a name, so a run cannot widen them
+    run_env = [{"name": n, "value": "attacker/image:1"} for n in ALLOWED_ENV.values()]
+    effective = {e["name"]: e["value"] for e in [*run_env, *container["env"]]}
+    assert effective == _pool_allow_lists()
     # the flow-run pods run as the image's user too, restricted (they do call the API)
     assert restricted_violations(pod, api_token=True) == []
     assert pod["securityContext"] == security.pod_security_context()
@@ -601,9 +614,10 @@ def test_eks_prefect_yaml_deploys_valid_eks_runs_to_the_pool(monkeypatch) -> Non
         assert f"def {func}(" in (REPO / path).read_text()
         assert dep["work_pool"]["name"] == "nvrx-eks"
         variables = dep["work_pool"]["job_variables"]
-        # the flow-run pod's environment allows exactly the deployment's image, ServiceAccount
-        # and namespace; the deployment's parameters validate under it
-        env = variables["env"]
+        # the pool's flow-run pods allow exactly the deployment's image, ServiceAccount and
+        # namespace (fixed in the template, not a job variable); its parameters validate there
+        assert "env" not in variables
+        env = _pool_allow_lists()
         assert set(env) == set(ALLOWED_ENV.values())
         for name, value in env.items():
             monkeypatch.setenv(name, value)
