@@ -19,8 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -168,6 +170,10 @@ def params_from_args(
     return None
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.context import RunContext
     from flows.models import PipelineResult
@@ -180,6 +186,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.pipeline import training_pipeline
 
     status = 0
+    started = time.time()
+    # SIGTERM (a scheduler, `kill`, Prefect cancelling the process) unwinds like Ctrl-C, so the
+    # run ends what it started and gives its lease back (DESIGN §8); SIGKILL is what the next
+    # invocation's takeover is for.
+    signal.signal(signal.SIGTERM, _interrupt)
     with _LiveProgress(ctx.run_root, params.steps, sys.stderr.isatty()):
         state = training_pipeline(params, return_state=True)
     if state.is_completed():
@@ -187,7 +198,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         status = EXIT_FAILED
         saved = ctx.run_root / "pipeline_result.json"
-        if saved.exists():
+        # Only this invocation's: a refused second invocation must not report the owner's.
+        if saved.exists() and saved.stat().st_mtime >= started:
             result = PipelineResult.model_validate_json(saved.read_text())
         else:
             result = PipelineResult(

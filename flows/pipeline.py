@@ -32,8 +32,9 @@ from flows.stages import (
     validate_flow,
 )
 from tasks import run_summary
+from tasks.ownership import lease, takeover
 from tasks.storage.local_s3 import local_s3
-from trainer.events import read_events
+from trainer.events import EventLog, read_events
 from trainer.timeline import plot_timeline
 
 T = TypeVar("T")
@@ -94,6 +95,44 @@ def training_pipeline(params: PipelineParams) -> PipelineResult:
     log = get_run_logger()
     ctx = RunContext.create(params)
     log.info("run %s: run root %s", ctx.run_id, ctx.run_root)
+    # Before anything else: one writer per run directory (DESIGN §8). A second invocation of a
+    # live run stops here with RunBusy naming the owner, having written nothing.
+    with lease.hold(ctx.run_root, ctx.run_id) as held:
+        if held.takeover is not None:
+            _take_over(held, ctx)
+        return _run(params, ctx, held)
+
+
+def _take_over(held: lease.RunLease, ctx: RunContext) -> None:
+    """The previous owner died: adopt what it left running when healthy, end it otherwise."""
+    log = get_run_logger()
+    previous = held.takeover
+    assert previous is not None
+    plan = takeover.decide(takeover.gather(previous, ctx.run_root))
+    ended = takeover.carry_out(plan, previous, ctx.run_root)
+    EventLog(ctx.run_root).emit(
+        "takeover",
+        previous=previous.owner.describe(),
+        action=plan.action.value,
+        reason=plan.reason,
+        attempt=plan.attempt,
+        ended_pids=ended,
+        steps_lost=plan.steps_lost,
+    )
+    log.warning(
+        "took over run %s from %s (gone): %s, %s%s",
+        ctx.run_id,
+        previous.owner.describe(),
+        plan.action.value,
+        plan.reason,
+        f"; {plan.steps_lost} step(s) since the last commit are lost" if plan.steps_lost else "",
+    )
+    if plan.action == takeover.Action.ADOPT:
+        held.adoptable = plan
+
+
+def _run(params: PipelineParams, ctx: RunContext, held: lease.RunLease) -> PipelineResult:
+    log = get_run_logger()
     t0 = time.monotonic()
     since = time.time()
     durations: dict[str, float] = {}
@@ -119,10 +158,16 @@ def training_pipeline(params: PipelineParams) -> PipelineResult:
 
     try:
         # The embedded default starts its own S3 server; a cluster uses the one it is given.
-        with local_s3(ctx.s3 if params.backend == "local" else None, ctx.state_dir) as server:
+        with local_s3(
+            ctx.s3 if params.backend == "local" else None,
+            ctx.state_dir,
+            user=held.owner.invocation,
+        ) as server:
             if server is not None:
+                held.record({"kind": "s3", "endpoint": server.endpoint, "pid": server.pid})
                 log.info(
-                    "started local S3 server at %s (data in %s)",
+                    "%s local S3 server at %s (data in %s)",
+                    "started the" if server.started_here else "using this state directory's",
                     ctx.s3.endpoint_url,
                     server.data_dir,
                 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, cast
 from uuid import UUID
@@ -33,6 +34,7 @@ from tasks.classify import EndKind
 from tasks.errors import PreflightFailed
 from tasks.export import ExportOptions, ExportReport, export_checkpoint
 from tasks.hydrate import HydrateReport, hydrate_dataset, hydrate_weights, upload_dataset
+from tasks.ownership import lease
 from tasks.preflight.checks import S3_CHECKS, Requirements, Snapshot, failures, run_checks
 from tasks.preflight.eks import gather_eks, run_eks_checks
 from tasks.preflight.local import gather_local, gather_s3
@@ -274,26 +276,39 @@ def train_flow(params: PipelineParams, ctx: RunContext, attempt: int) -> dict[st
     if params.backend == "eks":
         return _finish_attempt(_eks_attempt(params, ctx, attempt))
     cfg = local_train_config(params, ctx)
-    backend = LocalBackend()
-    log.info(
-        "train attempt %d: %d node(s) x %d worker(s), %d steps, backend %s",
-        attempt,
-        params.nodes,
-        params.nproc_per_node,
-        params.steps,
-        backend.name,
+    held = lease.held(ctx.run_root)
+    backend = LocalBackend(recorder=held)
+    request = LaunchRequest(
+        run_id=ctx.run_id,
+        attempt=attempt,
+        cfg=cfg,
+        nodes=params.nodes,
+        nproc_per_node=params.nproc_per_node,
+        invocation=held.owner.invocation if held is not None else "unowned",
     )
+    adopted = None
+    if held is not None and held.adoptable is not None and held.takeover is not None:
+        # The dead owner's attempt is still training, healthy: watch it, do not start another.
+        plan, held.adoptable = held.adoptable, None
+        request = dataclasses.replace(request, attempt=plan.attempt)
+        previous = held.takeover.owner.invocation
+        adopted = backend.adopt(request, list(plan.nodes), invocation=previous)
+        log.info("train attempt %d: adopted from the previous owner: %s", plan.attempt, plan.reason)
+    else:
+        log.info(
+            "train attempt %d: %d node(s) x %d worker(s), %d steps, backend %s",
+            attempt,
+            params.nodes,
+            params.nproc_per_node,
+            params.steps,
+            backend.name,
+        )
     report = run_attempt(
         backend,
-        LaunchRequest(
-            run_id=ctx.run_id,
-            attempt=attempt,
-            cfg=cfg,
-            nodes=params.nodes,
-            nproc_per_node=params.nproc_per_node,
-        ),
+        request,
         deadline_s=params.train_timeout_s,
-        on_event=_Progress(params.steps, attempt, ctx.run_id),
+        on_event=_Progress(params.steps, request.attempt, ctx.run_id),
+        adopted=adopted,
     )
     return _finish_attempt(report)
 
@@ -326,6 +341,9 @@ def validate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
         config_hash=cfg.fingerprint(),
         world_size=params.world_size,
         data_dir=ctx.data_dir,
+        # This run's workload, never the one a manifest names: a forged manifest must not
+        # choose which code validation imports.
+        workload=cfg.workload_record(),
     )
     outcome = validate_latest(ctx.run_root, exp)  # raises ValidationFailed when none is valid
     log = get_run_logger()

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.backends.base import Backend, LaunchRequest
+from tasks.backends.base import Backend, Job, LaunchRequest
 from tasks.classify import EndSnapshot, Outcome, classify
-from trainer.events import EventLog
+from trainer.events import EventLog, read_events
 from trainer.faults import FaultSpec, claim, parse_fault
 
 # After the watcher takes a node away, survivors first fail their collectives and then wait in
@@ -58,6 +58,11 @@ class AttemptReport:
     events: list[dict[str, Any]]
 
 
+def _since_last_attempt_start(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    starts = [i for i, e in enumerate(events) if e["kind"] == "stage_attempt"]
+    return events[starts[-1] + 1 :] if starts else []
+
+
 def node_loss_faults(specs: list[str] | tuple[str, ...]) -> list[FaultSpec]:
     return [f for f in map(parse_fault, specs) if f.kind == "node-loss"]
 
@@ -69,25 +74,42 @@ def run_attempt(
     deadline_s: float,
     on_event: Callable[[dict[str, Any]], None] = lambda e: None,
     poll_s: float = 0.2,
+    adopted: Job | None = None,
 ) -> AttemptReport:
+    """Launch an attempt and watch it to its end, or, given ``adopted`` (an attempt a dead
+    invocation launched, DESIGN §8), only watch it: no restart, its result stands."""
     cfg = request.cfg
     run_root = cfg.run_root
     run_root.mkdir(parents=True, exist_ok=True)
-    (run_root / "result.json").unlink(missing_ok=True)  # only this attempt's result counts
     events = EventLog(run_root)
     tail = EventTail(events.path)
     drills = node_loss_faults(cfg.faults)
-    events.emit(
-        "stage_attempt",
-        stage="train",
-        attempt=request.attempt,
-        nodes=request.nodes,
-        nproc_per_node=request.nproc_per_node,
-        backend=backend.name,
-    )
-    started = time.monotonic()
-    job = backend.launch(request)
     seen: list[dict[str, Any]] = []
+    started = time.monotonic()
+    if adopted is None:
+        (run_root / "result.json").unlink(missing_ok=True)  # only this attempt's result counts
+        events.emit(
+            "stage_attempt",
+            stage="train",
+            attempt=request.attempt,
+            nodes=request.nodes,
+            nproc_per_node=request.nproc_per_node,
+            backend=backend.name,
+        )
+        job: Job = backend.launch(request)
+    else:
+        job = adopted
+        # What the attempt said before we came: a fatal error there decides its outcome too.
+        seen = _since_last_attempt_start(read_events(run_root))
+        events.emit(
+            "stage_attempt",
+            stage="train",
+            attempt=request.attempt,
+            nodes=request.nodes,
+            nproc_per_node=request.nproc_per_node,
+            backend=backend.name,
+            adopted=True,
+        )
     timed_out = False
     loss_at: float | None = None
     try:

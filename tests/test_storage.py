@@ -80,10 +80,13 @@ def test_local_server_started_on_demand_and_stopped(tmp_path: Path):
         port = free_port()
     settings = S3Settings(endpoint_url=f"http://127.0.0.1:{port}")
     assert not endpoint_is_up(settings.endpoint_url)
-    with local_s3(settings, tmp_path) as server:
-        assert server is not None and endpoint_is_up(settings.endpoint_url)
+    with local_s3(settings, tmp_path, user="outer") as server:
+        assert server is not None and server.started_here
+        assert endpoint_is_up(settings.endpoint_url)
         boto3_client(settings).create_bucket(Bucket="on-demand")
-        with local_s3(settings, tmp_path) as again:
-            assert again is None  # already up: not ours to start or stop
+        with local_s3(settings, tmp_path, user="inner") as again:
+            # Already up and identified as this state directory's: shared, not restarted.
+            assert again is not None and not again.started_here and again.pid == server.pid
+        assert endpoint_is_up(settings.endpoint_url)  # the outer user still holds it
     assert not endpoint_is_up(settings.endpoint_url)
     assert (tmp_path / "s3").is_dir()  # data under the state directory

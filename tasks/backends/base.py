@@ -15,6 +15,8 @@ class LaunchRequest:
     cfg: TrainConfig
     nodes: int
     nproc_per_node: int
+    # The invocation launching it (its lease, DESIGN §8): every process started carries it.
+    invocation: str = "unowned"
 
 
 @dataclass

@@ -15,10 +15,13 @@ import socket
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import psutil
 
 from tasks.backends.base import JobStatus, LaunchRequest
+from tasks.ownership import processes
+from tasks.ownership.lease import process_is
 from trainer.config import config_file, save_config
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
 
@@ -44,39 +47,132 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
+# Each simulated node runs under a tiny shell that writes the agent's exit code to a file: an
+# invocation that adopts the node after its first owner died is not its parent and could not
+# learn the exit code otherwise.
+_EXIT_WRAPPER = (
+    'rc=0; "$@" || rc=$?; printf "%s\\n" "$rc" > "$NVRX_EXIT_FILE.tmp" && '
+    'mv -f "$NVRX_EXIT_FILE.tmp" "$NVRX_EXIT_FILE"; exit "$rc"'
+)
+
+
+class Recorder(Protocol):
+    """Where the backend notes what it starts (the run's lease, DESIGN §8)."""
+
+    def record(self, resource: dict[str, Any]) -> None: ...
+
+    def forget(self, match: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class NodeProcess:
+    """One simulated node: its session leader, found again by pid and start time."""
+
+    node: int
+    pid: int
+    create_time: float
+    exit_file: Path
+    popen: subprocess.Popen[bytes] | None = None  # None: adopted from a dead owner
+
+    def poll(self) -> int | None:
+        if self.popen is not None:
+            code = self.popen.poll()
+        elif process_is(self.pid, self.create_time):
+            return None
+        else:
+            try:
+                code = int(self.exit_file.read_text().strip())
+            except (OSError, ValueError):
+                return -int(signal.SIGKILL)  # gone without a word: killed
+        # The shell reports an agent killed by signal N as 128 + N; say it as Popen would.
+        return -(code - 128) if code is not None and code > 128 else code
+
+    def wait(self) -> None:
+        if self.popen is not None:
+            self.popen.wait()
+            return
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(self.pid).wait(timeout=30)
+
+    def record(self, attempt: int) -> dict[str, Any]:
+        return {
+            "kind": "node",
+            "attempt": attempt,
+            "node": self.node,
+            "pid": self.pid,
+            "create_time": self.create_time,
+            "exit_file": str(self.exit_file),
+        }
+
+    @classmethod
+    def from_record(cls, r: dict[str, Any]) -> NodeProcess:
+        return cls(int(r["node"]), int(r["pid"]), float(r["create_time"]), Path(r["exit_file"]))
+
+
 @dataclass
 class LocalJob:
     request: LaunchRequest
-    agents: dict[int, subprocess.Popen[bytes]]
+    nodes: dict[int, NodeProcess]
     logs: dict[int, Path]
     lost: set[int] = field(default_factory=set)
     stopped: set[int] = field(default_factory=set)
+    invocation: str = ""  # the tag its processes carry (the dead owner's, when adopted)
+    recorder: Recorder | None = None
+    adopted: bool = False
 
     def status(self) -> JobStatus:
-        codes = {n: p.poll() for n, p in self.agents.items()}
+        codes = {n: p.poll() for n, p in self.nodes.items()}
         return JobStatus(
             exit_codes=codes, lost_nodes=set(self.lost), stopped_nodes=set(self.stopped)
         )
 
     def lose_node(self, node: int) -> None:
-        if node not in self.agents:
+        if node not in self.nodes:
             raise ValueError(
-                f"node-loss fault names node {node}, the job has nodes 0..{len(self.agents) - 1}"
+                f"node-loss fault names node {node}, the job has nodes 0..{len(self.nodes) - 1}"
             )
         self.lost.add(node)
-        kill_tree(self.agents[node].pid)
-        self.agents[node].wait()
+        kill_tree(self.nodes[node].pid)
+        self.nodes[node].wait()
 
     def stop(self) -> None:
-        for node, proc in self.agents.items():
+        for node, proc in self.nodes.items():
             if proc.poll() is None:
                 self.stopped.add(node)
                 kill_tree(proc.pid)
             proc.wait()
+        # Whatever escaped its node's tree (a worker whose agent died first) goes too.
+        processes.end(
+            [
+                t.process
+                for t in processes.tagged(self.request.cfg.run_root)
+                if t.invocation == self.invocation
+            ]
+        )
+        if self.recorder is not None:
+            self.recorder.forget({"kind": "node", "attempt": self.request.attempt})
 
 
 class LocalBackend:
     name = "local"
+
+    def __init__(self, recorder: Recorder | None = None) -> None:
+        self.recorder = recorder
+
+    def adopt(
+        self, request: LaunchRequest, records: list[dict[str, Any]], *, invocation: str
+    ) -> LocalJob:
+        """The nodes invocation ``invocation`` (now dead) started for ``request.attempt``,
+        watched from here on."""
+        nodes = {int(r["node"]): NodeProcess.from_record(r) for r in records}
+        log_dir = request.cfg.run_root / "logs"
+        logs = {n: log_dir / f"attempt{request.attempt}-node{n}.log" for n in nodes}
+        if self.recorder is not None:
+            for n in nodes.values():
+                self.recorder.record(n.record(request.attempt))
+        return LocalJob(
+            request, nodes, logs, invocation=invocation, recorder=self.recorder, adopted=True
+        )
 
     def launch(self, request: LaunchRequest) -> LocalJob:
         cfg = request.cfg
@@ -95,19 +191,28 @@ class LocalBackend:
         env["NVRX_CPU_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
+        env.update(processes.tags(cfg.run_root, request.invocation))
         log_dir = cfg.run_root / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        agents: dict[int, subprocess.Popen[bytes]] = {}
+        nodes: dict[int, NodeProcess] = {}
         logs: dict[int, Path] = {}
         for node in range(request.nodes):
             logs[node] = log_dir / f"attempt{request.attempt}-node{node}.log"
+            exit_file = log_dir / f"attempt{request.attempt}-node{node}.exit"
+            exit_file.unlink(missing_ok=True)
             with open(logs[node], "wb") as log:
-                agents[node] = subprocess.Popen(
-                    argv,
+                popen = subprocess.Popen(
+                    ["/bin/sh", "-c", _EXIT_WRAPPER, f"nvrx-node{node}", *argv],
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env=env,
+                    env={**env, "NVRX_EXIT_FILE": str(exit_file)},
                     cwd=_REPO,
                     start_new_session=True,  # one "node" = one session we can take down whole
                 )
-        return LocalJob(request, agents, logs)
+            proc = NodeProcess(
+                node, popen.pid, psutil.Process(popen.pid).create_time(), exit_file, popen
+            )
+            nodes[node] = proc
+            if self.recorder is not None:
+                self.recorder.record(proc.record(request.attempt))
+        return LocalJob(request, nodes, logs, invocation=request.invocation, recorder=self.recorder)

@@ -4,11 +4,21 @@ with its data under the state directory, and stopped cleanly by whoever started 
 
 All of its ports derive from the S3 port (master +1, volume +2, filer +3; gRPC +10000 each), so
 two servers on different S3 ports do not collide. Telemetry, the admin UI and WebDAV are off.
+
+Ownership (DESIGN §8): the server belongs to its state directory. ``<state>/s3/server.json``
+records it (pid, start time, port, data directory) and ``<state>/s3/users/`` holds one entry per
+invocation using it, so concurrent runs of one state directory share it and the last one out
+stops it; a user whose process died is dropped, so a killed orchestrator never keeps it alive
+for ever, nor does its death stop a server others still use. Before use the server listening on
+the port is identified as the recorded one; on the embedded default's port something else
+listening (a "squatter") is refused rather than trusted with the run's data.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
 import shutil
 import signal
@@ -21,8 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+import psutil
+
 from tasks.errors import StorageError
+from tasks.ownership.lease import process_is
 from tasks.storage.s3 import LOCAL_HOSTS, S3Settings, boto3_client
+
+# The embedded default's endpoint (PipelineParams.s3_endpoint's default): whatever listens there
+# must be this state directory's own server.
+EMBEDDED_ENDPOINT = "http://127.0.0.1:8333"
 
 
 def weed_binary() -> str:
@@ -86,7 +103,13 @@ class LocalS3Server:
             cwd=self.data_dir,
         )
         log.close()
-        (self.data_dir / "weed.pid").write_text(f"{self.process.pid}\n")
+        record = {
+            "pid": self.process.pid,
+            "create_time": psutil.Process(self.process.pid).create_time(),
+            "port": self.port,
+            "data_dir": str(self.data_dir),
+        }
+        _write_json(self.data_dir / SERVER_RECORD, record)
         self._wait_ready(timeout, credentials)
 
     def _wait_ready(self, timeout: float, credentials: dict[str, str] | None) -> None:
@@ -122,28 +145,175 @@ class LocalS3Server:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        (self.data_dir / "weed.pid").unlink(missing_ok=True)
+        (self.data_dir / SERVER_RECORD).unlink(missing_ok=True)
         self.process = None
 
 
-def ensure_local_s3(settings: S3Settings, state_dir: Path) -> LocalS3Server | None:
-    """Start SeaweedFS if the endpoint is local and nothing listens there; the caller stops the
-    returned server. None: not local, or already up (someone else's to stop)."""
-    if settings.endpoint_url is None or urlparse(settings.endpoint_url).hostname not in LOCAL_HOSTS:
+SERVER_RECORD = "server.json"
+USERS_DIR = "users"
+
+
+def _write_json(path: Path, data: dict[str, object]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict[str, object] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
-    if endpoint_is_up(settings.endpoint_url):
+    return data if isinstance(data, dict) else None
+
+
+def recorded_server(data_dir: Path, port: int) -> psutil.Process | None:
+    """The live process of this data directory's recorded server, if it is the one listening on
+    ``port``: same pid and start time, a ``weed`` serving this directory, bound to the port."""
+    rec = _read_json(Path(data_dir) / SERVER_RECORD)
+    if rec is None:
         return None
-    server = LocalS3Server(settings.endpoint_url, Path(state_dir) / "s3")
-    server.start()
-    return server
+    try:
+        pid, created = int(str(rec["pid"])), float(str(rec["create_time"]))
+        if int(str(rec["port"])) != port or not process_is(pid, created):
+            return None
+        proc = psutil.Process(pid)
+        cmd = proc.cmdline()
+        if f"-dir={data_dir}" not in cmd or f"-s3.port={port}" not in cmd:
+            return None
+        listening = {c.laddr.port for c in proc.net_connections(kind="tcp") if c.status == "LISTEN"}
+    except (KeyError, ValueError, psutil.Error):
+        return None
+    return proc if port in listening else None
+
+
+def _stop_recorded(data_dir: Path, proc: psutil.Process) -> None:
+    """Stop a recorded server this process did not start (its starter died)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except psutil.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(psutil.Error):
+            proc.wait(timeout=15)
+    except psutil.NoSuchProcess:
+        pass
+    (Path(data_dir) / SERVER_RECORD).unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
-def local_s3(settings: S3Settings | None, state_dir: Path) -> Iterator[LocalS3Server | None]:
+def _state_lock(data_dir: Path) -> Iterator[None]:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _live_users(data_dir: Path) -> list[Path]:
+    """User entries whose process still lives; the others (killed orchestrators) are dropped."""
+    users = data_dir / USERS_DIR
+    alive = []
+    for entry in sorted(users.glob("*.json")) if users.is_dir() else []:
+        rec = _read_json(entry) or {}
+        try:
+            ok = process_is(int(str(rec["pid"])), float(str(rec["create_time"])))
+        except (KeyError, ValueError):
+            ok = False
+        if ok:
+            alive.append(entry)
+        else:
+            entry.unlink(missing_ok=True)
+    return alive
+
+
+@dataclass
+class SharedServer:
+    """This invocation's use of its state directory's server (started now or before)."""
+
+    endpoint: str
+    data_dir: Path
+    user: Path
+    started_here: bool
+    server: LocalS3Server | None = None  # set when this invocation started it
+
+    @property
+    def pid(self) -> int | None:
+        proc = recorded_server(self.data_dir, urlparse(self.endpoint).port or 8333)
+        return None if proc is None else proc.pid
+
+    def release(self) -> None:
+        """Drop this user; the last live user out stops the server."""
+        with _state_lock(self.data_dir):
+            self.user.unlink(missing_ok=True)
+            if _live_users(self.data_dir):
+                return
+            if self.server is not None and self.server.process is not None:
+                self.server.stop()
+                return
+            proc = recorded_server(self.data_dir, urlparse(self.endpoint).port or 8333)
+            if proc is not None:
+                _stop_recorded(self.data_dir, proc)
+
+
+def ensure_local_s3(
+    settings: S3Settings, state_dir: Path, *, user: str = ""
+) -> SharedServer | None:
+    """Use this state directory's S3 server at a local endpoint, starting it when nothing listens
+    there; the caller releases the returned handle. None: not local, or a server of the user's
+    own at an endpoint they chose (theirs to run)."""
+    endpoint = settings.endpoint_url
+    if endpoint is None or urlparse(endpoint).hostname not in LOCAL_HOSTS:
+        return None
+    data_dir = Path(state_dir) / "s3"
+    port = urlparse(endpoint).port or 8333
+    with _state_lock(data_dir):
+        started: LocalS3Server | None = None
+        if endpoint_is_up(endpoint):
+            if recorded_server(data_dir, port) is None:
+                if endpoint.rstrip("/") == EMBEDDED_ENDPOINT:
+                    raise StorageError(_squatter_message(endpoint, port, data_dir))
+                return None
+        else:
+            started = LocalS3Server(endpoint, data_dir)
+            started.start()
+        users = data_dir / USERS_DIR
+        users.mkdir(exist_ok=True)
+        me = psutil.Process()
+        entry = users / f"{user or 'anon'}-{me.pid}.json"
+        _write_json(entry, {"pid": me.pid, "create_time": me.create_time(), "user": user})
+    return SharedServer(endpoint, data_dir, entry, started is not None, started)
+
+
+def _squatter_message(endpoint: str, port: int, data_dir: Path) -> str:
+    who = "another process"
+    with contextlib.suppress(psutil.Error):
+        for c in psutil.net_connections(kind="tcp"):
+            if c.status == "LISTEN" and c.laddr.port == port and c.pid:
+                p = psutil.Process(c.pid)
+                who = f"pid {c.pid} ({' '.join(p.cmdline())[:120]})"
+                break
+    return (
+        f"s3_endpoint {endpoint}: {who} listens on port {port}, and it is not this state "
+        f"directory's S3 server (no live record in {data_dir / SERVER_RECORD}). Refusing to send "
+        "the run's data to it: stop it, or set s3_endpoint to a free port (or to that server, if "
+        "it is yours)"
+    )
+
+
+@contextlib.contextmanager
+def local_s3(
+    settings: S3Settings | None, state_dir: Path, *, user: str = ""
+) -> Iterator[SharedServer | None]:
     """``settings`` None: never start one (a cluster run uses the endpoint it is given)."""
-    server = None if settings is None else ensure_local_s3(settings, state_dir)
+    server = None if settings is None else ensure_local_s3(settings, state_dir, user=user)
     try:
         yield server
     finally:
         if server is not None:
-            server.stop()
+            server.release()

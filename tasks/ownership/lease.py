@@ -1,0 +1,276 @@
+"""One writer per run directory (DESIGN §8): the lease.
+
+``<run_root>/owner.lease`` names the invocation that may write the run: its pid, host, the
+process's start time (a reused pid is not the same owner), when it started and a heartbeat, and
+every process it started that outlives a step (simulated nodes, the S3 server it started).
+Two mechanisms guard it, because the run directory may sit on a filesystem where one of them is
+weak:
+
+- an exclusive ``flock`` on ``<run_root>/.owner.lock``, held for the whole invocation: the kernel
+  drops it when the owner dies, however it dies (Lustre mounted with ``flock`` makes it
+  cluster-wide);
+- the lease file itself, created with ``O_EXCL`` and refreshed by a heartbeat thread: where the
+  lock is only node-local, a live owner on another host shows by its fresh heartbeat.
+
+A lease whose owner is gone (same host: the pid is dead or is another process; another host: the
+heartbeat is older than ``stale_after_s``) is taken over, and the new owner gets the dead one's
+records (:attr:`RunLease.takeover`) to adopt or end what it left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tasks.errors import PipelineError
+
+LEASE_FILE = "owner.lease"
+LOCK_FILE = ".owner.lock"
+HEARTBEAT_S = 5.0
+STALE_AFTER_S = 60.0
+
+
+class RunBusy(PipelineError):
+    """Another live invocation holds this run's lease."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    invocation: str  # unique per invocation; tags every process it starts
+    pid: int
+    host: str
+    create_time: float  # the process's start time: a recycled pid is a different owner
+    started_at: float
+
+    @classmethod
+    def me(cls) -> Owner:
+        return cls(
+            invocation=uuid.uuid4().hex[:16],
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            create_time=psutil.Process().create_time(),
+            started_at=time.time(),
+        )
+
+    def describe(self) -> str:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(self.started_at))
+        return f"pid {self.pid} on {self.host} (invocation {self.invocation}, since {started} UTC)"
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """What the lease file says, parsed once (the file is untrusted: a bad one is stale)."""
+
+    run_id: str
+    owner: Owner
+    heartbeat_at: float
+    resources: tuple[dict[str, Any], ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "run_id": self.run_id,
+                "owner": self.owner.__dict__,
+                "heartbeat_at": self.heartbeat_at,
+                "resources": list(self.resources),
+            },
+            indent=1,
+            sort_keys=True,
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> LeaseRecord | None:
+        try:
+            d = json.loads(text)
+            o = d["owner"]
+            owner = Owner(
+                invocation=str(o["invocation"]),
+                pid=int(o["pid"]),
+                host=str(o["host"]),
+                create_time=float(o["create_time"]),
+                started_at=float(o["started_at"]),
+            )
+            resources = tuple(r for r in d.get("resources", []) if isinstance(r, dict))
+            return cls(str(d["run_id"]), owner, float(d["heartbeat_at"]), resources)
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def owner_alive(owner: Owner, *, heartbeat_at: float, now: float, stale_after_s: float) -> bool:
+    """Is the owner of a lease still there? Pure but for the process table of this host."""
+    if owner.host != socket.gethostname():
+        return now - heartbeat_at < stale_after_s
+    return process_is(owner.pid, owner.create_time)
+
+
+def process_is(pid: int, create_time: float) -> bool:
+    """Is ``pid`` alive and the very process that was recorded (not a recycled pid)?"""
+    try:
+        p = psutil.Process(pid)
+        return abs(p.create_time() - create_time) < 0.01 and p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+@dataclass
+class RunLease:
+    run_root: Path
+    run_id: str
+    owner: Owner = field(default_factory=Owner.me)
+    heartbeat_s: float = HEARTBEAT_S
+    # The dead owner's record when this invocation took the lease over.
+    takeover: LeaseRecord | None = None
+    # The dead owner's attempt, healthy and still running, for the train stage to watch
+    # (a tasks.ownership.takeover.Plan; taken once).
+    adoptable: Any = None
+    _resources: list[dict[str, Any]] = field(default_factory=list)
+    _lock_fd: int | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _mu: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def path(self) -> Path:
+        return self.run_root / LEASE_FILE
+
+    # -- taking and giving back ------------------------------------------------------------------
+    def acquire(self, *, wait_s: float = 0.0, stale_after_s: float = STALE_AFTER_S) -> None:
+        """Take the lease, waiting up to ``wait_s`` for a live owner to finish. Raises
+        :class:`RunBusy` naming the owner when it does not."""
+        self.run_root.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + wait_s
+        fd = os.open(self.run_root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    if self._create(stale_after_s):
+                        break
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                except BlockingIOError:
+                    pass
+                if time.monotonic() >= deadline:
+                    raise RunBusy(self._busy_message())
+                time.sleep(0.5)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+        self._thread = threading.Thread(target=self._beat, name="run-lease", daemon=True)
+        self._thread.start()
+
+    def _create(self, stale_after_s: float) -> bool:
+        """Under the lock: create the lease file exclusively, taking over a stale one."""
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                old = self.read()
+                if old is not None and owner_alive(
+                    old.owner,
+                    heartbeat_at=old.heartbeat_at,
+                    now=time.time(),
+                    stale_after_s=stale_after_s,
+                ):
+                    return False  # a live owner on a host our lock does not reach
+                self.takeover = old
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(self._record().to_json())
+                f.flush()
+                os.fsync(f.fileno())
+            return True
+        return False
+
+    def release(self) -> None:
+        """Give the lease back (idempotent). Only the owner's own file is removed."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._lock_fd is None:
+            return
+        current = self.read()
+        if current is not None and current.owner.invocation == self.owner.invocation:
+            self.path.unlink(missing_ok=True)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+    # -- records -----------------------------------------------------------------------------------
+    def record(self, resource: dict[str, Any]) -> None:
+        """Note a process (or other resource) this invocation started, before it can outlive
+        us: a takeover then finds it."""
+        with self._mu:
+            self._resources.append(resource)
+            self._write()
+
+    def forget(self, match: dict[str, Any]) -> None:
+        with self._mu:
+            self._resources = [
+                r for r in self._resources if any(r.get(k) != v for k, v in match.items())
+            ]
+            self._write()
+
+    def read(self) -> LeaseRecord | None:
+        try:
+            return LeaseRecord.parse(self.path.read_text())
+        except OSError:
+            return None
+
+    def _record(self) -> LeaseRecord:
+        return LeaseRecord(self.run_id, self.owner, time.time(), tuple(self._resources))
+
+    def _write(self) -> None:
+        if self._lock_fd is None:
+            return
+        tmp = self.path.with_name(f".{LEASE_FILE}.{self.owner.invocation}.tmp")
+        tmp.write_text(self._record().to_json())
+        os.replace(tmp, self.path)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            with self._mu, contextlib.suppress(OSError):
+                self._write()
+
+    def _busy_message(self) -> str:
+        cur = self.read()
+        who = cur.owner.describe() if cur is not None else "another process (lease unreadable)"
+        return (
+            f"run {self.run_id!r} is being run by {who}; its run directory {self.run_root} has "
+            "exactly one writer. Wait for it to finish (or stop it), or use another run_id"
+        )
+
+
+_HELD: dict[Path, RunLease] = {}
+
+
+@contextlib.contextmanager
+def hold(run_root: Path, run_id: str, *, wait_s: float = 0.0) -> Iterator[RunLease]:
+    """Hold the run's lease for the block; the stages find it with :func:`held`."""
+    lease = RunLease(Path(run_root), run_id)
+    lease.acquire(wait_s=wait_s)
+    _HELD[lease.run_root] = lease
+    try:
+        yield lease
+    finally:
+        _HELD.pop(lease.run_root, None)
+        lease.release()
+
+
+def held(run_root: Path) -> RunLease | None:
+    """The lease this process holds on ``run_root`` (None outside a pipeline run, e.g. tests
+    that drive one stage)."""
+    return _HELD.get(Path(run_root))

@@ -1,0 +1,62 @@
+"""The processes a run starts, found again after their owner died.
+
+Every process the local backend starts carries two environment variables that all of its
+descendants inherit (ft_launcher agents, rank monitors, workers, checkpoint writers, even the ones
+ft_launcher starts in sessions of their own): ``NVRX_RUN_ROOT`` and ``NVRX_INVOCATION``. So "every
+process of this run" and "every process of that invocation" are questions the process table
+answers, with no chain of parents to trust.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+RUN_ROOT_ENV = "NVRX_RUN_ROOT"
+INVOCATION_ENV = "NVRX_INVOCATION"
+
+
+@dataclass(frozen=True)
+class Tagged:
+    pid: int
+    invocation: str
+    process: psutil.Process
+
+
+def tags(run_root: Path, invocation: str) -> dict[str, str]:
+    return {RUN_ROOT_ENV: str(Path(run_root)), INVOCATION_ENV: invocation}
+
+
+def tagged(run_root: Path) -> list[Tagged]:
+    """Live processes of this run (any invocation), by their environment."""
+    want = str(Path(run_root))
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            env = p.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+        if env.get(RUN_ROOT_ENV) == want:
+            out.append(Tagged(p.pid, env.get(INVOCATION_ENV, ""), p))
+    return out
+
+
+def end(procs: list[psutil.Process], timeout_s: float = 10.0) -> None:
+    """SIGKILL every one (they are already orphans or about to be: nothing to flush)."""
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(procs, timeout=timeout_s)
+
+
+def end_invocations(run_root: Path, *, keep: str | None = None) -> list[int]:
+    """End every process of this run not started by invocation ``keep``; their pids."""
+    victims = [t for t in tagged(run_root) if t.invocation != keep]
+    end([t.process for t in victims])
+    return [t.pid for t in victims]

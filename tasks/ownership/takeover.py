@@ -1,0 +1,119 @@
+"""What a new owner does with what a dead one left running: adopt it or end it.
+
+The decision is a pure function over a snapshot gathered once (the dead owner's records, which
+of its processes still live, the run's events); acting on it is separate and idempotent.
+An orchestrator crash should cost the training nothing: a healthy job is watched to its end from
+here, with no restart and no lost step. A job that is not healthy (a node gone, no progress for
+longer than the in-job layer takes to recover) is ended before anything new starts, so a run
+never trains beside itself.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tasks.ownership import processes
+from tasks.ownership.lease import LeaseRecord, process_is
+from trainer.events import read_events
+
+# Longer than the in-job layer takes to replace a worker (heartbeat timeout + restart) on the
+# embedded default, so a job in the middle of a restart still counts as healthy.
+HEALTHY_WITHIN_S = 90.0
+
+
+class Action(enum.StrEnum):
+    ADOPT = "adopt"  # watch the running attempt to its end
+    END = "end"  # kill what is left, then run as usual
+    NOTHING = "nothing"  # nothing of the dead owner still runs
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    previous: LeaseRecord
+    nodes: tuple[dict[str, Any], ...]  # node records of the newest attempt
+    alive: frozenset[int]  # which of those nodes' processes still run
+    strays: int  # other live processes tagged with the dead invocation
+    last_event_t: float | None
+    attempt_ended: bool  # the events already close that attempt
+    last_step: int | None
+    last_commit: int | None
+    now: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    action: Action
+    reason: str
+    attempt: int | None = None
+    nodes: tuple[dict[str, Any], ...] = ()
+    steps_lost: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def gather(previous: LeaseRecord, run_root: Path, *, now: float | None = None) -> Snapshot:
+    node_records = [r for r in previous.resources if r.get("kind") == "node"]
+    attempt = max((int(r.get("attempt", 0)) for r in node_records), default=None)
+    nodes = tuple(r for r in node_records if int(r.get("attempt", 0)) == attempt)
+    alive = frozenset(
+        int(r["node"])
+        for r in nodes
+        if process_is(int(r.get("pid", -1)), float(r.get("create_time", 0)))
+    )
+    strays = sum(1 for t in processes.tagged(run_root) if t.invocation == previous.owner.invocation)
+    events = read_events(run_root)
+    trainer_events = [e for e in events if e["kind"] in ("step", "checkpoint", "restart", "resume")]
+    steps = [int(e["step"]) for e in events if e["kind"] == "step"]
+    commits = [int(e["step"]) for e in events if e["kind"] == "checkpoint"]
+    ended = any(
+        e["kind"] == "stage_attempt_end" and e.get("attempt") == attempt
+        for e in events
+        if e["t"] >= previous.owner.started_at
+    )
+    return Snapshot(
+        previous=previous,
+        nodes=nodes,
+        alive=alive,
+        strays=strays,
+        last_event_t=trainer_events[-1]["t"] if trainer_events else None,
+        attempt_ended=ended,
+        last_step=steps[-1] if steps else None,
+        last_commit=commits[-1] if commits else None,
+        now=time.time() if now is None else now,
+    )
+
+
+def decide(s: Snapshot, *, healthy_within_s: float = HEALTHY_WITHIN_S) -> Plan:
+    attempt = int(s.nodes[0]["attempt"]) if s.nodes else None
+    lost = max(0, (s.last_step or 0) - (s.last_commit or 0))
+    wanted = {int(r["node"]) for r in s.nodes}
+    if not s.alive and not s.strays:
+        return Plan(Action.NOTHING, "nothing of the previous owner still runs", attempt)
+    if s.nodes and s.alive == wanted and not s.attempt_ended:
+        quiet = None if s.last_event_t is None else s.now - s.last_event_t
+        if quiet is not None and quiet <= healthy_within_s:
+            return Plan(
+                Action.ADOPT,
+                f"attempt {attempt}: all {len(wanted)} node(s) alive, last progress "
+                f"{quiet:.0f} s ago",
+                attempt,
+                s.nodes,
+            )
+        why = "no progress recorded" if quiet is None else f"no progress for {quiet:.0f} s"
+        return Plan(Action.END, f"attempt {attempt}: {why}", attempt, steps_lost=lost)
+    missing = sorted(wanted - s.alive)
+    why = f"node(s) {missing} gone" if missing else f"{s.strays} stray process(es)"
+    return Plan(Action.END, f"attempt {attempt}: {why}", attempt, steps_lost=lost)
+
+
+def carry_out(plan: Plan, previous: LeaseRecord, run_root: Path) -> list[int]:
+    """End what the plan says to end (every process tagged with the dead invocation). Adopted
+    processes are left alone. Returns the pids ended."""
+    if plan.action == Action.ADOPT:
+        return []
+    victims = [t for t in processes.tagged(run_root) if t.invocation == previous.owner.invocation]
+    processes.end([t.process for t in victims])
+    return [t.pid for t in victims]

@@ -1,0 +1,374 @@
+"""One writer per run, no orphans (DESIGN §8), against real processes: the lease, takeover
+decisions, the embedded S3 server's identity and reference count, two invocations of one run id,
+and an orchestrator SIGKILLed mid-train."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from flows.context import RunContext
+from flows.models import PipelineResult
+from tasks.backends.local import free_port, kill_tree
+from tasks.errors import StorageError
+from tasks.ownership import processes, takeover
+from tasks.ownership.lease import LeaseRecord, Owner, RunBusy, RunLease
+from tasks.storage.local_s3 import EMBEDDED_ENDPOINT, ensure_local_s3, recorded_server
+from tasks.storage.s3 import S3Settings
+from tests.pipeline_helpers import make_params
+from trainer.events import read_events
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- the lease ------------------------------------------------------------------------------------
+def test_second_lease_is_refused_naming_the_owner(tmp_path: Path):
+    first = RunLease(tmp_path, "r1")
+    first.acquire()
+    try:
+        with pytest.raises(RunBusy, match=f"pid {os.getpid()} on {socket.gethostname()}"):
+            RunLease(tmp_path, "r1").acquire()
+        assert json.loads((tmp_path / "owner.lease").read_text())["owner"]["pid"] == os.getpid()
+    finally:
+        first.release()
+    assert not (tmp_path / "owner.lease").exists()
+    again = RunLease(tmp_path, "r1")
+    again.acquire()
+    assert again.takeover is None  # a clean release leaves nothing to take over
+    again.release()
+
+
+def _dead_owner(host: str | None = None, heartbeat_at: float | None = None) -> LeaseRecord:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    created = psutil.Process(proc.pid).create_time()
+    proc.wait()
+    owner = Owner("deadbeef", proc.pid, host or socket.gethostname(), created, time.time() - 100)
+    return LeaseRecord("r1", owner, heartbeat_at or time.time(), ({"kind": "node", "pid": 1},))
+
+
+@dataclass(frozen=True)
+class Stale:
+    name: str
+    record: LeaseRecord
+    taken_over: bool
+
+
+STALE = [
+    Stale("dead-pid-same-host", _dead_owner(), True),
+    Stale("other-host-fresh-heartbeat", _dead_owner("elsewhere", time.time() + 3600), False),
+    Stale("other-host-old-heartbeat", _dead_owner("elsewhere", time.time() - 3600), True),
+]
+
+
+@pytest.mark.parametrize("sc", STALE, ids=[s.name for s in STALE])
+def test_stale_lease_is_taken_over_and_live_one_is_not(sc: Stale, tmp_path: Path):
+    (tmp_path / "owner.lease").write_text(sc.record.to_json())
+    mine = RunLease(tmp_path, "r1")
+    if not sc.taken_over:
+        with pytest.raises(RunBusy, match="elsewhere"):
+            mine.acquire()
+        return
+    mine.acquire()
+    try:
+        assert mine.takeover == sc.record  # the dead owner's records, to adopt or end
+        now = LeaseRecord.parse((tmp_path / "owner.lease").read_text())
+        assert now is not None and now.owner.invocation == mine.owner.invocation
+    finally:
+        mine.release()
+
+
+def test_records_and_heartbeat_reach_the_file(tmp_path: Path):
+    mine = RunLease(tmp_path, "r1", heartbeat_s=0.1)
+    mine.acquire()
+    try:
+        first = json.loads((tmp_path / "owner.lease").read_text())["heartbeat_at"]
+        mine.record({"kind": "node", "attempt": 1, "node": 0, "pid": 123})
+        time.sleep(0.4)
+        rec = LeaseRecord.parse((tmp_path / "owner.lease").read_text())
+        assert rec is not None and rec.heartbeat_at > first
+        assert rec.resources == ({"kind": "node", "attempt": 1, "node": 0, "pid": 123},)
+        mine.forget({"kind": "node", "attempt": 1})
+        rec = LeaseRecord.parse((tmp_path / "owner.lease").read_text())
+        assert rec is not None and rec.resources == ()
+    finally:
+        mine.release()
+
+
+# -- takeover decisions (pure) --------------------------------------------------------------------
+def _snap(**kw: object) -> takeover.Snapshot:
+    nodes = tuple({"kind": "node", "attempt": 2, "node": n, "pid": 10 + n} for n in range(2))
+    base: dict[str, object] = {
+        "previous": _dead_owner(),
+        "nodes": nodes,
+        "alive": frozenset({0, 1}),
+        "strays": 4,
+        "last_event_t": 1000.0,
+        "attempt_ended": False,
+        "last_step": 13,
+        "last_commit": 10,
+        "now": 1005.0,
+    }
+    return takeover.Snapshot(**{**base, **kw})  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Decision:
+    name: str
+    snap: dict[str, object]
+    action: takeover.Action
+    steps_lost: int
+
+
+DECISIONS = [
+    Decision("healthy", {}, takeover.Action.ADOPT, 0),
+    Decision("node-gone", {"alive": frozenset({0})}, takeover.Action.END, 3),
+    Decision("quiet-too-long", {"now": 1000.0 + 500}, takeover.Action.END, 3),
+    Decision("no-progress-ever", {"last_event_t": None}, takeover.Action.END, 3),
+    Decision("already-ended", {"attempt_ended": True}, takeover.Action.END, 3),
+    Decision("strays-only", {"alive": frozenset(), "strays": 2}, takeover.Action.END, 3),
+    Decision("all-gone", {"alive": frozenset(), "strays": 0}, takeover.Action.NOTHING, 0),
+]
+
+
+@pytest.mark.parametrize("d", DECISIONS, ids=[d.name for d in DECISIONS])
+def test_takeover_decision(d: Decision):
+    plan = takeover.decide(_snap(**d.snap))
+    assert plan.action == d.action, plan.reason
+    assert plan.steps_lost == d.steps_lost
+    assert plan.attempt == 2
+    assert (plan.nodes != ()) == (d.action == takeover.Action.ADOPT)
+
+
+# -- the embedded S3 server -----------------------------------------------------------------------
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_squatter_on_the_embedded_port_is_refused(tmp_path: Path):
+    port = int(EMBEDDED_ENDPOINT.rsplit(":", 1)[1])
+    if not _port_free(port):
+        pytest.skip(f"port {port} is in use on this machine")
+    squatter = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while _port_free(port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(StorageError, match=f"pid {squatter.pid}.*not this state directory"):
+            ensure_local_s3(S3Settings(endpoint_url=EMBEDDED_ENDPOINT), tmp_path, user="u")
+        assert not (tmp_path / "s3" / "users").exists() or not any(
+            (tmp_path / "s3" / "users").iterdir()
+        )
+    finally:
+        squatter.kill()
+        squatter.wait()
+
+
+_USER_SCRIPT = """
+import sys, time
+from pathlib import Path
+from tasks.storage.local_s3 import ensure_local_s3
+from tasks.storage.s3 import S3Settings
+ensure_local_s3(S3Settings(endpoint_url=sys.argv[1]), Path(sys.argv[2]), user="child")
+print("registered", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_server_is_shared_by_reference_and_a_dead_user_does_not_hold_it(tmp_path: Path):
+    port = free_port()
+    while port + 10003 > 65535:
+        port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    settings = S3Settings(endpoint_url=endpoint)
+    first = ensure_local_s3(settings, tmp_path, user="first")
+    assert first is not None and first.started_here
+    server = recorded_server(tmp_path / "s3", port)
+    assert server is not None
+    # A second user (a killed orchestrator, in the end) registers, then dies without a word.
+    child = subprocess.Popen(
+        [sys.executable, "-c", _USER_SCRIPT, endpoint, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == b"registered"
+    second = ensure_local_s3(settings, tmp_path, user="second")
+    assert second is not None and not second.started_here  # identified as ours, shared
+    first.release()
+    assert server.is_running()  # "second" still uses it
+    child.kill()
+    child.wait()
+    second.release()  # the last live user out stops it; the dead child does not hold it
+    assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
+    assert recorded_server(tmp_path / "s3", port) is None
+
+
+# -- whole invocations ----------------------------------------------------------------------------
+def _cli(params: dict[str, object], prefect_api: str, *extra: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "flows.cli", "run", "--json"]
+    for k, v in params.items():
+        argv += ["--set", f"{k}={v}"]
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": prefect_api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PYTHONPATH": str(REPO),
+    }
+    return subprocess.Popen(
+        [*argv, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def _result(stdout: str) -> PipelineResult:
+    return PipelineResult.model_validate_json(stdout.strip().splitlines()[-1])
+
+
+def _cli_params(state: Path, s3: S3Settings, run_id: str, **kw: object) -> dict[str, object]:
+    params = make_params(state, s3, run_id=run_id, **kw)
+    return {
+        "state_dir": params.state_dir,
+        "s3_endpoint": params.s3_endpoint,
+        "steps": params.steps,
+        "nodes": params.nodes,
+        "nproc_per_node": params.nproc_per_node,
+        "run_id": run_id,
+        **kw,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("apart_s", [0.0, 5.0], ids=["0s-apart", "5s-apart"])
+def test_two_invocations_of_one_run_id_exactly_one_trains(
+    apart_s: float, baseline: PipelineResult, prefect_server, s3_settings, tmp_path: Path
+):
+    run_id = f"twice-{int(apart_s)}"
+    params = _cli_params(tmp_path, s3_settings, run_id)
+    first = _cli(params, prefect_server)
+    time.sleep(apart_s)
+    second = _cli(params, prefect_server)
+    outs = [p.communicate(timeout=600) for p in (first, second)]
+    codes = [first.returncode, second.returncode]
+    assert sorted(codes) == [0, 1], (codes, [o[1][-2000:] for o in outs])
+    winner, loser = (outs[0], outs[1]) if codes[0] == 0 else (outs[1], outs[0])
+    assert "is being run by pid" in loser[1] and "exactly one writer" in loser[1], loser[1][-2000:]
+    result = _result(winner[0])
+    assert result.status == "completed" and result.final_step == 20
+    assert result.params_sha256 == baseline.params_sha256
+    run_root = tmp_path / "fsx" / "runs" / run_id
+    events = read_events(run_root)
+    assert sum(1 for e in events if e["kind"] == "stage_attempt") == 1  # only one ever trained
+    assert [e["step"] for e in events if e["kind"] == "step"] == list(range(1, 21))
+    assert _result(loser[0]).run_id == run_id and _result(loser[0]).status == "failed"
+    assert not (run_root / "owner.lease").exists()
+    assert processes.tagged(run_root) == []
+
+
+@dataclass(frozen=True)
+class Crash:
+    name: str
+    also_kill_node: bool  # the dead orchestrator's job is not healthy any more
+    action: str
+
+
+CRASHES = [Crash("healthy-job-adopted", False, "adopt"), Crash("broken-job-ended", True, "end")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sc", CRASHES, ids=[c.name for c in CRASHES])
+def test_orchestrator_sigkilled_mid_train_then_rerun(
+    sc: Crash, baseline: PipelineResult, prefect_server, tmp_path: Path
+):
+    port = free_port()
+    while port + 10003 > 65535:
+        port = free_port()
+    s3 = S3Settings(endpoint_url=f"http://127.0.0.1:{port}")  # this run's own server
+    run_id = f"crash-{sc.name}"
+    params = _cli_params(
+        tmp_path, s3, run_id, workload="tests.adversarial.workloads:SLOW_GPT", ckpt_interval=5
+    )
+    run_root = RunContext.create(make_params(tmp_path, s3, run_id=run_id)).run_root
+    first = _cli(params, prefect_server)
+    deadline = time.monotonic() + 300
+    # Mid-train, with a commit behind it (the step-5 save commits a few steps later).
+    while not any(e["kind"] == "checkpoint" for e in read_events(run_root)):
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "training never got going"
+        time.sleep(0.2)
+    first.send_signal(signal.SIGKILL)  # the orchestrator alone: its nodes and S3 server live on
+    first.wait()
+    left = processes.tagged(run_root)
+    assert left, "the simulated nodes outlive their orchestrator"
+    old_invocation = {t.invocation for t in left}
+    server = recorded_server(tmp_path / "s3", port)
+    assert server is not None and server.is_running()
+    if sc.also_kill_node:
+        rec = LeaseRecord.parse((run_root / "owner.lease").read_text())
+        assert rec is not None
+        [node1] = [r for r in rec.resources if r.get("kind") == "node" and r["node"] == 1]
+        kill_tree(int(node1["pid"]))
+
+    again = _cli(params, prefect_server)
+    out, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err[-4000:]
+    result = _result(out)
+    assert result.status == "completed" and result.final_step == 20
+    assert result.params_sha256 == baseline.params_sha256  # nothing lost, bitwise
+    events = read_events(run_root)
+    [took] = [e for e in events if e["kind"] == "takeover"]
+    if sc.action == "adopt":
+        assert took["action"] == "adopt", took
+    after = [e for e in events if e["t"] >= took["t"]]
+    attempts = [e for e in after if e["kind"] == "stage_attempt"]
+    if sc.action == "adopt":
+        assert took["steps_lost"] == 0
+        assert [bool(a.get("adopted")) for a in attempts] == [True]  # watched, not relaunched
+        steps = [e["step"] for e in events if e["kind"] == "step"]
+        assert steps == list(range(1, 21))  # no step replayed: the crash cost no training
+    else:
+        # Ended before anything new started (or, had the survivor given up by itself before the
+        # takeover looked, nothing was left to end): never two trainings side by side.
+        assert attempts and not attempts[0].get("adopted") and took["t"] < attempts[0]["t"]
+        survivors = {t.pid for t in left if psutil.pid_exists(t.pid)}
+        assert took["action"] in ("end", "nothing")
+        assert survivors <= set(took["ended_pids"]) | {p for p in survivors if not _alive(p)}
+        loaded = [e for e in after if e["kind"] == "resume" and e.get("action") == "loaded"]
+        assert loaded and loaded[0]["step"] >= 5  # resumed from a commit, not step 0
+    # Nothing of the first invocation survives the re-run, nor of the re-run itself.
+    assert [t for t in processes.tagged(run_root) if t.invocation in old_invocation] == []
+    assert processes.tagged(run_root) == []
+    assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
+    assert not (run_root / "owner.lease").exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
