@@ -216,10 +216,12 @@ def render_network_policy(run_id: str, attempt: int, *, namespace: str) -> dict[
     rendezvous store or has the group's rank-0 agent pick a free port), NVRx's in-process
     restart stores (``MASTER_PORT+1`` and ``+2``) and NCCL's bootstrap and socket connections
     all use ports chosen at run time, on whichever pod holds rank 0. What the policy pins is
-    who: pods of this Job, by the label the Job controller sets (a pod created outside the Job
-    cannot claim it). EFA traffic (SRD on the EFA device) and the Lustre client (the node's
-    kernel mounts FSx) do not pass through the pod network, so they need no rule; the training
-    pods call no AWS or Prefect API, so they get no other egress.
+    who: pods of this Job, by the job-name label (the API server sets it from the Job's own
+    name and refuses a Job template that claims another; a bare pod carrying it needs
+    ``pods/create`` in the namespace, which no pipeline identity has). EFA traffic (SRD on the
+    EFA device) and the Lustre client (the node's kernel mounts FSx) do not pass through the
+    pod network, so they need no rule; the training pods call no AWS or Prefect API, so they
+    get no other egress.
     """
     name = job_name(run_id, attempt)
     own_pods = [{"podSelector": {"matchLabels": {JOB_NAME_LABEL: name}}}]
