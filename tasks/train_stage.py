@@ -16,6 +16,7 @@ from tasks.backends.base import Backend, Job, LaunchRequest
 from tasks.classify import EndSnapshot, Outcome, classify
 from trainer.events import EventLog, read_events
 from trainer.faults import FaultSpec, claim, parse_fault
+from trainer.resilience import clear_no_restart, read_no_restart
 
 # After the watcher takes a node away, survivors first fail their collectives and then wait in
 # rendezvous (bounded by ft_launcher's join_timeout). The watcher knows the node is gone, so it
@@ -88,6 +89,7 @@ def run_attempt(
     started = time.monotonic()
     if adopted is None:
         (run_root / "result.json").unlink(missing_ok=True)  # only this attempt's result counts
+        clear_no_restart(run_root)  # nor an earlier attempt's verdict (the config was fixed)
         events.emit(
             "stage_attempt",
             stage="train",
@@ -158,6 +160,7 @@ def run_attempt(
         timed_out=timed_out,
         result=result,
         fatal=fatal,
+        no_restart=read_no_restart(run_root),
         target_steps=cfg.steps,
         log_hint=str(run_root / "logs" / f"attempt{request.attempt}-node*.log"),
     )

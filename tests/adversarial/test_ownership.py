@@ -372,3 +372,30 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.mark.slow
+def test_orchestrator_sigterm_ends_everything_it_started(prefect_server, tmp_path: Path):
+    """A stop request (a scheduler, `kill`, Prefect cancelling the process) unwinds the run: its
+    nodes, its S3 server and its lease go with it."""
+    port = free_port()
+    while port + 10003 > 65535:
+        port = free_port()
+    s3 = S3Settings(endpoint_url=f"http://127.0.0.1:{port}")
+    run_id = "sigterm"
+    params = _cli_params(tmp_path, s3, run_id, workload="tests.adversarial.workloads:SLOW_GPT")
+    run_root = RunContext.create(make_params(tmp_path, s3, run_id=run_id)).run_root
+    proc = _cli(params, prefect_server)
+    deadline = time.monotonic() + 300
+    while not any(e["kind"] == "step" for e in read_events(run_root)):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "training never got going"
+        time.sleep(0.2)
+    server = recorded_server(tmp_path / "s3", port)
+    assert server is not None and processes.tagged(run_root)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert processes.tagged(run_root) == [], err[-3000:]
+    assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
+    assert not (run_root / "owner.lease").exists()

@@ -24,6 +24,7 @@ from tasks.preflight.eks import EksRequirements
 from tasks.train_stage import AttemptReport, EventTail
 from trainer.config import TrainConfig, config_file, save_config
 from trainer.events import EventLog
+from trainer.resilience import clear_no_restart, read_no_restart
 
 
 def eks_train_attempt(
@@ -54,6 +55,7 @@ def eks_train_attempt(
     run_root.mkdir(parents=True, exist_ok=True)
     result_path = run_root / "result.json"
     result_path.unlink(missing_ok=True)  # only this attempt's result counts
+    clear_no_restart(run_root)  # nor an earlier attempt's verdict (the config was fixed)
     save_config(cfg, config_file(run_root, attempt))  # what every pod's workers read
     events = EventLog(run_root)
     tail = EventTail(events.path)
@@ -88,6 +90,13 @@ def eks_train_attempt(
     )
     pump()
     outcome = report.outcome
+    no_restart = read_no_restart(run_root)
+    if no_restart is not None and outcome.kind != EndKind.COMPLETED:
+        # A worker said its configuration or data is bad: whatever the pods' exit codes look
+        # like after the teardown it started, no retry can fix it.
+        outcome = Outcome(
+            EndKind.DO_NOT_REQUEUE, f"training cannot continue: {no_restart} (Job {report.job})"
+        )
     if outcome.kind == EndKind.NODE_LOSS:
         step = max((e["step"] for e in seen if e["kind"] == "step"), default=None)
         events.emit(  # reaches on_event through the tail (pump), like every other event
