@@ -397,13 +397,16 @@ def export_flow(params: PipelineParams, ctx: RunContext, checkpoint_path: str) -
         uri=report.uri,
         objects=report.objects,
         bytes=report.bytes,
-        verified=True,
+        verified=report.verified,
+        verification=report.verification,
     )
     get_run_logger().info(
-        "exported %s: %d objects (%d uploaded, %d already there), verified",
+        "exported %s: %d objects (%d uploaded, %d already there), verified against the "
+        "manifest (%s)",
         report.uri,
         report.objects,
         report.uploaded,
         report.skipped,
+        report.verification,
     )
     return report.to_dict()
