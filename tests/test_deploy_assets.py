@@ -39,7 +39,7 @@ K8S_VERSION = "1.34"
 
 REPO = Path(__file__).resolve().parents[1]
 EKS_DIR = REPO / "deploy" / "eks"
-MANIFESTS = ("fsx.yaml", "rbac.yaml", "network-policy.yaml")
+MANIFESTS = ("fsx.yaml", "rbac.yaml", "network-policy.yaml", "admission-policy.yaml")
 NAMESPACE = "nvrx"
 PIPELINE_SA = "nvrx-pipeline"
 GPU_INSTANCE = "p5.48xlarge"
@@ -369,6 +369,31 @@ def test_iam_check_can_fail() -> None:
     policy = _iam()
     policy["Statement"][0]["Action"].append("fsx:DeleteDataRepositoryAssociation")
     assert _iam_actions(policy) != permissions.iam_actions()
+
+
+def test_admission_policy_holds_the_pipelines_jobs_to_the_pool_allow_lists() -> None:
+    policy, binding = _load_all("admission-policy.yaml")
+    spec = policy["spec"]
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": NAMESPACE
+    }
+    assert spec["failurePolicy"] == "Fail"
+    (rule,) = spec["matchConstraints"]["resourceRules"]
+    assert (rule["apiGroups"], rule["resources"]) == (["batch"], ["jobs"])
+    (who,) = spec["matchConditions"]
+    assert f'"system:serviceaccount:{NAMESPACE}:{PIPELINE_SA}"' in who["expression"]
+    text = " ".join(v["expression"] for v in spec["validations"])
+    allowed = _pool_allow_lists()
+    (images,) = re.findall(r"c\.image in \[([^\]]*)\]", text)
+    assert [i.strip().strip('"') for i in images.split(",")] == allowed[ALLOWED_ENV["image"]].split(
+        ","
+    )
+    (account,) = re.findall(r'serviceAccountName == "([^"]+)"', text)
+    assert account == allowed[ALLOWED_ENV["service_account"]] == EksParams().service_account
+    for field in ("automountServiceAccountToken", "runAsNonRoot", "allowPrivilegeEscalation"):
+        assert field in text, field
 
 
 def test_static_network_policy_denies_ingress_namespace_wide() -> None:
