@@ -1,0 +1,70 @@
+"""A full disk during a save, with real processes: strace fails one write of the save of step 6
+with ENOSPC (in the checkpoint writer, in the DCP metadata, in the manifest).
+
+The save fails alone: its partial is discarded, the last commit (step 4) still verifies, the run
+stops as fatal (exit 3: a restart would hit the same full disk) naming the error and the disk,
+and ``events.jsonl`` still parses line by line. Run again once there is space: it resumes from
+step 4 and ends bitwise equal to the fault-free run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.adversarial.conftest import Inject, RunOutcome, run_under, tiny_config
+from trainer import manifest
+
+pytestmark = pytest.mark.slow
+
+WRITES = "write,pwrite64,writev,pwritev,pwritev2"
+EXIT_FATAL = 3
+
+
+@dataclass(frozen=True)
+class FullDisk:
+    name: str
+    path: str  # under <run_root>/checkpoints/step_000000006.partial
+    writer: str  # who writes it
+
+
+FULL_DISKS = [
+    FullDisk("shard", "__0_0.distcp", "the async writer's forked child"),
+    FullDisk("metadata", ".metadata.tmp", "the DCP finalize, in the trainer"),
+    FullDisk("manifest", ".manifest.json.tmp", "rank 0's commit"),
+]
+
+
+@pytest.mark.parametrize("disk", FULL_DISKS, ids=[d.name for d in FULL_DISKS])
+def test_full_disk_fails_the_save_not_the_checkpoints(
+    disk: FullDisk, strace_ok: None, fault_free: RunOutcome, dataset: Path, tmp_path: Path
+):
+    cfg = tiny_config(tmp_path / "run", dataset)
+    ckdir = manifest.checkpoints_dir(cfg.run_root)
+    target = manifest.partial_path(cfg.run_root, 6) / disk.path
+    out = run_under(cfg, Inject(WRITES, target, "error=ENOSPC"))
+
+    assert out.returncode == EXIT_FATAL, out.log[-3000:]
+    assert "No space left on device" in out.log and "Disk: " in out.log, out.log[-3000:]
+    [failed] = out.of_kind("checkpoint_failed")
+    assert failed["step"] == 6 and "No space left on device" in failed["error"]
+    assert failed["path"] == str(ckdir) and Path(failed["disk"]).is_dir()
+    assert failed["disk"] in out.log and failed["last_committed"] == 4
+    assert out.result is not None and out.result["status"] == "failed"
+    # Only that save is lost: no partial left, the last commit verifies in full.
+    assert [e["step"] for e in out.of_kind("checkpoint")] == [2, 4]
+    assert sorted(p.name for p in ckdir.iterdir()) == ["LATEST", "step_000000002", "step_000000004"]
+    assert manifest.verify_checkpoint(manifest.committed_path(cfg.run_root, 4)).ok
+    assert manifest.read_latest(cfg.run_root) == 4
+    lines = (cfg.run_root / "events.jsonl").read_text().splitlines()
+    assert [json.loads(line)["kind"] for line in lines] == [e["kind"] for e in out.events]
+
+    # Space is back: the next run resumes from the last commit and loses nothing.
+    again = run_under(cfg, None)
+    assert again.returncode == 0, again.log[-3000:]
+    assert [e["step"] for e in again.of_kind("resume") if e["action"] == "loaded"] == [4]
+    assert again.result is not None
+    assert again.result["params_sha256"] == fault_free.result["params_sha256"]  # type: ignore[index]
