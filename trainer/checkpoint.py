@@ -105,13 +105,14 @@ class CheckpointManager:
         root = self.cfg.run_root
         if self.cfg.resume == ResumePolicy.FRESH:
             self._start_fresh()
-        for r in manifest.recover(root, fingerprint=self.fingerprint):
+        verify = self.cfg.verify_checkpoint_on_resume
+        for r in manifest.recover(root, fingerprint=self.fingerprint, verify_digests=verify):
             self.events.emit("resume", action=r.action, dir=r.dir, step=r.step, reason=r.reason)
         try:
             choice = manifest.choose_resume(
                 root,
                 fingerprint=self.fingerprint,
-                verify_digests=self.cfg.verify_checkpoint_on_resume,
+                verify_digests=verify,
             )
         except manifest.NoValidCheckpoint as e:
             self.events.emit("resume", action="failed", reason=str(e))

@@ -372,9 +372,10 @@ class Recovery:
     reason: str
 
 
-def recover(run_root: Path, *, fingerprint: str) -> list[Recovery]:
+def recover(run_root: Path, *, fingerprint: str, verify_digests: bool = True) -> list[Recovery]:
     """Resolve what a crashed commit left behind, so that every committed step survives and no
-    partial is trusted without a verified manifest. Idempotent."""
+    partial is trusted without a verified manifest (``verify_digests``: every file's digest, as
+    :func:`choose_resume`; else sizes and the ``.metadata`` digest). Idempotent."""
     root = checkpoints_dir(run_root)
     if not root.is_dir():
         return []
@@ -383,7 +384,7 @@ def recover(run_root: Path, *, fingerprint: str) -> list[Recovery]:
         shutil.rmtree(path, ignore_errors=True)
         done.append(Recovery("removed-leftover", path.name, step_of(path), "an interrupted prune"))
     for path in _named(root, PARTIAL_SUFFIX):
-        done.append(_settle_partial(run_root, path, fingerprint))
+        done.append(_settle_partial(run_root, path, fingerprint, verify_digests))
     for path in _named(root, SUPERSEDED_SUFFIX):
         done.append(_settle_superseded(run_root, path))
     _repair_latest(run_root)
@@ -398,10 +399,10 @@ def _named(root: Path, suffix: str) -> list[Path]:
     )
 
 
-def _settle_partial(run_root: Path, path: Path, fingerprint: str) -> Recovery:
+def _settle_partial(run_root: Path, path: Path, fingerprint: str, digests: bool) -> Recovery:
     step = step_of(path)
     assert step is not None
-    why = _incomplete(path, fingerprint)
+    why = _incomplete(path, fingerprint, digests)
     if not why:
         # Killed after its manifest was written: everything it needs is on disk and verified.
         _drop_bookkeeping(path)
@@ -411,11 +412,11 @@ def _settle_partial(run_root: Path, path: Path, fingerprint: str) -> Recovery:
     return Recovery("removed-partial", path.name, step, why)
 
 
-def _incomplete(path: Path, fingerprint: str) -> str:
+def _incomplete(path: Path, fingerprint: str, digests: bool) -> str:
     """Why a ``.partial`` cannot be rolled forward ("" if it can)."""
     if not (path / MANIFEST).is_file():
         return "no manifest.json: the save never reached its commit"
-    verdict = verify_checkpoint(path, digests=True)
+    verdict = verify_checkpoint(path, digests=digests)
     if not verdict.ok:
         return verdict.reason
     if verdict.manifest.get("config_hash") != fingerprint:
