@@ -252,7 +252,12 @@ def cmd_export(args: argparse.Namespace) -> int:
             args.run_id or args.path.parent.parent.name,
             endpoint=settings.endpoint_url,
             options=ExportOptions(
-                sse=args.sse, kms_key_id=args.kms_key_id, consolidated=args.consolidated
+                sse=args.sse,
+                kms_key_id=args.kms_key_id,
+                consolidated=args.consolidated,
+                workload=None
+                if args.workload is None
+                else {"ref": args.workload, "options": args.workload_options},
             ),
         )
     except (PipelineError, OSError) as e:
@@ -559,6 +564,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--consolidated",
         action="store_true",
         help="also export the full weights as one model.safetensors",
+    )
+    exp.add_argument(
+        "--workload",
+        help="with --consolidated: workload that wrote it (default: the built-in its manifest "
+        "names; a package.module:attr workload must be named here)",
+    )
+    exp.add_argument(
+        "--workload-options", type=json.loads, default={}, help="with --workload: JSON object"
     )
     exp.add_argument("--json", action="store_true")
     exp.set_defaults(fn=cmd_export)

@@ -381,6 +381,7 @@ def export_flow(params: PipelineParams, ctx: RunContext, checkpoint_path: str) -
         sse=None if params.export.sse == "none" else params.export.sse,
         kms_key_id=params.export.kms_key_id,
         consolidated=params.export.consolidated,
+        workload=stage_train_config(params, ctx).workload_record(),
     )
     report: ExportReport = export_checkpoint(
         client,

@@ -53,6 +53,9 @@ class ExportOptions:
     # uploaded manifest under "consolidated").
     consolidated: bool = False
     part_size: int = PART_SIZE
+    # {"ref", "options"} of the workload that wrote it, for the consolidated weights (None: the
+    # manifest's, if a built-in: a file on the shared filesystem does not choose code to import).
+    workload: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.sse not in (None, "AES256", "aws:kms"):
@@ -276,7 +279,12 @@ def export_checkpoint(
         from tasks.validation.checkpoint import consolidate
 
         staging = Path(tempfile.mkdtemp(prefix="nvrx-export-"))
-        info = consolidate(ckpt_dir, staging / CONSOLIDATED, pretrained_out=staging / PRETRAINED)
+        info = consolidate(
+            ckpt_dir,
+            staging / CONSOLIDATED,
+            pretrained_out=staging / PRETRAINED,
+            workload=opts.workload,
+        )
         sources[CONSOLIDATED] = staging / CONSOLIDATED
         staged.add(CONSOLIDATED)
         consolidated: dict[str, Any] = {

@@ -286,7 +286,7 @@ def test_rbac_grants_exactly_what_the_flows_need() -> None:
 def test_rbac_check_can_fail() -> None:
     docs = _load_all("rbac.yaml")
     role = copy.deepcopy(_by_kind(docs)[("Role", PIPELINE_SA)])
-    role["rules"][0]["verbs"].append("list")  # one verb more than the code uses
+    role["rules"][0]["verbs"].append("deletecollection")  # one verb more than the code uses
     assert _rules(role) != permissions.rbac_grants(cluster=False)
 
 

@@ -163,6 +163,25 @@ def test_node_loss_then_next_attempt_succeeds(kube: Kube):
     ]
 
 
+def test_a_run_never_has_two_jobs(kube: Kube):
+    """A dead flow runner's Job of this run (any attempt) is deleted before a new one starts;
+    other runs' Jobs are left alone."""
+    from tasks.backends.eks.render import render_job
+    from tasks.backends.eks.train import delete_run_jobs
+
+    params = PipelineParams(backend="eks", nodes=2, global_batch=16, run_id="k-two")
+    other = PipelineParams(backend="eks", nodes=2, global_batch=16, run_id="k-other")
+    for p, attempt in ((params, 3), (other, 1)):
+        run_id = p.run_id or ""
+        cfg = eks_train_config(p, run_id)
+        kube.apply(render_job(cfg, run_id=run_id, attempt=attempt, nodes=2, eks=p.eks))
+    assert kube.jobs_labelled(NS, "nvrx.io/run-id", "k-two") == ["nvrx-k-two-a3"]
+    assert delete_run_jobs(kube, NS, "k-two") == ["nvrx-k-two-a3"]
+    assert kube.read_job(NS, "nvrx-k-two-a3") is None
+    assert kube.read_job(NS, "nvrx-k-other-a1") is not None
+    assert delete_run_jobs(kube, NS, "k-two") == []
+
+
 def test_wait_for_nodes_gives_up_with_the_reason(kube: Kube):
     from tasks.backends.eks.capacity import CapacityNotRestored, wait_for_nodes
     from tests.eks_cluster import NODES, p5, seed_cluster

@@ -155,3 +155,28 @@ def test_refused_metadata_fails_coverage_and_skips_the_load(ckpt: Path):
     assert s["files and digests"] == "PASSED"
     assert s["DCP metadata covers the model and optimizer"] == "FAILED"
     assert s["loads on 1 CPU rank, all tensors finite"] == "SKIPPED"
+
+
+def test_a_manifest_does_not_choose_code_to_import(ckpt: Path):
+    """A manifest naming a ``package.module:attr`` workload is not imported on its word: the
+    checks that would rebuild it are SKIPPED naming the fix, and the caller naming the same
+    workload is what lets it run."""
+    canary = ckpt.parent / "imported"
+    module = ckpt.parent / "planted_workload.py"
+    module.write_text(f"open({str(canary)!r}, 'w').write('ran')\n")
+    path = ckpt / "manifest.json"
+    man = json.loads(path.read_text())
+    man["workload"] = {"ref": "planted_workload:SPEC", "options": {}}
+    path.write_text(json.dumps(man))
+    sys.path.insert(0, str(ckpt.parent))
+    try:
+        facts = gather(ckpt, Expectations(), load=False)
+    finally:
+        sys.path.remove(str(ckpt.parent))
+    assert not canary.exists()
+    assert "code to import" in facts.errors["expected"]
+    assert "--workload planted_workload:SPEC" in facts.errors["expected"]
+    s = statuses(judge(facts, Expectations()))
+    assert s["DCP metadata covers the model and optimizer"] == "SKIPPED"
+    named = gather(ckpt, Expectations(workload={"ref": "gpt-tiny", "options": {}}), load=False)
+    assert "expected" not in named.errors and named.expected_entries

@@ -127,6 +127,14 @@ BUILTIN: dict[str, tuple[str, dict[str, Any]]] = {
 SCRIPT_PREFIX = "script:"
 
 
+def safe_to_name_from_file(ref: str) -> bool:
+    """May a workload named by an untrusted file (a checkpoint's manifest) be used without the
+    caller naming it too? Built-ins only: a ``package.module:attr`` reference is code to import,
+    and a file on the shared filesystem must not choose which code runs. (``script:`` names a
+    script that nothing here runs.)"""
+    return ref in BUILTIN or ref.startswith(SCRIPT_PREFIX)
+
+
 def _import_spec(target: str) -> WorkloadSpec:
     module_name, _, attr = target.partition(":")
     if not module_name or not attr or not all(p.isidentifier() for p in module_name.split(".")):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.checks import CheckResult, Status
+from tasks.validation.load_check import untrusted_workload_message
 from trainer import manifest as ckpt_manifest
 from trainer.hashing import sha256_file
 from trainer.untrusted import METADATA, UnsafeNameError, check_component, load_dcp_metadata
@@ -230,7 +231,14 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
         except Exception as e:
             # Read and refused (forged or garbled) is a finding about the checkpoint: FAILED.
             facts.errors["dcp_invalid"] = f"{path / METADATA}: {type(e).__name__}: {e}"
+    from trainer.workload import safe_to_name_from_file  # imports torch: only when validating
+
     workload = exp.workload or ckpt_manifest.workload_of(facts.manifest)
+    if workload and exp.workload is None and not safe_to_name_from_file(workload["ref"]):
+        why = untrusted_workload_message(path, workload["ref"])
+        facts.errors["expected"] = why
+        facts.errors["load"] = why
+        return facts
     if workload and workload["ref"].startswith("script:"):
         # A user's script builds its own model: nothing here can rebuild it to compare.
         why = f"written by the training script {workload['ref'][7:]!r}: its model is its own"

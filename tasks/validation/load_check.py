@@ -39,7 +39,12 @@ def load_and_inspect(
     from trainer import manifest as ckpt_manifest
     from trainer.digest import tensor_dict_sha256
     from trainer.untrusted import dcp_load_args
-    from trainer.workload import DataSettings, OptimSettings, load_workload
+    from trainer.workload import (
+        DataSettings,
+        OptimSettings,
+        load_workload,
+        safe_to_name_from_file,
+    )
 
     torch.set_num_threads(1)
     man = ckpt_manifest.read_manifest(path)
@@ -49,6 +54,8 @@ def load_and_inspect(
     chosen = workload or produced
     if chosen is None:
         raise ValueError(f"{path}: the manifest does not say which workload wrote it; name one")
+    if workload is None and not safe_to_name_from_file(chosen["ref"]):
+        raise ValueError(untrusted_workload_message(path, chosen["ref"]))
     options = dict(chosen.get("options") or {})
     options.pop("init_weights", None)  # the checkpoint's weights replace them anyway
     wl = load_workload(chosen["ref"], options)
@@ -202,6 +209,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def untrusted_workload_message(path: Path, ref: str) -> str:
+    return (
+        f"{path}: its manifest names the workload {ref!r}, which is code to import; a file on "
+        f"the shared filesystem does not choose what runs. Name it yourself to use it: "
+        f"--workload {ref}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

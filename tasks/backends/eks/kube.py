@@ -89,6 +89,19 @@ class Kube:
                 return None
             raise
 
+    def jobs_labelled(self, ns: str, key: str, value: str) -> list[str]:
+        """Names of the Jobs carrying label ``key=value`` (e.g. every attempt of one run)."""
+        items = _json(
+            self.batch.list_namespaced_job(
+                ns, label_selector=f"{key}={value}", _preload_content=False
+            )
+        )["items"]
+        return sorted(
+            j["metadata"]["name"]
+            for j in items
+            if (j["metadata"].get("labels") or {}).get(key) == value
+        )
+
     def job_pods(self, ns: str, job: str) -> list[dict[str, Any]]:
         items = _json(
             self.core.list_namespaced_pod(

@@ -37,6 +37,7 @@ KUBE_CALLS: tuple[KubeCall, ...] = (
     KubeCall("create_namespaced_job", "batch", "jobs", "create", "kube.Kube.apply"),
     KubeCall("patch_namespaced_job", "batch", "jobs", "patch", "kube.Kube.apply (on 409)"),
     KubeCall("read_namespaced_job", "batch", "jobs", "get", "kube.Kube.read_job"),
+    KubeCall("list_namespaced_job", "batch", "jobs", "list", "kube.Kube.jobs_labelled"),
     KubeCall("delete_namespaced_job", "batch", "jobs", "delete", "kube.Kube.delete_job"),
     KubeCall("create_namespaced_service", "", "services", "create", "kube.Kube.apply"),
     KubeCall("patch_namespaced_service", "", "services", "patch", "kube.Kube.apply (on 409)"),

@@ -16,7 +16,8 @@ from typing import Any
 
 from tasks.backends.eks.capacity import wait_for_nodes
 from tasks.backends.eks.clients import EksClients
-from tasks.backends.eks.render import job_name
+from tasks.backends.eks.kube import Kube
+from tasks.backends.eks.render import LABEL_RUN, job_name, labels
 from tasks.backends.eks.stage import run_eks_attempt
 from tasks.checks import CheckResult
 from tasks.classify import EndKind, Outcome
@@ -25,6 +26,14 @@ from tasks.train_stage import AttemptReport, EventTail
 from trainer.config import TrainConfig, config_file, save_config
 from trainer.events import EventLog
 from trainer.resilience import clear_no_restart, read_no_restart
+
+
+def delete_run_jobs(kube: Kube, namespace: str, run_id: str) -> list[str]:
+    """Delete every Job of run ``run_id`` (with its Service and NetworkPolicy); their names."""
+    stale = kube.jobs_labelled(namespace, LABEL_RUN, labels(run_id, 1)[LABEL_RUN])
+    for name in stale:
+        kube.delete_job(namespace, name)
+    return stale
 
 
 def eks_train_attempt(
@@ -44,10 +53,13 @@ def eks_train_attempt(
     """``eks``: :class:`flows.models.EksParams`. Returns when the Job ended (or was stopped);
     the outcome's ``details["result"]`` holds the trainer's result when it completed."""
     kube = clients.kube
-    if attempt > 1:
-        # Normally gone already (run_eks_attempt deletes a Job that lost a node); a flow runner
-        # that died mid-attempt may have left it running, holding the nodes we need.
-        kube.delete_job(eks.namespace, job_name(run_id, attempt - 1))
+    # A run never has two Jobs (DESIGN §8). This invocation holds the run's lease, so any Job of
+    # this run still there is an earlier attempt's or a dead flow runner's, holding the nodes
+    # (and the checkpoints directory) the new one needs: delete it first.
+    stale = delete_run_jobs(kube, eks.namespace, run_id)
+    if stale:
+        EventLog(cfg.run_root).emit("stale_jobs_deleted", jobs=stale, attempt=attempt)
+    if attempt > 1 or stale:
         wait_for_nodes(
             kube, requirements, timeout_s=eks.node_wait_s, poll_s=clients.poll_s, on_wait=on_wait
         )
