@@ -236,10 +236,13 @@ class CheckpointManager:
         last commit stays valid and the next run resumes from it."""
         ckdir = manifest.checkpoints_dir(self.cfg.run_root)
         disk = _disk(ckdir)
+        # The directories, not LATEST: a failure right after the rename leaves LATEST behind.
+        steps = manifest.committed_steps(self.cfg.run_root)
+        last = steps[-1] if steps else None
         message = (
             f"the save of step {step} failed: {error}. Disk: {disk['mount']} (holding {ckdir}; "
             f"{disk['free_bytes']} bytes free). The partial save was discarded; the last "
-            f"committed checkpoint (step {manifest.read_latest(self.cfg.run_root)}) is intact. "
+            f"committed checkpoint (step {last}) is intact. "
             f"Free space on {disk['mount']} (or fix the storage), then run again to resume."
         )
         if self.rank == 0:
@@ -253,7 +256,7 @@ class CheckpointManager:
                     path=str(ckdir),
                     disk=disk["mount"],
                     free_bytes=disk["free_bytes"],
-                    last_committed=manifest.read_latest(self.cfg.run_root),
+                    last_committed=last,
                 )
         return FatalError(message)
 
