@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 
 from tests.helpers import RunOutcome, make_config, run_ft_launcher, run_single
 from trainer import manifest
+from trainer.config import ResumePolicy
 from trainer.faults import flip_bytes
 
 pytestmark = pytest.mark.slow
@@ -105,3 +107,20 @@ def test_two_rank_checkpoint_loads_on_one_rank(dataset: Path, tmp_path: Path):
     assert loaded["saved_world_size"] == 2 and loaded["world_size"] == 1 and loaded["step"] == 10
     assert one.result["world_size"] == 1
     assert one.result["params_sha256"] == two.result["params_sha256"]
+
+
+def test_recorded_commits_with_checkpoints_gone_fail_loudly(dataset: Path, tmp_path: Path):
+    cfg = make_config(tmp_path / "run", dataset, steps=4, ckpt_interval=2)
+    assert run_single(cfg).returncode == 0
+    shutil.rmtree(manifest.checkpoints_dir(cfg.run_root))  # lost, or the wrong volume mounted
+    out = run_single(replace(cfg, steps=6))
+    assert out.returncode == 3, out.log[-3000:]
+    assert f"run {cfg.run_root}: its events.jsonl records committed checkpoints up to step 4" in (
+        out.log
+    )
+    assert "restore" in out.log and "resume=fresh" in out.log
+    assert [e["step"] for e in out.of_kind("step")] == [1, 2, 3, 4], "must not train from scratch"
+    # Starting over is still possible, explicitly.
+    fresh = run_single(replace(cfg, steps=6, resume=ResumePolicy.FRESH))
+    assert fresh.returncode == 0, fresh.log[-3000:]
+    assert fresh.result is not None and fresh.result["final_step"] == 6
