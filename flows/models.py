@@ -347,6 +347,15 @@ class FaultRecord(BaseModel):
     recovery_s: float | None = None
 
 
+class TakeoverInfo(BaseModel):
+    """This invocation took the run over from an owner that died (DESIGN §8)."""
+
+    previous_owner: str
+    action: Literal["adopt", "end", "nothing"]  # what it did with what the dead owner left
+    reason: str
+    steps_lost: int = 0  # steps trained after the last commit and lost with the ended attempt
+
+
 class PipelineResult(BaseModel):
     status: Literal["completed", "failed"]
     run_id: str
@@ -362,3 +371,4 @@ class PipelineResult(BaseModel):
     ettr: float | None = None
     wall_s: float = 0.0
     error: str | None = None
+    takeover: TakeoverInfo | None = None

@@ -21,6 +21,7 @@ from flows.models import (
     FaultRecord,
     PipelineParams,
     PipelineResult,
+    TakeoverInfo,
 )
 from flows.report import png_data_uri, render_report
 from flows.stages import (
@@ -61,6 +62,7 @@ def build_result(
         for f in run_summary.faults_with_recovery(events)
     ]
     train = train or {}
+    took = next((e for e in events if e["kind"] == "takeover"), None)
     return PipelineResult(
         status=status,  # type: ignore[arg-type]
         run_id=ctx.run_id,
@@ -87,6 +89,14 @@ def build_result(
         ettr=run_summary.ettr(events),
         wall_s=round(wall_s, 3),
         error=error,
+        takeover=None
+        if took is None
+        else TakeoverInfo(
+            previous_owner=took["previous"],
+            action=took["action"],
+            reason=took["reason"],
+            steps_lost=took.get("steps_lost", 0),
+        ),
     )
 
 
@@ -98,9 +108,10 @@ def training_pipeline(params: PipelineParams) -> PipelineResult:
     # Before anything else: one writer per run directory (DESIGN §8). A second invocation of a
     # live run stops here with RunBusy naming the owner, having written nothing.
     with lease.hold(ctx.run_root, ctx.run_id) as held:
+        since = time.time()  # this invocation's events, the takeover's included
         if held.takeover is not None:
             _take_over(held, ctx)
-        return _run(params, ctx, held)
+        return _run(params, ctx, held, since)
 
 
 def _take_over(held: lease.RunLease, ctx: RunContext) -> None:
@@ -131,10 +142,11 @@ def _take_over(held: lease.RunLease, ctx: RunContext) -> None:
         held.adoptable = plan
 
 
-def _run(params: PipelineParams, ctx: RunContext, held: lease.RunLease) -> PipelineResult:
+def _run(
+    params: PipelineParams, ctx: RunContext, held: lease.RunLease, since: float
+) -> PipelineResult:
     log = get_run_logger()
     t0 = time.monotonic()
-    since = time.time()
     durations: dict[str, float] = {}
     attempts: dict[str, int] = {}
     out: dict[str, Any] = {}

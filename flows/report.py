@@ -23,6 +23,12 @@ def render_report(r: PipelineResult) -> str:
     ]
     if r.error:
         lines.append(f"- cause: `{r.error}`")
+    if r.takeover is not None:
+        t = r.takeover
+        lines.append(
+            f"- taken over from {t.previous_owner} (gone): {t.action}, {t.reason}; "
+            f"{t.steps_lost} step(s) lost"
+        )
     lines += [
         "",
         "## Stage timeline",

@@ -17,12 +17,22 @@ from trainer.faults import flip_bytes
 FP = "abc123"
 
 
+def _metadata(step: int) -> bytes:
+    """A real (empty) DCP metadata pickle, different per step: readers unpickle it through the
+    restricted reader, so it must be the real thing."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    return pickle.dumps(Metadata(state_dict_metadata={f"s{step}": BytesStorageMetadata()}))
+
+
 def _write_partial(run_root: Path, step: int, *, fill: bytes = b"x") -> Path:
     partial = m.partial_path(run_root, step)
     partial.mkdir(parents=True)
     (partial / "__0_0.distcp").write_bytes(bytes(range(256)) * (step + 10))
     (partial / "__1_0.distcp").write_bytes(fill * (1000 + step))
-    (partial / ".metadata").write_bytes(b"meta" * step)
+    (partial / ".metadata").write_bytes(_metadata(step))
     m.write_digest_sidecar(partial, 0, [partial / "__0_0.distcp"])
     m.write_digest_sidecar(partial, 1, [partial / "__1_0.distcp"])
     return partial

@@ -360,6 +360,15 @@ def verify_checkpoint(directory: Path, *, digests: bool = True) -> Verdict:
             )
         if (digests or entry["name"] == DCP_METADATA) and sha256_file(path) != entry["sha256"]:
             return Verdict(False, f"{path} does not match its sha256 in the manifest", manifest)
+    # The manifest is not signed: whoever can write the shared filesystem can forge a .metadata
+    # and its digest together. Read through the restricted unpickler, a forged one is refused
+    # (and never runs) and the reader falls back like for any invalid checkpoint.
+    from trainer.untrusted import UnsafeCheckpointError, load_dcp_metadata
+
+    try:
+        load_dcp_metadata(directory)
+    except UnsafeCheckpointError as e:
+        return Verdict(False, str(e), manifest)
     return Verdict(True, "", manifest)
 
 

@@ -426,10 +426,13 @@ def _terminal(cfg: TrainConfig, message: str) -> None:
     the pipeline reads as do-not-requeue), then stop the job without restarts."""
     print(f"error: {message}", file=sys.stderr)
     if int(os.environ.get("RANK", "0")) == 0:
-        EventLog(cfg.run_root).emit("fatal", error=message, requeue=False)
-        (cfg.run_root / "result.json").write_text(
-            json.dumps({"status": "failed", "error": message, "requeue": False}) + "\n"
-        )
+        try:
+            EventLog(cfg.run_root).emit("fatal", error=message, requeue=False)
+            (cfg.run_root / "result.json").write_text(
+                json.dumps({"status": "failed", "error": message, "requeue": False}) + "\n"
+            )
+        except OSError as e:  # a full disk may be the very cause: still stop, still exit 3
+            log.warning("could not record the fatal error on %s: %s", cfg.run_root, e)
     _stop_without_restart(cfg.run_root, message)
 
 

@@ -279,7 +279,7 @@ def test_two_invocations_of_one_run_id_exactly_one_trains(
     winner, loser = (outs[0], outs[1]) if codes[0] == 0 else (outs[1], outs[0])
     assert "is being run by pid" in loser[1] and "exactly one writer" in loser[1], loser[1][-2000:]
     result = _result(winner[0])
-    assert result.status == "completed" and result.final_step == 20
+    assert result.status == "completed" and result.final_step == 20 and result.takeover is None
     assert result.params_sha256 == baseline.params_sha256
     run_root = tmp_path / "fsx" / "runs" / run_id
     events = read_events(run_root)
@@ -344,6 +344,10 @@ def test_orchestrator_sigkilled_mid_train_then_rerun(
     [took] = [e for e in events if e["kind"] == "takeover"]
     if sc.action == "adopt":
         assert took["action"] == "adopt", took
+    # The result says what the crash cost.
+    assert result.takeover is not None and result.takeover.action == took["action"]
+    assert result.takeover.steps_lost == took["steps_lost"]
+    assert f"pid {first.pid} " in result.takeover.previous_owner
     after = [e for e in events if e["t"] >= took["t"]]
     attempts = [e for e in after if e["kind"] == "stage_attempt"]
     if sc.action == "adopt":
