@@ -20,6 +20,7 @@ records (:attr:`RunLease.takeover`) to adopt or end what it left running.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -137,6 +138,7 @@ class RunLease:
     adoptable: Any = None
     _resources: list[dict[str, Any]] = field(default_factory=list)
     _lock_fd: int | None = None
+    _flock: bool = True  # False where the filesystem has no flock
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _mu: threading.Lock = field(default_factory=threading.Lock)
@@ -155,10 +157,10 @@ class RunLease:
         try:
             while True:
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    self._lock(fd)
                     if self._create(stale_after_s):
                         break
-                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    self._unlock(fd)
                 except BlockingIOError:
                     pass
                 if time.monotonic() >= deadline:
@@ -170,6 +172,22 @@ class RunLease:
         self._lock_fd = fd
         self._thread = threading.Thread(target=self._beat, name="run-lease", daemon=True)
         self._thread.start()
+
+    def _lock(self, fd: int) -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise
+        except OSError as e:
+            # A filesystem without flock (Lustre mounted without `-o flock`): the O_EXCL lease
+            # file and its heartbeat alone decide (deploy/eks/fsx.yaml mounts with flock).
+            if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
+                raise
+            self._flock = False
+
+    def _unlock(self, fd: int) -> None:
+        if self._flock:
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
     def _create(self, stale_after_s: float) -> bool:
         """Under the lock: create the lease file exclusively, taking over a stale one."""
@@ -205,7 +223,7 @@ class RunLease:
         current = self.read()
         if current is not None and current.owner.invocation == self.owner.invocation:
             self.path.unlink(missing_ok=True)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        self._unlock(self._lock_fd)
         os.close(self._lock_fd)
         self._lock_fd = None
 

@@ -48,6 +48,26 @@ def test_second_lease_is_refused_naming_the_owner(tmp_path: Path):
     again.release()
 
 
+def test_without_flock_the_lease_file_alone_decides(tmp_path: Path, monkeypatch):
+    """Lustre mounted without ``-o flock`` answers ENOSYS: the O_EXCL lease file and its owner's
+    liveness still make one writer."""
+    import errno
+    import fcntl
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    first = RunLease(tmp_path, "r1")
+    first.acquire()
+    try:
+        with pytest.raises(RunBusy, match=f"pid {os.getpid()}"):
+            RunLease(tmp_path, "r1").acquire()
+    finally:
+        first.release()
+    assert not (tmp_path / "owner.lease").exists()
+
+
 def _dead_owner(host: str | None = None, heartbeat_at: float | None = None) -> LeaseRecord:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     created = psutil.Process(proc.pid).create_time()
