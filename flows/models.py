@@ -25,10 +25,27 @@ def new_run_id() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(2)
 
 
+def _s3_location(bucket: str, prefix: str) -> None:
+    """Bucket and prefix become paths on the shared filesystem too: refuse what could leave it."""
+    from tasks.errors import StorageError
+    from tasks.storage.s3 import validate_bucket, validate_prefix
+
+    try:
+        validate_bucket(bucket)
+        validate_prefix(prefix)
+    except StorageError as e:
+        raise ValueError(str(e)) from e
+
+
 class DatasetLocation(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bucket: str = Field("nvrx-datasets", min_length=3, max_length=63, description="S3 bucket")
     prefix: str = Field("synthetic/v1", min_length=1, description="prefix holding dataset.json")
+
+    @model_validator(mode="after")
+    def _safe(self) -> DatasetLocation:
+        _s3_location(self.bucket, self.prefix)
+        return self
 
 
 class ExportLocation(BaseModel):
@@ -45,6 +62,7 @@ class ExportLocation(BaseModel):
 
     @model_validator(mode="after")
     def _kms(self) -> ExportLocation:
+        _s3_location(self.bucket, self.prefix)
         if self.kms_key_id and self.sse != "aws:kms":
             raise ValueError("kms_key_id needs sse='aws:kms'")
         return self

@@ -175,3 +175,35 @@ def test_local_runs_never_need_eks_values(monkeypatch):
     monkeypatch.setenv("NVRX_ALLOWED_IMAGES", "reg/nvrx:1")
     monkeypatch.setenv("NVRX_ALLOWED_NAMESPACES", "elsewhere")
     assert PipelineParams().backend == "local"
+
+
+@pytest.mark.parametrize(
+    ("location", "value"),
+    [
+        ("dataset", {"prefix": "../../etc"}),
+        ("dataset", {"prefix": "a/../../b"}),
+        ("dataset", {"prefix": "/abs"}),
+        ("dataset", {"prefix": "v1\n"}),
+        ("dataset", {"prefix": "v1/.hidden"}),
+        ("dataset", {"prefix": "v1\x00x"}),
+        ("dataset", {"bucket": "Bad_Bucket"}),
+        ("dataset", {"bucket": "bucket\n"}),
+        ("export", {"prefix": "exports/.."}),
+        ("export", {"bucket": "../x"}),
+    ],
+)
+def test_s3_locations_that_would_leave_the_shared_filesystem_are_refused(location, value):
+    """The dataset's bucket and prefix are also its path on the shared filesystem
+    (``datasets/<bucket>/<prefix>``): nothing that could leave it gets that far."""
+    with pytest.raises(ValidationError) as e:
+        PipelineParams(**{location: value})
+    assert e.value.errors()[0]["loc"][0] == location
+    assert repr(next(iter(value.values()))) in str(e.value)
+
+
+def test_s3_locations_good_values_pass():
+    p = PipelineParams(
+        dataset={"bucket": "my.data-1", "prefix": "llama/tok_v2/shard-set.3"},
+        export={"bucket": "ckpts", "prefix": ""},
+    )
+    assert p.dataset.prefix == "llama/tok_v2/shard-set.3"

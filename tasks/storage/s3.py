@@ -91,10 +91,22 @@ def validate_bucket(bucket: str) -> None:
         )
 
 
+_PREFIX_SEGMENT_RE = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9._\-]*")
+
+
 def validate_prefix(prefix: str) -> None:
+    """A key prefix is also a path on the shared filesystem (``datasets/<bucket>/<prefix>``):
+    plain segments only (letters, digits, ``._-``, not starting with a dot), no empty, ``.`` or
+    ``..`` segment, no control character or trailing newline."""
     parts = prefix.split("/") if prefix else []
     if any(p in ("", ".", "..") for p in parts):
         raise StorageError(f"prefix {prefix!r} must not contain empty, '.' or '..' segments")
+    bad = next((p for p in parts if not _PREFIX_SEGMENT_RE.fullmatch(p)), None)
+    if bad is not None:
+        raise StorageError(
+            f"prefix {prefix!r}: segment {bad!r} may hold only letters, digits, '.', '_' and "
+            "'-', and not start with a dot"
+        )
 
 
 def describe_client_error(exc: BaseException, *, bucket: str | None, endpoint: str | None) -> str:
