@@ -304,6 +304,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _owner(run_root: Path) -> dict[str, Any] | None:
+    """Who holds the run's lease (DESIGN §8), if anyone."""
+    import time as _time
+
+    from tasks.ownership.lease import LEASE_FILE, STALE_AFTER_S, LeaseRecord, owner_alive
+
+    try:
+        rec = LeaseRecord.parse((run_root / LEASE_FILE).read_text())
+    except OSError:
+        return None
+    if rec is None:
+        return None
+    now = _time.time()
+    return {
+        "owner": rec.owner.describe(),
+        "pid": rec.owner.pid,
+        "host": rec.owner.host,
+        "heartbeat_age_s": round(now - rec.heartbeat_at, 1),
+        "alive": owner_alive(
+            rec.owner, heartbeat_at=rec.heartbeat_at, now=now, stale_after_s=STALE_AFTER_S
+        ),
+    }
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
@@ -322,6 +346,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     st = run_summary.status(
         read_events(run_root), json.loads(saved.read_text()) if saved.exists() else None
     )
+    st["owner"] = _owner(run_root)
     if args.json:
         print(json.dumps({"run_id": args.run_id, **st}))
         return 0
@@ -329,6 +354,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     if st["tokens_per_s"] is not None:
         loss += f", {st['tokens_per_s']:.0f} tok/s"
     print(f"run {args.run_id}: {st['state']}")
+    if st["owner"] is not None:
+        o = st["owner"]
+        print(
+            f"  owner: {o['owner']}, heartbeat {o['heartbeat_age_s']:.0f} s ago"
+            + ("" if o["alive"] else " (gone: the next run of this id takes it over)")
+        )
     print(f"  step {st['step']}{loss}")
     if st["stages"]:
         print("  stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in st["stages"].items()))

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from flows.cli import main
 from flows.context import RunContext
 from flows.models import PipelineResult
 from tasks.backends.local import free_port, kill_tree
@@ -323,7 +324,7 @@ CRASHES = [Crash("healthy-job-adopted", False, "adopt"), Crash("broken-job-ended
 @pytest.mark.slow
 @pytest.mark.parametrize("sc", CRASHES, ids=[c.name for c in CRASHES])
 def test_orchestrator_sigkilled_mid_train_then_rerun(
-    sc: Crash, baseline: PipelineResult, prefect_server, tmp_path: Path
+    sc: Crash, baseline: PipelineResult, prefect_server, tmp_path: Path, capsys
 ):
     port = free_port()
     while port + 10003 > 65535:
@@ -343,6 +344,10 @@ def test_orchestrator_sigkilled_mid_train_then_rerun(
         time.sleep(0.2)
     first.send_signal(signal.SIGKILL)  # the orchestrator alone: its nodes and S3 server live on
     first.wait()
+    capsys.readouterr()
+    assert main(["status", run_id, "--state-dir", str(tmp_path), "--json"]) == 0
+    owner = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["owner"]
+    assert owner["pid"] == first.pid and owner["alive"] is False  # status says it is gone
     left = processes.tagged(run_root)
     assert left, "the simulated nodes outlive their orchestrator"
     old_invocation = {t.invocation for t in left}
