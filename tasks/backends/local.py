@@ -180,7 +180,10 @@ class LocalBackend:
             nnodes=request.nodes,
             nproc_per_node=request.nproc_per_node,
             rdzv_endpoint=f"127.0.0.1:{free_port()}",
-            rdzv_id=f"{request.run_id}-attempt{request.attempt}",
+            # Unique per invocation too: a later invocation of the run (a re-run, a takeover)
+            # starts its attempts at 1 again, and the workers tell an in-job respawn by seeing
+            # their rendezvous id in the events already.
+            rdzv_id=f"{request.run_id}-attempt{request.attempt}-{request.invocation[:8]}",
         )
         config = save_config(cfg, config_file(cfg.run_root, request.attempt))
         argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config))

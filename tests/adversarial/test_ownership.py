@@ -389,6 +389,9 @@ def test_orchestrator_sigkilled_mid_train_then_rerun(
         assert survivors <= set(took["ended_pids"]) | {p for p in survivors if not _alive(p)}
         loaded = [e for e in after if e["kind"] == "resume" and e.get("action") == "loaded"]
         assert loaded and loaded[0]["step"] >= 5  # resumed from a commit, not step 0
+        # A fresh attempt of a new invocation, not an in-job respawn of the dead one's.
+        assert not [e for e in after if e["kind"] == "restart"], after
+    assert result.faults == []
     # Nothing of the first invocation survives the re-run, nor of the re-run itself.
     assert [t for t in processes.tagged(run_root) if t.invocation in old_invocation] == []
     assert processes.tagged(run_root) == []
