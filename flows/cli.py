@@ -289,6 +289,7 @@ def cmd_render_k8s(args: argparse.Namespace) -> int:
         attempt=args.attempt,
         nodes=params.nodes,
         eks=params.eks,
+        deadline_s=params.train_timeout_s,
     )
     print(yaml.safe_dump_all(docs, sort_keys=False), end="")
     return 0

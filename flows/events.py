@@ -10,6 +10,7 @@ either.
 | ``nvrx.checkpoint.committed`` | a checkpoint committed | step, blocking_s, path |
 | ``nvrx.export.completed`` | the checkpoint verified in S3 | uri, objects, bytes |
 | ``nvrx.run.completed`` / ``nvrx.run.failed`` | the pipeline ended | status, cause, step |
+| ``nvrx.run.cancelled`` | the pipeline was stopped (SIGTERM, cancel, Ctrl-C) | stage, cause, step |
 
 Emitting never fails a run: outside a Prefect context (plain function calls, benchmarks)
 ``emit_event`` is a no-op, and any error is logged and dropped.

@@ -375,7 +375,7 @@ class TakeoverInfo(BaseModel):
 
 
 class PipelineResult(BaseModel):
-    status: Literal["completed", "failed"]
+    status: Literal["completed", "failed", "cancelled"]
     run_id: str
     target_steps: int
     final_step: int = 0

@@ -196,8 +196,9 @@ def _run(
                 "export", lambda: export_flow(params, ctx, out["validation"]["path"])
             )
     except BaseException as e:
+        cancelled = _is_cancellation(e)
         emit(
-            "run.failed",
+            "run.cancelled" if cancelled else "run.failed",
             ctx.run_id,
             stage=current.get("stage"),
             cause=f"{type(e).__name__}: {e}",
@@ -206,7 +207,7 @@ def _run(
         result = build_result(
             params,
             ctx,
-            status="failed",
+            status="cancelled" if cancelled else "failed",
             train=out.get("train"),
             validation=out.get("validation"),
             export=out.get("export"),
@@ -240,6 +241,16 @@ def _run(
         faults=len(result.faults),
     )
     return result
+
+
+def _is_cancellation(e: BaseException) -> bool:
+    """A stop asked for (Prefect cancelling the flow run's process, SIGTERM, Ctrl-C), not a
+    failure: it is reported as ``nvrx.run.cancelled``, which failure automations do not match."""
+    import asyncio
+
+    from prefect.exceptions import TerminationSignal
+
+    return isinstance(e, KeyboardInterrupt | TerminationSignal | asyncio.CancelledError)
 
 
 def _publish(ctx: RunContext, result: PipelineResult, since: float) -> None:

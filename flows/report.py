@@ -11,7 +11,7 @@ _STAGES = ("preflight", "hydrate", "train", "validate", "export")
 
 
 def render_report(r: PipelineResult) -> str:
-    icon = "completed" if r.status == "completed" else "FAILED"
+    icon = {"completed": "completed", "cancelled": "CANCELLED"}.get(r.status, "FAILED")
     lines = [
         f"# Run `{r.run_id}`: {icon}",
         "",

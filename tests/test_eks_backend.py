@@ -182,6 +182,67 @@ def test_a_run_never_has_two_jobs(kube: Kube):
     assert delete_run_jobs(kube, NS, "k-two") == []
 
 
+def test_an_interrupted_watch_deletes_the_job(kube: Kube):
+    """Cancelled or interrupted while watching (Prefect's SIGTERM bridge, Ctrl-C): the Job, its
+    Service and NetworkPolicy do not stay behind holding the nodes."""
+    params = PipelineParams(backend="eks", nodes=2, global_batch=16, run_id="k-cancel")
+    cfg = eks_train_config(params, "k-cancel")
+    name = job_name("k-cancel", 1)
+    polls = []
+
+    def interrupt() -> None:
+        polls.append(1)
+        if kube.read_job(NS, name) is not None and len(polls) > 2:
+            raise KeyboardInterrupt("cancelled")
+
+    with pytest.raises(KeyboardInterrupt):
+        run_eks_attempt(
+            kube,
+            cfg=cfg,
+            run_id="k-cancel",
+            attempt=1,
+            nodes=2,
+            eks=params.eks,
+            deadline_s=30,
+            poll_s=0.1,
+            on_poll=interrupt,
+        )
+    assert kube.read_job(NS, name) is None
+    assert kube.jobs_labelled(NS, "nvrx.io/run-id", "k-cancel") == []
+
+
+def test_every_kubernetes_call_has_a_request_timeout(monkeypatch):
+    """An API server that accepts the connection and never answers cannot stall the flow: every
+    call ends within the request timeout (here shortened to 1 s)."""
+    import socket
+
+    from kubernetes import client
+
+    from tasks.backends.eks import kube as kube_mod
+
+    monkeypatch.setattr(kube_mod, "REQUEST_TIMEOUT_S", (1.0, 1.0))
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections complete in the backlog; nothing ever reads or replies
+    try:
+        cfg = client.Configuration()
+        cfg.host = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        cfg.retries = 0
+        k = Kube(client.ApiClient(cfg))
+        for call in (
+            lambda: k.read_job(NS, "x"),
+            lambda: k.nodes(),
+            lambda: k.jobs_labelled(NS, "a", "b"),
+            lambda: k.delete_job(NS, "x"),
+        ):
+            t0 = time.monotonic()
+            with pytest.raises(Exception, match="(?i)timed? ?out"):
+                call()
+            assert time.monotonic() - t0 < 10
+    finally:
+        silent.close()
+
+
 def test_wait_for_nodes_gives_up_with_the_reason(kube: Kube):
     from tasks.backends.eks.capacity import CapacityNotRestored, wait_for_nodes
     from tests.eks_cluster import NODES, p5, seed_cluster

@@ -291,3 +291,21 @@ def test_network_policy_is_applied_and_deleted_with_the_job(kube):
     kube.delete_job("nvrx", name)
     assert [exists(r) for r in reads] == [False, False, False]
     kube.delete_job("nvrx", name)  # idempotent: already gone is fine
+
+
+def test_job_has_an_active_deadline_beyond_the_flows():
+    """The API server ends the Job even when the flow runner that would have stopped it is gone."""
+    from tasks.backends.eks.render import JOB_DEADLINE_MARGIN_S
+
+    p = params()
+    docs = render_all(
+        eks_train_config(p, "x"),
+        run_id="x",
+        attempt=1,
+        nodes=p.nodes,
+        eks=p.eks,
+        deadline_s=p.train_timeout_s,
+    )
+    [job] = [d for d in docs if d["kind"] == "Job"]
+    assert job["spec"]["activeDeadlineSeconds"] == int(p.train_timeout_s) + JOB_DEADLINE_MARGIN_S
+    kubernetes_validate.validate(job, K8S_VERSION, strict=True)

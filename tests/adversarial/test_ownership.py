@@ -26,7 +26,7 @@ from tasks.ownership import processes, takeover
 from tasks.ownership.lease import LeaseRecord, Owner, RunBusy, RunLease
 from tasks.storage.local_s3 import EMBEDDED_ENDPOINT, ensure_local_s3, recorded_server
 from tasks.storage.s3 import S3Settings
-from tests.pipeline_helpers import make_params
+from tests.pipeline_helpers import make_params, nvrx_events
 from trainer.events import read_events
 
 REPO = Path(__file__).resolve().parents[2]
@@ -431,3 +431,9 @@ def test_orchestrator_sigterm_ends_everything_it_started(prefect_server, tmp_pat
     assert processes.tagged(run_root) == [], err[-3000:]
     assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
     assert not (run_root / "owner.lease").exists()
+    # A stop asked for is reported as such, not as a failure.
+    saved = PipelineResult.model_validate_json((run_root / "pipeline_result.json").read_text())
+    assert saved.status == "cancelled"
+    events = nvrx_events(run_id, expect="nvrx.run.cancelled")
+    assert "nvrx.run.cancelled" in [e.event for e in events]
+    assert "nvrx.run.failed" not in [e.event for e in events]

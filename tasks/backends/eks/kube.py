@@ -23,9 +23,31 @@ def _json(resp: Any) -> Any:
     return json.loads(resp.data)
 
 
+# (connect, read) seconds for every API call that does not set its own (watches and log follows
+# do): without one a stalled connection to the API server blocks the flow past every deadline.
+REQUEST_TIMEOUT_S = (10.0, 60.0)
+
+
+def with_request_timeout(api_client: Any) -> Any:
+    """Give every call through ``api_client`` a request timeout (``REQUEST_TIMEOUT_S``) unless it
+    sets one: one seam for the generated API classes (batch, core, apps, storage, authorization,
+    networking), whose methods all end in ``ApiClient.call_api``."""
+    call = api_client.call_api
+
+    def call_api(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("_request_timeout") is None:
+            kwargs["_request_timeout"] = REQUEST_TIMEOUT_S
+        return call(*args, **kwargs)
+
+    api_client.call_api = call_api
+    return api_client
+
+
 class Kube:
     def __init__(self, api_client: Any) -> None:
         from kubernetes import client
+
+        api_client = with_request_timeout(api_client)
 
         self.core = client.CoreV1Api(api_client)
         self.batch = client.BatchV1Api(api_client)

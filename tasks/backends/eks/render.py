@@ -67,6 +67,11 @@ def render_service(run_id: str, attempt: int, *, namespace: str, port: int) -> d
     }
 
 
+# Beyond the flow's own deadline for the attempt: the flow stops the Job first; the API server's
+# deadline is what still ends it when the flow runner is gone (crashed, evicted, cancelled hard).
+JOB_DEADLINE_MARGIN_S = 600
+
+
 def render_job(
     cfg: TrainConfig,
     *,
@@ -74,6 +79,7 @@ def render_job(
     attempt: int,
     nodes: int,
     eks: Any,  # flows.models.EksParams (duck-typed: tasks never imports flows)
+    deadline_s: float | None = None,
 ) -> dict[str, Any]:
     name = job_name(run_id, attempt)
     ns = eks.namespace
@@ -186,6 +192,11 @@ def render_job(
             "completions": nodes,
             "parallelism": nodes,
             "backoffLimit": 0,  # restarts belong to ft_launcher (in-job) and the stage retry
+            **(
+                {}
+                if deadline_s is None
+                else {"activeDeadlineSeconds": int(deadline_s) + JOB_DEADLINE_MARGIN_S}
+            ),
             "podFailurePolicy": {
                 "rules": [
                     {  # the workload asked not to be requeued
@@ -252,11 +263,20 @@ def render_network_policy(run_id: str, attempt: int, *, namespace: str) -> dict[
 
 
 def render_all(
-    cfg: TrainConfig, *, run_id: str, attempt: int, nodes: int, eks: Any
+    cfg: TrainConfig,
+    *,
+    run_id: str,
+    attempt: int,
+    nodes: int,
+    eks: Any,
+    deadline_s: float | None = None,
 ) -> list[dict[str, Any]]:
+    """``deadline_s``: the attempt's deadline (``activeDeadlineSeconds`` adds a margin)."""
     # The policy first: the pods never run unprotected, not even for the first seconds.
     return [
         render_network_policy(run_id, attempt, namespace=eks.namespace),
         render_service(run_id, attempt, namespace=eks.namespace, port=eks.rdzv_port),
-        render_job(cfg, run_id=run_id, attempt=attempt, nodes=nodes, eks=eks),
+        render_job(
+            cfg, run_id=run_id, attempt=attempt, nodes=nodes, eks=eks, deadline_s=deadline_s
+        ),
     ]

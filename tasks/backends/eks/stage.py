@@ -8,6 +8,7 @@ as the next attempt), are deleted.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -83,7 +84,10 @@ def run_eks_attempt(
     once per watch loop iteration, in this thread (the caller reads its progress there)."""
     ns = eks.namespace
     name = job_name(run_id, attempt)
-    for doc in render_all(cfg, run_id=run_id, attempt=attempt, nodes=nodes, eks=eks):
+    docs = render_all(
+        cfg, run_id=run_id, attempt=attempt, nodes=nodes, eks=eks, deadline_s=deadline_s
+    )
+    for doc in docs:
         kube.apply(doc)
     history = History(completions=nodes)
     q: queue.Queue[tuple[str, str, dict[str, Any]]] = queue.Queue()
@@ -112,6 +116,7 @@ def run_eks_attempt(
         latest = {p.name: p for p in history.pods}
         return all(p.phase in ("Succeeded", "Failed") or p.deleted for p in latest.values())
 
+    done = False  # the watch reached an outcome (not cancelled, interrupted or crashed)
     try:
         while outcome is None:
             now = time.time()
@@ -143,12 +148,25 @@ def run_eks_attempt(
             while not settled() and time.monotonic() < settle_until:
                 time.sleep(poll_s)
                 drain(time.time())
+        done = True
     finally:
         stop.set()
         log.close(grace_s=2.0)
-    # Keep a failed Job whose pods have all ended (its objects and logs are the forensics); never
-    # keep one that still holds nodes (deadline, unschedulable, image pulls retrying).
-    keep = eks.keep_failed_job and settled() and outcome.kind in KEEPABLE
-    if not keep:
-        kube.delete_job(ns, name)
+        # Keep a failed Job whose pods have all ended (its objects and logs are the forensics);
+        # never keep one that still holds nodes (deadline, unschedulable, image pulls retrying),
+        # nor anything of an attempt whose watch was cancelled or crashed.
+        keep = (
+            done
+            and outcome is not None
+            and outcome.kind in KEEPABLE
+            and eks.keep_failed_job
+            and settled()
+        )
+        if not keep:
+            if done:
+                kube.delete_job(ns, name)
+            else:  # unwinding: a failure to delete must not hide why
+                with contextlib.suppress(Exception):
+                    kube.delete_job(ns, name)
+    assert outcome is not None
     return EksAttemptReport(attempt, name, outcome, time.monotonic() - started, keep)
