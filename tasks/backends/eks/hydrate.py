@@ -18,6 +18,7 @@ from typing import Any
 from tasks.backends.eks.clients import EksClients
 from tasks.backends.eks.fsx import ensure_association, import_metadata, render_hydration_job
 from tasks.backends.eks.kube import Kube
+from tasks.backends.eks.params import EksParams
 from tasks.errors import HydrationError
 from trainer.data import DataError, verify_dataset
 
@@ -91,14 +92,13 @@ def hydrate_fsx(
     clients: EksClients,
     *,
     run_id: str,
-    eks: Any,
+    eks: EksParams,
     bucket: str,
     prefix: str,
     data_dir: Path,
     progress: Callable[[str], None] = lambda msg: None,
 ) -> FsxHydrateReport:
-    """``eks``: :class:`flows.models.EksParams`; ``data_dir``: the dataset as this process sees
-    it on the FSx mount."""
+    """``data_dir``: the dataset as this process sees it on the FSx mount."""
     if not eks.file_system_id:
         raise HydrationError("eks.file_system_id is not set: give the fs-... id of the FSx claim")
     t0 = time.monotonic()

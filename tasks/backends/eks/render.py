@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from tasks.backends.eks.kube import JOB_NAME_LABEL  # set on every pod by the Job controller
+from tasks.backends.eks.params import EksParams
 from tasks.backends.eks.security import (
     container_security_context,
     pod_security_context,
@@ -78,7 +79,7 @@ def render_job(
     run_id: str,
     attempt: int,
     nodes: int,
-    eks: Any,  # flows.models.EksParams (duck-typed: tasks never imports flows)
+    eks: EksParams,
     deadline_s: float | None = None,
 ) -> dict[str, Any]:
     name = job_name(run_id, attempt)
@@ -268,7 +269,7 @@ def render_all(
     run_id: str,
     attempt: int,
     nodes: int,
-    eks: Any,
+    eks: EksParams,
     deadline_s: float | None = None,
 ) -> list[dict[str, Any]]:
     """``deadline_s``: the attempt's deadline (``activeDeadlineSeconds`` adds a margin)."""

@@ -19,6 +19,7 @@ from typing import Any
 from tasks.backends.eks.classify import History, classify_history, observe_job, observe_node
 from tasks.backends.eks.classify import observe_pod as _observe_pod
 from tasks.backends.eks.kube import JOB_NAME_LABEL, Kube, iter_queue
+from tasks.backends.eks.params import EksParams
 from tasks.backends.eks.render import job_name, render_all
 from tasks.classify import EndKind, Outcome
 from trainer.config import TrainConfig
@@ -74,7 +75,7 @@ def run_eks_attempt(
     run_id: str,
     attempt: int,
     nodes: int,
-    eks: Any,
+    eks: EksParams,
     deadline_s: float,
     on_log: Callable[[str], None] = lambda line: None,
     on_poll: Callable[[], None] = lambda: None,

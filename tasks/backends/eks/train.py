@@ -17,6 +17,7 @@ from typing import Any
 from tasks.backends.eks.capacity import wait_for_nodes
 from tasks.backends.eks.clients import EksClients
 from tasks.backends.eks.kube import Kube
+from tasks.backends.eks.params import EksParams
 from tasks.backends.eks.render import LABEL_RUN, job_name, labels
 from tasks.backends.eks.stage import run_eks_attempt
 from tasks.checks import CheckResult
@@ -43,14 +44,14 @@ def eks_train_attempt(
     run_id: str,
     attempt: int,
     nodes: int,
-    eks: Any,
+    eks: EksParams,
     requirements: EksRequirements,
     deadline_s: float,
     on_event: Callable[[dict[str, Any]], None] = lambda e: None,
     on_log: Callable[[str], None] = lambda line: None,
     on_wait: Callable[[CheckResult, float], None] = lambda r, waited: None,
 ) -> AttemptReport:
-    """``eks``: :class:`flows.models.EksParams`. Returns when the Job ended (or was stopped);
+    """Returns when the Job ended (or was stopped);
     the outcome's ``details["result"]`` holds the trainer's result when it completed."""
     kube = clients.kube
     # A run never has two Jobs (DESIGN §8). This invocation holds the run's lease, so any Job of
