@@ -273,15 +273,55 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def render_global_batch(data: dict[str, Any]) -> int | None:
+    """The global batch ``render-k8s`` uses when the parameters set none: the run form's default
+    (8) is sized for the embedded default's world of 2 CPU workers, and an EKS world (nodes x
+    eks.gpus_per_node, 16 by default) must divide it, so take the smallest multiple of the
+    world that is at least the default. None when the user set one (theirs is validated as
+    is) or the world cannot be read (validation then names the bad field)."""
+    from flows.models import PipelineParams
+    from tasks.backends.eks.params import EksParams
+
+    if "global_batch" in data:
+        return None
+    raw_eks = data.get("eks")
+    eks: dict[str, Any] = raw_eks if isinstance(raw_eks, dict) else {}
+    try:
+        nodes = int(data.get("nodes", PipelineParams.model_fields["nodes"].default))
+        gpus = int(eks.get("gpus_per_node", EksParams.model_fields["gpus_per_node"].default))
+    except (TypeError, ValueError):
+        return None
+    world = nodes * gpus
+    if world < 1:
+        return None
+    default = int(PipelineParams.model_fields["global_batch"].default)
+    return world * max(1, -(-default // world))
+
+
 def cmd_render_k8s(args: argparse.Namespace) -> int:
     import yaml
 
     from flows.context import eks_train_config
     from tasks.backends.eks.render import render_all
 
-    params = params_from_args(args, inject=[], backend="eks")
+    try:
+        data = load_params_dict(args.config, args.set, [], args.run_id)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    batch = render_global_batch(data)
+    forced: dict[str, Any] = {"backend": "eks"}
+    if batch is not None:
+        forced["global_batch"] = batch
+    params = params_from_args(args, inject=[], **forced)
     if params is None:
         return EXIT_USAGE
+    if batch is not None:
+        print(
+            f"note: global_batch not set; using {batch}, a multiple of the world size "
+            f"{params.world_size} (nodes x eks.gpus_per_node); set global_batch to choose",
+            file=sys.stderr,
+        )
     run_id = params.run_id or ""
     docs = render_all(
         eks_train_config(params, run_id),

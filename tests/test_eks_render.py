@@ -90,7 +90,14 @@ def test_launch_contract():
     cfg = eks_train_config(p, "run-2026-11-29")
     assert str(cfg.run_root) == "/fsx/runs/run-2026-11-29" and cfg.device.value == "cuda"
     assert cfg.faults == ("exception@step=5,rank=3",) and cfg.workload == "llama3-8b"
-    assert c["resources"]["limits"] == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32"}
+    # requests == limits, cpu and memory included: Guaranteed QoS (tests/test_eks_defaults.py)
+    assert c["resources"]["limits"] == c["resources"]["requests"]
+    assert c["resources"]["limits"] == {
+        "cpu": "189",
+        "memory": "1934Gi",
+        "nvidia.com/gpu": "8",
+        "vpc.amazonaws.com/efa": "32",
+    }
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert mounts == {"/fsx": "fsx", "/dev/shm": "shm", "/tmp": "tmp", security.HOME: "home"}
     vols = {v["name"]: v for v in pod["volumes"]}

@@ -49,6 +49,42 @@ def _token(run_id: str, what: str) -> str:
     return f"{run_id[: 62 - len(what)]}-{what}"
 
 
+# A pod waiting for any of these never starts by waiting longer (the kubelet backs off up to
+# 5 minutes between pulls and never gives up): the image name, the registry or its credentials
+# are wrong. Same reasons as the training watcher's (tasks/backends/eks/classify.py).
+IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName"})
+
+
+def image_pull_failure(pods: list[dict[str, Any]]) -> str | None:
+    """Why the first pod that cannot pull its image cannot (pure), or None."""
+    for pod in pods:
+        name = (pod.get("metadata") or {}).get("name", "?")
+        images = {c.get("name"): c.get("image") for c in _all_containers(pod.get("spec") or {})}
+        status = pod.get("status") or {}
+        for cs in [
+            *(status.get("initContainerStatuses") or []),
+            *(status.get("containerStatuses") or []),
+        ]:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            reason = waiting.get("reason")
+            if reason in IMAGE_PULL_REASONS:
+                image = cs.get("image") or images.get(cs.get("name")) or "?"
+                message = waiting.get("message", "")
+                return (
+                    f"pod {name} cannot pull its image {image!r}: {reason}"
+                    + (f" ({message})" if message else "")
+                    + "; check eks.image (it must name a pushed image the deployment allows: "
+                    "NVRX_ALLOWED_IMAGES) and that the nodes may pull from its registry "
+                    "(ECR: the node role's AmazonEC2ContainerRegistryReadOnly; elsewhere an "
+                    "imagePullSecret on the ServiceAccount)"
+                )
+    return None
+
+
+def _all_containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+
+
 def wait_for_job(
     kube: Kube,
     ns: str,
@@ -58,8 +94,8 @@ def wait_for_job(
     poll_s: float,
     on_wait: Callable[[float], None] = lambda waited: None,
 ) -> None:
-    """Until the Job has condition Complete; raises on Failed (with the controller's reason) or
-    at the deadline."""
+    """Until the Job has condition Complete; raises on Failed (with the controller's reason),
+    at once when a pod of the Job cannot pull its image, or at the deadline."""
     started = time.monotonic()
     while True:
         job = kube.read_job(ns, name)
@@ -78,6 +114,9 @@ def wait_for_job(
                 f"Job {ns}/{name} failed: {c.get('reason', '')} {c.get('message', '')}".rstrip()
                 + f"; see `kubectl logs -n {ns} job/{name}`"
             )
+        pull = image_pull_failure(kube.job_pods(ns, name))
+        if pull:
+            raise HydrationError(f"hydration Job {ns}/{name}: {pull}")
         waited = time.monotonic() - started
         if waited > deadline_s:
             raise HydrationError(
@@ -86,6 +125,29 @@ def wait_for_job(
             )
         on_wait(waited)
         time.sleep(poll_s)
+
+
+def hydration_job(*, name: str, eks: EksParams, data_dir: str) -> dict[str, Any]:
+    """The hydration Job (:func:`render_hydration_job`) with the run's pod policy: limits equal
+    to its requests in every container (Guaranteed QoS: not the first pod evicted when a system
+    node runs short) and eks.priority_class."""
+    job = render_hydration_job(
+        name=name,
+        namespace=eks.namespace,
+        image=eks.image,
+        data_dir=data_dir,
+        fsx_claim=eks.fsx_claim,
+        fsx_mount=eks.fsx_mount,
+        service_account=eks.service_account,
+    )
+    pod = job["spec"]["template"]["spec"]
+    for container in _all_containers(pod):
+        res = container.setdefault("resources", {})
+        res["limits"] = dict(res.get("requests") or {})
+        res["requests"] = dict(res["limits"])
+    if eks.priority_class:
+        pod["priorityClassName"] = eks.priority_class
+    return job
 
 
 def hydrate_fsx(
@@ -123,15 +185,7 @@ def hydrate_fsx(
     )
     progress(f"metadata import task {task['TaskId']} SUCCEEDED")
     name = f"nvrx-{run_id[:40]}-hydrate"
-    job = render_hydration_job(
-        name=name,
-        namespace=eks.namespace,
-        image=eks.image,
-        data_dir=f"{eks.fsx_mount}{fs_path}",
-        fsx_claim=eks.fsx_claim,
-        fsx_mount=eks.fsx_mount,
-        service_account=eks.service_account,
-    )
+    job = hydration_job(name=name, eks=eks, data_dir=f"{eks.fsx_mount}{fs_path}")
     clients.kube.apply(job)  # same run -> same name: a re-run joins the Job already there
     remaining = eks.hydrate_timeout_s - (time.monotonic() - t0)
     last_note = [0.0]

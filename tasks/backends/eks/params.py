@@ -3,9 +3,11 @@ construction, passed whole to every EKS function."""
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Which image runs, as which ServiceAccount, in which namespace is the deployment's decision, not
 # the run form's: the EKS work pool's base job template fixes these in the flow-run pod's
@@ -24,6 +26,97 @@ def deployment_allowed(field: str, default: str) -> tuple[str, ...]:
     raw = os.environ.get(ALLOWED_ENV[field], "")
     values = tuple(v.strip() for v in raw.split(",") if v.strip())
     return values or (default,)
+
+
+# DNS-1123 names: a PriorityClass is a subdomain (<= 253), a Kueue LocalQueue's name travels as a
+# label value (<= 63), so a label.
+DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# A Kubernetes CPU quantity as people write it: whole cores, up to 3 decimals, or millicores.
+CPU_QUANTITY = r"^([1-9][0-9]{0,3}|[0-9]{1,4}\.[0-9]{1,3}|[1-9][0-9]{0,6}m)$"
+
+
+# -- what one training pod may use on a node of each instance type ---------------------------------
+@dataclass(frozen=True)
+class InstanceType:
+    vcpus: int
+    memory_gib: int  # as EC2 lists it
+    gpus: int
+
+
+# EC2's published sizes (vCPUs, GiB, GPUs) of the GPU instance types a training pod targets;
+# deploy/eks/cluster.yaml's GPU node group (p5.48xlarge) is one of them.
+INSTANCE_TYPES: dict[str, InstanceType] = {
+    "p5.48xlarge": InstanceType(192, 2048, 8),  # H100
+    "p5e.48xlarge": InstanceType(192, 2048, 8),  # H200
+    "p5en.48xlarge": InstanceType(192, 2048, 8),  # H200, EFAv3
+    "p4d.24xlarge": InstanceType(96, 1152, 8),  # A100 40 GB
+    "p4de.24xlarge": InstanceType(96, 1152, 8),  # A100 80 GB
+    "g5.12xlarge": InstanceType(48, 192, 4),  # A10G
+    "g5.24xlarge": InstanceType(96, 384, 4),
+    "g5.48xlarge": InstanceType(192, 768, 8),
+    "g6.12xlarge": InstanceType(48, 192, 4),  # L4
+    "g6.24xlarge": InstanceType(96, 384, 4),
+    "g6.48xlarge": InstanceType(192, 768, 8),
+    "g6e.12xlarge": InstanceType(48, 384, 4),  # L40S
+    "g6e.24xlarge": InstanceType(96, 768, 4),
+    "g6e.48xlarge": InstanceType(192, 1536, 8),
+}
+
+# The reserve a pod cannot have, so that requests == limits (Guaranteed QoS) still schedule:
+# - kube-reserved as the EKS AMIs compute it (bootstrap.sh / nodeadm): CPU 6% of the first core,
+#   1% of the second, 0.5% of the next two, 0.25% of every core above four; memory 255 MiB +
+#   11 MiB per pod the node may run (MAX_PODS: the max-pods calculator's ceiling for nodes
+#   with 30+ vCPUs, the largest the AMI may configure, so the reserve is never underestimated);
+# - the kubelet's hard eviction threshold (memory.available < 100Mi);
+# - the node's daemonsets (VPC CNI and its network policy agent, kube-proxy, the FSx CSI node
+#   driver, the NVIDIA and EFA device plugins, monitoring agents): DAEMONSET_* is a generous
+#   allowance for their requests, so an added agent does not leave the pod Pending;
+# - memory the kernel and firmware keep: a node's capacity is below EC2's nominal size
+#   (KERNEL_MEMORY_FRACTION, not measured on these types: hence eks.cpu / eks.memory_gi).
+# The CPU is rounded down to whole cores: with the kubelet's static CPU manager a Guaranteed
+# pod with an integer CPU count gets exclusive cores.
+MAX_PODS = 250
+EVICTION_HARD_MIB = 100
+DAEMONSET_CPU_M = 2000
+DAEMONSET_MEMORY_MIB = 8 * 1024
+KERNEL_MEMORY_FRACTION = 0.05
+
+
+def kube_reserved_cpu_m(vcpus: int) -> float:
+    """EKS AMI's kube-reserved CPU in millicores for a node with ``vcpus`` cores."""
+    steps = ((1, 60.0), (1, 10.0), (2, 5.0))
+    reserved, left = 0.0, vcpus
+    for cores, per_core in steps:
+        take = min(cores, left)
+        reserved, left = reserved + take * per_core, left - take
+    return reserved + left * 2.5
+
+
+def kube_reserved_memory_mib(max_pods: int = MAX_PODS) -> int:
+    """EKS AMI's kube-reserved memory in MiB."""
+    return 255 + 11 * max_pods
+
+
+def pod_cpu_for(itype: InstanceType) -> int:
+    """Whole cores one pod may request (= limit) on a node of this type."""
+    return math.floor(
+        (itype.vcpus * 1000 - kube_reserved_cpu_m(itype.vcpus) - DAEMONSET_CPU_M) / 1000
+    )
+
+
+def pod_memory_gi_for(itype: InstanceType) -> int:
+    """Whole GiB one pod may request (= limit) on a node of this type."""
+    capacity_mib = itype.memory_gib * 1024 * (1 - KERNEL_MEMORY_FRACTION)
+    reserve_mib = kube_reserved_memory_mib() + EVICTION_HARD_MIB + DAEMONSET_MEMORY_MIB
+    return math.floor((capacity_mib - reserve_mib) / 1024)
+
+
+def cpu_millicores(quantity: str) -> int:
+    """``CPU_QUANTITY`` text -> millicores."""
+    if quantity.endswith("m"):
+        return int(quantity[:-1])
+    return round(float(quantity) * 1000)
 
 
 class EksParams(BaseModel):
@@ -53,7 +146,39 @@ class EksParams(BaseModel):
     efa_per_node: int = Field(32, ge=0, le=64, description="vpc.amazonaws.com/efa per pod")
     fsx_claim: str = Field("fsx-claim", description="PVC of the FSx for Lustre file system")
     fsx_mount: str = Field("/fsx", description="where pods mount the FSx volume")
-    shm_gi: int = Field(64, ge=1, le=2048, description="/dev/shm size (memory emptyDir), GiB")
+    shm_gi: int = Field(
+        64,
+        ge=1,
+        le=2048,
+        description="/dev/shm size (memory emptyDir), GiB; counted against the pod's memory",
+    )
+    cpu: str | None = Field(
+        None,
+        pattern=CPU_QUANTITY,
+        description="CPU of a training pod (requests = limits: Guaranteed QoS), e.g. 180 or "
+        "1500m; empty: the instance type's vCPUs less the node's reserve",
+    )
+    memory_gi: int | None = Field(
+        None,
+        ge=1,
+        le=32768,
+        description="memory of a training pod in GiB (requests = limits), /dev/shm included; "
+        "empty: the instance type's memory less the node's reserve",
+    )
+    priority_class: str | None = Field(
+        None,
+        pattern=DNS1123_SUBDOMAIN,
+        max_length=253,
+        description="PriorityClass of the training and hydration pods (priorityClassName); "
+        "empty: the cluster's default",
+    )
+    queue: str | None = Field(
+        None,
+        pattern=DNS1123_LABEL,
+        max_length=63,
+        description="Kueue LocalQueue of the training Job (label kueue.x-k8s.io/queue-name); "
+        "empty: not queued by Kueue",
+    )
     rdzv_port: int = Field(29500, ge=1024, le=65535, description="c10d rendezvous port")
     unreachable_toleration_s: int = Field(
         60, ge=0, le=3600, description="evict pods this long after their node goes unreachable"
@@ -84,6 +209,64 @@ class EksParams(BaseModel):
         ge=60,
         description="deadline for the FSx import task plus the hydration Job",
     )
+
+    @model_validator(mode="after")
+    def _resources(self) -> EksParams:
+        if self.priority_class and self.priority_class.startswith("system-"):
+            raise ValueError(
+                f"eks.priority_class: {self.priority_class!r} is reserved for the cluster's own "
+                "components (a training pod must not preempt DNS or the CNI); name a "
+                "PriorityClass made for training jobs"
+            )
+        itype = INSTANCE_TYPES.get(self.instance_type)
+        if itype is None and (self.cpu is None or self.memory_gi is None):
+            missing = " and ".join(
+                f"eks.{f}" for f in ("cpu", "memory_gi") if getattr(self, f) is None
+            )
+            raise ValueError(
+                f"eks.instance_type: {self.instance_type!r} is not one whose size is known "
+                f"({', '.join(INSTANCE_TYPES)}); set {missing} for it (what one training pod "
+                "may use: the node's allocatable less its daemonsets' requests)"
+            )
+        if itype is not None:
+            if self.gpus_per_node > itype.gpus:
+                raise ValueError(
+                    f"eks.gpus_per_node: {self.gpus_per_node} but {self.instance_type} has "
+                    f"{itype.gpus} GPUs; the pods would never schedule"
+                )
+            if self.cpu is not None and cpu_millicores(self.cpu) > itype.vcpus * 1000:
+                raise ValueError(
+                    f"eks.cpu: {self.cpu} is more than {self.instance_type}'s {itype.vcpus} "
+                    f"vCPUs; the pods would never schedule (empty: {pod_cpu_for(itype)})"
+                )
+            if self.memory_gi is not None and self.memory_gi > itype.memory_gib:
+                raise ValueError(
+                    f"eks.memory_gi: {self.memory_gi} is more than {self.instance_type}'s "
+                    f"{itype.memory_gib} GiB; the pods would never schedule (empty: "
+                    f"{pod_memory_gi_for(itype)})"
+                )
+        if self.cpu is not None and cpu_millicores(self.cpu) == 0:
+            raise ValueError("eks.cpu: must be more than 0")
+        memory = self.pod_memory_gi()
+        if self.shm_gi >= memory:
+            raise ValueError(
+                f"eks.shm_gi: {self.shm_gi} GiB of /dev/shm is memory, counted against the "
+                f"training pod's memory limit of {memory} GiB, which leaves nothing for the "
+                "ranks; lower eks.shm_gi or raise eks.memory_gi"
+            )
+        return self
+
+    def pod_cpu(self) -> str:
+        """The training pod's CPU quantity (requests = limits)."""
+        if self.cpu is not None:
+            return self.cpu
+        return str(pod_cpu_for(INSTANCE_TYPES[self.instance_type]))
+
+    def pod_memory_gi(self) -> int:
+        """The training pod's memory in GiB (requests = limits), /dev/shm included."""
+        if self.memory_gi is not None:
+            return self.memory_gi
+        return pod_memory_gi_for(INSTANCE_TYPES[self.instance_type])
 
     def check_deployment_allows(self) -> None:
         """Refuse an image, service account or namespace the deployment does not allow (the

@@ -68,6 +68,32 @@ def render_service(run_id: str, attempt: int, *, namespace: str, port: int) -> d
     }
 
 
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+def pod_resources(eks: EksParams) -> dict[str, str]:
+    """What one training pod requests, all of it also its limit. cpu and memory come from the
+    instance type less the node's reserve (:mod:`tasks.backends.eks.params`) unless eks.cpu /
+    eks.memory_gi say otherwise; the /dev/shm emptyDir (medium Memory) is charged to the
+    memory limit, which is why EksParams refuses shm_gi >= memory."""
+    resources = {
+        "cpu": eks.pod_cpu(),
+        "memory": f"{eks.pod_memory_gi()}Gi",
+        "nvidia.com/gpu": str(eks.gpus_per_node),
+    }
+    if eks.efa_per_node:
+        resources["vpc.amazonaws.com/efa"] = str(eks.efa_per_node)
+    return resources
+
+
+def guaranteed(resources: dict[str, str]) -> dict[str, dict[str, str]]:
+    """A container's ``resources`` with requests == limits for every resource: with cpu and
+    memory among them the pod is Guaranteed QoS, the last the kubelet evicts under node
+    pressure and the only class the static CPU manager gives exclusive cores. (Extended
+    resources such as GPUs and EFA must have requests == limits anyway.)"""
+    return {"limits": dict(resources), "requests": dict(resources)}
+
+
 # Beyond the flow's own deadline for the attempt: the flow stops the Job first; the API server's
 # deadline is what still ends it when the flow runner is gone (crashed, evicted, cancelled hard).
 JOB_DEADLINE_MARGIN_S = 600
@@ -97,9 +123,7 @@ def render_job(
     config = config_file(cfg.run_root, attempt)
     argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config))
     argv[0] = "ft_launcher"  # the image's entry point, not this machine's path
-    resources = {"nvidia.com/gpu": str(eks.gpus_per_node)}
-    if eks.efa_per_node:
-        resources["vpc.amazonaws.com/efa"] = str(eks.efa_per_node)
+    resources = pod_resources(eks)
     env = [
         {"name": "NVRX_STAGE_ATTEMPT", "value": str(attempt)},
         *({"name": k, "value": v} for k, v in worker_env(config).items()),
@@ -123,6 +147,7 @@ def render_job(
             "serviceAccountName": eks.service_account,
             # Training pods never call the Kubernetes API (rbac.yaml's nvrx-trainer says so too).
             "automountServiceAccountToken": False,
+            **({"priorityClassName": eks.priority_class} if eks.priority_class else {}),
             "securityContext": pod_security_context(),
             "terminationGracePeriodSeconds": 30,
             "nodeSelector": {"node.kubernetes.io/instance-type": eks.instance_type},
@@ -169,7 +194,7 @@ def render_job(
                     "env": env,
                     "ports": [{"name": "rdzv", "containerPort": eks.rdzv_port}],
                     "securityContext": container_security_context(),
-                    "resources": {"limits": dict(resources), "requests": dict(resources)},
+                    "resources": guaranteed(resources),
                     "volumeMounts": [
                         {"name": "fsx", "mountPath": eks.fsx_mount},
                         {"name": "shm", "mountPath": "/dev/shm"},
@@ -184,10 +209,16 @@ def render_job(
             ],
         },
     }
+    job_labels = labels(run_id, attempt)
+    if eks.queue:
+        # Kueue admits the Job from this LocalQueue. The Job is not created suspended: Kueue's
+        # webhook suspends it on creation and resumes it once admitted ("Run A Kubernetes
+        # Job", kueue.sigs.k8s.io: "you do not need to create the Job in a suspended state").
+        job_labels[KUEUE_QUEUE_LABEL] = eks.queue
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": name, "namespace": ns, "labels": labels(run_id, attempt)},
+        "metadata": {"name": name, "namespace": ns, "labels": job_labels},
         "spec": {
             "completionMode": "Indexed",
             "completions": nodes,
