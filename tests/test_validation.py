@@ -180,3 +180,156 @@ def test_a_manifest_does_not_choose_code_to_import(ckpt: Path):
     assert s["DCP metadata covers the model and optimizer"] == "SKIPPED"
     named = gather(ckpt, Expectations(workload={"ref": "gpt-tiny", "options": {}}), load=False)
     assert "expected" not in named.errors and named.expected_entries
+
+
+# -- load modes: full, metadata-only, auto ------------------------------------------------------
+LOAD = "loads on 1 CPU rank, all tensors finite"
+COVERAGE = "DCP metadata covers the model and optimizer"
+
+
+def _no_load(*args, **kwargs):
+    raise AssertionError("metadata mode must not start the load process")
+
+
+def _rewrite_metadata(ckpt: Path, change) -> None:
+    """Re-pickle the checkpoint's DCP metadata after ``change(md)`` and make the manifest vouch
+    for it (a consistent pair: what a writer with a different model would have left)."""
+    import hashlib
+    import pickle
+
+    from trainer.untrusted import load_dcp_metadata
+
+    md = load_dcp_metadata(ckpt)
+    change(md)
+    data = pickle.dumps(md)
+    (ckpt / ".metadata").write_bytes(data)
+    path = ckpt / "manifest.json"
+    man = json.loads(path.read_text())
+    for e in man["files"]:
+        if e["name"] == ".metadata":
+            e["bytes"], e["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    path.write_text(json.dumps(man))
+
+
+def test_forced_metadata_mode_passes_without_loading(ckpt: Path, monkeypatch):
+    from tasks.validation import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_fresh_process_load", _no_load)
+    report = validate_checkpoint(ckpt, Expectations(load_mode=checkpoint.LoadMode.METADATA))
+    assert report.passed, report.checks
+    s = statuses(report)
+    assert s["files and digests"] == s[COVERAGE] == "PASSED"
+    assert s[LOAD] == "SKIPPED" and report.params_sha256 is None
+    detail = {c["name"]: c["detail"] for c in report.checks}
+    assert detail[LOAD].startswith("metadata-only (load_mode metadata, as asked)")
+    assert "tensors not loaded" in detail[LOAD]
+    assert "shapes and dtypes" in detail[COVERAGE] and "within its shard file" in detail[COVERAGE]
+
+
+def test_metadata_mode_fails_a_shape_mismatch_naming_the_tensor(ckpt: Path, monkeypatch):
+    import torch
+
+    from tasks.validation import checkpoint
+
+    key = "model.head.weight"
+
+    def widen(md) -> None:
+        entry = md.state_dict_metadata[key]
+        entry.size = torch.Size([entry.size[0] + 1, *entry.size[1:]])
+
+    _rewrite_metadata(ckpt, widen)
+    monkeypatch.setattr(checkpoint, "_fresh_process_load", _no_load)
+    report = validate_checkpoint(ckpt, Expectations(load_mode=checkpoint.LoadMode.METADATA))
+    assert not report.passed
+    failed = {c["name"]: c["detail"] for c in report.failed_checks()}
+    assert set(failed) == {COVERAGE}
+    assert f"{key} is (" in failed[COVERAGE] and "the model's is (" in failed[COVERAGE]
+
+
+def test_metadata_mode_fails_a_dtype_mismatch_naming_the_tensor(ckpt: Path):
+    import torch
+
+    from tasks.validation import checkpoint
+
+    key = "optim.state.head.weight.exp_avg"
+
+    def halve(md) -> None:
+        md.state_dict_metadata[key].properties.dtype = torch.bfloat16
+
+    _rewrite_metadata(ckpt, halve)
+    facts = gather(ckpt, Expectations(load_mode=checkpoint.LoadMode.METADATA))
+    failed = {c["name"]: c["detail"] for c in judge(facts, Expectations()).failed_checks()}
+    assert f"{key} is torch.bfloat16, the model's is torch.float32" in failed[COVERAGE]
+
+
+def test_auto_mode_loads_nothing_when_memory_is_short(ckpt: Path, monkeypatch):
+    from tasks.validation import checkpoint
+
+    monkeypatch.setattr(checkpoint, "memory_budget", lambda: (200 << 20, "cgroup limit"))
+    monkeypatch.setattr(checkpoint, "_fresh_process_load", _no_load)
+    report = validate_checkpoint(ckpt, Expectations())  # load_mode defaults to auto
+    assert report.passed, report.checks
+    detail = next(c for c in report.checks if c["name"] == LOAD)
+    assert detail["status"] == "SKIPPED"
+    assert detail["detail"].startswith("metadata-only (auto): checkpoint tensors ")
+    assert "> 0.2 GB this process may use (cgroup limit); tensors not loaded" in detail["detail"]
+
+
+@pytest.mark.parametrize(
+    ("requested", "tensor_gb", "budget_gb", "mode", "phrase"),
+    [
+        ("auto", 16.1, 3.2, "metadata", "metadata-only (auto): checkpoint tensors 16.1 GB x 1.5"),
+        ("auto", 1.0, 3.2, "full", "full load (auto): "),
+        ("auto", 1.0, None, "full", "not known"),
+        ("full", 160.0, 3.2, "full", "as asked"),
+        ("metadata", 0.001, 100.0, "metadata", "as asked"),
+    ],
+)
+def test_choose_load_mode(requested, tensor_gb, budget_gb, mode, phrase):
+    from tasks.validation.checkpoint import LoadMode, choose_load_mode
+
+    got, why = choose_load_mode(
+        LoadMode(requested),
+        tensor_bytes=int(tensor_gb * 1e9),
+        budget_bytes=None if budget_gb is None else int(budget_gb * 1e9),
+        budget_source="test",
+    )
+    assert got == LoadMode(mode) and phrase in why
+
+
+def test_cgroup_memory_left(tmp_path: Path):
+    from tasks.validation.checkpoint import cgroup_memory_left
+
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/kubepods/pod1\n")
+    group = tmp_path / "kubepods" / "pod1"
+    group.mkdir(parents=True)
+    (group / "memory.max").write_text(f"{4 << 30}\n")
+    (group / "memory.current").write_text(f"{1 << 30}\n")
+    assert cgroup_memory_left(tmp_path, proc) == 3 << 30
+    (group / "memory.max").write_text("max\n")  # no limit in the pod's group nor the root
+    assert cgroup_memory_left(tmp_path, proc) is None
+    v1 = tmp_path / "memory"
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text(f"{2**63 - 4096}\n")  # v1's "unlimited"
+    assert cgroup_memory_left(tmp_path, proc) is None
+    (v1 / "memory.limit_in_bytes").write_text(f"{8 << 30}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{2 << 30}\n")
+    assert cgroup_memory_left(tmp_path, proc) == 6 << 30
+
+
+def test_items_past_their_shard_end_fail_coverage():
+    from tasks.validation.checkpoint import extent_errors
+
+    files = {"__0_0.distcp": {"bytes": 100, "sha256": "x"}}
+    bad = extent_errors(
+        [("model.a", "__0_0.distcp", 100), ("model.b", "__0_0.distcp", 101), ("c", "gone", 1)],
+        files,
+    )
+    assert bad == [
+        "model.b ends at byte 101 of __0_0.distcp, which has 100",
+        "c is stored in gone, which is missing",
+    ]
+    f = _facts(dcp_entries={}, expected_entries={}, extent_errors=bad)
+    c = next(x for x in judge(f, Expectations()).checks if x["name"] == COVERAGE)
+    assert c["status"] == "FAILED" and "model.b ends at byte 101" in c["detail"]

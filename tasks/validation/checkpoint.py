@@ -4,14 +4,18 @@ them with pure checks (:func:`judge`), into a :class:`CheckpointReport`.
 Checks (each PASSED / FAILED / SKIPPED with why):
 1. manifest well-formed; step, world size and config hash consistent with the run;
 2. every file present with its size and sha256 (hashed in parallel; MB/s reported);
-3. the DCP metadata covers every model and optimizer entry the model config defines, shapes too;
-4. loads on CPU in a fresh process on world size 1 (resharding) and every tensor is finite;
+3. the DCP metadata covers every model and optimizer entry the model config defines, with their
+   shapes and dtypes, and every stored item lies within its shard file;
+4. loads on CPU in a fresh process on world size 1 (resharding) and every tensor is finite; or,
+   when the load would not fit in this process's memory (``Expectations.load_mode``), not
+   loaded: the metadata checks of 3 are then what vouches for the tensors, and 4 says so;
 5. optional: the loss on a held-out batch is within a tolerance of the loss recorded at that step.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -20,6 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +35,23 @@ from trainer.hashing import sha256_file
 from trainer.untrusted import METADATA, UnsafeNameError, check_component, load_dcp_metadata
 
 _REPO = Path(__file__).resolve().parents[2]
+
+
+class LoadMode(StrEnum):
+    """How check 4 looks at the tensors."""
+
+    FULL = "full"  # load every tensor in a fresh process, check each is finite
+    METADATA = "metadata"  # load nothing: the DCP metadata against the model built on "meta"
+    AUTO = "auto"  # full when the load fits in the memory this process may use, else metadata
+
+
+# Peak memory of a full load per byte of checkpoint tensors: the model and optimizer state the
+# load fills hold every tensor once; initialising AdamW's state first allocates the gradients
+# (a third of an AdamW checkpoint's tensors) for one step; DCP reads each item into a buffer
+# before copying it, and the parameter digest copies one tensor at a time. Plus the interpreter
+# with torch imported.
+LOAD_MEMORY_FACTOR = 1.5
+LOAD_OVERHEAD_BYTES = 1 << 30
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +65,7 @@ class Expectations:
     data_dir: Path | None = None  # enables the held-out loss check
     loss_tolerance: float = 0.25  # relative
     load_timeout_s: float = 600.0
+    load_mode: LoadMode = LoadMode.AUTO
 
 
 @dataclass
@@ -53,6 +76,12 @@ class Facts:
     hash_mb_s: float | None = None
     dcp_entries: dict[str, tuple[int, ...] | None] | None = None  # key -> shape (None: bytes)
     expected_entries: dict[str, tuple[int, ...] | None] | None = None
+    dcp_dtypes: dict[str, str] = field(default_factory=dict)  # tensor key -> "torch.float32"
+    expected_dtypes: dict[str, str] = field(default_factory=dict)  # only the keys it knows
+    tensor_bytes: int | None = None  # of every tensor the DCP metadata describes
+    extent_errors: list[str] = field(default_factory=list)  # items beyond their shard's end
+    load_mode: LoadMode | None = None  # what check 4 did (None: it did not get that far)
+    load_why: str = ""  # why that mode, for the report
     load: dict[str, Any] | None = None
     errors: dict[str, str] = field(default_factory=dict)
 
@@ -95,34 +124,163 @@ def hash_files(path: Path, names: list[str]) -> tuple[dict[str, dict[str, Any]],
 _hash_files = hash_files  # the name benchmarks/transfer_throughput.py imports
 
 
-def expected_entries(workload: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
-    """Every DCP key a checkpoint of this workload must hold: the model's parameters with their
-    shapes and, with the default AdamW, its state (a workload's own optimizer may keep other
-    state, so only the model is checked then)."""
+def expected_tensors(
+    workload: dict[str, Any],
+) -> tuple[dict[str, tuple[int, ...] | None], dict[str, str]]:
+    """Every DCP key a checkpoint of this workload must hold with its shape: the model's
+    parameters and, with the default AdamW, its state (a workload's own optimizer may keep other
+    state, so only the model is checked then); and the dtypes known for them: a parameter's own
+    (FSDP2 mixed precision casts copies for compute, the stored parameters keep it) and AdamW's
+    moments, which take their parameter's (AdamW's ``step`` is left out: its dtype follows
+    torch's default dtype at the time)."""
     import torch
 
     from trainer.workload import adamw, load_workload
 
     wl = load_workload(workload["ref"], workload.get("options") or {})
-    model = wl.build_model(torch.device("meta"))  # meta: initial weights are never read
-    out: dict[str, tuple[int, ...] | None] = {}
+    model = wl.build_model(torch.device("meta"))  # meta: no memory, initial weights never read
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    dtypes: dict[str, str] = {}
     for name, p in model.named_parameters():
-        out[f"model.{name}"] = tuple(p.shape)
+        keys = [f"model.{name}"]
         if wl.spec.build_optimizer is adamw:
-            out[f"optim.state.{name}.exp_avg"] = tuple(p.shape)
-            out[f"optim.state.{name}.exp_avg_sq"] = tuple(p.shape)
-            out[f"optim.state.{name}.step"] = ()
-    return out
+            keys += [f"optim.state.{name}.exp_avg", f"optim.state.{name}.exp_avg_sq"]
+            shapes[f"optim.state.{name}.step"] = ()
+        for key in keys:
+            shapes[key] = tuple(p.shape)
+            dtypes[key] = str(p.dtype)
+    return shapes, dtypes
 
 
-def _dcp_entries(path: Path) -> dict[str, tuple[int, ...] | None]:
+def expected_entries(workload: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
+    """The keys and shapes of :func:`expected_tensors`."""
+    return expected_tensors(workload)[0]
+
+
+@dataclass(frozen=True)
+class DcpIndex:
+    """What a checkpoint's DCP metadata says about its tensors, without reading them."""
+
+    shapes: dict[str, tuple[int, ...] | None]  # key -> shape (None: a bytes entry)
+    dtypes: dict[str, str]
+    tensor_bytes: int
+    extents: list[tuple[str, str, int]]  # (item, shard file, offset + length)
+
+
+def _dcp_index(path: Path) -> DcpIndex:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     md = load_dcp_metadata(path)  # restricted: a forged .metadata cannot run code
-    return {
-        k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None
-        for k, v in md.state_dict_metadata.items()
-    }
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    dtypes: dict[str, str] = {}
+    total = 0
+    for k, v in md.state_dict_metadata.items():
+        if isinstance(v, TensorStorageMetadata):
+            shapes[k] = tuple(v.size)
+            dtypes[k] = str(v.properties.dtype)
+            total += math.prod(v.size) * v.properties.dtype.itemsize
+        else:
+            shapes[k] = None
+    extents = [
+        (str(idx.fqn), str(info.relative_path), int(info.offset) + int(info.length))
+        for idx, info in md.storage_data.items()
+    ]
+    return DcpIndex(shapes, dtypes, total, extents)
+
+
+def extent_errors(
+    extents: list[tuple[str, str, int]], files: dict[str, dict[str, Any]]
+) -> list[str]:
+    """Stored items that would be read past the end of their shard file (or from a file that
+    is not there): a truncated shard the manifest's digests would also catch, found here
+    without reading a tensor."""
+    bad = []
+    for item, name, end in extents:
+        size = (files.get(name) or {}).get("bytes")
+        if size is None:
+            bad.append(f"{item} is stored in {name}, which is missing")
+        elif end > size:
+            bad.append(f"{item} ends at byte {end} of {name}, which has {size}")
+    return bad
+
+
+# -- how check 4 looks at the tensors ----------------------------------------------------------
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def choose_load_mode(
+    requested: LoadMode, *, tensor_bytes: int, budget_bytes: int | None, budget_source: str
+) -> tuple[LoadMode, str]:
+    """(mode, why) for check 4 (pure). ``auto``: a full load only when its estimated peak
+    (``LOAD_MEMORY_FACTOR`` x the tensors + ``LOAD_OVERHEAD_BYTES``) fits in what this process
+    may use; it would otherwise be OOM-killed (taking the flow runner with it: the load check's
+    process shares its cgroup) or leave the check unanswered."""
+    if requested == LoadMode.FULL:
+        return LoadMode.FULL, "full load (load_mode full, as asked)"
+    if requested == LoadMode.METADATA:
+        return LoadMode.METADATA, "metadata-only (load_mode metadata, as asked)"
+    need = tensor_bytes * LOAD_MEMORY_FACTOR + LOAD_OVERHEAD_BYTES
+    if budget_bytes is None:
+        return LoadMode.FULL, "full load (auto: the memory this process may use is not known)"
+    versus = (
+        f"checkpoint tensors {_gb(tensor_bytes)} x {LOAD_MEMORY_FACTOR} + "
+        f"{_gb(LOAD_OVERHEAD_BYTES)}: {_gb(need)}"
+    )
+    budget = f"{_gb(budget_bytes)} this process may use ({budget_source})"
+    if need > budget_bytes:
+        return LoadMode.METADATA, f"metadata-only (auto): {versus} > {budget}"
+    return LoadMode.FULL, f"full load (auto): {versus} <= {budget}"
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_NO_LIMIT = 1 << 60  # cgroup v1 writes "unlimited" as a page-rounded 2**63 - 1
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def cgroup_memory_left(root: Path = CGROUP_ROOT, proc_cgroup: Path | None = None) -> int | None:
+    """Bytes this process's memory cgroup still allows (its limit less what the cgroup already
+    uses), or None without a limit. cgroup v2 (``memory.max``, ``memory.current``; the
+    process's own group from /proc/self/cgroup, then the root a container sees), else v1."""
+    candidates = []
+    try:
+        for line in (proc_cgroup or Path("/proc/self/cgroup")).read_text().splitlines():
+            if line.startswith("0::"):
+                candidates.append(root / line[3:].strip().lstrip("/"))
+    except OSError:
+        pass
+    candidates.append(root)
+    for group in candidates:
+        limit = _read_int(group / "memory.max")
+        if limit is not None:
+            return max(0, limit - (_read_int(group / "memory.current") or 0))
+    limit = _read_int(root / "memory" / "memory.limit_in_bytes")
+    if limit is not None and limit < _NO_LIMIT:
+        return max(0, limit - (_read_int(root / "memory" / "memory.usage_in_bytes") or 0))
+    return None
+
+
+def memory_budget() -> tuple[int | None, str]:
+    """(bytes this process may still use, where that figure comes from)."""
+    try:
+        import psutil
+
+        available: int | None = int(psutil.virtual_memory().available)
+    except Exception:  # psutil missing or /proc unreadable: the cgroup alone, or unknown
+        available = None
+    left = cgroup_memory_left()
+    if left is not None and (available is None or left <= available):
+        return left, "cgroup memory limit less usage"
+    if available is None:
+        return None, "unknown"
+    return available, "available memory"
 
 
 def check_file_names(manifest: dict[str, Any], path: Path) -> None:
@@ -227,10 +385,14 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
         facts.errors["dcp"] = "not read: files do not match the manifest"
     else:
         try:
-            facts.dcp_entries = _dcp_entries(path)
+            index = _dcp_index(path)
         except Exception as e:
             # Read and refused (forged or garbled) is a finding about the checkpoint: FAILED.
             facts.errors["dcp_invalid"] = f"{path / METADATA}: {type(e).__name__}: {e}"
+        else:
+            facts.dcp_entries, facts.dcp_dtypes = index.shapes, index.dtypes
+            facts.tensor_bytes = index.tensor_bytes
+            facts.extent_errors = extent_errors(index.extents, facts.files)
     from trainer.workload import safe_to_name_from_file  # imports torch: only when validating
 
     workload = exp.workload or ckpt_manifest.workload_of(facts.manifest)
@@ -247,7 +409,7 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
         return facts
     if workload:
         try:
-            facts.expected_entries = expected_entries(workload)
+            facts.expected_entries, facts.expected_dtypes = expected_tensors(workload)
         except Exception as e:
             facts.errors["expected"] = f"workload {workload['ref']!r}: {e}"
     else:
@@ -261,6 +423,19 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
     elif not workload:
         facts.errors["load"] = "workload unknown"
     else:
+        budget, source = memory_budget() if exp.load_mode == LoadMode.AUTO else (None, "")
+        facts.load_mode, facts.load_why = choose_load_mode(
+            exp.load_mode,
+            tensor_bytes=facts.tensor_bytes or 0,
+            budget_bytes=budget,
+            budget_source=source,
+        )
+        if facts.load_mode == LoadMode.METADATA:
+            facts.errors["load"] = (
+                f"{facts.load_why}; tensors not loaded (their shapes, dtypes and places in "
+                "the shard files were checked against the DCP metadata instead)"
+            )
+            return facts
         try:
             facts.load = _fresh_process_load(path, exp)
         except subprocess.TimeoutExpired:
@@ -328,14 +503,40 @@ def check_coverage(f: Facts, exp: Expectations) -> CheckResult:
     have, want = f.dcp_entries or {}, f.expected_entries or {}
     missing = sorted(k for k in want if k not in have)
     wrong = sorted(k for k, shape in want.items() if k in have and have[k] != shape)
-    if missing or wrong:
+    wrong_dtype = sorted(
+        k
+        for k, dtype in f.expected_dtypes.items()
+        if k in f.dcp_dtypes and f.dcp_dtypes[k] != dtype
+    )
+    if missing or wrong or wrong_dtype or f.extent_errors:
         detail = []
         if missing:
             detail.append(f"{len(missing)} missing, e.g. {missing[:3]}")
         if wrong:
-            detail.append(f"{len(wrong)} with wrong shapes, e.g. {wrong[:3]}")
+            detail.append(
+                f"{len(wrong)} with wrong shapes, e.g. "
+                + ", ".join(f"{k} is {have[k]}, the model's is {want[k]}" for k in wrong[:3])
+            )
+        if wrong_dtype:
+            detail.append(
+                f"{len(wrong_dtype)} with wrong dtypes, e.g. "
+                + ", ".join(
+                    f"{k} is {f.dcp_dtypes[k]}, the model's is {f.expected_dtypes[k]}"
+                    for k in wrong_dtype[:3]
+                )
+            )
+        if f.extent_errors:
+            detail.append(
+                f"{len(f.extent_errors)} stored past their shard's end, e.g. "
+                + "; ".join(f.extent_errors[:3])
+            )
         return CheckResult(name, Status.FAILED, "; ".join(detail))
-    return CheckResult(name, Status.PASSED, f"{len(want)} entries present with their shapes")
+    return CheckResult(
+        name,
+        Status.PASSED,
+        f"{len(want)} entries present with their shapes and dtypes, every stored item within "
+        "its shard file",
+    )
 
 
 def check_load(f: Facts, exp: Expectations) -> CheckResult:
@@ -343,17 +544,20 @@ def check_load(f: Facts, exp: Expectations) -> CheckResult:
     if "load" in f.errors:
         return _skip(name, f.errors["load"])
     res = f.load or {}
+    how = f"{f.load_why}: " if f.load_why else ""
     if not res.get("loaded"):
-        return CheckResult(name, Status.FAILED, str(res.get("error", "did not load")))
+        return CheckResult(name, Status.FAILED, how + str(res.get("error", "did not load")))
     if res.get("nonfinite"):
-        return CheckResult(name, Status.FAILED, f"non-finite values in {res['nonfinite']}")
-    return CheckResult(name, Status.PASSED, f"{res.get('tensors')} tensors loaded, all finite")
+        return CheckResult(name, Status.FAILED, f"{how}non-finite values in {res['nonfinite']}")
+    return CheckResult(name, Status.PASSED, f"{how}{res.get('tensors')} tensors loaded, all finite")
 
 
 def check_loss(f: Facts, exp: Expectations) -> CheckResult:
     name = "held-out loss near the recorded loss"
     if exp.data_dir is None:
         return _skip(name, "no dataset given (optional check)")
+    if f.load_mode == LoadMode.METADATA:
+        return _skip(name, "metadata-only: tensors not loaded")
     if "load" in f.errors or not (f.load or {}).get("loaded"):
         return _skip(name, "checkpoint did not load")
     recorded = (f.manifest or {}).get("loss")
