@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tasks.backends.eks.classify import IMAGE_PULL_REASONS
 from tasks.backends.eks.clients import EksClients
 from tasks.backends.eks.fsx import ensure_association, import_metadata, render_hydration_job
 from tasks.backends.eks.kube import Kube
@@ -49,14 +50,11 @@ def _token(run_id: str, what: str) -> str:
     return f"{run_id[: 62 - len(what)]}-{what}"
 
 
-# A pod waiting for any of these never starts by waiting longer (the kubelet backs off up to
-# 5 minutes between pulls and never gives up): the image name, the registry or its credentials
-# are wrong. Same reasons as the training watcher's (tasks/backends/eks/classify.py).
-IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName"})
-
-
 def image_pull_failure(pods: list[dict[str, Any]]) -> str | None:
-    """Why the first pod that cannot pull its image cannot (pure), or None."""
+    """Why the first pod that cannot pull its image cannot (pure), or None. Waiting longer
+    does not help a pod waiting for one of ``IMAGE_PULL_REASONS`` (the training watcher's own):
+    the kubelet retries the pull forever, backing off up to 5 minutes, while the image name,
+    the registry or the pull credentials stay wrong."""
     for pod in pods:
         name = (pod.get("metadata") or {}).get("name", "?")
         images = {c.get("name"): c.get("image") for c in _all_containers(pod.get("spec") or {})}
