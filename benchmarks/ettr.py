@@ -77,8 +77,14 @@ def run_ours(
         attempts += 1
         report = run_attempt(
             LocalBackend(),
-            LaunchRequest(run_id=root.name, attempt=attempts, cfg=cfg, nodes=2, nproc_per_node=1),
-            deadline_s=7200,
+            LaunchRequest(
+                run_id=root.name,
+                attempt=attempts,
+                cfg=cfg,
+                nodes=2,
+                nproc_per_node=1,
+                deadline_s=7200,
+            ),
         )
         if report.outcome.kind != EndKind.NODE_LOSS or attempts > len(faults):
             break

@@ -68,9 +68,13 @@ def run_ours(kind: str, root: Path, data: Path, args: argparse.Namespace) -> lis
         report = run_attempt(
             LocalBackend(),
             LaunchRequest(
-                run_id=run_root.name, attempt=attempt, cfg=cfg, nodes=2, nproc_per_node=1
+                run_id=run_root.name,
+                attempt=attempt,
+                cfg=cfg,
+                nodes=2,
+                nproc_per_node=1,
+                deadline_s=600,
             ),
-            deadline_s=600,
         )
         if report.outcome.kind != EndKind.NODE_LOSS:  # only a node loss gets another attempt
             break

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flows.models import PipelineParams, new_run_id
-from tasks.preflight.eks import EksRequirements
+from tasks.backends import registry
+from tasks.backends.base import Placement
 from tasks.storage.s3 import S3Settings
 from trainer.config import (
     Device,
@@ -28,26 +29,32 @@ class RunContext:
     weights_dir: Path | None = None
 
     @classmethod
-    def create(cls, params: PipelineParams) -> RunContext:
+    def create(cls, params: PipelineParams, *, run_id: str | None = None) -> RunContext:
         """Locally "FSx" is a directory under the state dir; on EKS it is the FSx claim, which
-        the flow runner mounts at the same path as the training pods (``eks.fsx_mount``)."""
+        the flow runner mounts at the same path as the training pods (``eks.fsx_mount``).
+        ``run_id``: when the parameters name none (derived from the flow run)."""
         state = Path(params.state_dir).absolute()
-        eks = params.backend == "eks"
-        fsx = Path(params.eks.fsx_mount) if eks else state / "fsx"
-        run_id = params.run_id or new_run_id()
+        where = placement(params)
+        fsx = where.shared_root
+        run_id = params.run_id or run_id or new_run_id()
         weights = params.s3_init_weights()
         return cls(
             run_id=run_id,
             state_dir=state,
             run_root=fsx / "runs" / run_id,
             data_dir=fsx / "datasets" / params.dataset.bucket / params.dataset.prefix,
-            s3=S3Settings(endpoint_url=params.s3_endpoint, region=params.eks.region)
-            if eks
+            s3=S3Settings(endpoint_url=params.s3_endpoint, region=where.s3_region)
+            if where.s3_region
             else S3Settings(endpoint_url=params.s3_endpoint),
             weights_dir=None
             if weights is None
             else fsx / "weights" / weights.removeprefix("s3://").rstrip("/"),
         )
+
+
+def placement(params: PipelineParams) -> Placement:
+    """Where this run's backend puts its shared filesystem and workers (no connection made)."""
+    return registry.create(params.backend, params).placement
 
 
 def train_config(
@@ -102,60 +109,35 @@ def _script_absolute(workload: str) -> str:
     return "script:" + str(Path(workload.removeprefix("script:")).absolute())
 
 
-# GPU nodes: NCCL collectives of a large model, checkpoint I/O to FSx and a rendezvous of many
-# pods take minutes, not seconds. Still nested: pg < soft < hard < ft_launcher heartbeat.
-EKS_INPROCESS = InProcessConfig(
-    pg_timeout_s=120.0,
-    soft_timeout_s=240.0,
-    hard_timeout_s=280.0,
-    heartbeat_timeout_s=200.0,
-    barrier_timeout_s=600.0,
-    completion_timeout_s=600.0,
-)
-EKS_INJOB = InJobConfig(
-    heartbeat_timeout_s=300.0,
-    initial_heartbeat_timeout_s=900.0,
-    monitor_interval_s=1.0,
-    workers_stop_timeout_s=30.0,
-    rdzv_join_timeout_s=120.0,
-)
-
-
-def local_train_config(params: PipelineParams, ctx: RunContext) -> TrainConfig:
-    return train_config(
-        params, run_root=ctx.run_root, data_dir=ctx.data_dir, weights_dir=ctx.weights_dir
-    )
-
-
 def stage_train_config(params: PipelineParams, ctx: RunContext) -> TrainConfig:
-    """The trainer config of this run's backend (what validation compares checkpoints to)."""
-    if params.backend == "eks":
-        return eks_train_config(params, ctx.run_id)
-    return local_train_config(params, ctx)
-
-
-def eks_requirements(params: PipelineParams) -> EksRequirements:
-    eks = params.eks
-    return EksRequirements(
-        nodes=params.nodes,
-        gpus_per_node=eks.gpus_per_node,
-        efa_per_node=eks.efa_per_node,
-        instance_type=eks.instance_type,
-        namespace=eks.namespace,
-        fsx_claim=eks.fsx_claim,
-        file_system_id=eks.file_system_id,
+    """The trainer config as this run's workers see it (what validation compares checkpoints
+    to): paths on the shared filesystem, the backend's device and fault-layer timings."""
+    where = placement(params)
+    return train_config(
+        params,
+        run_root=ctx.run_root,
+        data_dir=ctx.data_dir,
+        weights_dir=ctx.weights_dir,
+        device=where.device,
+        local_paths=where.local_paths,
+        inprocess=where.inprocess,
+        injob=where.injob,
     )
 
 
 def eks_train_config(params: PipelineParams, run_id: str) -> TrainConfig:
-    """The trainer config as the EKS pods see it: the run and the data on the FSx mount."""
-    fsx = Path(params.eks.fsx_mount)
+    """The trainer config as the EKS pods see it (``render-k8s``): the run and the data on the
+    FSx mount."""
+    from tasks.backends.eks.backend import placement as eks_placement
+
+    where = eks_placement(params.eks)
+    fsx = where.shared_root
     return train_config(
         params,
         run_root=fsx / "runs" / run_id,
         data_dir=fsx / "datasets" / params.dataset.bucket / params.dataset.prefix,
-        device=Device.CUDA,
-        local_paths=False,
-        inprocess=EKS_INPROCESS,
-        injob=EKS_INJOB,
+        device=where.device,
+        local_paths=where.local_paths,
+        inprocess=where.inprocess,
+        injob=where.injob,
     )

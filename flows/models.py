@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from tasks.backends.eks.params import ALLOWED_ENV as ALLOWED_ENV  # re-exported: the form's home
 from tasks.backends.eks.params import EksParams
+from tasks.backends.registry import BackendType, backend_type
 from trainer.faults import FaultSpecError, parse_fault
 
 if TYPE_CHECKING:
@@ -206,11 +207,11 @@ class PipelineParams(BaseModel):
             return
         if self.script_args:
             raise ValueError("script_args: only a script:PATH workload takes them")
-        if self.s3_init_weights() and self.backend == "eks":
+        if self.s3_init_weights() and not self.backend_type.hydrates_s3_weights:
             raise ValueError(
-                "workload_options.init_weights: on EKS give a directory on the FSx mount "
-                "(import it with the file system's data repository association); s3:// "
-                "weights are hydrated by the local backend only"
+                f"workload_options.init_weights: the {self.backend} backend does not copy s3:// "
+                "weights; give a directory on its shared filesystem (on EKS, import it with the "
+                "FSx file system's data repository association)"
             )
 
         try:
@@ -219,9 +220,13 @@ class PipelineParams(BaseModel):
             raise ValueError(str(e)) from None
 
     @property
+    def backend_type(self) -> BackendType:
+        return backend_type(self.backend)
+
+    @property
     def ranks_per_node(self) -> int:
         """Workers per node: one per GPU on EKS, ``nproc_per_node`` CPU workers locally."""
-        return self.eks.gpus_per_node if self.backend == "eks" else self.nproc_per_node
+        return self.backend_type.ranks_per_node(self)
 
     @property
     def world_size(self) -> int:
@@ -229,12 +234,12 @@ class PipelineParams(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> PipelineParams:
-        if self.backend == "eks" and self.s3_endpoint == LOCAL_S3_ENDPOINT:
+        kind = self.backend_type
+        if not kind.embedded_s3 and self.s3_endpoint == LOCAL_S3_ENDPOINT:
             # The embedded default's local server makes no sense on a cluster (a form that
             # re-sends the default would otherwise start one in the flow runner's pod): AWS S3.
             self.s3_endpoint = None
-        if self.backend == "eks":
-            self.eks.check_deployment_allows()
+        kind.check(self)
         self._check_workload()
         world = self.world_size
         if self.global_batch % world:

@@ -8,12 +8,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+from uuid import UUID
 
 from prefect import flow
 from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.logging import get_run_logger
 
-from flows.context import RunContext
+from flows.context import RunContext, placement
 from flows.events import emit
 from flows.models import (
     CheckpointInfo,
@@ -33,6 +34,7 @@ from flows.stages import (
     validate_flow,
 )
 from tasks import run_summary
+from tasks.backends import registry
 from tasks.ownership import lease, takeover
 from tasks.storage.local_s3 import local_s3
 from trainer.events import EventLog, read_events
@@ -100,14 +102,64 @@ def build_result(
     )
 
 
-@flow(name="nvrx-training-pipeline")
+def run_id_of_flow_run(flow_run_id: UUID | str) -> str:
+    """The run id of a flow run whose parameters name none: stable for the flow run, so a
+    rescheduled flow run (its runner's pod evicted) continues the same run instead of starting
+    over at step 0."""
+    return f"run-{UUID(str(flow_run_id)).hex[:12]}"
+
+
+def _run_id(params: PipelineParams | dict[str, Any] | None, flow_run_id: Any) -> str:
+    named = params.run_id if isinstance(params, PipelineParams) else (params or {}).get("run_id")
+    return str(named) if named else run_id_of_flow_run(flow_run_id)
+
+
+def _flow_run_name() -> str:
+    """The flow run is named by its run id (what `nvrx-pipeline status` and the events use)."""
+    from prefect.runtime import flow_run
+
+    return _run_id(flow_run.parameters.get("params"), flow_run.id)
+
+
+def _clean_up_after(flow: Any, flow_run: Any, state: Any) -> None:
+    """Prefect's hook on a cancelled or crashed flow run (run by the runner after it stopped
+    the flow's process, or by the engine): remove everything of the run that its dead
+    invocation left (local: the simulated nodes and the S3 server; EKS: every Job, Service and
+    NetworkPolicy labelled with the run id). The flow's own ``finally`` does this when it can
+    unwind; this is for when it could not (killed after the grace period, OOM, a crash)."""
+    import logging
+
+    log = logging.getLogger("nvrx.cleanup")
+    try:
+        raw = (flow_run.parameters or {}).get("params") or {}
+        params = raw if isinstance(raw, PipelineParams) else PipelineParams.model_validate(raw)
+        ctx = RunContext.create(params, run_id=_run_id(params, flow_run.id))
+        owner = lease.live_owner(ctx.run_root)
+        if owner is not None:
+            log.warning("run %s: left alone, a live invocation %s owns it", ctx.run_id, owner)
+            return
+        removed = registry.create(params.backend, params).cleanup(ctx.run_id, ctx.run_root)
+        EventLog(ctx.run_root).emit("cleanup", state=state.type.value, removed=removed)
+        log.warning("run %s (%s): removed %s", ctx.run_id, state.type.value, removed or "nothing")
+    except Exception as e:  # a hook must not fail the state transition it reports
+        log.error("cleanup of flow run %s failed: %s: %s", flow_run.id, type(e).__name__, e)
+
+
+@flow(
+    name="nvrx-training-pipeline",
+    flow_run_name=_flow_run_name,
+    on_cancellation=[_clean_up_after],
+    on_crashed=[_clean_up_after],
+)
 def training_pipeline(params: PipelineParams) -> PipelineResult:
+    from prefect.runtime import flow_run
+
     log = get_run_logger()
-    ctx = RunContext.create(params)
+    ctx = RunContext.create(params, run_id=_run_id(params, flow_run.id))
     log.info("run %s: run root %s", ctx.run_id, ctx.run_root)
     # Before anything else: one writer per run directory (DESIGN §8). A second invocation of a
     # live run stops here with RunBusy naming the owner, having written nothing.
-    with lease.hold(ctx.run_root, ctx.run_id) as held:
+    with lease.hold(ctx.run_root, ctx.run_id, flow_run=str(flow_run.id or "")) as held:
         since = time.time()  # this invocation's events, the takeover's included
         if held.takeover is not None:
             _take_over(held, ctx)
@@ -171,7 +223,7 @@ def _run(
     try:
         # The embedded default starts its own S3 server; a cluster uses the one it is given.
         with local_s3(
-            ctx.s3 if params.backend == "local" else None,
+            ctx.s3 if placement(params).embedded_s3 else None,
             ctx.state_dir,
             user=held.owner.invocation,
         ) as server:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, cast
 from uuid import UUID
@@ -15,36 +14,23 @@ from prefect.artifacts import (
 )
 from prefect.logging import get_run_logger
 
-from flows.context import (
-    RunContext,
-    eks_requirements,
-    eks_train_config,
-    local_train_config,
-    stage_train_config,
-)
+from flows.context import RunContext, stage_train_config
 from flows.events import emit, emit_for_trainer_event, last_attempt_cause
 from flows.models import PipelineParams
-from tasks.backends.base import LaunchRequest
-from tasks.backends.eks.clients import connect
-from tasks.backends.eks.hydrate import hydrate_fsx
-from tasks.backends.eks.train import eks_train_attempt
-from tasks.backends.local import LocalBackend
-from tasks.checks import CheckResult
+from tasks.backends import registry
+from tasks.backends.base import Backend, HydrateRequest, LaunchRequest
 from tasks.classify import EndKind
 from tasks.errors import PreflightFailed
 from tasks.export import ExportOptions, ExportReport, export_checkpoint
-from tasks.hydrate import HydrateReport, hydrate_dataset, hydrate_weights, upload_dataset
+from tasks.hydrate import upload_dataset
 from tasks.ownership import lease
-from tasks.preflight.checks import S3_CHECKS, Requirements, Snapshot, failures, run_checks
-from tasks.preflight.eks import gather_eks, run_eks_checks
-from tasks.preflight.local import gather_local, gather_s3
+from tasks.preflight.checks import Requirements, failures
 from tasks.retry_policy import prefect_retry_condition
-from tasks.storage.s3 import boto3_client, s3fs_filesystem
+from tasks.storage.s3 import boto3_client
 from tasks.train_stage import AttemptReport, run_attempt
 from tasks.validate import validate_latest
 from tasks.validation.checkpoint import Expectations
 from trainer.data import write_synthetic_dataset
-from trainer.events import STDOUT_PREFIX
 
 
 # -- demo data ------------------------------------------------------------------------------------
@@ -77,9 +63,18 @@ def seed_demo_dataset(params: PipelineParams, ctx: RunContext) -> bool:
     return True
 
 
+def backend_for(params: PipelineParams, ctx: RunContext) -> Backend:
+    """This run's backend, its messages going to the stage's log, the run's lease (when held
+    here) where it records what it starts."""
+    log = get_run_logger()
+    return registry.create(
+        params.backend, params, lease=lease.held(ctx.run_root), log=lambda msg: log.info(msg)
+    )
+
+
 # -- preflight ------------------------------------------------------------------------------------
-@task(name="gather-preflight-snapshot")
-def gather_snapshot(params: PipelineParams, ctx: RunContext) -> Any:
+@flow(name="preflight")
+def preflight_flow(params: PipelineParams, ctx: RunContext) -> list[dict[str, str]]:
     s3 = {
         "s3": ctx.s3,
         "client": boto3_client(ctx.s3),
@@ -87,17 +82,6 @@ def gather_snapshot(params: PipelineParams, ctx: RunContext) -> Any:
         "dataset_bucket": params.dataset.bucket,
         "dataset_prefix": params.dataset.prefix,
     }
-    if params.backend == "eks":
-        clients = connect(params.eks.region)
-        snap = gather_eks(clients.kube, clients.fsx, eks_requirements(params))
-        gather_s3(snap, **s3)
-        return snap
-    return gather_local(state_dir=ctx.state_dir, **s3)
-
-
-@flow(name="preflight")
-def preflight_flow(params: PipelineParams, ctx: RunContext) -> list[dict[str, str]]:
-    snap = cast(Snapshot, gather_snapshot(params, ctx))
     req = Requirements(
         workers=params.world_size,
         buckets=(params.dataset.bucket, params.export.bucket),
@@ -105,11 +89,7 @@ def preflight_flow(params: PipelineParams, ctx: RunContext) -> list[dict[str, st
         workload=params.workload,
         vocab_size=None if (wl := params.workload_spec()) is None else wl.vocab_size,
     )
-    if params.backend == "eks":
-        results = run_eks_checks(snap, eks_requirements(params))
-        results += [check(snap, req) for check in S3_CHECKS]
-    else:
-        results = run_checks(snap, req)
+    results = backend_for(params, ctx).preflight(req, s3)
     rows = [
         {"check": r.name, "status": r.status.value, "detail": r.detail, "fix": r.fix}
         for r in results
@@ -129,25 +109,6 @@ def preflight_flow(params: PipelineParams, ctx: RunContext) -> list[dict[str, st
 @flow(name="hydrate")
 def hydrate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
     log = get_run_logger()
-    if params.backend == "eks":
-        fsx_report = hydrate_fsx(
-            connect(params.eks.region),
-            run_id=ctx.run_id,
-            eks=params.eks,
-            bucket=params.dataset.bucket,
-            prefix=params.dataset.prefix,
-            data_dir=ctx.data_dir,
-            progress=log.info,
-        )
-        log.info(
-            "hydrated %s -> FSx %s: %d files, %d bytes, checked against the manifest",
-            fsx_report.source,
-            fsx_report.dest,
-            fsx_report.files,
-            fsx_report.bytes,
-        )
-        return fsx_report.to_dict()
-    fs = s3fs_filesystem(ctx.s3)
     # Sync context: these return the value, not a coroutine (their typing covers both).
     artifact = cast(
         UUID, create_progress_artifact(0.0, key="hydrate-progress", description="files hydrated")
@@ -157,28 +118,19 @@ def hydrate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
         update_progress_artifact(artifact, 100.0 * done / max(total, 1))
         log.info("hydrate %d/%d %s", done, total, name)
 
-    report: HydrateReport = hydrate_dataset(
-        fs, params.dataset.bucket, params.dataset.prefix, ctx.data_dir, progress=progress
-    )
     weights = params.s3_init_weights()
-    if weights is not None and ctx.weights_dir is not None:
-        w = hydrate_weights(fs, weights, ctx.weights_dir)
-        log.info(
-            "hydrated initial weights %s -> %s: %d files, %d downloaded",
-            w.source,
-            w.dest,
-            w.files,
-            w.downloaded,
-        )
-    log.info(
-        "hydrated %s -> %s: %d files, %d downloaded, %d already present and verified",
-        report.source,
-        report.dest,
-        report.files,
-        report.downloaded,
-        report.skipped,
+    request = HydrateRequest(
+        run_id=ctx.run_id,
+        bucket=params.dataset.bucket,
+        prefix=params.dataset.prefix,
+        data_dir=ctx.data_dir,
+        s3=ctx.s3,
+        weights=None if weights is None or ctx.weights_dir is None else (weights, ctx.weights_dir),
     )
-    return report.to_dict()
+    done = backend_for(params, ctx).hydrate(request, progress)
+    update_progress_artifact(artifact, 100.0)
+    log.info("hydrated %s -> %s: %s", done.source, done.dest, done.detail)
+    return done.report
 
 
 # -- train ----------------------------------------------------------------------------------------
@@ -233,39 +185,6 @@ class _Progress:
             self.log.error("trainer fatal error: %s", e.get("error"))
 
 
-def _eks_attempt(params: PipelineParams, ctx: RunContext, attempt: int) -> AttemptReport:
-    log = get_run_logger()
-    log.info(
-        "train attempt %d on EKS: %d node(s) x %d GPU(s), %d steps, namespace %s",
-        attempt,
-        params.nodes,
-        params.eks.gpus_per_node,
-        params.steps,
-        params.eks.namespace,
-    )
-
-    def on_log(line: str) -> None:
-        if not line.startswith(STDOUT_PREFIX):  # those arrive as events from events.jsonl
-            log.info("[rank 0] %s", line)
-
-    def on_wait(check: CheckResult, waited: float) -> None:
-        log.warning("waiting for healthy nodes (%.0f s): %s", waited, check.detail)
-
-    return eks_train_attempt(
-        connect(params.eks.region),
-        cfg=eks_train_config(params, ctx.run_id),
-        run_id=ctx.run_id,
-        attempt=attempt,
-        nodes=params.nodes,
-        eks=params.eks,
-        requirements=eks_requirements(params),
-        deadline_s=params.train_timeout_s,
-        on_event=_Progress(params.steps, attempt, ctx.run_id),
-        on_log=on_log,
-        on_wait=on_wait,
-    )
-
-
 @flow(name="train")
 def train_flow(params: PipelineParams, ctx: RunContext, attempt: int) -> dict[str, Any]:
     log = get_run_logger()
@@ -273,42 +192,28 @@ def train_flow(params: PipelineParams, ctx: RunContext, attempt: int) -> dict[st
         cause = last_attempt_cause(ctx.run_root)
         log.warning("stage retry: train attempt %d after: %s", attempt, cause)
         emit("stage.retried", ctx.run_id, stage="train", attempt=attempt, cause=cause)
-    if params.backend == "eks":
-        return _finish_attempt(_eks_attempt(params, ctx, attempt))
-    cfg = local_train_config(params, ctx)
     held = lease.held(ctx.run_root)
-    backend = LocalBackend(recorder=held)
     request = LaunchRequest(
         run_id=ctx.run_id,
         attempt=attempt,
-        cfg=cfg,
+        cfg=stage_train_config(params, ctx),
         nodes=params.nodes,
-        nproc_per_node=params.nproc_per_node,
+        nproc_per_node=params.ranks_per_node,
         invocation=held.owner.invocation if held is not None else "unowned",
-    )
-    adopted = None
-    if held is not None and held.adoptable is not None and held.takeover is not None:
-        # The dead owner's attempt is still training, healthy: watch it, do not start another.
-        plan, held.adoptable = held.adoptable, None
-        request = dataclasses.replace(request, attempt=plan.attempt)
-        previous = held.takeover.owner.invocation
-        adopted = backend.adopt(request, list(plan.nodes), invocation=previous)
-        log.info("train attempt %d: adopted from the previous owner: %s", plan.attempt, plan.reason)
-    else:
-        log.info(
-            "train attempt %d: %d node(s) x %d worker(s), %d steps, backend %s",
-            attempt,
-            params.nodes,
-            params.nproc_per_node,
-            params.steps,
-            backend.name,
-        )
-    report = run_attempt(
-        backend,
-        request,
         deadline_s=params.train_timeout_s,
-        on_event=_Progress(params.steps, request.attempt, ctx.run_id),
-        adopted=adopted,
+    )
+    log.info(
+        "train attempt %d: %d node(s) x %d rank(s), %d steps, backend %s",
+        attempt,
+        params.nodes,
+        params.ranks_per_node,
+        params.steps,
+        params.backend,
+    )
+    report = run_attempt(
+        backend_for(params, ctx),
+        request,
+        on_event=_Progress(params.steps, attempt, ctx.run_id),
     )
     return _finish_attempt(report)
 

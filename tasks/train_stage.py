@@ -1,19 +1,20 @@
-"""One attempt of the train stage: launch, watch (progress, node-loss drills, deadline), classify.
-
-Plain functions (no Prefect): the stage flow adds logging and artifacts through callbacks.
+"""One attempt of the train stage on any backend: launch (or reattach), watch (progress, node-loss
+drills, deadline), judge, release. Plain functions (no Prefect): the stage flow adds logging and
+artifacts through callbacks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.backends.base import Backend, Job, LaunchRequest
-from tasks.classify import EndSnapshot, Outcome, classify
+from tasks.backends.base import Backend, Evidence, LaunchRequest
+from tasks.classify import EndKind, Outcome
 from trainer.events import EventLog, read_events
 from trainer.faults import FaultSpec, claim, parse_fault
 from trainer.resilience import clear_no_restart, read_no_restart
@@ -57,6 +58,7 @@ class AttemptReport:
     outcome: Outcome
     wall_s: float
     events: list[dict[str, Any]]
+    released: dict[str, Any] = field(default_factory=dict)  # what Job.finish reported
 
 
 def _since_last_attempt_start(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -72,13 +74,11 @@ def run_attempt(
     backend: Backend,
     request: LaunchRequest,
     *,
-    deadline_s: float,
     on_event: Callable[[dict[str, Any]], None] = lambda e: None,
-    poll_s: float = 0.2,
-    adopted: Job | None = None,
 ) -> AttemptReport:
-    """Launch an attempt and watch it to its end, or, given ``adopted`` (an attempt a dead
-    invocation launched, DESIGN §8), only watch it: no restart, its result stands."""
+    """Run one attempt on any backend and watch it to its end: or, when the backend finds one
+    of this run still running and healthy (a dead or replaced invocation's, DESIGN §8), only
+    watch that: no relaunch, its result stands. ``request.deadline_s`` bounds the watch."""
     cfg = request.cfg
     run_root = cfg.run_root
     run_root.mkdir(parents=True, exist_ok=True)
@@ -87,91 +87,119 @@ def run_attempt(
     drills = node_loss_faults(cfg.faults)
     seen: list[dict[str, Any]] = []
     started = time.monotonic()
-    if adopted is None:
+    job = backend.reattach(request)
+    if job is None:
         (run_root / "result.json").unlink(missing_ok=True)  # only this attempt's result counts
         clear_no_restart(run_root)  # nor an earlier attempt's verdict (the config was fixed)
-        events.emit(
-            "stage_attempt",
-            stage="train",
-            attempt=request.attempt,
-            nodes=request.nodes,
-            nproc_per_node=request.nproc_per_node,
-            backend=backend.name,
-        )
-        job: Job = backend.launch(request)
+        _attempt_event(events, backend, request, request.attempt)
+        job = backend.launch(request)
     else:
-        job = adopted
         # What the attempt said before we came: a fatal error there decides its outcome too.
         seen = _since_last_attempt_start(read_events(run_root))
-        events.emit(
-            "stage_attempt",
-            stage="train",
-            attempt=request.attempt,
-            nodes=request.nodes,
-            nproc_per_node=request.nproc_per_node,
-            backend=backend.name,
-            adopted=True,
-        )
+        _attempt_event(events, backend, request, job.attempt, adopted=True)
+    deadline = request.deadline_s
     timed_out = False
+    lost: set[int] = set()
     loss_at: float | None = None
+    ended = False
+
+    def pump() -> None:
+        nonlocal loss_at
+        for e in tail.read_new():
+            seen.append(e)
+            on_event(e)
+            if e["kind"] != "step":
+                continue
+            for spec in drills:
+                if e["step"] >= spec.step and claim(run_root, spec):
+                    node = spec.node or 0
+                    # Reaches on_event through the tail, like every other event.
+                    events.emit(
+                        "fault",
+                        fault=str(spec),
+                        fault_kind="node-loss",
+                        step=e["step"],
+                        node=node,
+                        rank=None,
+                    )
+                    job.lose_node(node)
+                    lost.add(node)
+                    loss_at = time.monotonic()
+
     try:
         while True:
-            for e in tail.read_new():
-                seen.append(e)
-                on_event(e)
-                if e["kind"] == "step":
-                    for spec in drills:
-                        if e["step"] >= spec.step and claim(run_root, spec):
-                            node = spec.node or 0
-                            # Reaches on_event through the tail, like every other event.
-                            events.emit(
-                                "fault",
-                                fault=str(spec),
-                                fault_kind="node-loss",
-                                step=e["step"],
-                                node=node,
-                                rank=None,
-                            )
-                            job.lose_node(node)
-                            loss_at = time.monotonic()
-            status = job.status()
-            if not status.running:
+            pump()
+            if not job.running():
                 break
             if loss_at is not None and time.monotonic() - loss_at > NODE_LOSS_GRACE_S:
+                job.stop()  # the survivors wait in rendezvous for a node that will not come
                 break
-            if time.monotonic() - started > deadline_s:
+            if deadline is not None and time.monotonic() - started > deadline:
                 timed_out = True
+                job.stop()
                 break
-            time.sleep(poll_s)
+            time.sleep(job.poll_s)
+        ended = True
     finally:
-        job.stop()
-    for e in tail.read_new():
-        seen.append(e)
-        on_event(e)
-    status = job.status()
+        if not ended:
+            # Cancelled (Prefect's SIGTERM bridge, Ctrl-C) or crashed: nothing of the attempt
+            # may stay behind holding the nodes, and a failure to stop must not hide why.
+            with contextlib.suppress(Exception):
+                job.stop()
+    pump()
     result_path = run_root / "result.json"
-    result = json.loads(result_path.read_text()) if result_path.exists() else None
-    fatal = next((e.get("error") for e in seen if e["kind"] == "fatal"), None)
-    snapshot = EndSnapshot(
-        exit_codes={
-            n: None if n in status.stopped_nodes else code for n, code in status.exit_codes.items()
-        },
-        lost_nodes=frozenset(status.lost_nodes),
+    evidence = Evidence(
+        lost_nodes=frozenset(lost),
         timed_out=timed_out,
-        result=result,
-        fatal=fatal,
+        result=json.loads(result_path.read_text()) if result_path.exists() else None,
+        fatal=next((e.get("error") for e in seen if e["kind"] == "fatal"), None),
         no_restart=read_no_restart(run_root),
         target_steps=cfg.steps,
-        log_hint=str(run_root / "logs" / f"attempt{request.attempt}-node*.log"),
     )
-    outcome = classify(snapshot)
+    outcome = job.outcome(evidence)
+    kept = job.finish(outcome)
+    if outcome.kind == EndKind.NODE_LOSS and not lost:
+        # A real loss (not a drill): recorded as a fault, so the next attempt's ``recovered``
+        # event (the trainer emits it) closes it with layer ``stage-retry``.
+        step = max((e["step"] for e in seen if e["kind"] == "step"), default=None)
+        events.emit(
+            "fault",
+            fault=f"node-loss@step={step}" if step is not None else "node-loss",
+            fault_kind="node-loss",
+            step=step,
+            node=None,
+            rank=None,
+            nodes=outcome.details.get("lost_nodes", []),
+            detail=outcome.message,
+        )
     wall = time.monotonic() - started
     events.emit(
         "stage_attempt_end",
         stage="train",
-        attempt=request.attempt,
+        attempt=job.attempt,
         outcome=outcome.kind.value,
         message=outcome.message,
         wall_s=round(wall, 3),
+        **kept,
     )
-    return AttemptReport(request.attempt, outcome, wall, seen)
+    pump()
+    return AttemptReport(job.attempt, outcome, wall, seen, kept)
+
+
+def _attempt_event(
+    events: EventLog,
+    backend: Backend,
+    request: LaunchRequest,
+    attempt: int,
+    *,
+    adopted: bool = False,
+) -> None:
+    events.emit(
+        "stage_attempt",
+        stage="train",
+        attempt=attempt,
+        nodes=request.nodes,
+        nproc_per_node=request.nproc_per_node,
+        backend=backend.name,
+        **({"adopted": True} if adopted else {}),
+    )

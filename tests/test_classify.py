@@ -37,6 +37,8 @@ CASES = [
         EndKind.DO_NOT_REQUEUE,
     ),
     ("exit-93", EndSnapshot({0: 93, 1: 1}, target_steps=20), EndKind.DO_NOT_REQUEUE),
+    # One node finished cleanly, the other said "do not requeue": not a completion.
+    ("exit-0-93", EndSnapshot({0: 0, 1: 93}, target_steps=20), EndKind.DO_NOT_REQUEUE),
     # The first peer's 93 tears the step down and the others are signalled (NVRx PR #397):
     # one node's code alone would read as a node loss.
     ("exit-93-masked", EndSnapshot({0: 143, 1: 93}, target_steps=20), EndKind.DO_NOT_REQUEUE),

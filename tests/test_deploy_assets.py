@@ -220,10 +220,10 @@ def test_every_kubernetes_call_is_in_the_permissions_table() -> None:
 
 
 def test_source_grep_catches_an_undeclared_call() -> None:
-    assert KUBE_CALL.findall("kube.core.delete_namespaced_pod(name, ns)") == [
-        ("core", "delete_namespaced_pod")
+    assert KUBE_CALL.findall("kube.core.delete_namespaced_config_map(name, ns)") == [
+        ("core", "delete_namespaced_config_map")
     ]
-    assert ("", "delete_namespaced_pod") not in {
+    assert ("", "delete_namespaced_config_map") not in {
         (c.group, c.method) for c in permissions.KUBE_CALLS
     }
     assert _verb_resource("delete_namespaced_network_policy") == ("delete", "networkpolicies")

@@ -6,19 +6,58 @@ kmock has no controllers, selectors or validation; the manifests' schema is chec
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from flows.context import eks_train_config
 from flows.models import PipelineParams
+from tasks.backends.base import LaunchRequest
+from tasks.backends.eks.backend import EksBackend
+from tasks.backends.eks.clients import EksClients
 from tasks.backends.eks.kube import Kube
 from tasks.backends.eks.render import job_name
-from tasks.backends.eks.stage import run_eks_attempt
 from tasks.classify import EndKind
+from tasks.train_stage import AttemptReport, run_attempt
 from tests.eks_cluster import NS, mark_disrupted, node_obj, pod_obj, terminated
+
+
+def result_later(root: Path, steps: int, after_s: float = 1.0) -> None:
+    """What the pods' trainer writes on the shared filesystem when it completes."""
+    result = json.dumps({"status": "completed", "final_step": steps})
+    threading.Timer(after_s, lambda: (root / "result.json").write_text(result)).start()
+
+
+def eks_params(run_id: str, fsx: Path) -> PipelineParams:
+    return PipelineParams(
+        backend="eks", nodes=2, global_batch=16, run_id=run_id, eks={"fsx_mount": str(fsx)}
+    )
+
+
+def attempt_on(
+    kube: Kube,
+    params: PipelineParams,
+    attempt: int = 1,
+    *,
+    deadline_s: float = 8,
+    on_event=lambda e: None,
+) -> AttemptReport:
+    """One train attempt through the same code the train stage runs (run_attempt + EksBackend)."""
+    run_id = params.run_id or ""
+    backend = EksBackend(params.eks, nodes=2, clients=EksClients(kube=kube, fsx=None, poll_s=0.2))
+    request = LaunchRequest(
+        run_id=run_id,
+        attempt=attempt,
+        cfg=eks_train_config(params, run_id),
+        nodes=2,
+        nproc_per_node=params.eks.gpus_per_node,
+        deadline_s=deadline_s,
+    )
+    return run_attempt(backend, request, on_event=on_event)
 
 
 class ControlPlane(threading.Thread):
@@ -116,47 +155,35 @@ SCENARIOS = [
 
 
 @pytest.mark.parametrize(("name", "act", "kind", "kept"), SCENARIOS, ids=[s[0] for s in SCENARIOS])
-def test_attempt_outcomes(kube: Kube, name, act, kind, kept):
-    params = PipelineParams(backend="eks", nodes=2, global_batch=16, run_id=f"k-{name}")
-    cfg = eks_train_config(params, params.run_id or "")
+def test_attempt_outcomes(kube: Kube, tmp_path: Path, name, act, kind, kept):
+    params = eks_params(f"k-{name}", tmp_path)
     driver = ControlPlane(kube, job_name(params.run_id or "", 1), act)
     driver.start()
-    report = run_eks_attempt(
-        kube,
-        cfg=cfg,
-        run_id=params.run_id or "",
-        attempt=1,
-        nodes=2,
-        eks=params.eks,
-        deadline_s=8,
-        poll_s=0.2,
-    )
+    if kind == EndKind.COMPLETED:
+        result_later(tmp_path / "runs" / (params.run_id or ""), params.steps)
+    report = attempt_on(kube, params)
     driver.join(5)
     assert report.outcome.kind == kind, report.outcome.message
-    assert report.kept_job == kept
-    assert (kube.read_job(NS, report.job) is not None) == kept  # failed Job kept for forensics
+    job = report.released["job"]
+    assert report.released["kept_job"] == kept
+    assert (kube.read_job(NS, job) is not None) == kept  # failed Job kept for forensics
 
 
-def test_node_loss_then_next_attempt_succeeds(kube: Kube):
-    params = PipelineParams(backend="eks", nodes=2, global_batch=16, run_id="k-retry")
-    cfg = eks_train_config(params, "k-retry")
+def test_node_loss_then_next_attempt_succeeds(kube: Kube, tmp_path: Path):
+    from tests.eks_cluster import seed_cluster
+
+    seed_cluster(kube)  # the second attempt first waits for enough healthy nodes
+    params = eks_params("k-retry", tmp_path)
     outcomes = []
     for attempt, act in ((1, lose_node), (2, succeed)):
         kube.core.patch_node_status("ip-10-0-1-2", node_obj("ip-10-0-1-2"), _preload_content=False)
         driver = ControlPlane(kube, job_name("k-retry", attempt), act)
         driver.start()
-        r = run_eks_attempt(
-            kube,
-            cfg=cfg,
-            run_id="k-retry",
-            attempt=attempt,
-            nodes=2,
-            eks=params.eks,
-            deadline_s=15,
-            poll_s=0.2,
-        )
+        if attempt == 2:
+            result_later(tmp_path / "runs" / "k-retry", params.steps)
+        r = attempt_on(kube, params, attempt, deadline_s=15)
         driver.join(5)
-        outcomes.append((r.job, r.outcome.kind))
+        outcomes.append((r.released["job"], r.outcome.kind))
     assert outcomes == [
         ("nvrx-k-retry-a1", EndKind.NODE_LOSS),
         ("nvrx-k-retry-a2", EndKind.COMPLETED),
@@ -166,8 +193,8 @@ def test_node_loss_then_next_attempt_succeeds(kube: Kube):
 def test_a_run_never_has_two_jobs(kube: Kube):
     """A dead flow runner's Job of this run (any attempt) is deleted before a new one starts;
     other runs' Jobs are left alone."""
+    from tasks.backends.eks.backend import delete_run_jobs
     from tasks.backends.eks.render import render_job
-    from tasks.backends.eks.train import delete_run_jobs
 
     params = PipelineParams(backend="eks", nodes=2, global_batch=16, run_id="k-two")
     other = PipelineParams(backend="eks", nodes=2, global_batch=16, run_id="k-other")
@@ -182,31 +209,22 @@ def test_a_run_never_has_two_jobs(kube: Kube):
     assert delete_run_jobs(kube, NS, "k-two") == []
 
 
-def test_an_interrupted_watch_deletes_the_job(kube: Kube):
+def test_an_interrupted_watch_deletes_the_job(kube: Kube, tmp_path: Path):
     """Cancelled or interrupted while watching (Prefect's SIGTERM bridge, Ctrl-C): the Job, its
     Service and NetworkPolicy do not stay behind holding the nodes."""
-    params = PipelineParams(backend="eks", nodes=2, global_batch=16, run_id="k-cancel")
-    cfg = eks_train_config(params, "k-cancel")
+    params = eks_params("k-cancel", tmp_path)
     name = job_name("k-cancel", 1)
-    polls = []
+    root = tmp_path / "runs" / "k-cancel"
+    from trainer.events import EventLog
 
-    def interrupt() -> None:
-        polls.append(1)
-        if kube.read_job(NS, name) is not None and len(polls) > 2:
-            raise KeyboardInterrupt("cancelled")
+    def interrupt(e: dict) -> None:
+        if e["kind"] == "step" and kube.read_job(NS, name) is not None:
+            raise KeyboardInterrupt("cancelled")  # as Prefect's SIGTERM bridge raises
 
+    # A trainer event arrives once the Job exists: the stage's progress callback is interrupted.
+    threading.Timer(1.0, lambda: EventLog(root).emit("step", step=1, loss=1.0)).start()
     with pytest.raises(KeyboardInterrupt):
-        run_eks_attempt(
-            kube,
-            cfg=cfg,
-            run_id="k-cancel",
-            attempt=1,
-            nodes=2,
-            eks=params.eks,
-            deadline_s=30,
-            poll_s=0.1,
-            on_poll=interrupt,
-        )
+        attempt_on(kube, params, deadline_s=30, on_event=interrupt)
     assert kube.read_job(NS, name) is None
     assert kube.jobs_labelled(NS, "nvrx.io/run-id", "k-cancel") == []
 

@@ -6,14 +6,18 @@ from typing import Any
 
 import pytest
 
+from tasks.backends.base import Evidence
 from tasks.backends.eks.classify import (
     History,
     classify_history,
+    healthy,
+    judge,
     observe_job,
     observe_node,
     observe_pod,
 )
 from tasks.classify import EndKind
+from tasks.retry_policy import stage_retry_allowed
 
 JOB = "nvrx-run1-a1"
 
@@ -228,7 +232,7 @@ def test_recorded_histories(name, steps, kind):
 
 def test_messages_say_what_happened():
     pull = classify_history(history(*SCENARIOS[10][1]), now=10, unschedulable_timeout_s=600)
-    assert pull is not None and "registry/nvrx:bad" in pull.message
+    assert pull is not None and "registry/nvrx:bad" in pull.message and "eks.image" in pull.message
     oom = classify_history(history(*SCENARIOS[11][1]), now=100, unschedulable_timeout_s=600)
     assert oom is not None and "OOMKilled" in oom.message
     lost = classify_history(history(*SCENARIOS[3][1]), now=100, unschedulable_timeout_s=600)
@@ -249,3 +253,82 @@ def test_unschedulable_only_after_its_timeout():
     assert classify_history(h, now=100, unschedulable_timeout_s=600) is None
     out = classify_history(h, now=700, unschedulable_timeout_s=600)
     assert out is not None and out.kind == EndKind.TIMEOUT and msg in out.message
+
+
+# -- every pod's verdict, and the verdict file ----------------------------------------------------
+def _ended(*codes: int) -> History:
+    steps: list = [*RUNNING]
+    for i, code in enumerate(codes):
+        phase = "Succeeded" if code == 0 else "Failed"
+        steps.append(
+            (50 + i, "pod", pod(i, phase=phase, exit_code=code, node=f"ip-10-0-1-{i + 1}"))
+        )
+    return history(*steps)
+
+
+def _evidence(**kw: Any) -> Evidence:
+    base: dict[str, Any] = dict(
+        lost_nodes=frozenset(), timed_out=False, result=None, fatal=None, no_restart=None
+    )
+    return Evidence(**{**base, "target_steps": 20, **kw})
+
+
+@pytest.mark.parametrize("codes", [(0, 93), (143, 93), (93, 143), (137, 93)])
+def test_any_pods_93_is_do_not_requeue(codes):
+    """The first pod's 93 tears the step down and its peers are signalled (NVRx PR #397), or
+    finish: whichever pod said it, no retry can help."""
+    observed = classify_history(_ended(*codes), now=100, unschedulable_timeout_s=600)
+    out = judge(observed, _evidence(), job="nvrx/j", fsx_mount="/fsx")
+    assert out.kind == EndKind.DO_NOT_REQUEUE, out
+    assert not stage_retry_allowed(out.error())
+
+
+@pytest.mark.parametrize(
+    ("codes", "observed_kind"), [((143, 1), EndKind.INJOB_EXHAUSTED), ((1, 1), None)]
+)
+def test_the_verdict_file_decides_over_masked_exit_codes(codes, observed_kind):
+    """NVRx writes control/no_restart before exiting 93; the pods' codes may show only the
+    teardown (143, 1). The file decides."""
+    observed = classify_history(_ended(*codes), now=100, unschedulable_timeout_s=600)
+    if observed_kind is not None:
+        assert observed is not None and observed.kind == observed_kind
+    out = judge(
+        observed, _evidence(no_restart="ConfigError: global_batch"), job="j", fsx_mount="/fsx"
+    )
+    assert out.kind == EndKind.DO_NOT_REQUEUE and "global_batch" in out.message
+
+
+def test_judge_checks_the_result_and_the_drill():
+    done = classify_history(_ended(0, 0), now=100, unschedulable_timeout_s=600)
+    assert done is not None and done.kind == EndKind.COMPLETED
+    ok = judge(
+        done, _evidence(result={"status": "completed", "final_step": 20}), job="j", fsx_mount="/fsx"
+    )
+    assert ok.kind == EndKind.COMPLETED and ok.details["result"]["final_step"] == 20
+    missing = judge(done, _evidence(), job="j", fsx_mount="/fsx")
+    assert missing.kind == EndKind.BUG and "/fsx" in missing.message
+    short = judge(
+        done, _evidence(result={"status": "completed", "final_step": 7}), job="j", fsx_mount="/fsx"
+    )
+    assert short.kind == EndKind.BUG and "step 7 of 20" in short.message
+    drilled = judge(None, _evidence(lost_nodes=frozenset({0})), job="j", fsx_mount="/fsx")
+    assert drilled.kind == EndKind.NODE_LOSS and drilled.details["lost_nodes"] == [0]
+    late = judge(None, _evidence(timed_out=True), job="j", fsx_mount="/fsx")
+    assert late.kind == EndKind.TIMEOUT
+
+
+def test_a_job_is_reattached_only_when_every_pod_runs_on_a_ready_node():
+    spec = {"metadata": {"name": JOB}, "spec": {"completions": 2}, "status": {}}
+    pods = [pod(0), pod(1, node="ip-10-0-1-2")]
+    nodes = [node("ip-10-0-1-1"), node("ip-10-0-1-2")]
+    assert healthy(spec, pods, nodes, t=0)[0]
+    for bad_pods, bad_nodes, why in (
+        (pods[:1], nodes, "no pod for index(es) [1]"),
+        ([pods[0], pod(1, phase="Failed", exit_code=1, node="ip-10-0-1-2")], nodes, "Failed"),
+        (pods, [nodes[0], node("ip-10-0-1-2", "Unknown")], "not Ready"),
+        ([pods[0], pod(1, node="ip-10-0-1-2", conditions=[DISRUPTED])], nodes, "disrupted"),
+    ):
+        ok, reason = healthy(spec, bad_pods, bad_nodes, t=0)
+        assert not ok and why in reason, reason
+    ended = {**spec, "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    assert not healthy(ended, pods, nodes, t=0)[0]

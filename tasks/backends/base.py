@@ -1,11 +1,54 @@
-"""The backend protocol the train stage drives. The flows never see which backend runs."""
+"""The backend protocol (DESIGN §4): what the flows call, never knowing which backend runs.
+
+A backend checks that it can run (``preflight``), puts the dataset where its workers read it
+(``hydrate``), starts an attempt (``launch``) or finds one still running that a dead or replaced
+flow runner started (``reattach``), and removes everything of a run (``cleanup``). A launched
+attempt is a :class:`Job`; :func:`tasks.train_stage.run_attempt` watches every backend's jobs the
+same way (events, drills, deadline, result) and asks the job for its outcome at the end.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
-from trainer.config import TrainConfig
+from tasks.backends.eks.params import EksParams
+from tasks.checks import CheckResult
+from tasks.classify import Outcome
+from tasks.storage.s3 import S3Settings
+from trainer.config import Device, InJobConfig, InProcessConfig, TrainConfig
+
+
+class RunParams(Protocol):
+    """What a backend reads of a run's parameters (:class:`flows.models.PipelineParams`)."""
+
+    @property
+    def nodes(self) -> int: ...
+    @property
+    def nproc_per_node(self) -> int: ...
+    @property
+    def eks(self) -> EksParams: ...
+    @property
+    def s3_endpoint(self) -> str | None: ...
+    @property
+    def state_dir(self) -> str: ...
+    @property
+    def world_size(self) -> int: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where and how the workers of a backend run: what the trainer config is built with."""
+
+    shared_root: Path  # the shared filesystem as this process sees it (and the workers)
+    device: Device = Device.AUTO
+    local_paths: bool = True  # the workers see this process's paths (a script made absolute)
+    inprocess: InProcessConfig | None = None  # None: the trainer's defaults
+    injob: InJobConfig | None = None
+    embedded_s3: bool = True  # the local S3 server is started when the endpoint is local
+    s3_region: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,40 +58,99 @@ class LaunchRequest:
     cfg: TrainConfig
     nodes: int
     nproc_per_node: int
-    # The invocation launching it (its lease, DESIGN §8): every process started carries it.
+    # The invocation launching it (its lease, DESIGN §8): every process started carries it, and
+    # the rendezvous id includes it (a later invocation's attempt 1 is not an in-job respawn).
     invocation: str = "unowned"
+    deadline_s: float | None = None  # the attempt's deadline (the backend may enforce it too)
 
 
-@dataclass
-class JobStatus:
-    """What the watcher sees of a launched job at one instant."""
+@dataclass(frozen=True)
+class Evidence:
+    """What the watcher gathered for every backend alike, once the attempt is over."""
 
-    exit_codes: dict[int, int | None]  # node -> exit code (None: still running)
-    lost_nodes: set[int] = field(default_factory=set)  # nodes that vanished (killed, not exited)
-    stopped_nodes: set[int] = field(default_factory=set)  # stopped by the watcher (``stop``)
+    lost_nodes: frozenset[int]  # taken away by node-loss drills
+    timed_out: bool
+    result: dict[str, Any] | None  # result.json written during this attempt
+    fatal: str | None  # the trainer's "fatal" event during this attempt
+    no_restart: str | None  # NVRx's verdict file (<run_root>/control/no_restart)
+    target_steps: int
 
-    @property
-    def running(self) -> list[int]:
-        return [
-            n
-            for n, code in self.exit_codes.items()
-            if code is None and n not in self.stopped_nodes and n not in self.lost_nodes
-        ]
+
+@dataclass(frozen=True, kw_only=True)
+class HydrateRequest:
+    run_id: str
+    bucket: str
+    prefix: str
+    data_dir: Path
+    s3: S3Settings
+    weights: tuple[str, Path] | None = None  # (s3://... initial weights, where they go)
+
+
+@dataclass(frozen=True)
+class Hydrated:
+    source: str
+    dest: str
+    detail: str  # one line for the log: what was copied, skipped and checked
+    report: dict[str, Any]  # the backend's own report (the stage flow's result)
 
 
 class Job(Protocol):
-    def status(self) -> JobStatus: ...
+    """One launched attempt."""
+
+    @property
+    def name(self) -> str:  # how events and messages name it
+        ...
+
+    @property
+    def attempt(self) -> int:  # the train-stage attempt it runs (a reattached one's own)
+        ...
+
+    poll_s: float  # how often the watcher polls it
+
+    def running(self) -> bool:
+        """Poll once: is anything of the attempt still running normally?"""
+        ...
 
     def lose_node(self, node: int) -> None:
         """Fault drill: take node ``node`` away as a real node loss would."""
         ...
 
     def stop(self) -> None:
-        """Stop everything still running (idempotent)."""
+        """End everything of the attempt still running, now (idempotent; safe while
+        unwinding)."""
+        ...
+
+    def outcome(self, evidence: Evidence) -> Outcome:
+        """How the attempt ended, from every node's end and ``evidence``."""
+        ...
+
+    def finish(self, outcome: Outcome) -> dict[str, Any]:
+        """After a normal end: release what the attempt holds (a backend may keep a failed
+        attempt's objects for forensics). Returns what the end event should record."""
         ...
 
 
 class Backend(Protocol):
     name: str
+    placement: Placement
+
+    def preflight(self, req: Any, s3: dict[str, Any]) -> list[CheckResult]:
+        """``req``: :class:`tasks.preflight.checks.Requirements`; ``s3``: the S3 inputs of
+        :func:`tasks.preflight.local.gather_s3`."""
+        ...
+
+    def hydrate(
+        self, request: HydrateRequest, progress: Callable[[int, int, str], None]
+    ) -> Hydrated: ...
+
+    def reattach(self, request: LaunchRequest) -> Job | None:
+        """An attempt of this run still running and healthy, started by an invocation that is
+        gone: watched from here on instead of launching another. None: launch."""
+        ...
 
     def launch(self, request: LaunchRequest) -> Job: ...
+
+    def cleanup(self, run_id: str, run_root: Path) -> list[str]:
+        """Remove everything of run ``run_id`` that a dead (or this) invocation left running;
+        what was removed. Never touches a live other owner's run."""
+        ...

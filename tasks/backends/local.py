@@ -9,19 +9,29 @@ process-group kill would miss them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
 
-from tasks.backends.base import JobStatus, LaunchRequest
+from tasks.backends.base import (
+    Evidence,
+    Hydrated,
+    HydrateRequest,
+    LaunchRequest,
+    Placement,
+)
+from tasks.checks import CheckResult
+from tasks.classify import EndSnapshot, Outcome, classify
 from tasks.ownership import processes
-from tasks.ownership.lease import process_is
+from tasks.ownership.lease import RunLease, process_is
 from trainer.config import config_file, save_config
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
 
@@ -54,6 +64,23 @@ _EXIT_WRAPPER = (
     'rc=0; "$@" || rc=$?; printf "%s\\n" "$rc" > "$NVRX_EXIT_FILE.tmp" && '
     'mv -f "$NVRX_EXIT_FILE.tmp" "$NVRX_EXIT_FILE"; exit "$rc"'
 )
+
+
+@dataclass
+class JobStatus:
+    """What the watcher sees of the simulated nodes at one instant."""
+
+    exit_codes: dict[int, int | None]  # node -> exit code (None: still running)
+    lost_nodes: set[int] = field(default_factory=set)  # nodes that vanished (killed, not exited)
+    stopped_nodes: set[int] = field(default_factory=set)  # stopped by the watcher (``stop``)
+
+    @property
+    def running(self) -> list[int]:
+        return [
+            n
+            for n, code in self.exit_codes.items()
+            if code is None and n not in self.stopped_nodes and n not in self.lost_nodes
+        ]
 
 
 class Recorder(Protocol):
@@ -119,6 +146,42 @@ class LocalJob:
     invocation: str = ""  # the tag its processes carry (the dead owner's, when adopted)
     recorder: Recorder | None = None
     adopted: bool = False
+    poll_s: float = 0.2
+
+    @property
+    def name(self) -> str:
+        return f"attempt {self.request.attempt} ({len(self.nodes)} simulated node(s))"
+
+    @property
+    def attempt(self) -> int:
+        return self.request.attempt
+
+    def running(self) -> bool:
+        return bool(self.status().running)
+
+    def outcome(self, evidence: Evidence) -> Outcome:
+        status = self.status()
+        return classify(
+            EndSnapshot(
+                exit_codes={
+                    n: None if n in status.stopped_nodes else code
+                    for n, code in status.exit_codes.items()
+                },
+                lost_nodes=frozenset(status.lost_nodes | evidence.lost_nodes),
+                timed_out=evidence.timed_out,
+                result=evidence.result,
+                fatal=evidence.fatal,
+                no_restart=evidence.no_restart,
+                target_steps=evidence.target_steps,
+                log_hint=str(
+                    self.request.cfg.run_root / "logs" / f"attempt{self.attempt}-node*.log"
+                ),
+            )
+        )
+
+    def finish(self, outcome: Outcome) -> dict[str, Any]:
+        self.stop()
+        return {}
 
     def status(self) -> JobStatus:
         codes = {n: p.poll() for n, p in self.nodes.items()}
@@ -156,8 +219,64 @@ class LocalJob:
 class LocalBackend:
     name = "local"
 
-    def __init__(self, recorder: Recorder | None = None) -> None:
-        self.recorder = recorder
+    def __init__(
+        self,
+        state_dir: Path | str = ".state",
+        *,
+        lease: RunLease | None = None,
+        log: Callable[[str], None] = lambda msg: None,
+    ) -> None:
+        self.state_dir = Path(state_dir).absolute()
+        self.placement = Placement(shared_root=self.state_dir / "fsx")
+        self.lease = lease
+        self.recorder: Recorder | None = lease
+        self.log = log
+
+    def preflight(self, req: Any, s3: dict[str, Any]) -> list[CheckResult]:
+        from tasks.preflight.checks import run_checks
+        from tasks.preflight.local import gather_local
+
+        return run_checks(gather_local(state_dir=self.state_dir, **s3), req)
+
+    def hydrate(
+        self, request: HydrateRequest, progress: Callable[[int, int, str], None]
+    ) -> Hydrated:
+        from tasks.hydrate import hydrate_dataset, hydrate_weights
+        from tasks.storage.s3 import s3fs_filesystem
+
+        fs = s3fs_filesystem(request.s3)
+        r = hydrate_dataset(fs, request.bucket, request.prefix, request.data_dir, progress=progress)
+        detail = (
+            f"{r.files} files, {r.downloaded} downloaded, {r.skipped} already present and verified"
+        )
+        if request.weights is not None:
+            w = hydrate_weights(fs, request.weights[0], request.weights[1])
+            detail += (
+                f"; initial weights {w.source} -> {w.dest}: {w.files} files, "
+                f"{w.downloaded} downloaded"
+            )
+        return Hydrated(source=r.source, dest=r.dest, detail=detail, report=r.to_dict())
+
+    def reattach(self, request: LaunchRequest) -> LocalJob | None:
+        """The dead owner's attempt, when the takeover found it healthy (DESIGN §8)."""
+        held = self.lease
+        if held is None or held.adoptable is None or held.takeover is None:
+            return None
+        plan, held.adoptable = held.adoptable, None  # taken once
+        attempt = dataclasses.replace(request, attempt=plan.attempt)
+        self.log(f"train attempt {plan.attempt}: adopted from the previous owner: {plan.reason}")
+        return self.adopt(attempt, list(plan.nodes), invocation=held.takeover.owner.invocation)
+
+    def cleanup(self, run_id: str, run_root: Path) -> list[str]:
+        """End every process of the run but a live other owner's, and stop the state
+        directory's S3 server when no live invocation uses it any more."""
+        from tasks.ownership.lease import live_owner
+        from tasks.storage.local_s3 import sweep
+
+        keep = live_owner(run_root)
+        ended = processes.end_invocations(run_root, keep=keep)
+        stopped = sweep(self.state_dir)
+        return [f"pid {p}" for p in ended] + ([f"S3 server pid {stopped}"] if stopped else [])
 
     def adopt(
         self, request: LaunchRequest, records: list[dict[str, Any]], *, invocation: str

@@ -54,15 +54,17 @@ class Owner:
     host: str
     create_time: float  # the process's start time: a recycled pid is a different owner
     started_at: float
+    flow_run: str = ""  # the Prefect flow run it executes (a rescheduled one runs it again)
 
     @classmethod
-    def me(cls) -> Owner:
+    def me(cls, flow_run: str = "") -> Owner:
         return cls(
             invocation=uuid.uuid4().hex[:16],
             pid=os.getpid(),
             host=socket.gethostname(),
             create_time=psutil.Process().create_time(),
             started_at=time.time(),
+            flow_run=flow_run,
         )
 
     def describe(self) -> str:
@@ -102,6 +104,7 @@ class LeaseRecord:
                 host=str(o["host"]),
                 create_time=float(o["create_time"]),
                 started_at=float(o["started_at"]),
+                flow_run=str(o.get("flow_run", "")),
             )
             resources = tuple(r for r in d.get("resources", []) if isinstance(r, dict))
             return cls(str(d["run_id"]), owner, float(d["heartbeat_at"]), resources)
@@ -276,9 +279,18 @@ _HELD: dict[Path, RunLease] = {}
 
 
 @contextlib.contextmanager
-def hold(run_root: Path, run_id: str, *, wait_s: float = 0.0) -> Iterator[RunLease]:
-    """Hold the run's lease for the block; the stages find it with :func:`held`."""
-    lease = RunLease(Path(run_root), run_id)
+def hold(
+    run_root: Path, run_id: str, *, wait_s: float = 0.0, flow_run: str = ""
+) -> Iterator[RunLease]:
+    """Hold the run's lease for the block; the stages find it with :func:`held`.
+
+    A flow run executed again (Prefect rescheduled it after its runner's pod was evicted) finds
+    its own earlier execution's lease, on another host and not yet stale: it waits for the
+    heartbeat to go stale (that execution is gone) instead of refusing the run."""
+    previous = peek(run_root)
+    if flow_run and previous is not None and previous.owner.flow_run == flow_run:
+        wait_s = max(wait_s, STALE_AFTER_S + 2 * HEARTBEAT_S)
+    lease = RunLease(Path(run_root), run_id, owner=Owner.me(flow_run))
     lease.acquire(wait_s=wait_s)
     _HELD[lease.run_root] = lease
     try:
@@ -292,3 +304,23 @@ def held(run_root: Path) -> RunLease | None:
     """The lease this process holds on ``run_root`` (None outside a pipeline run, e.g. tests
     that drive one stage)."""
     return _HELD.get(Path(run_root))
+
+
+def peek(run_root: Path) -> LeaseRecord | None:
+    """The run's lease as it stands, without taking it."""
+    try:
+        return LeaseRecord.parse((Path(run_root) / LEASE_FILE).read_text())
+    except OSError:
+        return None
+
+
+def live_owner(run_root: Path, *, stale_after_s: float = STALE_AFTER_S) -> str | None:
+    """The invocation of a live owner of the run other than this process (its resources must
+    be left alone), or None when the lease is free, stale, or this process's."""
+    rec = peek(run_root)
+    if rec is None or (rec.owner.pid == os.getpid() and rec.owner.host == socket.gethostname()):
+        return None
+    alive = owner_alive(
+        rec.owner, heartbeat_at=rec.heartbeat_at, now=time.time(), stale_after_s=stale_after_s
+    )
+    return rec.owner.invocation if alive else None

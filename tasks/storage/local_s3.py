@@ -317,3 +317,24 @@ def local_s3(
     finally:
         if server is not None:
             server.release()
+
+
+def sweep(state_dir: Path) -> int | None:
+    """After an invocation died without releasing its use of the state directory's server
+    (a cancelled or crashed flow run): drop dead users, and stop the server when none is left.
+    Returns the pid stopped, or None."""
+    data_dir = Path(state_dir) / "s3"
+    if not data_dir.is_dir():
+        return None
+    with _state_lock(data_dir):
+        rec = _read_json(data_dir / SERVER_RECORD) or {}
+        if _live_users(data_dir) or "port" not in rec:
+            return None
+        try:
+            proc = recorded_server(data_dir, int(str(rec["port"])))
+        except ValueError:
+            return None
+        if proc is None:
+            return None
+        _stop_recorded(data_dir, proc)
+        return proc.pid

@@ -70,8 +70,10 @@ def test_pipeline_attempt_reports_do_not_requeue(tmp_path: Path, dataset: Path):
     from tasks.train_stage import run_attempt
 
     cfg = replace(bad_config(tmp_path / "run", dataset), run_root=tmp_path / "pipe")
-    request = LaunchRequest(run_id="bad", attempt=1, cfg=cfg, nodes=2, nproc_per_node=1)
-    report = run_attempt(LocalBackend(), request, deadline_s=120)
+    request = LaunchRequest(
+        run_id="bad", attempt=1, cfg=cfg, nodes=2, nproc_per_node=1, deadline_s=120
+    )
+    report = run_attempt(LocalBackend(), request)
     assert report.outcome.kind == EndKind.DO_NOT_REQUEUE, report.outcome.message
     assert "global_batch" in report.outcome.message
     error = report.outcome.error()

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tasks.backends.base import Evidence
 from tasks.classify import EXIT_DO_NOT_REQUEUE, EndKind, Outcome
 
 NODE_LOSS_REASONS = frozenset(
@@ -43,6 +44,7 @@ class PodObs:
     terminated_reason: str | None = None  # e.g. OOMKilled, Error, Completed
     waiting_reason: str | None = None  # e.g. ImagePullBackOff
     waiting_message: str = ""
+    image: str | None = None  # the container's image (what an image pull failure names)
     disruption_reason: str | None = None  # DisruptionTarget=True reason
     unschedulable_message: str | None = None  # PodScheduled=False/Unschedulable
     status_reason: str | None = None  # Evicted, Terminated
@@ -90,7 +92,9 @@ def observe_pod(pod: dict[str, Any], t: float, *, deleted: bool = False) -> PodO
     )
     exit_code = terminated_reason = waiting_reason = None
     waiting_message = ""
+    image = next((c.get("image") for c in spec.get("containers") or []), None)
     for cs in status.get("containerStatuses") or []:
+        image = cs.get("image") or image
         state = cs.get("state") or {}
         if "terminated" in state:
             exit_code = state["terminated"].get("exitCode")
@@ -110,6 +114,7 @@ def observe_pod(pod: dict[str, Any], t: float, *, deleted: bool = False) -> PodO
         terminated_reason=terminated_reason,
         waiting_reason=waiting_reason,
         waiting_message=waiting_message,
+        image=image,
         disruption_reason=disruption.get("reason")
         if disruption and disruption.get("status") == "True"
         else None,
@@ -203,8 +208,10 @@ def classify_history(h: History, *, now: float, unschedulable_timeout_s: float) 
         if p.waiting_reason in IMAGE_PULL_REASONS:
             return Outcome(
                 EndKind.BUG,
-                f"image pull failure for pod {p.name}: {p.waiting_reason} "
-                f"{p.waiting_message}".strip(),
+                f"image pull failure for pod {p.name}: image {p.image!r}: {p.waiting_reason} "
+                f"{p.waiting_message}".strip()
+                + "; check eks.image (a pushed image that NVRX_ALLOWED_IMAGES allows) and the "
+                "nodes' pull access to its registry",
             )
     pending = [p for p in pods.values() if p.unschedulable_message is not None]
     if pending:
@@ -242,3 +249,84 @@ def classify_history(h: History, *, now: float, unschedulable_timeout_s: float) 
     if job is not None and job.failed:
         return Outcome(EndKind.BUG, f"Job failed: {job.failed_reason} {job.failed_message}".strip())
     return None
+
+
+def judge(observed: Outcome | None, ev: Evidence, *, job: str, fsx_mount: str) -> Outcome:
+    """The attempt's outcome: what the pods showed (``observed``, None when the watcher stopped
+    the Job first) together with what every backend's watcher gathered. Any pod's exit 93 or the
+    verdict file decides before anything else: the teardown a 93 starts can make the other pods'
+    codes look like a node loss or an exhausted launcher (NVRX_NOTES)."""
+    causes = [c for c in (ev.fatal, ev.no_restart) if c]
+    if observed is not None and observed.kind == EndKind.DO_NOT_REQUEUE:
+        causes.append(observed.message)
+    if causes:
+        return Outcome(
+            EndKind.DO_NOT_REQUEUE,
+            f"training cannot continue: {'; '.join(dict.fromkeys(causes))} (Job {job})",
+            {"no_restart": ev.no_restart},
+        )
+    if ev.timed_out:
+        return Outcome(
+            EndKind.TIMEOUT, f"train attempt passed its deadline; Job {job} stopped and deleted"
+        )
+    if ev.lost_nodes:
+        nodes = sorted(ev.lost_nodes)
+        return Outcome(
+            EndKind.NODE_LOSS,
+            f"node loss: the pod(s) of node index(es) {nodes} were deleted by the node-loss "
+            f"drill (Job {job})",
+            {"lost_nodes": nodes},
+        )
+    if observed is None:
+        return Outcome(EndKind.BUG, f"the watch of Job {job} ended with no outcome")
+    if observed.kind != EndKind.COMPLETED:
+        return observed
+    r = ev.result
+    if r is None:
+        return Outcome(
+            EndKind.BUG,
+            f"Job {job} completed but its result.json is missing: does this flow runner mount "
+            f"the same FSx file system at {fsx_mount} as the pods "
+            "(deploy/eks/work-pool-template.json)?",
+        )
+    if r.get("status") != "completed" or r.get("final_step") != ev.target_steps:
+        return Outcome(
+            EndKind.BUG,
+            f"Job {job} completed but its result says {r.get('status')} at step "
+            f"{r.get('final_step')} of {ev.target_steps}",
+        )
+    return Outcome(EndKind.COMPLETED, observed.message, {"result": r})
+
+
+def healthy(
+    job: dict[str, Any], pods: list[dict[str, Any]], nodes: list[dict[str, Any]], *, t: float
+) -> tuple[bool, str]:
+    """Is a Job found running (a replaced flow runner's) fit to be watched to its end rather
+    than relaunched? Every index has a running pod, none terminated or disrupted, each on a Ready
+    node, and the Job has not ended. Returns the verdict and why."""
+    j = observe_job(job, t)
+    name = job.get("metadata", {}).get("name", "?")
+    if j.complete or j.failed:
+        return False, f"Job {name} has ended ({'Complete' if j.complete else 'Failed'})"
+    completions = int((job.get("spec") or {}).get("completions") or 1)
+    latest: dict[int, PodObs] = {}
+    disrupted: set[str] = set()
+    for raw in pods:
+        p = observe_pod(raw, t)
+        if p.index is not None:
+            latest[p.index] = p
+        if _conditions(raw).get("DisruptionTarget", {}).get("status") == "True":
+            disrupted.add(p.name)
+    missing = sorted(set(range(completions)) - set(latest))
+    if missing:
+        return False, f"Job {name}: no pod for index(es) {missing}"
+    ready = {n.name: n.ready for n in (observe_node(n, t) for n in nodes)}
+    for i, p in sorted(latest.items()):
+        if p.phase != "Running" or p.exit_code is not None or p.waiting_reason is not None:
+            return False, f"Job {name}: pod {p.name} (index {i}) is {p.phase}"
+        if p.name in disrupted:
+            why = p.disruption_reason or "DisruptionTarget"
+            return False, f"Job {name}: pod {p.name} is being disrupted ({why})"
+        if ready.get(p.node or "") != "True":
+            return False, f"Job {name}: pod {p.name}'s node {p.node} is not Ready"
+    return True, f"Job {name}: all {completions} pod(s) running on Ready nodes"

@@ -102,6 +102,17 @@ class Kube:
                 if e.status != 404:
                     raise
 
+    def delete_pod(self, ns: str, name: str) -> None:
+        """Delete a pod at once (grace period 0), as a lost node's pods go (the node-loss
+        drill). A pod already gone is fine."""
+        try:
+            self.core.delete_namespaced_pod(
+                name, ns, grace_period_seconds=0, _preload_content=False
+            )
+        except self._exc as e:
+            if e.status != 404:
+                raise
+
     # -- reads ---------------------------------------------------------------------------------
     def read_job(self, ns: str, name: str) -> dict[str, Any] | None:
         try:
@@ -113,11 +124,16 @@ class Kube:
 
     def jobs_labelled(self, ns: str, key: str, value: str) -> list[str]:
         """Names of the Jobs carrying label ``key=value`` (e.g. every attempt of one run)."""
-        items = _json(
-            self.batch.list_namespaced_job(
-                ns, label_selector=f"{key}={value}", _preload_content=False
-            )
-        )["items"]
+        try:
+            items = _json(
+                self.batch.list_namespaced_job(
+                    ns, label_selector=f"{key}={value}", _preload_content=False
+                )
+            )["items"]
+        except self._exc as e:
+            if e.status != 404:  # an emulator without the resource yet: no Jobs
+                raise
+            return []
         return sorted(
             j["metadata"]["name"]
             for j in items
@@ -125,11 +141,16 @@ class Kube:
         )
 
     def job_pods(self, ns: str, job: str) -> list[dict[str, Any]]:
-        items = _json(
-            self.core.list_namespaced_pod(
-                ns, label_selector=f"{JOB_NAME_LABEL}={job}", _preload_content=False
-            )
-        )["items"]
+        try:
+            items = _json(
+                self.core.list_namespaced_pod(
+                    ns, label_selector=f"{JOB_NAME_LABEL}={job}", _preload_content=False
+                )
+            )["items"]
+        except self._exc as e:
+            if e.status != 404:  # an emulator without the resource yet: no pods
+                raise
+            return []
         return [p for p in items if (p["metadata"].get("labels") or {}).get(JOB_NAME_LABEL) == job]
 
     def nodes(self) -> list[dict[str, Any]]:

@@ -66,6 +66,7 @@ KUBE_CALLS: tuple[KubeCall, ...] = (
     # watching the attempt
     KubeCall("list_namespaced_pod", "", "pods", "list", "kube.Kube.job_pods"),
     KubeCall("list_namespaced_pod", "", "pods", "watch", "kube.Kube.watch('pod')"),
+    KubeCall("delete_namespaced_pod", "", "pods", "delete", "kube.Kube.delete_pod (drill)"),
     KubeCall("read_namespaced_pod_log", "", "pods/log", "get", "kube.Kube.follow_log"),
     KubeCall("list_node", "", "nodes", "list", "kube.Kube.nodes", cluster=True),
     KubeCall("list_node", "", "nodes", "watch", "kube.Kube.watch('node')", cluster=True),

@@ -107,7 +107,11 @@ def render_job(
     nodes: int,
     eks: EksParams,
     deadline_s: float | None = None,
+    rdzv_id: str | None = None,
 ) -> dict[str, Any]:
+    """``rdzv_id``: unique per invocation (default: the Job's name). A later invocation of the
+    run starts its attempts at 1 again, and the workers tell an in-job respawn by finding their
+    rendezvous id in the events already."""
     name = job_name(run_id, attempt)
     ns = eks.namespace
     rdzv = f"{name}-0.{name}.{ns}.svc.cluster.local:{eks.rdzv_port}"
@@ -115,7 +119,7 @@ def render_job(
         nnodes=nodes,
         nproc_per_node=eks.gpus_per_node,
         rdzv_endpoint=rdzv,
-        rdzv_id=name,
+        rdzv_id=rdzv_id or name,
         cpu_only=False,
     )
     # The flow runner writes this file on the shared FSx mount before it creates the Job
@@ -302,6 +306,7 @@ def render_all(
     nodes: int,
     eks: EksParams,
     deadline_s: float | None = None,
+    rdzv_id: str | None = None,
 ) -> list[dict[str, Any]]:
     """``deadline_s``: the attempt's deadline (``activeDeadlineSeconds`` adds a margin)."""
     # The policy first: the pods never run unprotected, not even for the first seconds.
@@ -309,6 +314,12 @@ def render_all(
         render_network_policy(run_id, attempt, namespace=eks.namespace),
         render_service(run_id, attempt, namespace=eks.namespace, port=eks.rdzv_port),
         render_job(
-            cfg, run_id=run_id, attempt=attempt, nodes=nodes, eks=eks, deadline_s=deadline_s
+            cfg,
+            run_id=run_id,
+            attempt=attempt,
+            nodes=nodes,
+            eks=eks,
+            deadline_s=deadline_s,
+            rdzv_id=rdzv_id,
         ),
     ]

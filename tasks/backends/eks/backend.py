@@ -1,0 +1,390 @@
+"""The EKS backend: an Indexed Job per train attempt, watched through the API.
+
+:class:`EksBackend` implements :class:`tasks.backends.base.Backend`; :class:`EksJob` is one
+attempt's Job, watched by :func:`tasks.train_stage.run_attempt` like every backend's. The flow
+runner mounts the same FSx claim at the same path as the pods, so ``cfg.run_root`` names the same
+directory in both: progress comes from the trainer's own ``events.jsonl`` (every rank, nothing
+lost to log rotation), the result from its ``result.json``.
+
+A failed Job is kept for forensics by default; a completed one, one that lost a node (the stage
+retry relaunches it as the next attempt) and one whose watch was cancelled or crashed are
+deleted, so an abandoned Job never holds the GPU nodes (its ``activeDeadlineSeconds`` is the
+last resort when the flow runner itself is gone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tasks.backends.base import (
+    Evidence,
+    Hydrated,
+    HydrateRequest,
+    LaunchRequest,
+    Placement,
+)
+from tasks.backends.eks.capacity import wait_for_nodes
+from tasks.backends.eks.classify import (
+    History,
+    classify_history,
+    healthy,
+    judge,
+    observe_job,
+    observe_node,
+    observe_pod,
+)
+from tasks.backends.eks.clients import EksClients, connect
+from tasks.backends.eks.hydrate import hydrate_fsx
+from tasks.backends.eks.kube import JOB_NAME_LABEL, Kube, iter_queue
+from tasks.backends.eks.params import EksParams
+from tasks.backends.eks.render import LABEL_ATTEMPT, LABEL_RUN, job_name, labels, render_all
+from tasks.checks import CheckResult
+from tasks.classify import EndKind, Outcome
+from tasks.preflight.checks import S3_CHECKS
+from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks
+from tasks.preflight.local import gather_s3
+from trainer.config import Device, InJobConfig, InProcessConfig, config_file, save_config
+from trainer.events import EventLog
+
+# Failures whose Job is kept for forensics (when its pods have ended), and how long to wait
+# for the other pods to end after the first failure decided the outcome.
+KEEPABLE = (EndKind.DO_NOT_REQUEUE, EndKind.INJOB_EXHAUSTED, EndKind.BUG)
+SETTLE_S = 30.0
+
+# GPU nodes: NCCL collectives of a large model, checkpoint I/O to FSx and a rendezvous of many
+# pods take minutes, not seconds. Still nested: pg < soft < hard < ft_launcher heartbeat.
+EKS_INPROCESS = InProcessConfig(
+    pg_timeout_s=120.0,
+    soft_timeout_s=240.0,
+    hard_timeout_s=280.0,
+    heartbeat_timeout_s=200.0,
+    barrier_timeout_s=600.0,
+    completion_timeout_s=600.0,
+)
+EKS_INJOB = InJobConfig(
+    heartbeat_timeout_s=300.0,
+    initial_heartbeat_timeout_s=900.0,
+    monitor_interval_s=1.0,
+    workers_stop_timeout_s=30.0,
+    rdzv_join_timeout_s=120.0,
+)
+
+
+def placement(eks: EksParams) -> Placement:
+    return Placement(
+        shared_root=Path(eks.fsx_mount),
+        device=Device.CUDA,
+        local_paths=False,
+        inprocess=EKS_INPROCESS,
+        injob=EKS_INJOB,
+        embedded_s3=False,
+        s3_region=eks.region,
+    )
+
+
+def delete_run_jobs(kube: Kube, namespace: str, run_id: str) -> list[str]:
+    """Delete every Job of run ``run_id`` (with its Service and NetworkPolicy); their names."""
+    stale = kube.jobs_labelled(namespace, LABEL_RUN, labels(run_id, 1)[LABEL_RUN])
+    for name in stale:
+        kube.delete_job(namespace, name)
+    return stale
+
+
+class _RankZeroLog:
+    """Follows the log of the newest rank-0 pod (a relaunched pod gets a new stream)."""
+
+    def __init__(self, kube: Kube, ns: str, on_line: Callable[[str], None]) -> None:
+        self.kube, self.ns, self.on_line = kube, ns, on_line
+        self.pod: str | None = None
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    def follow(self, pod: str | None) -> None:
+        if pod is None or pod == self.pod:
+            return
+        self.close(grace_s=0.0)
+        self.pod, self._stop = pod, threading.Event()
+        self._thread = threading.Thread(
+            target=self.kube.follow_log,
+            args=(self.ns, pod, self.on_line, self._stop),
+            daemon=True,
+            name=f"log-{pod}",
+        )
+        self._thread.start()
+
+    def close(self, grace_s: float) -> None:
+        """Give the stream ``grace_s`` to deliver the last lines of an ended container."""
+        if self._thread is not None and self._stop is not None:
+            self._thread.join(grace_s)
+            self._stop.set()
+
+
+class EksJob:
+    """One attempt's Indexed Job: Pods and Nodes watched (threads feeding a queue), the history
+    judged on every poll (:func:`classify_history`), the rank-0 pod's log followed."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        *,
+        eks: EksParams,
+        name: str,
+        attempt: int,
+        nodes: int,
+        poll_s: float,
+        on_log: Callable[[str], None],
+    ) -> None:
+        self.kube, self.eks, self.name, self.attempt = kube, eks, name, attempt
+        self.ns = eks.namespace
+        self.poll_s = poll_s
+        self.history = History(completions=nodes)
+        self.observed: Outcome | None = None
+        self.lost: set[int] = set()
+        self._deleted = False
+        self._q: queue.Queue[tuple[str, str, dict[str, Any]]] = queue.Queue()
+        self._stop = threading.Event()
+        self._watchers = [
+            threading.Thread(
+                target=kube.watch,
+                args=(what, self.ns, self._q, self._stop),
+                daemon=True,
+                name=f"watch-{what}",
+            )
+            for what in ("pod", "node")
+        ]
+        for w in self._watchers:
+            w.start()
+        self._log = _RankZeroLog(kube, self.ns, on_log)
+
+    def _drain(self, now: float) -> None:
+        for what, kind, obj in iter_queue(self._q):
+            if what == "pod":
+                if (obj.get("metadata", {}).get("labels") or {}).get(JOB_NAME_LABEL) == self.name:
+                    self.history.pods.append(observe_pod(obj, now, deleted=kind == "DELETED"))
+            else:
+                self.history.nodes.append(observe_node(obj, now, deleted=kind == "DELETED"))
+
+    def _settled(self) -> bool:
+        latest = {p.name: p for p in self.history.pods}
+        return all(p.phase in ("Succeeded", "Failed") or p.deleted for p in latest.values())
+
+    # -- the Job protocol --------------------------------------------------------------------
+    def running(self) -> bool:
+        now = time.time()
+        self._drain(now)
+        job = self.kube.read_job(self.ns, self.name)
+        if job is not None:
+            self.history.jobs.append(observe_job(job, now))
+        pods = reversed(self.history.pods)
+        self._log.follow(next((p.name for p in pods if p.index == 0 and p.node), None))
+        self.observed = classify_history(
+            self.history, now=now, unschedulable_timeout_s=self.eks.unschedulable_timeout_s
+        )
+        return self.observed is None
+
+    def lose_node(self, node: int) -> None:
+        """The drill: delete the pod of index ``node`` through the API, as a lost node's pods
+        go (grace period 0: a dead node runs no SIGTERM handler)."""
+        pods = [
+            p
+            for p in self.kube.job_pods(self.ns, self.name)
+            if observe_pod(p, 0.0).index == node and not p["metadata"].get("deletionTimestamp")
+        ]
+        if not pods:
+            raise ValueError(f"node-loss drill: Job {self.name} has no pod of index {node}")
+        self.lost.add(node)
+        for p in pods:
+            self.kube.delete_pod(self.ns, p["metadata"]["name"])
+
+    def stop(self) -> None:
+        self._close_watch()
+        if not self._deleted:
+            self._deleted = True
+            self.kube.delete_job(self.ns, self.name)
+
+    def outcome(self, evidence: Evidence) -> Outcome:
+        return judge(
+            self.observed, evidence, job=f"{self.ns}/{self.name}", fsx_mount=self.eks.fsx_mount
+        )
+
+    def finish(self, outcome: Outcome) -> dict[str, Any]:
+        ended = any(p.phase == "Failed" for p in self.history.pods)
+        keep = not self._deleted and outcome.kind in KEEPABLE and self.eks.keep_failed_job and ended
+        if keep:
+            # The first failed pod decides the outcome; the Job controller then stops the others
+            # (backoffLimit 0). Give them a moment to end, so the Job is kept with every pod's
+            # final state; one that still holds nodes is never kept.
+            settle_until = time.monotonic() + SETTLE_S
+            while not self._settled() and time.monotonic() < settle_until:
+                time.sleep(self.poll_s)
+                self._drain(time.time())
+            keep = self._settled()
+        if not keep:
+            self.stop()
+        self._close_watch()
+        return {"job": self.name, "kept_job": keep}
+
+    def _close_watch(self) -> None:
+        self._stop.set()
+        self._log.close(grace_s=2.0)
+
+
+class EksBackend:
+    name = "eks"
+
+    def __init__(
+        self,
+        eks: EksParams,
+        *,
+        nodes: int,
+        log: Callable[[str], None] = lambda msg: None,
+        clients: EksClients | None = None,
+    ) -> None:
+        self.eks = eks
+        self.nodes = nodes
+        self.placement = placement(self.eks)
+        self.log = log
+        self._clients = clients
+
+    @property
+    def clients(self) -> EksClients:
+        if self._clients is None:
+            self._clients = connect(self.eks.region)
+        return self._clients
+
+    @property
+    def requirements(self) -> EksRequirements:
+        eks = self.eks
+        return EksRequirements(
+            nodes=self.nodes,
+            gpus_per_node=eks.gpus_per_node,
+            efa_per_node=eks.efa_per_node,
+            instance_type=eks.instance_type,
+            namespace=eks.namespace,
+            fsx_claim=eks.fsx_claim,
+            file_system_id=eks.file_system_id,
+        )
+
+    def preflight(self, req: Any, s3: dict[str, Any]) -> list[CheckResult]:
+        clients = self.clients
+        snap = gather_eks(clients.kube, clients.fsx, self.requirements)
+        gather_s3(snap, **s3)
+        return run_eks_checks(snap, self.requirements) + [check(snap, req) for check in S3_CHECKS]
+
+    def hydrate(
+        self, request: HydrateRequest, progress: Callable[[int, int, str], None]
+    ) -> Hydrated:
+        r = hydrate_fsx(
+            self.clients,
+            run_id=request.run_id,
+            eks=self.eks,
+            bucket=request.bucket,
+            prefix=request.prefix,
+            data_dir=request.data_dir,
+            progress=self.log,
+        )
+        return Hydrated(
+            source=r.source,
+            dest=r.dest,
+            report=r.to_dict(),
+            detail=f"{r.files} files, {r.bytes} bytes through FSx association "
+            f"{r.association_id}, import task {r.import_task_id} and Job {r.job}; checked "
+            "against the manifest",
+        )
+
+    def _job(self, name: str, attempt: int, nodes: int) -> EksJob:
+        def on_log(line: str) -> None:
+            from trainer.events import STDOUT_PREFIX
+
+            if not line.startswith(STDOUT_PREFIX):  # those arrive as events from events.jsonl
+                self.log(f"[rank 0] {line}")
+
+        return EksJob(
+            self.clients.kube,
+            eks=self.eks,
+            name=name,
+            attempt=attempt,
+            nodes=nodes,
+            poll_s=self.clients.poll_s,
+            on_log=on_log,
+        )
+
+    def reattach(self, request: LaunchRequest) -> EksJob | None:
+        """A Job of this run that is running and healthy (its flow runner was replaced) is
+        watched to its end: the GPUs keep training. Anything else of the run is left for
+        :meth:`launch` to delete."""
+        kube = self.clients.kube
+        names = kube.jobs_labelled(
+            self.eks.namespace, LABEL_RUN, labels(request.run_id, 1)[LABEL_RUN]
+        )
+        if not names:
+            return None
+        nodes = kube.nodes()
+        for name in names:
+            job = kube.read_job(self.eks.namespace, name)
+            if job is None:
+                continue
+            ok, why = healthy(job, kube.job_pods(self.eks.namespace, name), nodes, t=time.time())
+            if not ok:
+                self.log(f"not reattaching: {why}; it is deleted and the attempt relaunched")
+                continue
+            attempt = int(job["metadata"].get("labels", {}).get(LABEL_ATTEMPT, request.attempt))
+            completions = int(job["spec"].get("completions") or request.nodes)
+            self.log(f"reattaching to the running Job {name}: {why}")
+            return self._job(name, attempt, completions)
+        return None
+
+    def launch(self, request: LaunchRequest) -> EksJob:
+        kube, eks, cfg = self.clients.kube, self.eks, request.cfg
+        # A run never has two Jobs (DESIGN §8). This invocation holds the run's lease, so any
+        # Job of this run still there is an earlier attempt's or a dead flow runner's, holding
+        # the nodes (and the checkpoints directory) the new one needs: delete it first.
+        stale = delete_run_jobs(kube, eks.namespace, request.run_id)
+        if stale:
+            EventLog(cfg.run_root).emit("stale_jobs_deleted", jobs=stale, attempt=request.attempt)
+        if request.attempt > 1 or stale:
+
+            def on_wait(check: CheckResult, waited: float) -> None:
+                self.log(f"waiting for healthy nodes ({waited:.0f} s): {check.detail}")
+
+            wait_for_nodes(
+                kube,
+                self.requirements,
+                timeout_s=eks.node_wait_s,
+                poll_s=self.clients.poll_s,
+                on_wait=on_wait,
+            )
+        cfg.run_root.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, config_file(cfg.run_root, request.attempt))  # what every pod reads
+        name = job_name(request.run_id, request.attempt)
+        docs = render_all(
+            cfg,
+            run_id=request.run_id,
+            attempt=request.attempt,
+            nodes=request.nodes,
+            eks=eks,
+            deadline_s=request.deadline_s,
+            rdzv_id=f"{name}-{request.invocation[:8]}",
+        )
+        job = self._job(name, request.attempt, request.nodes)
+        try:
+            for doc in docs:
+                kube.apply(doc)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                job.stop()
+            raise
+        self.log(
+            f"train attempt {request.attempt} on EKS: Job {eks.namespace}/{name}, "
+            f"{request.nodes} node(s) x {eks.gpus_per_node} GPU(s)"
+        )
+        return job
+
+    def cleanup(self, run_id: str, run_root: Path) -> list[str]:
+        return delete_run_jobs(self.clients.kube, self.eks.namespace, run_id)

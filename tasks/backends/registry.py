@@ -1,0 +1,90 @@
+"""The backends by name: the one place that knows which exist (the flows and the parameter form
+ask here, never compare names). What the form needs of a backend before any is built (how many
+ranks a node runs, which parameters it refuses) is a :class:`BackendType`; :func:`create` builds
+the backend itself."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tasks.backends.base import Backend, RunParams
+
+if TYPE_CHECKING:
+    from tasks.ownership.lease import RunLease
+
+
+def _no_check(params: RunParams) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class BackendType:
+    name: str
+    description: str
+    ranks_per_node: Callable[[RunParams], int]
+    # The embedded local S3 server makes sense here (a cluster uses the endpoint it is given).
+    embedded_s3: bool
+    # s3:// initial weights are copied to the shared filesystem by the flow runner.
+    hydrates_s3_weights: bool
+    # Builds the backend (imported on first use: the form needs no Kubernetes client).
+    factory: Callable[..., Backend]
+    # Refuse what this backend's deployment does not allow (raises ValueError naming the field).
+    check: Callable[[RunParams], None] = _no_check
+
+
+def _eks_check(params: RunParams) -> None:
+    params.eks.check_deployment_allows()
+
+
+def _local(params: RunParams, *, lease: RunLease | None, log: Callable[[str], None]) -> Backend:
+    from tasks.backends.local import LocalBackend
+
+    return LocalBackend(params.state_dir, lease=lease, log=log)
+
+
+def _eks(params: RunParams, *, lease: RunLease | None, log: Callable[[str], None]) -> Backend:
+    from tasks.backends.eks.backend import EksBackend
+
+    # No lease handed over: its lease lives on FSx, and its Jobs are found by label.
+    return EksBackend(params.eks, nodes=params.nodes, log=log)
+
+
+TYPES: dict[str, BackendType] = {
+    "local": BackendType(
+        "local",
+        "simulated nodes on this machine (the embedded default)",
+        ranks_per_node=lambda p: p.nproc_per_node,
+        embedded_s3=True,
+        hydrates_s3_weights=True,
+        factory=_local,
+    ),
+    "eks": BackendType(
+        "eks",
+        "an Indexed Job on Amazon EKS",
+        ranks_per_node=lambda p: p.eks.gpus_per_node,
+        embedded_s3=False,
+        hydrates_s3_weights=False,
+        factory=_eks,
+        check=_eks_check,
+    ),
+}
+
+
+def backend_type(name: str) -> BackendType:
+    try:
+        return TYPES[name]
+    except KeyError:
+        raise ValueError(f"backend: {name!r} is not one of {', '.join(TYPES)}") from None
+
+
+def create(
+    name: str,
+    params: RunParams,
+    *,
+    lease: RunLease | None = None,
+    log: Callable[[str], None] = lambda msg: None,
+) -> Backend:
+    """The backend ``name`` for a run (cheap: clients connect on first use)."""
+    return backend_type(name).factory(params, lease=lease, log=log)
