@@ -16,6 +16,19 @@ if TYPE_CHECKING:
 ON_DEMAND = "on-demand"
 NIGHTLY = "nightly"
 NIGHTLY_CRON = "0 2 * * *"
+# One flow run of a deployment at a time; a run started meanwhile (a second click, the nightly
+# schedule overlapping a long run) waits in the queue instead of competing for the nodes, the
+# cores and the local S3 server. The run's lease (DESIGN §8) still guards one run id.
+CONCURRENCY_LIMIT = 1
+COLLISION_STRATEGY = "ENQUEUE"
+
+
+def concurrency() -> Any:
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+
+    return ConcurrencyLimitConfig(
+        limit=CONCURRENCY_LIMIT, collision_strategy=ConcurrencyLimitStrategy(COLLISION_STRATEGY)
+    )
 
 
 def default_parameters(defaults: PipelineParams | None = None) -> dict[str, Any]:
@@ -34,6 +47,7 @@ def deployments(defaults: PipelineParams | None = None) -> list[Any]:
             parameters=default_parameters(defaults),
             description="Run the training pipeline on demand (embedded default backend).",
             tags=["nvrx"],
+            concurrency_limit=concurrency(),
         ),
         training_pipeline.to_deployment(
             name=NIGHTLY,
@@ -41,6 +55,7 @@ def deployments(defaults: PipelineParams | None = None) -> list[Any]:
             parameters=default_parameters(defaults),
             description="Nightly training run with the default drill-free parameters.",
             tags=["nvrx", "scheduled"],
+            concurrency_limit=concurrency(),
         ),
     ]
 

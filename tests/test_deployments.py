@@ -64,3 +64,19 @@ def test_serve_rejects_bad_defaults(argv: list[str], expect: str, capsys):
 
     assert main(["serve", *argv]) == EXIT_USAGE
     assert expect in capsys.readouterr().err
+
+
+def test_every_deployment_runs_one_flow_run_at_a_time():
+    """Served and declared alike: a second run waits in the queue (ENQUEUE), it does not compete
+    for the nodes and the state directory."""
+    from flows.deployments import COLLISION_STRATEGY, CONCURRENCY_LIMIT, deployments
+
+    for d in deployments():
+        assert d.concurrency_limit == CONCURRENCY_LIMIT == 1
+        assert d.concurrency_options.collision_strategy.value == COLLISION_STRATEGY
+    for path in (REPO / "deploy" / "prefect.yaml", REPO / "deploy" / "eks" / "prefect.yaml"):
+        for d in yaml.safe_load(path.read_text())["deployments"]:
+            assert d["concurrency_limit"] == {
+                "limit": CONCURRENCY_LIMIT,
+                "collision_strategy": COLLISION_STRATEGY,
+            }, (path, d["name"])
