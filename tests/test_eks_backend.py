@@ -25,6 +25,8 @@ from tasks.classify import EndKind
 from tasks.train_stage import AttemptReport, run_attempt
 from tests.eks_cluster import NS, mark_disrupted, node_obj, pod_obj, terminated
 
+TAG = "inv001"  # the invocation's tag in the Job's name
+
 
 def result_later(root: Path, steps: int, after_s: float = 1.0) -> None:
     """What the pods' trainer writes on the shared filesystem when it completes."""
@@ -56,6 +58,7 @@ def attempt_on(
         nodes=2,
         nproc_per_node=params.eks.gpus_per_node,
         deadline_s=deadline_s,
+        invocation=TAG,
     )
     return run_attempt(backend, request, on_event=on_event)
 
@@ -157,7 +160,7 @@ SCENARIOS = [
 @pytest.mark.parametrize(("name", "act", "kind", "kept"), SCENARIOS, ids=[s[0] for s in SCENARIOS])
 def test_attempt_outcomes(kube: Kube, tmp_path: Path, name, act, kind, kept):
     params = eks_params(f"k-{name}", tmp_path)
-    driver = ControlPlane(kube, job_name(params.run_id or "", 1), act)
+    driver = ControlPlane(kube, job_name(params.run_id or "", 1, TAG), act)
     driver.start()
     if kind == EndKind.COMPLETED:
         result_later(tmp_path / "runs" / (params.run_id or ""), params.steps)
@@ -177,7 +180,7 @@ def test_node_loss_then_next_attempt_succeeds(kube: Kube, tmp_path: Path):
     outcomes = []
     for attempt, act in ((1, lose_node), (2, succeed)):
         kube.core.patch_node_status("ip-10-0-1-2", node_obj("ip-10-0-1-2"), _preload_content=False)
-        driver = ControlPlane(kube, job_name("k-retry", attempt), act)
+        driver = ControlPlane(kube, job_name("k-retry", attempt, TAG), act)
         driver.start()
         if attempt == 2:
             result_later(tmp_path / "runs" / "k-retry", params.steps)
@@ -185,8 +188,8 @@ def test_node_loss_then_next_attempt_succeeds(kube: Kube, tmp_path: Path):
         driver.join(5)
         outcomes.append((r.released["job"], r.outcome.kind))
     assert outcomes == [
-        ("nvrx-k-retry-a1", EndKind.NODE_LOSS),
-        ("nvrx-k-retry-a2", EndKind.COMPLETED),
+        (f"nvrx-k-retry-a1-{TAG}", EndKind.NODE_LOSS),
+        (f"nvrx-k-retry-a2-{TAG}", EndKind.COMPLETED),
     ]
 
 
@@ -213,7 +216,7 @@ def test_an_interrupted_watch_deletes_the_job(kube: Kube, tmp_path: Path):
     """Cancelled or interrupted while watching (Prefect's SIGTERM bridge, Ctrl-C): the Job, its
     Service and NetworkPolicy do not stay behind holding the nodes."""
     params = eks_params("k-cancel", tmp_path)
-    name = job_name("k-cancel", 1)
+    name = job_name("k-cancel", 1, TAG)
     root = tmp_path / "runs" / "k-cancel"
     from trainer.events import EventLog
 

@@ -330,5 +330,11 @@ def test_a_job_is_reattached_only_when_every_pod_runs_on_a_ready_node():
     ):
         ok, reason = healthy(spec, bad_pods, bad_nodes, t=0)
         assert not ok and why in reason, reason
-    ended = {**spec, "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
-    assert not healthy(ended, pods, nodes, t=0)[0]
+    failed = {**spec, "status": {"conditions": [{"type": "Failed", "status": "True"}]}}
+    assert not healthy(failed, pods, nodes, t=0)[0]
+    # Completed while nobody watched: watched to its (immediate) end, its result stands.
+    done = {**spec, "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    assert healthy(done, [], nodes, t=0) == (
+        True,
+        f"Job {JOB} completed while no flow runner watched it: its result stands",
+    )

@@ -59,7 +59,9 @@ class Cluster(threading.Thread):
     ) -> None:
         super().__init__(daemon=True)
         self.kube, self.params, self.s3 = kube, params, s3
-        self.lose_node_in = lose_node_in  # attempts whose node 1 is lost after a checkpoint
+        # Training Jobs (1 = the first this cluster runs) whose node 1 is lost after a checkpoint.
+        self.lose_node_in = lose_node_in
+        self.trained = 0
         self.ctx = RunContext.create(params)
         self.handled: set[str] = set()
         self.stop = threading.Event()
@@ -70,15 +72,25 @@ class Cluster(threading.Thread):
             while not self.stop.is_set():
                 for job in self.jobs():
                     name = job["metadata"]["name"]
-                    if name in self.handled:
+                    # A relaunched attempt may reuse the name; its rendezvous id is new.
+                    key = f"{name}/{_rdzv_id(job)}"
+                    if key in self.handled:
                         continue
-                    self.handled.add(name)
-                    if name.endswith("-hydrate"):
-                        self.hydrate(name)
-                    else:
-                        self.train(name, job)
+                    self.handled.add(key)
+                    # Each Job on its own "nodes": a hydration Job runs beside a training one.
+                    threading.Thread(target=self.run_job, args=(name, job), daemon=True).start()
                 time.sleep(0.2)
         except BaseException as e:  # surfaced by the test
+            traceback.print_exc()
+            self.errors.append(e)
+
+    def run_job(self, name: str, job: dict[str, Any]) -> None:
+        try:
+            if name.endswith("-hydrate"):
+                self.hydrate(name)
+            else:
+                self.train(name, job)
+        except BaseException as e:
             traceback.print_exc()
             self.errors.append(e)
 
@@ -106,10 +118,12 @@ class Cluster(threading.Thread):
 
     def train(self, name: str, job: Any) -> None:
         for i, node in enumerate(NODES):
+            # A relaunch under a deleted Job's name: its pods go first (kmock has no garbage
+            # collector to remove them with the Job).
+            self.kube.delete_pod(NS, f"{name}-{i}-x")
             self.kube.core.create_namespaced_pod(NS, pod_obj(name, i, node), _preload_content=False)
         container = job["spec"]["template"]["spec"]["containers"][0]
         env = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("NVRX_")}
-        attempt = int(env["NVRX_STAGE_ATTEMPT"])
         # What the pods run, on this machine's CPUs: one launcher with both ranks, reading the
         # config the flow wrote for this attempt (what the Job's command names).
         [config_arg] = [a for a in container["args"] if a.startswith("--config=")]
@@ -128,9 +142,7 @@ class Cluster(threading.Thread):
                 nnodes=1,
                 nproc_per_node=2,
                 rdzv_endpoint=f"127.0.0.1:{free_port()}",
-                rdzv_id=next(
-                    a.split("=", 1)[1] for a in container["args"] if a.startswith("--rdzv-id=")
-                ),
+                rdzv_id=_rdzv_id(job),
             ),
             trainer_args(cfg, write_config(cfg)),
         )
@@ -144,7 +156,8 @@ class Cluster(threading.Thread):
             start_new_session=True,
         )
         try:
-            if attempt in self.lose_node_in:
+            self.trained += 1
+            if self.trained in self.lose_node_in:
                 self.wait_for_checkpoint(step=10)
                 kill_tree(proc.pid)  # the node's pods die with it: launcher and every rank
                 self.lose_node(name)
@@ -204,6 +217,13 @@ class Cluster(threading.Thread):
         # The node group replaces the node a little later: the flow must wait for it.
         time.sleep(3.0)
         self.kube.core.patch_node_status(lost, p5(lost), _preload_content=False)
+
+
+def _rdzv_id(job: dict[str, Any]) -> str:
+    """The rendezvous id the Job's command names (unique per attempt and invocation); none for
+    the hydration Job."""
+    args = job["spec"]["template"]["spec"]["containers"][0].get("args") or []
+    return next((a.split("=", 1)[1] for a in args if a.startswith("--rdzv-id=")), "")
 
 
 def stubbed_fsx(params: PipelineParams) -> tuple[Any, Stubber]:

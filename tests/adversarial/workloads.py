@@ -21,3 +21,8 @@ def _slow_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) ->
 
 
 SLOW_GPT = dataclasses.replace(gpt.SPEC, name="slow-gpt", loss=_slow_loss)
+
+# Slower still: long enough for a replaced flow runner to find the Job still training.
+SLOWER_GPT = dataclasses.replace(
+    gpt.SPEC, name="slower-gpt", loss=lambda m, i, t: (time.sleep(1.2), gpt.loss(m, i, t))[1]
+)

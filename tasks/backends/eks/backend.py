@@ -362,7 +362,8 @@ class EksBackend:
             )
         cfg.run_root.mkdir(parents=True, exist_ok=True)
         save_config(cfg, config_file(cfg.run_root, request.attempt))  # what every pod reads
-        name = job_name(request.run_id, request.attempt)
+        tag = request.invocation[:6]
+        name = job_name(request.run_id, request.attempt, tag)
         docs = render_all(
             cfg,
             run_id=request.run_id,
@@ -370,7 +371,8 @@ class EksBackend:
             nodes=request.nodes,
             eks=eks,
             deadline_s=request.deadline_s,
-            rdzv_id=f"{name}-{request.invocation[:8]}",
+            rdzv_id=name,  # unique per invocation too (the tag)
+            tag=tag,
         )
         job = self._job(name, request.attempt, request.nodes)
         try:

@@ -301,13 +301,16 @@ def judge(observed: Outcome | None, ev: Evidence, *, job: str, fsx_mount: str) -
 def healthy(
     job: dict[str, Any], pods: list[dict[str, Any]], nodes: list[dict[str, Any]], *, t: float
 ) -> tuple[bool, str]:
-    """Is a Job found running (a replaced flow runner's) fit to be watched to its end rather
-    than relaunched? Every index has a running pod, none terminated or disrupted, each on a Ready
-    node, and the Job has not ended. Returns the verdict and why."""
+    """Is a Job found (a replaced flow runner's) fit to be watched to its end rather than
+    relaunched? One that completed while nobody watched (its result stands), or one still
+    running where every index has a running pod, none terminated or disrupted, each on a Ready
+    node. Returns the verdict and why."""
     j = observe_job(job, t)
     name = job.get("metadata", {}).get("name", "?")
-    if j.complete or j.failed:
-        return False, f"Job {name} has ended ({'Complete' if j.complete else 'Failed'})"
+    if j.complete:
+        return True, f"Job {name} completed while no flow runner watched it: its result stands"
+    if j.failed:
+        return False, f"Job {name} has failed ({j.failed_reason or 'Failed'})"
     completions = int((job.get("spec") or {}).get("completions") or 1)
     latest: dict[int, PodObs] = {}
     disrupted: set[str] = set()

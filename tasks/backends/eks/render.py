@@ -33,10 +33,14 @@ EXIT_DO_NOT_REQUEUE = 93
 TMP_GI = 32  # /tmp: torch.compile/Triton caches and tempfiles (ephemeral storage)
 
 
-def job_name(run_id: str, attempt: int) -> str:
-    """DNS-1123 label, <= 52 chars (pod hostnames append '-<index>'), stable per attempt."""
+def job_name(run_id: str, attempt: int, tag: str = "") -> str:
+    """DNS-1123 label, <= 52 chars (pod hostnames append '-<index>'), stable per attempt of one
+    invocation. ``tag`` (from the invocation) keeps a later invocation's attempt 1 apart from an
+    earlier one's: the pods of a deleted Job may still be terminating, with the same job-name
+    label, when the new Job starts, and its watcher must not take them for its own."""
     base = re.sub(r"[^a-z0-9-]", "-", run_id.lower()).strip("-")
-    suffix = f"-a{attempt}"
+    tag = re.sub(r"[^a-z0-9]", "", tag.lower())[:6]
+    suffix = f"-a{attempt}" + (f"-{tag}" if tag else "")
     if len(base) + len(suffix) + 5 > 52:
         digest = hashlib.sha256(run_id.encode()).hexdigest()[:6]
         base = f"{base[: 52 - len(suffix) - 5 - 7]}-{digest}"
@@ -52,8 +56,10 @@ def labels(run_id: str, attempt: int) -> dict[str, str]:
     }
 
 
-def render_service(run_id: str, attempt: int, *, namespace: str, port: int) -> dict[str, Any]:
-    name = job_name(run_id, attempt)
+def render_service(
+    run_id: str, attempt: int, *, namespace: str, port: int, tag: str = ""
+) -> dict[str, Any]:
+    name = job_name(run_id, attempt, tag)
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -108,11 +114,12 @@ def render_job(
     eks: EksParams,
     deadline_s: float | None = None,
     rdzv_id: str | None = None,
+    tag: str = "",
 ) -> dict[str, Any]:
     """``rdzv_id``: unique per invocation (default: the Job's name). A later invocation of the
     run starts its attempts at 1 again, and the workers tell an in-job respawn by finding their
-    rendezvous id in the events already."""
-    name = job_name(run_id, attempt)
+    rendezvous id in the events already. ``tag``: see :func:`job_name`."""
+    name = job_name(run_id, attempt, tag)
     ns = eks.namespace
     rdzv = f"{name}-0.{name}.{ns}.svc.cluster.local:{eks.rdzv_port}"
     spec = LaunchSpec(
@@ -255,7 +262,9 @@ def render_job(
     }
 
 
-def render_network_policy(run_id: str, attempt: int, *, namespace: str) -> dict[str, Any]:
+def render_network_policy(
+    run_id: str, attempt: int, *, namespace: str, tag: str = ""
+) -> dict[str, Any]:
     """Only this Job's pods reach this Job's pods; they reach only each other and DNS.
 
     No port list, on purpose: besides the c10d rendezvous store on ``eks.rdzv_port`` (hosted by
@@ -270,7 +279,7 @@ def render_network_policy(run_id: str, attempt: int, *, namespace: str) -> dict[
     pod network, so they need no rule; the training pods call no AWS or Prefect API, so they
     get no other egress.
     """
-    name = job_name(run_id, attempt)
+    name = job_name(run_id, attempt, tag)
     own_pods = [{"podSelector": {"matchLabels": {JOB_NAME_LABEL: name}}}]
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -307,12 +316,14 @@ def render_all(
     eks: EksParams,
     deadline_s: float | None = None,
     rdzv_id: str | None = None,
+    tag: str = "",
 ) -> list[dict[str, Any]]:
-    """``deadline_s``: the attempt's deadline (``activeDeadlineSeconds`` adds a margin)."""
+    """``deadline_s``: the attempt's deadline (``activeDeadlineSeconds`` adds a margin);
+    ``tag``: the invocation's, in every name (:func:`job_name`)."""
     # The policy first: the pods never run unprotected, not even for the first seconds.
     return [
-        render_network_policy(run_id, attempt, namespace=eks.namespace),
-        render_service(run_id, attempt, namespace=eks.namespace, port=eks.rdzv_port),
+        render_network_policy(run_id, attempt, namespace=eks.namespace, tag=tag),
+        render_service(run_id, attempt, namespace=eks.namespace, port=eks.rdzv_port, tag=tag),
         render_job(
             cfg,
             run_id=run_id,
@@ -321,5 +332,6 @@ def render_all(
             eks=eks,
             deadline_s=deadline_s,
             rdzv_id=rdzv_id,
+            tag=tag,
         ),
     ]
