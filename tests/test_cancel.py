@@ -25,7 +25,7 @@ from kubernetes.client import ApiException
 from flows.models import PipelineParams
 from flows.pipeline import run_id_of_flow_run
 from tasks.backends.eks.kube import JOB_NAME_LABEL, Kube
-from tasks.backends.eks.render import job_name
+from tasks.backends.eks.render import LABEL_RUN
 from tasks.backends.local import free_port, kill_tree
 from tasks.ownership import processes
 from tasks.ownership.lease import LEASE_FILE, LeaseRecord, process_is
@@ -269,7 +269,6 @@ def test_cancel_during_train_on_eks_leaves_no_job_service_or_pod(
         eks={"gpus_per_node": 1, "fsx_mount": str(tmp_path / "fsx"), "file_system_id": FS},
     )
     run_root = tmp_path / "fsx" / "runs" / run_id
-    job = job_name(run_id, 1)
     cluster = GarbageCollectingCluster(kube, params, s3_settings, lose_node_in=set())
     cluster.start()
     kube_url = kube.core.api_client.configuration.host
@@ -280,11 +279,15 @@ def test_cancel_during_train_on_eks_leaves_no_job_service_or_pod(
                 dep, {"params": params.model_dump(mode="json"), "kube_url": kube_url}
             )
 
-            def pods() -> list[dict[str, Any]]:
+            def training_job() -> str | None:
+                """The run's Job (found by its run label: its name carries the invocation's
+                tag), once its pods exist."""
                 assert not cluster.errors, cluster.errors
-                return kube.job_pods(NS, job)
+                names = kube.jobs_labelled(NS, LABEL_RUN, run_id)
+                assert len(names) <= 1, names  # a run never has two Jobs
+                return names[0] if names and kube.job_pods(NS, names[0]) else None
 
-            wait_for(pods, 150, "the training Job has no pods", log)
+            job = wait_for(training_job, 150, "the run's training Job never got pods", log)
             wait_for(
                 lambda: (
                     _exists(kube.core.read_namespaced_service, job)
@@ -298,7 +301,7 @@ def test_cancel_during_train_on_eks_leaves_no_job_service_or_pod(
             assert ended.state.is_cancelled(), (ended.state, log.read_text()[-4000:])
             assert ended.name == run_id
         # Nothing of the run on the cluster: the Job, what was rendered with it, its pods.
-        assert kube.jobs_labelled(NS, "nvrx.io/run-id", run_id) == []
+        assert kube.jobs_labelled(NS, LABEL_RUN, run_id) == []
         assert not _exists(kube.core.read_namespaced_service, job)
         assert not _exists(kube.networking.read_namespaced_network_policy, job)
         wait_for(lambda: not kube.job_pods(NS, job), 15, "pods of the deleted Job remain")
