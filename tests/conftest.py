@@ -17,13 +17,11 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def s3_settings(tmp_path_factory: pytest.TempPathFactory):
     """A real SeaweedFS S3 server over HTTP on 127.0.0.1, for the whole session."""
-    from tasks.backends.local import free_port
     from tasks.storage.local_s3 import LocalS3Server
     from tasks.storage.s3 import S3Settings
+    from tests.helpers import free_s3_port
 
-    port = free_port()
-    while port + 10003 > 65535:  # its gRPC ports sit 10000 above
-        port = free_port()
+    port = free_s3_port()
     endpoint = f"http://127.0.0.1:{port}"
     server = LocalS3Server(endpoint, tmp_path_factory.mktemp("seaweed"))
     server.start()

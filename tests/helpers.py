@@ -39,6 +39,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_s3_port() -> int:
+    """A port for a SeaweedFS server whose derived ports (master +1, volume +2, filer +3, and
+    gRPC 10000 above each) are all free too; below the ephemeral range, so no client connection
+    takes one of them while it starts."""
+    import random
+
+    def bindable(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+        return True
+
+    for _ in range(200):
+        port = random.randrange(12000, 22000)
+        if all(bindable(port + d) for d in (0, 1, 2, 3, 10000, 10001, 10002, 10003)):
+            return port
+    raise RuntimeError("no free port set for a SeaweedFS server")
+
+
 def make_config(run_root: Path, data_dir: Path, **overrides: Any) -> TrainConfig:
     base = TrainConfig(
         run_root=run_root,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,12 +25,13 @@ from flows.models import PipelineParams
 from flows.pipeline import run_id_of_flow_run
 from tasks.backends.eks.kube import JOB_NAME_LABEL, Kube
 from tasks.backends.eks.render import LABEL_RUN
-from tasks.backends.local import free_port, kill_tree
+from tasks.backends.local import kill_tree
 from tasks.ownership import processes
 from tasks.ownership.lease import LEASE_FILE, LeaseRecord, process_is
 from tasks.storage.local_s3 import SERVER_RECORD
 from tasks.storage.s3 import S3Settings
 from tests.eks_cluster import NODES, NS, seed_cluster
+from tests.helpers import free_s3_port
 from tests.pipeline_helpers import make_params
 from tests.served_flows import KMOCK_DEPLOYMENT, KMOCK_FLOW
 from tests.test_eks_pipeline import FS, Cluster
@@ -152,29 +152,13 @@ def assert_cancelled_run_left_nothing_in_its_events(run_root: Path) -> None:
         assert rec is None or not process_is(rec.owner.pid, rec.owner.create_time), rec
 
 
-def s3_port() -> int:
-    """A port for a SeaweedFS server whose every derived port (+1..+3, gRPC +10000) is free."""
-
-    def free(port: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-        return True
-
-    while True:
-        port = free_port()
-        ports = [port + d for base in (0, 10000) for d in range(4)]
-        if ports[-1] <= 65535 and all(free(p) for p in ports):
-            return port
-
-
 # -- local backend --------------------------------------------------------------------------------
 def test_cancel_during_train_on_the_local_backend_leaves_no_process(
     prefect_server: str, tmp_path: Path
 ):
-    s3 = S3Settings(endpoint_url=f"http://127.0.0.1:{s3_port()}")  # the pipeline starts its own
+    s3 = S3Settings(
+        endpoint_url=f"http://127.0.0.1:{free_s3_port()}"
+    )  # the pipeline starts its own
     # No run id: the flow run's id names the run (and the flow run).
     params = make_params(tmp_path / "state", s3, steps=STEPS, workload=SLOW_GPT)
     assert params.run_id is None

@@ -16,7 +16,7 @@ from tasks.errors import ExportError, StorageError
 from tasks.export import ExportOptions, export_checkpoint
 from tasks.storage.local_s3 import LocalS3Server
 from tasks.storage.s3 import S3Settings, boto3_client
-from tests.helpers import make_config, run_single
+from tests.helpers import free_s3_port, make_config, run_single
 from trainer import manifest
 from trainer.faults import flip_bytes
 
@@ -216,9 +216,7 @@ def test_wrong_credentials(ckpt: Path, tmp_path: Path):
             }
         )
     )
-    port = free_port()
-    while port + 10003 > 65535:
-        port = free_port()
+    port = free_s3_port()
     server = LocalS3Server(f"http://127.0.0.1:{port}", tmp_path / "s3", s3_config=ident)
     server.start(credentials=good)
     try:

@@ -12,6 +12,7 @@ from tasks.errors import HydrationError, StorageError
 from tasks.hydrate import hydrate_dataset, upload_dataset
 from tasks.storage.local_s3 import endpoint_is_up, local_s3
 from tasks.storage.s3 import S3Settings, boto3_client, check_bucket, s3fs_filesystem
+from tests.helpers import free_s3_port
 from trainer.data import verify_dataset, write_synthetic_dataset
 
 
@@ -75,9 +76,7 @@ def test_clear_errors(s3_settings: S3Settings):
 
 
 def test_local_server_started_on_demand_and_stopped(tmp_path: Path):
-    port = free_port()
-    while port + 10003 > 65535:
-        port = free_port()
+    port = free_s3_port()
     settings = S3Settings(endpoint_url=f"http://127.0.0.1:{port}")
     assert not endpoint_is_up(settings.endpoint_url)
     with local_s3(settings, tmp_path, user="outer") as server:

@@ -20,12 +20,13 @@ import pytest
 from flows.cli import main
 from flows.context import RunContext
 from flows.models import PipelineResult
-from tasks.backends.local import free_port, kill_tree
+from tasks.backends.local import kill_tree
 from tasks.errors import StorageError
 from tasks.ownership import processes, takeover
 from tasks.ownership.lease import LeaseRecord, Owner, RunBusy, RunLease
 from tasks.storage.local_s3 import EMBEDDED_ENDPOINT, ensure_local_s3, recorded_server
 from tasks.storage.s3 import S3Settings
+from tests.helpers import free_s3_port
 from tests.pipeline_helpers import make_params, nvrx_events
 from trainer.events import read_events
 
@@ -217,9 +218,7 @@ time.sleep(600)
 
 @pytest.mark.slow
 def test_server_is_shared_by_reference_and_a_dead_user_does_not_hold_it(tmp_path: Path):
-    port = free_port()
-    while port + 10003 > 65535:
-        port = free_port()
+    port = free_s3_port()
     endpoint = f"http://127.0.0.1:{port}"
     settings = S3Settings(endpoint_url=endpoint)
     first = ensure_local_s3(settings, tmp_path, user="first")
@@ -326,9 +325,7 @@ CRASHES = [Crash("healthy-job-adopted", False, "adopt"), Crash("broken-job-ended
 def test_orchestrator_sigkilled_mid_train_then_rerun(
     sc: Crash, baseline: PipelineResult, prefect_server, tmp_path: Path, capsys
 ):
-    port = free_port()
-    while port + 10003 > 65535:
-        port = free_port()
+    port = free_s3_port()
     s3 = S3Settings(endpoint_url=f"http://127.0.0.1:{port}")  # this run's own server
     run_id = f"crash-{sc.name}"
     params = _cli_params(
@@ -410,9 +407,7 @@ def _alive(pid: int) -> bool:
 def test_orchestrator_sigterm_ends_everything_it_started(prefect_server, tmp_path: Path):
     """A stop request (a scheduler, `kill`, Prefect cancelling the process) unwinds the run: its
     nodes, its S3 server and its lease go with it."""
-    port = free_port()
-    while port + 10003 > 65535:
-        port = free_port()
+    port = free_s3_port()
     s3 = S3Settings(endpoint_url=f"http://127.0.0.1:{port}")
     run_id = "sigterm"
     params = _cli_params(tmp_path, s3, run_id, workload="tests.adversarial.workloads:SLOW_GPT")
