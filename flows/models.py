@@ -81,7 +81,8 @@ class PipelineParams(BaseModel):
     run_id: str | None = Field(
         None,
         description="Names the run; an existing id resumes it from its newest valid checkpoint. "
-        "Lowercase letters, digits, dashes. Empty: a new id.",
+        "Lowercase letters, digits, dashes. Empty: named by the flow run (run-<flow run id>), "
+        "so the same flow run executed again continues it.",
     )
     backend: Literal["local", "eks"] = Field(
         "local",

@@ -3,6 +3,7 @@ the newest fails, fall back to the previous valid one (reported), and fail when 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,10 @@ def validate_latest(run_root: Path, exp: Expectations, *, load: bool = True) -> 
     rejected: list[CheckpointReport] = []
     for step in reversed(manifest.committed_steps(run_root)):
         report = validate_checkpoint(manifest.committed_path(run_root, step), exp, load=load)
+        if report.step is None:
+            # The manifest could not be read (it is what failed): the directory names the step,
+            # so the report and the fallback still say which checkpoint was rejected.
+            report = dataclasses.replace(report, step=step)
         if report.passed:
             return ValidationOutcome(report, rejected)
         rejected.append(report)

@@ -41,7 +41,12 @@ from trainer.events import EventLog, read_events
 pytestmark = pytest.mark.slow
 
 DEAD = "0123456789abcdef"  # the dead owner's invocation
-CASES = [("healthy", set(), "reattached"), ("died", {1}, "relaunched")]
+# (case, training Jobs whose node 1 is lost, expected path, workload). Only the healthy case
+# needs training slow enough to still run when the flow run is executed again.
+CASES = [
+    ("healthy", set(), "reattached", "tests.adversarial.workloads:SLOWER_GPT"),
+    ("died", {1}, "relaunched", "gpt-tiny"),
+]
 
 
 def _dead_owner(run_root: Path, run_id: str) -> None:
@@ -87,7 +92,7 @@ def _disrupted(kube: Kube, run_id: str) -> bool:
     )
 
 
-@pytest.mark.parametrize(("case", "lose", "expect"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("case", "lose", "expect", "workload"), CASES, ids=[c[0] for c in CASES])
 def test_a_replaced_flow_runner_continues_the_run(
     kube: Kube,
     baseline: PipelineResult,
@@ -97,6 +102,7 @@ def test_a_replaced_flow_runner_continues_the_run(
     case: str,
     lose: set[int],
     expect: str,
+    workload: str,
 ):
     from prefect.client.orchestration import get_client
     from prefect.flow_engine import run_flow
@@ -109,7 +115,7 @@ def test_a_replaced_flow_runner_continues_the_run(
         steps=20,
         nodes=2,
         global_batch=8,
-        workload="tests.adversarial.workloads:SLOWER_GPT",  # gpt-tiny, 1.2 s a step
+        workload=workload,
         eks={"gpus_per_node": 1, "fsx_mount": str(tmp_path / "fsx"), "file_system_id": FS},
     )
     with get_client(sync_client=True) as client:
@@ -192,7 +198,7 @@ def test_a_replaced_flow_runner_continues_the_run(
         [stale] = [e for e in events if e["kind"] == "stale_jobs_deleted"]
         assert stale["jobs"] == [f"nvrx-{run_id}-a1-{DEAD[:6]}"]
         loaded = [e for e in events if e["kind"] == "resume" and e.get("action") == "loaded"]
-        assert loaded and loaded[-1]["step"] == 10
+        assert loaded and loaded[-1]["step"] >= 10  # the newest commit before the kill
     assert kube.jobs_labelled(NS, "nvrx.io/run-id", run_id) == []
     assert peek(ctx.run_root) is None  # released: the lease of the dead owner was taken over
     assert_exported(result, s3_settings)

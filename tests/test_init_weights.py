@@ -78,7 +78,9 @@ def test_s3_weights_map_to_the_hydrated_directory(tmp_path: Path, dataset: Path)
     assert ctx.weights_dir == tmp_path.absolute() / "fsx/weights/nvrx-weights/llama-tiny/v1"
     cfg = train_config(params, run_root=ctx.run_root, data_dir=dataset, weights_dir=ctx.weights_dir)
     assert cfg.workload_options["init_weights"] == str(ctx.weights_dir)
-    with pytest.raises(ValidationError, match=r"init_weights: on EKS give a directory"):
+    with pytest.raises(
+        ValidationError, match=r"init_weights: the eks backend does not copy s3:// weights"
+    ):
         PipelineParams(
             backend="eks",
             workload="llama-tiny",

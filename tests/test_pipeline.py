@@ -29,11 +29,12 @@ class Scenario:
     recovered_by: str | None
 
 
-# One fault per recovery layer. A hang is recovered by the same in-job layer as a SIGKILL
-# through the pipeline; its own drill (tests/test_fault_drills.py) checks it bitwise, and the
-# CI budget has no room for a second slow in-job pipeline run.
+# The in-job layer and the stage retry, with the events, report and status they produce. The
+# in-process layer's pipeline run is tests/test_workload_pipeline.py's llama-tiny case
+# (exception, SIGKILL, node loss, bitwise); a hang is recovered by the same in-job layer as a
+# SIGKILL, and its own drill (tests/test_fault_drills.py) checks it bitwise. The CI budget has
+# no room for more pipeline runs here.
 SCENARIOS = [
-    Scenario("exception", ("exception@step=14,rank=1",), 1, "inprocess"),
     Scenario("sigkill", ("sigkill@step=14,rank=0",), 1, "injob"),
     # Node 0: rank 0 and the rendezvous store, which NVRx cannot replace in-job. Node 1's loss
     # goes through the same pipeline in tests/test_workload_pipeline.py.

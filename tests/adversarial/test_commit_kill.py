@@ -50,7 +50,8 @@ KILL_POINTS = [
     KillPoint(
         "prune-unlink", "unlink,unlinkat", "step_000000002.deleting", 1, 6, "removed-leftover"
     ),
-    KillPoint("prune-rmdir", "rmdir", "step_000000002.deleting", 1, 6, "removed-leftover"),
+    # (The final rmdir of the emptied .deleting directory leaves what prune-unlink leaves, a
+    # .deleting leftover, and is recovered the same way; the CI budget keeps one of the two.)
 ]
 
 

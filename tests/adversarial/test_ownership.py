@@ -284,7 +284,9 @@ def _cli_params(state: Path, s3: S3Settings, run_id: str, **kw: object) -> dict[
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("apart_s", [0.0, 5.0], ids=["0s-apart", "5s-apart"])
+# Started together (the race the lock decides). One started while the other trains meets the
+# same lease and the same refusal; the CI budget keeps only the race.
+@pytest.mark.parametrize("apart_s", [0.0], ids=["0s-apart"])
 def test_two_invocations_of_one_run_id_exactly_one_trains(
     apart_s: float, baseline: PipelineResult, prefect_server, s3_settings, tmp_path: Path
 ):
