@@ -17,6 +17,8 @@ def p5(
     ready: str = "True",
     taints=(),
     itype: str = "p5.48xlarge",
+    cpu: str = "191450m",
+    memory: str = "2051314436Ki",
 ) -> dict:
     return {
         "apiVersion": "v1",
@@ -31,7 +33,13 @@ def p5(
         "spec": {"taints": [dict(t) for t in taints]},
         "status": {
             "capacity": {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32"},
-            "allocatable": {"nvidia.com/gpu": gpus, "vpc.amazonaws.com/efa": efa},
+            # What a p5.48xlarge's kubelet reports (192 vCPUs, 2 TiB less its reservations).
+            "allocatable": {
+                "nvidia.com/gpu": gpus,
+                "vpc.amazonaws.com/efa": efa,
+                "cpu": cpu,
+                "memory": memory,
+            },
             "conditions": [{"type": "Ready", "status": ready}],
         },
     }

@@ -8,7 +8,7 @@ from botocore.stub import Stubber
 
 from tasks.checks import Status, failures
 from tasks.preflight.checks import Snapshot
-from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks
+from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks, usable_nodes
 from tests.eks_cluster import p5, seed_cluster
 
 REQ = EksRequirements(
@@ -19,6 +19,8 @@ REQ = EksRequirements(
     namespace="nvrx",
     fsx_claim="fsx-claim",
     file_system_id="fs-0123456789abcdef0",
+    cpu_m=189_000,  # the Guaranteed pod of eks defaults on p5.48xlarge
+    memory_mib=1934 * 1024,
 )
 
 
@@ -58,18 +60,23 @@ def test_allocatable_not_capacity_and_taints_and_readiness():
         p5("tainted", taints=[{"key": "maintenance", "effect": "NoSchedule"}]),
         p5("down", ready="Unknown"),
         p5("small", itype="g5.xlarge"),
+        p5("daemonset-heavy", cpu="150", memory="1800Gi"),  # the Guaranteed pod does not fit
         p5("good"),
     ]
     r = {x.name: x for x in run_eks_checks(snap, REQ)}["GPU/EFA nodes"]
     assert r.status == Status.FAILED and "1 usable node(s), need 2" in r.detail
+    assert r.detail.endswith("; and 1 more)")  # five reasons, then a count
+    reasons = "; ".join(usable_nodes(snap, REQ)[1])
     for why in (
         "allocatable GPUs 7",
         "allocatable EFA 0",
         "untolerated taints maintenance",
         "not Ready",
         "type g5.xlarge",
+        "allocatable cpu 150 < the pod's 189000m (eks.cpu)",
+        "allocatable memory 1800Gi < the pod's 1980416Mi (eks.memory_gi)",
     ):
-        assert why in r.detail
+        assert why in reasons
 
 
 def test_each_failure_is_reported_with_a_fix():

@@ -38,6 +38,35 @@ class EksRequirements:
     fsx_claim: str
     file_system_id: str | None
     tolerated_taints: tuple[str, ...] = ("nvidia.com/gpu", "vpc.amazonaws.com/efa")
+    # The training pod's Guaranteed request (= limit): a node must have it allocatable, or the
+    # pod stays Pending until eks.unschedulable_timeout_s. 0: not checked.
+    cpu_m: int = 0
+    memory_mib: int = 0
+
+
+_MEMORY_UNITS = {
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+}
+
+
+def memory_mib(quantity: str) -> int:
+    """A Kubernetes memory quantity (``2051314436Ki``, ``1934Gi``, bytes) in MiB."""
+    for unit, factor in _MEMORY_UNITS.items():
+        if quantity.endswith(unit):
+            return int(float(quantity[: -len(unit)]) * factor) // 2**20
+    return int(float(quantity)) // 2**20
+
+
+def cpu_m(quantity: str) -> int:
+    """A Kubernetes CPU quantity (``191450m``, ``192``) in millicores."""
+    return int(quantity[:-1]) if quantity.endswith("m") else round(float(quantity) * 1000)
 
 
 # -- gathering ---------------------------------------------------------------------------------
@@ -157,7 +186,8 @@ def _ready(node: dict[str, Any]) -> bool:
 
 def usable_nodes(snap: Snapshot, req: EksRequirements) -> tuple[list[str], list[str]]:
     """(usable node names, reasons others are not): Ready, right type, enough *allocatable*
-    GPUs and EFA, and no NoSchedule/NoExecute taint our pods do not tolerate."""
+    GPUs, EFA, cpu and memory for the Guaranteed pod, and no NoSchedule/NoExecute taint our pods
+    do not tolerate."""
     usable, why = [], []
     for n in snap.facts.get("nodes", []):
         name = n["metadata"]["name"]
@@ -178,6 +208,17 @@ def usable_nodes(snap: Snapshot, req: EksRequirements) -> tuple[list[str], list[
             problems.append(f"allocatable GPUs {alloc.get('nvidia.com/gpu', '0')}")
         if req.efa_per_node and int(alloc.get("vpc.amazonaws.com/efa", "0")) < req.efa_per_node:
             problems.append(f"allocatable EFA {alloc.get('vpc.amazonaws.com/efa', '0')}")
+        if req.cpu_m and "cpu" in alloc and cpu_m(str(alloc["cpu"])) < req.cpu_m:
+            problems.append(f"allocatable cpu {alloc['cpu']} < the pod's {req.cpu_m}m (eks.cpu)")
+        if (
+            req.memory_mib
+            and "memory" in alloc
+            and memory_mib(str(alloc["memory"])) < req.memory_mib
+        ):
+            problems.append(
+                f"allocatable memory {alloc['memory']} < the pod's {req.memory_mib}Mi "
+                "(eks.memory_gi)"
+            )
         if taints:
             problems.append("untolerated taints " + ",".join(t["key"] for t in taints))
         (why.append(f"{name}: {'; '.join(problems)}") if problems else usable.append(name))
@@ -189,7 +230,9 @@ def nodes(snap: Snapshot, req: EksRequirements) -> Verdict:
     if len(usable) < req.nodes:
         return failed(
             f"{len(usable)} usable node(s), need {req.nodes}"
-            + (f" ({'; '.join(why[:5])})" if why else ""),
+            + (f" ({'; '.join(why[:5])}" if why else "")
+            + (f"; and {len(why) - 5} more" if len(why) > 5 else "")
+            + (")" if why else ""),
             "scale the GPU node group or lower nodes",
         )
     return passed(f"{len(usable)} usable {req.instance_type} node(s)")

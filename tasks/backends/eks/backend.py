@@ -47,7 +47,7 @@ from tasks.backends.eks.render import LABEL_ATTEMPT, LABEL_RUN, job_name, labels
 from tasks.checks import CheckResult
 from tasks.classify import EndKind, Outcome
 from tasks.preflight.checks import S3_CHECKS
-from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks
+from tasks.preflight.eks import EksRequirements, cpu_m, gather_eks, run_eks_checks
 from tasks.preflight.local import gather_s3
 from trainer.config import Device, InJobConfig, InProcessConfig, config_file, save_config
 from trainer.events import EventLog
@@ -269,6 +269,8 @@ class EksBackend:
             namespace=eks.namespace,
             fsx_claim=eks.fsx_claim,
             file_system_id=eks.file_system_id,
+            cpu_m=cpu_m(eks.pod_cpu()),
+            memory_mib=eks.pod_memory_gi() * 1024,
         )
 
     def preflight(self, req: Any, s3: dict[str, Any]) -> list[CheckResult]:
