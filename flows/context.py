@@ -112,17 +112,7 @@ def _script_absolute(workload: str) -> str:
 def stage_train_config(params: PipelineParams, ctx: RunContext) -> TrainConfig:
     """The trainer config as this run's workers see it (what validation compares checkpoints
     to): paths on the shared filesystem, the backend's device and fault-layer timings."""
-    where = placement(params)
-    return train_config(
-        params,
-        run_root=ctx.run_root,
-        data_dir=ctx.data_dir,
-        weights_dir=ctx.weights_dir,
-        device=where.device,
-        local_paths=where.local_paths,
-        inprocess=where.inprocess,
-        injob=where.injob,
-    )
+    return _placed(params, placement(params), ctx.run_root, ctx.data_dir, ctx.weights_dir)
 
 
 def eks_train_config(params: PipelineParams, run_id: str) -> TrainConfig:
@@ -132,10 +122,22 @@ def eks_train_config(params: PipelineParams, run_id: str) -> TrainConfig:
 
     where = eks_placement(params.eks)
     fsx = where.shared_root
+    data = fsx / "datasets" / params.dataset.bucket / params.dataset.prefix
+    return _placed(params, where, fsx / "runs" / run_id, data, None)
+
+
+def _placed(
+    params: PipelineParams,
+    where: Placement,
+    run_root: Path,
+    data_dir: Path,
+    weights_dir: Path | None,
+) -> TrainConfig:
     return train_config(
         params,
-        run_root=fsx / "runs" / run_id,
-        data_dir=fsx / "datasets" / params.dataset.bucket / params.dataset.prefix,
+        run_root=run_root,
+        data_dir=data_dir,
+        weights_dir=weights_dir,
         device=where.device,
         local_paths=where.local_paths,
         inprocess=where.inprocess,

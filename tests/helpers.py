@@ -204,3 +204,21 @@ spec = WorkloadSpec(
     seq_len=lambda o: 32,
 )
 """
+
+
+def lease_holder(run_root: Path, run_id: str) -> subprocess.Popen[str]:
+    """A process holding the run's lease (an invocation's flow process, as it was); kill it to
+    leave the lease an evicted or SIGKILLed flow runner leaves."""
+    code = (
+        "import time\n"
+        "from pathlib import Path\n"
+        "from tasks.ownership.lease import RunLease\n"
+        f"RunLease(Path({str(run_root)!r}), {run_id!r}).acquire()\n"
+        "print('held', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc

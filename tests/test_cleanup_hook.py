@@ -24,27 +24,10 @@ from tasks.backends.eks.kube import Kube
 from tasks.backends.eks.render import render_all
 from tasks.ownership import processes
 from tests.eks_cluster import NS
-from tests.helpers import REPO
+from tests.helpers import lease_holder
 from trainer.events import read_events
 
 DEAD = "deadbeefdeadbeef"
-
-
-def _owner(run_root: Path, run_id: str) -> subprocess.Popen[str]:
-    """A process holding the run's lease (the flow's process, as it was)."""
-    code = (
-        "import time\n"
-        "from pathlib import Path\n"
-        "from tasks.ownership.lease import RunLease\n"
-        f"RunLease(Path({str(run_root)!r}), {run_id!r}).acquire()\n"
-        "print('held', flush=True)\n"
-        "time.sleep(600)\n"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
-    return proc
 
 
 def _tagged_sleeper(run_root: Path) -> psutil.Process:
@@ -66,7 +49,7 @@ def _flow_run(params: PipelineParams) -> SimpleNamespace:
 def test_local_hook_ends_what_a_killed_flow_left(tmp_path: Path, owner_alive: bool):
     params = PipelineParams(run_id="hook-local", state_dir=str(tmp_path / "state"))
     ctx = RunContext.create(params)
-    owner = _owner(ctx.run_root, "hook-local")
+    owner = lease_holder(ctx.run_root, "hook-local")
     leftover = _tagged_sleeper(ctx.run_root)
     try:
         if not owner_alive:
@@ -112,7 +95,7 @@ def test_eks_hook_deletes_every_job_of_the_run(kube: Kube, tmp_path: Path):
         eks=other.eks,
     ):
         kube.apply(doc)
-    owner = _owner(ctx.run_root, run_id)
+    owner = lease_holder(ctx.run_root, run_id)
     owner.kill()
     owner.wait()
     with use_clients(EksClients(kube=kube, fsx=None)):

@@ -13,8 +13,6 @@ SeaweedFS and the Prefect server as in ``test_eks_pipeline.py``.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +31,7 @@ from tasks.hydrate import hydrate_dataset
 from tasks.ownership.lease import peek
 from tasks.storage.s3 import S3Settings, s3fs_filesystem
 from tests.eks_cluster import NS, seed_cluster
-from tests.helpers import REPO
+from tests.helpers import lease_holder
 from tests.pipeline_helpers import assert_exported
 from tests.test_eks_pipeline import FS, Cluster, stubbed_fsx
 from trainer.events import EventLog, read_events
@@ -50,19 +48,8 @@ CASES = [
 
 
 def _dead_owner(run_root: Path, run_id: str) -> None:
-    """Take the run's lease in a process and SIGKILL it: the lease an evicted runner leaves."""
-    code = (
-        "import sys, time\n"
-        "from pathlib import Path\n"
-        "from tasks.ownership.lease import RunLease\n"
-        f"RunLease(Path({str(run_root)!r}), {run_id!r}).acquire()\n"
-        "print('held', flush=True)\n"
-        "time.sleep(600)\n"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    """The lease an evicted runner leaves: its holder SIGKILLed."""
+    proc = lease_holder(run_root, run_id)
     proc.kill()
     proc.wait()
 

@@ -122,36 +122,26 @@ class Kube:
                 return None
             raise
 
-    def jobs_labelled(self, ns: str, key: str, value: str) -> list[str]:
-        """Names of the Jobs carrying label ``key=value`` (e.g. every attempt of one run)."""
+    def _labelled(self, list_fn: Any, ns: str, key: str, value: str) -> list[dict[str, Any]]:
+        """The objects of ``list_fn`` in ``ns`` carrying label ``key=value`` (the selector is
+        re-checked here: an emulator may ignore it)."""
         try:
-            items = _json(
-                self.batch.list_namespaced_job(
-                    ns, label_selector=f"{key}={value}", _preload_content=False
-                )
-            )["items"]
+            items = _json(list_fn(ns, label_selector=f"{key}={value}", _preload_content=False))
         except self._exc as e:
-            if e.status != 404:  # an emulator without the resource yet: no Jobs
+            if e.status != 404:  # an emulator without the resource yet: none
                 raise
             return []
+        return [o for o in items["items"] if (o["metadata"].get("labels") or {}).get(key) == value]
+
+    def jobs_labelled(self, ns: str, key: str, value: str) -> list[str]:
+        """Names of the Jobs carrying label ``key=value`` (e.g. every attempt of one run)."""
         return sorted(
             j["metadata"]["name"]
-            for j in items
-            if (j["metadata"].get("labels") or {}).get(key) == value
+            for j in self._labelled(self.batch.list_namespaced_job, ns, key, value)
         )
 
     def job_pods(self, ns: str, job: str) -> list[dict[str, Any]]:
-        try:
-            items = _json(
-                self.core.list_namespaced_pod(
-                    ns, label_selector=f"{JOB_NAME_LABEL}={job}", _preload_content=False
-                )
-            )["items"]
-        except self._exc as e:
-            if e.status != 404:  # an emulator without the resource yet: no pods
-                raise
-            return []
-        return [p for p in items if (p["metadata"].get("labels") or {}).get(JOB_NAME_LABEL) == job]
+        return self._labelled(self.core.list_namespaced_pod, ns, JOB_NAME_LABEL, job)
 
     def nodes(self) -> list[dict[str, Any]]:
         return list(_json(self.core.list_node(_preload_content=False))["items"])
