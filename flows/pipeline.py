@@ -14,7 +14,7 @@ from prefect import flow
 from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.logging import get_run_logger
 
-from flows.context import RunContext, placement
+from flows.context import RunContext
 from flows.events import emit
 from flows.models import (
     CheckpointInfo,
@@ -223,7 +223,7 @@ def _run(
     try:
         # The embedded default starts its own S3 server; a cluster uses the one it is given.
         with local_s3(
-            ctx.s3 if placement(params).embedded_s3 else None,
+            ctx.s3 if params.backend_type.embedded_s3 else None,
             ctx.state_dir,
             user=held.owner.invocation,
         ) as server:

@@ -47,7 +47,6 @@ class Placement:
     local_paths: bool = True  # the workers see this process's paths (a script made absolute)
     inprocess: InProcessConfig | None = None  # None: the trainer's defaults
     injob: InJobConfig | None = None
-    embedded_s3: bool = True  # the local S3 server is started when the endpoint is local
     s3_region: str | None = None
 
 

@@ -147,6 +147,7 @@ class LocalJob:
     recorder: Recorder | None = None
     adopted: bool = False
     poll_s: float = 0.2
+    _ended: bool = False  # stop() has run
 
     @property
     def name(self) -> str:
@@ -199,6 +200,9 @@ class LocalJob:
         self.nodes[node].wait()
 
     def stop(self) -> None:
+        if self._ended:  # idempotent: the process-table sweep below is not cheap
+            return
+        self._ended = True
         for node, proc in self.nodes.items():
             if proc.poll() is None:
                 self.stopped.add(node)

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tasks.backends.eks.params import cpu_millicores
 from tasks.checks import CheckResult
 from tasks.preflight.checks import Check, Snapshot, Source, Verdict, failed, passed, run_all
 
@@ -62,11 +63,6 @@ def memory_mib(quantity: str) -> int:
         if quantity.endswith(unit):
             return int(float(quantity[: -len(unit)]) * factor) // 2**20
     return int(float(quantity)) // 2**20
-
-
-def cpu_m(quantity: str) -> int:
-    """A Kubernetes CPU quantity (``191450m``, ``192``) in millicores."""
-    return int(quantity[:-1]) if quantity.endswith("m") else round(float(quantity) * 1000)
 
 
 # -- gathering ---------------------------------------------------------------------------------
@@ -208,7 +204,7 @@ def usable_nodes(snap: Snapshot, req: EksRequirements) -> tuple[list[str], list[
             problems.append(f"allocatable GPUs {alloc.get('nvidia.com/gpu', '0')}")
         if req.efa_per_node and int(alloc.get("vpc.amazonaws.com/efa", "0")) < req.efa_per_node:
             problems.append(f"allocatable EFA {alloc.get('vpc.amazonaws.com/efa', '0')}")
-        if req.cpu_m and "cpu" in alloc and cpu_m(str(alloc["cpu"])) < req.cpu_m:
+        if req.cpu_m and "cpu" in alloc and cpu_millicores(str(alloc["cpu"])) < req.cpu_m:
             problems.append(f"allocatable cpu {alloc['cpu']} < the pod's {req.cpu_m}m (eks.cpu)")
         if (
             req.memory_mib

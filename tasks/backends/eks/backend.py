@@ -42,12 +42,12 @@ from tasks.backends.eks.classify import (
 from tasks.backends.eks.clients import EksClients, connect
 from tasks.backends.eks.hydrate import hydrate_fsx
 from tasks.backends.eks.kube import JOB_NAME_LABEL, Kube, iter_queue
-from tasks.backends.eks.params import EksParams
-from tasks.backends.eks.render import LABEL_ATTEMPT, LABEL_RUN, job_name, labels, render_all
+from tasks.backends.eks.params import EksParams, cpu_millicores
+from tasks.backends.eks.render import LABEL_ATTEMPT, LABEL_RUN, job_name, render_all, run_label
 from tasks.checks import CheckResult
 from tasks.classify import EndKind, Outcome
 from tasks.preflight.checks import S3_CHECKS
-from tasks.preflight.eks import EksRequirements, cpu_m, gather_eks, run_eks_checks
+from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks
 from tasks.preflight.local import gather_s3
 from trainer.config import Device, InJobConfig, InProcessConfig, config_file, save_config
 from trainer.events import EventLog
@@ -83,14 +83,13 @@ def placement(eks: EksParams) -> Placement:
         local_paths=False,
         inprocess=EKS_INPROCESS,
         injob=EKS_INJOB,
-        embedded_s3=False,
         s3_region=eks.region,
     )
 
 
 def delete_run_jobs(kube: Kube, namespace: str, run_id: str) -> list[str]:
     """Delete every Job of run ``run_id`` (with its Service and NetworkPolicy); their names."""
-    stale = kube.jobs_labelled(namespace, LABEL_RUN, labels(run_id, 1)[LABEL_RUN])
+    stale = kube.jobs_labelled(namespace, LABEL_RUN, run_label(run_id))
     for name in stale:
         kube.delete_job(namespace, name)
     return stale
@@ -269,7 +268,7 @@ class EksBackend:
             namespace=eks.namespace,
             fsx_claim=eks.fsx_claim,
             file_system_id=eks.file_system_id,
-            cpu_m=cpu_m(eks.pod_cpu()),
+            cpu_m=cpu_millicores(eks.pod_cpu()),
             memory_mib=eks.pod_memory_gi() * 1024,
         )
 
@@ -322,9 +321,7 @@ class EksBackend:
         watched to its end: the GPUs keep training. Anything else of the run is left for
         :meth:`launch` to delete."""
         kube = self.clients.kube
-        names = kube.jobs_labelled(
-            self.eks.namespace, LABEL_RUN, labels(request.run_id, 1)[LABEL_RUN]
-        )
+        names = kube.jobs_labelled(self.eks.namespace, LABEL_RUN, run_label(request.run_id))
         if not names:
             return None
         nodes = kube.nodes()

@@ -47,11 +47,16 @@ def job_name(run_id: str, attempt: int, tag: str = "") -> str:
     return f"nvrx-{base}{suffix}"
 
 
+def run_label(run_id: str) -> str:
+    """The value of ``nvrx.io/run-id`` on every object of the run (a valid label value)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", run_id)[:63]
+
+
 def labels(run_id: str, attempt: int) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "nvrx-pipeline",
         "app.kubernetes.io/component": "trainer",
-        LABEL_RUN: re.sub(r"[^A-Za-z0-9_.-]", "-", run_id)[:63],
+        LABEL_RUN: run_label(run_id),
         LABEL_ATTEMPT: str(attempt),
     }
 
