@@ -29,6 +29,7 @@ import yaml
 
 from flows.deployments import NIGHTLY, NIGHTLY_CRON, ON_DEMAND
 from flows.models import PipelineResult
+from flows.pipeline import run_id_of_flow_run
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.slow
@@ -199,9 +200,12 @@ def test_custom_run_from_the_ui(ui_stack: dict[str, Any], s3_settings) -> None:
                 run_name = form_field(page, "Run Name").locator("input").input_value()
                 assert run_name
                 page.get_by_role("button", name="Submit").click()
-                # The UI goes back to the deployment; its run list links the new run by name.
+                # The UI goes back to the deployment; its run list links the new run by name:
+                # the form's name until the runner starts it, then the run id it was renamed to
+                # (the only run this server has seen, so either name is this run).
                 page.wait_for_url("**/deployments/deployment/*")
-                page.get_by_role("link", name=run_name, exact=True).first.click()
+                either = re.compile(rf"^({re.escape(run_name)}|run-[0-9a-f]{{12}})$")
+                page.get_by_role("link", name=either).first.click()
                 page.wait_for_url("**/runs/flow-run/*")
                 flow_run_id = page.url.rstrip("/").split("/")[-1].split("?")[0]
 
@@ -210,6 +214,8 @@ def test_custom_run_from_the_ui(ui_stack: dict[str, Any], s3_settings) -> None:
                 assert run["state"]["type"] == "COMPLETED", (run["state"], serve_log[-4000:])
                 assert run["deployment_id"] == dep["id"]
                 assert run["parameters"]["params"]["steps"] == FORM_STEPS
+                # No run id in the form: the run id is derived from the flow run, which bears it.
+                assert run["name"] == run_id_of_flow_run(flow_run_id), run["name"]
 
                 # The finished run's Artifacts tab shows the report and the timeline image.
                 page.reload()
@@ -247,6 +253,7 @@ def test_custom_run_from_the_ui(ui_stack: dict[str, Any], s3_settings) -> None:
     assert len(results) == 1, results
     result = PipelineResult.model_validate_json(results[0].read_text())
     assert result.status == "completed" and result.final_step == FORM_STEPS
+    assert result.run_id == run_id_of_flow_run(flow_run_id)
     assert [(f.kind, f.step, f.recovered_by) for f in result.faults] == [
         ("exception", 4, "inprocess")
     ]
