@@ -1,12 +1,31 @@
-"""The baseline users would otherwise run: plain ``torchrun --max-restarts`` + DDP + synchronous
-``torch.save`` checkpoints (rank 0, fsynced, atomic rename), same model, data and faults.
+"""The fair baseline: plain ``torchrun --max-restarts`` + the same FSDP2 model + synchronous DCP.
+
+What users would otherwise run, built from the same parts as ours wherever the part is not one
+of the resilience layers being compared:
+
+- the model, its FSDP2 sharding, the optimizer and the loss come from the same workload
+  (``trainer.workload``, through ``TrainConfig(...).wl``), with the same seeds, data source,
+  global batch and learning rate (``TrainConfig``'s defaults);
+- the process-group timeout is ours (``InProcessConfig().pg_timeout_s`` unless
+  ``--pg-timeout-s`` says otherwise), and checkpoint collectives run on their own gloo group
+  with ours' checkpoint timeout (``TrainConfig.ckpt_timeout_s``), as the trainer does;
+- checkpoints are synchronous ``torch.distributed.checkpoint.save`` (every rank writes its own
+  shard, fsynced: ``FileSystemWriter(sync_files=True)``) of ``get_state_dict(model, optim)``
+  into ``<run_root>/baseline_ckpt/step_NNNNNNNNN.tmp``; once every rank is done, rank 0 writes
+  a ``COMMITTED`` marker, fsyncs and renames the directory to ``step_NNNNNNNNN`` (then fsyncs the
+  parent). Only renamed directories with the marker are ever loaded, so a save torn by a fault
+  (``sigkill@step=N,phase=checkpoint`` kills right after the shards are written and before the
+  rename) is never loaded: the resume takes the previous commit. Resume: ``dcp.load`` +
+  ``set_state_dict``.
+
+No heartbeats and no in-process restart: a hang is only noticed when a collective times out, and
+every fault restarts all workers through torchrun. A ``hang`` stops the rank dead (SIGSTOP), as
+ours' drill does, so torchrun must SIGKILL it (its agent first waits for a SIGTERM it cannot
+deliver). ``--parallel ddp`` keeps the old DDP variant (same workload model, not sharded).
 
 Writes the same ``events.jsonl`` kinds as the trainer (``worker_start``, ``resume``, ``step``,
 ``checkpoint``, ``fault``, ``train_end``) so one analysis (benchmarks/recovery_time.py,
-benchmarks/ettr.py) reads both. No heartbeats and no in-process restart: a hang is only
-detected when a collective times out (``--pg-timeout-s``; torch's own default is 30 min for
-gloo, far longer than any benchmark here, so the baseline is given a much shorter one), and every
-fault restarts all workers through torchrun.
+benchmarks/ettr.py, ``trainer.timeline.recovery_phases``) reads both.
 
 Run under torchrun (from the repo root)::
 
@@ -18,40 +37,71 @@ Run under torchrun (from the repo root)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import hashlib
+import json
 import os
+import shutil
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer.config import model_config
-from trainer.data import StepSampler
+from trainer.config import InProcessConfig, TrainConfig
 from trainer.events import EventLog
 from trainer.faults import FaultSpec, claim, parse_fault
 from trainer.manifest import fsync_path
-from trainer.model import GPT
+from trainer.workload import DataSettings, OptimSettings
+
+COMMITTED = "COMMITTED"
+CKPT_DIR = "baseline_ckpt"
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run-root", type=Path, required=True)
     p.add_argument("--data-dir", type=Path, required=True)
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--workload", default=_DEFAULTS["workload"])
+    p.add_argument("--workload-options", default="{}", help="JSON object")
+    p.add_argument("--model", default=None, help="deprecated: gpt size, same as --workload gpt-X")
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--global-batch", type=int, default=_DEFAULTS["global_batch"])
     p.add_argument("--ckpt-interval", type=int, default=10)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--pg-timeout-s", type=float, default=60.0)
-    p.add_argument("--fault", action="append", default=[], help="kind@step=N[,rank=R]")
-    return p.parse_args(argv)
+    p.add_argument("--keep-last", type=int, default=_DEFAULTS["keep_last"])
+    p.add_argument("--seed", type=int, default=_DEFAULTS["seed"])
+    p.add_argument("--lr", type=float, default=_DEFAULTS["lr"])
+    p.add_argument("--weight-decay", type=float, default=_DEFAULTS["weight_decay"])
+    p.add_argument(
+        "--pg-timeout-s",
+        type=float,
+        default=InProcessConfig().pg_timeout_s,
+        help="process-group timeout (default: ours, InProcessConfig().pg_timeout_s)",
+    )
+    p.add_argument("--ckpt-timeout-s", type=float, default=_DEFAULTS["ckpt_timeout_s"])
+    p.add_argument("--parallel", choices=("fsdp2", "ddp"), default="fsdp2")
+    p.add_argument(
+        "--fault", action="append", default=[], help="kind@step=N[,rank=R][,phase=checkpoint]"
+    )
+    args = p.parse_args(argv)
+    if args.model:
+        args.workload = f"gpt-{args.model}"
+    return args
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """As ``trainer.loop.step_seed`` (not imported: that module imports NVRx)."""
+    digest = hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def _fire(spec: FaultSpec) -> None:
@@ -63,20 +113,56 @@ def _fire(spec: FaultSpec) -> None:
         # This rank's host goes: its torchrun agent and every rank on it (one session per
         # simulated node). torchrun cannot continue without it; the job is re-submitted.
         os.killpg(os.getpgid(0), signal.SIGKILL)
+    if spec.kind == "hang":
+        # As ours' drill: the process stops dead (a rank wedged in native code).
+        os.kill(os.getpid(), signal.SIGSTOP)
     if spec.kind in ("hang", "stall"):
-        # Blocks in Python: peers wait in the next all-reduce until the pg timeout.
+        # Blocks in Python: peers wait in the next collective until the pg timeout.
         while True:
             time.sleep(3600)
 
 
-def save(path: Path, model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step}, f)
+# -- checkpoints ----------------------------------------------------------------------------------
+def ckpt_root(run_root: Path) -> Path:
+    return Path(run_root) / CKPT_DIR
+
+
+def committed_steps(run_root: Path) -> list[int]:
+    """Steps with a complete, committed save (renamed, marker present), oldest first."""
+    root = ckpt_root(run_root)
+    if not root.is_dir():
+        return []
+    out = []
+    for d in root.iterdir():
+        name = d.name
+        if name.startswith("step_") and name[5:].isdigit() and (d / COMMITTED).is_file():
+            out.append(int(name[5:]))
+    return sorted(out)
+
+
+def step_dir(run_root: Path, step: int) -> Path:
+    return ckpt_root(run_root) / f"step_{step:09d}"
+
+
+def tmp_dir(run_root: Path, step: int) -> Path:
+    return ckpt_root(run_root) / f"step_{step:09d}.tmp"
+
+
+def commit(run_root: Path, step: int, keep_last: int) -> None:
+    """Rank 0, after every rank's shards and DCP's ``.metadata`` are written."""
+    src, dst = tmp_dir(run_root, step), step_dir(run_root, step)
+    marker = src / COMMITTED
+    with open(marker, "w") as f:
+        f.write(json.dumps({"step": step, "t": time.time()}) + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
+    fsync_path(src)
+    if dst.exists():  # an older life's save of the same step
+        shutil.rmtree(dst)
+    os.replace(src, dst)
+    fsync_path(dst.parent)
+    for old in committed_steps(run_root)[:-keep_last]:
+        shutil.rmtree(step_dir(run_root, old), ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,77 +177,153 @@ def main(argv: list[str] | None = None) -> int:
             world_size=world,
             baseline=True,
         )
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
+    if device is not None:
+        torch.cuda.set_device(device)
+    device = device or torch.device("cpu")
     timeout = datetime.timedelta(seconds=args.pg_timeout_s)
     # torchrun's agent keeps its store across restarts, so new workers would read the dead ones'
     # gloo addresses and hang in init (torch 2.13 here); a per-restart key prefix does not work
     # across nodes either (an agent restarted by a peer's failure keeps its restart count). So
-    # rank 0 hosts a fresh store for each incarnation, as the trainer does.
+    # rank 0 hosts a fresh store for each incarnation, as the trainer does. Joining it may take
+    # a peer's whole start-up: a rendezvous timeout, not the collectives' one.
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]) + 1,
         world,
         is_master=rank == 0,
-        timeout=timeout,
+        timeout=datetime.timedelta(seconds=max(60.0, args.pg_timeout_s)),
     )
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout
+    )
+    ckpt_group = dist.new_group(
+        backend="gloo", timeout=datetime.timedelta(seconds=args.ckpt_timeout_s)
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    cfg = model_config(args.model)
-    torch.manual_seed(args.seed)
-    model = DistributedDataParallel(GPT(cfg))
-    optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    sampler = StepSampler(
-        args.data_dir, seq_len=cfg.seq_len, global_batch=args.global_batch, seed=args.seed
+
+    cfg = TrainConfig(
+        run_root=args.run_root,
+        data_dir=args.data_dir,
+        workload=args.workload,
+        workload_options=json.loads(args.workload_options),
+        steps=args.steps,
+        global_batch=args.global_batch,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        seed=args.seed,
+        ckpt_interval=args.ckpt_interval,
     )
-    ckpt = args.run_root / "baseline_ckpt.pt"
+    wl = cfg.wl
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank and every restart
+    model = wl.build_model(device)
+    if args.parallel == "fsdp2":
+        model = wl.shard(model, device=device, world_size=world)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    optim = wl.build_optimizer(model, OptimSettings(lr=cfg.lr, weight_decay=cfg.weight_decay))
+    # A plain user's loader: no dataset verification at every start.
+    sampler = wl.data_source(
+        DataSettings(
+            data_dir=cfg.data_dir,
+            seq_len=wl.seq_len,
+            global_batch=cfg.global_batch,
+            seed=cfg.seed,
+            verify=False,
+        )
+    )
+
+    # Resume: rank 0 picks the newest committed save (leftover .tmp saves are torn: removed).
+    choice: list[Any] = [None]
+    if rank == 0:
+        root = ckpt_root(cfg.run_root)
+        if root.is_dir():
+            for d in root.glob("step_*.tmp"):
+                shutil.rmtree(d, ignore_errors=True)
+        steps = committed_steps(cfg.run_root)
+        choice[0] = steps[-1] if steps else None
+    dist.broadcast_object_list(choice, src=0, group=ckpt_group)  # also lines the ranks up
     start = 1
-    if ckpt.exists():
+    if choice[0] is not None:
         t0 = time.perf_counter()
-        state = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(state["model"])
-        optim.load_state_dict(state["optim"])
-        start = int(state["step"]) + 1
+        model_sd, optim_sd = get_state_dict(model, optim)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(
+            state,
+            storage_reader=dcp.FileSystemReader(str(step_dir(cfg.run_root, choice[0]))),
+            process_group=ckpt_group,
+        )
+        set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        start = int(choice[0]) + 1
         if rank == 0:
             events.emit(
                 "resume",
                 action="loaded",
-                step=state["step"],
+                step=choice[0],
                 load_s=round(time.perf_counter() - t0, 4),
             )
+
     faults = [parse_fault(s) for s in args.fault]
-    tokens = args.global_batch * cfg.seq_len
-    for step in range(start, args.steps + 1):
+
+    def maybe_fire(step: int, phase: str) -> None:
         for spec in faults:
-            mine = (
-                spec.node in (None, node) if spec.kind == "node-loss" else spec.rank in (None, rank)
-            )
-            if spec.step == step and mine and claim(args.run_root, spec):
+            if spec.kind == "node-loss":
+                mine = spec.node in (None, node)
+            else:
+                mine = spec.rank in (None, rank)
+            if spec.step == step and spec.phase == phase and mine and claim(cfg.run_root, spec):
                 events.emit("fault", fault=str(spec), fault_kind=spec.kind, step=step, rank=rank)
                 _fire(spec)
+
+    tokens = cfg.global_batch * wl.seq_len
+    for step in range(start, cfg.steps + 1):
+        maybe_fire(step, "step")
         t0 = time.perf_counter()
+        torch.manual_seed(step_seed(cfg.seed, step, rank))
         x, y = sampler.batch(step, rank, world)
-        loss = model(torch.from_numpy(x).long(), torch.from_numpy(y).long())
-        optim.zero_grad(set_to_none=True)
+        loss = wl.loss(model, torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
         loss.backward()
         optim.step()
+        optim.zero_grad(set_to_none=True)
+        reduced = loss.detach().float().clone()
+        dist.all_reduce(reduced)
+        loss_value = float(reduced.item() / world)
         step_s = time.perf_counter() - t0
         if rank == 0:
             events.emit(
                 "step",
                 step=step,
-                loss=round(float(loss), 4),
+                loss=round(loss_value, 4),
                 step_s=round(step_s, 4),
                 tokens_per_s=round(tokens / step_s, 1),
             )
-        if step % args.ckpt_interval == 0 or step == args.steps:
+        if step % cfg.ckpt_interval == 0 or step == cfg.steps:
             t0 = time.perf_counter()
+            tmp = tmp_dir(cfg.run_root, step)
             if rank == 0:
-                save(ckpt, model, optim, step)
-            dist.barrier()  # everyone waits for the synchronous save
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            dist.barrier(group=ckpt_group)
+            model_sd, optim_sd = get_state_dict(model, optim)
+            dcp.save(
+                {"model": model_sd, "optim": optim_sd},
+                storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+                process_group=ckpt_group,
+            )
+            maybe_fire(step, "checkpoint")  # written, not committed: a torn save
+            dist.barrier(group=ckpt_group)  # every rank's shard is on disk
+            if rank == 0:
+                commit(cfg.run_root, step, args.keep_last)
+            dist.barrier(group=ckpt_group)  # everyone waits for the synchronous save
             if rank == 0:
                 blocked = round(time.perf_counter() - t0, 4)
                 events.emit("checkpoint", step=step, blocking_s=blocked, total_s=blocked)
     if rank == 0:
-        events.emit("train_end", final_step=args.steps)
+        events.emit("train_end", final_step=cfg.steps)
+    dist.barrier(group=ckpt_group)
     dist.destroy_process_group()
     return 0
 
