@@ -1,63 +1,73 @@
-"""How long is training *blocked* per checkpoint save? Five methods, same state, side by side.
+"""What does a checkpoint cost a training run? Five methods on a real FSDP2 model + AdamW state.
 
 What is measured
 ----------------
-``world_size`` (2) gloo ranks on CPU each hold a per-rank state of ``--mb-per-rank`` MiB of
-float32 tensors (several tensors of varying sizes, a few small ones, and two non-tensor entries
-under per-rank keys ``rank{r}.*`` so every rank owns its shard, also in DCP's global namespace).
-For each method and size: one warm-up save (not counted: first-time allocations, plan building,
-thread/queue start-up), then ``--repeats`` timed saves, each into a fresh directory that is
-deleted afterwards (outside the timing). Ranks start each save together (barrier); a save's
-number is the **max over ranks** (data-parallel training is stalled by the slowest rank), and the
-table reports the **median over repetitions** (rank 0's own medians are in the JSON as well).
+``--world-size`` (2) ranks train an FSDP2-sharded model with AdamW (built through
+``trainer.workload``: ``build_model``, ``shard``, ``build_optimizer``, ``loss``, as the trainer's
+loop does) and save ``get_state_dict(model, optim)`` (DTensor shards of the parameters and both
+AdamW moments) every ``--save-every`` steps while training goes on. The default workload,
+``bench-gpt``, is the trainer's GPT (``trainer.model.GPT``) with its depth chosen so that the
+per-rank state is about ``--mb-per-rank`` MiB (parameters + 2 moments, fp32); any built-in
+workload can be named instead (``--workload gpt-100m``). Methods, each in its own phase of the
+same run (the order rotates between ``--rounds``):
 
-- ``torch_save``: ``torch.save`` of the rank's dict to one file, then ``flush`` + ``os.fsync``.
-  Blocking = total.
-- ``dcp_save``: synchronous ``torch.distributed.checkpoint.save`` with an explicit
-  ``FileSystemWriter(path, sync_files=True)`` (``sync_files`` defaults to True: every shard file
-  is fsynced). Blocking = total. This is the reference for the "% of sync dcp.save" column.
-- ``dcp_async_save``: stock ``torch.distributed.checkpoint.async_save`` (thread executor; the
-  ``FileSystemWriter`` doubles as a ``BlockingAsyncStager`` without staged-state caching, so every
-  call allocates a fresh CPU copy before returning). Blocking = until ``async_save`` returns;
-  total = until the returned future completes.
-- ``ours``: ``trainer.async_ckpt.AsyncCheckpointer`` (staging into reused shared-memory buffers,
-  cached DCP plan, hand-off to NVRx's persistent writer process, which writes with fsync and
-  digests the shard). ``bind`` (which starts the writer process) happens at init and is not
-  counted. Blocking = the seconds ``save`` returns; total = ``wait().total_s`` (includes the DCP
-  finalize: gather of write results and the ``.metadata`` write). A per-phase breakdown of
-  ``save`` (staging copy / DCP plan / hand-off to the writer / rest) is measured by wrapping those
-  calls in this process only (trainer code is unchanged).
-- ``memcpy``: ``copy_`` of every tensor into preallocated buffers of the same shape: the physical
-  floor of taking a consistent snapshot. Blocking = total.
+- ``dcp_save``: synchronous ``torch.distributed.checkpoint.save`` with
+  ``FileSystemWriter(sync_files=True)`` (every shard fsynced). Blocking = commit latency. The
+  reference of the "blocking / sync DCP" ratio.
+- ``dcp_async_thread``: stock ``dcp.async_save`` as it comes (thread executor; the
+  ``FileSystemWriter`` is its own stager: a fresh CPU copy per save).
+- ``dcp_async_process``: ``dcp.async_save(async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+  async_stager=DefaultStager(StagingOptions(use_pinned_memory=<cuda>, use_shared_memory=True,
+  use_async_staging=<cuda>, use_non_blocking_copy=<cuda>)))``: torch's best stock path; the
+  stager caches its shared-memory (and on CUDA pinned) buffers across saves, and a persistent
+  daemon process writes. With async staging (CUDA) the loop waits for the staging to finish
+  before the next ``optimizer.step()`` (counted as blocking).
+- ``ours``: ``trainer.async_ckpt.AsyncCheckpointer`` driven as ``trainer/checkpoint.py`` drives
+  it: bound (writer started and warmed up) at the start, ``save()`` after the optimizer step,
+  ``before_optimizer_step()`` before each step's ``optimizer.step()``, ``poll()`` every step,
+  then rank 0 commits (``trainer.manifest.commit``: manifest, fsyncs, rename) and broadcasts the
+  outcome, on the training thread, as the trainer does today.
+- ``memcpy``: ``copy_`` of every local shard into preallocated buffers: the floor of taking a
+  consistent snapshot. Blocking only.
 
-Why fsync
----------
-Checkpoints go to a network filesystem (FSx for Lustre) and must survive a node loss: a save that
-returns after only filling the local page cache is not durable. Every method that writes files
-therefore fsyncs, so that the synchronous methods pay the real cost of durable writes, as they
-would on FSx, instead of the cost of a memcpy into the page cache.
+Every save starts after a barrier of the checkpoint group (rank 0 makes the directory first, as
+the trainer does); a save waits for the previous one to be complete (that wait counts as
+blocking). The first save of each phase is a warm-up (plans, buffers, the PROCESS daemon's
+start) and is not counted: training waits for it to complete before going on.
 
-Why a dedicated gloo group for the async methods
-------------------------------------------------
-``dcp.async_save`` runs its collectives (planning gather/scatter, write-result gather) from a
-background thread. On the default gloo group those collide with the collectives the training
-thread issues concurrently and gloo crashes (mismatched/aborted ops). A separate
-``dist.new_group(backend="gloo")`` is used for every DCP-based method (``dcp_save`` too, for
-symmetry), exactly as the trainer binds its ``AsyncCheckpointer`` to a dedicated checkpoint group.
+Per method (every number is the worst rank's, then the median over the timed saves):
 
-Threads: each rank sets ``torch.set_num_threads(--threads)`` (default: CPU cores // world size,
-so ranks do not oversubscribe the cores), identical for every method.
+- ``blocking_s``: seconds the training thread is held per save;
+- ``commit_latency_s``: save start until the checkpoint is durable and complete (DCP's
+  ``.metadata`` written after every rank's fsynced shards; for ours, also committed: the
+  manifest written and the directory renamed). Work done after a save starts is lost if a fault
+  comes before this;
+- ``overlap_slowdown``: median step time of the steps that overlap the write (from the save's
+  return until it is complete) / median step time of the steps with no save in flight;
+- ``overlap_cost_s``: the seconds those overlapping steps took beyond the clean median, per save;
+- ``total_cost_s`` = ``blocking_s`` + ``overlap_cost_s``: what one checkpoint costs the run;
+- ``young_interval_s`` = sqrt(2 x ``--mtbf-s`` x ``total_cost_s``), and in steps.
+
+Step times include everything the loop does per step for that method (ours: ``poll()`` and, on
+the step it completes, rank 0's commit), except the save call itself (``blocking_s``).
+
+Checkpoints are fsynced (``sync_files=True``; ours' writer fsyncs): they go to a network
+filesystem and must survive a node loss. Async DCP methods use a dedicated gloo group (DCP's
+background collectives would otherwise collide with FSDP's on the default group), as the trainer
+binds its checkpointer to a dedicated checkpoint group; ``dcp_save`` uses it too, for symmetry.
 
 Usage (from the repo root)::
 
-    python benchmarks/checkpoint_stall.py                      # 200 MiB/rank, 3 repeats
-    python benchmarks/checkpoint_stall.py --mb-per-rank 100 400 --json --out stall.json
+    python benchmarks/checkpoint_stall.py                          # ~200 MiB/rank, 2 rounds
+    python benchmarks/checkpoint_stall.py --mb-per-rank 100 400 --json \\
+        --out benchmarks/results/checkpoint_stall.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import socket
@@ -65,8 +75,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -78,266 +88,564 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 
-METHODS = ("torch_save", "dcp_save", "dcp_async_save", "ours", "memcpy")
-TARGETS = {"ours_vs_sync_dcp": 0.10, "ours_vs_memcpy": 1.5}
+METHODS = ("dcp_save", "dcp_async_thread", "dcp_async_process", "ours", "memcpy")
+ASYNC = ("dcp_async_thread", "dcp_async_process", "ours")
+TARGETS = {"ours_blocking_vs_sync_dcp": 0.10}
 MIB = 1 << 20
-# Share of the state per large tensor (sums to 1); a few small "bias" tensors come on top.
-_LARGE_FRACTIONS = (0.30, 0.20, 0.15, 0.12, 0.10, 0.08, 0.05)
-_SMALL = 4
-_COLS = 1024
 
 
-# -- state ----------------------------------------------------------------------------------------
-def make_state(rank: int, mb: float, step: int = 100) -> dict[str, Any]:
-    """A flat per-rank dict of float32 tensors totalling ~``mb`` MiB plus two non-tensor entries.
-    Keys carry the rank so that, in DCP's global namespace, every rank owns its tensors."""
-    gen = torch.Generator().manual_seed(1234 + rank)
-    total = int(mb * MIB / 4)
-    state: dict[str, Any] = {}
-    for i, frac in enumerate(_LARGE_FRACTIONS):
-        rows = max(1, round(frac * total / _COLS))
-        state[f"rank{rank}.w{i}"] = torch.randn(rows, _COLS, generator=gen)
-    for i in range(_SMALL):
-        state[f"rank{rank}.b{i}"] = torch.randn(_COLS, generator=gen)
-    state[f"rank{rank}.step"] = step
-    state[f"rank{rank}.tag"] = {"lr": 3e-4, "note": "checkpoint_stall benchmark"}
-    return state
+# -- the workload ---------------------------------------------------------------------------------
+class BenchGptOptions(BaseModel):
+    """The trainer's GPT at a chosen shape (``trainer.workloads.gpt`` has named sizes only)."""
+
+    model_config = ConfigDict(extra="forbid")
+    vocab_size: int = Field(8192, ge=8)
+    seq_len: int = Field(64, ge=8)
+    d_model: int = Field(512, ge=8)
+    n_layers: int = Field(8, ge=1)
+    n_heads: int = Field(8, ge=1)
+    d_ff: int = Field(2048, ge=8)
 
 
-def tensors_of(state: dict[str, Any]) -> list[torch.Tensor]:
-    return [v for v in state.values() if isinstance(v, torch.Tensor)]
+def _model_config(o: BenchGptOptions) -> Any:
+    from trainer.config import ModelConfig
+
+    return ModelConfig(name="bench", **o.model_dump())
 
 
-def state_mib(state: dict[str, Any]) -> float:
-    return sum(t.numel() * t.element_size() for t in tensors_of(state)) / MIB
+def _build_gpt(o: BenchGptOptions, device: torch.device) -> nn.Module:
+    from trainer.model import GPT
+
+    with device:
+        return GPT(_model_config(o))
 
 
-# -- instrumentation of AsyncCheckpointer.save (benchmark process only) ---------------------------
-class OursProbe:
-    """Times the phases of ``AsyncCheckpointer.save`` by wrapping the calls it makes."""
+def _gpt_blocks(o: BenchGptOptions) -> tuple[type[nn.Module], ...]:
+    from trainer.model import Block
 
-    def __init__(self) -> None:
-        self.last: dict[str, float] = defaultdict(float)
-        self._orig_plan: Callable[..., Any] | None = None
-
-    def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.last[name] += time.perf_counter() - t0
-
-        wrapper._bench_wrapped = True  # type: ignore[attr-defined]
-        return wrapper
-
-    def install(self, saver: Any) -> None:
-        """Idempotent; call after every ``bind`` (the queue is replaced if the writer restarts)."""
-        from trainer import nvrx_compat
-
-        if self._orig_plan is None:
-            self._orig_plan = nvrx_compat.save_state_dict_async_plan
-            nvrx_compat.save_state_dict_async_plan = self._timed("plan", self._orig_plan)
-        if not getattr(saver.staging.stage, "_bench_wrapped", False):
-            saver.staging.stage = self._timed("stage", saver.staging.stage)
-        q = saver.queue
-        if not getattr(q.schedule_async_request, "_bench_wrapped", False):
-            q.schedule_async_request = self._timed("handoff", q.schedule_async_request)
-
-    def reset(self) -> None:
-        self.last = defaultdict(float)
-
-    def uninstall(self) -> None:
-        from trainer import nvrx_compat
-
-        if self._orig_plan is not None:
-            nvrx_compat.save_state_dict_async_plan = self._orig_plan
-            self._orig_plan = None
+    return (Block,)
 
 
-# -- the methods ----------------------------------------------------------------------------------
-class Bench:
-    def __init__(self, rank: int, world: int, ckpt_group: dist.ProcessGroup, root: Path) -> None:
-        self.rank = rank
-        self.world = world
-        self.group = ckpt_group
-        self.root = root
-        self.probe = OursProbe()
+def bench_gpt_spec() -> Any:
+    from trainer.workload import WorkloadSpec
+    from trainer.workloads.gpt import loss
+
+    return WorkloadSpec(
+        name="bench-gpt",
+        options=BenchGptOptions,
+        build_model=_build_gpt,
+        block_classes=_gpt_blocks,
+        loss=loss,
+        vocab_size=lambda o: o.vocab_size,
+        seq_len=lambda o: o.seq_len,
+        description="trainer.model.GPT at a shape sized for the checkpoint benchmark",
+    )
+
+
+def sized_options(mb_per_rank: float, world: int) -> BenchGptOptions:
+    """Depth for ~``mb_per_rank`` MiB of fp32 parameters + 2 AdamW moments per rank (width 512;
+    narrower when even two blocks of that width are too much, as in a smoke run)."""
+    want = mb_per_rank * MIB * world / 12  # 4 bytes x (param + exp_avg + exp_avg_sq)
+    for width in (512, 256, 128):
+        base = BenchGptOptions(n_layers=1, d_model=width, d_ff=4 * width, vocab_size=16 * width)
+        one = _model_config(base).num_params()
+        per_block = _model_config(base.model_copy(update={"n_layers": 2})).num_params() - one
+        layers = round((want - (one - per_block)) / per_block)
+        if layers >= 2:
+            break
+    return base.model_copy(update={"n_layers": max(1, layers)})
+
+
+def load_bench_workload(args: argparse.Namespace, mb: float) -> Any:
+    from trainer.workload import Workload, load_workload
+
+    if args.workload == "bench-gpt":
+        return Workload("bench-gpt", bench_gpt_spec(), sized_options(mb, args.world_size))
+    return load_workload(args.workload, json.loads(args.workload_options))
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def _median(xs: list[float]) -> float | None:
+    return float(statistics.median(xs)) if xs else None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [_local(obj)]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+class Save:
+    """One save's timeline on this rank (``time.perf_counter`` seconds)."""
+
+    def __init__(self, index: int, step: int, start: float) -> None:
+        self.index = index
+        self.step = step
+        self.start = start
+        self.returned: float | None = None
+        self.done: float | None = None
+        self.waited_previous_s = 0.0
+
+    @property
+    def blocking_s(self) -> float:
+        assert self.returned is not None
+        return self.returned - self.start + self.waited_previous_s
+
+    def mark_done(self, _f: Any = None) -> None:
+        if self.done is None:
+            self.done = time.perf_counter()
+
+
+# -- one rank -------------------------------------------------------------------------------------
+class Rank:
+    def __init__(
+        self, rank: int, world: int, args: argparse.Namespace, root: Path, device: torch.device
+    ) -> None:
+        self.rank, self.world, self.args, self.root, self.device = rank, world, args, root, device
+        self.group = dist.new_group(backend="gloo")
         self.saver: Any = None
-        self.buffers: list[torch.Tensor] = []
+        self.stager: Any = None
 
-    # each returns (blocking_s, total_s, extra)
-    def torch_save(self, state: dict[str, Any], d: Path) -> tuple[float, float, dict]:
-        path = d / f"rank{self.rank}.pt"
-        t0 = time.perf_counter()
-        with open(path, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        dt = time.perf_counter() - t0
-        return dt, dt, {}
+    # -- per method: start a save (returns when training may go on), and hooks ---------------
+    def make_method(self, method: str, state_fn: Callable[[], dict[str, Any]]) -> Any:
+        return getattr(self, f"_m_{method}")(state_fn)
 
-    def dcp_save(self, state: dict[str, Any], d: Path) -> tuple[float, float, dict]:
-        t0 = time.perf_counter()
-        writer = dcp.FileSystemWriter(str(d), sync_files=True)
-        dcp.save(state, storage_writer=writer, process_group=self.group)
-        dt = time.perf_counter() - t0
-        return dt, dt, {}
+    def _m_dcp_save(self, state_fn: Callable[[], dict[str, Any]]) -> Any:
+        group = self.group
 
-    def dcp_async_save(self, state: dict[str, Any], d: Path) -> tuple[float, float, dict]:
-        t0 = time.perf_counter()
-        writer = dcp.FileSystemWriter(str(d), sync_files=True)
-        resp = dcp.async_save(state, storage_writer=writer, process_group=self.group)
-        blocking = time.perf_counter() - t0
-        fut = getattr(resp, "upload_completion", resp)  # AsyncSaveResponse or Future
-        fut.result()
-        return blocking, time.perf_counter() - t0, {}
+        class M:
+            def start(self, d: Path, save: Save) -> None:
+                writer = dcp.FileSystemWriter(str(d), sync_files=True)
+                dcp.save(state_fn(), storage_writer=writer, process_group=group)
+                save.mark_done()
 
-    def ours(self, state: dict[str, Any], d: Path) -> tuple[float, float, dict]:
-        self.probe.reset()
-        t0 = time.perf_counter()
-        blocking = self.saver.save(state, d, step=0)
-        outer = time.perf_counter() - t0
-        result = self.saver.wait()
-        phases = dict(self.probe.last)
-        phases["other"] = max(0.0, blocking - sum(phases.values()))
-        phases["outer_blocking"] = outer
-        return blocking, result.total_s, phases
+            def poll(self, save: Save | None) -> None: ...
+            def wait(self, save: Save) -> None: ...
+            def before_optimizer_step(self) -> None: ...
 
-    def memcpy(self, state: dict[str, Any], d: Path) -> tuple[float, float, dict]:
-        t0 = time.perf_counter()
-        for src, dst in zip(tensors_of(state), self.buffers, strict=True):
-            dst.copy_(src)
-        dt = time.perf_counter() - t0
-        return dt, dt, {}
+        return M()
 
-    # -- setup per size -----------------------------------------------------------------------
-    def prepare(self, state: dict[str, Any]) -> None:
+    def _m_dcp_async_thread(self, state_fn: Callable[[], dict[str, Any]]) -> Any:
+        group = self.group
+
+        class M:
+            fut: Future | None = None
+
+            def start(self, d: Path, save: Save) -> None:
+                writer = dcp.FileSystemWriter(str(d), sync_files=True)
+                resp = dcp.async_save(state_fn(), storage_writer=writer, process_group=group)
+                self.fut = getattr(resp, "upload_completion", resp)
+                self.fut.add_done_callback(save.mark_done)
+
+            def poll(self, save: Save | None) -> None: ...
+
+            def wait(self, save: Save) -> None:
+                if self.fut is not None:
+                    self.fut.result()
+                    save.mark_done()
+
+            def before_optimizer_step(self) -> None: ...
+
+        return M()
+
+    def _m_dcp_async_process(self, state_fn: Callable[[], dict[str, Any]]) -> Any:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        cuda = self.device.type == "cuda"
+        if self.stager is None:  # one per run: its cached buffers outlive a phase
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=True,
+                    use_async_staging=cuda,
+                    use_non_blocking_copy=cuda,
+                )
+            )
+        stager, group = self.stager, self.group
+
+        class M:
+            fut: Future | None = None
+            staging: Future | None = None
+
+            def start(self, d: Path, save: Save) -> None:
+                writer = dcp.FileSystemWriter(str(d), sync_files=True)
+                resp = dcp.async_save(
+                    state_fn(),
+                    storage_writer=writer,
+                    process_group=group,
+                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                    async_stager=stager,
+                )
+                self.staging = getattr(resp, "staging_completion", None)
+                self.fut = getattr(resp, "upload_completion", resp)
+                self.fut.add_done_callback(save.mark_done)
+
+            def poll(self, save: Save | None) -> None: ...
+
+            def wait(self, save: Save) -> None:
+                self.before_optimizer_step()
+                if self.fut is not None:
+                    self.fut.result()
+                    save.mark_done()
+
+            def before_optimizer_step(self) -> float:
+                """The staging copy must be complete before the state changes (async staging)."""
+                if self.staging is None:
+                    return 0.0
+                t0 = time.perf_counter()
+                self.staging.result()
+                self.staging = None
+                return time.perf_counter() - t0
+
+        return M()
+
+    def _m_ours(self, state_fn: Callable[[], dict[str, Any]]) -> Any:
+        from trainer import manifest
         from trainer.async_ckpt import AsyncCheckpointer
 
-        self.buffers = [torch.empty_like(t) for t in tensors_of(state)]
         if self.saver is None:
-            self.saver = AsyncCheckpointer(device=torch.device("cpu"), timeout_s=600)
-        # Bind once per size: a fresh bind starts the persistent writer the first time (not
-        # timed) and gives a fresh DCP plan cache (NVRx reuses a validated cached plan without
-        # re-checking tensor sizes, so a cache must not outlive a change of the state's shapes).
-        self.saver.bind(self.group)
-        self.probe.install(self.saver)
+            self.saver = AsyncCheckpointer(device=self.device, timeout_s=600)
+        saver, group, rank, world = self.saver, self.group, self.rank, self.world
+        saver.bind(group, warmup_dir=self.root / "ours-warmup")
+        saver.wait()  # the warm-up write: done before the phase, as at a run's start
+
+        class M:
+            run_root: Path | None = None
+
+            def start(self, d: Path, save: Save) -> None:
+                saver.save(state_fn(), d, save.step)
+
+            def _commit(self, save: Save, result: Any) -> None:
+                outcome: list[Any] = [None]
+                if rank == 0:
+                    try:
+                        manifest.commit(
+                            self.run_root,
+                            result.step,
+                            world_size=world,
+                            info={"config_hash": "bench", "benchmark": "checkpoint_stall"},
+                        )
+                    except Exception as e:
+                        outcome[0] = f"{type(e).__name__}: {e}"
+                dist.broadcast_object_list(outcome, src=0, group=group)
+                if outcome[0]:
+                    raise RuntimeError(f"commit failed: {outcome[0]}")
+                save.mark_done()
+
+            def poll(self, save: Save | None) -> None:
+                result = saver.poll()
+                if result is not None and save is not None:
+                    self._commit(save, result)
+
+            def wait(self, save: Save) -> None:
+                result = saver.wait()
+                if result is not None:
+                    self._commit(save, result)
+
+            def before_optimizer_step(self) -> None:
+                saver.before_optimizer_step()
+
+        return M()
+
+    def _m_memcpy(self, state_fn: Callable[[], dict[str, Any]]) -> Any:
+        device = self.device
+        pin = device.type == "cuda"
+
+        class M:
+            buffers: list[torch.Tensor] | None = None
+
+            def start(self, d: Path, save: Save) -> None:
+                src = _tensors(state_fn())
+                if self.buffers is None:
+                    self.buffers = [
+                        torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                        for t in src
+                    ]
+                for s, b in zip(src, self.buffers, strict=True):
+                    b.copy_(s, non_blocking=pin)
+                if pin:
+                    torch.cuda.synchronize(device)
+                save.mark_done()
+
+            def poll(self, save: Save | None) -> None: ...
+            def wait(self, save: Save) -> None: ...
+            def before_optimizer_step(self) -> None: ...
+
+        return M()
+
+    # -- one phase: train, saving every --save-every steps --------------------------------------
+    def phase(self, wl: Any, model: nn.Module, optim: Any, method: str, tag: str) -> dict:
+        args = self.args
+        mdir = self.root / tag / method
+        run_root = mdir / "run"  # ours: trainer.manifest's layout (checkpoints/step_N.partial)
+        m = self.make_method(method, lambda: _state(model, optim))
+        if method == "ours":
+            m.run_root = run_root
+        g = torch.Generator().manual_seed(1000 + self.rank)
+        per_rank = max(1, args.global_batch // self.world)
+        saves: list[Save] = []
+        steps: list[tuple[float, float]] = []
+        current: Save | None = None
+        n_saves = args.saves + 1  # + the warm-up
+        total_steps = args.save_every * n_saves + args.tail_steps
+        extra_block: dict[int, float] = {}
+        for i in range(1, total_steps + 1):
+            t0 = time.perf_counter()
+            x = torch.randint(0, wl.vocab_size, (per_rank, wl.seq_len), generator=g)
+            y = torch.randint(0, wl.vocab_size, (per_rank, wl.seq_len), generator=g)
+            loss = wl.loss(model, x.to(self.device), y.to(self.device))
+            loss.backward()
+            t_wait = m.before_optimizer_step()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            reduced = loss.detach().float().clone()
+            dist.all_reduce(reduced)
+            reduced.item()
+            if current is not None and current.done is None:
+                m.poll(current)
+            t1 = time.perf_counter()
+            if t_wait and current is not None:
+                extra_block[current.index] = extra_block.get(current.index, 0.0) + t_wait
+                t1 -= t_wait  # counted as that save's blocking, not as step time
+            steps.append((t0, t1))
+            if i % args.save_every == 0 and len(saves) < n_saves:
+                step_dir = _ours_partial(run_root, i) if method == "ours" else mdir / f"step{i}"
+                if self.rank == 0:
+                    step_dir.mkdir(parents=True, exist_ok=True)
+                dist.barrier(group=self.group)
+                save = Save(len(saves), i, time.perf_counter())
+                if current is not None and current.done is None:
+                    m.wait(current)
+                    save.waited_previous_s = time.perf_counter() - save.start
+                    save.start = time.perf_counter()
+                m.start(step_dir, save)
+                save.returned = time.perf_counter()
+                saves.append(save)
+                current = save
+                if save.index == 0:  # the warm-up: complete before anything is timed
+                    m.wait(save)
+        if current is not None and current.done is None:
+            m.wait(current)
+        dist.barrier(group=self.group)
+        if self.rank == 0:
+            shutil.rmtree(mdir, ignore_errors=True)
+        return summarize_rank(steps, saves, extra_block, warmup_saves=1, skip=args.skip_steps)
 
     def close(self) -> None:
         if self.saver is not None:
             self.saver.close()
-        self.probe.uninstall()
+        if self.stager is not None:
+            self.stager.close()
 
 
-def _median(xs: list[float]) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
+def _ours_partial(run_root: Path, step: int) -> Path:
+    from trainer import manifest
+
+    return manifest.partial_path(run_root, step)
 
 
-def run_size(bench: Bench, mb: float, args: argparse.Namespace) -> dict[str, Any]:
-    rank, world = bench.rank, bench.world
-    state = make_state(rank, mb)
-    actual_mib = state_mib(state)
-    bench.prepare(state)
-    per_method: dict[str, dict[str, Any]] = {}
-    for method in METHODS:
-        fn = getattr(bench, method)
-        reps_max: list[tuple[float, float]] = []
-        reps_rank0: list[tuple[float, float]] = []
-        extras: list[dict[str, float]] = []
-        warm: tuple[float, float] | None = None
-        for rep in range(args.warmup + args.repeats):
-            d = bench.root / f"mb{mb:g}" / method / f"rep{rep}"
-            if rank == 0:
-                d.mkdir(parents=True, exist_ok=True)
-            dist.barrier()
-            blocking, total, extra = fn(state, d)
-            dist.barrier()
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, (blocking, total, extra))
-            worst = (max(g[0] for g in gathered), max(g[1] for g in gathered))
-            if rep < args.warmup:
-                warm = worst
-            else:
-                reps_max.append(worst)
-                reps_rank0.append((gathered[0][0], gathered[0][1]))
-                # phases of the rank whose blocking was the worst
-                extras.append(max(gathered, key=lambda g: g[0])[2])
-            if rank == 0:
-                shutil.rmtree(d, ignore_errors=True)
-            dist.barrier()
-        per_method[method] = {
-            "blocking": _median([b for b, _ in reps_max]),
-            "total": _median([t for _, t in reps_max]),
-            "rank0_blocking": _median([b for b, _ in reps_rank0]),
-            "rank0_total": _median([t for _, t in reps_rank0]),
-            "warmup": warm,
-            "all_blocking": [b for b, _ in reps_max],
-            "extras": extras,
-        }
-        if rank == 0:
-            m = per_method[method]
-            print(
-                f"[checkpoint_stall] {mb:g} MiB/rank {method:15s} blocking {m['blocking']:.4f}s "
-                f"total {m['total']:.4f}s (reps {[round(b, 4) for b in m['all_blocking']]})",
-                file=sys.stderr,
-                flush=True,
-            )
-    del state
-    bench.buffers = []
+def _state(model: nn.Module, optim: Any) -> dict[str, Any]:
+    model_sd, optim_sd = get_state_dict(model, optim)
+    return {"model": model_sd, "optim": optim_sd}
 
-    blocking = {m: round(per_method[m]["blocking"], 6) for m in METHODS}
-    total = {m: round(per_method[m]["total"], 6) for m in METHODS}
-    ours_extras = per_method["ours"]["extras"]
-    breakdown = {
-        k: round(_median([e.get(k, 0.0) for e in ours_extras]), 6)
-        for k in ("stage", "plan", "handoff", "other", "outer_blocking")
+
+def summarize_rank(
+    steps: list[tuple[float, float]],
+    saves: list[Save],
+    extra_block: dict[int, float],
+    *,
+    warmup_saves: int,
+    skip: int,
+) -> dict[str, Any]:
+    """This rank's numbers for one phase (steps: (start, end) of each step's own work)."""
+    windows = [(s.start, s.done if s.done is not None else math.inf) for s in saves]
+    writes = [(s.returned, s.done if s.done is not None else math.inf) for s in saves]
+
+    def overlaps(a: float, b: float, w: tuple[float | None, float]) -> bool:
+        return w[0] is not None and a < w[1] and b > w[0]
+
+    clean, by_save = [], {s.index: [] for s in saves}
+    for k, (a, b) in enumerate(steps):
+        if k < skip:
+            continue
+        if not any(overlaps(a, b, w) for w in windows):
+            clean.append(b - a)
+        for s, w in zip(saves, writes, strict=True):
+            if overlaps(a, b, w):
+                by_save[s.index].append(b - a)
+    clean_med = _median(clean)
+    timed = saves[warmup_saves:]
+    overlap_steps = [x for s in timed for x in by_save[s.index]]
+    costs = [
+        sum(x - clean_med for x in by_save[s.index]) if clean_med is not None else None
+        for s in timed
+    ]
+    return {
+        "blocking_s": [s.blocking_s + extra_block.get(s.index, 0.0) for s in timed],
+        "commit_latency_s": [
+            (s.done - s.start + s.waited_previous_s) if s.done is not None else None for s in timed
+        ],
+        "waited_previous_s": [s.waited_previous_s for s in timed],
+        "overlap_steps": [len(by_save[s.index]) for s in timed],
+        "overlap_cost_s": costs,
+        "clean_step_s": clean_med,
+        "overlap_step_s": _median(overlap_steps),
+        "clean_steps": len(clean),
+        "warmup_blocking_s": saves[0].blocking_s if saves and warmup_saves else None,
+        "warmup_commit_latency_s": (saves[0].done - saves[0].start)
+        if saves and saves[0].done is not None
+        else None,
     }
-    ratio_dcp = blocking["ours"] / blocking["dcp_save"] if blocking["dcp_save"] else None
-    ratio_mem = blocking["ours"] / blocking["memcpy"] if blocking["memcpy"] else None
+
+
+def combine(per_rank: list[dict[str, Any]], mtbf_s: float) -> dict[str, Any]:
+    """Worst rank per save, then the median over saves."""
+
+    def worst(key: str) -> list[float | None]:
+        cols = list(zip(*(r[key] for r in per_rank), strict=True))
+        return [None if any(v is None for v in c) else max(c) for c in cols]
+
+    blocking = worst("blocking_s")
+    latency = worst("commit_latency_s")
+    cost = [max(0.0, c) if c is not None else None for c in worst("overlap_cost_s")]
+    clean = max((r["clean_step_s"] for r in per_rank if r["clean_step_s"]), default=None)
+    overlap = max((r["overlap_step_s"] for r in per_rank if r["overlap_step_s"]), default=None)
+    b = _median([x for x in blocking if x is not None])
+    c = _median([x for x in cost if x is not None]) or 0.0
+    total = (b or 0.0) + c
+    young_s = math.sqrt(2.0 * mtbf_s * total) if total > 0 else None
+    return {
+        "blocking_s": b,
+        "commit_latency_s": _median([x for x in latency if x is not None]),
+        "overlap_slowdown": overlap / clean if overlap and clean else None,
+        "overlap_cost_s": c,
+        "total_cost_s": total,
+        "young_interval_s": young_s,
+        "young_interval_steps": round(young_s / clean) if young_s and clean else None,
+        "clean_step_s": clean,
+        "overlap_step_s": overlap,
+        "overlap_steps_per_save": _median([float(n) for n in per_rank[0]["overlap_steps"]]),
+        "waited_previous_s": _median([x for x in worst("waited_previous_s") if x is not None]),
+        "reps": {"blocking_s": blocking, "commit_latency_s": latency, "overlap_cost_s": cost},
+        "warmup": {
+            "blocking_s": max((r["warmup_blocking_s"] or 0.0) for r in per_rank),
+            "commit_latency_s": max((r["warmup_commit_latency_s"] or 0.0) for r in per_rank),
+        },
+    }
+
+
+def run_size(r: Rank, mb: float) -> dict[str, Any]:
+    args = r.args
+    wl = load_bench_workload(args, mb)
+    torch.manual_seed(args.seed)
+    model = wl.shard(wl.build_model(r.device), device=r.device, world_size=r.world)
+    from trainer.workload import OptimSettings
+
+    optim = wl.build_optimizer(model, OptimSettings(lr=1e-4, weight_decay=0.01))
+    # One step first, so AdamW's moments exist (they are part of every checkpoint).
+    x = torch.randint(0, wl.vocab_size, (1, wl.seq_len))
+    wl.loss(model, x.to(r.device), x.to(r.device)).backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    tensors = _tensors(_state(model, optim))
+    mib = sum(t.numel() * t.element_size() for t in tensors) / MIB
+    per_method: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
+    for rnd in range(args.rounds):
+        order = list(args.methods)
+        order = order[rnd % len(order) :] + order[: rnd % len(order)]
+        for method in order:
+            res = r.phase(wl, model, optim, method, f"mb{mb:g}-r{rnd}")
+            gathered: list[Any] = [None] * r.world
+            dist.all_gather_object(gathered, res, group=r.group)
+            per_method[method].append(combine(gathered, args.mtbf_s))
+            if r.rank == 0:
+                c = per_method[method][-1]
+                print(
+                    f"[checkpoint_stall] {mb:g} MiB/rank round {rnd} {method:18s} "
+                    f"blocking {_fmt(c['blocking_s'])}s commit {_fmt(c['commit_latency_s'])}s "
+                    f"slowdown {_fmt(c['overlap_slowdown'], 2)} cost {_fmt(c['total_cost_s'])}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    methods: dict[str, Any] = {}
+    for method, rounds in per_method.items():
+        keys = (
+            "blocking_s",
+            "commit_latency_s",
+            "overlap_slowdown",
+            "overlap_cost_s",
+            "total_cost_s",
+            "clean_step_s",
+        )
+        out = {k: _median([x[k] for x in rounds if x[k] is not None]) for k in keys}
+        young = math.sqrt(2.0 * args.mtbf_s * out["total_cost_s"]) if out["total_cost_s"] else None
+        out["young_interval_s"] = young
+        out["young_interval_steps"] = (
+            round(young / out["clean_step_s"]) if young and out["clean_step_s"] else None
+        )
+        out["young_interval_s_from_blocking_only"] = (
+            math.sqrt(2.0 * args.mtbf_s * out["blocking_s"]) if out["blocking_s"] else None
+        )
+        out["rounds"] = rounds
+        methods[method] = out
+    ref = (methods.get("dcp_save") or {}).get("blocking_s")
+    ours = methods.get("ours") or {}
+    ratio = ours["blocking_s"] / ref if ref and ours.get("blocking_s") is not None else None
     return {
         "mb_per_rank": mb,
-        "actual_mib_per_rank": round(actual_mib, 3),
-        "world_size": world,
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-        "aggregate": "per repetition max over ranks, then median over repetitions",
-        "blocking_s": blocking,
-        "total_s": total,
-        "rank0_blocking_s": {m: round(per_method[m]["rank0_blocking"], 6) for m in METHODS},
-        "rank0_total_s": {m: round(per_method[m]["rank0_total"], 6) for m in METHODS},
-        "warmup_blocking_s": {
-            m: round(per_method[m]["warmup"][0], 6) if per_method[m]["warmup"] else None
-            for m in METHODS
-        },
-        "blocking_reps_s": {
-            m: [round(b, 6) for b in per_method[m]["all_blocking"]] for m in METHODS
-        },
-        "ours_breakdown_s": breakdown,
-        "ours_breakdown_reps_s": [{k: round(v, 6) for k, v in e.items()} for e in ours_extras],
-        "ours_vs_sync_dcp": round(ratio_dcp, 4) if ratio_dcp is not None else None,
-        "ours_vs_memcpy": round(ratio_mem, 4) if ratio_mem is not None else None,
+        "state_mib_per_rank": round(mib, 2),
+        "workload": wl.describe(),
+        "world_size": r.world,
+        "saves_per_round": args.saves,
+        "rounds": args.rounds,
+        "save_every": args.save_every,
+        "mtbf_s": args.mtbf_s,
+        "aggregate": "per save the worst rank; median over saves; median over rounds",
+        "methods": methods,
+        "ours_blocking_vs_sync_dcp": round(ratio, 4) if ratio is not None else None,
+        "ours_commit_latency_vs_interval": round(
+            ours["commit_latency_s"] / (ours["young_interval_s"]), 4
+        )
+        if ours.get("commit_latency_s") and ours.get("young_interval_s")
+        else None,
         "targets": dict(TARGETS),
-        "meets_targets": {
-            "ours_vs_sync_dcp": ratio_dcp is not None and ratio_dcp <= TARGETS["ours_vs_sync_dcp"],
-            "ours_vs_memcpy": ratio_mem is not None and ratio_mem <= TARGETS["ours_vs_memcpy"],
-        },
     }
+
+
+def _fmt(x: float | None, nd: int = 4) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
 
 
 # -- process entry --------------------------------------------------------------------------------
 def worker(rank: int, world: int, args: argparse.Namespace, root: str, result_path: str) -> None:
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    ckpt_group = dist.new_group(backend="gloo")
-    bench = Bench(rank, world, ckpt_group, Path(root))
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=world)
+    r = Rank(rank, world, args, Path(root), device)
     results = []
     try:
         for mb in args.mb_per_rank:
-            results.append(run_size(bench, mb, args))
+            results.append(run_size(r, mb))
     finally:
-        bench.close()
+        r.close()
         dist.barrier()
         dist.destroy_process_group()
     if rank == 0:
@@ -351,26 +659,31 @@ def _free_port() -> int:
 
 
 def format_table(res: dict[str, Any]) -> str:
-    ref = res["blocking_s"]["dcp_save"]
-    lines = [
-        f"{'method':<16}{'MiB/rank':>10}{'blocking_s':>13}{'total_s':>11}{'% of dcp.save':>15}",
-        "-" * 65,
-    ]
-    for m in METHODS:
-        b, t = res["blocking_s"][m], res["total_s"][m]
-        pct = f"{100 * b / ref:.1f}%" if ref else "n/a"
-        lines.append(f"{m:<16}{res['actual_mib_per_rank']:>10.1f}{b:>13.4f}{t:>11.4f}{pct:>15}")
-    bd = res["ours_breakdown_s"]
-    lines.append(
-        f"ours blocking breakdown (median, slowest rank): stage {bd['stage']:.4f}s, "
-        f"plan {bd['plan']:.4f}s, hand-off {bd['handoff']:.4f}s, other {bd['other']:.4f}s; "
-        f"warm-up save (allocates staging) {res['warmup_blocking_s']['ours']:.4f}s"
+    ref = res["methods"].get("dcp_save", {}).get("blocking_s")
+    head = (
+        f"{'method':<19}{'blocking s':>11}{'/ dcp.save':>11}{'commit s':>10}{'slowdown':>10}"
+        f"{'overlap s':>10}{'total s':>9}{'young s':>9}{'steps':>7}"
     )
-    t = res["targets"]
+    lines = [
+        f"{res['state_mib_per_rank']:.0f} MiB/rank ({res['workload']['ref']} "
+        f"{res['workload']['options']}), {res['world_size']} ranks, clean step "
+        f"{_fmt(res['methods'].get('dcp_save', {}).get('clean_step_s'), 3)} s",
+        head,
+        "-" * len(head),
+    ]
+    for m, v in res["methods"].items():
+        b = v["blocking_s"]
+        pct = f"{b / ref:.3f}" if ref and b is not None else "-"
+        lines.append(
+            f"{m:<19}{_fmt(b):>11}{pct:>11}{_fmt(v['commit_latency_s'], 3):>10}"
+            f"{_fmt(v['overlap_slowdown'], 2):>10}{_fmt(v['overlap_cost_s'], 3):>10}"
+            f"{_fmt(v['total_cost_s'], 3):>9}{_fmt(v['young_interval_s'], 1):>9}"
+            f"{v['young_interval_steps'] if v['young_interval_steps'] is not None else '-':>7}"
+        )
     lines.append(
-        f"ours / sync dcp.save = {res['ours_vs_sync_dcp']:.3f} (target <= "
-        f"{t['ours_vs_sync_dcp']}), ours / memcpy = {res['ours_vs_memcpy']:.2f} "
-        f"(target <= {t['ours_vs_memcpy']})"
+        f"ours blocking / sync dcp.save = {_fmt(res['ours_blocking_vs_sync_dcp'], 3)} (target <= "
+        f"{TARGETS['ours_blocking_vs_sync_dcp']}); Young's interval for MTBF {res['mtbf_s']:.0f} s "
+        "from the total cost (blocking + overlap)"
     )
     return "\n".join(lines)
 
@@ -378,9 +691,23 @@ def format_table(res: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--mb-per-rank", type=float, nargs="+", default=[200.0])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument(
+        "--workload",
+        default="bench-gpt",
+        help="bench-gpt (sized by --mb-per-rank) or a trainer workload (gpt-100m, ...)",
+    )
+    p.add_argument("--workload-options", default="{}", help="JSON, for a named workload")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--saves", type=int, default=3, help="timed saves per phase (+1 warm-up)")
+    p.add_argument("--save-every", type=int, default=8, help="steps between saves")
+    p.add_argument("--tail-steps", type=int, default=4, help="steps after the last save")
+    p.add_argument("--skip-steps", type=int, default=2, help="first steps of a phase not timed")
+    p.add_argument("--rounds", type=int, default=2, help="phases per method (order rotates)")
+    p.add_argument("--global-batch", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--mtbf-s", type=float, default=120.0, help="for Young's interval")
     p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
         "--threads",
         type=int,
@@ -391,8 +718,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--out", default=None, help="also write the JSON object to this file")
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 0 or args.world_size < 1:
-        p.error("--repeats >= 1, --warmup >= 0, --world-size >= 1")
+    if args.saves < 1 or args.save_every < 2 or args.rounds < 1 or args.world_size < 1:
+        p.error("--saves >= 1, --save-every >= 2, --rounds >= 1, --world-size >= 1")
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // args.world_size)
     return args
@@ -417,44 +744,41 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    import torch as _torch
-
     from trainer import nvrx_compat
 
     env = {
-        "torch": _torch.__version__,
+        "torch": torch.__version__,
         "nvrx": nvrx_compat.version(),
         "threads_per_rank": args.threads,
         "cpu_count": os.cpu_count(),
+        "cuda": torch.cuda.is_available() and args.device != "cpu",
         "dir": args.dir or tempfile.gettempdir(),
         "fsync": True,
+        "argv": sys.argv[1:] if argv is None else argv,
     }
     print(
-        f"checkpoint stall: world_size {args.world_size}, {args.repeats} repeats after "
-        f"{args.warmup} warm-up, torch {env['torch']}, NVRx {env['nvrx']}, "
-        f"{args.threads} torch thread(s)/rank, dir {env['dir']}; "
-        "blocking/total = max over ranks, median over repeats"
+        f"checkpoint stall: torch {env['torch']}, NVRx {env['nvrx']}, "
+        f"{args.threads} torch thread(s)/rank, dir {env['dir']}; {args.rounds} round(s) x "
+        f"{args.saves} saves (+1 warm-up) per method, a save every {args.save_every} steps"
     )
     for res in results:
         print()
         print(format_table(res))
-
     largest = max(results, key=lambda r: r["mb_per_rank"])
-    if len(results) == 1:
-        payload: dict[str, Any] = dict(results[0])
-    else:
-        payload = {
-            "results": results,
-            "mb_per_rank": largest["mb_per_rank"],
-            "world_size": args.world_size,
-            "ours_vs_sync_dcp": largest["ours_vs_sync_dcp"],
-            "ours_vs_memcpy": largest["ours_vs_memcpy"],
-            "targets": dict(TARGETS),
-        }
-    payload["env"] = env
-    text = json.dumps(payload, sort_keys=False)
+    payload: dict[str, Any] = {
+        "benchmark": "checkpoint_stall",
+        "methodology": "fsdp2+adamw, overlap slowdown, commit latency (issue 15)",
+        "results": results,
+        "mb_per_rank": largest["mb_per_rank"],
+        "world_size": args.world_size,
+        "ours_blocking_vs_sync_dcp": largest["ours_blocking_vs_sync_dcp"],
+        "targets": dict(TARGETS),
+        "env": env,
+    }
+    text = json.dumps(payload)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
     if args.json:
         print(text, flush=True)
     return 0
