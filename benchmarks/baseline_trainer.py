@@ -165,6 +165,25 @@ def commit(run_root: Path, step: int, keep_last: int) -> None:
         shutil.rmtree(step_dir(run_root, old), ignore_errors=True)
 
 
+def _store(rank: int, world: int, *, timeout_s: float) -> dist.TCPStore:
+    """Rank 0 hosts it on MASTER_PORT+1; the previous incarnation's rank 0 may still be exiting
+    and holding the port for a moment, so rank 0 retries a bind that finds it in use."""
+    deadline = time.monotonic() + 15.0
+    while True:
+        try:
+            return dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]) + 1,
+                world,
+                is_master=rank == 0,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        except dist.DistNetworkError as e:
+            if rank != 0 or "EADDRINUSE" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -188,13 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     # across nodes either (an agent restarted by a peer's failure keeps its restart count). So
     # rank 0 hosts a fresh store for each incarnation, as the trainer does. Joining it may take
     # a peer's whole start-up: a rendezvous timeout, not the collectives' one.
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]) + 1,
-        world,
-        is_master=rank == 0,
-        timeout=datetime.timedelta(seconds=max(60.0, args.pg_timeout_s)),
-    )
+    store = _store(rank, world, timeout_s=max(60.0, args.pg_timeout_s))
     dist.init_process_group(
         "nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout
     )

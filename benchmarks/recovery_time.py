@@ -4,20 +4,28 @@ Ours: the pipeline's train stage on the embedded default (``tasks.train_stage.ru
 the local backend: 2 simulated nodes, each an ft_launcher agent with 1 gloo rank, the tiny
 model, the trainer's default timeouts as the pipeline uses them), a node loss answered by the
 stage retry (attempt 2, as the pipeline's task retry does). Baseline: ``torchrun
---max-restarts 3`` on the same 2 simulated nodes (one agent and rank each), DDP and a
-synchronous ``torch.save`` checkpoint (``benchmarks/baseline_trainer.py``), same model, data,
-steps, checkpoint interval and faults;
-it has no hang detection other than its process-group timeout (``--baseline-pg-timeout-s``,
-torch's default is 30 min) and no automatic answer to a lost node (torchrun's job fails; a
-person re-submits it).
+--max-restarts 3`` on the same 2 simulated nodes (one agent and rank each) running the same
+FSDP2 workload with synchronous DCP checkpoints and ours' process-group timeout
+(``benchmarks/baseline_trainer.py``), same data, steps, checkpoint interval and fault; it has no
+hang detection other than that timeout and no automatic answer to a lost node (torchrun's job
+fails; a person re-submits it).
 
-Phases (``trainer.timeline.recovery_phases``): detect (fault until the next incarnation
-begins), restart (until the checkpoint load starts), load, first step; total = fault until the
-first completed step after resume. Targets here: in-process <= 5 s, sigkill <= 15 s, hang <=
-heartbeat timeout + 10 s, node loss <= 45 s, each faster than the baseline.
+Samples: ``--samples`` (5) per fault class, each with the fault at a random step (seeded by
+``--seed``) after the first checkpoint; for ``sigkill`` every other sample kills during a save
+(``,phase=checkpoint``: right after the save of a checkpoint step was started, before it is
+committed; the baseline's torn save is written, not committed). Each sample runs ours and the
+baseline on the same fault, one after the other (the order alternates between samples).
+
+Phases (``trainer.timeline.recovery_phases``; any further ``*_s`` phase it reports is carried
+too): detect (fault until the next incarnation begins), restart (until the checkpoint load
+starts), load, first step; total = fault until the first completed step after resume. Per class
+and phase: the median and the p90 over the recovered samples, for ours and for the baseline, and
+the ratio ours / baseline of the medians. Targets here: in-process <= 5 s, sigkill <= 15 s, hang
+<= heartbeat timeout + 10 s, node loss <= 45 s (on the median), each faster than the baseline.
 
     python benchmarks/recovery_time.py [--faults exception sigkill hang node-loss]
-        [--steps 30] [--fault-step 17] [--json] [--out FILE] [--plot DIR]
+        [--samples 5] [--seed 0] [--steps 30] [--ckpt-interval 5] [--json] [--out FILE]
+        [--plot DIR]
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import statistics
 import sys
 import tempfile
 import time
@@ -40,7 +50,7 @@ from tasks.backends.base import LaunchRequest  # noqa: E402
 from tasks.backends.local import LocalBackend  # noqa: E402
 from tasks.classify import EndKind  # noqa: E402
 from tasks.train_stage import run_attempt  # noqa: E402
-from trainer.config import InJobConfig, TrainConfig  # noqa: E402
+from trainer.config import InJobConfig, InProcessConfig, TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
 from trainer.events import read_events  # noqa: E402
 from trainer.timeline import plot_timeline, recovery_phases  # noqa: E402
@@ -53,16 +63,31 @@ SPECS = {
 }
 TARGETS = {"exception": 5.0, "sigkill": 15.0, "hang": InJobConfig().heartbeat_timeout_s + 10.0}
 TARGETS["node-loss"] = 45.0
+PHASES = ("detect_s", "restart_s", "load_s", "first_step_s", "total_s")
 
 
-def run_ours(kind: str, root: Path, data: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    run_root = root / f"ours-{kind}"
+def draw_faults(kind: str, args: argparse.Namespace, rng: random.Random) -> list[str]:
+    """``--samples`` fault specs of one class: a random step after the first checkpoint; for a
+    sigkill, every other sample during a save (a checkpoint step, ``phase=checkpoint``)."""
+    lo = args.ckpt_interval + 1
+    hi = max(lo, args.steps - args.tail_steps)
+    out = []
+    for i in range(args.samples):
+        if kind == "sigkill" and i % 2 == 1:
+            saves = [s for s in range(lo, hi + 1) if s % args.ckpt_interval == 0]
+            out.append(SPECS[kind].format(s=rng.choice(saves)) + ",phase=checkpoint")
+        else:
+            out.append(SPECS[kind].format(s=rng.randint(lo, hi)))
+    return out
+
+
+def run_ours(spec: str, kind: str, run_root: Path, data: Path, args: argparse.Namespace) -> list:
     cfg = TrainConfig(
         run_root=run_root,
         data_dir=data,
         steps=args.steps,
         ckpt_interval=args.ckpt_interval,
-        faults=(SPECS[kind].format(s=args.fault_step),),
+        faults=(spec,),
     )
     for attempt in (1, 2):
         report = run_attempt(
@@ -79,17 +104,14 @@ def run_ours(kind: str, root: Path, data: Path, args: argparse.Namespace) -> lis
         if report.outcome.kind != EndKind.NODE_LOSS:  # only a node loss gets another attempt
             break
     if report.outcome.kind != EndKind.COMPLETED:
-        raise RuntimeError(f"ours/{kind}: {report.outcome.message}")
+        print(f"ours/{spec}: {report.outcome.message} (run in {run_root})", file=sys.stderr)
     return read_events(run_root)
 
 
-def run_baseline(
-    kind: str, root: Path, data: Path, args: argparse.Namespace
-) -> list[dict[str, Any]]:
-    run_root = root / f"baseline-{kind}"
+def run_baseline(spec: str, kind: str, run_root: Path, data: Path, args: argparse.Namespace):
     run_root.mkdir(parents=True)
     if kind == "node-loss":
-        return []  # torchrun has no answer: the job fails and waits for a person
+        return None  # torchrun has no answer: the job fails and waits for a person
     # The same topology as ours: 2 simulated nodes, one torchrun agent with 1 rank each.
     rcs = run_job(
         torchrun_job(
@@ -102,97 +124,229 @@ def run_baseline(
                 f"--steps={args.steps}",
                 f"--ckpt-interval={args.ckpt_interval}",
                 f"--pg-timeout-s={args.baseline_pg_timeout_s}",
-                f"--fault={SPECS[kind].format(s=args.fault_step)}",
+                f"--parallel={args.baseline_parallel}",
+                f"--fault={spec}",
             ],
         ),
         run_root,
         timeout_s=900,
     )
     if any(rcs):  # reported as not recovered (the phases find no step after the fault)
-        print(f"baseline/{kind}: torchrun exited {rcs} (logs in {run_root})", file=sys.stderr)
+        print(f"baseline/{spec}: torchrun exited {rcs} (logs in {run_root})", file=sys.stderr)
     return read_events(run_root)
+
+
+def first_recovery(events: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    if events is None:
+        return None
+    try:
+        rows = recovery_phases(events)
+    except IndexError:
+        # The restart loaded nothing (no commit before the fault: it starts over from step 1),
+        # which recovery_phases does not expect: count it with a zero-second load at the new
+        # incarnation's training start (the work lost is not a phase).
+        rows = recovery_phases(_with_empty_load(events))
+        for r in rows:
+            r["from_scratch"] = True
+    return rows[0] if rows else {"recovered": False, "reason": "no fault recorded"}
+
+
+def _with_empty_load(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    events = sorted(events, key=lambda e: e["t"])
+    out = list(events)
+    for f in (e for e in events if e["kind"] == "fault"):
+        later = [e for e in events if e["t"] > f["t"]]
+        loaded = any(e["kind"] == "resume" and e.get("action") == "loaded" for e in later)
+        start = next((e for e in later if e["kind"] in ("train_start", "step")), None)
+        if not loaded and start is not None:
+            t = start["t"] - 1e-6
+            out.append({"t": t, "kind": "resume", "action": "loaded", "load_s": 0.0})
+    return sorted(out, key=lambda e: e["t"])
+
+
+def phase_keys(rows: list[dict[str, Any]]) -> list[str]:
+    """The phases the rows carry: the known ones first, then any new ``*_s`` key."""
+    keys = [k for k in PHASES if any(k in r for r in rows)]
+    for r in rows:
+        for k, v in r.items():
+            if k.endswith("_s") and isinstance(v, (int, float)) and k not in keys:
+                keys.append(k)
+    return keys
+
+
+def p90(xs: list[float]) -> float:
+    if len(xs) == 1:
+        return xs[0]
+    return statistics.quantiles(xs, n=10, method="inclusive")[8]
+
+
+def aggregate(samples: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    if all(s is None for s in samples):
+        return None
+    got = [s for s in samples if s is not None]
+    ok = [s for s in got if s.get("recovered")]
+    keys = phase_keys(ok)
+    med, high = {}, {}
+    for k in keys:
+        xs = [float(s[k]) for s in ok if isinstance(s.get(k), (int, float))]
+        if xs:
+            med[k] = round(statistics.median(xs), 3)
+            high[k] = round(p90(xs), 3)
+    layers = sorted({str(s.get("layer")) for s in ok if s.get("layer")})
+    return {
+        "samples": len(got),
+        "recovered": len(ok),
+        "median": med,
+        "p90": high,
+        "layers": layers,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--faults", nargs="+", default=list(SPECS), choices=list(SPECS))
+    p.add_argument("--samples", type=int, default=5, help="per fault class (>= 1)")
+    p.add_argument("--seed", type=int, default=0, help="of the fault steps")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--fault-step", type=int, default=17)
     p.add_argument("--ckpt-interval", type=int, default=5)
-    p.add_argument("--baseline-pg-timeout-s", type=float, default=60.0)
+    p.add_argument(
+        "--tail-steps", type=int, default=3, help="no fault in the last N steps of the run"
+    )
+    p.add_argument(
+        "--baseline-pg-timeout-s",
+        type=float,
+        default=InProcessConfig().pg_timeout_s,
+        help="the baseline's process-group timeout (default: ours)",
+    )
+    p.add_argument("--baseline-parallel", choices=("fsdp2", "ddp"), default="fsdp2")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", type=Path)
     p.add_argument("--plot", type=Path, help="write one timeline PNG per fault class here")
     args = p.parse_args(argv)
+    if args.samples < 1:
+        p.error("--samples must be >= 1")
+    if args.steps - args.tail_steps <= args.ckpt_interval:
+        p.error("--steps must leave room for a fault after the first checkpoint")
 
+    rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="nvrx-bench-recovery-"))
     data = root / "data"
     write_synthetic_dataset(data, vocab_size=512, seed=0)
     rows = []
+    t_start = time.monotonic()
     for kind in args.faults:
         t0 = time.monotonic()
-        ours = run_ours(kind, root, data, args)
-        base = run_baseline(kind, root, data, args)
-        ph_ours = recovery_phases(ours)
-        ph_base = recovery_phases(base)
-        row = {
-            "fault": kind,
-            "ours": ph_ours[0] if ph_ours else None,
-            "baseline": ph_base[0] if ph_base else None,
-            "target_s": TARGETS[kind],
-            "bench_s": round(time.monotonic() - t0, 1),
-        }
-        o = (row["ours"] or {}).get("total_s")
-        b = (row["baseline"] or {}).get("total_s")
-        row["ours_vs_baseline"] = round(o / b, 3) if o and b else None
-        row["meets_target"] = bool(o is not None and o <= TARGETS[kind])
-        rows.append(row)
-        print(f"{kind}: ours {o} s, baseline {b} s", file=sys.stderr, flush=True)
-        if args.plot:
-            plot_timeline(
-                ours,
-                args.plot / f"recovery-{kind}.png",
-                title=f"{kind}: ours vs torchrun baseline",
-                compare=("torchrun baseline", base) if base else None,
-                align_on_fault=True,
-            )
+        samples = []
+        plotted = False
+        for i, spec in enumerate(draw_faults(kind, args, rng)):
+            slug = f"{kind}-{i}"
+            runs: dict[str, Any] = {}
+            order = ("ours", "baseline") if i % 2 == 0 else ("baseline", "ours")
+            for who in order:
+                d = root / f"{who}-{slug}"
+                fn = run_ours if who == "ours" else run_baseline
+                runs[who] = fn(spec, kind, d, data, args)
+            sample = {
+                "fault": spec,
+                "order": list(order),
+                "ours": first_recovery(runs["ours"]),
+                "baseline": first_recovery(runs["baseline"]),
+            }
+            samples.append(sample)
+            o = (sample["ours"] or {}).get("total_s")
+            b = (sample["baseline"] or {}).get("total_s")
+            print(f"{spec}: ours {o} s, baseline {b} s", file=sys.stderr, flush=True)
+            if args.plot and not plotted and runs["ours"]:
+                plot_timeline(
+                    runs["ours"],
+                    args.plot / f"recovery-{kind}.png",
+                    title=f"{kind} ({spec}): ours vs torchrun baseline",
+                    compare=("torchrun baseline", runs["baseline"]) if runs["baseline"] else None,
+                    align_on_fault=True,
+                )
+                plotted = True
+        ours = aggregate([s["ours"] for s in samples])
+        base = aggregate([s["baseline"] for s in samples])
+        ratio = {}
+        if ours and base:
+            for k, v in ours["median"].items():
+                bv = base["median"].get(k)
+                ratio[k] = round(v / bv, 3) if bv else None
+        o_total = (ours or {}).get("median", {}).get("total_s")
+        rows.append(
+            {
+                "fault": kind,
+                "ours": ours,
+                "baseline": base,
+                "ours_vs_baseline_median": ratio or None,
+                "target_s": TARGETS[kind],
+                "meets_target": bool(
+                    o_total is not None and ours and ours["recovered"] == ours["samples"]
+                )
+                and o_total <= TARGETS[kind],
+                "samples": samples,
+                "bench_s": round(time.monotonic() - t0, 1),
+            }
+        )
 
-    def fmt(ph: dict[str, Any] | None) -> list[str]:
-        if not ph:
-            return ["-"] * 5
-        if not ph.get("recovered"):
-            return ["job failed, not recovered"] + ["-"] * 4
-        return [
-            f"{ph[k]:.1f}" for k in ("detect_s", "restart_s", "load_s", "first_step_s", "total_s")
-        ]
+    def cell(agg: dict[str, Any] | None, k: str) -> str:
+        if not agg or k not in agg["median"]:
+            return "-"
+        return f"{agg['median'][k]:.1f} ({agg['p90'][k]:.1f})"
 
+    keys = phase_keys([r["ours"]["median"] for r in rows if r["ours"]] + [dict.fromkeys(PHASES)])
     print(
-        "| fault | who | layer | detect s | restart s | load s | first step s | total s | target |"
+        f"recovery: {args.samples} sample(s) per class, seed {args.seed}; median (p90) seconds "
+        f"per phase; baseline pg timeout {args.baseline_pg_timeout_s} s"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| fault | who | layer | recovered | "
+        + " | ".join(k.removesuffix("_s").replace("_", " ") + " s" for k in keys)
+        + " | ours / baseline (median total) | target |"
+    )
+    print("| --- " * (len(keys) + 6) + "|")
     for r in rows:
-        layer = (r["ours"] or {}).get("layer") or (
+        ours, base = r["ours"], r["baseline"]
+        layer = ",".join((ours or {}).get("layers") or []) or (
             "stage-retry" if r["fault"] == "node-loss" else "injob"
         )
+        ratio = (r["ours_vs_baseline_median"] or {}).get("total_s")
+        rec = f"{ours['recovered']}/{ours['samples']}" if ours else "-"
         print(
-            f"| {r['fault']} | ours | {layer} | "
-            + " | ".join(fmt(r["ours"]))
-            + f" | <= {r['target_s']:.0f} s |"
+            f"| {r['fault']} | ours | {layer} | {rec} | "
+            + " | ".join(cell(ours, k) for k in keys)
+            + f" | {ratio if ratio is not None else '-'} | <= {r['target_s']:.0f} s |"
         )
-        base = (
-            fmt(r["baseline"])
-            if r["fault"] != "node-loss"
-            else ["job fails; manual re-submit"] + ["-"] * 4
-        )
-        print(f"| {r['fault']} | torchrun | restart all | " + " | ".join(base) + " | |")
+        if r["fault"] == "node-loss":
+            cells = ["job fails; manual re-submit"] + ["-"] * (len(keys) - 1)
+            print(f"| {r['fault']} | torchrun | restart all | - | " + " | ".join(cells) + " | | |")
+        else:
+            brec = f"{base['recovered']}/{base['samples']}" if base else "-"
+            print(
+                f"| {r['fault']} | torchrun | restart all | {brec} | "
+                + " | ".join(cell(base, k) for k in keys)
+                + " | | |"
+            )
     out = {
         "benchmark": "recovery_time",
+        "methodology": "samples per class at random steps, median and p90 (issue 15)",
         "machine": os.uname().machine,
         "cores": os.cpu_count(),
+        "samples": args.samples,
+        "seed": args.seed,
+        "steps": args.steps,
+        "ckpt_interval": args.ckpt_interval,
+        "baseline": {
+            "pg_timeout_s": args.baseline_pg_timeout_s,
+            "parallel": args.baseline_parallel,
+            "checkpoint": "synchronous dcp.save, atomic commit",
+        },
+        "bench_s": round(time.monotonic() - t_start, 1),
         "rows": rows,
     }
     if args.out:
-        args.out.write_text(json.dumps(out, indent=1))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
     if args.json:
         print(json.dumps(out))
     return 0
