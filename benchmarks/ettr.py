@@ -5,7 +5,7 @@ last execution of each step (work redone after a fault is not productive); wall 
 launching the job to its end, including start-up, every recovery and every re-submission.
 
 1. Calibrate (short fault-free runs): seconds per step and the training-blocking seconds per
-   checkpoint, ours (async) and the baseline (synchronous ``torch.save``).
+   checkpoint, ours (async) and the baseline (synchronous DCP).
 2. Checkpoint interval from Young's formula, for each: ``sqrt(2 * MTBF * checkpoint cost)``
    seconds, in steps.
 3. Run each for ``--minutes`` of expected training with a mixed fault every ``--mtbf-s``
@@ -14,11 +14,11 @@ launching the job to its end, including start-up, every recovery and every re-su
 
 Ours: the pipeline's train stage on the embedded default (local backend, 2 simulated nodes, the
 pipeline's timeouts), node loss answered by the stage retry. Baseline: torchrun
-``--max-restarts`` (the same 2 simulated nodes, one agent and rank each, DDP, synchronous
-``torch.save``); a hang is only noticed
-at its process-group timeout (``--baseline-pg-timeout-s``; torch's default is 30 min), and a
-node loss ends the job, which this script re-submits at once (a person would take longer: this
-favours the baseline).
+``--max-restarts`` (the same 2 simulated nodes, one agent and rank each, the same FSDP2
+workload, synchronous DCP checkpoints: ``benchmarks/baseline_trainer.py``); a hang is only
+noticed at its process-group timeout (``--baseline-pg-timeout-s``, by default ours:
+``InProcessConfig().pg_timeout_s``; torch's default is 30 min), and a node loss ends the job,
+which this script re-submits at once (a person would take longer: this favours the baseline).
 
     python benchmarks/ettr.py [--minutes 10] [--clean-minutes 3] [--mtbf-s 120]
         [--json] [--out FILE] [--plot DIR]
@@ -47,7 +47,7 @@ from tasks.backends.local import LocalBackend  # noqa: E402
 from tasks.classify import EndKind  # noqa: E402
 from tasks.run_summary import productive_s  # noqa: E402
 from tasks.train_stage import run_attempt  # noqa: E402
-from trainer.config import TrainConfig  # noqa: E402
+from trainer.config import InProcessConfig, TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
 from trainer.events import read_events  # noqa: E402
 from trainer.timeline import plot_timeline, recovery_phases  # noqa: E402
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--clean-minutes", type=float, default=3.0)
     p.add_argument("--mtbf-s", type=float, default=120.0)
-    p.add_argument("--baseline-pg-timeout-s", type=float, default=60.0)
+    p.add_argument("--baseline-pg-timeout-s", type=float, default=InProcessConfig().pg_timeout_s)
     p.add_argument("--skip", nargs="*", default=[], choices=["ours", "baseline", "clean"])
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", type=Path)

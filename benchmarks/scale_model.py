@@ -4,10 +4,14 @@ assumptions (benchmarks/SCALE_MODEL.md explains each). Prints the tables the doc
     python benchmarks/scale_model.py [--recovery benchmarks/results/recovery_time.json]
         [--ckpt-gb 90] [--fsx-tib 1.2] [--json]
 
-Measured inputs (from ``--recovery``, this machine): the in-process restart and the in-job
-respawn overheads of ours, which are code paths that do not grow with the model. Everything
-that does grow (checkpoint bytes, FSx throughput, NCCL start-up, Kubernetes detection, image
-pull) is an assumption, named in ``ASSUMPTIONS`` and printed with the tables.
+Measured inputs (from ``--recovery``: the committed results of ``benchmarks/recovery_time.py``,
+medians over its samples, this machine): the in-process restart and the in-job respawn
+overheads of ours, and the baseline's detection, which are code paths that do not grow with the
+model. The file is required: without it (or when it predates the sampled methodology, or a
+class it needs did not recover) the script fails and names the command that produces it,
+instead of projecting from made-up defaults. Everything that does grow (checkpoint bytes, FSx
+throughput, NCCL start-up, Kubernetes detection, image pull) is an assumption, named in
+``ASSUMPTIONS`` and printed with the tables.
 """
 
 from __future__ import annotations
@@ -15,8 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RECOVERY_JSON = REPO / "benchmarks" / "results" / "recovery_time.json"
+PRODUCE = (
+    "run `make bench`, or `python benchmarks/recovery_time.py "
+    "--out benchmarks/results/recovery_time.json`, and commit the file"
+)
 
 ASSUMPTIONS: dict[str, Any] = {
     # Checkpoint: 7.5B parameters x (4 B fp32 weights + 8 B AdamW moments) = 90 GB per save.
@@ -66,20 +78,20 @@ def recoveries(a: dict[str, Any], nodes: int, measured: dict[str, float]) -> dic
     """Seconds from fault to first step, per class: ours and the baseline."""
     load = load_s(a)
     start = startup_s(a, nodes)
-    ours_inproc = measured.get("inprocess_restart_s", 3.5) + a["nccl_init_s_per_log2_rank"] * (
+    ours_inproc = measured["inprocess_restart_s"] + a["nccl_init_s_per_log2_rank"] * (
         math.log2(nodes * a["gpus_per_node"])
     )
     ours = {
         # In place: the processes, CUDA context and dataset stay; the model reloads from the
         # newest checkpoint (the in-memory copy is not kept across a restart here).
         "exception": ours_inproc + load,
-        "sigkill": measured.get("injob_detect_s", 1.0) + start + load,
+        "sigkill": measured["injob_detect_s"] + start + load,
         "hang": a["heartbeat_timeout_s"] + start + load,
         "node-loss": a["k8s_detect_s"] + a["pod_start_s"] + start + load,
     }
     base = {
-        "exception": measured.get("baseline_exception_detect_s", 1.0) + start + load,
-        "sigkill": measured.get("baseline_injob_detect_s", 1.0) + start + load,
+        "exception": measured["baseline_exception_detect_s"] + start + load,
+        "sigkill": measured["baseline_injob_detect_s"] + start + load,
         "hang": a["baseline_hang_detect_s"] + start + load,
         "node-loss": a["manual_requeue_s"] + a["pod_start_s"] + start + load,
     }
@@ -98,9 +110,50 @@ def ettr(a: dict[str, Any], nodes: int, rec: dict[str, float], ckpt_block_s: flo
     return {"mtbf_h": mtbf / 3600, "mean_recovery_s": mean_r, "interval_s": tau, "ettr": value}
 
 
+class MeasurementMissing(RuntimeError):
+    pass
+
+
+def read_measured(path: Path) -> dict[str, float]:
+    """The measured components, from recovery_time.py's JSON (medians over its samples)."""
+    shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    if not path.is_file():
+        raise MeasurementMissing(f"{shown} is missing: {PRODUCE}")
+    try:
+        rows = {r["fault"]: r for r in json.loads(path.read_text())["rows"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise MeasurementMissing(f"{shown} is not recovery_time.py output ({e}): {PRODUCE}") from e
+
+    def median(fault: str, who: str, phase: str) -> float:
+        row = rows.get(fault)
+        if row is None:
+            raise MeasurementMissing(f"{shown} has no {fault!r} row: {PRODUCE}")
+        agg = row.get(who)
+        if not isinstance(agg, dict) or "median" not in agg:
+            raise MeasurementMissing(
+                f"{shown}: the {fault!r} row has no {who} medians (it predates the sampled "
+                f"methodology, or {who} never recovered): {PRODUCE}"
+            )
+        if phase not in agg["median"]:
+            raise MeasurementMissing(
+                f"{shown}: no recovered {fault!r} sample of {who} (no median {phase}): {PRODUCE}"
+            )
+        return float(agg["median"][phase])
+
+    return {
+        # The in-process layer's own cost here, without this machine's checkpoint load.
+        "inprocess_restart_s": median("exception", "ours", "total_s")
+        - median("exception", "ours", "load_s"),
+        "injob_detect_s": median("sigkill", "ours", "detect_s"),
+        # The baseline's own detection (torchrun notices the failure, stops and respawns).
+        "baseline_exception_detect_s": median("exception", "baseline", "detect_s"),
+        "baseline_injob_detect_s": median("sigkill", "baseline", "detect_s"),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--recovery", type=Path, default=Path("benchmarks/results/recovery_time.json"))
+    p.add_argument("--recovery", type=Path, default=RECOVERY_JSON)
     p.add_argument("--ckpt-gb", type=float)
     p.add_argument("--fsx-tib", type=float)
     p.add_argument("--json", action="store_true")
@@ -110,24 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         a["ckpt_gb"] = args.ckpt_gb
     if args.fsx_tib:
         a["fsx_tib"] = args.fsx_tib
-    measured: dict[str, float] = {}
-    if args.recovery.exists():
-        rows = {r["fault"]: r for r in json.loads(args.recovery.read_text())["rows"]}
-        exc = (rows.get("exception") or {}).get("ours") or {}
-        if exc.get("recovered"):
-            # The in-process layer's own cost here, without this machine's checkpoint load.
-            measured["inprocess_restart_s"] = exc["total_s"] - exc["load_s"]
-        kill = (rows.get("sigkill") or {}).get("ours") or {}
-        if kill.get("recovered"):
-            measured["injob_detect_s"] = kill["detect_s"]
-        # The baseline's own detection (torchrun notices the failure, stops and respawns).
-        for fault, key in (
-            ("exception", "baseline_exception_detect_s"),
-            ("sigkill", "baseline_injob_detect_s"),
-        ):
-            b = (rows.get(fault) or {}).get("baseline") or {}
-            if b.get("recovered"):
-                measured[key] = b["detect_s"]
+    try:
+        measured = read_measured(args.recovery)
+    except MeasurementMissing as e:
+        print(f"scale_model: {e}", file=sys.stderr)
+        return 2
     out: dict[str, Any] = {"assumptions": a, "measured": measured, "rows": []}
     print(
         f"checkpoint {a['ckpt_gb']:.0f} GB; FSx {a['fsx_tib']} TiB at "
