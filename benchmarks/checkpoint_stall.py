@@ -9,8 +9,8 @@ AdamW moments) every ``--save-every`` steps while training goes on. The default 
 ``bench-gpt``, is the trainer's GPT (``trainer.model.GPT``) with its depth chosen so that the
 per-rank state is about ``--mb-per-rank`` MiB (parameters + 2 moments, fp32) and a short
 sequence (``--seq-len`` 16: CPU steps short enough that several overlap each write); any
-built-in workload can be named instead (``--workload gpt-100m``). Methods, each in its own phase of the
-same run (the order rotates between ``--rounds``):
+built-in workload can be named instead (``--workload gpt-100m``). Methods, each in its own
+phase of the same run (the order rotates between ``--rounds``):
 
 - ``dcp_save``: synchronous ``torch.distributed.checkpoint.save`` with
   ``FileSystemWriter(sync_files=True)`` (every shard fsynced). Blocking = commit latency. The
