@@ -53,7 +53,7 @@ from tasks.train_stage import run_attempt  # noqa: E402
 from trainer.config import InJobConfig, InProcessConfig, TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
 from trainer.events import read_events  # noqa: E402
-from trainer.timeline import plot_timeline, recovery_phases  # noqa: E402
+from trainer.timeline import RESTART_KINDS, plot_timeline, recovery_phases  # noqa: E402
 
 SPECS = {
     "exception": "exception@step={s},rank=1",
@@ -156,8 +156,15 @@ def _with_empty_load(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = list(events)
     for f in (e for e in events if e["kind"] == "fault"):
         later = [e for e in events if e["t"] > f["t"]]
-        loaded = any(e["kind"] == "resume" and e.get("action") == "loaded" for e in later)
-        start = next((e for e in later if e["kind"] in ("train_start", "step")), None)
+        begin = next((e for e in later if e["kind"] in RESTART_KINDS), None)
+        if begin is None:
+            continue
+        after = [e for e in later if e["t"] >= begin["t"]]
+        loaded = any(e["kind"] == "resume" and e.get("action") == "loaded" for e in after)
+        # The new incarnation's training start (a step only if it emits none).
+        start = next((e for e in after if e["kind"] == "train_start"), None) or next(
+            (e for e in after if e["kind"] == "step"), None
+        )
         if not loaded and start is not None:
             t = start["t"] - 1e-6
             out.append({"t": t, "kind": "resume", "action": "loaded", "load_s": 0.0})
