@@ -30,7 +30,13 @@ FAST_INPROCESS = InProcessConfig(
     barrier_timeout_s=30.0,
     completion_timeout_s=30.0,
 )
-FAST_INJOB = InJobConfig(heartbeat_timeout_s=12.0, initial_heartbeat_timeout_s=60.0)
+FAST_INJOB = InJobConfig(
+    heartbeat_timeout_s=12.0,
+    initial_heartbeat_timeout_s=60.0,
+    checkpoint_timeout_s=12.0,
+    load_timeout_s=12.0,
+    out_of_section_timeout_s=12.0,
+)
 
 
 def free_port() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from dataclasses import replace
@@ -46,22 +47,45 @@ def test_gloo_timeout_must_be_below_soft_timeout():
         InProcessConfig(pg_timeout_s=10, soft_timeout_s=8)
 
 
-def test_layer_timeouts_nest(dataset: Path, tmp_path: Path):
-    # ft_launcher must not give up on a rank while the in-process layer may still recover it.
-    with pytest.raises(ConfigError, match=r"injob.heartbeat_timeout_s: must exceed"):
-        make_config(
-            tmp_path / "run",
-            dataset,
-            inprocess=InProcessConfig(hard_timeout_s=16),
-            injob=InJobConfig(heartbeat_timeout_s=10),
-        )
+# Small section timeouts so that each InJobConfig is valid on its own; each case breaks one
+# cross-layer rule (DESIGN §2: an inner layer gets its chance before the outer one acts).
+_SECTIONS = dict(checkpoint_timeout_s=10, load_timeout_s=10, out_of_section_timeout_s=30)
+NESTING = [
+    # ft_launcher's heartbeat must not give up while an in-process restart may still succeed.
+    (
+        InProcessConfig(hard_timeout_s=16),
+        InJobConfig(heartbeat_timeout_s=10, **_SECTIONS),
+        r"injob.heartbeat_timeout_s: must exceed inprocess.hard_timeout_s",
+    ),
+    # An in-process restart runs out of section.
+    (
+        InProcessConfig(hard_timeout_s=16),
+        InJobConfig(heartbeat_timeout_s=30, **{**_SECTIONS, "out_of_section_timeout_s": 12}),
+        r"injob.out_of_section_timeout_s: must exceed inprocess.hard_timeout_s",
+    ),
+    # A stalled step: the peers' collective timeout (then an in-process restart) comes first.
+    (
+        InProcessConfig(pg_timeout_s=3),
+        InJobConfig(heartbeat_timeout_s=30, step_timeout_s=3.5, **_SECTIONS),
+        r"injob.step_timeout_s: must exceed inprocess.pg_timeout_s \+ injob.heartbeat_interval_s",
+    ),
+]
+
+
+@pytest.mark.parametrize("inprocess,injob,message", NESTING)
+def test_layer_timeouts_nest(inprocess, injob, message, dataset: Path, tmp_path: Path):
+    with pytest.raises(ConfigError, match=message):
+        make_config(tmp_path / "run", dataset, inprocess=inprocess, injob=injob)
     # ... unless the in-process layer is switched off.
-    make_config(
-        tmp_path / "run",
-        dataset,
-        inprocess=InProcessConfig(enabled=False, hard_timeout_s=16),
-        injob=InJobConfig(heartbeat_timeout_s=10),
-    )
+    off = dataclasses.replace(inprocess, enabled=False)
+    make_config(tmp_path / "run", dataset, inprocess=off, injob=injob)
+
+
+def test_injob_sections_fit_under_the_heartbeat_backstop():
+    with pytest.raises(ConfigError, match=r"injob.heartbeat_timeout_s: must be >= every section"):
+        InJobConfig(heartbeat_timeout_s=20, load_timeout_s=25)
+    with pytest.raises(ConfigError, match=r"injob.step_timeout_s: must exceed injob.heartbeat_i"):
+        InJobConfig(step_timeout_s=1.0, heartbeat_interval_s=1.0)
 
 
 def test_bad_fault_spec_rejected(dataset: Path, tmp_path: Path):

@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -355,10 +356,63 @@ class AsyncCheckpointer:
         self.pending: _Pending | None = None
         self._md_cache: Any = None
         self._step_hook: Any = None
+        self._results_queue_thread: threading.Thread | None = None
+        # When the current writer was started and when it first answered (time.time()).
+        self.writer_started_at: float | None = None
+        self.writer_ready_at: float | None = None
+        self._warmed = False  # the current writer has written once (warm-up or a save)
+        self._ready_taken = False
 
     # -- lifecycle -----------------------------------------------------------------------------
+    def start(self, *, rank: int = 0) -> bool:
+        """Start the writer process now without waiting for it; whether a new one was started.
+
+        The writer and NVRx's results-queue Manager are spawned interpreters that import torch
+        (~2 s each here). Started before the process group, the model and the checkpoint load,
+        their start-up overlaps the worker's own instead of delaying the first step; the first
+        ``poll`` that finds the writer's no-op done records ``writer_ready_at``. Idempotent
+        while the writer lives (``bind`` calls it too, after a writer died)."""
+        if self.queue is not None and self._worker_alive():
+            return False
+        self._reset_queue()
+        self._forget_pending()
+        self.queue = nvrx_compat.AsyncCallsQueue(persistent=True)
+        nvrx_compat.start_persistent_writer(
+            self.queue, nvrx_compat.AsyncRequest(_noop, (), []), rank=rank
+        )
+        self.writer_started_at, self.writer_ready_at = time.time(), None
+        self._warmed = self._ready_taken = False
+        if self._results_queue_thread is None and not nvrx_compat.write_results_queue_ready():
+            self._results_queue_thread = threading.Thread(
+                target=nvrx_compat.warm_write_results_queue, name="nvrx-results-queue", daemon=True
+            )
+            self._results_queue_thread.start()
+        return True
+
+    def _results_queue_ready(self) -> None:
+        """No save may plan before the Manager exists (NVRx would start a second one)."""
+        if self._results_queue_thread is not None:
+            self._results_queue_thread.join()
+
+    def take_ready(self) -> float | None:
+        """Seconds the current writer took from ``start`` to ready, once per writer (then
+        None): for the ``writer_ready`` phase event."""
+        if self.writer_ready_at is None or self.writer_started_at is None or self._ready_taken:
+            return None
+        self._ready_taken = True
+        return self.writer_ready_at - self.writer_started_at
+
+    def _note_ready(self) -> None:
+        """Record when the writer has done everything it was given so far (its start-up no-op,
+        the warm-up write): from then on a save's write starts at once."""
+        if self.writer_ready_at is None and self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
+            if not self.queue.get_num_unfinalized_calls():
+                self.writer_ready_at = time.time()
+
     def bind(self, group: dist.ProcessGroup, *, warmup_dir: Path | None = None) -> None:
-        """Attach to this restart iteration's checkpoint group; start the writer if needed.
+        """Attach to this restart iteration's checkpoint group; start the writer if it is not
+        running (never waits for it: see ``start``).
 
         With ``warmup_dir`` (every rank the same directory, or None on every rank), a new writer
         also writes a one-element checkpoint there in the background: the first write of a fresh
@@ -367,19 +421,16 @@ class AsyncCheckpointer:
         warm-up is finalized by the normal ``poll`` and never reported as a save."""
         self.group = group
         self._md_cache = nvrx_compat.new_metadata_cache() if self.cache_plan else None
-        fresh = self.queue is None or not self._worker_alive()
-        if fresh:
-            self._reset_queue()
-            self.queue = nvrx_compat.AsyncCallsQueue(persistent=True)
-            nvrx_compat.warm_write_results_queue()
-            self.queue.schedule_async_request(nvrx_compat.AsyncRequest(_noop, (), []))
-            self._forget_pending()
-            self._drain_local(time.monotonic() + self.timeout_s, what="writer start-up")
+        self.start(rank=dist.get_rank())
         if warmup_dir is not None:
-            # Collective: a save plans across ranks, so all warm up if any rank's writer is new.
-            flag = torch.tensor([1 if fresh else 0], dtype=torch.int64)
-            dist.all_reduce(flag, group=group)
-            if int(flag.item()) > 0:
+            # Collective: a save plans across ranks, so all warm up if any rank's writer is new,
+            # and only if every rank's results queue is up already: a save plans only after it
+            # is, and waiting for it here would block the worker's start-up. Skipped, the first
+            # real save's write pays the fresh writer's extra cost instead (in the background).
+            waiting = not nvrx_compat.write_results_queue_ready()
+            flags = torch.tensor([0 if self._warmed else 1, 1 if waiting else 0])
+            dist.all_reduce(flags, group=group)
+            if int(flags[0]) > 0 and int(flags[1]) == 0:
                 self._warm_up(Path(warmup_dir))
 
     def _warm_up(self, directory: Path) -> None:
@@ -418,6 +469,10 @@ class AsyncCheckpointer:
         """Idempotent. Waits for (and commits) a save in flight only if ``wait`` was called."""
         self._wait_copy_quietly()
         self._remove_step_hook()
+        if self._results_queue_thread is not None:
+            # A Manager still starting has no exit finalizer yet: the interpreter's exit would
+            # wait for its process forever (a worker that fails in its first second).
+            self._results_queue_thread.join(timeout=60)
         if self.queue is None:
             return
         if self.pending is None and self._worker_alive() and not self.queue.async_calls:
@@ -459,9 +514,11 @@ class AsyncCheckpointer:
             self._install_step_hook()
         blocking = time.perf_counter() - t0
         self.pending.blocking_s = blocking
+        self._warmed = True
         return blocking
 
     def _stage_and_plan(self, state_dict: dict[str, Any], directory: Path) -> tuple[Any, ...]:
+        self._results_queue_ready()
         staged = self.staging.stage(state_dict)
         if self.staging.reallocated and self.cache_plan:
             # NVRx reuses a validated cached plan without re-checking tensor sizes: a new state
@@ -586,9 +643,16 @@ class AsyncCheckpointer:
                 return False
             self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
             self.pending.locally_done = self.queue.get_num_unfinalized_calls() == 0
+            if self.pending.locally_done and self.writer_ready_at is None:
+                self.writer_ready_at = time.time()
         return self.pending.locally_done
 
-    def poll(self, *, block: bool = False) -> SaveResult | None:
+    def poll(
+        self,
+        *,
+        block: bool = False,
+        section: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    ) -> SaveResult | None:
         """Every rank, every step: finalize the save in flight once all ranks' writers are done.
 
         Non-blocking by default (one tiny CPU all-reduce while a save is in flight; on CUDA it
@@ -597,6 +661,7 @@ class AsyncCheckpointer:
         dead writer on any rank raises on all.
         """
         if self.pending is None:
+            self._note_ready()
             return None
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -612,7 +677,8 @@ class AsyncCheckpointer:
                     "is lost, the last committed checkpoint is intact"
                 )
             if flags[0] == 0:
-                result = self._finalize()
+                with section():  # the DCP finalize is storage I/O: its own hang timeout
+                    result = self._finalize()
                 if result.step == WARMUP_STEP:
                     if dist.get_rank(self.group) == 0:
                         shutil.rmtree(result.directory, ignore_errors=True)
@@ -626,8 +692,11 @@ class AsyncCheckpointer:
                 raise CheckpointTimeout(f"checkpoint write not done after {self.timeout_s} s")
             time.sleep(0.005)
 
-    def wait(self) -> SaveResult | None:
-        return self.poll(block=True)
+    def wait(
+        self,
+        section: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    ) -> SaveResult | None:
+        return self.poll(block=True, section=section)
 
     def _finalize(self) -> SaveResult:
         """DCP finalize on all ranks: gather write results, coordinator writes ``.metadata``."""

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 
 from trainer import __version__, manifest, untrusted
 from trainer.async_ckpt import WARMUP_STEP, AsyncCheckpointer, CheckpointStorageError, SaveResult
-from trainer.config import ResumePolicy, TrainConfig
+from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, ResumePolicy, TrainConfig
 from trainer.events import EventLog, read_events
 from trainer.workload import DataSource
 
@@ -42,6 +42,17 @@ class Resumed:
     path: Path | None
 
 
+class Sections(Protocol):
+    """Timed sections of the in-job layer (``trainer.resilience.Heartbeat``)."""
+
+    def section(self, name: str) -> contextlib.AbstractContextManager[None]: ...
+
+
+class _NoSections:
+    def section(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
 class CheckpointManager:
     def __init__(
         self,
@@ -52,10 +63,13 @@ class CheckpointManager:
         rank: int,
         world_size: int,
         group: dist.ProcessGroup,
+        sections: Sections | None = None,
     ) -> None:
         self.cfg = cfg
         self.saver = saver
         self.events = events
+        # A load, and a save with its commit, each run under their own hang timeout.
+        self.sections: Sections = sections or _NoSections()
         # Rank 0, after each commit (step, committed directory): the loop's hooks.
         self.on_commit: Callable[[int, Path], None] = lambda step, path: None
         self.rank = rank
@@ -70,6 +84,10 @@ class CheckpointManager:
         """All ranks. Rank 0 picks the newest valid checkpoint (emitting a ``resume`` event for
         every newer one it skips and why), everyone loads it, resharding if the world size
         changed."""
+        with self.sections.section(LOAD_SECTION):
+            return self._resume(model, optim, sampler)
+
+    def _resume(self, model: nn.Module, optim: Optimizer, sampler: DataSource) -> Resumed:
         decision: list[Any] = [None]
         if self.rank == 0:
             decision[0] = self._choose()
@@ -151,6 +169,12 @@ class CheckpointManager:
         """Every rank after finishing ``step``. Returns seconds training was blocked, if saved."""
         if not self.due(step):
             return None
+        with self.sections.section(CHECKPOINT_SECTION):
+            return self._save(step, model, optim, sampler, loss)
+
+    def _save(
+        self, step: int, model: nn.Module, optim: Optimizer, sampler: DataSource, loss: float
+    ) -> float:
         self.poll(block=True)  # the previous save is committed before the next starts
         partial = manifest.partial_path(self.cfg.run_root, step)
         if self.rank == 0:
@@ -168,15 +192,24 @@ class CheckpointManager:
 
     def poll(self, *, block: bool = False) -> SaveResult | None:
         try:
-            result = self.saver.poll(block=block)
+            result = self.saver.poll(block=block, section=self._checkpoint_section)
         except CheckpointStorageError as e:
             if e.step == WARMUP_STEP:  # not a checkpoint; a real save reports a real problem
                 log.warning("the writer's warm-up write failed: %s", e)
                 return None
             raise self._storage_failure(e.step, e.directory, e) from e
         if result is not None:
-            self._commit(result)
+            with self._checkpoint_section():
+                self._commit(result)
+        ready_s = self.saver.take_ready()
+        if ready_s is not None and self.rank == 0:
+            # Off the critical path since the writer starts with the process: this says how
+            # long it took all the same (a first save before it is ready waits for it).
+            self.events.emit("phase", phase="writer_ready", s=round(ready_s, 3))
         return result
+
+    def _checkpoint_section(self) -> contextlib.AbstractContextManager[None]:
+        return self.sections.section(CHECKPOINT_SECTION)
 
     def finish(self) -> None:
         self.poll(block=True)

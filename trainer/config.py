@@ -156,6 +156,16 @@ class InProcessConfig:
     barrier_timeout_s: float = 60.0
     completion_timeout_s: float = 60.0
     max_restarts: int = 5
+    # NVRx's polling periods (monitor thread, monitor process, progress watchdog, its own
+    # heartbeat), 1 s by default: every restart and every clean exit waits up to one of them
+    # several times over. A quarter second costs nothing measurable on the loop.
+    monitor_interval_s: float = 0.25
+    # How long the Wrapper waits after a fault for other ranks to report theirs before it
+    # restarts (NVRx default 1 s, all of it on the exception-recovery path).
+    last_call_wait_s: float = 0.25
+    # SIGTERM to SIGKILL when the monitor process terminates an unresponsive rank (NVRx default
+    # 5 s; a rank that ignores SIGTERM, or a stopped one, waits all of it).
+    termination_grace_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -165,6 +175,9 @@ class InProcessConfig:
             "heartbeat_timeout_s",
             "barrier_timeout_s",
             "completion_timeout_s",
+            "monitor_interval_s",
+            "last_call_wait_s",
+            "termination_grace_s",
         ):
             value = getattr(self, name)
             _require(value > 0, f"inprocess.{name}", f"must be > 0 seconds, got {value}")
@@ -193,6 +206,19 @@ class InProcessConfig:
             "inprocess.heartbeat_timeout_s",
             f"must be between 1 s and barrier_timeout_s ({self.barrier_timeout_s})",
         )
+        _require(
+            self.monitor_interval_s < min(self.soft_timeout_s, self.heartbeat_timeout_s),
+            "inprocess.monitor_interval_s",
+            f"must be below soft_timeout_s and heartbeat_timeout_s, got {self.monitor_interval_s}",
+        )
+
+
+# ft_launcher section names (trainer.resilience.Heartbeat opens them): the steps, a checkpoint
+# save and commit, a checkpoint load. Anything else (start-up, an in-process restart) is "out of
+# section", which has its own timeout.
+STEP_SECTION = "step"
+CHECKPOINT_SECTION = "checkpoint"
+LOAD_SECTION = "load"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,11 +233,23 @@ class InJobConfig:
     enabled: bool = True
     max_restarts: int = 3
     initial_heartbeat_timeout_s: float = 90.0
+    # The backstop: no heartbeat for this long kills the rank whatever section it is in, so it
+    # must cover the longest checkpoint save or load.
     heartbeat_timeout_s: float = 30.0
     monitor_interval_s: float = 0.5
     workers_stop_timeout_s: float = 5.0
     # Survivors of a lost node wait this long in rendezvous before ft_launcher gives up (exit 1).
     rdzv_join_timeout_s: float = 20.0
+    # Hang detection by section (trainer.resilience.Heartbeat): the steps, reported at most once
+    # per heartbeat_interval_s; a checkpoint save and commit; a checkpoint load; and everything
+    # else (start-up, an in-process restart).
+    heartbeat_interval_s: float = 1.0
+    step_timeout_s: float = 4.5
+    checkpoint_timeout_s: float = 30.0
+    load_timeout_s: float = 30.0
+    out_of_section_timeout_s: float = 30.0
+    # How often each node's rank monitor checks those timeouts (NVRx default 5 s).
+    check_interval_s: float = 0.25
 
     def __post_init__(self) -> None:
         _require(
@@ -223,6 +261,12 @@ class InJobConfig:
             "monitor_interval_s",
             "workers_stop_timeout_s",
             "rdzv_join_timeout_s",
+            "heartbeat_interval_s",
+            "step_timeout_s",
+            "checkpoint_timeout_s",
+            "load_timeout_s",
+            "out_of_section_timeout_s",
+            "check_interval_s",
         ):
             value = getattr(self, name)
             _require(value > 0, f"injob.{name}", f"must be > 0 seconds, got {value}")
@@ -232,6 +276,27 @@ class InJobConfig:
             "must be >= injob.heartbeat_timeout_s: the first heartbeat comes after start-up and "
             "the checkpoint load",
         )
+        _require(
+            self.heartbeat_interval_s < self.step_timeout_s,
+            "injob.step_timeout_s",
+            f"must exceed injob.heartbeat_interval_s ({self.heartbeat_interval_s} s): the step "
+            "section is renewed once per interval",
+        )
+        longest = max(self.checkpoint_timeout_s, self.load_timeout_s, self.step_timeout_s)
+        _require(
+            self.heartbeat_timeout_s >= longest,
+            "injob.heartbeat_timeout_s",
+            f"must be >= every section timeout ({longest} s): no heartbeat goes out during a "
+            "checkpoint save or load, and the heartbeat timeout is checked in every section",
+        )
+
+    def section_timeouts(self) -> dict[str, float]:
+        """``--ft-rank-section-timeouts``."""
+        return {
+            STEP_SECTION: self.step_timeout_s,
+            CHECKPOINT_SECTION: self.checkpoint_timeout_s,
+            LOAD_SECTION: self.load_timeout_s,
+        }
 
 
 class ResumePolicy(enum.StrEnum):
@@ -333,6 +398,22 @@ class TrainConfig:
                 "injob.heartbeat_timeout_s",
                 f"must exceed inprocess.hard_timeout_s ({self.inprocess.hard_timeout_s} s) so "
                 "that an in-process restart completes before ft_launcher declares the rank dead",
+            )
+            _require(
+                self.inprocess.hard_timeout_s < self.injob.out_of_section_timeout_s,
+                "injob.out_of_section_timeout_s",
+                f"must exceed inprocess.hard_timeout_s ({self.inprocess.hard_timeout_s} s): an "
+                "in-process restart runs out of section",
+            )
+            # A rank stalled in a step: its peers' collectives time out (pg_timeout_s) and the
+            # in-process layer restarts every rank in place, before ft_launcher's step timeout
+            # (counted from the section's renewal, up to one interval before the stall) kills it.
+            window = self.inprocess.pg_timeout_s + self.injob.heartbeat_interval_s
+            _require(
+                window < self.injob.step_timeout_s,
+                "injob.step_timeout_s",
+                f"must exceed inprocess.pg_timeout_s + injob.heartbeat_interval_s ({window} s) "
+                "so that a stalled step is restarted in-process before ft_launcher kills the rank",
             )
 
     @property

@@ -41,7 +41,10 @@ def ft_launcher_argv(cfg: TrainConfig, spec: LaunchSpec, trainer_args: list[str]
         f"--workers-stop-timeout={int(inj.workers_stop_timeout_s)}",
         f"--ft-initial-rank-heartbeat-timeout={inj.initial_heartbeat_timeout_s}",
         f"--ft-rank-heartbeat-timeout={inj.heartbeat_timeout_s}",
-        "--ft-workload-check-interval=1",
+        "--ft-rank-section-timeouts="
+        + ",".join(f"{name}:{t}" for name, t in inj.section_timeouts().items()),
+        f"--ft-rank-out-of-section-timeout={inj.out_of_section_timeout_s}",
+        f"--ft-workload-check-interval={inj.check_interval_s}",
         "--ft-enable-nic-monitor=false",
     ]
     if spec.cpu_only and _nvrx_major_minor() >= (0, 7):

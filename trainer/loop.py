@@ -47,6 +47,21 @@ class ProcessContext:
     started: float = field(default_factory=time.time)
 
 
+class _Phases:
+    """Rank 0: a ``phase`` event per start-up phase of this incarnation, with its seconds since
+    the previous one (trainer.timeline splits a recovery with them)."""
+
+    def __init__(self, events: EventLog | None, *, since: float) -> None:
+        self.events = events
+        self.t = since
+
+    def __call__(self, name: str) -> None:
+        now = time.time()
+        if self.events is not None:
+            self.events.emit("phase", phase=name, s=round(now - self.t, 4))
+        self.t = now
+
+
 def step_seed(seed: int, step: int, rank: int) -> int:
     digest = hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
@@ -103,6 +118,7 @@ def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
     cfg, wl = ctx.cfg, ctx.cfg.wl
     device = ctx.placement.device
     iteration = getattr(call_wrapper, "iteration", 0)
+    entered = time.time()
     rank, world = init_process_group(ctx, iteration)
     # Checkpoint collectives (resume decision, commit, DCP finalize) get their own gloo group:
     # its timeout covers checkpoint I/O, and async-save traffic never collides with FSDP's.
@@ -112,12 +128,21 @@ def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
     if rank == 0 and iteration > 0:
         ctx.events.emit("restart", layer="inprocess", iteration=iteration)
     cfg.per_rank_batch(world)
+    phase = _Phases(ctx.events if rank == 0 else None, since=entered)
+    phase("process_group")
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank and every restart
     model = wl.shard(wl.build_model(device), device=device, world_size=world)
     optim = wl.build_optimizer(model, OptimSettings(lr=cfg.lr, weight_decay=cfg.weight_decay))
+    phase("model_built")
     ckpt = CheckpointManager(
-        cfg, ctx.saver, ctx.events, rank=rank, world_size=world, group=ckpt_group
+        cfg,
+        ctx.saver,
+        ctx.events,
+        rank=rank,
+        world_size=world,
+        group=ckpt_group,
+        sections=ctx.heartbeat,
     )
     resumed = ckpt.resume(model, optim, ctx.sampler)
     first_step = resumed.step + 1

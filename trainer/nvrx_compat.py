@@ -46,10 +46,27 @@ def new_metadata_cache() -> Any:
 
 def warm_write_results_queue() -> None:
     """NVRx's writer reports results through a ``multiprocessing`` Manager queue that it creates
-    lazily (a process spawn, ~1 s): create it at init rather than inside the first save."""
+    lazily (a process spawn, ~1 s): create it at init rather than inside the first save. Not
+    thread-safe against a save planning at the same time (two Managers): the caller makes sure
+    no save starts before this returns."""
     getter = getattr(_fs_async, "_get_write_results_queue", None)
     if getter is not None:
         getter()
+
+
+def write_results_queue_ready() -> bool:
+    """Whether NVRx's results-queue Manager exists (a save can plan without starting it)."""
+    return getattr(_fs_async, "_results_queue", True) is not None
+
+
+def start_persistent_writer(queue: Any, request: Any, *, rank: int) -> None:
+    """Schedule ``request`` on a persistent ``AsyncCallsQueue``, starting its writer process,
+    before any process group exists: NVRx asks ``torch.distributed.get_rank()`` for a log line
+    on the first call unless the caller's rank is already set."""
+    caller = queue._get_async_caller()
+    if getattr(caller, "rank", None) is None:
+        caller.rank = rank
+    queue.schedule_async_request(request)
 
 
 # -- in-process restart -----------------------------------------------------------------------
@@ -118,6 +135,8 @@ __all__ = [
     "no_restart_request_supported",
     "request_no_restart",
     "save_state_dict_async_plan",
+    "start_persistent_writer",
     "version",
     "warm_write_results_queue",
+    "write_results_queue_ready",
 ]

@@ -9,16 +9,19 @@ Both layers are switchable by config and each works without the other:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
-from trainer.config import InProcessConfig
+from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, STEP_SECTION, InProcessConfig
+
+__all__ = ["CHECKPOINT_SECTION", "LOAD_SECTION", "STEP_SECTION", "Heartbeat"]
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +75,24 @@ def clear_no_restart(run_root: Path) -> None:
 
 
 class Heartbeat:
-    """``RankMonitorClient`` heartbeats when the worker runs under ft_launcher, no-op otherwise.
+    """``RankMonitorClient`` heartbeats and timed sections when the worker runs under
+    ft_launcher, no-op otherwise. One per process (it survives in-process restarts).
 
-    One per process (it survives in-process restarts). A heartbeat goes out after every step, so
-    ft_launcher's heartbeat timeout covers a step, the blocking part of a save, and a whole
-    in-process restart with its checkpoint load (validated in :class:`trainer.config.TrainConfig`).
+    Hang detection is by section (DESIGN §2): the steps run in the ``step`` section, whose
+    timeout is tight (seconds on the embedded default); a checkpoint save and commit and a
+    checkpoint load run in sections of their own with the storage's timeouts; start-up and
+    in-process restarts are out of section. Every message is a synchronous round trip to the
+    node's rank monitor, so the loop pays for them at most once per ``interval_s``: the step
+    section is closed and reopened (and a heartbeat sent, the backstop) when that much time has
+    passed, never per step. A hang is therefore detected between ``step timeout - interval``
+    and ``step timeout`` after its start.
     """
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, interval_s: float = 1.0) -> None:
         self.client: Any = None
+        self.interval_s = interval_s
+        self._last = 0.0  # monotonic time of the last round of messages
+        self._open: dict[str, int] = {}  # open sections -> nesting depth
         if enabled and os.environ.get(FT_RANK_MONITOR_SOCKET_ENV):
             from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 
@@ -90,18 +102,70 @@ class Heartbeat:
             # later heartbeat of this node's rank fails) if a respawned worker's connection is
             # lost before its first heartbeat. Keep that window as short as possible.
             self.client.send_heartbeat()
+            self._last = time.monotonic()
 
     @property
     def active(self) -> bool:
         return self.client is not None
 
     def beat(self) -> None:
-        if self.client is not None:
-            self.client.send_heartbeat()
+        """After a step: prove progress, at most once per ``interval_s``."""
+        if self.client is None:
+            return
+        now = time.monotonic()
+        if STEP_SECTION in self._open and now - self._last < self.interval_s:
+            return
+        if STEP_SECTION in self._open:
+            self.client.end_section(STEP_SECTION)
+            del self._open[STEP_SECTION]
+        if not self._open:  # never inside a checkpoint or load section
+            self.client.start_section(STEP_SECTION)
+            self._open[STEP_SECTION] = 1
+        self.client.send_heartbeat()
+        self._last = now
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """Run a checkpoint save/commit or a load under its own timeout (reentrant). The step
+        section is closed first (its tight timeout must not run during I/O) and reopened by the
+        next step's ``beat``. On an exception the section is closed: the in-process restart
+        that follows runs out of section."""
+        if self.client is None:
+            yield
+            return
+        if name not in self._open:
+            if STEP_SECTION in self._open:
+                self.client.end_section(STEP_SECTION)
+                del self._open[STEP_SECTION]
+            self.client.start_section(name)
+        self._open[name] = self._open.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            self._open[name] -= 1
+            if not self._open[name]:
+                del self._open[name]
+                self.client.end_section(name)
+                self._last = time.monotonic()
+
+    def end_sections(self) -> None:
+        """A fault is being handled in-process: what follows (the restart, the new
+        incarnation's start-up) is out of section. Never raises: it runs on fault paths, where
+        the monitor's connection may be gone too (the fault being handled is what matters)."""
+        if self.client is not None and self._open:
+            self._open.clear()
+            try:
+                self.client.end_all_sections()
+            except Exception as e:
+                log.warning("could not close the ft_launcher sections: %s", e)
 
     def close(self) -> None:
         if self.client is not None:
-            self.client.shutdown_workload_monitoring()
+            self.end_sections()
+            try:
+                self.client.shutdown_workload_monitoring()
+            except Exception as e:  # the same: never mask the error this process ends with
+                log.warning("could not shut the rank monitor connection down: %s", e)
             self.client = None
 
 
@@ -156,6 +220,12 @@ def wrap_inprocess(
         heartbeat_timeout=cfg.heartbeat_timeout_s * s,
         barrier_timeout=cfg.barrier_timeout_s * s,
         completion_timeout=cfg.completion_timeout_s * s,
+        monitor_thread_interval=cfg.monitor_interval_s * s,
+        monitor_process_interval=cfg.monitor_interval_s * s,
+        progress_watchdog_interval=cfg.monitor_interval_s * s,
+        heartbeat_interval=cfg.monitor_interval_s * s,
+        last_call_wait=cfg.last_call_wait_s * s,
+        termination_grace_time=cfg.termination_grace_s * s,
         monitor_process_logfile=str(logfile.absolute()),
     )
     nvrx_compat.disable_device_health_checks(wrapper)

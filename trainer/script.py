@@ -156,6 +156,7 @@ class Session:
             rank=self.rank,
             world_size=self.world_size,
             group=group,
+            sections=self.ctx.heartbeat,
         )
         resumed = self._ckpt.resume(model, optim, self.ctx.sampler)
         self._loss = resumed.loss

@@ -47,6 +47,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,9 @@ from trainer.events import EventLog
 from trainer.faults import FaultSpecError
 
 if TYPE_CHECKING:
+    from trainer.async_ckpt import AsyncCheckpointer
+    from trainer.parallel import Placement
+    from trainer.resilience import Heartbeat
     from trainer.workload import DataSource
 
 EXIT_CONFIG = 2
@@ -257,13 +261,10 @@ def run(
     ``body(ctx, call_wrapper)`` is one attempt of the training run (re-entered by the in-process
     layer after a fault): the built-in loop (:func:`trainer.loop.train`) by default, a user
     script's train function in script mode (:mod:`trainer.script`)."""
-    from trainer import nvrx_compat
     from trainer.async_ckpt import AsyncCheckpointer
-    from trainer.checkpoint import FatalError
-    from trainer.events import read_events
-    from trainer.loop import ProcessContext, is_respawn, train
+    from trainer.loop import train
     from trainer.parallel import resolve_device
-    from trainer.resilience import Heartbeat, wrap_inprocess
+    from trainer.resilience import Heartbeat
 
     body = body or train
     _ensure_dist_env()
@@ -273,13 +274,40 @@ def run(
     cfg.run_root.mkdir(parents=True, exist_ok=True)
     events = EventLog(cfg.run_root)
     placement = resolve_device(cfg.device)
+    saver = AsyncCheckpointer(device=placement.device, timeout_s=cfg.ckpt_timeout_s)
+    heartbeat = Heartbeat(cfg.injob.enabled, cfg.injob.heartbeat_interval_s)
+    try:
+        # First: the writer's own start-up (a spawned interpreter) overlaps all of ours.
+        saver.start(rank=rank)
+        return _run(cfg, body, data, events, placement, saver, heartbeat)
+    finally:
+        saver.close()
+        heartbeat.close()
+
+
+def _run(
+    cfg: TrainConfig,
+    body: Callable[[Any, Any], dict[str, Any]],
+    data: Callable[[TrainConfig], DataSource],
+    events: EventLog,
+    placement: Placement,
+    saver: AsyncCheckpointer,
+    heartbeat: Heartbeat,
+) -> dict[str, Any]:
+    from trainer import nvrx_compat
+    from trainer.checkpoint import FatalError
+    from trainer.events import read_events
+    from trainer.loop import ProcessContext, is_respawn
+    from trainer.resilience import wrap_inprocess
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    t_data = time.time()
     sampler = data(cfg)
+    data_s = time.time() - t_data
     inprocess_ok, why_not = nvrx_compat.inprocess_available()
     use_inprocess = cfg.inprocess.enabled and inprocess_ok
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     respawned = is_respawn(read_events(cfg.run_root), os.environ.get("TORCHELASTIC_RUN_ID"))
-    heartbeat = Heartbeat(cfg.injob.enabled)
-    saver = AsyncCheckpointer(device=placement.device, timeout_s=cfg.ckpt_timeout_s)
     ctx = ProcessContext(
         cfg=cfg,
         placement=placement,
@@ -304,56 +332,68 @@ def run(
             injob=heartbeat.active,
             restart_count=restart_count,
             config_hash=cfg.fingerprint(),
+            # Recovery phases (trainer.timeline): when this interpreter started, and how long
+            # the dataset check took (sizes and manifest digest, or every shard's digest).
+            process_start_t=_process_start_time(),
+            data_s=round(data_s, 4),
         )
         if restart_count > 0 or respawned:
             events.emit("restart", layer="injob", restart_count=restart_count)
+    if not use_inprocess:
+        return body(ctx, None)
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    master_port = int(os.environ["MASTER_PORT"])
+    # Own ports next to the launcher's store: +1 for the Wrapper, +2 for our process groups.
+    ctx.base_store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        master_port + 2,
+        world,
+        is_master=rank == 0,
+        timeout=datetime.timedelta(seconds=cfg.inprocess.barrier_timeout_s),
+        multi_tenant=True,
+    )
+
+    def on_restart() -> None:
+        import torch.distributed as dist
+
+        heartbeat.end_sections()  # the restart runs out of section
+        saver.abandon()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def attempt(call_wrapper: Any = None) -> dict[str, Any]:
+        try:
+            return body(ctx, call_wrapper)
+        except (FatalError, DataError, ConfigError) as e:
+            # No restart can fix it: escape the Wrapper (RestartAbort is a BaseException).
+            from nvidia_resiliency_ext.inprocess.exception import RestartAbort
+
+            raise RestartAbort(str(e)) from e
+
+    wrapped = wrap_inprocess(
+        attempt,
+        cfg.inprocess,
+        world_size=world,
+        on_restart=on_restart,
+        logfile=cfg.run_root / "logs" / "inprocess-monitor-{rank}.log",
+        store_port=master_port + 1,
+    )
+    (cfg.run_root / "logs").mkdir(exist_ok=True)
+    return wrapped()  # type: ignore[no-any-return]
+
+
+def _process_start_time() -> float | None:
+    """This process's start (epoch seconds): a respawned worker's interpreter start-up and
+    imports are part of its recovery time."""
     try:
-        if not use_inprocess:
-            return body(ctx, None)
-        import datetime
+        import psutil
 
-        from torch.distributed import TCPStore
-
-        master_port = int(os.environ["MASTER_PORT"])
-        # Own ports next to the launcher's store: +1 for the Wrapper, +2 for our process groups.
-        ctx.base_store = TCPStore(
-            os.environ["MASTER_ADDR"],
-            master_port + 2,
-            world,
-            is_master=rank == 0,
-            timeout=datetime.timedelta(seconds=cfg.inprocess.barrier_timeout_s),
-            multi_tenant=True,
-        )
-
-        def on_restart() -> None:
-            import torch.distributed as dist
-
-            saver.abandon()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-        def attempt(call_wrapper: Any = None) -> dict[str, Any]:
-            try:
-                return body(ctx, call_wrapper)
-            except (FatalError, DataError, ConfigError) as e:
-                # No restart can fix it: escape the Wrapper (RestartAbort is a BaseException).
-                from nvidia_resiliency_ext.inprocess.exception import RestartAbort
-
-                raise RestartAbort(str(e)) from e
-
-        wrapped = wrap_inprocess(
-            attempt,
-            cfg.inprocess,
-            world_size=world,
-            on_restart=on_restart,
-            logfile=cfg.run_root / "logs" / "inprocess-monitor-{rank}.log",
-            store_port=master_port + 1,
-        )
-        (cfg.run_root / "logs").mkdir(exist_ok=True)
-        return wrapped()  # type: ignore[no-any-return]
-    finally:
-        saver.close()
-        heartbeat.close()
+        return round(float(psutil.Process().create_time()), 3)
+    except Exception:  # psutil missing or /proc unreadable: the phase is just not split
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

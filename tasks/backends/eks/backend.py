@@ -66,13 +66,22 @@ EKS_INPROCESS = InProcessConfig(
     heartbeat_timeout_s=200.0,
     barrier_timeout_s=600.0,
     completion_timeout_s=600.0,
+    # NVRx's own defaults: on many nodes the Wrapper's store traffic grows with the polling rate.
+    monitor_interval_s=1.0,
+    last_call_wait_s=1.0,
+    termination_grace_s=5.0,
 )
 EKS_INJOB = InJobConfig(
-    heartbeat_timeout_s=300.0,
-    initial_heartbeat_timeout_s=900.0,
+    heartbeat_timeout_s=1800.0,  # the backstop: covers the longest checkpoint save or load
+    initial_heartbeat_timeout_s=1800.0,
     monitor_interval_s=1.0,
     workers_stop_timeout_s=30.0,
     rdzv_join_timeout_s=120.0,
+    step_timeout_s=300.0,
+    checkpoint_timeout_s=1800.0,  # an 8B save or load to FSx: minutes
+    load_timeout_s=1800.0,
+    out_of_section_timeout_s=900.0,  # pod start-up, NCCL init, an in-process restart
+    check_interval_s=5.0,
 )
 
 
