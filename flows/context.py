@@ -27,6 +27,9 @@ class RunContext:
     s3: S3Settings
     # Initial weights given as s3://... (workload_options.init_weights): where they are hydrated.
     weights_dir: Path | None = None
+    # Set once hydration verified every shard against this manifest (its digest): the workers
+    # then check the manifest and the sizes only, not every shard's digest at every start.
+    data_manifest_sha256: str | None = None
 
     @classmethod
     def create(cls, params: PipelineParams, *, run_id: str | None = None) -> RunContext:
@@ -112,7 +115,8 @@ def _script_absolute(workload: str) -> str:
 def stage_train_config(params: PipelineParams, ctx: RunContext) -> TrainConfig:
     """The trainer config as this run's workers see it (what validation compares checkpoints
     to): paths on the shared filesystem, the backend's device and fault-layer timings."""
-    return _placed(params, placement(params), ctx.run_root, ctx.data_dir, ctx.weights_dir)
+    cfg = _placed(params, placement(params), ctx.run_root, ctx.data_dir, ctx.weights_dir)
+    return dataclasses.replace(cfg, data_manifest_sha256=ctx.data_manifest_sha256)
 
 
 def eks_train_config(params: PipelineParams, run_id: str) -> TrainConfig:

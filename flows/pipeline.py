@@ -5,6 +5,7 @@ export. Orchestration only: the stages are flows in :mod:`flows.stages`, the wor
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -238,7 +239,8 @@ def _run(
             if params.seed_demo_dataset and ctx.s3.is_local:
                 seed_demo_dataset(params, ctx)
             stage("preflight", lambda: preflight_flow(params, ctx))
-            stage("hydrate", lambda: hydrate_flow(params, ctx))
+            hydrated = stage("hydrate", lambda: hydrate_flow(params, ctx))
+            ctx = dataclasses.replace(ctx, data_manifest_sha256=hydrated.get("manifest_sha256"))
             retries = params.max_train_attempts - 1
             out["train"] = stage(
                 "train", lambda: train_stage.with_options(retries=retries)(params, ctx)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.errors import HydrationError
-from trainer.data import MANIFEST, DataError, check_file_names, verify_dataset
+from trainer.data import MANIFEST, DataError, check_file_names, manifest_digest, verify_dataset
 from trainer.hashing import sha256_file
 
 
@@ -30,6 +30,9 @@ class HydrateReport:
     skipped: int
     bytes_downloaded: int
     seconds: float
+    # The digest of the manifest every file was checked against (trainer.data.manifest_digest):
+    # the workers then check sizes only (a dataset of weights has none).
+    manifest_sha256: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -157,7 +160,7 @@ def _hydrate_files(
     tmp_manifest.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp_manifest, dest / MANIFEST)
     try:
-        verify_dataset(dest, digests=False)  # digests were checked file by file above
+        written = verify_dataset(dest, digests=False)  # digests were checked file by file above
     except DataError as e:
         raise HydrationError(str(e)) from e
     return HydrateReport(
@@ -168,6 +171,7 @@ def _hydrate_files(
         skipped=skipped,
         bytes_downloaded=nbytes,
         seconds=round(time.perf_counter() - t0, 3),
+        manifest_sha256=manifest_digest(written),
     )
 
 

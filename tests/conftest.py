@@ -111,8 +111,19 @@ def baseline(prefect_server, s3_settings, tmp_path_factory):
 
     from flows.context import RunContext
 
-    png = RunContext.create(params).run_root / "timeline.png"
+    ctx = RunContext.create(params)
+    png = ctx.run_root / "timeline.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Hydration verified every shard; the workers were told which manifest that was, so their
+    # start-up checks the manifest and sizes only (the attempt's config says so).
+    from trainer.config import load_config
+    from trainer.data import load_manifest, manifest_digest
+    from trainer.events import read_events
+
+    attempt = load_config(ctx.run_root / "config" / "train-attempt1.json")
+    assert attempt.data_manifest_sha256 == manifest_digest(load_manifest(ctx.data_dir))
+    data_s = [e["data_s"] for e in read_events(ctx.run_root) if e["kind"] == "worker_start"]
+    assert data_s, "worker_start records the dataset check's seconds"
     with get_client(sync_client=True) as client:
         arts = client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["recovery-timeline"]))

@@ -13,6 +13,7 @@ from trainer.data import (
     check_vocab_fits,
     dtype_for_vocab,
     load_manifest,
+    manifest_digest,
     verify_dataset,
     write_synthetic_dataset,
 )
@@ -74,6 +75,30 @@ def test_corrupt_shard_named(copy: Path):
     with pytest.raises(DataError, match=r"shard_00003.bin is corrupt"):
         verify_dataset(copy)
     verify_dataset(copy, digests=False)  # size-only check cannot see it
+
+
+def test_a_hydrated_dataset_is_checked_by_manifest_digest_and_sizes(copy: Path):
+    """After hydration verified every shard, a worker's start-up reads no shard: it checks that
+    the manifest is the one hydration verified, and the sizes."""
+    verified = manifest_digest(load_manifest(copy))
+    path = copy / "shard_00003.bin"
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF  # a flip after hydration: not read again (the accepted trade)
+    path.write_bytes(bytes(data))
+    verify_dataset(copy, manifest_sha256=verified)
+    path.write_bytes(bytes(data[:-10]))  # sizes are still checked
+    with pytest.raises(DataError, match=r"shard_00003.bin is short"):
+        verify_dataset(copy, manifest_sha256=verified)
+    # A manifest other than the verified one: refused, naming the fix.
+    manifest = json.loads((copy / "dataset.json").read_text())
+    manifest["vocab_size"] -= 1
+    (copy / "dataset.json").write_text(json.dumps(manifest, indent=4))
+    with pytest.raises(DataError, match=r"changed since hydration verified .* run the pipeline"):
+        verify_dataset(copy, manifest_sha256=verified)
+    # The digest is of the content, not the file's formatting (S3 object vs hydrated copy).
+    manifest["vocab_size"] += 1
+    (copy / "dataset.json").write_text(json.dumps(manifest))
+    assert manifest_digest(load_manifest(copy)) == verified
 
 
 def test_missing_or_malformed_manifest(copy: Path):

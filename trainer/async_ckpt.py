@@ -475,11 +475,10 @@ class AsyncCheckpointer:
             self._results_queue_thread.join(timeout=60)
         if self.queue is None:
             return
-        if self.pending is None and self._worker_alive() and not self.queue.async_calls:
-            self.queue.persistent_caller.close()  # 'DONE' -> clean exit of the writer
-        else:
-            self._reset_queue()
-        self.queue = None
+        # Killed, not asked to exit ('DONE' and a join waited ~0.7 s for the writer's
+        # interpreter to wind down, at the end of every worker): it writes nothing once every
+        # call is finalized, and a save still in flight is abandoned either way.
+        self._reset_queue()
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, state_dict: dict[str, Any], directory: Path, step: int) -> float:

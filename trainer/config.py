@@ -236,7 +236,8 @@ class InJobConfig:
     # The backstop: no heartbeat for this long kills the rank whatever section it is in, so it
     # must cover the longest checkpoint save or load.
     heartbeat_timeout_s: float = 30.0
-    monitor_interval_s: float = 0.5
+    # How often ft_launcher polls its workers: a worker's death, and its clean exit, wait for it.
+    monitor_interval_s: float = 0.25
     workers_stop_timeout_s: float = 5.0
     # Survivors of a lost node wait this long in rendezvous before ft_launcher gives up (exit 1).
     rdzv_join_timeout_s: float = 20.0
@@ -334,6 +335,9 @@ class TrainConfig:
     keep_last: int = 3
     resume: ResumePolicy = ResumePolicy.AUTO
     verify_data: bool = True
+    # Set by the pipeline after hydration verified every shard: the workers then check that the
+    # manifest is still that one and the shards' sizes, not every shard's digest (DESIGN §3).
+    data_manifest_sha256: str | None = None
     verify_checkpoint_on_resume: bool = True
     # Upper bound on waiting for the async writer of one checkpoint (dead or stuck worker).
     ckpt_timeout_s: float = 300.0

@@ -203,10 +203,33 @@ def check_file_names(manifest: dict[str, Any], *, source: str) -> None:
         seen.add(str(name))
 
 
-def verify_dataset(data_dir: Path, *, digests: bool = True) -> dict[str, Any]:
-    """Check every shard is present, full-sized and (optionally) matches its digest."""
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """The sha256 of a dataset manifest's content (canonical JSON: independent of how the file
+    is formatted, so the S3 object and the hydrated copy agree)."""
+    blob = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def verify_dataset(
+    data_dir: Path, *, digests: bool = True, manifest_sha256: str | None = None
+) -> dict[str, Any]:
+    """Check every shard is present, full-sized and (optionally) matches its digest.
+
+    ``manifest_sha256``: the manifest hydration verified every shard against (its
+    :func:`manifest_digest`). When given, the manifest must still be that one, and the shards'
+    digests are not read again: a worker's start-up checks sizes only, instead of hashing the
+    whole dataset on the critical path of every restart."""
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)
+    if manifest_sha256 is not None:
+        found = manifest_digest(manifest)
+        if found != manifest_sha256:
+            raise DataError(
+                f"dataset manifest {data_dir / MANIFEST} changed since hydration verified the "
+                f"dataset (digest {found[:12]}, hydration verified {manifest_sha256[:12]}): run "
+                "the pipeline again so hydration re-checks it"
+            )
+        digests = False
     itemsize = DTYPES[manifest["dtype"]].itemsize
     for entry in manifest["files"]:
         path = data_dir / entry["name"]
@@ -271,9 +294,18 @@ class StepSampler:
     """Maps (step, rank) to a batch of token windows, deterministically."""
 
     def __init__(
-        self, data_dir: Path, *, seq_len: int, global_batch: int, seed: int, verify: bool = True
+        self,
+        data_dir: Path,
+        *,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        verify: bool = True,
+        verified_manifest: str | None = None,
     ) -> None:
-        manifest = verify_dataset(data_dir, digests=verify)
+        manifest = verify_dataset(
+            data_dir, digests=verify, manifest_sha256=verified_manifest if verify else None
+        )
         self.vocab_size = int(manifest["vocab_size"])
         self.stream = TokenStream(data_dir, manifest)
         self.seq_len = seq_len

@@ -240,6 +240,7 @@ def workload_data(cfg: TrainConfig) -> DataSource:
             global_batch=cfg.global_batch,
             seed=cfg.seed,
             verify=cfg.verify_data,
+            verified_manifest=cfg.data_manifest_sha256,
         )
     )
     if sampler.vocab_size > wl.vocab_size:

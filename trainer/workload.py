@@ -74,6 +74,8 @@ class DataSettings:
     global_batch: int
     seed: int
     verify: bool = True
+    # The manifest digest hydration verified every shard against: then sizes are checked only.
+    verified_manifest: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +93,12 @@ def token_shards(s: DataSettings) -> DataSource:
     from trainer.data import StepSampler
 
     return StepSampler(
-        s.data_dir, seq_len=s.seq_len, global_batch=s.global_batch, seed=s.seed, verify=s.verify
+        s.data_dir,
+        seq_len=s.seq_len,
+        global_batch=s.global_batch,
+        seed=s.seed,
+        verify=s.verify,
+        verified_manifest=s.verified_manifest,
     )
 
 

@@ -21,7 +21,7 @@ from tasks.backends.eks.fsx import ensure_association, import_metadata, render_h
 from tasks.backends.eks.kube import Kube
 from tasks.backends.eks.params import EksParams
 from tasks.errors import HydrationError
-from trainer.data import DataError, verify_dataset
+from trainer.data import DataError, manifest_digest, verify_dataset
 
 
 @dataclass
@@ -34,6 +34,8 @@ class FsxHydrateReport:
     import_task_id: str
     job: str
     seconds: float
+    # What the hydration Job digested every file against (trainer.data.manifest_digest).
+    manifest_sha256: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -216,4 +218,5 @@ def hydrate_fsx(
         import_task_id=str(task["TaskId"]),
         job=name,
         seconds=round(time.monotonic() - t0, 3),
+        manifest_sha256=manifest_digest(manifest),
     )
