@@ -61,23 +61,24 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# A few minutes each on 2 cores; results and plots under benchmarks/results/.
+# ~35 min on 2 cores. Results (committed: benchmarks/scale_model.py reads them) under
+# benchmarks/results/, timeline plots under benchmarks/plots/.
 bench: venv
-	mkdir -p benchmarks/results
-	$(PY) benchmarks/checkpoint_stall.py --mb-per-rank 100 400 1000 --out benchmarks/results/checkpoint_stall.json
-	$(PY) benchmarks/recovery_time.py --out benchmarks/results/recovery_time.json --plot benchmarks/results
+	mkdir -p benchmarks/results benchmarks/plots
+	$(PY) benchmarks/checkpoint_stall.py --mb-per-rank 100 400 --out benchmarks/results/checkpoint_stall.json
+	$(PY) benchmarks/recovery_time.py --samples 5 --out benchmarks/results/recovery_time.json --plot benchmarks/plots
 	$(PY) benchmarks/pipeline_overhead.py --out benchmarks/results/pipeline_overhead.json
 	$(PY) benchmarks/layer_overhead.py --out benchmarks/results/layer_overhead.json
 	$(PY) benchmarks/transfer_throughput.py --out benchmarks/results/transfer_throughput.json
 
 # The long one: >= 10 min of training with a fault every ~2 min, ours and the torchrun baseline.
 bench-ettr: venv
-	mkdir -p benchmarks/results
-	$(PY) benchmarks/ettr.py --out benchmarks/results/ettr.json --plot benchmarks/results
+	mkdir -p benchmarks/results benchmarks/plots
+	$(PY) benchmarks/ettr.py --out benchmarks/results/ettr.json --plot benchmarks/plots
 
 # Refresh the Prefect UI screenshots in docs/img (the browser test takes them).
 screenshots: venv browser
 	NVRX_SCREENSHOT_DIR=docs/img $(PY) -m pytest -q tests/test_ui_browser.py
 
 clean:
-	rm -rf .state .pytest_cache .ruff_cache .mypy_cache benchmarks/results
+	rm -rf .state .pytest_cache .ruff_cache .mypy_cache

@@ -53,7 +53,7 @@ from tasks.train_stage import run_attempt  # noqa: E402
 from trainer.config import InJobConfig, InProcessConfig, TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
 from trainer.events import read_events  # noqa: E402
-from trainer.timeline import RESTART_KINDS, plot_timeline, recovery_phases  # noqa: E402
+from trainer.timeline import plot_timeline, recovery_phases  # noqa: E402
 
 SPECS = {
     "exception": "exception@step={s},rank=1",
@@ -137,38 +137,12 @@ def run_baseline(spec: str, kind: str, run_root: Path, data: Path, args: argpars
 
 
 def first_recovery(events: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The first fault's phases; a restart that loaded nothing (no commit before the fault)
+    comes back with ``from_scratch`` and a zero-second load (the work lost is not a phase)."""
     if events is None:
         return None
-    try:
-        rows = recovery_phases(events)
-    except IndexError:
-        # The restart loaded nothing (no commit before the fault: it starts over from step 1),
-        # which recovery_phases does not expect: count it with a zero-second load at the new
-        # incarnation's training start (the work lost is not a phase).
-        rows = recovery_phases(_with_empty_load(events))
-        for r in rows:
-            r["from_scratch"] = True
+    rows = recovery_phases(events)
     return rows[0] if rows else {"recovered": False, "reason": "no fault recorded"}
-
-
-def _with_empty_load(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    events = sorted(events, key=lambda e: e["t"])
-    out = list(events)
-    for f in (e for e in events if e["kind"] == "fault"):
-        later = [e for e in events if e["t"] > f["t"]]
-        begin = next((e for e in later if e["kind"] in RESTART_KINDS), None)
-        if begin is None:
-            continue
-        after = [e for e in later if e["t"] >= begin["t"]]
-        loaded = any(e["kind"] == "resume" and e.get("action") == "loaded" for e in after)
-        # The new incarnation's training start (a step only if it emits none).
-        start = next((e for e in after if e["kind"] == "train_start"), None) or next(
-            (e for e in after if e["kind"] == "step"), None
-        )
-        if not loaded and start is not None:
-            t = start["t"] - 1e-6
-            out.append({"t": t, "kind": "resume", "action": "loaded", "load_s": 0.0})
-    return sorted(out, key=lambda e: e["t"])
 
 
 def phase_keys(rows: list[dict[str, Any]]) -> list[str]:

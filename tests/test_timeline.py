@@ -34,6 +34,23 @@ def test_phases_of_an_in_job_recovery():
     )
 
 
+def test_in_job_phases_split_by_the_trainers_events_and_a_restart_from_scratch():
+    events = [
+        ev(1.0, "fault", fault="sigkill@step=3,rank=1", fault_kind="sigkill", step=3),
+        ev(4.0, "worker_start", process_start_t=2.5),
+        ev(4.4, "phase", phase="process_group", s=0.3),
+        ev(5.4, "phase", phase="model_built", s=1.0),
+        ev(5.5, "phase", phase="writer_ready", s=2.9),  # off the critical path: not a phase
+        ev(5.6, "train_start", start_step=1),  # nothing was committed: from step 1
+        ev(5.9, "step", step=1),
+    ]
+    [row] = recovery_phases(events)
+    assert row["recovered"] and row["from_scratch"] and row["load_s"] == 0.0
+    assert row["detect_s"] == 3.0 and row["respawn_s"] == 1.5 and row["startup_s"] == 1.5
+    assert row["process_group_s"] == 0.3 and row["model_built_s"] == 1.0
+    assert row["restart_s"] == 1.6 and row["first_step_s"] == 0.3 and row["total_s"] == 4.9
+
+
 def test_superseded_load_and_unrecovered_fault():
     events = [
         ev(0.0, "fault", fault="node-loss@step=9,node=1", fault_kind="node-loss", step=9),

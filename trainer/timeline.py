@@ -10,6 +10,13 @@ Phases of one recovery, from the events both the trainer and the baseline write:
 - ``load_s``: the checkpoint load (``resume``/``loaded``'s own ``load_s``);
 - ``first_step_s``: from the end of the load until the first step completes;
 - ``total_s``: the fault until that first step.
+
+Where the trainer's phase events allow (``worker_start.process_start_t`` and ``phase``), an
+in-job recovery's ``detect_s`` is split into ``respawn_s`` (the fault until the new worker
+process exists: detection, teardown, rendezvous, spawn) and ``startup_s`` (interpreter, imports,
+dataset check), and ``restart_s`` gets ``process_group_s`` and ``model_built_s`` beside it. A
+restart with nothing to load (no commit before the fault) has ``load_s`` 0 and
+``from_scratch``.
 """
 
 from __future__ import annotations
@@ -40,38 +47,70 @@ def recovery_phases(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         t0 = f["t"]
         begin = _after(events, t0, RESTART_KINDS)
-        loaded = _after(events, begin["t"] if begin else t0, ("resume",), action="loaded")
-        step = _after(events, loaded["t"] if loaded else t0, ("step",))
-        if step is not None:
-            # The load that led to that step: a later one supersedes an earlier load that never
-            # got a step done (survivors of a lost node restarting in place, say).
-            loaded = [
-                e
-                for e in events
-                if t0 < e["t"] < step["t"] and e["kind"] == "resume" and e.get("action") == "loaded"
-            ][-1]
         row: dict[str, Any] = {
             "fault": f.get("fault"),
             "kind": f.get("fault_kind"),
             "step": f.get("step"),
             "layer": begin.get("layer") if begin and begin["kind"] == "restart" else None,
         }
-        if begin is None or loaded is None or step is None:
+        # The first step after the fault that follows a load (or, with nothing to load, the new
+        # incarnation's training start).
+        step = loaded = None
+        if begin is not None:
+            first_load = _after(events, begin["t"], ("resume",), action="loaded")
+            anchor = first_load or _after(events, begin["t"], ("train_start",))
+            step = _after(events, anchor["t"], ("step",)) if anchor else None
+        if begin is None or step is None:
             row.update(recovered=False)
             rows.append(row)
             continue
-        load_s = float(loaded.get("load_s") or 0.0)
-        load_start = loaded["t"] - load_s
+        # The load that led to that step: a later one supersedes an earlier load that never got
+        # a step done (survivors of a lost node restarting in place, say).
+        loads = [
+            e
+            for e in events
+            if t0 < e["t"] < step["t"] and e["kind"] == "resume" and e.get("action") == "loaded"
+        ]
+        loaded = loads[-1] if loads else None
+        if loaded is not None:
+            load_s = float(loaded.get("load_s") or 0.0)
+            load_end = loaded["t"]
+        else:  # started over from step 1: nothing was committed before the fault
+            starts = [e for e in events if begin["t"] <= e["t"] < step["t"]]
+            load_end = next(
+                (e["t"] for e in reversed(starts) if e["kind"] == "train_start"), step["t"]
+            )
+            load_s = 0.0
+            row["from_scratch"] = True
+        load_start = load_end - load_s
         row.update(
             recovered=True,
             detect_s=round(begin["t"] - t0, 3),
             restart_s=round(max(0.0, load_start - begin["t"]), 3),
             load_s=round(load_s, 3),
-            first_step_s=round(step["t"] - loaded["t"], 3),
+            first_step_s=round(step["t"] - load_end, 3),
             total_s=round(step["t"] - t0, 3),
         )
+        row.update(_split(events, t0, begin, load_start))
         rows.append(row)
     return rows
+
+
+def _split(
+    events: list[dict[str, Any]], t0: float, begin: dict[str, Any], load_start: float
+) -> dict[str, float]:
+    """The finer phases the trainer's events allow (see the module docstring)."""
+    out: dict[str, float] = {}
+    born = begin.get("process_start_t") if begin["kind"] == "worker_start" else None
+    if isinstance(born, (int, float)) and t0 <= born <= begin["t"]:
+        out["respawn_s"] = round(born - t0, 3)
+        out["startup_s"] = round(begin["t"] - born, 3)
+    for e in events:
+        if begin["t"] <= e["t"] <= load_start + 1e-6 and e["kind"] == "phase":
+            name = e.get("phase")
+            if name in ("process_group", "model_built") and isinstance(e.get("s"), (int, float)):
+                out[f"{name}_s"] = round(float(e["s"]), 3)
+    return out
 
 
 def plot_timeline(
