@@ -646,11 +646,23 @@ class AsyncCheckpointer:
                 self.writer_ready_at = time.time()
         return self.pending.locally_done
 
+    def local_flags(self) -> torch.Tensor:
+        """This rank's share of the next ``poll``'s agreement, ``[not done, writer dead]``
+        (float, zeros when nothing is pending): the loop sums it with the loss in its own
+        all-reduce and hands the sums to ``poll(reduced=...)``, so a save in flight costs the
+        step no collective of its own."""
+        if self.pending is None:
+            return torch.zeros(2)
+        done = self._locally_done(block=False)
+        dead = not done and not self._worker_alive()
+        return torch.tensor([0.0 if done else 1.0, 1.0 if dead else 0.0])
+
     def poll(
         self,
         *,
         block: bool = False,
         section: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+        reduced: torch.Tensor | None = None,
     ) -> SaveResult | None:
         """Every rank, every step: finalize the save in flight once all ranks' writers are done.
 
@@ -664,10 +676,16 @@ class AsyncCheckpointer:
             return None
         deadline = time.monotonic() + self.timeout_s
         while True:
-            done = self._locally_done(block=block)
-            dead = not done and not self._worker_alive()
-            flags = torch.tensor([0 if done else 1, 1 if dead else 0], dtype=torch.int64)
-            dist.all_reduce(flags, group=self.group)
+            if reduced is not None and not block:
+                # Every rank's local_flags(), summed by the caller's collective: the same
+                # decision on every rank without one of ours.
+                flags = reduced.to(torch.int64)
+                reduced = None
+            else:
+                done = self._locally_done(block=block)
+                dead = not done and not self._worker_alive()
+                flags = torch.tensor([0 if done else 1, 1 if dead else 0], dtype=torch.int64)
+                dist.all_reduce(flags, group=self.group)
             if flags[1] > 0:
                 self._forget_pending()
                 self._reset_queue()

@@ -190,9 +190,17 @@ class CheckpointManager:
         }
         return blocking
 
-    def poll(self, *, block: bool = False) -> SaveResult | None:
+    def save_flags(self) -> Any:
+        """This rank's share of the next poll's agreement (see ``AsyncCheckpointer.local_flags``):
+        the loop carries it in its loss all-reduce."""
+        return self.saver.local_flags()
+
+    def poll(self, *, block: bool = False, reduced: Any = None) -> SaveResult | None:
+        """``reduced``: the sum over ranks of ``save_flags()`` taken *before* this step's
+        ``maybe_save`` (the caller passes None when that started a save: the sums were of the
+        save before it)."""
         try:
-            result = self.saver.poll(block=block, section=self._checkpoint_section)
+            result = self.saver.poll(block=block, section=self._checkpoint_section, reduced=reduced)
         except CheckpointStorageError as e:
             if e.step == WARMUP_STEP:  # not a checkpoint; a real save reports a real problem
                 log.warning("the writer's warm-up write failed: %s", e)
@@ -259,6 +267,8 @@ class CheckpointManager:
             path=str(path),
             blocking_s=round(result.blocking_s, 4),
             total_s=round(result.total_s + time.perf_counter() - t0, 4),
+            # Rank 0's commit (manifest, fsyncs, rename, prune) on the training thread.
+            commit_s=round(time.perf_counter() - t0, 4),
             pruned=pruned.removed,
         )
         return path

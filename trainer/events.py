@@ -2,7 +2,8 @@
 
 Rank 0 writes steps, checkpoints, restarts and resumes; any rank writes the ``fault`` it fires
 (the faulting rank may not be rank 0). Lines are appended with one ``write`` on an ``O_APPEND``
-descriptor, which keeps concurrent writers' lines whole on a local or Lustre filesystem.
+descriptor, which keeps concurrent writers' lines whole on a local or Lustre filesystem; step
+events are buffered for up to a second (``EventLog.emit(buffered=True)``).
 
 A writer killed mid-``write`` (or a full disk) can leave a torn last line: readers skip it, and
 the next writer starts its line with a newline so that its event is not glued onto the fragment.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,27 +33,58 @@ def parse_stdout_line(line: str) -> dict[str, Any] | None:
     return event if isinstance(event, dict) else None
 
 
+FLUSH_S = 1.0  # buffered events (steps) reach the file at most this late
+
+
 class EventLog:
     def __init__(self, run_root: Path, *, enabled: bool = True) -> None:
         self.path = Path(run_root) / "events.jsonl"
         self.enabled = enabled
         self.echo = os.environ.get(ECHO_ENV) == "1"
+        self._buffer: list[bytes] = []
+        self._flushed = time.monotonic()
+        self._lock = threading.Lock()
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Append one event (and any held by ``buffer`` before it)."""
+        return self._add(kind, fields, buffered=False)
+
+    def buffer(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """The per-step events: held, and written with the next ``emit`` or once ``FLUSH_S``
+        has passed, so the loop opens the file about once a second instead of once a step.
+        Each keeps the time it was made at; a process killed with events held loses at most
+        the last second of them."""
+        return self._add(kind, fields, buffered=True)
+
+    def _add(self, kind: str, fields: dict[str, Any], *, buffered: bool) -> dict[str, Any]:
         event = {"t": time.time(), "kind": kind, **fields}
         if self.enabled:
             line = (json.dumps(event, sort_keys=True, default=str) + "\n").encode()
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, _after_torn_line(fd) + line)
-            finally:
-                os.close(fd)
-            if self.echo:
-                # Structured progress in `kubectl logs` and the rank-0 log the flow streams.
-                os.write(1, STDOUT_PREFIX.encode() + line)
+            with self._lock:
+                self._buffer.append(line)
+                if not buffered or time.monotonic() - self._flushed >= FLUSH_S:
+                    self._write()
         return event
+
+    def flush(self) -> None:
+        with self._lock:
+            self._write()
+
+    def _write(self) -> None:
+        lines, self._buffer = b"".join(self._buffer), []
+        self._flushed = time.monotonic()
+        if not lines:
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, _after_torn_line(fd) + lines)
+        finally:
+            os.close(fd)
+        if self.echo:
+            # Structured progress in `kubectl logs` and the rank-0 log the flow streams.
+            os.write(1, b"".join(STDOUT_PREFIX.encode() + ln for ln in lines.splitlines(True)))
 
 
 def _after_torn_line(fd: int) -> bytes:

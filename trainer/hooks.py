@@ -131,16 +131,28 @@ class StepEvents(Hook):
     """Rank 0: a ``step`` event per step, and after the first step since a restart a
     ``recovered`` event closing every open fault (what recovery times are measured from)."""
 
-    def __init__(self, events: EventLog, *, first_step: int, recovery_layer: str | None):
+    def __init__(
+        self,
+        events: EventLog,
+        *,
+        first_step: int,
+        recovery_layer: str | None,
+        buffered: bool = True,
+    ):
         self.events = events
         self.first_step = first_step
         self.layer = recovery_layer
+        # Unbuffered when a launcher-side drill (node-loss@step=N) waits to see step N.
+        self.buffered = buffered
 
     def on_step_end(self, end: StepEnd) -> None:
         rate = {}
         if end.tokens and end.step_s > 0:  # a script may not say how many tokens a step has
             rate["tokens_per_s"] = round(end.tokens / end.step_s, 1)
-        self.events.emit(
+        # The first step after a (re)start goes out at once: a recovery ends with it.
+        at_once = not self.buffered or end.step == self.first_step
+        emit = self.events.emit if at_once else self.events.buffer
+        emit(
             "step",
             step=end.step,
             loss=round(end.loss, 6),

@@ -109,7 +109,15 @@ def build_hooks(
     if call_wrapper is not None:
         hooks.append(WrapperPing(call_wrapper))
     if rank == 0:
-        hooks.append(StepEvents(ctx.events, first_step=first_step, recovery_layer=layer))
+        launcher_drills = any(spec.startswith("node-loss") for spec in ctx.cfg.faults)
+        hooks.append(
+            StepEvents(
+                ctx.events,
+                first_step=first_step,
+                recovery_layer=layer,
+                buffered=not launcher_drills,
+            )
+        )
     return Hooks(*hooks)
 
 
@@ -179,15 +187,18 @@ def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
         ctx.saver.before_optimizer_step()  # a save's device-to-host copy must see this step's
         optim.step()  # parameters, not the next one's
         optim.zero_grad(set_to_none=True)
-        reduced = loss.detach().float().clone()
-        dist.all_reduce(reduced)  # gloo has no AVG: sum, then divide
-        loss_value = float(reduced.item() / world)
+        # One all-reduce a step: the loss (gloo has no AVG: sum, then divide) and whether the
+        # save in flight is done on every rank.
+        reduced = torch.cat([loss.detach().float().reshape(1), ckpt.save_flags().to(device)])
+        dist.all_reduce(reduced)
+        reduced = reduced.cpu()
+        loss_value = float(reduced[0].item() / world)
         step_s = time.perf_counter() - t0
 
         blocking = ckpt.maybe_save(step, model, optim, ctx.sampler, loss_value)
         if blocking is not None:
             hooks.on_save_started(step)
-        ckpt.poll()
+        ckpt.poll(reduced=reduced[1:] if blocking is None else None)
         hooks.on_step_end(StepEnd(step, loss_value, step_s, tokens_per_step, blocking))
 
     ckpt.finish()
