@@ -19,11 +19,6 @@ from trainer.events import EventLog, read_events
 from trainer.faults import FaultSpec, claim, parse_fault
 from trainer.resilience import clear_no_restart, read_no_restart
 
-# After the watcher takes a node away, survivors first fail their collectives and then wait in
-# rendezvous (bounded by ft_launcher's join_timeout). The watcher knows the node is gone, so it
-# stops them after this grace instead of waiting out the rendezvous.
-NODE_LOSS_GRACE_S = 2.0
-
 
 class EventTail:
     """Reads the lines appended to ``events.jsonl`` since the attempt started."""
@@ -131,8 +126,11 @@ def run_attempt(
             pump()
             if not job.running():
                 break
-            if loss_at is not None and time.monotonic() - loss_at > NODE_LOSS_GRACE_S:
-                job.stop()  # the survivors wait in rendezvous for a node that will not come
+            # After the watcher takes a node away, survivors fail their collectives and then
+            # wait in rendezvous (bounded by ft_launcher's join_timeout). The watcher knows the
+            # node is gone: it stops them (after the backend's grace) instead of waiting.
+            if loss_at is not None and time.monotonic() - loss_at >= job.loss_grace_s:
+                job.stop()
                 break
             if deadline is not None and time.monotonic() - started > deadline:
                 timed_out = True

@@ -43,6 +43,7 @@ from tests.eks_cluster import NODES, NS, mark_disrupted, p5, pod_obj, seed_clust
 from tests.helpers import FAST_INJOB, FAST_INPROCESS, REPO, free_port, worker_env, write_config
 from tests.pipeline_helpers import assert_exported, run_pipeline
 from trainer.config import Device, load_config
+from trainer.data import load_manifest, manifest_digest
 from trainer.events import read_events
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
 
@@ -128,7 +129,12 @@ class Cluster(threading.Thread):
         # config the flow wrote for this attempt (what the Job's command names).
         [config_arg] = [a for a in container["args"] if a.startswith("--config=")]
         written = load_config(Path(config_arg.split("=", 1)[1]))
-        assert written == eks_train_config(self.params, self.ctx.run_id)
+        # What render-k8s renders, plus what only the pipeline knows: the digest of the manifest
+        # hydration verified (the pods then check sizes only).
+        verified = manifest_digest(load_manifest(written.data_dir))
+        assert written == dataclasses.replace(
+            eks_train_config(self.params, self.ctx.run_id), data_manifest_sha256=verified
+        )
         cfg = dataclasses.replace(
             written,
             device=Device.CPU,

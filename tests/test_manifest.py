@@ -249,6 +249,35 @@ def test_corrupt_newest_falls_back_with_reason(tmp_path: Path):
     assert "__1_0.distcp does not match its sha256" in choice.rejected[0][1]
 
 
+def test_digest_shares_cover_every_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A resume digests a checkpoint in parallel, one share per rank: together the shares read
+    every file exactly once, so a flipped byte anywhere is found by exactly one rank; the
+    other checks (sizes, the .metadata digest, the config hash) come first, without digests."""
+    _fake_checkpoint(tmp_path, 5)
+    newest = _fake_checkpoint(tmp_path, 10)
+    ok, rejected, found = m.resume_candidates(tmp_path, fingerprint=FP)
+    assert [s for s, _, _ in ok] == [10, 5] and rejected == [] and found == 2
+    manifest = ok[0][2]
+    real = m.sha256_file
+    for world in (1, 2, 3):
+        seen: list[str] = []
+
+        def counting(path: Path, _seen: list[str] = seen) -> str:
+            _seen.append(Path(path).name)
+            return real(path)
+
+        monkeypatch.setattr(m, "sha256_file", counting)
+        assert all(
+            m.digest_share(newest, manifest, index=i, count=world) is None for i in range(world)
+        )
+        assert sorted(seen) == sorted(e["name"] for e in manifest["files"]), world
+    monkeypatch.setattr(m, "sha256_file", real)
+    flip_bytes(newest / "__1_0.distcp")
+    reasons = [m.digest_share(newest, manifest, index=i, count=2) for i in range(2)]
+    assert [r is None for r in reasons].count(False) == 1
+    assert "__1_0.distcp does not match its sha256" in next(r for r in reasons if r)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "delete", "manifest"])
 def test_other_damage_detected(tmp_path: Path, damage: str):
     _fake_checkpoint(tmp_path, 5)

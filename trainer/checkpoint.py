@@ -81,9 +81,11 @@ class CheckpointManager:
 
     # -- resume --------------------------------------------------------------------------------
     def resume(self, model: nn.Module, optim: Optimizer, sampler: DataSource) -> Resumed:
-        """All ranks. Rank 0 picks the newest valid checkpoint (emitting a ``resume`` event for
-        every newer one it skips and why), everyone loads it, resharding if the world size
-        changed."""
+        """All ranks. Rank 0 settles what a crash left and lists the checkpoints that pass every
+        check but the files' digests; every rank digests its share of the newest one's files (a
+        resume reads the checkpoint once, in parallel); the first that every share vouches for
+        is loaded by everyone, resharding if the world size changed (rank 0 emits a ``resume``
+        event for every newer one skipped and why)."""
         with self.sections.section(LOAD_SECTION):
             return self._resume(model, optim, sampler)
 
@@ -93,6 +95,8 @@ class CheckpointManager:
             decision[0] = self._choose()
         dist.broadcast_object_list(decision, src=0, group=self.group)
         kind, payload = decision[0]
+        if kind == "candidates":
+            kind, payload = self._verify_candidates(*payload)
         if kind == "error":
             raise FatalError(payload)
         if kind == "fresh":
@@ -126,25 +130,53 @@ class CheckpointManager:
         verify = self.cfg.verify_checkpoint_on_resume
         for r in manifest.recover(root, fingerprint=self.fingerprint, verify_digests=verify):
             self.events.emit("resume", action=r.action, dir=r.dir, step=r.step, reason=r.reason)
-        try:
-            choice = manifest.choose_resume(
-                root,
-                fingerprint=self.fingerprint,
-                verify_digests=verify,
-            )
-        except manifest.NoValidCheckpoint as e:
-            self.events.emit("resume", action="failed", reason=str(e))
-            return ("error", str(e))
-        for step, why in choice.rejected:
-            self.events.emit("resume", action="skipped", step=step, reason=why)
-        if choice.step is None:
+        ok, rejected, found = manifest.resume_candidates(root, fingerprint=self.fingerprint)
+        if not found:
             recorded = recorded_commit(read_events(root))
             if recorded is not None:
                 why = _checkpoints_gone(root, recorded)
                 self.events.emit("resume", action="failed", reason=why, recorded_step=recorded)
                 return ("error", why)
             return ("fresh", None)
-        return ("load", (choice.step, str(choice.path), choice.manifest))
+        # Every check but the files' digests is done; those are every rank's (below).
+        return ("candidates", ([(s, str(p), m) for s, p, m in ok], rejected, found))
+
+    def _verify_candidates(
+        self,
+        ok: list[tuple[int, str, dict[str, Any]]],
+        rejected: list[tuple[int, str]],
+        found: int,
+    ) -> tuple[str, Any]:
+        """All ranks, newest candidate first: each rank digests its share of the files
+        (``manifest.digest_share``) and the ranks agree; the first candidate every share
+        vouches for is loaded. Rank 0 records every newer checkpoint skipped, and why."""
+        chosen: tuple[int, str, dict[str, Any]] | None = None
+        rejected = list(rejected)
+        for step, path, info in ok:
+            mine = None
+            if self.cfg.verify_checkpoint_on_resume:
+                mine = manifest.digest_share(
+                    Path(path), info, index=self.rank, count=self.world_size
+                )
+            reasons: list[Any] = [None] * self.world_size
+            dist.all_gather_object(reasons, mine, group=self.group)
+            bad = next((r for r in reasons if r), None)
+            if bad is None:
+                chosen = (step, path, info)
+                break
+            rejected.append((step, bad))
+        newer = sorted(
+            ((s, why) for s, why in rejected if chosen is None or s > chosen[0]), reverse=True
+        )
+        if chosen is None:
+            why = manifest.no_valid_checkpoint(self.cfg.run_root, found, rejected)
+            if self.rank == 0:
+                self.events.emit("resume", action="failed", reason=why)
+            return ("error", why)
+        if self.rank == 0:
+            for s, why in newer:
+                self.events.emit("resume", action="skipped", step=s, reason=why)
+        return ("load", chosen)
 
     def _start_fresh(self) -> None:
         """Explicit fresh start: archive (never delete) what is there; the ``fresh`` event also

@@ -333,6 +333,24 @@ class Verdict:
     manifest: dict[str, Any] = field(default_factory=dict)
 
 
+def digest_share(
+    directory: Path, manifest: dict[str, Any], *, index: int, count: int
+) -> str | None:
+    """Check the sha256 of this share of the checkpoint's files (every ``count``-th file from
+    ``index``, largest first so the shares weigh about the same); the reason it fails, or
+    None. With one share per rank, a resume reads the checkpoint once, in parallel, instead of
+    rank 0 hashing all of it before anyone loads."""
+    entries = sorted(manifest["files"], key=lambda e: (-int(e["bytes"]), str(e["name"])))
+    for entry in entries[index::count]:
+        path = Path(directory) / entry["name"]
+        try:
+            if sha256_file(path) != entry["sha256"]:
+                return f"{path} does not match its sha256 in the manifest"
+        except OSError as e:
+            return f"{path} cannot be read: {e}"
+    return None
+
+
 def verify_checkpoint(directory: Path, *, digests: bool = True) -> Verdict:
     """Does ``directory`` hold a complete, uncorrupted checkpoint?
 
@@ -475,6 +493,39 @@ def candidates(run_root: Path) -> list[tuple[int, Path]]:
     return sorted(found.items())
 
 
+def resume_candidates(
+    run_root: Path, *, fingerprint: str
+) -> tuple[list[tuple[int, Path, dict[str, Any]]], list[tuple[int, str]], int]:
+    """Newest first, the checkpoints that pass every check but the files' digests (sizes, the
+    ``.metadata`` digest and its restricted unpickling, this run's config hash); the rejected
+    ones with why; and how many there were. The digests are the caller's (``digest_share``)."""
+    rejected: list[tuple[int, str]] = []
+    ok: list[tuple[int, Path, dict[str, Any]]] = []
+    found = candidates(run_root)
+    for step, path in reversed(found):
+        verdict = verify_checkpoint(path, digests=False)
+        if verdict.ok and verdict.manifest.get("config_hash") != fingerprint:
+            verdict = Verdict(
+                False,
+                f"{path} was written with config hash {verdict.manifest.get('config_hash')}, this "
+                f"run has {fingerprint} (model or optimisation settings changed)",
+            )
+        if verdict.ok:
+            ok.append((step, path, verdict.manifest))
+        else:
+            rejected.append((step, verdict.reason))
+    return ok, rejected, len(found)
+
+
+def no_valid_checkpoint(run_root: Path, found: int, rejected: list[tuple[int, str]]) -> str:
+    details = "; ".join(f"step {s}: {why}" for s, why in sorted(rejected, reverse=True))
+    return (
+        f"{found} checkpoint(s) under {checkpoints_dir(run_root)} and none is valid "
+        f"({details}). Refusing to start from step 0: restore a checkpoint, or start over "
+        "explicitly with resume=fresh."
+    )
+
+
 def choose_resume(run_root: Path, *, fingerprint: str, verify_digests: bool = True) -> ResumeChoice:
     """The newest committed checkpoint that verifies and belongs to this configuration.
 
@@ -495,10 +546,5 @@ def choose_resume(run_root: Path, *, fingerprint: str, verify_digests: bool = Tr
             return ResumeChoice(step, path, verdict.manifest, rejected)
         rejected.append((step, verdict.reason))
     if found:
-        details = "; ".join(f"step {s}: {why}" for s, why in rejected)
-        raise NoValidCheckpoint(
-            f"{len(found)} checkpoint(s) under {checkpoints_dir(run_root)} and none is valid "
-            f"({details}). Refusing to start from step 0: restore a checkpoint, or start over "
-            "explicitly with resume=fresh."
-        )
+        raise NoValidCheckpoint(no_valid_checkpoint(run_root, len(found), rejected))
     return ResumeChoice(None, None, {}, rejected)

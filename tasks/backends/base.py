@@ -105,6 +105,10 @@ class Job(Protocol):
         ...
 
     poll_s: float  # how often the watcher polls it
+    # After a node-loss drill, how long the survivors run on before the watcher stops them (they
+    # would only wait in rendezvous for the lost node): what the backend needs to see the loss
+    # as a real one looks (EKS: the deleted pod's conditions), nothing more.
+    loss_grace_s: float
 
     def running(self) -> bool:
         """Poll once: is anything of the attempt still running normally?"""

@@ -147,6 +147,8 @@ class LocalJob:
     recorder: Recorder | None = None
     adopted: bool = False
     poll_s: float = 0.2
+    # The watcher kills the node's process tree itself: nothing more to wait for.
+    loss_grace_s: float = 0.0
     _ended: bool = False  # stop() has run
 
     @property

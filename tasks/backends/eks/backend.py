@@ -151,6 +151,8 @@ class EksJob:
         self.kube, self.eks, self.name, self.attempt = kube, eks, name, attempt
         self.ns = eks.namespace
         self.poll_s = poll_s
+        # The deleted pod's end and conditions reach the watch asynchronously.
+        self.loss_grace_s = 2.0
         self.history = History(completions=nodes)
         self.observed: Outcome | None = None
         self.lost: set[int] = set()
