@@ -63,6 +63,7 @@ class Cluster(threading.Thread):
         # Training Jobs (1 = the first this cluster runs) whose node 1 is lost after a checkpoint.
         self.lose_node_in = lose_node_in
         self.trained = 0
+        self.manifest_digests: list[str | None] = []  # of each attempt's config
         self.ctx = RunContext.create(params)
         self.handled: set[str] = set()
         self.stop = threading.Event()
@@ -129,11 +130,14 @@ class Cluster(threading.Thread):
         # config the flow wrote for this attempt (what the Job's command names).
         [config_arg] = [a for a in container["args"] if a.startswith("--config=")]
         written = load_config(Path(config_arg.split("=", 1)[1]))
-        # What render-k8s renders, plus what only the pipeline knows: the digest of the manifest
-        # hydration verified (the pods then check sizes only).
-        verified = manifest_digest(load_manifest(written.data_dir))
+        # What render-k8s renders, plus what only the pipeline knows once hydration ran: the
+        # digest of the manifest it verified (the pods then check sizes only).
+        digest = written.data_manifest_sha256
+        self.manifest_digests.append(digest)
+        if digest is not None:
+            assert digest == manifest_digest(load_manifest(written.data_dir))
         assert written == dataclasses.replace(
-            eks_train_config(self.params, self.ctx.run_id), data_manifest_sha256=verified
+            eks_train_config(self.params, self.ctx.run_id), data_manifest_sha256=digest
         )
         cfg = dataclasses.replace(
             written,
@@ -345,6 +349,8 @@ def test_node_loss_then_stage_retry_on_eks(
     assert not cluster.errors, cluster.errors
     assert state.is_completed(), state.message
     assert result is not None and result.status == "completed"
+    # Both attempts were told the manifest hydration verified.
+    assert len(cluster.manifest_digests) == 2 and None not in cluster.manifest_digests
     # Node loss ended attempt 1; attempt 2 resumed from the newest checkpoint on FSx and
     # finished bitwise equal to the fault-free run.
     assert result.stage_attempts["train"] == 2
