@@ -50,7 +50,7 @@ from tasks.backends.base import LaunchRequest  # noqa: E402
 from tasks.backends.local import LocalBackend  # noqa: E402
 from tasks.classify import EndKind  # noqa: E402
 from tasks.train_stage import run_attempt  # noqa: E402
-from trainer.config import InJobConfig, InProcessConfig, TrainConfig  # noqa: E402
+from trainer.config import InProcessConfig, TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
 from trainer.events import read_events  # noqa: E402
 from trainer.timeline import plot_timeline, recovery_phases  # noqa: E402
@@ -61,8 +61,10 @@ SPECS = {
     "hang": "hang@step={s},rank=1",
     "node-loss": "node-loss@step={s},node=1",
 }
-TARGETS = {"exception": 5.0, "sigkill": 15.0, "hang": InJobConfig().heartbeat_timeout_s + 10.0}
-TARGETS["node-loss"] = 45.0
+# Issue 15's targets: exception <= 3.0 s; SIGKILL <= bare ft_launcher + 1.0 s (bare: 3.3-3.8 s
+# on this kind of machine, ../shared notes; the fair torchrun baseline here is the same order);
+# hang <= 9 s (detection <= 5 s + restart); node loss (a stage retry) <= 45 s.
+TARGETS = {"exception": 3.0, "sigkill": 5.0, "hang": 9.0, "node-loss": 45.0}
 PHASES = ("detect_s", "restart_s", "load_s", "first_step_s", "total_s")
 
 
