@@ -3,9 +3,10 @@
 A save takes a snapshot of this rank's state into CPU staging buffers, plans the DCP save, and
 hands the write to NVRx's persistent writer process (an ``AsyncCallsQueue(persistent=True)``
 worker, started by ``start()`` first thing in the worker process and never waited for: its
-start-up overlaps the worker's own). The writer writes this rank's DCP shard with NVRx's ``FileSystemWriterAsync`` (fsync
-included) and digests it while training goes on; ``poll()`` (every step, every rank) commits the
-save (DCP finalize: gather of write results, ``.metadata``) once every rank's writer is done.
+start-up overlaps the worker's own). The writer writes this rank's DCP shard with NVRx's
+``FileSystemWriterAsync`` (fsync included) and digests it while training goes on; ``poll()``
+(every step, every rank) commits the save (DCP finalize: gather of write results,
+``.metadata``) once every rank's writer is done.
 
 Staging buffers: one CPU tensor per state tensor, allocated once (in shared memory, so the writer
 process receives a handle, not the bytes; page-locked once as well when the source is on CUDA)

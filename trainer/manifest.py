@@ -527,24 +527,20 @@ def no_valid_checkpoint(run_root: Path, found: int, rejected: list[tuple[int, st
 
 
 def choose_resume(run_root: Path, *, fingerprint: str, verify_digests: bool = True) -> ResumeChoice:
-    """The newest committed checkpoint that verifies and belongs to this configuration.
+    """The newest committed checkpoint that verifies and belongs to this configuration, in one
+    process (the trainer's resume shares the digests out among its ranks instead).
 
     Without ``verify_digests`` only sizes and the ``.metadata`` digest are checked.
     Raises :class:`NoValidCheckpoint` when checkpoints exist but none can be trusted.
     """
-    rejected: list[tuple[int, str]] = []
-    found = candidates(run_root)
-    for step, path in reversed(found):
-        verdict = verify_checkpoint(path, digests=verify_digests)
-        if verdict.ok and verdict.manifest.get("config_hash") != fingerprint:
-            verdict = Verdict(
-                False,
-                f"{path} was written with config hash {verdict.manifest.get('config_hash')}, this "
-                f"run has {fingerprint} (model or optimisation settings changed)",
-            )
-        if verdict.ok:
-            return ResumeChoice(step, path, verdict.manifest, rejected)
-        rejected.append((step, verdict.reason))
+    ok, rejected, found = resume_candidates(run_root, fingerprint=fingerprint)
+    rejected = list(rejected)
+    for step, path, info in ok:
+        bad = digest_share(path, info, index=0, count=1) if verify_digests else None
+        if bad is None:
+            newer = sorted(((s, why) for s, why in rejected if s > step), reverse=True)
+            return ResumeChoice(step, path, info, newer)
+        rejected.append((step, bad))
     if found:
-        raise NoValidCheckpoint(no_valid_checkpoint(run_root, len(found), rejected))
+        raise NoValidCheckpoint(no_valid_checkpoint(run_root, found, rejected))
     return ResumeChoice(None, None, {}, rejected)
