@@ -60,7 +60,8 @@ from trainer.config import InProcessConfig, TrainConfig
 from trainer.events import EventLog
 from trainer.faults import FaultSpec, claim, parse_fault
 from trainer.manifest import fsync_path
-from trainer.workload import DataSettings, OptimSettings
+from trainer.train import workload_data
+from trainer.workload import OptimSettings
 
 COMMITTED = "COMMITTED"
 CKPT_DIR = "baseline_ckpt"
@@ -238,16 +239,9 @@ def main(argv: list[str] | None = None) -> int:
 
         model = DistributedDataParallel(model)
     optim = wl.build_optimizer(model, OptimSettings(lr=cfg.lr, weight_decay=cfg.weight_decay))
-    # A plain user's loader: no dataset verification at every start.
-    sampler = wl.data_source(
-        DataSettings(
-            data_dir=cfg.data_dir,
-            seq_len=wl.seq_len,
-            global_batch=cfg.global_batch,
-            seed=cfg.seed,
-            verify=False,
-        )
-    )
+    # The trainer's own loader (and vocabulary check), as a plain user's: no dataset
+    # verification at every start.
+    sampler = workload_data(dataclasses.replace(cfg, verify_data=False))
 
     # Resume: rank 0 picks the newest committed save (leftover .tmp saves are torn: removed).
     choice: list[Any] = [None]
