@@ -357,7 +357,9 @@ def test_node_loss_then_stage_retry_on_eks(
     assert result.params_sha256 == baseline.params_sha256
     assert [(f.kind, f.recovered_by) for f in result.faults] == [("node-loss", "stage-retry")]
     events = read_events(RunContext.create(params).run_root)
-    loaded = [i for i, e in enumerate(events) if e["kind"] == "resume" and e.get("action") == "loaded"]
+    loaded = [
+        i for i, e in enumerate(events) if e["kind"] == "resume" and e.get("action") == "loaded"
+    ]
     assert loaded, "attempt 2 resumed from a checkpoint"
     # The newest commit before the loss, not a fixed step: the drill fires at step 12 whether or
     # not step 10's async save has committed yet (on a slow machine it may not have).
