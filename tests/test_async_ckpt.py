@@ -34,6 +34,7 @@ def group():
 def saver(group):
     s = AsyncCheckpointer(device=torch.device("cpu"), timeout_s=60)
     s.bind(group)
+    s.ensure_started()
     yield s
     s.close()
 
@@ -48,9 +49,29 @@ def _state(seed: int) -> dict:
     }
 
 
-def test_writer_started_at_bind(saver: AsyncCheckpointer):
-    pid = saver.writer_pid()
-    assert pid is not None and saver._worker_alive()
+def test_writer_starts_with_training_not_at_bind(group, tmp_path: Path):
+    """bind (before the model build and the load) starts nothing; the first ensure_started
+    (the loop's first step) or save does, once."""
+    s = AsyncCheckpointer(device=torch.device("cpu"), timeout_s=60)
+    try:
+        s.bind(group, warmup_dir=tmp_path / ".writer-warmup")
+        assert s.writer_pid() is None and s.pending is None
+        s.ensure_started()
+        pid = s.writer_pid()
+        assert pid is not None and s._worker_alive()
+        s.ensure_started()
+        assert s.writer_pid() == pid
+        s.save(_state(6), tmp_path / "f", step=6)
+        assert s.writer_pid() == pid and s.wait() is not None
+    finally:
+        s.close()
+    other = AsyncCheckpointer(device=torch.device("cpu"), timeout_s=60)
+    try:  # a save is enough on its own
+        other.bind(group)
+        other.save(_state(7), tmp_path / "g", step=7)
+        assert other.writer_pid() is not None and other.wait() is not None
+    finally:
+        other.close()
 
 
 def test_snapshot_is_taken_at_save_time(saver: AsyncCheckpointer, tmp_path: Path):
@@ -111,20 +132,29 @@ def test_dead_writer_fails_instead_of_hanging(saver: AsyncCheckpointer, tmp_path
     with pytest.raises(CheckpointWorkerDied, match="writer died"):
         saver.wait()
     assert time.perf_counter() - t0 < 30
-    # The next bind (e.g. after an in-process restart) starts a fresh writer.
+    # After the restart's bind, the next save starts a fresh writer.
     saver.bind(saver.group)  # type: ignore[arg-type]
-    assert saver.writer_pid() not in (None, pid)
     saver.save(_state(4), tmp_path / "d", step=4)
+    assert saver.writer_pid() not in (None, pid)
     assert saver.wait() is not None
 
 
-def test_a_new_writer_warms_up_in_the_background(group, tmp_path: Path):
-    """A fresh writer's first write runs at bind, in the background; it is finalized by poll
-    like a save but never reported as one, and its directory goes away; an already running
-    writer (an in-process restart's re-bind) does not warm up again."""
+def test_a_replaced_writer_warms_up_in_the_background(group, tmp_path: Path):
+    """A writer that a restart's bind replaces writes once at bind, in the background; that
+    write is finalized by poll like a save but never reported as one, and its directory goes
+    away; an already running writer (an in-process restart's re-bind) does not warm up again."""
     s = AsyncCheckpointer(device=torch.device("cpu"), timeout_s=60)
     try:
         s.bind(group, warmup_dir=tmp_path / ".writer-warmup")
+        s.ensure_started()
+        dead = s.writer_pid()
+        assert dead is not None
+        os.kill(dead, signal.SIGKILL)
+        deadline = time.time() + 10
+        while s._worker_alive() and time.time() < deadline:
+            time.sleep(0.05)
+        s.bind(group, warmup_dir=tmp_path / ".writer-warmup")
+        assert s.writer_pid() not in (None, dead)
         assert s.pending is not None and s.pending.step == WARMUP_STEP
         assert s.wait() is None and s.pending is None
         assert not (tmp_path / ".writer-warmup").exists()

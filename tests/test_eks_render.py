@@ -84,7 +84,7 @@ def test_launch_contract():
     # it there before it creates the Job); nothing travels as flags.
     assert args[-3:] == [
         "-m",
-        "trainer.train",
+        "trainer",
         "--config=/fsx/runs/run-2026-11-29/config/train-attempt1.json",
     ]
     cfg = eks_train_config(p, "run-2026-11-29")

@@ -1,4 +1,4 @@
-"""The training program each worker runs (``python -m trainer.train``); no Prefect inside."""
+"""The training program each worker runs (``python -m trainer``); no Prefect inside."""
 
 __version__ = "0.1.0"
 

@@ -2,11 +2,11 @@
 
 A save takes a snapshot of this rank's state into CPU staging buffers, plans the DCP save, and
 hands the write to NVRx's persistent writer process (an ``AsyncCallsQueue(persistent=True)``
-worker, started by ``start()`` first thing in the worker process and never waited for: its
-start-up overlaps the worker's own). The writer writes this rank's DCP shard with NVRx's
-``FileSystemWriterAsync`` (fsync included) and digests it while training goes on; ``poll()``
-(every step, every rank) commits the save (DCP finalize: gather of write results,
-``.metadata``) once every rank's writer is done.
+worker, started by ``ensure_started()`` after the first training step and never waited for: its
+start-up overlaps training, not the restart's model build and load). The writer writes this
+rank's DCP shard with NVRx's ``FileSystemWriterAsync`` (fsync included) and digests it while
+training goes on; ``poll()`` (every step, every rank) commits the save (DCP finalize: gather of
+write results, ``.metadata``) once every rank's writer is done.
 
 Staging buffers: one CPU tensor per state tensor, allocated once (in shared memory, so the writer
 process receives a handle, not the bytes; page-locked once as well when the source is on CUDA)
@@ -368,11 +368,13 @@ class AsyncCheckpointer:
     def start(self, *, rank: int = 0) -> bool:
         """Start the writer process now without waiting for it; whether a new one was started.
 
-        The writer and NVRx's results-queue Manager are spawned interpreters that import torch
-        (~2 s each here). Started before the process group, the model and the checkpoint load,
-        their start-up overlaps the worker's own instead of delaying the first step; the first
-        ``poll`` that finds the writer's no-op done records ``writer_ready_at``. Idempotent
-        while the writer lives (``bind`` calls it too, after a writer died)."""
+        The writer is a spawned interpreter that imports torch (~1–2 s here), and NVRx's
+        results-queue Manager another (light when the worker runs as ``-m trainer``). Started
+        once training runs (``ensure_started``), their start-up overlaps the steps before the
+        first save instead of the restart's model build and load (measured: the build took
+        1.0–1.4 s beside them, 0.7 s without, on 2 cores); the first ``poll`` that finds the
+        writer's no-op done records ``writer_ready_at``. Idempotent while the writer lives
+        (``bind`` calls it, at a restart, to replace a writer that died)."""
         if self.queue is not None and self._worker_alive():
             return False
         self._reset_queue()
@@ -389,6 +391,13 @@ class AsyncCheckpointer:
             )
             self._results_queue_thread.start()
         return True
+
+    def ensure_started(self, *, rank: int = 0) -> None:
+        """Start the first writer if none was started yet (cheap: called every step). A writer
+        that died is replaced only by ``bind``, at a restart: mid-run its save is still being
+        agreed on by every rank, and that agreement reports the death."""
+        if self.queue is None:
+            self.start(rank=rank)
 
     def _results_queue_ready(self) -> None:
         """No save may plan before the Manager exists (NVRx would start a second one)."""
@@ -412,23 +421,25 @@ class AsyncCheckpointer:
                 self.writer_ready_at = time.time()
 
     def bind(self, group: dist.ProcessGroup, *, warmup_dir: Path | None = None) -> None:
-        """Attach to this restart iteration's checkpoint group; start the writer if it is not
-        running (never waits for it: see ``start``).
+        """Attach to this restart iteration's checkpoint group; replace the writer if one was
+        started and has died (never waits for it: see ``start``).
 
-        With ``warmup_dir`` (every rank the same directory, or None on every rank), a new writer
-        also writes a one-element checkpoint there in the background: the first write of a fresh
-        writer costs ~0.6 s more than later ones (measured on CPU, whatever the state's size),
-        and that would otherwise delay the commit of the run's first real checkpoint. The
+        With ``warmup_dir`` (every rank the same directory, or None on every rank), a writer
+        replaced here also writes a one-element checkpoint there in the background: the first
+        write of a fresh writer costs ~0.6 s more than later ones (measured on CPU, whatever the
+        state's size), and that would otherwise delay the commit of the next checkpoint. The
         warm-up is finalized by the normal ``poll`` and never reported as a save."""
         self.group = group
         self._md_cache = nvrx_compat.new_metadata_cache() if self.cache_plan else None
-        self.start(rank=dist.get_rank())
+        if self.queue is not None:
+            self.start(rank=dist.get_rank())
         if warmup_dir is not None:
             # Collective: a save plans across ranks, so all warm up if any rank's writer is new,
             # and only if every rank's results queue is up already: a save plans only after it
-            # is, and waiting for it here would block the worker's start-up. Skipped, the first
-            # real save's write pays the fresh writer's extra cost instead (in the background).
-            waiting = not nvrx_compat.write_results_queue_ready()
+            # is, and waiting for it here would block the worker's start-up. Skipped (always
+            # for a process's first writer, which starts after the first step), the first real
+            # save's write pays the fresh writer's extra cost instead (in the background).
+            waiting = self.queue is None or not nvrx_compat.write_results_queue_ready()
             flags = torch.tensor([0 if self._warmed else 1, 1 if waiting else 0])
             dist.all_reduce(flags, group=group)
             if int(flags[0]) > 0 and int(flags[1]) == 0:
@@ -491,6 +502,7 @@ class AsyncCheckpointer:
         assert self.group is not None, "bind() first"
         if self.pending is not None:
             raise CheckpointWriteError("previous save not finalized: call wait() first")
+        self.ensure_started(rank=dist.get_rank())
         t0 = time.perf_counter()
         try:
             request, writer, metadata, dist_wrapper = self._stage_and_plan(state_dict, directory)
@@ -664,13 +676,15 @@ class AsyncCheckpointer:
         block: bool = False,
         section: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
         reduced: torch.Tensor | None = None,
+        progress: Callable[[], None] | None = None,
     ) -> SaveResult | None:
         """Every rank, every step: finalize the save in flight once all ranks' writers are done.
 
         Non-blocking by default (one tiny CPU all-reduce while a save is in flight; on CUDA it
         also hands the write to the writer once the staging copy has completed). With
-        ``block=True`` waits (for the copy, then for the writers), bounded by ``timeout_s``; a
-        dead writer on any rank raises on all.
+        ``block=True`` waits (for the copy, then for the writers), bounded by ``timeout_s``,
+        calling ``progress`` between rounds (a wait for a slow write is not a stalled step: the
+        checkpoint section's timeout bounds it instead); a dead writer on any rank raises on all.
         """
         if self.pending is None:
             self._note_ready()
@@ -708,6 +722,8 @@ class AsyncCheckpointer:
                 self._forget_pending()
                 self._reset_queue()
                 raise CheckpointTimeout(f"checkpoint write not done after {self.timeout_s} s")
+            if progress is not None:
+                progress()
             time.sleep(0.005)
 
     def wait(
@@ -752,6 +768,15 @@ class AsyncCheckpointer:
             time.perf_counter() - p.started,
             p.deferred_s,
         )
+
+    def drop_group(self) -> None:
+        """After a fault, before ``abandon``: forget this iteration's checkpoint group, so that
+        nothing here keeps its gloo connections open (see ``trainer.gloo_release``). The save in
+        flight, if any, can only be abandoned from now on."""
+        self.group = None
+        self._md_cache = None
+        if self.pending is not None:
+            self.pending.dist_wrapper = None
 
     def abandon(self) -> None:
         """After a fault (no collectives possible): let this rank's writer finish whatever it is

@@ -72,6 +72,9 @@ class CheckpointManager:
         self.sections: Sections = sections or _NoSections()
         # Rank 0, after each commit (step, committed directory): the loop's hooks.
         self.on_commit: Callable[[int, Path], None] = lambda step, path: None
+        # While a due save waits for the one before it: the in-process Wrapper's ping, so that
+        # the wait is not taken for a stalled step (the checkpoint section bounds it).
+        self.progress: Callable[[], None] = lambda: None
         self.rank = rank
         self.world_size = world_size
         self.group = group
@@ -199,6 +202,8 @@ class CheckpointManager:
         self, step: int, model: nn.Module, optim: Optimizer, sampler: DataSource, loss: float
     ) -> float | None:
         """Every rank after finishing ``step``. Returns seconds training was blocked, if saved."""
+        # The first call of an incarnation starts the writer (see AsyncCheckpointer.start).
+        self.saver.ensure_started(rank=self.rank)
         if not self.due(step):
             return None
         with self.sections.section(CHECKPOINT_SECTION):
@@ -232,7 +237,12 @@ class CheckpointManager:
         ``maybe_save`` (the caller passes None when that started a save: the sums were of the
         save before it)."""
         try:
-            result = self.saver.poll(block=block, section=self._checkpoint_section, reduced=reduced)
+            result = self.saver.poll(
+                block=block,
+                section=self._checkpoint_section,
+                reduced=reduced,
+                progress=self.progress,
+            )
         except CheckpointStorageError as e:
             if e.step == WARMUP_STEP:  # not a checkpoint; a real save reports a real problem
                 log.warning("the writer's warm-up write failed: %s", e)
@@ -243,8 +253,8 @@ class CheckpointManager:
                 self._commit(result)
         ready_s = self.saver.take_ready()
         if ready_s is not None and self.rank == 0:
-            # Off the critical path since the writer starts with the process: this says how
-            # long it took all the same (a first save before it is ready waits for it).
+            # Off the critical path since the writer starts after the first step: this says
+            # how long it took all the same (a first save before it is ready queues for it).
             self.events.emit("phase", phase="writer_ready", s=round(ready_s, 3))
         return result
 

@@ -80,7 +80,7 @@ def trainer_args(cfg: TrainConfig, config_path: Path) -> list[str]:
     ``NVRX_CONFIG``, see :func:`worker_env`)."""
     if cfg.is_script:
         return [str(cfg.script_path), *cfg.expanded_script_args()]
-    return ["-m", "trainer.train", f"--config={config_path}"]
+    return ["-m", "trainer", f"--config={config_path}"]
 
 
 def worker_env(config_path: Path) -> dict[str, str]:

@@ -162,6 +162,8 @@ def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
         layer=recovery_layer(ctx, iteration),
     )
     ckpt.on_commit = hooks.on_commit
+    if call_wrapper is not None:
+        ckpt.progress = call_wrapper.ping
     if rank == 0:
         ctx.events.emit(
             "train_start",

@@ -169,6 +169,8 @@ class Session:
             layer=recovery_layer(self.ctx, self.iteration),
         )
         self._ckpt.on_commit = self._hooks.on_commit
+        if self.call_wrapper is not None:
+            self._ckpt.progress = self.call_wrapper.ping
         if self.rank == 0:
             self.ctx.events.emit(
                 "train_start",

@@ -1,4 +1,8 @@
-"""Worker entry point: ``python -m trainer.train --config FILE [overrides]``.
+"""Worker program: ``python -m trainer --config FILE [overrides]`` (or ``-m trainer.train``).
+
+Under a launcher, enter it as ``-m trainer`` (``trainer/__main__.py``): the checkpoint writer and
+its Manager are spawned processes, and each would re-import this module, and torch with it, if it
+were ``__main__``.
 
 The config file is the attempt's whole :class:`~trainer.config.TrainConfig` as JSON (the launcher
 writes it: ``trainer.config.save_config``); flags override single fields, for debugging. Without
@@ -15,7 +19,7 @@ to start hosts the c10d rendezvous store)::
         --max-restarts=3 --monitor-interval=0.5 --workers-stop-timeout=5 \\
         --ft-initial-rank-heartbeat-timeout=90 --ft-rank-heartbeat-timeout=30 \\
         --ft-workload-check-interval=1 --ft-enable-nic-monitor=false \\
-        -m trainer.train --run-root /tmp/run1 --data-dir /tmp/data --workload gpt-tiny --steps 20
+        -m trainer --run-root /tmp/run1 --data-dir /tmp/data --workload gpt-tiny --steps 20
 
 One node, 2 CPU workers: the same with ``--nnodes=1 --nproc-per-node=2``.
 
@@ -28,7 +32,7 @@ CPU hosts with NVRx >= 0.7)::
         --max-restarts=3 --monitor-interval=1 --workers-stop-timeout=30 \\
         --ft-initial-rank-heartbeat-timeout=900 --ft-rank-heartbeat-timeout=300 \\
         --ft-workload-check-interval=5 --ft-enable-nic-monitor=false \\
-        -m trainer.train --config /fsx/runs/$RUN_ID/config/train-attempt1.json
+        -m trainer --config /fsx/runs/$RUN_ID/config/train-attempt1.json
 
 (``trainer.launch.ft_launcher_argv`` builds the same line from a config.)
 
@@ -65,6 +69,7 @@ from trainer.config import (
 from trainer.data import DataError
 from trainer.events import EventLog
 from trainer.faults import FaultSpecError
+from trainer.gloo_release import release_process_groups
 
 if TYPE_CHECKING:
     from trainer.async_ckpt import AsyncCheckpointer
@@ -270,7 +275,7 @@ def run(
     body = body or train
     _ensure_dist_env()
     _cpu_threads()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
     cfg.per_rank_batch(world)
     cfg.run_root.mkdir(parents=True, exist_ok=True)
     events = EventLog(cfg.run_root)
@@ -278,8 +283,8 @@ def run(
     saver = AsyncCheckpointer(device=placement.device, timeout_s=cfg.ckpt_timeout_s)
     heartbeat = Heartbeat(cfg.injob.enabled, cfg.injob.heartbeat_interval_s)
     try:
-        # First: the writer's own start-up (a spawned interpreter) overlaps all of ours.
-        saver.start(rank=rank)
+        # The writer starts after this incarnation's first step (CheckpointManager.maybe_save):
+        # its spawned interpreter would otherwise compete with the model build and the load.
         return _run(cfg, body, data, events, placement, saver, heartbeat)
     finally:
         saver.close()
@@ -373,6 +378,14 @@ def _run(
             from nvidia_resiliency_ext.inprocess.exception import RestartAbort
 
             raise RestartAbort(str(e)) from e
+        except Exception as e:
+            # Restarted in-process. On gloo, a peer waits in its next collective until this
+            # rank's connections close: close them now, not at the process-group timeout.
+            if placement.backend == "gloo":
+                saver.drop_group()
+                released_s = release_process_groups(e.__traceback__)
+                log.info("rank %d released its process groups in %.3f s", rank, released_s)
+            raise
 
     wrapped = wrap_inprocess(
         attempt,
