@@ -262,7 +262,12 @@ class CheckpointManager:
         return self.sections.section(CHECKPOINT_SECTION)
 
     def finish(self) -> None:
-        self.poll(block=True)
+        """Every rank, after the last step: wait for the save in flight and commit it. The wait
+        runs in the checkpoint section: a writer still starting (it starts after the first
+        step, so a resume a few steps before the end can catch it so) or still writing is not a
+        stalled step."""
+        with self.sections.section(CHECKPOINT_SECTION):
+            self.poll(block=True)
 
     def _commit(self, result: SaveResult) -> None:
         """Every rank: rank 0 commits, and everyone learns whether it could (a commit that the

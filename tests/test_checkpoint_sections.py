@@ -1,0 +1,73 @@
+"""Which in-job section a checkpoint wait runs in (real gloo group, real writer process).
+
+A due save or the final ``finish`` may wait seconds: for the save before it, or for a writer that
+is still starting (it starts after the first step, so a resume a few steps before the end meets
+one). That wait must run in the ``checkpoint`` section, never under the tight ``step`` section
+that ft_launcher would take it for a hang."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import free_port, make_config
+from trainer import manifest
+from trainer.async_ckpt import AsyncCheckpointer
+from trainer.checkpoint import CheckpointManager
+from trainer.config import CHECKPOINT_SECTION
+from trainer.events import EventLog
+
+
+class RecordedSections:
+    """The ``Sections`` protocol, recording which sections are open (ft_launcher's own client
+    needs a launcher)."""
+
+    def __init__(self) -> None:
+        self.open: list[str] = []
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        self.open.append(name)
+        try:
+            yield
+        finally:
+            self.open.remove(name)
+
+
+@pytest.fixture
+def group():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    yield dist.new_group(backend="gloo")
+    dist.destroy_process_group()
+
+
+def test_the_final_wait_runs_in_the_checkpoint_section(group, dataset: Path, tmp_path: Path):
+    cfg = make_config(tmp_path / "run", dataset)
+    cfg.run_root.mkdir(parents=True)
+    sections = RecordedSections()
+    saver = AsyncCheckpointer(device=torch.device("cpu"), timeout_s=60)
+    try:
+        ckpt = CheckpointManager(
+            cfg, saver, EventLog(cfg.run_root), rank=0, world_size=1, group=group, sections=sections
+        )
+        seen: list[list[str]] = []
+        ckpt.progress = lambda: seen.append(list(sections.open))
+        partial = manifest.partial_path(cfg.run_root, cfg.steps)
+        partial.mkdir(parents=True)
+        # A fresh writer: the save is handed to it while it is still starting, as after a
+        # resume close to the end.
+        saver.save({"w": torch.arange(4096.0)}, partial, cfg.steps)
+        ckpt.finish()
+        assert seen, "finish waited for the writer (and told the Wrapper it is alive)"
+        assert all(CHECKPOINT_SECTION in open_ for open_ in seen), seen
+        assert manifest.committed_steps(cfg.run_root) == [cfg.steps]
+    finally:
+        saver.close()
