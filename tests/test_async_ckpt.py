@@ -461,6 +461,23 @@ def test_abandon_never_hands_over_an_unfinished_copy(saver, tmp_path: Path, monk
     assert saver.wait() is not None
 
 
+def test_an_abandoned_save_leaves_no_result_for_the_next(saver, tmp_path: Path):
+    """The writer reports write results through NVRx's process-wide results queue, which only a
+    finalize reads: an abandoned save's results must not be taken for the next save's (a
+    different layout here, as after a warm-up write; the same layout would only hide it)."""
+    saver.save({"only": torch.arange(8.0)}, tmp_path / "abandoned", step=1)
+    saver.abandon()
+    state = _state(16)
+    saver.save(state, tmp_path / "next", step=2)
+    result = saver.wait()
+    assert result is not None and result.step == 2
+    loaded = _state(99)
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "next"))
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(loaded[k], v), k
+
+
 # -- several ranks, and CUDA (separate processes) ------------------------------------------------
 def _rank_main(rank: int, world: int, port: int, root: str, device_type: str, check: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -633,6 +633,14 @@ class AsyncCheckpointer:
         self._wait_copy_quietly()
         self._remove_step_hook()
         self.pending = None
+        self._discard_results()
+
+    def _discard_results(self) -> None:
+        """A forgotten save's write results must not become the next save's (see
+        ``nvrx_compat.discard_write_results``)."""
+        dropped = nvrx_compat.discard_write_results()
+        if dropped:
+            log.info("discarded %d write result(s) of a save that will not commit", dropped)
 
     def _drain_local(self, deadline: float, *, what: str) -> None:
         """Wait until this rank's writer has finished everything it was given."""
@@ -780,15 +788,16 @@ class AsyncCheckpointer:
 
     def abandon(self) -> None:
         """After a fault (no collectives possible): let this rank's writer finish whatever it is
-        writing, then forget the save; it never commits, and its ``.partial`` is removed later.
-        A write whose staging copy had not completed is never handed to the writer."""
+        writing, then forget the save and its write results; it never commits, and its
+        ``.partial`` is removed later. A write whose staging copy had not completed is never
+        handed to the writer."""
         self._wait_copy_quietly()
         self._remove_step_hook()
-        if self.queue is None:
-            self.pending = None
-            return
-        try:
-            self._drain_local(time.monotonic() + self.timeout_s, what="the abandoned save")
-        except CheckpointWriteError as e:
-            log.warning("%s; writer restarted on the next bind", e)
+        if self.queue is not None:
+            try:
+                self._drain_local(time.monotonic() + self.timeout_s, what="the abandoned save")
+            except CheckpointWriteError as e:
+                log.warning("%s; writer restarted on the next bind", e)
         self.pending = None
+        # After the drain: the writer has put everything it will put.
+        self._discard_results()

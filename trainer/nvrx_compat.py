@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import logging
+import queue
 from typing import Any
 
 from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async as _fs_async
@@ -57,6 +58,25 @@ def warm_write_results_queue() -> None:
 def write_results_queue_ready() -> bool:
     """Whether NVRx's results-queue Manager exists (a save can plan without starting it)."""
     return getattr(_fs_async, "_results_queue", True) is not None
+
+
+def discard_write_results() -> int:
+    """Empty NVRx's process-wide write-results queue; returns how many results were dropped.
+
+    The writer puts one item per save (its write results, or its exception) and only a finalize
+    takes one, first in, first out. A save that is abandoned (a fault) or forgotten (a dead
+    writer) leaves its item behind, and the next finalize would build that save's DCP
+    ``.metadata`` from it: a checkpoint that does not load (measured: a KeyError on the first
+    tensor the other layout lacks), or one that hides its own write error."""
+    results = getattr(_fs_async, "_results_queue", None)
+    dropped = 0
+    while results is not None:
+        try:
+            results.get_nowait()
+        except queue.Empty:
+            break
+        dropped += 1
+    return dropped
 
 
 def start_persistent_writer(queue: Any, request: Any, *, rank: int) -> None:
@@ -130,6 +150,7 @@ __all__ = [
     "AsyncRequest",
     "FileSystemWriterAsync",
     "disable_device_health_checks",
+    "discard_write_results",
     "inprocess_available",
     "new_metadata_cache",
     "no_restart_request_supported",
