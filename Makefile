@@ -74,7 +74,7 @@ bench: venv
 # The long one: >= 10 min of training with a fault every ~2 min, ours and the torchrun baseline.
 bench-ettr: venv
 	mkdir -p benchmarks/results benchmarks/plots
-	$(PY) benchmarks/ettr.py --out benchmarks/results/ettr.json --plot benchmarks/plots
+	$(PY) benchmarks/ettr.py --minutes 10 --clean-minutes 10 --out benchmarks/results/ettr.json --plot benchmarks/plots
 
 # Refresh the Prefect UI screenshots in docs/img (the browser test takes them).
 screenshots: venv browser
