@@ -19,7 +19,15 @@ of the resilience layers being compared:
   ``set_state_dict``.
 
 No heartbeats and no in-process restart: a hang is only noticed when a collective times out, and
-every fault restarts all workers through torchrun. A ``hang`` stops the rank dead (SIGSTOP), as
+every fault restarts all workers through torchrun.
+
+``--ft-sections`` makes it the *bare NVRx* baseline: the same program under ``ft_launcher``
+(:func:`ft_launcher_job`: ours' launcher flags and timeouts, ``trainer.launch.ft_launcher_argv``)
+with a ``RankMonitorClient`` that opens the ``step`` section around every step, the ``checkpoint``
+section around every save and the ``load`` section around the resume: the in-job layer exactly
+as NVRx documents it, without the rest of the product (no in-process restart, no async
+checkpoints, no per-interval section renewal: a hang is caught ``step_timeout_s`` after the hung
+step began). A ``hang`` stops the rank dead (SIGSTOP), as
 ours' drill does, so torchrun must SIGKILL it (its agent first waits for a SIGTERM it cannot
 deliver). ``--parallel ddp`` keeps the old DDP variant (same workload model, not sharded).
 
@@ -37,6 +45,7 @@ Run under torchrun (from the repo root)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -46,6 +55,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +66,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer.config import InProcessConfig, TrainConfig
+from trainer.config import (
+    CHECKPOINT_SECTION,
+    LOAD_SECTION,
+    STEP_SECTION,
+    InProcessConfig,
+    TrainConfig,
+)
 from trainer.events import EventLog
 from trainer.faults import FaultSpec, claim, parse_fault
 from trainer.manifest import fsync_path
-from trainer.train import workload_data
+from trainer.train import process_start_time, workload_data
 from trainer.workload import OptimSettings
 
 COMMITTED = "COMMITTED"
@@ -92,6 +108,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parallel", choices=("fsdp2", "ddp"), default="fsdp2")
     p.add_argument(
         "--fault", action="append", default=[], help="kind@step=N[,rank=R][,phase=checkpoint]"
+    )
+    p.add_argument(
+        "--ft-sections",
+        action="store_true",
+        help="bare NVRx in-job restart: run under ft_launcher and report every step, save and "
+        "load as a RankMonitorClient section (what a user adopting ft_launcher alone writes)",
     )
     args = p.parse_args(argv)
     if args.model:
@@ -196,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
             restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             world_size=world,
             baseline=True,
+            process_start_t=process_start_time(),  # the respawn and start-up phases, as ours
         )
+    monitor = _Sections(args.ft_sections)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
     if device is not None:
@@ -256,14 +280,15 @@ def main(argv: list[str] | None = None) -> int:
     start = 1
     if choice[0] is not None:
         t0 = time.perf_counter()
-        model_sd, optim_sd = get_state_dict(model, optim)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(
-            state,
-            storage_reader=dcp.FileSystemReader(str(step_dir(cfg.run_root, choice[0]))),
-            process_group=ckpt_group,
-        )
-        set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        with monitor.section(LOAD_SECTION):
+            model_sd, optim_sd = get_state_dict(model, optim)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(
+                state,
+                storage_reader=dcp.FileSystemReader(str(step_dir(cfg.run_root, choice[0]))),
+                process_group=ckpt_group,
+            )
+            set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
         start = int(choice[0]) + 1
         if rank == 0:
             events.emit(
@@ -287,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = cfg.global_batch * wl.seq_len
     for step in range(start, cfg.steps + 1):
+        monitor.start(STEP_SECTION)
         maybe_fire(step, "step")
         t0 = time.perf_counter()
         torch.manual_seed(step_seed(cfg.seed, step, rank))
@@ -299,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_reduce(reduced)
         loss_value = float(reduced.item() / world)
         step_s = time.perf_counter() - t0
+        monitor.end(STEP_SECTION)
         if rank == 0:
             events.emit(
                 "step",
@@ -308,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                 tokens_per_s=round(tokens / step_s, 1),
             )
         if step % cfg.ckpt_interval == 0 or step == cfg.steps:
+            monitor.start(CHECKPOINT_SECTION)
             t0 = time.perf_counter()
             tmp = tmp_dir(cfg.run_root, step)
             if rank == 0:
@@ -325,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 commit(cfg.run_root, step, args.keep_last)
             dist.barrier(group=ckpt_group)  # everyone waits for the synchronous save
+            monitor.end(CHECKPOINT_SECTION)
             if rank == 0:
                 blocked = round(time.perf_counter() - t0, 4)
                 events.emit("checkpoint", step=step, blocking_s=blocked, total_s=blocked)
@@ -332,7 +361,40 @@ def main(argv: list[str] | None = None) -> int:
         events.emit("train_end", final_step=cfg.steps)
     dist.barrier(group=ckpt_group)
     dist.destroy_process_group()
+    monitor.close()
     return 0
+
+
+class _Sections:
+    """The bare in-job layer's worker side: NVRx's ``RankMonitorClient`` sections, one message
+    per call (no-op without ``--ft-sections``)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.client: Any = None
+        if enabled:
+            from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+
+            self.client = RankMonitorClient()
+            self.client.init_workload_monitoring()
+            self.client.send_heartbeat()
+
+    def start(self, name: str) -> None:
+        if self.client is not None:
+            self.client.start_section(name)
+
+    def end(self, name: str) -> None:
+        if self.client is not None:
+            self.client.end_section(name)
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        self.start(name)
+        yield
+        self.end(name)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.shutdown_workload_monitoring()
 
 
 if __name__ == "__main__":
@@ -368,6 +430,33 @@ def torchrun_job(
     ]
 
 
+def ft_launcher_job(
+    *, nnodes: int, nproc_per_node: int, run_root: Path, data_dir: Path, trainer_args: list[str]
+) -> list[list[str]]:
+    """Bare NVRx: one ``ft_launcher`` per simulated node running this program with
+    ``--ft-sections``, with exactly ours' launcher flags (``trainer.launch.ft_launcher_argv`` of
+    a default ``TrainConfig``: restarts, monitor interval, stop timeout, heartbeat and section
+    timeouts)."""
+    import socket
+
+    from trainer.launch import LaunchSpec, ft_launcher_argv
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = TrainConfig(run_root=run_root, data_dir=data_dir)
+    spec = LaunchSpec(
+        nnodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_id="bare-ft",
+    )
+    argv = ft_launcher_argv(
+        cfg, spec, [str(Path(__file__).resolve()), *trainer_args, "--ft-sections"]
+    )
+    return [list(argv) for _ in range(nnodes)]
+
+
 def run_job(argvs: list[list[str]], log_dir: Path, *, timeout_s: float) -> list[int]:
     """Start every node's torchrun (each in its own session, as on separate hosts) and wait.
     A node that dies by a signal (a node-loss fault) ends the job: the others are stopped at
@@ -378,7 +467,7 @@ def run_job(argvs: list[list[str]], log_dir: Path, *, timeout_s: float) -> list[
     env = {**os.environ, "PYTHONPATH": str(repo)}
     procs = []
     for i, argv in enumerate(argvs):
-        log = open(log_dir / f"torchrun-node{i}.log", "a")  # noqa: SIM115
+        log = open(log_dir / f"launcher-node{i}.log", "a")  # noqa: SIM115
         procs.append(
             subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

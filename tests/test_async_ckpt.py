@@ -620,3 +620,94 @@ def test_failed_write_fails_that_save_only(saver: AsyncCheckpointer, tmp_path: P
     assert err.value.step == 5 and err.value.directory == doomed
     saver.save(_state(6), tmp_path / "ok", step=6)
     assert saver.wait() is not None
+
+
+# -- the commit runs on the coordinator's commit thread ------------------------------------------
+def _poll_until(saver: AsyncCheckpointer, commit, *, timeout_s: float = 60.0):
+    """Non-blocking polls, as the loop makes them once a step, until one returns the result."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = saver.poll(commit=commit)
+        if result is not None:
+            return result
+        time.sleep(0.01)
+    raise AssertionError("no result")
+
+
+def test_the_commit_runs_off_the_training_thread(saver: AsyncCheckpointer, tmp_path: Path):
+    """Training goes on while the commit runs: the polls return at once, the commit runs on a
+    thread of its own after DCP's .metadata, and the result (with what the commit returned)
+    comes back only once it is done."""
+    import threading
+
+    release = threading.Event()
+    seen: dict = {}
+
+    def commit_for(result):
+        seen["built_on"] = threading.current_thread().name
+
+        def run():
+            seen["ran_on"] = threading.current_thread().name
+            seen["metadata_first"] = (tmp_path / "c" / ".metadata").is_file()
+            release.wait(30)
+            return tmp_path / "committed"
+
+        return run
+
+    saver.save(_state(8), tmp_path / "c", step=8)
+    deadline = time.monotonic() + 60
+    while "ran_on" not in seen and time.monotonic() < deadline:
+        assert saver.poll(commit=commit_for) is None
+        time.sleep(0.01)
+    for _ in range(5):  # the commit is held: polls return at once, with nothing
+        t0 = time.perf_counter()
+        assert saver.poll(commit=commit_for) is None
+        assert time.perf_counter() - t0 < 0.5
+    assert saver.local_flags().tolist() == [0.0, 0.0, 1.0, 0.0]  # commit running
+    release.set()
+    result = _poll_until(saver, commit_for)
+    assert result.step == 8 and result.committed == tmp_path / "committed"
+    assert seen["built_on"] == threading.current_thread().name
+    assert seen["ran_on"] != seen["built_on"] and seen["ran_on"].startswith("nvrx-commit")
+    assert seen["metadata_first"]
+    assert saver.committing is None and saver.poll() is None
+
+
+def test_a_failed_commit_fails_the_next_poll(saver: AsyncCheckpointer, tmp_path: Path):
+    """A storage error of the commit (ENOSPC in production) reaches the training thread at the
+    poll that learns of it, as the same CheckpointStorageError as a failed write; the next save
+    works."""
+
+    def commit_for(result):
+        def run():
+            raise OSError(28, "No space left on device")
+
+        return run
+
+    saver.save(_state(9), tmp_path / "d", step=9)
+    with pytest.raises(CheckpointStorageError, match="No space left") as err:
+        saver.wait(commit=commit_for)
+    assert err.value.step == 9 and err.value.directory == tmp_path / "d"
+    saver.save(_state(10), tmp_path / "e", step=10)
+    assert saver.wait() is not None
+
+
+def test_abandon_lets_a_running_commit_finish(saver: AsyncCheckpointer, tmp_path: Path):
+    """A fault while the commit runs (no collectives possible): abandon waits for it and forgets
+    it, so the next incarnation's resume never reads a directory being renamed."""
+    done = []
+
+    def commit_for(result):
+        def run():
+            time.sleep(0.5)
+            done.append(result.step)
+
+        return run
+
+    saver.save(_state(11), tmp_path / "f", step=11)
+    while saver.committing is None:
+        saver.poll(commit=commit_for)
+        time.sleep(0.01)
+    saver.abandon()
+    assert done == [11] and saver.committing is None and saver.pending is None
+    assert saver.poll() is None

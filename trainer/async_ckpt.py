@@ -5,8 +5,12 @@ hands the write to NVRx's persistent writer process (an ``AsyncCallsQueue(persis
 worker, started by ``ensure_started()`` after the first training step and never waited for: its
 start-up overlaps training, not the restart's model build and load). The writer writes this
 rank's DCP shard with NVRx's ``FileSystemWriterAsync`` (fsync included) and digests it while
-training goes on; ``poll()`` (every step, every rank) commits the save (DCP finalize: gather of
-write results, ``.metadata``) once every rank's writer is done.
+training goes on. ``poll()`` (every step, every rank) finalizes the save once every rank's writer
+is done: the write results are gathered on the training thread (one small collective), and the
+coordinator writes DCP's ``.metadata`` and runs the caller's commit (``poll(commit=...)``: the
+manifest, fsyncs, rename, prune) on a persistent commit thread of its own, while training goes
+on. A later ``poll`` learns from every rank's flags whether that commit is done and whether it
+failed, and returns the ``SaveResult`` only then: a result means committed.
 
 Staging buffers: one CPU tensor per state tensor, allocated once (in shared memory, so the writer
 process receives a handle, not the bytes; page-locked once as well when the source is on CUDA)
@@ -57,6 +61,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +100,11 @@ class CheckpointTimeout(CheckpointWriteError):
     pass
 
 
+class CheckpointCommitError(CheckpointWriteError):
+    """The coordinator's commit of a written save failed for a reason that is not the storage's
+    (a bug, a refused manifest): every rank raises it; the last commit stays valid."""
+
+
 class CheckpointStorageError(CheckpointWriteError):
     """A rank's write (or the DCP ``.metadata``) failed, e.g. ENOSPC: the storage refused this
     save. Raised on every rank; the save in flight is lost, the last commit is not."""
@@ -127,6 +138,32 @@ def _write_shard(
         pass
 
 
+def _write_metadata_then(
+    writer: Any, metadata: Any, gathered: list[Any], task: CommitTask, *, step: int, directory: Path
+) -> Any:
+    """The commit thread: DCP finalize's second half (the coordinator writes ``.metadata``),
+    then the caller's commit. A failed ``.metadata`` is the storage's failure, as is an
+    ``OSError`` of the commit (a full disk)."""
+    try:
+        writer.finish(metadata, gathered)
+    except Exception as e:
+        raise CheckpointStorageError(
+            f"writing DCP metadata failed: {e}", step=step, directory=directory
+        ) from e
+    return task()
+
+
+def _remover(directory: Path) -> CommitTask:
+    def remove() -> None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    return remove
+
+
+def _nothing() -> None:
+    return None
+
+
 @dataclass
 class _Pending:
     step: int
@@ -152,8 +189,27 @@ class SaveResult:
     directory: Path
     # Seconds the training thread spent on this save: ``save()`` plus any deferred hand-off.
     blocking_s: float
+    # From ``save()`` until every rank's writer was done (the commit follows on its thread).
     total_s: float
     deferred_s: float = 0.0
+    # On the coordinator, what the commit returned (the committed directory); None elsewhere.
+    committed: Any = None
+
+
+# The coordinator's commit of one save, run on the commit thread: built on the training thread
+# from the finalized save, it must hold no process group (see ``trainer.gloo_release``).
+CommitTask = Callable[[], Any]
+CommitFor = Callable[[SaveResult], CommitTask]
+
+
+@dataclass
+class _Committing:
+    """A finalized save whose commit runs on the coordinator's commit thread (every rank holds
+    one, so that every rank polls for its outcome; only the coordinator has the future)."""
+
+    result: SaveResult
+    coordinator_rank: int
+    future: Future[Any] | None = None
 
 
 class _SyncCopy:
@@ -363,6 +419,8 @@ class AsyncCheckpointer:
         self.writer_ready_at: float | None = None
         self._warmed = False  # the current writer has written once (warm-up or a save)
         self._ready_taken = False
+        self.committing: _Committing | None = None
+        self._commit_thread: ThreadPoolExecutor | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, *, rank: int = 0) -> bool:
@@ -431,6 +489,7 @@ class AsyncCheckpointer:
         warm-up is finalized by the normal ``poll`` and never reported as a save."""
         self.group = group
         self._md_cache = nvrx_compat.new_metadata_cache() if self.cache_plan else None
+        self._settle_quietly()  # a resume must not read the checkpoints while one commits
         if self.queue is not None:
             self.start(rank=dist.get_rank())
         if warmup_dir is not None:
@@ -478,9 +537,15 @@ class AsyncCheckpointer:
         self.queue = None
 
     def close(self) -> None:
-        """Idempotent. Waits for (and commits) a save in flight only if ``wait`` was called."""
+        """Idempotent. Waits for (and commits) a save in flight only if ``wait`` was called; a
+        commit already running on the commit thread is let finish (nothing half-done is left
+        that a reader could trust either way, but a finished commit is not lost work)."""
         self._wait_copy_quietly()
         self._remove_step_hook()
+        self._settle_quietly()
+        if self._commit_thread is not None:
+            self._commit_thread.shutdown(wait=True)
+            self._commit_thread = None
         if self._results_queue_thread is not None:
             # A Manager still starting has no exit finalizer yet: the interpreter's exit would
             # wait for its process forever (a worker that fails in its first second).
@@ -668,15 +733,22 @@ class AsyncCheckpointer:
         return self.pending.locally_done
 
     def local_flags(self) -> torch.Tensor:
-        """This rank's share of the next ``poll``'s agreement, ``[not done, writer dead]``
-        (float, zeros when nothing is pending): the loop sums it with the loss in its own
-        all-reduce and hands the sums to ``poll(reduced=...)``, so a save in flight costs the
-        step no collective of its own."""
-        if self.pending is None:
-            return torch.zeros(2)
-        done = self._locally_done(block=False)
-        dead = not done and not self._worker_alive()
-        return torch.tensor([0.0 if done else 1.0, 1.0 if dead else 0.0])
+        """This rank's share of the next ``poll``'s agreement, ``[not done, writer dead, commit
+        running, commit failed]`` (float, zeros when nothing is pending; the commit flags only
+        on the coordinator): the loop sums it with the loss in its own all-reduce and hands the
+        sums to ``poll(reduced=...)``, so a save in flight costs the step no collective of its
+        own."""
+        flags = torch.zeros(4)
+        if self.pending is not None:
+            done = self._locally_done(block=False)
+            flags[0] = 0.0 if done else 1.0
+            flags[1] = 1.0 if not done and not self._worker_alive() else 0.0
+        c = self.committing
+        if c is not None and c.future is not None:
+            finished = c.future.done()  # one look: running and failed must agree
+            flags[2] = 0.0 if finished else 1.0
+            flags[3] = 1.0 if finished and c.future.exception() is not None else 0.0
+        return flags
 
     def poll(
         self,
@@ -685,16 +757,21 @@ class AsyncCheckpointer:
         section: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
         reduced: torch.Tensor | None = None,
         progress: Callable[[], None] | None = None,
+        commit: CommitFor | None = None,
     ) -> SaveResult | None:
-        """Every rank, every step: finalize the save in flight once all ranks' writers are done.
+        """Every rank, every step: finalize the save in flight once all ranks' writers are done,
+        and return its ``SaveResult`` once the coordinator's commit of it is done.
 
-        Non-blocking by default (one tiny CPU all-reduce while a save is in flight; on CUDA it
-        also hands the write to the writer once the staging copy has completed). With
-        ``block=True`` waits (for the copy, then for the writers), bounded by ``timeout_s``,
-        calling ``progress`` between rounds (a wait for a slow write is not a stalled step: the
-        checkpoint section's timeout bounds it instead); a dead writer on any rank raises on all.
+        ``commit(result)`` (the coordinator's; the same call on every rank) builds what the
+        commit thread runs after writing DCP's ``.metadata``; its return value comes back as
+        ``SaveResult.committed``. Non-blocking by default (one tiny CPU all-reduce while a save
+        or a commit is in flight, none with ``reduced``; on CUDA it also hands the write to the
+        writer once the staging copy has completed). With ``block=True`` waits (for the copy,
+        the writers, then the commit), bounded by ``timeout_s``, calling ``progress`` between
+        rounds (a wait for a slow write is not a stalled step: the checkpoint section's timeout
+        bounds it instead); a dead writer or a failed commit on any rank raises on all.
         """
-        if self.pending is None:
+        if self.pending is None and self.committing is None:
             self._note_ready()
             return None
         deadline = time.monotonic() + self.timeout_s
@@ -705,25 +782,26 @@ class AsyncCheckpointer:
                 flags = reduced.to(torch.int64)
                 reduced = None
             else:
-                done = self._locally_done(block=block)
-                dead = not done and not self._worker_alive()
-                flags = torch.tensor([0 if done else 1, 1 if dead else 0], dtype=torch.int64)
+                if block and self.pending is not None:
+                    self._locally_done(block=True)  # CUDA: wait for the copy and hand it over
+                flags = self.local_flags().to(torch.int64)
                 dist.all_reduce(flags, group=self.group)
-            if flags[1] > 0:
-                self._forget_pending()
-                self._reset_queue()
-                raise CheckpointWorkerDied(
-                    f"async checkpoint writer died on {int(flags[1])} rank(s); the save in flight "
-                    "is lost, the last committed checkpoint is intact"
-                )
-            if flags[0] == 0:
-                with section():  # the DCP finalize is storage I/O: its own hang timeout
-                    result = self._finalize()
-                if result.step == WARMUP_STEP:
-                    if dist.get_rank(self.group) == 0:
-                        shutil.rmtree(result.directory, ignore_errors=True)
-                    return None  # nothing to commit
-                return result
+            if self.committing is not None and flags[2] == 0:
+                return self._settle(failed=bool(flags[3] > 0))
+            if self.pending is not None:
+                if flags[1] > 0:
+                    self._forget_pending()
+                    self._reset_queue()
+                    raise CheckpointWorkerDied(
+                        f"async checkpoint writer died on {int(flags[1])} rank(s); the save in "
+                        "flight is lost, the last committed checkpoint is intact"
+                    )
+                if flags[0] == 0:
+                    with section():  # the gather of write results: storage-bound collective
+                        self._finalize(commit)
+                    if not block:
+                        return None  # the commit thread has it; a later poll collects it
+                    continue  # block: the commit's outcome is agreed on by the next rounds
             if not block:
                 return None
             if time.monotonic() > deadline:
@@ -737,11 +815,14 @@ class AsyncCheckpointer:
     def wait(
         self,
         section: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+        commit: CommitFor | None = None,
     ) -> SaveResult | None:
-        return self.poll(block=True, section=section)
+        return self.poll(block=True, section=section, commit=commit)
 
-    def _finalize(self) -> SaveResult:
-        """DCP finalize on all ranks: gather write results, coordinator writes ``.metadata``."""
+    def _finalize(self, commit: CommitFor | None) -> None:
+        """DCP finalize, first half, on all ranks: gather the write results; a rank's failed
+        write fails every rank now. The second half, the coordinator's ``.metadata`` and the
+        commit, goes to the commit thread (``self.committing``)."""
         p = self.pending
         assert p is not None
         self.pending = None
@@ -755,27 +836,79 @@ class AsyncCheckpointer:
             failures = [r for r in gathered if isinstance(r, BaseException)]
             if failures:
                 outcome[0] = f"{len(failures)} rank(s) failed to write: {failures[0]}"
-            else:
-                try:
-                    p.writer.finish(p.metadata, gathered)
-                except Exception as e:
-                    outcome[0] = f"writing DCP metadata failed: {e}"
-        dist.broadcast_object_list(
-            outcome, group_src=p.dist_wrapper.coordinator_rank, group=self.group
-        )
+        coordinator = p.dist_wrapper.coordinator_rank
+        dist.broadcast_object_list(outcome, group_src=coordinator, group=self.group)
         if outcome[0]:
             raise CheckpointStorageError(
                 f"checkpoint step {p.step} in {p.directory}: {outcome[0]}",
                 step=p.step,
                 directory=p.directory,
             )
-        return SaveResult(
+        result = SaveResult(
             p.step,
             p.directory,
             p.blocking_s + p.deferred_s,
             time.perf_counter() - p.started,
             p.deferred_s,
         )
+        self.committing = _Committing(result, coordinator)
+        if p.dist_wrapper.is_coordinator:
+            if p.step == WARMUP_STEP:  # nothing to commit: the warm-up's files go
+                task: CommitTask = _remover(p.directory)
+            else:
+                task = commit(result) if commit is not None else _nothing
+            if self._commit_thread is None:
+                self._commit_thread = ThreadPoolExecutor(1, thread_name_prefix="nvrx-commit")
+            self.committing.future = self._commit_thread.submit(
+                _write_metadata_then,
+                p.writer,
+                p.metadata,
+                gathered,
+                task,
+                step=p.step,
+                directory=p.directory,
+            )
+
+    def _settle(self, *, failed: bool) -> SaveResult | None:
+        """Every rank, once the coordinator's commit is over (the flags say so on every rank):
+        its result, or the same error on every rank."""
+        c = self.committing
+        assert c is not None
+        self.committing = None
+        step, directory = c.result.step, c.result.directory
+        if failed:
+            error = c.future.exception() if c.future is not None else None
+            message: list[Any] = [None]
+            if error is not None:
+                storage = isinstance(error, (OSError, CheckpointStorageError))
+                message[0] = (storage, f"{type(error).__name__}: {error}")
+            dist.broadcast_object_list(message, group_src=c.coordinator_rank, group=self.group)
+            storage, text = message[0]
+            if storage:
+                raise CheckpointStorageError(
+                    f"checkpoint step {step} in {directory}: {text}", step=step, directory=directory
+                ) from error
+            if error is not None:
+                raise error
+            raise CheckpointCommitError(f"the coordinator could not commit step {step}: {text}")
+        if step == WARMUP_STEP:
+            return None
+        if c.future is not None:
+            c.result.committed = c.future.result()
+        return c.result
+
+    def _settle_quietly(self) -> None:
+        """Fault paths (no collectives): let a running commit finish, and forget it; whether it
+        committed is for the next resume to find on disk."""
+        c, self.committing = self.committing, None
+        if c is None or c.future is None:
+            return
+        try:
+            c.future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            log.warning("commit of step %d not done after %s s", c.result.step, self.timeout_s)
+        except Exception as e:
+            log.warning("the commit of step %d failed: %s", c.result.step, e)
 
     def drop_group(self) -> None:
         """After a fault, before ``abandon``: forget this iteration's checkpoint group, so that
@@ -793,6 +926,7 @@ class AsyncCheckpointer:
         handed to the writer."""
         self._wait_copy_quietly()
         self._remove_step_hook()
+        self._settle_quietly()
         if self.queue is not None:
             try:
                 self._drain_local(time.monotonic() + self.timeout_s, what="the abandoned save")

@@ -12,7 +12,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,7 +23,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 
 from trainer import __version__, manifest, untrusted
-from trainer.async_ckpt import WARMUP_STEP, AsyncCheckpointer, CheckpointStorageError, SaveResult
+from trainer.async_ckpt import (
+    WARMUP_STEP,
+    AsyncCheckpointer,
+    CheckpointCommitError,
+    CheckpointStorageError,
+    CommitTask,
+    SaveResult,
+)
 from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, ResumePolicy, TrainConfig
 from trainer.events import EventLog, read_events
 from trainer.workload import DataSource
@@ -235,22 +242,24 @@ class CheckpointManager:
     def poll(self, *, block: bool = False, reduced: Any = None) -> SaveResult | None:
         """``reduced``: the sum over ranks of ``save_flags()`` taken *before* this step's
         ``maybe_save`` (the caller passes None when that started a save: the sums were of the
-        save before it)."""
+        save before it). Returns the save whose commit this poll learnt of, on every rank."""
         try:
             result = self.saver.poll(
                 block=block,
                 section=self._checkpoint_section,
                 reduced=reduced,
                 progress=self.progress,
+                commit=self._commit_task,
             )
         except CheckpointStorageError as e:
             if e.step == WARMUP_STEP:  # not a checkpoint; a real save reports a real problem
                 log.warning("the writer's warm-up write failed: %s", e)
                 return None
             raise self._storage_failure(e.step, e.directory, e) from e
-        if result is not None:
-            with self._checkpoint_section():
-                self._commit(result)
+        except CheckpointCommitError as e:
+            raise manifest.CheckpointError(str(e)) from e
+        if result is not None and isinstance(result.committed, Path):
+            self.on_commit(result.step, result.committed)  # rank 0, on the training thread
         ready_s = self.saver.take_ready()
         if ready_s is not None and self.rank == 0:
             # Off the critical path since the writer starts after the first step: this says
@@ -262,63 +271,37 @@ class CheckpointManager:
         return self.sections.section(CHECKPOINT_SECTION)
 
     def finish(self) -> None:
-        """Every rank, after the last step: wait for the save in flight and commit it. The wait
-        runs in the checkpoint section: a writer still starting (it starts after the first
+        """Every rank, after the last step: wait for the save in flight and its commit. The
+        wait runs in the checkpoint section: a writer still starting (it starts after the first
         step, so a resume a few steps before the end can catch it so) or still writing is not a
         stalled step."""
         with self.sections.section(CHECKPOINT_SECTION):
             self.poll(block=True)
 
-    def _commit(self, result: SaveResult) -> None:
-        """Every rank: rank 0 commits, and everyone learns whether it could (a commit that the
-        storage refuses fails all ranks the same way)."""
-        outcome: list[Any] = [None]
-        error: Exception | None = None
-        path: Path | None = None
-        if self.rank == 0:
-            try:
-                path = self._commit_rank0(result)
-            except Exception as e:
-                error = e
-                outcome[0] = (isinstance(e, OSError), f"{type(e).__name__}: {e}")
-        dist.broadcast_object_list(outcome, src=0, group=self.group)
-        if outcome[0] is not None:
-            storage, text = outcome[0]
-            if storage:
-                raise self._storage_failure(result.step, result.directory, text) from error
-            if error is not None:
-                raise error
-            raise manifest.CheckpointError(f"rank 0 could not commit step {result.step}: {text}")
-        if path is not None:
-            self.on_commit(result.step, path)
-
-    def _commit_rank0(self, result: SaveResult) -> Path:
-        t0 = time.perf_counter()
-        info = {
-            "config_hash": self.fingerprint,
-            "trainer_version": __version__,
-            # What produced it, whole: validation and export rebuild the model from this.
-            "workload": self.cfg.workload_record(),
-            "config": self.cfg.to_dict(),
-            "rng": {"seed": self.cfg.seed, "scheme": "reseeded per (seed, step, rank)"},
-            **self._inflight,
-        }
-        root = self.cfg.run_root
-        path = manifest.commit(root, result.step, world_size=self.world_size, info=info)
-        pruned = manifest.prune(root, self.cfg.keep_last)
-        if pruned.refused:
-            self.events.emit("prune_refused", step=result.step, reason=pruned.refused)
-        self.events.emit(
-            "checkpoint",
+    def _commit_task(self, result: SaveResult) -> CommitTask:
+        """Rank 0's commit of ``result``, for the saver's commit thread (after DCP's
+        ``.metadata``). Built here, on the training thread, from plain values: the thread holds
+        neither this manager nor its process group (a group must close at a fault's release,
+        ``trainer.gloo_release``)."""
+        commit = _Commit(
+            run_root=self.cfg.run_root,
             step=result.step,
-            path=str(path),
-            blocking_s=round(result.blocking_s, 4),
-            total_s=round(result.total_s + time.perf_counter() - t0, 4),
-            # Rank 0's commit (manifest, fsyncs, rename, prune) on the training thread.
-            commit_s=round(time.perf_counter() - t0, 4),
-            pruned=pruned.removed,
+            world_size=self.world_size,
+            keep_last=self.cfg.keep_last,
+            info={
+                "config_hash": self.fingerprint,
+                "trainer_version": __version__,
+                # What produced it, whole: validation and export rebuild the model from this.
+                "workload": self.cfg.workload_record(),
+                "config": self.cfg.to_dict(),
+                "rng": {"seed": self.cfg.seed, "scheme": "reseeded per (seed, step, rank)"},
+                **self._inflight,
+            },
+            events=self.events,
+            blocking_s=result.blocking_s,
+            written_s=result.total_s,
         )
-        return path
+        return commit.run
 
     def _storage_failure(self, step: int, directory: Path, error: object) -> FatalError:
         """The storage refused a save (a full disk, most often). Fatal, not restarted: every
@@ -349,6 +332,42 @@ class CheckpointManager:
                     last_committed=last,
                 )
         return FatalError(message)
+
+
+@dataclass(frozen=True)
+class _Commit:
+    """Rank 0's commit of one written save (manifest, fsyncs, rename, prune) and its
+    ``checkpoint`` event, run on the saver's commit thread while training goes on."""
+
+    run_root: Path
+    step: int
+    world_size: int
+    keep_last: int
+    info: dict[str, Any]
+    events: EventLog
+    blocking_s: float
+    written_s: float  # from save() until every rank's writer was done
+    finalized_at: float = field(default_factory=time.perf_counter)
+
+    def run(self) -> Path:
+        t0 = time.perf_counter()
+        path = manifest.commit(self.run_root, self.step, world_size=self.world_size, info=self.info)
+        pruned = manifest.prune(self.run_root, self.keep_last)
+        if pruned.refused:
+            self.events.emit("prune_refused", step=self.step, reason=pruned.refused)
+        commit_s = time.perf_counter() - t0
+        self.events.emit(
+            "checkpoint",
+            step=self.step,
+            path=str(path),
+            blocking_s=round(self.blocking_s, 4),
+            # save() until committed (DCP's .metadata and this commit on the commit thread).
+            total_s=round(self.written_s + time.perf_counter() - self.finalized_at, 4),
+            # The commit's own time (manifest, fsyncs, rename, prune), off the training thread.
+            commit_s=round(commit_s, 4),
+            pruned=pruned.removed,
+        )
+        return path
 
 
 def recorded_commit(events: list[dict[str, Any]]) -> int | None:

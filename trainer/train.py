@@ -340,7 +340,7 @@ def _run(
             config_hash=cfg.fingerprint(),
             # Recovery phases (trainer.timeline): when this interpreter started, and how long
             # the dataset check took (sizes and manifest digest, or every shard's digest).
-            process_start_t=_process_start_time(),
+            process_start_t=process_start_time(),
             data_s=round(data_s, 4),
         )
         if restart_count > 0 or respawned:
@@ -399,7 +399,7 @@ def _run(
     return wrapped()  # type: ignore[no-any-return]
 
 
-def _process_start_time() -> float | None:
+def process_start_time() -> float | None:
     """This process's start (epoch seconds): a respawned worker's interpreter start-up and
     imports are part of its recovery time."""
     try:
