@@ -1,10 +1,12 @@
-"""Overhead of the three layers on a workload's training loop: steps per second with all three on
-(async checkpoints every ``--ckpt-interval`` steps, ft_launcher heartbeats, in-process Wrapper)
-against the same loop with none (plain ``torchrun``, no heartbeats, no Wrapper, one checkpoint at
-the very end, outside the measured window). Target: <= 2 % on ``llama-tiny``.
+"""Overhead of the layers on a workload's training loop: steps per second with the restart layers
+on (ft_launcher heartbeats and sections, the in-process Wrapper: the *loop overhead*), and with
+all three (plus async checkpoints every ``--ckpt-interval`` steps), against the same loop with
+none (plain ``torchrun``, no heartbeats, no Wrapper, one checkpoint at the very end, outside the
+measured window). Target (issue 15): loop overhead <= 1 % after start-up; the checkpoints' cost
+is reported beside it (at Young's interval it is the ETTR benchmark's to judge).
 
-    python benchmarks/layer_overhead.py [--workload llama-tiny] [--steps 60] [--repeats 3]
-        [--nproc 2] [--json] [--out FILE]
+    python benchmarks/layer_overhead.py [--workload llama-tiny] [--steps 400] [--repeats 5]
+        [--ckpt-interval 100] [--nproc 2] [--json] [--out FILE]
 
 Three variants run in this one invocation, interleaved (none, restart layers, all layers,
 none, ...), on the same dataset and config: ``restart-layers`` (heartbeats and the Wrapper, no
@@ -34,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-TARGET_OVERHEAD = 0.02
+TARGET_OVERHEAD = 0.01  # of the loop: the restart layers against none
 
 
 def _env(config: Path) -> dict[str, str]:
@@ -93,10 +95,11 @@ def _rate(step_times: dict[int, float], first: int, last: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", default="llama-tiny")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--warmup", type=int, default=5, help="steps excluded as start-up")
-    p.add_argument("--ckpt-interval", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=3)
+    # ~ Young's interval of the ETTR benchmark on this machine (96 steps of the tiny model).
+    p.add_argument("--ckpt-interval", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", type=Path)
@@ -160,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             "max": round(max(xs), 4),
         }
 
-    ratios = ratios_of("layers")
-    overheads = [1 - r for r in ratios]
+    loop = [1 - r for r in ratios_of("restart-layers")]
+    everything = [1 - r for r in ratios_of("layers")]
     out = {
         "workload": args.workload,
         "steps": args.steps,
@@ -170,17 +173,19 @@ def main(argv: list[str] | None = None) -> int:
         "nproc": args.nproc,
         "runs": runs,
         "median_steps_per_s": {k: round(statistics.median(v), 3) for k, v in rate.items()},
-        "ratio_layers_vs_none": spread(ratios),
+        "ratio_layers_vs_none": spread(ratios_of("layers")),
         "ratio_restart_layers_vs_none": spread(ratios_of("restart-layers")),
-        "overhead": round(statistics.median(overheads), 4),
-        "target_overhead": TARGET_OVERHEAD,
-        "met": statistics.median(overheads) <= TARGET_OVERHEAD,
+        "loop_overhead": round(statistics.median(loop), 4),
+        "overhead_with_checkpoints": round(statistics.median(everything), 4),
+        "target_loop_overhead": TARGET_OVERHEAD,
+        "met": statistics.median(loop) <= TARGET_OVERHEAD,
     }
     print(
-        f"steps/s (median): {out['median_steps_per_s']}; all layers vs none: overhead "
-        f"{out['overhead']:.1%} (ratios {out['ratio_layers_vs_none']}), target <= "
-        f"{TARGET_OVERHEAD:.0%}: {'met' if out['met'] else 'MISSED'}; restart layers alone: "
-        f"ratios {out['ratio_restart_layers_vs_none']}"
+        f"steps/s (median): {out['median_steps_per_s']}; loop overhead (restart layers vs "
+        f"none) {out['loop_overhead']:.1%} (ratios {out['ratio_restart_layers_vs_none']}), "
+        f"target <= {TARGET_OVERHEAD:.0%}: {'met' if out['met'] else 'MISSED'}; with a "
+        f"checkpoint every {args.ckpt_interval} steps: {out['overhead_with_checkpoints']:.1%} "
+        f"(ratios {out['ratio_layers_vs_none']})"
     )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
