@@ -324,7 +324,7 @@ class Rank:
 
         if self.saver is None:
             self.saver = AsyncCheckpointer(device=self.device, timeout_s=600)
-        saver, group, rank, world = self.saver, self.group, self.rank, self.world
+        saver, group, world = self.saver, self.group, self.world
         saver.bind(group, warmup_dir=self.root / "ours-warmup")
         saver.wait()  # the warm-up write: done before the phase, as at a run's start
 
@@ -334,32 +334,29 @@ class Rank:
             def start(self, d: Path, save: Save) -> None:
                 saver.save(state_fn(), d, save.step)
 
-            def _commit(self, save: Save, result: Any) -> None:
-                outcome: list[Any] = [None]
-                if rank == 0:
-                    try:
-                        manifest.commit(
-                            self.run_root,
-                            result.step,
-                            world_size=world,
-                            info={"config_hash": "bench", "benchmark": "checkpoint_stall"},
-                        )
-                    except Exception as e:
-                        outcome[0] = f"{type(e).__name__}: {e}"
-                dist.broadcast_object_list(outcome, src=0, group=group)
-                if outcome[0]:
-                    raise RuntimeError(f"commit failed: {outcome[0]}")
-                save.mark_done()
+            def _commit_task(self, result: Any) -> Callable[[], Any]:
+                # Rank 0's commit, on the saver's commit thread (as trainer/checkpoint.py does).
+                run_root = self.run_root
+                assert run_root is not None
+
+                def run() -> Path:
+                    return manifest.commit(
+                        run_root,
+                        result.step,
+                        world_size=world,
+                        info={"config_hash": "bench", "benchmark": "checkpoint_stall"},
+                    )
+
+                return run
 
             def poll(self, save: Save | None) -> None:
-                result = saver.poll()
+                result = saver.poll(commit=self._commit_task)
                 if result is not None and save is not None:
-                    self._commit(save, result)
+                    save.mark_done()  # committed: every rank learns it at the same poll
 
             def wait(self, save: Save) -> None:
-                result = saver.wait()
-                if result is not None:
-                    self._commit(save, result)
+                if saver.wait(commit=self._commit_task) is not None:
+                    save.mark_done()
 
             def before_optimizer_step(self) -> None:
                 saver.before_optimizer_step()
