@@ -18,6 +18,7 @@ from trainer.async_ckpt import (
     WARMUP_STEP,
     AsyncCheckpointer,
     CheckpointStorageError,
+    CheckpointTimeout,
     CheckpointWorkerDied,
 )
 
@@ -711,3 +712,33 @@ def test_abandon_lets_a_running_commit_finish(saver: AsyncCheckpointer, tmp_path
     saver.abandon()
     assert done == [11] and saver.committing is None and saver.pending is None
     assert saver.poll() is None
+
+
+def test_a_stuck_commit_times_out_naming_it(group, tmp_path: Path):
+    """Storage that hangs under the commit thread: the blocking wait gives up after timeout_s
+    with an error that names the commit, and the restart that follows (abandon) lets it end."""
+    import threading
+
+    release = threading.Event()
+
+    def commit_for(result):
+        def run():
+            release.wait(30)
+
+        return run
+
+    s = AsyncCheckpointer(device=torch.device("cpu"), timeout_s=1.0)
+    try:
+        s.bind(group)
+        s.save(_state(12), tmp_path / "g", step=12)
+        with pytest.raises(CheckpointTimeout, match="commit of step 12 not done after 1.0 s"):
+            deadline = time.monotonic() + 60
+            while s.committing is None and time.monotonic() < deadline:  # writer starting
+                s.poll(commit=commit_for)
+                time.sleep(0.01)
+            s.wait(commit=commit_for)
+        release.set()
+        s.abandon()
+        assert s.committing is None and s.poll() is None
+    finally:
+        s.close()

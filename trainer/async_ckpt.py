@@ -805,6 +805,13 @@ class AsyncCheckpointer:
             if not block:
                 return None
             if time.monotonic() > deadline:
+                if self.pending is None and self.committing is not None:
+                    # The storage is stuck under the commit thread; the restart this error
+                    # leads to waits for it once more (abandon), then resumes from the disk.
+                    raise CheckpointTimeout(
+                        f"commit of step {self.committing.result.step} not done after "
+                        f"{self.timeout_s} s"
+                    )
                 self._forget_pending()
                 self._reset_queue()
                 raise CheckpointTimeout(f"checkpoint write not done after {self.timeout_s} s")
