@@ -550,12 +550,15 @@ class AsyncCheckpointer:
             # A Manager still starting has no exit finalizer yet: the interpreter's exit would
             # wait for its process forever (a worker that fails in its first second).
             self._results_queue_thread.join(timeout=60)
+            self._results_queue_thread = None
         if self.queue is None:
             return
         # Killed, not asked to exit ('DONE' and a join waited ~0.7 s for the writer's
         # interpreter to wind down, at the end of every worker): it writes nothing once every
-        # call is finalized, and a save still in flight is abandoned either way.
+        # call is finalized, and a save still in flight is abandoned either way. The same for
+        # NVRx's results-queue Manager (its exit finalizer waited ~1 s).
         self._reset_queue()
+        nvrx_compat.stop_write_results_queue()
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, state_dict: dict[str, Any], directory: Path, step: int) -> float:

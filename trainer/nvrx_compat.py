@@ -60,6 +60,24 @@ def write_results_queue_ready() -> bool:
     return getattr(_fs_async, "_results_queue", True) is not None
 
 
+def stop_write_results_queue() -> None:
+    """At the worker's end: stop NVRx's results-queue Manager now, and forget it.
+
+    Left to its exit finalizer, every worker's exit waited ~1 s for it: the finalizer asks the
+    Manager to shut down and joins it for up to 1 s, and the Manager, which has imported torch
+    to unpickle the write results it carries, takes about that long to wind down (measured
+    0.8-1.0 s, then terminated). Nothing is lost by killing it once every save is finalized or
+    abandoned; a later save in this process (tests) starts a new one."""
+    results = getattr(_fs_async, "_results_queue", None)
+    process = getattr(getattr(results, "_manager", None), "_process", None)
+    if process is None:
+        return
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+    _fs_async._results_queue = None
+
+
 def discard_write_results() -> int:
     """Empty NVRx's process-wide write-results queue; returns how many results were dropped.
 
