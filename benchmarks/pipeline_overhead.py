@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                 s3_endpoint=S3Settings(endpoint_url=endpoint).endpoint_url,
             )
             t0 = time.monotonic()
-            result = training_pipeline(params)
+            result = training_pipeline(**params.flow_parameters())
             outside = time.monotonic() - t0 - result.wall_s
             train = result.stage_durations_s.get("train", 0.0)
             runs.append(

@@ -1,9 +1,11 @@
 """Apply the shipped automations (``deploy/automations.yaml``) to a Prefect server.
 
-The file holds Prefect's own automation schema with two placeholders, ``{notify_block}`` and
-``{deployment}``, filled from names at apply time (ids differ per server). Resolution is a pure
-function (:func:`resolve`); only :func:`apply` talks to the server. Applying is idempotent: an
-automation with the same name is replaced.
+The file holds Prefect's own automation schema with placeholders filled at apply time:
+``{notify_block}`` and ``{deployment}`` from names (ids differ per server), ``{resume_parameters}``
+from the flow's own parameters (:func:`resume_parameters`) and ``{checkpoint_stall_s}``. A
+placeholder may be a whole value or part of a string (``prefect.deployment.{deployment}``).
+Resolution is a pure function (:func:`resolve`); only :func:`apply` talks to the server.
+Applying is idempotent: an automation with the same name is replaced.
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ from typing import Any
 import yaml
 
 DEFAULT_FILE = Path(__file__).resolve().parents[1] / "deploy" / "automations.yaml"
-PLACEHOLDERS = {"{notify_block}": "--notify-block", "{deployment}": "--deployment"}
+# placeholder -> the flag that provides it
+PLACEHOLDERS = {
+    "{notify_block}": "--notify-block",
+    "{deployment}": "--deployment",
+    "{resume_parameters}": "--deployment",
+    "{checkpoint_stall_s}": "--checkpoint-stall-minutes",
+}
+AWAITING_CAPACITY = "nvrx.run.awaiting-capacity"
 
 
 class AutomationConfigError(ValueError):
@@ -41,13 +50,17 @@ def load(path: Path = DEFAULT_FILE) -> list[dict[str, Any]]:
     return items
 
 
-def _fill(value: Any, ids: dict[str, str]) -> Any:
+def _fill(value: Any, ids: dict[str, Any]) -> Any:
     if isinstance(value, dict):
         return {k: _fill(v, ids) for k, v in value.items()}
     if isinstance(value, list):
         return [_fill(v, ids) for v in value]
-    if isinstance(value, str) and value in ids:
-        return ids[value]
+    if isinstance(value, str):
+        if value in ids:  # a whole value: any type (a number, a mapping)
+            return ids[value]
+        for name, filled in ids.items():
+            if isinstance(filled, str):
+                value = value.replace(name, filled)
     return value
 
 
@@ -56,10 +69,30 @@ def _needs(value: Any) -> set[str]:
         return set().union(*(_needs(v) for v in value.values())) if value else set()
     if isinstance(value, list):
         return set().union(*(_needs(v) for v in value)) if value else set()
-    return {value} if isinstance(value, str) and value in PLACEHOLDERS else set()
+    return {p for p in PLACEHOLDERS if p in value} if isinstance(value, str) else set()
 
 
-def resolve(items: list[dict[str, Any]], ids: dict[str, str]) -> Resolved:
+def resume_parameters() -> dict[str, Any]:
+    """The run-deployment action's parameters that resume a run: each flow parameter taken from
+    the ``nvrx.run.awaiting-capacity`` event's ``parameters`` (the failed run's own, its run id
+    included), kept as JSON (Prefect's ``json`` + ``jinja`` templates), so a custom run
+    resumes with its own values, not the deployment's defaults."""
+    from flows.models import PipelineParams
+
+    event = f'(events | selectattr("event", "equalto", "{AWAITING_CAPACITY}") | list | last)'
+    return {
+        name: {
+            "__prefect_kind": "json",
+            "value": {
+                "__prefect_kind": "jinja",
+                "template": f"{{{{ {event}.payload.parameters[{name!r}] | tojson }}}}",
+            },
+        }
+        for name in PipelineParams.model_fields
+    }
+
+
+def resolve(items: list[dict[str, Any]], ids: dict[str, Any]) -> Resolved:
     """Fill placeholders with ids (``{"{notify_block}": "<uuid>", ...}``); an automation that
     needs one not given is skipped, naming the flag that provides it. Each result is validated
     against Prefect's ``AutomationCore`` (a bad file fails here, naming the automation)."""
@@ -69,7 +102,9 @@ def resolve(items: list[dict[str, Any]], ids: dict[str, str]) -> Resolved:
     for item in items:
         missing = sorted(_needs(item) - set(ids))
         if missing:
-            out.skipped[item["name"]] = "needs " + ", ".join(PLACEHOLDERS[m] for m in missing)
+            out.skipped[item["name"]] = "needs " + ", ".join(
+                sorted({PLACEHOLDERS[m] for m in missing})
+            )
             continue
         filled = _fill(item, ids)
         try:
@@ -82,9 +117,9 @@ def resolve(items: list[dict[str, Any]], ids: dict[str, str]) -> Resolved:
     return out
 
 
-def lookup_ids(client: Any, *, notify_block: str | None, deployment: str | None) -> dict[str, str]:
+def lookup_ids(client: Any, *, notify_block: str | None, deployment: str | None) -> dict[str, Any]:
     """Names to ids on this server: ``TYPE-SLUG/NAME`` of a block, ``FLOW/DEPLOYMENT``."""
-    ids: dict[str, str] = {}
+    ids: dict[str, Any] = {}
     if notify_block:
         type_slug, _, name = notify_block.partition("/")
         try:
@@ -104,11 +139,26 @@ def lookup_ids(client: Any, *, notify_block: str | None, deployment: str | None)
                 "e.g. nvrx-training-pipeline/eks-on-demand"
             ) from e
         ids["{deployment}"] = str(dep.id)
+        ids["{resume_parameters}"] = resume_parameters()
     return ids
 
 
+def stall_ids(minutes: float) -> dict[str, Any]:
+    """``--checkpoint-stall-minutes``: Prefect refuses a proactive window under 10 s."""
+    if not minutes * 60 >= 10:
+        raise AutomationConfigError(
+            f"--checkpoint-stall-minutes {minutes}: give at least 10 s (0.17); a few times the "
+            "time between checkpoints is a good start"
+        )
+    return {"{checkpoint_stall_s}": round(minutes * 60, 3)}
+
+
 def apply(
-    *, path: Path = DEFAULT_FILE, notify_block: str | None = None, deployment: str | None = None
+    *,
+    path: Path = DEFAULT_FILE,
+    notify_block: str | None = None,
+    deployment: str | None = None,
+    checkpoint_stall_minutes: float = 30,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """Create or replace the automations. Returns (name -> id applied, name -> why skipped)."""
     from prefect.client.orchestration import get_client
@@ -116,9 +166,8 @@ def apply(
 
     items = load(path)
     with get_client(sync_client=True) as client:
-        resolved = resolve(
-            items, lookup_ids(client, notify_block=notify_block, deployment=deployment)
-        )
+        ids = lookup_ids(client, notify_block=notify_block, deployment=deployment)
+        resolved = resolve(items, {**ids, **stall_ids(checkpoint_stall_minutes)})
         applied = {}
         for item in resolved.automations:
             for old in client.read_automations_by_name(item["name"]):

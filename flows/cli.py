@@ -24,12 +24,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import ValidationError
 
 if TYPE_CHECKING:
-    from flows.models import PipelineParams
+    from prefect.client.schemas.objects import State
+
+    from flows.models import PipelineParams, PipelineResult
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -66,7 +68,8 @@ def load_params_dict(
             raise ValueError(f"--set {item!r}: expected key=value (dotted keys for nested fields)")
         _set_dotted(data, key.strip(), value.strip())
     if inject:
-        data["faults"] = [*data.get("faults", []), *inject]
+        drills = data.setdefault("drills", {})
+        drills["faults"] = [*drills.get("faults", []), *inject]
     if run_id:
         data["run_id"] = run_id
     return data
@@ -192,7 +195,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     # invocation's takeover is for.
     signal.signal(signal.SIGTERM, _interrupt)
     with _LiveProgress(ctx.run_root, params.steps, sys.stderr.isatty()):
-        state = training_pipeline(params, return_state=True)
+        # (``**fields`` in the flow's signature hides Prefect's return_state overload from mypy)
+        state = cast(
+            "State[PipelineResult]",
+            training_pipeline(**params.flow_parameters(), return_state=True),
+        )
     if state.is_completed():
         result = state.result()
     else:
@@ -429,25 +436,35 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_automations(args: argparse.Namespace) -> int:
     import yaml
 
-    from flows.automations import AutomationConfigError, apply, load, resolve
+    from flows.automations import (
+        AutomationConfigError,
+        apply,
+        load,
+        resolve,
+        resume_parameters,
+        stall_ids,
+    )
 
     try:
         if args.dry_run:
-            resolved = resolve(
-                load(args.file),
-                # Dry run: no server to look names up in; a nil id stands in for each one given.
-                {
-                    k: "00000000-0000-0000-0000-000000000000"
-                    for k, given in _placeholder_flags(args)
-                    if given
-                },
-            )
+            # Dry run: no server to look names up in; a nil id stands in for each one given.
+            ids: dict[str, Any] = {
+                k: "00000000-0000-0000-0000-000000000000"
+                for k, given in _placeholder_flags(args)
+                if given
+            }
+            if args.deployment:
+                ids["{resume_parameters}"] = resume_parameters()
+            resolved = resolve(load(args.file), {**ids, **stall_ids(args.checkpoint_stall_minutes)})
             print(yaml.safe_dump({"automations": resolved.automations}, sort_keys=False), end="")
             applied: dict[str, str] = {}
             skipped = resolved.skipped
         else:
             applied, skipped = apply(
-                path=args.file, notify_block=args.notify_block, deployment=args.deployment
+                path=args.file,
+                notify_block=args.notify_block,
+                deployment=args.deployment,
+                checkpoint_stall_minutes=args.checkpoint_stall_minutes,
             )
     except AutomationConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -662,7 +679,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--notify-block", help="notification block TYPE-SLUG/NAME, e.g. slack-webhook/ops"
     )
-    ap.add_argument("--deployment", help="deployment FLOW/NAME to re-run on capacity.restored")
+    ap.add_argument(
+        "--deployment",
+        help="the pipeline deployment FLOW/NAME whose runs are resumed on capacity.restored",
+    )
+    ap.add_argument(
+        "--checkpoint-stall-minutes",
+        type=float,
+        default=30.0,
+        metavar="N",
+        help="notify when a training run commits no checkpoint for N minutes (30)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print what would be applied")
     ap.set_defaults(fn=cmd_automations)
     prep = sub.add_parser(

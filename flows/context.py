@@ -86,7 +86,7 @@ def train_config(
         global_batch=params.global_batch,
         ckpt_interval=params.ckpt_interval,
         keep_last=params.keep_last,
-        faults=tuple(params.faults),
+        faults=tuple(params.drills.faults),
         device=device,
         local_paths=local_paths,
         inprocess=dataclasses.replace(

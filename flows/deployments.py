@@ -1,9 +1,10 @@
 """Deployments of the pipeline: on demand (the Prefect UI's Run button) and a nightly schedule.
 
 ``nvrx-pipeline serve`` serves both from this process (no work pool needed); ``deploy/prefect.yaml``
-declares the same two for a process work pool (``prefect deploy --all``). Run parameters merge
-*shallowly* over these defaults: a run that overrides ``params`` replaces the whole object, and
-fields it leaves out take the model defaults.
+declares the same two for a process work pool (``prefect deploy --all``). The flow's parameters
+are flat (:mod:`flows.parameters`): a run that sets ``steps`` keeps every other default of its
+deployment, and a run that sets one field of a group (``eks``, ``export``, ...) keeps the
+group's other fields.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ def concurrency() -> Any:
 
 
 def default_parameters(defaults: PipelineParams | None = None) -> dict[str, Any]:
+    """The form's starting values: every field but ``run_id`` (each run names its own)."""
     from flows.models import PipelineParams
 
-    return {"params": (defaults or PipelineParams()).model_dump(mode="json")}
+    values = (defaults or PipelineParams()).flow_parameters()
+    values.pop("run_id", None)
+    return values
 
 
 def deployments(defaults: PipelineParams | None = None) -> list[Any]:

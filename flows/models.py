@@ -70,6 +70,27 @@ class ExportLocation(BaseModel):
         return self
 
 
+class DrillParams(BaseModel):
+    """Fault drills: an opt-in section of the form, apart from the production parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+    faults: list[str] = Field(
+        default_factory=list,
+        description="faults to inject, e.g. exception@step=7,rank=1 or node-loss@step=9,node=1; "
+        "kinds: exception, stall, hang, sigkill, node-loss, corrupt-checkpoint",
+    )
+
+    @field_validator("faults")
+    @classmethod
+    def _faults(cls, v: list[str]) -> list[str]:
+        for spec in v:
+            try:
+                parse_fault(spec)
+            except FaultSpecError as e:
+                raise ValueError(str(e)) from None
+        return v
+
+
 LOCAL_S3_ENDPOINT = "http://127.0.0.1:8333"
 
 
@@ -118,11 +139,6 @@ class PipelineParams(BaseModel):
     )
     nodes: int = Field(2, ge=1, le=64, description="nodes (simulated nodes on the local backend)")
     nproc_per_node: int = Field(1, ge=1, le=8, description="worker processes per node")
-    faults: list[str] = Field(
-        default_factory=list,
-        description="fault drill, e.g. exception@step=7,rank=1 or node-loss@step=9,node=1; "
-        "kinds: exception, stall, hang, sigkill, node-loss, corrupt-checkpoint",
-    )
     inprocess_restart: bool = Field(True, description="NVRx in-process restart layer")
     injob_restart: bool = Field(True, description="ft_launcher in-job restart layer")
     max_train_attempts: int = Field(
@@ -145,6 +161,20 @@ class PipelineParams(BaseModel):
     state_dir: str = Field(
         ".state", min_length=1, description="local state: the 'FSx' directory, S3 data, runs"
     )
+    drills: DrillParams = Field(
+        default_factory=DrillParams,
+        description="opt-in fault drills, for testing recovery: leave empty in production",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "faults" in data:
+            raise ValueError(
+                "faults: fault drills moved to drills.faults (--set drills.faults=[...] or "
+                "--inject SPEC on the command line)"
+            )
+        return data
 
     @field_validator("run_id")
     @classmethod
@@ -155,16 +185,6 @@ class PipelineParams(BaseModel):
             raise ValueError("use 1-63 lowercase letters, digits and dashes, starting alphanumeric")
         return v
 
-    @field_validator("faults")
-    @classmethod
-    def _faults(cls, v: list[str]) -> list[str]:
-        for spec in v:
-            try:
-                parse_fault(spec)
-            except FaultSpecError as e:
-                raise ValueError(str(e)) from None
-        return v
-
     @field_validator("s3_endpoint")
     @classmethod
     def _endpoint(cls, v: str | None) -> str | None:
@@ -173,6 +193,10 @@ class PipelineParams(BaseModel):
         if not _S3_ENDPOINT.fullmatch(v):
             raise ValueError("expected http(s)://host[:port] with no path or credentials")
         return v.rstrip("/")
+
+    def flow_parameters(self) -> dict[str, Any]:
+        """These parameters as the flow's keyword arguments (JSON values, every field)."""
+        return self.model_dump(mode="json")
 
     def s3_init_weights(self) -> str | None:
         """``workload_options.init_weights`` when it names an S3 prefix (hydrated like the data)."""
@@ -248,13 +272,14 @@ class PipelineParams(BaseModel):
                 f"global_batch ({self.global_batch}) must be divisible by the world size "
                 f"({world} = nodes x ranks per node)"
             )
-        for spec in map(parse_fault, self.faults):
+        for spec in map(parse_fault, self.drills.faults):
+            where = f"drills.faults: {spec}"
             if spec.kind == "node-loss" and (spec.node or 0) >= self.nodes:
-                raise ValueError(f"faults: {spec} names node {spec.node}, there are {self.nodes}")
+                raise ValueError(f"{where} names node {spec.node}, there are {self.nodes}")
             if spec.rank is not None and spec.rank >= world:
-                raise ValueError(f"faults: {spec} names rank {spec.rank}, world size is {world}")
+                raise ValueError(f"{where} names rank {spec.rank}, world size is {world}")
             if spec.step > self.steps:
-                raise ValueError(f"faults: {spec} is after the last step ({self.steps})")
+                raise ValueError(f"{where} is after the last step ({self.steps})")
         return self
 
 

@@ -1,13 +1,16 @@
-"""``training_pipeline(params) -> PipelineResult``: preflight -> hydrate -> train -> validate ->
-export. Orchestration only: the stages are flows in :mod:`flows.stages`, the work is in
-``tasks``. The train stage is retried as a whole only on ``NodeLossExhausted``
-(:mod:`tasks.retry_policy`); every other failure fails the flow with its cause."""
+"""``training_pipeline(**fields) -> PipelineResult``: preflight -> hydrate -> train -> validate ->
+export. Its parameters are :class:`PipelineParams`'s fields, one flow parameter each
+(:mod:`flows.parameters`): ``training_pipeline(**params.flow_parameters())`` from Python.
+
+Orchestration only: the stages are flows in :mod:`flows.stages`, the work is in ``tasks``. The
+train stage is retried as a whole only on ``NodeLossExhausted`` (:mod:`tasks.retry_policy`);
+every other failure fails the flow with its cause."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 from uuid import UUID
 
@@ -15,6 +18,7 @@ from prefect import flow
 from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.logging import get_run_logger
 
+from flows import parameters
 from flows.context import RunContext
 from flows.events import emit
 from flows.models import (
@@ -26,6 +30,7 @@ from flows.models import (
     TakeoverInfo,
 )
 from flows.report import png_data_uri, render_report
+from flows.results import ExportResult, TrainResult, ValidationResult
 from flows.stages import (
     export_flow,
     hydrate_flow,
@@ -34,7 +39,7 @@ from flows.stages import (
     train_stage,
     validate_flow,
 )
-from tasks import run_summary
+from tasks import retry_policy, run_summary
 from tasks.backends import registry
 from tasks.ownership import lease, takeover
 from tasks.storage.local_s3 import local_s3
@@ -49,9 +54,9 @@ def build_result(
     ctx: RunContext,
     *,
     status: str,
-    train: dict[str, Any] | None,
-    validation: dict[str, Any] | None,
-    export: dict[str, Any] | None,
+    train: TrainResult | None,
+    validation: ValidationResult | None,
+    export: ExportResult | None,
     durations: dict[str, float],
     attempts: dict[str, int],
     wall_s: float,
@@ -64,27 +69,26 @@ def build_result(
         FaultRecord(**{k: v for k, v in f.items() if k != "t"})
         for f in run_summary.faults_with_recovery(events)
     ]
-    train = train or {}
     took = next((e for e in events if e["kind"] == "takeover"), None)
     return PipelineResult(
         status=status,  # type: ignore[arg-type]
         run_id=ctx.run_id,
         target_steps=params.steps,
-        final_step=train.get("final_step") or run_summary.progress(events),
-        final_loss=train.get("final_loss"),
-        params_sha256=train.get("params_sha256"),
-        checkpoint=CheckpointInfo(
-            step=(validation or {}).get("step"),
-            uri=(validation or {}).get("path"),
-            validated=bool((validation or {}).get("validated")),
-            fell_back_from=[r["step"] for r in (validation or {}).get("fell_back_from", [])],
+        final_step=train.final_step if train else run_summary.progress(events),
+        final_loss=train.final_loss if train else None,
+        params_sha256=train.params_sha256 if train else None,
+        checkpoint=CheckpointInfo()
+        if validation is None
+        else CheckpointInfo(
+            step=validation.step,
+            uri=validation.path,
+            validated=validation.validated,
+            fell_back_from=[r.step for r in validation.fell_back_from if r.step is not None],
         ),
-        export=ExportInfo(
-            **{
-                k: (export or {}).get(k)
-                for k in ("uri", "objects", "bytes", "verified")
-                if (export or {}).get(k) is not None
-            }
+        export=ExportInfo()
+        if export is None
+        else ExportInfo(
+            uri=export.uri, objects=export.objects, bytes=export.bytes, verified=export.verified
         ),
         faults=faults,
         stage_attempts=attempts,
@@ -110,8 +114,7 @@ def run_id_of_flow_run(flow_run_id: UUID | str) -> str:
     return f"run-{UUID(str(flow_run_id)).hex[:12]}"
 
 
-def _run_id(params: PipelineParams | dict[str, Any] | None, flow_run_id: Any) -> str:
-    named = params.run_id if isinstance(params, PipelineParams) else (params or {}).get("run_id")
+def _run_id(named: str | None, flow_run_id: Any) -> str:
     return str(named) if named else run_id_of_flow_run(flow_run_id)
 
 
@@ -119,7 +122,15 @@ def _flow_run_name() -> str:
     """The flow run is named by its run id (what `nvrx-pipeline status` and the events use)."""
     from prefect.runtime import flow_run
 
-    return _run_id(flow_run.parameters.get("params"), flow_run.id)
+    return _run_id(flow_run.parameters.get("run_id"), flow_run.id)
+
+
+def resolve_params(values: Mapping[str, Any], deployment_id: Any) -> PipelineParams:
+    """A flow run's parameters (validated by Prefect, or JSON) over its deployment's, deep, and
+    validated whole: the parameters the flow runs with."""
+    return parameters.resolve(
+        PipelineParams, values, parameters.deployment_parameters(deployment_id)
+    )
 
 
 def _clean_up_after(flow: Any, flow_run: Any, state: Any) -> None:
@@ -132,9 +143,8 @@ def _clean_up_after(flow: Any, flow_run: Any, state: Any) -> None:
 
     log = logging.getLogger("nvrx.cleanup")
     try:
-        raw = (flow_run.parameters or {}).get("params") or {}
-        params = raw if isinstance(raw, PipelineParams) else PipelineParams.model_validate(raw)
-        ctx = RunContext.create(params, run_id=_run_id(params, flow_run.id))
+        params = resolve_params(flow_run.parameters or {}, flow_run.deployment_id)
+        ctx = RunContext.create(params, run_id=_run_id(params.run_id, flow_run.id))
         owner = lease.live_owner(ctx.run_root)
         if owner is not None:
             log.warning("run %s: left alone, a live invocation %s owns it", ctx.run_id, owner)
@@ -149,14 +159,20 @@ def _clean_up_after(flow: Any, flow_run: Any, state: Any) -> None:
 @flow(
     name="nvrx-training-pipeline",
     flow_run_name=_flow_run_name,
+    persist_result=True,
+    result_serializer="json",
     on_cancellation=[_clean_up_after],
     on_crashed=[_clean_up_after],
 )
-def training_pipeline(params: PipelineParams) -> PipelineResult:
-    from prefect.runtime import flow_run
+@parameters.flat_parameters(PipelineParams)
+def training_pipeline(**fields: Any) -> PipelineResult:
+    """One training run, from preflight to a verified checkpoint in S3."""
+    from prefect.runtime import deployment, flow_run
 
     log = get_run_logger()
-    ctx = RunContext.create(params, run_id=_run_id(params, flow_run.id))
+    # Cross-field checks run here, on the run's parameters merged over the deployment's.
+    params = resolve_params(fields, deployment.get_id())
+    ctx = RunContext.create(params, run_id=_run_id(params.run_id, flow_run.id))
     log.info("run %s: run root %s", ctx.run_id, ctx.run_root)
     # Before anything else: one writer per run directory (DESIGN §8). A second invocation of a
     # live run stops here with RunBusy naming the owner, having written nothing.
@@ -202,7 +218,7 @@ def _run(
     t0 = time.monotonic()
     durations: dict[str, float] = {}
     attempts: dict[str, int] = {}
-    out: dict[str, Any] = {}
+    out = _Outputs()
 
     current: dict[str, str] = {}
 
@@ -240,31 +256,40 @@ def _run(
                 seed_demo_dataset(params, ctx)
             stage("preflight", lambda: preflight_flow(params, ctx))
             hydrated = stage("hydrate", lambda: hydrate_flow(params, ctx))
-            ctx = dataclasses.replace(ctx, data_manifest_sha256=hydrated.get("manifest_sha256"))
+            ctx = dataclasses.replace(ctx, data_manifest_sha256=hydrated.manifest_sha256)
             retries = params.max_train_attempts - 1
-            out["train"] = stage(
+            out.train = stage(
                 "train", lambda: train_stage.with_options(retries=retries)(params, ctx)
             )
-            out["validation"] = stage("validate", lambda: validate_flow(params, ctx))
-            out["export"] = stage(
-                "export", lambda: export_flow(params, ctx, out["validation"]["path"])
-            )
+            validation = out.validation = stage("validate", lambda: validate_flow(params, ctx))
+            out.export = stage("export", lambda: export_flow(params, ctx, validation.path))
     except BaseException as e:
         cancelled = _is_cancellation(e)
+        step = run_summary.progress([x for x in read_events(ctx.run_root) if x["t"] >= since])
+        cause = f"{type(e).__name__}: {e}"
         emit(
             "run.cancelled" if cancelled else "run.failed",
             ctx.run_id,
             stage=current.get("stage"),
-            cause=f"{type(e).__name__}: {e}",
-            step=run_summary.progress([x for x in read_events(ctx.run_root) if x["t"] >= since]),
+            cause=cause,
+            step=step,
         )
+        if not cancelled and retry_policy.awaits_capacity(e):
+            # Everything the capacity-restored automation needs to resume this very run.
+            emit(
+                "run.awaiting-capacity",
+                ctx.run_id,
+                cause=cause,
+                step=step,
+                parameters={**params.flow_parameters(), "run_id": ctx.run_id},
+            )
         result = build_result(
             params,
             ctx,
             status="cancelled" if cancelled else "failed",
-            train=out.get("train"),
-            validation=out.get("validation"),
-            export=out.get("export"),
+            train=out.train,
+            validation=out.validation,
+            export=out.export,
             durations=durations,
             attempts=attempts,
             wall_s=time.monotonic() - t0,
@@ -277,9 +302,9 @@ def _run(
         params,
         ctx,
         status="completed",
-        train=out["train"],
-        validation=out["validation"],
-        export=out["export"],
+        train=out.train,
+        validation=out.validation,
+        export=out.export,
         durations=durations,
         attempts=attempts,
         wall_s=time.monotonic() - t0,
@@ -295,6 +320,15 @@ def _run(
         faults=len(result.faults),
     )
     return result
+
+
+@dataclasses.dataclass
+class _Outputs:
+    """What the stages returned so far (a failed run reports what it got to)."""
+
+    train: TrainResult | None = None
+    validation: ValidationResult | None = None
+    export: ExportResult | None = None
 
 
 def _is_cancellation(e: BaseException) -> bool:

@@ -1,4 +1,7 @@
-"""The stage flows: each its own Prefect flow run (logs, artifacts); the work is in ``tasks``."""
+"""The stage flows: each its own Prefect flow run (logs, artifacts); the work is in ``tasks``.
+
+Each returns a typed model (:mod:`flows.results`), persisted as JSON with its flow run and
+published to its Artifacts tab."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from uuid import UUID
 
 from prefect import flow, task
 from prefect.artifacts import (
+    create_link_artifact,
     create_progress_artifact,
     create_table_artifact,
     update_progress_artifact,
@@ -17,6 +21,18 @@ from prefect.logging import get_run_logger
 from flows.context import RunContext, stage_train_config
 from flows.events import emit, emit_for_trainer_event, last_attempt_cause
 from flows.models import PipelineParams
+from flows.results import (
+    CheckRow,
+    ExportResult,
+    HydrateResult,
+    PreflightResult,
+    PreflightRow,
+    RejectedCheckpoint,
+    TrainResult,
+    ValidationResult,
+    console_link,
+    publish,
+)
 from tasks.backends import registry
 from tasks.backends.base import Backend, HydrateRequest, LaunchRequest
 from tasks.classify import EndKind
@@ -73,8 +89,10 @@ def backend_for(params: PipelineParams, ctx: RunContext) -> Backend:
 
 
 # -- preflight ------------------------------------------------------------------------------------
-@flow(name="preflight")
-def preflight_flow(params: PipelineParams, ctx: RunContext) -> list[dict[str, str]]:
+# Every stage flow persists its result as JSON (readable from the result storage without this
+# code), so the API and the UI hold what each stage returned.
+@flow(name="preflight", persist_result=True, result_serializer="json")
+def preflight_flow(params: PipelineParams, ctx: RunContext) -> PreflightResult:
     s3 = {
         "s3": ctx.s3,
         "client": boto3_client(ctx.s3),
@@ -102,12 +120,14 @@ def preflight_flow(params: PipelineParams, ctx: RunContext) -> list[dict[str, st
     get_run_logger().info(
         "preflight passed: %s", ", ".join(f"{r.name} {r.status}" for r in results)
     )
-    return rows
+    result = PreflightResult(checks=[PreflightRow.model_validate(r) for r in rows])
+    publish("preflight", result, ctx.run_id)
+    return result
 
 
 # -- hydrate --------------------------------------------------------------------------------------
-@flow(name="hydrate")
-def hydrate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
+@flow(name="hydrate", persist_result=True, result_serializer="json")
+def hydrate_flow(params: PipelineParams, ctx: RunContext) -> HydrateResult:
     log = get_run_logger()
     # Sync context: these return the value, not a coroutine (their typing covers both).
     artifact = cast(
@@ -130,7 +150,17 @@ def hydrate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
     done = backend_for(params, ctx).hydrate(request, progress)
     update_progress_artifact(artifact, 100.0)
     log.info("hydrated %s -> %s: %s", done.source, done.dest, done.detail)
-    return done.report
+    result = HydrateResult(
+        source=done.source,
+        dest=done.dest,
+        files=done.files,
+        seconds=done.seconds,
+        manifest_sha256=done.manifest_sha256,
+        detail=done.detail,
+        backend=done.report,
+    )
+    publish("hydrate", result, ctx.run_id)
+    return result
 
 
 # -- train ----------------------------------------------------------------------------------------
@@ -185,8 +215,8 @@ class _Progress:
             self.log.error("trainer fatal error: %s", e.get("error"))
 
 
-@flow(name="train")
-def train_flow(params: PipelineParams, ctx: RunContext, attempt: int) -> dict[str, Any]:
+@flow(name="train", persist_result=True, result_serializer="json")
+def train_flow(params: PipelineParams, ctx: RunContext, attempt: int) -> TrainResult:
     log = get_run_logger()
     if attempt > 1:
         cause = last_attempt_cause(ctx.run_root)
@@ -210,25 +240,33 @@ def train_flow(params: PipelineParams, ctx: RunContext, attempt: int) -> dict[st
         params.steps,
         params.backend,
     )
-    report = run_attempt(
-        backend_for(params, ctx),
-        request,
-        on_event=_Progress(params.steps, attempt, ctx.run_id),
-    )
-    return _finish_attempt(report)
+    emit("train.started", ctx.run_id, attempt=attempt, nodes=params.nodes)
+    outcome = "error"
+    try:
+        report = run_attempt(
+            backend_for(params, ctx),
+            request,
+            on_event=_Progress(params.steps, attempt, ctx.run_id),
+        )
+        outcome = report.outcome.kind.value
+    finally:  # what the stalled-checkpoint automation stops waiting on
+        emit("train.ended", ctx.run_id, attempt=attempt, outcome=outcome)
+    result = _finish_attempt(report)
+    publish("train", result, ctx.run_id)
+    return result
 
 
-def _finish_attempt(report: AttemptReport) -> dict[str, Any]:
+def _finish_attempt(report: AttemptReport) -> TrainResult:
     if report.outcome.kind != EndKind.COMPLETED:
         error = report.outcome.error()
         assert error is not None
         raise error
     get_run_logger().info("train attempt %d completed in %.1f s", report.attempt, report.wall_s)
-    return dict(report.outcome.details["result"])
+    return TrainResult.model_validate(report.outcome.details["result"])
 
 
 @task(name="train-stage", retry_condition_fn=prefect_retry_condition)
-def train_stage(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
+def train_stage(params: PipelineParams, ctx: RunContext) -> TrainResult:
     """The train stage as a task: Prefect retries it (a new ``train`` flow run per attempt)
     only when :func:`tasks.retry_policy.stage_retry_allowed` says so."""
     from prefect.runtime import task_run
@@ -237,8 +275,8 @@ def train_stage(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
 
 
 # -- validate -------------------------------------------------------------------------------------
-@flow(name="validate")
-def validate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
+@flow(name="validate", persist_result=True, result_serializer="json")
+def validate_flow(params: PipelineParams, ctx: RunContext) -> ValidationResult:
     cfg = stage_train_config(params, ctx)
     # The workload, batch and seed come from each checkpoint's manifest; the config hash says
     # whether that is this run's.
@@ -273,12 +311,27 @@ def validate_flow(params: PipelineParams, ctx: RunContext) -> dict[str, Any]:
         outcome.chosen.step,
         outcome.chosen.hash_mb_s,
     )
-    return outcome.to_dict()
+    chosen = outcome.chosen
+    result = ValidationResult(
+        step=chosen.step,
+        path=chosen.path,
+        validated=chosen.passed,
+        checks=[CheckRow.model_validate(c) for c in chosen.checks],
+        hash_mb_s=chosen.hash_mb_s,
+        fell_back_from=[
+            RejectedCheckpoint(
+                step=r.step, failed=[CheckRow.model_validate(c) for c in r.failed_checks()]
+            )
+            for r in outcome.rejected
+        ],
+    )
+    publish("validate", result, ctx.run_id)
+    return result
 
 
 # -- export ---------------------------------------------------------------------------------------
-@flow(name="export")
-def export_flow(params: PipelineParams, ctx: RunContext, checkpoint_path: str) -> dict[str, Any]:
+@flow(name="export", persist_result=True, result_serializer="json")
+def export_flow(params: PipelineParams, ctx: RunContext, checkpoint_path: str) -> ExportResult:
     from pathlib import Path
 
     client = boto3_client(ctx.s3)
@@ -315,4 +368,16 @@ def export_flow(params: PipelineParams, ctx: RunContext, checkpoint_path: str) -
         report.skipped,
         report.verification,
     )
-    return report.to_dict()
+    link = console_link(report.uri, ctx.s3.endpoint_url, ctx.s3.region)
+    result = ExportResult(**report.to_dict(), link=link)
+    publish("export", result, ctx.run_id)
+    try:
+        create_link_artifact(
+            link,
+            link_text=report.uri,
+            key="export",
+            description=f"the verified export of {ctx.run_id} ({report.objects} objects)",
+        )
+    except Exception as e:  # a link must never fail the export it points to
+        get_run_logger().warning("could not publish the export link: %s", e)
+    return result

@@ -29,6 +29,12 @@ class NodeLossExhausted(TrainingFailed):
     on the nodes available, from the newest valid checkpoint, is the remedy."""
 
 
+class CapacityNotRestored(TrainingFailed):
+    """Too few healthy nodes came back within ``eks.node_wait_s`` after a loss: another attempt
+    now would only sit unschedulable. Not retried; the run is resumed (same run id) when
+    capacity is back."""
+
+
 class InJobExhausted(TrainingFailed):
     """ft_launcher used up ``--max-restarts`` on faults that kept coming back (no node lost)."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.errors import NodeLossExhausted
+from tasks.errors import CapacityNotRestored, NodeLossExhausted
 
 
 def stage_retry_allowed(error: BaseException | None) -> bool:
@@ -12,6 +12,13 @@ def stage_retry_allowed(error: BaseException | None) -> bool:
     Every other failure repeats on a retry (a bug, bad data, a fault that keeps coming) and must
     fail fast with its cause."""
     return isinstance(error, NodeLossExhausted)
+
+
+def awaits_capacity(error: BaseException | None) -> bool:
+    """The run ended for want of nodes, not for a fault of its own: lost nodes used up its
+    stage attempts, or too few came back. The same run, resumed once capacity is back, goes on
+    from its newest valid checkpoint (the capacity-restored automation does that)."""
+    return isinstance(error, NodeLossExhausted | CapacityNotRestored)
 
 
 def prefect_retry_condition(task: Any, task_run: Any, state: Any) -> bool:

@@ -29,6 +29,9 @@ def s3_settings(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
+UI_URL = "http://prefect-ui.test"
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
     """One Prefect test server (real API over HTTP, SQLite) for the session."""
@@ -38,11 +41,18 @@ def prefect_server():
     from prefect.settings import (
         PREFECT_API_URL,
         PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        PREFECT_UI_URL,
         temporary_settings,
     )
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+    # The server renders notifications' links to the UI from PREFECT_UI_URL (set on a real
+    # server); the harness's server gets it from these settings.
+    with (
+        temporary_settings({PREFECT_UI_URL: UI_URL}),
+        prefect_test_harness(),
+        temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}),
+    ):
         yield PREFECT_API_URL.value()
 
 

@@ -26,7 +26,7 @@ def make_params(state: Path, s3: S3Settings, **kw: Any) -> PipelineParams:
 def run_pipeline(params: PipelineParams) -> tuple[Any, PipelineResult | None]:
     from flows.pipeline import training_pipeline
 
-    state = training_pipeline(params, return_state=True)
+    state = training_pipeline(**params.flow_parameters(), return_state=True)
     result = state.result(raise_on_failure=False) if state.is_completed() else None
     return state, result
 

@@ -8,15 +8,16 @@ own: ``python -m tests.served_flows {local|kmock}`` (``PREFECT_API_URL`` names t
   :func:`pipeline_on_kmock` builds them from its parameters (kmock's URL; the FSx stub's answers
   come from the same :func:`tests.test_eks_pipeline.stubbed_fsx` the EKS pipeline test uses).
 
-:func:`pipeline_on_kmock` calls ``training_pipeline.fn(params)`` (the real pipeline's body in
-this flow run), not ``training_pipeline(params)`` as a subflow: the runner runs the
+:func:`pipeline_on_kmock` calls ``training_pipeline.fn(...)`` (the real pipeline's body in
+this flow run), not ``training_pipeline(...)`` as a subflow: the runner runs the
 cancellation and crashed hooks of the flow *it* served, in the runner's process
 (``PREFECT__ENABLE_CANCELLATION_AND_CRASHED_HOOKS=false`` in the flow's process). A subflow's
 hooks would never be run by the runner, so the wrapper carries the pipeline's own hook,
 :func:`flows.pipeline._clean_up_after`, run under :func:`use_clients` with kmock's clients (the
-runner's process has no clients of its own either), and the pipeline's own run name. One flow
+runner's process has no clients of its own either), and the pipeline's run name. One flow
 run then is the run, as with the product deployment: its name is the run id, its parameters
-carry ``params``, cancelling it cancels the training.
+carry the pipeline's (as one ``params`` object, beside ``kube_url``), cancelling it cancels the
+training.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 from prefect import flow
 
 from flows.models import PipelineParams, PipelineResult
-from flows.pipeline import _clean_up_after, _flow_run_name, training_pipeline
+from flows.pipeline import _clean_up_after, _run_id, training_pipeline
 from tasks.backends.eks.clients import EksClients, use_clients
 
 KMOCK_FLOW = "nvrx-training-pipeline-on-kmock"
@@ -59,20 +60,32 @@ def _clean_up_on_kmock(flow: Any, flow_run: Any, state: Any) -> None:
     raw = flow_run.parameters or {}
     params = PipelineParams.model_validate(raw["params"])
     clients, _ = kmock_clients(str(raw["kube_url"]), params)  # cleanup calls no FSx API
+    # The pipeline's parameters as the product's flow run carries them (no deployment defaults).
+    as_pipeline = flow_run.model_copy(
+        update={"parameters": params.flow_parameters(), "deployment_id": None}
+    )
     with use_clients(clients):
-        _clean_up_after(flow, flow_run, state)
+        _clean_up_after(flow, as_pipeline, state)
+
+
+def _kmock_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters.get("params")
+    named = params.run_id if isinstance(params, PipelineParams) else (params or {}).get("run_id")
+    return _run_id(named, flow_run.id)
 
 
 @flow(
     name=KMOCK_FLOW,
-    flow_run_name=_flow_run_name,
+    flow_run_name=_kmock_run_name,
     on_cancellation=[_clean_up_on_kmock],
     on_crashed=[_clean_up_on_kmock],
 )
 def pipeline_on_kmock(params: PipelineParams, kube_url: str) -> PipelineResult:
     clients, stub = kmock_clients(kube_url, params)
     with stub, use_clients(clients):
-        return training_pipeline.fn(params)
+        return training_pipeline.fn(**params.flow_parameters())
 
 
 def main(argv: list[str]) -> None:

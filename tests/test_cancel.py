@@ -166,7 +166,7 @@ def test_cancel_during_train_on_the_local_backend_leaves_no_process(
     run_root: Path | None = None
     try:
         with served("local", "nvrx-training-pipeline/on-demand", prefect_server, log) as dep:
-            flow_run = start_run(dep, {"params": params.model_dump(mode="json")})
+            flow_run = start_run(dep, params.flow_parameters())
             run_id = run_id_of_flow_run(flow_run.id)
             run_root = tmp_path / "state" / "fsx" / "runs" / run_id
             # Mid-train: the simulated nodes run and the state directory's S3 server is up.

@@ -41,8 +41,8 @@ def _tagged_sleeper(run_root: Path) -> psutil.Process:
 
 
 def _flow_run(params: PipelineParams) -> SimpleNamespace:
-    # The two fields of Prefect's FlowRun the hook reads (what the runner passes it).
-    return SimpleNamespace(id=uuid.uuid4(), parameters={"params": params.model_dump(mode="json")})
+    # The fields of Prefect's FlowRun the hook reads (what the runner passes it).
+    return SimpleNamespace(id=uuid.uuid4(), parameters=params.flow_parameters(), deployment_id=None)
 
 
 @pytest.mark.parametrize("owner_alive", [False, True], ids=["owner-dead", "owner-alive"])

@@ -338,7 +338,7 @@ def test_iam_policy_grants_exactly_the_aws_calls() -> None:
 
 def test_iam_policy_is_scoped_to_the_deployments_file_system_and_buckets() -> None:
     (dep, *_) = _load_one("prefect.yaml")["deployments"]
-    params = PipelineParams.model_validate(dep["parameters"]["params"])
+    params = PipelineParams.model_validate(dep["parameters"])
     fs, region = params.eks.file_system_id, params.eks.region
     buckets = {params.dataset.bucket, params.export.bucket}
     for st in _iam()["Statement"]:
@@ -646,12 +646,12 @@ def test_eks_prefect_yaml_deploys_valid_eks_runs_to_the_pool(monkeypatch) -> Non
         assert set(env) == set(ALLOWED_ENV.values())
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        params = PipelineParams.model_validate(dep["parameters"]["params"])
+        params = PipelineParams.model_validate(dep["parameters"])
         assert params.backend == "eks" and params.s3_endpoint is None
         assert variables["image"] == params.eks.image
         for field, name in ALLOWED_ENV.items():
             assert env[name].split(",") == [getattr(params.eks, field)]
-        other = {**dep["parameters"]["params"], "eks": {**params.eks.model_dump(), "image": "x"}}
+        other = {**dep["parameters"], "eks": {**params.eks.model_dump(), "image": "x"}}
         with pytest.raises(ValueError, match="eks.image"):
             PipelineParams.model_validate(other)
 

@@ -19,7 +19,7 @@ def test_prefect_yaml_matches_served_deployments():
     for d in deps.values():
         module, _, func = d["entrypoint"].partition(":")
         assert (REPO / module).is_file() and func == "training_pipeline"
-        PipelineParams(**d["parameters"]["params"])  # defaults are valid parameters
+        PipelineParams(**d["parameters"])  # defaults are valid parameters
         assert d["work_pool"]["name"] == "nvrx-local"
     assert deps[NIGHTLY]["schedules"][0]["cron"] == NIGHTLY_CRON
 
@@ -33,7 +33,7 @@ def test_local_deployments_ignore_the_eks_allow_lists(monkeypatch):
         monkeypatch.setenv(name, "something-else")
     spec = yaml.safe_load((REPO / "deploy" / "prefect.yaml").read_text())
     for d in spec["deployments"]:
-        params = d["parameters"]["params"]
+        params = d["parameters"]
         assert params["backend"] == "local" and "eks" not in params
         assert "job_variables" not in d["work_pool"]
         PipelineParams(**params)
@@ -43,11 +43,11 @@ def test_served_defaults_carry_overrides():
     from flows.deployments import deployments
     from flows.models import PipelineParams
 
-    deps = deployments(PipelineParams(steps=7, faults=["exception@step=3,rank=1"]))
+    deps = deployments(PipelineParams(steps=7, drills={"faults": ["exception@step=3,rank=1"]}))
     assert {d.name for d in deps} == {ON_DEMAND, NIGHTLY}
     for d in deps:
-        assert d.parameters["params"]["steps"] == 7
-        assert d.parameters["params"]["faults"] == ["exception@step=3,rank=1"]
+        assert d.parameters["steps"] == 7 and "run_id" not in d.parameters
+        assert d.parameters["drills"]["faults"] == ["exception@step=3,rank=1"]
 
 
 @pytest.mark.parametrize(

@@ -293,7 +293,7 @@ def test_eks_deployment_defaults_render_guaranteed_pods(monkeypatch):
 
     spec = yaml.safe_load((REPO / "deploy" / "eks" / "prefect.yaml").read_text())
     for dep in spec["deployments"]:
-        raw = dep["parameters"]["params"]
+        raw = dep["parameters"]
         for field, env in ALLOWED_ENV.items():
             monkeypatch.setenv(env, raw["eks"][field])
         p = PipelineParams.model_validate({**raw, "run_id": "r1"})

@@ -325,7 +325,7 @@ def test_node_loss_then_stage_retry_on_eks(
     params = PipelineParams(
         backend="eks",
         run_id=run_id,
-        faults=faults,
+        drills={"faults": faults},
         state_dir=str(tmp_path / "state"),
         s3_endpoint=s3_settings.endpoint_url,
         steps=20,

@@ -106,7 +106,7 @@ def test_a_replaced_flow_runner_continues_the_run(
         eks={"gpus_per_node": 1, "fsx_mount": str(tmp_path / "fsx"), "file_system_id": FS},
     )
     with get_client(sync_client=True) as client:
-        flow_run = client.create_flow_run(training_pipeline, parameters={"params": form})
+        flow_run = client.create_flow_run(training_pipeline, parameters=form.flow_parameters())
     run_id = run_id_of_flow_run(flow_run.id)
     params = form.model_copy(update={"run_id": run_id})
     ctx = RunContext.create(params)
@@ -156,7 +156,7 @@ def test_a_replaced_flow_runner_continues_the_run(
             state = run_flow(
                 training_pipeline,
                 flow_run=flow_run,
-                parameters={"params": form},
+                parameters=form.flow_parameters(),
                 return_type="state",
             )
     finally:

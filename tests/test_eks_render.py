@@ -66,7 +66,7 @@ def test_same_attempt_same_names_next_attempt_new_names():
 
 
 def test_launch_contract():
-    p = params(faults=["exception@step=5,rank=3"])
+    p = params(drills={"faults": ["exception@step=5,rank=3"]})
     _policy, svc, job = render(p)
     name = job["metadata"]["name"]
     spec = job["spec"]

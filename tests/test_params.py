@@ -20,7 +20,9 @@ from tasks.storage.s3 import parse_s3_uri
     [
         ({"steps": 0}, "steps"),
         ({"nodes": 0}, "nodes"),
-        ({"faults": ["boom@step=1"]}, "faults"),
+        ({"drills": {"faults": ["boom@step=1"]}}, "drills.faults"),
+        # the old top-level field names its new home
+        ({"faults": ["exception@step=1"]}, "drills.faults"),
         ({"run_id": "Bad ID"}, "run_id"),
         # whole-string matches: `re.match("^...$")` would let a trailing newline through
         ({"run_id": "abc\n"}, "run_id"),
@@ -44,9 +46,9 @@ def test_cross_field_checks():
     with pytest.raises(ValidationError, match="divisible"):
         PipelineParams(nodes=3, global_batch=8)
     with pytest.raises(ValidationError, match="names node 2"):
-        PipelineParams(nodes=2, faults=["node-loss@step=3,node=2"])
+        PipelineParams(nodes=2, drills={"faults": ["node-loss@step=3,node=2"]})
     with pytest.raises(ValidationError, match="after the last step"):
-        PipelineParams(steps=10, faults=["exception@step=11"])
+        PipelineParams(steps=10, drills={"faults": ["exception@step=11"]})
 
 
 def test_cli_params_from_file_sets_and_injects(tmp_path: Path):
@@ -57,7 +59,7 @@ def test_cli_params_from_file_sets_and_injects(tmp_path: Path):
     )
     p = PipelineParams(**d)
     assert (p.steps, p.nodes, p.dataset.bucket, p.dataset.prefix) == (30, 1, "my-data", "x/y")
-    assert p.faults == ["sigkill@step=3"] and p.run_id == "r1" and p.s3_endpoint is None
+    assert p.drills.faults == ["sigkill@step=3"] and p.run_id == "r1" and p.s3_endpoint is None
 
 
 def test_cli_rejects_bad_params(capsys):

@@ -77,7 +77,9 @@ def assert_report_and_status(result: PipelineResult, params: Any, state: Path, c
 def test_pipeline_recovers(
     sc: Scenario, baseline: PipelineResult, s3_settings, tmp_path: Path, capsys
 ):
-    params = make_params(tmp_path, s3_settings, run_id=f"drill-{sc.name}", faults=list(sc.faults))
+    params = make_params(
+        tmp_path, s3_settings, run_id=f"drill-{sc.name}", drills={"faults": list(sc.faults)}
+    )
     state, result = run_pipeline(params)
     assert state.is_completed(), state.message
     assert result is not None
@@ -170,7 +172,7 @@ def test_corrupt_newest_checkpoint_falls_back(baseline, s3_settings, tmp_path: P
     """The last checkpoint is corrupted right after it commits: validation fails it (naming the
     file), the stage falls back to the previous one (flagged), and export ships that one."""
     params = make_params(
-        tmp_path, s3_settings, run_id="fallback", faults=["corrupt-checkpoint@step=20"]
+        tmp_path, s3_settings, run_id="fallback", drills={"faults": ["corrupt-checkpoint@step=20"]}
     )
     state, result = run_pipeline(params)
     assert state.is_completed(), state.message

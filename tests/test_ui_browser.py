@@ -113,7 +113,7 @@ def ui_stack(s3_settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                 {
                     "state_dir": str(state),
                     "s3_endpoint": s3_settings.endpoint_url,
-                    "faults": [FAULT],
+                    "drills": {"faults": [FAULT]},
                 }
             )
         )
@@ -175,12 +175,12 @@ def test_custom_run_from_the_ui(ui_stack: dict[str, Any], s3_settings) -> None:
         dep = _deployment(api, ON_DEMAND, deadline)
         nightly = _deployment(api, NIGHTLY, deadline)
         assert any(s["schedule"].get("cron") == NIGHTLY_CRON for s in nightly["schedules"])
-        assert dep["parameters"]["params"]["steps"] == DEFAULT_STEPS
+        assert dep["parameters"]["steps"] == DEFAULT_STEPS
 
         # What the Run button's endpoint does with a bad value: rejected, naming the field.
         bad = api.post(
             f"/deployments/{dep['id']}/create_flow_run",
-            json={"parameters": {"params": {"steps": 0}}},
+            json={"parameters": {"steps": 0}},
         )
         assert bad.status_code in (409, 422), bad.text
         assert "steps" in bad.text
@@ -193,7 +193,8 @@ def test_custom_run_from_the_ui(ui_stack: dict[str, Any], s3_settings) -> None:
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
                 page.set_default_timeout(60_000)
                 page.goto(f"{base}/deployments/deployment/{dep['id']}/run")
-                steps = form_field(page, "Steps (Optional)").get_by_role("spinbutton")
+                # A top-level flow parameter: Prefect labels it by its name.
+                steps = form_field(page, "steps (Optional)").get_by_role("spinbutton")
                 expect(steps).to_have_value(str(DEFAULT_STEPS))  # the form shows served defaults
                 steps.fill(str(FORM_STEPS))
                 page.screenshot(path=str(shots / "ui-custom-run-form.png"))
@@ -213,7 +214,7 @@ def test_custom_run_from_the_ui(ui_stack: dict[str, Any], s3_settings) -> None:
                 serve_log = (tmp / "serve.log").read_text()
                 assert run["state"]["type"] == "COMPLETED", (run["state"], serve_log[-4000:])
                 assert run["deployment_id"] == dep["id"]
-                assert run["parameters"]["params"]["steps"] == FORM_STEPS
+                assert run["parameters"]["steps"] == FORM_STEPS
                 # No run id in the form: the run id is derived from the flow run, which bears it.
                 assert run["name"] == run_id_of_flow_run(flow_run_id), run["name"]
 

@@ -75,7 +75,7 @@ def _run(tmp: Path, s3, case: Case, run_id: str, faults: tuple[str, ...]) -> Pip
         run_id=run_id,
         steps=case.steps,
         ckpt_interval=3,
-        faults=list(faults),
+        drills={"faults": list(faults)},
         **case.params,
     )
     state, result = run_pipeline(params)

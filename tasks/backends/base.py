@@ -90,7 +90,11 @@ class Hydrated:
     source: str
     dest: str
     detail: str  # one line for the log: what was copied, skipped and checked
-    report: dict[str, Any]  # the backend's own report (the stage flow's result)
+    files: int
+    seconds: float
+    # The digest of the manifest every file was checked against (the workers check sizes only).
+    manifest_sha256: str | None
+    report: dict[str, Any]  # the backend's own report, whole (its own fields besides these)
 
 
 class Job(Protocol):

@@ -261,7 +261,15 @@ class LocalBackend:
                 f"; initial weights {w.source} -> {w.dest}: {w.files} files, "
                 f"{w.downloaded} downloaded"
             )
-        return Hydrated(source=r.source, dest=r.dest, detail=detail, report=r.to_dict())
+        return Hydrated(
+            source=r.source,
+            dest=r.dest,
+            detail=detail,
+            files=r.files,
+            seconds=r.seconds,
+            manifest_sha256=r.manifest_sha256,
+            report=r.to_dict(),
+        )
 
     def reattach(self, request: LaunchRequest) -> LocalJob | None:
         """The dead owner's attempt, when the takeover found it healthy (DESIGN §8)."""

@@ -304,6 +304,9 @@ class EksBackend:
         return Hydrated(
             source=r.source,
             dest=r.dest,
+            files=r.files,
+            seconds=r.seconds,
+            manifest_sha256=r.manifest_sha256,
             report=r.to_dict(),
             detail=f"{r.files} files, {r.bytes} bytes through FSx association "
             f"{r.association_id}, import task {r.import_task_id} and Job {r.job}; checked "

@@ -10,15 +10,9 @@ from collections.abc import Callable
 
 from tasks.backends.eks.kube import Kube
 from tasks.checks import CheckResult, Status
-from tasks.errors import TrainingFailed
+from tasks.errors import CapacityNotRestored as CapacityNotRestored  # raised here
 from tasks.preflight.checks import Snapshot
 from tasks.preflight.eks import EksRequirements, check_nodes
-
-
-class CapacityNotRestored(TrainingFailed):
-    """Too few healthy nodes came back within ``eks.node_wait_s``: another attempt now would
-    only sit unschedulable. Not retried; re-run the pipeline (same run id) when capacity is
-    back."""
 
 
 def node_check(kube: Kube, req: EksRequirements) -> CheckResult:
