@@ -75,12 +75,15 @@ def _config_file() -> str:
     return os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config"
 
 
-def resolve_region(explicit: str | None = None, *, sess: Any | None = None) -> Region:
-    """The region every client gets (see the module's docstring for the order)."""
+def resolve_region(
+    explicit: str | None = None, *, sess: Any | None = None, setting: str = "explicit"
+) -> Region:
+    """The region every client gets (see the module's docstring for the order); ``setting``
+    names where ``explicit`` came from, for messages (``eks.region``)."""
     from botocore.exceptions import InvalidRegionError
     from botocore.utils import validate_region_name
 
-    region = _find_region(explicit, sess)
+    region = Region(explicit, setting) if explicit else _find_region(sess)
     try:
         validate_region_name(region.name)
     except InvalidRegionError as e:
@@ -91,9 +94,7 @@ def resolve_region(explicit: str | None = None, *, sess: Any | None = None) -> R
     return region
 
 
-def _find_region(explicit: str | None, sess: Any | None) -> Region:
-    if explicit:
-        return Region(explicit, "explicit")
+def _find_region(sess: Any | None) -> Region:
     if os.environ.get("AWS_REGION"):
         return Region(os.environ["AWS_REGION"], "AWS_REGION")
     sess = sess if sess is not None else session()

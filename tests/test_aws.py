@@ -369,3 +369,16 @@ def test_pods_get_no_aws_configuration() -> None:
     (job,) = [o for o in objs if o["kind"] == "Job"]
     env = [e["name"] for c in job["spec"]["template"]["spec"]["containers"] for e in c["env"]]
     assert env and not [n for n in env if n.startswith("AWS_")]
+
+
+@pytest.mark.parametrize(
+    "eks,said",
+    [({}, "eu-west-1 (from AWS_REGION)"), ({"region": "us-west-2"}, "us-west-2 (from eks.region)")],
+)
+def test_eks_backend_logs_the_region_and_where_it_came_from(
+    monkeypatch: pytest.MonkeyPatch, eks: dict[str, Any], said: str
+) -> None:
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    logged: list[str] = []
+    EksBackend(EksParams(**eks), nodes=1, log=logged.append).clients  # noqa: B018
+    assert logged == [f"AWS region of FSx and S3: {said}"]

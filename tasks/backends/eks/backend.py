@@ -268,7 +268,8 @@ class EksBackend:
         if self._clients is None:
             self._clients = connect(self.eks.region)
             # Which region answered is the first question when FSx or a bucket is "not found".
-            self.log(f"AWS region of FSx and S3: {aws.resolve_region(self.eks.region)}")
+            region = aws.resolve_region(self.eks.region, setting="eks.region")
+            self.log(f"AWS region of FSx and S3: {region}")
         return self._clients
 
     @property
