@@ -46,9 +46,7 @@ class RunContext:
             state_dir=state,
             run_root=fsx / "runs" / run_id,
             data_dir=fsx / "datasets" / params.dataset.bucket / params.dataset.prefix,
-            s3=S3Settings(endpoint_url=params.s3_endpoint, region=where.s3_region)
-            if where.s3_region
-            else S3Settings(endpoint_url=params.s3_endpoint),
+            s3=S3Settings(endpoint_url=params.s3_endpoint, region=where.s3_region),
             weights_dir=None
             if weights is None
             else fsx / "weights" / weights.removeprefix("s3://").rstrip("/"),

@@ -33,6 +33,7 @@ from flows.results import (
     console_link,
     publish,
 )
+from tasks import aws
 from tasks.backends import registry
 from tasks.backends.base import Backend, HydrateRequest, LaunchRequest
 from tasks.classify import EndKind
@@ -368,7 +369,11 @@ def export_flow(params: PipelineParams, ctx: RunContext, checkpoint_path: str) -
         report.skipped,
         report.verification,
     )
-    link = console_link(report.uri, ctx.s3.endpoint_url, ctx.s3.region)
+    link = console_link(
+        report.uri,
+        ctx.s3.endpoint_url,
+        None if ctx.s3.endpoint_url else aws.resolve_region(ctx.s3.region).name,
+    )
     result = ExportResult(**report.to_dict(), link=link)
     publish("export", result, ctx.run_id)
     try:

@@ -20,6 +20,11 @@ class StorageError(PipelineError):
     """S3 unreachable, missing bucket, bad credentials: the message says which."""
 
 
+class AwsConfigError(PipelineError):
+    """The AWS configuration cannot be used (a profile that does not exist, an unparsable config
+    file, a malformed region): the message names the variable or field to fix."""
+
+
 class TrainingFailed(PipelineError):
     """The train stage ended without completing all steps."""
 

@@ -30,6 +30,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from flows.models import ALLOWED_ENV, EksParams, PipelineParams
+from tasks import aws
 from tasks.backends.eks import permissions, security
 from tasks.preflight.eks import PERMISSIONS as PREFLIGHT_PERMISSIONS
 from tests.test_eks_render import restricted_violations
@@ -339,7 +340,9 @@ def test_iam_policy_grants_exactly_the_aws_calls() -> None:
 def test_iam_policy_is_scoped_to_the_deployments_file_system_and_buckets() -> None:
     (dep, *_) = _load_one("prefect.yaml")["deployments"]
     params = PipelineParams.model_validate(dep["parameters"])
-    fs, region = params.eks.file_system_id, params.eks.region
+    # No eks.region: the flow runner's (IRSA's AWS_REGION), README step 0's placeholder region,
+    # which step 6 replaces in the policy as in the cluster.
+    fs, region = params.eks.file_system_id, params.eks.region or aws.DEFAULT_REGION
     buckets = {params.dataset.bucket, params.export.bucket}
     for st in _iam()["Statement"]:
         resources = _as_list(st["Resource"])

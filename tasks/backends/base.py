@@ -47,7 +47,7 @@ class Placement:
     local_paths: bool = True  # the workers see this process's paths (a script made absolute)
     inprocess: InProcessConfig | None = None  # None: the trainer's defaults
     injob: InJobConfig | None = None
-    s3_region: str | None = None
+    s3_region: str | None = None  # an explicit region (eks.region); None: the standard chain
 
 
 @dataclass(frozen=True, kw_only=True)

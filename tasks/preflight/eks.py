@@ -137,7 +137,9 @@ def gather_eks(kube: Any, fsx: Any | None, req: EksRequirements) -> Snapshot:
             )["Associations"]
             f["fsx_associations"] = [a.get("DataRepositoryPath") for a in assocs]
         except Exception as e:
-            err["fsx"] = f"cannot describe FSx {req.file_system_id}: {e}"
+            # A file system in another region is "not found": name the region that was asked.
+            region = getattr(getattr(fsx, "meta", None), "region_name", None)
+            err["fsx"] = f"cannot describe FSx {req.file_system_id} in region {region}: {e}"
     return snap
 
 
@@ -168,7 +170,8 @@ FSX = Source(
     name="fsx",
     facts=("fsx_lifecycle", "fsx_associations"),
     fix="give the flow runner fsx:DescribeFileSystems and fsx:DescribeDataRepositoryAssociations "
-    "(IAM) and check eks.region",
+    "(IAM) and check the region: eks.region, or when empty the flow runner's AWS_REGION / "
+    "AWS_DEFAULT_REGION / AWS_PROFILE's region",
 )
 
 

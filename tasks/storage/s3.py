@@ -2,9 +2,10 @@
 errors that say what is wrong (unreachable endpoint, missing bucket, bad credentials).
 
 Real AWS works by configuration alone: leave ``endpoint_url`` unset and the default credential
-chain (environment, profile, IRSA on EKS) applies. A local endpoint with no credentials in the
-environment gets static placeholder keys (the local server accepts anonymous requests, but boto3
-signs every request and needs some).
+chain (environment, profile, IRSA on EKS) applies; so do the region and the retries unless a
+region is given (:mod:`tasks.aws` builds the clients). A local endpoint with no credentials in
+the environment gets static placeholder keys (the local server accepts anonymous requests, but
+boto3 signs every request and needs some).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
 @dataclass(frozen=True, kw_only=True)
 class S3Settings:
     endpoint_url: str | None = None  # None: real AWS
-    region: str = "us-east-1"
+    region: str | None = None  # None: the standard chain (tasks.aws)
 
     @property
     def is_local(self) -> bool:
@@ -40,32 +41,26 @@ class S3Settings:
 def boto3_client(settings: S3Settings, *, credentials: dict[str, str] | None = None) -> Any:
     """``credentials`` (aws_access_key_id/aws_secret_access_key) override the default chain;
     for tests and explicit keys only."""
-    import boto3
-    from botocore.config import Config
+    from tasks import aws
 
-    return boto3.client(
+    return aws.client(
         "s3",
+        region=settings.region,
         endpoint_url=settings.endpoint_url,
-        region_name=settings.region,
-        config=Config(
-            retries={"max_attempts": 3, "mode": "standard"},
-            connect_timeout=5,
-            read_timeout=60,
-            max_pool_connections=16,
-        ),
-        **(credentials if credentials is not None else settings.credentials()),
+        credentials=credentials if credentials is not None else settings.credentials(),
+        connect_timeout=5,
+        read_timeout=60,
+        max_pool_connections=16,
     )
 
 
 def s3fs_filesystem(settings: S3Settings) -> Any:
-    import s3fs
+    from tasks import aws
 
-    creds = settings.credentials()
-    return s3fs.S3FileSystem(
-        key=creds.get("aws_access_key_id"),
-        secret=creds.get("aws_secret_access_key"),
+    return aws.s3fs_filesystem(
+        region=settings.region,
         endpoint_url=settings.endpoint_url,
-        client_kwargs={"region_name": settings.region},
+        credentials=settings.credentials(),
         skip_instance_cache=True,
     )
 

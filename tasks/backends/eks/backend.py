@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tasks import aws
 from tasks.backends.base import (
     Evidence,
     Hydrated,
@@ -266,6 +267,9 @@ class EksBackend:
     def clients(self) -> EksClients:
         if self._clients is None:
             self._clients = connect(self.eks.region)
+            # Which region answered is the first question when FSx or a bucket is "not found".
+            region = aws.resolve_region(self.eks.region, setting="eks.region")
+            self.log(f"AWS region of FSx and S3: {region}")
         return self._clients
 
     @property

@@ -1,10 +1,10 @@
 """The clients the EKS stages talk to, built once per stage from the environment.
 
 In production: the in-cluster (or kubeconfig) Kubernetes client and a boto3 FSx client whose
-credentials come from the pod's IRSA role. :func:`use_clients` swaps in other clients for the
-duration of a block: the tests pass a :class:`~tasks.backends.eks.kube.Kube` on kmock's
-emulator and an FSx client under ``botocore.stub.Stubber``; everything downstream is the same
-code.
+credentials come from the pod's IRSA role and whose region is ``eks.region``, else the standard
+chain (:mod:`tasks.aws`). :func:`use_clients` swaps in other clients for the duration of a block:
+the tests pass a :class:`~tasks.backends.eks.kube.Kube` on kmock's emulator and an FSx client
+under ``botocore.stub.Stubber``; everything downstream is the same code.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ class EksClients:
 _override: EksClients | None = None
 
 
-def connect(region: str) -> EksClients:
+def connect(region: str | None) -> EksClients:
+    """``region``: ``eks.region`` (None: the flow runner's standard AWS chain, :mod:`tasks.aws`)."""
     if _override is not None:
         return _override
-    import boto3
+    from tasks import aws
 
-    return EksClients(kube=Kube.from_environment(), fsx=boto3.client("fsx", region_name=region))
+    return EksClients(kube=Kube.from_environment(), fsx=aws.client("fsx", region=region))
 
 
 @contextlib.contextmanager

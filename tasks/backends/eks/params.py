@@ -192,10 +192,12 @@ class EksParams(BaseModel):
         pattern=r"^fs-[0-9a-f]{8,21}$",
         description="FSx for Lustre file system id (fs-...) mounted by the fsx_claim PVC",
     )
-    region: str = Field(
-        "us-east-1",
+    region: str | None = Field(
+        None,
         pattern=r"^[a-z]{2}(-[a-z]+)+-\d$",
-        description="AWS region of the cluster, the FSx file system and the buckets",
+        description="AWS region of the FSx file system and the buckets (e.g. us-west-2); empty: "
+        "the flow runner's standard AWS chain (AWS_REGION, AWS_DEFAULT_REGION, AWS_PROFILE's "
+        "region in ~/.aws/config; IRSA sets AWS_REGION to the cluster's), else us-east-1",
     )
     node_wait_s: float = Field(
         900,

@@ -152,6 +152,9 @@ def render_job(
         # Workloads load Hugging Face layouts from directories on FSx; the NetworkPolicy gives
         # the pods no route to the Hub, so fail fast instead of retrying downloads.
         {"name": "HF_HUB_OFFLINE", "value": "1"},
+        # No AWS_REGION (nor any AWS_*): the pods call no AWS API (no IAM role, no egress but to
+        # each other and DNS); the dataset and weights reach them through FSx, hydrated by the
+        # flow runner, whose clients resolve the region (tasks.aws).
     ]
     scratch, scratch_mounts = scratch_volumes(tmp_gi=TMP_GI)
     pod_labels = labels(run_id, attempt)
