@@ -48,3 +48,12 @@ class ValidationFailed(PipelineError):
 
 class ExportError(PipelineError):
     pass
+
+
+class PullError(PipelineError):
+    """An export could not be pulled, or did not verify: nothing was left at the destination."""
+
+
+class PullDestinationError(PullError):
+    """The destination cannot take the pull (not a directory, or holding something else): a
+    usage error, the fix is another destination."""
