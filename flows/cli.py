@@ -277,7 +277,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     """An export prefix -> a local directory, verified against its manifest (tasks.pull).
     Exit 2 for a bad S3_URI or a DIR that cannot take it, 1 if the pull fails or does not
     verify (DIR is then left as it was)."""
-    from tasks.errors import PipelineError, PullDestinationError, StorageError
+    from tasks.errors import PipelineError, PullUsageError, StorageError
     from tasks.pull import pull_export
     from tasks.storage.s3 import S3Settings, boto3_client, parse_s3_uri
 
@@ -306,7 +306,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
             endpoint=settings.endpoint_url,
             on_progress=progress,
         )
-    except PullDestinationError as e:
+    except PullUsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (PipelineError, OSError) as e:

@@ -54,6 +54,6 @@ class PullError(PipelineError):
     """An export could not be pulled, or did not verify: nothing was left at the destination."""
 
 
-class PullDestinationError(PullError):
-    """The destination cannot take the pull (not a directory, or holding something else): a
-    usage error, the fix is another destination."""
+class PullUsageError(PullError):
+    """The pull cannot start as asked: S3_URI names no export prefix, or DIR cannot take it (not
+    a directory, or holding something else). The message names the argument and the fix."""

@@ -19,8 +19,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import secrets
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.errors import PullDestinationError, PullError, StorageError
+from tasks.errors import PullError, PullUsageError, StorageError
 from tasks.export import CONSOLIDATED
 from tasks.storage.s3 import describe_client_error
 from trainer import manifest as ckpt_manifest
@@ -134,15 +134,15 @@ def params_sha256_of(manifest: dict[str, Any]) -> str | None:
 # -- the destination --------------------------------------------------------------------------
 def check_destination(dest: Path) -> bool:
     """True if ``dest`` holds an export already (to compare), False if it is absent or empty;
-    :class:`PullDestinationError` naming the fix for anything else."""
+    :class:`PullUsageError` naming the fix for anything else."""
     if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
-        raise PullDestinationError(
+        raise PullUsageError(
             f"DIR {dest} exists and is not a directory: give a new or empty directory"
         )
     if not dest.exists() or not any(dest.iterdir()):
         return False
     if not (dest / ckpt_manifest.MANIFEST).is_file():
-        raise PullDestinationError(
+        raise PullUsageError(
             f"DIR {dest} is not empty and holds no export: give a new or empty directory, or "
             "remove it first"
         )
@@ -180,9 +180,11 @@ def _read_manifest_object(client: Any, bucket: str, key: str) -> bytes:
                 "s3://bucket/prefix/<run_id>/step_<N>/"
             ) from e
         raise
-    data = body.read(MANIFEST_MAX_BYTES + 1)
-    if len(data) > MANIFEST_MAX_BYTES:
-        raise PullError(f"s3://{bucket}/{key} is larger than {MANIFEST_MAX_BYTES} bytes")
+    data = bytearray()
+    while chunk := body.read(_CHUNK):
+        data += chunk
+        if len(data) > MANIFEST_MAX_BYTES:
+            raise PullError(f"s3://{bucket}/{key} is larger than {MANIFEST_MAX_BYTES} bytes")
     return bytes(data)
 
 
@@ -230,10 +232,10 @@ def pull_export(
     on_progress: Progress = lambda done, total, name: None,
 ) -> PullReport:
     """Download the export at ``s3://bucket/prefix/`` into ``dest``, verified (module doc).
-    Raises :class:`PullDestinationError` for a ``dest`` that cannot take it, :class:`PullError`
+    Raises :class:`PullUsageError` for a ``dest`` that cannot take it, :class:`PullError`
     when the export does not verify, :class:`StorageError` when S3 fails."""
     if not prefix:
-        raise PullDestinationError(
+        raise PullUsageError(
             f"S3_URI s3://{bucket}/ names a bucket only: give the export prefix, "
             "s3://bucket/prefix/<run_id>/step_<N>/"
         )
@@ -249,9 +251,14 @@ def pull_export(
     if existing:
         return _already_there(uri, prefix, dest, raw)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.pull-", dir=dest.parent))
+    # Not mkdtemp: its 0700 would become DIR's mode; mkdir honours the umask like any new dir.
+    staging = dest.parent / f".{dest.name}.pull-{secrets.token_hex(6)}"
+    staging.mkdir()
     try:
-        (staging / ckpt_manifest.MANIFEST).write_bytes(raw)
+        with open(staging / ckpt_manifest.MANIFEST, "xb") as out:
+            out.write(raw)
+            out.flush()
+            os.fsync(out.fileno())
         man, files = _parse(uri, staging, prefix)
         total = len(raw) + sum(f.bytes for f in files)
         done = [len(raw)]
@@ -302,7 +309,7 @@ def pull_export(
         try:
             os.rename(staging, dest)  # replaces an empty dest; refuses one filled meanwhile
         except OSError as e:
-            raise PullDestinationError(
+            raise PullUsageError(
                 f"DIR {dest} could not be replaced ({e.strerror}): was it written to during "
                 "the pull? Give a new or empty directory"
             ) from e
@@ -329,14 +336,14 @@ def _parse(uri: str, directory: Path, prefix: str) -> tuple[dict[str, Any], list
 def _already_there(uri: str, prefix: str, dest: Path, raw: bytes) -> PullReport:
     mine = dest / ckpt_manifest.MANIFEST
     if sha256_file(mine) != hashlib.sha256(raw).hexdigest():
-        raise PullDestinationError(
+        raise PullUsageError(
             f"DIR {dest} holds a different export (its manifest.json differs from {uri}): "
             "give a new or empty directory, or remove it first"
         )
     man, files = _parse(uri, dest, prefix)
     why = verify_local(dest, files)
     if why:
-        raise PullDestinationError(
+        raise PullUsageError(
             f"DIR {dest} holds this export but does not verify ({why}): remove it and pull again"
         )
     return _report(uri, dest, man, files, len(raw), downloaded=0)

@@ -93,6 +93,9 @@ def test_good_pull_verifies_and_matches(
         "params_sha256": small_checkpoint.params_sha256,  # the run's, from the manifest
     }
     assert "pull: 100%" in err and leftovers(dest) == []
+    ref = tmp_path / "ref"
+    ref.mkdir()  # DIR gets the mode of any new directory (the umask's), not a temp dir's 0700
+    assert dest.stat().st_mode & 0o777 == ref.stat().st_mode & 0o777
     # The same export again: verified in place, nothing downloaded, DIR untouched.
     before = {p.name: p.stat().st_mtime_ns for p in dest.iterdir()}
     rc, again, err = pull(uri, dest, s3_settings, capsys)
