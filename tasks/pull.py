@@ -175,9 +175,11 @@ def _read_manifest_object(client: Any, bucket: str, key: str) -> bytes:
         body = client.get_object(Bucket=bucket, Key=key)["Body"]
     except ClientError as e:
         if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            steps = _steps_under(client, bucket, key.rsplit("/", 1)[0])
+            hint = f" (under it: {', '.join(steps)})" if steps else ""
             raise PullError(
                 f"s3://{bucket}/{key} does not exist: S3_URI must be an export prefix, "
-                "s3://bucket/prefix/<run_id>/step_<N>/"
+                f"s3://bucket/prefix/<run_id>/step_<N>/{hint}"
             ) from e
         raise
     data = bytearray()
@@ -186,6 +188,18 @@ def _read_manifest_object(client: Any, bucket: str, key: str) -> bytes:
         if len(data) > MANIFEST_MAX_BYTES:
             raise PullError(f"s3://{bucket}/{key} is larger than {MANIFEST_MAX_BYTES} bytes")
     return bytes(data)
+
+
+def _steps_under(client: Any, bucket: str, prefix: str) -> list[str]:
+    """The ``step_<N>/`` exports right under ``prefix`` (a run's prefix given by mistake), for
+    the error message; none when listing is not allowed (``s3:ListBucket``) or fails."""
+    try:
+        r = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/", Delimiter="/", MaxKeys=100)
+    except Exception:
+        return []
+    names = [p["Prefix"].rstrip("/").rsplit("/", 1)[-1] for p in r.get("CommonPrefixes", [])]
+    found = sorted((step, n) for n in names if (step := step_in_prefix(n)) is not None)
+    return [f"s3://{bucket}/{prefix}/{n}/" for _, n in found]
 
 
 def _download(

@@ -172,7 +172,7 @@ def test_non_empty_dir_is_refused(client, s3_settings, small_checkpoint, tmp_pat
     assert (empty / SHARD).is_file()
 
 
-def test_usage_errors(s3_settings, tmp_path, capsys):
+def test_usage_errors(client, s3_settings, small_checkpoint, tmp_path, capsys):
     rc, _, err = pull("https://example.com/x", tmp_path / "d", s3_settings, capsys)
     assert rc == EXIT_USAGE and "S3_URI" in err
     rc, _, err = pull(f"s3://{BUCKET}", tmp_path / "d", s3_settings, capsys)
@@ -181,6 +181,10 @@ def test_usage_errors(s3_settings, tmp_path, capsys):
     rc, _, err = pull(f"s3://{BUCKET}/nothing/here/", tmp_path / "d", s3_settings, capsys)
     assert rc == EXIT_FAILED and "manifest.json does not exist" in err
     assert not (tmp_path / "d").exists()
+    # A run's prefix instead of one of its steps: the message lists the steps there are.
+    uri = export(client, s3_settings, small_checkpoint, "runprefix")
+    rc, _, err = pull(f"s3://{BUCKET}/runprefix/run1", tmp_path / "d", s3_settings, capsys)
+    assert rc == EXIT_FAILED and f"(under it: {uri})" in err
     with pytest.raises(SystemExit) as e:
         main(["pull", "--help"])
     assert e.value.code == 0 and "Exit codes" in capsys.readouterr().out
