@@ -86,7 +86,10 @@ def files_to_pull(manifest: dict[str, Any], *, where: str) -> list[PullFile]:
             ckpt_manifest.check_entry(where, entry)
             entries.append((key, entry))
         elif isinstance(value, dict) and isinstance(value.get("files"), list):
-            ckpt_manifest.check_entry(where, {"name": key, "bytes": 0, "sha256": "0" * 64})
+            if not ckpt_manifest.is_safe_name(key):
+                raise PullError(
+                    f"{where} lists the directory name {key!r}: not a single safe path component"
+                )
             for f in value["files"]:
                 ckpt_manifest.check_entry(where, f)
                 entries.append((f"{key}/{f['name']}", f))
@@ -126,7 +129,8 @@ def params_sha256_of(manifest: dict[str, Any]) -> str | None:
     does, beside its ``model.safetensors``)."""
     if isinstance(manifest.get("params_sha256"), str):
         return str(manifest["params_sha256"])
-    entry = (manifest.get("consolidated") or {}).get(CONSOLIDATED)
+    consolidated = manifest.get("consolidated")
+    entry = consolidated.get(CONSOLIDATED) if isinstance(consolidated, dict) else None
     value = entry.get("params_sha256") if isinstance(entry, dict) else None
     return value if isinstance(value, str) else None
 

@@ -246,6 +246,7 @@ GOOD = {"bytes": 3, "sha256": "a" * 64}
         ({"consolidated": {"x": {"bytes": 3}}}, "neither a file nor a directory"),
         ({"consolidated": {"x": {"bytes": -1, "sha256": "a" * 64}}}, "size"),
         ({"consolidated": {"hf": {"files": [{"name": "a/b", **GOOD}]}}}, "safe path component"),
+        ({"consolidated": {"..": {"files": [{"name": "a", **GOOD}]}}}, "safe path component"),
         ({"consolidated": []}, "not an object"),
     ],
 )
