@@ -59,3 +59,12 @@ class ValidationFailed(PipelineError):
 
 class ExportError(PipelineError):
     pass
+
+
+class PullError(PipelineError):
+    """An export could not be pulled, or did not verify: nothing was left at the destination."""
+
+
+class PullUsageError(PullError):
+    """The pull cannot start as asked: S3_URI names no export prefix, or DIR cannot take it (not
+    a directory, or holding something else). The message names the argument and the fix."""

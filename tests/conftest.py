@@ -15,6 +15,21 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_checkpoint(dataset: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One real 1-process run of 5 steps, trained once per session: its committed step-5
+    checkpoint and the run's ``params_sha256`` (export and pull tests share it; copy the
+    directory before changing it)."""
+    from tests.helpers import SmallCheckpoint, make_config, run_single
+    from trainer import manifest
+
+    cfg = make_config(tmp_path_factory.mktemp("exp") / "run", dataset, steps=5)
+    out = run_single(cfg)
+    assert out.returncode == 0, out.log[-2000:]
+    assert out.result is not None and out.result["params_sha256"]
+    return SmallCheckpoint(manifest.committed_path(cfg.run_root, 5), out.result["params_sha256"])
+
+
+@pytest.fixture(scope="session")
 def s3_settings(tmp_path_factory: pytest.TempPathFactory):
     """A real SeaweedFS S3 server over HTTP on 127.0.0.1, for the whole session."""
     from tasks.storage.local_s3 import LocalS3Server

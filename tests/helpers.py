@@ -66,6 +66,12 @@ def free_s3_port() -> int:
     raise RuntimeError("no free port set for a SeaweedFS server")
 
 
+@dataclass(frozen=True)
+class SmallCheckpoint:
+    path: Path  # a committed checkpoint directory
+    params_sha256: str  # the run's, at the checkpoint's step (its last)
+
+
 def make_config(run_root: Path, data_dir: Path, **overrides: Any) -> TrainConfig:
     base = TrainConfig(
         run_root=run_root,

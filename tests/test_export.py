@@ -16,7 +16,7 @@ from tasks.errors import ExportError, StorageError
 from tasks.export import ExportOptions, export_checkpoint
 from tasks.storage.local_s3 import LocalS3Server
 from tasks.storage.s3 import S3Settings, boto3_client
-from tests.helpers import free_s3_port, make_config, run_single
+from tests.helpers import SmallCheckpoint, free_s3_port
 from trainer import manifest
 from trainer.faults import flip_bytes
 
@@ -24,11 +24,8 @@ BUCKET = "export-test"
 
 
 @pytest.fixture(scope="module")
-def ckpt_src(dataset: Path, tmp_path_factory) -> Path:
-    cfg = make_config(tmp_path_factory.mktemp("exp") / "run", dataset, steps=5)
-    out = run_single(cfg)
-    assert out.returncode == 0, out.log[-2000:]
-    return manifest.committed_path(cfg.run_root, 5)
+def ckpt_src(small_checkpoint: SmallCheckpoint) -> Path:
+    return small_checkpoint.path
 
 
 @pytest.fixture

@@ -294,13 +294,14 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if not isinstance(manifest["files"], list):
         raise CheckpointError(f"{path}: 'files' is not a list")
     for entry in manifest["files"]:
-        _check_entry(path, entry)
+        check_entry(path, entry)
     return manifest
 
 
-def _check_entry(path: Path, entry: Any) -> None:
+def check_entry(path: Path | str, entry: Any) -> None:
     """A file entry is trusted only if its name is one safe path component (it is joined onto
-    the checkpoint directory) and its size and digest are well-formed."""
+    the checkpoint directory) and its size and digest are well-formed. ``path``: where the
+    entry was read (a manifest file or an S3 URI), for the message."""
     if not isinstance(entry, dict):
         raise CheckpointError(f"{path} has a file entry that is not an object: {entry!r}")
     name = entry.get("name")

@@ -1,0 +1,388 @@
+"""Pull an export (``s3://bucket/prefix/<run_id>/step_<N>/``, see :mod:`tasks.export`) into a
+local directory, every file verified against the export's manifest.
+
+- Objects in S3 are untrusted input: the manifest is parsed by :mod:`trainer.manifest` (names
+  are single safe path components, sizes and digests well-formed), each object is hashed as it
+  arrives and never read past the manifest's size, and the DCP ``.metadata`` goes through the
+  restricted unpickler (:func:`trainer.manifest.verify_checkpoint`).
+- Atomic: everything lands in a hidden temporary directory beside ``DIR`` and is renamed to
+  ``DIR`` only once it verifies, so a failed or killed pull never leaves a ``DIR`` a reader
+  could trust (a kill leaves at most the hidden ``.DIR.pull-*`` directory).
+- Idempotent: a ``DIR`` that already holds the same export (same manifest bytes) and verifies
+  is left as it is; any other non-empty ``DIR`` is refused.
+The manifest itself is not signed (as on the shared filesystem): a pull proves the files are
+the ones the manifest names, not who wrote the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+import shutil
+import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.errors import PullError, PullUsageError, StorageError
+from tasks.export import CONSOLIDATED
+from tasks.storage.s3 import describe_client_error
+from trainer import manifest as ckpt_manifest
+from trainer.hashing import sha256_file
+
+_CHUNK = 8 << 20
+# A manifest lists files and carries the training config: kilobytes. Reading more than this
+# from an object that claims to be one is refused rather than held in memory.
+MANIFEST_MAX_BYTES = 64 << 20
+_STEP_SEGMENT_RE = re.compile(r"step_(\d+)")
+
+# (bytes done, bytes in all, the file just finished or None mid-file)
+Progress = Callable[[int, int, "str | None"], None]
+
+
+@dataclass(frozen=True)
+class PullFile:
+    name: str  # relative to the export: one safe component, or "<dir>/<file>" (hf/...)
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class PullReport:
+    uri: str
+    dir: str
+    files: int  # every file in DIR, manifest.json included
+    bytes: int
+    verified: bool  # every file's size and sha256 compared with the manifest
+    step: int
+    downloaded: int  # 0 when DIR already held this export
+    params_sha256: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.__dict__.copy()
+        if d["params_sha256"] is None:
+            del d["params_sha256"]
+        return d
+
+
+# -- decisions (pure) -------------------------------------------------------------------------
+def files_to_pull(manifest: dict[str, Any], *, where: str) -> list[PullFile]:
+    """Every file an export holds besides its manifest: the DCP files (already checked by
+    :func:`trainer.manifest.read_manifest`) and what a consolidated export added under
+    ``consolidated`` (``model.safetensors``; a directory such as ``hf/`` with its files).
+    Each name is checked like the manifest's own; a name given twice, or naming the manifest,
+    is refused (it would overwrite another file)."""
+    entries: list[tuple[str, dict[str, Any]]] = [(e["name"], e) for e in manifest["files"]]
+    consolidated = manifest.get("consolidated", {})
+    if not isinstance(consolidated, dict):
+        raise PullError(f"{where}: 'consolidated' is not an object")
+    for key, value in consolidated.items():
+        if isinstance(value, dict) and "sha256" in value:
+            entry = {**value, "name": key}
+            ckpt_manifest.check_entry(where, entry)
+            entries.append((key, entry))
+        elif isinstance(value, dict) and isinstance(value.get("files"), list):
+            if not ckpt_manifest.is_safe_name(key):
+                raise PullError(
+                    f"{where} lists the directory name {key!r}: not a single safe path component"
+                )
+            for f in value["files"]:
+                ckpt_manifest.check_entry(where, f)
+                entries.append((f"{key}/{f['name']}", f))
+        else:
+            raise PullError(f"{where}: consolidated[{key!r}] is neither a file nor a directory")
+    seen: set[str] = set()
+    out = []
+    for name, e in entries:
+        if name == ckpt_manifest.MANIFEST or name in seen:
+            raise PullError(f"{where} lists {name!r} twice (or as the manifest): refusing it")
+        seen.add(name)
+        out.append(PullFile(name, int(e["bytes"]), str(e["sha256"])))
+    dirs = {n.split("/")[0] for n in seen if "/" in n}
+    if clash := dirs & seen:
+        raise PullError(f"{where} lists {sorted(clash)[0]!r} as a file and a directory")
+    return out
+
+
+def mismatch(f: PullFile, size: int, sha256: str) -> str | None:
+    """Why ``size`` bytes hashing to ``sha256`` are not the manifest's ``f`` (to follow the
+    file's name or URI); None if they are."""
+    if size != f.bytes:
+        return f"is {size} bytes, the manifest says {f.bytes}"
+    if sha256 != f.sha256:
+        return "does not match its sha256 in the manifest"
+    return None
+
+
+def step_in_prefix(prefix: str) -> int | None:
+    """The N of a prefix ending in ``step_<N>`` (how export names it), else None."""
+    m = _STEP_SEGMENT_RE.fullmatch(prefix.rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+def params_sha256_of(manifest: dict[str, Any]) -> str | None:
+    """The digest of the model parameters, when the manifest records one (a consolidated export
+    does, beside its ``model.safetensors``)."""
+    if isinstance(manifest.get("params_sha256"), str):
+        return str(manifest["params_sha256"])
+    consolidated = manifest.get("consolidated")
+    entry = consolidated.get(CONSOLIDATED) if isinstance(consolidated, dict) else None
+    value = entry.get("params_sha256") if isinstance(entry, dict) else None
+    return value if isinstance(value, str) else None
+
+
+# -- the destination --------------------------------------------------------------------------
+def check_destination(dest: Path) -> bool:
+    """True if ``dest`` holds an export already (to compare), False if it is absent or empty;
+    :class:`PullUsageError` naming the fix for anything else."""
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise PullUsageError(
+            f"DIR {dest} exists and is not a directory: give a new or empty directory"
+        )
+    if not dest.exists() or not any(dest.iterdir()):
+        return False
+    if not (dest / ckpt_manifest.MANIFEST).is_file():
+        raise PullUsageError(
+            f"DIR {dest} is not empty and holds no export: give a new or empty directory, or "
+            "remove it first"
+        )
+    return True
+
+
+def verify_local(directory: Path, files: list[PullFile]) -> str | None:
+    """Why ``directory`` is not a verified copy of ``files`` (every size and sha256, then the
+    DCP checks of :func:`trainer.manifest.verify_checkpoint`); None if it is."""
+    for f in files:
+        path = directory / f.name
+        if path.is_symlink() or not path.is_file():
+            return f"{f.name} is missing"
+        why = mismatch(f, path.stat().st_size, sha256_file(path))
+        if why:
+            return f"{f.name} {why}"
+    verdict = ckpt_manifest.verify_checkpoint(directory, digests=False)
+    return None if verdict.ok else verdict.reason
+
+
+# -- S3 I/O -----------------------------------------------------------------------------------
+class _Stopped(Exception):
+    """Another download failed (or the pull was interrupted): stop this one."""
+
+
+def _read_manifest_object(client: Any, bucket: str, key: str) -> bytes:
+    from botocore.exceptions import ClientError
+
+    try:
+        body = client.get_object(Bucket=bucket, Key=key)["Body"]
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            steps = _steps_under(client, bucket, key.rsplit("/", 1)[0])
+            hint = f" (under it: {', '.join(steps)})" if steps else ""
+            raise PullError(
+                f"s3://{bucket}/{key} does not exist: S3_URI must be an export prefix, "
+                f"s3://bucket/prefix/<run_id>/step_<N>/{hint}"
+            ) from e
+        raise
+    data = bytearray()
+    while chunk := body.read(_CHUNK):
+        data += chunk
+        if len(data) > MANIFEST_MAX_BYTES:
+            raise PullError(f"s3://{bucket}/{key} is larger than {MANIFEST_MAX_BYTES} bytes")
+    return bytes(data)
+
+
+def _steps_under(client: Any, bucket: str, prefix: str) -> list[str]:
+    """The ``step_<N>/`` exports right under ``prefix`` (a run's prefix given by mistake), for
+    the error message; none when listing is not allowed (``s3:ListBucket``) or fails."""
+    try:
+        r = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/", Delimiter="/", MaxKeys=100)
+    except Exception:
+        return []
+    names = [p["Prefix"].rstrip("/").rsplit("/", 1)[-1] for p in r.get("CommonPrefixes", [])]
+    found = sorted((step, n) for n in names if (step := step_in_prefix(n)) is not None)
+    return [f"s3://{bucket}/{prefix}/{n}/" for _, n in found]
+
+
+def _download(
+    client: Any,
+    bucket: str,
+    key: str,
+    dest: Path,
+    f: PullFile,
+    *,
+    on_bytes: Callable[[int], None],
+    stop: threading.Event,
+) -> None:
+    """``key`` to ``dest``, hashed as it arrives; never more than the manifest's size."""
+    body = client.get_object(Bucket=bucket, Key=key)["Body"]
+    h, n = hashlib.sha256(), 0
+    dest.parent.mkdir(exist_ok=True)
+    with open(dest, "xb") as out:
+        while chunk := body.read(_CHUNK):
+            if stop.is_set():
+                raise _Stopped
+            n += len(chunk)
+            if n > f.bytes:  # refused without reading on: it could be endless
+                raise PullError(
+                    f"s3://{bucket}/{key} is larger than the manifest's {f.bytes} bytes"
+                )
+            h.update(chunk)
+            out.write(chunk)
+            on_bytes(len(chunk))
+        out.flush()
+        os.fsync(out.fileno())
+    why = mismatch(f, n, h.hexdigest())
+    if why:
+        raise PullError(f"s3://{bucket}/{key} {why}")
+
+
+def pull_export(
+    client: Any,
+    bucket: str,
+    prefix: str,
+    dest: Path,
+    *,
+    endpoint: str | None,
+    max_workers: int = 4,
+    on_progress: Progress = lambda done, total, name: None,
+) -> PullReport:
+    """Download the export at ``s3://bucket/prefix/`` into ``dest``, verified (module doc).
+    Raises :class:`PullUsageError` for a ``dest`` that cannot take it, :class:`PullError`
+    when the export does not verify, :class:`StorageError` when S3 fails."""
+    if not prefix:
+        raise PullUsageError(
+            f"S3_URI s3://{bucket}/ names a bucket only: give the export prefix, "
+            "s3://bucket/prefix/<run_id>/step_<N>/"
+        )
+    uri = f"s3://{bucket}/{prefix}/"
+    dest = Path(dest).absolute()
+    existing = check_destination(dest)
+    try:
+        raw = _read_manifest_object(client, bucket, f"{prefix}/{ckpt_manifest.MANIFEST}")
+    except PullError:
+        raise
+    except Exception as e:
+        raise StorageError(describe_client_error(e, bucket=bucket, endpoint=endpoint)) from e
+    if existing:
+        return _already_there(uri, prefix, dest, raw)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # Not mkdtemp: its 0700 would become DIR's mode; mkdir honours the umask like any new dir.
+    staging = dest.parent / f".{dest.name}.pull-{secrets.token_hex(6)}"
+    staging.mkdir()
+    try:
+        with open(staging / ckpt_manifest.MANIFEST, "xb") as out:
+            out.write(raw)
+            out.flush()
+            os.fsync(out.fileno())
+        man, files = _parse(uri, staging, prefix)
+        total = len(raw) + sum(f.bytes for f in files)
+        done = [len(raw)]
+        lock, stop = threading.Lock(), threading.Event()
+
+        def on_bytes(n: int) -> None:
+            with lock:
+                done[0] += n
+                on_progress(done[0], total, None)
+
+        def fetch(f: PullFile) -> str:
+            if stop.is_set():
+                raise _Stopped
+            _download(
+                client,
+                bucket,
+                f"{prefix}/{f.name}",
+                staging / f.name,
+                f,
+                on_bytes=on_bytes,
+                stop=stop,
+            )
+            with lock:
+                on_progress(done[0], total, f.name)
+            return f.name
+
+        try:
+            with ThreadPoolExecutor(max_workers=max_workers) as pool:
+                futures = [pool.submit(fetch, f) for f in files]
+                try:
+                    wait(futures, return_when=FIRST_EXCEPTION)
+                finally:
+                    stop.set()  # the first failure (or an interrupt) stops the others
+            # The first real failure, not a download it stopped.
+            failures = [x for fut in futures if (x := fut.exception()) is not None]
+            if first := next((x for x in failures if not isinstance(x, _Stopped)), None):
+                raise first
+        except (PullError, OSError):  # OSError: the local disk (full, not writable)
+            raise
+        except Exception as e:
+            raise StorageError(describe_client_error(e, bucket=bucket, endpoint=endpoint)) from e
+        # Sizes and digests were checked on arrival; these are the DCP checks (restricted
+        # unpickling of .metadata) that need the files in place.
+        verdict = ckpt_manifest.verify_checkpoint(staging, digests=False)
+        if not verdict.ok:
+            raise PullError(verdict.reason.replace(str(staging), uri.rstrip("/")))
+        ckpt_manifest.fsync_path(staging)
+        try:
+            os.rename(staging, dest)  # replaces an empty dest; refuses one filled meanwhile
+        except OSError as e:
+            raise PullUsageError(
+                f"DIR {dest} could not be replaced ({e.strerror}): was it written to during "
+                "the pull? Give a new or empty directory"
+            ) from e
+        ckpt_manifest.fsync_path(dest.parent)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return _report(uri, dest, man, files, len(raw), downloaded=len(files) + 1)
+
+
+def _parse(uri: str, directory: Path, prefix: str) -> tuple[dict[str, Any], list[PullFile]]:
+    where = uri + ckpt_manifest.MANIFEST
+    try:
+        man = ckpt_manifest.read_manifest(directory)
+        files = files_to_pull(man, where=where)
+    except ckpt_manifest.CheckpointError as e:
+        raise PullError(str(e).replace(str(directory / ckpt_manifest.MANIFEST), where)) from e
+    named = step_in_prefix(prefix)
+    if named is not None and named != man["step"]:
+        raise PullError(f"{where} is the manifest of step {man['step']}, not {named}")
+    return man, files
+
+
+def _already_there(uri: str, prefix: str, dest: Path, raw: bytes) -> PullReport:
+    mine = dest / ckpt_manifest.MANIFEST
+    if sha256_file(mine) != hashlib.sha256(raw).hexdigest():
+        raise PullUsageError(
+            f"DIR {dest} holds a different export (its manifest.json differs from {uri}): "
+            "give a new or empty directory, or remove it first"
+        )
+    man, files = _parse(uri, dest, prefix)
+    why = verify_local(dest, files)
+    if why:
+        raise PullUsageError(
+            f"DIR {dest} holds this export but does not verify ({why}): remove it and pull again"
+        )
+    return _report(uri, dest, man, files, len(raw), downloaded=0)
+
+
+def _report(
+    uri: str,
+    dest: Path,
+    man: dict[str, Any],
+    files: list[PullFile],
+    manifest_bytes: int,
+    *,
+    downloaded: int,
+) -> PullReport:
+    return PullReport(
+        uri=uri,
+        dir=str(dest),
+        files=len(files) + 1,
+        bytes=manifest_bytes + sum(f.bytes for f in files),
+        verified=True,
+        step=int(man["step"]),
+        downloaded=downloaded,
+        params_sha256=params_sha256_of(man),
+    )
