@@ -145,6 +145,13 @@ class PipelineParams(BaseModel):
     state_dir: str = Field(
         ".state", min_length=1, description="local state: the 'FSx' directory, S3 data, runs"
     )
+    metrics_port: int | None = Field(
+        9464,
+        ge=1024,
+        le=65534,
+        description="Prometheus endpoint of the flow while training runs (rank 0's: the next "
+        "port locally, this port in its pod on EKS). Empty: no metrics",
+    )
 
     @field_validator("run_id")
     @classmethod
