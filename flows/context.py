@@ -68,6 +68,8 @@ def train_config(
     local_paths: bool = True,
     inprocess: InProcessConfig | None = None,
     injob: InJobConfig | None = None,
+    metrics_addr: str = "127.0.0.1",
+    rank0_metrics_offset: int = 1,
 ) -> TrainConfig:
     """The trainer config of this run. The Wrapper's soft timeout must also exceed the longest
     wait a rank spends inside one C call (process-group start-up skew, a collective waiting for a
@@ -91,6 +93,10 @@ def train_config(
             inprocess or InProcessConfig(), enabled=params.inprocess_restart
         ),
         injob=dataclasses.replace(injob or InJobConfig(), enabled=params.injob_restart),
+        metrics_port=None
+        if params.metrics_port is None
+        else params.metrics_port + rank0_metrics_offset,
+        metrics_addr=metrics_addr,
     )
 
 
@@ -144,4 +150,6 @@ def _placed(
         local_paths=where.local_paths,
         inprocess=where.inprocess,
         injob=where.injob,
+        metrics_addr=where.metrics_addr,
+        rank0_metrics_offset=where.rank0_metrics_offset,
     )

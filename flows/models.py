@@ -161,6 +161,13 @@ class PipelineParams(BaseModel):
     state_dir: str = Field(
         ".state", min_length=1, description="local state: the 'FSx' directory, S3 data, runs"
     )
+    metrics_port: int | None = Field(
+        9464,
+        ge=1024,
+        le=65534,
+        description="Prometheus endpoint of the flow while training runs (rank 0's: the next "
+        "port locally, this port in its pod on EKS). Empty: no metrics",
+    )
     drills: DrillParams = Field(
         default_factory=DrillParams,
         description="opt-in fault drills, for testing recovery: leave empty in production",

@@ -8,6 +8,7 @@ every other failure fails the flow with its cause."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
@@ -19,7 +20,7 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.logging import get_run_logger
 
 from flows import parameters
-from flows.context import RunContext
+from flows.context import RunContext, placement
 from flows.events import emit
 from flows.models import (
     CheckpointInfo,
@@ -39,6 +40,7 @@ from flows.stages import (
     train_stage,
     validate_flow,
 )
+from tasks import metrics as run_metrics
 from tasks import retry_policy, run_summary
 from tasks.backends import registry
 from tasks.ownership import lease, takeover
@@ -258,9 +260,10 @@ def _run(
             hydrated = stage("hydrate", lambda: hydrate_flow(params, ctx))
             ctx = dataclasses.replace(ctx, data_manifest_sha256=hydrated.manifest_sha256)
             retries = params.max_train_attempts - 1
-            out.train = stage(
-                "train", lambda: train_stage.with_options(retries=retries)(params, ctx)
-            )
+            with _metrics(params, ctx):
+                out.train = stage(
+                    "train", lambda: train_stage.with_options(retries=retries)(params, ctx)
+                )
             validation = out.validation = stage("validate", lambda: validate_flow(params, ctx))
             out.export = stage("export", lambda: export_flow(params, ctx, validation.path))
     except BaseException as e:
@@ -329,6 +332,22 @@ class _Outputs:
     train: TrainResult | None = None
     validation: ValidationResult | None = None
     export: ExportResult | None = None
+
+
+def _metrics(params: PipelineParams, ctx: RunContext) -> contextlib.AbstractContextManager[Any]:
+    """The run's Prometheus endpoint for the train stage, all its attempts (tasks.metrics)."""
+    where = placement(params)
+    if params.metrics_port is not None:
+        rank0 = params.metrics_port + where.rank0_metrics_offset
+        get_run_logger().info(
+            "metrics: http://%s:%d/metrics (rank 0: port %d)",
+            where.metrics_addr,
+            params.metrics_port,
+            rank0,
+        )
+    return run_metrics.serving(
+        ctx.run_root, ctx.run_id, port=params.metrics_port, addr=where.metrics_addr
+    )
 
 
 def _is_cancellation(e: BaseException) -> bool:

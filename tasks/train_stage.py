@@ -21,11 +21,12 @@ from trainer.resilience import clear_no_restart, read_no_restart
 
 
 class EventTail:
-    """Reads the lines appended to ``events.jsonl`` since the attempt started."""
+    """Reads the lines appended to ``events.jsonl`` since the attempt started (or, with
+    ``from_start``, every line of the file first)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, from_start: bool = False) -> None:
         self.path = path
-        self.offset = path.stat().st_size if path.exists() else 0
+        self.offset = 0 if from_start or not path.exists() else path.stat().st_size
         self._partial = b""
 
     def read_new(self) -> list[dict[str, Any]]:

@@ -45,6 +45,51 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_pair() -> int:
+    """A port P with P+1 free too (the flow's metrics endpoint and rank 0's), below the
+    ephemeral range."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(23000, 29000, 2)
+        ok = True
+        for p in (port, port + 1):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+        if ok:
+            return port
+    raise RuntimeError("no free pair of ports")
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str, *, timeout: float = 2.0) -> Samples:
+    """One Prometheus scrape over HTTP, parsed by prometheus_client's own text parser:
+    {(sample name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float | None:
+    """The value of the one sample ``name`` whose labels include ``labels``."""
+    found = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls)]
+    assert len(found) <= 1, (name, labels, found)
+    return found[0] if found else None
+
+
 def free_s3_port() -> int:
     """A port for a SeaweedFS server whose derived ports (master +1, volume +2, filer +3, and
     gRPC 10000 above each) are all free too; below the ephemeral range, so no client connection

@@ -73,3 +73,42 @@ def nvrx_events(run_id: str, *, expect: str, timeout_s: float = 15.0) -> list[An
         if any(e.event == expect for e in events) or time.time() > deadline:
             return events
         time.sleep(0.5)
+
+
+class Scraper:
+    """Scrapes Prometheus endpoints over HTTP every ``every_s`` in a thread while a run goes on
+    (a context manager); ``series(url, name, **labels)`` is what the scrapes saw, in order. A
+    scrape the endpoint refused (not up yet, or gone) is left out."""
+
+    def __init__(self, *urls: str, every_s: float = 0.1) -> None:
+        import threading
+
+        self.urls = urls
+        self.every_s = every_s
+        self.scrapes: dict[str, list[Any]] = {u: [] for u in urls}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        from tests.helpers import scrape
+
+        while not self._stop.wait(self.every_s):
+            for url in self.urls:
+                try:
+                    self.scrapes[url].append(scrape(url, timeout=1.0))
+                except OSError:  # refused, reset, timed out: not serving right now
+                    continue
+
+    def __enter__(self) -> Scraper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def series(self, url: str, name: str, **labels: str) -> list[float]:
+        from tests.helpers import sample
+
+        values = (sample(s, name, **labels) for s in self.scrapes[url])
+        return [v for v in values if v is not None]

@@ -245,6 +245,8 @@ def test_cancel_during_train_on_eks_leaves_no_job_service_or_pod(
         backend="eks",
         run_id=run_id,
         workload=SLOW_GPT,
+        # On EKS metrics listen on 0.0.0.0 (a pod's port); tests here stay on 127.0.0.1.
+        metrics_port=None,
         state_dir=str(tmp_path / "state"),
         s3_endpoint=s3_settings.endpoint_url,
         steps=STEPS,

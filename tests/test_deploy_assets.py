@@ -400,9 +400,19 @@ def test_admission_policy_holds_the_pipelines_jobs_to_the_pool_allow_lists() -> 
 
 
 def test_static_network_policy_denies_ingress_namespace_wide() -> None:
-    (policy,) = _load_all("network-policy.yaml")
+    policy, metrics = _load_all("network-policy.yaml")
     assert policy["metadata"]["namespace"] == NAMESPACE
     assert policy["spec"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    # The one opening: the flow-run pods' metrics port, to the monitoring namespace only.
+    assert metrics["metadata"]["namespace"] == NAMESPACE
+    assert metrics["spec"]["podSelector"] == {
+        "matchLabels": {"nvrx.io/component": "prefect-flow-run"}
+    }
+    [rule] = metrics["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": PipelineParams().metrics_port}]
+    assert rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
 
 
 # --- eksctl cluster ------------------------------------------------------------------------------

@@ -326,6 +326,8 @@ def test_node_loss_then_stage_retry_on_eks(
         backend="eks",
         run_id=run_id,
         drills={"faults": faults},
+        # On EKS metrics listen on 0.0.0.0 (a pod's port); tests here stay on 127.0.0.1.
+        metrics_port=None,
         state_dir=str(tmp_path / "state"),
         s3_endpoint=s3_settings.endpoint_url,
         steps=20,

@@ -104,6 +104,8 @@ def test_a_replaced_flow_runner_continues_the_run(
         global_batch=8,
         workload=workload,
         eks={"gpus_per_node": 1, "fsx_mount": str(tmp_path / "fsx"), "file_system_id": FS},
+        # On EKS metrics listen on 0.0.0.0 (a pod's port); tests here stay on 127.0.0.1.
+        metrics_port=None,
     )
     with get_client(sync_client=True) as client:
         flow_run = client.create_flow_run(training_pipeline, parameters=form.flow_parameters())

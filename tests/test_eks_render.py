@@ -246,9 +246,12 @@ def test_network_policy_admits_only_the_jobs_own_pods():
     # the pods it protects are the ones the Service (rendezvous DNS) selects: this Job's
     assert spec["podSelector"]["matchLabels"] == svc["spec"]["selector"] == {JOB_NAME_LABEL: name}
     assert spec["policyTypes"] == ["Ingress", "Egress"]
-    # ingress: only from this Job's pods (every port: rendezvous on rdzv_port, and the
-    # TCPStore/in-process/NCCL ports picked at run time); nothing from any namespace or IP block
-    assert spec["ingress"] == [{"from": [own]}]
+    # ingress: from this Job's pods (every port: rendezvous on rdzv_port, and the
+    # TCPStore/in-process/NCCL ports picked at run time); from the monitoring namespace only to
+    # rank 0's metrics port (tests/test_metrics.py); nothing from any other namespace or IP block
+    assert spec["ingress"][0] == {"from": [own]}
+    assert spec["ingress"][1]["ports"] == [{"protocol": "TCP", "port": p.metrics_port}]
+    assert len(spec["ingress"]) == 2
     rdzv_port = job["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
     assert rdzv_port == p.eks.rdzv_port and "ports" not in spec["ingress"][0]
     # egress: this Job's pods, and DNS (port 53 only) in kube-system

@@ -3,6 +3,7 @@ SeaweedFS over HTTP, real ft_launcher agents as simulated nodes."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,14 @@ import pytest
 from flows.context import RunContext
 from flows.models import PipelineResult
 from tasks.storage.s3 import boto3_client
-from tests.pipeline_helpers import assert_exported, make_params, nvrx_events, run_pipeline
+from tests.helpers import free_port_pair
+from tests.pipeline_helpers import (
+    Scraper,
+    assert_exported,
+    make_params,
+    nvrx_events,
+    run_pipeline,
+)
 from trainer import manifest
 from trainer.events import read_events
 from trainer.faults import flip_bytes
@@ -77,10 +85,17 @@ def assert_report_and_status(result: PipelineResult, params: Any, state: Path, c
 def test_pipeline_recovers(
     sc: Scenario, baseline: PipelineResult, s3_settings, tmp_path: Path, capsys
 ):
+    port = free_port_pair()
     params = make_params(
-        tmp_path, s3_settings, run_id=f"drill-{sc.name}", drills={"faults": list(sc.faults)}
+        tmp_path,
+        s3_settings,
+        run_id=f"drill-{sc.name}",
+        drills={"faults": list(sc.faults)},
+        metrics_port=port,
     )
-    state, result = run_pipeline(params)
+    flow, rank0 = (f"http://127.0.0.1:{p}/metrics" for p in (port, port + 1))
+    with Scraper(flow, rank0) as scraped:
+        state, result = run_pipeline(params)
     assert state.is_completed(), state.message
     assert result is not None
     assert result.final_step == result.target_steps == 20
@@ -115,6 +130,16 @@ def test_pipeline_recovers(
     assert export.payload["bytes"] == result.export.bytes
     assert all(any(r.get("prefect.resource.role") == "flow-run" for r in e.related) for e in events)
     assert_report_and_status(result, params, tmp_path, capsys)
+    # Prometheus: the restart under its layer on the flow's endpoint; rank 0's endpoint served
+    # by the process that replaced the killed one (its step counter starts over).
+    run_id = params.run_id or ""
+    restarts = {
+        layer: scraped.series(flow, "nvrx_restarts_total", run_id=run_id, layer=layer)[-1]
+        for layer in ("inprocess", "injob", "stage-retry")
+    }
+    assert restarts == {layer: int(layer == sc.recovered_by) for layer in restarts}
+    steps = scraped.series(rank0, "nvrx_train_steps_total", run_id=run_id)
+    assert any(b < a for a, b in itertools.pairwise(steps)), steps
 
 
 def test_bad_dataset_fails_fast_without_retry(prefect_server, s3_settings, tmp_path: Path):

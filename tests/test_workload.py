@@ -76,6 +76,8 @@ def _every_field_changed(dataset: Path, tmp_path: Path) -> TrainConfig:
             check_interval_s=0.5,
         ),
         local_paths=False,
+        metrics_port=9999,
+        metrics_addr="0.0.0.0",
     )
 
 

@@ -8,6 +8,7 @@ bitwise equal."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +20,8 @@ import torch
 from flows.context import RunContext
 from flows.models import PipelineResult
 from tasks.storage.s3 import boto3_client
-from tests.helpers import OUTSIDE_WORKLOAD, REPO
-from tests.pipeline_helpers import assert_exported, make_params, run_pipeline
+from tests.helpers import OUTSIDE_WORKLOAD, REPO, free_port_pair, scrape
+from tests.pipeline_helpers import Scraper, assert_exported, make_params, run_pipeline
 from trainer import manifest
 from trainer.events import read_events
 
@@ -68,7 +69,9 @@ CASES = [
 ]
 
 
-def _run(tmp: Path, s3, case: Case, run_id: str, faults: tuple[str, ...]) -> PipelineResult:
+def _run(
+    tmp: Path, s3, case: Case, run_id: str, faults: tuple[str, ...], **extra: Any
+) -> PipelineResult:
     params = make_params(
         tmp,
         s3,
@@ -77,6 +80,7 @@ def _run(tmp: Path, s3, case: Case, run_id: str, faults: tuple[str, ...]) -> Pip
         ckpt_interval=3,
         drills={"faults": list(faults)},
         **case.params,
+        **extra,
     )
     state, result = run_pipeline(params)
     assert state.is_completed(), state.message
@@ -178,13 +182,45 @@ def outside_module(tmp_path: Path, monkeypatch) -> str:
 def test_a_workload_from_outside_the_repository(
     outside_module: str, prefect_server, s3_settings, tmp_path: Path
 ):
+    """Also the metrics' run: both endpoints scraped during it (tests/test_metrics.py has
+    the rest of them)."""
     case = Case("outside", {"workload": outside_module}, (), (), 1, steps=9)
-    result = _run(tmp_path, s3_settings, case, "outside-clean", ("exception@step=5,rank=0",))
+    port = free_port_pair()
+    flow, rank0 = (f"http://127.0.0.1:{p}/metrics" for p in (port, port + 1))
+    with Scraper(flow, rank0) as scraped:
+        result = _run(
+            tmp_path,
+            s3_settings,
+            case,
+            "outside-clean",
+            ("exception@step=5,rank=0",),
+            metrics_port=port,
+        )
     assert [f.recovered_by for f in result.faults] == ["inprocess"]
+    _assert_scraped_during_the_run(scraped, flow, rank0, run_id="outside-clean")
     events = read_events(
         RunContext.create(make_params(tmp_path, s3_settings, run_id="outside-clean")).run_root
     )
     assert {e.get("workload") for e in events if e["kind"] == "train_start"} == {outside_module}
+
+
+def _assert_scraped_during_the_run(scraped: Scraper, flow: str, rank0: str, *, run_id: str) -> None:
+    """The step rose between scrapes on both endpoints, and the drill's in-process restart was
+    counted, under its layer, once."""
+    for url in (flow, rank0):
+        steps = scraped.series(url, "nvrx_train_step", run_id=run_id)
+        assert any(b > a for a, b in itertools.pairwise(steps)), (url, steps)
+    restarts = {
+        layer: scraped.series(flow, "nvrx_restarts_total", run_id=run_id, layer=layer)[-1]
+        for layer in ("inprocess", "injob", "stage-retry")
+    }
+    assert restarts == {"inprocess": 1, "injob": 0, "stage-retry": 0}
+    assert scraped.series(flow, "nvrx_faults_detected_total", kind="exception")[-1] == 1
+    assert scraped.series(rank0, "nvrx_train_inprocess_restarts_total", run_id=run_id)[-1] == 1
+    assert scraped.series(flow, "nvrx_train_stage_attempts_total", run_id=run_id)[-1] == 1
+    # Served while the train stage ran, gone with it (the next run may take the port).
+    with pytest.raises(OSError):
+        scrape(flow)
 
 
 def test_data_vocabulary_larger_than_the_model_fails_preflight(

@@ -347,6 +347,9 @@ class TrainConfig:
     # False when the config is built for workers elsewhere (an EKS pod's /fsx): paths are then
     # checked by the workers, not here.
     local_paths: bool = True
+    # Rank 0's Prometheus endpoint (trainer.metrics): off unless a port is given.
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "steps", f"must be a positive number of steps, got {self.steps}")
@@ -364,6 +367,18 @@ class TrainConfig:
             f"the newest turns out damaged), got {self.keep_last}: set keep_last to 2 or more",
         )
         _require(self.ckpt_timeout_s > 0, "ckpt_timeout_s", "must be > 0 seconds")
+        _require(
+            self.metrics_port is None
+            or (isinstance(self.metrics_port, int) and 1 <= self.metrics_port <= 65535),
+            "metrics_port",
+            f"must be a TCP port (1-65535), or None to turn rank 0's metrics off, got "
+            f"{self.metrics_port!r}",
+        )
+        _require(
+            bool(self.metrics_addr),
+            "metrics_addr",
+            "set the address rank 0's metrics listen on (127.0.0.1, or 0.0.0.0 in a pod)",
+        )
         _require(
             isinstance(self.workload_options, dict),
             "workload_options",

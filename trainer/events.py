@@ -12,9 +12,11 @@ the next writer starts its line with a newline so that its event is not glued on
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,8 @@ def parse_stdout_line(line: str) -> dict[str, Any] | None:
 
 FLUSH_S = 1.0  # buffered events (steps) reach the file at most this late
 
+_log = logging.getLogger(__name__)
+
 
 class EventLog:
     def __init__(self, run_root: Path, *, enabled: bool = True) -> None:
@@ -44,6 +48,9 @@ class EventLog:
         self._buffer: list[bytes] = []
         self._flushed = time.monotonic()
         self._lock = threading.Lock()
+        # Called with every event as it is made (buffered or not): rank 0's Prometheus metrics
+        # (trainer.metrics) read the values the loop already reports, with no I/O of their own.
+        self.observers: list[Callable[[dict[str, Any]], None]] = []
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -60,6 +67,11 @@ class EventLog:
 
     def _add(self, kind: str, fields: dict[str, Any], *, buffered: bool) -> dict[str, Any]:
         event = {"t": time.time(), "kind": kind, **fields}
+        for observe in self.observers:
+            try:
+                observe(event)
+            except Exception as e:  # an observer informs; it must never stop training
+                _log.warning("event observer failed on a %s event: %s", kind, e)
         if self.enabled:
             line = (json.dumps(event, sort_keys=True, default=str) + "\n").encode()
             with self._lock:

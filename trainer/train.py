@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--barrier-timeout", type=float)
     a("--inprocess-max-restarts", type=int)
     a("--heartbeat-timeout", type=float, help="must match ft_launcher --ft-rank-heartbeat-timeout")
+    a("--metrics-port", type=int, help="rank 0 serves Prometheus metrics on this port")
+    a("--metrics-addr", help="address of rank 0's metrics endpoint (default 127.0.0.1)")
     return p
 
 
@@ -137,6 +139,8 @@ _TOP = {
     "keep_last": "keep_last",
     "resume": "resume",
     "ckpt_timeout": "ckpt_timeout_s",
+    "metrics_port": "metrics_port",
+    "metrics_addr": "metrics_addr",
 }
 _INPROCESS = {
     "pg_timeout": "pg_timeout_s",
@@ -325,6 +329,13 @@ def _run(
         respawned=respawned,
         stage_attempt=int(os.environ.get("NVRX_STAGE_ATTEMPT", "1")),
     )
+    if rank == 0 and cfg.metrics_port is not None:
+        # Once per process: an in-process restart re-enters `body`, not this function.
+        from trainer.metrics import serve
+
+        # The run directory is named by the run id (<shared root>/runs/<run_id>).
+        metrics, _server = serve(cfg.run_root.name, port=cfg.metrics_port, addr=cfg.metrics_addr)
+        events.observers.append(metrics.observe)
     if rank == 0:
         events.emit(
             "worker_start",

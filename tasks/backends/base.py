@@ -36,6 +36,8 @@ class RunParams(Protocol):
     def state_dir(self) -> str: ...
     @property
     def world_size(self) -> int: ...
+    @property
+    def metrics_port(self) -> int | None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +50,10 @@ class Placement:
     inprocess: InProcessConfig | None = None  # None: the trainer's defaults
     injob: InJobConfig | None = None
     s3_region: str | None = None  # an explicit region (eks.region); None: the standard chain
+    # Metrics endpoints (PipelineParams.metrics_port): the address the flow's and rank 0's listen
+    # on, and rank 0's port relative to the flow's (+1 where both share a host).
+    metrics_addr: str = "127.0.0.1"
+    rank0_metrics_offset: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)

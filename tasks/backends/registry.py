@@ -36,6 +36,12 @@ class BackendType:
 
 def _eks_check(params: RunParams) -> None:
     params.eks.check_deployment_allows()
+    if params.metrics_port == params.eks.rdzv_port:
+        # Rank 0's pod serves both: the rendezvous store would not start.
+        raise ValueError(
+            f"metrics_port: {params.metrics_port} is also eks.rdzv_port; pick another port for "
+            "the metrics (or set metrics_port empty to turn them off)"
+        )
 
 
 def _local(params: RunParams, *, lease: RunLease | None, log: Callable[[str], None]) -> Backend:

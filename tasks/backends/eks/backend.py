@@ -94,6 +94,9 @@ def placement(eks: EksParams) -> Placement:
         inprocess=EKS_INPROCESS,
         injob=EKS_INJOB,
         s3_region=eks.region,
+        # Rank 0 and the flow run in pods of their own: the same port, container port `metrics`.
+        metrics_addr="0.0.0.0",
+        rank0_metrics_offset=0,
     )
 
 

@@ -180,6 +180,13 @@ class EksParams(BaseModel):
         "empty: not queued by Kueue",
     )
     rdzv_port: int = Field(29500, ge=1024, le=65535, description="c10d rendezvous port")
+    monitoring_namespace: str = Field(
+        "monitoring",
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        max_length=63,
+        description="namespace of the Prometheus that scrapes the training pods (the Job's "
+        "NetworkPolicy admits it to the metrics port)",
+    )
     unreachable_toleration_s: int = Field(
         60, ge=0, le=3600, description="evict pods this long after their node goes unreachable"
     )

@@ -30,6 +30,7 @@ CONTAINER = "trainer"
 LABEL_RUN = "nvrx.io/run-id"
 LABEL_ATTEMPT = "nvrx.io/attempt"
 EXIT_DO_NOT_REQUEUE = 93
+METRICS_PORT_NAME = "metrics"
 TMP_GI = 32  # /tmp: torch.compile/Triton caches and tempfiles (ephemeral storage)
 
 
@@ -211,7 +212,16 @@ def render_job(
                     "command": argv[:1],
                     "args": argv[1:],
                     "env": env,
-                    "ports": [{"name": "rdzv", "containerPort": eks.rdzv_port}],
+                    "ports": [
+                        {"name": "rdzv", "containerPort": eks.rdzv_port},
+                        # Rank 0's Prometheus endpoint (trainer.metrics), whichever pod has it:
+                        # what deploy/eks/podmonitor.yaml scrapes, by this name.
+                        *(
+                            [{"name": METRICS_PORT_NAME, "containerPort": cfg.metrics_port}]
+                            if cfg.metrics_port is not None
+                            else []
+                        ),
+                    ],
                     "securityContext": container_security_context(),
                     "resources": guaranteed(resources),
                     "volumeMounts": [
@@ -271,7 +281,13 @@ def render_job(
 
 
 def render_network_policy(
-    run_id: str, attempt: int, *, namespace: str, tag: str = ""
+    run_id: str,
+    attempt: int,
+    *,
+    namespace: str,
+    tag: str = "",
+    metrics_port: int | None = None,
+    monitoring_namespace: str = "monitoring",
 ) -> dict[str, Any]:
     """Only this Job's pods reach this Job's pods; they reach only each other and DNS.
 
@@ -286,9 +302,26 @@ def render_network_policy(
     EFA device) and the Lustre client (the node's kernel mounts FSx) do not pass through the
     pod network, so they need no rule; the training pods call no AWS or Prefect API, so they
     get no other egress.
+
+    With ``metrics_port``, Prometheus in ``monitoring_namespace`` may reach that one port (rank
+    0's metrics endpoint); the namespace's default-deny policy would refuse the scrape otherwise.
     """
     name = job_name(run_id, attempt, tag)
     own_pods = [{"podSelector": {"matchLabels": {JOB_NAME_LABEL: name}}}]
+    ingress: list[dict[str, Any]] = [{"from": own_pods}]
+    if metrics_port is not None:
+        ingress.append(
+            {
+                "from": [
+                    {
+                        "namespaceSelector": {
+                            "matchLabels": {"kubernetes.io/metadata.name": monitoring_namespace}
+                        }
+                    }
+                ],
+                "ports": [{"protocol": "TCP", "port": metrics_port}],
+            }
+        )
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -296,7 +329,7 @@ def render_network_policy(
         "spec": {
             "podSelector": {"matchLabels": {JOB_NAME_LABEL: name}},
             "policyTypes": ["Ingress", "Egress"],
-            "ingress": [{"from": own_pods}],
+            "ingress": ingress,
             "egress": [
                 {"to": own_pods},
                 {  # the rendezvous host's name (<job>-0.<service>) resolves through cluster DNS
@@ -330,7 +363,14 @@ def render_all(
     ``tag``: the invocation's, in every name (:func:`job_name`)."""
     # The policy first: the pods never run unprotected, not even for the first seconds.
     return [
-        render_network_policy(run_id, attempt, namespace=eks.namespace, tag=tag),
+        render_network_policy(
+            run_id,
+            attempt,
+            namespace=eks.namespace,
+            tag=tag,
+            metrics_port=cfg.metrics_port,
+            monitoring_namespace=eks.monitoring_namespace,
+        ),
         render_service(run_id, attempt, namespace=eks.namespace, port=eks.rdzv_port, tag=tag),
         render_job(
             cfg,

@@ -1,0 +1,175 @@
+"""The run's Prometheus metrics, served by the process running the flow while the train stage
+runs: restarts by layer, recovery seconds, faults, checkpoints, train-stage attempts, ETTR, and
+the training series of :class:`trainer.metrics.TrainingSeries` (so one scrape target is enough
+for the dashboard on the local backend).
+
+Everything comes from the run's ``events.jsonl``, which the flow already trusts for recovery
+times and ETTR (:mod:`tasks.run_summary`): the metrics cannot disagree with the run report.
+:meth:`RunMetrics.observe` counts each event once, however often the file is read again (a
+re-attached watcher, a second tail from the start).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tasks.train_stage import EventTail
+from trainer.metrics import MetricsServer, TrainingSeries
+
+LAYERS = ("inprocess", "injob", "stage-retry")
+# A recovery is seconds (in-process) to minutes (a stage retry waits for nodes).
+RECOVERY_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+
+def restart_layer(e: dict[str, Any]) -> str | None:
+    """The layer an event says restarted training, if it is a restart: the trainer's
+    ``restart`` events (in-process, in-job), and a train-stage attempt after the first (an
+    attempt adopted from a dead owner restarts nothing)."""
+    kind = e.get("kind")
+    if kind == "restart":
+        layer = e.get("layer")
+        return layer if isinstance(layer, str) else None
+    if (
+        kind == "stage_attempt"
+        and e.get("stage") == "train"
+        and isinstance(e.get("attempt"), int)
+        and e["attempt"] > 1
+        and not e.get("adopted")
+    ):
+        return "stage-retry"
+    return None
+
+
+class RunMetrics:
+    """The metrics of one run, fed event by event (``observe``)."""
+
+    def __init__(self, run_id: str, *, clock: Callable[[], float] = time.time) -> None:
+        self.registry = CollectorRegistry()
+        self.run_id = run_id
+        self.clock = clock
+        r = self.registry
+        self.series = TrainingSeries(r, run_id)
+        self.restarts = Counter(
+            "nvrx_restarts",
+            "Restarts of training, by the layer that restarted it",
+            ["run_id", "layer"],
+            registry=r,
+        )
+        self.recovery = Histogram(
+            "nvrx_recovery_seconds",
+            "Seconds from a fault until the first step after its recovery, by layer",
+            ["run_id", "layer"],
+            registry=r,
+            buckets=RECOVERY_BUCKETS,
+        )
+        self.faults = Counter(
+            "nvrx_faults_detected",
+            "Faults detected (drills, lost nodes), by kind",
+            ["run_id", "kind"],
+            registry=r,
+        )
+        self.checkpoints = Counter(
+            "nvrx_checkpoints_committed", "Checkpoints committed", ["run_id"], registry=r
+        ).labels(run_id)
+        self.last_committed = Gauge(
+            "nvrx_checkpoint_last_committed_step",
+            "Step of the newest committed checkpoint",
+            ["run_id"],
+            registry=r,
+        ).labels(run_id)
+        self.attempts = Counter(
+            "nvrx_train_stage_attempts", "Train-stage attempts started", ["run_id"], registry=r
+        ).labels(run_id)
+        Gauge(
+            "nvrx_ettr",
+            "Effective training time ratio: productive step time / train-stage wall time",
+            ["run_id"],
+            registry=r,
+        ).labels(run_id).set_function(lambda: self.ettr() or 0.0)
+        for layer in LAYERS:  # every layer's series exists from the start (0, not absent)
+            self.restarts.labels(run_id, layer)
+        self._seen: set[str] = set()
+        self._step_s: dict[int, float] = {}  # each step's last execution (replays replace)
+        self._ended_wall_s = 0.0
+        self._open_attempt_t: float | None = None
+
+    def observe(self, e: dict[str, Any]) -> None:
+        kind = e.get("kind")
+        if kind == "step":
+            # Gauges and a per-step dict only: seeing a step again changes nothing.
+            self.series.observe(e)
+            if isinstance(e.get("step"), int):
+                self._step_s[e["step"]] = float(e.get("step_s") or 0.0)
+            return
+        key = json.dumps(e, sort_keys=True, default=str)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.series.observe(e)
+        layer = restart_layer(e)
+        if layer is not None:
+            self.restarts.labels(self.run_id, layer).inc()
+        if kind == "recovered" and e.get("recovery_s") is not None:
+            self.recovery.labels(self.run_id, str(e.get("layer"))).observe(e["recovery_s"])
+        elif kind == "fault":
+            self.faults.labels(self.run_id, str(e.get("fault_kind"))).inc()
+        elif kind == "checkpoint":
+            self.checkpoints.inc()
+            if isinstance(e.get("step"), int):
+                self.last_committed.set(e["step"])
+        elif kind == "stage_attempt" and e.get("stage") == "train":
+            self.attempts.inc()
+            self._open_attempt_t = float(e["t"])
+        elif kind == "stage_attempt_end" and e.get("stage") == "train":
+            self._ended_wall_s += float(e.get("wall_s") or 0.0)
+            self._open_attempt_t = None
+
+    def ettr(self) -> float | None:
+        """As :func:`tasks.run_summary.ettr` once the attempts ended; while one runs, its wall
+        time so far counts."""
+        wall = self._ended_wall_s
+        if self._open_attempt_t is not None:
+            wall += max(0.0, self.clock() - self._open_attempt_t)
+        return round(sum(self._step_s.values()) / wall, 4) if wall > 0 else None
+
+
+@contextlib.contextmanager
+def serving(
+    run_root: Path, run_id: str, *, port: int | None, addr: str, poll_s: float = 0.5
+) -> Iterator[RunMetrics | None]:
+    """Serve the run's metrics on ``addr:port`` for the duration of the block, following its
+    events file from the start; ``port`` None: nothing is served."""
+    if port is None:
+        yield None
+        return
+    metrics = RunMetrics(run_id)
+    tail = EventTail(Path(run_root) / "events.jsonl", from_start=True)
+    stop = threading.Event()
+
+    def pump() -> None:
+        for e in tail.read_new():
+            if isinstance(e, dict):
+                metrics.observe(e)
+
+    def follow() -> None:
+        while not stop.wait(poll_s):
+            pump()
+
+    pump()
+    server = MetricsServer(metrics.registry, port=port, addr=addr)
+    thread = threading.Thread(target=follow, name="nvrx-run-metrics", daemon=True)
+    thread.start()
+    try:
+        yield metrics
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()

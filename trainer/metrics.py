@@ -1,0 +1,180 @@
+"""Rank 0's Prometheus metrics: ``nvrx_train_*`` and ``nvrx_checkpoint_*`` on a scrape endpoint.
+
+They are fed from the events rank 0 already makes (``EventLog.observers``): a ``step`` event
+carries the step, the loss and tokens/s the loop computed anyway, a ``checkpoint`` event its
+blocking and save-to-commit seconds, a ``restart`` event its layer. So the feature costs the
+loop a few in-memory updates a step: no collective, no I/O (a scrape reads the registry on the
+server's own thread).
+
+One endpoint per process (:func:`serve`, called once per worker process by
+``trainer.train``): an in-process restart re-enters the train function in the same process
+and keeps it; an in-job restart is a new process, which binds the port again (the old process
+is gone by then; :class:`MetricsServer` retries a little while in case it is still exiting).
+
+:class:`TrainingSeries` is also what the flow side (``tasks.metrics``) maps the same events
+with, so a series means the same thing on either endpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+log = logging.getLogger(__name__)
+
+# Seconds the loop is blocked by a save (the device-to-host copy): well under a second is the
+# target, seconds means the copy is in the way.
+BLOCKING_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# From save() until the checkpoint is committed (written, manifest, rename) while training goes on.
+COMMIT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class TrainingSeries:
+    """The training view of a run (step, loss, tokens/s, checkpoint timings), labelled with the
+    run id, from ``step`` and ``checkpoint`` events."""
+
+    def __init__(self, registry: CollectorRegistry, run_id: str) -> None:
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, ["run_id"], registry=registry).labels(run_id)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, ["run_id"], registry=registry, buckets=buckets).labels(
+                run_id
+            )
+
+        self.step = gauge("nvrx_train_step", "The last step trained (rank 0)")
+        # rate() of this is the step rate, without the jump back a replay gives the gauge.
+        self.steps = Counter(
+            "nvrx_train_steps",
+            "Steps trained, replays after a restart included",
+            ["run_id"],
+            registry=registry,
+        ).labels(run_id)
+        self._last_step_t = float("-inf")
+        self.loss = gauge("nvrx_train_loss", "Loss of the last step, averaged over the ranks")
+        self.tokens_per_s = gauge(
+            "nvrx_train_tokens_per_second", "Tokens per second of the last step, all ranks"
+        )
+        self.blocking = histogram(
+            "nvrx_checkpoint_blocking_seconds",
+            "Seconds a committed checkpoint's save blocked the training loop",
+            BLOCKING_BUCKETS,
+        )
+        self.commit_latency = histogram(
+            "nvrx_checkpoint_commit_latency_seconds",
+            "Seconds from a checkpoint's save until it was committed",
+            COMMIT_BUCKETS,
+        )
+
+    def observe(self, e: dict[str, Any]) -> None:
+        kind = e.get("kind")
+        if kind == "step":
+            # Only rank 0 writes steps, in order: one seen before (the file read again) is not
+            # counted again.
+            t = float(e.get("t", 0.0))
+            if t > self._last_step_t:
+                self._last_step_t = t
+                self.steps.inc()
+            self.step.set(e["step"])
+            if e.get("loss") is not None:
+                self.loss.set(e["loss"])
+            if e.get("tokens_per_s") is not None:  # a script may not say its tokens
+                self.tokens_per_s.set(e["tokens_per_s"])
+        elif kind == "checkpoint":
+            if e.get("blocking_s") is not None:
+                self.blocking.observe(e["blocking_s"])
+            if e.get("total_s") is not None:
+                self.commit_latency.observe(e["total_s"])
+
+
+class Rank0Metrics:
+    """What rank 0's endpoint serves: the training series and the in-process restarts this
+    process went through."""
+
+    def __init__(self, run_id: str) -> None:
+        self.registry = CollectorRegistry()  # ours alone: no process or platform collectors
+        self.series = TrainingSeries(self.registry, run_id)
+        self.inprocess_restarts = Counter(
+            "nvrx_train_inprocess_restarts",
+            "In-process restarts of this rank-0 process (NVRx Wrapper)",
+            ["run_id"],
+            registry=self.registry,
+        ).labels(run_id)
+
+    def observe(self, e: dict[str, Any]) -> None:
+        self.series.observe(e)
+        if e.get("kind") == "restart" and e.get("layer") == "inprocess":
+            self.inprocess_restarts.inc()
+
+
+class MetricsServer:
+    """A scrape endpoint for one registry on ``addr:port``. A port still held (the previous
+    incarnation of this rank exiting, another run on the host) is retried in the background for
+    ``retry_s``, then given up with a warning: metrics never stop training or a flow."""
+
+    def __init__(
+        self, registry: CollectorRegistry, *, port: int, addr: str, retry_s: float = 30.0
+    ) -> None:
+        self.registry, self.port, self.addr = registry, port, addr
+        self._httpd: Any = None
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        if not self._try_bind(warn=True):
+            threading.Thread(
+                target=self._retry, args=(retry_s,), name="nvrx-metrics-bind", daemon=True
+            ).start()
+
+    @property
+    def serving(self) -> bool:
+        return self._httpd is not None
+
+    def _try_bind(self, *, warn: bool) -> bool:
+        from prometheus_client import start_http_server
+
+        with self._lock:
+            if self._closed.is_set():
+                return True  # closed before it ever bound: stop trying
+            try:
+                self._httpd, _ = start_http_server(self.port, self.addr, registry=self.registry)
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    log.warning("metrics endpoint %s:%s not started: %s", self.addr, self.port, e)
+                    return True  # nothing to wait for
+                if warn:
+                    log.warning(
+                        "metrics port %s:%s is in use; retrying in the background (set "
+                        "metrics_port to a free port, or None to turn metrics off)",
+                        self.addr,
+                        self.port,
+                    )
+                return False
+            return True
+
+    def _retry(self, retry_s: float) -> None:
+        deadline = time.monotonic() + retry_s
+        while not self._closed.wait(0.5):
+            if self._try_bind(warn=False):
+                return
+            if time.monotonic() > deadline:
+                log.warning("metrics port %s:%s stayed in use: no endpoint", self.addr, self.port)
+                return
+
+    def close(self) -> None:
+        """Idempotent; the port is free again when it returns."""
+        with self._lock:
+            self._closed.set()
+            httpd, self._httpd = self._httpd, None
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+
+
+def serve(run_id: str, *, port: int, addr: str) -> tuple[Rank0Metrics, MetricsServer]:
+    """Rank 0's metrics and their endpoint; feed them with ``events.observers.append``."""
+    metrics = Rank0Metrics(run_id)
+    return metrics, MetricsServer(metrics.registry, port=port, addr=addr)
