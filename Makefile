@@ -10,16 +10,23 @@ PORT ?= 29500
 # apt-get needs root: CI runs as root; elsewhere go through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all venv browser run run-trainer serve test test-fast lint bench bench-ettr screenshots clean
+.PHONY: all venv lock browser run run-trainer serve test test-fast lint bench bench-ettr screenshots clean
 
 all: test
 
-$(VENV)/.installed: pyproject.toml
+# constraints.txt pins every other package (and pip), so every fresh machine resolves the same
+# versions, whatever pip it starts with; `make lock` rewrites it from this venv.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --upgrade pip -c constraints.txt
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -c constraints.txt
+	$(PY) -m pip install --quiet -e '.[dev]' -c constraints.txt
 	touch $@
+
+lock: venv
+	{ sed -n '1,3p' constraints.txt; $(PY) -m pip freeze --exclude-editable --all | \
+		grep -v -iE '^(torch|setuptools|wheel)=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 venv: $(VENV)/.installed
 

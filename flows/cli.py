@@ -1,18 +1,7 @@
-"""``nvrx-pipeline``: run the pipeline, serve its deployments, validate or export a checkpoint.
-
-    nvrx-pipeline run [--config FILE] [--set key=value ...] [--inject SPEC ...]
-                      [--run-id ID] [--json]
-    nvrx-pipeline serve [--config FILE] [--set key=value ...]
-    nvrx-pipeline validate PATH [--json]
-    nvrx-pipeline export PATH S3_URI [--run-id ID] [--json]
-    nvrx-pipeline render-k8s [--config FILE] [--set key=value ...] [--run-id ID] [--attempt N]
-    nvrx-pipeline prepare-dataset INPUT ... --out DIR [--tokenizer tokenizer.json
-                      | --vocab-size N --input-dtype uint16|uint32] [--dtype uint16|uint32]
-                      [--s3-uri S3_URI [--s3-endpoint URL]] [--json]
-
-With ``--json`` the last line of stdout is one JSON object (the ``PipelineResult`` for ``run``).
-Exit codes: 0 success, 1 the pipeline or command failed, 2 bad parameters.
-"""
+"""``nvrx-pipeline``: run the pipeline, serve its deployments, validate, export or pull a
+checkpoint, prepare a dataset, apply the automations. Every command's usage and exit codes are
+in its ``--help`` (:data:`EXIT_CODES`); with ``--json`` the last line of stdout is one JSON
+object (the ``PipelineResult`` for ``run``)."""
 
 from __future__ import annotations
 
@@ -35,6 +24,65 @@ if TYPE_CHECKING:
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+
+# What each command's exit status means: its --help lists them, and the top-level --help all.
+EXIT_CODES: dict[str, dict[int, str]] = {
+    "run": {
+        0: "the run completed (checkpoint validated, export verified)",
+        1: "the pipeline failed: the cause on stderr (--json: the PipelineResult)",
+        2: "bad parameters: the field and the fix on stderr",
+    },
+    "render-k8s": {0: "the manifests printed", 2: "bad parameters"},
+    "serve": {0: "stopped (Ctrl-C)", 1: "the Prefect server failed", 2: "bad default parameters"},
+    "validate": {
+        0: "every check passed",
+        1: "a check failed: the report names it and the file",
+        2: "bad usage (no such directory, a bad --workload)",
+    },
+    "export": {
+        0: "exported and verified against the manifest",
+        1: "the export failed",
+        2: "bad usage",
+    },
+    "pull": {
+        0: "pulled and verified",
+        1: "the pull failed or did not verify (DIR left as it was)",
+        2: "bad usage (S3_URI not an S3 URI, DIR not empty and not this export)",
+    },
+    "status": {
+        0: "the summary printed",
+        2: "no events for that run (pass --state-dir or --run-root)",
+    },
+    "automations": {
+        0: "applied (or printed, with --dry-run)",
+        1: "the Prefect server refused them or could not be reached",
+        2: "a bad automations file or flag",
+    },
+    "prepare-dataset": {
+        0: "written (and uploaded)",
+        1: "the upload failed",
+        2: "bad input: error: <field>: <message>",
+    },
+}
+
+
+def _exit_codes(command: str) -> str:
+    return "exit codes:\n" + "\n".join(
+        f"  {code}  {what}" for code, what in EXIT_CODES[command].items()
+    )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    parts = ", ".join(f"{d} {of(d)}" for d in ("torch", "nvidia-resiliency-ext", "prefect"))
+    return f"nvrx-pipeline {of('nvrx-pipeline')} ({parts})"
 
 
 def _set_dotted(d: dict[str, Any], key: str, raw: str) -> None:
@@ -398,7 +446,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     defaults = params_from_args(args, inject=[], deployment=True)
     if defaults is None:
         return EXIT_USAGE
-    serve_all(defaults)
+    try:
+        serve_all(defaults)
+    except KeyboardInterrupt:
+        return 0
+    except Exception as e:  # the server: unreachable, or it refused the deployments
+        print(f"error: serving the deployments failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILED
     return 0
 
 
@@ -518,7 +572,16 @@ def cmd_automations(args: argparse.Namespace) -> int:
             )
     except AutomationConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except Exception as e:  # the server: unreachable, or it refused an automation
+        from prefect.settings import PREFECT_API_URL
+
+        print(
+            f"error: the Prefect server at {PREFECT_API_URL.value() or '(none configured)'}: "
+            f"{type(e).__name__}: {e}; check PREFECT_API_URL and that the server is up",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
     for name, aid in applied.items():
         print(f"applied {name} ({aid})")
     for name, why in skipped.items():
@@ -643,10 +706,33 @@ def cmd_prepare_dataset(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command(sub: Any, name: str, **kw: Any) -> argparse.ArgumentParser:
+    """A subcommand whose --help ends with its exit codes."""
+    return sub.add_parser(  # type: ignore[no-any-return]
+        name,
+        epilog=_exit_codes(name),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **kw,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nvrx-pipeline", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="nvrx-pipeline",
+        description="Fault-tolerant distributed PyTorch training: the pipeline from preflight to "
+        "a verified checkpoint in S3, and the tools around it.",
+        epilog="exit codes, by command:\n"
+        + "\n".join(
+            f"  {cmd:<16} "
+            + "; ".join(f"{c} {w.split(':')[0].split(' (')[0]}" for c, w in codes.items())
+            for cmd, codes in EXIT_CODES.items()
+        )
+        + "\n\n`nvrx-pipeline COMMAND --help` describes each.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run the whole pipeline")
+    run = _command(sub, "run", help="run the whole pipeline")
     run.add_argument("--config", type=Path, help="YAML or JSON file of PipelineParams")
     run.add_argument(
         "--set",
@@ -665,13 +751,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-id", help="name the run; an existing id resumes it")
     run.add_argument("--json", action="store_true", help="print the PipelineResult as JSON last")
     run.set_defaults(fn=cmd_run)
-    rk = sub.add_parser("render-k8s", help="print the EKS train-stage manifests as YAML")
+    rk = _command(sub, "render-k8s", help="print the EKS train-stage manifests as YAML")
     rk.add_argument("--config", type=Path, help="YAML or JSON file of PipelineParams")
     rk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     rk.add_argument("--run-id", help="run id (default: a new one)")
     rk.add_argument("--attempt", type=int, default=1, help="train-stage attempt (names the Job)")
     rk.set_defaults(fn=cmd_render_k8s)
-    serve = sub.add_parser("serve", help="serve the deployments (schedules included)")
+    serve = _command(sub, "serve", help="serve the deployments (schedules included)")
     serve.add_argument("--config", type=Path, help="YAML or JSON file: the deployments' defaults")
     serve.add_argument(
         "--set",
@@ -681,7 +767,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a default parameter of both deployments (the UI form starts from these)",
     )
     serve.set_defaults(fn=cmd_serve)
-    val = sub.add_parser("validate", help="validate a committed checkpoint directory")
+    val = _command(sub, "validate", help="validate a committed checkpoint directory")
     val.add_argument("path", type=Path)
     val.add_argument(
         "--workload", help="workload that wrote it (default: the one its manifest names)"
@@ -692,7 +778,7 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--data-dir", type=Path, help="dataset: enables the held-out loss check")
     val.add_argument("--json", action="store_true")
     val.set_defaults(fn=cmd_validate)
-    exp = sub.add_parser("export", help="export a committed checkpoint to S3")
+    exp = _command(sub, "export", help="export a committed checkpoint to S3")
     exp.add_argument("path", type=Path)
     exp.add_argument("s3_uri")
     exp.add_argument("--run-id")
@@ -714,31 +800,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exp.add_argument("--json", action="store_true")
     exp.set_defaults(fn=cmd_export)
-    pull = sub.add_parser(
+    pull = _command(
+        sub,
         "pull",
         help="download an export from S3 into a directory, verified against its manifest",
         description="Download the export at S3_URI (s3://bucket/prefix/<run_id>/step_<N>/) into "
         "DIR, every file checked against the export's manifest.json (size and sha256). It lands "
         "in a hidden directory beside DIR and is renamed to DIR only once it verifies. DIR must "
         "be absent or empty, or already hold the same verified export (then nothing is "
-        "downloaded). Exit codes: 0 pulled and verified; 1 the pull failed or did not verify "
-        "(DIR left as it was); 2 bad usage (S3_URI not an S3 URI, DIR not empty and not this "
-        "export).",
+        "downloaded).",
     )
     pull.add_argument("s3_uri", metavar="S3_URI", help="the export prefix")
     pull.add_argument("dir", metavar="DIR", type=Path, help="directory to create (or empty one)")
     pull.add_argument("--endpoint", help="S3 endpoint URL (default: AWS, or $AWS_ENDPOINT_URL)")
     pull.add_argument("--json", action="store_true", help="print a summary as JSON last")
     pull.set_defaults(fn=cmd_pull)
-    stp = sub.add_parser("status", help="summarise a run from its events file")
+    stp = _command(sub, "status", help="summarise a run from its events file")
     stp.add_argument("run_id")
     stp.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
     stp.add_argument("--run-root", type=Path, help="the run directory itself (EKS: /fsx/runs/ID)")
     stp.add_argument("--json", action="store_true")
     stp.set_defaults(fn=cmd_status)
-    auto = sub.add_parser("automations", help="Prefect automations for nvrx events")
+    auto = _command(sub, "automations", help="Prefect automations for nvrx events")
     auto_sub = auto.add_subparsers(dest="action", required=True)
-    ap = auto_sub.add_parser("apply", help="create or replace the shipped automations")
+    ap = auto_sub.add_parser(
+        "apply",
+        help="create or replace the shipped automations",
+        epilog=_exit_codes("automations"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     from flows.automations import DEFAULT_FILE
 
     ap.add_argument("--file", type=Path, default=DEFAULT_FILE, help="automations YAML")
@@ -758,12 +848,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--dry-run", action="store_true", help="print what would be applied")
     ap.set_defaults(fn=cmd_automations)
-    prep = sub.add_parser(
+    prep = _command(
+        sub,
         "prepare-dataset",
         help="turn token files (.bin/.npy) or JSONL text into a dataset (optionally upload it)",
         description="Token files (.bin raw tokens, .npy integer arrays) or, with --tokenizer, "
-        "JSONL text -> shard_*.bin + dataset.json in --out. Exit 2 for bad input "
-        "(error: <field>: <message>), 1 if the upload fails.",
+        "JSONL text -> shard_*.bin + dataset.json in --out.",
     )
     prep.add_argument("inputs", nargs="+", type=Path, help="input files, concatenated in order")
     prep.add_argument("--out", type=Path, required=True, help="dataset directory to write")
