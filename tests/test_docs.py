@@ -1,0 +1,192 @@
+"""``docs/architecture.md`` against the code it describes, so the doc cannot drift silently.
+
+- every repository path it names in backticks (```flows/parameters.py```, ```deploy/eks/```)
+  exists;
+- every dotted name it gives for our own code (```tasks.retry_policy.prefect_retry_condition```)
+  is a module, or a name defined in one (read with ``ast``: nothing is imported);
+- every relative link resolves, down to the heading its ``#anchor`` names;
+- it stands on its own: no pointer to notes outside the repository;
+- the layering it states holds: ``trainer/`` imports nothing from ``tasks/`` or ``flows/``, and
+  ``tasks/`` nothing from ``flows/``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "architecture.md"
+
+TOP_DIRS = ("flows", "tasks", "trainer", "deploy", "benchmarks", "tests", "docs", "examples")
+PACKAGES = ("flows", "tasks", "trainer")
+_PATH = re.compile(rf"(?:{'|'.join(TOP_DIRS)})/[\w./-]*")
+_DOTTED = re.compile(rf"(?:{'|'.join(PACKAGES)})(?:\.\w+)+")
+_SPAN = re.compile(r"`([^`\n]+)`")
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+_FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def prose(text: str) -> str:
+    """The Markdown outside fenced code blocks (diagrams hold run-time paths, not repo paths)."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if _FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out.append(line)
+    return "\n".join(out)
+
+
+def spans(text: str) -> list[str]:
+    """Inline code spans, each split on whitespace (a span may be a command line)."""
+    return [word for s in _SPAN.findall(prose(text)) for word in s.split()]
+
+
+def repo_paths(text: str) -> set[str]:
+    return {w.rstrip(".,;:") for w in spans(text) if _PATH.fullmatch(w.rstrip(".,;:"))}
+
+
+def missing_paths(text: str, root: Path = REPO) -> list[str]:
+    return sorted(p for p in repo_paths(text) if not (root / p).exists())
+
+
+def _defined(body: list[ast.stmt]) -> dict[str, ast.AST]:
+    """Names a module or class body binds: defs, classes, assignments, imports."""
+    names: dict[str, ast.AST] = {}
+    for node in body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names[node.name] = node
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    names[target.id] = node
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names[node.target.id] = node
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            for alias in node.names:
+                names[(alias.asname or alias.name).split(".")[0]] = node
+    return names
+
+
+def resolve_dotted(name: str, root: Path = REPO) -> str | None:
+    """None when ``name`` names a module of ours or a name defined in one; else why not."""
+    parts = name.split(".")
+    # The longest prefix that is a module file or package.
+    for cut in range(len(parts), 0, -1):
+        base = root.joinpath(*parts[:cut])
+        module = base.with_suffix(".py")
+        if not module.is_file():
+            module = base / "__init__.py"
+        if module.is_file():
+            break
+    else:
+        return f"{name}: no module {parts[0]}"
+    scope: ast.AST = ast.parse(module.read_text())
+    for i, attr in enumerate(parts[cut:], start=cut):
+        body = getattr(scope, "body", None)
+        found = _defined(body) if isinstance(body, list) else {}
+        if attr not in found:
+            where = ".".join(parts[:i])
+            return f"{name}: {where} ({module.relative_to(root)}) defines no {attr!r}"
+        scope = found[attr]
+    return None
+
+
+def dotted_names(text: str) -> set[str]:
+    return {w.rstrip(".,;:") for w in spans(text) if _DOTTED.fullmatch(w.rstrip(".,;:"))}
+
+
+def anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lowercased, punctuation dropped, spaces to dashes."""
+    out = set()
+    for line in prose(markdown).splitlines():
+        m = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            out.add(slug)
+    return out
+
+
+def broken_links(doc: Path) -> list[str]:
+    bad = []
+    for target in _LINK.findall(prose(doc.read_text())):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        path = (doc.parent / file).resolve() if file else doc
+        if not path.exists():
+            bad.append(f"{target}: {path} does not exist")
+        elif anchor and anchor not in anchors(path.read_text()):
+            bad.append(f"{target}: no heading #{anchor} in {path.name}")
+    return bad
+
+
+# -- the doc --------------------------------------------------------------------------------------
+def test_every_repository_path_named_exists() -> None:
+    text = DOC.read_text()
+    assert len(repo_paths(text)) > 40, "the extractor found (almost) no paths: is it broken?"
+    assert missing_paths(text) == []
+
+
+def test_every_dotted_name_of_our_code_resolves() -> None:
+    names = dotted_names(DOC.read_text())
+    assert names, "no dotted names found: is the extractor broken?"
+    assert [why for n in sorted(names) if (why := resolve_dotted(n))] == []
+
+
+def test_every_relative_link_and_anchor_resolves() -> None:
+    assert _LINK.search(DOC.read_text()), "no links found"
+    assert broken_links(DOC) == []
+
+
+@pytest.mark.parametrize("internal", ["DESIGN.md", "NVRX_NOTES", "PLATFORM_NOTES", "/work/"])
+def test_stands_on_its_own(internal: str) -> None:
+    assert internal not in DOC.read_text()
+
+
+# -- the checkers themselves: each catches what it is for -----------------------------------------
+def test_checkers_flag_drift(tmp_path: Path) -> None:
+    text = "See `flows/pipeline.py`, `tasks/gone.py` and `python -m trainer.data --verify`.\n"
+    assert missing_paths(text) == ["tasks/gone.py"]
+    assert "trainer.data" in dotted_names(text)
+    assert resolve_dotted("tasks.retry_policy.stage_retry_allowed") is None
+    assert resolve_dotted("trainer.resilience.Heartbeat.beat") is None
+    assert resolve_dotted("tasks.retry_policy.no_such_thing") is not None
+    assert resolve_dotted("flows.nowhere") is not None
+    # A path inside a fenced diagram is a run-time path, not the repository's.
+    assert missing_paths("```\ntasks/gone.py\n```\n") == []
+    doc = tmp_path / "d.md"
+    doc.write_text("# A heading (`x`), here\n[a](#a-heading-x-here) [b](#nope) [c](missing.md)\n")
+    assert broken_links(doc) == [
+        "#nope: no heading #nope in d.md",
+        f"missing.md: {(tmp_path / 'missing.md').resolve()} does not exist",
+    ]
+
+
+# -- the layering the doc states -------------------------------------------------------------------
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+@pytest.mark.parametrize(
+    ("package", "forbidden"), [("trainer", {"tasks", "flows"}), ("tasks", {"flows"})]
+)
+def test_arrows_point_one_way(package: str, forbidden: set[str]) -> None:
+    offenders = {
+        str(p.relative_to(REPO)): sorted(_imports(p) & forbidden)
+        for p in sorted((REPO / package).rglob("*.py"))
+        if _imports(p) & forbidden
+    }
+    assert offenders == {}
