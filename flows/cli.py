@@ -239,7 +239,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     status = 0
     started = time.time()
     # SIGTERM (a scheduler, `kill`, Prefect cancelling the process) unwinds like Ctrl-C, so the
-    # run ends what it started and gives its lease back (DESIGN §8); SIGKILL is what the next
+    # run ends what it started and gives its lease back (arch §6); SIGKILL is what the next
     # invocation's takeover is for.
     signal.signal(signal.SIGTERM, _interrupt)
     with _LiveProgress(ctx.run_root, params.steps, sys.stderr.isatty()):
@@ -457,7 +457,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _owner(run_root: Path) -> dict[str, Any] | None:
-    """Who holds the run's lease (DESIGN §8), if anyone."""
+    """Who holds the run's lease (arch §6), if anyone."""
     import time as _time
 
     from tasks.ownership.lease import LEASE_FILE, STALE_AFTER_S, LeaseRecord, owner_alive

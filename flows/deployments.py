@@ -19,7 +19,7 @@ NIGHTLY = "nightly"
 NIGHTLY_CRON = "0 2 * * *"
 # One flow run of a deployment at a time; a run started meanwhile (a second click, the nightly
 # schedule overlapping a long run) waits in the queue instead of competing for the nodes, the
-# cores and the local S3 server. The run's lease (DESIGN §8) still guards one run id.
+# cores and the local S3 server. The run's lease (arch §6) still guards one run id.
 CONCURRENCY_LIMIT = 1
 COLLISION_STRATEGY = "ENQUEUE"
 

@@ -1,4 +1,4 @@
-"""Pipeline parameters and result (DESIGN §5). The parameter models are the Prefect UI form:
+"""Pipeline parameters and result (arch §5). The parameter models are the Prefect UI form:
 every field has limits and a description, and bad values are rejected naming the field."""
 
 from __future__ import annotations
@@ -315,7 +315,7 @@ class FaultRecord(BaseModel):
 
 
 class TakeoverInfo(BaseModel):
-    """This invocation took the run over from an owner that died (DESIGN §8)."""
+    """This invocation took the run over from an owner that died (arch §6)."""
 
     previous_owner: str
     action: Literal["adopt", "end", "nothing"]  # what it did with what the dead owner left

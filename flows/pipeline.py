@@ -176,7 +176,7 @@ def training_pipeline(**fields: Any) -> PipelineResult:
     params = resolve_params(fields, deployment.get_id())
     ctx = RunContext.create(params, run_id=_run_id(params.run_id, flow_run.id))
     log.info("run %s: run root %s", ctx.run_id, ctx.run_root)
-    # Before anything else: one writer per run directory (DESIGN §8). A second invocation of a
+    # Before anything else: one writer per run directory (arch §6). A second invocation of a
     # live run stops here with RunBusy naming the owner, having written nothing.
     with lease.hold(ctx.run_root, ctx.run_id, flow_run=str(flow_run.id or "")) as held:
         since = time.time()  # this invocation's events, the takeover's included

@@ -73,7 +73,7 @@ def run_attempt(
     on_event: Callable[[dict[str, Any]], None] = lambda e: None,
 ) -> AttemptReport:
     """Run one attempt on any backend and watch it to its end: or, when the backend finds one
-    of this run still running and healthy (a dead or replaced invocation's, DESIGN §8), only
+    of this run still running and healthy (a dead or replaced invocation's, arch §6), only
     watch that: no relaunch, its result stands. ``request.deadline_s`` bounds the watch."""
     cfg = request.cfg
     run_root = cfg.run_root

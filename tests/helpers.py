@@ -20,7 +20,7 @@ from trainer.launch import worker_env as launch_env
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Short timeouts so that drills detect faults in seconds, still nested as DESIGN §2 requires:
+# Short timeouts so that drills detect faults in seconds, still nested as arch §2 requires:
 # pg < soft < hard < ft_launcher heartbeat.
 FAST_INPROCESS = InProcessConfig(
     pg_timeout_s=2.0,

@@ -48,7 +48,7 @@ def test_gloo_timeout_must_be_below_soft_timeout():
 
 
 # Small section timeouts so that each InJobConfig is valid on its own; each case breaks one
-# cross-layer rule (DESIGN §2: an inner layer gets its chance before the outer one acts).
+# cross-layer rule (arch §2: an inner layer gets its chance before the outer one acts).
 _SECTIONS = dict(checkpoint_timeout_s=10, load_timeout_s=10, out_of_section_timeout_s=30)
 NESTING = [
     # ft_launcher's heartbeat must not give up while an in-process restart may still succeed.

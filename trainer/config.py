@@ -336,7 +336,7 @@ class TrainConfig:
     resume: ResumePolicy = ResumePolicy.AUTO
     verify_data: bool = True
     # Set by the pipeline after hydration verified every shard: the workers then check that the
-    # manifest is still that one and the shards' sizes, not every shard's digest (DESIGN §3).
+    # manifest is still that one and the shards' sizes, not every shard's digest (arch §3).
     data_manifest_sha256: str | None = None
     verify_checkpoint_on_resume: bool = True
     # Upper bound on waiting for the async writer of one checkpoint (dead or stuck worker).
@@ -411,7 +411,7 @@ class TrainConfig:
         for spec in self.faults:
             parse_fault(spec)
         if self.inprocess.enabled and self.injob.enabled:
-            # DESIGN §2: an inner layer must get its chance before the outer one gives up.
+            # arch §2: an inner layer must get its chance before the outer one gives up.
             _require(
                 self.inprocess.hard_timeout_s < self.injob.heartbeat_timeout_s,
                 "injob.heartbeat_timeout_s",

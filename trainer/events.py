@@ -1,4 +1,4 @@
-"""The run's event log: ``<run_root>/events.jsonl``, one JSON object per line (DESIGN §5).
+"""The run's event log: ``<run_root>/events.jsonl``, one JSON object per line (arch §5).
 
 Rank 0 writes steps, checkpoints, restarts and resumes; any rank writes the ``fault`` it fires
 (the faulting rank may not be rank 0). Lines are appended with one ``write`` on an ``O_APPEND``

@@ -1,6 +1,6 @@
 """Fault injection for tests, benchmarks and game days.
 
-Spec (DESIGN §5): ``KIND@step=N`` with optional ``,rank=R`` / ``,node=K`` and, for ``sigkill``,
+Spec (arch §5): ``KIND@step=N`` with optional ``,rank=R`` / ``,node=K`` and, for ``sigkill``,
 ``,phase=checkpoint`` (kill right after the save at step N was handed to the async writer, while
 its shards are being written and before the commit).
 

@@ -1,4 +1,4 @@
-"""Checkpoint layout and commit protocol (DESIGN §3). The one place the manifest format lives.
+"""Checkpoint layout and commit protocol (arch §3). The one place the manifest format lives.
 
 ::
 
@@ -357,7 +357,7 @@ def verify_checkpoint(directory: Path, *, digests: bool = True) -> Verdict:
 
     Sizes of every listed file always; sha256 of every file with ``digests``, else only of the
     DCP ``.metadata``: it is a pickle, and nothing is unpickled that a digest has not vouched
-    for (DESIGN §8)."""
+    for (arch §6)."""
     directory = Path(directory)
     try:
         manifest = read_manifest(directory)

@@ -78,7 +78,7 @@ class Heartbeat:
     """``RankMonitorClient`` heartbeats and timed sections when the worker runs under
     ft_launcher, no-op otherwise. One per process (it survives in-process restarts).
 
-    Hang detection is by section (DESIGN §2): the steps run in the ``step`` section, whose
+    Hang detection is by section (arch §2): the steps run in the ``step`` section, whose
     timeout is tight (seconds on the embedded default); a checkpoint save and commit and a
     checkpoint load run in sections of their own with the storage's timeouts; start-up and
     in-process restarts are out of section. Every message is a synchronous round trip to the

@@ -447,7 +447,7 @@ def execute(
     body: Callable[[Any, Any], dict[str, Any]] | None = None,
     data: Callable[[TrainConfig], DataSource] = workload_data,
 ) -> int:
-    """:func:`run`, turned into the worker's exit code (DESIGN §5): 0 done, 2 bad
+    """:func:`run`, turned into the worker's exit code (arch §5): 0 done, 2 bad
     configuration, 3 fatal; a crash raises (the in-job layer may restart it). For 2 and 3 the
     whole job is stopped without restarts first (:func:`_terminal`): respawning the workers
     cannot fix either, and under ft_launcher the exit code alone would be retried until the

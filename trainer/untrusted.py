@@ -1,4 +1,4 @@
-"""Reading files from the shared filesystem, which anyone who can write there controls (DESIGN §8).
+"""Reading files from the shared filesystem, which anyone who can write there controls (arch §6).
 
 Two rules live here, once:
 
@@ -128,7 +128,7 @@ def _check_metadata(md: object, source: str) -> Metadata:
 
 def load_dcp_metadata(path: Path) -> Metadata:
     """The DCP metadata of the checkpoint directory ``path`` (or of a ``.metadata`` file),
-    unpickled by :class:`RestrictedUnpickler`. Check the file's digest first (DESIGN §8)."""
+    unpickled by :class:`RestrictedUnpickler`. Check the file's digest first (arch §6)."""
     path = Path(path)
     file = path / METADATA if path.is_dir() else path
     return loads_dcp_metadata(file.read_bytes(), source=str(file))

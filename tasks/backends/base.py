@@ -1,4 +1,4 @@
-"""The backend protocol (DESIGN §4): what the flows call, never knowing which backend runs.
+"""The backend protocol (arch §4): what the flows call, never knowing which backend runs.
 
 A backend checks that it can run (``preflight``), puts the dataset where its workers read it
 (``hydrate``), starts an attempt (``launch``) or finds one still running that a dead or replaced
@@ -63,7 +63,7 @@ class LaunchRequest:
     cfg: TrainConfig
     nodes: int
     nproc_per_node: int
-    # The invocation launching it (its lease, DESIGN §8): every process started carries it, and
+    # The invocation launching it (its lease, arch §6): every process started carries it, and
     # the rendezvous id includes it (a later invocation's attempt 1 is not an in-job respawn).
     invocation: str = "unowned"
     deadline_s: float | None = None  # the attempt's deadline (the backend may enforce it too)

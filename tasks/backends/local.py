@@ -1,5 +1,5 @@
 """The embedded default: N simulated nodes on 127.0.0.1, each an ``ft_launcher`` agent in its own
-session with ``--nproc-per-node`` CPU workers, joined by a c10d rendezvous (DESIGN §4).
+session with ``--nproc-per-node`` CPU workers, joined by a c10d rendezvous (arch §4).
 
 Node loss is simulated by killing one agent's whole process *tree* (agent, its rank monitor, its
 workers and their checkpoint writers): ft_launcher starts workers in sessions of their own, so a
@@ -84,7 +84,7 @@ class JobStatus:
 
 
 class Recorder(Protocol):
-    """Where the backend notes what it starts (the run's lease, DESIGN §8)."""
+    """Where the backend notes what it starts (the run's lease, arch §6)."""
 
     def record(self, resource: dict[str, Any]) -> None: ...
 
@@ -272,7 +272,7 @@ class LocalBackend:
         )
 
     def reattach(self, request: LaunchRequest) -> LocalJob | None:
-        """The dead owner's attempt, when the takeover found it healthy (DESIGN §8)."""
+        """The dead owner's attempt, when the takeover found it healthy (arch §6)."""
         held = self.lease
         if held is None or held.adoptable is None or held.takeover is None:
             return None

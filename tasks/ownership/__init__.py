@@ -1,1 +1,1 @@
-"""Ownership of a run (DESIGN §8): one writer per run directory, and no orphans."""
+"""Ownership of a run (arch §6): one writer per run directory, and no orphans."""

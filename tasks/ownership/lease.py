@@ -1,4 +1,4 @@
-"""One writer per run directory (DESIGN §8): the lease.
+"""One writer per run directory (arch §6): the lease.
 
 ``<run_root>/owner.lease`` names the invocation that may write the run: its pid, host, the
 process's start time (a reused pid is not the same owner), when it started and a heartbeat, and

@@ -5,7 +5,7 @@ with its data under the state directory, and stopped cleanly by whoever started 
 All of its ports derive from the S3 port (master +1, volume +2, filer +3; gRPC +10000 each), so
 two servers on different S3 ports do not collide. Telemetry, the admin UI and WebDAV are off.
 
-Ownership (DESIGN §8): the server belongs to its state directory. ``<state>/s3/server.json``
+Ownership (arch §6): the server belongs to its state directory. ``<state>/s3/server.json``
 records it (pid, start time, port, data directory) and ``<state>/s3/users/`` holds one entry per
 invocation using it, so concurrent runs of one state directory share it and the last one out
 stops it; a user whose process died is dropped, so a killed orchestrator never keeps it alive

@@ -115,7 +115,7 @@ def load_and_inspect(
 
 def verify_before_loading(path: Path, man: dict[str, Any]) -> None:
     """Loading unpickles ``.metadata`` and the shards' non-tensor entries: only files whose size
-    and sha256 the manifest vouches for, and only files it lists, are read (DESIGN §8). Raises
+    and sha256 the manifest vouches for, and only files it lists, are read (arch §6). Raises
     :class:`UnsafeCheckpointError` naming the files. (The manifest is not signed: this stops
     corruption and half-done tampering; the restricted unpickler stops a forged pair.)"""
     from tasks.validation.checkpoint import check_file_names, hash_files

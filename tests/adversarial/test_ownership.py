@@ -1,4 +1,4 @@
-"""One writer per run, no orphans (DESIGN §8), against real processes: the lease, takeover
+"""One writer per run, no orphans (arch §6), against real processes: the lease, takeover
 decisions, the embedded S3 server's identity and reference count, two invocations of one run id,
 and an orchestrator SIGKILLed mid-train."""
 

@@ -1,4 +1,4 @@
-"""Files on the shared filesystem are untrusted (DESIGN §8): a corrupted or forged checkpoint is
+"""Files on the shared filesystem are untrusted (arch §6): a corrupted or forged checkpoint is
 refused by validation, the load check and resume, which fall back to the newest intact one; a
 forged DCP ``.metadata`` never runs its code, even with a manifest rewritten to match it; a
 hostile dataset manifest never makes hydration write outside its destination.

@@ -362,7 +362,7 @@ class EksBackend:
 
     def launch(self, request: LaunchRequest) -> EksJob:
         kube, eks, cfg = self.clients.kube, self.eks, request.cfg
-        # A run never has two Jobs (DESIGN §8). This invocation holds the run's lease, so any
+        # A run never has two Jobs (arch §6). This invocation holds the run's lease, so any
         # Job of this run still there is an earlier attempt's or a dead flow runner's, holding
         # the nodes (and the checkpoints directory) the new one needs: delete it first.
         stale = delete_run_jobs(kube, eks.namespace, request.run_id)
