@@ -53,7 +53,7 @@ class DatasetLocation(BaseModel):
 class ExportLocation(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bucket: str = Field("nvrx-checkpoints", min_length=3, max_length=63, description="S3 bucket")
-    prefix: str = Field("exports", description="prefix; objects go to <prefix>/<run_id>/step_<N>/")
+    prefix: str = Field("exports", description="prefix; objects go to PREFIX/RUN_ID/step_N/")
     sse: Literal["none", "AES256", "aws:kms"] = Field(
         "none", description="server-side encryption: none, AES256 (SSE-S3) or aws:kms (SSE-KMS)"
     )
@@ -102,7 +102,7 @@ class PipelineParams(BaseModel):
     run_id: str | None = Field(
         None,
         description="Names the run; an existing id resumes it from its newest valid checkpoint. "
-        "Lowercase letters, digits, dashes. Empty: named by the flow run (run-<flow run id>), "
+        "Lowercase letters, digits, dashes. Empty: named by the flow run (run- and its id), "
         "so the same flow run executed again continues it.",
     )
     backend: Literal["local", "eks"] = Field(

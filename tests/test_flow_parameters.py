@@ -102,3 +102,17 @@ def test_a_bad_value_is_refused_by_the_run_buttons_endpoint(
         timeout=30,
     )
     assert r.status_code in (409, 422) and "steps" in r.text, r.text
+
+
+def test_descriptions_render_as_text_in_the_form():
+    """The UI renders descriptions as markup: an angle-bracketed placeholder would vanish."""
+    import re
+
+    def descriptions(schema: dict) -> list[str]:
+        found = [p.get("description", "") for p in schema.get("properties", {}).values()]
+        for sub in schema.get("definitions", {}).values():
+            found += descriptions(sub)
+        return found
+
+    texts = descriptions(training_pipeline.parameters.model_dump())
+    assert texts and not [t for t in texts if re.search(r"<[A-Za-z_]", t)]

@@ -38,7 +38,14 @@ DEFAULT_STEPS = 20  # the served deployments' default; the form changes it
 FORM_STEPS = 10
 FAULT = "exception@step=4,rank=1"
 FLOW_RUN_ARTIFACTS = ("run-report", "recovery-timeline")
-STAGE_ARTIFACTS = ["preflight", "hydrate-progress", "train-progress", "validation"]
+STAGE_ARTIFACTS = [
+    "preflight",
+    "hydrate-progress",
+    "train-progress",
+    "validation",
+    *(f"{stage}-result" for stage in ("preflight", "hydrate", "train", "validate", "export")),
+    "export",  # the link to the exported prefix
+]
 
 
 def chromium_path() -> str:
@@ -242,6 +249,17 @@ def test_custom_run_from_the_ui(ui_stack: dict[str, Any], s3_settings) -> None:
                 img = page.locator("img[src^='data:image/png']")
                 expect(img).to_be_visible()
                 assert img.evaluate("e => e.naturalWidth") > 200
+                # What the export stage returned, on its own flow run's page, and the link.
+                (exported,) = api.post(
+                    "/artifacts/filter", json={"artifacts": {"key": {"any_": ["export-result"]}}}
+                ).json()
+                page.goto(f"{base}/runs/flow-run/{exported['flow_run_id']}")
+                page.get_by_text("Artifacts", exact=True).first.click()
+                for key in ("export-result", "export"):
+                    expect(page.get_by_text(key, exact=True).first).to_be_visible()
+                page.get_by_text("export-result", exact=True).first.click()
+                page.wait_for_url("**/artifacts/artifact/*")
+                expect(page.get_by_text('"verified": true').first).to_be_visible()
             finally:
                 browser.close()
 
