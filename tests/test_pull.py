@@ -187,7 +187,7 @@ def test_usage_errors(client, s3_settings, small_checkpoint, tmp_path, capsys):
     assert rc == EXIT_FAILED and f"(under it: {uri})" in err
     with pytest.raises(SystemExit) as e:
         main(["pull", "--help"])
-    assert e.value.code == 0 and "Exit codes" in capsys.readouterr().out
+    assert e.value.code == 0 and "exit codes:" in capsys.readouterr().out
 
 
 class _InterruptedClient:
