@@ -369,20 +369,21 @@ def export_flow(params: PipelineParams, ctx: RunContext, checkpoint_path: str) -
         report.skipped,
         report.verification,
     )
-    link = console_link(
-        report.uri,
-        ctx.s3.endpoint_url,
-        None if ctx.s3.endpoint_url else aws.resolve_region(ctx.s3.region).name,
-    )
-    result = ExportResult(**report.to_dict(), link=link)
-    publish("export", result, ctx.run_id)
-    try:
+    link: str | None = None
+    try:  # a link must never fail the export it points to
+        link = console_link(
+            report.uri,
+            ctx.s3.endpoint_url,
+            None if ctx.s3.endpoint_url else aws.resolve_region(ctx.s3.region).name,
+        )
         create_link_artifact(
             link,
             link_text=report.uri,
             key="export",
             description=f"the verified export of {ctx.run_id} ({report.objects} objects)",
         )
-    except Exception as e:  # a link must never fail the export it points to
+    except Exception as e:
         get_run_logger().warning("could not publish the export link: %s", e)
+    result = ExportResult(**report.to_dict(), link=link)
+    publish("export", result, ctx.run_id)
     return result

@@ -19,8 +19,9 @@ from tasks import aws
 from tasks.backends.eks.backend import EksBackend
 from tasks.backends.eks.params import EksParams
 from tasks.errors import AwsConfigError
-from tasks.preflight.eks import EksRequirements, gather_eks
+from tasks.preflight.eks import gather_eks
 from tasks.storage.s3 import S3Settings, boto3_client, s3fs_filesystem
+from tests.test_eks_preflight import REQ
 
 REPO = Path(__file__).resolve().parents[1]
 CHAIN_VARIABLES = (
@@ -296,15 +297,7 @@ def test_fsx_preflight_error_names_the_region_asked(monkeypatch: pytest.MonkeyPa
     """A file system in another region is "not found": the preflight says which region asked."""
     monkeypatch.setenv("AWS_REGION", "eu-west-1")
     fsx = aws.client("fsx", credentials={"aws_access_key_id": "x", "aws_secret_access_key": "x"})
-    req = EksRequirements(
-        nodes=1,
-        gpus_per_node=8,
-        efa_per_node=32,
-        instance_type="p5.48xlarge",
-        namespace="nvrx",
-        fsx_claim="fsx-claim",
-        file_system_id="fs-0123456789abcdef0",
-    )
+    req = REQ  # the EKS preflight tests' requirements (file system fs-0123456789abcdef0)
     with Stubber(fsx) as stub:
         stub.add_client_error("describe_file_systems", "FileSystemNotFound", http_status_code=400)
         snap = gather_eks(object(), fsx, req)  # Kubernetes sources fail on their own
