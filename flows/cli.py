@@ -432,7 +432,7 @@ def cmd_render_k8s(args: argparse.Namespace) -> int:
         eks_train_config(params, run_id),
         run_id=run_id,
         attempt=args.attempt,
-        nodes=params.nodes,
+        nodes=params.max_nodes,
         eks=params.eks,
         deadline_s=params.train_timeout_s,
     )

@@ -84,6 +84,7 @@ def train_config(
         script_args=tuple(params.script_args),
         steps=params.steps,
         global_batch=params.global_batch,
+        micro_batches=params.micro_batches,
         ckpt_interval=params.ckpt_interval,
         keep_last=params.keep_last,
         faults=tuple(params.drills.faults),

@@ -13,10 +13,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tasks.backends.eks.params import ALLOWED_ENV as ALLOWED_ENV  # re-exported: the form's home
 from tasks.backends.eks.params import EksParams
 from tasks.backends.registry import BackendType, backend_type
+from trainer.events import RecoveryLayer
 from trainer.faults import FaultSpecError, parse_fault
 
 if TYPE_CHECKING:
+    from trainer.elastic import NodeRange
     from trainer.workload import Workload
+
+MAX_NODES = 64
+NODES_MAX = "' maximum"
+# Drills that name a node (the launcher backend carries them out).
+NODE_KINDS = ("node-loss", "node-return")
 
 # Matched with fullmatch: `re.match(r"^...$")` would accept a trailing newline ("abc\n").
 _RUN_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
@@ -137,7 +144,19 @@ class PipelineParams(BaseModel):
         description="committed checkpoints to keep: at least 2, so a corruption right after a "
         "commit still leaves one valid checkpoint",
     )
-    nodes: int = Field(2, ge=1, le=64, description="nodes (simulated nodes on the local backend)")
+    nodes: int | str = Field(
+        2,
+        description="nodes to train on: N, or MIN:MAX for an elastic job that keeps training "
+        "on as few as MIN when nodes are lost and grows back to MAX when they return (simulated "
+        "nodes on the local backend)",
+    )
+    spares: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="hot spare nodes launched beyond the nodes' maximum: they wait in the "
+        "rendezvous and take a lost node's place in-job",
+    )
     nproc_per_node: int = Field(1, ge=1, le=8, description="worker processes per node")
     inprocess_restart: bool = Field(True, description="NVRx in-process restart layer")
     injob_restart: bool = Field(True, description="ft_launcher in-job restart layer")
@@ -191,6 +210,35 @@ class PipelineParams(BaseModel):
         if not _RUN_ID.fullmatch(v):
             raise ValueError("use 1-63 lowercase letters, digits and dashes, starting alphanumeric")
         return v
+
+    @field_validator("nodes", mode="before")
+    @classmethod
+    def _nodes(cls, v: Any) -> int | str:
+        from trainer.elastic import NodeRange, NodeRangeError
+
+        try:
+            r = NodeRange.parse(v)
+        except NodeRangeError as e:
+            raise ValueError(str(e).removeprefix("nodes: ")) from None
+        if r.max > MAX_NODES:
+            raise ValueError(f"at most {MAX_NODES} nodes, got {r.max}")
+        return r.max if not r.elastic else str(r)
+
+    @property
+    def node_range(self) -> NodeRange:
+        """``nodes`` parsed: the fewest and the most nodes the job trains on."""
+        from trainer.elastic import NodeRange
+
+        return NodeRange.parse(self.nodes)
+
+    @property
+    def max_nodes(self) -> int:
+        return self.node_range.max
+
+    @property
+    def launched_nodes(self) -> int:
+        """Nodes started for an attempt: the maximum plus the hot spares."""
+        return self.node_range.max + self.spares
 
     @field_validator("s3_endpoint")
     @classmethod
@@ -262,7 +310,13 @@ class PipelineParams(BaseModel):
 
     @property
     def world_size(self) -> int:
-        return self.nodes * self.ranks_per_node
+        """The world at full size (``nodes``' maximum); an elastic job may train on fewer."""
+        return self.max_nodes * self.ranks_per_node
+
+    @property
+    def micro_batches(self) -> int | None:
+        """An elastic job's micro-batches per step (trainer.elastic); None: a fixed-size one."""
+        return self.world_size if self.node_range.elastic else None
 
     @model_validator(mode="after")
     def _consistent(self) -> PipelineParams:
@@ -277,17 +331,51 @@ class PipelineParams(BaseModel):
         if self.global_batch % world:
             raise ValueError(
                 f"global_batch ({self.global_batch}) must be divisible by the world size "
-                f"({world} = nodes x ranks per node)"
+                f"({world} = nodes{NODES_MAX if self.node_range.elastic else ''} x ranks per "
+                "node)"
             )
         for spec in map(parse_fault, self.drills.faults):
             where = f"drills.faults: {spec}"
-            if spec.kind == "node-loss" and (spec.node or 0) >= self.nodes:
-                raise ValueError(f"{where} names node {spec.node}, there are {self.nodes}")
+            if spec.kind in NODE_KINDS and (spec.node or 0) >= self.launched_nodes:
+                raise ValueError(
+                    f"{where} names node {spec.node}, there are {self.launched_nodes} (nodes' "
+                    "maximum plus spares, numbered from 0)"
+                )
             if spec.rank is not None and spec.rank >= world:
                 raise ValueError(f"{where} names rank {spec.rank}, world size is {world}")
             if spec.step > self.steps:
                 raise ValueError(f"{where} is after the last step ({self.steps})")
+        self._check_node_drills()
         return self
+
+    def _check_node_drills(self) -> None:
+        """A node returns only after it was lost, and is lost only while it runs."""
+        down: dict[int, int] = {}  # node -> step it was lost at
+        specs = sorted(
+            (s for s in map(parse_fault, self.drills.faults) if s.kind in NODE_KINDS),
+            key=lambda s: (s.step, s.kind != "node-loss"),
+        )
+        for spec in specs:
+            node = spec.node or 0
+            where = f"drills.faults: {spec}"
+            if spec.kind == "node-loss":
+                if node in down:
+                    raise ValueError(
+                        f"{where}: node {node} is already lost (at step {down[node]}); add a "
+                        f"node-return@step=N,node={node} between the two"
+                    )
+                down[node] = spec.step
+            elif node not in down:
+                raise ValueError(
+                    f"{where}: node {node} was not lost before step {spec.step}; a node returns "
+                    f"only after a node-loss@step=M,node={node} with M < {spec.step}"
+                )
+            elif down[node] >= spec.step:
+                raise ValueError(
+                    f"{where}: must come after node {node}'s loss at step {down[node]}"
+                )
+            else:
+                del down[node]
 
 
 class CheckpointInfo(BaseModel):
@@ -310,7 +398,7 @@ class FaultRecord(BaseModel):
     step: int | None = None
     rank: int | None = None
     node: int | None = None
-    recovered_by: Literal["inprocess", "injob", "stage-retry", "none"] = "none"
+    recovered_by: RecoveryLayer | Literal["none"] = "none"
     recovery_s: float | None = None
 
 

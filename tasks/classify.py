@@ -74,6 +74,16 @@ def classify(s: EndSnapshot) -> Outcome:
         )
     if s.timed_out:
         return Outcome(EndKind.TIMEOUT, f"train stage passed its deadline and was stopped{hint}")
+    r = s.result or {}
+    done = r.get("status") == "completed" and r.get("final_step") == s.target_steps
+    others = [c for n, c in s.exit_codes.items() if n not in lost]
+    if lost and done and others and all(c == 0 for c in others):
+        # An elastic job or a hot spare carried on without the lost node(s), in-job.
+        return Outcome(
+            EndKind.COMPLETED,
+            f"completed {s.target_steps} steps; node(s) {lost} lost and recovered in-job",
+            {"result": r, "lost_nodes": lost},
+        )
     if lost:
         return Outcome(
             EndKind.NODE_LOSS,
@@ -82,8 +92,7 @@ def classify(s: EndSnapshot) -> Outcome:
         )
     codes = list(s.exit_codes.values())
     if codes and all(c == 0 for c in codes):
-        r = s.result or {}
-        if r.get("status") == "completed" and r.get("final_step") == s.target_steps:
+        if done:
             return Outcome(EndKind.COMPLETED, f"completed {s.target_steps} steps", {"result": r})
         return Outcome(
             EndKind.BUG,

@@ -22,9 +22,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tasks.train_stage import EventTail
+from trainer.events import LAYERS
 from trainer.metrics import MetricsServer, TrainingSeries
 
-LAYERS = ("inprocess", "injob", "stage-retry")
 # A recovery is seconds (in-process) to minutes (a stage retry waits for nodes).
 RECOVERY_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 

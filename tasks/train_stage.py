@@ -15,9 +15,15 @@ from typing import Any
 
 from tasks.backends.base import Backend, Evidence, LaunchRequest
 from tasks.classify import EndKind, Outcome
+from tasks.loss_policy import LossPath, LossSnapshot, decide
 from trainer.events import EventLog, read_events
 from trainer.faults import FaultSpec, claim, parse_fault
-from trainer.resilience import clear_no_restart, read_no_restart
+from trainer.resilience import (
+    clear_no_restart,
+    clear_node_lost,
+    read_no_restart,
+    write_node_lost,
+)
 
 
 class EventTail:
@@ -62,8 +68,10 @@ def _since_last_attempt_start(events: list[dict[str, Any]]) -> list[dict[str, An
     return events[starts[-1] + 1 :] if starts else []
 
 
-def node_loss_faults(specs: list[str] | tuple[str, ...]) -> list[FaultSpec]:
-    return [f for f in map(parse_fault, specs) if f.kind == "node-loss"]
+def node_faults(specs: list[str] | tuple[str, ...]) -> list[FaultSpec]:
+    """The drills the watcher carries out: node losses and returns, in step order."""
+    out = [f for f in map(parse_fault, specs) if f.kind in ("node-loss", "node-return")]
+    return sorted(out, key=lambda f: (f.step, f.kind != "node-loss"))
 
 
 def run_attempt(
@@ -80,13 +88,14 @@ def run_attempt(
     run_root.mkdir(parents=True, exist_ok=True)
     events = EventLog(run_root)
     tail = EventTail(events.path)
-    drills = node_loss_faults(cfg.faults)
+    drills = node_faults(cfg.faults)
     seen: list[dict[str, Any]] = []
     started = time.monotonic()
     job = backend.reattach(request)
     if job is None:
         (run_root / "result.json").unlink(missing_ok=True)  # only this attempt's result counts
         clear_no_restart(run_root)  # nor an earlier attempt's verdict (the config was fixed)
+        clear_node_lost(run_root)
         _attempt_event(events, backend, request, request.attempt)
         job = backend.launch(request)
     else:
@@ -98,38 +107,80 @@ def run_attempt(
     lost: set[int] = set()
     loss_at: float | None = None
     ended = False
+    # The nodes training now (the last train_start says): a loss of any other is a spare's.
+    world_nodes: frozenset[int] = frozenset()
+
+    def drill(spec: FaultSpec, step: int) -> None:
+        nonlocal loss_at
+        node = spec.node or 0
+        if spec.kind == "node-return":
+            events.emit("node_return", fault=str(spec), step=step, node=node)
+            job.restore_node(node)
+            lost.discard(node)
+            return
+        # Decided before the node goes: the survivors read the marker the moment they fail.
+        decision = decide(
+            LossSnapshot(
+                lost=node,
+                world_nodes=world_nodes,
+                alive=job.alive_nodes() - {node},
+                nodes=request.node_range,
+                store_host=job.store_host,
+            )
+        )
+        if decision.path != LossPath.STAGE_RETRY and not decision.idle_spare:
+            write_node_lost(run_root, node=node)
+        job.lose_node(node)
+        # Reaches on_event through the tail, like every other event.
+        events.emit(
+            "fault",
+            fault=str(spec),
+            fault_kind="node-loss",
+            step=step,
+            node=node,
+            rank=None,
+            path=decision.path.value,
+            detail=decision.reason,
+        )
+        lost.add(node)
+        if decision.idle_spare:
+            # Nothing trained there: nothing to recover, and no later recovery may claim it.
+            events.emit(
+                "recovered",
+                layer=LossPath.SPARE.value,
+                fault=str(spec),
+                fault_kind="node-loss",
+                fault_step=step,
+                rank=None,
+                step=step,
+                recovery_s=0.0,
+            )
+        elif decision.path == LossPath.STAGE_RETRY:
+            loss_at = time.monotonic()
 
     def pump() -> None:
-        nonlocal loss_at
+        nonlocal world_nodes
         for e in tail.read_new():
             seen.append(e)
             on_event(e)
+            job.observe(e)
+            if e["kind"] == "train_start" and isinstance(e.get("nodes"), list):
+                world_nodes = frozenset(int(n) for n in e["nodes"])
             if e["kind"] != "step":
                 continue
             for spec in drills:
                 if e["step"] >= spec.step and claim(run_root, spec):
-                    node = spec.node or 0
-                    # Reaches on_event through the tail, like every other event.
-                    events.emit(
-                        "fault",
-                        fault=str(spec),
-                        fault_kind="node-loss",
-                        step=e["step"],
-                        node=node,
-                        rank=None,
-                    )
-                    job.lose_node(node)
-                    lost.add(node)
-                    loss_at = time.monotonic()
+                    drill(spec, e["step"])
 
     try:
         while True:
             pump()
             if not job.running():
                 break
-            # After the watcher takes a node away, survivors fail their collectives and then
-            # wait in rendezvous (bounded by ft_launcher's join_timeout). The watcher knows the
-            # node is gone: it stops them (after the backend's grace) instead of waiting.
+            # After the watcher takes a node away and too few remain (tasks.loss_policy), the
+            # survivors fail their collectives and then wait in rendezvous (bounded by
+            # ft_launcher's join_timeout). The watcher knows the node is gone: it stops them
+            # (after the backend's grace) instead of waiting.
             if loss_at is not None and time.monotonic() - loss_at >= job.loss_grace_s:
                 job.stop()
                 break

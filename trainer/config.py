@@ -241,6 +241,13 @@ class InJobConfig:
     workers_stop_timeout_s: float = 5.0
     # Survivors of a lost node wait this long in rendezvous before ft_launcher gives up (exit 1).
     rdzv_join_timeout_s: float = 20.0
+    # Elastic jobs (trainer.elastic): once the range's minimum has joined, how long the
+    # rendezvous waits for more nodes before it closes the round; and how often a node renews
+    # its membership, and how many renewals it may miss before it is dropped (a dead node holds
+    # its place in the world that long: the survivors re-form after it).
+    rdzv_last_call_s: float = 2.0
+    rdzv_keep_alive_s: float = 1.0
+    rdzv_keep_alive_misses: int = 3
     # Hang detection by section (trainer.resilience.Heartbeat): the steps, reported at most once
     # per heartbeat_interval_s; a checkpoint save and commit; a checkpoint load; and everything
     # else (start-up, an in-process restart).
@@ -262,6 +269,8 @@ class InJobConfig:
             "monitor_interval_s",
             "workers_stop_timeout_s",
             "rdzv_join_timeout_s",
+            "rdzv_last_call_s",
+            "rdzv_keep_alive_s",
             "heartbeat_interval_s",
             "step_timeout_s",
             "checkpoint_timeout_s",
@@ -271,6 +280,18 @@ class InJobConfig:
         ):
             value = getattr(self, name)
             _require(value > 0, f"injob.{name}", f"must be > 0 seconds, got {value}")
+        _require(
+            isinstance(self.rdzv_keep_alive_misses, int) and self.rdzv_keep_alive_misses >= 1,
+            "injob.rdzv_keep_alive_misses",
+            f"must be a whole number >= 1, got {self.rdzv_keep_alive_misses!r}",
+        )
+        _require(
+            self.rdzv_keep_alive_s * self.rdzv_keep_alive_misses < self.rdzv_join_timeout_s,
+            "injob.rdzv_join_timeout_s",
+            f"must exceed injob.rdzv_keep_alive_s x injob.rdzv_keep_alive_misses "
+            f"({self.rdzv_keep_alive_s * self.rdzv_keep_alive_misses} s): the survivors of a "
+            "loss wait that long for the dead node to be dropped before they re-form",
+        )
         _require(
             self.heartbeat_timeout_s <= self.initial_heartbeat_timeout_s,
             "injob.initial_heartbeat_timeout_s",
@@ -327,6 +348,10 @@ class TrainConfig:
     script_args: tuple[str, ...] = ()
     steps: int = 20
     global_batch: int = 8
+    # Elastic jobs (trainer.elastic): the global batch is split into this many micro-batches
+    # whatever the world size (the largest world's rank count), each rank accumulating its
+    # share. None: one micro-batch per rank (a fixed-size job).
+    micro_batches: int | None = None
     lr: float = 3e-3
     weight_decay: float = 0.01
     seed: int = 1234
@@ -355,6 +380,18 @@ class TrainConfig:
         _require(self.steps >= 1, "steps", f"must be a positive number of steps, got {self.steps}")
         _require(self.global_batch >= 1, "global_batch", f"must be >= 1, got {self.global_batch}")
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        if self.micro_batches is not None:
+            _require(
+                isinstance(self.micro_batches, int) and self.micro_batches >= 1,
+                "micro_batches",
+                f"must be a positive number of micro-batches or None, got {self.micro_batches!r}",
+            )
+            _require(
+                self.global_batch % self.micro_batches == 0,
+                "global_batch",
+                f"{self.global_batch} is not divisible into {self.micro_batches} micro-batches "
+                "(the largest world size of an elastic job); pick a multiple of it",
+            )
         _require(
             self.ckpt_interval >= 1,
             "ckpt_interval",
@@ -477,14 +514,29 @@ class TrainConfig:
             }
         return self.wl.describe()
 
-    def per_rank_batch(self, world_size: int) -> int:
-        if self.global_batch % world_size != 0:
+    def micro_batch_count(self, world_size: int) -> int:
+        """How many micro-batches a global batch is split into on a world of ``world_size``:
+        ``micro_batches`` for an elastic job (at least one per rank), else one per rank."""
+        if self.micro_batches is None:
+            if self.global_batch % world_size != 0:
+                raise ConfigError(
+                    "global_batch",
+                    f"{self.global_batch} is not divisible by the world size {world_size}; "
+                    "pick a multiple of the number of ranks",
+                )
+            return world_size
+        if world_size > self.micro_batches:
             raise ConfigError(
-                "global_batch",
-                f"{self.global_batch} is not divisible by the world size {world_size}; pick a "
-                "multiple of the number of ranks",
+                "micro_batches",
+                f"a world of {world_size} ranks is larger than the {self.micro_batches} "
+                "micro-batches of a global batch (the elastic range's largest world); raise "
+                "the node range's maximum",
             )
-        return self.global_batch // world_size
+        return self.micro_batches
+
+    def micro_batch_size(self, world_size: int) -> int:
+        """Sequences one micro-batch holds (a rank's whole share on a full-size world)."""
+        return self.global_batch // self.micro_batch_count(world_size)
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the trained parameters (not paths or timeouts).

@@ -18,7 +18,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
+
+# The layers a recovery is attributed to (``restart``/``recovered`` events, the result's
+# ``faults[].recovered_by``): in-process, in-job respawn, an elastic job re-formed on fewer
+# nodes, a hot spare taking a lost node's place, and a new train-stage attempt.
+RecoveryLayer = Literal["inprocess", "injob", "elastic", "spare", "stage-retry"]
+LAYERS: tuple[str, ...] = get_args(RecoveryLayer)
 
 ECHO_ENV = "NVRX_EVENTS_STDOUT"  # set: every event is also printed on stdout
 STDOUT_PREFIX = "NVRX_EVENT "

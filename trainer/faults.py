@@ -14,7 +14,8 @@ Kinds handled by the trainer:
 - ``sigkill``: the rank SIGKILLs itself (recovered in-job).
 - ``corrupt-checkpoint``: after the first checkpoint at or beyond step N commits, flip bytes in one
   of its shards (detected on the next resume, which falls back to the previous checkpoint).
-``node-loss`` is carried out by the launcher backend (it kills a whole simulated node), not here.
+``node-loss`` and ``node-return`` are carried out by the launcher backend, not here: it kills a
+whole simulated node, and starts a lost one again (a replacement joining an elastic job).
 
 A fault fires once per run: a marker file under ``<run_root>/faults/`` is created atomically
 *before* it fires, so the restart it causes does not fire it again.
@@ -29,7 +30,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("exception", "stall", "hang", "sigkill", "node-loss", "corrupt-checkpoint")
+KINDS = (
+    "exception",
+    "stall",
+    "hang",
+    "sigkill",
+    "node-loss",
+    "node-return",
+    "corrupt-checkpoint",
+)
 TRAINER_KINDS = ("exception", "stall", "hang", "sigkill", "corrupt-checkpoint")
 PHASES = ("step", "checkpoint")
 
@@ -101,8 +110,8 @@ def parse_fault(spec: str) -> FaultSpec:
     phase = fields.get("phase", "step")
     if phase not in PHASES or (phase != "step" and kind != "sigkill"):
         raise FaultSpecError(f"{usage} (phase=checkpoint applies to sigkill only)")
-    if kind == "node-loss" and "rank" in ints:
-        raise FaultSpecError(f"{usage} (node-loss takes node=K, not rank=R)")
+    if kind in ("node-loss", "node-return") and "rank" in ints:
+        raise FaultSpecError(f"{usage} ({kind} takes node=K, not rank=R)")
     return FaultSpec(
         kind=kind, step=ints["step"], rank=ints.get("rank"), node=ints.get("node"), phase=phase
     )

@@ -12,30 +12,45 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config import TrainConfig
+from trainer.elastic import NodeRange
 
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchSpec:
-    nnodes: int = 1
+    nnodes: int = 1  # the most nodes the job trains on
+    # An elastic job (trainer.elastic) re-forms on as few as this many (None: exactly nnodes).
+    min_nodes: int | None = None
     nproc_per_node: int = 2
+    # The rendezvous store runs apart from every agent (the local backend's elastic jobs): no
+    # agent hosts it, so any node may be lost. False: the agent at the endpoint hosts it.
+    external_store: bool = False
+    spares: int = 0  # hot spare agents launched beyond nnodes (they wait in the rendezvous)
+
+    @property
+    def elastic(self) -> bool:
+        """The world may change size or membership in-job (a range, or spares waiting)."""
+        return (self.min_nodes is not None and self.min_nodes < self.nnodes) or self.spares > 0
+
     rdzv_endpoint: str = "127.0.0.1:29500"
     rdzv_id: str = "nvrx"
     # Set on CPU hosts with NVRx >= 0.7 (GPU memory reclaim waits for NVML otherwise).
     cpu_only: bool = True
 
 
-def ft_launcher_argv(cfg: TrainConfig, spec: LaunchSpec, trainer_args: list[str]) -> list[str]:
+def ft_launcher_argv(
+    cfg: TrainConfig, spec: LaunchSpec, trainer_args: list[str], *, portable: bool = False
+) -> list[str]:
+    """``portable``: name the programs as a container image has them on its PATH
+    (``ft_launcher``, ``python``), not by this machine's paths."""
     inj = cfg.injob
-    launcher = ft_launcher_path()
     argv = [
-        launcher,
-        f"--nnodes={spec.nnodes}",
+        *launcher_command(cfg, spec, portable=portable),
+        f"--nnodes={nnodes_arg(spec)}",
         f"--nproc-per-node={spec.nproc_per_node}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={spec.rdzv_endpoint}",
         f"--rdzv-id={spec.rdzv_id}",
-        # Bounded wait for a lost node: without it survivors wait in rendezvous forever.
-        f"--rdzv-conf=join_timeout={int(inj.rdzv_join_timeout_s)}",
+        f"--rdzv-conf={rdzv_conf(cfg, spec)}",
         f"--max-restarts={inj.max_restarts}",
         f"--monitor-interval={inj.monitor_interval_s}",
         f"--workers-stop-timeout={int(inj.workers_stop_timeout_s)}",
@@ -50,6 +65,38 @@ def ft_launcher_argv(cfg: TrainConfig, spec: LaunchSpec, trainer_args: list[str]
     if spec.cpu_only and _nvrx_major_minor() >= (0, 7):
         argv.append("--ft-gpu-memory-reclaim-timeout=0")
     return [*argv, *trainer_args]
+
+
+def launcher_command(cfg: TrainConfig, spec: LaunchSpec, *, portable: bool = False) -> list[str]:
+    """ft_launcher itself, or for a job whose world may change in-job NVRx's launcher through
+    :mod:`trainer.agent`, which shortens the rendezvous keep-alive (a dead node is dropped from
+    the world only after it)."""
+    if not spec.elastic:
+        return ["ft_launcher" if portable else ft_launcher_path()]
+    inj = cfg.injob
+    python = "python" if portable else sys.executable
+    keep_alive = f"{inj.rdzv_keep_alive_s:g}:{inj.rdzv_keep_alive_misses}"
+    return [python, "-m", "trainer.agent", "--keep-alive", keep_alive, "--"]
+
+
+def nnodes_arg(spec: LaunchSpec) -> str:
+    """``--nnodes``: ``N``, or ``MIN:MAX`` for an elastic job."""
+    low = spec.nnodes if spec.min_nodes is None else spec.min_nodes
+    return str(NodeRange(low, spec.nnodes))
+
+
+def rdzv_conf(cfg: TrainConfig, spec: LaunchSpec) -> str:
+    """``--rdzv-conf`` (keys of NVRx's rendezvous, ``_ft_rendezvous``; whole seconds)."""
+    inj = cfg.injob
+    conf: dict[str, object] = {
+        # Bounded wait for a lost node: without it survivors wait in rendezvous forever.
+        "join_timeout": int(inj.rdzv_join_timeout_s),
+    }
+    if spec.min_nodes is not None and spec.min_nodes < spec.nnodes:
+        conf["last_call_timeout"] = max(1, round(inj.rdzv_last_call_s))
+    if spec.external_store:
+        conf["is_host"] = "false"
+    return ",".join(f"{k}={v}" for k, v in conf.items())
 
 
 def ft_launcher_path() -> str:

@@ -24,6 +24,7 @@ from trainer.async_ckpt import AsyncCheckpointer
 from trainer.checkpoint import CheckpointManager
 from trainer.config import TrainConfig
 from trainer.digest import params_sha256
+from trainer.elastic import PriorWorld, micro_batches, node_id, restart_layer
 from trainer.events import EventLog
 from trainer.hooks import FaultDrills, Heartbeats, Hooks, StepEnd, StepEvents, WrapperPing
 from trainer.parallel import Placement
@@ -41,6 +42,8 @@ class ProcessContext:
     events: EventLog
     heartbeat: Any
     restart_count: int = 0  # ft_launcher's TORCHELASTIC_RESTART_COUNT (this agent's restarts)
+    # The previous incarnation of this launcher job (an elastic job's world may change).
+    prior: PriorWorld | None = None
     respawned: bool = False  # this worker replaces an earlier one of the same launcher job
     stage_attempt: int = 1  # the pipeline's train-stage attempt (NVRX_STAGE_ATTEMPT)
     base_store: Any = None  # long-lived store for per-iteration process groups (in-process mode)
@@ -90,11 +93,11 @@ def is_respawn(events: list[dict[str, Any]], job_id: str | None) -> bool:
     )
 
 
-def recovery_layer(ctx: ProcessContext, iteration: int) -> str | None:
+def recovery_layer(ctx: ProcessContext, iteration: int, world: int) -> str | None:
     if iteration > 0:
         return "inprocess"
     if ctx.restart_count > 0 or ctx.respawned:
-        return "injob"
+        return restart_layer(ctx.prior, world)
     if ctx.stage_attempt > 1:
         return "stage-retry"
     return None
@@ -135,7 +138,11 @@ def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
     )
     if rank == 0 and iteration > 0:
         ctx.events.emit("restart", layer="inprocess", iteration=iteration)
-    cfg.per_rank_batch(world)
+    count = cfg.micro_batch_count(world)
+    mine = micro_batches(rank, world, count)
+    # FSDP averages the gradient over the world; a rank's micro-batches are scaled so that the
+    # average is their mean over the whole global batch (1 on a full world: nothing to scale).
+    scale = world / count
     phase = _Phases(ctx.events if rank == 0 else None, since=entered)
     phase("process_group")
 
@@ -159,18 +166,32 @@ def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
         rank=rank,
         call_wrapper=call_wrapper,
         first_step=first_step,
-        layer=recovery_layer(ctx, iteration),
+        layer=recovery_layer(ctx, iteration, world),
     )
     ckpt.on_commit = hooks.on_commit
     if call_wrapper is not None:
         ckpt.progress = call_wrapper.ping
+    nodes = world_nodes(world, ckpt_group)
+    if rank == 0 and ctx.prior is not None and iteration == 0 and ctx.prior.world_size != world:
+        ctx.events.emit(
+            "world_change",
+            from_world=ctx.prior.world_size,
+            to_world=world,
+            from_nodes=list(ctx.prior.nodes),
+            nodes=nodes,
+            step=first_step,
+            cause="shrink" if world < ctx.prior.world_size else "grow",
+        )
     if rank == 0:
         ctx.events.emit(
             "train_start",
             start_step=first_step,
             steps=cfg.steps,
             world_size=world,
-            per_rank_batch=cfg.per_rank_batch(world),
+            per_rank_batch=cfg.micro_batch_size(world) * len(mine),
+            micro_batches=count,
+            accumulation=len(mine),
+            nodes=nodes,
             iteration=iteration,
             restart_count=ctx.restart_count,
             job_id=os.environ.get("TORCHELASTIC_RUN_ID"),
@@ -182,10 +203,7 @@ def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
     for step in range(first_step, cfg.steps + 1):
         t0 = time.perf_counter()
         hooks.on_step_start(step)
-        torch.manual_seed(step_seed(cfg.seed, step, rank))  # dropout RNG: exact on resume
-        x, y = ctx.sampler.batch(step, rank, world)
-        loss = wl.loss(model, torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
-        loss.backward()
+        loss = _accumulate(ctx, model, step, mine, count, scale)
         ctx.saver.before_optimizer_step()  # a save's device-to-host copy must see this step's
         optim.step()  # parameters, not the next one's
         optim.zero_grad(set_to_none=True)
@@ -194,7 +212,7 @@ def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
         reduced = torch.cat([loss.detach().float().reshape(1), ckpt.save_flags().to(device)])
         dist.all_reduce(reduced)
         reduced = reduced.cpu()
-        loss_value = float(reduced[0].item() / world)
+        loss_value = float(reduced[0].item() / count)
         step_s = time.perf_counter() - t0
 
         blocking = ckpt.maybe_save(step, model, optim, ctx.sampler, loss_value)
@@ -220,6 +238,40 @@ def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
     dist.barrier(group=ckpt_group)
     dist.destroy_process_group()
     return result
+
+
+def world_nodes(world: int, group: Any) -> list[int]:
+    """The nodes this world's ranks run on (trainer.elastic.node_id), once per start: what the
+    watcher reads to tell a training node from a waiting spare."""
+    mine = torch.tensor([node_id()], dtype=torch.int64)
+    if world == 1:
+        return [int(mine.item())]
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    return sorted({int(t.item()) for t in every})
+
+
+def _accumulate(
+    ctx: ProcessContext, model: Any, step: int, mine: range, count: int, scale: float
+) -> torch.Tensor:
+    """Forward and backward of this rank's micro-batches of ``step``; the sum of their losses.
+
+    Each micro-batch has its own data slice and dropout stream, keyed by its index among
+    ``count``, not by the rank that trains it: a smaller world computes the same micro-batches.
+    FSDP reduces the gradient once, after the last of them."""
+    cfg, wl, device = ctx.cfg, ctx.cfg.wl, ctx.placement.device
+    sync = getattr(model, "set_requires_gradient_sync", None)
+    total: torch.Tensor | None = None
+    for i, m in enumerate(mine):
+        if sync is not None and len(mine) > 1:
+            sync(i == len(mine) - 1)
+        torch.manual_seed(step_seed(cfg.seed, step, m))  # dropout RNG: exact on resume
+        x, y = ctx.sampler.batch(step, m, count)
+        loss = wl.loss(model, torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
+        (loss if scale == 1 else loss * scale).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    assert total is not None  # micro_batches() gives every rank at least one
+    return total
 
 
 def write_result(cfg: TrainConfig, result: dict[str, Any]) -> None:

@@ -74,6 +74,36 @@ def clear_no_restart(run_root: Path) -> None:
     (run_root / NO_RESTART_MARKER).unlink(missing_ok=True)
 
 
+# Written by the watcher when it knows a node of an elastic job is gone (before it takes a
+# drill's node away; once it sees a real loss): the survivors' in-process layer cannot bring a
+# lost node back, so it hands the restart to the in-job layer at once instead of first
+# draining its save in flight and checking health (seconds, all of them spent on a restart that
+# the full-world RetryController then refuses).
+NODE_LOST_MARKER = Path("control") / "node_lost"
+
+
+def write_node_lost(run_root: Path, *, node: int | None, t: float | None = None) -> None:
+    path = run_root / NODE_LOST_MARKER
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".node_lost.{os.getpid()}")
+    tmp.write_text(json.dumps({"t": time.time() if t is None else t, "node": node}) + "\n")
+    os.replace(tmp, path)
+
+
+def node_lost_since(run_root: Path, since: float) -> bool:
+    """Was a node of this job reported lost after ``since`` (epoch seconds)? The marker is on
+    the shared filesystem: anything but a well-formed one reads as no."""
+    try:
+        t = json.loads((run_root / NODE_LOST_MARKER).read_text(encoding="utf-8")).get("t")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and t > since
+
+
+def clear_node_lost(run_root: Path) -> None:
+    (run_root / NODE_LOST_MARKER).unlink(missing_ok=True)
+
+
 class Heartbeat:
     """``RankMonitorClient`` heartbeats and timed sections when the worker runs under
     ft_launcher, no-op otherwise. One per process (it survives in-process restarts).

@@ -67,6 +67,7 @@ from trainer.loop import (
     init_process_group,
     recovery_layer,
     step_seed,
+    world_nodes,
     write_result,
 )
 
@@ -166,17 +167,19 @@ class Session:
             rank=self.rank,
             call_wrapper=self.call_wrapper,
             first_step=first,
-            layer=recovery_layer(self.ctx, self.iteration),
+            layer=recovery_layer(self.ctx, self.iteration, self.world_size),
         )
         self._ckpt.on_commit = self._hooks.on_commit
         if self.call_wrapper is not None:
             self._ckpt.progress = self.call_wrapper.ping
+        nodes = world_nodes(self.world_size, group)
         if self.rank == 0:
             self.ctx.events.emit(
                 "train_start",
                 start_step=first,
                 steps=self.cfg.steps,
                 world_size=self.world_size,
+                nodes=nodes,
                 iteration=self.iteration,
                 restart_count=self.ctx.restart_count,
                 job_id=os.environ.get("TORCHELASTIC_RUN_ID"),

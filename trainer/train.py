@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model", help="shorthand for --workload gpt-SIZE (tiny, 100m, 8b)")
     a("--steps", type=int, help="total optimizer steps of the run")
     a("--global-batch", type=int, help="sequences per step across all ranks")
+    a(
+        "--micro-batches",
+        type=int,
+        help="split each global batch into this many micro-batches whatever the world size "
+        "(elastic jobs: the largest world's rank count)",
+    )
     a("--lr", type=float)
     a("--weight-decay", type=float)
     a("--seed", type=int)
@@ -131,6 +137,7 @@ _TOP = {
     "workload_options": "workload_options",
     "steps": "steps",
     "global_batch": "global_batch",
+    "micro_batches": "micro_batches",
     "lr": "lr",
     "weight_decay": "weight_decay",
     "seed": "seed",
@@ -280,7 +287,7 @@ def run(
     _ensure_dist_env()
     _cpu_threads()
     world = int(os.environ["WORLD_SIZE"])
-    cfg.per_rank_batch(world)
+    cfg.micro_batch_count(world)  # a world the global batch cannot be shared by fails here
     cfg.run_root.mkdir(parents=True, exist_ok=True)
     events = EventLog(cfg.run_root)
     placement = resolve_device(cfg.device)
@@ -306,6 +313,7 @@ def _run(
 ) -> dict[str, Any]:
     from trainer import nvrx_compat
     from trainer.checkpoint import FatalError
+    from trainer.elastic import prior_world, restart_layer
     from trainer.events import read_events
     from trainer.loop import ProcessContext, is_respawn
     from trainer.resilience import wrap_inprocess
@@ -317,7 +325,9 @@ def _run(
     inprocess_ok, why_not = nvrx_compat.inprocess_available()
     use_inprocess = cfg.inprocess.enabled and inprocess_ok
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    respawned = is_respawn(read_events(cfg.run_root), os.environ.get("TORCHELASTIC_RUN_ID"))
+    history = read_events(cfg.run_root)
+    job_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    respawned = is_respawn(history, job_id)
     ctx = ProcessContext(
         cfg=cfg,
         placement=placement,
@@ -327,6 +337,7 @@ def _run(
         heartbeat=heartbeat,
         restart_count=restart_count,
         respawned=respawned,
+        prior=prior_world(history, job_id),
         stage_attempt=int(os.environ.get("NVRX_STAGE_ATTEMPT", "1")),
     )
     if rank == 0 and cfg.metrics_port is not None:
@@ -355,7 +366,8 @@ def _run(
             data_s=round(data_s, 4),
         )
         if restart_count > 0 or respawned:
-            events.emit("restart", layer="injob", restart_count=restart_count)
+            layer = restart_layer(ctx.prior, world)
+            events.emit("restart", layer=layer, restart_count=restart_count, world_size=world)
     if not use_inprocess:
         return body(ctx, None)
     import datetime
@@ -376,6 +388,15 @@ def _run(
     def on_restart() -> None:
         import torch.distributed as dist
 
+        from trainer.resilience import node_lost_since
+
+        if node_lost_since(cfg.run_root, ctx.started):
+            # A node of this job is gone: the full-world Wrapper cannot restart without it, so
+            # leave to the in-job layer now (it re-forms the world, trainer.elastic) rather than
+            # drain the save in flight for a restart that will be refused.
+            from nvidia_resiliency_ext.inprocess.exception import RestartAbort
+
+            raise RestartAbort("a node of this job was lost: the in-job layer re-forms the world")
         heartbeat.end_sections()  # the restart runs out of section
         saver.abandon()
         if dist.is_initialized():

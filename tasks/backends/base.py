@@ -19,13 +19,18 @@ from tasks.checks import CheckResult
 from tasks.classify import Outcome
 from tasks.storage.s3 import S3Settings
 from trainer.config import Device, InJobConfig, InProcessConfig, TrainConfig
+from trainer.elastic import NodeRange
 
 
 class RunParams(Protocol):
     """What a backend reads of a run's parameters (:class:`flows.models.PipelineParams`)."""
 
     @property
-    def nodes(self) -> int: ...
+    def max_nodes(self) -> int: ...
+    @property
+    def node_range(self) -> NodeRange: ...
+    @property
+    def spares(self) -> int: ...
     @property
     def nproc_per_node(self) -> int: ...
     @property
@@ -61,12 +66,25 @@ class LaunchRequest:
     run_id: str
     attempt: int  # 1-based train-stage attempt
     cfg: TrainConfig
-    nodes: int
+    nodes: int  # the most nodes the job trains on
     nproc_per_node: int
+    # An elastic job (trainer.elastic) trains on as few as min_nodes (None: exactly ``nodes``);
+    # ``spares`` more nodes wait in the rendezvous to replace lost ones.
+    min_nodes: int | None = None
+    spares: int = 0
     # The invocation launching it (its lease, arch §6): every process started carries it, and
     # the rendezvous id includes it (a later invocation's attempt 1 is not an in-job respawn).
     invocation: str = "unowned"
     deadline_s: float | None = None  # the attempt's deadline (the backend may enforce it too)
+
+    @property
+    def node_range(self) -> NodeRange:
+        return NodeRange(self.nodes if self.min_nodes is None else self.min_nodes, self.nodes)
+
+    @property
+    def launched(self) -> int:
+        """Nodes started: the most the job trains on, and the spares."""
+        return self.nodes + self.spares
 
 
 @dataclass(frozen=True)
@@ -124,8 +142,25 @@ class Job(Protocol):
         """Poll once: is anything of the attempt still running normally?"""
         ...
 
+    # The node whose loss takes the rendezvous store with it (None: the store runs apart, so
+    # any node may be lost): tasks.loss_policy sends such a loss to a stage retry.
+    store_host: int | None
+
+    def observe(self, event: dict[str, Any]) -> None:
+        """Every event of the attempt, as the watcher reads it (a backend may act on one: the
+        local backend starts its hot spares once the world formed)."""
+        ...
+
+    def alive_nodes(self) -> frozenset[int]:
+        """The nodes still running (or about to start), spares included."""
+        ...
+
     def lose_node(self, node: int) -> None:
         """Fault drill: take node ``node`` away as a real node loss would."""
+        ...
+
+    def restore_node(self, node: int) -> None:
+        """Fault drill: bring lost node ``node`` back, as a replacement node joining would."""
         ...
 
     def stop(self) -> None:

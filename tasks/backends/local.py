@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,6 +147,11 @@ class LocalJob:
     invocation: str = ""  # the tag its processes carry (the dead owner's, when adopted)
     recorder: Recorder | None = None
     adopted: bool = False
+    # Starts simulated node n (again); None for an adopted job (its launcher's argv is gone).
+    start: Callable[[int], NodeProcess] | None = None
+    deferred: list[int] = field(default_factory=list)  # spares, started once the world formed
+    store: subprocess.Popen[bytes] | None = None  # the rendezvous store, when it runs apart
+    store_host: int | None = 0  # the node hosting it otherwise (the first agent to start)
     poll_s: float = 0.2
     # The watcher kills the node's process tree itself: nothing more to wait for.
     loss_grace_s: float = 0.0
@@ -192,14 +198,33 @@ class LocalJob:
             exit_codes=codes, lost_nodes=set(self.lost), stopped_nodes=set(self.stopped)
         )
 
+    def observe(self, event: dict[str, Any]) -> None:
+        if self.deferred and event["kind"] == "train_start" and self.start is not None:
+            for node in self.deferred:
+                self.nodes[node] = self.start(node)
+            self.deferred.clear()
+
+    def alive_nodes(self) -> frozenset[int]:
+        return frozenset(self.status().running) | frozenset(self.deferred)
+
     def lose_node(self, node: int) -> None:
         if node not in self.nodes:
             raise ValueError(
-                f"node-loss fault names node {node}, the job has nodes 0..{len(self.nodes) - 1}"
+                f"node-loss fault names node {node}, the job has nodes "
+                f"0..{self.request.launched - 1}"
+                + (" (spares not started yet)" if node in self.deferred else "")
             )
         self.lost.add(node)
         kill_tree(self.nodes[node].pid)
         self.nodes[node].wait()
+
+    def restore_node(self, node: int) -> None:
+        if node not in self.lost:
+            raise ValueError(f"node-return names node {node}, which is not lost")
+        if self.start is None:
+            raise ValueError("node-return: this attempt was adopted; its nodes cannot be started")
+        self.lost.discard(node)
+        self.nodes[node] = self.start(node)
 
     def stop(self) -> None:
         if self._ended:  # idempotent: the process-table sweep below is not cheap
@@ -210,6 +235,9 @@ class LocalJob:
                 self.stopped.add(node)
                 kill_tree(proc.pid)
             proc.wait()
+        if self.store is not None:
+            kill_tree(self.store.pid)
+            self.store.wait()
         # Whatever escaped its node's tree (a worker whose agent died first) goes too.
         processes.end(
             [
@@ -309,10 +337,16 @@ class LocalBackend:
 
     def launch(self, request: LaunchRequest) -> LocalJob:
         cfg = request.cfg
+        elastic = request.node_range.elastic or request.spares > 0
         spec = LaunchSpec(
             nnodes=request.nodes,
+            min_nodes=request.node_range.min,
+            spares=request.spares,
             nproc_per_node=request.nproc_per_node,
             rdzv_endpoint=f"127.0.0.1:{free_port()}",
+            # A job whose world changes in-job keeps its rendezvous store apart from every
+            # node, so that any node may be lost (tasks.backends.rdzv_store).
+            external_store=elastic,
             # Unique per invocation too: a later invocation of the run (a re-run, a takeover)
             # starts its attempts at 1 again, and the workers tell an in-job respawn by seeing
             # their rendezvous id in the events already.
@@ -322,7 +356,8 @@ class LocalBackend:
         argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config))
         env = {**os.environ, **worker_env(config)}
         env["NVRX_STAGE_ATTEMPT"] = str(request.attempt)
-        # All simulated nodes share this host's cores.
+        # All simulated nodes share this host's cores. Sized for the full world and kept when
+        # an elastic job shrinks: results are bitwise reproducible for one thread count only.
         workers = request.nodes * request.nproc_per_node
         env["NVRX_CPU_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -330,25 +365,73 @@ class LocalBackend:
         env.update(processes.tags(cfg.run_root, request.invocation))
         log_dir = cfg.run_root / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        nodes: dict[int, NodeProcess] = {}
-        logs: dict[int, Path] = {}
-        for node in range(request.nodes):
-            logs[node] = log_dir / f"attempt{request.attempt}-node{node}.log"
+
+        def start(node: int) -> NodeProcess:
+            log_path = log_dir / f"attempt{request.attempt}-node{node}.log"
             exit_file = log_dir / f"attempt{request.attempt}-node{node}.exit"
             exit_file.unlink(missing_ok=True)
-            with open(logs[node], "wb") as log:
+            # Appended: a node that returns after a loss keeps its first life's log above.
+            with open(log_path, "ab") as log:
                 popen = subprocess.Popen(
                     ["/bin/sh", "-c", _EXIT_WRAPPER, f"nvrx-node{node}", *argv],
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env={**env, "NVRX_EXIT_FILE": str(exit_file)},
+                    env={**env, "NVRX_EXIT_FILE": str(exit_file), "NVRX_NODE": str(node)},
                     cwd=_REPO,
                     start_new_session=True,  # one "node" = one session we can take down whole
                 )
             proc = NodeProcess(
                 node, popen.pid, psutil.Process(popen.pid).create_time(), exit_file, popen
             )
-            nodes[node] = proc
             if self.recorder is not None:
                 self.recorder.record(proc.record(request.attempt))
-        return LocalJob(request, nodes, logs, invocation=request.invocation, recorder=self.recorder)
+            return proc
+
+        store = None
+        if spec.external_store:
+            store = start_store(
+                spec.rdzv_endpoint, env, log_dir / f"attempt{request.attempt}-rdzv.log"
+            )
+        # The nodes the job trains on start now; hot spares once those formed the world (the
+        # first ``train_start``), so that they are the ones waiting in the rendezvous.
+        nodes = {node: start(node) for node in range(request.nodes)}
+        logs = {
+            n: log_dir / f"attempt{request.attempt}-node{n}.log" for n in range(request.launched)
+        }
+        return LocalJob(
+            request,
+            nodes,
+            logs,
+            invocation=request.invocation,
+            recorder=self.recorder,
+            start=start,
+            deferred=list(range(request.nodes, request.launched)),
+            store=store,
+            store_host=None if store is not None else 0,
+        )
+
+
+def start_store(endpoint: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """The rendezvous store of an elastic job, in a session of its own, listening when this
+    returns. It carries the run's tags, so whatever ends the run's processes ends it too."""
+    import time
+
+    host, _, port = endpoint.rpartition(":")
+    with open(log, "ab") as out:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "tasks.backends.rdzv_store", "--host", host, "--port", port],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=_REPO,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if popen.poll() is not None:
+            raise RuntimeError(f"the rendezvous store exited {popen.returncode}; see {log}")
+        with contextlib.suppress(OSError), socket.create_connection((host, int(port)), 0.5):
+            return popen
+        time.sleep(0.05)
+    kill_tree(popen.pid)
+    raise RuntimeError(f"the rendezvous store did not listen on {endpoint} within 60 s; see {log}")

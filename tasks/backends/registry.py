@@ -54,7 +54,7 @@ def _eks(params: RunParams, *, lease: RunLease | None, log: Callable[[str], None
     from tasks.backends.eks.backend import EksBackend
 
     # No lease handed over: its lease lives on FSx, and its Jobs are found by label.
-    return EksBackend(params.eks, nodes=params.nodes, log=log)
+    return EksBackend(params.eks, nodes=params.max_nodes, log=log)
 
 
 TYPES: dict[str, BackendType] = {

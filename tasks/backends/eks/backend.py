@@ -202,6 +202,27 @@ class EksJob:
         )
         return self.observed is None
 
+    # The index-0 pod hosts the rendezvous store ($JOB-0.$SVC): it cannot be replaced in-job.
+    store_host: int | None = 0
+
+    def observe(self, event: dict[str, Any]) -> None:
+        return None
+
+    def alive_nodes(self) -> frozenset[int]:
+        self._drain(time.time())
+        latest = {p.name: p for p in self.history.pods}
+        return frozenset(
+            p.index
+            for p in latest.values()
+            if p.index is not None and not p.deleted and p.phase not in ("Succeeded", "Failed")
+        )
+
+    def restore_node(self, node: int) -> None:
+        raise ValueError(
+            "node-return drills run on the local backend; on EKS the Job controller starts a "
+            "lost pod's replacement itself"
+        )
+
     def lose_node(self, node: int) -> None:
         """The drill: delete the pod of index ``node`` through the API, as a lost node's pods
         go (grace period 0: a dead node runs no SIGTERM handler)."""

@@ -138,8 +138,8 @@ def render_job(
     # The flow runner writes this file on the shared FSx mount before it creates the Job
     # (eks_train_attempt); the pods read the same path.
     config = config_file(cfg.run_root, attempt)
-    argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config))
-    argv[0] = "ft_launcher"  # the image's entry point, not this machine's path
+    # The image's programs, not this machine's paths.
+    argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config), portable=True)
     resources = pod_resources(eks)
     env = [
         {"name": "NVRX_STAGE_ATTEMPT", "value": str(attempt)},

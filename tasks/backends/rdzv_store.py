@@ -1,0 +1,44 @@
+"""The rendezvous store of a local elastic job, in a process of its own:
+``python -m tasks.backends.rdzv_store --port P``.
+
+ft_launcher's c10d rendezvous keeps its state in a TCPStore that, by default, the agent at the
+endpoint hosts: losing that node loses the store, and no survivor can re-form the job (NVRx says
+as much of the rendezvous host). A simulated node is any agent, so the local backend hosts the
+store apart from all of them (the agents are told ``is_host=false``) and any node may be lost.
+It prints ``ready`` once it listens, and ends with its session (the job's ``stop``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tasks.backends.rdzv_store")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    args = p.parse_args(argv)
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore(
+        args.host,
+        args.port,
+        is_master=True,
+        multi_tenant=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=60),
+    )
+    print("ready", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:  # serves from its own threads; nothing to do here but stay up
+        time.sleep(3600)
+    del store
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""Elastic node counts and hot spares (arch §9): the pure decisions, the parameters, the
+launcher command, and what stays bitwise equal when the world changes size, measured on real
+ft_launcher jobs of the trainer (the pipeline drills are in ``test_elastic_pipeline.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.models import PipelineParams
+from tasks.classify import EndKind, EndSnapshot, classify
+from tasks.loss_policy import LossPath, LossSnapshot, decide
+from trainer.config import ConfigError, TrainConfig
+from trainer.elastic import (
+    NodeRange,
+    NodeRangeError,
+    PriorWorld,
+    micro_batches,
+    node_id,
+    prior_world,
+    restart_layer,
+)
+from trainer.launch import LaunchSpec, ft_launcher_argv, rdzv_conf
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- node ranges --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("value", "low", "high", "text"),
+    [(2, 2, 2, "2"), ("2", 2, 2, "2"), ("1:2", 1, 2, "1:2"), (" 2 : 4 ", 2, 4, "2:4")],
+)
+def test_node_range_parses(value, low, high, text):
+    r = NodeRange.parse(value)
+    assert (r.min, r.max, str(r)) == (low, high, text)
+    assert r.elastic == (low < high)
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        ("2:1", "maximum below its minimum"),
+        ("0:2", "at least 1"),
+        ("a:b", "MIN:MAX"),
+        ("1:2:3", "MIN:MAX"),
+        (True, "N or MIN:MAX"),
+        (1.5, "MIN:MAX"),
+    ],
+)
+def test_node_range_refuses(value, needle):
+    with pytest.raises(NodeRangeError, match=needle):
+        NodeRange.parse(value)
+
+
+def test_micro_batches_cover_the_batch_once_in_order():
+    for count in (1, 2, 4, 6, 8):
+        for world in range(1, count + 1):
+            shares = [list(micro_batches(r, world, count)) for r in range(world)]
+            assert [m for s in shares for m in s] == list(range(count))
+            assert all(shares), "every rank trains at least one micro-batch"
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    # A full world is the fixed-size job: micro-batch r on rank r.
+    assert [list(micro_batches(r, 4, 4)) for r in range(4)] == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="at most 2 ranks"):
+        micro_batches(0, 3, 2)
+
+
+def test_train_config_micro_batches():
+    base = {"run_root": Path("/tmp/x"), "data_dir": Path("/"), "global_batch": 8}
+    cfg = TrainConfig(**base, micro_batches=4)
+    assert cfg.micro_batch_count(2) == 4 and cfg.micro_batch_size(1) == 2
+    with pytest.raises(ConfigError, match="micro_batches"):
+        cfg.micro_batch_count(8)  # more ranks than micro-batches
+    with pytest.raises(ConfigError, match="global_batch"):
+        TrainConfig(**base, micro_batches=3)
+    fixed = TrainConfig(**base)
+    assert fixed.micro_batch_count(4) == 4 and fixed.micro_batch_size(4) == 2
+
+
+# -- the loss decision --------------------------------------------------------------------------
+R12, R22 = NodeRange(1, 2), NodeRange(2, 2)
+LOSSES = [
+    ("elastic", LossSnapshot(1, frozenset({0, 1}), frozenset({0}), R12), LossPath.ELASTIC),
+    ("below-min", LossSnapshot(1, frozenset({0, 1}), frozenset({0}), R22), LossPath.STAGE_RETRY),
+    ("none-left", LossSnapshot(0, frozenset({0, 1}), frozenset(), R12), LossPath.STAGE_RETRY),
+    ("spare", LossSnapshot(1, frozenset({0, 1}), frozenset({0, 2}), R22), LossPath.SPARE),
+    (
+        "store-host",
+        LossSnapshot(0, frozenset({0, 1}), frozenset({1, 2}), R22, 0),
+        LossPath.STAGE_RETRY,
+    ),
+    (
+        "store-apart",
+        LossSnapshot(0, frozenset({0, 1}), frozenset({1, 2}), R22, None),
+        LossPath.SPARE,
+    ),
+    # Not yet told which nodes train (no train_start read): the survivors are what is alive.
+    ("no-world-yet", LossSnapshot(1, frozenset(), frozenset({0}), R12), LossPath.ELASTIC),
+]
+
+
+@pytest.mark.parametrize(("name", "snap", "path"), LOSSES, ids=[c[0] for c in LOSSES])
+def test_loss_path(name, snap, path):
+    d = decide(snap)
+    assert d.path == path, d.reason
+    assert not d.idle_spare
+
+
+def test_losing_a_waiting_spare_costs_nothing():
+    d = decide(LossSnapshot(2, frozenset({0, 1}), frozenset({0, 1}), R22))
+    assert d.path == LossPath.SPARE and d.idle_spare and "waiting spare" in d.reason
+
+
+# -- which layer recovered ----------------------------------------------------------------------
+def _start(t, world, nodes, job="j"):
+    return {"t": t, "kind": "train_start", "job_id": job, "world_size": world, "nodes": nodes}
+
+
+def test_prior_world_and_restart_layer():
+    loss = {"t": 2.0, "kind": "fault", "fault_kind": "node-loss"}
+    events = [_start(1.0, 2, [0, 1]), loss]
+    prior = prior_world(events, "j")
+    assert prior == PriorWorld(2, (0, 1), open_node_loss=True)
+    assert restart_layer(prior, 1) == "elastic"  # shrank
+    assert restart_layer(prior, 2) == "spare"  # same size after a loss: a spare took over
+    recovered = [*events, {"t": 3.0, "kind": "recovered"}]
+    assert restart_layer(prior_world(recovered, "j"), 2) == "injob"
+    assert restart_layer(prior_world([_start(1.0, 1, [0])], "j"), 2) == "injob"  # grew back
+    assert prior_world(events, "other") is None and restart_layer(None, 2) == "injob"
+
+
+def test_node_id_from_either_backend():
+    assert node_id({"NVRX_NODE": "3"}) == 3
+    assert node_id({"JOB_COMPLETION_INDEX": "5"}) == 5
+    assert node_id({}) == -1
+
+
+# -- the attempt's end --------------------------------------------------------------------------
+def test_completion_after_an_in_job_loss_is_completed():
+    done = {"status": "completed", "final_step": 20}
+    after_loss = EndSnapshot({0: 0, 1: -9}, lost_nodes=frozenset({1}), result=done, target_steps=20)
+    out = classify(after_loss)
+    assert out.kind == EndKind.COMPLETED and out.details["lost_nodes"] == [1]
+    # Lost and stopped with no completed result: still a node loss (the stage retry's case).
+    stopped = EndSnapshot({0: None, 1: -9}, lost_nodes=frozenset({1}), target_steps=20)
+    assert classify(stopped).kind == EndKind.NODE_LOSS
+    # A survivor that did not exit 0 is not a completion, whatever result.json says.
+    failed = EndSnapshot({0: 1, 1: -9}, lost_nodes=frozenset({1}), result=done, target_steps=20)
+    assert classify(failed).kind == EndKind.NODE_LOSS
+
+
+# -- parameters -----------------------------------------------------------------------------------
+def test_pipeline_params_nodes_and_spares(tmp_path):
+    p = PipelineParams(nodes="1:2", state_dir=str(tmp_path))
+    assert p.nodes == "1:2" and p.node_range == NodeRange(1, 2) and p.world_size == 2
+    assert p.micro_batches == 2
+    fixed = PipelineParams(nodes="3", spares=1, global_batch=6, state_dir=str(tmp_path))
+    assert fixed.nodes == 3 and fixed.micro_batches is None and fixed.launched_nodes == 4
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"nodes": "2:1"}, "nodes"),
+        ({"nodes": "1:65"}, "at most 64"),
+        ({"nodes": "1:3"}, "nodes' maximum"),  # global_batch 8 over a world of 3
+        ({"spares": -1}, "spares"),
+        ({"drills": {"faults": ["node-loss@step=3,node=2"]}}, "there are 2"),
+        ({"drills": {"faults": ["node-return@step=3,node=1"]}}, "was not lost before"),
+        (
+            {"drills": {"faults": ["node-loss@step=5,node=1", "node-return@step=5,node=1"]}},
+            "must come after",
+        ),
+        (
+            {"drills": {"faults": ["node-loss@step=2,node=1", "node-loss@step=5,node=1"]}},
+            "already lost",
+        ),
+    ],
+)
+def test_pipeline_params_refuse(kw, needle, tmp_path):
+    with pytest.raises(ValueError, match=needle):
+        PipelineParams(**{"nodes": "1:2", "state_dir": str(tmp_path), **kw})
+
+
+def test_a_spare_can_be_named_by_a_drill(tmp_path):
+    p = PipelineParams(
+        nodes=2, spares=1, state_dir=str(tmp_path), drills={"faults": ["node-loss@step=3,node=2"]}
+    )
+    assert p.launched_nodes == 3
+
+
+# -- the launcher command -----------------------------------------------------------------------
+def _cfg(tmp_path: Path) -> TrainConfig:
+    return TrainConfig(run_root=tmp_path / "run", data_dir=tmp_path, micro_batches=2)
+
+
+def test_fixed_job_runs_plain_ft_launcher(tmp_path):
+    argv = ft_launcher_argv(_cfg(tmp_path), LaunchSpec(nnodes=2), ["x"])
+    assert argv[0].endswith("ft_launcher") and "--nnodes=2" in argv
+    assert rdzv_conf(_cfg(tmp_path), LaunchSpec(nnodes=2)) == "join_timeout=20"
+
+
+def test_elastic_job_runs_through_the_agent(tmp_path):
+    spec = LaunchSpec(nnodes=2, min_nodes=1, external_store=True)
+    argv = ft_launcher_argv(_cfg(tmp_path), spec, ["x"], portable=True)
+    assert argv[:6] == ["python", "-m", "trainer.agent", "--keep-alive", "1:3", "--"]
+    assert "--nnodes=1:2" in argv
+    conf = next(a for a in argv if a.startswith("--rdzv-conf="))
+    assert conf == "--rdzv-conf=join_timeout=20,last_call_timeout=2,is_host=false"
+    spare = LaunchSpec(nnodes=2, spares=1)
+    assert "--nnodes=2" in ft_launcher_argv(_cfg(tmp_path), spare, ["x"])
+
+
+def test_agent_patches_the_installed_rendezvous():
+    """The keep-alive the agent sets is the one NVRx's rendezvous handler is built with."""
+    code = (
+        "from trainer.agent import patch_keep_alive\n"
+        "from nvidia_resiliency_ext.fault_tolerance import _ft_rendezvous as r\n"
+        "assert patch_keep_alive(1.0, 3)\n"
+        "s = r.RendezvousSettings('x', 1, 2, r.RendezvousTimeout(), "
+        "keep_alive_interval=__import__('datetime').timedelta(seconds=5), "
+        "keep_alive_max_attempt=9, upscaling_enabled=True)\n"
+        "print(s.keep_alive_interval.total_seconds(), s.keep_alive_max_attempt)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["1.0", "3"]
+
+
+# -- exactness across world sizes, on real ft_launcher jobs ------------------------------------
+def _train(tmp_path: Path, dataset: Path, name: str, nproc: int, micro: int | None) -> dict:
+    run = tmp_path / name
+    env = {**os.environ, "NVRX_CPU_THREADS": "1", "PYTHONPATH": str(REPO)}
+    from tasks.backends.local import free_port
+
+    argv = [
+        sys.executable,
+        "-m",
+        "trainer.launch",
+        f"--nproc-per-node={nproc}",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--run-root",
+        str(run),
+        "--data-dir",
+        str(dataset),
+        "--steps",
+        "6",
+        "--no-inprocess",
+    ] + ([f"--micro-batches={micro}"] if micro else [])
+    subprocess.run(argv, env=env, cwd=REPO, check=True, capture_output=True, timeout=300)
+    return json.loads((run / "result.json").read_text())
+
+
+@pytest.mark.slow
+def test_world_size_change_what_is_exact(tmp_path, dataset):
+    """Two micro-batches: a world of 1 accumulating both equals a world of 2 bitwise (every sum
+    has two terms). Four: a world of 2 accumulating two each sums in another order than a world
+    of 4, so the parameters may differ in the last bits: the loss stays within 1e-5 relative."""
+    two = _train(tmp_path, dataset, "w2", 2, None)
+    one = _train(tmp_path, dataset, "w1", 1, 2)
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    assert one["params_sha256"] == two["params_sha256"]
+    assert one["final_loss"] == two["final_loss"]
+    four = _train(tmp_path, dataset, "w4", 4, None)
+    half = _train(tmp_path, dataset, "w2m4", 2, 4)
+    assert half["final_loss"] == pytest.approx(four["final_loss"], rel=1e-5)

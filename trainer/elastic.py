@@ -1,0 +1,162 @@
+"""Elastic node counts: a job that keeps training on fewer nodes than it started with (arch §9).
+
+``nodes`` is ``N`` (fixed) or ``MIN:MAX``: ft_launcher's rendezvous admits any count in the
+range, so when a node is lost and the survivors still meet ``MIN`` the in-job layer re-forms the
+job on them and resumes from the newest checkpoint (DCP reshards it); a node that joins later
+is admitted at the next restart and the world grows back. Hot spares are nodes launched beyond
+``MAX``: they wait in the rendezvous and take a lost node's place at its restart.
+
+What a step computes must not depend on how many ranks share it, so the global batch is split
+into a fixed number of *micro-batches*, ``MAX x ranks per node`` of them (one per rank at full
+size), and each rank accumulates the gradients of its contiguous share. On a full world that is
+one micro-batch per rank: exactly the fixed-size job. What stays bitwise equal across a change
+of world size, and what does not, is in :func:`micro_batches` and arch §9.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_RANGE = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
+
+
+class NodeRangeError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class NodeRange:
+    """How many nodes a job trains on: at least ``min``, at most ``max``."""
+
+    min: int
+    max: int
+
+    def __post_init__(self) -> None:
+        if self.min < 1:
+            raise NodeRangeError(f"nodes: the minimum must be at least 1, got {self.min}")
+        if self.max < self.min:
+            raise NodeRangeError(
+                f"nodes: {self.min}:{self.max} has its maximum below its minimum; write MIN:MAX, "
+                f"e.g. {self.max}:{self.min}"
+            )
+
+    @classmethod
+    def parse(cls, value: int | str | NodeRange) -> NodeRange:
+        """``2`` or ``"2"`` (fixed), ``"1:2"`` (elastic); the error says the accepted forms."""
+        if isinstance(value, NodeRange):
+            return value
+        if isinstance(value, bool):
+            raise NodeRangeError(f"nodes: expected N or MIN:MAX, got {value!r}")
+        if isinstance(value, int):
+            return cls(value, value)
+        m = _RANGE.match(value) if isinstance(value, str) else None
+        if m is None:
+            raise NodeRangeError(
+                f"nodes: expected a node count N or an elastic range MIN:MAX (e.g. 2 or 1:2), "
+                f"got {value!r}"
+            )
+        low = int(m.group(1))
+        return cls(low, int(m.group(2)) if m.group(2) is not None else low)
+
+    @property
+    def elastic(self) -> bool:
+        return self.min < self.max
+
+    def __str__(self) -> str:
+        """ft_launcher's ``--nnodes`` spelling."""
+        return str(self.max) if not self.elastic else f"{self.min}:{self.max}"
+
+
+def micro_batches(rank: int, world: int, count: int) -> range:
+    """The micro-batches (of ``count`` per global batch) that rank ``rank`` of ``world`` trains.
+
+    Contiguous shares, as even as they can be: rank ``r`` takes ``[r*count//world,
+    (r+1)*count//world)``. With ``world == count`` that is micro-batch ``r`` alone, the slice a
+    fixed-size job gives rank ``r``; on a smaller world each rank takes several, in order.
+
+    Exactness across a change of world size (measured and asserted in
+    ``tests/test_elastic.py``): the data of every step, the micro-batch each sample belongs to,
+    each micro-batch's dropout stream, the parameters and optimizer state loaded from a
+    checkpoint written on another world size (DCP reshards by copying) and the step counter are
+    bitwise the same. The gradient is the mean of the micro-batches' gradients; it is summed in a
+    different order when ranks hold different shares (a rank sums its own micro-batches first,
+    then the collective sums the ranks), so it is bitwise equal only when both orders agree: two
+    micro-batches (a 2-rank job shrinking to 1, or growing back) at the same intra-op thread
+    count, where every sum has two terms. Otherwise a step differs in the last bits of fp32 and
+    the runs drift apart within a tolerance, never in the data they see.
+    """
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not a rank of a world of {world}")
+    if count < world:
+        raise ValueError(
+            f"a world of {world} ranks cannot share {count} micro-batches: at most {count} ranks "
+            "(nodes MAX x ranks per node)"
+        )
+    return range(rank * count // world, (rank + 1) * count // world)
+
+
+# Where a worker learns which node it runs on: the local backend's simulated node, or the
+# Indexed Job's pod index on EKS. Only reported (which nodes trained), never trusted for ranks.
+NODE_ENV = ("NVRX_NODE", "JOB_COMPLETION_INDEX")
+
+
+def node_id(environ: dict[str, str] | None = None) -> int:
+    """This worker's node, or -1 when no backend said."""
+    import os
+
+    env = os.environ if environ is None else environ
+    for name in NODE_ENV:
+        value = env.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return -1
+
+
+@dataclass(frozen=True)
+class PriorWorld:
+    """What the previous incarnation of this launcher job trained on, from the events."""
+
+    world_size: int
+    nodes: tuple[int, ...]
+    open_node_loss: bool  # a node-loss fault recorded since then and not yet recovered
+
+
+def prior_world(events: list[dict[str, object]], job_id: str | None) -> PriorWorld | None:
+    """The last ``train_start`` of launcher job ``job_id`` (its rendezvous id), if any."""
+    if not job_id:
+        return None
+    starts = [e for e in events if e.get("kind") == "train_start" and e.get("job_id") == job_id]
+    if not starts:
+        return None
+    last = starts[-1]
+    t = float(last.get("t", 0.0))  # type: ignore[arg-type]
+    recovered = max(
+        (float(e.get("t", 0.0)) for e in events if e.get("kind") == "recovered"),  # type: ignore[arg-type]
+        default=0.0,
+    )
+    open_loss = any(
+        e.get("kind") == "fault"
+        and e.get("fault_kind") == "node-loss"
+        and float(e.get("t", 0.0)) > max(t, recovered)  # type: ignore[arg-type]
+        for e in events
+    )
+    nodes = last.get("nodes")
+    return PriorWorld(
+        world_size=int(last.get("world_size", 0)),  # type: ignore[call-overload]
+        nodes=tuple(int(n) for n in nodes) if isinstance(nodes, list) else (),
+        open_node_loss=open_loss,
+    )
+
+
+def restart_layer(prior: PriorWorld | None, world_size: int) -> str:
+    """The layer an in-job restart of this job recovered by: ``elastic`` when the world shrank,
+    ``spare`` when a node was lost and the world kept its size (a spare took its place),
+    ``injob`` otherwise (a worker's crash or hang, or a returning node's admission)."""
+    if prior is None:
+        return "injob"
+    if world_size < prior.world_size:
+        return "elastic"
+    if prior.open_node_loss and world_size >= prior.world_size:
+        return "spare"
+    return "injob"
