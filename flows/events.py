@@ -4,8 +4,9 @@ automations can match on any of them (and link to the flow run in the UI).
 
 | event | when | payload |
 | --- | --- | --- |
-| ``nvrx.fault.detected`` | a fault was seen (drill, lost node) | kind, rank, node, step |
+| ``nvrx.fault.detected`` | a fault was seen (drill, lost node) | kind, rank, node, step, path |
 | ``nvrx.recovery.completed`` | the first step after a recovery | layer, seconds, fault, step |
+| ``nvrx.world.changed`` | an elastic job re-formed on another size | from/to_world, nodes, cause |
 | ``nvrx.stage.retried`` | a train-stage attempt after the first | stage, attempt, cause |
 | ``nvrx.train.started`` / ``.ended`` | a train attempt began / ended | attempt, outcome |
 | ``nvrx.checkpoint.committed`` | a checkpoint committed | step, blocking_s, path |
@@ -109,6 +110,17 @@ def emit_for_trainer_event(run_id: str, e: dict[str, Any]) -> None:
             rank=e.get("rank"),
             node=e.get("node"),
             nodes=e.get("nodes"),
+            step=e.get("step"),
+            path=e.get("path"),
+        )
+    elif kind == "world_change":
+        emit(
+            "world.changed",
+            run_id,
+            from_world=e.get("from_world"),
+            to_world=e.get("to_world"),
+            nodes=e.get("nodes"),
+            cause=e.get("cause"),
             step=e.get("step"),
         )
     elif kind == "recovered":

@@ -400,6 +400,20 @@ class FaultRecord(BaseModel):
     node: int | None = None
     recovered_by: RecoveryLayer | Literal["none"] = "none"
     recovery_s: float | None = None
+    # A node loss: the path chosen at the loss (elastic, spare, stage-retry) and why.
+    path: Literal["elastic", "spare", "stage-retry"] | None = None
+    detail: str | None = None
+
+
+class WorldChange(BaseModel):
+    """An elastic job re-formed on another number of ranks: shrank after a loss, or grew when
+    a node returned."""
+
+    step: int | None = None  # the first step trained on the new world
+    from_world: int
+    to_world: int
+    nodes: list[int] = Field(default_factory=list)
+    cause: Literal["shrink", "grow"]
 
 
 class TakeoverInfo(BaseModel):
@@ -421,6 +435,7 @@ class PipelineResult(BaseModel):
     checkpoint: CheckpointInfo = Field(default_factory=CheckpointInfo)
     export: ExportInfo = Field(default_factory=ExportInfo)
     faults: list[FaultRecord] = Field(default_factory=list)
+    world_changes: list[WorldChange] = Field(default_factory=list)
     stage_attempts: dict[str, int] = Field(default_factory=dict)
     stage_durations_s: dict[str, float] = Field(default_factory=dict)
     ettr: float | None = None

@@ -29,6 +29,7 @@ from flows.models import (
     PipelineParams,
     PipelineResult,
     TakeoverInfo,
+    WorldChange,
 )
 from flows.report import png_data_uri, render_report
 from flows.results import ExportResult, TrainResult, ValidationResult
@@ -71,6 +72,10 @@ def build_result(
         FaultRecord(**{k: v for k, v in f.items() if k != "t"})
         for f in run_summary.faults_with_recovery(events)
     ]
+    changes = [
+        WorldChange(**{k: v for k, v in c.items() if k != "t"})
+        for c in run_summary.world_changes(events)
+    ]
     took = next((e for e in events if e["kind"] == "takeover"), None)
     return PipelineResult(
         status=status,  # type: ignore[arg-type]
@@ -93,6 +98,7 @@ def build_result(
             uri=export.uri, objects=export.objects, bytes=export.bytes, verified=export.verified
         ),
         faults=faults,
+        world_changes=changes,
         stage_attempts=attempts,
         stage_durations_s={k: round(v, 3) for k, v in durations.items()},
         ettr=run_summary.ettr(events),

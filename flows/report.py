@@ -46,17 +46,32 @@ def render_report(r: PipelineResult) -> str:
     lines += ["", "## Faults", ""]
     if r.faults:
         lines += [
-            "| fault | step | rank | node | recovered by | recovery (s) |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| fault | step | rank | node | recovered by | recovery (s) | |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for f in r.faults:
             rec = "n/a" if f.recovery_s is None else f"{f.recovery_s:.1f}"
             lines.append(
                 f"| {f.kind} | {f.step} | {'' if f.rank is None else f.rank} | "
-                f"{'' if f.node is None else f.node} | {f.recovered_by} | {rec} |"
+                f"{'' if f.node is None else f.node} | {f.recovered_by} | {rec} | "
+                f"{f.detail or ''} |"
             )
     else:
         lines.append("none")
+    if r.world_changes:
+        lines += [
+            "",
+            "## World size (elastic)",
+            "",
+            "| from step | ranks | nodes | why |",
+            "| --- | --- | --- | --- |",
+        ]
+        for c in r.world_changes:
+            why = "a node was lost" if c.cause == "shrink" else "a node returned"
+            lines.append(
+                f"| {c.step} | {c.from_world} -> {c.to_world} | "
+                f"{', '.join(map(str, c.nodes))} | {why} |"
+            )
     lines += [
         "",
         "## Outputs",

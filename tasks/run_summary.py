@@ -5,9 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.report import faults_with_recovery
+from trainer.report import faults_with_recovery, world_changes
 
-__all__ = ["ettr", "faults_with_recovery", "productive_s", "progress", "stage_attempts"]
+__all__ = [
+    "ettr",
+    "faults_with_recovery",
+    "productive_s",
+    "progress",
+    "stage_attempts",
+    "world_changes",
+]
 
 
 def stage_attempts(events: list[dict[str, Any]], stage: str = "train") -> int:

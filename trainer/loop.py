@@ -112,7 +112,9 @@ def build_hooks(
     if call_wrapper is not None:
         hooks.append(WrapperPing(call_wrapper))
     if rank == 0:
-        launcher_drills = any(spec.startswith("node-loss") for spec in ctx.cfg.faults)
+        launcher_drills = any(
+            spec.startswith(("node-loss", "node-return")) for spec in ctx.cfg.faults
+        )
         hooks.append(
             StepEvents(
                 ctx.events,

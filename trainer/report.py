@@ -30,10 +30,30 @@ def faults_with_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "node": f.get("node"),
                 "recovered_by": r["layer"] if r else "none",
                 "recovery_s": r["recovery_s"] if r else None,
+                # A node loss: the path the watcher chose at the loss (tasks.loss_policy) and
+                # why; recovered_by is the layer that did recover it.
+                "path": f.get("path"),
+                "detail": f.get("detail"),
                 "t": f["t"],
             }
         )
     return out
+
+
+def world_changes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every time an elastic job re-formed on another number of ranks (trainer.elastic)."""
+    return [
+        {
+            "step": e.get("step"),
+            "from_world": e.get("from_world"),
+            "to_world": e.get("to_world"),
+            "nodes": e.get("nodes"),
+            "cause": e.get("cause"),
+            "t": e["t"],
+        }
+        for e in events
+        if e["kind"] == "world_change"
+    ]
 
 
 def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -47,6 +67,7 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         "steps_run": len(steps),
         "final_loss": steps[-1]["loss"] if steps else None,
         "faults": faults_with_recovery(events),
+        "world_changes": world_changes(events),
         "restarts": [{"layer": e["layer"], "t": e["t"]} for e in events if e["kind"] == "restart"],
         "checkpoints": len(checkpoints),
         "ckpt_blocking_s_max": max(blocking, default=None),

@@ -1,0 +1,113 @@
+"""Elastic node counts and hot spares through the whole pipeline on the embedded default (real
+ft_launcher agents as simulated nodes, the Prefect test server, SeaweedFS): a node loss that the
+in-job layer absorbs, with no stage retry, bitwise equal to the fault-free baseline.
+
+Losing more nodes than the range's minimum allows still ends in a stage retry: that is the
+fixed-size job's node-loss drill in ``tests/test_pipeline.py`` (``nodes=2`` is ``2:2``), which
+asserts the path too; the decision itself is table-tested in ``tests/test_elastic.py``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flows.context import RunContext
+from flows.models import PipelineResult
+from tests.helpers import free_port_pair
+from tests.pipeline_helpers import Scraper, assert_exported, make_params, nvrx_events, run_pipeline
+from trainer.events import read_events
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass(frozen=True)
+class Drill:
+    name: str
+    params: dict[str, Any]
+    faults: tuple[str, ...]
+    layer: str  # the layer that recovered the loss
+    worlds: tuple[int, ...]  # the world size of every start of the attempt, in order
+
+
+DRILLS = [
+    # Shrink to the one node left, then grow back when it returns: 2 -> 1 -> 2 ranks. Two
+    # micro-batches per step on every world (trainer.elastic), so every step sums two terms and
+    # the run stays bitwise equal to the fault-free 2-node run.
+    Drill(
+        "shrink-and-grow",
+        {"nodes": "1:2"},
+        ("node-loss@step=12,node=1", "node-return@step=16,node=1"),
+        "elastic",
+        (2, 1, 2),
+    ),
+    # Two nodes and one hot spare (node 2, started once the world formed): it takes node 1's
+    # place, the world keeps its size.
+    Drill("spare", {"nodes": 2, "spares": 1}, ("node-loss@step=12,node=1",), "spare", (2, 2)),
+]
+
+
+@pytest.mark.parametrize("d", DRILLS, ids=[d.name for d in DRILLS])
+def test_node_loss_without_a_stage_retry(
+    d: Drill, baseline: PipelineResult, s3_settings, tmp_path: Path
+):
+    port = free_port_pair()
+    params = make_params(
+        tmp_path,
+        s3_settings,
+        run_id=f"elastic-{d.name}",
+        drills={"faults": list(d.faults)},
+        metrics_port=port,
+        **d.params,
+    )
+    flow = f"http://127.0.0.1:{port}/metrics"
+    with Scraper(flow) as scraped:
+        state, result = run_pipeline(params)
+    assert state.is_completed(), state.message
+    assert result is not None and result.status == "completed"
+    assert result.final_step == result.target_steps == 20
+    assert result.stage_attempts["train"] == 1, "no stage retry"
+    # What the design says is exact (arch §9): with one rank per node, every world of this
+    # range sums two micro-batch gradients per step, so the parameters are the baseline's.
+    assert result.params_sha256 == baseline.params_sha256
+    assert result.final_loss == baseline.final_loss
+    [fault] = result.faults
+    assert (fault.kind, fault.node, fault.path, fault.recovered_by) == (
+        "node-loss",
+        1,
+        d.layer,
+        d.layer,
+    )
+    assert fault.recovery_s and fault.recovery_s > 0
+    run_root = RunContext.create(params).run_root
+    events = read_events(run_root)
+    starts = [e for e in events if e["kind"] == "train_start"]
+    assert tuple(e["world_size"] for e in starts) == d.worlds
+    # The resume after the loss loaded a committed checkpoint written by the 2-rank world
+    # (resharded by DCP when the world shrank), never step 0.
+    loaded = [e for e in events if e["kind"] == "resume" and e.get("action") == "loaded"]
+    assert loaded and all(5 <= e["step"] < 12 and e["saved_world_size"] == 2 for e in loaded[:1])
+    # The world changes, in the result and the report.
+    expected = [(a, b) for a, b in zip(d.worlds, d.worlds[1:], strict=False) if a != b]
+    assert [(c.from_world, c.to_world) for c in result.world_changes] == expected
+    assert [c.cause for c in result.world_changes] == [
+        "shrink" if b < a else "grow" for a, b in expected
+    ]
+    if d.name == "spare":
+        assert starts[-1]["nodes"] == [0, 2], "the spare trained in node 1's place"
+    assert_exported(result, s3_settings)
+    # Operators see the path taken: on the fault event, the recovery and the world changes.
+    prefect = nvrx_events(params.run_id or "", expect="nvrx.run.completed")
+    by_name: dict[str, list[Any]] = {}
+    for e in prefect:
+        by_name.setdefault(e.event, []).append(e)
+    [detected] = by_name["nvrx.fault.detected"]
+    assert detected.payload["path"] == d.layer
+    [recovered] = by_name["nvrx.recovery.completed"]
+    assert recovered.payload["layer"] == d.layer
+    assert len(by_name.get("nvrx.world.changed", [])) == len(expected)
+    assert "nvrx.stage.retried" not in by_name
+    restarts = scraped.series(flow, "nvrx_restarts_total", run_id=params.run_id, layer=d.layer)
+    assert restarts and restarts[-1] == 1
