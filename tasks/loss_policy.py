@@ -1,5 +1,5 @@
 """What a node loss costs, decided by a pure function over what the watcher knows at the loss
-(arch §9): the in-job layer re-forms the job (``spare`` or ``elastic``), or only a new attempt
+(arch §7): the in-job layer re-forms the job (``spare`` or ``elastic``), or only a new attempt
 can continue (``stage-retry``). No I/O here: :mod:`tasks.train_stage` gathers the snapshot."""
 
 from __future__ import annotations

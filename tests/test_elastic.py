@@ -1,4 +1,4 @@
-"""Elastic node counts and hot spares (arch §9): the pure decisions, the parameters, the
+"""Elastic node counts and hot spares (arch §7): the pure decisions, the parameters, the
 launcher command, and what stays bitwise equal when the world changes size, measured on real
 ft_launcher jobs of the trainer (the pipeline drills are in ``test_elastic_pipeline.py``)."""
 

@@ -69,7 +69,7 @@ def test_node_loss_without_a_stage_retry(
     assert result is not None and result.status == "completed"
     assert result.final_step == result.target_steps == 20
     assert result.stage_attempts["train"] == 1, "no stage retry"
-    # What the design says is exact (arch §9): with one rank per node, every world of this
+    # What the design says is exact (arch §7): with one rank per node, every world of this
     # range sums two micro-batch gradients per step, so the parameters are the baseline's.
     assert result.params_sha256 == baseline.params_sha256
     assert result.final_loss == baseline.final_loss

@@ -1,4 +1,4 @@
-"""Elastic node counts: a job that keeps training on fewer nodes than it started with (arch §9).
+"""Elastic node counts: a job that keeps training on fewer nodes than it started with (arch §7).
 
 ``nodes`` is ``N`` (fixed) or ``MIN:MAX``: ft_launcher's rendezvous admits any count in the
 range, so when a node is lost and the survivors still meet ``MIN`` the in-job layer re-forms the
@@ -10,7 +10,7 @@ What a step computes must not depend on how many ranks share it, so the global b
 into a fixed number of *micro-batches*, ``MAX x ranks per node`` of them (one per rank at full
 size), and each rank accumulates the gradients of its contiguous share. On a full world that is
 one micro-batch per rank: exactly the fixed-size job. What stays bitwise equal across a change
-of world size, and what does not, is in :func:`micro_batches` and arch §9.
+of world size, and what does not, is in :func:`micro_batches` and arch §7.
 """
 
 from __future__ import annotations

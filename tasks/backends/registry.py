@@ -36,6 +36,13 @@ class BackendType:
 
 def _eks_check(params: RunParams) -> None:
     params.eks.check_deployment_allows()
+    if params.node_range.elastic or params.spares:
+        # The Indexed Job, its watcher and its classification are sized for a fixed count.
+        raise ValueError(
+            f"nodes / spares: elastic ranges and hot spares ({params.node_range}, "
+            f"{params.spares} spare(s)) run on the local backend only for now; give eks a "
+            "fixed node count and spares 0"
+        )
     if params.metrics_port == params.eks.rdzv_port:
         # Rank 0's pod serves both: the rendezvous store would not start.
         raise ValueError(
