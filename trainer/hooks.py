@@ -168,6 +168,17 @@ def emit_recoveries(events: EventLog, layer: str, step: int) -> None:
     """Close every fault recorded since the last recovery, attributing it to ``layer``."""
     history = read_events(events.path.parent)
     last_recovered = max((e["t"] for e in history if e["kind"] == "recovered"), default=0.0)
+    # A fault from before the newest train-stage attempt began was carried over by the stage
+    # retry, whatever restarts that attempt needed on its own before this step (an adopted
+    # attempt is the same attempt, watched by another invocation).
+    attempt_began = max(
+        (
+            e["t"]
+            for e in history
+            if e["kind"] == "stage_attempt" and e.get("attempt", 1) > 1 and not e.get("adopted")
+        ),
+        default=0.0,
+    )
     now = time.time()
     for e in history:
         if (
@@ -177,7 +188,7 @@ def emit_recoveries(events: EventLog, layer: str, step: int) -> None:
         ):
             events.emit(
                 "recovered",
-                layer=layer,
+                layer="stage-retry" if e["t"] < attempt_began else layer,
                 fault=e.get("fault"),
                 fault_kind=e.get("fault_kind"),
                 fault_step=e.get("step"),

@@ -25,16 +25,15 @@ class LaunchSpec:
     # agent hosts it, so any node may be lost. False: the agent at the endpoint hosts it.
     external_store: bool = False
     spares: int = 0  # hot spare agents launched beyond nnodes (they wait in the rendezvous)
+    rdzv_endpoint: str = "127.0.0.1:29500"
+    rdzv_id: str = "nvrx"
+    # Set on CPU hosts with NVRx >= 0.7 (GPU memory reclaim waits for NVML otherwise).
+    cpu_only: bool = True
 
     @property
     def elastic(self) -> bool:
         """The world may change size or membership in-job (a range, or spares waiting)."""
         return (self.min_nodes is not None and self.min_nodes < self.nnodes) or self.spares > 0
-
-    rdzv_endpoint: str = "127.0.0.1:29500"
-    rdzv_id: str = "nvrx"
-    # Set on CPU hosts with NVRx >= 0.7 (GPU memory reclaim waits for NVML otherwise).
-    cpu_only: bool = True
 
 
 def ft_launcher_argv(
