@@ -68,12 +68,13 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# ~35 min on 2 cores. Results (committed: benchmarks/scale_model.py reads them) under
+# ~45 min on 2 cores. Results (committed: benchmarks/scale_model.py reads them) under
 # benchmarks/results/, timeline plots under benchmarks/plots/.
 bench: venv
 	mkdir -p benchmarks/results benchmarks/plots
 	$(PY) benchmarks/checkpoint_stall.py --mb-per-rank 100 400 --out benchmarks/results/checkpoint_stall.json
 	$(PY) benchmarks/recovery_time.py --samples 5 --out benchmarks/results/recovery_time.json --plot benchmarks/plots
+	$(PY) benchmarks/node_loss.py --samples 3 --out benchmarks/results/node_loss.json
 	$(PY) benchmarks/pipeline_overhead.py --out benchmarks/results/pipeline_overhead.json
 	$(PY) benchmarks/layer_overhead.py --out benchmarks/results/layer_overhead.json
 	$(PY) benchmarks/transfer_throughput.py --out benchmarks/results/transfer_throughput.json

@@ -258,15 +258,12 @@ def _train(tmp_path: Path, dataset: Path, name: str, nproc: int, micro: int | No
 
 
 @pytest.mark.slow
-def test_world_size_change_what_is_exact(tmp_path, dataset):
-    """Two micro-batches: a world of 1 accumulating both equals a world of 2 bitwise (every sum
-    has two terms). Four: a world of 2 accumulating two each sums in another order than a world
-    of 4, so the parameters may differ in the last bits: the loss stays within 1e-5 relative."""
-    two = _train(tmp_path, dataset, "w2", 2, None)
-    one = _train(tmp_path, dataset, "w1", 1, 2)
-    assert one["world_size"] == 1 and two["world_size"] == 2
-    assert one["params_sha256"] == two["params_sha256"]
-    assert one["final_loss"] == two["final_loss"]
+def test_world_size_change_what_is_not_exact(tmp_path, dataset):
+    """Four micro-batches: a world of 2 accumulating two each sums the gradient in another order
+    than a world of 4, so the parameters may differ in the last bits: the loss stays within 1e-5
+    relative. (Two micro-batches, where every sum has two terms, are bitwise equal across 2 -> 1
+    -> 2 ranks: asserted on the pipeline's shrink-and-grow drill, test_elastic_pipeline.py.)"""
     four = _train(tmp_path, dataset, "w4", 4, None)
     half = _train(tmp_path, dataset, "w2m4", 2, 4)
+    assert four["world_size"] == 4 and half["world_size"] == 2
     assert half["final_loss"] == pytest.approx(four["final_loss"], rel=1e-5)

@@ -76,7 +76,8 @@ def micro_batches(rank: int, world: int, count: int) -> range:
     fixed-size job gives rank ``r``; on a smaller world each rank takes several, in order.
 
     Exactness across a change of world size (measured and asserted in
-    ``tests/test_elastic.py``): the data of every step, the micro-batch each sample belongs to,
+    ``tests/test_elastic.py`` and ``tests/test_elastic_pipeline.py``): the data of every step,
+    the micro-batch each sample belongs to,
     each micro-batch's dropout stream, the parameters and optimizer state loaded from a
     checkpoint written on another world size (DCP reshards by copying) and the step counter are
     bitwise the same. The gradient is the mean of the micro-batches' gradients; it is summed in a
