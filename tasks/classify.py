@@ -40,6 +40,9 @@ class EndSnapshot:
     no_restart: str | None = None  # the reason in <run_root>/control/no_restart, if written
     target_steps: int = 0
     log_hint: str = ""  # where to look (agent logs)
+    # The nodes of the last world that trained (empty: not known). Any other node was waiting
+    # (a spare, or a node returning as the job ended) and no step depended on it.
+    world_nodes: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -76,13 +79,20 @@ def classify(s: EndSnapshot) -> Outcome:
         return Outcome(EndKind.TIMEOUT, f"train stage passed its deadline and was stopped{hint}")
     r = s.result or {}
     done = r.get("status") == "completed" and r.get("final_step") == s.target_steps
-    others = [c for n, c in s.exit_codes.items() if n not in lost]
-    if lost and done and others and all(c == 0 for c in others):
+    # A waiting node may find the rendezvous closed by the job's end as it joins (a node that
+    # returned during the last steps) and exit 1: that decides nothing once the world that
+    # trained ended well.
+    idle = set(s.exit_codes) - s.world_nodes if s.world_nodes else set()
+    others = [c for n, c in s.exit_codes.items() if n not in lost and n not in idle]
+    if (lost or idle) and done and others and all(c == 0 for c in others):
+        turned_away = sorted(n for n in idle if s.exit_codes[n] not in (0, None))
         # An elastic job or a hot spare carried on without the lost node(s), in-job.
         return Outcome(
             EndKind.COMPLETED,
-            f"completed {s.target_steps} steps; node(s) {lost} lost and recovered in-job",
-            {"result": r, "lost_nodes": lost},
+            f"completed {s.target_steps} steps"
+            + (f"; node(s) {lost} lost and recovered in-job" if lost else "")
+            + (f"; waiting node(s) {turned_away} turned away at the end" if turned_away else ""),
+            {"result": r, "lost_nodes": lost, "idle_nodes": sorted(idle)},
         )
     if lost:
         return Outcome(

@@ -109,6 +109,10 @@ def run_attempt(
     ended = False
     # The nodes training now (the last train_start says): a loss of any other is a spare's.
     world_nodes: frozenset[int] = frozenset()
+    # Lost nodes the job has re-formed without (a train_start came after the loss): a
+    # node-return drill counts its steps from then on, not the dying world's last steps, which
+    # the watcher may read only after the loss (a return then would race the job's end).
+    reformed: set[int] = set()
 
     def drill(spec: FaultSpec, step: int) -> None:
         nonlocal loss_at
@@ -117,6 +121,7 @@ def run_attempt(
             events.emit("node_return", fault=str(spec), step=step, node=node)
             job.restore_node(node)
             lost.discard(node)
+            reformed.discard(node)
             return
         # Decided before the node goes: the survivors read the marker the moment they fail.
         decision = decide(
@@ -166,9 +171,12 @@ def run_attempt(
             job.observe(e)
             if e["kind"] == "train_start" and isinstance(e.get("nodes"), list):
                 world_nodes = frozenset(int(n) for n in e["nodes"])
+                reformed.update(lost)
             if e["kind"] != "step":
                 continue
             for spec in drills:
+                if spec.kind == "node-return" and (spec.node or 0) not in reformed:
+                    continue
                 if e["step"] >= spec.step and claim(run_root, spec):
                     drill(spec, e["step"])
 
@@ -205,6 +213,7 @@ def run_attempt(
         fatal=next((e.get("error") for e in seen if e["kind"] == "fatal"), None),
         no_restart=read_no_restart(run_root),
         target_steps=cfg.steps,
+        world_nodes=world_nodes,
     )
     outcome = job.outcome(evidence)
     kept = job.finish(outcome)

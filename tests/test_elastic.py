@@ -154,6 +154,25 @@ def test_completion_after_an_in_job_loss_is_completed():
     assert classify(failed).kind == EndKind.NODE_LOSS
 
 
+def test_a_node_turned_away_by_the_end_of_the_job_decides_nothing():
+    """Seen in a full run: node 1 returned during the last steps of the 1-node world, and its
+    agent found the rendezvous closed by the job's end (RendezvousClosedError, exit 1)."""
+    done = {"status": "completed", "final_step": 20}
+    late = EndSnapshot({0: 0, 1: 1}, result=done, target_steps=20, world_nodes=frozenset({0}))
+    out = classify(late)
+    assert out.kind == EndKind.COMPLETED and "turned away" in out.message
+    assert out.details["idle_nodes"] == [1]
+    # The same exit from a node of the world that trained is the exhausted launcher it says.
+    both = EndSnapshot({0: 0, 1: 1}, result=done, target_steps=20, world_nodes=frozenset({0, 1}))
+    assert classify(both).kind == EndKind.INJOB_EXHAUSTED
+    # Without a completed result an idle node's failure is not excused either.
+    unfinished = EndSnapshot({0: 0, 1: 1}, target_steps=20, world_nodes=frozenset({0}))
+    assert classify(unfinished).kind != EndKind.COMPLETED
+    # Nodes no backend named (-1 on the EKS harness): the old rules.
+    unnamed = EndSnapshot({0: 0, 1: 1}, result=done, target_steps=20, world_nodes=frozenset({-1}))
+    assert classify(unnamed).kind == EndKind.INJOB_EXHAUSTED
+
+
 # -- parameters -----------------------------------------------------------------------------------
 def test_pipeline_params_nodes_and_spares(tmp_path):
     p = PipelineParams(nodes="1:2", state_dir=str(tmp_path))

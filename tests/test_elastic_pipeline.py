@@ -33,13 +33,15 @@ class Drill:
 
 
 DRILLS = [
-    # Shrink to the one node left, then grow back when it returns: 2 -> 1 -> 2 ranks. Two
+    # Shrink to the one node left, then grow back when it returns (at step 13 of the re-formed
+    # world: as early as the drill allows, so that the returning agent's start-up and the
+    # survivors' restart fit before the last step): 2 -> 1 -> 2 ranks. Two
     # micro-batches per step on every world (trainer.elastic), so every step sums two terms and
     # the run stays bitwise equal to the fault-free 2-node run.
     Drill(
         "shrink-and-grow",
         {"nodes": "1:2"},
-        ("node-loss@step=12,node=1", "node-return@step=16,node=1"),
+        ("node-loss@step=12,node=1", "node-return@step=13,node=1"),
         "elastic",
         (2, 1, 2),
     ),

@@ -97,6 +97,8 @@ class Evidence:
     fatal: str | None  # the trainer's "fatal" event during this attempt
     no_restart: str | None  # NVRx's verdict file (<run_root>/control/no_restart)
     target_steps: int
+    # The nodes of the last world that trained (its train_start); empty: none reported.
+    world_nodes: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, kw_only=True)

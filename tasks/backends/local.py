@@ -182,6 +182,7 @@ class LocalJob:
                 fatal=evidence.fatal,
                 no_restart=evidence.no_restart,
                 target_steps=evidence.target_steps,
+                world_nodes=evidence.world_nodes,
                 log_hint=str(
                     self.request.cfg.run_root / "logs" / f"attempt{self.attempt}-node*.log"
                 ),
