@@ -433,6 +433,8 @@ def cmd_render_k8s(args: argparse.Namespace) -> int:
         run_id=run_id,
         attempt=args.attempt,
         nodes=params.max_nodes,
+        min_nodes=params.node_range.min,
+        spares=params.spares,
         eks=params.eks,
         deadline_s=params.train_timeout_s,
     )

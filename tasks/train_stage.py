@@ -115,7 +115,6 @@ def run_attempt(
     reformed: set[int] = set()
 
     def drill(spec: FaultSpec, step: int) -> None:
-        nonlocal loss_at
         node = spec.node or 0
         if spec.kind == "node-return":
             events.emit("node_return", fault=str(spec), step=step, node=node)
@@ -123,7 +122,13 @@ def run_attempt(
             lost.discard(node)
             reformed.discard(node)
             return
-        # Decided before the node goes: the survivors read the marker the moment they fail.
+        lose(node, str(spec), step, drilled=True)
+
+    def lose(node: int, fault: str, step: int | None, *, drilled: bool) -> None:
+        """A node lost, by a drill (``drilled``: the watcher takes it away now) or as the
+        backend saw it: which path its loss takes, decided once, and recorded."""
+        nonlocal loss_at
+        # Decided before a drilled node goes: the survivors read the marker the moment they fail.
         decision = decide(
             LossSnapshot(
                 lost=node,
@@ -133,13 +138,16 @@ def run_attempt(
                 store_host=job.store_host,
             )
         )
-        if decision.path != LossPath.STAGE_RETRY and not decision.idle_spare:
-            write_node_lost(run_root, node=node)
-        job.lose_node(node)
+        if decision.path != LossPath.STAGE_RETRY:
+            if not decision.idle_spare:
+                write_node_lost(run_root, node=node)
+            job.absorb(node)
+        if drilled:
+            job.lose_node(node)
         # Reaches on_event through the tail, like every other event.
         events.emit(
             "fault",
-            fault=str(spec),
+            fault=fault,
             fault_kind="node-loss",
             step=step,
             node=node,
@@ -153,14 +161,15 @@ def run_attempt(
             events.emit(
                 "recovered",
                 layer=LossPath.SPARE.value,
-                fault=str(spec),
+                fault=fault,
                 fault_kind="node-loss",
                 fault_step=step,
                 rank=None,
                 step=step,
                 recovery_s=0.0,
             )
-        elif decision.path == LossPath.STAGE_RETRY:
+        elif decision.path == LossPath.STAGE_RETRY and drilled:
+            # A loss the backend saw ends the attempt through its own classification.
             loss_at = time.monotonic()
 
     def pump() -> None:
@@ -170,8 +179,12 @@ def run_attempt(
             on_event(e)
             job.observe(e)
             if e["kind"] == "train_start" and isinstance(e.get("nodes"), list):
-                world_nodes = frozenset(int(n) for n in e["nodes"])
+                named = frozenset(int(n) for n in e["nodes"])
+                # -1: a worker no backend told its node; then which nodes train is unknown.
+                world_nodes = named if all(n >= 0 for n in named) else frozenset()
                 reformed.update(lost)
+                # A lost node training again (its replacement joined): a later loss is new.
+                lost.difference_update(world_nodes)
             if e["kind"] != "step":
                 continue
             for spec in drills:
@@ -179,6 +192,11 @@ def run_attempt(
                     continue
                 if e["step"] >= spec.step and claim(run_root, spec):
                     drill(spec, e["step"])
+        # Losses only the backend saw (EKS: a node gone under its pod), after the drills'.
+        for node in sorted(job.losses() - lost):
+            step = max((e["step"] for e in seen if e["kind"] == "step"), default=None)
+            where = f"@step={step},node={node}" if step is not None else f"@node={node}"
+            lose(node, f"node-loss{where}", step, drilled=False)
 
     try:
         while True:

@@ -34,9 +34,14 @@ def result_later(root: Path, steps: int, after_s: float = 1.0) -> None:
     threading.Timer(after_s, lambda: (root / "result.json").write_text(result)).start()
 
 
-def eks_params(run_id: str, fsx: Path) -> PipelineParams:
+def eks_params(run_id: str, fsx: Path, nodes: int | str = 2, spares: int = 0) -> PipelineParams:
     return PipelineParams(
-        backend="eks", nodes=2, global_batch=16, run_id=run_id, eks={"fsx_mount": str(fsx)}
+        backend="eks",
+        nodes=nodes,
+        spares=spares,
+        global_batch=16,
+        run_id=run_id,
+        eks={"fsx_mount": str(fsx)},
     )
 
 
@@ -50,12 +55,18 @@ def attempt_on(
 ) -> AttemptReport:
     """One train attempt through the same code the train stage runs (run_attempt + EksBackend)."""
     run_id = params.run_id or ""
-    backend = EksBackend(params.eks, nodes=2, clients=EksClients(kube=kube, fsx=None, poll_s=0.2))
+    backend = EksBackend(
+        params.eks,
+        nodes=params.launched_nodes,
+        clients=EksClients(kube=kube, fsx=None, poll_s=0.2),
+    )
     request = LaunchRequest(
         run_id=run_id,
         attempt=attempt,
         cfg=eks_train_config(params, run_id),
-        nodes=2,
+        nodes=params.max_nodes,
+        min_nodes=params.node_range.min,
+        spares=params.spares,
         nproc_per_node=params.eks.gpus_per_node,
         deadline_s=deadline_s,
         invocation=TAG,
@@ -66,15 +77,17 @@ def attempt_on(
 class ControlPlane(threading.Thread):
     """Plays the Job controller and the kubelets for one scenario."""
 
-    def __init__(self, kube: Kube, job: str, act: Callable[[Kube, str], None]) -> None:
+    def __init__(
+        self, kube: Kube, job: str, act: Callable[[Kube, str], None], pods: int = 2
+    ) -> None:
         super().__init__(daemon=True)
-        self.kube, self.job, self.act = kube, job, act
+        self.kube, self.job, self.act, self.pods = kube, job, act, pods
 
     def run(self) -> None:
         deadline = time.time() + 30
         while self.kube.read_job(NS, self.job) is None and time.time() < deadline:
             time.sleep(0.1)
-        for i, n in enumerate(("ip-10-0-1-1", "ip-10-0-1-2")):
+        for i, n in enumerate(("ip-10-0-1-1", "ip-10-0-1-2", "ip-10-0-1-3")[: self.pods]):
             self.kube.core.create_namespaced_pod(
                 NS, pod_obj(self.job, i, n), _preload_content=False
             )
@@ -82,8 +95,9 @@ class ControlPlane(threading.Thread):
         self.act(self.kube, self.job)
 
 
-def succeed(k: Kube, job: str) -> None:
-    for i in range(2):
+def succeed(k: Kube, job: str, indexes: tuple[int, ...] = (0, 1)) -> None:
+    """Pods ``indexes`` complete and the Job with them (an elastic Job: index 0 alone)."""
+    for i in indexes:
         k.core.patch_namespaced_pod_status(
             f"{job}-{i}-x", NS, terminated(0, "Completed", "Succeeded"), _preload_content=False
         )
@@ -364,3 +378,53 @@ def test_log_follow_survives_a_dropped_stream_without_duplicates():
     assert got == [f"line {i}" for i in range(5)]
     assert "follow=true" in requests[0] and "timestamps=true" in requests[0]
     assert "sinceSeconds" not in requests[0] and "sinceSeconds=" in requests[1]
+
+
+def lose_then_complete(lost: int, root: Path, world: list[int]) -> Callable[[Kube, str], None]:
+    """The world ``world`` starts training (its train_start, as the trainer writes it on FSx);
+    the node of pod ``lost`` goes (as the control plane shows it); the job trains on and the
+    rendezvous host's pod completes, which ends an elastic Job (its success policy)."""
+    from trainer.events import EventLog
+
+    def act(k: Kube, job: str) -> None:
+        EventLog(root).emit("train_start", nodes=world, world_size=len(world))
+        time.sleep(1.0)
+        mark_disrupted(k, f"{job}-{lost}-x")
+        time.sleep(2.0)
+        succeed(k, job, (0,))
+
+    return act
+
+
+# A real node loss on an elastic Job, as the watcher sees it: decided by tasks.loss_policy,
+# absorbed in-job (the attempt goes on and completes) or, for the rendezvous host's pod, the
+# end of the attempt. (nodes, spares, pods, lost index, path, outcome)
+ELASTIC = [
+    ("1:2", 0, 2, 1, "elastic", EndKind.COMPLETED),
+    (2, 1, 3, 1, "spare", EndKind.COMPLETED),
+    ("1:2", 0, 2, 0, "stage-retry", EndKind.NODE_LOSS),
+]
+
+
+@pytest.mark.parametrize(("nodes", "spares", "pods", "lost", "path", "kind"), ELASTIC)
+def test_an_elastic_job_absorbs_a_real_node_loss(
+    kube: Kube, tmp_path: Path, nodes, spares, pods, lost, path, kind
+):
+    from trainer.events import read_events
+    from trainer.resilience import NODE_LOST_MARKER
+
+    run_id = f"k-el-{pods}-{lost}"
+    params = eks_params(run_id, tmp_path, nodes=nodes, spares=spares)
+    job = job_name(run_id, 1, TAG)
+    root = tmp_path / "runs" / run_id
+    driver = ControlPlane(kube, job, lose_then_complete(lost, root, [0, 1]), pods=pods)
+    driver.start()
+    if kind == EndKind.COMPLETED:
+        result_later(root, params.steps, after_s=3.0)
+    report = attempt_on(kube, params, deadline_s=15)
+    driver.join(5)
+    assert report.outcome.kind == kind, report.outcome.message
+    [fault] = [e for e in read_events(root) if e["kind"] == "fault"]
+    assert (fault["fault_kind"], fault["node"], fault["path"]) == ("node-loss", lost, path)
+    # The survivors are told to re-form (the marker) only when the in-job layer absorbs it.
+    assert (root / NODE_LOST_MARKER).exists() == (path != "stage-retry")

@@ -319,3 +319,29 @@ def test_job_has_an_active_deadline_beyond_the_flows():
     [job] = [d for d in docs if d["kind"] == "Job"]
     assert job["spec"]["activeDeadlineSeconds"] == int(p.train_timeout_s) + JOB_DEADLINE_MARGIN_S
     kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize(("nodes", "spares", "nnodes"), [("2:4", 0, "2:4"), (4, 1, "4")])
+def test_an_elastic_job(nodes, spares, nnodes):
+    """MAX + spares pods, agents admitting the range; a node's disruption is ignored by the Job
+    (the in-job layer re-forms, the controller replaces the pod), and index 0's success ends
+    it. A fixed-size Job keeps failing on a disruption (tests above)."""
+    _policy, _svc, job = render_all(
+        eks_train_config(p := params(nodes=nodes, spares=spares), "x"),
+        run_id="x",
+        attempt=1,
+        nodes=p.max_nodes,
+        min_nodes=p.node_range.min,
+        spares=p.spares,
+        eks=p.eks,
+    )
+    kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+    spec = job["spec"]
+    assert spec["completions"] == spec["parallelism"] == 4 + spares
+    [disruption] = [r for r in spec["podFailurePolicy"]["rules"] if "onPodConditions" in r]
+    assert disruption["action"] == "Ignore"
+    assert spec["successPolicy"] == {"rules": [{"succeededIndexes": "0", "succeededCount": 1}]}
+    container = spec["template"]["spec"]["containers"][0]
+    argv = container["command"] + container["args"]
+    assert argv[:3] == ["python", "-m", "trainer.agent"]  # the shortened rendezvous keep-alive
+    assert f"--nnodes={nnodes}" in argv

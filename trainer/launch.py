@@ -35,6 +35,11 @@ class LaunchSpec:
         """The world may change size or membership in-job (a range, or spares waiting)."""
         return (self.min_nodes is not None and self.min_nodes < self.nnodes) or self.spares > 0
 
+    @property
+    def launched(self) -> int:
+        """Agents started: the most nodes the job trains on, and the spares."""
+        return self.nnodes + self.spares
+
 
 def ft_launcher_argv(
     cfg: TrainConfig, spec: LaunchSpec, trainer_args: list[str], *, portable: bool = False

@@ -32,6 +32,8 @@ class RunParams(Protocol):
     @property
     def spares(self) -> int: ...
     @property
+    def launched_nodes(self) -> int: ...
+    @property
     def nproc_per_node(self) -> int: ...
     @property
     def eks(self) -> EksParams: ...
@@ -155,6 +157,16 @@ class Job(Protocol):
 
     def alive_nodes(self) -> frozenset[int]:
         """The nodes still running (or about to start), spares included."""
+        ...
+
+    def losses(self) -> frozenset[int]:
+        """Nodes the backend saw lost since the watcher last asked (each reported once; a
+        drill's loss is the watcher's own). The watcher decides each (tasks.loss_policy)."""
+        ...
+
+    def absorb(self, node: int) -> None:
+        """The in-job layer carries on without node ``node`` (an elastic shrink or a spare's
+        takeover): its loss must not end the attempt. Called before a drill takes it away."""
         ...
 
     def lose_node(self, node: int) -> None:

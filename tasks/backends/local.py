@@ -208,6 +208,15 @@ class LocalJob:
     def alive_nodes(self) -> frozenset[int]:
         return frozenset(self.status().running) | frozenset(self.deferred)
 
+    def losses(self) -> frozenset[int]:
+        # A simulated node is lost only by the drill, which the watcher carries out itself.
+        return frozenset()
+
+    def absorb(self, node: int) -> None:
+        # Nothing to tell: the end is judged by the last world's exit codes (tasks.classify),
+        # and a node outside it decides nothing.
+        return None
+
     def lose_node(self, node: int) -> None:
         if node not in self.nodes:
             raise ValueError(

@@ -36,13 +36,6 @@ class BackendType:
 
 def _eks_check(params: RunParams) -> None:
     params.eks.check_deployment_allows()
-    if params.node_range.elastic or params.spares:
-        # The Indexed Job, its watcher and its classification are sized for a fixed count.
-        raise ValueError(
-            f"nodes / spares: elastic ranges and hot spares ({params.node_range}, "
-            f"{params.spares} spare(s)) run on the local backend only for now; give eks a "
-            "fixed node count and spares 0"
-        )
     if params.metrics_port == params.eks.rdzv_port:
         # Rank 0's pod serves both: the rendezvous store would not start.
         raise ValueError(
@@ -60,8 +53,9 @@ def _local(params: RunParams, *, lease: RunLease | None, log: Callable[[str], No
 def _eks(params: RunParams, *, lease: RunLease | None, log: Callable[[str], None]) -> Backend:
     from tasks.backends.eks.backend import EksBackend
 
-    # No lease handed over: its lease lives on FSx, and its Jobs are found by label.
-    return EksBackend(params.eks, nodes=params.max_nodes, log=log)
+    # No lease handed over: its lease lives on FSx, and its Jobs are found by label. Every pod
+    # of an attempt needs a node to start on, the spares' too.
+    return EksBackend(params.eks, nodes=params.launched_nodes, log=log)
 
 
 TYPES: dict[str, BackendType] = {

@@ -36,6 +36,8 @@ from tasks.backends.eks.classify import (
     classify_history,
     healthy,
     judge,
+    lost_indexes,
+    node_loss_evidence,
     observe_job,
     observe_node,
     observe_pod,
@@ -160,6 +162,7 @@ class EksJob:
         self.history = History(completions=nodes)
         self.observed: Outcome | None = None
         self.lost: set[int] = set()
+        self._reported: set[str] = set()  # pods whose loss losses() reported
         self._deleted = False
         self._q: queue.Queue[tuple[str, str, dict[str, Any]]] = queue.Queue()
         self._stop = threading.Event()
@@ -211,11 +214,32 @@ class EksJob:
     def alive_nodes(self) -> frozenset[int]:
         self._drain(time.time())
         latest = {p.name: p for p in self.history.pods}
+        gone = node_loss_evidence(self.history)
         return frozenset(
             p.index
             for p in latest.values()
-            if p.index is not None and not p.deleted and p.phase not in ("Succeeded", "Failed")
+            if p.index is not None
+            and not p.deleted
+            and p.phase not in ("Succeeded", "Failed")
+            and p.name not in gone
         )
+
+    def losses(self) -> frozenset[int]:
+        """Indexes whose pod the control plane shows lost with its node, each reported once;
+        the watcher decides them (tasks.loss_policy) and absorbs those the in-job layer can."""
+        self._drain(time.time())
+        new = {n: i for n, i in lost_indexes(self.history).items() if n not in self._reported}
+        self._reported |= new.keys()
+        return frozenset(new.values())
+
+    def absorb(self, node: int) -> None:
+        """Index ``node``'s pods so far (the drill's, before it deletes them) decide nothing
+        more: the in-job layer re-forms without them, the Job controller replaces them (the
+        elastic Job's pod failure policy ignores the disruption)."""
+        self._drain(time.time())
+        names = {p.name for p in self.history.pods if p.index == node}
+        self.history.absorbed |= names
+        self._reported |= names
 
     def restore_node(self, node: int) -> None:
         raise ValueError(
@@ -376,7 +400,7 @@ class EksBackend:
                 self.log(f"not reattaching: {why}; it is deleted and the attempt relaunched")
                 continue
             attempt = int(job["metadata"].get("labels", {}).get(LABEL_ATTEMPT, request.attempt))
-            completions = int(job["spec"].get("completions") or request.nodes)
+            completions = int(job["spec"].get("completions") or request.launched)
             self.log(f"reattaching to the running Job {name}: {why}")
             return self._job(name, attempt, completions)
         return None
@@ -414,8 +438,10 @@ class EksBackend:
             deadline_s=request.deadline_s,
             rdzv_id=name,  # unique per invocation too (the tag)
             tag=tag,
+            min_nodes=request.min_nodes,
+            spares=request.spares,
         )
-        job = self._job(name, request.attempt, request.nodes)
+        job = self._job(name, request.attempt, request.launched)
         try:
             for doc in docs:
                 kube.apply(doc)
@@ -425,7 +451,9 @@ class EksBackend:
             raise
         self.log(
             f"train attempt {request.attempt} on EKS: Job {eks.namespace}/{name}, "
-            f"{request.nodes} node(s) x {eks.gpus_per_node} GPU(s)"
+            f"{request.node_range} node(s)"
+            + (f" + {request.spares} spare(s)" if request.spares else "")
+            + f" x {eks.gpus_per_node} GPU(s)"
         )
         return job
 

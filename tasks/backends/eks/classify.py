@@ -75,6 +75,9 @@ class History:
     nodes: list[NodeObs] = field(default_factory=list)
     jobs: list[JobObs] = field(default_factory=list)
     completions: int = 1
+    # Pods whose node loss the in-job layer absorbs (an elastic Job's, tasks.loss_policy):
+    # they decide nothing, and a replacement of their index may wait for a node.
+    absorbed: set[str] = field(default_factory=set)
 
 
 # -- observation (pure conversions of API objects) -------------------------------------------
@@ -159,10 +162,44 @@ def _latest(pods: Iterable[PodObs]) -> dict[str, PodObs]:
     return out
 
 
+def lost_nodes(h: History) -> set[str]:
+    """Kubernetes nodes seen unreachable or deleted, ever."""
+    return {n.name for n in h.nodes if n.deleted or (n.ready == "Unknown")}
+
+
+def node_loss_evidence(h: History, pods: dict[str, PodObs] | None = None) -> dict[str, str]:
+    """Pods (by name) that went with their node, in any of its guises, and how each showed it."""
+    gone = lost_nodes(h)
+    out: dict[str, str] = {}
+    for p in (_latest(h.pods) if pods is None else pods).values():
+        if p.disruption_reason in NODE_LOSS_REASONS:
+            out[p.name] = f"pod {p.name}: DisruptionTarget {p.disruption_reason}"
+        elif p.node in gone and p.phase not in ("Succeeded",):
+            out[p.name] = f"pod {p.name} on lost node {p.node}"
+        elif p.deleted and p.node is not None and p.node in gone:
+            out[p.name] = f"pod {p.name} vanished with node {p.node}"
+        elif p.status_reason in ("Evicted", "Terminated") and p.phase == "Failed":
+            out[p.name] = f"pod {p.name}: {p.status_reason} by the kubelet"
+    return out
+
+
+def lost_indexes(h: History) -> dict[str, int]:
+    """Pods (by name) lost with their node, not absorbed yet, and their index: what the watcher
+    decides, one loss at a time (tasks.loss_policy)."""
+    pods = _latest(h.pods)
+    return {
+        name: index
+        for name in node_loss_evidence(h)
+        if name not in h.absorbed and (index := pods[name].index) is not None
+    }
+
+
 def classify_history(h: History, *, now: float, unschedulable_timeout_s: float) -> Outcome | None:
     """The attempt's outcome, or None while it is still running normally."""
-    pods = _latest(h.pods)
-    lost_nodes = {n.name for n in h.nodes if n.deleted or (n.ready == "Unknown")}
+    every = _latest(h.pods)
+    pods = {name: p for name, p in every.items() if name not in h.absorbed}
+    # An absorbed loss's index: its replacement may wait for a node (the world grows back then).
+    waiting_for_node = {every[name].index for name in h.absorbed if name in every}
     job = max(h.jobs, key=lambda j: j.t) if h.jobs else None
 
     # 1. The workload asked not to be requeued.
@@ -180,26 +217,17 @@ def classify_history(h: History, *, now: float, unschedulable_timeout_s: float) 
     ):
         return Outcome(EndKind.COMPLETED, f"all {h.completions} pods succeeded")
     # 3. Node loss, in any of its guises.
-    evidence = []
-    for p in pods.values():
-        if p.disruption_reason in NODE_LOSS_REASONS:
-            evidence.append(f"pod {p.name}: DisruptionTarget {p.disruption_reason}")
-        elif p.node in lost_nodes and p.phase not in ("Succeeded",):
-            evidence.append(f"pod {p.name} on lost node {p.node}")
-        elif p.deleted and p.node is not None and p.node in lost_nodes:
-            evidence.append(f"pod {p.name} vanished with node {p.node}")
-        elif p.status_reason in ("Evicted", "Terminated") and p.phase == "Failed":
-            evidence.append(f"pod {p.name}: {p.status_reason} by the kubelet")
+    evidence = node_loss_evidence(h, pods)
     if evidence:
         # Nodes of disrupted pods count as lost too (the Node object may still look Ready).
         nodes = sorted(
-            lost_nodes
+            lost_nodes(h)
             | {p.node for p in pods.values() if p.node and p.disruption_reason in NODE_LOSS_REASONS}
         )
         return Outcome(
             EndKind.NODE_LOSS,
             "node loss: "
-            + "; ".join(evidence)
+            + "; ".join(evidence.values())
             + (f" (nodes {nodes} unreachable or gone)" if nodes else ""),
             {"lost_nodes": nodes},
         )
@@ -213,7 +241,11 @@ def classify_history(h: History, *, now: float, unschedulable_timeout_s: float) 
                 + "; check eks.image (a pushed image that NVRX_ALLOWED_IMAGES allows) and the "
                 "nodes' pull access to its registry",
             )
-    pending = [p for p in pods.values() if p.unschedulable_message is not None]
+    pending = [
+        p
+        for p in pods.values()
+        if p.unschedulable_message is not None and p.index not in waiting_for_node
+    ]
     if pending:
         first_seen = min(
             o.t for o in h.pods if o.name == pending[0].name and o.unschedulable_message is not None
@@ -269,12 +301,12 @@ def judge(observed: Outcome | None, ev: Evidence, *, job: str, fsx_mount: str) -
         return Outcome(
             EndKind.TIMEOUT, f"train attempt passed its deadline; Job {job} stopped and deleted"
         )
-    if ev.lost_nodes:
-        nodes = sorted(ev.lost_nodes)
+    nodes = sorted(ev.lost_nodes)
+    if nodes and (observed is None or observed.kind != EndKind.COMPLETED):
+        # An elastic Job that carried on without them completes instead (below).
         return Outcome(
             EndKind.NODE_LOSS,
-            f"node loss: the pod(s) of node index(es) {nodes} were deleted by the node-loss "
-            f"drill (Job {job})",
+            f"node loss: the pod(s) of node index(es) {nodes} were lost (Job {job})",
             {"lost_nodes": nodes},
         )
     if observed is None:
@@ -294,6 +326,12 @@ def judge(observed: Outcome | None, ev: Evidence, *, job: str, fsx_mount: str) -
             EndKind.BUG,
             f"Job {job} completed but its result says {r.get('status')} at step "
             f"{r.get('final_step')} of {ev.target_steps}",
+        )
+    if nodes:
+        return Outcome(
+            EndKind.COMPLETED,
+            f"{observed.message}; node index(es) {nodes} lost and recovered in-job",
+            {"result": r, "lost_nodes": nodes},
         )
     return Outcome(EndKind.COMPLETED, observed.message, {"result": r})
 

@@ -8,6 +8,14 @@ only the Job's own pods reach each other. Each pod runs ``ft_launcher`` with
 (:mod:`tasks.backends.eks.security`). Names derive from (run id, attempt) only, so applying the
 same attempt twice is idempotent; the three objects share name and labels and are applied and
 deleted together (:class:`tasks.backends.eks.kube.Kube`).
+
+An elastic Job (``nodes`` ``MIN:MAX``, or hot spares; arch §7) launches ``MAX + spares`` pods
+whose agents admit any count in the range. Its pod failure policy *ignores* a node's
+disruption: the in-job layer carries on without the lost pod, and the Job controller starts the
+index's replacement, which joins the rendezvous when a node can take it (the world grows back,
+or a spare waits again). Its success policy ends the Job when index 0 (the rendezvous host,
+always in the world) succeeds: a replacement still pending then, or a spare still waiting, is
+stopped by the controller instead of holding the Job open.
 """
 
 from __future__ import annotations
@@ -121,15 +129,21 @@ def render_job(
     deadline_s: float | None = None,
     rdzv_id: str | None = None,
     tag: str = "",
+    min_nodes: int | None = None,
+    spares: int = 0,
 ) -> dict[str, Any]:
-    """``rdzv_id``: unique per invocation (default: the Job's name). A later invocation of the
-    run starts its attempts at 1 again, and the workers tell an in-job respawn by finding their
-    rendezvous id in the events already. ``tag``: see :func:`job_name`."""
+    """``nodes``: the most the job trains on; ``min_nodes`` (elastic) the fewest; ``spares``:
+    pods launched beyond ``nodes`` to wait in the rendezvous. ``rdzv_id``: unique per
+    invocation (default: the Job's name). A later invocation of the run starts its attempts at 1
+    again, and the workers tell an in-job respawn by finding their rendezvous id in the events
+    already. ``tag``: see :func:`job_name`."""
     name = job_name(run_id, attempt, tag)
     ns = eks.namespace
     rdzv = f"{name}-0.{name}.{ns}.svc.cluster.local:{eks.rdzv_port}"
     spec = LaunchSpec(
         nnodes=nodes,
+        min_nodes=min_nodes,
+        spares=spares,
         nproc_per_node=eks.gpus_per_node,
         rdzv_endpoint=rdzv,
         rdzv_id=rdzv_id or name,
@@ -250,8 +264,8 @@ def render_job(
         "metadata": {"name": name, "namespace": ns, "labels": job_labels},
         "spec": {
             "completionMode": "Indexed",
-            "completions": nodes,
-            "parallelism": nodes,
+            "completions": spec.launched,
+            "parallelism": spec.launched,
             "backoffLimit": 0,  # restarts belong to ft_launcher (in-job) and the stage retry
             **(
                 {}
@@ -268,12 +282,23 @@ def render_job(
                             "values": [EXIT_DO_NOT_REQUEUE],
                         },
                     },
-                    {  # a node went away: end the Job now; the watcher classifies node loss
-                        "action": "FailJob",
+                    # A node went away. Fixed size: end the Job now, the watcher classifies
+                    # node loss and the stage retry relaunches. Elastic: not counted against
+                    # backoffLimit; the in-job layer re-forms without the pod (the watcher
+                    # decides whether it can, tasks.loss_policy) and the controller starts
+                    # the index's replacement.
+                    {
+                        "action": "Ignore" if spec.elastic else "FailJob",
                         "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
                     },
                 ]
             },
+            # Elastic: done when the rendezvous host's agent is (the job's world completed).
+            **(
+                {"successPolicy": {"rules": [{"succeededIndexes": "0", "succeededCount": 1}]}}
+                if spec.elastic
+                else {}
+            ),
             "ttlSecondsAfterFinished": 7 * 24 * 3600,
             "template": template,
         },
@@ -358,9 +383,12 @@ def render_all(
     deadline_s: float | None = None,
     rdzv_id: str | None = None,
     tag: str = "",
+    min_nodes: int | None = None,
+    spares: int = 0,
 ) -> list[dict[str, Any]]:
     """``deadline_s``: the attempt's deadline (``activeDeadlineSeconds`` adds a margin);
-    ``tag``: the invocation's, in every name (:func:`job_name`)."""
+    ``tag``: the invocation's, in every name (:func:`job_name`); ``nodes``, ``min_nodes``,
+    ``spares``: see :func:`render_job`."""
     # The policy first: the pods never run unprotected, not even for the first seconds.
     return [
         render_network_policy(
@@ -381,5 +409,7 @@ def render_all(
             deadline_s=deadline_s,
             rdzv_id=rdzv_id,
             tag=tag,
+            min_nodes=min_nodes,
+            spares=spares,
         ),
     ]
