@@ -186,11 +186,11 @@ def node_loss_evidence(h: History, pods: dict[str, PodObs] | None = None) -> dic
 def lost_indexes(h: History) -> dict[str, int]:
     """Pods (by name) lost with their node, not absorbed yet, and their index: what the watcher
     decides, one loss at a time (tasks.loss_policy)."""
-    pods = _latest(h.pods)
+    pods = {name: p for name, p in _latest(h.pods).items() if name not in h.absorbed}
     return {
         name: index
-        for name in node_loss_evidence(h)
-        if name not in h.absorbed and (index := pods[name].index) is not None
+        for name in node_loss_evidence(h, pods)
+        if (index := pods[name].index) is not None
     }
 
 
