@@ -252,6 +252,41 @@ def test_agent_patches_the_installed_rendezvous():
     assert out.stdout.split() == ["1.0", "3"]
 
 
+@pytest.mark.slow
+def test_a_node_arriving_after_the_job_ended_exits_0(tmp_path):
+    """Real agents on a store of their own (as the local backend's elastic jobs have): A trains
+    and ends, which closes the rendezvous; B arrives then (a lost node's replacement, late).
+    NVRx's launcher reports a closed rendezvous met on arrival as a failure (exit 1); the agent
+    turns B away with exit 0, so on EKS such a pod cannot fail the Indexed Job."""
+    from tasks.backends.local import free_port, kill_tree, start_store
+
+    script = tmp_path / "work.py"
+    script.write_text("print('trained')\n")
+    endpoint = f"127.0.0.1:{free_port()}"
+    argv = [
+        sys.executable, "-m", "trainer.agent", "--keep-alive", "1:3", "--",
+        "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}", "--rdzv-id=turned-away", "--rdzv-conf=is_host=false",
+        "--monitor-interval=0.5", "--ft-enable-nic-monitor=false", str(script),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    store = start_store(endpoint, env, tmp_path / "store.log")
+    try:
+        runs = [
+            subprocess.run(
+                argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False
+            )
+            for _ in ("A", "B")
+        ]
+    finally:
+        kill_tree(store.pid)
+        store.wait()
+    a, b = runs
+    assert a.returncode == 0 and "trained" in a.stdout, a.stderr
+    assert "closed" in b.stderr and "turned away, exit 0" in b.stderr, b.stderr
+    assert b.returncode == 0 and "trained" not in b.stdout
+
+
 # -- exactness across world sizes, on real ft_launcher jobs ------------------------------------
 def _train(tmp_path: Path, dataset: Path, name: str, nproc: int, micro: int | None) -> dict:
     run = tmp_path / name

@@ -9,6 +9,13 @@ entry point runs NVRx's own launcher ``main`` unchanged, with those two settings
 
 Feature-detected: where the rendezvous module has no such settings (another NVRx version), the
 launcher runs as it is and a warning says so.
+
+It also ends a node that the job turned away with exit 0, not 1: a hot spare still waiting, or a
+lost node's replacement arriving, when the job's world finishes and closes the rendezvous. NVRx's
+launcher reports that closure as a failed run (``RendezvousClosedError``, exit 1); on EKS such a
+pod's exit 1 could fail the Indexed Job (``backoffLimit: 0``) before the rendezvous host's
+success ends it. Only an agent that never joined a world of this rendezvous is turned away: one
+that trained keeps NVRx's exit code.
 """
 
 from __future__ import annotations
@@ -45,6 +52,43 @@ def patch_keep_alive(interval_s: float, misses: int) -> bool:
     return True
 
 
+class Admission:
+    """Whether this agent ever joined a world, and whether the rendezvous closed on it first."""
+
+    joined: bool = False
+    turned_away: bool = False
+
+
+def patch_admission(admission: type[Admission] = Admission) -> bool:
+    """Record on ``admission`` how this process's rendezvous rounds end. False: this NVRx's
+    rendezvous handler is not the one expected (the launcher's exit code then stands)."""
+    try:
+        from nvidia_resiliency_ext.fault_tolerance import _ft_rendezvous as rdzv
+    except ImportError:
+        return False
+    handler = getattr(rdzv, "FtRendezvousHandler", None)
+    original = getattr(handler, "next_rendezvous", None)
+    # NVRx raises its own copy of torch elastic's error (_torch_elastic_compat), by this name.
+    closed = getattr(rdzv, "RendezvousClosedError", None)
+    if handler is None or original is None or closed is None:
+        return False
+    if getattr(original, "_nvrx_admission", False):
+        return True
+
+    def next_rendezvous(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            out = original(self, *args, **kwargs)
+        except closed:
+            admission.turned_away = not admission.joined
+            raise
+        admission.joined = True
+        return out
+
+    next_rendezvous._nvrx_admission = True  # type: ignore[attr-defined]
+    handler.next_rendezvous = next_rendezvous
+    return True
+
+
 def parse_keep_alive(value: str) -> tuple[float, int]:
     interval, sep, misses = value.partition(":")
     try:
@@ -71,10 +115,22 @@ def main(argv: list[str] | None = None) -> int:
             "from the world after NVRx's own keep-alive",
             stacklevel=1,
         )
+    patch_admission()
     from nvidia_resiliency_ext.fault_tolerance.launcher import main as ft_main
 
     sys.argv = ["ft_launcher", *args[3:]]
-    ft_main()
+    try:
+        ft_main()
+    except SystemExit as e:
+        if e.code not in (0, None) and Admission.turned_away:
+            print(
+                "trainer.agent: the job ended while this node waited to join (a hot spare or a "
+                "late replacement): turned away, exit 0",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 0
+        raise
     return 0
 
 
