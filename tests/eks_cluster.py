@@ -54,12 +54,13 @@ def node_obj(name: str, ready: str = "True", reason: str = "KubeletReady") -> di
     }
 
 
-def pod_obj(job: str, index: int, node: str | None) -> dict[str, Any]:
+def pod_obj(job: str, index: int, node: str | None, suffix: str = "x") -> dict[str, Any]:
+    """``suffix``: another one for a lost index's replacement (the Job controller's new pod)."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": f"{job}-{index}-x",
+            "name": f"{job}-{index}-{suffix}",
             "namespace": NS,
             "labels": {
                 "batch.kubernetes.io/job-name": job,

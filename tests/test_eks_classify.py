@@ -338,3 +338,39 @@ def test_a_job_is_reattached_only_when_every_pod_runs_on_a_ready_node():
         True,
         f"Job {JOB} completed while no flow runner watched it: its result stands",
     )
+
+
+def test_a_replacement_on_a_node_that_came_back_is_not_lost_with_it():
+    """An elastic Job's lost index (absorbed) gets a new pod on its node once the node is Ready
+    again: the node's earlier loss was its predecessor's, not the new pod's. The same node lost
+    again takes the new pod with it."""
+    from tasks.backends.eks.classify import lost_indexes
+
+    n2 = "ip-10-0-1-2"
+    replacement = pod(1, node=n2)
+    replacement["metadata"]["name"] = f"{JOB}-1-fghij"
+    steps = [
+        *RUNNING,
+        (30, "node", node(n2, "Unknown", "NodeStatusUnknown")),
+        (
+            31,
+            "pod",
+            pod(1, node=n2, conditions=[{**DISRUPTED, "reason": "DeletionByTaintManager"}]),
+        ),
+        (40, "node", node(n2)),
+        (45, "pod", replacement),
+    ]
+    h = history(*steps)
+    assert lost_indexes(h) == {f"{JOB}-1-abcde": 1}
+    h.absorbed.add(f"{JOB}-1-abcde")
+    assert lost_indexes(h) == {}
+    assert classify_history(h, now=50, unschedulable_timeout_s=600) is None
+    # A pod that was on the node when it went keeps counting as lost after it came back.
+    back = history(*RUNNING, (30, "node", node(n2, "Unknown")), (40, "node", node(n2)))
+    outcome = classify_history(back, now=50, unschedulable_timeout_s=600)
+    assert outcome is not None and outcome.kind == EndKind.NODE_LOSS
+    # The node lost again, under the replacement.
+    h.nodes.append(observe_node(node(n2, "Unknown"), 60))
+    assert lost_indexes(h) == {f"{JOB}-1-fghij": 1}
+    again = classify_history(h, now=61, unschedulable_timeout_s=600)
+    assert again is not None and again.kind == EndKind.NODE_LOSS

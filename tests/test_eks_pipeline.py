@@ -8,6 +8,10 @@ the stand-ins this machine can run.
   end as the kubelet and the Job controller would (pod phases, exit codes, conditions).
   A node loss is played as the node lifecycle controller does it: the node goes
   ``Ready=Unknown`` and the pod gets ``DisruptionTarget``/``DeletionByTaintManager``.
+  An elastic Job (a node range, or hot spares) runs as its pods would: one real agent per pod
+  (``JOB_COMPLETION_INDEX`` set, index 0 hosting the rendezvous store); after a node loss the
+  cluster plays the Job controller's replacement of the lost index (its pod failure policy
+  ignores the disruption) and index 0's success completing the Job (its success policy).
 - FSx: ``botocore.stub.Stubber`` on the real FSx service model; the "file system" is a
   directory mounted (as the work pool template mounts the claim) at ``eks.fsx_mount``. The
   hydration Job's effect (lazy load + ``lfs hsm_restore``) is played by copying the dataset
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import threading
 import time
@@ -42,8 +47,9 @@ from tasks.storage.s3 import S3Settings, s3fs_filesystem
 from tests.eks_cluster import NODES, NS, mark_disrupted, p5, pod_obj, seed_cluster, terminated
 from tests.helpers import FAST_INJOB, FAST_INPROCESS, REPO, free_port, worker_env, write_config
 from tests.pipeline_helpers import assert_exported, run_pipeline
-from trainer.config import Device, load_config
+from trainer.config import Device, TrainConfig, load_config
 from trainer.data import load_manifest, manifest_digest
+from trainer.elastic import NodeRange
 from trainer.events import read_events
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
 
@@ -56,12 +62,22 @@ class Cluster(threading.Thread):
     """The control plane and kubelets of kmock's cluster, for one pipeline run."""
 
     def __init__(
-        self, kube: Kube, params: PipelineParams, s3: S3Settings, lose_node_in: set[int]
+        self,
+        kube: Kube,
+        params: PipelineParams,
+        s3: S3Settings,
+        lose_node_in: set[int],
+        nodes: tuple[str, ...] = NODES,
     ) -> None:
         super().__init__(daemon=True)
         self.kube, self.params, self.s3 = kube, params, s3
-        # Training Jobs (1 = the first this cluster runs) whose node 1 is lost after a checkpoint.
+        # Training Jobs (1 = the first this cluster runs) that lose a node after a checkpoint:
+        # node 1 of a fixed-size Job; a training node other than the rendezvous host of an
+        # elastic one, which the Job controller then replaces.
         self.lose_node_in = lose_node_in
+        self.nodes = nodes  # index i's pod runs on nodes[i]
+        self.replaced: list[str] = []  # replacement pods the "Job controller" created
+        self.exit_codes: dict[str, int] = {}  # of elastic Jobs' pods, as their kubelet saw
         self.trained = 0
         self.manifest_digests: list[str | None] = []  # of each attempt's config
         self.ctx = RunContext.create(params)
@@ -119,32 +135,17 @@ class Cluster(threading.Thread):
         self.complete_job(name)
 
     def train(self, name: str, job: Any) -> None:
+        container = job["spec"]["template"]["spec"]["containers"][0]
+        if container["args"][:2] == ["-m", "trainer.agent"]:
+            self.train_elastic(name, job, *self.workload(name, job))
+            return
         for i, node in enumerate(NODES):
             # A relaunch under a deleted Job's name: its pods go first (kmock has no garbage
             # collector to remove them with the Job).
             self.kube.delete_pod(NS, f"{name}-{i}-x")
             self.kube.core.create_namespaced_pod(NS, pod_obj(name, i, node), _preload_content=False)
-        container = job["spec"]["template"]["spec"]["containers"][0]
-        env = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("NVRX_")}
-        # What the pods run, on this machine's CPUs: one launcher with both ranks, reading the
-        # config the flow wrote for this attempt (what the Job's command names).
-        [config_arg] = [a for a in container["args"] if a.startswith("--config=")]
-        written = load_config(Path(config_arg.split("=", 1)[1]))
-        # What render-k8s renders, plus what only the pipeline knows once hydration ran: the
-        # digest of the manifest it verified (the pods then check sizes only).
-        digest = written.data_manifest_sha256
-        self.manifest_digests.append(digest)
-        if digest is not None:
-            assert digest == manifest_digest(load_manifest(written.data_dir))
-        assert written == dataclasses.replace(
-            eks_train_config(self.params, self.ctx.run_id), data_manifest_sha256=digest
-        )
-        cfg = dataclasses.replace(
-            written,
-            device=Device.CPU,
-            inprocess=FAST_INPROCESS,
-            injob=FAST_INJOB,
-        )
+        cfg, env = self.workload(name, job)
+        # What the pods run, on this machine's CPUs: one launcher with both ranks.
         argv = ft_launcher_argv(
             cfg,
             # the rendezvous id the rendered command has (unique per attempt and invocation)
@@ -194,6 +195,96 @@ class Cluster(threading.Thread):
                     f"{name}-{i}-x", NS, terminated(rc), _preload_content=False
                 )
 
+    def workload(self, name: str, job: Any) -> tuple[TrainConfig, dict[str, str]]:
+        """The attempt's config as the pods read it (checked against what the flow rendered),
+        run here on CPU with the drills' short timeouts; and the Job's NVRX_* environment."""
+        container = job["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("NVRX_")}
+        # The config the flow wrote for this attempt (what the Job's command names).
+        [config_arg] = [a for a in container["args"] if a.startswith("--config=")]
+        written = load_config(Path(config_arg.split("=", 1)[1]))
+        # What render-k8s renders, plus what only the pipeline knows once hydration ran: the
+        # digest of the manifest it verified (the pods then check sizes only).
+        digest = written.data_manifest_sha256
+        self.manifest_digests.append(digest)
+        if digest is not None:
+            assert digest == manifest_digest(load_manifest(written.data_dir))
+        assert written == dataclasses.replace(
+            eks_train_config(self.params, self.ctx.run_id), data_manifest_sha256=digest
+        )
+        cfg = dataclasses.replace(
+            written,
+            device=Device.CPU,
+            inprocess=FAST_INPROCESS,
+            injob=FAST_INJOB,
+        )
+        return cfg, env
+
+    def train_elastic(self, name: str, job: Any, cfg: TrainConfig, env: dict[str, str]) -> None:
+        """An elastic Job (a node range, or hot spares) as its pods run it: one agent per pod,
+        each with its pod's JOB_COMPLETION_INDEX; index 0 hosts the rendezvous store (first at
+        the endpoint, as ``$JOB-0.$SVC`` resolves to it); the others join it. Each pod's end is
+        reported as the kubelet would, and index 0's success completes the Job (its
+        ``successPolicy``); the Job controller then stops the rest."""
+        args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+        rendered = NodeRange.parse(_flag(args, "--nnodes"))
+        launched = int(job["spec"]["completions"])
+        endpoint = f"127.0.0.1:{free_port()}"
+        spec = LaunchSpec(
+            nnodes=rendered.max,
+            min_nodes=rendered.min,
+            spares=launched - rendered.max,
+            nproc_per_node=int(_flag(args, "--nproc-per-node")),
+            rdzv_endpoint=endpoint,
+            rdzv_id=_rdzv_id(job),
+        )
+        argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, write_config(cfg)))
+        assert _flag(argv, "--nnodes") == _flag(args, "--nnodes")
+        # Every pod's agent shares this machine's cores: threads sized as the local backend
+        # sizes them for simulated nodes (results are bitwise equal for one thread count).
+        workers = spec.nnodes * spec.nproc_per_node
+        env = {**env, "NVRX_CPU_THREADS": str(max(1, (os.cpu_count() or 1) // workers))}
+        pods = ElasticPods(self, name, argv, env)
+        pods.start(0)
+        _wait_listening(endpoint)
+        for i in range(1, launched):
+            pods.start(i)
+        self.trained += 1
+        if self.trained in self.lose_node_in:
+            threading.Thread(target=self.lose_and_replace, args=(pods,), daemon=True).start()
+        pods.watch(timeout=300)
+
+    def lose_and_replace(self, pods: ElasticPods) -> None:
+        """After step 5's checkpoint: a training node other than index 0 goes (its pod marked
+        as the control plane marks a lost node's, its processes killed, the pod evicted);
+        once the survivors trained on without it, the node group's replacement is Ready and
+        the Job controller's new pod for the index (its pod failure policy ignored the
+        disruption) starts an agent that joins the rendezvous."""
+        try:
+            self.wait_for_checkpoint(step=5)
+            [world] = [
+                e["nodes"] for e in read_events(self.ctx.run_root) if e["kind"] == "train_start"
+            ][-1:]
+            victim = max(n for n in world if n != 0)
+            node, lost_at = self.nodes[victim], time.time()
+            self.kube.core.patch_node_status(
+                node, p5(node, ready="Unknown"), _preload_content=False
+            )
+            pods.lose(victim)
+            deadline = time.time() + 180
+            while not any(
+                e["kind"] == "train_start" and e["t"] > lost_at
+                for e in read_events(self.ctx.run_root)
+            ):
+                if time.time() > deadline:
+                    raise TimeoutError("the world did not re-form after the node loss")
+                time.sleep(0.2)
+            self.kube.core.patch_node_status(node, p5(node), _preload_content=False)
+            self.replaced.append(pods.start(victim, suffix="y"))
+        except BaseException as e:
+            traceback.print_exc()
+            self.errors.append(e)
+
     def wait(self, job: str, proc: subprocess.Popen, timeout: float) -> int | None:
         """The workload's exit code, or None when one of the Job's pods was deleted first (what
         a kubelet does then: kill the pod's containers)."""
@@ -227,6 +318,127 @@ class Cluster(threading.Thread):
         # The node group replaces the node a little later: the flow must wait for it.
         time.sleep(3.0)
         self.kube.core.patch_node_status(lost, p5(lost), _preload_content=False)
+
+
+class ElasticPods:
+    """The pods of one elastic Job and the agent each runs (kubelets of kmock's nodes)."""
+
+    def __init__(self, cluster: Cluster, job: str, argv: list[str], env: dict[str, str]) -> None:
+        self.cluster, self.kube, self.job, self.argv, self.env = (
+            cluster,
+            cluster.kube,
+            job,
+            argv,
+            env,
+        )
+        self.lock = threading.Lock()
+        self.running: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}  # pod -> index, agent
+        self.logs: list[Any] = []
+
+    def start(self, index: int, suffix: str = "x") -> str:
+        pod = f"{self.job}-{index}-{suffix}"
+        self.kube.delete_pod(NS, pod)  # a relaunch under a deleted Job's name (no kmock GC)
+        obj = pod_obj(self.job, index, self.cluster.nodes[index], suffix=suffix)
+        self.kube.core.create_namespaced_pod(NS, obj, _preload_content=False)
+        log = open(self.cluster.ctx.run_root.parent / f"{pod}.log", "w")  # noqa: SIM115
+        self.logs.append(log)
+        proc = subprocess.Popen(
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**worker_env(), **self.env, "JOB_COMPLETION_INDEX": str(index)},
+            cwd=REPO,
+            start_new_session=True,
+        )
+        with self.lock:
+            self.running[pod] = (index, proc)
+        return pod
+
+    def lose(self, index: int) -> None:
+        with self.lock:
+            [(pod, proc)] = [(n, p) for n, (i, p) in self.running.items() if i == index]
+            del self.running[pod]
+        mark_disrupted(self.kube, pod)
+        kill_tree(proc.pid)  # the node's processes die with it: the agent and its ranks
+        proc.wait()
+        time.sleep(1.0)
+        self.kube.delete_pod(NS, pod)  # the taint manager evicts it
+
+    def end(self, pod: str, rc: int) -> None:
+        self.cluster.exit_codes[pod] = rc
+        done = terminated(0, "Completed", "Succeeded") if rc == 0 else terminated(rc)
+        self.kube.core.patch_namespaced_pod_status(pod, NS, done, _preload_content=False)
+
+    def watch(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        try:
+            while time.time() < deadline:
+                if self.kube.read_job(NS, self.job) is None:
+                    return  # the watcher deleted the Job: every pod goes
+                present = {p["metadata"]["name"] for p in self.kube.job_pods(NS, self.job)}
+                with self.lock:
+                    running = dict(self.running)
+                for pod, (index, proc) in running.items():
+                    if pod not in present:  # deleted (a drill): the kubelet kills it
+                        kill_tree(proc.pid)
+                        with self.lock:
+                            self.running.pop(pod, None)
+                        continue
+                    rc = proc.poll()
+                    if rc is None:
+                        continue
+                    with self.lock:
+                        self.running.pop(pod, None)
+                    self.end(pod, rc)
+                    if index == 0 and rc == 0:
+                        self.succeed()
+                        return
+                time.sleep(0.2)
+            raise TimeoutError(f"{self.job}: index 0 did not end within {timeout} s")
+        finally:
+            with self.lock:
+                left = dict(self.running)
+                self.running.clear()
+            for _, proc in left.values():
+                kill_tree(proc.pid)
+                proc.wait()
+            for log in self.logs:
+                log.close()
+
+    def succeed(self) -> None:
+        """Index 0 succeeded: the Job is complete (successPolicy); the controller stops the
+        pods still running (an agent already ending, or a spare the closed rendezvous turns
+        away, ends on its own first)."""
+        self.cluster.complete_job(self.job)
+        until = time.time() + 30
+        with self.lock:
+            left = dict(self.running)
+            self.running.clear()
+        for pod, (_, proc) in left.items():
+            try:
+                rc = proc.wait(timeout=max(0.1, until - time.time()))
+            except subprocess.TimeoutExpired:
+                kill_tree(proc.pid)
+                rc = proc.wait()
+            self.end(pod, rc)
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return next(a.split("=", 1)[1] for a in argv if a.startswith(f"{name}="))
+
+
+def _wait_listening(endpoint: str, timeout: float = 60) -> None:
+    """Until the rendezvous host's store accepts connections."""
+    import socket
+
+    host, _, port = endpoint.rpartition(":")
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex((host, int(port))) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"no rendezvous store at {endpoint} within {timeout} s")
 
 
 def _rdzv_id(job: dict[str, Any]) -> str:
@@ -304,6 +516,43 @@ def stubbed_fsx(params: PipelineParams) -> tuple[Any, Stubber]:
     return fsx, stub
 
 
+def eks_params(run_id: str, s3: S3Settings, tmp_path: Path, **kw: Any) -> PipelineParams:
+    return PipelineParams(
+        backend="eks",
+        run_id=run_id,
+        # On EKS metrics listen on 0.0.0.0 (a pod's port); tests here stay on 127.0.0.1.
+        metrics_port=None,
+        state_dir=str(tmp_path / "state"),
+        s3_endpoint=s3.endpoint_url,
+        steps=20,
+        global_batch=8,
+        eks={"gpus_per_node": 1, "fsx_mount": str(tmp_path / "fsx"), "file_system_id": FS},
+        **{"nodes": 2, **kw},
+    )
+
+
+def run_on_cluster(cluster: Cluster) -> tuple[Any, PipelineResult | None]:
+    """The pipeline, with ``cluster`` playing kmock's control plane and kubelets and FSx's
+    API stubbed; every FSx call the flow makes is checked, none may be left unmade."""
+    fsx, stub = stubbed_fsx(cluster.params)
+    cluster.start()
+    clients = EksClients(
+        kube=cluster.kube,
+        fsx=fsx,
+        fsx_backoff=Backoff(first_s=0.05, max_s=0.2, deadline_s=30),
+        poll_s=0.2,
+    )
+    try:
+        with stub, use_clients(clients):
+            state, result = run_pipeline(cluster.params)
+            stub.assert_no_pending_responses()
+    finally:
+        cluster.stop.set()
+        cluster.join(10)
+    assert not cluster.errors, cluster.errors
+    return state, result
+
+
 # Node 1 lost as the control plane shows it (Node Ready=Unknown, the pod DisruptionTarget), and
 # node 0 (rank 0 and the rendezvous store, which NVRx cannot replace in-job) lost by the drill,
 # which deletes its pod through the API. Both end the attempt; the stage retry recovers.
@@ -322,33 +571,9 @@ def test_node_loss_then_stage_retry_on_eks(
 ):
     seed_cluster(kube)
     run_id = f"eks-{case}"
-    params = PipelineParams(
-        backend="eks",
-        run_id=run_id,
-        drills={"faults": faults},
-        # On EKS metrics listen on 0.0.0.0 (a pod's port); tests here stay on 127.0.0.1.
-        metrics_port=None,
-        state_dir=str(tmp_path / "state"),
-        s3_endpoint=s3_settings.endpoint_url,
-        steps=20,
-        nodes=2,
-        global_batch=8,
-        eks={"gpus_per_node": 1, "fsx_mount": str(tmp_path / "fsx"), "file_system_id": FS},
-    )
-    fsx, stub = stubbed_fsx(params)
+    params = eks_params(run_id, s3_settings, tmp_path, drills={"faults": faults})
     cluster = Cluster(kube, params, s3_settings, lose_node_in=lose_node_in)
-    cluster.start()
-    clients = EksClients(
-        kube=kube, fsx=fsx, fsx_backoff=Backoff(first_s=0.05, max_s=0.2, deadline_s=30), poll_s=0.2
-    )
-    try:
-        with stub, use_clients(clients):
-            state, result = run_pipeline(params)
-            stub.assert_no_pending_responses()  # every FSx call made, none extra
-    finally:
-        cluster.stop.set()
-        cluster.join(10)
-    assert not cluster.errors, cluster.errors
+    state, result = run_on_cluster(cluster)
     assert state.is_completed(), state.message
     assert result is not None and result.status == "completed"
     # Both attempts were told the manifest hydration verified.
@@ -373,4 +598,62 @@ def test_node_loss_then_stage_retry_on_eks(
     assert kube.jobs_labelled(NS, "nvrx.io/run-id", run_id) == []
     assert result.checkpoint.validated and result.checkpoint.step == 20
     assert result.checkpoint.uri and result.checkpoint.uri.startswith(str(tmp_path / "fsx"))
+    assert_exported(result, s3_settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class InJobLoss:
+    name: str
+    params: dict[str, Any]
+    path: str  # the loss path the watcher decided (tasks.loss_policy)
+    worlds: tuple[int, ...]  # world sizes of the attempt's starts, in order
+
+
+# An elastic Job (1:2) shrinks to index 0 and grows back when the replacement pod joins; a Job
+# of 2 with a hot spare (index 2, waiting in the rendezvous) keeps its size, the spare trains
+# in the lost node's place and the replacement waits as the new spare.
+IN_JOB = [
+    InJobLoss("shrink-and-grow", {"nodes": "1:2"}, "elastic", (2, 1, 2)),
+    InJobLoss("spare", {"nodes": 2, "spares": 1}, "spare", (2, 2)),
+]
+
+
+@pytest.mark.parametrize("d", IN_JOB, ids=[d.name for d in IN_JOB])
+def test_node_loss_absorbed_in_job_on_eks(
+    kube: Kube, baseline: PipelineResult, s3_settings: S3Settings, tmp_path: Path, d: InJobLoss
+):
+    """A real node loss on an elastic Indexed Job (one ft_launcher agent per pod): the watcher
+    decides the path from the pods it sees, the in-job layer re-forms without the node, the
+    Job controller's replacement pod joins back; one attempt, bitwise equal to the baseline."""
+    seed_cluster(kube)
+    spare_node = "ip-10-0-1-3"
+    kube.core.create_node(p5(spare_node), _preload_content=False)
+    params = eks_params(f"eks-{d.name}", s3_settings, tmp_path, **d.params)
+    cluster = Cluster(kube, params, s3_settings, lose_node_in={1}, nodes=(*NODES, spare_node))
+    state, result = run_on_cluster(cluster)
+    assert state.is_completed(), state.message
+    assert result is not None and result.status == "completed"
+    assert result.final_step == 20 and result.stage_attempts["train"] == 1, "no stage retry"
+    # One rank per pod: every world of these Jobs sums two micro-batch gradients per step
+    # (arch §7), so the parameters and the loss are the fault-free baseline's, bitwise.
+    assert result.params_sha256 == baseline.params_sha256
+    assert result.final_loss == baseline.final_loss
+    [fault] = result.faults
+    assert (fault.kind, fault.path, fault.recovered_by) == ("node-loss", d.path, d.path)
+    assert fault.recovery_s and fault.recovery_s > 0
+    starts = [e for e in read_events(cluster.ctx.run_root) if e["kind"] == "train_start"]
+    worlds = [(e["world_size"], e["nodes"]) for e in starts]
+    # A restart on the very same nodes counts once (see test_elastic_pipeline).
+    assert tuple(w[0] for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]) == d.worlds
+    # The Job controller's replacement for the lost index ran: it trained in the grown world,
+    # or it waited as the new spare while the old one trained in its place, and ended with
+    # the job (a waiting agent turned away exits 0: its pod cannot fail the Job).
+    [replacement] = cluster.replaced
+    if d.name == "spare":
+        assert fault.node not in starts[-1]["nodes"] and 0 in starts[-1]["nodes"]
+    else:
+        assert starts[-1]["nodes"] == [0, fault.node]
+    assert cluster.exit_codes[replacement] == 0
+    assert kube.jobs_labelled(NS, "nvrx.io/run-id", params.run_id or "") == []
+    assert result.checkpoint.validated and result.checkpoint.step == 20
     assert_exported(result, s3_settings)

@@ -14,7 +14,7 @@ node. ``NodeLost`` is not relied on.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,16 +167,40 @@ def lost_nodes(h: History) -> set[str]:
     return {n.name for n in h.nodes if n.deleted or (n.ready == "Unknown")}
 
 
+def _lost_under(h: History) -> Callable[[PodObs], bool]:
+    """Whether a pod's node was lost under it: the node is lost now (its latest observation
+    unreachable or deleted), or was seen lost once the pod existed. A pod that first appeared
+    after its node came back (an elastic Job's replacement on a node that recovered) was not:
+    the node's earlier loss is its predecessor's."""
+    last_lost: dict[str, float] = {}
+    latest: dict[str, NodeObs] = {}
+    for n in sorted(h.nodes, key=lambda n: n.t):
+        latest[n.name] = n
+        if n.deleted or n.ready == "Unknown":
+            last_lost[n.name] = n.t
+    first_seen: dict[str, float] = {}
+    for p in h.pods:
+        first_seen[p.name] = min(p.t, first_seen.get(p.name, p.t))
+
+    def lost(p: PodObs) -> bool:
+        if p.node is None or p.node not in last_lost:
+            return False
+        now = latest[p.node]
+        return now.deleted or now.ready == "Unknown" or last_lost[p.node] >= first_seen[p.name]
+
+    return lost
+
+
 def node_loss_evidence(h: History, pods: dict[str, PodObs] | None = None) -> dict[str, str]:
     """Pods (by name) that went with their node, in any of its guises, and how each showed it."""
-    gone = lost_nodes(h)
+    lost_under = _lost_under(h)
     out: dict[str, str] = {}
     for p in (_latest(h.pods) if pods is None else pods).values():
         if p.disruption_reason in NODE_LOSS_REASONS:
             out[p.name] = f"pod {p.name}: DisruptionTarget {p.disruption_reason}"
-        elif p.node in gone and p.phase not in ("Succeeded",):
+        elif lost_under(p) and p.phase not in ("Succeeded",):
             out[p.name] = f"pod {p.name} on lost node {p.node}"
-        elif p.deleted and p.node is not None and p.node in gone:
+        elif p.deleted and lost_under(p):
             out[p.name] = f"pod {p.name} vanished with node {p.node}"
         elif p.status_reason in ("Evicted", "Terminated") and p.phase == "Failed":
             out[p.name] = f"pod {p.name}: {p.status_reason} by the kubelet"
