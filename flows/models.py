@@ -400,8 +400,8 @@ class FaultRecord(BaseModel):
     node: int | None = None
     recovered_by: RecoveryLayer | Literal["none"] = "none"
     recovery_s: float | None = None
-    # A node loss: the path chosen at the loss (elastic, spare, stage-retry) and why.
-    path: Literal["elastic", "spare", "stage-retry"] | None = None
+    # A node loss: the path chosen at the loss (elastic, spare, node-wait, stage-retry) and why.
+    path: Literal["elastic", "spare", "node-wait", "stage-retry"] | None = None
     detail: str | None = None
 
 

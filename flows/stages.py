@@ -287,6 +287,7 @@ def validate_flow(params: PipelineParams, ctx: RunContext) -> ValidationResult:
     exp = Expectations(
         config_hash=cfg.fingerprint(),
         world_size=params.world_size,
+        min_world_size=params.node_range.min * params.ranks_per_node,
         data_dir=ctx.data_dir,
         # This run's workload, never the one a manifest names: a forged manifest must not
         # choose which code validation imports.

@@ -14,6 +14,9 @@ class LossPath(enum.StrEnum):
     SPARE = "spare"  # a waiting spare takes the lost node's place: the world keeps its size
     ELASTIC = "elastic"  # the survivors re-form a smaller world, at least the range's minimum
     STAGE_RETRY = "stage-retry"  # too few nodes remain: the attempt ends, a new one starts
+    # Too few remain, but the rendezvous lives on: the survivors wait in it for a node to return
+    # (the job then re-forms in-job); the stage retry only if none does in time.
+    NODE_WAIT = "node-wait"
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,9 @@ class LossSnapshot:
     # The node hosting the rendezvous store, if one does: losing it ends the generation, and
     # only a scheduler (here a stage retry) can start a new one. None: the store runs apart.
     store_host: int | None = None
+    # How long survivors below the minimum may wait in the rendezvous for a node to return
+    # (0: they may not; a fixed-size job, whose lost node nothing replaces in-job).
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,12 @@ def decide(s: LossSnapshot) -> LossDecision:
             LossPath.ELASTIC,
             f"{len(survivors)} node(s) remain, at least the minimum of {s.nodes.min}: the job "
             "re-forms on them",
+        )
+    if survivors and s.wait_s > 0:
+        return LossDecision(
+            LossPath.NODE_WAIT,
+            f"{len(survivors)} node(s) remain, fewer than the minimum of {s.nodes.min}: they "
+            f"wait up to {s.wait_s:g} s for a node to return, then a stage retry",
         )
     return LossDecision(
         LossPath.STAGE_RETRY,

@@ -25,6 +25,10 @@ from trainer.resilience import (
     write_node_lost,
 )
 
+# After a wait for a returning node (tasks.loss_policy NODE_WAIT), how long past the survivors'
+# own join timeout the watcher lets them end by themselves before it stops the attempt.
+WAIT_GRACE_S = 10.0
+
 
 class EventTail:
     """Reads the lines appended to ``events.jsonl`` since the attempt started (or, with
@@ -113,6 +117,13 @@ def run_attempt(
     # node-return drill counts its steps from then on, not the dying world's last steps, which
     # the watcher may read only after the loss (a return then would race the job's end).
     reformed: set[int] = set()
+    # An elastic job's survivors below its minimum wait in the rendezvous for a node to return,
+    # as long as their own join timeout lets them (tasks.loss_policy NODE_WAIT); a fixed-size
+    # job's lost node nothing replaces in-job.
+    elastic = request.node_range.elastic or request.spares > 0
+    wait_s = cfg.injob.rdzv_join_timeout_s if elastic else 0.0
+    waiting_until: float | None = None  # the watcher's end of that wait (monotonic)
+    wait_began = 0.0  # when it began (epoch seconds, as events carry)
 
     def drill(spec: FaultSpec, step: int) -> None:
         node = spec.node or 0
@@ -127,7 +138,7 @@ def run_attempt(
     def lose(node: int, fault: str, step: int | None, *, drilled: bool) -> None:
         """A node lost, by a drill (``drilled``: the watcher takes it away now) or as the
         backend saw it: which path its loss takes, decided once, and recorded."""
-        nonlocal loss_at
+        nonlocal loss_at, waiting_until, wait_began
         # Decided before a drilled node goes: the survivors read the marker the moment they fail.
         decision = decide(
             LossSnapshot(
@@ -136,6 +147,7 @@ def run_attempt(
                 alive=job.alive_nodes() - {node},
                 nodes=request.node_range,
                 store_host=job.store_host,
+                wait_s=wait_s,
             )
         )
         if decision.path != LossPath.STAGE_RETRY:
@@ -171,9 +183,14 @@ def run_attempt(
         elif decision.path == LossPath.STAGE_RETRY and drilled:
             # A loss the backend saw ends the attempt through its own classification.
             loss_at = time.monotonic()
+        elif decision.path == LossPath.NODE_WAIT and waiting_until is None:
+            # The survivors give up after their join timeout (and the attempt ends in a node
+            # loss, so a stage retry); the watcher stops whatever is left a little later.
+            waiting_until = time.monotonic() + wait_s + WAIT_GRACE_S
+            wait_began = time.time()
 
     def pump() -> None:
-        nonlocal world_nodes
+        nonlocal world_nodes, waiting_until
         for e in tail.read_new():
             seen.append(e)
             on_event(e)
@@ -185,6 +202,8 @@ def run_attempt(
                 reformed.update(lost)
                 # A lost node training again (its replacement joined): a later loss is new.
                 lost.difference_update(world_nodes)
+                if len(named) >= request.node_range.min and e["t"] > wait_began:
+                    waiting_until = None  # a node returned in time: the world re-formed
             if e["kind"] != "step":
                 continue
             for spec in drills:
@@ -192,6 +211,14 @@ def run_attempt(
                     continue
                 if e["step"] >= spec.step and claim(run_root, spec):
                     drill(spec, e["step"])
+        if waiting_until is not None:
+            # No world trains while the survivors wait for a node: a lost node's return drill
+            # comes now, its step notwithstanding (no step would ever reach it).
+            last = max((e["step"] for e in seen if e["kind"] == "step"), default=0)
+            for spec in drills:
+                due = spec.kind == "node-return" and (spec.node or 0) in lost
+                if due and claim(run_root, spec):
+                    drill(spec, last)
         # Losses only the backend saw (EKS: a node gone under its pod), after the drills'.
         for node in sorted(job.losses() - lost):
             step = max((e["step"] for e in seen if e["kind"] == "step"), default=None)
@@ -209,6 +236,9 @@ def run_attempt(
             # (after the backend's grace) instead of waiting.
             if loss_at is not None and time.monotonic() - loss_at >= job.loss_grace_s:
                 job.stop()
+                break
+            if waiting_until is not None and time.monotonic() > waiting_until:
+                job.stop()  # no node returned in time: the stage retry (the loss is recorded)
                 break
             if deadline is not None and time.monotonic() - started > deadline:
                 timed_out = True

@@ -6,6 +6,7 @@ kmock has no controllers, selectors or validation; the manifests' schema is chec
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -34,12 +35,14 @@ def result_later(root: Path, steps: int, after_s: float = 1.0) -> None:
     threading.Timer(after_s, lambda: (root / "result.json").write_text(result)).start()
 
 
-def eks_params(run_id: str, fsx: Path, nodes: int | str = 2, spares: int = 0) -> PipelineParams:
+def eks_params(
+    run_id: str, fsx: Path, nodes: int | str = 2, spares: int = 0, global_batch: int = 16
+) -> PipelineParams:
     return PipelineParams(
         backend="eks",
         nodes=nodes,
         spares=spares,
-        global_batch=16,
+        global_batch=global_batch,
         run_id=run_id,
         eks={"fsx_mount": str(fsx)},
     )
@@ -52,9 +55,16 @@ def attempt_on(
     *,
     deadline_s: float = 8,
     on_event=lambda e: None,
+    join_timeout_s: float | None = None,
 ) -> AttemptReport:
-    """One train attempt through the same code the train stage runs (run_attempt + EksBackend)."""
+    """One train attempt through the same code the train stage runs (run_attempt + EksBackend).
+    ``join_timeout_s``: the survivors' rendezvous join timeout (how long a node-wait lasts)."""
     run_id = params.run_id or ""
+    cfg = eks_train_config(params, run_id)
+    if join_timeout_s is not None:
+        cfg = dataclasses.replace(
+            cfg, injob=dataclasses.replace(cfg.injob, rdzv_join_timeout_s=join_timeout_s)
+        )
     backend = EksBackend(
         params.eks,
         nodes=params.launched_nodes,
@@ -63,7 +73,7 @@ def attempt_on(
     request = LaunchRequest(
         run_id=run_id,
         attempt=attempt,
-        cfg=eks_train_config(params, run_id),
+        cfg=cfg,
         nodes=params.max_nodes,
         min_nodes=params.node_range.min,
         spares=params.spares,
@@ -428,3 +438,38 @@ def test_an_elastic_job_absorbs_a_real_node_loss(
     assert (fault["fault_kind"], fault["node"], fault["path"]) == ("node-loss", lost, path)
     # The survivors are told to re-form (the marker) only when the in-job layer absorbs it.
     assert (root / NODE_LOST_MARKER).exists() == (path != "stage-retry")
+
+
+def test_below_the_minimum_the_survivors_wait_then_the_stage_retry(kube: Kube, tmp_path: Path):
+    """2:3 loses indexes 2 and 1 and no replacement joins: the first loss is absorbed
+    (elastic), the second leaves index 0 alone to wait (node-wait); when the wait (the
+    survivors' join timeout, 4 s here, plus the watcher's grace) passes with no world re-formed,
+    the attempt ends in a node loss: the stage retry's."""
+    from tasks.train_stage import WAIT_GRACE_S
+    from trainer.events import EventLog, read_events
+
+    run_id = "k-el-wait"
+    params = eks_params(run_id, tmp_path, nodes="2:3", global_batch=24)
+    job = job_name(run_id, 1, TAG)
+    root = tmp_path / "runs" / run_id
+
+    def act(k: Kube, name: str) -> None:
+        EventLog(root).emit("train_start", nodes=[0, 1, 2], world_size=3)
+        time.sleep(1.0)
+        mark_disrupted(k, f"{name}-2-x")
+        time.sleep(1.0)
+        mark_disrupted(k, f"{name}-1-x")
+
+    driver = ControlPlane(kube, job, act, pods=3)
+    driver.start()
+    report = attempt_on(kube, params, deadline_s=60, join_timeout_s=4.0)
+    driver.join(5)
+    assert report.outcome.kind == EndKind.NODE_LOSS, report.outcome.message
+    events = read_events(root)
+    faults = [e for e in events if e["kind"] == "fault"]
+    assert [(e["node"], e["path"]) for e in faults] == [(2, "elastic"), (1, "node-wait")]
+    assert "wait up to 4 s" in faults[1]["detail"]
+    # The watcher let the survivors wait the whole time before it stopped the attempt.
+    [end] = [e for e in events if e["kind"] == "stage_attempt_end"]
+    assert end["t"] - faults[1]["t"] >= 4.0 + WAIT_GRACE_S
+    assert kube.jobs_labelled(NS, "nvrx.io/run-id", run_id) == []

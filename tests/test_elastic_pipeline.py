@@ -28,8 +28,11 @@ class Drill:
     name: str
     params: dict[str, Any]
     faults: tuple[str, ...]
-    layer: str  # the layer that recovered the loss
+    layer: str  # the layer that recovered the loss(es)
     worlds: tuple[int, ...]  # the world size of every start of the attempt, in order
+    paths: tuple[str, ...] = ()  # each loss's path, in order (default: the layer's, once)
+    # Bitwise equal to the fault-free 2-node baseline (same global batch, two micro-batches).
+    exact: bool = True
 
 
 DRILLS = [
@@ -48,6 +51,19 @@ DRILLS = [
     # Two nodes and one hot spare (node 2, started once the world formed): it takes node 1's
     # place, the world keeps its size.
     Drill("spare", {"nodes": 2, "spares": 1}, ("node-loss@step=12,node=1",), "spare", (2, 2)),
+    # Two of three nodes lost at once: the first loss leaves the minimum (elastic), the second
+    # leaves one node, which waits in the rendezvous (node-wait) rather than ending the attempt;
+    # node 2 returns while it waits and the job re-forms on 2 nodes in-job. Another global
+    # batch (divisible by 3 ranks) than the baseline's: not compared bitwise.
+    Drill(
+        "node-wait",
+        {"nodes": "2:3", "global_batch": 6},
+        ("node-loss@step=12,node=1", "node-loss@step=12,node=2", "node-return@step=13,node=2"),
+        "elastic",
+        (3, 2),
+        paths=("elastic", "node-wait"),
+        exact=False,
+    ),
 ]
 
 
@@ -71,18 +87,18 @@ def test_node_loss_without_a_stage_retry(
     assert result is not None and result.status == "completed"
     assert result.final_step == result.target_steps == 20
     assert result.stage_attempts["train"] == 1, "no stage retry"
-    # What the design says is exact (arch §7): with one rank per node, every world of this
-    # range sums two micro-batch gradients per step, so the parameters are the baseline's.
-    assert result.params_sha256 == baseline.params_sha256
-    assert result.final_loss == baseline.final_loss
-    [fault] = result.faults
-    assert (fault.kind, fault.node, fault.path, fault.recovered_by) == (
-        "node-loss",
-        1,
-        d.layer,
-        d.layer,
-    )
-    assert fault.recovery_s and fault.recovery_s > 0
+    if d.exact:
+        # What the design says is exact (arch §7): with one rank per node, every world of this
+        # range sums two micro-batch gradients per step, so the parameters are the baseline's.
+        assert result.params_sha256 == baseline.params_sha256
+        assert result.final_loss == baseline.final_loss
+    paths = d.paths or (d.layer,)
+    losses = [f for f in d.faults if f.startswith("node-loss")]
+    assert [(f.kind, f.node, f.path, f.recovered_by) for f in result.faults] == [
+        ("node-loss", int(spec.rsplit("=", 1)[1]), path, d.layer)
+        for spec, path in zip(losses, paths, strict=True)
+    ]
+    assert all(f.recovery_s and f.recovery_s > 0 for f in result.faults)
     run_root = RunContext.create(params).run_root
     events = read_events(run_root)
     starts = [e for e in events if e["kind"] == "train_start"]
@@ -95,7 +111,9 @@ def test_node_loss_without_a_stage_retry(
     # The resume after the loss loaded a committed checkpoint written by the 2-rank world
     # (resharded by DCP when the world shrank), never step 0.
     loaded = [e for e in events if e["kind"] == "resume" and e.get("action") == "loaded"]
-    assert loaded and all(5 <= e["step"] < 12 and e["saved_world_size"] == 2 for e in loaded[:1])
+    assert loaded and all(
+        5 <= e["step"] < 12 and e["saved_world_size"] == d.worlds[0] for e in loaded[:1]
+    )
     # The world changes, in the result and the report.
     expected = [(a, b) for a, b in zip(d.worlds, d.worlds[1:], strict=False) if a != b]
     assert [(c.from_world, c.to_world) for c in result.world_changes] == expected
@@ -104,17 +122,21 @@ def test_node_loss_without_a_stage_retry(
     ]
     if d.name == "spare":
         assert starts[-1]["nodes"] == [0, 2], "the spare trained in node 1's place"
+    # The newest checkpoint, whatever world wrote it, is the one validated and exported (a
+    # check for the full world's size alone would fall back past a shrunk world's commits).
+    assert result.checkpoint.validated and result.checkpoint.step == 20
+    assert not result.checkpoint.fell_back_from
     assert_exported(result, s3_settings)
     # Operators see the path taken: on the fault event, the recovery and the world changes.
     prefect = nvrx_events(params.run_id or "", expect="nvrx.run.completed")
     by_name: dict[str, list[Any]] = {}
     for e in prefect:
         by_name.setdefault(e.event, []).append(e)
-    [detected] = by_name["nvrx.fault.detected"]
-    assert detected.payload["path"] == d.layer
-    [recovered] = by_name["nvrx.recovery.completed"]
-    assert recovered.payload["layer"] == d.layer
+    assert [e.payload["path"] for e in by_name["nvrx.fault.detected"]] == list(paths)
+    assert [e.payload["layer"] for e in by_name["nvrx.recovery.completed"]] == [d.layer] * len(
+        paths
+    )
     assert len(by_name.get("nvrx.world.changed", [])) == len(expected)
     assert "nvrx.stage.retried" not in by_name
     restarts = scraped.series(flow, "nvrx_restarts_total", run_id=params.run_id, layer=d.layer)
-    assert restarts and restarts[-1] == 1
+    assert restarts and 1 <= restarts[-1] <= len(paths)

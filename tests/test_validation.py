@@ -84,6 +84,19 @@ def test_run_mismatch_detected(ckpt: Path):
     assert "config hash" in detail and "world size 1 != the run's 4" in detail
 
 
+@pytest.mark.parametrize(
+    ("low", "high", "ok"),
+    [(1, 2, True), (2, 3, True), (3, 4, False), (None, 2, True), (None, 3, False)],
+)
+def test_an_elastic_runs_checkpoint_may_come_from_any_world_in_its_range(low, high, ok):
+    """A 2-rank checkpoint (written after the job shrank) is the run's when 2 is in its range."""
+    r = judge(_facts(), Expectations(world_size=high, min_world_size=low))
+    manifest = r.checks[0]
+    assert (manifest["status"] == "PASSED") == ok, manifest["detail"]
+    if not ok:
+        assert "world size 2" in manifest["detail"]
+
+
 def _facts(**kw) -> Facts:
     base = Facts(
         path=Path("/x/step_000000010"),

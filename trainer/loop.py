@@ -142,6 +142,9 @@ def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
         ctx.events.emit("restart", layer="inprocess", iteration=iteration)
     count = cfg.micro_batch_count(world)
     mine = micro_batches(rank, world, count)
+    # Passes every rank runs per step: the largest share (shares differ by one when the world
+    # does not divide the micro-batches, e.g. 3 on 2 ranks after a 2:3 job lost a node).
+    passes = -(-count // world)
     # FSDP averages the gradient over the world; a rank's micro-batches are scaled so that the
     # average is their mean over the whole global batch (1 on a full world: nothing to scale).
     scale = world / count
@@ -205,7 +208,7 @@ def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
     for step in range(first_step, cfg.steps + 1):
         t0 = time.perf_counter()
         hooks.on_step_start(step)
-        loss = _accumulate(ctx, model, step, mine, count, scale)
+        loss = _accumulate(ctx, model, step, mine, count, scale, passes)
         ctx.saver.before_optimizer_step()  # a save's device-to-host copy must see this step's
         optim.step()  # parameters, not the next one's
         optim.zero_grad(set_to_none=True)
@@ -254,24 +257,38 @@ def world_nodes(world: int, group: Any) -> list[int]:
 
 
 def _accumulate(
-    ctx: ProcessContext, model: Any, step: int, mine: range, count: int, scale: float
+    ctx: ProcessContext,
+    model: Any,
+    step: int,
+    mine: range,
+    count: int,
+    scale: float,
+    passes: int | None = None,
 ) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches of ``step``; the sum of their losses.
 
     Each micro-batch has its own data slice and dropout stream, keyed by its index among
     ``count``, not by the rank that trains it: a smaller world computes the same micro-batches.
-    FSDP reduces the gradient once, after the last of them."""
+    FSDP reduces the gradient once, after the last of them.
+
+    ``passes``: how many forward/backward passes every rank runs. FSDP all-gathers parameters
+    in each one, collectives every rank must join, so a rank whose share is smaller (the world
+    does not divide the micro-batches) pads with passes over its last micro-batch weighted 0:
+    their gradient is exactly 0.0, which leaves the accumulated gradient bitwise unchanged."""
     cfg, wl, device = ctx.cfg, ctx.cfg.wl, ctx.placement.device
     sync = getattr(model, "set_requires_gradient_sync", None)
+    plan = [(m, scale) for m in mine]
+    plan += [(mine[-1], 0.0)] * max(0, (passes or len(mine)) - len(mine))
     total: torch.Tensor | None = None
-    for i, m in enumerate(mine):
-        if sync is not None and len(mine) > 1:
-            sync(i == len(mine) - 1)
+    for i, (m, weight) in enumerate(plan):
+        if sync is not None and len(plan) > 1:
+            sync(i == len(plan) - 1)
         torch.manual_seed(step_seed(cfg.seed, step, m))  # dropout RNG: exact on resume
         x, y = ctx.sampler.batch(step, m, count)
         loss = wl.loss(model, torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
-        (loss if scale == 1 else loss * scale).backward()
-        total = loss.detach() if total is None else total + loss.detach()
+        (loss if weight == 1 else loss * weight).backward()
+        if weight != 0:
+            total = loss.detach() if total is None else total + loss.detach()
     assert total is not None  # micro_batches() gives every rank at least one
     return total
 

@@ -62,6 +62,9 @@ class Expectations:
     workload: dict[str, Any] | None = None
     config_hash: str | None = None
     world_size: int | None = None
+    # An elastic run (trainer.elastic) commits checkpoints on any world from this size up to
+    # world_size (DCP reshards them on load); None: exactly world_size.
+    min_world_size: int | None = None
     data_dir: Path | None = None  # enables the held-out loss check
     loss_tolerance: float = 0.25  # relative
     load_timeout_s: float = 600.0
@@ -462,8 +465,12 @@ def check_manifest(f: Facts, exp: Expectations) -> CheckResult:
         problems.append(f"step {m.get('step')} does not match directory {f.path.name}")
     if exp.config_hash is not None and m.get("config_hash") != exp.config_hash:
         problems.append(f"config hash {m.get('config_hash')} != the run's {exp.config_hash}")
-    if exp.world_size is not None and m.get("world_size") != exp.world_size:
-        problems.append(f"world size {m.get('world_size')} != the run's {exp.world_size}")
+    if exp.world_size is not None:
+        low, ws = exp.min_world_size or exp.world_size, m.get("world_size")
+        if low == exp.world_size and ws != exp.world_size:
+            problems.append(f"world size {ws} != the run's {exp.world_size}")
+        elif not (isinstance(ws, int) and low <= ws <= exp.world_size):
+            problems.append(f"world size {ws} is outside the run's {low}..{exp.world_size}")
     if problems:
         return CheckResult(name, Status.FAILED, "; ".join(problems))
     return CheckResult(
