@@ -21,6 +21,7 @@ the stand-ins this machine can run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import psutil
 import pytest
 from botocore.stub import ANY, Stubber
 from kubernetes.client import ApiException
@@ -43,6 +45,7 @@ from tasks.backends.eks.fsx import Backoff
 from tasks.backends.eks.kube import Kube
 from tasks.backends.local import kill_tree
 from tasks.hydrate import hydrate_dataset
+from tasks.ownership import processes
 from tasks.storage.s3 import S3Settings, s3fs_filesystem
 from tests.eks_cluster import NODES, NS, mark_disrupted, p5, pod_obj, seed_cluster, terminated
 from tests.helpers import FAST_INJOB, FAST_INPROCESS, REPO, free_port, worker_env, write_config
@@ -168,7 +171,7 @@ class Cluster(threading.Thread):
             argv,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**worker_env(), **env},
+            env={**worker_env(), **env, POD_ENV: name},
             cwd=REPO,
             start_new_session=True,
         )
@@ -183,8 +186,7 @@ class Cluster(threading.Thread):
             if rc is None:
                 return  # a pod was deleted (the node-loss drill): the kubelet killed it
         finally:
-            kill_tree(proc.pid)
-            proc.wait()
+            _end_pod(name, proc)  # both "pods": the launcher and whatever left its tree
             log.close()
         if rc == 0:
             for i in range(2):
@@ -353,7 +355,7 @@ class ElasticPods:
             self.argv,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**worker_env(), **self.env, "JOB_COMPLETION_INDEX": str(index)},
+            env={**worker_env(), **self.env, "JOB_COMPLETION_INDEX": str(index), POD_ENV: pod},
             cwd=REPO,
             start_new_session=True,
         )
@@ -373,7 +375,7 @@ class ElasticPods:
             kill_tree(proc.pid)
         for index in indexes:
             pod, proc = gone[index]
-            proc.wait()
+            _end_pod(pod, proc)
             node = self.cluster.nodes[index]
             unknown = p5(node, ready="Unknown")
             self.kube.core.patch_node_status(node, unknown, _preload_content=False)
@@ -397,7 +399,7 @@ class ElasticPods:
                     running = dict(self.running)
                 for pod, (index, proc) in running.items():
                     if pod not in present:  # deleted (a drill): the kubelet kills it
-                        kill_tree(proc.pid)
+                        _end_pod(pod, proc)
                         with self.lock:
                             self.running.pop(pod, None)
                         continue
@@ -406,6 +408,7 @@ class ElasticPods:
                         continue
                     with self.lock:
                         self.running.pop(pod, None)
+                    _end_pod(pod, proc)  # the container's other processes go with it
                     self.end(pod, rc)
                     if index == 0 and rc == 0:
                         self.succeed()
@@ -416,9 +419,8 @@ class ElasticPods:
             with self.lock:
                 left = dict(self.running)
                 self.running.clear()
-            for _, proc in left.values():
-                kill_tree(proc.pid)
-                proc.wait()
+            for pod, (_, proc) in left.items():
+                _end_pod(pod, proc)
             for log in self.logs:
                 log.close()
 
@@ -432,12 +434,28 @@ class ElasticPods:
             left = dict(self.running)
             self.running.clear()
         for pod, (_, proc) in left.items():
-            try:
-                rc = proc.wait(timeout=max(0.1, until - time.time()))
-            except subprocess.TimeoutExpired:
-                kill_tree(proc.pid)
-                rc = proc.wait()
-            self.end(pod, rc)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, until - time.time()))
+            self.end(pod, _end_pod(pod, proc))
+
+
+# Which harness pod a process belongs to: every process of a pod ends with it, as a container's
+# do, the agent's tree and whatever left it (a worker's async checkpoint writer, reparented to
+# init, outlived its lost pod's agent in one run).
+POD_ENV = "NVRX_TEST_POD"
+
+
+def _end_pod(pod: str, proc: subprocess.Popen[bytes]) -> int:
+    """End every process of ``pod`` (its agent ``proc`` first); the agent's exit code."""
+    kill_tree(proc.pid)
+    rc = proc.wait()
+    escaped = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get(POD_ENV) == pod:
+                escaped.append(p)
+    processes.end(escaped)
+    return rc
 
 
 def _flag(argv: list[str], name: str) -> str:
