@@ -123,6 +123,7 @@ def run_attempt(
     elastic = request.node_range.elastic or request.spares > 0
     wait_s = cfg.injob.rdzv_join_timeout_s if elastic else 0.0
     waiting_until: float | None = None  # the watcher's end of that wait (monotonic)
+    last_step: int | None = None  # the newest step event read (kept as they arrive)
     wait_began = 0.0  # when it began (epoch seconds, as events carry)
 
     def drill(spec: FaultSpec, step: int) -> None:
@@ -190,7 +191,7 @@ def run_attempt(
             wait_began = time.time()
 
     def pump() -> None:
-        nonlocal world_nodes, waiting_until
+        nonlocal world_nodes, waiting_until, last_step
         for e in tail.read_new():
             seen.append(e)
             on_event(e)
@@ -206,6 +207,7 @@ def run_attempt(
                     waiting_until = None  # a node returned in time: the world re-formed
             if e["kind"] != "step":
                 continue
+            last_step = max(e["step"], last_step or 0)
             for spec in drills:
                 if spec.kind == "node-return" and (spec.node or 0) not in reformed:
                     continue
@@ -214,16 +216,14 @@ def run_attempt(
         if waiting_until is not None:
             # No world trains while the survivors wait for a node: a lost node's return drill
             # comes now, its step notwithstanding (no step would ever reach it).
-            last = max((e["step"] for e in seen if e["kind"] == "step"), default=0)
             for spec in drills:
                 due = spec.kind == "node-return" and (spec.node or 0) in lost
                 if due and claim(run_root, spec):
-                    drill(spec, last)
+                    drill(spec, last_step or 0)
         # Losses only the backend saw (EKS: a node gone under its pod), after the drills'.
         for node in sorted(job.losses() - lost):
-            step = max((e["step"] for e in seen if e["kind"] == "step"), default=None)
-            where = f"@step={step},node={node}" if step is not None else f"@node={node}"
-            lose(node, f"node-loss{where}", step, drilled=False)
+            where = f"@step={last_step},node={node}" if last_step is not None else f"@node={node}"
+            lose(node, f"node-loss{where}", last_step, drilled=False)
 
     try:
         while True:
@@ -268,7 +268,7 @@ def run_attempt(
     if outcome.kind == EndKind.NODE_LOSS and not lost:
         # A real loss (not a drill): recorded as a fault, so the next attempt's ``recovered``
         # event (the trainer emits it) closes it with layer ``stage-retry``.
-        step = max((e["step"] for e in seen if e["kind"] == "step"), default=None)
+        step = last_step
         events.emit(
             "fault",
             fault=f"node-loss@step={step}" if step is not None else "node-loss",
