@@ -78,6 +78,7 @@ bench: venv
 	$(PY) benchmarks/pipeline_overhead.py --out benchmarks/results/pipeline_overhead.json
 	$(PY) benchmarks/layer_overhead.py --out benchmarks/results/layer_overhead.json
 	$(PY) benchmarks/transfer_throughput.py --out benchmarks/results/transfer_throughput.json
+	$(PY) benchmarks/fold_events.py --out benchmarks/results/fold_events.json
 
 # The long one: >= 10 min of training with a fault every ~2 min, ours and the torchrun baseline.
 bench-ettr: venv

@@ -485,8 +485,8 @@ def _owner(run_root: Path) -> dict[str, Any] | None:
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from tasks import run_summary
-    from trainer.events import read_events
+    from trainer.history import RunHistory
+    from trainer.run_files import read_json_object
 
     run_root = args.run_root or Path(args.state_dir) / "fsx" / "runs" / args.run_id
     if not (run_root / "events.jsonl").exists():
@@ -496,10 +496,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    saved = run_root / "pipeline_result.json"
-    st = run_summary.status(
-        read_events(run_root), json.loads(saved.read_text()) if saved.exists() else None
-    )
+    st = RunHistory.read(run_root).status(read_json_object(run_root / "pipeline_result.json"))
     st["owner"] = _owner(run_root)
     if args.json:
         print(json.dumps({"run_id": args.run_id, **st}))

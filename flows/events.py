@@ -29,7 +29,7 @@ import functools
 import logging
 from typing import Any
 
-from trainer.events import read_events
+from trainer.history import RunHistory
 
 RESOURCE_PREFIX = "nvrx.run."
 _log = logging.getLogger(__name__)
@@ -145,5 +145,4 @@ def emit_for_trainer_event(run_id: str, e: dict[str, Any]) -> None:
 
 def last_attempt_cause(run_root: Any) -> str | None:
     """Why the previous train attempt ended (its ``stage_attempt_end`` message)."""
-    ends = [e for e in read_events(run_root) if e["kind"] == "stage_attempt_end"]
-    return ends[-1].get("message") if ends else None
+    return RunHistory.read(run_root).last_attempt_cause()

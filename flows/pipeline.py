@@ -42,11 +42,12 @@ from flows.stages import (
     validate_flow,
 )
 from tasks import metrics as run_metrics
-from tasks import retry_policy, run_summary
+from tasks import retry_policy
 from tasks.backends import registry
 from tasks.ownership import lease, takeover
 from tasks.storage.local_s3 import local_s3
 from trainer.events import EventLog, read_events
+from trainer.history import RunHistory
 from trainer.timeline import plot_timeline
 
 T = TypeVar("T")
@@ -67,21 +68,20 @@ def build_result(
     error: str | None = None,
 ) -> PipelineResult:
     # This invocation only: a resumed run id has events from earlier pipeline runs too.
-    events = [e for e in read_events(ctx.run_root) if e["t"] >= since]
+    history = RunHistory.read(ctx.run_root, since=since)
     faults = [
-        FaultRecord(**{k: v for k, v in f.items() if k != "t"})
-        for f in run_summary.faults_with_recovery(events)
+        FaultRecord(**{k: v for k, v in f.items() if k != "t"}) for f in history.fault_records()
     ]
     changes = [
         WorldChange(**{k: v for k, v in c.items() if k != "t"})
-        for c in run_summary.world_changes(events)
+        for c in history.world_change_records()
     ]
-    took = next((e for e in events if e["kind"] == "takeover"), None)
+    took = history.takeover
     return PipelineResult(
         status=status,  # type: ignore[arg-type]
         run_id=ctx.run_id,
         target_steps=params.steps,
-        final_step=train.final_step if train else run_summary.progress(events),
+        final_step=train.final_step if train else history.progress(),
         final_loss=train.final_loss if train else None,
         params_sha256=train.params_sha256 if train else None,
         checkpoint=CheckpointInfo()
@@ -101,16 +101,16 @@ def build_result(
         world_changes=changes,
         stage_attempts=attempts,
         stage_durations_s={k: round(v, 3) for k, v in durations.items()},
-        ettr=run_summary.ettr(events),
+        ettr=history.ettr(),
         wall_s=round(wall_s, 3),
         error=error,
         takeover=None
         if took is None
         else TakeoverInfo(
-            previous_owner=took["previous"],
-            action=took["action"],
-            reason=took["reason"],
-            steps_lost=took.get("steps_lost", 0),
+            previous_owner=took.previous,
+            action=took.action,
+            reason=took.reason,
+            steps_lost=took.steps_lost,
         ),
     )
 
@@ -238,9 +238,7 @@ def _run(
         finally:
             durations[name] = durations.get(name, 0.0) + time.monotonic() - started
             attempts[name] = (
-                run_summary.stage_attempts(
-                    [e for e in read_events(ctx.run_root) if e["t"] >= since]
-                )
+                RunHistory.read(ctx.run_root, since=since).stage_attempts()
                 if name == "train"
                 else 1
             )
@@ -274,7 +272,7 @@ def _run(
             out.export = stage("export", lambda: export_flow(params, ctx, validation.path))
     except BaseException as e:
         cancelled = _is_cancellation(e)
-        step = run_summary.progress([x for x in read_events(ctx.run_root) if x["t"] >= since])
+        step = RunHistory.read(ctx.run_root, since=since).progress()
         cause = f"{type(e).__name__}: {e}"
         emit(
             "run.cancelled" if cancelled else "run.failed",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,10 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from tasks.train_stage import EventTail
+from trainer.event_read import DROP_REASONS, DropCounts
 from trainer.events import LAYERS
 from trainer.metrics import MetricsServer, TrainingSeries
+
+_log = logging.getLogger(__name__)
 
 # A recovery is seconds (in-process) to minutes (a stage retry waits for nodes).
 RECOVERY_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
@@ -141,6 +147,25 @@ class RunMetrics:
         return round(sum(self._step_s.values()) / wall, 4) if wall > 0 else None
 
 
+class DroppedLines(Collector):
+    """``nvrx_event_lines_dropped_total{reason}``: lines of the run's events file the decoder
+    dropped (trainer.event_read): a writer out of contract, or a hostile one, made visible."""
+
+    def __init__(self, run_id: str, counts: DropCounts) -> None:
+        self.run_id = run_id
+        self.counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "nvrx_event_lines_dropped",
+            "Lines of events.jsonl dropped by the decoder, by reason",
+            labels=["run_id", "reason"],
+        )
+        for reason in DROP_REASONS:
+            family.add_metric([self.run_id, reason], self.counts.by_reason[reason])
+        yield family
+
+
 @contextlib.contextmanager
 def serving(
     run_root: Path, run_id: str, *, port: int | None, addr: str, poll_s: float = 0.5
@@ -152,16 +177,21 @@ def serving(
         return
     metrics = RunMetrics(run_id)
     tail = EventTail(Path(run_root) / "events.jsonl", from_start=True)
+    metrics.registry.register(DroppedLines(run_id, tail.dropped))
     stop = threading.Event()
 
     def pump() -> None:
         for e in tail.read_new():
-            if isinstance(e, dict):
-                metrics.observe(e)
+            metrics.observe(e)
 
     def follow() -> None:
+        # The follower outlives anything one poll meets: a thread that died here would keep
+        # serving stale values with nothing to say so.
         while not stop.wait(poll_s):
-            pump()
+            try:
+                pump()
+            except Exception as e:
+                _log.warning("run metrics: reading %s failed: %s", tail.path, e)
 
     pump()
     server = MetricsServer(metrics.registry, port=port, addr=addr)

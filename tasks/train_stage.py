@@ -6,7 +6,6 @@ artifacts through callbacks.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,7 +15,10 @@ from typing import Any
 from tasks.backends.base import Backend, Evidence, LaunchRequest
 from tasks.classify import EndKind, Outcome
 from tasks.loss_policy import LossPath, LossSnapshot, decide
-from trainer.events import EventLog, read_events
+from trainer import run_state
+from trainer.event_read import EVENTS_FILE, EventReader
+from trainer.event_types import Fatal, StageAttempt
+from trainer.events import EventLog
 from trainer.faults import FaultSpec, claim, parse_fault
 from trainer.resilience import (
     clear_no_restart,
@@ -24,38 +26,22 @@ from trainer.resilience import (
     read_no_restart,
     write_node_lost,
 )
+from trainer.run_files import read_json_object
 
 # After a wait for a returning node (tasks.loss_policy NODE_WAIT), how long past the survivors'
 # own join timeout the watcher lets them end by themselves before it stops the attempt.
 WAIT_GRACE_S = 10.0
 
 
-class EventTail:
-    """Reads the lines appended to ``events.jsonl`` since the attempt started (or, with
-    ``from_start``, every line of the file first)."""
+class EventTail(EventReader):
+    """The events appended to ``events.jsonl`` since the attempt started (or, with
+    ``from_start``, every event of the file first), through the one decoder."""
 
     def __init__(self, path: Path, *, from_start: bool = False) -> None:
-        self.path = path
-        self.offset = 0 if from_start or not path.exists() else path.stat().st_size
-        self._partial = b""
+        super().__init__(path, from_start=from_start)
 
-    def read_new(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        self.offset += len(data)
-        data = self._partial + data
-        lines = data.split(b"\n")
-        self._partial = lines.pop()  # an incomplete last line waits for the next read
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return out
+    def read_new(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.read_new_dicts()
 
 
 @dataclass
@@ -63,13 +49,19 @@ class AttemptReport:
     attempt: int
     outcome: Outcome
     wall_s: float
-    events: list[dict[str, Any]]
     released: dict[str, Any] = field(default_factory=dict)  # what Job.finish reported
 
 
-def _since_last_attempt_start(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    starts = [i for i, e in enumerate(events) if e["kind"] == "stage_attempt"]
-    return events[starts[-1] + 1 :] if starts else []
+def _fatal_since_last_attempt_start(run_root: Path) -> str | None:
+    """The first ``fatal`` error recorded since the newest train attempt started (streamed:
+    the watcher keeps no event it has read)."""
+    fatal: str | None = None
+    for e in EventReader(run_root / EVENTS_FILE).iter_new():
+        if isinstance(e, StageAttempt):
+            fatal = None
+        elif isinstance(e, Fatal) and fatal is None:
+            fatal = e.error
+    return fatal
 
 
 def node_faults(specs: list[str] | tuple[str, ...]) -> list[FaultSpec]:
@@ -93,18 +85,19 @@ def run_attempt(
     events = EventLog(run_root)
     tail = EventTail(events.path)
     drills = node_faults(cfg.faults)
-    seen: list[dict[str, Any]] = []
+    fatal: str | None = None  # the attempt's first fatal error
     started = time.monotonic()
     job = backend.reattach(request)
     if job is None:
         (run_root / "result.json").unlink(missing_ok=True)  # only this attempt's result counts
         clear_no_restart(run_root)  # nor an earlier attempt's verdict (the config was fixed)
         clear_node_lost(run_root)
+        run_state.record_retry(run_root, request.attempt)
         _attempt_event(events, backend, request, request.attempt)
         job = backend.launch(request)
     else:
         # What the attempt said before we came: a fatal error there decides its outcome too.
-        seen = _since_last_attempt_start(read_events(run_root))
+        fatal = _fatal_since_last_attempt_start(run_root)
         _attempt_event(events, backend, request, job.attempt, adopted=True)
     deadline = request.deadline_s
     timed_out = False
@@ -158,7 +151,7 @@ def run_attempt(
         if drilled:
             job.lose_node(node)
         # Reaches on_event through the tail, like every other event.
-        events.emit(
+        fault_event = events.emit(
             "fault",
             fault=fault,
             fault_kind="node-loss",
@@ -169,6 +162,8 @@ def run_attempt(
             detail=decision.reason,
         )
         lost.add(node)
+        if not decision.idle_spare:  # open until the first step after the recovery
+            run_state.open_fault(run_root, fault_event)
         if decision.idle_spare:
             # Nothing trained there: nothing to recover, and no later recovery may claim it.
             events.emit(
@@ -191,9 +186,10 @@ def run_attempt(
             wait_began = time.time()
 
     def pump() -> None:
-        nonlocal world_nodes, waiting_until, last_step
+        nonlocal world_nodes, waiting_until, last_step, fatal
         for e in tail.read_new():
-            seen.append(e)
+            if e["kind"] == "fatal" and fatal is None:
+                fatal = e["error"]
             on_event(e)
             job.observe(e)
             if e["kind"] == "train_start" and isinstance(e.get("nodes"), list):
@@ -253,12 +249,11 @@ def run_attempt(
             with contextlib.suppress(Exception):
                 job.stop()
     pump()
-    result_path = run_root / "result.json"
     evidence = Evidence(
         lost_nodes=frozenset(lost),
         timed_out=timed_out,
-        result=json.loads(result_path.read_text()) if result_path.exists() else None,
-        fatal=next((e.get("error") for e in seen if e["kind"] == "fatal"), None),
+        result=read_json_object(run_root / "result.json"),
+        fatal=fatal,
         no_restart=read_no_restart(run_root),
         target_steps=cfg.steps,
         world_nodes=world_nodes,
@@ -269,7 +264,7 @@ def run_attempt(
         # A real loss (not a drill): recorded as a fault, so the next attempt's ``recovered``
         # event (the trainer emits it) closes it with layer ``stage-retry``.
         step = last_step
-        events.emit(
+        fault_event = events.emit(
             "fault",
             fault=f"node-loss@step={step}" if step is not None else "node-loss",
             fault_kind="node-loss",
@@ -279,6 +274,7 @@ def run_attempt(
             nodes=outcome.details.get("lost_nodes", []),
             detail=outcome.message,
         )
+        run_state.open_fault(run_root, fault_event)
     wall = time.monotonic() - started
     events.emit(
         "stage_attempt_end",
@@ -290,7 +286,7 @@ def run_attempt(
         **kept,
     )
     pump()
-    return AttemptReport(job.attempt, outcome, wall, seen, kept)
+    return AttemptReport(job.attempt, outcome, wall, kept)
 
 
 def _attempt_event(

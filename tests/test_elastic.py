@@ -145,13 +145,16 @@ def _start(t, world, nodes, job="j"):
 
 
 def test_prior_world_and_restart_layer():
-    loss = {"t": 2.0, "kind": "fault", "fault_kind": "node-loss"}
+    loss = {"t": 2.0, "kind": "fault", "fault": "node-loss@node=1", "fault_kind": "node-loss"}
     events = [_start(1.0, 2, [0, 1]), loss]
     prior = prior_world(events, "j")
     assert prior == PriorWorld(2, (0, 1), open_node_loss=True)
     assert restart_layer(prior, 1) == "elastic"  # shrank
     assert restart_layer(prior, 2) == "spare"  # same size after a loss: a spare took over
-    recovered = [*events, {"t": 3.0, "kind": "recovered"}]
+    recovered = [
+        *events,
+        {"t": 3.0, "kind": "recovered", "layer": "elastic", "step": 4, "recovery_s": 1.0},
+    ]
     assert restart_layer(prior_world(recovered, "j"), 2) == "injob"
     assert restart_layer(prior_world([_start(1.0, 1, [0])], "j"), 2) == "injob"  # grew back
     assert prior_world(events, "other") is None and restart_layer(None, 2) == "injob"

@@ -342,13 +342,13 @@ def test_no_checkpoints_means_fresh(tmp_path: Path):
 
 def test_recorded_commits_count_since_the_last_fresh_start():
     ev = [
-        {"t": 1, "kind": "checkpoint", "step": 5},
-        {"t": 2, "kind": "checkpoint", "step": 10},
+        {"t": 1, "kind": "checkpoint", "step": 5, "blocking_s": 0.1},
+        {"t": 2, "kind": "checkpoint", "step": 10, "blocking_s": 0.1},
         {"t": 3, "kind": "resume", "action": "fresh", "archived": "x"},
     ]
     assert recorded_commit(ev[:2]) == 10  # checkpoints gone now: refuse to start at step 0
     assert recorded_commit(ev) is None  # an explicit fresh start expects none
-    assert recorded_commit([*ev, {"t": 4, "kind": "checkpoint", "step": 5}]) == 5
+    assert recorded_commit([*ev, {"t": 4, "kind": "checkpoint", "step": 5, "blocking_s": 0.1}]) == 5
 
 
 def test_torn_last_event_line(tmp_path: Path):

@@ -46,12 +46,26 @@ HISTORY: list[dict[str, Any]] = [
     {"t": 110.5, "kind": "step", "step": 4, "loss": 5.8, "step_s": 0.25},
     {"t": 110.6, "kind": "checkpoint", "step": 4, "blocking_s": 0.03, "total_s": 2.0},
     {"t": 111.0, "kind": "fault", "fault": "node-loss@step=5", "fault_kind": "node-loss"},
-    {"t": 112.0, "kind": "stage_attempt_end", "stage": "train", "attempt": 1, "wall_s": 12.0},
+    {
+        "t": 112.0,
+        "kind": "stage_attempt_end",
+        "stage": "train",
+        "attempt": 1,
+        "wall_s": 12.0,
+        "outcome": "node-loss",
+    },
     {"t": 113.0, "kind": "stage_attempt", "stage": "train", "attempt": 2, "backend": "local"},
     {"t": 120.0, "kind": "step", "step": 5, "loss": 5.7, "step_s": 0.5, "tokens_per_s": 990.0},
     {"t": 120.0, "kind": "recovered", "layer": "stage-retry", "recovery_s": 9.0, "step": 5},
     {"t": 120.5, "kind": "checkpoint", "step": 5, "blocking_s": 0.01, "total_s": 1.0},
-    {"t": 121.0, "kind": "stage_attempt_end", "stage": "train", "attempt": 2, "wall_s": 8.0},
+    {
+        "t": 121.0,
+        "kind": "stage_attempt_end",
+        "stage": "train",
+        "attempt": 2,
+        "wall_s": 8.0,
+        "outcome": "completed",
+    },
 ]
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from trainer import __version__, manifest, untrusted
+from trainer import __version__, manifest, run_state, untrusted
 from trainer.async_ckpt import (
     WARMUP_STEP,
     AsyncCheckpointer,
@@ -32,7 +32,8 @@ from trainer.async_ckpt import (
     SaveResult,
 )
 from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, ResumePolicy, TrainConfig
-from trainer.events import EventLog, read_events
+from trainer.events import EventLog
+from trainer.history import RunHistory
 from trainer.workload import DataSource
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,9 @@ class CheckpointManager:
             self.events.emit("resume", action=r.action, dir=r.dir, step=r.step, reason=r.reason)
         ok, rejected, found = manifest.resume_candidates(root, fingerprint=self.fingerprint)
         if not found:
-            recorded = recorded_commit(read_events(root))
+            fact = run_state.recorded_commit(root)
+            # A run root from before control/commit.json: its log says (read once, here).
+            recorded = fact.step if fact.known else RunHistory.read(root).recorded_commit()
             if recorded is not None:
                 why = _checkpoints_gone(root, recorded)
                 self.events.emit("resume", action="failed", reason=why, recorded_step=recorded)
@@ -200,6 +203,7 @@ class CheckpointManager:
             archived = ckdir.with_name(f"checkpoints.before-fresh-{int(time.time())}")
             shutil.move(str(ckdir), archived)
         self.events.emit("resume", action="fresh", archived=archived and str(archived))
+        run_state.record_commit(root, None)
 
     # -- saving --------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -367,18 +371,14 @@ class _Commit:
             commit_s=round(commit_s, 4),
             pruned=pruned.removed,
         )
+        run_state.record_commit(self.run_root, self.step)
         return path
 
 
 def recorded_commit(events: list[dict[str, Any]]) -> int | None:
-    """The newest step the event log says was committed since the last explicit fresh start."""
-    newest: int | None = None
-    for e in events:
-        if e["kind"] == "resume" and e.get("action") == "fresh":
-            newest = None
-        elif e["kind"] == "checkpoint" and isinstance(e.get("step"), int):
-            newest = max(e["step"], newest if newest is not None else e["step"])
-    return newest
+    """The newest step recorded events say was committed since the last explicit fresh start
+    (:meth:`trainer.history.RunHistory.recorded_commit`)."""
+    return RunHistory.of(events).recorded_commit()
 
 
 def _checkpoints_gone(run_root: Path, recorded: int) -> str:

@@ -124,30 +124,11 @@ class PriorWorld:
 
 
 def prior_world(events: list[dict[str, object]], job_id: str | None) -> PriorWorld | None:
-    """The last ``train_start`` of launcher job ``job_id`` (its rendezvous id), if any."""
-    if not job_id:
-        return None
-    starts = [e for e in events if e.get("kind") == "train_start" and e.get("job_id") == job_id]
-    if not starts:
-        return None
-    last = starts[-1]
-    t = float(last.get("t", 0.0))  # type: ignore[arg-type]
-    recovered = max(
-        (float(e.get("t", 0.0)) for e in events if e.get("kind") == "recovered"),  # type: ignore[arg-type]
-        default=0.0,
-    )
-    open_loss = any(
-        e.get("kind") == "fault"
-        and e.get("fault_kind") == "node-loss"
-        and float(e.get("t", 0.0)) > max(t, recovered)  # type: ignore[arg-type]
-        for e in events
-    )
-    nodes = last.get("nodes")
-    return PriorWorld(
-        world_size=int(last.get("world_size", 0)),  # type: ignore[call-overload]
-        nodes=tuple(int(n) for n in nodes) if isinstance(nodes, list) else (),
-        open_node_loss=open_loss,
-    )
+    """The last ``train_start`` of launcher job ``job_id`` (its rendezvous id), if any, in
+    recorded events (a worker asks its run's fold: ``RunHistory.prior_world``)."""
+    from trainer.history import RunHistory
+
+    return RunHistory.of(events).prior_world(job_id)  # type: ignore[arg-type]
 
 
 def restart_layer(prior: PriorWorld | None, world_size: int) -> str:

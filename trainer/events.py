@@ -14,11 +14,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, get_args
+
+from trainer.event_read import MAX_LINE, read_event_dicts
+from trainer.event_types import ValidationError, decode_json
 
 # The layers a recovery is attributed to (``restart``/``recovered`` events, the result's
 # ``faults[].recovered_by``): in-process, in-job respawn, an elastic job re-formed on fewer
@@ -31,14 +35,11 @@ STDOUT_PREFIX = "NVRX_EVENT "
 
 
 def parse_stdout_line(line: str) -> dict[str, Any] | None:
-    """The event in a log line printed by an echoing :class:`EventLog`, if any."""
+    """The event in a log line printed by an echoing :class:`EventLog`, if it is a valid one
+    (a pod's log is as untrusted as the events file)."""
     if not line.startswith(STDOUT_PREFIX):
         return None
-    try:
-        event = json.loads(line[len(STDOUT_PREFIX) :])
-    except json.JSONDecodeError:
-        return None
-    return event if isinstance(event, dict) else None
+    return parse_line(line[len(STDOUT_PREFIX) :].encode())
 
 
 FLUSH_S = 1.0  # buffered events (steps) reach the file at most this late
@@ -54,6 +55,7 @@ class EventLog:
         self._buffer: list[bytes] = []
         self._flushed = time.monotonic()
         self._lock = threading.Lock()
+        self._warned = False
         # Called with every event as it is made (buffered or not): rank 0's Prometheus metrics
         # (trainer.metrics) read the values the loop already reports, with no I/O of their own.
         self.observers: list[Callable[[dict[str, Any]], None]] = []
@@ -73,13 +75,20 @@ class EventLog:
 
     def _add(self, kind: str, fields: dict[str, Any], *, buffered: bool) -> dict[str, Any]:
         event = {"t": time.time(), "kind": kind, **fields}
+        line = (json.dumps(event, sort_keys=True, default=str) + "\n").encode()
+        try:
+            # Written through the types: an event no reader would decode is a writer's bug.
+            decode_json(line)
+        except ValidationError as e:
+            raise ValueError(
+                f"event {kind!r} does not match its type (trainer.event_types): {e}"
+            ) from e
         for observe in self.observers:
             try:
                 observe(event)
             except Exception as e:  # an observer informs; it must never stop training
                 _log.warning("event observer failed on a %s event: %s", kind, e)
         if self.enabled:
-            line = (json.dumps(event, sort_keys=True, default=str) + "\n").encode()
             with self._lock:
                 self._buffer.append(line)
                 if not buffered or time.monotonic() - self._flushed >= FLUSH_S:
@@ -90,13 +99,28 @@ class EventLog:
         with self._lock:
             self._write()
 
+    def _unwritable(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            _log.error("events: %s: %s; events are not recorded there", self.path, why)
+
     def _write(self) -> None:
         lines, self._buffer = b"".join(self._buffer), []
         self._flushed = time.monotonic()
         if not lines:
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        # Never through a link, never into a FIFO or device (a write into a FIFO blocks once
+        # its buffer fills): anything but a regular file loses these events, said once.
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as e:
+            self._unwritable(f"cannot open it: {e.strerror}")
+            return
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                self._unwritable("not a regular file")
+                return
             os.write(fd, _after_torn_line(fd) + lines)
         finally:
             os.close(fd)
@@ -112,24 +136,19 @@ def _after_torn_line(fd: int) -> bytes:
 
 
 def read_events(run_root: Path) -> list[dict[str, Any]]:
-    """All events of a run; a torn line (writer killed mid-write) is skipped."""
-    path = Path(run_root) / "events.jsonl"
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    out = []
-    for raw in data.split(b"\n"):
-        event = parse_line(raw)
-        if event is not None:
-            out.append(event)
-    return out
+    """All valid events of a run as JSON objects (:func:`trainer.event_read.read_event_dicts`):
+    a torn, foreign or malformed line is dropped, and a path that is not a regular file reads
+    as no events."""
+    return read_event_dicts(run_root)
 
 
 def parse_line(raw: bytes) -> dict[str, Any] | None:
-    """One ``events.jsonl`` line as an event, or None for a blank, torn or foreign line."""
-    try:
-        event = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    """One line as an event's JSON object, or None unless it decodes as a typed event."""
+    if len(raw) > MAX_LINE:
         return None
-    return event if isinstance(event, dict) and "kind" in event and "t" in event else None
+    try:
+        decode_json(raw)
+    except ValidationError:
+        return None
+    event = json.loads(raw)
+    return event if isinstance(event, dict) else None

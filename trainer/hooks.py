@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.events import EventLog, read_events
+from trainer import run_state
+from trainer.events import EventLog
 from trainer.faults import FaultInjector, FaultSpec, flip_bytes
 
 
@@ -81,9 +82,12 @@ class FaultDrills(Hook):
         self.injector = FaultInjector(specs, run_root, rank=rank, on_fire=self._fired)
 
     def _fired(self, spec: FaultSpec) -> None:
-        self.events.emit(
+        event = self.events.emit(
             "fault", fault=str(spec), fault_kind=spec.kind, step=spec.step, rank=self.rank
         )
+        # Open until the first step after the restart closes it (before the fault fires).
+        if spec.kind != "corrupt-checkpoint":
+            run_state.open_fault(self.events.path.parent, event)
 
     def on_step_start(self, step: int) -> None:
         self.injector.maybe_fire(step)
@@ -166,33 +170,21 @@ class StepEvents(Hook):
 
 def emit_recoveries(events: EventLog, layer: str, step: int) -> None:
     """Close every fault recorded since the last recovery, attributing it to ``layer``."""
-    history = read_events(events.path.parent)
-    last_recovered = max((e["t"] for e in history if e["kind"] == "recovered"), default=0.0)
-    # A fault from before the newest train-stage attempt began was carried over by the stage
-    # retry, whatever restarts that attempt needed on its own before this step (an adopted
-    # attempt is the same attempt, watched by another invocation).
-    attempt_began = max(
-        (
-            e["t"]
-            for e in history
-            if e["kind"] == "stage_attempt" and e.get("attempt", 1) > 1 and not e.get("adopted")
-        ),
-        default=0.0,
-    )
+    run_root = events.path.parent
+    retry_t = run_state.retry_began(run_root)
     now = time.time()
-    for e in history:
-        if (
-            e["kind"] == "fault"
-            and e["t"] > last_recovered
-            and e.get("fault_kind") != "corrupt-checkpoint"
-        ):
-            events.emit(
-                "recovered",
-                layer="stage-retry" if e["t"] < attempt_began else layer,
-                fault=e.get("fault"),
-                fault_kind=e.get("fault_kind"),
-                fault_step=e.get("step"),
-                rank=e.get("rank"),
-                step=step,
-                recovery_s=round(now - e["t"], 3),
-            )
+    for path, f in run_state.open_faults(run_root):
+        events.emit(
+            "recovered",
+            # A fault from before the newest train-stage attempt began was carried over by the
+            # stage retry, whatever restarts that attempt needed on its own before this step
+            # (an adopted attempt is the same attempt, watched by another invocation).
+            layer="stage-retry" if f.t < retry_t else layer,
+            fault=f.fault,
+            fault_kind=f.fault_kind,
+            fault_step=f.step,
+            rank=f.rank,
+            step=step,
+            recovery_s=round(max(0.0, now - f.t), 3),
+        )
+        run_state.close_fault(path)

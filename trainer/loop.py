@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer import manifest
+from trainer import manifest, run_state
 from trainer.async_ckpt import AsyncCheckpointer
 from trainer.checkpoint import CheckpointManager
 from trainer.config import TrainConfig
@@ -87,10 +87,11 @@ def init_process_group(ctx: ProcessContext, iteration: int) -> tuple[int, int]:
 def is_respawn(events: list[dict[str, Any]], job_id: str | None) -> bool:
     """Was a worker of this launcher job (same rendezvous id) already training? With several
     nodes, an agent that restarts because *another* node's workers failed does not count it in
-    its TORCHELASTIC_RESTART_COUNT, so the restart count alone misses those respawns."""
-    return bool(job_id) and any(
-        e["kind"] == "train_start" and e.get("job_id") == job_id for e in events
-    )
+    its TORCHELASTIC_RESTART_COUNT, so the restart count alone misses those respawns. (Of
+    recorded events; a worker asks its run's fold, :meth:`RunHistory.is_respawn`.)"""
+    from trainer.history import RunHistory
+
+    return RunHistory.of(events).is_respawn(job_id)
 
 
 def recovery_layer(ctx: ProcessContext, iteration: int, world: int) -> str | None:
@@ -201,6 +202,12 @@ def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
             restart_count=ctx.restart_count,
             job_id=os.environ.get("TORCHELASTIC_RUN_ID"),
             workload=wl.ref,
+        )
+        run_state.record_launch(
+            cfg.run_root,
+            job_id=os.environ.get("TORCHELASTIC_RUN_ID"),
+            world_size=world,
+            nodes=nodes,
         )
 
     loss_value = resumed.loss

@@ -58,11 +58,18 @@ def write_no_restart(run_root: Path, *, rank: int, reason: str) -> None:
 def read_no_restart(run_root: Path) -> str | None:
     """The marker's reason, or None when there is none. A marker that cannot be parsed still
     means "do not restart" (NVRx's own may hold anything)."""
+    from trainer.run_files import UnsafeFile, read_small
+
     path = run_root / NO_RESTART_MARKER
     try:
-        text = path.read_text()
-    except FileNotFoundError:
+        data = read_small(path)
+    except UnsafeFile as e:
+        # Not a marker anyone of ours writes (a FIFO, a link, a huge file): ignored, and said.
+        logging.getLogger(__name__).warning("ignoring %s: %s", path, e)
         return None
+    if data is None:
+        return None
+    text = data.decode("utf-8", "replace")
     try:
         return str(json.loads(text).get("reason") or text.strip() or "no_restart marker")
     except (ValueError, AttributeError):
@@ -93,10 +100,9 @@ def write_node_lost(run_root: Path, *, node: int | None, t: float | None = None)
 def node_lost_since(run_root: Path, since: float) -> bool:
     """Was a node of this job reported lost after ``since`` (epoch seconds)? The marker is on
     the shared filesystem: anything but a well-formed one reads as no."""
-    try:
-        t = json.loads((run_root / NODE_LOST_MARKER).read_text(encoding="utf-8")).get("t")
-    except (OSError, ValueError, AttributeError):
-        return False
+    from trainer.run_files import read_json_object
+
+    t = (read_json_object(run_root / NODE_LOST_MARKER) or {}).get("t")
     return isinstance(t, (int, float)) and not isinstance(t, bool) and t > since
 
 

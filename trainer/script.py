@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer import manifest
+from trainer import manifest, run_state
 from trainer.checkpoint import CheckpointManager
 from trainer.config import TrainConfig, load_config
 from trainer.digest import params_sha256
@@ -184,6 +184,12 @@ class Session:
                 restart_count=self.ctx.restart_count,
                 job_id=os.environ.get("TORCHELASTIC_RUN_ID"),
                 workload=self.cfg.workload,
+            )
+            run_state.record_launch(
+                self.cfg.run_root,
+                job_id=os.environ.get("TORCHELASTIC_RUN_ID"),
+                world_size=self.world_size,
+                nodes=nodes,
             )
         return first
 

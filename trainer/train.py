@@ -311,11 +311,10 @@ def _run(
     saver: AsyncCheckpointer,
     heartbeat: Heartbeat,
 ) -> dict[str, Any]:
-    from trainer import nvrx_compat
+    from trainer import nvrx_compat, run_state
     from trainer.checkpoint import FatalError
-    from trainer.elastic import prior_world, restart_layer
-    from trainer.events import read_events
-    from trainer.loop import ProcessContext, is_respawn
+    from trainer.elastic import restart_layer
+    from trainer.loop import ProcessContext
     from trainer.resilience import wrap_inprocess
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -325,9 +324,10 @@ def _run(
     inprocess_ok, why_not = nvrx_compat.inprocess_available()
     use_inprocess = cfg.inprocess.enabled and inprocess_ok
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    history = read_events(cfg.run_root)
+    # From control/ (trainer.run_state), never a scan of the event log: O(1) at any length.
     job_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    respawned = is_respawn(history, job_id)
+    prior = run_state.prior_world(cfg.run_root, job_id)
+    respawned = prior is not None
     ctx = ProcessContext(
         cfg=cfg,
         placement=placement,
@@ -337,7 +337,7 @@ def _run(
         heartbeat=heartbeat,
         restart_count=restart_count,
         respawned=respawned,
-        prior=prior_world(history, job_id),
+        prior=prior,
         stage_attempt=int(os.environ.get("NVRX_STAGE_ATTEMPT", "1")),
     )
     if rank == 0 and cfg.metrics_port is not None:

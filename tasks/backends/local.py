@@ -35,6 +35,7 @@ from tasks.ownership import processes
 from tasks.ownership.lease import RunLease, process_is
 from trainer.config import config_file, save_config
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
+from trainer.run_files import read_small
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -92,6 +93,11 @@ class Recorder(Protocol):
     def forget(self, match: dict[str, Any]) -> None: ...
 
 
+def exit_file(run_root: Path, attempt: int, node: int) -> Path:
+    """Where simulated node ``node`` of ``attempt`` leaves its agent's exit code."""
+    return run_root / "logs" / f"attempt{attempt}-node{node}.exit"
+
+
 @dataclass
 class NodeProcess:
     """One simulated node: its session leader, found again by pid and start time."""
@@ -109,7 +115,7 @@ class NodeProcess:
             return None
         else:
             try:
-                code = int(self.exit_file.read_text().strip())
+                code = int((read_small(self.exit_file, limit=64) or b"").strip())
             except (OSError, ValueError):
                 return -int(signal.SIGKILL)  # gone without a word: killed
         # The shell reports an agent killed by signal N as 128 + N; say it as Popen would.
@@ -133,8 +139,11 @@ class NodeProcess:
         }
 
     @classmethod
-    def from_record(cls, r: dict[str, Any]) -> NodeProcess:
-        return cls(int(r["node"]), int(r["pid"]), float(r["create_time"]), Path(r["exit_file"]))
+    def from_record(cls, r: dict[str, Any], run_root: Path) -> NodeProcess:
+        """A validated lease record (tasks.ownership.takeover.NodeRecord); its exit file is
+        where the launcher writes it for that attempt and node, whatever the record says."""
+        node, attempt = int(r["node"]), int(r["attempt"])
+        return cls(node, int(r["pid"]), float(r["create_time"]), exit_file(run_root, attempt, node))
 
 
 @dataclass
@@ -335,7 +344,8 @@ class LocalBackend:
     ) -> LocalJob:
         """The nodes invocation ``invocation`` (now dead) started for ``request.attempt``,
         watched from here on."""
-        nodes = {int(r["node"]): NodeProcess.from_record(r) for r in records}
+        root = request.cfg.run_root
+        nodes = {int(r["node"]): NodeProcess.from_record(r, root) for r in records}
         log_dir = request.cfg.run_root / "logs"
         logs = {n: log_dir / f"attempt{request.attempt}-node{n}.log" for n in nodes}
         if self.recorder is not None:
@@ -378,20 +388,20 @@ class LocalBackend:
 
         def start(node: int) -> NodeProcess:
             log_path = log_dir / f"attempt{request.attempt}-node{node}.log"
-            exit_file = log_dir / f"attempt{request.attempt}-node{node}.exit"
-            exit_file.unlink(missing_ok=True)
+            exit_path = exit_file(cfg.run_root, request.attempt, node)
+            exit_path.unlink(missing_ok=True)
             # Appended: a node that returns after a loss keeps its first life's log above.
             with open(log_path, "ab") as log:
                 popen = subprocess.Popen(
                     ["/bin/sh", "-c", _EXIT_WRAPPER, f"nvrx-node{node}", *argv],
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env={**env, "NVRX_EXIT_FILE": str(exit_file), "NVRX_NODE": str(node)},
+                    env={**env, "NVRX_EXIT_FILE": str(exit_path), "NVRX_NODE": str(node)},
                     cwd=_REPO,
                     start_new_session=True,  # one "node" = one session we can take down whole
                 )
             proc = NodeProcess(
-                node, popen.pid, psutil.Process(popen.pid).create_time(), exit_file, popen
+                node, popen.pid, psutil.Process(popen.pid).create_time(), exit_path, popen
             )
             if self.recorder is not None:
                 self.recorder.record(proc.record(request.attempt))

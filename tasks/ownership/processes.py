@@ -47,6 +47,21 @@ def tagged(run_root: Path) -> list[Tagged]:
     return out
 
 
+def carries(pid: int, create_time: float, run_root: Path, invocation: str) -> bool:
+    """Is ``pid`` the very process recorded (its start time) and one that ``invocation``
+    started for this run (its tags)? A lease names pids, but a lease is a file anyone with the
+    shared filesystem can write: only the process's own environment says whose it is."""
+    from tasks.ownership.lease import process_is
+
+    if not process_is(pid, create_time):
+        return False
+    try:
+        env = psutil.Process(pid).environ()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+        return False
+    return env.get(RUN_ROOT_ENV) == str(Path(run_root)) and env.get(INVOCATION_ENV) == invocation
+
+
 def end(procs: list[psutil.Process], timeout_s: float = 10.0) -> None:
     """SIGKILL every one (they are already orphans or about to be: nothing to flush)."""
     for p in procs:

@@ -14,11 +14,13 @@ import enum
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tasks.ownership import processes
-from tasks.ownership.lease import LeaseRecord, process_is
-from trainer.events import read_events
+from tasks.ownership.lease import LeaseRecord
+from trainer.history import RunHistory
 
 # Longer than the in-job layer takes to replace a worker (heartbeat timeout + restart) on the
 # embedded default, so a job in the middle of a restart still counts as healthy.
@@ -29,6 +31,26 @@ class Action(enum.StrEnum):
     ADOPT = "adopt"  # watch the running attempt to its end
     END = "end"  # kill what is left, then run as usual
     NOTHING = "nothing"  # nothing of the dead owner still runs
+
+
+class NodeRecord(BaseModel):
+    """A node the previous owner recorded in its lease: validated, since the lease is a file of
+    the shared filesystem. The node's exit file is derived from the run root, never read here."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="ignore")
+
+    kind: Literal["node"]
+    attempt: int = Field(ge=1)
+    node: int = Field(ge=0, le=65535)
+    pid: int = Field(gt=1)
+    create_time: float = Field(gt=0)
+
+    @classmethod
+    def parse(cls, r: dict[str, Any]) -> NodeRecord | None:
+        try:
+            return cls.model_validate(r)
+        except ValidationError:
+            return None
 
 
 @dataclass(frozen=True)
@@ -55,33 +77,31 @@ class Plan:
 
 
 def gather(previous: LeaseRecord, run_root: Path, *, now: float | None = None) -> Snapshot:
-    node_records = [r for r in previous.resources if r.get("kind") == "node"]
-    attempt = max((int(r.get("attempt", 0)) for r in node_records), default=None)
-    nodes = tuple(r for r in node_records if int(r.get("attempt", 0)) == attempt)
+    node_records = [
+        r.model_dump() for r in map(NodeRecord.parse, previous.resources) if r is not None
+    ]
+    attempt = max((int(r["attempt"]) for r in node_records), default=None)
+    nodes = tuple(r for r in node_records if int(r["attempt"]) == attempt)
+    invocation = previous.owner.invocation
     alive = frozenset(
         int(r["node"])
         for r in nodes
-        if process_is(int(r.get("pid", -1)), float(r.get("create_time", 0)))
+        if processes.carries(int(r["pid"]), float(r["create_time"]), run_root, invocation)
     )
     strays = sum(1 for t in processes.tagged(run_root) if t.invocation == previous.owner.invocation)
-    events = read_events(run_root)
-    trainer_events = [e for e in events if e["kind"] in ("step", "checkpoint", "restart", "resume")]
-    steps = [int(e["step"]) for e in events if e["kind"] == "step"]
-    commits = [int(e["step"]) for e in events if e["kind"] == "checkpoint"]
-    ended = any(
-        e["kind"] == "stage_attempt_end" and e.get("attempt") == attempt
-        for e in events
-        if e["t"] >= previous.owner.started_at
-    )
+    history = RunHistory.read(run_root)
+    # Only the previous owner's own events say whether its attempt ended.
+    mine = RunHistory.read(run_root, since=previous.owner.started_at)
+    ended = attempt is not None and ("train", attempt) in mine.ended_attempts
     return Snapshot(
         previous=previous,
         nodes=nodes,
         alive=alive,
         strays=strays,
-        last_event_t=trainer_events[-1]["t"] if trainer_events else None,
+        last_event_t=history.last_progress_t,
         attempt_ended=ended,
-        last_step=steps[-1] if steps else None,
-        last_commit=commits[-1] if commits else None,
+        last_step=history.last_step.step if history.last_step else None,
+        last_commit=history.last_checkpoint.step if history.last_checkpoint else None,
         now=time.time() if now is None else now,
     )
 

@@ -171,6 +171,57 @@ def test_takeover_decision(d: Decision):
     assert (plan.nodes != ()) == (d.action == takeover.Action.ADOPT)
 
 
+def test_a_forged_lease_names_no_process_of_ours(tmp_path: Path):
+    """A lease naming an untagged process (its real pid and start time, readable by anyone from
+    /proc) and an exit file elsewhere: takeover sees nothing of the dead owner alive, ends
+    nothing, and an adopted node's exit file is the run's own."""
+    from tasks.backends.local import NodeProcess
+
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        created = psutil.Process(victim.pid).create_time()
+        elsewhere = tmp_path / "elsewhere.exit"
+        elsewhere.write_text("0\n")
+        dead = _dead_owner()
+        node = {"kind": "node", "attempt": 1, "node": 0, "pid": victim.pid,
+                "create_time": created, "exit_file": str(elsewhere)}  # fmt: skip
+        forged = LeaseRecord("r1", dead.owner, time.time(), (node, {"kind": "node", "pid": "x"}))
+        snap = takeover.gather(forged, tmp_path / "run")
+        assert snap.alive == frozenset() and snap.strays == 0
+        plan = takeover.decide(snap)
+        assert plan.action == takeover.Action.NOTHING, plan.reason
+        assert takeover.carry_out(plan, forged, tmp_path / "run") == []
+        # Tagged as the dead owner's, the same process would count as its node.
+        assert not processes.carries(victim.pid, created, tmp_path / "run", "deadbeef")
+        adopted = NodeProcess.from_record(node, tmp_path / "run")
+        assert adopted.exit_file == tmp_path / "run" / "logs" / "attempt1-node0.exit"
+        assert victim.poll() is None  # never signalled
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_a_tagged_process_of_the_dead_owner_is_its_node(tmp_path: Path):
+    run_root = tmp_path / "run"
+    env = {**os.environ, **processes.tags(run_root, "deadbeef")}
+    node_proc = subprocess.Popen(["sleep", "60"], env=env)
+    try:
+        created = psutil.Process(node_proc.pid).create_time()
+        deadline = time.monotonic() + 5  # the environment is readable once exec is done
+        while not processes.carries(node_proc.pid, created, run_root, "deadbeef"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        dead = _dead_owner()
+        node = {"kind": "node", "attempt": 1, "node": 0, "pid": node_proc.pid,
+                "create_time": created}  # fmt: skip
+        snap = takeover.gather(LeaseRecord("r1", dead.owner, time.time(), (node,)), run_root)
+        assert snap.alive == frozenset({0})
+        assert not processes.carries(node_proc.pid, created, run_root, "another")
+    finally:
+        node_proc.kill()
+        node_proc.wait()
+
+
 # -- the embedded S3 server -----------------------------------------------------------------------
 def _port_free(port: int) -> bool:
     with socket.socket() as s:

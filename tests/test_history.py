@@ -1,0 +1,153 @@
+"""The run's fold (trainer.history.RunHistory) over recorded histories: what every reader
+reports, and a live state that does not grow with steps."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainer.events import EventLog
+from trainer.history import RunHistory
+
+
+def ev(t: float, kind: str, **fields: Any) -> dict[str, Any]:
+    return {"t": t, "kind": kind, **fields}
+
+
+def step(t: float, n: int, s: float = 1.0, **fields: Any) -> dict[str, Any]:
+    return ev(t, "step", step=n, loss=1.0 / n, step_s=s, **fields)
+
+
+# A recorded run: attempt 1 trains steps 1-6 (checkpoints at 2 and 4), an exception at step 5 is
+# recovered in-process from the step-4 checkpoint (steps 5-6 replayed at 2 s each), a node loss
+# at step 6 ends the attempt, attempt 2 resumes from step 4 and finishes at step 8.
+HISTORY = [
+    ev(1, "stage_attempt", stage="train", attempt=1, backend="local", nodes=2),
+    ev(2, "train_start", world_size=2, nodes=[0, 1], job_id="a1", start_step=1, steps=8),
+    step(3, 1),
+    step(4, 2),
+    ev(4.1, "checkpoint", step=2, blocking_s=0.2),
+    step(5, 3),
+    step(6, 4),
+    ev(6.1, "checkpoint", step=4, blocking_s=0.4, pruned=[]),
+    step(7, 5),
+    ev(7.5, "fault", fault="exception@step=5,rank=1", fault_kind="exception", step=5, rank=1),
+    ev(8, "restart", layer="inprocess", iteration=1),
+    ev(8.1, "resume", action="loaded", step=4),
+    step(9, 5, 2.0),
+    ev(9.1, "recovered", layer="inprocess", fault="exception@step=5,rank=1", fault_step=5,
+       step=5, recovery_s=1.6),
+    step(10, 6, 2.0),
+    ev(10.5, "fault", fault="node-loss@step=6,node=1", fault_kind="node-loss", step=6, node=1,
+       path="stage-retry", detail="fixed size"),
+    ev(11, "stage_attempt_end", stage="train", attempt=1, outcome="node-loss", message="lost",
+       wall_s=10.0),
+    ev(12, "stage_attempt", stage="train", attempt=2, backend="local", nodes=2),
+    ev(13, "train_start", world_size=2, nodes=[0, 1], job_id="a2", start_step=5, steps=8),
+    ev(13.1, "resume", action="loaded", step=4),
+    step(14, 5),
+    ev(14.1, "recovered", layer="stage-retry", fault="node-loss@step=6,node=1", fault_step=6,
+       step=5, recovery_s=3.6),
+    step(15, 6),
+    ev(15.1, "checkpoint", step=6, blocking_s=0.3, pruned=[2]),
+    step(16, 7),
+    step(17, 8),
+    ev(17.1, "checkpoint", step=8, blocking_s=0.1, pruned=[4]),
+    ev(18, "train_end", final_step=8, final_loss=0.125, params_sha256="abc"),
+    ev(19, "stage_attempt_end", stage="train", attempt=2, outcome="completed", message="done",
+       wall_s=8.0),
+]  # fmt: skip
+
+
+def test_the_fold_reports_a_recorded_run():
+    h = RunHistory.of(HISTORY)
+    faults = h.fault_records()
+    assert [(f["kind"], f["recovered_by"], f["recovery_s"]) for f in faults] == [
+        ("exception", "inprocess", 1.6),
+        ("node-loss", "stage-retry", 3.6),
+    ]
+    assert faults[1]["path"] == "stage-retry" and faults[1]["node"] == 1
+    assert h.stage_attempts() == 2 and h.train_wall_s() == 18.0
+    # Each step's last execution: steps 1-8 at 1 s (the replays of 5 and 6 at 2 s were lost
+    # to the node loss and run again at 1 s).
+    assert h.productive_s() == 8.0 and h.ettr() == round(8.0 / 18.0, 4)
+    assert h.progress() == 8 and h.recorded_commit() == 8
+    assert h.last_attempt_cause() == "done"
+    s = h.summary()
+    assert s["outcome"] == "completed" and s["params_sha256"] == "abc"
+    assert s["checkpoints"] == 4 and s["ckpt_blocking_s_max"] == 0.4
+    assert s["steps_run"] == 11 and s["final_step"] == 8
+    st = h.status()
+    assert [a["outcome"] for a in st["train_attempts"]] == ["node-loss", "completed"]
+    assert st["latest_checkpoint_step"] == 8 and st["state"].startswith("trained")
+
+
+def test_since_keeps_one_invocations_share():
+    h = RunHistory.of(HISTORY, since=12)
+    assert h.stage_attempts() == 1 and [f["kind"] for f in h.fault_records()] == []
+    assert h.train_wall_s() == 8.0
+
+
+def test_the_workers_start_up_facts():
+    h = RunHistory.of(HISTORY[:16])  # attempt 1, after the node loss
+    assert h.is_respawn("a1") and not h.is_respawn("a2") and not h.is_respawn(None)
+    prior = h.prior_world("a1")
+    assert prior is not None and prior.nodes == (0, 1) and prior.open_node_loss
+    assert [f.fault_kind for f in h.open_faults()] == ["node-loss"]
+    h = RunHistory.of(HISTORY)
+    assert not h.open_faults()  # every fault closed
+    assert h.last_retry_t == 12  # attempt 2 began then: its recoveries are the stage retry's
+
+
+def test_a_fresh_start_forgets_earlier_commits_and_steps():
+    h = RunHistory.of(
+        [
+            *(step(1, 1), step(2, 2), ev(2.1, "checkpoint", step=2, blocking_s=0.1)),
+            *(ev(3, "resume", action="fresh"), step(4, 1, 3.0)),
+        ]
+    )
+    assert h.recorded_commit() is None and h.productive_s() == 3.0
+
+
+def test_the_live_state_does_not_grow_with_steps():
+    def fold(steps: int) -> RunHistory:
+        h = RunHistory()
+        for e in [
+            ev(0, "stage_attempt", stage="train", attempt=1),
+            ev(0.5, "train_start", world_size=2, nodes=[0, 1], job_id="j"),
+        ]:
+            h.observe(_typed(e))
+        for n in range(1, steps + 1):
+            h.observe(_typed(step(n, n, 0.5)))
+            if n % 10 == 0:  # a commit every 10 steps, keeping the newest 2
+                h.observe(_typed(ev(n + 0.1, "checkpoint", step=n, blocking_s=0.1,
+                                    pruned=[n - 20] if n > 20 else [])))  # fmt: skip
+        return h
+
+    small, large = fold(1_000), fold(100_000)
+    assert large.productive_s() == 0.5 * 100_000
+    assert _state_size(large) == _state_size(small)
+
+
+def _typed(e: dict[str, Any]):
+    from trainer.event_types import decode_obj
+
+    return decode_obj(e)
+
+
+def _state_size(h: RunHistory) -> int:
+    """Entries held, container by container (scalars count once)."""
+    return sum(len(v) if isinstance(v, list | dict | set) else 1 for v in vars(h).values())
+
+
+def test_read_streams_the_file(tmp_path: Path):
+    log = EventLog(tmp_path)
+    for e in HISTORY:
+        fields = {k: v for k, v in e.items() if k not in ("t", "kind")}
+        log.emit(e["kind"], **fields)
+    with open(log.path, "a") as f:
+        f.write('1\nnull\n{"t": 1, "kind": "step", "step": "9"}\n')
+    h = RunHistory.read(tmp_path)
+    assert h.events_seen == len(HISTORY) and h.progress() == 8
+    assert sys.getsizeof(h) < 1024

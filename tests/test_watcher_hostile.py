@@ -1,0 +1,221 @@
+"""The train-stage watcher (tasks.train_stage.run_attempt) against hostile run-root files: bad
+event lines, a result that is not JSON, FIFOs where it reads. Each attempt goes on to its real
+outcome and the deadline holds; the run's metrics keep serving and count what was dropped.
+
+The job is scripted (each poll appends what a trainer would write), so that these cases cost
+no processes: the watcher, the decoder, the files and the classification are all real."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.backends.base import Evidence, LaunchRequest
+from tasks.classify import EndKind, EndSnapshot, Outcome, classify
+from tasks.train_stage import run_attempt
+from tests.helpers import free_port, make_config, sample, scrape
+from trainer.resilience import NO_RESTART_MARKER
+
+STEPS = 4
+Action = Callable[[Path], None]
+
+
+def append(*lines: str) -> Action:
+    def act(run_root: Path) -> None:
+        with open(run_root / "events.jsonl", "a") as f:
+            f.write("".join(line + "\n" for line in lines))
+
+    return act
+
+
+def step(n: int) -> str:
+    return json.dumps({"t": time.time(), "kind": "step", "step": n, "loss": 1.0, "step_s": 0.01})
+
+
+def result(status: str = "completed") -> Action:
+    def act(run_root: Path) -> None:
+        (run_root / "result.json").write_text(
+            json.dumps({"status": status, "final_step": STEPS, "final_loss": 1.0})
+        )
+
+    return act
+
+
+def plant(name: str, content: bytes | None) -> Action:
+    """Put ``content`` at ``name`` (None: a FIFO)."""
+
+    def act(run_root: Path) -> None:
+        path = run_root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        if content is None:
+            os.mkfifo(path)
+        else:
+            path.write_bytes(content)
+
+    return act
+
+
+TRAINING = [append(step(n)) for n in range(1, STEPS + 1)]
+BAD = [
+    "1",
+    "null",
+    "[]",
+    '{"t": 1, "kind": "step"}',
+    '{"t": 1, "kind": "step", "step": "3", "loss": 1.0}',
+    '{"t": 1, "kind": "train_start", "world_size": 2, "nodes": "all"}',
+    '{"t": 1, "kind": "fatal"}',
+    '{"t": 1, "kind": "step", "ste',
+    "x" * 70_000,
+]
+
+
+@dataclass
+class ScriptedJob:
+    run_root: Path
+    script: list[Action]
+    attempt: int = 1
+    name: str = "scripted"
+    poll_s: float = 0.02
+    loss_grace_s: float = 0.0
+    store_host: int | None = None
+    stopped: bool = False
+    observed: list[dict[str, Any]] = field(default_factory=list)
+
+    def running(self) -> bool:
+        if self.stopped:
+            return False
+        if self.script:
+            self.script.pop(0)(self.run_root)
+            return True
+        return False
+
+    def observe(self, event: dict[str, Any]) -> None:
+        self.observed.append(event)
+
+    def alive_nodes(self) -> frozenset[int]:
+        return frozenset({0})
+
+    def losses(self) -> frozenset[int]:
+        return frozenset()
+
+    def absorb(self, node: int) -> None:
+        raise AssertionError("no loss here")
+
+    lose_node = restore_node = absorb
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def outcome(self, evidence: Evidence) -> Outcome:
+        return classify(
+            EndSnapshot(
+                exit_codes={0: None if self.stopped else 0},
+                timed_out=evidence.timed_out,
+                result=evidence.result,
+                fatal=evidence.fatal,
+                no_restart=evidence.no_restart,
+                target_steps=evidence.target_steps,
+            )
+        )
+
+    def finish(self, outcome: Outcome) -> dict[str, Any]:
+        return {}
+
+
+@dataclass
+class ScriptedBackend:
+    script: list[Action]
+    name: str = "scripted"
+    job: ScriptedJob | None = None
+
+    def reattach(self, request: LaunchRequest) -> None:
+        return None
+
+    def launch(self, request: LaunchRequest) -> ScriptedJob:
+        self.job = ScriptedJob(request.cfg.run_root, list(self.script))
+        return self.job
+
+
+# (case, what the job writes, poll by poll; the outcome it really has)
+CASES: list[tuple[str, list[Action], EndKind]] = [
+    ("bad-lines", [append(*BAD), *TRAINING, append(*BAD), result()], EndKind.COMPLETED),
+    ("garbage-result-then-real", [plant("result.json", b"\x00garbage"), *TRAINING, result()],
+     EndKind.COMPLETED),
+    ("result-not-an-object", [*TRAINING, plant("result.json", b'["completed"]')], EndKind.BUG),
+    ("result-is-a-fifo", [*TRAINING, plant("result.json", None)], EndKind.BUG),
+    ("no-restart-is-a-fifo", [plant(str(NO_RESTART_MARKER), None), *TRAINING, result()],
+     EndKind.COMPLETED),
+    ("node-lost-is-a-fifo", [plant("control/node_lost", None), *TRAINING, result()],
+     EndKind.COMPLETED),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "script", "kind"), CASES, ids=[c[0] for c in CASES])
+def test_hostile_files_do_not_change_an_attempts_outcome(
+    tmp_path: Path, dataset: Path, case: str, script: list[Action], kind: EndKind
+):
+    cfg = make_config(tmp_path / "run", dataset, steps=STEPS)
+    request = LaunchRequest(
+        run_id="hostile", attempt=1, cfg=cfg, nodes=1, nproc_per_node=1, deadline_s=30
+    )
+    backend = ScriptedBackend(script)
+    seen: list[dict[str, Any]] = []
+    report = run_attempt(backend, request, on_event=seen.append)  # type: ignore[arg-type]
+    assert report.outcome.kind == kind, report.outcome.message
+    assert backend.job is not None and not backend.job.stopped  # it ended by itself
+    steps = [e["step"] for e in seen if e["kind"] == "step"]
+    assert steps == list(range(1, STEPS + 1))  # every good line, no bad one
+    assert backend.job.observed == seen
+
+
+def test_the_deadline_holds_with_a_fifo_at_events_jsonl(tmp_path: Path, dataset: Path):
+    cfg = make_config(tmp_path / "run", dataset, steps=STEPS)
+    cfg.run_root.mkdir(parents=True)
+    os.mkfifo(cfg.run_root / "events.jsonl")
+    # A job that never ends by itself (whose trainer could not write its events either).
+    forever: list[Action] = [lambda root: None] * 100_000
+    request = LaunchRequest(
+        run_id="fifo", attempt=1, cfg=cfg, nodes=1, nproc_per_node=1, deadline_s=1.0
+    )
+    backend = ScriptedBackend(forever)
+    started = time.monotonic()
+    report = run_attempt(backend, request)  # type: ignore[arg-type]
+    assert report.outcome.kind == EndKind.TIMEOUT, report.outcome.message
+    assert backend.job is not None and backend.job.stopped
+    assert time.monotonic() - started < 20
+
+
+def test_metrics_keep_serving_through_bad_lines(tmp_path: Path, dataset: Path):
+    from tasks.metrics import serving
+
+    cfg = make_config(tmp_path / "run", dataset, steps=STEPS)
+    cfg.run_root.mkdir(parents=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    with serving(cfg.run_root, "hostile", port=port, addr="127.0.0.1", poll_s=0.05):
+        request = LaunchRequest(
+            run_id="hostile", attempt=1, cfg=cfg, nodes=1, nproc_per_node=1, deadline_s=30
+        )
+        script = [append(*BAD), *TRAINING, append(*BAD), result()]
+        report = run_attempt(ScriptedBackend(script), request)  # type: ignore[arg-type]
+        assert report.outcome.kind == EndKind.COMPLETED
+        deadline = time.monotonic() + 10
+        while True:
+            s = scrape(url)
+            # Both batches of bad lines read (the last event before the result).
+            if sample(s, "nvrx_event_lines_dropped_total", reason="too-long") == 2:
+                break
+            assert time.monotonic() < deadline, s
+            time.sleep(0.1)
+    dropped = {r: sample(s, "nvrx_event_lines_dropped_total", reason=r) for r in
+               ("not-json", "not-an-event", "too-long")}  # fmt: skip
+    assert dropped == {"not-json": 2, "not-an-event": 14, "too-long": 2}
+    assert sample(s, "nvrx_train_step", run_id="hostile") == STEPS

@@ -1,0 +1,294 @@
+"""Every kind of ``events.jsonl`` line as a frozen, typed record (arch §5).
+
+The file is shared state on a shared filesystem: any process that can write the run root can
+append to it, so a reader trusts only what decodes against these types. One pydantic
+discriminated union on ``kind`` declares them all: writers go through it (``EventLog.emit``
+refuses an event that would not decode), and the one decoder (:mod:`trainer.event_read`) drops
+every line that does not (a bare ``1``, ``null``, a ``step`` without ``step`` or with a string,
+an unknown kind), so no reader meets a malformed event.
+
+Types are strict: a string is not a number and ``true`` is not a step (pydantic would otherwise
+coerce ``"5"`` to 5). Fields a reader decides from are required; the rest are optional, and
+fields not declared here are kept (``extra="allow"``) so that a newer writer's additions reach
+an older reader's reports instead of failing its decode.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+__all__ = [
+    "KINDS",
+    "Checkpoint",
+    "CheckpointFailed",
+    "Cleanup",
+    "Event",
+    "Fatal",
+    "Fault",
+    "NodeReturn",
+    "Phase",
+    "PruneRefused",
+    "Recovered",
+    "Restart",
+    "Resume",
+    "StageAttempt",
+    "StageAttemptEnd",
+    "StaleJobsDeleted",
+    "Step",
+    "Takeover",
+    "TrainEnd",
+    "TrainStart",
+    "ValidationError",
+    "WorkerStart",
+    "WorldChange",
+    "decode_json",
+    "decode_obj",
+]
+
+# A step or node number, a count, a world size: never negative. Node -1 is the trainer's "no
+# backend told this worker its node" (trainer.loop), so node lists admit it.
+NonNeg = Annotated[int, Field(ge=0)]
+Seconds = Annotated[float, Field(ge=0.0)]
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(frozen=True, strict=True, extra="allow")
+
+    t: float  # unix time the event was made (the writer's clock)
+
+
+class WorkerStart(_Base):
+    kind: Literal["worker_start"]
+    world_size: NonNeg
+    restart_count: NonNeg = 0
+    process_start_t: float | None = None
+    data_s: Seconds | None = None
+
+
+class Phase(_Base):
+    kind: Literal["phase"]
+    phase: str
+    s: Seconds
+
+
+class TrainStart(_Base):
+    kind: Literal["train_start"]
+    world_size: NonNeg
+    start_step: NonNeg | None = None
+    steps: NonNeg | None = None
+    nodes: list[int] = []
+    iteration: int | None = None
+    restart_count: NonNeg = 0
+    job_id: str | None = None
+
+
+class WorldChange(_Base):
+    kind: Literal["world_change"]
+    from_world: NonNeg
+    to_world: NonNeg
+    from_nodes: list[int] = []
+    nodes: list[int] = []
+    step: NonNeg
+    cause: str
+
+
+class Step(_Base):
+    kind: Literal["step"]
+    step: NonNeg
+    loss: float | None = None
+    step_s: Seconds = 0.0
+    ckpt_blocking_s: Seconds | None = None
+    tokens_per_s: float | None = None
+
+
+class TrainEnd(_Base):
+    kind: Literal["train_end"]
+    final_step: NonNeg
+    final_loss: float | None = None
+    params_sha256: str | None = None
+    world_size: NonNeg | None = None
+
+
+class Checkpoint(_Base):
+    kind: Literal["checkpoint"]
+    step: NonNeg
+    blocking_s: Seconds
+    total_s: Seconds | None = None
+    commit_s: Seconds | None = None
+    path: str | None = None
+    pruned: list[int] = []
+
+
+class CheckpointFailed(_Base):
+    kind: Literal["checkpoint_failed"]
+    step: NonNeg
+    error: str
+    path: str | None = None
+
+
+class PruneRefused(_Base):
+    kind: Literal["prune_refused"]
+    step: NonNeg
+    reason: str
+
+
+class Resume(_Base):
+    kind: Literal["resume"]
+    # loaded, skipped, failed, fresh, or a crash repair (rolled-forward, removed-partial, ...)
+    action: str
+    step: NonNeg | None = None
+    reason: str | None = None
+    saved_world_size: NonNeg | None = None
+    world_size: NonNeg | None = None
+    load_s: Seconds | None = None
+
+
+class Fault(_Base):
+    kind: Literal["fault"]
+    fault: str
+    fault_kind: str
+    step: NonNeg | None = None
+    rank: NonNeg | None = None
+    node: NonNeg | None = None
+    nodes: list[int] | None = None
+    path: str | None = None  # a node loss's path (tasks.loss_policy)
+    detail: str | None = None
+
+
+class Restart(_Base):
+    kind: Literal["restart"]
+    layer: str
+    restart_count: NonNeg | None = None
+    iteration: int | None = None
+    world_size: NonNeg | None = None
+
+
+class Recovered(_Base):
+    kind: Literal["recovered"]
+    layer: str
+    fault: str | None = None
+    fault_kind: str | None = None
+    fault_step: NonNeg | None = None
+    rank: NonNeg | None = None
+    step: NonNeg
+    recovery_s: Seconds
+
+
+class Fatal(_Base):
+    kind: Literal["fatal"]
+    error: str
+    requeue: bool = False
+
+
+class NodeReturn(_Base):
+    kind: Literal["node_return"]
+    fault: str
+    step: NonNeg
+    node: NonNeg
+
+
+class StageAttempt(_Base):
+    kind: Literal["stage_attempt"]
+    stage: str
+    attempt: Annotated[int, Field(ge=1)]
+    nodes: NonNeg | None = None
+    nproc_per_node: NonNeg | None = None
+    backend: str | None = None
+    adopted: bool = False
+
+
+class StageAttemptEnd(_Base):
+    kind: Literal["stage_attempt_end"]
+    stage: str
+    attempt: Annotated[int, Field(ge=1)]
+    outcome: str
+    message: str | None = None
+    wall_s: Seconds = 0.0
+
+
+class Takeover(_Base):
+    kind: Literal["takeover"]
+    previous: str
+    action: str
+    reason: str
+    attempt: int | None = None
+    ended_pids: list[int] = []
+    steps_lost: NonNeg = 0
+
+
+class Cleanup(_Base):
+    kind: Literal["cleanup"]
+    state: str
+    removed: Any = None
+
+
+class StaleJobsDeleted(_Base):
+    kind: Literal["stale_jobs_deleted"]
+    jobs: list[str]
+    attempt: int | None = None
+
+
+Event = Annotated[
+    WorkerStart
+    | Phase
+    | TrainStart
+    | WorldChange
+    | Step
+    | TrainEnd
+    | Checkpoint
+    | CheckpointFailed
+    | PruneRefused
+    | Resume
+    | Fault
+    | Restart
+    | Recovered
+    | Fatal
+    | NodeReturn
+    | StageAttempt
+    | StageAttemptEnd
+    | Takeover
+    | Cleanup
+    | StaleJobsDeleted,
+    Field(discriminator="kind"),
+]
+
+_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+KINDS: frozenset[str] = frozenset(
+    m.model_fields["kind"].annotation.__args__[0]  # type: ignore[union-attr]
+    for m in (
+        WorkerStart,
+        Phase,
+        TrainStart,
+        WorldChange,
+        Step,
+        TrainEnd,
+        Checkpoint,
+        CheckpointFailed,
+        PruneRefused,
+        Resume,
+        Fault,
+        Restart,
+        Recovered,
+        Fatal,
+        NodeReturn,
+        StageAttempt,
+        StageAttemptEnd,
+        Takeover,
+        Cleanup,
+        StaleJobsDeleted,
+    )
+)
+
+
+def decode_json(raw: bytes | str) -> Event:
+    """One line as its typed event; raises :class:`ValidationError` when it is not one."""
+    return _ADAPTER.validate_json(raw)
+
+
+def decode_obj(obj: Any) -> Event:
+    """An already-parsed JSON object (a recorded history in a test, an echoed log line) as its
+    typed event; raises :class:`ValidationError` when it is not one."""
+    return _ADAPTER.validate_python(obj)

@@ -1,0 +1,352 @@
+"""A run's history, folded once from its typed events: what every reader decides and reports from.
+
+:class:`RunHistory` takes events one at a time (:meth:`RunHistory.observe`), in file order, and
+keeps only what its readers ask: the stage attempts, the faults with the layer that recovered
+each, the world changes, the restarts, the launches, the newest step and checkpoint, and running
+sums. Its live state grows with attempts, faults, restarts and world changes, never with steps:
+a 1 M-step log folds in the memory of a 1 k-step one (``benchmarks/fold_events.py``).
+
+The one step-sized quantity, productive time (each step's *last* execution: a replay after a
+restart replaces the lost execution), is kept exactly with a window: a step's time is final once
+a kept checkpoint at or after it exists, because no resume can go back past the oldest kept
+checkpoint (an explicit fresh start discards everything instead). Until then it stays in the
+window, which therefore spans at most the checkpoints kept and one interval.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.elastic import PriorWorld
+from trainer.event_read import EVENTS_FILE, EventReader
+from trainer.event_types import (
+    Checkpoint,
+    Event,
+    Fatal,
+    Fault,
+    Recovered,
+    Restart,
+    Resume,
+    StageAttempt,
+    StageAttemptEnd,
+    Step,
+    Takeover,
+    TrainEnd,
+    TrainStart,
+    ValidationError,
+    WorldChange,
+    decode_obj,
+)
+
+# Committed checkpoints remembered for the productive-time window. A run keeps a few
+# (``checkpoint.keep_last``); a writer that never reports pruning (the torchrun baseline) is
+# bounded here: a resume from further back than this many checkpoints is not a case to plan for.
+KEPT_CHECKPOINTS = 64
+
+
+@dataclass
+class AttemptView:
+    attempt: int
+    stage: str
+    t: float
+    backend: str | None
+    adopted: bool
+    outcome: str | None = None  # None: still running (no stage_attempt_end yet)
+    message: str | None = None
+    wall_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Launch:
+    t: float
+    world_size: int
+    nodes: tuple[int, ...]
+
+
+class RunHistory:
+    """The fold. ``since`` (unix time) ignores older events: one invocation's share of a run
+    resumed by several."""
+
+    def __init__(self, *, since: float = 0.0) -> None:
+        self.since = since
+        self.events_seen = 0
+        self.attempts: list[AttemptView] = []
+        self._train_wall_s = 0.0
+        self.ended_attempts: set[tuple[str, int]] = set()  # (stage, attempt) with an end event
+        self._last_end_message: str | None = None
+        self.faults: list[Fault] = []
+        self._recovered: dict[tuple[str | None, int | None], Recovered] = {}
+        self.last_recovered_t = 0.0
+        self.last_retry_t = 0.0  # start of the newest train attempt > 1 not adopted
+        self.world_changes: list[WorldChange] = []
+        self.restarts: list[Restart] = []
+        self._launches: dict[str, _Launch] = {}  # by launcher job id (rendezvous id)
+        self.last_train_start: TrainStart | None = None
+        self.takeover: Takeover | None = None
+        self.end: TrainEnd | Fatal | None = None  # the newest train_end or fatal
+        self.first_fatal: Fatal | None = None
+        self.train_ended = False
+        # Steps
+        self.last_step: Step | None = None
+        self.max_step = 0
+        self.steps_run = 0
+        self.last_progress_t: float | None = None  # newest step/checkpoint/restart/resume
+        # Checkpoints
+        self.checkpoints = 0
+        self.last_checkpoint: Checkpoint | None = None
+        self.blocking_max: float | None = None
+        self._blocking_sum = 0.0
+        self._recorded_commit: int | None = None  # newest commit since the last fresh start
+        # Productive time: final seconds, and the window of steps a resume may still replay.
+        self._final_s = 0.0
+        self._window: dict[int, float] = {}
+        self._kept: list[int] = []  # committed steps not pruned, ascending
+
+    # -- building -------------------------------------------------------------------------
+
+    @classmethod
+    def read(cls, run_root: Path, *, since: float = 0.0) -> RunHistory:
+        """The fold of a run's ``events.jsonl``, streamed (never held whole)."""
+        h = cls(since=since)
+        for ev in EventReader(Path(run_root) / EVENTS_FILE).iter_new():
+            h.observe(ev)
+        return h
+
+    @classmethod
+    def of(cls, events: Iterable[Event | dict[str, Any]], *, since: float = 0.0) -> RunHistory:
+        """The fold of recorded events: typed, or JSON objects (decoded; invalid ones dropped)."""
+        h = cls(since=since)
+        for e in events:
+            if isinstance(e, dict):
+                try:
+                    e = decode_obj(e)
+                except ValidationError:
+                    continue
+            h.observe(e)
+        return h
+
+    def observe(self, ev: Event) -> None:
+        if ev.t < self.since:
+            return
+        self.events_seen += 1
+        if isinstance(ev, Step):
+            self._step(ev)
+        elif isinstance(ev, Checkpoint):
+            self._checkpoint(ev)
+        elif isinstance(ev, Fault):
+            self.faults.append(ev)
+        elif isinstance(ev, Recovered):
+            self._recovered.setdefault((ev.fault, ev.fault_step), ev)
+            self.last_recovered_t = max(self.last_recovered_t, ev.t)
+        elif isinstance(ev, Restart):
+            self.restarts.append(ev)
+            self.last_progress_t = ev.t
+        elif isinstance(ev, Resume):
+            self.last_progress_t = ev.t
+            if ev.action == "fresh":
+                self._recorded_commit = None
+                self._final_s, self._window, self._kept = 0.0, {}, []
+            elif ev.action == "loaded" and ev.step is not None:
+                # Steps after the loaded checkpoint run again: their earlier execution is lost.
+                for s in [s for s in self._window if s > ev.step]:
+                    del self._window[s]
+        elif isinstance(ev, StageAttempt):
+            self.attempts.append(AttemptView(ev.attempt, ev.stage, ev.t, ev.backend, ev.adopted))
+            if ev.stage == "train" and ev.attempt > 1 and not ev.adopted:
+                self.last_retry_t = max(self.last_retry_t, ev.t)
+        elif isinstance(ev, StageAttemptEnd):
+            self._last_end_message = ev.message
+            self.ended_attempts.add((ev.stage, ev.attempt))
+            if ev.stage == "train":
+                self._train_wall_s += ev.wall_s
+            for a in self.attempts:
+                same = (a.stage, a.attempt) == (ev.stage, ev.attempt)
+                if same and a.outcome is None and a.t <= ev.t:
+                    a.outcome, a.message, a.wall_s = ev.outcome, ev.message, ev.wall_s
+        elif isinstance(ev, TrainStart):
+            self.last_train_start = ev
+            if ev.job_id:
+                self._launches[ev.job_id] = _Launch(ev.t, ev.world_size, tuple(ev.nodes))
+        elif isinstance(ev, WorldChange):
+            self.world_changes.append(ev)
+        elif isinstance(ev, TrainEnd):
+            self.end, self.train_ended = ev, True
+        elif isinstance(ev, Fatal):
+            self.end = ev
+            self.first_fatal = self.first_fatal or ev
+        elif isinstance(ev, Takeover):
+            self.takeover = self.takeover or ev
+
+    def _step(self, ev: Step) -> None:
+        self.steps_run += 1
+        self.last_step = ev
+        self.max_step = max(self.max_step, ev.step)
+        self.last_progress_t = ev.t
+        floor = self._kept[0] if self._kept else 0
+        if ev.step > floor:
+            self._window[ev.step] = ev.step_s
+        else:  # a replay from before the oldest kept checkpoint: not a path of ours
+            self._final_s += ev.step_s
+
+    def _checkpoint(self, ev: Checkpoint) -> None:
+        self.checkpoints += 1
+        self.last_checkpoint = ev
+        self.last_progress_t = ev.t
+        self.blocking_max = max(ev.blocking_s, self.blocking_max or 0.0)
+        self._blocking_sum += ev.blocking_s
+        self._recorded_commit = max(ev.step, self._recorded_commit or ev.step)
+        if ev.step not in self._kept:
+            bisect.insort(self._kept, ev.step)
+        for s in ev.pruned:
+            if s in self._kept:
+                self._kept.remove(s)
+        del self._kept[:-KEPT_CHECKPOINTS]
+        if self._kept:  # steps at or before the oldest kept checkpoint never run again
+            floor = self._kept[0]
+            for s in [s for s in self._window if s <= floor]:
+                self._final_s += self._window.pop(s)
+
+    # -- views ----------------------------------------------------------------------------
+
+    def fault_records(self) -> list[dict[str, Any]]:
+        """Every fault with the layer that recovered it and how long it took (``none`` if no
+        ``recovered`` event closed it)."""
+        out = []
+        for f in self.faults:
+            r = self._recovered.get((f.fault, f.step))
+            out.append(
+                {
+                    "fault": f.fault,
+                    "kind": f.fault_kind,
+                    "step": f.step,
+                    "rank": f.rank,
+                    "node": f.node,
+                    "recovered_by": r.layer if r else "none",
+                    "recovery_s": r.recovery_s if r else None,
+                    # A node loss: the path the watcher chose at the loss (tasks.loss_policy)
+                    # and why; recovered_by is the layer that did recover it.
+                    "path": f.path,
+                    "detail": f.detail,
+                    "t": f.t,
+                }
+            )
+        return out
+
+    def world_change_records(self) -> list[dict[str, Any]]:
+        """Every time an elastic job re-formed on another number of ranks (trainer.elastic)."""
+        return [
+            {
+                "step": c.step,
+                "from_world": c.from_world,
+                "to_world": c.to_world,
+                "nodes": list(c.nodes),
+                "cause": c.cause,
+                "t": c.t,
+            }
+            for c in self.world_changes
+        ]
+
+    def stage_attempts(self, stage: str = "train") -> int:
+        return sum(1 for a in self.attempts if a.stage == stage)
+
+    def train_wall_s(self) -> float:
+        return self._train_wall_s
+
+    def productive_s(self) -> float:
+        """Seconds of the steps that count: each step's last execution."""
+        return self._final_s + sum(self._window.values())
+
+    def ettr(self) -> float | None:
+        """Effective training time ratio: productive step time / train-stage wall time."""
+        wall = self.train_wall_s()
+        return round(self.productive_s() / wall, 4) if wall > 0 else None
+
+    def progress(self) -> int:
+        """The newest step reported (0 before any)."""
+        return self.last_step.step if self.last_step else 0
+
+    def recorded_commit(self) -> int | None:
+        """The newest step recorded as committed since the last explicit fresh start."""
+        return self._recorded_commit
+
+    def last_attempt_cause(self) -> str | None:
+        """Why the newest ended train attempt ended (its ``stage_attempt_end`` message)."""
+        return self._last_end_message
+
+    def is_respawn(self, job_id: str | None) -> bool:
+        """Was a worker of this launcher job (same rendezvous id) already training?"""
+        return bool(job_id) and job_id in self._launches
+
+    def prior_world(self, job_id: str | None) -> PriorWorld | None:
+        """The last ``train_start`` of launcher job ``job_id``, if any."""
+        launch = self._launches.get(job_id) if job_id else None
+        if launch is None:
+            return None
+        after = max(launch.t, self.last_recovered_t)
+        open_loss = any(f.fault_kind == "node-loss" and f.t > after for f in self.faults)
+        return PriorWorld(launch.world_size, launch.nodes, open_loss)
+
+    def open_faults(self) -> list[Fault]:
+        """The faults recorded since the last recovery, which the next first step closes (a
+        corrupted checkpoint is no training fault: validation reports it)."""
+        return [
+            f
+            for f in self.faults
+            if f.t > self.last_recovered_t and f.fault_kind != "corrupt-checkpoint"
+        ]
+
+    def summary(self) -> dict[str, Any]:
+        """``python -m trainer.report``: faults with their recovery, checkpoints, steps."""
+        n = self.checkpoints
+        return {
+            "final_step": self.max_step,
+            "steps_run": self.steps_run,
+            "final_loss": self.last_step.loss if self.last_step else None,
+            "faults": self.fault_records(),
+            "world_changes": self.world_change_records(),
+            "restarts": [{"layer": r.layer, "t": r.t} for r in self.restarts],
+            "checkpoints": n,
+            "ckpt_blocking_s_max": self.blocking_max,
+            "ckpt_blocking_s_mean": self._blocking_sum / n if n else None,
+            "outcome": None
+            if self.end is None
+            else ("completed" if isinstance(self.end, TrainEnd) else "failed"),
+            "params_sha256": self.end.params_sha256 if isinstance(self.end, TrainEnd) else None,
+        }
+
+    def status(self, result: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What ``nvrx-pipeline status`` shows, plus the pipeline's saved result when the run
+        has ended (``pipeline_result.json``)."""
+        last = self.last_step
+        if result is not None:
+            state = str(result.get("status"))
+        elif self.train_ended:
+            state = "trained (validation/export pending or not recorded)"
+        elif self.first_fatal is not None:
+            state = "failed"
+        else:
+            state = "running or interrupted"
+        export = (result or {}).get("export")
+        return {
+            "state": state,
+            "step": last.step if last else 0,
+            "loss": last.loss if last else None,
+            "tokens_per_s": last.tokens_per_s if last else None,
+            "train_attempts": [
+                {"attempt": a.attempt, "backend": a.backend, "outcome": a.outcome or "running"}
+                for a in self.attempts
+                if a.stage == "train"
+            ],
+            "faults": self.fault_records(),
+            "checkpoints": self.checkpoints,
+            "latest_checkpoint_step": self.last_checkpoint.step if self.last_checkpoint else None,
+            "ckpt_blocking_s_max": self.blocking_max,
+            "ettr": self.ettr(),
+            "stages": (result or {}).get("stage_durations_s"),
+            "export_uri": export.get("uri") if isinstance(export, dict) else None,
+            "error": (result or {}).get("error"),
+        }

@@ -1,0 +1,102 @@
+"""Reading a file of the run root as the untrusted input it is.
+
+Anything that can write the shared filesystem can put a FIFO where ``events.jsonl``,
+``result.json`` or a ``control/`` marker belongs (an ``open`` for reading then blocks until a
+writer comes: forever, in the watcher's loop), a symlink to another run's or the host's files,
+or a file too large to hold. Every read of the run root's state goes through :func:`open_regular`:
+it never follows a link, never blocks on a FIFO or device, and hands back only a regular file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+# A result, a marker or a lease is a few hundred bytes; this leaves room for any of them.
+SMALL_FILE_LIMIT = 1 << 20
+
+_log = logging.getLogger(__name__)
+
+
+class UnsafeFile(OSError):
+    """A run-root path that is not a plain regular file (a FIFO, a device, a directory, a
+    symlink), or one larger than its reader allows."""
+
+
+@contextlib.contextmanager
+def open_regular(path: Path) -> Iterator[int]:
+    """A read-only descriptor of ``path`` if it is a regular file; raises FileNotFoundError
+    when it is absent and :class:`UnsafeFile` when it is anything else. ``O_NONBLOCK`` makes
+    opening a FIFO return at once (it is then refused); on a regular file it changes nothing."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        # ELOOP: the last component is a symlink (O_NOFOLLOW); ENXIO: a socket or a FIFO
+        # opened for writing without a reader.
+        raise UnsafeFile(f"{path}: not a regular file ({e.strerror})") from e
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsafeFile(f"{path}: not a regular file (mode {stat.filemode(mode)})")
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def read_small(path: Path, *, limit: int = SMALL_FILE_LIMIT) -> bytes | None:
+    """The whole of a small run-root file (a result, a marker), or None when it is absent.
+    Raises :class:`UnsafeFile` for anything but a regular file of at most ``limit`` bytes."""
+    try:
+        with open_regular(path) as fd:
+            size = os.fstat(fd).st_size
+            if size > limit:
+                raise UnsafeFile(f"{path}: {size} bytes, more than the {limit} allowed")
+            data = _read_upto(fd, limit + 1)
+    except FileNotFoundError:
+        return None
+    if len(data) > limit:  # grew between the fstat and the read
+        raise UnsafeFile(f"{path}: more than the {limit} bytes allowed")
+    return data
+
+
+def _read_upto(fd: int, n: int) -> bytes:
+    """Up to ``n`` bytes from the current offset, however many reads that takes."""
+    parts: list[bytes] = []
+    while n > 0:
+        chunk = os.read(fd, n)
+        if not chunk:
+            break
+        parts.append(chunk)
+        n -= len(chunk)
+    return b"".join(parts)
+
+
+def read_json_object(path: Path, *, limit: int = SMALL_FILE_LIMIT) -> dict[str, Any] | None:
+    """A small JSON object file of the run root (``result.json``, a marker), or None when it is
+    absent, not a regular file, too large, not JSON, or JSON but not an object: its readers
+    decide as if it were not there, and this says why in the log."""
+    try:
+        data = read_small(path, limit=limit)
+    except OSError as e:
+        _log.warning("ignoring %s: %s", path, e)
+        return None
+    if data is None:
+        return None
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as e:
+        _log.warning("ignoring %s: not JSON (%s)", path, e)
+        return None
+    if not isinstance(obj, dict):
+        _log.warning("ignoring %s: JSON %s, not an object", path, type(obj).__name__)
+        return None
+    return obj
