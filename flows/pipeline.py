@@ -270,6 +270,11 @@ def _run(
                 )
             validation = out.validation = stage("validate", lambda: validate_flow(params, ctx))
             out.export = stage("export", lambda: export_flow(params, ctx, validation.path))
+    except lease.LeaseLost as e:
+        # Another invocation owns the run now: nothing of it is this one's to report, write or
+        # notify (the run is not failing; its owner changed). Said in the log, and raised.
+        get_run_logger().error("stopped acting for run %s: %s", ctx.run_id, e)
+        raise
     except BaseException as e:
         cancelled = _is_cancellation(e)
         step = RunHistory.read(ctx.run_root, since=since).progress()
@@ -303,7 +308,7 @@ def _run(
             since=since,
             error=f"{type(e).__name__}: {e}",
         )
-        _publish(ctx, result, since)
+        _publish(ctx, result, since, held)
         raise
     result = build_result(
         params,
@@ -317,7 +322,7 @@ def _run(
         wall_s=time.monotonic() - t0,
         since=since,
     )
-    _publish(ctx, result, since)
+    _publish(ctx, result, since, held)
     emit(
         "run.completed",
         ctx.run_id,
@@ -364,7 +369,8 @@ def _is_cancellation(e: BaseException) -> bool:
     return isinstance(e, KeyboardInterrupt | TerminationSignal | asyncio.CancelledError)
 
 
-def _publish(ctx: RunContext, result: PipelineResult, since: float) -> None:
+def _publish(ctx: RunContext, result: PipelineResult, since: float, held: lease.RunLease) -> None:
+    held.check("write pipeline_result.json")
     ctx.run_root.mkdir(parents=True, exist_ok=True)
     (ctx.run_root / "pipeline_result.json").write_text(result.model_dump_json(indent=1) + "\n")
     try:

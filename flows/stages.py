@@ -251,6 +251,7 @@ def train_flow(params: PipelineParams, ctx: RunContext, attempt: int) -> TrainRe
             backend_for(params, ctx),
             request,
             on_event=_Progress(params.steps, attempt, ctx.run_id),
+            check_owner=held.check if held is not None else lambda action: None,
         )
         outcome = report.outcome.kind.value
     finally:  # what the stalled-checkpoint automation stops waiting on
@@ -339,6 +340,9 @@ def validate_flow(params: PipelineParams, ctx: RunContext) -> ValidationResult:
 def export_flow(params: PipelineParams, ctx: RunContext, checkpoint_path: str) -> ExportResult:
     from pathlib import Path
 
+    held = lease.held(ctx.run_root)
+    if held is not None:
+        held.check("export the checkpoint")
     client = boto3_client(ctx.s3)
     options = ExportOptions(
         sse=None if params.export.sse == "none" else params.export.sse,

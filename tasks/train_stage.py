@@ -6,6 +6,8 @@ artifacts through callbacks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +17,8 @@ from typing import Any
 from tasks.backends.base import Backend, Evidence, LaunchRequest
 from tasks.classify import EndKind, Outcome
 from tasks.loss_policy import LossPath, LossSnapshot, decide
-from trainer import run_state
+from tasks.ownership.lease import LeaseLost
+from trainer import fence, run_state
 from trainer.event_read import EVENTS_FILE, EventReader
 from trainer.event_types import Fatal, StageAttempt
 from trainer.events import EventLog
@@ -31,6 +34,8 @@ from trainer.run_files import read_json_object
 # After a wait for a returning node (tasks.loss_policy NODE_WAIT), how long past the survivors'
 # own join timeout the watcher lets them end by themselves before it stops the attempt.
 WAIT_GRACE_S = 10.0
+
+_log = logging.getLogger(__name__)
 
 
 class EventTail(EventReader):
@@ -52,14 +57,34 @@ class AttemptReport:
     released: dict[str, Any] = field(default_factory=dict)  # what Job.finish reported
 
 
-def _fatal_since_last_attempt_start(run_root: Path) -> str | None:
-    """The first ``fatal`` error recorded since the newest train attempt started (streamed:
-    the watcher keeps no event it has read)."""
+def _of_epoch(e: dict[str, Any], epoch: int | None) -> bool:
+    """Does the attempt's fate depend on this event? Only its own epoch's decide it (another
+    attempt's, or another run's writer's, inform at most)."""
+    return epoch is None or e.get("epoch") == epoch
+
+
+def _result(run_root: Path, epoch: int | None) -> dict[str, Any] | None:
+    """``result.json`` if this attempt's workers wrote it."""
+    result = read_json_object(run_root / "result.json")
+    if result is not None and epoch is not None and result.get("epoch") != epoch:
+        _log.warning(
+            "ignoring %s: written by epoch %s, not this attempt's %s",
+            run_root / "result.json",
+            result.get("epoch"),
+            epoch,
+        )
+        return None
+    return result
+
+
+def _fatal_since_last_attempt_start(run_root: Path, epoch: int | None) -> str | None:
+    """The first ``fatal`` error of epoch ``epoch`` recorded since the newest train attempt
+    started (streamed: the watcher keeps no event it has read)."""
     fatal: str | None = None
     for e in EventReader(run_root / EVENTS_FILE).iter_new():
         if isinstance(e, StageAttempt):
             fatal = None
-        elif isinstance(e, Fatal) and fatal is None:
+        elif isinstance(e, Fatal) and fatal is None and (epoch is None or e.epoch == epoch):
             fatal = e.error
     return fatal
 
@@ -75,20 +100,32 @@ def run_attempt(
     request: LaunchRequest,
     *,
     on_event: Callable[[dict[str, Any]], None] = lambda e: None,
+    check_owner: Callable[[str], None] = lambda action: None,
 ) -> AttemptReport:
     """Run one attempt on any backend and watch it to its end: or, when the backend finds one
     of this run still running and healthy (a dead or replaced invocation's, arch §6), only
-    watch that: no relaunch, its result stands. ``request.deadline_s`` bounds the watch."""
+    watch that: no relaunch, its result stands. ``request.deadline_s`` bounds the watch.
+
+    ``check_owner(action)`` (the lease's :meth:`RunLease.check`) runs before the launch, on
+    every poll and before the release; when it raises :class:`LeaseLost`, watching stops and
+    the attempt is left running for the run's new owner: a lost lease never stops a job."""
     cfg = request.cfg
     run_root = cfg.run_root
     run_root.mkdir(parents=True, exist_ok=True)
-    events = EventLog(run_root)
-    tail = EventTail(events.path)
+    tail = EventTail(run_root / EVENTS_FILE)
     drills = node_faults(cfg.faults)
     fatal: str | None = None  # the attempt's first fatal error
     started = time.monotonic()
+    check_owner("start an attempt")
     job = backend.reattach(request)
     if job is None:
+        # A new epoch first: from here on, no writer of an earlier attempt (a pod on an
+        # unreachable node, a frozen host that wakes) changes the run root (trainer.fence).
+        epoch: int | None = fence.publish(
+            run_root, invocation=request.invocation, attempt=request.attempt
+        ).epoch
+        request = dataclasses.replace(request, epoch=epoch)
+        events = EventLog(run_root, epoch=epoch)
         (run_root / "result.json").unlink(missing_ok=True)  # only this attempt's result counts
         clear_no_restart(run_root)  # nor an earlier attempt's verdict (the config was fixed)
         clear_node_lost(run_root)
@@ -96,8 +133,12 @@ def run_attempt(
         _attempt_event(events, backend, request, request.attempt)
         job = backend.launch(request)
     else:
+        # Adopted: the attempt runs under the epoch its (dead) watcher published.
+        now = fence.current(run_root)
+        epoch = now.epoch if now is not None else None
+        events = EventLog(run_root, epoch=epoch)
         # What the attempt said before we came: a fatal error there decides its outcome too.
-        fatal = _fatal_since_last_attempt_start(run_root)
+        fatal = _fatal_since_last_attempt_start(run_root, epoch)
         _attempt_event(events, backend, request, job.attempt, adopted=True)
     deadline = request.deadline_s
     timed_out = False
@@ -188,7 +229,7 @@ def run_attempt(
     def pump() -> None:
         nonlocal world_nodes, waiting_until, last_step, fatal
         for e in tail.read_new():
-            if e["kind"] == "fatal" and fatal is None:
+            if e["kind"] == "fatal" and fatal is None and _of_epoch(e, epoch):
                 fatal = e["error"]
             on_event(e)
             job.observe(e)
@@ -221,8 +262,14 @@ def run_attempt(
             where = f"@step={last_step},node={node}" if last_step is not None else f"@node={node}"
             lose(node, f"node-loss{where}", last_step, drilled=False)
 
+    lease_lost = False
     try:
         while True:
+            try:
+                check_owner("watch (and stop) the attempt")
+            except LeaseLost:
+                lease_lost = True
+                raise
             pump()
             if not job.running():
                 break
@@ -243,22 +290,24 @@ def run_attempt(
             time.sleep(job.poll_s)
         ended = True
     finally:
-        if not ended:
+        if not ended and not lease_lost:
             # Cancelled (Prefect's SIGTERM bridge, Ctrl-C) or crashed: nothing of the attempt
-            # may stay behind holding the nodes, and a failure to stop must not hide why.
+            # may stay behind holding the nodes, and a failure to stop must not hide why. (Its
+            # new owner's, after a lost lease, is not this invocation's to stop.)
             with contextlib.suppress(Exception):
                 job.stop()
     pump()
     evidence = Evidence(
         lost_nodes=frozenset(lost),
         timed_out=timed_out,
-        result=read_json_object(run_root / "result.json"),
+        result=_result(run_root, epoch),
         fatal=fatal,
-        no_restart=read_no_restart(run_root),
+        no_restart=read_no_restart(run_root, epoch=epoch),
         target_steps=cfg.steps,
         world_nodes=world_nodes,
     )
     outcome = job.outcome(evidence)
+    check_owner("release the attempt")
     kept = job.finish(outcome)
     if outcome.kind == EndKind.NODE_LOSS and not lost:
         # A real loss (not a drill): recorded as a fault, so the next attempt's ``recovered``

@@ -182,18 +182,48 @@ def _run(argv: list[str], log_path: Path, timeout: float, env: dict[str, str] | 
             proc.wait()
 
 
-def run_ft_launcher(cfg: TrainConfig, *, nproc: int = 2, timeout: float = 240) -> RunOutcome:
+def _ft_launcher(cfg: TrainConfig, nproc: int, tag: str) -> tuple[list[str], Path, dict[str, str]]:
     spec = LaunchSpec(
         nnodes=1,
         nproc_per_node=nproc,
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        rdzv_id=cfg.run_root.name,
+        rdzv_id=cfg.run_root.name + tag,
     )
     config = write_config(cfg)
     argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config))
-    log_path = cfg.run_root.parent / f"{cfg.run_root.name}.log"
-    rc = _run(argv, log_path, timeout, launch_env(config))
+    log_path = cfg.run_root.parent / f"{cfg.run_root.name}{tag}.log"
+    return argv, log_path, launch_env(config)
+
+
+def run_ft_launcher(
+    cfg: TrainConfig,
+    *,
+    nproc: int = 2,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+    tag: str = "",
+) -> RunOutcome:
+    argv, log_path, launch = _ft_launcher(cfg, nproc, tag)
+    rc = _run(argv, log_path, timeout, {**launch, **(env or {})})
     return _outcome(cfg, rc, log_path.read_text())
+
+
+def start_ft_launcher(
+    cfg: TrainConfig, *, nproc: int = 2, env: dict[str, str] | None = None, tag: str = ""
+) -> subprocess.Popen[bytes]:
+    """As :func:`run_ft_launcher`, without waiting: the caller owns the session (kill it with
+    ``os.killpg(proc.pid, SIGKILL)``)."""
+    argv, log_path, launch = _ft_launcher(cfg, nproc, tag)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**worker_env(), **launch, **(env or {})},
+            cwd=REPO,
+            start_new_session=True,
+        )
 
 
 def run_single(cfg: TrainConfig, *, timeout: float = 180) -> RunOutcome:

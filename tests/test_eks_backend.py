@@ -25,14 +25,22 @@ from tasks.backends.eks.render import job_name
 from tasks.classify import EndKind
 from tasks.train_stage import AttemptReport, run_attempt
 from tests.eks_cluster import NS, mark_disrupted, node_obj, pod_obj, terminated
+from trainer import fence
 
 TAG = "inv001"  # the invocation's tag in the Job's name
 
 
 def result_later(root: Path, steps: int, after_s: float = 1.0) -> None:
-    """What the pods' trainer writes on the shared filesystem when it completes."""
-    result = json.dumps({"status": "completed", "final_step": steps})
-    threading.Timer(after_s, lambda: (root / "result.json").write_text(result)).start()
+    """What the pods' trainer writes on the shared filesystem when it completes: with the
+    attempt's epoch, which its pods get as NVRX_EPOCH (trainer.fence)."""
+
+    def write() -> None:
+        now = fence.current(root)
+        epoch = now.epoch if now else None
+        result = {"status": "completed", "final_step": steps, "epoch": epoch}
+        (root / "result.json").write_text(json.dumps(result))
+
+    threading.Timer(after_s, write).start()
 
 
 def eks_params(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,24 +178,36 @@ def test_bad_dataset_fails_fast_without_retry(prefect_server, s3_settings, tmp_p
     assert not events.exists() or "stage_attempt" not in events.read_text()
 
 
-def test_unrecoverable_training_failure_is_not_retried(baseline, s3_settings, tmp_path: Path):
-    """Checkpoints exist but none is valid: the trainer refuses to start over; the stage fails
-    with that cause after one attempt (not retried: only node loss is)."""
-    params = make_params(tmp_path, s3_settings, run_id="no-valid-ckpt", steps=10)
-    state, _ = run_pipeline(params)
-    assert state.is_completed(), state.message
-    run_root = RunContext.create(params).run_root
+def test_unrecoverable_training_failure_is_not_retried(baseline, tmp_path: Path):
+    """Checkpoints exist but none is valid: the trainer refuses to start over, and the train
+    stage's attempt (the watcher, the local backend, real workers) ends do-not-requeue, which
+    the retry policy never retries (only node loss is). The baseline's checkpoints, corrupted,
+    stand in for a first pipeline run."""
+    from dataclasses import replace
+
+    from tasks.backends.base import LaunchRequest
+    from tasks.backends.local import LocalBackend
+    from tasks.classify import EndKind
+    from tasks.retry_policy import stage_retry_allowed
+    from tasks.train_stage import run_attempt
+    from trainer.config import load_config
+
+    source = Path(baseline.checkpoint.uri).parents[1]
+    run_root = tmp_path / "no-valid-ckpt"
+    shutil.copytree(manifest.checkpoints_dir(source), manifest.checkpoints_dir(run_root))
     for step in manifest.committed_steps(run_root):
         flip_bytes(sorted(manifest.committed_path(run_root, step).glob("*.distcp"))[0])
-    again = make_params(tmp_path, s3_settings, run_id="no-valid-ckpt", steps=20)
-    state, _ = run_pipeline(again)
-    assert state.is_failed()
-    assert "DoNotRequeue" in state.message and "none is valid" in state.message
-    saved = PipelineResult.model_validate_json((run_root / "pipeline_result.json").read_text())
-    assert saved.status == "failed" and saved.stage_attempts["train"] == 1
-    attempts = [json.loads(line) for line in (run_root / "events.jsonl").read_text().splitlines()]
-    ends = [e for e in attempts if e["kind"] == "stage_attempt_end"]
-    assert [e["outcome"] for e in ends] == ["completed", "do-not-requeue"]
+    cfg = replace(load_config(source / "config" / "train-attempt1.json"), run_root=run_root)
+    request = LaunchRequest(
+        run_id="no-valid-ckpt", attempt=1, cfg=cfg, nodes=2, nproc_per_node=1, deadline_s=180
+    )
+    report = run_attempt(LocalBackend(), request)
+    assert report.outcome.kind == EndKind.DO_NOT_REQUEUE, report.outcome.message
+    assert "none is valid" in report.outcome.message
+    error = report.outcome.error()
+    assert error is not None and not stage_retry_allowed(error)
+    ends = [e for e in read_events(run_root) if e["kind"] == "stage_attempt_end"]
+    assert [e["outcome"] for e in ends] == ["do-not-requeue"]
 
 
 def test_corrupt_newest_checkpoint_falls_back(baseline, s3_settings, tmp_path: Path):

@@ -21,6 +21,7 @@ from tasks.backends.base import Evidence, LaunchRequest
 from tasks.classify import EndKind, EndSnapshot, Outcome, classify
 from tasks.train_stage import run_attempt
 from tests.helpers import free_port, make_config, sample, scrape
+from trainer import fence
 from trainer.resilience import NO_RESTART_MARKER
 
 STEPS = 4
@@ -39,10 +40,28 @@ def step(n: int) -> str:
     return json.dumps({"t": time.time(), "kind": "step", "step": n, "loss": 1.0, "step_s": 0.01})
 
 
-def result(status: str = "completed") -> Action:
+def epoch_of(run_root: Path) -> int:
+    """The epoch the watcher published for this attempt (its workers get it as NVRX_EPOCH)."""
+    now = fence.current(run_root)
+    assert now is not None
+    return now.epoch
+
+
+def result(status: str = "completed", *, epoch: int | None = None) -> Action:
     def act(run_root: Path) -> None:
+        mine = epoch_of(run_root) if epoch is None else epoch
         (run_root / "result.json").write_text(
-            json.dumps({"status": status, "final_step": STEPS, "final_loss": 1.0})
+            json.dumps({"status": status, "final_step": STEPS, "final_loss": 1.0, "epoch": mine})
+        )
+
+    return act
+
+
+def fatal(*, epoch: int | None = None) -> Action:
+    def act(run_root: Path) -> None:
+        mine = epoch_of(run_root) if epoch is None else epoch
+        append(json.dumps({"t": time.time(), "kind": "fatal", "error": "bad", "epoch": mine}))(
+            run_root
         )
 
     return act
@@ -155,6 +174,14 @@ CASES: list[tuple[str, list[Action], EndKind]] = [
      EndKind.COMPLETED),
     ("node-lost-is-a-fifo", [plant("control/node_lost", None), *TRAINING, result()],
      EndKind.COMPLETED),
+    # Another epoch's verdicts (an earlier attempt's, another run's pod on the same FSx) are
+    # no verdict on this attempt; its own are.
+    ("stray-marker-of-another-epoch",
+     [plant(str(NO_RESTART_MARKER), b'{"reason": "not yours", "epoch": 999}'), *TRAINING,
+      result()], EndKind.COMPLETED),
+    ("fatal-of-another-epoch", [*TRAINING, fatal(epoch=999), result()], EndKind.COMPLETED),
+    ("result-of-another-epoch", [*TRAINING, result(epoch=999)], EndKind.BUG),
+    ("own-fatal", [*TRAINING, fatal(), result("failed")], EndKind.DO_NOT_REQUEUE),
 ]  # fmt: skip
 
 
@@ -219,3 +246,26 @@ def test_metrics_keep_serving_through_bad_lines(tmp_path: Path, dataset: Path):
                ("not-json", "not-an-event", "too-long")}  # fmt: skip
     assert dropped == {"not-json": 2, "not-an-event": 14, "too-long": 2}
     assert sample(s, "nvrx_train_step", run_id="hostile") == STEPS
+
+
+def test_a_lost_lease_stops_the_watch_and_leaves_the_job_running(tmp_path: Path, dataset: Path):
+    from tasks.ownership.lease import LeaseLost
+    from trainer.events import read_events
+
+    cfg = make_config(tmp_path / "run", dataset, steps=STEPS)
+    polls: list[str] = []
+
+    def check_owner(action: str) -> None:
+        polls.append(action)
+        if len(polls) > 3:
+            raise LeaseLost(f"taken over; not going to {action}")
+
+    request = LaunchRequest(
+        run_id="lost", attempt=1, cfg=cfg, nodes=1, nproc_per_node=1, deadline_s=30
+    )
+    backend = ScriptedBackend([*TRAINING, result()])
+    with pytest.raises(LeaseLost):
+        run_attempt(backend, request, check_owner=check_owner)  # type: ignore[arg-type]
+    assert backend.job is not None and not backend.job.stopped  # the new owner's now
+    assert polls[0] == "start an attempt"
+    assert not [e for e in read_events(cfg.run_root) if e["kind"] == "stage_attempt_end"]

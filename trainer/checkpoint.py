@@ -33,6 +33,7 @@ from trainer.async_ckpt import (
 )
 from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, ResumePolicy, TrainConfig
 from trainer.events import EventLog
+from trainer.fence import Fence
 from trainer.history import RunHistory
 from trainer.workload import DataSource
 
@@ -72,8 +73,11 @@ class CheckpointManager:
         world_size: int,
         group: dist.ProcessGroup,
         sections: Sections | None = None,
+        fence: Fence | None = None,
     ) -> None:
         self.cfg = cfg
+        # Every change rank 0 makes to the run root runs under it (trainer.fence).
+        self.fence = fence or Fence.from_env(cfg.run_root, events)
         self.saver = saver
         self.events = events
         # A load, and a save with its commit, each run under their own hang timeout.
@@ -139,7 +143,9 @@ class CheckpointManager:
         if self.cfg.resume == ResumePolicy.FRESH:
             self._start_fresh()
         verify = self.cfg.verify_checkpoint_on_resume
-        for r in manifest.recover(root, fingerprint=self.fingerprint, verify_digests=verify):
+        with self.fence.hold("settle what a crash left in the checkpoints"):
+            settled = manifest.recover(root, fingerprint=self.fingerprint, verify_digests=verify)
+        for r in settled:
             self.events.emit("resume", action=r.action, dir=r.dir, step=r.step, reason=r.reason)
         ok, rejected, found = manifest.resume_candidates(root, fingerprint=self.fingerprint)
         if not found:
@@ -199,11 +205,12 @@ class CheckpointManager:
         archived = None
         # Only if it holds steps: the writer's warm-up alone is no checkpoint (if the move
         # catches the warm-up mid-write, that failure is only logged).
-        if ckdir.is_dir() and any(manifest.step_of(p) is not None for p in ckdir.iterdir()):
-            archived = ckdir.with_name(f"checkpoints.before-fresh-{int(time.time())}")
-            shutil.move(str(ckdir), archived)
+        with self.fence.hold("start fresh"):
+            if ckdir.is_dir() and any(manifest.step_of(p) is not None for p in ckdir.iterdir()):
+                archived = ckdir.with_name(f"checkpoints.before-fresh-{int(time.time())}")
+                shutil.move(str(ckdir), archived)
+            run_state.record_commit(root, None)
         self.events.emit("resume", action="fresh", archived=archived and str(archived))
-        run_state.record_commit(root, None)
 
     # -- saving --------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -224,11 +231,12 @@ class CheckpointManager:
         self, step: int, model: nn.Module, optim: Optimizer, sampler: DataSource, loss: float
     ) -> float:
         self.poll(block=True)  # the previous save is committed before the next starts
-        partial = manifest.partial_path(self.cfg.run_root, step)
+        partial = manifest.partial_path(self.cfg.run_root, step, self.fence.epoch)
         if self.rank == 0:
-            if partial.exists():
-                shutil.rmtree(partial)
-            partial.mkdir(parents=True)
+            with self.fence.hold(f"start writing step {step}"):
+                if partial.exists():
+                    shutil.rmtree(partial)
+                partial.mkdir(parents=True)
         dist.barrier(group=self.group)
         model_sd, optim_sd = get_state_dict(model, optim)
         blocking = self.saver.save({"model": model_sd, "optim": optim_sd}, partial, step)
@@ -302,6 +310,7 @@ class CheckpointManager:
                 **self._inflight,
             },
             events=self.events,
+            fence=self.fence,
             blocking_s=result.blocking_s,
             written_s=result.total_s,
         )
@@ -322,7 +331,7 @@ class CheckpointManager:
             f"committed checkpoint (step {last}) is intact. "
             f"Free space on {disk['mount']} (or fix the storage), then run again to resume."
         )
-        if self.rank == 0:
+        if self.rank == 0 and self.fence.still_current():
             shutil.rmtree(directory, ignore_errors=True)
             # Best effort: on a full disk this event may not fit either.
             with contextlib.suppress(OSError):
@@ -349,14 +358,25 @@ class _Commit:
     keep_last: int
     info: dict[str, Any]
     events: EventLog
+    fence: Fence
     blocking_s: float
     written_s: float  # from save() until every rank's writer was done
     finalized_at: float = field(default_factory=time.perf_counter)
 
     def run(self) -> Path:
         t0 = time.perf_counter()
-        path = manifest.commit(self.run_root, self.step, world_size=self.world_size, info=self.info)
-        pruned = manifest.prune(self.run_root, self.keep_last)
+        # The commit, the prune and the recorded fact as one fenced change: a writer whose
+        # attempt was replaced while it wrote commits nothing (trainer.fence).
+        with self.fence.hold(f"commit step {self.step}"):
+            path = manifest.commit(
+                self.run_root,
+                self.step,
+                world_size=self.world_size,
+                info=self.info,
+                epoch=self.fence.epoch,
+            )
+            pruned = manifest.prune(self.run_root, self.keep_last)
+            run_state.record_commit(self.run_root, self.step)
         if pruned.refused:
             self.events.emit("prune_refused", step=self.step, reason=pruned.refused)
         commit_s = time.perf_counter() - t0
@@ -371,7 +391,6 @@ class _Commit:
             commit_s=round(commit_s, 4),
             pruned=pruned.removed,
         )
-        run_state.record_commit(self.run_root, self.step)
         return path
 
 

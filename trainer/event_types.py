@@ -27,6 +27,7 @@ __all__ = [
     "Event",
     "Fatal",
     "Fault",
+    "FencedEvent",
     "NodeReturn",
     "Phase",
     "PruneRefused",
@@ -57,6 +58,9 @@ class _Base(BaseModel):
     model_config = ConfigDict(frozen=True, strict=True, extra="allow")
 
     t: float  # unix time the event was made (the writer's clock)
+    # The writer's epoch (trainer.fence): the attempt that wrote it. None: no pipeline epoch
+    # (the trainer run by hand). The watcher decides only from its own epoch's events.
+    epoch: Annotated[int, Field(ge=1)] | None = None
 
 
 class WorkerStart(_Base):
@@ -224,6 +228,15 @@ class Cleanup(_Base):
     removed: Any = None
 
 
+class FencedEvent(_Base):
+    """A writer whose epoch was no longer the run's refused a mutation (trainer.fence)."""
+
+    kind: Literal["fenced"]
+    action: str
+    current: int | None = None
+    reason: str
+
+
 class StaleJobsDeleted(_Base):
     kind: Literal["stale_jobs_deleted"]
     jobs: list[str]
@@ -250,6 +263,7 @@ Event = Annotated[
     | StageAttemptEnd
     | Takeover
     | Cleanup
+    | FencedEvent
     | StaleJobsDeleted,
     Field(discriminator="kind"),
 ]
@@ -278,6 +292,7 @@ KINDS: frozenset[str] = frozenset(
         StageAttemptEnd,
         Takeover,
         Cleanup,
+        FencedEvent,
         StaleJobsDeleted,
     )
 )

@@ -48,9 +48,16 @@ _log = logging.getLogger(__name__)
 
 
 class EventLog:
-    def __init__(self, run_root: Path, *, enabled: bool = True) -> None:
+    def __init__(
+        self, run_root: Path, *, enabled: bool = True, epoch: int | bool | None = True
+    ) -> None:
+        """``epoch``: the epoch every event carries (trainer.fence); True: this process's own
+        (``NVRX_EPOCH``), None: none."""
+        from trainer.fence import epoch_from_env
+
         self.path = Path(run_root) / "events.jsonl"
         self.enabled = enabled
+        self.epoch = epoch_from_env() if epoch is True else (epoch or None)
         self.echo = os.environ.get(ECHO_ENV) == "1"
         self._buffer: list[bytes] = []
         self._flushed = time.monotonic()
@@ -75,6 +82,8 @@ class EventLog:
 
     def _add(self, kind: str, fields: dict[str, Any], *, buffered: bool) -> dict[str, Any]:
         event = {"t": time.time(), "kind": kind, **fields}
+        if self.epoch is not None:
+            event["epoch"] = self.epoch
         line = (json.dumps(event, sort_keys=True, default=str) + "\n").encode()
         try:
             # Written through the types: an event no reader would decode is a writer's bug.

@@ -26,6 +26,7 @@ from trainer.config import TrainConfig
 from trainer.digest import params_sha256
 from trainer.elastic import PriorWorld, micro_batches, node_id, restart_layer
 from trainer.events import EventLog
+from trainer.fence import Fence
 from trainer.hooks import FaultDrills, Heartbeats, Hooks, StepEnd, StepEvents, WrapperPing
 from trainer.parallel import Placement
 from trainer.workload import DataSource, OptimSettings
@@ -203,12 +204,13 @@ def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
             job_id=os.environ.get("TORCHELASTIC_RUN_ID"),
             workload=wl.ref,
         )
-        run_state.record_launch(
-            cfg.run_root,
-            job_id=os.environ.get("TORCHELASTIC_RUN_ID"),
-            world_size=world,
-            nodes=nodes,
-        )
+        with ckpt.fence.hold("record the launch"):
+            run_state.record_launch(
+                cfg.run_root,
+                job_id=os.environ.get("TORCHELASTIC_RUN_ID"),
+                world_size=world,
+                nodes=nodes,
+            )
 
     loss_value = resumed.loss
     tokens_per_step = cfg.global_batch * wl.seq_len
@@ -301,7 +303,13 @@ def _accumulate(
 
 
 def write_result(cfg: TrainConfig, result: dict[str, Any]) -> None:
+    """``result.json``, carrying this worker's epoch: the watcher takes only its own attempt's
+    result, and a writer whose attempt was replaced writes none (trainer.fence)."""
+    fence = Fence.from_env(cfg.run_root, EventLog(cfg.run_root))
+    if fence.epoch is not None:
+        result = {**result, "epoch": fence.epoch}
     path = cfg.run_root / "result.json"
-    tmp = path.with_name(".result.json.tmp")
-    tmp.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    with fence.hold("write result.json"):
+        tmp = path.with_name(f".result.json.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)

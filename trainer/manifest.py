@@ -47,7 +47,8 @@ DELETING_SUFFIX = ".deleting"
 DIGEST_SIDECAR = ".digests-rank{rank}.json"
 # fullmatch everywhere: ``$`` would accept a trailing newline.
 _STEP_RE = re.compile(r"step_(\d{9})")
-_STEP_DIR_RE = re.compile(r"step_(\d{9})(\.partial|\.superseded|\.deleting)?")
+# A partial written under an epoch (trainer.fence) carries it: ``step_000000100.e7.partial``.
+_STEP_DIR_RE = re.compile(r"step_(\d{9})((?:\.e[1-9]\d{0,17})?\.partial|\.superseded|\.deleting)?")
 # A file a manifest may name: one path component, no separator, no NUL, no leading dot (so no
 # ``.`` / ``..`` and no hidden files) except the DCP metadata itself.
 _SAFE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
@@ -78,8 +79,11 @@ def committed_path(run_root: Path, step: int) -> Path:
     return checkpoints_dir(run_root) / step_dirname(step)
 
 
-def partial_path(run_root: Path, step: int) -> Path:
-    return checkpoints_dir(run_root) / (step_dirname(step) + PARTIAL_SUFFIX)
+def partial_path(run_root: Path, step: int, epoch: int | None = None) -> Path:
+    """Where ``step`` is written before its commit: by epoch (trainer.fence), so that a stale
+    writer's late files never land in the current attempt's partial of the same step."""
+    tag = f".e{epoch}" if epoch is not None else ""
+    return checkpoints_dir(run_root) / (step_dirname(step) + tag + PARTIAL_SUFFIX)
 
 
 def superseded_path(run_root: Path, step: int) -> Path:
@@ -178,10 +182,12 @@ def commit(
     world_size: int,
     info: dict[str, Any],
     keep_last: int | None = None,
+    epoch: int | None = None,
 ) -> Path:
-    """Rank 0 only, after every rank's shards and the DCP metadata are on disk. With
+    """Rank 0 only, after every rank's shards and the DCP metadata are on disk: commits the
+    partial of ``epoch`` (a partial of another epoch is not this writer's to commit). With
     ``keep_last``, prunes as well (:func:`prune`); without, the caller prunes."""
-    src = partial_path(run_root, step)
+    src = partial_path(run_root, step, epoch)
     files = _collect_file_entries(src, world_size)
     manifest = {
         "format": FORMAT,
@@ -194,20 +200,21 @@ def commit(
     }
     _write_atomic(src / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     _drop_bookkeeping(src)
-    dst = install(run_root, step)
+    dst = install(run_root, step, src)
     if keep_last is not None:
         prune(run_root, keep_last)
     return dst
 
 
-def install(run_root: Path, step: int) -> Path:
+def install(run_root: Path, step: int, src: Path | None = None) -> Path:
     """Rename the complete ``.partial`` of ``step`` to committed, then point ``LATEST`` at it.
 
     A directory cannot be renamed over a non-empty one, so an older commit of the same step (an
     earlier life's, e.g. one that resume skipped) is first renamed aside to ``.superseded``,
     which readers still take as that step's fallback; it is removed only once its replacement
     is in place. At no instant is there no candidate for the step."""
-    src, dst = partial_path(run_root, step), committed_path(run_root, step)
+    src = src or partial_path(run_root, step)
+    dst = committed_path(run_root, step)
     aside = superseded_path(run_root, step)
     if dst.exists():
         if aside.exists():  # left by a crashed earlier supersede; dst is the newer copy
@@ -423,7 +430,9 @@ def _named(root: Path, suffix: str) -> list[Path]:
     return sorted(
         p
         for p in root.iterdir()
-        if (m := _STEP_DIR_RE.fullmatch(p.name)) and m.group(2) == suffix and p.is_dir()
+        if (m := _STEP_DIR_RE.fullmatch(p.name))
+        and (m.group(2) or "").endswith(suffix)
+        and p.is_dir()
     )
 
 
@@ -434,7 +443,7 @@ def _settle_partial(run_root: Path, path: Path, fingerprint: str, digests: bool)
     if not why:
         # Killed after its manifest was written: everything it needs is on disk and verified.
         _drop_bookkeeping(path)
-        install(run_root, step)
+        install(run_root, step, path)
         return Recovery("rolled-forward", path.name, step, "complete: its manifest verifies")
     shutil.rmtree(path, ignore_errors=True)
     return Recovery("removed-partial", path.name, step, why)

@@ -48,16 +48,27 @@ def stop_without_restart(run_root: Path | None, *, rank: int, reason: str) -> bo
 
 
 def write_no_restart(run_root: Path, *, rank: int, reason: str) -> None:
+    """The marker, carrying this worker's epoch (trainer.fence): the watcher counts only its
+    own attempt's, and a writer whose attempt was replaced writes none."""
+    from trainer.events import EventLog
+    from trainer.fence import Fence
+
+    fence = Fence.from_env(run_root, EventLog(run_root))
+    marker: dict[str, object] = {"t": time.time(), "rank": rank, "reason": reason}
+    if fence.epoch is not None:
+        marker["epoch"] = fence.epoch
     path = run_root / NO_RESTART_MARKER
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".no_restart.{rank}.{os.getpid()}")
-    tmp.write_text(json.dumps({"t": time.time(), "rank": rank, "reason": reason}) + "\n")
-    os.replace(tmp, path)  # atomic: a reader never sees half a marker
+    with fence.hold("write the no_restart marker"):
+        tmp = path.with_name(f".no_restart.{rank}.{os.getpid()}")
+        tmp.write_text(json.dumps(marker) + "\n")
+        os.replace(tmp, path)  # atomic: a reader never sees half a marker
 
 
-def read_no_restart(run_root: Path) -> str | None:
+def read_no_restart(run_root: Path, *, epoch: int | None = None) -> str | None:
     """The marker's reason, or None when there is none. A marker that cannot be parsed still
-    means "do not restart" (NVRx's own may hold anything)."""
+    means "do not restart" (NVRx's own may hold anything); with ``epoch``, one that names
+    another epoch is another attempt's, and is no verdict on this one."""
     from trainer.run_files import UnsafeFile, read_small
 
     path = run_root / NO_RESTART_MARKER
@@ -70,6 +81,13 @@ def read_no_restart(run_root: Path) -> str | None:
     if data is None:
         return None
     text = data.decode("utf-8", "replace")
+    with contextlib.suppress(ValueError, AttributeError):
+        marked = json.loads(text).get("epoch")
+        if epoch is not None and marked is not None and marked != epoch:
+            logging.getLogger(__name__).warning(
+                "ignoring %s: written by epoch %s, not this attempt's %s", path, marked, epoch
+            )
+            return None
     try:
         return str(json.loads(text).get("reason") or text.strip() or "no_restart marker")
     except (ValueError, AttributeError):

@@ -185,12 +185,13 @@ class Session:
                 job_id=os.environ.get("TORCHELASTIC_RUN_ID"),
                 workload=self.cfg.workload,
             )
-            run_state.record_launch(
-                self.cfg.run_root,
-                job_id=os.environ.get("TORCHELASTIC_RUN_ID"),
-                world_size=self.world_size,
-                nodes=nodes,
-            )
+            with self._ckpt.fence.hold("record the launch"):
+                run_state.record_launch(
+                    self.cfg.run_root,
+                    job_id=os.environ.get("TORCHELASTIC_RUN_ID"),
+                    world_size=self.world_size,
+                    nodes=nodes,
+                )
         return first
 
     def step_start(self, step: int) -> None:

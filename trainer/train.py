@@ -513,10 +513,10 @@ def _terminal(cfg: TrainConfig, message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     if int(os.environ.get("RANK", "0")) == 0:
         try:
+            from trainer.loop import write_result
+
             EventLog(cfg.run_root).emit("fatal", error=message, requeue=False)
-            (cfg.run_root / "result.json").write_text(
-                json.dumps({"status": "failed", "error": message, "requeue": False}) + "\n"
-            )
+            write_result(cfg, {"status": "failed", "error": message, "requeue": False})
         except OSError as e:  # a full disk may be the very cause: still stop, still exit 3
             log.warning("could not record the fatal error on %s: %s", cfg.run_root, e)
     _stop_without_restart(cfg.run_root, message)

@@ -78,6 +78,9 @@ class LaunchRequest:
     # the rendezvous id includes it (a later invocation's attempt 1 is not an in-job respawn).
     invocation: str = "unowned"
     deadline_s: float | None = None  # the attempt's deadline (the backend may enforce it too)
+    # The epoch the watcher published for this attempt (trainer.fence), handed to every worker
+    # as NVRX_EPOCH: a writer of any other epoch changes nothing in the run root.
+    epoch: int | None = None
 
     @property
     def node_range(self) -> NodeRange:

@@ -34,6 +34,7 @@ from tasks.classify import EndSnapshot, Outcome, classify
 from tasks.ownership import processes
 from tasks.ownership.lease import RunLease, process_is
 from trainer.config import config_file, save_config
+from trainer.fence import EPOCH_ENV
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
 from trainer.run_files import read_small
 
@@ -376,6 +377,9 @@ class LocalBackend:
         argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config))
         env = {**os.environ, **worker_env(config)}
         env["NVRX_STAGE_ATTEMPT"] = str(request.attempt)
+        env.pop(EPOCH_ENV, None)
+        if request.epoch is not None:  # the attempt's (trainer.fence)
+            env[EPOCH_ENV] = str(request.epoch)
         # All simulated nodes share this host's cores. Sized for the full world and kept when
         # an elastic job shrinks: results are bitwise reproducible for one thread count only.
         workers = request.nodes * request.nproc_per_node

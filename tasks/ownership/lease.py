@@ -23,6 +23,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import threading
@@ -41,6 +42,16 @@ LEASE_FILE = "owner.lease"
 LOCK_FILE = ".owner.lock"
 HEARTBEAT_S = 5.0
 STALE_AFTER_S = 60.0
+
+
+log = logging.getLogger(__name__)
+
+
+class LeaseLost(PipelineError):
+    """Another invocation holds this run's lease now (it took it over, across hosts or with the
+    lock lost): this one must stop acting for the run: no destructive action, and the running
+    attempt is left to its new owner. Not retried, and no failure is notified (the run is not
+    failing: its owner changed)."""
 
 
 class RunBusy(PipelineError):
@@ -145,6 +156,9 @@ class RunLease:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _mu: threading.Lock = field(default_factory=threading.Lock)
+    # Why this invocation no longer owns the run (None while it does): the heartbeat found
+    # another owner in the file, and stopped rewriting it.
+    lost: str | None = None
 
     @property
     def path(self) -> Path:
@@ -254,8 +268,32 @@ class RunLease:
     def _record(self) -> LeaseRecord:
         return LeaseRecord(self.run_id, self.owner, time.time(), tuple(self._resources))
 
+    def check(self, action: str) -> None:
+        """Before a destructive action (stopping or deleting the run's attempt, removing its
+        files, exporting, writing its result) and on every watch poll: raises
+        :class:`LeaseLost` unless the lease file still names this invocation."""
+        if self.lost is None and self._lock_fd is not None:
+            self.lost = self._taken_by()
+        if self.lost is not None:
+            raise LeaseLost(f"run {self.run_id!r}: {self.lost}; not going to {action}")
+
+    def _taken_by(self) -> str | None:
+        """Why the file says another invocation owns the run, or None while it names this one.
+        An unreadable file is not a new owner (a torn read, a slow mount): the next look decides."""
+        cur = self.read()
+        if cur is None or cur.owner.invocation == self.owner.invocation:
+            return None
+        return f"the lease was taken over by {cur.owner.describe()}"
+
     def _write(self) -> None:
-        if self._lock_fd is None:
+        """Compare and swap: the record is rewritten only while the file still names this
+        invocation. Once another owner took it over, this invocation never writes it again (it
+        used to, every heartbeat, and the file flip-flopped between two owners)."""
+        if self._lock_fd is None or self.lost is not None:
+            return
+        self.lost = self._taken_by()
+        if self.lost is not None:
+            log.error("run %s: %s; this invocation stops acting for it", self.run_id, self.lost)
             return
         tmp = self.path.with_name(f".{LEASE_FILE}.{self.owner.invocation}.tmp")
         tmp.write_text(self._record().to_json())

@@ -126,6 +126,35 @@ def test_records_and_heartbeat_reach_the_file(tmp_path: Path):
         mine.release()
 
 
+def test_a_lease_taken_over_is_known_lost_and_never_rewritten(tmp_path: Path):
+    """Two orchestrators that both believe they hold the lease (a takeover across hosts, the
+    lock lost): the old one's heartbeat finds the new owner in the file and stops writing it,
+    and every destructive action it tries raises LeaseLost."""
+    from tasks.ownership.lease import LeaseLost
+
+    old = RunLease(tmp_path, "r1", heartbeat_s=0.05)
+    old.acquire()
+    try:
+        old.check("watch")  # still its own
+        new = Owner("newowner", os.getpid(), "other-host", time.time(), time.time())
+        (tmp_path / "owner.lease").write_text(LeaseRecord("r1", new, time.time()).to_json())
+        deadline = time.monotonic() + 5
+        while old.lost is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)  # several heartbeats: none rewrites the file
+        rec = LeaseRecord.parse((tmp_path / "owner.lease").read_text())
+        assert rec is not None and rec.owner.invocation == "newowner"
+        with pytest.raises(LeaseLost, match="taken over by pid .* on other-host.*export"):
+            old.check("export the checkpoint")
+        old.record({"kind": "node", "attempt": 1, "node": 0, "pid": 1})  # no write either
+        rec = LeaseRecord.parse((tmp_path / "owner.lease").read_text())
+        assert rec is not None and rec.owner.invocation == "newowner" and rec.resources == ()
+    finally:
+        old.release()
+    assert (tmp_path / "owner.lease").exists()  # the new owner's file stays
+
+
 # -- takeover decisions (pure) --------------------------------------------------------------------
 def _snap(**kw: object) -> takeover.Snapshot:
     nodes = tuple({"kind": "node", "attempt": 2, "node": n, "pid": 10 + n} for n in range(2))

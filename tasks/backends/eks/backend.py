@@ -440,6 +440,7 @@ class EksBackend:
             tag=tag,
             min_nodes=request.min_nodes,
             spares=request.spares,
+            epoch=request.epoch,
         )
         job = self._job(name, request.attempt, request.launched)
         try:

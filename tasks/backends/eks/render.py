@@ -32,6 +32,7 @@ from tasks.backends.eks.security import (
     scratch_volumes,
 )
 from trainer.config import TrainConfig, config_file
+from trainer.fence import EPOCH_ENV
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
 
 CONTAINER = "trainer"
@@ -131,6 +132,7 @@ def render_job(
     tag: str = "",
     min_nodes: int | None = None,
     spares: int = 0,
+    epoch: int | None = None,
 ) -> dict[str, Any]:
     """``nodes``: the most the job trains on; ``min_nodes`` (elastic) the fewest; ``spares``:
     pods launched beyond ``nodes`` to wait in the rendezvous. ``rdzv_id``: unique per
@@ -157,6 +159,8 @@ def render_job(
     resources = pod_resources(eks)
     env = [
         {"name": "NVRX_STAGE_ATTEMPT", "value": str(attempt)},
+        # The attempt's epoch (trainer.fence): a pod that outlives its attempt changes nothing.
+        *([{"name": EPOCH_ENV, "value": str(epoch)}] if epoch is not None else []),
         *({"name": k, "value": v} for k, v in worker_env(config).items()),
         {"name": "NVRX_EVENTS_STDOUT", "value": "1"},  # structured progress in `kubectl logs`
         {"name": "TORCH_CPP_LOG_LEVEL", "value": "ERROR"},
@@ -385,6 +389,7 @@ def render_all(
     tag: str = "",
     min_nodes: int | None = None,
     spares: int = 0,
+    epoch: int | None = None,
 ) -> list[dict[str, Any]]:
     """``deadline_s``: the attempt's deadline (``activeDeadlineSeconds`` adds a margin);
     ``tag``: the invocation's, in every name (:func:`job_name`); ``nodes``, ``min_nodes``,
@@ -411,5 +416,6 @@ def render_all(
             tag=tag,
             min_nodes=min_nodes,
             spares=spares,
+            epoch=epoch,
         ),
     ]

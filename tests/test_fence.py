@@ -1,0 +1,148 @@
+"""Epoch fencing of the run root (trainer.fence) at the storage level: a writer of a replaced
+attempt changes nothing and says so; the current one commits; publishing waits for a mutation
+in progress. Real files, real flock, the real commit (trainer.checkpoint._Commit)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer import fence, manifest, run_state
+from trainer.checkpoint import _Commit
+from trainer.event_read import EventReader
+from trainer.event_types import FencedEvent
+from trainer.events import EventLog
+
+FP = "cfg-hash"
+
+
+def _fence(run_root: Path, epoch: int | None) -> fence.Fence:
+    def refuse() -> None:  # a worker exits here; the test goes on
+        pass
+
+    return fence.Fence(run_root, epoch, EventLog(run_root, epoch=epoch), on_fenced=refuse)
+
+
+def _write_partial(run_root: Path, step: int, epoch: int | None, content: bytes) -> Path:
+    partial = manifest.partial_path(run_root, step, epoch)
+    partial.mkdir(parents=True)
+    (partial / "__0_0.distcp").write_bytes(content)
+    (partial / manifest.DCP_METADATA).write_bytes(b"meta" + content)
+    return partial
+
+
+def _commit(run_root: Path, step: int, f: fence.Fence) -> _Commit:
+    return _Commit(
+        run_root=run_root,
+        step=step,
+        world_size=1,
+        keep_last=2,
+        info={"config_hash": FP},
+        events=f.events,  # type: ignore[arg-type]
+        fence=f,
+        blocking_s=0.1,
+        written_s=1.0,
+    )
+
+
+def test_publish_counts_up_and_a_malformed_epoch_is_none(tmp_path: Path):
+    assert fence.current(tmp_path) is None
+    assert fence.publish(tmp_path, invocation="a", attempt=1).epoch == 1
+    e2 = fence.publish(tmp_path, invocation="b", attempt=2)
+    assert (e2.epoch, e2.invocation, e2.attempt) == (2, "b", 2)
+    assert fence.current(tmp_path) == e2
+    (tmp_path / fence.EPOCH_FILE).write_text('{"epoch": "3"}')
+    assert fence.current(tmp_path) is None
+    assert fence.publish(tmp_path, invocation="c", attempt=1).epoch == 1  # starts over, said
+
+
+@pytest.mark.parametrize("value", ["", "0", "-1", "x", "1.5"])
+def test_no_epoch_in_the_environment_is_unfenced(value: str):
+    assert fence.epoch_from_env({fence.EPOCH_ENV: value}) is None
+    assert fence.epoch_from_env({fence.EPOCH_ENV: "7"}) == 7
+
+
+def test_a_zombie_commits_nothing_and_the_new_attempt_commits(tmp_path: Path):
+    """The reproduction of issue 26 at the storage level: attempt 1's rank 0 paused before its
+    commit of step 10; attempt 2 (a new epoch) writes its own step 10; attempt 1 wakes."""
+    root = tmp_path
+    old = fence.publish(root, invocation="a", attempt=1).epoch
+    zombie = _fence(root, old)
+    _write_partial(root, 10, old, b"old")
+    new = fence.publish(root, invocation="b", attempt=2).epoch
+    current = _fence(root, new)
+    mine = _write_partial(root, 10, new, b"new")  # half-written: no commit yet
+
+    with pytest.raises(fence.Fenced, match=f"epoch {old} is not the run's"):
+        _commit(root, 10, zombie).run()
+    assert manifest.committed_steps(root) == [] and mine.exists()
+    assert run_state.recorded_commit(root).known is False
+    (ev,) = [e for e in EventReader(root / "events.jsonl").read_new() if e.kind == "fenced"]
+    assert isinstance(ev, FencedEvent)
+    assert ev.epoch == old and ev.current == new and "commit step 10" in ev.action
+
+    path = _commit(root, 10, current).run()
+    assert path == manifest.committed_path(root, 10)
+    assert (path / "__0_0.distcp").read_bytes() == b"new"
+    assert manifest.read_latest(root) == 10 and run_state.recorded_commit(root).step == 10
+    # The zombie's own partial is left for the current attempt's recovery to settle.
+    assert manifest.partial_path(root, 10, old).exists()
+    settled = manifest.recover(root, fingerprint=FP)
+    assert [(r.action, r.dir) for r in settled] == [
+        ("removed-partial", f"step_000000010.e{old}.partial")
+    ]
+
+
+def test_every_fenced_mutation_is_refused(tmp_path: Path):
+    old = fence.publish(tmp_path, invocation="a", attempt=1).epoch
+    fence.publish(tmp_path, invocation="b", attempt=2)
+    zombie = _fence(tmp_path, old)
+    ran = []
+    for action in ("write result.json", "settle", "start fresh"):
+        with pytest.raises(fence.Fenced), zombie.hold(action):
+            ran.append(action)
+    assert ran == [] and not zombie.still_current()
+    unfenced = _fence(tmp_path, None)
+    with unfenced.hold("anything"):
+        ran.append("unfenced")
+    assert ran == ["unfenced"]
+
+
+def test_publishing_waits_for_a_mutation_in_progress(tmp_path: Path):
+    epoch = fence.publish(tmp_path, invocation="a", attempt=1).epoch
+    f = _fence(tmp_path, epoch)
+    order: list[str] = []
+    inside = threading.Event()
+
+    def mutate() -> None:
+        with f.hold("commit"):
+            inside.set()
+            time.sleep(0.3)
+            order.append("mutated")
+
+    t = threading.Thread(target=mutate)
+    t.start()
+    inside.wait(5)
+    fence.publish(tmp_path, invocation="b", attempt=2)
+    order.append("published")
+    t.join()
+    assert order == ["mutated", "published"]
+
+
+def test_a_stale_result_and_marker_carry_their_epoch(tmp_path: Path, monkeypatch):
+    from trainer.config import TrainConfig
+    from trainer.loop import write_result
+    from trainer.resilience import read_no_restart, write_no_restart
+
+    epoch = fence.publish(tmp_path, invocation="a", attempt=1).epoch
+    monkeypatch.setenv(fence.EPOCH_ENV, str(epoch))
+    cfg = TrainConfig(run_root=tmp_path, data_dir=tmp_path)
+    write_result(cfg, {"status": "completed"})
+    assert json.loads((tmp_path / "result.json").read_text())["epoch"] == epoch
+    write_no_restart(tmp_path, rank=0, reason="bad data")
+    assert read_no_restart(tmp_path, epoch=epoch) == "bad data"
+    assert read_no_restart(tmp_path, epoch=epoch + 1) is None  # another attempt's verdict

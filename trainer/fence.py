@@ -1,0 +1,198 @@
+"""Epoch fencing: which attempt may change the run root (arch §5).
+
+Deleting a Job does not stop a pod on an unreachable node, and a frozen VM or a stalled host can
+wake long after its attempt was replaced. Before each launch the watcher publishes a new epoch
+(``control/epoch.json``: a counter, the invocation and the attempt) and hands it to the workers
+(``NVRX_EPOCH``). Every mutation a worker makes of the run root (creating and committing a
+checkpoint, pruning, settling what a crash left, a fresh start, ``result.json``, the
+``no_restart`` marker) runs inside :meth:`Fence.hold`: under an exclusive ``flock`` on
+``control/.fence.lock`` (FSx for Lustre is mounted with ``flock``) it re-reads the epoch, and a
+writer whose epoch is no longer current changes nothing: it emits a ``fenced`` event and exits
+with :data:`EXIT_FENCED`. The watcher publishes under the same lock, so no epoch changes in the
+middle of a fenced mutation.
+
+A worker started without an epoch (the trainer run by hand, outside the pipeline) is unfenced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import stat
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trainer.run_files import read_json_object
+
+if TYPE_CHECKING:
+    from trainer.events import EventLog
+
+EPOCH_ENV = "NVRX_EPOCH"
+EPOCH_FILE = Path("control") / "epoch.json"
+LOCK_FILE = Path("control") / ".fence.lock"
+# A fenced worker's exit code (the worker's own: 0 done, 2 bad config, 3 fatal).
+EXIT_FENCED = 4
+# How long a mutation or a publication waits for the lock: a mutation holds it for a rename or
+# a few (milliseconds); longer means a holder that stopped while holding it (a frozen process).
+LOCK_TIMEOUT_S = 60.0
+
+_log = logging.getLogger(__name__)
+
+
+class Fenced(RuntimeError):
+    """This writer's epoch is no longer the run's: it must change nothing."""
+
+
+class LockTimeout(TimeoutError):
+    pass
+
+
+class Epoch(BaseModel):
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    epoch: int = Field(ge=1)
+    invocation: str = Field(max_length=128)
+    attempt: int = Field(ge=1)
+    t: float
+
+
+def epoch_from_env(env: dict[str, str] | None = None) -> int | None:
+    """The epoch this process was launched with; None outside the pipeline."""
+    value = (os.environ if env is None else env).get(EPOCH_ENV, "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+@contextlib.contextmanager
+def locked(run_root: Path, *, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """The run root's fence lock, exclusive, waited for at most ``timeout_s``."""
+    path = Path(run_root) / LOCK_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path}: not a regular file")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise LockTimeout(
+                        f"{path}: held for more than {timeout_s:.0f} s (a writer stopped while "
+                        "holding it?)"
+                    ) from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def current(run_root: Path) -> Epoch | None:
+    """The run's epoch; None when none was published (or the file is malformed: said)."""
+    obj = read_json_object(Path(run_root) / EPOCH_FILE)
+    if obj is None:
+        return None
+    try:
+        return Epoch.model_validate(obj)
+    except ValidationError as e:
+        _log.warning("ignoring %s: %s", run_root / EPOCH_FILE, e.errors()[0].get("msg"))
+        return None
+
+
+def publish(run_root: Path, *, invocation: str, attempt: int) -> Epoch:
+    """A new epoch for an attempt about to launch (the watcher, under the run's lease): every
+    writer of an earlier one is fenced from now on."""
+    with locked(run_root):
+        prev = current(run_root)
+        new = Epoch(
+            epoch=(prev.epoch if prev else 0) + 1,
+            invocation=invocation[:128],
+            attempt=attempt,
+            t=time.time(),
+        )
+        path = Path(run_root) / EPOCH_FILE
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        tmp.write_text(new.model_dump_json() + "\n")
+        os.replace(tmp, path)
+        return new
+
+
+def _exit_fenced() -> None:
+    """A zombie's end: ask its own launcher not to respawn it (a respawn would only be fenced
+    again; no marker is written, that would be a change to the run root), then exit."""
+    with contextlib.suppress(Exception):
+        from trainer import nvrx_compat
+
+        nvrx_compat.request_no_restart(int(os.environ.get("RANK", "0")), "fenced")
+    logging.shutdown()
+    os._exit(EXIT_FENCED)
+
+
+class Fence:
+    """A worker's hold on the run root for its epoch (None: unfenced)."""
+
+    def __init__(
+        self,
+        run_root: Path,
+        epoch: int | None,
+        events: EventLog | None = None,
+        *,
+        on_fenced: Callable[[], None] = _exit_fenced,
+    ) -> None:
+        self.run_root = Path(run_root)
+        self.epoch = epoch
+        self.events = events
+        # What a fenced writer does once it has said so: exit (a zombie has nothing left to
+        # do), from whichever thread found out. Tests raise instead.
+        self.on_fenced = on_fenced
+
+    @classmethod
+    def from_env(cls, run_root: Path, events: EventLog | None = None) -> Fence:
+        return cls(run_root, epoch_from_env(), events)
+
+    @contextlib.contextmanager
+    def hold(self, action: str) -> Iterator[None]:
+        """Run one mutation of the run root, if this writer's epoch is still the run's."""
+        if self.epoch is None:
+            yield
+            return
+        with locked(self.run_root):
+            now = current(self.run_root)
+            if now is None or now.epoch != self.epoch:
+                self._fenced(action, now)
+            yield
+
+    def still_current(self) -> bool:
+        """A check without the lock, for a decision that mutates nothing by itself."""
+        if self.epoch is None:
+            return True
+        now = current(self.run_root)
+        return now is not None and now.epoch == self.epoch
+
+    def _fenced(self, action: str, now: Epoch | None) -> None:
+        reason = (
+            f"epoch {self.epoch} is not the run's: "
+            + (f"epoch {now.epoch} (attempt {now.attempt}) is" if now else "no epoch is published")
+            + f"; refusing to {action}"
+        )
+        _log.error("fenced: %s", reason)
+        if self.events is not None:
+            with contextlib.suppress(Exception):  # saying so must not stop the refusal
+                self.events.emit(
+                    "fenced",
+                    action=action,
+                    current=now.epoch if now else None,
+                    reason=reason,
+                )
+        self.on_fenced()
+        raise Fenced(reason)
