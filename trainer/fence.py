@@ -23,14 +23,13 @@ import logging
 import os
 import stat
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from trainer.run_files import read_json_object
+from trainer.run_files import read_model, write_json_atomic
 
 if TYPE_CHECKING:
     from trainer.events import EventLog
@@ -99,14 +98,7 @@ def locked(run_root: Path, *, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[Non
 
 def current(run_root: Path) -> Epoch | None:
     """The run's epoch; None when none was published (or the file is malformed: said)."""
-    obj = read_json_object(Path(run_root) / EPOCH_FILE)
-    if obj is None:
-        return None
-    try:
-        return Epoch.model_validate(obj)
-    except ValidationError as e:
-        _log.warning("ignoring %s: %s", run_root / EPOCH_FILE, e.errors()[0].get("msg"))
-        return None
+    return read_model(Path(run_root) / EPOCH_FILE, Epoch)
 
 
 def publish(run_root: Path, *, invocation: str, attempt: int) -> Epoch:
@@ -120,10 +112,7 @@ def publish(run_root: Path, *, invocation: str, attempt: int) -> Epoch:
             attempt=attempt,
             t=time.time(),
         )
-        path = Path(run_root) / EPOCH_FILE
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-        tmp.write_text(new.model_dump_json() + "\n")
-        os.replace(tmp, path)
+        write_json_atomic(Path(run_root) / EPOCH_FILE, new.model_dump())
         return new
 
 

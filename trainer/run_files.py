@@ -14,14 +14,19 @@ import json
 import logging
 import os
 import stat
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 # A result, a marker or a lease is a few hundred bytes; this leaves room for any of them.
 SMALL_FILE_LIMIT = 1 << 20
 
 _log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class UnsafeFile(OSError):
@@ -100,3 +105,24 @@ def read_json_object(path: Path, *, limit: int = SMALL_FILE_LIMIT) -> dict[str, 
         _log.warning("ignoring %s: JSON %s, not an object", path, type(obj).__name__)
         return None
     return obj
+
+
+def read_model(path: Path, model: type[M]) -> M | None:
+    """A small JSON file of the run root as ``model`` (a pydantic model), or None when it is
+    absent, unsafe, not JSON, or does not validate (said in the log)."""
+    obj = read_json_object(path)
+    if obj is None:
+        return None
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        _log.warning("ignoring %s: %s", path, e.errors()[0].get("msg"))
+        return None
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Replace ``path`` with ``obj`` as JSON in one rename: a reader sees the old or the new."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(obj) + "\n")
+    os.replace(tmp, path)

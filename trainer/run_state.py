@@ -23,7 +23,6 @@ malformed. The event log still records each of these facts; the run's reports fo
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -36,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainer.elastic import PriorWorld
 from trainer.event_types import Fault, decode_obj
-from trainer.run_files import read_json_object
+from trainer.run_files import read_json_object, read_model, write_json_atomic
 
 CONTROL = Path("control")
 COMMIT = CONTROL / "commit.json"
@@ -71,23 +70,12 @@ class RetryFact(_Fact):
 
 
 def _write(run_root: Path, rel: Path, obj: dict[str, Any]) -> None:
-    path = run_root / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(obj) + "\n")
-    os.replace(tmp, path)  # atomic: a reader sees the old fact or the new one
+    write_json_atomic(run_root / rel, obj)  # a reader sees the old fact or the new one
 
 
 def _read(run_root: Path, rel: Path, model: type[_Fact]) -> Any:
     """The fact, None when absent; a malformed one is ignored (and said)."""
-    obj = read_json_object(run_root / rel)
-    if obj is None:
-        return None
-    try:
-        return model.model_validate(obj)
-    except ValidationError as e:
-        _log.warning("ignoring %s: %s", run_root / rel, e.errors()[0].get("msg"))
-        return None
+    return read_model(run_root / rel, model)
 
 
 # -- the newest recorded commit ---------------------------------------------------------------
