@@ -148,10 +148,10 @@ class _LiveProgress:
         self.thread.join(timeout=5)
 
     def _run(self) -> None:
-        from tasks.train_stage import EventTail
+        from trainer.event_read import EventReader
 
         path = self.run_root / "events.jsonl"
-        tail = EventTail(path)
+        tail = EventReader(path, from_start=False)
         out = sys.stderr
         if self.tty:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -165,7 +165,7 @@ class _LiveProgress:
             ) as bar:
                 task = bar.add_task("training", total=self.target)
                 while not self.stop.wait(0.5):
-                    for e in tail.read_new():
+                    for e in tail.read_new_dicts():
                         if e["kind"] == "step":
                             bar.update(
                                 task,
@@ -177,7 +177,7 @@ class _LiveProgress:
                             bar.console.print(_describe(e))
             return
         while not self.stop.wait(1.0):
-            for e in tail.read_new():
+            for e in tail.read_new_dicts():
                 if e["kind"] == "step" and (e["step"] % 10 == 0 or e["step"] == self.target):
                     print(
                         f"step {e['step']}/{self.target} loss {e['loss']:.4f} "

@@ -24,8 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from tasks.train_stage import EventTail
-from trainer.event_read import DROP_REASONS, DropCounts
+from trainer.event_read import DROP_REASONS, EVENTS_FILE, DropCounts, EventReader
 from trainer.events import LAYERS
 from trainer.metrics import MetricsServer, TrainingSeries
 
@@ -176,12 +175,12 @@ def serving(
         yield None
         return
     metrics = RunMetrics(run_id)
-    tail = EventTail(Path(run_root) / "events.jsonl", from_start=True)
+    tail = EventReader(Path(run_root) / EVENTS_FILE)
     metrics.registry.register(DroppedLines(run_id, tail.dropped))
     stop = threading.Event()
 
     def pump() -> None:
-        for e in tail.read_new():
+        for e in tail.read_new_dicts():
             metrics.observe(e)
 
     def follow() -> None:

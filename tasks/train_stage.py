@@ -38,17 +38,6 @@ WAIT_GRACE_S = 10.0
 _log = logging.getLogger(__name__)
 
 
-class EventTail(EventReader):
-    """The events appended to ``events.jsonl`` since the attempt started (or, with
-    ``from_start``, every event of the file first), through the one decoder."""
-
-    def __init__(self, path: Path, *, from_start: bool = False) -> None:
-        super().__init__(path, from_start=from_start)
-
-    def read_new(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.read_new_dicts()
-
-
 @dataclass
 class AttemptReport:
     attempt: int
@@ -112,7 +101,8 @@ def run_attempt(
     cfg = request.cfg
     run_root = cfg.run_root
     run_root.mkdir(parents=True, exist_ok=True)
-    tail = EventTail(run_root / EVENTS_FILE)
+    # Only what is appended from now on: this attempt's events.
+    tail = EventReader(run_root / EVENTS_FILE, from_start=False)
     drills = node_faults(cfg.faults)
     fatal: str | None = None  # the attempt's first fatal error
     started = time.monotonic()
@@ -228,7 +218,7 @@ def run_attempt(
 
     def pump() -> None:
         nonlocal world_nodes, waiting_until, last_step, fatal
-        for e in tail.read_new():
+        for e in tail.read_new_dicts():
             if e["kind"] == "fatal" and fatal is None and _of_epoch(e, epoch):
                 fatal = e["error"]
             on_event(e)

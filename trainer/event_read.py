@@ -14,7 +14,6 @@ held until its newline arrives; the writer that follows a torn line starts with 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -92,11 +91,9 @@ class EventReader:
     def read_new_dicts(self) -> list[dict[str, Any]]:
         """As :meth:`read_new`, each event as the JSON object it was written as (for readers
         that still index events by name; every declared field has its declared type)."""
-        out: list[dict[str, Any]] = []
-        for raw in self.iter_new_lines():
-            if self._decode(raw) is not None:
-                out.append(json.loads(raw))
-        return out
+        # The validated model's own fields: one parse per line (``exclude_unset`` keeps exactly
+        # what the line held, undeclared fields included).
+        return [ev.model_dump(exclude_unset=True) for ev in self.iter_new()]
 
     def iter_new_lines(self) -> Iterator[bytes]:
         """The complete lines appended since the last call (not yet decoded)."""
@@ -146,11 +143,6 @@ class EventReader:
             reason = "not-json" if json_invalid else "not-an-event"
             self.dropped.add(reason, _short(raw, e))
             return None
-
-
-def read_events(run_root: Path) -> list[Event]:
-    """Every valid event of a run, typed (for a fold, prefer :meth:`EventReader.iter_new`)."""
-    return EventReader(Path(run_root) / EVENTS_FILE).read_new()
 
 
 def read_event_dicts(run_root: Path) -> list[dict[str, Any]]:

@@ -20,7 +20,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 __all__ = [
-    "KINDS",
     "Checkpoint",
     "CheckpointFailed",
     "Cleanup",
@@ -269,33 +268,6 @@ Event = Annotated[
 ]
 
 _ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
-
-KINDS: frozenset[str] = frozenset(
-    m.model_fields["kind"].annotation.__args__[0]  # type: ignore[union-attr]
-    for m in (
-        WorkerStart,
-        Phase,
-        TrainStart,
-        WorldChange,
-        Step,
-        TrainEnd,
-        Checkpoint,
-        CheckpointFailed,
-        PruneRefused,
-        Resume,
-        Fault,
-        Restart,
-        Recovered,
-        Fatal,
-        NodeReturn,
-        StageAttempt,
-        StageAttemptEnd,
-        Takeover,
-        Cleanup,
-        FencedEvent,
-        StaleJobsDeleted,
-    )
-)
 
 
 def decode_json(raw: bytes | str) -> Event:

@@ -48,16 +48,14 @@ _log = logging.getLogger(__name__)
 
 
 class EventLog:
-    def __init__(
-        self, run_root: Path, *, enabled: bool = True, epoch: int | bool | None = True
-    ) -> None:
-        """``epoch``: the epoch every event carries (trainer.fence); True: this process's own
-        (``NVRX_EPOCH``), None: none."""
+    def __init__(self, run_root: Path, *, enabled: bool = True, epoch: int | None = None) -> None:
+        """``epoch``: the epoch every event carries (trainer.fence); None: this process's own
+        (``NVRX_EPOCH``), if it was given one."""
         from trainer.fence import epoch_from_env
 
         self.path = Path(run_root) / "events.jsonl"
         self.enabled = enabled
-        self.epoch = epoch_from_env() if epoch is True else (epoch or None)
+        self.epoch = epoch if epoch is not None else epoch_from_env()
         self.echo = os.environ.get(ECHO_ENV) == "1"
         self._buffer: list[bytes] = []
         self._flushed = time.monotonic()
@@ -156,8 +154,6 @@ def parse_line(raw: bytes) -> dict[str, Any] | None:
     if len(raw) > MAX_LINE:
         return None
     try:
-        decode_json(raw)
+        return decode_json(raw).model_dump(exclude_unset=True)
     except ValidationError:
         return None
-    event = json.loads(raw)
-    return event if isinstance(event, dict) else None

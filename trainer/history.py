@@ -76,7 +76,8 @@ class RunHistory:
         self.events_seen = 0
         self.attempts: list[AttemptView] = []
         self._train_wall_s = 0.0
-        self.ended_attempts: set[tuple[str, int]] = set()  # (stage, attempt) with an end event
+        # (stage, attempt) -> when its newest end event was written
+        self.ended_attempts: dict[tuple[str, int], float] = {}
         self._last_end_message: str | None = None
         self.faults: list[Fault] = []
         self._recovered: dict[tuple[str | None, int | None], Recovered] = {}
@@ -160,7 +161,7 @@ class RunHistory:
                 self.last_retry_t = max(self.last_retry_t, ev.t)
         elif isinstance(ev, StageAttemptEnd):
             self._last_end_message = ev.message
-            self.ended_attempts.add((ev.stage, ev.attempt))
+            self.ended_attempts[(ev.stage, ev.attempt)] = ev.t
             if ev.stage == "train":
                 self._train_wall_s += ev.wall_s
             for a in self.attempts:

@@ -81,17 +81,19 @@ def read_no_restart(run_root: Path, *, epoch: int | None = None) -> str | None:
     if data is None:
         return None
     text = data.decode("utf-8", "replace")
-    with contextlib.suppress(ValueError, AttributeError):
-        marked = json.loads(text).get("epoch")
-        if epoch is not None and marked is not None and marked != epoch:
-            logging.getLogger(__name__).warning(
-                "ignoring %s: written by epoch %s, not this attempt's %s", path, marked, epoch
-            )
-            return None
     try:
-        return str(json.loads(text).get("reason") or text.strip() or "no_restart marker")
-    except (ValueError, AttributeError):
+        marker = json.loads(text)
+    except ValueError:
+        marker = None
+    if not isinstance(marker, dict):
         return text.strip() or f"{path} present"
+    marked = marker.get("epoch")
+    if epoch is not None and marked is not None and marked != epoch:
+        logging.getLogger(__name__).warning(
+            "ignoring %s: written by epoch %s, not this attempt's %s", path, marked, epoch
+        )
+        return None
+    return str(marker.get("reason") or text.strip() or "no_restart marker")
 
 
 def clear_no_restart(run_root: Path) -> None:

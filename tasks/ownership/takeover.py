@@ -91,8 +91,8 @@ def gather(previous: LeaseRecord, run_root: Path, *, now: float | None = None) -
     strays = sum(1 for t in processes.tagged(run_root) if t.invocation == previous.owner.invocation)
     history = RunHistory.read(run_root)
     # Only the previous owner's own events say whether its attempt ended.
-    mine = RunHistory.read(run_root, since=previous.owner.started_at)
-    ended = attempt is not None and ("train", attempt) in mine.ended_attempts
+    ended_t = history.ended_attempts.get(("train", attempt), -1.0) if attempt else -1.0
+    ended = ended_t >= previous.owner.started_at
     return Snapshot(
         previous=previous,
         nodes=nodes,
