@@ -462,7 +462,7 @@ def _owner(run_root: Path) -> dict[str, Any] | None:
     """Who holds the run's lease (arch §6), if anyone."""
     import time as _time
 
-    from tasks.ownership.lease import LEASE_FILE, STALE_AFTER_S, LeaseRecord, owner_alive
+    from tasks.ownership.lease import LEASE_FILE, LeaseRecord, owner_alive
 
     try:
         rec = LeaseRecord.parse((run_root / LEASE_FILE).read_text())
@@ -475,10 +475,11 @@ def _owner(run_root: Path) -> dict[str, Any] | None:
         "owner": rec.owner.describe(),
         "pid": rec.owner.pid,
         "host": rec.owner.host,
+        # By the owner's clock against ours: a hint for a person, never a decision.
         "heartbeat_age_s": round(now - rec.heartbeat_at, 1),
-        "alive": owner_alive(
-            rec.owner, heartbeat_at=rec.heartbeat_at, now=now, stale_after_s=STALE_AFTER_S
-        ),
+        # On this host, from the process table; on another, not known from one look (the
+        # lease's takeover watches its record change instead).
+        "alive": owner_alive(rec),
     }
 
 
@@ -509,7 +510,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         o = st["owner"]
         print(
             f"  owner: {o['owner']}, heartbeat {o['heartbeat_age_s']:.0f} s ago"
-            + ("" if o["alive"] else " (gone: the next run of this id takes it over)")
+            + (
+                ""
+                if o["alive"] or o["alive"] is None
+                else " (gone: the next run of this id takes it over)"
+            )
         )
     print(f"  step {st['step']}{loss}")
     if st["stages"]:

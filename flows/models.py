@@ -14,7 +14,7 @@ from tasks.backends.eks.params import ALLOWED_ENV as ALLOWED_ENV  # re-exported:
 from tasks.backends.eks.params import EksParams
 from tasks.backends.registry import BackendType, backend_type
 from trainer.events import RecoveryLayer
-from trainer.faults import FaultSpecError, parse_fault
+from trainer.faults import NODE_KINDS, FaultSpecError, parse_fault
 
 if TYPE_CHECKING:
     from trainer.elastic import NodeRange
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 MAX_NODES = 64
 NODES_MAX = "' maximum"
 # Drills that name a node (the launcher backend carries them out).
-NODE_KINDS = ("node-loss", "node-return")
 
 # Matched with fullmatch: `re.match(r"^...$")` would accept a trailing newline ("abc\n").
 _RUN_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
@@ -84,7 +83,8 @@ class DrillParams(BaseModel):
     faults: list[str] = Field(
         default_factory=list,
         description="faults to inject, e.g. exception@step=7,rank=1 or node-loss@step=9,node=1; "
-        "kinds: exception, stall, hang, sigkill, node-loss, corrupt-checkpoint",
+        "kinds: exception, stall, hang, sigkill, corrupt-checkpoint (the trainer's); "
+        "node-loss, node-return, node-freeze (the watcher's, as the backend allows)",
     )
 
     @field_validator("faults")
@@ -336,6 +336,18 @@ class PipelineParams(BaseModel):
             )
         for spec in map(parse_fault, self.drills.faults):
             where = f"drills.faults: {spec}"
+            if spec.kind in NODE_KINDS and spec.kind not in kind.drills:
+                can = ", ".join(sorted(kind.drills)) or "none"
+                raise ValueError(
+                    f"{where}: the {kind.name} backend cannot carry out {spec.kind} drills (it "
+                    f"can: {can}); remove it, or drill it on another backend"
+                )
+            if spec.kind == "node-freeze" and self.node_range.min < 2:
+                raise ValueError(
+                    f"{where}: a frozen node is noticed against the other nodes' beats, so the "
+                    f"job must train on at least 2 nodes (nodes' minimum is "
+                    f"{self.node_range.min}); raise nodes, or drill a node-loss instead"
+                )
             if spec.kind in NODE_KINDS and (spec.node or 0) >= self.launched_nodes:
                 raise ValueError(
                     f"{where} names node {spec.node}, there are {self.launched_nodes} (nodes' "
@@ -353,12 +365,12 @@ class PipelineParams(BaseModel):
         down: dict[int, int] = {}  # node -> step it was lost at
         specs = sorted(
             (s for s in map(parse_fault, self.drills.faults) if s.kind in NODE_KINDS),
-            key=lambda s: (s.step, s.kind != "node-loss"),
+            key=lambda s: (s.step, s.kind == "node-return"),
         )
         for spec in specs:
             node = spec.node or 0
             where = f"drills.faults: {spec}"
-            if spec.kind == "node-loss":
+            if spec.kind != "node-return":  # a loss, or a freeze (noticed as a loss)
                 if node in down:
                     raise ValueError(
                         f"{where}: node {node} is already lost (at step {down[node]}); add a "

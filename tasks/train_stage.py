@@ -14,15 +14,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.backends.base import Backend, Evidence, LaunchRequest
+from tasks.backends.base import (
+    Backend,
+    ElasticJob,
+    Evidence,
+    FreezeDrills,
+    Job,
+    LaunchRequest,
+    ReturnDrills,
+)
 from tasks.classify import EndKind, Outcome
 from tasks.loss_policy import LossPath, LossSnapshot, decide
+from tasks.off_loop import OffLoop, bounded
 from tasks.ownership.lease import LeaseLost
+from tasks.watch_state import (
+    Verdict,
+    WatchState,
+    beat,
+    drop,
+    due,
+    frozen,
+    lost,
+    observe,
+    returned,
+    silent,
+    tick,
+)
 from trainer import fence, run_state
+from trainer.elastic import NodeRange
 from trainer.event_read import EVENTS_FILE, EventReader
 from trainer.event_types import Fatal, StageAttempt
 from trainer.events import EventLog
-from trainer.faults import FaultSpec, claim, parse_fault
+from trainer.faults import NODE_KINDS, FaultSpec, claim, parse_fault
+from trainer.node_beat import clear_other_epochs, read_beats
 from trainer.resilience import (
     clear_no_restart,
     clear_node_lost,
@@ -34,6 +58,10 @@ from trainer.run_files import read_json_object
 # After a wait for a returning node (tasks.loss_policy NODE_WAIT), how long past the survivors'
 # own join timeout the watcher lets them end by themselves before it stops the attempt.
 WAIT_GRACE_S = 10.0
+# How long the loop waits for a read of the shared filesystem on each poll (it goes on in the
+# background and is picked up by a later poll), and once the attempt is over.
+READ_TIMEOUT_S = 1.0
+END_READ_TIMEOUT_S = 10.0
 
 _log = logging.getLogger(__name__)
 
@@ -44,12 +72,6 @@ class AttemptReport:
     outcome: Outcome
     wall_s: float
     released: dict[str, Any] = field(default_factory=dict)  # what Job.finish reported
-
-
-def _of_epoch(e: dict[str, Any], epoch: int | None) -> bool:
-    """Does the attempt's fate depend on this event? Only its own epoch's decide it (another
-    attempt's, or another run's writer's, inform at most)."""
-    return epoch is None or e.get("epoch") == epoch
 
 
 def _result(run_root: Path, epoch: int | None) -> dict[str, Any] | None:
@@ -80,7 +102,7 @@ def _fatal_since_last_attempt_start(run_root: Path, epoch: int | None) -> str | 
 
 def node_faults(specs: list[str] | tuple[str, ...]) -> list[FaultSpec]:
     """The drills the watcher carries out: node losses and returns, in step order."""
-    out = [f for f in map(parse_fault, specs) if f.kind in ("node-loss", "node-return")]
+    out = [f for f in map(parse_fault, specs) if f.kind in NODE_KINDS]
     return sorted(out, key=lambda f: (f.step, f.kind != "node-loss"))
 
 
@@ -90,10 +112,17 @@ def run_attempt(
     *,
     on_event: Callable[[dict[str, Any]], None] = lambda e: None,
     check_owner: Callable[[str], None] = lambda action: None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> AttemptReport:
     """Run one attempt on any backend and watch it to its end: or, when the backend finds one
     of this run still running and healthy (a dead or replaced invocation's, arch §6), only
     watch that: no relaunch, its result stands. ``request.deadline_s`` bounds the watch.
+
+    Every decision is a pure transition of :mod:`tasks.watch_state` on ``clock``'s time; this
+    shell reads (off the loop, with timeouts: a hung mount or a FIFO never holds the deadline
+    or a cancel), and acts. An error while observing (a read, a callback, the backend's poll)
+    is logged and the watch goes on: only a decided outcome, the deadline or a cancel stops a
+    job.
 
     ``check_owner(action)`` (the lease's :meth:`RunLease.check`) runs before the launch, on
     every poll and before the release; when it raises :class:`LeaseLost`, watching stops and
@@ -103,9 +132,8 @@ def run_attempt(
     run_root.mkdir(parents=True, exist_ok=True)
     # Only what is appended from now on: this attempt's events.
     tail = EventReader(run_root / EVENTS_FILE, from_start=False)
-    drills = node_faults(cfg.faults)
     fatal: str | None = None  # the attempt's first fatal error
-    started = time.monotonic()
+    started = clock()
     check_owner("start an attempt")
     job = backend.reattach(request)
     if job is None:
@@ -119,6 +147,7 @@ def run_attempt(
         (run_root / "result.json").unlink(missing_ok=True)  # only this attempt's result counts
         clear_no_restart(run_root)  # nor an earlier attempt's verdict (the config was fixed)
         clear_node_lost(run_root)
+        clear_other_epochs(run_root, epoch)
         run_state.record_retry(run_root, request.attempt)
         _attempt_event(events, backend, request, request.attempt)
         job = backend.launch(request)
@@ -128,131 +157,34 @@ def run_attempt(
         epoch = now.epoch if now is not None else None
         events = EventLog(run_root, epoch=epoch)
         # What the attempt said before we came: a fatal error there decides its outcome too.
-        fatal = _fatal_since_last_attempt_start(run_root, epoch)
+        fatal = bounded(
+            "the event log", lambda: _fatal_since_last_attempt_start(run_root, epoch),
+            END_READ_TIMEOUT_S, None,
+        )  # fmt: skip
         _attempt_event(events, backend, request, job.attempt, adopted=True)
-    deadline = request.deadline_s
-    timed_out = False
-    lost: set[int] = set()
-    loss_at: float | None = None
-    ended = False
-    # The nodes training now (the last train_start says): a loss of any other is a spare's.
-    world_nodes: frozenset[int] = frozenset()
-    # Lost nodes the job has re-formed without (a train_start came after the loss): a
-    # node-return drill counts its steps from then on, not the dying world's last steps, which
-    # the watcher may read only after the loss (a return then would race the job's end).
-    reformed: set[int] = set()
     # An elastic job's survivors below its minimum wait in the rendezvous for a node to return,
     # as long as their own join timeout lets them (tasks.loss_policy NODE_WAIT); a fixed-size
-    # job's lost node nothing replaces in-job.
-    elastic = request.node_range.elastic or request.spares > 0
-    wait_s = cfg.injob.rdzv_join_timeout_s if elastic else 0.0
-    waiting_until: float | None = None  # the watcher's end of that wait (monotonic)
-    last_step: int | None = None  # the newest step event read (kept as they arrive)
-    wait_began = 0.0  # when it began (epoch seconds, as events carry)
-
-    def drill(spec: FaultSpec, step: int) -> None:
-        node = spec.node or 0
-        if spec.kind == "node-return":
-            events.emit("node_return", fault=str(spec), step=step, node=node)
-            job.restore_node(node)
-            lost.discard(node)
-            reformed.discard(node)
-            return
-        lose(node, str(spec), step, drilled=True)
-
-    def lose(node: int, fault: str, step: int | None, *, drilled: bool) -> None:
-        """A node lost, by a drill (``drilled``: the watcher takes it away now) or as the
-        backend saw it: which path its loss takes, decided once, and recorded."""
-        nonlocal loss_at, waiting_until, wait_began
-        # Decided before a drilled node goes: the survivors read the marker the moment they fail.
-        decision = decide(
-            LossSnapshot(
-                lost=node,
-                world_nodes=world_nodes,
-                alive=job.alive_nodes() - {node},
-                nodes=request.node_range,
-                store_host=job.store_host,
-                wait_s=wait_s,
-            )
-        )
-        if decision.path != LossPath.STAGE_RETRY:
-            if not decision.idle_spare:
-                write_node_lost(run_root, node=node)
-            job.absorb(node)
-        if drilled:
-            job.lose_node(node)
-        # Reaches on_event through the tail, like every other event.
-        fault_event = events.emit(
-            "fault",
-            fault=fault,
-            fault_kind="node-loss",
-            step=step,
-            node=node,
-            rank=None,
-            path=decision.path.value,
-            detail=decision.reason,
-        )
-        lost.add(node)
-        if not decision.idle_spare:  # open until the first step after the recovery
-            run_state.open_fault(run_root, fault_event)
-        if decision.idle_spare:
-            # Nothing trained there: nothing to recover, and no later recovery may claim it.
-            events.emit(
-                "recovered",
-                layer=LossPath.SPARE.value,
-                fault=fault,
-                fault_kind="node-loss",
-                fault_step=step,
-                rank=None,
-                step=step,
-                recovery_s=0.0,
-            )
-        elif decision.path == LossPath.STAGE_RETRY and drilled:
-            # A loss the backend saw ends the attempt through its own classification.
-            loss_at = time.monotonic()
-        elif decision.path == LossPath.NODE_WAIT and waiting_until is None:
-            # The survivors give up after their join timeout (and the attempt ends in a node
-            # loss, so a stage retry); the watcher stops whatever is left a little later.
-            waiting_until = time.monotonic() + wait_s + WAIT_GRACE_S
-            wait_began = time.time()
-
-    def pump() -> None:
-        nonlocal world_nodes, waiting_until, last_step, fatal
-        for e in tail.read_new_dicts():
-            if e["kind"] == "fatal" and fatal is None and _of_epoch(e, epoch):
-                fatal = e["error"]
-            on_event(e)
-            job.observe(e)
-            if e["kind"] == "train_start" and isinstance(e.get("nodes"), list):
-                named = frozenset(int(n) for n in e["nodes"])
-                # -1: a worker no backend told its node; then which nodes train is unknown.
-                world_nodes = named if all(n >= 0 for n in named) else frozenset()
-                reformed.update(lost)
-                # A lost node training again (its replacement joined): a later loss is new.
-                lost.difference_update(world_nodes)
-                if len(named) >= request.node_range.min and e["t"] > wait_began:
-                    waiting_until = None  # a node returned in time: the world re-formed
-            if e["kind"] != "step":
-                continue
-            last_step = max(e["step"], last_step or 0)
-            for spec in drills:
-                if spec.kind == "node-return" and (spec.node or 0) not in reformed:
-                    continue
-                if e["step"] >= spec.step and claim(run_root, spec):
-                    drill(spec, e["step"])
-        if waiting_until is not None:
-            # No world trains while the survivors wait for a node: a lost node's return drill
-            # comes now, its step notwithstanding (no step would ever reach it).
-            for spec in drills:
-                due = spec.kind == "node-return" and (spec.node or 0) in lost
-                if due and claim(run_root, spec):
-                    drill(spec, last_step or 0)
-        # Losses only the backend saw (EKS: a node gone under its pod), after the drills'.
-        for node in sorted(job.losses() - lost):
-            where = f"@step={last_step},node={node}" if last_step is not None else f"@node={node}"
-            lose(node, f"node-loss{where}", last_step, drilled=False)
-
-    lease_lost = False
+    # job's lost node nothing replaces in-job (nor one whose backend cannot re-form it).
+    elastic = isinstance(job, ElasticJob) and (request.node_range.elastic or request.spares > 0)
+    state = WatchState(
+        started=started,
+        deadline_s=request.deadline_s,
+        loss_grace_s=job.loss_grace_s,
+        wait_s=cfg.injob.rdzv_join_timeout_s if elastic else 0.0,
+        min_nodes=request.node_range.min,
+        wait_grace_s=WAIT_GRACE_S,
+        silence_s=cfg.injob.node_silence_s,
+        epoch=epoch,
+        drills=tuple(node_faults(cfg.faults)),
+        fatal=fatal,
+    )
+    watch = _Watch(
+        state, job, request, events, on_event, clock,
+        events_read=OffLoop("the event log", tail.read_new_dicts),
+        beats_read=OffLoop("the node beats", lambda: read_beats(run_root, epoch)),
+        elastic=elastic,
+    )  # fmt: skip
+    ended = lease_lost = False
     try:
         while True:
             try:
@@ -260,49 +192,45 @@ def run_attempt(
             except LeaseLost:
                 lease_lost = True
                 raise
-            pump()
-            if not job.running():
-                break
-            # After the watcher takes a node away and too few remain (tasks.loss_policy), the
-            # survivors fail their collectives and then wait in rendezvous (bounded by
-            # ft_launcher's join_timeout). The watcher knows the node is gone: it stops them
-            # (after the backend's grace) instead of waiting.
-            if loss_at is not None and time.monotonic() - loss_at >= job.loss_grace_s:
-                job.stop()
-                break
-            if waiting_until is not None and time.monotonic() > waiting_until:
-                job.stop()  # no node returned in time: the stage retry (the loss is recorded)
-                break
-            if deadline is not None and time.monotonic() - started > deadline:
-                timed_out = True
-                job.stop()
+            watch.pump(READ_TIMEOUT_S)
+            verdict = watch.tick()
+            if verdict != Verdict.CONTINUE:
+                if verdict != Verdict.ENDED:
+                    _log.info("stopping %s: %s", job.name, verdict.value)
+                    job.stop()
                 break
             time.sleep(job.poll_s)
         ended = True
     finally:
         if not ended and not lease_lost:
-            # Cancelled (Prefect's SIGTERM bridge, Ctrl-C) or crashed: nothing of the attempt
-            # may stay behind holding the nodes, and a failure to stop must not hide why. (Its
-            # new owner's, after a lost lease, is not this invocation's to stop.)
+            # Cancelled (Prefect's SIGTERM bridge, Ctrl-C) or crashed acting: nothing of the
+            # attempt may stay behind holding the nodes, and a failure to stop must not hide
+            # why. (Its new owner's, after a lost lease, is not this invocation's to stop.)
             with contextlib.suppress(Exception):
                 job.stop()
-    pump()
+    watch.pump(END_READ_TIMEOUT_S)
+    s = watch.state
     evidence = Evidence(
-        lost_nodes=frozenset(lost),
-        timed_out=timed_out,
-        result=_result(run_root, epoch),
-        fatal=fatal,
-        no_restart=read_no_restart(run_root, epoch=epoch),
+        lost_nodes=frozenset(s.lost),
+        timed_out=s.timed_out,
+        result=bounded("result.json", lambda: _result(run_root, epoch), END_READ_TIMEOUT_S, None),
+        fatal=s.fatal,
+        no_restart=bounded(
+            "the no_restart marker",
+            lambda: read_no_restart(run_root, epoch=epoch),
+            END_READ_TIMEOUT_S,
+            None,
+        ),
         target_steps=cfg.steps,
-        world_nodes=world_nodes,
+        world_nodes=s.world_nodes,
     )
     outcome = job.outcome(evidence)
     check_owner("release the attempt")
     kept = job.finish(outcome)
-    if outcome.kind == EndKind.NODE_LOSS and not lost:
+    if outcome.kind == EndKind.NODE_LOSS and not s.lost:
         # A real loss (not a drill): recorded as a fault, so the next attempt's ``recovered``
         # event (the trainer emits it) closes it with layer ``stage-retry``.
-        step = last_step
+        step = s.last_step
         fault_event = events.emit(
             "fault",
             fault=f"node-loss@step={step}" if step is not None else "node-loss",
@@ -314,7 +242,7 @@ def run_attempt(
             detail=outcome.message,
         )
         run_state.open_fault(run_root, fault_event)
-    wall = time.monotonic() - started
+    wall = clock() - started
     events.emit(
         "stage_attempt_end",
         stage="train",
@@ -324,8 +252,175 @@ def run_attempt(
         wall_s=round(wall, 3),
         **kept,
     )
-    pump()
+    watch.pump(END_READ_TIMEOUT_S)
     return AttemptReport(job.attempt, outcome, wall, kept)
+
+
+class _Watch:
+    """The shell around :class:`WatchState`: reads what the transitions need and carries out
+    what they decide (drills, losses) through the job."""
+
+    def __init__(
+        self,
+        state: WatchState,
+        job: Job,
+        request: LaunchRequest,
+        events: EventLog,
+        on_event: Callable[[dict[str, Any]], None],
+        clock: Callable[[], float],
+        *,
+        events_read: OffLoop[list[dict[str, Any]]],
+        beats_read: OffLoop[dict[int, str]],
+        elastic: bool,
+    ) -> None:
+        self.state, self.job, self.request, self.events = state, job, request, events
+        self.on_event, self.clock = on_event, clock
+        self.events_read, self.beats_read = events_read, beats_read
+        self.elastic = elastic
+        self.run_root = request.cfg.run_root
+        self._complaints: dict[str, str] = {}  # what went wrong observing, said once each
+
+    def _complain(self, what: str, e: BaseException) -> None:
+        """An observation failed: said once per kind of failure (until it changes), never
+        raised: the next poll tries again and the deadline still holds."""
+        text = f"{type(e).__name__}: {e}"
+        if self._complaints.get(what) != text:
+            self._complaints[what] = text
+            _log.warning("watching %s: %s failed (%s); watching on", self.job.name, what, text)
+
+    def tick(self) -> Verdict:
+        try:
+            running = self.job.running()
+        except Exception as e:
+            self._complain("polling the job", e)
+            running = True  # not known to have ended: the deadline still decides
+        self.state, verdict = tick(self.state, self.clock(), running=running)
+        return verdict
+
+    def pump(self, timeout: float) -> None:
+        try:
+            batch = self.events_read.call(timeout)
+        except Exception as err:  # Stuck (a hung mount), or the read's own error
+            self._complain("reading the event log", err)
+            batch = []
+        for event in batch:
+            self.state = observe(self.state, event, self.clock())
+            for what, fn in (("on_event", self.on_event), ("the job's observe", self.job.observe)):
+                try:
+                    fn(event)
+                except Exception as err:
+                    self._complain(what, err)
+            self._drills(event["step"] if event["kind"] == "step" else None)
+        self._drills(None)
+        try:
+            self.state = beat(self.state, self.beats_read.call(min(timeout, 1.0)), self.clock())
+        except Exception as e:
+            self._complain("reading the node beats", e)
+        for node in silent(self.state, self.clock()):
+            self._silent(node)
+        # Losses only the backend saw (EKS: a node gone under its pod), after the drills'.
+        try:
+            seen = self.job.losses()
+        except Exception as e:
+            self._complain("asking the backend for lost nodes", e)
+            seen = frozenset()
+        for node in sorted(seen - self.state.lost):
+            step = self.state.last_step
+            where = f"@step={step},node={node}" if step is not None else f"@node={node}"
+            self._lose(node, f"node-loss{where}", step, drilled=False)
+
+    def _drills(self, at_step: int | None) -> None:
+        while (spec := due(self.state, at_step)) is not None:
+            self.state = drop(self.state, spec)
+            if claim(self.run_root, spec):  # fire-once per run, across attempts
+                self._drill(spec, at_step if at_step is not None else self.state.last_step or 0)
+
+    def _drill(self, spec: FaultSpec, step: int) -> None:
+        node = spec.node or 0
+        job = self.job
+        if spec.kind == "node-return":
+            if not isinstance(job, ReturnDrills):
+                raise ValueError(f"{spec}: {job.name} cannot start a lost node again")
+            self.events.emit("node_return", fault=str(spec), step=step, node=node)
+            job.restore_node(node)
+            self.state = returned(self.state, node)
+        elif spec.kind == "node-freeze":
+            if not isinstance(job, FreezeDrills):
+                raise ValueError(f"{spec}: {job.name} cannot freeze a node")
+            _log.warning("drill %s: every process of node %d stopped (SIGSTOP)", spec, node)
+            job.freeze_node(node)
+            self.state = frozen(self.state, node, spec)
+        else:
+            self._lose(node, str(spec), step, drilled=True)
+
+    def _silent(self, node: int) -> None:
+        """A training node silent past the bound while others beat: taken away as lost."""
+        s = self.state
+        b = s.beats.get(node)
+        since = max(s.world_at or 0.0, b.changed_at if b is not None else 0.0)
+        quiet = (s.beats_read_at or self.clock()) - since
+        step = s.last_step
+        where = f"@step={step},node={node}" if step is not None else f"@node={node}"
+        fault = s.frozen.get(node, f"node-loss{where}")
+        why = f"node {node} silent for {quiet:.0f} s (no beat: frozen or partitioned), taken away"
+        _log.warning("%s", why)
+        self._lose(node, fault, step, drilled=True, why=why)
+
+    def _lose(
+        self, node: int, fault: str, step: int | None, *, drilled: bool, why: str = ""
+    ) -> None:
+        """A node lost, by a drill or a silence (``drilled``: the watcher takes it away now)
+        or as the backend saw it: which path its loss takes, decided once, and recorded."""
+        job, run_root, request = self.job, self.run_root, self.request
+        # Decided before a drilled node goes: the survivors read the marker the moment they fail.
+        decision = decide(
+            LossSnapshot(
+                lost=node,
+                world_nodes=self.state.world_nodes,
+                alive=job.alive_nodes() - {node},
+                nodes=(
+                    request.node_range
+                    if isinstance(job, ElasticJob)
+                    else NodeRange(request.nodes, request.nodes)
+                ),
+                store_host=job.store_host,
+                wait_s=self.state.wait_s,
+            )
+        )
+        if decision.path != LossPath.STAGE_RETRY and isinstance(job, ElasticJob):
+            if not decision.idle_spare:
+                write_node_lost(run_root, node=node)
+            job.absorb(node)
+        if drilled:
+            job.lose_node(node)
+        # Reaches on_event through the tail, like every other event.
+        fault_event = self.events.emit(
+            "fault",
+            fault=fault,
+            fault_kind="node-loss",
+            step=step,
+            node=node,
+            rank=None,
+            path=decision.path.value,
+            detail=f"{why}; {decision.reason}" if why else decision.reason,
+        )
+        self.state = lost(
+            self.state, node, decision, drilled=drilled, now=self.clock(), wall=time.time()
+        )
+        if not decision.idle_spare:  # open until the first step after the recovery
+            run_state.open_fault(run_root, fault_event)
+        else:
+            # Nothing trained there: nothing to recover, and no later recovery may claim it.
+            self.events.emit(
+                "recovered",
+                layer=LossPath.SPARE.value,
+                fault=fault,
+                fault_kind="node-loss",
+                fault_step=step,
+                rank=None,
+                step=step,
+                recovery_s=0.0,
+            )
 
 
 def _attempt_event(

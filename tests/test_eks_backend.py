@@ -64,6 +64,7 @@ def attempt_on(
     deadline_s: float = 8,
     on_event=lambda e: None,
     join_timeout_s: float | None = None,
+    check_owner: Callable[[str], None] = lambda action: None,
 ) -> AttemptReport:
     """One train attempt through the same code the train stage runs (run_attempt + EksBackend).
     ``join_timeout_s``: the survivors' rendezvous join timeout (how long a node-wait lasts)."""
@@ -89,7 +90,7 @@ def attempt_on(
         deadline_s=deadline_s,
         invocation=TAG,
     )
-    return run_attempt(backend, request, on_event=on_event)
+    return run_attempt(backend, request, on_event=on_event, check_owner=check_owner)
 
 
 class ControlPlane(threading.Thread):
@@ -262,6 +263,42 @@ def test_an_interrupted_watch_deletes_the_job(kube: Kube, tmp_path: Path):
         attempt_on(kube, params, deadline_s=30, on_event=interrupt)
     assert kube.read_job(NS, name) is None
     assert kube.jobs_labelled(NS, "nvrx.io/run-id", "k-cancel") == []
+
+
+def test_a_lease_taken_over_stops_the_watch_and_leaves_the_job(kube: Kube, tmp_path: Path):
+    """Two orchestrators that both believe they hold the lease (a takeover across hosts, the
+    lock lost): the stale one's watch stops at its next poll with LeaseLost, and the Job, its
+    Service and NetworkPolicy, now the new owner's, are untouched."""
+    import os
+
+    from tasks.ownership.lease import LeaseLost, LeaseRecord, Owner, RunLease
+
+    params = eks_params("k-lost", tmp_path)
+    name = job_name("k-lost", 1, TAG)
+    root = tmp_path / "runs" / "k-lost"
+    root.mkdir(parents=True)
+    old = RunLease(root, "k-lost", heartbeat_s=0.1)
+    old.acquire()
+
+    def take_over() -> None:  # the new owner, on another host, writes its record
+        while kube.read_job(NS, name) is None:
+            time.sleep(0.1)
+        new = Owner("newowner", os.getpid(), "other-host", time.time(), time.time())
+        (root / "owner.lease").write_text(LeaseRecord("k-lost", new, time.time()).to_json())
+
+    driver = ControlPlane(kube, name, hang)  # its pods train on, Running
+    driver.start()
+    threading.Thread(target=take_over, daemon=True).start()
+    try:
+        with pytest.raises(LeaseLost, match="taken over by pid .* on other-host"):
+            attempt_on(kube, params, deadline_s=60, check_owner=old.check)
+    finally:
+        old.release()
+    driver.join(5)
+    assert kube.read_job(NS, name) is not None  # the new owner's now
+    assert kube.jobs_labelled(NS, "nvrx.io/run-id", "k-lost") == [name]
+    assert kube.core.read_namespaced_service(name, NS) is not None
+    assert kube.networking.read_namespaced_network_policy(name, NS) is not None
 
 
 def test_every_kubernetes_call_has_a_request_timeout(monkeypatch):

@@ -225,6 +225,34 @@ def test_pipeline_params_nodes_and_spares(tmp_path):
             {"drills": {"faults": ["node-loss@step=2,node=1", "node-loss@step=5,node=1"]}},
             "already lost",
         ),
+        # A frozen node is noticed against the others' beats: not on a world that may be 1.
+        ({"drills": {"faults": ["node-freeze@step=2,node=1"]}}, "at least 2 nodes"),
+        (
+            {
+                "nodes": "2",
+                "drills": {"faults": ["node-freeze@step=2,node=1", "node-loss@step=5,node=1"]},
+            },
+            "already lost",
+        ),
+        # The form refuses drills the backend cannot carry out (EKS: a replacement pod is the
+        # Job controller's to start; the API cannot stop a pod's processes without ending them).
+        (
+            {
+                "backend": "eks",
+                "global_batch": 16,
+                "drills": {"faults": ["node-return@step=3,node=1"]},
+            },
+            "cannot carry out node-return",
+        ),
+        (
+            {
+                "backend": "eks",
+                "nodes": "2",
+                "global_batch": 16,
+                "drills": {"faults": ["node-freeze@step=3,node=1"]},
+            },
+            "cannot carry out node-freeze",
+        ),
     ],
 )
 def test_pipeline_params_refuse(kw, needle, tmp_path):

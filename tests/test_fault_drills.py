@@ -7,10 +7,11 @@ events must say which layer recovered it and that it resumed from a real checkpo
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,55 @@ def test_a_zombie_attempt_changes_nothing(baseline: RunOutcome, dataset: Path, t
             os.killpg(zombie.pid, signal.SIGCONT)
             os.killpg(zombie.pid, signal.SIGKILL)
         zombie.wait()
+
+
+# How long a node may be silent before the watcher takes it away, in the frozen-node drill: the
+# stated bound is this plus a poll and the time to kill the node (the defaults: 60 s locally,
+# 300 s on EKS, to cover an in-job respawn of a node's first worker).
+SILENCE_S = 8.0
+
+
+def test_a_frozen_node_is_noticed_and_recovered_bitwise(
+    baseline: RunOutcome, dataset: Path, tmp_path: Path
+):
+    """Node 1 of two frozen (SIGSTOP: its agent, worker and checkpoint writer) after the first
+    commit, as a hung host or a partition looks: alive to the process table, silent to the job.
+    The watcher notices its beat stop while node 0's goes on, takes it away (a fixed-size job:
+    the stage retry), the next attempt resumes from the commit, and the run is bitwise equal to
+    the fault-free one; none of the frozen processes outlives the attempt."""
+    from tasks.backends.base import LaunchRequest
+    from tasks.backends.local import LocalBackend
+    from tasks.classify import EndKind
+    from tasks.ownership import processes
+    from tasks.train_stage import run_attempt
+    from tests.helpers import FAST_INJOB
+
+    cfg = make_config(
+        tmp_path / "run",
+        dataset,
+        faults=("node-freeze@step=7,node=1",),
+        injob=replace(FAST_INJOB, node_silence_s=SILENCE_S),
+    )
+    # The deadline is far off: only the silence can end attempt 1 in time.
+    request = LaunchRequest(
+        run_id="frozen", attempt=1, cfg=cfg, nodes=2, nproc_per_node=1, deadline_s=400
+    )
+    first = run_attempt(LocalBackend(), request)
+    assert first.outcome.kind == EndKind.NODE_LOSS, first.outcome.message
+    assert not processes.tagged(cfg.run_root), "a frozen process outlived its attempt"
+    faults = [e for e in read_events(cfg.run_root) if e["kind"] == "fault"]
+    assert [(f["fault"], f["node"], f["path"]) for f in faults] == [
+        ("node-freeze@step=7,node=1", 1, "stage-retry")
+    ]
+    assert "silent for" in faults[0]["detail"]
+    quiet = float(faults[0]["detail"].split("silent for ")[1].split(" s")[0])
+    assert quiet >= SILENCE_S  # never before the bound
+
+    second = run_attempt(LocalBackend(), replace(request, attempt=2))
+    assert second.outcome.kind == EndKind.COMPLETED, second.outcome.message
+    result = json.loads((cfg.run_root / "result.json").read_text())
+    assert result["params_sha256"] == baseline.result["params_sha256"]  # type: ignore[index]
+    recovered = [e for e in read_events(cfg.run_root) if e["kind"] == "recovered"]
+    assert [(r["fault"], r["layer"]) for r in recovered] == [
+        ("node-freeze@step=7,node=1", "stage-retry")
+    ]

@@ -269,3 +269,41 @@ def test_a_lost_lease_stops_the_watch_and_leaves_the_job_running(tmp_path: Path,
     assert backend.job is not None and not backend.job.stopped  # the new owner's now
     assert polls[0] == "start an attempt"
     assert not [e for e in read_events(cfg.run_root) if e["kind"] == "stage_attempt_end"]
+
+
+@dataclass
+class FlakyJob(ScriptedJob):
+    """A backend whose every other poll fails (an API server's 5xx, a hiccup of /proc) and whose
+    loss report always does."""
+
+    polls: int = 0
+
+    def running(self) -> bool:
+        self.polls += 1
+        if self.polls % 2:
+            raise OSError("the backend did not answer")
+        return super().running()
+
+    def losses(self) -> frozenset[int]:
+        raise RuntimeError("the node watch broke")
+
+
+def test_errors_while_observing_never_stop_the_job(tmp_path: Path, dataset: Path):
+    cfg = make_config(tmp_path / "run", dataset, steps=STEPS)
+    request = LaunchRequest(
+        run_id="flaky", attempt=1, cfg=cfg, nodes=1, nproc_per_node=1, deadline_s=30
+    )
+
+    class Backend(ScriptedBackend):
+        def launch(self, request: LaunchRequest) -> ScriptedJob:
+            self.job = FlakyJob(request.cfg.run_root, [*TRAINING, result()])
+            return self.job
+
+    def on_event(e: dict[str, Any]) -> None:
+        raise ValueError("the flow's callback broke")
+
+    backend = Backend([])
+    report = run_attempt(backend, request, on_event=on_event)  # type: ignore[arg-type]
+    assert report.outcome.kind == EndKind.COMPLETED, report.outcome.message
+    assert backend.job is not None and not backend.job.stopped  # it ended by itself
+    assert [e["step"] for e in backend.job.observed if e["kind"] == "step"] == [1, 2, 3, 4]

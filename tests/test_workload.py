@@ -78,6 +78,7 @@ def _every_field_changed(dataset: Path, tmp_path: Path) -> TrainConfig:
             load_timeout_s=21.0,
             out_of_section_timeout_s=22.0,
             check_interval_s=0.5,
+            node_silence_s=45.0,
         ),
         local_paths=False,
         metrics_port=9999,

@@ -258,6 +258,12 @@ class InJobConfig:
     out_of_section_timeout_s: float = 30.0
     # How often each node's rank monitor checks those timeouts (NVRx default 5 s).
     check_interval_s: float = 0.25
+    # A node that stops without dying (a frozen host, a partition) stops its beat file
+    # (trainer.node_beat, rewritten every heartbeat_interval_s); the watcher takes a training
+    # node away as lost once its beat has not changed for this long while another node's has.
+    # It must cover the longest stretch a node's first worker is gone for good reasons: an
+    # in-job respawn (stop, rendezvous, interpreter start).
+    node_silence_s: float = 60.0
 
     def __post_init__(self) -> None:
         _require(
@@ -277,6 +283,7 @@ class InJobConfig:
             "load_timeout_s",
             "out_of_section_timeout_s",
             "check_interval_s",
+            "node_silence_s",
         ):
             value = getattr(self, name)
             _require(value > 0, f"injob.{name}", f"must be > 0 seconds, got {value}")
@@ -291,6 +298,12 @@ class InJobConfig:
             f"must exceed injob.rdzv_keep_alive_s x injob.rdzv_keep_alive_misses "
             f"({self.rdzv_keep_alive_s * self.rdzv_keep_alive_misses} s): the survivors of a "
             "loss wait that long for the dead node to be dropped before they re-form",
+        )
+        _require(
+            self.node_silence_s > 2 * self.heartbeat_interval_s,
+            "injob.node_silence_s",
+            f"must exceed twice injob.heartbeat_interval_s ({self.heartbeat_interval_s} s), how "
+            f"often a node rewrites its beat, got {self.node_silence_s}",
         )
         _require(
             self.heartbeat_timeout_s <= self.initial_heartbeat_timeout_s,

@@ -14,8 +14,11 @@ Kinds handled by the trainer:
 - ``sigkill``: the rank SIGKILLs itself (recovered in-job).
 - ``corrupt-checkpoint``: after the first checkpoint at or beyond step N commits, flip bytes in one
   of its shards (detected on the next resume, which falls back to the previous checkpoint).
-``node-loss`` and ``node-return`` are carried out by the launcher backend, not here: it kills a
-whole simulated node, and starts a lost one again (a replacement joining an elastic job).
+``node-loss``, ``node-return`` and ``node-freeze`` are carried out by the watcher through the
+backend, not here: it kills a whole node, starts a lost one again (a replacement joining an
+elastic job), or stops every process of a node without ending any (SIGSTOP: a frozen host, a
+partition), which the watcher must then notice by itself (``tasks.watch_state.silent``). Which
+of them a backend can carry out is its ``BackendType.drills``.
 
 A fault fires once per run: a marker file under ``<run_root>/faults/`` is created atomically
 *before* it fires, so the restart it causes does not fire it again.
@@ -23,6 +26,7 @@ A fault fires once per run: a marker file under ``<run_root>/faults/`` is create
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -37,8 +41,10 @@ KINDS = (
     "sigkill",
     "node-loss",
     "node-return",
+    "node-freeze",
     "corrupt-checkpoint",
 )
+NODE_KINDS = ("node-loss", "node-return", "node-freeze")  # the watcher's, not the trainer's
 TRAINER_KINDS = ("exception", "stall", "hang", "sigkill", "corrupt-checkpoint")
 PHASES = ("step", "checkpoint")
 
@@ -110,7 +116,7 @@ def parse_fault(spec: str) -> FaultSpec:
     phase = fields.get("phase", "step")
     if phase not in PHASES or (phase != "step" and kind != "sigkill"):
         raise FaultSpecError(f"{usage} (phase=checkpoint applies to sigkill only)")
-    if kind in ("node-loss", "node-return") and "rank" in ints:
+    if kind in NODE_KINDS and "rank" in ints:
         raise FaultSpecError(f"{usage} ({kind} takes node=K, not rank=R)")
     return FaultSpec(
         kind=kind, step=ints["step"], rank=ints.get("rank"), node=ints.get("node"), phase=phase
@@ -143,14 +149,19 @@ class FaultInjector:
         *,
         rank: int,
         on_fire: Callable[[FaultSpec], None] | None = None,
+        guard: Callable[[str], contextlib.AbstractContextManager[None]] | None = None,
     ) -> None:
         self.specs = [s for s in map(parse_fault, specs) if s.kind in TRAINER_KINDS]
         self.marker_dir = Path(run_root) / "faults"
         self.rank = rank
         self.on_fire = on_fire
+        # The writer's fence (trainer.fence.Fence.hold): a replaced attempt's rank claims no
+        # drill of the live one.
+        self.guard = guard or (lambda action: contextlib.nullcontext())
 
     def _claim(self, spec: FaultSpec) -> bool:
-        return claim(self.marker_dir.parent, spec)
+        with self.guard(f"claim the drill {spec}"):
+            return claim(self.marker_dir.parent, spec)
 
     def _due(self, spec: FaultSpec, step: int, phase: str) -> bool:
         target_rank = 0 if spec.rank is None else spec.rank

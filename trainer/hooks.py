@@ -22,6 +22,7 @@ from typing import Any
 from trainer import run_state
 from trainer.events import EventLog
 from trainer.faults import FaultInjector, FaultSpec, flip_bytes
+from trainer.fence import Fence
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,10 @@ class FaultDrills(Hook):
     def __init__(self, specs: tuple[str, ...], run_root: Path, events: EventLog, *, rank: int):
         self.events = events
         self.rank = rank
-        self.injector = FaultInjector(specs, run_root, rank=rank, on_fire=self._fired)
+        self.fence = Fence.from_env(run_root, events)
+        self.injector = FaultInjector(
+            specs, run_root, rank=rank, on_fire=self._fired, guard=self.fence.hold
+        )
 
     def _fired(self, spec: FaultSpec) -> None:
         event = self.events.emit(
@@ -87,7 +91,8 @@ class FaultDrills(Hook):
         )
         # Open until the first step after the restart closes it (before the fault fires).
         if spec.kind != "corrupt-checkpoint":
-            run_state.open_fault(self.events.path.parent, event)
+            with self.fence.hold(f"record the fault {spec}"):
+                run_state.open_fault(self.events.path.parent, event)
 
     def on_step_start(self, step: int) -> None:
         self.injector.maybe_fire(step)
@@ -173,18 +178,21 @@ def emit_recoveries(events: EventLog, layer: str, step: int) -> None:
     run_root = events.path.parent
     retry_t = run_state.retry_began(run_root)
     now = time.time()
+    fence = Fence.from_env(run_root, events)
     for path, f in run_state.open_faults(run_root):
-        events.emit(
-            "recovered",
-            # A fault from before the newest train-stage attempt began was carried over by the
-            # stage retry, whatever restarts that attempt needed on its own before this step
-            # (an adopted attempt is the same attempt, watched by another invocation).
-            layer="stage-retry" if f.t < retry_t else layer,
-            fault=f.fault,
-            fault_kind=f.fault_kind,
-            fault_step=f.step,
-            rank=f.rank,
-            step=step,
-            recovery_s=round(max(0.0, now - f.t), 3),
-        )
-        run_state.close_fault(path)
+        # Said and closed under the fence: a replaced attempt's rank 0 claims no recovery.
+        with fence.hold(f"close the fault {f.fault}"):
+            events.emit(
+                "recovered",
+                # A fault from before the newest train-stage attempt began was carried over by
+                # the stage retry, whatever restarts that attempt needed on its own before this
+                # step (an adopted attempt is the same attempt, watched by another invocation).
+                layer="stage-retry" if f.t < retry_t else layer,
+                fault=f.fault,
+                fault_kind=f.fault_kind,
+                fault_step=f.step,
+                rank=f.rank,
+                step=step,
+                recovery_s=round(max(0.0, now - f.t), 3),
+            )
+            run_state.close_fault(path)

@@ -26,6 +26,7 @@ from trainer.config import TrainConfig
 from trainer.digest import params_sha256
 from trainer.elastic import PriorWorld, micro_batches, node_id, restart_layer
 from trainer.events import EventLog
+from trainer.faults import NODE_KINDS
 from trainer.fence import Fence
 from trainer.hooks import FaultDrills, Heartbeats, Hooks, StepEnd, StepEvents, WrapperPing
 from trainer.parallel import Placement
@@ -114,9 +115,7 @@ def build_hooks(
     if call_wrapper is not None:
         hooks.append(WrapperPing(call_wrapper))
     if rank == 0:
-        launcher_drills = any(
-            spec.startswith(("node-loss", "node-return")) for spec in ctx.cfg.faults
-        )
+        launcher_drills = any(spec.startswith(NODE_KINDS) for spec in ctx.cfg.faults)
         hooks.append(
             StepEvents(
                 ctx.events,

@@ -293,6 +293,7 @@ def run(
     placement = resolve_device(cfg.device)
     saver = AsyncCheckpointer(device=placement.device, timeout_s=cfg.ckpt_timeout_s)
     heartbeat = Heartbeat(cfg.injob.enabled, cfg.injob.heartbeat_interval_s)
+    beat = _node_beat(cfg)
     try:
         # The writer starts after this incarnation's first step (CheckpointManager.maybe_save):
         # its spawned interpreter would otherwise compete with the model build and the load.
@@ -300,6 +301,27 @@ def run(
     finally:
         saver.close()
         heartbeat.close()
+        if beat is not None:
+            beat.close()
+
+
+def _node_beat(cfg: TrainConfig) -> Any:
+    """The node's sign of life for the watcher (trainer.node_beat): written by its first
+    worker, from a thread that outlives in-process restarts. None where no backend said
+    which node this is (run by hand)."""
+    from trainer import fence
+    from trainer.elastic import node_id
+    from trainer.node_beat import NodeBeat
+
+    node = node_id()
+    if node < 0 or os.environ.get("LOCAL_RANK", "0") != "0":
+        return None
+    return NodeBeat(
+        cfg.run_root,
+        epoch=fence.epoch_from_env(),
+        node=node,
+        interval_s=cfg.injob.heartbeat_interval_s,
+    )
 
 
 def _run(

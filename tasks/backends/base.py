@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from tasks.backends.eks.params import EksParams
 from tasks.checks import CheckResult
@@ -167,17 +167,9 @@ class Job(Protocol):
         drill's loss is the watcher's own). The watcher decides each (tasks.loss_policy)."""
         ...
 
-    def absorb(self, node: int) -> None:
-        """The in-job layer carries on without node ``node`` (an elastic shrink or a spare's
-        takeover): its loss must not end the attempt. Called before a drill takes it away."""
-        ...
-
     def lose_node(self, node: int) -> None:
-        """Fault drill: take node ``node`` away as a real node loss would."""
-        ...
-
-    def restore_node(self, node: int) -> None:
-        """Fault drill: bring lost node ``node`` back, as a replacement node joining would."""
+        """End every process of node ``node`` now, as a real node loss would: a node-loss
+        drill, or a node the watcher found silent (frozen, partitioned)."""
         ...
 
     def stop(self) -> None:
@@ -192,6 +184,31 @@ class Job(Protocol):
     def finish(self, outcome: Outcome) -> dict[str, Any]:
         """After a normal end: release what the attempt holds (a backend may keep a failed
         attempt's objects for forensics). Returns what the end event should record."""
+        ...
+
+
+# What a job can do besides: capabilities the watcher asks for with isinstance, and the form
+# checks through BackendType.drills before any job exists.
+@runtime_checkable
+class ElasticJob(Protocol):
+    def absorb(self, node: int) -> None:
+        """The in-job layer carries on without node ``node`` (an elastic shrink or a spare's
+        takeover): its loss must not end the attempt. Called before a drill takes it away."""
+        ...
+
+
+@runtime_checkable
+class ReturnDrills(Protocol):
+    def restore_node(self, node: int) -> None:
+        """Fault drill: bring lost node ``node`` back, as a replacement node joining would."""
+        ...
+
+
+@runtime_checkable
+class FreezeDrills(Protocol):
+    def freeze_node(self, node: int) -> None:
+        """Fault drill: stop every process of node ``node`` without ending any (SIGSTOP), as a
+        frozen host or a partition looks; the watcher must notice its silence by itself."""
         ...
 
 

@@ -60,6 +60,26 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
+def freeze_tree(pid: int) -> list[psutil.Process]:
+    """SIGSTOP a process and every descendant, parents first; returns them."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGSTOP)
+    # Whatever a stopping parent started in between (a respawn) stops too.
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for p in root.children(recursive=True):
+            if p not in procs:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.send_signal(signal.SIGSTOP)
+                procs.append(p)
+    return procs
+
+
 # Each simulated node runs under a tiny shell that writes the agent's exit code to a file: an
 # invocation that adopts the node after its first owner died is not its parent and could not
 # learn the exit code otherwise.
@@ -237,6 +257,14 @@ class LocalJob:
         self.lost.add(node)
         kill_tree(self.nodes[node].pid)
         self.nodes[node].wait()
+
+    def freeze_node(self, node: int) -> None:
+        """Stop (SIGSTOP) every process of the node's tree, its agent first so that it sees no
+        worker stop: alive to the process table, silent to the job. Ending the job (or taking
+        the node away) kills them stopped (SIGKILL needs no SIGCONT)."""
+        if node not in self.nodes or self.nodes[node].poll() is not None:
+            raise ValueError(f"node-freeze names node {node}, which is not running")
+        freeze_tree(self.nodes[node].pid)
 
     def restore_node(self, node: int) -> None:
         if node not in self.lost:

@@ -32,6 +32,9 @@ class BackendType:
     factory: Callable[..., Backend]
     # Refuse what this backend's deployment does not allow (raises ValueError naming the field).
     check: Callable[[RunParams], None] = _no_check
+    # The node drills (trainer.faults.NODE_KINDS) its jobs can carry out (the watcher asks the
+    # job through tasks.backends.base's capability protocols); the form refuses the others.
+    drills: frozenset[str] = frozenset()
 
 
 def _eks_check(params: RunParams) -> None:
@@ -66,6 +69,7 @@ TYPES: dict[str, BackendType] = {
         embedded_s3=True,
         hydrates_s3_weights=True,
         factory=_local,
+        drills=frozenset({"node-loss", "node-return", "node-freeze"}),
     ),
     "eks": BackendType(
         "eks",
@@ -75,6 +79,9 @@ TYPES: dict[str, BackendType] = {
         hydrates_s3_weights=False,
         factory=_eks,
         check=_eks_check,
+        # A lost pod's replacement is the Job controller's to start, and the API cannot stop
+        # a pod's processes without ending them.
+        drills=frozenset({"node-loss"}),
     ),
 }
 

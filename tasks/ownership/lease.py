@@ -13,8 +13,9 @@ weak:
   lock is only node-local, a live owner on another host shows by its fresh heartbeat.
 
 A lease whose owner is gone (same host: the pid is dead or is another process; another host: the
-heartbeat is older than ``stale_after_s``) is taken over, and the new owner gets the dead one's
-records (:attr:`RunLease.takeover`) to adopt or end what it left running.
+record has not changed for ``stale_after_s`` on the reader's own monotonic clock, so no two
+hosts' clocks are ever compared) is taken over, and the new owner gets the dead one's records
+(:attr:`RunLease.takeover`) to adopt or end what it left running.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 
@@ -123,11 +124,41 @@ class LeaseRecord:
             return None
 
 
-def owner_alive(owner: Owner, *, heartbeat_at: float, now: float, stale_after_s: float) -> bool:
-    """Is the owner of a lease still there? Pure but for the process table of this host."""
-    if owner.host != socket.gethostname():
-        return now - heartbeat_at < stale_after_s
-    return process_is(owner.pid, owner.create_time)
+class HeartbeatWatch:
+    """Is a lease held on another host still beating? Judged by its record *changing*, timed on
+    this process's monotonic clock: the owner's wall clock (skewed, stepped by NTP) and ours are
+    never compared. A change seen proves a live owner; the same record for ``stale_after_s``
+    proves a dead one; until either, the owner is not known (None)."""
+
+    def __init__(self, stale_after_s: float, clock: Callable[[], float] = time.monotonic):
+        self.stale_after_s = stale_after_s
+        self.clock = clock
+        self._seen: tuple[str, float] | None = None
+        self._since = 0.0
+        self._changed = False
+
+    def alive(self, rec: LeaseRecord) -> bool | None:
+        key = (rec.owner.invocation, rec.heartbeat_at)
+        now = self.clock()
+        if key != self._seen:
+            if self._seen is not None and self._seen[0] == key[0]:
+                self._changed = True  # the same owner wrote again: it lives
+            elif self._seen is not None:
+                self._changed = False  # another owner now: judge it afresh
+            self._seen, self._since = key, now
+        if self._changed:
+            return True
+        if now - self._since >= self.stale_after_s:
+            return False
+        return None
+
+
+def owner_alive(rec: LeaseRecord, watch: HeartbeatWatch | None = None) -> bool | None:
+    """Is the owner of a lease still there? On this host, from the process table; on another,
+    from ``watch`` (None without one, or until it knows)."""
+    if rec.owner.host == socket.gethostname():
+        return process_is(rec.owner.pid, rec.owner.create_time)
+    return watch.alive(rec) if watch is not None else None
 
 
 def process_is(pid: int, create_time: float) -> bool:
@@ -170,17 +201,23 @@ class RunLease:
         :class:`RunBusy` naming the owner when it does not."""
         self.run_root.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + wait_s
+        # An owner on another host is watched until it is known: alive (its record changed)
+        # or dead (unchanged for stale_after_s), whatever wait_s says.
+        watch = HeartbeatWatch(stale_after_s)
         fd = os.open(self.run_root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             while True:
+                undecided = False
                 try:
                     self._lock(fd)
-                    if self._create(stale_after_s):
+                    got = self._create(watch)
+                    if got == "created":
                         break
+                    undecided = got == "undecided"
                     self._unlock(fd)
                 except BlockingIOError:
                     pass
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline and not undecided:
                     raise RunBusy(self._busy_message())
                 time.sleep(0.5)
         except BaseException:
@@ -206,20 +243,20 @@ class RunLease:
         if self._flock:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
-    def _create(self, stale_after_s: float) -> bool:
-        """Under the lock: create the lease file exclusively, taking over a stale one."""
+    def _create(self, watch: HeartbeatWatch) -> Literal["created", "busy", "undecided"]:
+        """Under the lock: create the lease file exclusively, taking over a stale one; or a
+        live owner holds it (busy), or one on another host not known dead yet (undecided)."""
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 old = self.read()
-                if old is not None and owner_alive(
-                    old.owner,
-                    heartbeat_at=old.heartbeat_at,
-                    now=time.time(),
-                    stale_after_s=stale_after_s,
-                ):
-                    return False  # a live owner on a host our lock does not reach
+                if old is not None:
+                    alive = owner_alive(old, watch)
+                    if alive is None:
+                        return "undecided"
+                    if alive:
+                        return "busy"  # a live owner on a host our lock does not reach
                 self.takeover = old
                 self.path.unlink(missing_ok=True)
                 continue
@@ -227,8 +264,8 @@ class RunLease:
                 f.write(self._record().to_json())
                 f.flush()
                 os.fsync(f.fileno())
-            return True
-        return False
+            return "created"
+        return "busy"
 
     def release(self) -> None:
         """Give the lease back (idempotent). Only the owner's own file is removed."""
@@ -354,11 +391,15 @@ def peek(run_root: Path) -> LeaseRecord | None:
 
 def live_owner(run_root: Path, *, stale_after_s: float = STALE_AFTER_S) -> str | None:
     """The invocation of a live owner of the run other than this process (its resources must
-    be left alone), or None when the lease is free, stale, or this process's."""
-    rec = peek(run_root)
-    if rec is None or (rec.owner.pid == os.getpid() and rec.owner.host == socket.gethostname()):
-        return None
-    alive = owner_alive(
-        rec.owner, heartbeat_at=rec.heartbeat_at, now=time.time(), stale_after_s=stale_after_s
-    )
-    return rec.owner.invocation if alive else None
+    be left alone), or None when the lease is free, stale, or this process's. An owner on
+    another host is watched until its record changes (alive) or stays the same for
+    ``stale_after_s`` (dead): up to that long."""
+    watch = HeartbeatWatch(stale_after_s)
+    while True:
+        rec = peek(run_root)
+        if rec is None or (rec.owner.pid == os.getpid() and rec.owner.host == socket.gethostname()):
+            return None
+        alive = owner_alive(rec, watch)
+        if alive is not None:
+            return rec.owner.invocation if alive else None
+        time.sleep(0.5)

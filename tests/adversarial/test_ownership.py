@@ -4,14 +4,17 @@ and an orchestrator SIGKILLed mid-train."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -82,31 +85,82 @@ def _dead_owner(host: str | None = None, heartbeat_at: float | None = None) -> L
 class Stale:
     name: str
     record: LeaseRecord
+    beating: bool  # its owner rewrites it (a live owner on another host)
     taken_over: bool
 
 
+# Another host's lease is judged by its record changing on this process's own clock: its
+# heartbeat_at, by the owner's clock, may be an hour off either way and decides nothing.
 STALE = [
-    Stale("dead-pid-same-host", _dead_owner(), True),
-    Stale("other-host-fresh-heartbeat", _dead_owner("elsewhere", time.time() + 3600), False),
-    Stale("other-host-old-heartbeat", _dead_owner("elsewhere", time.time() - 3600), True),
-]
+    Stale("dead-pid-same-host", _dead_owner(), False, True),
+    Stale("other-host-beating", _dead_owner("elsewhere", time.time() + 3600), True, False),
+    Stale("other-host-beating-clock-behind", _dead_owner("elsewhere", time.time() - 3600),
+          True, False),
+    Stale("other-host-silent-clock-ahead", _dead_owner("elsewhere", time.time() + 3600),
+          False, True),
+    Stale("other-host-silent", _dead_owner("elsewhere", time.time() - 3600), False, True),
+]  # fmt: skip
+
+
+@contextlib.contextmanager
+def beating(path: Path, rec: LeaseRecord, on: bool) -> Iterator[None]:
+    """The record's owner rewrites it (heartbeat_at moving by its own clock) while the block
+    runs."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        i = 0
+        while not stop.wait(0.2):
+            i += 1
+            path.write_text(replace(rec, heartbeat_at=rec.heartbeat_at + i).to_json())
+
+    thread = threading.Thread(target=beat, daemon=True)
+    if on:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if on:
+            thread.join()
 
 
 @pytest.mark.parametrize("sc", STALE, ids=[s.name for s in STALE])
 def test_stale_lease_is_taken_over_and_live_one_is_not(sc: Stale, tmp_path: Path):
-    (tmp_path / "owner.lease").write_text(sc.record.to_json())
+    path = tmp_path / "owner.lease"
+    path.write_text(sc.record.to_json())
     mine = RunLease(tmp_path, "r1")
-    if not sc.taken_over:
-        with pytest.raises(RunBusy, match="elsewhere"):
-            mine.acquire()
-        return
-    mine.acquire()
+    with beating(path, sc.record, sc.beating):
+        if not sc.taken_over:
+            with pytest.raises(RunBusy, match="elsewhere"):
+                mine.acquire(stale_after_s=2.0)
+            return
+        mine.acquire(stale_after_s=2.0)
     try:
         assert mine.takeover == sc.record  # the dead owner's records, to adopt or end
-        now = LeaseRecord.parse((tmp_path / "owner.lease").read_text())
+        now = LeaseRecord.parse(path.read_text())
         assert now is not None and now.owner.invocation == mine.owner.invocation
     finally:
         mine.release()
+
+
+def test_another_hosts_owner_is_judged_on_the_readers_clock():
+    from tasks.ownership.lease import HeartbeatWatch
+
+    rec = _dead_owner("elsewhere", 5.0)
+    clock = [100.0]
+    watch = HeartbeatWatch(60.0, clock=lambda: clock[0])
+    assert watch.alive(rec) is None  # one look proves nothing
+    clock[0] = 159.0
+    assert watch.alive(rec) is None
+    clock[0] = 160.0
+    assert watch.alive(rec) is False  # the same record for 60 s of our clock: gone
+    watch = HeartbeatWatch(60.0, clock=lambda: clock[0])
+    watch.alive(rec)
+    clock[0] = 165.0
+    assert watch.alive(replace(rec, heartbeat_at=4.0)) is True  # changed (even backwards)
+    other = replace(rec, owner=replace(rec.owner, invocation="someone-else"))
+    assert watch.alive(other) is None  # a new owner is judged afresh
 
 
 def test_records_and_heartbeat_reach_the_file(tmp_path: Path):
@@ -514,3 +568,52 @@ def test_orchestrator_sigterm_ends_everything_it_started(prefect_server, tmp_pat
     events = nvrx_events(run_id, expect="nvrx.run.cancelled")
     assert "nvrx.run.cancelled" in [e.event for e in events]
     assert "nvrx.run.failed" not in [e.event for e in events]
+
+
+@pytest.mark.slow
+def test_a_lease_taken_over_mid_train_leaves_the_nodes_to_the_new_owner(
+    dataset: Path, tmp_path: Path
+):
+    """Two orchestrators that both believe they hold the lease, with real processes: the old
+    one watches its attempt (ft_launcher, 2 simulated nodes) when another host's invocation
+    takes the lease over (the lock lost). Its watch stops at the next poll with LeaseLost; the
+    nodes, now the new owner's, are not signalled: they train on and complete by themselves."""
+    from tasks.backends.base import LaunchRequest
+    from tasks.backends.local import LocalBackend, exit_file
+    from tasks.ownership.lease import LeaseLost
+    from tasks.train_stage import run_attempt
+    from tests.helpers import make_config
+
+    cfg = make_config(tmp_path / "run", dataset, steps=12)
+    cfg.run_root.mkdir(parents=True)
+    old = RunLease(cfg.run_root, "r-lost", heartbeat_s=0.2)
+    old.acquire()
+
+    def on_event(e: dict[str, object]) -> None:
+        if e["kind"] == "step" and e["step"] == 2:  # mid-train: another host takes over
+            new = Owner("newowner", os.getpid(), "other-host", time.time(), time.time())
+            rec = LeaseRecord("r-lost", new, time.time())
+            (cfg.run_root / "owner.lease").write_text(rec.to_json())
+
+    request = LaunchRequest(
+        run_id="r-lost", attempt=1, cfg=cfg, nodes=2, nproc_per_node=1, deadline_s=300,
+        invocation=old.owner.invocation,
+    )  # fmt: skip
+    try:
+        with pytest.raises(LeaseLost, match="taken over by pid .* on other-host"):
+            run_attempt(LocalBackend(), request, on_event=on_event, check_owner=old.check)
+        nodes = [t.process for t in processes.tagged(cfg.run_root)]
+        assert nodes, "the attempt's processes were ended"
+        deadline = time.monotonic() + 240
+        exits = [exit_file(cfg.run_root, 1, n) for n in range(2)]
+        while not all(f.exists() for f in exits):
+            assert time.monotonic() < deadline, "the nodes never finished"
+            time.sleep(0.5)
+        assert [f.read_text().strip() for f in exits] == ["0", "0"]
+        result = json.loads((cfg.run_root / "result.json").read_text())
+        assert result["status"] == "completed" and result["final_step"] == 12
+        events = read_events(cfg.run_root)
+        assert not [e for e in events if e["kind"] in ("stage_attempt_end", "fenced")]
+    finally:
+        old.release()
+        processes.end([t.process for t in processes.tagged(cfg.run_root)])

@@ -85,6 +85,9 @@ EKS_INJOB = InJobConfig(
     load_timeout_s=1800.0,
     out_of_section_timeout_s=900.0,  # pod start-up, NCCL init, an in-process restart
     check_interval_s=5.0,
+    # A pod's first worker is gone this long in an in-job respawn at most (interpreter, CUDA
+    # and NCCL start-up); a node silent for longer is frozen or partitioned.
+    node_silence_s=300.0,
 )
 
 
@@ -240,12 +243,6 @@ class EksJob:
         names = {p.name for p in self.history.pods if p.index == node}
         self.history.absorbed |= names
         self._reported |= names
-
-    def restore_node(self, node: int) -> None:
-        raise ValueError(
-            "node-return drills run on the local backend; on EKS the Job controller starts a "
-            "lost pod's replacement itself"
-        )
 
     def lose_node(self, node: int) -> None:
         """The drill: delete the pod of index ``node`` through the API, as a lost node's pods

@@ -1,0 +1,217 @@
+"""What the train-stage watcher knows of one attempt, and every decision it takes, as pure
+transitions over an explicit state (arch §4). No I/O and no clock of its own: the shell
+(:func:`tasks.train_stage.run_attempt`) reads the files and the job, passes the time in (its
+monotonic clock), and carries out what a transition decides. Tests drive these over recorded
+histories with a fake clock (``tests/test_watch_state.py``).
+
+The decisions:
+- which node drills are due (:func:`due`), after each event and each loss;
+- which path a node loss takes is :func:`tasks.loss_policy.decide`'s; :func:`lost` records it;
+- which training nodes have gone silent (:func:`silent`): alive to the process table, silent to
+  the job (a frozen host, a partition), judged from their beat files on the watcher's own clock;
+- whether to go on, stop, or time out (:func:`tick`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tasks.loss_policy import LossDecision, LossPath
+from trainer.faults import FaultSpec
+
+
+class Verdict(enum.Enum):
+    CONTINUE = "continue"
+    ENDED = "ended"  # nothing of the attempt runs any more: judge it
+    STOP_LOST = "stop-lost"  # a node is gone for good and the survivors only wait: stop them
+    STOP_WAITED = "stop-waited"  # no node returned within the survivors' wait: stop them
+    TIMED_OUT = "timed-out"  # the attempt's deadline passed: stop it
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A node's newest beat as the watcher last saw it change."""
+
+    token: str  # what its beat file said (any change is a sign of life)
+    changed_at: float  # watcher's monotonic clock
+
+
+@dataclass(frozen=True)
+class WatchState:
+    started: float  # monotonic, when the watch began
+    deadline_s: float | None  # None: no deadline
+    # After a loss only a stage retry recovers, how long the survivors may run on (what the
+    # backend needs to see the loss as a real one looks; Job.loss_grace_s).
+    loss_grace_s: float = 0.0
+    # How long survivors below the minimum may wait for a node to return (tasks.loss_policy).
+    wait_s: float = 0.0
+    min_nodes: int = 1  # the fewest nodes the job trains on (a world this size ends a wait)
+    # Past the survivors' own wait, how long before the watcher stops what is left.
+    wait_grace_s: float = 10.0
+    # A training node whose beat has not changed for this long, while another node's has, is
+    # taken away as lost (None: silence is not judged).
+    silence_s: float | None = None
+    epoch: int | None = None  # the attempt's: only its own fatal error decides
+    drills: tuple[FaultSpec, ...] = ()  # node drills not carried out yet, in step order
+    fatal: str | None = None  # the attempt's first fatal error
+    lost: frozenset[int] = frozenset()
+    # Lost nodes the job has re-formed without (a train_start came after the loss): a
+    # node-return drill counts its steps from then on.
+    reformed: frozenset[int] = frozenset()
+    # The nodes training now (the last train_start says); empty: not known.
+    world_nodes: frozenset[int] = frozenset()
+    world_at: float | None = None  # when that train_start was read (monotonic)
+    last_step: int | None = None
+    loss_at: float | None = None  # a loss only a stage retry recovers: when (monotonic)
+    waiting_until: float | None = None  # end of the survivors' wait for a node (monotonic)
+    wait_began: float = 0.0  # when it began (epoch seconds, as events carry)
+    beats: Mapping[int, Beat] = field(default_factory=dict)
+    beats_read_at: float | None = None  # the newest successful read of the beat files
+    frozen: Mapping[int, str] = field(default_factory=dict)  # node -> freeze drill's spec
+    timed_out: bool = False
+
+
+def _replace(s: WatchState, **changes: Any) -> WatchState:
+    return dataclasses.replace(s, **changes)
+
+
+def observe(s: WatchState, e: Mapping[str, Any], now: float) -> WatchState:
+    """One event of the attempt, as read (validated: :mod:`trainer.event_types`)."""
+    kind = e["kind"]
+    if kind == "fatal" and s.fatal is None and (s.epoch is None or e.get("epoch") == s.epoch):
+        return _replace(s, fatal=e["error"])
+    if kind == "train_start" and isinstance(e.get("nodes"), list):
+        named = frozenset(int(n) for n in e["nodes"])
+        # -1: a worker no backend told its node; then which nodes train is unknown.
+        world = named if all(n >= 0 for n in named) else frozenset()
+        waiting_until = s.waiting_until
+        if len(named) >= s.min_nodes and e["t"] > s.wait_began:
+            waiting_until = None  # a node returned in time: the world re-formed
+        return _replace(
+            s,
+            world_nodes=world,
+            world_at=now,
+            reformed=s.reformed | s.lost,
+            # A lost node training again (its replacement joined): a later loss is new.
+            lost=s.lost - world,
+            waiting_until=waiting_until,
+            # The world's workers just started: their silence counts from now.
+            beats={n: Beat(b.token, now) for n, b in s.beats.items()},
+        )
+    if kind == "step":
+        return _replace(s, last_step=max(e["step"], s.last_step or 0))
+    return s
+
+
+def due(s: WatchState, at_step: int | None = None) -> FaultSpec | None:
+    """The next node drill to carry out now, if any: on reading a step event (``at_step``, its
+    step: drills count steps as they are read, so a world re-formed after a loss counts its own,
+    not the dying world's last ones read late), or at any time for a return the survivors wait
+    for. The shell claims it (fire-once per run), calls :func:`drop` and carries it out."""
+    for spec in s.drills:
+        node = spec.node or 0
+        if spec.kind == "node-return":
+            # While the survivors wait no world trains, so no step would reach it: now.
+            if s.waiting_until is not None and node in s.lost:
+                return spec
+            if node not in s.reformed:
+                continue
+        if at_step is not None and at_step >= spec.step:
+            return spec
+    return None
+
+
+def drop(s: WatchState, spec: FaultSpec) -> WatchState:
+    return _replace(s, drills=tuple(d for d in s.drills if d != spec))
+
+
+def frozen(s: WatchState, node: int, spec: FaultSpec) -> WatchState:
+    """A freeze drill stopped every process of ``node``: nothing is said (a real freeze says
+    nothing either); its silence will be noticed, and named after the drill."""
+    return _replace(s, frozen={**s.frozen, node: str(spec)})
+
+
+def returned(s: WatchState, node: int) -> WatchState:
+    return _replace(s, lost=s.lost - {node}, reformed=s.reformed - {node})
+
+
+def lost(
+    s: WatchState,
+    node: int,
+    decision: LossDecision,
+    *,
+    drilled: bool,
+    now: float,
+    wall: float,
+) -> WatchState:
+    """Node ``node`` is gone (``drilled``: the watcher took it away itself), on the path
+    ``decision`` says."""
+    changes: dict[str, Any] = {"lost": s.lost | {node}}
+    if decision.idle_spare:
+        pass
+    elif decision.path == LossPath.STAGE_RETRY and drilled:
+        # A loss the backend saw ends the attempt through its own classification.
+        if s.loss_at is None:
+            changes["loss_at"] = now
+    elif decision.path == LossPath.NODE_WAIT and s.waiting_until is None:
+        # The survivors give up after their join timeout (and the attempt ends in a node
+        # loss, so a stage retry); the watcher stops whatever is left a little later.
+        changes["waiting_until"] = now + s.wait_s + s.wait_grace_s
+        changes["wait_began"] = wall
+    return _replace(s, **changes)
+
+
+def beat(s: WatchState, tokens: Mapping[int, str], now: float) -> WatchState:
+    """The beat files as just read (node -> content): a changed one is a sign of life."""
+    beats = dict(s.beats)
+    for node, token in tokens.items():
+        old = beats.get(node)
+        if old is None or old.token != token:
+            beats[node] = Beat(token, now)
+    return _replace(s, beats=beats, beats_read_at=now)
+
+
+def silent(s: WatchState, now: float) -> list[int]:
+    """Training nodes whose beat has not changed for ``silence_s`` while another's has: to be
+    taken away as lost. No verdict while the world re-forms (a loss being recovered, survivors
+    waiting), when the beat files could not be read lately, or when every node is silent at
+    once (a job-wide stall, a restart of every worker: ft_launcher's and the deadline's)."""
+    if s.silence_s is None or s.world_at is None or len(s.world_nodes) < 2:
+        return []
+    if s.loss_at is not None or s.waiting_until is not None:
+        return []
+    # Judged on the newest successful read: a read stuck on a hung mount proves nothing.
+    if s.beats_read_at is None or now - s.beats_read_at > s.silence_s / 2:
+        return []
+    at = s.beats_read_at
+
+    def quiet_since(node: int) -> float:
+        b = s.beats.get(node)
+        return max(s.world_at or 0.0, b.changed_at if b is not None else 0.0)
+
+    nodes = sorted(s.world_nodes - s.lost)
+    quiet = [n for n in nodes if at - quiet_since(n) > s.silence_s]
+    if len(quiet) == len(nodes):
+        return []
+    return quiet
+
+
+def tick(s: WatchState, now: float, *, running: bool) -> tuple[WatchState, Verdict]:
+    """After a poll: go on, or how the watch ends."""
+    if not running:
+        return s, Verdict.ENDED
+    # After the watcher takes a node away and too few remain (tasks.loss_policy), the
+    # survivors fail their collectives and then wait in rendezvous (bounded by ft_launcher's
+    # join timeout). The watcher knows the node is gone: it stops them (after the backend's
+    # grace) instead of waiting.
+    if s.loss_at is not None and now - s.loss_at >= s.loss_grace_s:
+        return s, Verdict.STOP_LOST
+    if s.waiting_until is not None and now > s.waiting_until:
+        return s, Verdict.STOP_WAITED  # no node returned in time: the stage retry
+    if s.deadline_s is not None and now - s.started > s.deadline_s:
+        return _replace(s, timed_out=True), Verdict.TIMED_OUT
+    return s, Verdict.CONTINUE
