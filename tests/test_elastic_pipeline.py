@@ -21,6 +21,7 @@ from tests.pipeline_helpers import Scraper, assert_exported, make_params, nvrx_e
 from trainer.events import read_events
 
 pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,16 @@ DRILLS = [
         "elastic",
         (2, 1, 2),
     ),
+    # The same shrink by a script (script mode) training gpt-tiny over the session's
+    # micro-batches: bitwise equal to the built-in loop's fault-free run, so the two share one
+    # training core (trainer.session).
+    Drill(
+        "script-shrink",
+        {"nodes": "1:2", "workload": "script:tests/scripts/gpt_script.py"},
+        ("node-loss@step=12,node=1",),
+        "elastic",
+        (2, 1),
+    ),
     # Two nodes and one hot spare (node 2, started once the world formed): it takes node 1's
     # place, the world keeps its size.
     Drill("spare", {"nodes": 2, "spares": 1}, ("node-loss@step=12,node=1",), "spare", (2, 2)),
@@ -69,8 +80,9 @@ DRILLS = [
 
 @pytest.mark.parametrize("d", DRILLS, ids=[d.name for d in DRILLS])
 def test_node_loss_without_a_stage_retry(
-    d: Drill, baseline: PipelineResult, s3_settings, tmp_path: Path
+    d: Drill, baseline: PipelineResult, s3_settings, tmp_path: Path, monkeypatch
 ):
+    monkeypatch.chdir(REPO)  # a script is named relative to the repository
     port = free_port_pair()
     params = make_params(
         tmp_path,

@@ -208,19 +208,3 @@ def test_unrecoverable_training_failure_is_not_retried(baseline, tmp_path: Path)
     assert error is not None and not stage_retry_allowed(error)
     ends = [e for e in read_events(run_root) if e["kind"] == "stage_attempt_end"]
     assert [e["outcome"] for e in ends] == ["do-not-requeue"]
-
-
-def test_corrupt_newest_checkpoint_falls_back(baseline, s3_settings, tmp_path: Path):
-    """The last checkpoint is corrupted right after it commits: validation fails it (naming the
-    file), the stage falls back to the previous one (flagged), and export ships that one."""
-    params = make_params(
-        tmp_path, s3_settings, run_id="fallback", drills={"faults": ["corrupt-checkpoint@step=20"]}
-    )
-    state, result = run_pipeline(params)
-    assert state.is_completed(), state.message
-    assert result is not None
-    assert result.final_step == 20 and result.params_sha256 == baseline.params_sha256
-    assert result.checkpoint.step == 15 and result.checkpoint.validated
-    assert result.checkpoint.fell_back_from == [20]
-    assert result.export.uri and result.export.uri.endswith("/step_15/")
-    assert_exported(result, s3_settings)

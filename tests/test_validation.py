@@ -49,6 +49,29 @@ def test_valid_checkpoint_passes_every_check(trained, ckpt: Path, dataset: Path)
 
 
 @pytest.mark.slow
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(
+    trained, dataset: Path, tmp_path: Path
+):
+    """The newest checkpoint corrupted after it committed (what the corrupt-checkpoint drill
+    does): the validate stage's decision fails it naming the file, falls back to the previous
+    one, and that one is what the stage hands to the export (flows.stages)."""
+    from tasks.validate import validate_latest
+
+    run_root = tmp_path / "run"
+    shutil.copytree(manifest.checkpoints_dir(trained[0]), manifest.checkpoints_dir(run_root))
+    assert manifest.committed_steps(run_root)[-2:] == [5, 10]
+    victim = sorted(manifest.committed_path(run_root, 10).glob("*.distcp"))[0]
+    flip_bytes(victim)
+    exp = Expectations(config_hash=trained[1]["hash"], world_size=1, data_dir=dataset)
+    outcome = validate_latest(run_root, exp)
+    assert outcome.fell_back and [r.step for r in outcome.rejected] == [10]
+    assert victim.name in outcome.rejected[0].failed_checks()[0]["detail"]
+    assert outcome.chosen.step == 5 and outcome.chosen.passed
+    assert outcome.chosen.path == str(manifest.committed_path(run_root, 5))
+    assert outcome.to_dict()["fell_back_from"][0]["step"] == 10
+
+
+@pytest.mark.slow
 def test_flipped_bytes_fail_naming_the_file(ckpt: Path):
     victim = sorted(ckpt.glob("*.distcp"))[0]
     flip_bytes(victim)

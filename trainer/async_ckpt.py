@@ -80,6 +80,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainer import nvrx_compat
+from trainer.errors import TrainerError
 from trainer.manifest import write_digest_sidecar
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ log = logging.getLogger(__name__)
 WARMUP_STEP = -1  # the step of the writer's warm-up write (never committed)
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(TrainerError, RuntimeError):
     pass
 
 

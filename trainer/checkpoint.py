@@ -32,6 +32,7 @@ from trainer.async_ckpt import (
     SaveResult,
 )
 from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, ResumePolicy, TrainConfig
+from trainer.errors import TerminalError
 from trainer.events import EventLog
 from trainer.fence import Fence
 from trainer.history import RunHistory
@@ -40,7 +41,7 @@ from trainer.workload import DataSource
 log = logging.getLogger(__name__)
 
 
-class FatalError(Exception):
+class FatalError(TerminalError):
     """A failure no restart can fix (bad data, no valid checkpoint, config mismatch)."""
 
 

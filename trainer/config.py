@@ -17,12 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainer.errors import TerminalError
+
 if TYPE_CHECKING:
     from trainer.workload import Workload
 
 
-class ConfigError(ValueError):
+class ConfigError(TerminalError, ValueError):
     """A configuration value is invalid. The message names the field and the fix."""
+
+    exit_code = 2
 
     def __init__(self, field_name: str, message: str) -> None:
         self.field = field_name

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from trainer.errors import TerminalError
 from trainer.hashing import sha256_file
 from trainer.untrusted import UnsafeNameError, check_component
 
@@ -43,7 +44,7 @@ DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtyp
 MAX_VOCAB: dict[str, int] = {"uint16": 1 << 16, "uint32": 1 << 32}
 
 
-class DataError(RuntimeError):
+class DataError(TerminalError, RuntimeError):
     """The dataset is missing, short or corrupt. The message names the file."""
 
 

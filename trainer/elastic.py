@@ -18,10 +18,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from trainer.errors import TrainerError
+
 _RANGE = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
 
 
-class NodeRangeError(ValueError):
+class NodeRangeError(TrainerError, ValueError):
     pass
 
 

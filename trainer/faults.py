@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.errors import TrainerError
+
 KINDS = (
     "exception",
     "stall",
@@ -49,11 +51,11 @@ TRAINER_KINDS = ("exception", "stall", "hang", "sigkill", "corrupt-checkpoint")
 PHASES = ("step", "checkpoint")
 
 
-class FaultSpecError(ValueError):
+class FaultSpecError(TrainerError, ValueError):
     pass
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(TrainerError, RuntimeError):
     """The exception raised by an ``exception`` fault."""
 
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainer.errors import TrainerError
 from trainer.run_files import read_model, write_json_atomic
 
 if TYPE_CHECKING:
@@ -46,11 +47,11 @@ LOCK_TIMEOUT_S = 60.0
 _log = logging.getLogger(__name__)
 
 
-class Fenced(RuntimeError):
+class Fenced(TrainerError, RuntimeError):
     """This writer's epoch is no longer the run's: it must change nothing."""
 
 
-class LockTimeout(TimeoutError):
+class LockTimeout(TrainerError, TimeoutError):
     pass
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.errors import TrainerError
 from trainer.hashing import sha256_file
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 PRUNE_FULL_DIGEST_MAX_BYTES = 64 << 20
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(TrainerError, RuntimeError):
     pass
 
 

@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from trainer.errors import TrainerError
+
 # A result, a marker or a lease is a few hundred bytes; this leaves room for any of them.
 SMALL_FILE_LIMIT = 1 << 20
 
@@ -29,7 +31,7 @@ _log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 
 
-class UnsafeFile(OSError):
+class UnsafeFile(TrainerError, OSError):
     """A run-root path that is not a plain regular file (a FIFO, a device, a directory, a
     symlink), or one larger than its reader allows."""
 

@@ -25,9 +25,13 @@ What each call does:
 - ``resume``: loads the newest valid committed checkpoint into the model and optimizer (DCP,
   resharding across world sizes); returns the first step to run;
 - ``step_start``: fault drills; reseeds torch's RNG from (seed, step, rank);
-- ``step_end``: the step's loss averaged over ranks into ``events.jsonl`` (the pipeline's
-  progress), the ft_launcher heartbeat, the in-process Wrapper's ping, and an async checkpoint
-  when one is due, committed with the manifest protocol;
+- ``micro_batches`` (optional): for a job whose world may change (``nodes=MIN:MAX``), this
+  rank's micro-batches of the step, each seeded by (seed, step, micro-batch), so that a smaller
+  world computes the same ones and the run stays bitwise exact (``tests/scripts/gpt_script.py``);
+- ``step_end``: the step's loss averaged over the global batch into ``events.jsonl`` (the
+  pipeline's progress) in one all-reduce with the checkpoint's flags, the ft_launcher heartbeat,
+  the in-process Wrapper's ping, and an async checkpoint when one is due, committed with the
+  manifest protocol;
 - ``finish``: waits for the last commit and writes ``result.json`` with the parameters' digest;
 - ``launch``: runs ``train`` under in-process restart when the installed NVRx has it and the
   config enables it, sends heartbeats under ft_launcher, and returns the exit code (0 done,
@@ -41,37 +45,23 @@ Each layer stays optional: without ft_launcher there are no heartbeats, with
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import sys
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer import manifest, run_state
-from trainer.checkpoint import CheckpointManager
 from trainer.config import TrainConfig, load_config
-from trainer.digest import params_sha256
-from trainer.hooks import Hooks, StepEnd
 from trainer.launch import CONFIG_ENV
-from trainer.loop import (
-    ProcessContext,
-    build_hooks,
-    init_process_group,
-    recovery_layer,
-    step_seed,
-    world_nodes,
-    write_result,
-)
+from trainer.loop import ProcessContext
+from trainer.session import MicroBatch, TrainSession, step_seed
 
-__all__ = ["Session", "StepPosition", "launch"]
+__all__ = ["MicroBatch", "Session", "StepPosition", "launch"]
 
 
 @dataclass
@@ -101,22 +91,32 @@ class _Position:
 
 
 class Session:
-    """One attempt of the script's train function (a new one after each in-process restart)."""
+    """One attempt of the script's train function (a new one after each in-process restart):
+    the public face of the training core the built-in loop runs too
+    (:class:`trainer.session.TrainSession`)."""
 
     def __init__(self, ctx: ProcessContext, call_wrapper: Any = None) -> None:
+        self._core = TrainSession(ctx, call_wrapper)
         self.ctx = ctx
         self.cfg = ctx.cfg
-        self.call_wrapper = call_wrapper
-        self.iteration = getattr(call_wrapper, "iteration", 0)
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self._ckpt: CheckpointManager | None = None
-        self._hooks: Hooks | None = None
-        self._loss: float | None = None
-        self._t0 = 0.0
-        self.result: dict[str, Any] | None = None  # set by finish()
 
     # -- what the script may read --------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._core.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._core.world_size
+
+    @property
+    def iteration(self) -> int:
+        return self._core.iteration
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        return self._core.result
+
     @property
     def device(self) -> torch.device:
         return self.ctx.placement.device
@@ -139,65 +139,25 @@ class Session:
 
     # -- the calls -----------------------------------------------------------------------------
     def init_process_group(self) -> tuple[int, int]:
-        self.rank, self.world_size = init_process_group(self.ctx, self.iteration)
-        if self.rank == 0 and self.iteration > 0:
-            self.ctx.events.emit("restart", layer="inprocess", iteration=self.iteration)
-        return self.rank, self.world_size
+        return self._core.init_process_group()
 
     def resume(self, model: nn.Module, optim: Optimizer) -> int:
-        if not dist.is_initialized():
-            raise RuntimeError("call session.init_process_group() before session.resume()")
-        group = dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.ckpt_timeout_s)
-        )
-        self._ckpt = CheckpointManager(
-            self.cfg,
-            self.ctx.saver,
-            self.ctx.events,
-            rank=self.rank,
-            world_size=self.world_size,
-            group=group,
-            sections=self.ctx.heartbeat,
-        )
-        resumed = self._ckpt.resume(model, optim, self.ctx.sampler)
-        self._loss = resumed.loss
-        first = resumed.step + 1
-        self._hooks = build_hooks(
-            self.ctx,
-            rank=self.rank,
-            call_wrapper=self.call_wrapper,
-            first_step=first,
-            layer=recovery_layer(self.ctx, self.iteration, self.world_size),
-        )
-        self._ckpt.on_commit = self._hooks.on_commit
-        if self.call_wrapper is not None:
-            self._ckpt.progress = self.call_wrapper.ping
-        nodes = world_nodes(self.world_size, group)
-        if self.rank == 0:
-            self.ctx.events.emit(
-                "train_start",
-                start_step=first,
-                steps=self.cfg.steps,
-                world_size=self.world_size,
-                nodes=nodes,
-                iteration=self.iteration,
-                restart_count=self.ctx.restart_count,
-                job_id=os.environ.get("TORCHELASTIC_RUN_ID"),
-                workload=self.cfg.workload,
-            )
-            with self._ckpt.fence.hold("record the launch"):
-                run_state.record_launch(
-                    self.cfg.run_root,
-                    job_id=os.environ.get("TORCHELASTIC_RUN_ID"),
-                    world_size=self.world_size,
-                    nodes=nodes,
-                )
-        return first
+        return self._core.resume(model, optim)
 
     def step_start(self, step: int) -> None:
-        self._require_resumed().on_step_start(step)
-        torch.manual_seed(step_seed(self.cfg.seed, step, self.rank))
-        self._t0 = time.perf_counter()
+        """Drills, the step's clock, and torch's RNG seeded by (seed, step, this rank's first
+        micro-batch): on a fixed-size world, the rank."""
+        core = self._core
+        core.step_start(step)
+        assert core.share is not None
+        torch.manual_seed(step_seed(self.cfg.seed, step, core.share.mine[0]))
+
+    def micro_batches(self, step: int, model: nn.Module) -> Iterator[MicroBatch]:
+        """Optional, for a run whose world may change (``nodes=MIN:MAX``) to stay bitwise exact:
+        this rank's micro-batches of ``step`` (``mb.index`` among ``mb.count`` picks the data,
+        the same on any world), each with its own dropout stream; ``mb.backward(loss)`` weights
+        it, and ``step_end(step, None, ...)`` then takes their summed loss."""
+        return self._core.micro_batches(step, model)
 
     def before_optimizer_step(self) -> None:
         """Optional, right before ``optim.step()``: on CUDA, waits for the device-to-host copy
@@ -207,52 +167,18 @@ class Session:
     def step_end(
         self,
         step: int,
-        loss: torch.Tensor | float,
+        loss: torch.Tensor | float | None,
         model: nn.Module,
         optim: Optimizer,
         *,
         tokens: int = 0,
     ) -> None:
-        """``tokens``: tokens in the step's global batch, for the tokens/s the progress shows
-        (optional)."""
-        hooks, ckpt = self._require_resumed(), self._ckpt
-        assert ckpt is not None
-        value = torch.as_tensor(loss).detach().float().reshape(1).clone().cpu()
-        dist.all_reduce(value)  # gloo has no AVG: sum, then divide
-        self._loss = float(value.item()) / self.world_size
-        step_s = time.perf_counter() - self._t0
-        blocking = ckpt.maybe_save(step, model, optim, self.ctx.sampler, self._loss)
-        if blocking is not None:
-            hooks.on_save_started(step)
-        ckpt.poll()
-        hooks.on_step_end(StepEnd(step, self._loss, step_s, tokens, blocking))
+        """``loss``: this rank's loss (None: the micro-batches' sum); ``tokens``: tokens in the
+        step's global batch, for the tokens/s the progress shows (optional)."""
+        self._core.step_end(step, loss, model, optim, tokens=tokens)
 
     def finish(self, model: nn.Module) -> dict[str, Any]:
-        ckpt = self._ckpt
-        if ckpt is None:
-            raise RuntimeError("call session.resume() first")
-        ckpt.finish()
-        result = {
-            "status": "completed",
-            "final_step": self.cfg.steps,
-            "final_loss": self._loss,
-            "params_sha256": params_sha256(model, rank=self.rank),
-            "world_size": self.world_size,
-            "latest_checkpoint": manifest.read_latest(self.cfg.run_root),
-            "config_hash": self.cfg.fingerprint(),
-        }
-        if self.rank == 0:
-            write_result(self.cfg, result)
-            self.ctx.events.emit("train_end", **{k: v for k, v in result.items() if k != "status"})
-        dist.barrier(group=ckpt.group)
-        dist.destroy_process_group()
-        self.result = result
-        return result
-
-    def _require_resumed(self) -> Hooks:
-        if self._hooks is None:
-            raise RuntimeError("call session.resume(model, optim) before the training loop")
-        return self._hooks
+        return self._core.finish(model)
 
 
 def launch(

@@ -67,6 +67,7 @@ from trainer.config import (
     load_config,
 )
 from trainer.data import DataError
+from trainer.errors import TerminalError
 from trainer.events import EventLog
 from trainer.faults import FaultSpecError
 from trainer.gloo_release import release_process_groups
@@ -334,7 +335,6 @@ def _run(
     heartbeat: Heartbeat,
 ) -> dict[str, Any]:
     from trainer import nvrx_compat, run_state
-    from trainer.checkpoint import FatalError
     from trainer.elastic import restart_layer
     from trainer.loop import ProcessContext
     from trainer.resilience import wrap_inprocess
@@ -427,7 +427,7 @@ def _run(
     def attempt(call_wrapper: Any = None) -> dict[str, Any]:
         try:
             return body(ctx, call_wrapper)
-        except (FatalError, DataError, ConfigError) as e:
+        except TerminalError as e:
             # No restart can fix it: escape the Wrapper (RestartAbort is a BaseException).
             from nvidia_resiliency_ext.inprocess.exception import RestartAbort
 
@@ -495,21 +495,18 @@ def execute(
     whole job is stopped without restarts first (:func:`_terminal`): respawning the workers
     cannot fix either, and under ft_launcher the exit code alone would be retried until the
     launcher's restarts ran out."""
-    from trainer.checkpoint import FatalError
-
     try:
         result = run(cfg, body, data)
     except BaseException as e:
         # The in-process Wrapper re-raises what escaped it wrapped: look at the cause.
-        bad_config = _fatal_cause(e, (ConfigError,))
-        if bad_config is not None:
-            _terminal(cfg, f"ConfigError: invalid configuration: {bad_config}")
-            return EXIT_CONFIG
-        fatal = _fatal_cause(e, (FatalError, DataError))
-        if fatal is None:
+        terminal = _fatal_cause(e, (TerminalError,))
+        if terminal is None:
             raise
-        _terminal(cfg, f"{type(fatal).__name__}: {fatal}")
-        return EXIT_FATAL
+        if isinstance(terminal, ConfigError):
+            _terminal(cfg, f"ConfigError: invalid configuration: {terminal}")
+        else:
+            _terminal(cfg, f"{type(terminal).__name__}: {terminal}")
+        return int(getattr(terminal, "exit_code", EXIT_FATAL))
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result))
     return 0

@@ -25,6 +25,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from trainer.errors import TrainerError
+
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -34,11 +36,11 @@ METADATA = ".metadata"
 SAFE_COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,254}")
 
 
-class UnsafeNameError(ValueError):
+class UnsafeNameError(TrainerError, ValueError):
     """A name read from an untrusted file is not a single safe path component."""
 
 
-class UnsafeCheckpointError(RuntimeError):
+class UnsafeCheckpointError(TrainerError, RuntimeError):
     """A checkpoint file asks for something no checkpoint holds (a class outside the allowlist,
     a path outside its directory): refused before anything it names is called or opened.
     (Not a ``trainer.manifest.CheckpointError``: this module imports nothing from the trainer,

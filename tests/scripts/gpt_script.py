@@ -1,0 +1,44 @@
+"""The built-in ``gpt-tiny`` workload trained by a script (script mode, ``trainer.script``), with
+its own loop over the session's micro-batches: what a user's script does to stay bitwise exact
+when its world changes (``nodes=MIN:MAX``). ``tests/test_elastic_pipeline.py`` shrinks it
+elastically and compares its parameters with the built-in loop's fault-free run."""
+
+import sys
+
+import torch
+
+from trainer import script as nvrx
+from trainer.workload import DataSettings, OptimSettings, load_workload, token_shards
+
+
+def train(session: nvrx.Session) -> None:
+    session.init_process_group()
+    cfg, device = session.cfg, session.device
+    wl = load_workload("gpt-tiny")
+    data = token_shards(
+        DataSettings(
+            data_dir=cfg.data_dir,
+            seq_len=wl.seq_len,
+            global_batch=cfg.global_batch,
+            seed=cfg.seed,
+            verify=False,  # hydration verified it
+        )
+    )
+    torch.manual_seed(cfg.seed)
+    model = wl.shard(wl.build_model(device), device=device, world_size=session.world_size)
+    optim = wl.build_optimizer(model, OptimSettings(lr=cfg.lr, weight_decay=cfg.weight_decay))
+    start = session.resume(model, optim)
+    for step in range(start, session.steps + 1):
+        session.step_start(step)
+        for mb in session.micro_batches(step, model):
+            x, y = data.batch(step, mb.index, mb.count)
+            mb.backward(wl.loss(model, torch.from_numpy(x), torch.from_numpy(y)))
+        session.before_optimizer_step()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        session.step_end(step, None, model, optim, tokens=cfg.global_batch * wl.seq_len)
+    session.finish(model)
+
+
+if __name__ == "__main__":
+    sys.exit(nvrx.launch(train))

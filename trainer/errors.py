@@ -1,0 +1,18 @@
+"""The trainer's errors under one base (arch §5): :class:`TrainerError` for every error the
+trainer raises on purpose, and one terminal subclass, :class:`TerminalError`, for what no restart
+can fix. A worker that meets a terminal error escapes the in-process layer, reports it (the
+``fatal`` event, ``result.json``, the ``no_restart`` marker), asks ft_launcher not to respawn it
+and exits with the error's ``exit_code``; the pipeline reads that as do-not-requeue. Every other
+error is a fault: the layers restart around it."""
+
+from __future__ import annotations
+
+
+class TrainerError(Exception):
+    """An error the trainer raises on purpose (each names what failed and the fix)."""
+
+
+class TerminalError(TrainerError):
+    """No restart can fix it: bad configuration, bad data, no valid checkpoint, a full disk."""
+
+    exit_code = 3  # the worker's exit code (trainer.train: 0 done, 2 bad config, 3 fatal)

@@ -1,0 +1,291 @@
+"""One training core (arch §5): what the built-in loop (:mod:`trainer.loop`) and script mode
+(:mod:`trainer.script`) both run around the model's own forward and backward.
+
+A :class:`TrainSession` is one attempt of the train function in this process (a new one after
+each in-process restart). In order:
+
+- :meth:`~TrainSession.init_process_group`: the process group of this restart iteration and the
+  checkpoints' own gloo group; the share of each step's micro-batches this rank computes;
+- :meth:`~TrainSession.resume`: the newest valid commit loaded, the hooks built, and at rank 0
+  the ``world_change`` (an elastic job's world changed), ``train_start`` and the launch fact;
+- :meth:`~TrainSession.step_start`: drills, and the step's clock;
+- :meth:`~TrainSession.micro_batches`: this rank's micro-batches of the step, each with its
+  dropout stream seeded by (seed, step, micro-batch), never by rank: a smaller world computes
+  the same micro-batches, so an elastic run is bitwise exact;
+- :meth:`~TrainSession.step_end`: one all-reduce of the loss and the save flags, the save when
+  due, the hooks (heartbeat, the Wrapper's ping, the step event);
+- :meth:`~TrainSession.finish`: the last commit waited for, ``result.json`` and ``train_end``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from trainer import manifest, run_state
+from trainer.checkpoint import CheckpointManager
+from trainer.digest import params_sha256
+from trainer.elastic import micro_batches, node_id
+from trainer.hooks import Hooks, StepEnd
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.optim import Optimizer
+
+    from trainer.loop import ProcessContext
+
+
+def step_seed(seed: int, step: int, index: int) -> int:
+    """The RNG seed of one micro-batch (or, in a plain script, one rank) of one step."""
+    digest = hashlib.sha256(f"{seed}:{step}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class Share:
+    """This rank's share of a step's global batch (trainer.elastic): ``count`` micro-batches
+    in all, ``mine`` computed here in ``passes`` forward/backward passes."""
+
+    count: int
+    mine: range
+    # Passes every rank runs: the largest share (shares differ by one when the world does not
+    # divide the micro-batches, e.g. 3 on 2 ranks after a 2:3 job lost a node).
+    passes: int
+    # FSDP averages the gradient over the world; a rank's micro-batches are scaled so that the
+    # average is their mean over the whole global batch (1 on a full world: nothing to scale).
+    scale: float
+
+    @classmethod
+    def of(cls, rank: int, world: int, count: int) -> Share:
+        return cls(count, micro_batches(rank, world, count), -(-count // world), world / count)
+
+    def plan(self) -> list[tuple[int, float]]:
+        """(micro-batch, weight) per pass. FSDP all-gathers parameters in each pass, collectives
+        every rank must join, so a rank whose share is smaller pads with passes over its last
+        micro-batch weighted 0: their gradient is exactly 0.0, which leaves the accumulated
+        gradient bitwise unchanged."""
+        plan = [(m, self.scale) for m in self.mine]
+        return plan + [(self.mine[-1], 0.0)] * max(0, self.passes - len(self.mine))
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward pass of a step: ``index`` among ``count`` micro-batches picks the
+    data (the same on any world); :meth:`backward` weights its loss."""
+
+    index: int
+    count: int
+    weight: float
+    _session: TrainSession
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss if self.weight == 1 else loss * self.weight).backward()
+        if self.weight != 0:  # a padding pass adds nothing to the step's loss either
+            self._session._add_loss(loss.detach())
+
+
+class TrainSession:
+    """One attempt of the train function in this process."""
+
+    def __init__(self, ctx: ProcessContext, call_wrapper: Any = None) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.call_wrapper = call_wrapper
+        self.iteration = int(getattr(call_wrapper, "iteration", 0))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.share: Share | None = None
+        self.ckpt_group: Any = None
+        self.ckpt: CheckpointManager | None = None
+        self.hooks: Hooks | None = None
+        self.loss: float | None = None  # the newest step's loss (all ranks), or the resumed one
+        self.result: dict[str, Any] | None = None  # set by finish()
+        self._t0 = 0.0
+        self._step_loss: torch.Tensor | None = None  # micro-batch losses of the step so far
+
+    # -- the attempt ---------------------------------------------------------------------------
+    def init_process_group(self) -> tuple[int, int]:
+        from trainer.loop import init_process_group
+
+        self.rank, self.world_size = init_process_group(self.ctx, self.iteration)
+        # Checkpoint collectives (resume decision, commit, DCP finalize) get their own gloo
+        # group: its timeout covers checkpoint I/O, and async-save traffic never collides with
+        # FSDP's.
+        self.ckpt_group = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.ckpt_timeout_s)
+        )
+        if self.rank == 0 and self.iteration > 0:
+            self.ctx.events.emit("restart", layer="inprocess", iteration=self.iteration)
+        self.share = Share.of(
+            self.rank, self.world_size, self.cfg.micro_batch_count(self.world_size)
+        )
+        return self.rank, self.world_size
+
+    def resume(self, model: nn.Module, optim: Optimizer, **start: Any) -> int:
+        """Load the newest valid commit; returns the first step to run. ``start``: more fields
+        of the ``train_start`` event (the built-in loop's batch shape)."""
+        from trainer.loop import build_hooks, recovery_layer
+
+        if self.ckpt_group is None:
+            raise RuntimeError("call session.init_process_group() before session.resume()")
+        ctx, cfg, rank, world = self.ctx, self.cfg, self.rank, self.world_size
+        self.ckpt = ckpt = CheckpointManager(
+            cfg,
+            ctx.saver,
+            ctx.events,
+            rank=rank,
+            world_size=world,
+            group=self.ckpt_group,
+            sections=ctx.heartbeat,
+        )
+        resumed = ckpt.resume(model, optim, ctx.sampler)
+        self.loss = resumed.loss
+        first = resumed.step + 1
+        self.hooks = build_hooks(
+            ctx,
+            rank=rank,
+            call_wrapper=self.call_wrapper,
+            first_step=first,
+            layer=recovery_layer(ctx, self.iteration, world),
+        )
+        ckpt.on_commit = self.hooks.on_commit
+        if self.call_wrapper is not None:
+            ckpt.progress = self.call_wrapper.ping
+        nodes = world_nodes(world, self.ckpt_group)
+        if rank != 0:
+            return first
+        prior = ctx.prior
+        if prior is not None and self.iteration == 0 and prior.world_size != world:
+            ctx.events.emit(
+                "world_change",
+                from_world=prior.world_size,
+                to_world=world,
+                from_nodes=list(prior.nodes),
+                nodes=nodes,
+                step=first,
+                cause="shrink" if world < prior.world_size else "grow",
+            )
+        job_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        ctx.events.emit(
+            "train_start",
+            start_step=first,
+            steps=cfg.steps,
+            world_size=world,
+            micro_batches=self._share().count,
+            accumulation=len(self._share().mine),
+            nodes=nodes,
+            iteration=self.iteration,
+            restart_count=ctx.restart_count,
+            job_id=job_id,
+            **{"workload": cfg.workload, **start},
+        )
+        with ckpt.fence.hold("record the launch"):
+            run_state.record_launch(cfg.run_root, job_id=job_id, world_size=world, nodes=nodes)
+        return first
+
+    def step_start(self, step: int) -> None:
+        self._hooks().on_step_start(step)
+        self._step_loss = None
+        self._t0 = time.perf_counter()
+
+    def micro_batches(self, step: int, model: nn.Module) -> Iterator[MicroBatch]:
+        """This rank's passes of ``step``, each with its dropout stream seeded by (seed, step,
+        micro-batch), and ``model``'s (the FSDP root's) gradient reduced once, after the last."""
+        share = self._share()
+        plan = share.plan()
+        sync = getattr(model, "set_requires_gradient_sync", None)
+        for i, (m, weight) in enumerate(plan):
+            if sync is not None and len(plan) > 1:
+                sync(i == len(plan) - 1)
+            torch.manual_seed(step_seed(self.cfg.seed, step, m))
+            yield MicroBatch(m, share.count, weight, self)
+
+    def _add_loss(self, loss: torch.Tensor) -> None:
+        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+
+    def step_end(
+        self,
+        step: int,
+        loss: torch.Tensor | float | None,
+        model: nn.Module,
+        optim: Optimizer,
+        *,
+        tokens: int = 0,
+    ) -> float:
+        """After the optimizer step: ``loss`` is the sum of this rank's micro-batch losses
+        (a plain script's one loss per rank; None: the sum :meth:`micro_batches` kept). One
+        all-reduce carries it and whether the save in flight is done on every rank; returns the
+        step's loss over the global batch."""
+        hooks, ckpt = self._hooks(), self.ckpt
+        assert ckpt is not None
+        if loss is None:
+            if self._step_loss is None:
+                raise RuntimeError("step_end(loss=None) needs session.micro_batches(step) first")
+            loss = self._step_loss
+        value = torch.as_tensor(loss).detach().float().reshape(1)
+        device = value.device
+        # gloo has no AVG: sum, then divide by the micro-batches of the global batch.
+        reduced = torch.cat([value, ckpt.save_flags().to(device)])
+        dist.all_reduce(reduced)
+        reduced = reduced.cpu()
+        self.loss = float(reduced[0].item() / self._share().count)
+        step_s = time.perf_counter() - self._t0
+        blocking = ckpt.maybe_save(step, model, optim, self.ctx.sampler, self.loss)
+        if blocking is not None:
+            hooks.on_save_started(step)
+        ckpt.poll(reduced=reduced[1:] if blocking is None else None)
+        hooks.on_step_end(StepEnd(step, self.loss, step_s, tokens, blocking))
+        return self.loss
+
+    def finish(self, model: nn.Module) -> dict[str, Any]:
+        from trainer.loop import write_result
+
+        ckpt = self.ckpt
+        if ckpt is None:
+            raise RuntimeError("call session.resume() first")
+        ckpt.finish()
+        result = {
+            "status": "completed",
+            "final_step": self.cfg.steps,
+            "final_loss": self.loss,
+            "params_sha256": params_sha256(model, rank=self.rank),
+            "world_size": self.world_size,
+            "latest_checkpoint": manifest.read_latest(self.cfg.run_root),
+            "config_hash": self.cfg.fingerprint(),
+        }
+        if self.rank == 0:
+            write_result(self.cfg, result)
+            self.ctx.events.emit("train_end", **{k: v for k, v in result.items() if k != "status"})
+        dist.barrier(group=ckpt.group)
+        dist.destroy_process_group()
+        self.result = result
+        return result
+
+    def _hooks(self) -> Hooks:
+        if self.hooks is None:
+            raise RuntimeError("call session.resume(model, optim) before the training loop")
+        return self.hooks
+
+    def _share(self) -> Share:
+        if self.share is None:
+            raise RuntimeError("call session.init_process_group() first")
+        return self.share
+
+
+def world_nodes(world: int, group: Any) -> list[int]:
+    """The nodes this world's ranks run on (trainer.elastic.node_id), once per start: what the
+    watcher reads to tell a training node from a waiting spare."""
+    mine = torch.tensor([node_id()], dtype=torch.int64)
+    if world == 1:
+        return [int(mine.item())]
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    return sorted({int(t.item()) for t in every})
