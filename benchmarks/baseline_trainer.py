@@ -122,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
-    """As ``trainer.loop.step_seed`` (not imported: that module imports NVRx)."""
+    """As ``trainer.session.step_seed`` (not imported: the trainer imports NVRx)."""
     digest = hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 

@@ -32,12 +32,15 @@ class RunContext:
     data_manifest_sha256: str | None = None
 
     @classmethod
-    def create(cls, params: PipelineParams, *, run_id: str | None = None) -> RunContext:
+    def create(
+        cls, params: PipelineParams, *, run_id: str | None = None, where: Placement | None = None
+    ) -> RunContext:
         """Locally "FSx" is a directory under the state dir; on EKS it is the FSx claim, which
         the flow runner mounts at the same path as the training pods (``eks.fsx_mount``).
-        ``run_id``: when the parameters name none (derived from the flow run)."""
+        ``run_id``: when the parameters name none (derived from the flow run); ``where``: the
+        backend's placement, when the caller has it (flows.plan)."""
         state = Path(params.state_dir).absolute()
-        where = placement(params)
+        where = where or placement(params)
         fsx = where.shared_root
         run_id = params.run_id or run_id or new_run_id()
         weights = params.s3_init_weights()

@@ -20,7 +20,7 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.logging import get_run_logger
 
 from flows import parameters
-from flows.context import RunContext, placement
+from flows.context import RunContext
 from flows.events import emit
 from flows.models import (
     CheckpointInfo,
@@ -31,6 +31,7 @@ from flows.models import (
     TakeoverInfo,
     WorldChange,
 )
+from flows.plan import RunPlan
 from flows.report import png_data_uri, render_report
 from flows.results import ExportResult, TrainResult, ValidationResult
 from flows.stages import (
@@ -180,7 +181,9 @@ def training_pipeline(**fields: Any) -> PipelineResult:
     log = get_run_logger()
     # Cross-field checks run here, on the run's parameters merged over the deployment's.
     params = resolve_params(fields, deployment.get_id())
-    ctx = RunContext.create(params, run_id=_run_id(params.run_id, flow_run.id))
+    # Every fact of the run built once (the placement, the paths, the trainer config).
+    plan = RunPlan.build(params, run_id=_run_id(params.run_id, flow_run.id))
+    ctx = plan.ctx
     log.info("run %s: run root %s", ctx.run_id, ctx.run_root)
     # Before anything else: one writer per run directory (arch §6). A second invocation of a
     # live run stops here with RunBusy naming the owner, having written nothing.
@@ -188,7 +191,7 @@ def training_pipeline(**fields: Any) -> PipelineResult:
         since = time.time()  # this invocation's events, the takeover's included
         if held.takeover is not None:
             _take_over(held, ctx)
-        return _run(params, ctx, held, since)
+        return _run(plan, held, since)
 
 
 def _take_over(held: lease.RunLease, ctx: RunContext) -> None:
@@ -219,9 +222,8 @@ def _take_over(held: lease.RunLease, ctx: RunContext) -> None:
         held.adoptable = plan
 
 
-def _run(
-    params: PipelineParams, ctx: RunContext, held: lease.RunLease, since: float
-) -> PipelineResult:
+def _run(plan: RunPlan, held: lease.RunLease, since: float) -> PipelineResult:
+    params, ctx = plan.params, plan.ctx
     log = get_run_logger()
     t0 = time.monotonic()
     durations: dict[str, float] = {}
@@ -260,16 +262,15 @@ def _run(
                 )
             if params.seed_demo_dataset and ctx.s3.is_local:
                 seed_demo_dataset(params, ctx)
-            stage("preflight", lambda: preflight_flow(params, ctx))
-            hydrated = stage("hydrate", lambda: hydrate_flow(params, ctx))
-            ctx = dataclasses.replace(ctx, data_manifest_sha256=hydrated.manifest_sha256)
+            stage("preflight", lambda: preflight_flow(plan))
+            hydrated = stage("hydrate", lambda: hydrate_flow(plan))
+            plan = plan.hydrated(hydrated.manifest_sha256)
+            ctx = plan.ctx
             retries = params.max_train_attempts - 1
-            with _metrics(params, ctx):
-                out.train = stage(
-                    "train", lambda: train_stage.with_options(retries=retries)(params, ctx)
-                )
-            validation = out.validation = stage("validate", lambda: validate_flow(params, ctx))
-            out.export = stage("export", lambda: export_flow(params, ctx, validation.path))
+            with _metrics(plan):
+                out.train = stage("train", lambda: train_stage.with_options(retries=retries)(plan))
+            validation = out.validation = stage("validate", lambda: validate_flow(plan))
+            out.export = stage("export", lambda: export_flow(plan, validation.path))
     except lease.LeaseLost as e:
         # Another invocation owns the run now: nothing of it is this one's to report, write or
         # notify (the run is not failing; its owner changed). Said in the log, and raised.
@@ -343,9 +344,9 @@ class _Outputs:
     export: ExportResult | None = None
 
 
-def _metrics(params: PipelineParams, ctx: RunContext) -> contextlib.AbstractContextManager[Any]:
+def _metrics(plan: RunPlan) -> contextlib.AbstractContextManager[Any]:
     """The run's Prometheus endpoint for the train stage, all its attempts (tasks.metrics)."""
-    where = placement(params)
+    params, ctx, where = plan.params, plan.ctx, plan.placement
     if params.metrics_port is not None:
         rank0 = params.metrics_port + where.rank0_metrics_offset
         get_run_logger().info(

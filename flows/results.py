@@ -64,6 +64,9 @@ class CheckRow(_Result):
     name: str
     status: Status
     detail: str
+    # False: a check this checkpoint does not need (advisory, or not applicable: a script's
+    # own model, a metadata-only validation); a SKIPPED required check rejects it.
+    required: bool = True
 
 
 class RejectedCheckpoint(_Result):

@@ -18,9 +18,10 @@ from prefect.artifacts import (
 )
 from prefect.logging import get_run_logger
 
-from flows.context import RunContext, stage_train_config
+from flows.context import RunContext
 from flows.events import emit, emit_for_trainer_event, last_attempt_cause
 from flows.models import PipelineParams
+from flows.plan import RunPlan
 from flows.results import (
     CheckRow,
     ExportResult,
@@ -80,12 +81,15 @@ def seed_demo_dataset(params: PipelineParams, ctx: RunContext) -> bool:
     return True
 
 
-def backend_for(params: PipelineParams, ctx: RunContext) -> Backend:
+def backend_for(plan: RunPlan) -> Backend:
     """This run's backend, its messages going to the stage's log, the run's lease (when held
     here) where it records what it starts."""
     log = get_run_logger()
     return registry.create(
-        params.backend, params, lease=lease.held(ctx.run_root), log=lambda msg: log.info(msg)
+        plan.params.backend,
+        plan.params,
+        lease=lease.held(plan.ctx.run_root),
+        log=lambda msg: log.info(msg),
     )
 
 
@@ -93,7 +97,8 @@ def backend_for(params: PipelineParams, ctx: RunContext) -> Backend:
 # Every stage flow persists its result as JSON (readable from the result storage without this
 # code), so the API and the UI hold what each stage returned.
 @flow(name="preflight", persist_result=True, result_serializer="json")
-def preflight_flow(params: PipelineParams, ctx: RunContext) -> PreflightResult:
+def preflight_flow(plan: RunPlan) -> PreflightResult:
+    params, ctx = plan.params, plan.ctx
     s3 = {
         "s3": ctx.s3,
         "client": boto3_client(ctx.s3),
@@ -108,7 +113,7 @@ def preflight_flow(params: PipelineParams, ctx: RunContext) -> PreflightResult:
         workload=params.workload,
         vocab_size=None if (wl := params.workload_spec()) is None else wl.vocab_size,
     )
-    results = backend_for(params, ctx).preflight(req, s3)
+    results = backend_for(plan).preflight(req, s3)
     rows = [
         {"check": r.name, "status": r.status.value, "detail": r.detail, "fix": r.fix}
         for r in results
@@ -128,7 +133,8 @@ def preflight_flow(params: PipelineParams, ctx: RunContext) -> PreflightResult:
 
 # -- hydrate --------------------------------------------------------------------------------------
 @flow(name="hydrate", persist_result=True, result_serializer="json")
-def hydrate_flow(params: PipelineParams, ctx: RunContext) -> HydrateResult:
+def hydrate_flow(plan: RunPlan) -> HydrateResult:
+    params, ctx = plan.params, plan.ctx
     log = get_run_logger()
     # Sync context: these return the value, not a coroutine (their typing covers both).
     artifact = cast(
@@ -148,7 +154,7 @@ def hydrate_flow(params: PipelineParams, ctx: RunContext) -> HydrateResult:
         s3=ctx.s3,
         weights=None if weights is None or ctx.weights_dir is None else (weights, ctx.weights_dir),
     )
-    done = backend_for(params, ctx).hydrate(request, progress)
+    done = backend_for(plan).hydrate(request, progress)
     update_progress_artifact(artifact, 100.0)
     log.info("hydrated %s -> %s: %s", done.source, done.dest, done.detail)
     result = HydrateResult(
@@ -217,7 +223,8 @@ class _Progress:
 
 
 @flow(name="train", persist_result=True, result_serializer="json")
-def train_flow(params: PipelineParams, ctx: RunContext, attempt: int) -> TrainResult:
+def train_flow(plan: RunPlan, attempt: int) -> TrainResult:
+    params, ctx = plan.params, plan.ctx
     log = get_run_logger()
     if attempt > 1:
         cause = last_attempt_cause(ctx.run_root)
@@ -227,7 +234,7 @@ def train_flow(params: PipelineParams, ctx: RunContext, attempt: int) -> TrainRe
     request = LaunchRequest(
         run_id=ctx.run_id,
         attempt=attempt,
-        cfg=stage_train_config(params, ctx),
+        cfg=plan.train,
         nodes=params.max_nodes,
         nproc_per_node=params.ranks_per_node,
         min_nodes=params.node_range.min,
@@ -248,7 +255,7 @@ def train_flow(params: PipelineParams, ctx: RunContext, attempt: int) -> TrainRe
     outcome = "error"
     try:
         report = run_attempt(
-            backend_for(params, ctx),
+            backend_for(plan),
             request,
             on_event=_Progress(params.steps, attempt, ctx.run_id),
             check_owner=held.check if held is not None else lambda action: None,
@@ -271,18 +278,18 @@ def _finish_attempt(report: AttemptReport) -> TrainResult:
 
 
 @task(name="train-stage", retry_condition_fn=prefect_retry_condition)
-def train_stage(params: PipelineParams, ctx: RunContext) -> TrainResult:
+def train_stage(plan: RunPlan) -> TrainResult:
     """The train stage as a task: Prefect retries it (a new ``train`` flow run per attempt)
     only when :func:`tasks.retry_policy.stage_retry_allowed` says so."""
     from prefect.runtime import task_run
 
-    return train_flow(params, ctx, attempt=int(task_run.run_count or 1))
+    return train_flow(plan, attempt=int(task_run.run_count or 1))
 
 
 # -- validate -------------------------------------------------------------------------------------
 @flow(name="validate", persist_result=True, result_serializer="json")
-def validate_flow(params: PipelineParams, ctx: RunContext) -> ValidationResult:
-    cfg = stage_train_config(params, ctx)
+def validate_flow(plan: RunPlan) -> ValidationResult:
+    params, ctx, cfg = plan.params, plan.ctx, plan.train
     # The workload, batch and seed come from each checkpoint's manifest; the config hash says
     # whether that is this run's.
     exp = Expectations(
@@ -337,9 +344,10 @@ def validate_flow(params: PipelineParams, ctx: RunContext) -> ValidationResult:
 
 # -- export ---------------------------------------------------------------------------------------
 @flow(name="export", persist_result=True, result_serializer="json")
-def export_flow(params: PipelineParams, ctx: RunContext, checkpoint_path: str) -> ExportResult:
+def export_flow(plan: RunPlan, checkpoint_path: str) -> ExportResult:
     from pathlib import Path
 
+    params, ctx = plan.params, plan.ctx
     held = lease.held(ctx.run_root)
     if held is not None:
         held.check("export the checkpoint")
@@ -348,7 +356,7 @@ def export_flow(params: PipelineParams, ctx: RunContext, checkpoint_path: str) -
         sse=None if params.export.sse == "none" else params.export.sse,
         kms_key_id=params.export.kms_key_id,
         consolidated=params.export.consolidated,
-        workload=stage_train_config(params, ctx).workload_record(),
+        workload=plan.train.workload_record(),
     )
     report: ExportReport = export_checkpoint(
         client,

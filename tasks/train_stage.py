@@ -391,8 +391,16 @@ class _Watch:
             if not decision.idle_spare:
                 write_node_lost(run_root, node=node)
             job.absorb(node)
-        if drilled:
+        if drilled and not why:
             job.lose_node(node)
+        elif drilled:
+            # A silent node: ending it is best effort (its pod may be gone already, or its host
+            # unreachable); its loss is decided and recorded either way, and a writer of it
+            # that wakes is fenced by the next attempt's epoch.
+            try:
+                job.lose_node(node)
+            except Exception as e:
+                _log.warning("could not end silent node %d: %s: %s", node, type(e).__name__, e)
         # Reaches on_event through the tail, like every other event.
         fault_event = self.events.emit(
             "fault",

@@ -65,6 +65,7 @@ def attempt_on(
     on_event=lambda e: None,
     join_timeout_s: float | None = None,
     check_owner: Callable[[str], None] = lambda action: None,
+    silence_s: float | None = None,
 ) -> AttemptReport:
     """One train attempt through the same code the train stage runs (run_attempt + EksBackend).
     ``join_timeout_s``: the survivors' rendezvous join timeout (how long a node-wait lasts)."""
@@ -73,6 +74,10 @@ def attempt_on(
     if join_timeout_s is not None:
         cfg = dataclasses.replace(
             cfg, injob=dataclasses.replace(cfg.injob, rdzv_join_timeout_s=join_timeout_s)
+        )
+    if silence_s is not None:
+        cfg = dataclasses.replace(
+            cfg, injob=dataclasses.replace(cfg.injob, node_silence_s=silence_s)
         )
     backend = EksBackend(
         params.eks,
@@ -299,6 +304,40 @@ def test_a_lease_taken_over_stops_the_watch_and_leaves_the_job(kube: Kube, tmp_p
     assert kube.jobs_labelled(NS, "nvrx.io/run-id", "k-lost") == [name]
     assert kube.core.read_namespaced_service(name, NS) is not None
     assert kube.networking.read_namespaced_network_policy(name, NS) is not None
+
+
+def test_a_silent_pod_is_taken_away_as_a_lost_node(kube: Kube, tmp_path: Path):
+    """A node that stops without dying on EKS (a partition, a stalled kubelet): its pod stays
+    Running, but its beat on FSx stops while the other pod's goes on. The watcher deletes the
+    silent pod through the API and ends the attempt as a node loss (a fixed-size Job: the
+    stage retry)."""
+    from trainer.events import EventLog, read_events
+    from trainer.node_beat import NodeBeat
+
+    params = eks_params("k-silent", tmp_path)
+    name = job_name("k-silent", 1, TAG)
+    root = tmp_path / "runs" / "k-silent"
+
+    def pods_train(k: Kube, job: str) -> None:
+        """What the pods' workers do on FSx: say which nodes train, and beat (node 1 stops)."""
+        now = fence.current(root)
+        epoch = now.epoch if now else None
+        EventLog(root, epoch=epoch).emit("train_start", world_size=2, nodes=[0, 1])
+        beats = [NodeBeat(root, epoch=epoch, node=n, interval_s=0.1) for n in (0, 1)]
+        time.sleep(0.5)
+        beats[1].close()  # frozen: alive to the API, silent to the job
+        threading.Timer(30, beats[0].close).start()
+
+    driver = ControlPlane(kube, name, pods_train)
+    driver.start()
+    report = attempt_on(kube, params, deadline_s=60, silence_s=3.0)
+    driver.join(5)
+    assert report.outcome.kind == EndKind.NODE_LOSS, report.outcome.message
+    [fault] = [e for e in read_events(root) if e["kind"] == "fault"]
+    assert fault["node"] == 1 and fault["path"] == "stage-retry"
+    assert "silent for" in fault["detail"]
+    left = {p["metadata"]["name"] for p in kube.job_pods(NS, name)}
+    assert f"{name}-1-x" not in left  # deleted through the API
 
 
 def test_every_kubernetes_call_has_a_request_timeout(monkeypatch):

@@ -148,12 +148,46 @@ def test_nonfinite_and_loss_out_of_tolerance_fail():
     assert s["held-out loss near the recorded loss"] == Status.FAILED.value
 
 
-def test_blind_checks_are_skipped_not_passed():
-    f = _facts(errors={"dcp": "cannot read .metadata", "load": "not requested"})
-    s = statuses(judge(f, Expectations()))
+def test_blind_checks_are_skipped_and_a_blind_required_one_rejects():
+    """Checks run on the same runner as preflight (tasks.checks.run_check): a check that could
+    not look is SKIPPED with why, and one the checkpoint needs rejects it: a blind validation
+    must not pass."""
+    f = _facts(errors={"dcp": "cannot read .metadata", "load": "load did not finish in 600 s"})
+    r = judge(f, Expectations())
+    s = statuses(r)
     assert s["DCP metadata covers the model and optimizer"] == "SKIPPED"
     assert s["loads on 1 CPU rank, all tensors finite"] == "SKIPPED"
     assert s["held-out loss near the recorded loss"] == "SKIPPED"
+    assert not r.passed
+    rejected = {c["name"]: c["detail"] for c in r.failed_checks()}
+    assert rejected == {
+        COVERAGE: "source 'dcp' failed: cannot read .metadata",
+        LOAD: "source 'load' failed: load did not finish in 600 s",
+    }
+
+
+# (case, what could not be read and why it was not needed: the checkpoint still passes)
+NOT_NEEDED = [
+    ("script", {"expected": "its model is its own", "load": "its model is its own"}),
+    ("quick", {"load": "not requested (quick checks)"}),
+    ("metadata-only", {"load": "metadata-only (memory)"}),
+]
+
+
+@pytest.mark.parametrize(("case", "not_needed"), NOT_NEEDED, ids=[c[0] for c in NOT_NEEDED])
+def test_checks_a_checkpoint_does_not_need_stop_nothing(case: str, not_needed: dict[str, str]):
+    f = _facts(
+        errors=dict(not_needed),
+        not_needed=dict(not_needed),
+        dcp_entries={"model.a": (2,)},
+        expected_entries=None if "expected" in not_needed else {"model.a": (2,)},
+    )
+    r = judge(f, Expectations())
+    assert r.passed, r.checks
+    skipped = {c["name"]: c for c in r.checks if c["status"] == "SKIPPED"}
+    assert "loads on 1 CPU rank, all tensors finite" in skipped
+    assert all(not c["required"] for c in skipped.values())
+    assert r.failed_checks() == []
 
 
 @pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "sub/x.distcp", "x\n"])

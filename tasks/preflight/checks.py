@@ -9,11 +9,21 @@ check with that error and the source's fix: a blind preflight must not pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from tasks.checks import CheckResult, Status, failures
+from tasks.checks import (
+    Check,
+    CheckResult,
+    Snapshot,
+    Source,
+    Status,
+    Verdict,
+    failed,
+    failures,
+    passed,
+    run_all,
+    run_check,
+)
 
 __all__ = [
     "CHECKS",
@@ -29,82 +39,6 @@ __all__ = [
     "run_check",
     "run_checks",
 ]
-
-
-@dataclass
-class Snapshot:
-    """Facts gathered once. ``errors[source]`` says why a source could not be read."""
-
-    facts: dict[str, Any] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Source:
-    """One thing the gatherer reads. ``facts``: the keys it puts in the snapshot (any absent:
-    it was never gathered, as blind as a failed read); ``fix``: how to make it readable."""
-
-    name: str
-    facts: tuple[str, ...]
-    fix: str
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What a check function decides; :func:`run_check` adds the check's name."""
-
-    status: Status
-    detail: str
-    fix: str = ""
-
-
-def passed(detail: str) -> Verdict:
-    return Verdict(Status.PASSED, detail)
-
-
-def failed(detail: str, fix: str) -> Verdict:
-    return Verdict(Status.FAILED, detail, fix)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Check:
-    """A preflight check, declared once. Callable as ``check(snapshot, requirements)``."""
-
-    name: str
-    requires: tuple[Source, ...]
-    fn: Callable[[Snapshot, Any], Verdict]
-    # False only for advisory checks whose absence another layer reports loudly (say why at
-    # the declaration).
-    required: bool = True
-
-    def __call__(self, snap: Snapshot, req: Any) -> CheckResult:
-        return run_check(self, snap, req)
-
-
-def source_error(snap: Snapshot, source: Source) -> str | None:
-    """Why ``source`` cannot be trusted in ``snap``, or None when it was read."""
-    if source.name in snap.errors:
-        return f"source {source.name!r} failed: {snap.errors[source.name]}"
-    missing = [k for k in source.facts if k not in snap.facts]
-    if missing:
-        return f"source {source.name!r} was not gathered (no {', '.join(missing)})"
-    return None
-
-
-def run_check(check: Check, snap: Snapshot, req: Any) -> CheckResult:
-    """The only place a blind source becomes SKIPPED (with its error, and its fix when the
-    gate needs the check); otherwise the check's own verdict."""
-    for source in check.requires:
-        why = source_error(snap, source)
-        if why is not None:
-            fix = source.fix if check.required else ""
-            return CheckResult(check.name, Status.SKIPPED, why, fix, required=check.required)
-    v = check.fn(snap, req)
-    return CheckResult(check.name, v.status, v.detail, v.fix, required=check.required)
-
-
-def run_all(checks: tuple[Check, ...], snap: Snapshot, req: Any) -> list[CheckResult]:
-    return [run_check(c, snap, req) for c in checks]
 
 
 @dataclass(frozen=True, kw_only=True)

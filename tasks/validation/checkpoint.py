@@ -21,14 +21,13 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from tasks.checks import CheckResult, Status
+from tasks.checks import Check, Snapshot, Source, Status, Verdict, blocks, run_all
 from tasks.validation.load_check import untrusted_workload_message
 from trainer import manifest as ckpt_manifest
 from trainer.hashing import sha256_file
@@ -87,6 +86,9 @@ class Facts:
     load_why: str = ""  # why that mode, for the report
     load: dict[str, Any] | None = None
     errors: dict[str, str] = field(default_factory=dict)
+    # Sources this checkpoint's validation does not need (source -> why): what a check that
+    # reads only those could not see does not fail the checkpoint. Anything else blind does.
+    not_needed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,7 +96,7 @@ class CheckpointReport:
     status: str  # "passed" | "failed"
     path: str
     step: int | None
-    checks: list[dict[str, str]]
+    checks: list[dict[str, Any]]
     hash_mb_s: float | None = None
     params_sha256: str | None = None
 
@@ -102,8 +104,15 @@ class CheckpointReport:
     def passed(self) -> bool:
         return self.status == "passed"
 
-    def failed_checks(self) -> list[dict[str, str]]:
-        return [c for c in self.checks if c["status"] == Status.FAILED.value]
+    def failed_checks(self) -> list[dict[str, Any]]:
+        """What rejects the checkpoint: a FAILED check, or a required one that could not look
+        (SKIPPED, with why)."""
+        return [
+            c
+            for c in self.checks
+            if c["status"] == Status.FAILED.value
+            or (c["status"] == Status.SKIPPED.value and c.get("required", True))
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -409,6 +418,7 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
         why = f"written by the training script {workload['ref'][7:]!r}: its model is its own"
         facts.errors["expected"] = why
         facts.errors["load"] = why
+        facts.not_needed.update(expected=why, load=why)
         return facts
     if workload:
         try:
@@ -419,6 +429,7 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
         facts.errors["expected"] = "workload unknown (not in the manifest, none given)"
     if not load:
         facts.errors["load"] = "not requested"
+        facts.not_needed["load"] = "not requested (quick checks)"
     elif not digests_ok:
         facts.errors["load"] = "skipped: files do not match the manifest"
     elif "dcp_invalid" in facts.errors:
@@ -438,6 +449,7 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
                 f"{facts.load_why}; tensors not loaded (their shapes, dtypes and places in "
                 "the shard files were checked against the DCP metadata instead)"
             )
+            facts.not_needed["load"] = facts.load_why
             return facts
         try:
             facts.load = _fresh_process_load(path, exp)
@@ -447,17 +459,57 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
 
 
 # -- judging (pure) ---------------------------------------------------------------------------
-Check = Callable[[Facts, Expectations], CheckResult]
+# The checks are declared like preflight's (tasks.checks.Check) and run by the same runner: a
+# check whose source could not be read is SKIPPED with the source's error, and a SKIPPED check
+# the checkpoint needs rejects it (a blind validation must not pass). The snapshot holds the
+# gathered Facts whole; a source is present when its part was read.
+MANIFEST = Source(
+    name="manifest",
+    facts=("manifest",),
+    fix="the checkpoint's manifest.json must be readable and name only files inside it",
+)
+DCP = Source(
+    name="dcp",
+    facts=("dcp",),
+    fix="the DCP metadata is read only once every file matches the manifest",
+)
+EXPECTED = Source(
+    name="expected",
+    facts=("expected",),
+    fix="validate with the run's workload (the pipeline's own, or validate --workload REF)",
+)
+LOADED = Source(
+    name="load",
+    facts=("load",),
+    fix="give the fresh-process load the files, memory and time it needs",
+)
 
 
-def _skip(name: str, why: str) -> CheckResult:
-    return CheckResult(name, Status.SKIPPED, why)
+def snapshot(f: Facts) -> Snapshot:
+    facts: dict[str, Any] = {"gathered": f}
+    if "manifest" not in f.errors and f.manifest is not None:
+        facts["manifest"] = f.manifest
+    if f.dcp_entries is not None or "dcp_invalid" in f.errors:
+        facts["dcp"] = True  # read: its entries, or refused (a finding, FAILED)
+    if f.expected_entries is not None:
+        facts["expected"] = f.expected_entries
+    if f.load is not None:
+        facts["load"] = f.load
+    sources = ("manifest", "dcp", "expected", "load")
+    errors = {k: f.errors[k] for k in sources if k in f.errors and k not in f.not_needed}
+    not_read = {k: f.errors.get(k, why) for k, why in f.not_needed.items() if k in sources}
+    return Snapshot(facts=facts, errors=errors, not_read=not_read)
 
 
-def check_manifest(f: Facts, exp: Expectations) -> CheckResult:
-    name = "manifest"
+def _gathered(snap: Snapshot) -> Facts:
+    facts: Facts = snap.facts["gathered"]
+    return facts
+
+
+def manifest_verdict(snap: Snapshot, exp: Expectations) -> Verdict:
+    f = _gathered(snap)
     if "manifest" in f.errors:
-        return CheckResult(name, Status.FAILED, f.errors["manifest"])
+        return Verdict(Status.FAILED, f.errors["manifest"])
     m = f.manifest or {}
     problems = []
     dir_step = f.path.name.removeprefix("step_")
@@ -472,20 +524,16 @@ def check_manifest(f: Facts, exp: Expectations) -> CheckResult:
         elif not (isinstance(ws, int) and low <= ws <= exp.world_size):
             problems.append(f"world size {ws} is outside the run's {low}..{exp.world_size}")
     if problems:
-        return CheckResult(name, Status.FAILED, "; ".join(problems))
-    return CheckResult(
-        name,
-        Status.PASSED,
-        f"step {m['step']}, world size {m['world_size']}, {len(m['files'])} files",
+        return Verdict(Status.FAILED, "; ".join(problems))
+    return Verdict(
+        Status.PASSED, f"step {m['step']}, world size {m['world_size']}, {len(m['files'])} files"
     )
 
 
-def check_files(f: Facts, exp: Expectations) -> CheckResult:
-    name = "files and digests"
-    if f.manifest is None or "manifest" in f.errors:
-        return _skip(name, f.errors.get("manifest", "no manifest"))
+def files_verdict(snap: Snapshot, exp: Expectations) -> Verdict:
+    f = _gathered(snap)
     bad = []
-    for e in f.manifest["files"]:
+    for e in snap.facts["manifest"]["files"]:
         got = f.files.get(e["name"])
         if got is None:
             bad.append(f"{f.path / e['name']} is missing")
@@ -494,19 +542,14 @@ def check_files(f: Facts, exp: Expectations) -> CheckResult:
         elif got["sha256"] != e["sha256"]:
             bad.append(f"{f.path / e['name']} does not match its sha256")
     if bad:
-        return CheckResult(name, Status.FAILED, "; ".join(bad))
-    return CheckResult(
-        name, Status.PASSED, f"{len(f.files)} files verified at {f.hash_mb_s or 0:.0f} MB/s"
-    )
+        return Verdict(Status.FAILED, "; ".join(bad))
+    return Verdict(Status.PASSED, f"{len(f.files)} files verified at {f.hash_mb_s or 0:.0f} MB/s")
 
 
-def check_coverage(f: Facts, exp: Expectations) -> CheckResult:
-    name = "DCP metadata covers the model and optimizer"
+def coverage_verdict(snap: Snapshot, exp: Expectations) -> Verdict:
+    f = _gathered(snap)
     if "dcp_invalid" in f.errors:
-        return CheckResult(name, Status.FAILED, f.errors["dcp_invalid"])
-    for source in ("manifest", "dcp", "expected"):
-        if source in f.errors:
-            return _skip(name, f.errors[source])
+        return Verdict(Status.FAILED, f.errors["dcp_invalid"])
     have, want = f.dcp_entries or {}, f.expected_entries or {}
     missing = sorted(k for k in want if k not in have)
     wrong = sorted(k for k, shape in want.items() if k in have and have[k] != shape)
@@ -537,63 +580,74 @@ def check_coverage(f: Facts, exp: Expectations) -> CheckResult:
                 f"{len(f.extent_errors)} stored past their shard's end, e.g. "
                 + "; ".join(f.extent_errors[:3])
             )
-        return CheckResult(name, Status.FAILED, "; ".join(detail))
-    return CheckResult(
-        name,
+        return Verdict(Status.FAILED, "; ".join(detail))
+    return Verdict(
         Status.PASSED,
         f"{len(want)} entries present with their shapes and dtypes, every stored item within "
         "its shard file",
     )
 
 
-def check_load(f: Facts, exp: Expectations) -> CheckResult:
-    name = "loads on 1 CPU rank, all tensors finite"
-    if "load" in f.errors:
-        return _skip(name, f.errors["load"])
-    res = f.load or {}
+def load_verdict(snap: Snapshot, exp: Expectations) -> Verdict:
+    f = _gathered(snap)
+    res = snap.facts["load"]
     how = f"{f.load_why}: " if f.load_why else ""
     if not res.get("loaded"):
-        return CheckResult(name, Status.FAILED, how + str(res.get("error", "did not load")))
+        return Verdict(Status.FAILED, how + str(res.get("error", "did not load")))
     if res.get("nonfinite"):
-        return CheckResult(name, Status.FAILED, f"{how}non-finite values in {res['nonfinite']}")
-    return CheckResult(name, Status.PASSED, f"{how}{res.get('tensors')} tensors loaded, all finite")
+        return Verdict(Status.FAILED, f"{how}non-finite values in {res['nonfinite']}")
+    return Verdict(Status.PASSED, f"{how}{res.get('tensors')} tensors loaded, all finite")
 
 
-def check_loss(f: Facts, exp: Expectations) -> CheckResult:
-    name = "held-out loss near the recorded loss"
+def loss_verdict(snap: Snapshot, exp: Expectations) -> Verdict:
+    f = _gathered(snap)
     if exp.data_dir is None:
-        return _skip(name, "no dataset given (optional check)")
-    if f.load_mode == LoadMode.METADATA:
-        return _skip(name, "metadata-only: tensors not loaded")
-    if "load" in f.errors or not (f.load or {}).get("loaded"):
-        return _skip(name, "checkpoint did not load")
+        return Verdict(Status.SKIPPED, "no dataset given (optional check)")
+    if not snap.facts["load"].get("loaded"):
+        return Verdict(Status.SKIPPED, "checkpoint did not load")
     recorded = (f.manifest or {}).get("loss")
-    got = (f.load or {}).get("heldout_loss")
+    got = snap.facts["load"].get("heldout_loss")
     if recorded is None:
-        return _skip(name, "the manifest records no loss")
+        return Verdict(Status.SKIPPED, "the manifest records no loss")
     if got is None:
-        return CheckResult(name, Status.FAILED, "held-out loss is not finite")
+        return Verdict(Status.FAILED, "held-out loss is not finite")
     if abs(got - recorded) > exp.loss_tolerance * abs(recorded):
-        return CheckResult(
-            name,
+        return Verdict(
             Status.FAILED,
             f"held-out loss {got:.4f} vs recorded {recorded:.4f} "
             f"(tolerance {exp.loss_tolerance:.0%})",
         )
-    return CheckResult(name, Status.PASSED, f"held-out {got:.4f} vs recorded {recorded:.4f}")
+    return Verdict(Status.PASSED, f"held-out {got:.4f} vs recorded {recorded:.4f}")
 
 
-CHECKS: tuple[Check, ...] = (check_manifest, check_files, check_coverage, check_load, check_loss)
+CHECKS: tuple[Check, ...] = (
+    Check(name="manifest", requires=(), fn=manifest_verdict),
+    Check(name="files and digests", requires=(MANIFEST,), fn=files_verdict),
+    Check(
+        name="DCP metadata covers the model and optimizer",
+        requires=(MANIFEST, DCP, EXPECTED),
+        fn=coverage_verdict,
+    ),
+    Check(name="loads on 1 CPU rank, all tensors finite", requires=(LOADED,), fn=load_verdict),
+    # Advisory: the held-out batch is a sample, and a run without its dataset at hand is
+    # validated by the checks above.
+    Check(
+        name="held-out loss near the recorded loss",
+        requires=(LOADED,),
+        fn=loss_verdict,
+        required=False,
+    ),
+)
 
 
 def judge(f: Facts, exp: Expectations) -> CheckpointReport:
-    results = [c(f, exp) for c in CHECKS]
-    failed = any(r.status == Status.FAILED for r in results)
+    results = run_all(CHECKS, snapshot(f), exp)
+    rows = [{**r.to_dict(), "required": r.required} for r in results]
     return CheckpointReport(
-        status="failed" if failed else "passed",
+        status="failed" if any(blocks(r) for r in results) else "passed",
         path=str(f.path),
         step=(f.manifest or {}).get("step"),
-        checks=[r.to_dict() for r in results],
+        checks=rows,
         hash_mb_s=None if f.hash_mb_s is None else round(f.hash_mb_s, 1),
         params_sha256=(f.load or {}).get("params_sha256"),
     )

@@ -245,8 +245,10 @@ class EksJob:
         self._reported |= names
 
     def lose_node(self, node: int) -> None:
-        """The drill: delete the pod of index ``node`` through the API, as a lost node's pods
-        go (grace period 0: a dead node runs no SIGTERM handler)."""
+        """Delete the pod of index ``node`` through the API (a node-loss drill, or a node the
+        watcher found silent), as a lost node's pods go (grace period 0: a dead node runs no
+        SIGTERM handler; on an unreachable node the pod may live on until the node returns,
+        and its writers are fenced then)."""
         pods = [
             p
             for p in self.kube.job_pods(self.ns, self.name)
