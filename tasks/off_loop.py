@@ -3,9 +3,10 @@ of the shared filesystem may block for as long as the mount hangs (Lustre waitin
 server, an NFS hard mount), and the loop that enforces the attempt's deadline and answers a
 cancel must not block with it.
 
-One :class:`OffLoop` per kind of read: each call runs in a daemon thread and is waited for up to
-a timeout. A call still blocked is not started again: the next call waits for the same one, and
-receives its result when it finally comes (so a slow read of new events loses none of them).
+One :class:`OffLoop` per kind of read: its calls run in one daemon thread of its own and are
+waited for up to a timeout. A call still blocked is not started again: the next call waits for
+the same one, and receives its result when it finally comes (so a slow read of new events loses
+none of them).
 A thread blocked for good blocks no one (daemon: it does not hold the interpreter's exit).
 """
 
@@ -23,33 +24,44 @@ class Stuck(Exception):
 
 
 class OffLoop(Generic[T]):
+    """One kind of read, run by one long-lived daemon thread (started on the first call): a
+    poll every 0.2 s starts no thread of its own."""
+
     def __init__(self, what: str, fn: Callable[[], T]) -> None:
         self.what = what
         self._fn = fn
         self._thread: threading.Thread | None = None
-        self._done = threading.Event()
+        self._wanted = threading.Event()  # a read is asked for and not started yet
+        self._done = threading.Event()  # the read asked for has answered
+        self._pending = False  # asked for, its answer not taken yet
         self._value: T | None = None
         self._error: BaseException | None = None
 
-    def _run(self) -> None:
-        try:
-            self._value = self._fn()
-        except BaseException as e:  # handed to the caller, never lost in the thread
-            self._error = e
-        finally:
+    def _serve(self) -> None:
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            try:
+                self._value, self._error = self._fn(), None
+            except BaseException as e:  # handed to the caller, never lost in the thread
+                self._value, self._error = None, e
             self._done.set()
 
     def call(self, timeout: float) -> T:
         """The read's result; :class:`Stuck` when it has not answered within ``timeout``
         seconds; the read's own error, raised here."""
         if self._thread is None:
-            self._done.clear()
-            self._value, self._error = None, None
-            self._thread = threading.Thread(target=self._run, name=f"read {self.what}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._serve, name=f"read {self.what}", daemon=True
+            )
             self._thread.start()
+        if not self._pending:
+            self._pending = True
+            self._done.clear()
+            self._wanted.set()
         if not self._done.wait(timeout):
             raise Stuck(f"reading {self.what} has not answered for {timeout:g} s (still trying)")
-        self._thread = None
+        self._pending = False
         value, error = self._value, self._error
         self._value, self._error = None, None
         if error is not None:
@@ -59,7 +71,7 @@ class OffLoop(Generic[T]):
     @property
     def stuck(self) -> bool:
         """A read has started and not answered yet."""
-        return self._thread is not None and not self._done.is_set()
+        return self._pending and not self._done.is_set()
 
 
 def bounded(what: str, fn: Callable[[], T], timeout: float, default: T) -> T:

@@ -364,10 +364,17 @@ class _Watch:
         fault = s.frozen.get(node, f"node-loss{where}")
         why = f"node {node} silent for {quiet:.0f} s (no beat: frozen or partitioned), taken away"
         _log.warning("%s", why)
-        self._lose(node, fault, step, drilled=True, why=why)
+        self._lose(node, fault, step, drilled=True, why=why, best_effort=True)
 
     def _lose(
-        self, node: int, fault: str, step: int | None, *, drilled: bool, why: str = ""
+        self,
+        node: int,
+        fault: str,
+        step: int | None,
+        *,
+        drilled: bool,
+        why: str = "",
+        best_effort: bool = False,
     ) -> None:
         """A node lost, by a drill or a silence (``drilled``: the watcher takes it away now)
         or as the backend saw it: which path its loss takes, decided once, and recorded."""
@@ -391,7 +398,7 @@ class _Watch:
             if not decision.idle_spare:
                 write_node_lost(run_root, node=node)
             job.absorb(node)
-        if drilled and not why:
+        if drilled and not best_effort:
             job.lose_node(node)
         elif drilled:
             # A silent node: ending it is best effort (its pod may be gone already, or its host
