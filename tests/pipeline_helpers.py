@@ -112,3 +112,35 @@ class Scraper:
 
         values = (sample(s, name, **labels) for s in self.scrapes[url])
         return [v for v in values if v is not None]
+
+
+def clean_rerun(drilled: Path, run_root: Path, *, nodes: int = 2, nproc_per_node: int = 1) -> str:
+    """The fault-free reference of a drilled pipeline run, cheaper than a second pipeline run:
+    the drilled run's own first-attempt training config (``config/train-attempt1.json``, as the
+    flow wrote it) without its faults, trained once more by the train stage's own attempt (the
+    watcher, the local backend, real ft_launcher agents as the same simulated nodes) into
+    ``run_root``, without preflight, hydration, validation or export. Its ``params_sha256``."""
+    import dataclasses
+
+    from tasks.backends.base import LaunchRequest
+    from tasks.backends.local import LocalBackend
+    from tasks.classify import EndKind
+    from tasks.train_stage import run_attempt
+    from trainer.config import load_config
+
+    cfg = load_config(drilled / "config" / "train-attempt1.json")
+    cfg = dataclasses.replace(cfg, run_root=run_root, faults=())
+    request = LaunchRequest(
+        run_id=run_root.name,
+        attempt=1,
+        cfg=cfg,
+        nodes=nodes,
+        nproc_per_node=nproc_per_node,
+        min_nodes=nodes,
+        deadline_s=300,
+    )
+    report = run_attempt(LocalBackend(), request)
+    assert report.outcome.kind == EndKind.COMPLETED, report.outcome.message
+    result = json.loads((run_root / "result.json").read_text())
+    assert result["final_step"] == cfg.steps and result["params_sha256"]
+    return str(result["params_sha256"])

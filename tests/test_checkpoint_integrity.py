@@ -11,7 +11,6 @@ import pytest
 from tests.helpers import RunOutcome, make_config, run_ft_launcher, run_single
 from trainer import manifest
 from trainer.config import ResumePolicy
-from trainer.faults import flip_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -47,24 +46,12 @@ def test_sigkill_while_writing_leaves_nothing_trusted(
     assert resumed.result["params_sha256"] == single_baseline.result["params_sha256"]
 
 
-def test_corrupt_checkpoint_skipped_with_event(single_baseline, dataset: Path, tmp_path: Path):
-    cfg = make_config(tmp_path / "run", dataset, steps=10)
-    assert run_single(cfg).returncode == 0
-    victim = sorted(manifest.committed_path(cfg.run_root, 10).glob("*.distcp"))[0]
-    flip_bytes(victim)
-
-    out = run_single(replace(cfg, steps=20))
-    assert out.returncode == 0, out.log[-3000:]
-    skipped = [e for e in out.of_kind("resume") if e["action"] == "skipped"]
-    assert len(skipped) == 1 and skipped[0]["step"] == 10 and victim.name in skipped[0]["reason"]
-    loaded = [e for e in out.of_kind("resume") if e["action"] == "loaded"]
-    assert [e["step"] for e in loaded] == [5]
-    assert out.result["params_sha256"] == single_baseline.result["params_sha256"]
-
-
 def test_injected_corruption_is_caught_by_the_next_resume(single_baseline, dataset, tmp_path):
     # Deterministic order: step 10 commits (and is corrupted) when the save of step 15 starts,
-    # then the rank dies with step 15 in flight; the restart must skip 10 and load 5.
+    # then the rank dies with step 15 in flight; the restart must skip 10 and load 5. (A
+    # corrupt newest checkpoint found by a later run rather than a restart takes the same
+    # resume path; its reason is tested in tests/test_manifest.py. No valid checkpoint at all is
+    # tests/test_pipeline.py's unrecoverable attempt, with real workers: the CI budget.)
     cfg = make_config(
         tmp_path / "run",
         dataset,
@@ -79,19 +66,6 @@ def test_injected_corruption_is_caught_by_the_next_resume(single_baseline, datas
     assert [r["layer"] for r in out.of_kind("restart")] == ["injob"]
     assert [e["step"] for e in out.of_kind("resume") if e["action"] == "loaded"] == [5]
     assert out.result["params_sha256"] == single_baseline.result["params_sha256"]
-
-
-def test_no_valid_checkpoint_fails_clearly(dataset: Path, tmp_path: Path):
-    cfg = make_config(tmp_path / "run", dataset, steps=10)
-    assert run_single(cfg).returncode == 0
-    for step in manifest.committed_steps(cfg.run_root):
-        flip_bytes(sorted(manifest.committed_path(cfg.run_root, step).glob("*.distcp"))[0])
-    out = run_single(replace(cfg, steps=15))
-    assert out.returncode == 3, out.log[-3000:]
-    assert "none is valid" in out.log and "Refusing to start from step 0" in out.log
-    assert out.result is not None and out.result["status"] == "failed"
-    assert out.of_kind("fatal")
-    assert not [e for e in out.of_kind("step") if e["step"] > 10], "must not train from scratch"
 
 
 def test_two_rank_checkpoint_loads_on_one_rank(dataset: Path, tmp_path: Path):

@@ -587,10 +587,12 @@ def run_on_cluster(cluster: Cluster) -> tuple[Any, PipelineResult | None]:
     return state, result
 
 
-# Node 1 lost as the control plane shows it (Node Ready=Unknown, the pod DisruptionTarget), and
-# node 0 (rank 0 and the rendezvous store, which NVRx cannot replace in-job) lost by the drill,
-# which deletes its pod through the API. Both end the attempt; the stage retry recovers.
-LOSSES = [("node1-lost", {1}, []), ("node0-drill", set(), ["node-loss@step=12,node=0"])]
+# Node 1 lost as the control plane shows it (Node Ready=Unknown, the pod DisruptionTarget): the
+# attempt of a fixed-size Job ends; the stage retry recovers. (Node 0 lost by the drill, which
+# deletes its pod through the API, ends the attempt the same way: the watcher's decision for the
+# rendezvous host and for a silent pod deleted through the API are tested on the stand-in
+# without training processes, tests/test_eks_backend.py; the CI budget keeps one real run.)
+LOSSES = [("node1-lost", {1}, [])]
 
 
 @pytest.mark.parametrize(("case", "lose_node_in", "faults"), LOSSES, ids=[c[0] for c in LOSSES])
@@ -647,12 +649,12 @@ class InJobLoss:
     exact: bool = True  # the baseline's global batch and micro-batches: bitwise equal to it
 
 
-# An elastic Job (1:2) shrinks to index 0 and grows back when the replacement pod joins; a Job
-# of 2 with a hot spare (index 2, waiting in the rendezvous) keeps its size, the spare trains
-# in the lost node's place and the replacement waits as the new spare.
+# An elastic Job (1:2) shrinks to index 0 and grows back when the replacement pod joins. (A
+# hot spare's takeover trains for real on the local backend, tests/test_elastic_pipeline.py;
+# on the stand-in the watcher's decision for a Job with a spare is tested without training
+# processes, tests/test_eks_backend.py: the CI budget.)
 IN_JOB = [
     InJobLoss("shrink-and-grow", {"nodes": "1:2"}, "elastic", (2, 1, 2)),
-    InJobLoss("spare", {"nodes": 2, "spares": 1}, "spare", (2, 2)),
     # 2:3 loses indexes 2 then 1: the first leaves the minimum (elastic), the second leaves
     # index 0 alone, which waits in the rendezvous (node-wait) instead of ending the attempt;
     # index 1's replacement joins 2 s later and the job re-forms on 2 nodes in-job. A global
@@ -709,14 +711,10 @@ def test_node_loss_absorbed_in_job_on_eks(
     worlds = [(e["world_size"], e["nodes"]) for e in starts]
     # A restart on the very same nodes counts once (see test_elastic_pipeline).
     assert tuple(w[0] for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]) == d.worlds
-    # The Job controller's replacement for the lost index ran: it trained in the grown world,
-    # or it waited as the new spare while the old one trained in its place, and ended with
-    # the job (a waiting agent turned away exits 0: its pod cannot fail the Job).
+    # The Job controller's replacement for the lost index ran: it trained in the grown world
+    # and ended with the job (a waiting agent turned away exits 0: its pod cannot fail the Job).
     [replacement] = cluster.replaced
-    if d.name == "spare":
-        assert fault.node not in starts[-1]["nodes"] and 0 in starts[-1]["nodes"]
-    else:
-        assert starts[-1]["nodes"] == [0, fault.node]
+    assert starts[-1]["nodes"] == [0, fault.node]
     assert cluster.exit_codes[replacement] == 0
     assert kube.jobs_labelled(NS, "nvrx.io/run-id", params.run_id or "") == []
     assert result.checkpoint.validated and result.checkpoint.step == 20

@@ -32,8 +32,8 @@ class Drill:
 
 # Faults at step 14 with checkpoints every 5 steps: at least step 5 is committed by then.
 # `exception` (in-process) and `sigkill` (in-job) run through the whole pipeline instead, with
-# the same bitwise, fired-once and resume-point checks (tests/test_pipeline.py); running them
-# here as well cost ~2 min of the CI budget for no extra assertion.
+# the same bitwise and fired-once checks (tests/test_workload_pipeline.py); running them here as
+# well cost ~2 min of the CI budget for no extra assertion.
 DRILLS = [
     Drill("stall", "stall@step=14,rank=1", "inprocess"),
     Drill("hang", "hang@step=14,rank=1", "injob"),

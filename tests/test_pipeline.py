@@ -38,16 +38,12 @@ class Scenario:
     recovered_by: str | None
 
 
-# The in-job layer and the stage retry, with the events, report and status they produce. The
-# in-process layer's pipeline run is tests/test_workload_pipeline.py's llama-tiny case
-# (exception, SIGKILL, node loss, bitwise); a hang is recovered by the same in-job layer as a
-# SIGKILL, and its own drill (tests/test_fault_drills.py) checks it bitwise. The CI budget has
-# no room for more pipeline runs here.
+# The stage retry, with the events, report, status and metrics it produces. The other layers'
+# pipeline runs are tests/test_workload_pipeline.py's (llama-tiny: exception, SIGKILL and node
+# loss; script mode: SIGKILL and node loss; all bitwise); a hang and a late SIGKILL are
+# recovered by the same in-job layer, and their own drills (tests/test_fault_drills.py) check
+# them bitwise. The CI budget has no room for more pipeline runs here.
 SCENARIOS = [
-    # Late: the respawned workers resume at step 15 and their first save, the last, comes while
-    # their writer is still starting (it starts after the first step); that wait must run in
-    # the checkpoint section, not under the 4.5 s step section.
-    Scenario("sigkill", ("sigkill@step=18,rank=0",), 1, "injob"),
     # Node 0: rank 0 and the rendezvous store, which NVRx cannot replace in-job. Node 1's loss
     # goes through the same pipeline in tests/test_workload_pipeline.py.
     Scenario("node-loss", ("node-loss@step=12,node=0",), 2, "stage-retry"),
@@ -206,5 +202,13 @@ def test_unrecoverable_training_failure_is_not_retried(baseline, tmp_path: Path)
     assert "none is valid" in report.outcome.message
     error = report.outcome.error()
     assert error is not None and not stage_retry_allowed(error)
-    ends = [e for e in read_events(run_root) if e["kind"] == "stage_attempt_end"]
+    events = read_events(run_root)
+    ends = [e for e in events if e["kind"] == "stage_attempt_end"]
     assert [e["outcome"] for e in ends] == ["do-not-requeue"]
+    # Every worker refused to train from scratch (exit 3, terminal), named why, and left a
+    # failed result.
+    assert [e for e in events if e["kind"] == "fatal"] and not [
+        e for e in events if e["kind"] == "step"
+    ], "must not train from scratch"
+    result = json.loads((run_root / "result.json").read_text())
+    assert result["status"] == "failed"

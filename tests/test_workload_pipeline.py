@@ -2,9 +2,10 @@
 test server, SeaweedFS, ft_launcher agents as simulated nodes): the Hugging Face Llama, an existing
 training script in script mode, and a workload from a module outside the repository.
 
-Each drill case runs fault-free once and once with its drill table (every fault in one run, so
-the suite pays for two pipeline runs per workload, not one per fault); the parameters must be
-bitwise equal."""
+Each drill case runs its drill table through the pipeline (every fault in one run, so the suite
+pays for one pipeline run per workload, not one per fault), then the same training config
+without faults through the train stage's attempt alone (the fault-free reference, without the
+stages around it); the parameters must be bitwise equal."""
 
 from __future__ import annotations
 
@@ -21,7 +22,13 @@ from flows.context import RunContext
 from flows.models import PipelineResult
 from tasks.storage.s3 import boto3_client
 from tests.helpers import OUTSIDE_WORKLOAD, REPO, free_port_pair, scrape
-from tests.pipeline_helpers import Scraper, assert_exported, make_params, run_pipeline
+from tests.pipeline_helpers import (
+    Scraper,
+    assert_exported,
+    clean_rerun,
+    make_params,
+    run_pipeline,
+)
 from trainer import manifest
 from trainer.events import read_events
 
@@ -97,14 +104,17 @@ def test_workload_recovers_bitwise(
     monkeypatch.chdir(REPO)  # the script is named relative to the repository
     if "init_weights" in case.params.get("workload_options", {}):
         _seed_weights(s3_settings, tmp_path / "hf-init")
-    clean = _run(tmp_path / "clean", s3_settings, case, f"{case.name}-clean", ())
     drilled = _run(tmp_path / "drill", s3_settings, case, f"{case.name}-drill", case.faults)
-    assert drilled.params_sha256 == clean.params_sha256
     assert [f.recovered_by for f in drilled.faults] == list(case.recovered_by)
     assert drilled.stage_attempts["train"] == case.train_attempts
     run_root = RunContext.create(
         make_params(tmp_path / "drill", s3_settings, run_id=drilled.run_id)
     ).run_root
+    events = read_events(run_root)
+    assert [e["fault"] for e in events if e["kind"] == "fault"] == list(case.faults)  # once each
+    loaded = [e["step"] for e in events if e["kind"] == "resume" and e.get("action") == "loaded"]
+    assert loaded and loaded[-1] >= 3, "the stage retry resumed from a committed checkpoint"
+    assert drilled.params_sha256 == clean_rerun(run_root, tmp_path / "clean" / "run")
     man = manifest.read_manifest(manifest.committed_path(run_root, case.steps))
     # The manifest says what produced the checkpoint, whole.
     assert man["workload"]["ref"] == case.params["workload"] or case.name == "script"
