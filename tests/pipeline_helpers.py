@@ -144,3 +144,33 @@ def clean_rerun(drilled: Path, run_root: Path, *, nodes: int = 2, nproc_per_node
     result = json.loads((run_root / "result.json").read_text())
     assert result["final_step"] == cfg.steps and result["params_sha256"]
     return str(result["params_sha256"])
+
+
+def assert_report_and_status(result: PipelineResult, params: Any, state: Path, capsys: Any) -> None:
+    """The run report artifact and `nvrx-pipeline status` agree with the events file."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.cli import main
+    from flows.context import RunContext
+    from tasks import run_summary
+    from trainer.events import read_events
+
+    events = read_events(RunContext.create(params).run_root)
+    ettr = run_summary.ettr(events)
+    assert ettr is not None and result.ettr == ettr
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["run-report"]))
+        )
+    [report] = [a for a in arts if f"# Run `{result.run_id}`: completed" in str(a.data)]
+    text = str(report.data)
+    assert text.index("completed") < text.index("## Stage timeline") < text.index("## Faults")
+    assert f"**{ettr:.3f}**" in text
+    for f in run_summary.faults_with_recovery(events):
+        assert f"| {f['kind']} | {f['step']} |" in text and f"| {f['recovered_by']} |" in text
+    capsys.readouterr()
+    assert main(["status", result.run_id, "--state-dir", str(state), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert st["state"] == "completed" and st["step"] == params.steps and st["ettr"] == ettr
+    assert [f["recovered_by"] for f in st["faults"]] == [f.recovered_by for f in result.faults]

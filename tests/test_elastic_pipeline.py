@@ -3,8 +3,8 @@ ft_launcher agents as simulated nodes, the Prefect test server, SeaweedFS): a no
 in-job layer absorbs, with no stage retry, bitwise equal to the fault-free baseline.
 
 Losing more nodes than the range's minimum allows still ends in a stage retry: that is the
-fixed-size job's node-loss drill in ``tests/test_pipeline.py`` (``nodes=2`` is ``2:2``), which
-asserts the path too; the decision itself is table-tested in ``tests/test_elastic.py``."""
+fixed-size job's node-loss drills in ``tests/test_workload_pipeline.py`` (``nodes=2`` is ``2:2``),
+which assert the path too; the decision itself is table-tested in ``tests/test_elastic.py``."""
 
 from __future__ import annotations
 
