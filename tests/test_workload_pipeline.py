@@ -120,18 +120,14 @@ def test_workload_recovers_bitwise(
         )
     assert [f.recovered_by for f in drilled.faults] == list(case.recovered_by)
     assert drilled.stage_attempts["train"] == case.train_attempts
-    run_root = RunContext.create(
-        make_params(tmp_path / "drill", s3_settings, run_id=drilled.run_id)
-    ).run_root
+    params = make_params(tmp_path / "drill", s3_settings, run_id=drilled.run_id, steps=case.steps)
+    run_root = RunContext.create(params).run_root
     events = read_events(run_root)
     assert [e["fault"] for e in events if e["kind"] == "fault"] == list(case.faults)  # once each
     loaded = [e["step"] for e in events if e["kind"] == "resume" and e.get("action") == "loaded"]
     assert loaded and loaded[-1] >= 3, "the stage retry resumed from a committed checkpoint"
     assert drilled.params_sha256 == clean_rerun(run_root, tmp_path / "clean" / "run")
     if case.observed:
-        params = make_params(
-            tmp_path / "drill", s3_settings, run_id=drilled.run_id, steps=case.steps
-        )
         _assert_operators_see_each_recovery(drilled, case, scraped, flow, rank0)
         assert_report_and_status(drilled, params, tmp_path / "drill", capsys)
 
