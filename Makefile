@@ -10,7 +10,7 @@ PORT ?= 29500
 # apt-get needs root: CI runs as root; elsewhere go through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all venv lock browser run run-trainer serve test test-fast lint bench bench-ettr screenshots clean
+.PHONY: all venv lock browser run run-trainer serve test test-fast test-extended lint bench bench-ettr screenshots clean
 
 all: test
 
@@ -58,10 +58,15 @@ serve: venv
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(VENV)/bin/nvrx-pipeline serve
 
 test: venv browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not extended"
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not extended"
+
+# Real-process drills kept out of `make test` for its time budget (their parts are covered by
+# cheaper tests, see docs/architecture.md section 8): run them when changing those paths.
+test-extended: venv browser
+	$(PY) -m pytest -q -m extended
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -59,20 +59,27 @@ DRILLS = [
     # Two of three nodes lost at once: the first loss leaves the minimum (elastic), the second
     # leaves one node, which waits in the rendezvous (node-wait) rather than ending the attempt;
     # node 2 returns while it waits and the job re-forms on 2 nodes in-job. Another global
-    # batch (divisible by 3 ranks) than the baseline's: not compared bitwise.
-    Drill(
-        "node-wait",
-        {"nodes": "2:3", "global_batch": 6},
-        ("node-loss@step=12,node=1", "node-loss@step=12,node=2", "node-return@step=13,node=2"),
-        "elastic",
-        (3, 2),
-        paths=("elastic", "node-wait"),
-        exact=False,
+    # batch (divisible by 3 ranks) than the baseline's: not compared bitwise. `extended` (not
+    # in `make test`): the same agents and watcher states run the Kubernetes stand-in's
+    # node-wait drill (tests/test_eks_pipeline.py), and the watcher's waiting and giving up are
+    # table-tested (tests/test_watch_state.py).
+    pytest.param(
+        Drill(
+            "node-wait",
+            {"nodes": "2:3", "global_batch": 6},
+            ("node-loss@step=12,node=1", "node-loss@step=12,node=2", "node-return@step=13,node=2"),
+            "elastic",
+            (3, 2),
+            paths=("elastic", "node-wait"),
+            exact=False,
+        ),
+        marks=pytest.mark.extended,
+        id="node-wait",
     ),
 ]
 
 
-@pytest.mark.parametrize("d", DRILLS, ids=[d.name for d in DRILLS])
+@pytest.mark.parametrize("d", DRILLS, ids=lambda d: d.name)
 def test_node_loss_without_a_stage_retry(
     d: Drill, baseline: PipelineResult, s3_settings, tmp_path: Path, monkeypatch
 ):
