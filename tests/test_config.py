@@ -107,31 +107,38 @@ def test_fingerprint_ignores_paths_and_timeouts(dataset: Path, tmp_path: Path):
 
 
 @pytest.mark.parametrize(
-    ("args", "field"),
+    ("args", "field", "process"),
     [
-        (["--steps", "-3"], "steps"),
-        (["--ckpt-interval", "0"], "ckpt_interval"),
-        (["--workload", "gpt-huge"], "workload"),
-        (["--workload-options", '{"size": "huge"}'], "workload_options.size"),
-        (["--data-dir", "/nonexistent/data"], "data_dir"),
+        # The worker's real entry point once (its own interpreter: torch's ~3 s import each);
+        # the other fields through the same main() in this process.
+        (["--steps", "-3"], "steps", True),
+        (["--ckpt-interval", "0"], "ckpt_interval", False),
+        (["--workload", "gpt-huge"], "workload", False),
+        (["--workload-options", '{"size": "huge"}'], "workload_options.size", False),
+        (["--data-dir", "/nonexistent/data"], "data_dir", False),
     ],
 )
-def test_cli_rejects_bad_config_before_starting(args, field, dataset: Path, tmp_path: Path):
-    argv = [
-        sys.executable,
-        "-m",
-        "trainer.train",
-        "--run-root",
-        str(tmp_path / "run"),
-        "--data-dir",
-        str(dataset),
-        *args,
-    ]
-    proc = subprocess.run(
-        argv, capture_output=True, text=True, env=worker_env(), cwd=REPO, timeout=120
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert f"invalid configuration: {field}" in proc.stderr
+def test_cli_rejects_bad_config_before_starting(
+    args, field, process: bool, dataset: Path, tmp_path: Path, capsys, monkeypatch
+):
+    flags = ["--run-root", str(tmp_path / "run"), "--data-dir", str(dataset), *args]
+    if process:
+        proc = subprocess.run(
+            [sys.executable, "-m", "trainer.train", *flags],
+            capture_output=True,
+            text=True,
+            env=worker_env(),
+            cwd=REPO,
+            timeout=120,
+        )
+        code, stderr = proc.returncode, proc.stderr
+    else:
+        from trainer.train import main
+
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # run by hand, as above
+        code, stderr = main(flags), capsys.readouterr().err
+    assert code == 2, stderr
+    assert f"invalid configuration: {field}" in stderr
     assert not (tmp_path / "run").exists(), "nothing may start on a bad config"
 
 
