@@ -19,7 +19,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.checks import Check, Snapshot, Source, Status, Verdict, blocks, run_all
+from tasks.validation import load_process
 from tasks.validation.load_check import untrusted_workload_message
 from trainer import manifest as ckpt_manifest
 from trainer.hashing import sha256_file
@@ -336,6 +336,12 @@ def child_env(parent: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def prestart_load_check() -> None:
+    """Start the next load check's interpreter now, with the environment it would get
+    (tasks.validation.load_process)."""
+    load_process.prestart(child_env(dict(os.environ)))
+
+
 def _fresh_process_load(
     path: Path,
     exp: Expectations,
@@ -343,7 +349,7 @@ def _fresh_process_load(
     safetensors_out: Path | None = None,
     pretrained_out: Path | None = None,
 ) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "tasks.validation.load_check", str(path)]
+    argv = [str(path)]
     if exp.workload is not None:
         argv += [
             "--workload",
@@ -357,14 +363,9 @@ def _fresh_process_load(
         argv += ["--safetensors", str(safetensors_out)]
     if pretrained_out is not None:
         argv += ["--pretrained", str(pretrained_out)]
-    proc = subprocess.run(
-        argv,
-        capture_output=True,
-        text=True,
-        env=child_env(dict(os.environ)),
-        cwd=_REPO,
-        timeout=exp.load_timeout_s,
-    )
+    # A fresh interpreter, possibly started while the trainer's processes exited
+    # (tasks.validation.load_process); its arguments go on stdin.
+    proc = load_process.run(argv, child_env(dict(os.environ)), exp.load_timeout_s)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout)[-800:]

@@ -244,5 +244,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# The arguments line (paths, a workload reference and its options): bounded like any input.
+MAX_ARGS_LINE = 1 << 20
+
+
+def _preload() -> None:
+    """What every load imports, before the arguments are known (tasks.validation.load_process):
+    the interpreter's start-up is then off the caller's critical path."""
+    import torch.distributed.checkpoint
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+
+    import trainer.untrusted
+    import trainer.workload  # noqa: F401
+
+
+def stdin_main() -> int:
+    """``--stdin``: import first, then read the arguments as one JSON list of strings on stdin
+    (end-of-file, the caller gone: exit without loading)."""
+    _preload()
+    line = sys.stdin.readline(MAX_ARGS_LINE)
+    if not line:
+        return 0
+    args = json.loads(line)
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        print(json.dumps({"loaded": False, "error": "arguments: not a JSON list of strings"}))
+        return 2
+    return main(args)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(stdin_main() if sys.argv[1:] == ["--stdin"] else main())
