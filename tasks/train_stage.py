@@ -125,7 +125,8 @@ def run_attempt(
     job.
 
     ``check_owner(action)`` (the lease's :meth:`RunLease.check`) runs before the launch, on
-    every poll and before the release; when it raises :class:`LeaseLost`, watching stops and
+    every poll (off the loop: a stuck read is no verdict) and before the release; when it
+    raises :class:`LeaseLost`, watching stops and
     the attempt is left running for the run's new owner: a lost lease never stops a job."""
     cfg = request.cfg
     run_root = cfg.run_root
@@ -184,14 +185,20 @@ def run_attempt(
         beats_read=OffLoop("the node beats", lambda: read_beats(run_root, epoch)),
         elastic=elastic,
     )  # fmt: skip
+    # The lease's poll reads the shared filesystem too: off the loop, like the event log. A
+    # read stuck past its timeout says nothing about the owner (the deadline still decides);
+    # once stuck, later polls only look whether it has answered.
+    owner_read = OffLoop("the lease", lambda: check_owner("watch (and stop) the attempt"))
     ended = lease_lost = False
     try:
         while True:
             try:
-                check_owner("watch (and stop) the attempt")
+                owner_read.call(0.0 if owner_read.stuck else READ_TIMEOUT_S)
             except LeaseLost:
                 lease_lost = True
                 raise
+            except Exception as e:  # Stuck, or the read's own error: not a lost lease
+                watch.complain("reading the lease", e)
             watch.pump(READ_TIMEOUT_S)
             verdict = watch.tick()
             if verdict != Verdict.CONTINUE:
@@ -280,7 +287,7 @@ class _Watch:
         self.run_root = request.cfg.run_root
         self._complaints: dict[str, str] = {}  # what went wrong observing, said once each
 
-    def _complain(self, what: str, e: BaseException) -> None:
+    def complain(self, what: str, e: BaseException) -> None:
         """An observation failed: said once per kind of failure (until it changes), never
         raised: the next poll tries again and the deadline still holds."""
         text = f"{type(e).__name__}: {e}"
@@ -292,7 +299,7 @@ class _Watch:
         try:
             running = self.job.running()
         except Exception as e:
-            self._complain("polling the job", e)
+            self.complain("polling the job", e)
             running = True  # not known to have ended: the deadline still decides
         self.state, verdict = tick(self.state, self.clock(), running=running)
         return verdict
@@ -301,7 +308,7 @@ class _Watch:
         try:
             batch = self.events_read.call(timeout)
         except Exception as err:  # Stuck (a hung mount), or the read's own error
-            self._complain("reading the event log", err)
+            self.complain("reading the event log", err)
             batch = []
         for event in batch:
             self.state = observe(self.state, event, self.clock())
@@ -309,20 +316,20 @@ class _Watch:
                 try:
                     fn(event)
                 except Exception as err:
-                    self._complain(what, err)
+                    self.complain(what, err)
             self._drills(event["step"] if event["kind"] == "step" else None)
         self._drills(None)
         try:
             self.state = beat(self.state, self.beats_read.call(min(timeout, 1.0)), self.clock())
         except Exception as e:
-            self._complain("reading the node beats", e)
+            self.complain("reading the node beats", e)
         for node in silent(self.state, self.clock()):
             self._silent(node)
         # Losses only the backend saw (EKS: a node gone under its pod), after the drills'.
         try:
             seen = self.job.losses()
         except Exception as e:
-            self._complain("asking the backend for lost nodes", e)
+            self.complain("asking the backend for lost nodes", e)
             seen = frozenset()
         for node in sorted(seen - self.state.lost):
             step = self.state.last_step

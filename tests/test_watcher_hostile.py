@@ -307,3 +307,26 @@ def test_errors_while_observing_never_stop_the_job(tmp_path: Path, dataset: Path
     assert report.outcome.kind == EndKind.COMPLETED, report.outcome.message
     assert backend.job is not None and not backend.job.stopped  # it ended by itself
     assert [e["step"] for e in backend.job.observed if e["kind"] == "step"] == [1, 2, 3, 4]
+
+
+def test_a_stuck_lease_read_holds_neither_the_watch_nor_the_outcome(tmp_path: Path, dataset: Path):
+    """The lease file on a hung mount: its poll never answers, the attempt still ends with its
+    real outcome, not stopped and not taken for a lost lease."""
+    import threading
+
+    cfg = make_config(tmp_path / "run", dataset, steps=STEPS)
+    hung = threading.Event()  # never set: the read blocks for good
+
+    def check_owner(action: str) -> None:
+        if action.startswith("watch"):
+            hung.wait()
+
+    request = LaunchRequest(
+        run_id="hung", attempt=1, cfg=cfg, nodes=1, nproc_per_node=1, deadline_s=30
+    )
+    backend = ScriptedBackend([*TRAINING, result()])
+    started = time.monotonic()
+    report = run_attempt(backend, request, check_owner=check_owner)  # type: ignore[arg-type]
+    assert report.outcome.kind == EndKind.COMPLETED, report.outcome.message
+    assert backend.job is not None and not backend.job.stopped
+    assert time.monotonic() - started < 10  # one read's timeout, not one per poll

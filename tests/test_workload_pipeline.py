@@ -127,6 +127,8 @@ def test_workload_recovers_bitwise(
     loaded = [e["step"] for e in events if e["kind"] == "resume" and e.get("action") == "loaded"]
     assert loaded and loaded[-1] >= 3, "the stage retry resumed from a committed checkpoint"
     assert drilled.params_sha256 == clean_rerun(run_root, tmp_path / "clean" / "run")
+    if case.params.get("export", {}).get("consolidated"):
+        _assert_hf_export_matches_checkpoint(drilled, s3_settings, tmp_path, run_root)
     if case.observed:
         _assert_operators_see_each_recovery(drilled, case, scraped, flow, rank0)
         assert_report_and_status(drilled, params, tmp_path / "drill", capsys)
