@@ -75,6 +75,63 @@ def test_writer_starts_with_training_not_at_bind(group, tmp_path: Path):
         other.close()
 
 
+_FORKED = """
+import datetime, json, os, sys, threading
+import torch, torch.distributed as dist
+from trainer.async_ckpt import AsyncCheckpointer
+from trainer.digest import tensor_dict_sha256
+
+def main():
+    assert threading.active_count() == 1
+    s = AsyncCheckpointer(device=torch.device("cpu"), timeout_s=60)
+    s.start(rank=0, fork=True)  # as a worker does at its start, before any thread
+    try:
+        dist.init_process_group("gloo", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))
+        s.bind(dist.new_group(backend="gloo"))
+        g = torch.Generator().manual_seed(5)
+        state = {"w": torch.randn(64, 128, generator=g), "step": torch.tensor(2.0)}
+        s.save(state, sys.argv[1], step=2)
+        done = s.wait()
+        print(json.dumps({"how": s.writer_start_method, "writer": s.writer_pid(),
+                          "me": os.getpid(), "step": done.step,
+                          "digest": tensor_dict_sha256({"w": state["w"]})}))
+    finally:
+        s.close()  # its processes are not daemons: the interpreter's exit would wait for them
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_writer_forked_at_the_start_writes_what_a_spawned_one_does(tmp_path: Path):
+    """``start(fork=True)`` in a fresh process (a worker's start): the writer and NVRx's
+    results-queue Manager are forks, the save commits, and the shard loads back bitwise."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, worker_env
+    from trainer.digest import tensor_dict_sha256
+
+    script = tmp_path / "forked.py"
+    script.write_text(_FORKED)
+    env = {**worker_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["how"] == "fork" and out["writer"] != out["me"] and out["step"] == 2
+    g = torch.Generator().manual_seed(5)
+    loaded = {"w": torch.empty(64, 128), "step": torch.tensor(0.0)}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "ckpt"))
+    assert tensor_dict_sha256({"w": loaded["w"]}) == out["digest"] and loaded["step"] == 2.0
+    assert torch.equal(loaded["w"], torch.randn(64, 128, generator=g))
+
+
 def test_snapshot_is_taken_at_save_time(saver: AsyncCheckpointer, tmp_path: Path):
     """On CPU the writer would otherwise read live tensors while training mutates them."""
     live = _state(0)

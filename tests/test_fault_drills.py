@@ -55,6 +55,8 @@ def baseline(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> RunOutc
     assert out.returncode == 0, out.log[-3000:]
     assert out.result is not None and out.result["final_step"] == cfg.steps
     assert not out.of_kind("fault") and not out.of_kind("restart")
+    # A CPU worker forks its checkpoint writer at its start (nvrx_compat.start_persistent_writer).
+    assert [p["how"] for p in out.of_kind("phase") if p["phase"] == "writer_ready"] == ["fork"]
     return out
 
 

@@ -2,8 +2,11 @@
 
 A save takes a snapshot of this rank's state into CPU staging buffers, plans the DCP save, and
 hands the write to NVRx's persistent writer process (an ``AsyncCallsQueue(persistent=True)``
-worker, started by ``ensure_started()`` after the first training step and never waited for: its
-start-up overlaps training, not the restart's model build and load). The writer writes this
+worker). On CPU the worker forks it, and NVRx's results-queue Manager, at its start, before any
+other thread runs (``start(fork=True)``, see ``nvrx_compat.start_persistent_writer``): ready at
+once, with nothing to import. Where that cannot be (CUDA, threads already running) it is spawned
+by ``ensure_started()`` after the first training step and never waited for: its interpreter's
+start-up overlaps training, not the restart's model build and load. The writer writes this
 rank's DCP shard with NVRx's ``FileSystemWriterAsync`` (fsync included) and digests it while
 training goes on. ``poll()`` (every step, every rank) finalizes the save once every rank's writer
 is done: the write results are gathered on the training thread (one small collective), and the
@@ -418,14 +421,19 @@ class AsyncCheckpointer:
         # When the current writer was started and when it first answered (time.time()).
         self.writer_started_at: float | None = None
         self.writer_ready_at: float | None = None
+        self.writer_start_method: str | None = None  # "fork" or "spawn"
         self._warmed = False  # the current writer has written once (warm-up or a save)
         self._ready_taken = False
         self.committing: _Committing | None = None
         self._commit_thread: ThreadPoolExecutor | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def start(self, *, rank: int = 0) -> bool:
+    def start(self, *, rank: int = 0, fork: bool = False) -> bool:
         """Start the writer process now without waiting for it; whether a new one was started.
+
+        ``fork``: fork this process instead (the caller's word that no other thread runs yet and
+        CUDA is not in use: the worker's start on CPU), and NVRx's results-queue Manager with it;
+        both are ready at once. Otherwise, as follows.
 
         The writer is a spawned interpreter that imports torch (~1–2 s here), and NVRx's
         results-queue Manager another (light when the worker runs as ``-m trainer``). Started
@@ -438,9 +446,11 @@ class AsyncCheckpointer:
             return False
         self._reset_queue()
         self._forget_pending()
+        if fork:  # before the writer: its queue's feeder thread starts with the first request
+            nvrx_compat.fork_write_results_queue()
         self.queue = nvrx_compat.AsyncCallsQueue(persistent=True)
-        nvrx_compat.start_persistent_writer(
-            self.queue, nvrx_compat.AsyncRequest(_noop, (), []), rank=rank
+        self.writer_start_method = nvrx_compat.start_persistent_writer(
+            self.queue, nvrx_compat.AsyncRequest(_noop, (), []), rank=rank, fork=fork
         )
         self.writer_started_at, self.writer_ready_at = time.time(), None
         self._warmed = self._ready_taken = False

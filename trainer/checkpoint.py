@@ -277,7 +277,12 @@ class CheckpointManager:
         if ready_s is not None and self.rank == 0:
             # Off the critical path since the writer starts after the first step: this says
             # how long it took all the same (a first save before it is ready queues for it).
-            self.events.emit("phase", phase="writer_ready", s=round(ready_s, 3))
+            self.events.emit(
+                "phase",
+                phase="writer_ready",
+                s=round(ready_s, 3),
+                how=self.saver.writer_start_method,
+            )
         return result
 
     def _checkpoint_section(self) -> contextlib.AbstractContextManager[None]:

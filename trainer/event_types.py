@@ -74,6 +74,7 @@ class Phase(_Base):
     kind: Literal["phase"]
     phase: str
     s: Seconds
+    how: Literal["fork", "spawn"] | None = None  # writer_ready: how the writer started
 
 
 class TrainStart(_Base):

@@ -51,6 +51,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -293,11 +294,16 @@ def run(
     events = EventLog(cfg.run_root)
     placement = resolve_device(cfg.device)
     saver = AsyncCheckpointer(device=placement.device, timeout_s=cfg.ckpt_timeout_s)
+    if placement.device.type == "cpu" and threading.active_count() == 1:
+        # The writer, forked now: no other thread runs yet and CUDA is not in use, so it is
+        # ready at once with nothing to import (nvrx_compat.start_persistent_writer). Else it
+        # is spawned after the first step (CheckpointManager.maybe_save), as on CUDA.
+        saver.start(rank=int(os.environ["RANK"]), fork=True)
     heartbeat = Heartbeat(cfg.injob.enabled, cfg.injob.heartbeat_interval_s)
     beat = _node_beat(cfg)
     try:
-        # The writer starts after this incarnation's first step (CheckpointManager.maybe_save):
-        # its spawned interpreter would otherwise compete with the model build and the load.
+        # A spawned writer starts after this incarnation's first step (maybe_save): its
+        # interpreter would otherwise compete with the model build and the load.
         return _run(cfg, body, data, events, placement, saver, heartbeat)
     finally:
         saver.close()
