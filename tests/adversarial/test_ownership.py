@@ -584,16 +584,24 @@ def test_a_lease_taken_over_mid_train_leaves_the_nodes_to_the_new_owner(
     from tasks.train_stage import run_attempt
     from tests.helpers import make_config
 
-    cfg = make_config(tmp_path / "run", dataset, steps=12)
+    # Slowed (the same maths), so that the nodes still train when the watch stops.
+    cfg = make_config(
+        tmp_path / "run", dataset, steps=12, workload="tests.adversarial.workloads:SLOW_GPT"
+    )
     cfg.run_root.mkdir(parents=True)
     old = RunLease(cfg.run_root, "r-lost", heartbeat_s=0.2)
     old.acquire()
 
     def on_event(e: dict[str, object]) -> None:
-        if e["kind"] == "step" and e["step"] == 2:  # mid-train: another host takes over
+        # Mid-train another host takes over, and beats as a real owner does (atomically, every
+        # step): the old owner's compare-and-swap holds no lock here (the lock was lost), so a
+        # single write could be overwritten by its heartbeat between its read and its write.
+        if e["kind"] == "step" and int(str(e["step"])) >= 2:
             new = Owner("newowner", os.getpid(), "other-host", time.time(), time.time())
             rec = LeaseRecord("r-lost", new, time.time())
-            (cfg.run_root / "owner.lease").write_text(rec.to_json())
+            tmp = cfg.run_root / ".owner.lease.newowner.tmp"
+            tmp.write_text(rec.to_json())
+            os.replace(tmp, cfg.run_root / "owner.lease")
 
     request = LaunchRequest(
         run_id="r-lost", attempt=1, cfg=cfg, nodes=2, nproc_per_node=1, deadline_s=300,

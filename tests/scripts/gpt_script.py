@@ -3,7 +3,9 @@ its own loop over the session's micro-batches: what a user's script does to stay
 when its world changes (``nodes=MIN:MAX``). ``tests/test_elastic_pipeline.py`` shrinks it
 elastically and compares its parameters with the built-in loop's fault-free run."""
 
+import argparse
 import sys
+import time
 
 import torch
 
@@ -12,6 +14,12 @@ from trainer.workload import DataSettings, OptimSettings, load_workload, token_s
 
 
 def train(session: nvrx.Session) -> None:
+    # A pace for drills (the same maths): from step --pace-from on, each step takes --pace-s
+    # more, so that a returning node's start-up fits before the last step.
+    p = argparse.ArgumentParser()
+    p.add_argument("--pace-from", type=int, default=0)
+    p.add_argument("--pace-s", type=float, default=0.0)
+    pace, _ = p.parse_known_args()
     session.init_process_group()
     cfg, device = session.cfg, session.device
     wl = load_workload("gpt-tiny")
@@ -37,6 +45,8 @@ def train(session: nvrx.Session) -> None:
         optim.step()
         optim.zero_grad(set_to_none=True)
         session.step_end(step, None, model, optim, tokens=cfg.global_batch * wl.seq_len)
+        if pace.pace_from and step >= pace.pace_from:
+            time.sleep(pace.pace_s)
     session.finish(model)
 
 
