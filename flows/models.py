@@ -56,6 +56,9 @@ class DatasetLocation(BaseModel):
         return self
 
 
+DEMO_DATASET = DatasetLocation()  # the only prefix seed_demo_dataset writes into
+
+
 class ExportLocation(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bucket: str = Field("nvrx-checkpoints", min_length=3, max_length=63, description="S3 bucket")
@@ -175,7 +178,9 @@ class PipelineParams(BaseModel):
         "(the default with backend=eks)",
     )
     seed_demo_dataset: bool = Field(
-        True, description="local S3 only: write a synthetic dataset if the prefix is empty"
+        True,
+        description="local S3 only: write the demo's synthetic dataset into the default "
+        "dataset location when it is empty (any other empty prefix fails the run)",
     )
     state_dir: str = Field(
         ".state", min_length=1, description="local state: the 'FSx' directory, S3 data, runs"

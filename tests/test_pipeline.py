@@ -55,6 +55,27 @@ def test_bad_dataset_fails_fast_without_retry(prefect_server, s3_settings, tmp_p
     assert not events.exists() or "stage_attempt" not in events.read_text()
 
 
+def test_empty_prefix_other_than_the_demos_is_not_seeded(prefect_server, s3_settings, tmp_path):
+    """Seeding on (the default) and a mistyped prefix: no synthetic tokens written into it, and
+    the run fails before anything trains, naming the fix (issue 27: it trained "successfully"
+    on random data)."""
+    params = make_params(
+        tmp_path / "state",
+        s3_settings,
+        run_id="typo-prefix",
+        dataset={"bucket": "nvrx-datasets", "prefix": "synthetc/v1"},
+    )
+    assert params.seed_demo_dataset
+    state, _ = run_pipeline(params)
+    assert state.is_failed()
+    assert "did you mean s3://nvrx-datasets/synthetic/v1?" in state.message
+    for fix in ("dataset.prefix", "seed_demo_dataset", "prepare-dataset", "synthetic/v1"):
+        assert fix in state.message, fix
+    listed = boto3_client(s3_settings).list_objects_v2(Bucket="nvrx-datasets", Prefix="synthetc/")
+    assert listed.get("KeyCount", 0) == 0
+    assert not (RunContext.create(params).run_root / "events.jsonl").exists()
+
+
 def test_unrecoverable_training_failure_is_not_retried(baseline, tmp_path: Path):
     """Checkpoints exist but none is valid: the trainer refuses to start over, and the train
     stage's attempt (the watcher, the local backend, real workers) ends do-not-requeue, which
