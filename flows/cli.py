@@ -32,6 +32,7 @@ EXIT_CODES: dict[str, dict[int, str]] = {
         1: "the pipeline failed: the cause on stderr (--json: the PipelineResult)",
         2: "bad parameters: the field and the fix on stderr",
     },
+    "params": {0: "the parameters printed", 2: "no parameter matches NAME"},
     "render-k8s": {0: "the manifests printed", 2: "bad parameters"},
     "serve": {0: "stopped (Ctrl-C)", 1: "the Prefect server failed", 2: "bad default parameters"},
     "validate": {
@@ -124,10 +125,17 @@ def load_params_dict(
 
 
 def format_validation_error(e: ValidationError) -> str:
+    from flows.param_docs import did_you_mean
+
     lines = []
     for err in e.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "params"
-        lines.append(f"  {loc}: {err['msg']}")
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            near = did_you_mean(loc)
+            msg = f"no such parameter{f' (did you mean {near}?)' if near else ''}"
+            msg += "; `nvrx-pipeline params` lists them all"
+        lines.append(f"  {loc}: {msg}")
     return "invalid parameters:\n" + "\n".join(lines)
 
 
@@ -593,6 +601,27 @@ def cmd_automations(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_params(args: argparse.Namespace) -> int:
+    from flows.param_docs import did_you_mean, format_table, params_docs
+
+    docs = params_docs()
+    if args.names:
+        picked = [
+            d for d in docs if any(d.name == n or d.name.startswith(f"{n}.") for n in args.names)
+        ]
+        if not picked:
+            near = [m for n in args.names if (m := did_you_mean(n, docs))]
+            hint = f" (did you mean {', '.join(near)}?)" if near else ""
+            print(f"error: no parameter named {' '.join(args.names)}{hint}", file=sys.stderr)
+            return EXIT_USAGE
+        docs = picked
+    if args.json:
+        print(json.dumps([d.__dict__ for d in docs]))
+    else:
+        print(format_table(docs))
+    return 0
+
+
 def _placeholder_flags(args: argparse.Namespace) -> list[tuple[str, bool]]:
     return [("{notify_block}", bool(args.notify_block)), ("{deployment}", bool(args.deployment))]
 
@@ -754,7 +783,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--run-id", help="name the run; an existing id resumes it")
     run.add_argument("--json", action="store_true", help="print the PipelineResult as JSON last")
+    run.epilog = (
+        "parameters: `nvrx-pipeline params` lists every one with its default and description;\n"
+        "examples/params/ holds a params file per backend (--config).\n\n" + (run.epilog or "")
+    )
     run.set_defaults(fn=cmd_run)
+    par = _command(
+        sub,
+        "params",
+        help="list every run parameter with its default and description",
+        description="Every run parameter: its dotted name (what --set and a --config file's "
+        "nesting take), type, default and description.",
+    )
+    par.add_argument("names", nargs="*", metavar="NAME", help="only these (a group: dataset)")
+    par.add_argument("--json", action="store_true", help="a JSON list instead of text")
+    par.set_defaults(fn=cmd_params)
     rk = _command(sub, "render-k8s", help="print the EKS train-stage manifests as YAML")
     rk.add_argument("--config", type=Path, help="YAML or JSON file of PipelineParams")
     rk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

@@ -209,3 +209,63 @@ def test_s3_locations_good_values_pass():
         export={"bucket": "ckpts", "prefix": ""},
     )
     assert p.dataset.prefix == "llama/tok_v2/shard-set.3"
+
+
+# -- discoverable parameters (issue 27) ---------------------------------------------------------
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "params"
+
+
+@pytest.mark.parametrize("backend", ["local", "eks"])
+def test_example_params_file_per_backend_loads(backend: str, capsys):
+    """The shipped params files are valid PipelineParams for their backend, and the EKS one
+    renders its manifests as they are."""
+    path = EXAMPLES / f"{backend}.yaml"
+    p = PipelineParams(**load_params_dict(path, [], [], None))
+    assert p.backend == backend
+    if backend == "eks":
+        assert main(["render-k8s", "--config", str(path)]) == 0
+        assert "kind: Job" in capsys.readouterr().out
+
+
+def test_params_lists_every_parameter_with_a_default_that_round_trips(capsys):
+    """`nvrx-pipeline params --json`: every leaf field of the form, each described; setting each
+    listed name to its listed default through --set gives the default parameters back."""
+    from flows.param_docs import params_docs
+
+    assert main(["params", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [d["name"] for d in listed] == [d.name for d in params_docs()]
+    assert {"steps", "dataset.prefix", "eks.instance_type", "drills.faults"} <= {
+        d["name"] for d in listed
+    }
+    undescribed = [d["name"] for d in listed if not d["description"]]
+    assert not undescribed
+    sets = [f"{d['name']}={json.dumps(d['default'])}" for d in listed]
+    assert PipelineParams(**load_params_dict(None, sets, [], None)) == PipelineParams()
+
+
+@pytest.mark.parametrize(
+    ("typed", "near"),
+    [
+        ("stpes", "steps"),
+        ("ckpt_intervall", "ckpt_interval"),
+        ("dataset.prefx", "dataset.prefix"),
+        ("eks.instnce_type", "eks.instance_type"),
+        ("bucket", "dataset.bucket or export.bucket"),
+        ("datset", "dataset"),
+        ("zzz", None),
+    ],
+)
+def test_did_you_mean(typed: str, near: str | None):
+    from flows.param_docs import did_you_mean
+
+    assert did_you_mean(typed) == near
+
+
+def test_mistyped_field_fails_naming_the_nearest(capsys):
+    assert main(["run", "--set", "stpes=3", "--set", "dataset.prefx=a"]) == 2
+    err = capsys.readouterr().err
+    assert "stpes: no such parameter (did you mean steps?)" in err
+    assert "dataset.prefx: no such parameter (did you mean dataset.prefix?)" in err
+    assert main(["params", "datset"]) == 2
+    assert "did you mean dataset?" in capsys.readouterr().err
