@@ -494,10 +494,27 @@ def _owner(run_root: Path) -> dict[str, Any] | None:
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
+    from flows.models import RUN_ID
     from trainer.history import RunHistory
     from trainer.run_files import read_json_object
 
+    if not RUN_ID.fullmatch(args.run_id):
+        print(
+            f"error: run_id {args.run_id!r}: lowercase letters, digits and dashes (a run's id, "
+            "as `run` printed it)",
+            file=sys.stderr,
+        )
+        return 2
     run_root = args.run_root or Path(args.state_dir) / "fsx" / "runs" / args.run_id
+    # A run's directory is named by its id (<fsx>/runs/<id>): another run's directory given
+    # with --run-root must not be reported under this id.
+    if run_root.resolve().name != args.run_id:
+        print(
+            f"error: {run_root} is run {run_root.resolve().name!r}, not {args.run_id!r}: pass "
+            "that run's id, or the --run-root of this one",
+            file=sys.stderr,
+        )
+        return 2
     if not (run_root / "events.jsonl").exists():
         print(
             f"error: no events for run {args.run_id!r} at {run_root}/events.jsonl; pass "

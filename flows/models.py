@@ -25,7 +25,7 @@ NODES_MAX = "' maximum"
 # Drills that name a node (the launcher backend carries them out).
 
 # Matched with fullmatch: `re.match(r"^...$")` would accept a trailing newline ("abc\n").
-_RUN_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+RUN_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _S3_ENDPOINT = re.compile(r"https?://[^/@\s]+(:\d+)?/?")
 
 
@@ -212,7 +212,7 @@ class PipelineParams(BaseModel):
     def _run_id(cls, v: str | None) -> str | None:
         if v in (None, ""):
             return None
-        if not _RUN_ID.fullmatch(v):
+        if not RUN_ID.fullmatch(v):
             raise ValueError("use 1-63 lowercase letters, digits and dashes, starting alphanumeric")
         return v
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import tomllib
 
 import pytest
@@ -56,3 +57,17 @@ def test_a_listed_exit_code_is_the_one_returned(tmp_path, capsys):
     """The code `status --help` lists for an unknown run is what it returns."""
     assert main(["status", "no-such-run", "--state-dir", str(tmp_path)]) == 2
     assert "no events" in EXIT_CODES["status"][2] and "no events" in capsys.readouterr().err
+
+
+def test_status_checks_the_id_it_is_given(tmp_path, capsys):
+    """`status xyz --run-root <another run>` must not report that run as xyz (issue 27), and an
+    id that is no run id never becomes a path."""
+    other = tmp_path / "fsx" / "runs" / "run-a"
+    other.mkdir(parents=True)
+    (other / "events.jsonl").write_text("")
+    assert main(["status", "xyz", "--run-root", str(other)]) == 2
+    assert "is run 'run-a', not 'xyz'" in capsys.readouterr().err
+    assert main(["status", "run-a", "--run-root", str(other), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run_id"] == "run-a"
+    assert main(["status", "../runs/run-a", "--state-dir", str(tmp_path)]) == 2
+    assert "lowercase letters, digits and dashes" in capsys.readouterr().err
