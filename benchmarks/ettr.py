@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             args.plot / "ettr-timeline.png",
             title=f"ETTR run: a fault every ~{args.mtbf_s:.0f} s",
             compare=("torchrun baseline", base["events"]) if base else None,
+            label="ours (nvrx-pipeline)",
         )
     print(
         "| run | wall s | productive s | ETTR | ETTR after start-up | faults (recovered) "

@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                     title=f"{kind} ({spec}): ours vs bare NVRx",
                     compare=("bare NVRx (ft_launcher)", runs["bare"]) if runs["bare"] else None,
                     align_on_fault=True,
+                    label="ours (nvrx-pipeline)",
                 )
                 plotted = True
         agg = {who: aggregate([s[who] for s in samples]) for who in WHO}

@@ -494,7 +494,14 @@ def _owner(run_root: Path) -> dict[str, Any] | None:
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from flows.models import RUN_ID
+    from flows.models import RUN_ID, TrainTime
+    from flows.report import (
+        ETTR_DEFINITION,
+        SHORT_RUN_NOTE,
+        resumed_from,
+        time_rows,
+        too_short_for_ettr,
+    )
     from trainer.history import RunHistory
     from trainer.run_files import read_json_object
 
@@ -552,13 +559,22 @@ def cmd_status(args: argparse.Namespace) -> int:
             if f["recovered_by"] == "none"
             else (f"recovered by {f['recovered_by']} in {f['recovery_s']:.1f} s")
         )
+        if f["resume_step"] is not None:
+            rec += f", {resumed_from(f['resume_step'])}, {f['replayed_steps']} step(s) replayed"
         print(f"  fault {f['fault']}: {rec}")
     print(
         f"  checkpoints: {st['checkpoints']} committed, latest step {st['latest_checkpoint_step']}"
         + (f", max blocking {st['ckpt_blocking_s_max']:.3f} s" if st["checkpoints"] else "")
     )
     if st["ettr"] is not None:
-        print(f"  ETTR: {st['ettr']:.3f}")
+        print(f"  ETTR: {st['ettr']:.3f} ({ETTR_DEFINITION})")
+    if st["time"] is not None:
+        time_s = TrainTime(**st["time"])
+        print(f"  train attempts {time_s.wall_s:.1f} s:")
+        for label, sec, share in time_rows(time_s):
+            print(f"    {label:<20} {sec:7.1f} s  {share:4.0%}")
+        if too_short_for_ettr(time_s):
+            print(f"  {SHORT_RUN_NOTE}")
     if st["export_uri"]:
         print(f"  export: {st['export_uri']}")
     if st["error"]:

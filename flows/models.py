@@ -420,6 +420,9 @@ class FaultRecord(BaseModel):
     # A node loss: the path chosen at the loss (elastic, spare, node-wait, stage-retry) and why.
     path: Literal["elastic", "spare", "node-wait", "stage-retry"] | None = None
     detail: str | None = None
+    # The step training went back to after it, and the completed steps that ran again.
+    resume_step: int | None = None
+    replayed_steps: int | None = None
 
 
 class WorldChange(BaseModel):
@@ -431,6 +434,20 @@ class WorldChange(BaseModel):
     to_world: int
     nodes: list[int] = Field(default_factory=list)
     cause: Literal["shrink", "grow"]
+
+
+class TrainTime(BaseModel):
+    """Where the train stage's wall time went, in seconds; the parts add up to ``wall_s``
+    (trainer.history.TimeBreakdown says how each is measured)."""
+
+    wall_s: float
+    startup: float
+    productive: float
+    replayed: float
+    checkpoint_blocking: float
+    recovery: float
+    end: float
+    other: float
 
 
 class TakeoverInfo(BaseModel):
@@ -456,6 +473,7 @@ class PipelineResult(BaseModel):
     stage_attempts: dict[str, int] = Field(default_factory=dict)
     stage_durations_s: dict[str, float] = Field(default_factory=dict)
     ettr: float | None = None
+    train_time: TrainTime | None = None
     wall_s: float = 0.0
     error: str | None = None
     takeover: TakeoverInfo | None = None

@@ -5,9 +5,46 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-from flows.models import PipelineResult
+from flows.models import PipelineResult, TrainTime
 
 _STAGES = ("preflight", "hydrate", "train", "validate", "export")
+
+# ETTR, spelled out once wherever it is printed (the report, `status`).
+ETTR_DEFINITION = (
+    "effective training time ratio: the seconds of productive steps (each step's last "
+    "execution) over the train attempts' wall time"
+)
+
+# The parts of the train stage's wall time (flows.models.TrainTime), in the order printed, each
+# with the label the report and `status` print and what it measures (the README's glossary
+# defines every label).
+TIME_PARTS: tuple[tuple[str, str], ...] = (
+    ("startup", "start-up"),
+    ("productive", "productive steps"),
+    ("replayed", "replayed steps"),
+    ("checkpoint_blocking", "checkpoint blocking"),
+    ("recovery", "recovery"),
+    ("end", "end"),
+    ("other", "other"),
+)
+
+
+def too_short_for_ettr(t: TrainTime) -> bool:
+    """Start-up outweighs the steps: the ratio says more about process start than training."""
+    return t.startup > t.productive
+
+
+def time_rows(t: TrainTime) -> list[tuple[str, float, float]]:
+    """(label, seconds, share of the train stage's wall time) for each part."""
+    wall = max(t.wall_s, 1e-9)
+    return [(label, getattr(t, key), getattr(t, key) / wall) for key, label in TIME_PARTS]
+
+
+SHORT_RUN_NOTE = (
+    "This run is too short for its ETTR to mean much: start-up took longer than all its "
+    "productive steps. A long run's figure is `make bench-ettr`'s (10 minutes of training with "
+    "a fault every 2 minutes; benchmarks/results/ettr.json, benchmarks/README.md)."
+)
 
 
 def render_report(r: PipelineResult) -> str:
@@ -17,9 +54,9 @@ def render_report(r: PipelineResult) -> str:
         "",
         f"- steps: **{r.final_step} / {r.target_steps}**, final loss "
         f"{'n/a' if r.final_loss is None else f'{r.final_loss:.4f}'}",
-        f"- ETTR (productive training time / train-stage wall time): "
-        f"**{'n/a' if r.ettr is None else f'{r.ettr:.3f}'}**",
-        f"- wall time: {r.wall_s:.1f} s",
+        f"- ETTR: **{'n/a' if r.ettr is None else f'{r.ettr:.3f}'}** ({ETTR_DEFINITION})",
+        f"- wall time: {r.wall_s:.1f} s"
+        + ("" if r.train_time is None else f" (train attempts {r.train_time.wall_s:.1f} s)"),
     ]
     if r.error:
         lines.append(f"- cause: `{r.error}`")
@@ -43,18 +80,33 @@ def render_report(r: PipelineResult) -> str:
             bar = "#" * max(1, round(20 * d / max(r.wall_s, 1e-9)))
             lines.append(f"| {s} | {at:.1f} | {d:.1f} | {r.stage_attempts.get(s, 1)} | `{bar}` |")
             at += d
+    if r.train_time is not None:
+        lines += [
+            "",
+            "## Where the train stage's time went",
+            "",
+            "| part | seconds | share |",
+            "| --- | --- | --- |",
+        ]
+        for label, sec, share in time_rows(r.train_time):
+            lines.append(f"| {label} | {sec:.1f} | {share:.0%} |")
+        lines.append(f"| **train attempts** | **{r.train_time.wall_s:.1f}** | 100% |")
+        if too_short_for_ettr(r.train_time):
+            lines += ["", SHORT_RUN_NOTE]
     lines += ["", "## Faults", ""]
     if r.faults:
         lines += [
-            "| fault | step | rank | node | recovered by | recovery (s) | |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| fault | step | rank | node | recovered by | recovery (s) | went back to "
+            "| steps replayed | |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for f in r.faults:
             rec = "n/a" if f.recovery_s is None else f"{f.recovery_s:.1f}"
             lines.append(
                 f"| {f.kind} | {f.step} | {'' if f.rank is None else f.rank} | "
                 f"{'' if f.node is None else f.node} | {f.recovered_by} | {rec} | "
-                f"{f.detail or ''} |"
+                f"{'' if f.resume_step is None else resumed_from(f.resume_step)} | "
+                f"{_blank(f.replayed_steps)} | {f.detail or ''} |"
             )
     else:
         lines.append("none")
@@ -91,6 +143,15 @@ def render_report(r: PipelineResult) -> str:
         "`recovery-timeline` image artifact of this run.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _blank(v: int | None) -> str:
+    return "" if v is None else str(v)
+
+
+def resumed_from(step: int) -> str:
+    """Where training went back to after a fault (0: nothing committed yet)."""
+    return "started over from step 1" if step == 0 else f"resumed from step {step}'s checkpoint"
 
 
 def png_data_uri(path: Path) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import time
+from collections.abc import Callable
 from typing import Any, cast
 from uuid import UUID
 
@@ -51,6 +52,23 @@ from tasks.validate import validate_latest
 from tasks.validation import load_process
 from tasks.validation.checkpoint import Expectations, prestart_load_check
 from trainer.data import write_synthetic_dataset
+
+
+# -- stage flow runs' names ---------------------------------------------------------------------
+def stage_run_name(stage: str) -> Callable[[], str]:
+    """A stage's flow run reads as what it is (``RUN_ID: train attempt 2``) in the UI's run list
+    and in logs, instead of Prefect's random two words."""
+
+    def name() -> str:
+        from prefect.runtime import flow_run
+
+        params = flow_run.parameters
+        plan, attempt = params.get("plan"), params.get("attempt")
+        run_id = plan.ctx.run_id if isinstance(plan, RunPlan) else None
+        label = f"{stage} attempt {attempt}" if attempt else stage
+        return f"{run_id}: {label}" if run_id else label
+
+    return name
 
 
 # -- demo data ------------------------------------------------------------------------------------
@@ -119,7 +137,12 @@ def backend_for(plan: RunPlan) -> Backend:
 # -- preflight ------------------------------------------------------------------------------------
 # Every stage flow persists its result as JSON (readable from the result storage without this
 # code), so the API and the UI hold what each stage returned.
-@flow(name="preflight", persist_result=True, result_serializer="json")
+@flow(
+    name="preflight",
+    flow_run_name=stage_run_name("preflight"),
+    persist_result=True,
+    result_serializer="json",
+)
 def preflight_flow(plan: RunPlan) -> PreflightResult:
     params, ctx = plan.params, plan.ctx
     s3 = {
@@ -155,7 +178,12 @@ def preflight_flow(plan: RunPlan) -> PreflightResult:
 
 
 # -- hydrate --------------------------------------------------------------------------------------
-@flow(name="hydrate", persist_result=True, result_serializer="json")
+@flow(
+    name="hydrate",
+    flow_run_name=stage_run_name("hydrate"),
+    persist_result=True,
+    result_serializer="json",
+)
 def hydrate_flow(plan: RunPlan) -> HydrateResult:
     params, ctx = plan.params, plan.ctx
     log = get_run_logger()
@@ -245,7 +273,12 @@ class _Progress:
             self.log.error("trainer fatal error: %s", e.get("error"))
 
 
-@flow(name="train", persist_result=True, result_serializer="json")
+@flow(
+    name="train",
+    flow_run_name=stage_run_name("train"),
+    persist_result=True,
+    result_serializer="json",
+)
 def train_flow(plan: RunPlan, attempt: int) -> TrainResult:
     params, ctx = plan.params, plan.ctx
     log = get_run_logger()
@@ -319,7 +352,12 @@ def train_stage(plan: RunPlan) -> TrainResult:
 
 
 # -- validate -------------------------------------------------------------------------------------
-@flow(name="validate", persist_result=True, result_serializer="json")
+@flow(
+    name="validate",
+    flow_run_name=stage_run_name("validate"),
+    persist_result=True,
+    result_serializer="json",
+)
 def validate_flow(plan: RunPlan) -> ValidationResult:
     params, ctx, cfg = plan.params, plan.ctx, plan.train
     # The workload, batch and seed come from each checkpoint's manifest; the config hash says
@@ -378,7 +416,12 @@ def validate_flow(plan: RunPlan) -> ValidationResult:
 
 
 # -- export ---------------------------------------------------------------------------------------
-@flow(name="export", persist_result=True, result_serializer="json")
+@flow(
+    name="export",
+    flow_run_name=stage_run_name("export"),
+    persist_result=True,
+    result_serializer="json",
+)
 def export_flow(plan: RunPlan, checkpoint_path: str) -> ExportResult:
     from pathlib import Path
 

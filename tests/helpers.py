@@ -312,3 +312,31 @@ def lease_holder(run_root: Path, run_id: str) -> subprocess.Popen[str]:
     )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
     return proc
+
+
+def readme_glossary() -> str:
+    """The README's "Reading the report and `status`" section: where every figure they print
+    is defined (issue 27)."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("### Reading the report and `status`")
+    return text[start : text.index("\n## ", start)]
+
+
+def figures_in_report(md: str) -> list[str]:
+    """What a run report prints a figure under: its bullet labels, the time breakdown's rows
+    and the fault table's columns."""
+    from flows.report import TIME_PARTS
+
+    labels = ["ETTR", "wall time"]
+    if "## Where the train stage's time went" in md:
+        labels += [label for _, label in TIME_PARTS]
+    for line in md.splitlines():
+        if line.startswith("| fault |"):
+            labels += [c.strip() for c in line.strip("|").split("|") if c.strip()][1:]
+    return labels
+
+
+def assert_figures_defined(labels: list[str]) -> None:
+    glossary = readme_glossary()
+    undefined = [label for label in labels if f"**{label}**" not in glossary]
+    assert not undefined, f"printed but not defined in the README's glossary: {undefined}"

@@ -153,7 +153,9 @@ def assert_report_and_status(result: PipelineResult, params: Any, state: Path, c
 
     from flows.cli import main
     from flows.context import RunContext
+    from flows.report import TIME_PARTS
     from tasks import run_summary
+    from tests.helpers import assert_figures_defined, figures_in_report
     from trainer.events import read_events
 
     events = read_events(RunContext.create(params).run_root)
@@ -169,8 +171,22 @@ def assert_report_and_status(result: PipelineResult, params: Any, state: Path, c
     assert f"**{ettr:.3f}**" in text
     for f in run_summary.faults_with_recovery(events):
         assert f"| {f['kind']} | {f['step']} |" in text and f"| {f['recovered_by']} |" in text
+    # The train stage's wall time in parts that add up to it (issue 27), every figure defined
+    # in the README; each recovered fault says where training went back to.
+    t = result.train_time
+    assert t is not None and t.wall_s > 0 and min(t.model_dump().values()) > -0.01
+    parts = t.model_dump()
+    assert abs(sum(v for k, v in parts.items() if k != "wall_s") - t.wall_s) < 0.01
+    assert t.startup > 0 and t.productive > 0 and t.recovery > 0
+    for f in result.faults:
+        assert f.recovered_by == "none" or None not in (f.resume_step, f.replayed_steps)
+    assert_figures_defined(figures_in_report(text))
     capsys.readouterr()
+    assert main(["status", result.run_id, "--state-dir", str(state)]) == 0
+    plain = capsys.readouterr().out
+    assert "ETTR:" in plain and all(label in plain for _, label in TIME_PARTS)
     assert main(["status", result.run_id, "--state-dir", str(state), "--json"]) == 0
     st = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert st["state"] == "completed" and st["step"] == params.steps and st["ettr"] == ettr
+    assert st["time"] == parts
     assert [f["recovered_by"] for f in st["faults"]] == [f.recovered_by for f in result.faults]

@@ -82,8 +82,9 @@ class Cluster(threading.Thread):
         self.lose_node_in = lose_node_in
         self.nodes = nodes  # index i's pod runs on nodes[i]
         # Elastic Jobs: how many training nodes go (highest indexes first, a second apart), and
-        # when the first one's replacement comes: once the survivors re-formed without them
-        # (None), or that many seconds after the losses (survivors below the minimum wait).
+        # when the first one's replacement comes: once the survivors re-formed without them and
+        # trained a step (None), or that many seconds after the losses (survivors below the
+        # minimum wait).
         self.victims, self.return_after_s = victims, return_after_s
         self.replaced: list[str] = []  # replacement pods the "Job controller" created
         self.exit_codes: dict[str, int] = {}  # of elastic Jobs' pods, as their kubelet saw
@@ -279,8 +280,11 @@ class Cluster(threading.Thread):
             if self.return_after_s is not None:
                 time.sleep(self.return_after_s)
             deadline = time.time() + 180
+            # The survivors re-formed and trained a step (the loss is recovered, by the elastic
+            # layer) before the replacement comes: a full run's replacement joined while the
+            # shrunk world was still starting, and the grown world's restart closed the loss.
             while self.return_after_s is None and not any(
-                e["kind"] == "train_start" and e["t"] > lost_at
+                e["kind"] == "recovered" and e["t"] > lost_at
                 for e in read_events(self.ctx.run_root)
             ):
                 if time.time() > deadline:

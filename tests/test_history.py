@@ -151,3 +151,51 @@ def test_read_streams_the_file(tmp_path: Path):
     h = RunHistory.read(tmp_path)
     assert h.events_seen == len(HISTORY) and h.progress() == 8
     assert sys.getsizeof(h) < 1024
+
+
+def test_where_the_train_stages_time_went():
+    """The breakdown of the recorded run (issue 27): every part measured from the events, the
+    parts adding up to the train stage's wall time (10 s + 8 s)."""
+    t = RunHistory.of(HISTORY).time_breakdown()
+    assert t is not None
+    parts = t.as_dict()
+    assert parts == {
+        "wall_s": 18.0,
+        "startup": 2.0,  # 1 s to each attempt's first step
+        "productive": 8.0,  # steps 1-8, each last execution 1 s
+        "replayed": 5.0,  # steps 5-6 in-process (2 s each) and 5 lost to the node loss (1 s)
+        "checkpoint_blocking": 0.0,  # no step waited on a save here
+        "recovery": 1.0,  # the node loss to attempt 1's end
+        "end": 2.0,  # attempt 2's last step to its end
+        "other": 0.0,
+    }
+    assert sum(v for k, v in parts.items() if k != "wall_s") == parts["wall_s"]
+    # Each fault: the step training went back to, and the completed steps that ran again.
+    got = [
+        (f["fault"], f["resume_step"], f["replayed_steps"])
+        for f in RunHistory.of(HISTORY).fault_records()
+    ]
+    assert got == [("exception@step=5,rank=1", 4, 1), ("node-loss@step=6,node=1", 4, 2)]
+
+
+def test_time_breakdown_blocking_gaps_and_a_start_that_never_trained():
+    history = [
+        ev(0, "stage_attempt", stage="train", attempt=1, backend="local", nodes=1),
+        ev(5, "stage_attempt_end", stage="train", attempt=1, outcome="bug", message="x", wall_s=5),
+        ev(10, "stage_attempt", stage="train", attempt=2, backend="local", nodes=1),
+        step(13, 1),  # began at 12: 2 s of start-up
+        step(14.5, 2, ckpt_blocking_s=0.5),  # began at 13: the save blocked 0.5 s
+        step(16, 3),  # began at 15: 0.5 s between steps without a fault
+        ev(16.2, "restart", layer="inprocess", iteration=1),
+        step(18, 4),  # began at 17: 1 s after the restart
+        ev(18.5, "recovered", layer="inprocess", fault=None, fault_step=None, step=4,
+           recovery_s=1.8),
+        ev(20, "stage_attempt_end", stage="train", attempt=2, outcome="completed", message="ok",
+           wall_s=10.5),
+    ]  # fmt: skip
+    t = RunHistory.of(history).time_breakdown()
+    assert t is not None
+    assert (t.startup, t.checkpoint_blocking, t.recovery, t.end) == (7.0, 0.5, 1.0, 2.0)
+    assert t.productive == 4.0 and t.replayed == 0.0
+    assert round(t.other, 6) == round(15.5 - 14.5, 6)  # the 0.5 s gap, and 0.5 s of wall unseen
+    assert RunHistory().time_breakdown() is None  # no train attempt ended yet

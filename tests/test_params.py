@@ -98,7 +98,7 @@ def test_report_lists_faults_and_outputs():
     )
     md = render_report(r)
     assert md.startswith("# Run `r1`: completed")  # the outcome leads
-    assert "| node-loss | 12 |  | 1 | stage-retry | 18.5 |" in md
+    assert "| node-loss | 12 |  | 1 | stage-retry | 18.5 |  |  |  |" in md
     # the stage timeline: start offsets accumulate, bars scale with the share of wall time
     assert "| preflight | 0.0 | 5.0 | 1 | `#` |" in md
     assert "| train | 5.0 | 50.0 | 2 | `##############` |" in md
@@ -269,3 +269,40 @@ def test_mistyped_field_fails_naming_the_nearest(capsys):
     assert "dataset.prefx: no such parameter (did you mean dataset.prefix?)" in err
     assert main(["params", "datset"]) == 2
     assert "did you mean dataset?" in capsys.readouterr().err
+
+
+def test_report_breaks_the_train_stage_down_and_defines_every_figure():
+    """Issue 27: the train stage's wall time in parts that add up, ETTR spelled out, each fault
+    with where training went back to; every figure printed is defined in the README."""
+    from flows.models import TrainTime
+    from tests.helpers import assert_figures_defined, figures_in_report
+
+    time_s = TrainTime(
+        wall_s=36.0, startup=20.0, productive=1.8, replayed=0.6, checkpoint_blocking=0.3,
+        recovery=9.0, end=4.0, other=0.3,
+    )  # fmt: skip
+    r = PipelineResult(
+        status="completed",
+        run_id="r1",
+        target_steps=30,
+        final_step=30,
+        faults=[
+            FaultRecord(kind="exception", step=8, rank=1, recovered_by="inprocess",
+                        recovery_s=1.2, resume_step=0, replayed_steps=7),
+            FaultRecord(kind="sigkill", step=16, rank=0, recovered_by="injob", recovery_s=6.1,
+                        resume_step=10, replayed_steps=5),
+        ],
+        ettr=0.05,
+        train_time=time_s,
+        wall_s=60,
+    )  # fmt: skip
+    md = render_report(r)
+    assert "ETTR: **0.050** (effective training time ratio" in md
+    assert "(train attempts 36.0 s)" in md
+    assert "| start-up | 20.0 | 56% |" in md and "| **train attempts** | **36.0** | 100% |" in md
+    assert "too short for its ETTR to mean much" in md  # start-up outweighs the steps
+    assert "| exception | 8 | 1 |  | inprocess | 1.2 | started over from step 1 | 7 |" in md
+    assert "| injob | 6.1 | resumed from step 10's checkpoint | 5 |" in md
+    assert_figures_defined(figures_in_report(md))
+    long_run = time_s.model_copy(update={"startup": 1.0, "productive": 20.8})
+    assert "too short" not in render_report(r.model_copy(update={"train_time": long_run}))

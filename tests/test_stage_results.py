@@ -47,6 +47,9 @@ def test_every_stage_returns_a_typed_persisted_result(baseline: PipelineResult):
             art = _artifact(client, f"{stage}-result", baseline.run_id)
             flow_run = client.read_flow_run(art.flow_run_id)
             assert flow_run.state is not None and flow_run.state.is_completed()
+            # Named for what it is (issue 27), not with Prefect's random words.
+            label = "train attempt 1" if stage == "train" else stage
+            assert flow_run.name == f"{baseline.run_id}: {label}"
             # The persisted result, read back from the result storage, is the model itself.
             value = flow_run.state.result()
             assert type(value) is model, (stage, type(value))

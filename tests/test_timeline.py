@@ -79,3 +79,16 @@ def test_plot_is_a_png(tmp_path: Path):
     events += [ev(10.0, "checkpoint", step=10, blocking_s=0.01)]
     out = plot_timeline(events, tmp_path / "t.png", compare=("baseline", events[:5]))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_only_restarts_are_drawn_as_restarts():
+    """Every rank's first start is no restart (issue 27: the demo's plot drew them as ones); a
+    respawn after a fault, an in-process restart and a train attempt after the first are."""
+    from trainer.timeline import _is_restart
+
+    first = ev(1.0, "worker_start", rank=0)
+    assert not _is_restart(first, after_fault=False)
+    assert _is_restart(ev(9.0, "worker_start", rank=0), after_fault=True)
+    assert _is_restart(ev(6.0, "restart", layer="inprocess"), after_fault=False)
+    assert not _is_restart(ev(0.0, "stage_attempt", stage="train", attempt=1), after_fault=False)
+    assert _is_restart(ev(30.0, "stage_attempt", stage="train", attempt=2), after_fault=True)

@@ -61,6 +61,36 @@ class AttemptView:
 
 
 @dataclass(frozen=True)
+class TimeBreakdown:
+    """Where the train stage's wall time went (seconds; they add up to ``wall_s``): what a
+    reader needs to see why ETTR is what it is. Measured from rank 0's step events and the
+    watcher's attempt bounds:
+
+    - ``startup``: each attempt's launch to its first step (processes, imports, process
+      groups, resume), failed starts included;
+    - ``productive``: each step's last execution (ETTR's numerator);
+    - ``replayed``: executions that a later restart ran again (lost work);
+    - ``checkpoint_blocking``: the training thread waiting on saves;
+    - ``recovery``: after a fault or restart, until training resumed (detection, restart,
+      reload), and a failed attempt's end;
+    - ``end``: a completed attempt's last step to its end (the last save's commit, exit);
+    - ``other``: the rest (gaps between steps without a fault, the watcher's own overhead,
+      time between attempts' events)."""
+
+    wall_s: float
+    startup: float
+    productive: float
+    replayed: float
+    checkpoint_blocking: float
+    recovery: float
+    end: float
+    other: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
 class _Launch:
     t: float
     world_size: int
@@ -106,6 +136,16 @@ class RunHistory:
         self._final_s = 0.0
         self._window: dict[int, float] = {}
         self._kept: list[int] = []  # committed steps not pruned, ascending
+        # The time breakdown (TimeBreakdown): running sums, and the open train attempt's bounds.
+        self._steps_s = 0.0  # every execution's step time
+        self._step_blocking_s = 0.0
+        self._time = {"startup": 0.0, "recovery": 0.0, "end": 0.0, "other": 0.0}
+        self._attempt_t: float | None = None  # the open train attempt's start
+        self._prev_step_t: float | None = None  # its newest step event
+        self._disturbed = False  # a fault or restart since that step
+        # Per fault (as recovered events name it): the step training went back to, and how many
+        # completed steps ran again.
+        self._resumed: dict[tuple[str | None, int | None], tuple[int, int]] = {}
 
     # -- building -------------------------------------------------------------------------
 
@@ -140,12 +180,22 @@ class RunHistory:
             self._checkpoint(ev)
         elif isinstance(ev, Fault):
             self.faults.append(ev)
+            self._disturbed = True
         elif isinstance(ev, Recovered):
+            if (ev.fault, ev.fault_step) not in self._recovered:
+                # Made right after the first step since the restart: training went back to the
+                # step before it, and every step done up to the fault runs again.
+                back_to = max(0, ev.step - 1)
+                self._resumed[(ev.fault, ev.fault_step)] = (
+                    back_to,
+                    max(0, self.max_step - back_to),
+                )
             self._recovered.setdefault((ev.fault, ev.fault_step), ev)
             self.last_recovered_t = max(self.last_recovered_t, ev.t)
         elif isinstance(ev, Restart):
             self.restarts.append(ev)
             self.last_progress_t = ev.t
+            self._disturbed = True
         elif isinstance(ev, Resume):
             self.last_progress_t = ev.t
             if ev.action == "fresh":
@@ -159,11 +209,14 @@ class RunHistory:
             self.attempts.append(AttemptView(ev.attempt, ev.stage, ev.t, ev.backend, ev.adopted))
             if ev.stage == "train" and ev.attempt > 1 and not ev.adopted:
                 self.last_retry_t = max(self.last_retry_t, ev.t)
+            if ev.stage == "train":
+                self._attempt_t, self._prev_step_t = ev.t, None
         elif isinstance(ev, StageAttemptEnd):
             self._last_end_message = ev.message
             self.ended_attempts[(ev.stage, ev.attempt)] = ev.t
             if ev.stage == "train":
                 self._train_wall_s += ev.wall_s
+                self._close_attempt(ev)
             for a in self.attempts:
                 same = (a.stage, a.attempt) == (ev.stage, ev.attempt)
                 if same and a.outcome is None and a.t <= ev.t:
@@ -183,6 +236,17 @@ class RunHistory:
             self.takeover = self.takeover or ev
 
     def _step(self, ev: Step) -> None:
+        blocking = ev.ckpt_blocking_s or 0.0
+        self._steps_s += ev.step_s
+        self._step_blocking_s += blocking
+        began = ev.t - ev.step_s - blocking  # the event is made after the step and its save
+        if self._prev_step_t is not None:
+            self._time["recovery" if self._disturbed else "other"] += max(
+                0.0, began - self._prev_step_t
+            )
+        elif self._attempt_t is not None:
+            self._time["startup"] += max(0.0, began - self._attempt_t)
+        self._prev_step_t, self._disturbed = ev.t, False
         self.steps_run += 1
         self.last_step = ev
         self.max_step = max(self.max_step, ev.step)
@@ -192,6 +256,35 @@ class RunHistory:
             self._window[ev.step] = ev.step_s
         else:  # a replay from before the oldest kept checkpoint: not a path of ours
             self._final_s += ev.step_s
+
+    def _close_attempt(self, ev: StageAttemptEnd) -> None:
+        if self._attempt_t is None:
+            return  # its start is before ``since``
+        if self._prev_step_t is None:  # no step at all: it never got past its start
+            self._time["startup"] += max(0.0, ev.t - self._attempt_t)
+        else:
+            tail = max(0.0, ev.t - self._prev_step_t)
+            done = ev.outcome == "completed" and not self._disturbed
+            self._time["end" if done else "recovery"] += tail
+        self._attempt_t, self._prev_step_t, self._disturbed = None, None, False
+
+    def time_breakdown(self) -> TimeBreakdown | None:
+        """Where the train stage's wall time went (None before any train attempt ended)."""
+        wall = self._train_wall_s
+        if wall <= 0:
+            return None
+        productive = self.productive_s()
+        parts = {
+            "startup": self._time["startup"],
+            "productive": productive,
+            "replayed": max(0.0, self._steps_s - productive),
+            "checkpoint_blocking": self._step_blocking_s,
+            "recovery": self._time["recovery"],
+            "end": self._time["end"],
+        }
+        # The rest, so that the parts add up to the wall time the ETTR is taken over.
+        other = wall - sum(parts.values())
+        return TimeBreakdown(wall_s=wall, **parts, other=other)
 
     def _checkpoint(self, ev: Checkpoint) -> None:
         self.checkpoints += 1
@@ -219,6 +312,7 @@ class RunHistory:
         out = []
         for f in self.faults:
             r = self._recovered.get((f.fault, f.step))
+            resume_step, replayed = self._resumed.get((f.fault, f.step), (None, None))
             out.append(
                 {
                     "fault": f.fault,
@@ -232,6 +326,10 @@ class RunHistory:
                     # and why; recovered_by is the layer that did recover it.
                     "path": f.path,
                     "detail": f.detail,
+                    # Where training went back to after it, and the completed steps that ran
+                    # again (None: no restart followed it).
+                    "resume_step": resume_step,
+                    "replayed_steps": replayed,
                     "t": f.t,
                 }
             )
@@ -347,6 +445,7 @@ class RunHistory:
             "latest_checkpoint_step": self.last_checkpoint.step if self.last_checkpoint else None,
             "ckpt_blocking_s_max": self.blocking_max,
             "ettr": self.ettr(),
+            "time": None if (b := self.time_breakdown()) is None else b.as_dict(),
             "stages": (result or {}).get("stage_durations_s"),
             "export_uri": export.get("uri") if isinstance(export, dict) else None,
             "error": (result or {}).get("error"),

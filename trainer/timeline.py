@@ -113,6 +113,17 @@ def _split(
     return out
 
 
+def _is_restart(e: dict[str, Any], after_fault: bool) -> bool:
+    """Drawn as a restart: an in-process restart, a train attempt after the first, and a
+    worker's start after a fault (the first one of that recovery); every rank's first start is
+    not one."""
+    if e["kind"] == "restart":
+        return True
+    if e["kind"] == "stage_attempt":
+        return int(e.get("attempt") or 1) > 1
+    return after_fault
+
+
 def plot_timeline(
     events: list[dict[str, Any]],
     out: Path,
@@ -120,6 +131,7 @@ def plot_timeline(
     title: str = "",
     compare: Any = None,
     align_on_fault: bool = False,
+    label: str = "this run",
 ) -> Path:
     """Step versus wall time, faults / restarts / checkpoints marked; PNG at ``out``.
 
@@ -132,7 +144,7 @@ def plot_timeline(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
-    series = [("ours", events)] + ([compare] if compare else [])
+    series = [(label, events)] + ([compare] if compare else [])
     for i, (label, evs) in enumerate(series):
         evs = sorted(evs, key=lambda e: e["t"])
         if not evs:
@@ -144,9 +156,11 @@ def plot_timeline(
         color = ("tab:blue", "tab:gray")[i % 2]
         if steps:
             ax.plot(*zip(*steps, strict=True), ".", ms=2, color=color, label=f"{label}: steps")
+        open_fault = False  # a respawn after a fault is a restart; a first start is not
         for e in evs:
             x = e["t"] - t0
             if e["kind"] == "fault":
+                open_fault = True
                 ax.axvline(x, color="tab:red", lw=1.2, ls="-" if i == 0 else ":")
                 if i == 0:
                     ax.annotate(
@@ -158,8 +172,9 @@ def plot_timeline(
                         fontsize=7,
                         color="tab:red",
                     )
-            elif e["kind"] in RESTART_KINDS and i == 0:
+            elif e["kind"] in RESTART_KINDS and i == 0 and _is_restart(e, open_fault):
                 ax.axvline(x, color="tab:orange", lw=0.8, ls="--")
+                open_fault = False
             elif e["kind"] == "checkpoint" and i == 0:
                 ax.plot([x], [e["step"]], "|", color="tab:green", ms=8)
     # Legend proxies for the markers.
