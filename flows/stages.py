@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, cast
 from uuid import UUID
 
@@ -45,6 +46,7 @@ from tasks.export import ExportOptions, ExportReport, export_checkpoint
 from tasks.hydrate import upload_dataset
 from tasks.ownership import lease
 from tasks.preflight.checks import Requirements, failures
+from tasks.preflight.memory import local_memory_need
 from tasks.retry_policy import prefect_retry_condition
 from tasks.storage.s3 import boto3_client
 from tasks.train_stage import AttemptReport, run_attempt
@@ -152,13 +154,19 @@ def preflight_flow(plan: RunPlan) -> PreflightResult:
         "dataset_bucket": params.dataset.bucket,
         "dataset_prefix": params.dataset.prefix,
     }
+    wl = params.workload_spec()
+    # Every rank on this machine (the local backend): what the workload needs of its memory.
+    local = params.backend == "local"
+    need = None if wl is None or not local else local_memory_need(wl, params.world_size)
     req = Requirements(
         workers=params.world_size,
         buckets=(params.dataset.bucket, params.export.bucket),
         dataset_uri=f"s3://{params.dataset.bucket}/{params.dataset.prefix}",
         workload=params.workload,
-        vocab_size=None if (wl := params.workload_spec()) is None else wl.vocab_size,
+        vocab_size=None if wl is None else wl.vocab_size,
     )
+    if need is not None:
+        req = replace(req, min_memory_gb=need.gb, memory_basis=need.explain())
     results = backend_for(plan).preflight(req, s3)
     rows = [
         {"check": r.name, "status": r.status.value, "detail": r.detail, "fix": r.fix}

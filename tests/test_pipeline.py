@@ -76,6 +76,18 @@ def test_empty_prefix_other_than_the_demos_is_not_seeded(prefect_server, s3_sett
     assert not (RunContext.create(params).run_root / "events.jsonl").exists()
 
 
+def test_an_8b_workload_on_this_machine_fails_in_preflight(prefect_server, s3_settings, tmp_path):
+    """Issue 27: the local backend puts every rank on this machine; an 8B workload needs ~226 GB
+    there, and the run fails in preflight, naming the fix, before anything trains."""
+    params = make_params(tmp_path / "state", s3_settings, run_id="too-big", workload="llama3-8b")
+    state, _ = run_pipeline(params)
+    assert state.is_failed()
+    assert "PreflightFailed" in state.message or "preflight check" in state.message
+    for fix in ("memory", "llama3-8b", "8.03 B parameters", "eks backend"):
+        assert fix in state.message, fix
+    assert not (RunContext.create(params).run_root / "events.jsonl").exists()
+
+
 def test_unrecoverable_training_failure_is_not_retried(baseline, tmp_path: Path):
     """Checkpoints exist but none is valid: the trainer refuses to start over, and the train
     stage's attempt (the watcher, the local backend, real workers) ends do-not-requeue, which

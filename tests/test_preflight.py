@@ -140,3 +140,24 @@ def test_vocabulary_must_fit_the_workload_and_the_dtype():
     assert r.status == Status.FAILED and "uint32" in r.fix and "128256" in r.detail
     snap.errors["dataset"] = "no dataset.json"
     assert by_name(run_checks(snap, REQ))[name].status == Status.SKIPPED
+
+
+def test_memory_is_checked_against_the_workloads_own_need():
+    """Issue 27: an 8B workload on a small machine fails preflight naming the fix; the need is
+    the model's parameter count (built on the meta device), not a flat floor."""
+    from dataclasses import replace
+
+    from tasks.preflight.memory import local_memory_need
+    from trainer.workload import load_workload
+
+    big = local_memory_need(load_workload("llama3-8b", {}), workers=2)
+    assert 8.0e9 < big.params < 8.1e9 and big.gb > 200  # Llama 3 8B: 8.03 B parameters
+    tiny = local_memory_need(load_workload("gpt-tiny", {}), workers=2)
+    assert tiny.params < 1e6 and tiny.gb < 2
+    req = replace(REQ, workload="llama3-8b", min_memory_gb=big.gb, memory_basis=big.explain())
+    r = by_name(run_checks(healthy(), req))["memory"]  # 20 GB available
+    assert r.status == Status.FAILED
+    assert "llama3-8b" in r.detail and "8.03 B parameters" in r.detail and "20.0 GB" in r.detail
+    assert "eks backend" in r.fix and "gpt-tiny" in r.fix
+    ok = replace(REQ, min_memory_gb=tiny.gb, memory_basis=tiny.explain())
+    assert by_name(run_checks(healthy(), ok))["memory"].status == Status.PASSED

@@ -52,6 +52,9 @@ class Requirements:
     dataset_uri: str = ""
     workload: str = ""
     vocab_size: int | None = None  # the workload's vocabulary (embedding rows)
+    # How min_memory_gb was estimated for this workload (tasks.preflight.memory); empty: the
+    # flat floor (a script, whose model is not known here).
+    memory_basis: str = ""
 
 
 # -- sources (what tasks.preflight.local gathers) ---------------------------------------------
@@ -107,11 +110,16 @@ def cores(snap: Snapshot, req: Requirements) -> Verdict:
 
 def memory(snap: Snapshot, req: Requirements) -> Verdict:
     gb = snap.facts["mem_available_gb"]
+    need = f"about {req.min_memory_gb:.1f} GB"
+    if req.memory_basis:
+        need += f" for workload {req.workload!r} ({req.memory_basis})"
     if gb < req.min_memory_gb:
         return failed(
-            f"{gb:.1f} GB available, need {req.min_memory_gb}", "free memory or use a smaller model"
+            f"{gb:.1f} GB available, need {need}",
+            "use a smaller workload (gpt-tiny, llama-tiny, gpt-100m) or fewer workers on this "
+            "machine, or train this one on the eks backend",
         )
-    return passed(f"{gb:.1f} GB available")
+    return passed(f"{gb:.1f} GB available, need {need}")
 
 
 def disk(snap: Snapshot, req: Requirements) -> Verdict:
