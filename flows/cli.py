@@ -272,9 +272,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(result.model_dump_json(), flush=True)
     else:
-        from flows.report import render_report
+        from flows.report import REPORT_FILE, render_report
 
         print(render_report(result))
+        saved = ctx.run_root / REPORT_FILE
+        if saved.exists() and saved.stat().st_mtime >= started:
+            print(f"report saved: {saved} (the timeline: {ctx.run_root / 'timeline.png'})")
     return status
 
 

@@ -33,7 +33,7 @@ from flows.models import (
     WorldChange,
 )
 from flows.plan import RunPlan
-from flows.report import png_data_uri, render_report
+from flows.report import REPORT_FILE, png_data_uri, render_report
 from flows.results import ExportResult, TrainResult, ValidationResult
 from flows.stages import (
     export_flow,
@@ -50,6 +50,7 @@ from tasks.ownership import lease, takeover
 from tasks.storage.local_s3 import local_s3
 from trainer.events import EventLog, read_events
 from trainer.history import RunHistory
+from trainer.run_files import write_text_atomic
 from trainer.timeline import plot_timeline
 
 T = TypeVar("T")
@@ -375,10 +376,19 @@ def _is_cancellation(e: BaseException) -> bool:
 def _publish(ctx: RunContext, result: PipelineResult, since: float, held: lease.RunLease) -> None:
     held.check("write pipeline_result.json")
     ctx.run_root.mkdir(parents=True, exist_ok=True)
-    (ctx.run_root / "pipeline_result.json").write_text(result.model_dump_json(indent=1) + "\n")
+    write_text_atomic(
+        ctx.run_root / "pipeline_result.json", result.model_dump_json(indent=1) + "\n"
+    )
+    report = render_report(result)
+    try:
+        # The report stays with the run (the artifact lives only as long as the Prefect server
+        # that holds it: `run`'s temporary one ends with the run).
+        write_text_atomic(ctx.run_root / REPORT_FILE, report)
+    except OSError as e:
+        get_run_logger().warning("could not save the run report: %s", e)
     try:
         create_markdown_artifact(
-            render_report(result),
+            report,
             key="run-report",
             description=f"run {result.run_id}: {result.status}",
         )

@@ -8,6 +8,7 @@ from pathlib import Path
 from flows.models import PipelineResult, TrainTime
 
 _STAGES = ("preflight", "hydrate", "train", "validate", "export")
+REPORT_FILE = "report.md"  # saved in the run root beside pipeline_result.json and timeline.png
 
 # ETTR, spelled out once wherever it is printed (the report, `status`).
 ETTR_DEFINITION = (
@@ -139,8 +140,9 @@ def render_report(r: PipelineResult) -> str:
         f"{'verified' if r.export.verified else 'not verified'})",
         f"- params_sha256: `{r.params_sha256}`",
         "",
-        "The recovery timeline (step versus wall time, faults, restarts and checkpoints) is the "
-        "`recovery-timeline` image artifact of this run.",
+        f"Saved with the run: this report (`{REPORT_FILE}`), `pipeline_result.json` and the "
+        "recovery timeline (`timeline.png`: step versus wall time, faults, restarts and "
+        "checkpoints; also the `recovery-timeline` image artifact) in its run root.",
     ]
     return "\n".join(lines) + "\n"
 

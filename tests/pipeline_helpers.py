@@ -181,6 +181,10 @@ def assert_report_and_status(result: PipelineResult, params: Any, state: Path, c
     for f in result.faults:
         assert f.recovered_by == "none" or None not in (f.resume_step, f.replayed_steps)
     assert_figures_defined(figures_in_report(text))
+    # Saved with the run too: it outlives the Prefect server that holds the artifact.
+    run_root = RunContext.create(params).run_root
+    assert (run_root / "report.md").read_text().strip() == text.strip()
+    assert (run_root / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     capsys.readouterr()
     assert main(["status", result.run_id, "--state-dir", str(state)]) == 0
     plain = capsys.readouterr().out

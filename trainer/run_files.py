@@ -124,7 +124,12 @@ def read_model(path: Path, model: type[M]) -> M | None:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Replace ``path`` with ``obj`` as JSON in one rename: a reader sees the old or the new."""
+    write_text_atomic(path, json.dumps(obj) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one rename: a reader sees the old or the new."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(obj) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
