@@ -140,7 +140,9 @@ def format_validation_error(e: ValidationError) -> str:
 
 
 class _LiveProgress:
-    """Tails the run's events: a progress bar on a terminal, plain lines otherwise."""
+    """Tails the run's step events: a progress bar on a terminal, a line every 10 steps
+    otherwise. Faults, restarts and recoveries are the flow's log lines alone (printing them
+    here too showed each twice)."""
 
     def __init__(self, run_root: Path, target: int, tty: bool) -> None:
         self.run_root, self.target, self.tty = run_root, target, tty
@@ -181,8 +183,6 @@ class _LiveProgress:
                                 description=f"training loss {e['loss']:.3f} "
                                 f"{e.get('tokens_per_s', 0):,.0f} tok/s",
                             )
-                        elif e["kind"] in ("fault", "restart", "recovered"):
-                            bar.console.print(_describe(e))
             return
         while not self.stop.wait(1.0):
             for e in tail.read_new_dicts():
@@ -193,16 +193,6 @@ class _LiveProgress:
                         file=out,
                         flush=True,
                     )
-                elif e["kind"] in ("fault", "restart", "recovered"):
-                    print(_describe(e), file=out, flush=True)
-
-
-def _describe(e: dict[str, Any]) -> str:
-    if e["kind"] == "fault":
-        return f"fault: {e.get('fault')} at step {e.get('step')}"
-    if e["kind"] == "restart":
-        return f"restart by the {e.get('layer')} layer"
-    return f"recovered from {e.get('fault')} by {e.get('layer')} in {e.get('recovery_s')} s"
 
 
 def params_from_args(

@@ -3,7 +3,7 @@ export. Its parameters are :class:`PipelineParams`'s fields, one flow parameter 
 (:mod:`flows.parameters`): ``training_pipeline(**params.flow_parameters())`` from Python.
 
 Orchestration only: the stages are flows in :mod:`flows.stages`, the work is in ``tasks``. The
-train stage is retried as a whole only on ``NodeLossExhausted`` (:mod:`tasks.retry_policy`);
+train stage is retried as a whole only on ``NodeLost`` (:mod:`tasks.retry_policy`);
 every other failure fails the flow with its cause."""
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.logging import get_run_logger
+from prefect.states import Failed, State
 
 from flows.context import RunContext
 from flows.events import emit, emit_for_trainer_event, last_attempt_cause
@@ -41,7 +42,7 @@ from tasks import aws
 from tasks.backends import registry
 from tasks.backends.base import Backend, HydrateRequest, LaunchRequest
 from tasks.classify import EndKind
-from tasks.errors import PreflightFailed
+from tasks.errors import NodeLost, PreflightFailed
 from tasks.export import ExportOptions, ExportReport, export_checkpoint
 from tasks.hydrate import upload_dataset
 from tasks.ownership import lease
@@ -287,7 +288,7 @@ class _Progress:
     persist_result=True,
     result_serializer="json",
 )
-def train_flow(plan: RunPlan, attempt: int) -> TrainResult:
+def train_flow(plan: RunPlan, attempt: int) -> TrainResult | State[TrainResult]:
     params, ctx = plan.params, plan.ctx
     log = get_run_logger()
     if attempt > 1:
@@ -336,18 +337,29 @@ def train_flow(plan: RunPlan, attempt: int) -> TrainResult:
         outcome = report.outcome.kind.value
     finally:  # what the stalled-checkpoint automation stops waiting on
         emit("train.ended", ctx.run_id, attempt=attempt, outcome=outcome)
-    result = _finish_attempt(report)
+    if report.outcome.kind != EndKind.COMPLETED:
+        return _failed_attempt(report, params)
+    log.info("train attempt %d completed in %.1f s", report.attempt, report.wall_s)
+    result = TrainResult.model_validate(report.outcome.details["result"])
     publish("train", result, ctx.run_id)
     return result
 
 
-def _finish_attempt(report: AttemptReport) -> TrainResult:
-    if report.outcome.kind != EndKind.COMPLETED:
-        error = report.outcome.error()
-        assert error is not None
-        raise error
-    get_run_logger().info("train attempt %d completed in %.1f s", report.attempt, report.wall_s)
-    return TrainResult.model_validate(report.outcome.details["result"])
+def _failed_attempt(report: AttemptReport, params: PipelineParams) -> State[TrainResult]:
+    """A classified end (a node lost, in-job restarts used up, do not requeue, the deadline)
+    fails the attempt's flow run with the error as its state, not as an exception: the
+    outcome is logged once, as what it is, with no traceback of the flow's machinery, and the
+    train-stage task still gets the error (its retry condition decides on it)."""
+    error = report.outcome.error()
+    assert error is not None
+    note = ""
+    planned = [f for f in params.drills.faults if f.startswith("node-loss")]
+    if isinstance(error, NodeLost) and planned:
+        note = f" (the planned drill {', '.join(planned)})"
+    get_run_logger().warning(
+        "train attempt %d ended: %s: %s%s", report.attempt, type(error).__name__, error, note
+    )
+    return Failed(message=f"{type(error).__name__}: {error}", data=error)
 
 
 @task(name="train-stage", retry_condition_fn=prefect_retry_condition)
@@ -356,7 +368,8 @@ def train_stage(plan: RunPlan) -> TrainResult:
     only when :func:`tasks.retry_policy.stage_retry_allowed` says so."""
     from prefect.runtime import task_run
 
-    return train_flow(plan, attempt=int(task_run.run_count or 1))
+    # An attempt's Failed state (see _failed_attempt) raises its error here.
+    return cast(TrainResult, train_flow(plan, attempt=int(task_run.run_count or 1)))
 
 
 # -- validate -------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any
 from tasks.errors import (
     DoNotRequeue,
     InJobExhausted,
-    NodeLossExhausted,
+    NodeLost,
     TrainingFailed,
     TrainTimeout,
 )
@@ -53,7 +53,7 @@ class Outcome:
 
     def error(self) -> TrainingFailed | None:
         cls = {
-            EndKind.NODE_LOSS: NodeLossExhausted,
+            EndKind.NODE_LOSS: NodeLost,
             EndKind.INJOB_EXHAUSTED: InJobExhausted,
             EndKind.DO_NOT_REQUEUE: DoNotRequeue,
             EndKind.TIMEOUT: TrainTimeout,

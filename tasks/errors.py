@@ -29,7 +29,7 @@ class TrainingFailed(PipelineError):
     """The train stage ended without completing all steps."""
 
 
-class NodeLossExhausted(TrainingFailed):
+class NodeLost(TrainingFailed):
     """A node was lost and the in-job layer could not continue without it: a whole-stage retry
     on the nodes available, from the newest valid checkpoint, is the remedy."""
 

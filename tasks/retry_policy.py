@@ -4,21 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.errors import CapacityNotRestored, NodeLossExhausted
+from tasks.errors import CapacityNotRestored, NodeLost
 
 
 def stage_retry_allowed(error: BaseException | None) -> bool:
     """A whole train stage is retried only when the in-job layers were exhausted by node loss.
     Every other failure repeats on a retry (a bug, bad data, a fault that keeps coming) and must
     fail fast with its cause."""
-    return isinstance(error, NodeLossExhausted)
+    return isinstance(error, NodeLost)
 
 
 def awaits_capacity(error: BaseException | None) -> bool:
     """The run ended for want of nodes, not for a fault of its own: lost nodes used up its
     stage attempts, or too few came back. The same run, resumed once capacity is back, goes on
     from its newest valid checkpoint (the capacity-restored automation does that)."""
-    return isinstance(error, NodeLossExhausted | CapacityNotRestored)
+    return isinstance(error, NodeLost | CapacityNotRestored)
 
 
 def prefect_retry_condition(task: Any, task_run: Any, state: Any) -> bool:

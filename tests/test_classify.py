@@ -8,7 +8,7 @@ from tasks.classify import EndKind, EndSnapshot, classify
 from tasks.errors import (
     DoNotRequeue,
     InJobExhausted,
-    NodeLossExhausted,
+    NodeLost,
     PreflightFailed,
     TrainTimeout,
 )
@@ -88,7 +88,7 @@ def test_do_not_requeue_names_every_cause_once():
 
 
 def test_only_node_loss_is_retried():
-    assert stage_retry_allowed(NodeLossExhausted("x"))
+    assert stage_retry_allowed(NodeLost("x"))
     for e in (
         InJobExhausted("x"),
         DoNotRequeue("x"),
@@ -111,6 +111,6 @@ class _State:
 
 
 def test_prefect_hook_reads_the_failed_state():
-    assert prefect_retry_condition(None, None, _State(NodeLossExhausted("lost")))
+    assert prefect_retry_condition(None, None, _State(NodeLost("lost")))
     assert not prefect_retry_condition(None, None, _State(InJobExhausted("nope")))
     assert not prefect_retry_condition(None, None, _State(None))

@@ -215,7 +215,7 @@ def test_capacity_restored_resumes_the_failed_run(automations, s3_settings):
     state = run_flow(
         training_pipeline, flow_run=failed, parameters=failed.parameters, return_type="state"
     )
-    assert state.is_failed() and "NodeLossExhausted" in str(state.message), state.message
+    assert state.is_failed() and "NodeLost" in str(state.message), state.message
 
     from prefect import flow
     from prefect.events import emit_event

@@ -132,6 +132,38 @@ def test_workload_recovers_bitwise(
     if case.observed:
         _assert_operators_see_each_recovery(drilled, case, scraped, flow, rank0)
         assert_report_and_status(drilled, params, tmp_path / "drill", capsys)
+    if case.train_attempts > 1:
+        _assert_the_lost_attempt_reads_as_a_drill(drilled.run_id)
+
+
+def _assert_the_lost_attempt_reads_as_a_drill(run_id: str) -> None:
+    """Issue 27: the attempt that lost a node is a named flow run that failed with NodeLost as
+    its state, and the planned loss logged no ERROR (no traceback) on any train attempt."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterName,
+        LogFilter,
+        LogFilterFlowRunId,
+        LogFilterLevel,
+    )
+
+    with get_client(sync_client=True) as client:
+        names = [f"{run_id}: train attempt {n}" for n in (1, 2)]
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=names))
+        )
+        by_name = {r.name: r for r in runs}
+        lost, retried = by_name[names[0]].state, by_name[names[1]].state
+        assert lost is not None and lost.is_failed() and str(lost.message).startswith("NodeLost")
+        assert retried is not None and retried.is_completed()
+        errors = client.read_logs(
+            log_filter=LogFilter(
+                flow_run_id=LogFilterFlowRunId(any_=[r.id for r in runs]),
+                level=LogFilterLevel(ge_=40),
+            )
+        )
+    assert errors == [], [e.message[:200] for e in errors]
 
 
 def _assert_operators_see_each_recovery(
