@@ -190,3 +190,18 @@ def test_arrows_point_one_way(package: str, forbidden: set[str]) -> None:
         if _imports(p) & forbidden
     }
     assert offenders == {}
+
+
+def test_the_readme_contents_list_every_section_and_resolve() -> None:
+    """Issue 27: the README's contents name every section, and every link in it resolves."""
+    readme = REPO / "README.md"
+    text = readme.read_text()
+    contents = text[text.index("Contents:") : text.index("\n## ")]
+    listed = set(re.findall(r"\]\(#([^)]+)\)", contents))
+    sections = set()
+    for line in prose(text).splitlines():
+        m = re.match(r"(##|###)\s+(.*?)\s*$", line)
+        if m:
+            sections.add(re.sub(r"[^\w\- ]", "", m.group(2).lower()).replace(" ", "-"))
+    assert listed == sections, (sections - listed, listed - sections)
+    assert broken_links(readme) == []
