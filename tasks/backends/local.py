@@ -29,6 +29,7 @@ from tasks.backends.base import (
     LaunchRequest,
     Placement,
 )
+from tasks.backends.local_devices import split_devices, visible_gpus
 from tasks.checks import CheckResult
 from tasks.classify import EndSnapshot, Outcome, classify
 from tasks.ownership import processes
@@ -415,6 +416,14 @@ class LocalBackend:
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
         env.update(processes.tags(cfg.run_root, request.invocation))
+        # Each simulated node its own GPUs (its ranks' LOCAL_RANK indexes its own list), before
+        # any process starts; None: CPU workers.
+        gpus = split_devices(
+            cfg.device,
+            visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), _cuda_device_count()),
+            nodes=request.launched,
+            nproc_per_node=request.nproc_per_node,
+        )
         log_dir = cfg.run_root / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -428,7 +437,12 @@ class LocalBackend:
                     ["/bin/sh", "-c", _EXIT_WRAPPER, f"nvrx-node{node}", *argv],
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env={**env, "NVRX_EXIT_FILE": str(exit_path), "NVRX_NODE": str(node)},
+                    env={
+                        **env,
+                        "NVRX_EXIT_FILE": str(exit_path),
+                        "NVRX_NODE": str(node),
+                        **({} if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus[node]}),
+                    },
                     cwd=_REPO,
                     start_new_session=True,  # one "node" = one session we can take down whole
                 )
@@ -461,6 +475,12 @@ class LocalBackend:
             store=store,
             store_host=None if store is not None else 0,
         )
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def start_store(endpoint: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
