@@ -13,6 +13,7 @@ Changes from the plain script (``diff train_plain.py train.py``): the import, ``
 import argparse
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -50,7 +51,7 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(d, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1])
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], device=idx.device)
         x = self.emb(idx)
         for layer in self.layers:
             x = layer(x, src_mask=mask, is_causal=True)
@@ -75,12 +76,17 @@ def get_batch(tokens, step, rank, world, args) -> tuple[torch.Tensor, torch.Tens
 
 
 def train(session: nvrx.Session, args: argparse.Namespace) -> None:
+    # CUDA + NCCL with a GPU per rank (LOCAL_RANK), else CPU + gloo
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     session.init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens, vocab = load_tokens(args.data_dir)
     torch.manual_seed(args.seed)
-    model = TinyLM(vocab)
-    mesh = init_device_mesh("cpu", (world,))
+    model = TinyLM(vocab).to(device)
+    mesh = init_device_mesh(device.type, (world,))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -88,7 +94,7 @@ def train(session: nvrx.Session, args: argparse.Namespace) -> None:
     start = session.resume(model, optim)
     for step in range(start, args.steps + 1):
         session.step_start(step)
-        x, y = get_batch(tokens, step, rank, world, args)
+        x, y = (t.to(device) for t in get_batch(tokens, step, rank, world, args))
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         optim.step()

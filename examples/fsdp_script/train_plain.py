@@ -9,6 +9,7 @@ layer, AdamW. The batch of a step is drawn from (seed, step): the same step sees
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +43,7 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(d, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1])
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], device=idx.device)
         x = self.emb(idx)
         for layer in self.layers:
             x = layer(x, src_mask=mask, is_causal=True)
@@ -67,18 +68,23 @@ def get_batch(tokens, step, rank, world, args) -> tuple[torch.Tensor, torch.Tens
 
 
 def train(args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo")  # "nccl" on GPUs
+    # CUDA + NCCL with a GPU per rank (LOCAL_RANK), else CPU + gloo
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens, vocab = load_tokens(args.data_dir)
     torch.manual_seed(args.seed)
-    model = TinyLM(vocab)
-    mesh = init_device_mesh("cpu", (world,))
+    model = TinyLM(vocab).to(device)
+    mesh = init_device_mesh(device.type, (world,))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     for step in range(1, args.steps + 1):
-        x, y = get_batch(tokens, step, rank, world, args)
+        x, y = (t.to(device) for t in get_batch(tokens, step, rank, world, args))
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         optim.step()
