@@ -54,6 +54,7 @@ EXIT_CODES: dict[str, dict[int, str]] = {
         0: "the summary printed",
         2: "no events for that run (pass --state-dir or --run-root)",
     },
+    "runs": {0: "the list printed (empty: no run under that root)"},
     "automations": {
         0: "applied (or printed, with --dry-run)",
         1: "the Prefect server refused them or could not be reached",
@@ -204,6 +205,9 @@ def params_from_args(
 
     try:
         data = load_params_dict(args.config, args.set, inject, getattr(args, "run_id", None))
+        for flag in ("state_dir", "s3_endpoint"):  # run's own spellings of two parameters
+            if getattr(args, flag, None) is not None:
+                data[flag] = getattr(args, flag)
         data.update(forced)
         if deployment:
             if data.get("run_id"):
@@ -575,6 +579,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_runs(args: argparse.Namespace) -> int:
+    from tasks.run_list import list_runs
+
+    root = args.runs_root or Path(args.state_dir) / "fsx" / "runs"
+    rows = list_runs(root)
+    if args.json:
+        print(json.dumps([r.__dict__ for r in rows]))
+        return 0
+    if not rows:
+        print(f"no runs under {root} (pass --state-dir, or --runs-root /fsx/runs on EKS)")
+        return 0
+    print(f"{'run id':<34} {'state':<12} {'step':>10}  updated")
+    for r in rows:
+        step = f"{r.step}/{r.target_steps}" if r.target_steps else str(r.step)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.updated))
+        owner = f"  (owner {r.owner})" if r.owner else ""
+        print(f"{r.run_id:<34} {r.state:<12} {step:>10}  {when}{owner}")
+    print(f"details: nvrx-pipeline status RUN_ID --state-dir {args.state_dir}")
+    return 0
+
+
 def cmd_automations(args: argparse.Namespace) -> int:
     import yaml
 
@@ -808,6 +833,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="fault drill, e.g. node-loss@step=9,node=1",
     )
     run.add_argument("--run-id", help="name the run; an existing id resumes it")
+    # The same spellings as status, export, pull and prepare-dataset (each sets its parameter).
+    run.add_argument(
+        "--state-dir", help="the state_dir parameter: local state (FSx, S3 data, runs; .state)"
+    )
+    run.add_argument(
+        "--s3-endpoint", help="the s3_endpoint parameter (a local one is started on demand)"
+    )
     run.add_argument("--json", action="store_true", help="print the PipelineResult as JSON last")
     run.epilog = (
         "parameters: `nvrx-pipeline params` lists every one with its default and description;\n"
@@ -855,7 +887,14 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("path", type=Path)
     exp.add_argument("s3_uri")
     exp.add_argument("--run-id")
-    exp.add_argument("--endpoint", help="S3 endpoint URL (default: AWS, or $AWS_ENDPOINT_URL)")
+    exp.add_argument(
+        "--s3-endpoint",
+        dest="endpoint",
+        help="S3 endpoint URL (default: AWS, or $AWS_ENDPOINT_URL)",
+    )
+    # The old spelling still works; one spelling (--s3-endpoint, like prepare-dataset and the
+    # s3_endpoint parameter) is shown.
+    exp.add_argument("--endpoint", dest="endpoint", help=argparse.SUPPRESS)
     exp.add_argument("--sse", choices=["AES256", "aws:kms"], help="server-side encryption")
     exp.add_argument("--kms-key-id", help="KMS key id or ARN (with --sse aws:kms)")
     exp.add_argument(
@@ -885,10 +924,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pull.add_argument("s3_uri", metavar="S3_URI", help="the export prefix")
     pull.add_argument("dir", metavar="DIR", type=Path, help="directory to create (or empty one)")
-    pull.add_argument("--endpoint", help="S3 endpoint URL (default: AWS, or $AWS_ENDPOINT_URL)")
+    pull.add_argument(
+        "--s3-endpoint",
+        dest="endpoint",
+        help="S3 endpoint URL (default: AWS, or $AWS_ENDPOINT_URL)",
+    )
+    # The old spelling still works; one spelling (--s3-endpoint, like prepare-dataset and the
+    # s3_endpoint parameter) is shown.
+    pull.add_argument("--endpoint", dest="endpoint", help=argparse.SUPPRESS)
     pull.add_argument("--json", action="store_true", help="print a summary as JSON last")
     pull.set_defaults(fn=cmd_pull)
     stp = _command(sub, "status", help="summarise a run from its events file")
+    runs = _command(sub, "runs", help="list the runs of a state directory, newest first")
+    runs.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
+    runs.add_argument("--runs-root", type=Path, help="the runs directory itself (EKS: /fsx/runs)")
+    runs.add_argument("--json", action="store_true", help="a JSON list instead of text")
+    runs.set_defaults(fn=cmd_runs)
     stp.add_argument("run_id")
     stp.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
     stp.add_argument("--run-root", type=Path, help="the run directory itself (EKS: /fsx/runs/ID)")

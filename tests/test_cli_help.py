@@ -71,3 +71,65 @@ def test_status_checks_the_id_it_is_given(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["run_id"] == "run-a"
     assert main(["status", "../runs/run-a", "--state-dir", str(tmp_path)]) == 2
     assert "lowercase letters, digits and dashes" in capsys.readouterr().err
+
+
+def test_one_spelling_per_option_across_commands(capsys):
+    """Issue 27: the S3 endpoint is --s3-endpoint and the state directory --state-dir wherever
+    a command takes them (run sets its parameters from them)."""
+    from flows.cli import build_parser, params_from_args
+
+    for cmd in ("run", "export", "pull", "prepare-dataset"):
+        assert "--s3-endpoint" in _help([cmd, "--help"], capsys), cmd
+    for cmd in ("run", "status"):
+        assert "--state-dir" in _help([cmd, "--help"], capsys), cmd
+    args = build_parser().parse_args(
+        ["run", "--state-dir", "/tmp/st", "--s3-endpoint", "http://127.0.0.1:9000"]
+    )
+    p = params_from_args(args, inject=[])
+    assert p is not None and (p.state_dir, p.s3_endpoint) == ("/tmp/st", "http://127.0.0.1:9000")
+
+
+def test_runs_lists_a_state_directorys_runs_newest_first(tmp_path, capsys):
+    """Issue 27: `runs` finds a run's id again: ended runs from their saved result, one that has
+    not ended from its events; a stray file or a hostile result changes nothing."""
+    import os
+
+    root = tmp_path / "fsx" / "runs"
+    done = root / "run-done"
+    done.mkdir(parents=True)
+    (done / "events.jsonl").write_text("")
+    (done / "pipeline_result.json").write_text(
+        json.dumps(
+            {"status": "completed", "run_id": "run-done", "final_step": 30, "target_steps": 30}
+        )
+    )
+    os.utime(done / "pipeline_result.json", (1000, 1000))
+    os.utime(done / "events.jsonl", (1000, 1000))
+    cut = root / "run-cut"
+    cut.mkdir()
+    (cut / "events.jsonl").write_text(
+        "\n".join(
+            json.dumps({"t": 1.0 + i, "kind": "step", "step": i, "step_s": 0.1}) for i in (1, 2, 3)
+        )
+        + "\n"
+    )
+    hostile = root / "run-hostile"
+    hostile.mkdir()
+    (hostile / "events.jsonl").write_text("1\nnull\n")
+    (hostile / "pipeline_result.json").write_text("[not json")
+    os.utime(hostile / "events.jsonl", (500, 500))
+    os.utime(hostile / "pipeline_result.json", (500, 500))
+    (root / "stray.txt").write_text("x")
+    (root / "empty").mkdir()
+    assert main(["runs", "--state-dir", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["run_id"], r["state"], r["step"]) for r in rows] == [
+        ("run-cut", "interrupted (run it again to resume)", 3),
+        ("run-done", "completed", 30),
+        ("run-hostile", "interrupted (run it again to resume)", 0),
+    ]
+    assert main(["runs", "--runs-root", str(root)]) == 0
+    text = capsys.readouterr().out
+    assert "run-done" in text and "30/30" in text and "nvrx-pipeline status RUN_ID" in text
+    assert main(["runs", "--state-dir", str(tmp_path / "nothing")]) == 0
+    assert "no runs under" in capsys.readouterr().out

@@ -59,7 +59,7 @@ def pull(
 ) -> tuple[int, dict[str, Any] | None, str]:
     """``nvrx-pipeline pull URI DEST --json``: (exit code, the JSON summary, stderr)."""
     assert s3.endpoint_url
-    rc = main(["pull", uri, str(dest), "--endpoint", s3.endpoint_url, "--json"])
+    rc = main(["pull", uri, str(dest), "--s3-endpoint", s3.endpoint_url, "--json"])
     out, err = capsys.readouterr()
     lines = out.strip().splitlines()
     return rc, (json.loads(lines[-1]) if rc == 0 else None), err
