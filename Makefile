@@ -10,7 +10,7 @@ PORT ?= 29500
 # apt-get needs root: CI runs as root; elsewhere go through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all venv lock browser run run-trainer serve test test-fast test-extended lint bench bench-ettr screenshots clean
+.PHONY: all venv lock browser run run-trainer serve up down test test-fast test-extended lint bench bench-ettr screenshots clean
 
 all: test
 
@@ -56,6 +56,14 @@ run-trainer: venv
 
 serve: venv
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(VENV)/bin/nvrx-pipeline serve
+
+# A Prefect server (the UI, http://127.0.0.1:4200) and the S3 server kept up across runs of
+# $(STATE_DIR): `make run` then uses them, and its run, report and export stay reachable.
+up: venv
+	$(VENV)/bin/nvrx-pipeline up --state-dir $(STATE_DIR)
+
+down: venv
+	$(VENV)/bin/nvrx-pipeline down --state-dir $(STATE_DIR)
 
 test: venv browser
 	$(PY) -m pytest -q -m "not extended"

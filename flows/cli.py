@@ -35,6 +35,8 @@ EXIT_CODES: dict[str, dict[int, str]] = {
     "params": {0: "the parameters printed", 2: "no parameter matches NAME"},
     "render-k8s": {0: "the manifests printed", 2: "bad parameters"},
     "serve": {0: "stopped (Ctrl-C)", 1: "the Prefect server failed", 2: "bad default parameters"},
+    "up": {0: "both servers up (their addresses printed)", 1: "a server did not start"},
+    "down": {0: "stopped (or nothing was up)"},
     "validate": {
         0: "every check passed",
         1: "a check failed: the report names it and the file",
@@ -236,6 +238,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     ctx = RunContext.create(params)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if not os.environ.get("PREFECT_API_URL"):
+        from tasks.local_services import kept_prefect_api
+
+        # The state directory's kept server (`nvrx-pipeline up`): the run, its report and
+        # artifacts stay in its UI; without one Prefect starts a temporary server.
+        kept = kept_prefect_api(Path(params.state_dir))
+        if kept is not None:
+            os.environ["PREFECT_API_URL"] = kept
+            print(
+                f"Prefect server: {kept.removesuffix('/api')} (nvrx-pipeline up)", file=sys.stderr
+            )
     from flows.pipeline import training_pipeline
 
     status = 0
@@ -460,6 +473,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except Exception as e:  # the server: unreachable, or it refused the deployments
         print(f"error: serving the deployments failed: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from tasks.errors import PipelineError
+    from tasks.local_services import start_prefect
+    from tasks.storage.local_s3 import keep_local_s3
+    from tasks.storage.s3 import S3Settings
+
+    state = Path(args.state_dir)
+    try:
+        endpoint = keep_local_s3(S3Settings(endpoint_url=args.s3_endpoint), state)
+        api = start_prefect(state, port=args.port)
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    ui = api.removesuffix("/api")
+    print(f"Prefect UI: {ui} (runs of --state-dir {state} use it; its data in {state}/prefect)")
+    print(f"S3: {endpoint} (the demo's data and exports, kept until `nvrx-pipeline down`)")
+    print(f"stop both: nvrx-pipeline down --state-dir {state}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from tasks.local_services import stop_prefect
+    from tasks.storage.local_s3 import unkeep_local_s3
+
+    state = Path(args.state_dir)
+    prefect = stop_prefect(state)
+    s3 = unkeep_local_s3(state)
+    print(f"Prefect server: {'stopped' if prefect else 'was not running'}")
+    print(f"S3 server: {'stopped' if s3 else 'not running, or still used by a run'}")
     return 0
 
 
@@ -872,6 +917,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a default parameter of both deployments (the UI form starts from these)",
     )
     serve.set_defaults(fn=cmd_serve)
+    up = _command(
+        sub,
+        "up",
+        help="keep a local Prefect server (the UI) and the S3 server up across runs",
+        description="Start, for a state directory, a Prefect server (UI and artifacts, its "
+        "database under STATE_DIR/prefect) and the embedded S3 server, and keep them up after "
+        "each run ends, until `down`. `run` with the same --state-dir uses them.",
+    )
+    up.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
+    up.add_argument("--port", type=int, default=4200, help="the Prefect server's port (4200)")
+    up.add_argument("--s3-endpoint", default="http://127.0.0.1:8333", help="the S3 server's")
+    up.set_defaults(fn=cmd_up)
+    down = _command(sub, "down", help="stop what `up` started")
+    down.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
+    down.set_defaults(fn=cmd_down)
     val = _command(sub, "validate", help="validate a committed checkpoint directory")
     val.add_argument("path", type=Path)
     val.add_argument(

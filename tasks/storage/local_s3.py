@@ -8,7 +8,7 @@ two servers on different S3 ports do not collide. Telemetry, the admin UI and We
 Ownership (arch §6): the server belongs to its state directory. ``<state>/s3/server.json``
 records it (pid, start time, port, data directory) and ``<state>/s3/users/`` holds one entry per
 invocation using it, so concurrent runs of one state directory share it and the last one out
-stops it; a user whose process died is dropped, so a killed orchestrator never keeps it alive
+stops it (``nvrx-pipeline up`` adds a "kept" entry that holds it until ``down``); a user whose process died is dropped, so a killed orchestrator never keeps it alive
 for ever, nor does its death stop a server others still use. Before use the server listening on
 the port is identified as the recorded one; on the embedded default's port something else
 listening (a "squatter") is refused rather than trusted with the run's data.
@@ -170,6 +170,7 @@ class LocalS3Server:
 
 SERVER_RECORD = "server.json"
 USERS_DIR = "users"
+KEPT_USER = "kept.json"  # the user entry of `nvrx-pipeline up`: keeps the server past its runs
 
 
 def _write_json(path: Path, data: dict[str, object]) -> None:
@@ -240,6 +241,9 @@ def _live_users(data_dir: Path) -> list[Path]:
     alive = []
     for entry in sorted(users.glob("*.json")) if users.is_dir() else []:
         rec = _read_json(entry) or {}
+        if entry.name == KEPT_USER and rec.get("kept") is True:  # `up`: until `down`
+            alive.append(entry)
+            continue
         try:
             ok = process_is(int(str(rec["pid"])), float(str(rec["create_time"])))
         except (KeyError, ValueError):
@@ -307,6 +311,37 @@ def ensure_local_s3(
         entry = users / f"{user or 'anon'}-{me.pid}.json"
         _write_json(entry, {"pid": me.pid, "create_time": me.create_time(), "user": user})
     return SharedServer(endpoint, data_dir, entry, started is not None, started)
+
+
+def keep_local_s3(settings: S3Settings, state_dir: Path) -> str | None:
+    """Keep the state directory's S3 server up past every run (started now if down) until
+    :func:`unkeep_local_s3`; its endpoint, or None for an endpoint that is not local."""
+    server = ensure_local_s3(settings, state_dir, user="up")
+    if server is None:
+        return None
+    with _state_lock(server.data_dir):
+        kept = {"kept": True, "endpoint": server.endpoint}
+        _write_json(server.data_dir / USERS_DIR / KEPT_USER, kept)
+    server.release()  # the kept entry holds it now
+    return server.endpoint
+
+
+def unkeep_local_s3(state_dir: Path) -> bool:
+    """Drop the kept entry; the server stops unless a run still uses it. True when it stopped."""
+    data_dir = Path(state_dir) / "s3"
+    with _state_lock(data_dir):
+        (data_dir / USERS_DIR / KEPT_USER).unlink(missing_ok=True)
+        if _live_users(data_dir):
+            return False
+        try:  # the port the state directory's server was started on (its record)
+            port = int(str((_read_json(data_dir / SERVER_RECORD) or {})["port"]))
+        except (KeyError, ValueError):
+            return False
+        proc = recorded_server(data_dir, port)
+        if proc is None:
+            return False
+        _stop_recorded(data_dir, proc)
+        return True
 
 
 def _squatter_message(endpoint: str, port: int, data_dir: Path) -> str:

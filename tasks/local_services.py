@@ -1,0 +1,127 @@
+"""Local services that outlive a run: a Prefect server (the UI and the artifacts a run's report
+points to) and the embedded S3 server (the demo's data and exports), kept up for a state
+directory by ``nvrx-pipeline up`` and stopped by ``down`` (issue 27). Without them ``run`` uses
+a temporary Prefect server and the S3 server stops with the run, so the UI and the README's
+recipes for the demo's export have nothing to open afterwards.
+
+The Prefect server runs ``prefect server start`` on 127.0.0.1 with its home (SQLite database)
+under ``<state_dir>/prefect``, in a session of its own, recorded in ``server.json`` there (pid,
+start time, port) so that ``run`` finds it and ``down`` stops exactly it. The S3 server is the
+state directory's own (``tasks.storage.local_s3``), held by a "kept" user entry."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+from tasks.errors import PipelineError
+from tasks.ownership.lease import process_is
+from trainer.run_files import read_json_object, write_json_atomic
+
+PREFECT_DIR = "prefect"
+RECORD = "server.json"
+DEFAULT_PORT = 4200
+
+
+class ServiceError(PipelineError):
+    pass
+
+
+def _health(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def kept_prefect_api(state_dir: Path) -> str | None:
+    """The API URL of this state directory's kept Prefect server when it is up, else None."""
+    rec = read_json_object(Path(state_dir) / PREFECT_DIR / RECORD)
+    if rec is None:
+        return None
+    try:
+        pid, created, port = (
+            int(str(rec["pid"])),
+            float(str(rec["create_time"])),
+            int(str(rec["port"])),
+        )
+    except (KeyError, ValueError):
+        return None
+    if not process_is(pid, created) or not _health(port):
+        return None
+    return f"http://127.0.0.1:{port}/api"
+
+
+def start_prefect(state_dir: Path, port: int = DEFAULT_PORT, timeout: float = 180.0) -> str:
+    """Start the kept Prefect server (or find it up); its API URL."""
+    home = Path(state_dir).absolute() / PREFECT_DIR
+    api = kept_prefect_api(state_dir)
+    if api is not None:
+        return api
+    if _health(port):
+        raise ServiceError(
+            f"port {port}: another Prefect server already answers there (not this state "
+            f"directory's): use it (PREFECT_API_URL=http://127.0.0.1:{port}/api), or --port N"
+        )
+    home.mkdir(parents=True, exist_ok=True)
+    # Nothing of the caller's Prefect profile: this server has its own home and database.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    prefect = Path(sys.executable).parent / "prefect"
+    with open(home / "server.log", "ab") as log:
+        proc = subprocess.Popen(
+            [str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    record = {"pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(), "port": port}
+    write_json_atomic(home / RECORD, record)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServiceError(
+                f"the Prefect server exited with {proc.returncode}; see {home / 'server.log'}"
+            )
+        if _health(port):
+            return f"http://127.0.0.1:{port}/api"
+        time.sleep(0.5)
+    stop_prefect(state_dir)
+    raise ServiceError(
+        f"the Prefect server did not answer within {timeout:.0f} s; see {home / 'server.log'}"
+    )
+
+
+def stop_prefect(state_dir: Path) -> bool:
+    """Stop the kept Prefect server; False when none was running."""
+    path = Path(state_dir) / PREFECT_DIR / RECORD
+    rec = read_json_object(path)
+    path.unlink(missing_ok=True)
+    if rec is None:
+        return False
+    try:
+        pid, created = int(str(rec["pid"])), float(str(rec["create_time"]))
+    except (KeyError, ValueError):
+        return False
+    if not process_is(pid, created):
+        return False
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGTERM)
+    try:
+        psutil.Process(pid).wait(timeout=20)
+    except psutil.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+    except psutil.NoSuchProcess:
+        pass
+    return True

@@ -1,0 +1,92 @@
+"""`nvrx-pipeline up`/`down` (issue 27): after a run's own process has exited, its flow runs and
+report are in a kept Prefect server's UI and its export is pulled from the kept S3 server, as
+the README says; `down` leaves no process of either."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import REPO, free_port, free_s3_port
+
+pytestmark = pytest.mark.slow
+
+CLI = [sys.executable, "-m", "flows.cli"]
+
+
+def _cli(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_a_finished_run_stays_in_the_ui_and_its_export_in_s3(tmp_path: Path):
+    state, port, s3 = tmp_path / "state", free_port(), f"http://127.0.0.1:{free_s3_port()}"
+    # A user's shell: none of the test harness's Prefect settings.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    up = _cli(["up", "--state-dir", str(state), "--port", str(port), "--s3-endpoint", s3], env, 240)
+    pids = []
+    try:
+        assert up.returncode == 0, up.stderr[-2000:]
+        assert f"Prefect UI: http://127.0.0.1:{port}" in up.stdout and f"S3: {s3}" in up.stdout
+        records = (state / "prefect" / "server.json", state / "s3" / "server.json")
+        pids = [json.loads(p.read_text())["pid"] for p in records]
+        run = _cli(
+            [
+                *("run", "--state-dir", str(state), "--s3-endpoint", s3, "--run-id", "kept"),
+                *("--set", "steps=6", "--set", "nodes=1", "--json"),
+            ],
+            env,
+            300,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert f"Prefect server: http://127.0.0.1:{port}" in run.stderr  # found without a flag
+        # The run's process has exited: what it made is still served.
+        api = {**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+        probe = subprocess.run(
+            [sys.executable, "-c", _READ_BACK],
+            env=api,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert probe.returncode == 0, probe.stderr[-2000:]
+        seen = json.loads(probe.stdout.strip().splitlines()[-1])
+        assert {"kept", "kept: train attempt 1", "kept: export"} <= set(seen["runs"])
+        assert seen["report"].startswith("# Run `kept`: completed")
+        pulled = _cli(
+            [
+                *("pull", "s3://nvrx-checkpoints/exports/kept/step_6/", str(tmp_path / "pulled")),
+                *("--s3-endpoint", s3, "--json"),
+            ],
+            env,
+            120,
+        )
+        assert pulled.returncode == 0, pulled.stderr[-2000:]
+        assert json.loads(pulled.stdout.strip().splitlines()[-1])["verified"] is True
+        assert (state / "fsx" / "runs" / "kept" / "report.md").read_text().startswith("# Run")
+    finally:
+        down = _cli(["down", "--state-dir", str(state)], env, 120)
+    assert down.returncode == 0, down.stderr
+    assert "Prefect server: stopped" in down.stdout and "S3 server: stopped" in down.stdout
+    assert pids and not any(psutil.pid_exists(p) for p in pids), "a kept server outlived down"
+
+
+_READ_BACK = """
+import json
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+with get_client(sync_client=True) as c:
+    runs = [r.name for r in c.read_flow_runs() if r.state and r.state.is_completed()]
+    key = ArtifactFilterKey(any_=["run-report"])
+    arts = c.read_artifacts(artifact_filter=ArtifactFilter(key=key))
+print(json.dumps({"runs": runs, "report": str(arts[0].data) if arts else ""}))
+"""
