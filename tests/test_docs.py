@@ -205,3 +205,15 @@ def test_the_readme_contents_list_every_section_and_resolve() -> None:
             sections.add(re.sub(r"[^\w\- ]", "", m.group(2).lower()).replace(" ", "-"))
     assert listed == sections, (sections - listed, listed - sections)
     assert broken_links(readme) == []
+
+
+def test_the_readme_metrics_table_names_every_restart_layer() -> None:
+    """Issue 27: the table listed 3 of the 5 layers a restart is counted under."""
+    from trainer.events import LAYERS
+
+    row = next(
+        line
+        for line in (REPO / "README.md").read_text().splitlines()
+        if line.startswith("| `nvrx_restarts_total`")
+    )
+    assert re.findall(r"`([a-z-]+)`", row.split("|")[3]) == ["layer", *LAYERS]

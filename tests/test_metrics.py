@@ -170,6 +170,12 @@ def test_flow_endpoint_serves_the_events_file_as_it_grows(tmp_path: Path) -> Non
         time.sleep(0.2)  # the restart came in the same poll, or the next
         later = scrape(url)
     assert first == 1
+    # Issue 27: the conventional build-info series, with the versions this process runs.
+    from trainer.metrics import build_versions
+
+    versions = build_versions()
+    assert versions["version"] != "not installed" and versions["torch"].startswith("2.")
+    assert sample(later, "nvrx_build_info", run_id="r1", **versions) == 1
     assert sample(later, "nvrx_restarts_total", run_id="r1", layer="inprocess") == 1
     assert sample(later, "nvrx_restarts_total", run_id="r1", layer="injob") == 0
     # The endpoint is gone with the block, its port free again (for the next pipeline run).
@@ -416,7 +422,12 @@ DASHBOARD = REPO / "deploy" / "grafana" / "nvrx-dashboard.json"
 def _exported_names() -> set[str]:
     """Every sample name the two registries serve, from the families' types: a labelled series
     that saw no event yet (faults by kind) has no sample to read the name from."""
-    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+    suffixes = {
+        "counter": ("_total",),
+        "gauge": ("",),
+        "histogram": ("_bucket", "_sum", "_count"),
+        "info": ("_info",),
+    }
     return {
         fam.name + sfx
         for registry in (Rank0Metrics("x").registry, RunMetrics("x").registry)

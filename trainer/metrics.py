@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,24 @@ log = logging.getLogger(__name__)
 BLOCKING_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # From save() until the checkpoint is committed (written, manifest, rename) while training goes on.
 COMMIT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+def build_versions() -> dict[str, str]:
+    """nvrx-pipeline's version and the torch, NVRx and Prefect it runs with."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for label, dist in (
+        ("version", "nvrx-pipeline"),
+        ("torch", "torch"),
+        ("nvrx", "nvidia-resiliency-ext"),
+        ("prefect", "prefect"),
+    ):
+        try:
+            out[label] = version(dist)
+        except PackageNotFoundError:
+            out[label] = "not installed"
+    return out
 
 
 class TrainingSeries:
@@ -70,6 +88,11 @@ class TrainingSeries:
             "Seconds from a checkpoint's save until it was committed",
             COMMIT_BUCKETS,
         )
+        # The conventional build-info series (value 1): which versions a target runs, for a
+        # dashboard's table and for joins (`* on(run_id) group_left(version)`).
+        Info("nvrx_build", "Versions this process runs", ["run_id"], registry=registry).labels(
+            run_id
+        ).info(build_versions())
 
     def observe(self, e: dict[str, Any]) -> None:
         kind = e.get("kind")

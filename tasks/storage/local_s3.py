@@ -8,8 +8,9 @@ two servers on different S3 ports do not collide. Telemetry, the admin UI and We
 Ownership (arch §6): the server belongs to its state directory. ``<state>/s3/server.json``
 records it (pid, start time, port, data directory) and ``<state>/s3/users/`` holds one entry per
 invocation using it, so concurrent runs of one state directory share it and the last one out
-stops it (``nvrx-pipeline up`` adds a "kept" entry that holds it until ``down``); a user whose process died is dropped, so a killed orchestrator never keeps it alive
-for ever, nor does its death stop a server others still use. Before use the server listening on
+stops it (``nvrx-pipeline up`` adds a "kept" entry that holds it until ``down``); a user whose
+process died is dropped, so a killed orchestrator never keeps it alive for ever, nor does its
+death stop a server others still use. Before use the server listening on
 the port is identified as the recorded one; on the embedded default's port something else
 listening (a "squatter") is refused rather than trusted with the run's data.
 """
