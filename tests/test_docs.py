@@ -196,7 +196,7 @@ def test_the_readme_contents_list_every_section_and_resolve() -> None:
     """Issue 27: the README's contents name every section, and every link in it resolves."""
     readme = REPO / "README.md"
     text = readme.read_text()
-    contents = text[text.index("Contents:") : text.index("\n## ")]
+    contents = text[text.index("Contents (") : text.index("\n## ")]
     listed = set(re.findall(r"\]\(#([^)]+)\)", contents))
     sections = set()
     for line in prose(text).splitlines():
@@ -217,3 +217,11 @@ def test_the_readme_metrics_table_names_every_restart_layer() -> None:
         if line.startswith("| `nvrx_restarts_total`")
     )
     assert re.findall(r"`([a-z-]+)`", row.split("|")[3]) == ["layer", *LAYERS]
+
+
+def test_the_glossary_links_and_paths_resolve() -> None:
+    """docs/glossary.md (issue 27): every link and anchor, and every repository path it names."""
+    glossary = REPO / "docs" / "glossary.md"
+    text = glossary.read_text()
+    assert broken_links(glossary) == [] and missing_paths(text) == []
+    assert "glossary.md" in (REPO / "README.md").read_text()
