@@ -10,7 +10,7 @@ PORT ?= 29500
 # apt-get needs root: CI runs as root; elsewhere go through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all venv lock browser run run-trainer serve up down test test-fast test-extended lint bench bench-ettr screenshots clean
+.PHONY: all venv lock browser promtool run run-trainer serve up down test test-fast test-extended lint bench bench-ettr screenshots clean
 
 all: test
 
@@ -65,15 +65,23 @@ up: venv
 down: venv
 	$(VENV)/bin/nvrx-pipeline down --state-dir $(STATE_DIR)
 
-test: venv browser
+# Debian's prometheus package for its promtool: the shipped alert rules are checked and
+# unit-tested with it. RUNLEVEL=1: the package's service is not started (no server is needed).
+promtool:
+	@command -v promtool >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+		$(SUDO) env RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		--no-install-recommends prometheus; }
+	@promtool --version 2>/dev/null | head -1
+
+test: venv browser promtool
 	$(PY) -m pytest -q -m "not extended"
 
-test-fast: venv
+test-fast: venv promtool
 	$(PY) -m pytest -q -m "not slow and not extended"
 
 # Real-process drills kept out of `make test` for its time budget (their parts are covered by
 # cheaper tests, see docs/architecture.md section 8): run them when changing those paths.
-test-extended: venv browser
+test-extended: venv browser promtool
 	$(PY) -m pytest -q -m extended
 
 lint: venv

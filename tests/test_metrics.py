@@ -487,3 +487,50 @@ def test_dashboard_check_catches_a_name_the_code_does_not_export() -> None:
     target = dash["panels"][1]["targets"][0]
     target["expr"] = target["expr"].replace("nvrx_train_steps_total", "nvrx_train_step_total")
     assert _unexported(dash) == {dash["panels"][1]["title"]: {"nvrx_train_step_total"}}
+
+
+# -- alert rules (issue 27) -----------------------------------------------------------------------
+RULES = REPO / "deploy" / "prometheus" / "nvrx-alerts.yaml"
+
+
+def _promtool() -> str:
+    import shutil
+
+    found = shutil.which("promtool")
+    assert found, "promtool not found: `make test` installs Debian's prometheus (make promtool)"
+    return found
+
+
+def test_shipped_alert_rules_pass_promtool_and_fire_as_their_unit_tests_say() -> None:
+    """`promtool check rules` on the shipped rules, and `promtool test rules` over recorded
+    series of stalled, storming, uncommitted and retried runs (each alert fires when it must,
+    with its labels and text, and stays silent otherwise)."""
+    checked = subprocess.run(
+        [_promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 5 rules found" in checked.stdout
+    tested = subprocess.run(
+        [_promtool(), "test", "rules", "nvrx-alerts.test.yaml"],
+        cwd=REPO / "tests" / "prometheus",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def test_alert_rules_use_only_exported_metrics_and_ship_as_a_prometheusrule() -> None:
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    exported = _exported_names()
+    used = {
+        name
+        for g in groups
+        for r in g["rules"]
+        for name in re.findall(r"\b(nvrx_[a-z_]+)", r["expr"])
+    }
+    assert used and used <= exported, used - exported
+    docs = list(yaml.safe_load_all((REPO / "deploy" / "eks" / "prometheus-rule.yaml").read_text()))
+    [rule] = [d for d in docs if d and d["kind"] == "PrometheusRule"]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["spec"]["groups"] == groups  # the same rules promtool checked
