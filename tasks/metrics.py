@@ -94,7 +94,7 @@ class RunMetrics:
             "nvrx_train_stage_attempts", "Train-stage attempts started", ["run_id"], registry=r
         ).labels(run_id)
         Gauge(
-            "nvrx_ettr",
+            "nvrx_ettr_ratio",
             "Effective training time ratio: productive step time / train-stage wall time",
             ["run_id"],
             registry=r,

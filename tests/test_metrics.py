@@ -31,8 +31,24 @@ from trainer.metrics import MetricsServer, Rank0Metrics
 # (in-job), a lost node (stage retry); steps 3-4 run twice (replayed after the SIGKILL).
 HISTORY: list[dict[str, Any]] = [
     {"t": 100.0, "kind": "stage_attempt", "stage": "train", "attempt": 1, "backend": "local"},
-    {"t": 101.0, "kind": "step", "step": 1, "loss": 6.2, "step_s": 0.5, "tokens_per_s": 900.0},
-    {"t": 101.5, "kind": "step", "step": 2, "loss": 6.0, "step_s": 0.5, "tokens_per_s": 950.0},
+    {
+        "t": 101.0,
+        "kind": "step",
+        "step": 1,
+        "loss": 6.2,
+        "step_s": 0.5,
+        "tokens_per_s": 900.0,
+        "tokens": 450,
+    },
+    {
+        "t": 101.5,
+        "kind": "step",
+        "step": 2,
+        "loss": 6.0,
+        "step_s": 0.5,
+        "tokens_per_s": 950.0,
+        "tokens": 475,
+    },
     {"t": 101.6, "kind": "checkpoint", "step": 2, "blocking_s": 0.02, "total_s": 1.5},
     {"t": 102.0, "kind": "fault", "fault": "exception@step=3", "fault_kind": "exception"},
     {"t": 102.5, "kind": "restart", "layer": "inprocess", "iteration": 1},
@@ -55,7 +71,15 @@ HISTORY: list[dict[str, Any]] = [
         "outcome": "node-loss",
     },
     {"t": 113.0, "kind": "stage_attempt", "stage": "train", "attempt": 2, "backend": "local"},
-    {"t": 120.0, "kind": "step", "step": 5, "loss": 5.7, "step_s": 0.5, "tokens_per_s": 990.0},
+    {
+        "t": 120.0,
+        "kind": "step",
+        "step": 5,
+        "loss": 5.7,
+        "step_s": 0.5,
+        "tokens_per_s": 990.0,
+        "tokens": 495,
+    },
     {"t": 120.0, "kind": "recovered", "layer": "stage-retry", "recovery_s": 9.0, "step": 5},
     {"t": 120.5, "kind": "checkpoint", "step": 5, "blocking_s": 0.01, "total_s": 1.0},
     {
@@ -100,9 +124,11 @@ def test_run_metrics_map_a_recorded_history_and_count_each_event_once() -> None:
     assert sample(s, "nvrx_train_steps_total", run_id="r1") == 7  # two replayed
     assert sample(s, "nvrx_train_loss", run_id="r1") == 5.7
     assert sample(s, "nvrx_train_tokens_per_second", run_id="r1") == 990.0
+    # A counter for rate(): each step's tokens once, however often the file is read.
+    assert sample(s, "nvrx_train_tokens_total", run_id="r1") == 450 + 475 + 495
     # ETTR: the run report's number (a replayed step counts its last run), 2.0 s / 20 s.
     assert m.ettr() == run_summary.ettr(HISTORY) == 0.1
-    assert sample(s, "nvrx_ettr", run_id="r1") == 0.1
+    assert sample(s, "nvrx_ettr_ratio", run_id="r1") == 0.1
 
 
 def test_ettr_counts_the_running_attempts_wall_time_so_far() -> None:
@@ -471,15 +497,23 @@ def test_dashboard_uses_only_metrics_the_code_exports() -> None:
     for needed in (
         "nvrx_train_steps_total",
         "nvrx_train_loss",
-        "nvrx_train_tokens_per_second",
+        "nvrx_train_tokens_total",
         "nvrx_restarts_total",
         "nvrx_recovery_seconds_bucket",
         "nvrx_checkpoint_blocking_seconds_bucket",
         "nvrx_checkpoint_commit_latency_seconds_bucket",
-        "nvrx_ettr",
+        "nvrx_ettr_ratio",
     ):
         assert needed in used, needed
     assert any("rate(nvrx_train_steps_total" in e for e in exprs)  # the step rate
+    # Issue 27: counters are plotted as rates or increases, never raw.
+    raw = [
+        e
+        for e in exprs
+        for name in re.findall(r"\bnvrx_[a-z0-9_]+_total\b", e)
+        if not re.search(rf"(rate|increase)\({name}\b", e)
+    ]
+    assert raw == []
 
 
 def test_dashboard_check_catches_a_name_the_code_does_not_export() -> None:

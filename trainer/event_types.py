@@ -105,6 +105,7 @@ class Step(_Base):
     step_s: Seconds = 0.0
     ckpt_blocking_s: Seconds | None = None
     tokens_per_s: float | None = None
+    tokens: NonNeg | None = None  # the step's tokens, all ranks (a script may not say)
 
 
 class TrainEnd(_Base):

@@ -155,9 +155,10 @@ class StepEvents(Hook):
         self.buffered = buffered
 
     def on_step_end(self, end: StepEnd) -> None:
-        rate = {}
+        rate: dict[str, float | int] = {}
         if end.tokens and end.step_s > 0:  # a script may not say how many tokens a step has
             rate["tokens_per_s"] = round(end.tokens / end.step_s, 1)
+            rate["tokens"] = end.tokens
         # The first step after a (re)start goes out at once: a recovery ends with it.
         at_once = not self.buffered or end.step == self.first_step
         emit = self.events.emit if at_once else self.events.buffer

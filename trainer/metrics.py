@@ -78,6 +78,14 @@ class TrainingSeries:
         self.tokens_per_s = gauge(
             "nvrx_train_tokens_per_second", "Tokens per second of the last step, all ranks"
         )
+        # The convention for a rate: a counter, which rate() turns into tokens/s over any window
+        # (the gauge above is the last step's alone).
+        self.tokens = Counter(
+            "nvrx_train_tokens",
+            "Tokens trained, all ranks, replays after a restart included",
+            ["run_id"],
+            registry=registry,
+        ).labels(run_id)
         self.blocking = histogram(
             "nvrx_checkpoint_blocking_seconds",
             "Seconds a committed checkpoint's save blocked the training loop",
@@ -103,6 +111,8 @@ class TrainingSeries:
             if t > self._last_step_t:
                 self._last_step_t = t
                 self.steps.inc()
+                if isinstance(e.get("tokens"), int) and e["tokens"] > 0:
+                    self.tokens.inc(e["tokens"])
             self.step.set(e["step"])
             if e.get("loss") is not None:
                 self.loss.set(e["loss"])
