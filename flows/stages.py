@@ -157,8 +157,18 @@ def preflight_flow(plan: RunPlan) -> PreflightResult:
     }
     wl = params.workload_spec()
     # Every rank on this machine (the local backend): what the workload needs of its memory.
-    local = params.backend == "local"
-    need = None if wl is None or not local else local_memory_need(wl, params.world_size)
+    need = None
+    if wl is not None and params.backend == "local":
+        try:
+            need = local_memory_need(wl, params.world_size)
+        except Exception as e:  # a user's model that cannot be built on the meta device
+            get_run_logger().warning(
+                "memory check: %s's parameters could not be counted on the meta device (%s: "
+                "%s); checking the flat floor only",
+                params.workload,
+                type(e).__name__,
+                e,
+            )
     req = Requirements(
         workers=params.world_size,
         buckets=(params.dataset.bucket, params.export.bucket),
