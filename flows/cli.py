@@ -210,6 +210,14 @@ def params_from_args(
         for flag in ("state_dir", "s3_endpoint"):  # run's own spellings of two parameters
             if getattr(args, flag, None) is not None:
                 data[flag] = getattr(args, flag)
+        local = data.get("backend", "local") == "local"
+        if args.command == "run" and local and "s3_endpoint" not in data:
+            from tasks.storage.local_s3 import kept_endpoint
+
+            # The S3 server `up` keeps for this state directory, on whatever port it has.
+            kept = kept_endpoint(Path(str(data.get("state_dir") or ".state")))
+            if kept is not None:
+                data["s3_endpoint"] = kept
         data.update(forced)
         if deployment:
             if data.get("run_id"):

@@ -39,8 +39,8 @@ def test_a_finished_run_stays_in_the_ui_and_its_export_in_s3(tmp_path: Path):
         records = (state / "prefect" / "server.json", state / "s3" / "server.json")
         pids = [json.loads(p.read_text())["pid"] for p in records]
         run = _cli(
-            [
-                *("run", "--state-dir", str(state), "--s3-endpoint", s3, "--run-id", "kept"),
+            [  # no --s3-endpoint: the kept server is found from the state directory
+                *("run", "--state-dir", str(state), "--run-id", "kept"),
                 *("--set", "steps=6", "--set", "nodes=1", "--json"),
             ],
             env,

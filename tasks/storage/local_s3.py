@@ -327,6 +327,19 @@ def keep_local_s3(settings: S3Settings, state_dir: Path) -> str | None:
     return server.endpoint
 
 
+def kept_endpoint(state_dir: Path) -> str | None:
+    """The endpoint of the state directory's S3 server while ``up`` keeps it running (its kept
+    entry names it, and the recorded server listens there), else None."""
+    data_dir = Path(state_dir) / "s3"
+    endpoint = (_read_json(data_dir / USERS_DIR / KEPT_USER) or {}).get("endpoint")
+    if not isinstance(endpoint, str) or urlparse(endpoint).hostname not in LOCAL_HOSTS:
+        return None
+    port = urlparse(endpoint).port
+    if port is None or recorded_server(data_dir, port) is None:
+        return None
+    return endpoint
+
+
 def unkeep_local_s3(state_dir: Path) -> bool:
     """Drop the kept entry; the server stops unless a run still uses it. True when it stopped."""
     data_dir = Path(state_dir) / "s3"
