@@ -544,7 +544,7 @@ def _owner(run_root: Path) -> dict[str, Any] | None:
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from flows.models import RUN_ID, TrainTime
+    from flows.models import RUN_ID
     from flows.report import (
         ETTR_DEFINITION,
         SHORT_RUN_NOTE,
@@ -552,7 +552,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         time_rows,
         too_short_for_ettr,
     )
-    from trainer.history import RunHistory
+    from trainer.history import RunHistory, TimeBreakdown
     from trainer.run_files import read_json_object
 
     if not RUN_ID.fullmatch(args.run_id):
@@ -619,7 +619,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if st["ettr"] is not None:
         print(f"  ETTR: {st['ettr']:.3f} ({ETTR_DEFINITION})")
     if st["time"] is not None:
-        time_s = TrainTime(**st["time"])
+        time_s = TimeBreakdown(**st["time"])
         print(f"  train attempts {time_s.wall_s:.1f} s:")
         for label, sec, share in time_rows(time_s):
             print(f"    {label:<20} {sec:7.1f} s  {share:4.0%}")

@@ -15,6 +15,7 @@ from tasks.backends.eks.params import EksParams
 from tasks.backends.registry import BackendType, backend_type
 from trainer.events import RecoveryLayer
 from trainer.faults import NODE_KINDS, FaultSpecError, parse_fault
+from trainer.history import TimeBreakdown
 
 if TYPE_CHECKING:
     from trainer.elastic import NodeRange
@@ -436,20 +437,6 @@ class WorldChange(BaseModel):
     cause: Literal["shrink", "grow"]
 
 
-class TrainTime(BaseModel):
-    """Where the train stage's wall time went, in seconds; the parts add up to ``wall_s``
-    (trainer.history.TimeBreakdown says how each is measured)."""
-
-    wall_s: float
-    startup: float
-    productive: float
-    replayed: float
-    checkpoint_blocking: float
-    recovery: float
-    end: float
-    other: float
-
-
 class TakeoverInfo(BaseModel):
     """This invocation took the run over from an owner that died (arch §6)."""
 
@@ -473,7 +460,8 @@ class PipelineResult(BaseModel):
     stage_attempts: dict[str, int] = Field(default_factory=dict)
     stage_durations_s: dict[str, float] = Field(default_factory=dict)
     ettr: float | None = None
-    train_time: TrainTime | None = None
+    # Where the train attempts' wall time went (trainer.history.TimeBreakdown says how).
+    train_time: TimeBreakdown | None = None
     wall_s: float = 0.0
     error: str | None = None
     takeover: TakeoverInfo | None = None

@@ -29,7 +29,6 @@ from flows.models import (
     PipelineParams,
     PipelineResult,
     TakeoverInfo,
-    TrainTime,
     WorldChange,
 )
 from flows.plan import RunPlan
@@ -105,7 +104,7 @@ def build_result(
         stage_attempts=attempts,
         stage_durations_s={k: round(v, 3) for k, v in durations.items()},
         ettr=history.ettr(),
-        train_time=None if (b := history.time_breakdown()) is None else TrainTime(**b.as_dict()),
+        train_time=history.time_breakdown(),
         wall_s=round(wall_s, 3),
         error=error,
         takeover=None

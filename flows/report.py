@@ -5,7 +5,8 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-from flows.models import PipelineResult, TrainTime
+from flows.models import PipelineResult
+from trainer.history import TimeBreakdown
 
 _STAGES = ("preflight", "hydrate", "train", "validate", "export")
 REPORT_FILE = "report.md"  # saved in the run root beside pipeline_result.json and timeline.png
@@ -16,9 +17,9 @@ ETTR_DEFINITION = (
     "execution) over the train attempts' wall time"
 )
 
-# The parts of the train stage's wall time (flows.models.TrainTime), in the order printed, each
-# with the label the report and `status` print and what it measures (the README's glossary
-# defines every label).
+# The parts of the train stage's wall time (trainer.history.TimeBreakdown), in the order
+# printed, each with the label the report and `status` print (the README's glossary defines
+# every label).
 TIME_PARTS: tuple[tuple[str, str], ...] = (
     ("startup", "start-up"),
     ("productive", "productive steps"),
@@ -30,12 +31,12 @@ TIME_PARTS: tuple[tuple[str, str], ...] = (
 )
 
 
-def too_short_for_ettr(t: TrainTime) -> bool:
+def too_short_for_ettr(t: TimeBreakdown) -> bool:
     """Start-up outweighs the steps: the ratio says more about process start than training."""
     return t.startup > t.productive
 
 
-def time_rows(t: TrainTime) -> list[tuple[str, float, float]]:
+def time_rows(t: TimeBreakdown) -> list[tuple[str, float, float]]:
     """(label, seconds, share of the train stage's wall time) for each part."""
     wall = max(t.wall_s, 1e-9)
     return [(label, getattr(t, key), getattr(t, key) / wall) for key, label in TIME_PARTS]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import psutil
 
 from tasks.errors import PipelineError
 from tasks.ownership.lease import process_is
+from tasks.ownership.processes import stop_session
 from trainer.run_files import read_json_object, write_json_atomic
 
 PREFECT_DIR = "prefect"
@@ -115,13 +115,6 @@ def stop_prefect(state_dir: Path) -> bool:
         return False
     if not process_is(pid, created):
         return False
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGTERM)
-    try:
-        psutil.Process(pid).wait(timeout=20)
-    except psutil.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-    except psutil.NoSuchProcess:
-        pass
+    with contextlib.suppress(psutil.NoSuchProcess):
+        stop_session(psutil.Process(pid), timeout_s=20)
     return True

@@ -158,7 +158,7 @@ def test_where_the_train_stages_time_went():
     parts adding up to the train stage's wall time (10 s + 8 s)."""
     t = RunHistory.of(HISTORY).time_breakdown()
     assert t is not None
-    parts = t.as_dict()
+    parts = t.model_dump()
     assert parts == {
         "wall_s": 18.0,
         "startup": 2.0,  # 1 s to each attempt's first step

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from trainer.elastic import PriorWorld
 from trainer.event_read import EVENTS_FILE, EventReader
 from trainer.event_types import (
@@ -60,8 +62,7 @@ class AttemptView:
     wall_s: float = 0.0
 
 
-@dataclass(frozen=True)
-class TimeBreakdown:
+class TimeBreakdown(BaseModel):
     """Where the train stage's wall time went (seconds; they add up to ``wall_s``): what a
     reader needs to see why ETTR is what it is. Measured from rank 0's step events and the
     watcher's attempt bounds:
@@ -77,6 +78,8 @@ class TimeBreakdown:
     - ``other``: the rest (gaps between steps without a fault, the watcher's own overhead,
       time between attempts' events)."""
 
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
     wall_s: float
     startup: float
     productive: float
@@ -85,9 +88,6 @@ class TimeBreakdown:
     recovery: float
     end: float
     other: float
-
-    def as_dict(self) -> dict[str, float]:
-        return {k: round(v, 3) for k, v in self.__dict__.items()}
 
 
 @dataclass(frozen=True)
@@ -283,8 +283,8 @@ class RunHistory:
             "end": self._time["end"],
         }
         # The rest, so that the parts add up to the wall time the ETTR is taken over.
-        other = wall - sum(parts.values())
-        return TimeBreakdown(wall_s=wall, **parts, other=other)
+        parts["other"] = wall - sum(parts.values())
+        return TimeBreakdown(wall_s=round(wall, 3), **{k: round(v, 3) for k, v in parts.items()})
 
     def _checkpoint(self, ev: Checkpoint) -> None:
         self.checkpoints += 1
@@ -445,7 +445,7 @@ class RunHistory:
             "latest_checkpoint_step": self.last_checkpoint.step if self.last_checkpoint else None,
             "ckpt_blocking_s_max": self.blocking_max,
             "ettr": self.ettr(),
-            "time": None if (b := self.time_breakdown()) is None else b.as_dict(),
+            "time": None if (b := self.time_breakdown()) is None else b.model_dump(),
             "stages": (result or {}).get("stage_durations_s"),
             "export_uri": export.get("uri") if isinstance(export, dict) else None,
             "error": (result or {}).get("error"),

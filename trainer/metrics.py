@@ -60,6 +60,9 @@ class TrainingSeries:
         def gauge(name: str, doc: str) -> Any:
             return Gauge(name, doc, ["run_id"], registry=registry).labels(run_id)
 
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, ["run_id"], registry=registry).labels(run_id)
+
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
             return Histogram(name, doc, ["run_id"], registry=registry, buckets=buckets).labels(
                 run_id
@@ -67,12 +70,7 @@ class TrainingSeries:
 
         self.step = gauge("nvrx_train_step", "The last step trained (rank 0)")
         # rate() of this is the step rate, without the jump back a replay gives the gauge.
-        self.steps = Counter(
-            "nvrx_train_steps",
-            "Steps trained, replays after a restart included",
-            ["run_id"],
-            registry=registry,
-        ).labels(run_id)
+        self.steps = counter("nvrx_train_steps", "Steps trained, replays after a restart included")
         self._last_step_t = float("-inf")
         self.loss = gauge("nvrx_train_loss", "Loss of the last step, averaged over the ranks")
         self.tokens_per_s = gauge(
@@ -80,12 +78,9 @@ class TrainingSeries:
         )
         # The convention for a rate: a counter, which rate() turns into tokens/s over any window
         # (the gauge above is the last step's alone).
-        self.tokens = Counter(
-            "nvrx_train_tokens",
-            "Tokens trained, all ranks, replays after a restart included",
-            ["run_id"],
-            registry=registry,
-        ).labels(run_id)
+        self.tokens = counter(
+            "nvrx_train_tokens", "Tokens trained, all ranks, replays after a restart included"
+        )
         self.blocking = histogram(
             "nvrx_checkpoint_blocking_seconds",
             "Seconds a committed checkpoint's save blocked the training loop",

@@ -480,7 +480,7 @@ class LocalBackend:
 def _cuda_device_count() -> int:
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count()  # 0 on a CPU build or without a driver
 
 
 def start_store(endpoint: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:

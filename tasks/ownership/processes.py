@@ -10,6 +10,7 @@ answers, with no chain of parents to trust.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,3 +76,19 @@ def end_invocations(run_root: Path, *, keep: str | None = None) -> list[int]:
     victims = [t for t in tagged(run_root) if t.invocation != keep]
     end([t.process for t in victims])
     return [t.pid for t in victims]
+
+
+def stop_session(proc: psutil.Process, timeout_s: float = 15.0) -> None:
+    """Stop a server started in a session of its own (its pid leads the process group): SIGTERM
+    to the whole group (it flushes and exits), SIGKILL if it lingers past ``timeout_s``."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except psutil.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(psutil.Error):
+            proc.wait(timeout=timeout_s)
+    except psutil.NoSuchProcess:
+        pass

@@ -37,6 +37,7 @@ import psutil
 
 from tasks.errors import StorageError
 from tasks.ownership.lease import process_is
+from tasks.ownership.processes import stop_session
 from tasks.storage.s3 import LOCAL_HOSTS, S3Settings, boto3_client
 
 # The embedded default's endpoint (PipelineParams.s3_endpoint's default): whatever listens there
@@ -210,17 +211,7 @@ def recorded_server(data_dir: Path, port: int) -> psutil.Process | None:
 
 def _stop_recorded(data_dir: Path, proc: psutil.Process) -> None:
     """Stop a recorded server this process did not start (its starter died)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=15)
-    except psutil.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(psutil.Error):
-            proc.wait(timeout=15)
-    except psutil.NoSuchProcess:
-        pass
+    stop_session(proc)
     (Path(data_dir) / SERVER_RECORD).unlink(missing_ok=True)
 
 
