@@ -11,6 +11,13 @@
 # JSON into OUT_DIR as soon as it is done (env.json, ckpt.json, drills.json) and its exit status
 # into OUT_DIR/rc_<part> (124: killed by its timeout); summary.json comes last.
 # GPU_CHECK_PYTHON=/path/to/python skips the setup (e.g. to try the plumbing on a CPU machine).
+# On a machine that cannot reach a package index (this project's device machine), skip the setup
+# and put what its image lacks on PYTHONPATH: nvidia-resiliency-ext, pydantic, pydantic-core,
+# annotated-types, typing-inspection, typing-extensions and defusedxml, as wheels for its Python
+# (`pip download --no-deps --only-binary=:all: --python-version 3.12 ...`), installed with
+# `pip install --no-index --no-deps --target /tmp/site`, then
+#     PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH GPU_CHECK_PYTHON=python3 bash benchmarks/gpu_check.sh OUT
+# (2026-12-04 on an H200: benchmarks/results/gpu_check_h200.json).
 set -uo pipefail
 
 OUT=${1:?usage: bash benchmarks/gpu_check.sh OUT_DIR}
@@ -74,10 +81,12 @@ run_part() { # name timeout_s [extra args]
 }
 
 run_part env "$(cap 40 200)"
-T=$(cap 170 120)
-run_part ckpt "$T" --budget-s $((T - 35))
-T=$(cap 170 10)
-run_part drills "$T" --budget-s $((T - 10))
+# llama-1b alone took 193 s with 2 samples on an H200; gpt-100m about 40 s
+T=$(cap 250 150)
+run_part ckpt "$T" --budget-s $((T - 35)) --samples 2
+# 8 drills (4 per kernel mode) started at once: 106 s on an H200, 16 cores
+T=$(cap 150 10)
+run_part drills "$T" --budget-s $((T - 10)) --drill-parallel
 run_part summary 30
 cat "$OUT/summary.json" 2>/dev/null || log "no summary.json"
 log "done in $((SECONDS - START))s"

@@ -92,6 +92,7 @@ def train_config(
         keep_last=params.keep_last,
         faults=tuple(params.drills.faults),
         device=device,
+        deterministic=params.deterministic,
         local_paths=local_paths,
         inprocess=dataclasses.replace(
             inprocess or InProcessConfig(), enabled=params.inprocess_restart

@@ -164,6 +164,12 @@ class PipelineParams(BaseModel):
     nproc_per_node: int = Field(1, ge=1, le=8, description="worker processes per node")
     inprocess_restart: bool = Field(True, description="NVRx in-process restart layer")
     injob_restart: bool = Field(True, description="ft_launcher in-job restart layer")
+    deterministic: bool = Field(
+        False,
+        description="CUDA: deterministic kernels, so that a recovered run is bitwise equal to "
+        "a fault-free one (without them two fault-free GPU runs already differ); slower. The "
+        "CPU path is deterministic either way",
+    )
     max_train_attempts: int = Field(
         3, ge=1, le=10, description="train-stage attempts (retried only after node loss)"
     )

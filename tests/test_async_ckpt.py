@@ -644,10 +644,19 @@ def test_gpu_check_dry_run(tmp_path: Path):
     assert 100e6 < models["gpt-100m"]["params"] < 120e6
     assert 1.1e9 < models["llama-1b"]["params"] < 1.4e9
     runs = plan["parts"]["drills"]["runs"]
-    assert set(runs) == {"baseline", "exception", "sigkill"}
-    assert "--inject" not in runs["baseline"]
+    drills = {"baseline", "repeat", "exception", "sigkill"}
+    assert set(runs) == drills | {f"det_{d}" for d in drills}
+    assert "--inject" not in runs["baseline"] and "--inject" not in runs["det_repeat"]
     assert runs["exception"][-2:] == ["--inject", "exception@step=12,rank=0"]
     assert runs["sigkill"][runs["sigkill"].index("--device") :][:2] == ["--device", "cuda"]
+    # each mode's runs differ only in the kernels flag (and their run directories)
+    for d in drills:
+        assert "--deterministic" not in runs[d]
+        det = [a for a in runs[f"det_{d}"] if a != "--deterministic"]
+        at = runs[d].index("--run-root") + 1
+        assert det[at].endswith(f"det_{d}") and det[:at] + det[at + 1 :] == (
+            runs[d][:at] + runs[d][at + 1 :]
+        )
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
 
 
@@ -662,8 +671,35 @@ def test_gpu_check_summary_of_partial_results(tmp_path: Path):
     (tmp_path / "rc_ckpt").write_text("124\n")
     s = gpu_check.part_summary(tmp_path, None)  # type: ignore[arg-type]
     assert s["part_rc"] == {"env": "0", "ckpt": "124", "drills": None}
-    assert s["ckpt"] is None and s["ok"] == {"ckpt_bitwise": False, "drills_bitwise_and_rc0": False}
+    assert s["ckpt"] is None and s["ok"] == {"ckpt_bitwise": False}
     assert json.loads((tmp_path / "summary.json").read_text()) == s
+
+
+def test_gpu_check_compares_each_run_with_its_own_modes_baseline():
+    """On a GPU the default kernels differ run to run (gpu_check_h200.json): a deterministic
+    drill is judged against the deterministic fault-free run, never the other mode's."""
+    from benchmarks import gpu_check
+
+    runs = {
+        "baseline": {"mode": "default", "params_sha256": "a"},
+        "repeat": {"mode": "default", "params_sha256": "b"},
+        "det_baseline": {"mode": "deterministic", "params_sha256": "c"},
+        "det_sigkill": {"mode": "deterministic", "params_sha256": "c"},
+        "det_exception": {"mode": "deterministic", "params_sha256": "a"},
+        "det_repeat": {"mode": "deterministic", "params_sha256": None},  # did not finish
+        "sigkill": {"mode": "default", "skipped": "deadline"},
+    }
+    gpu_check._compare_to_baselines(runs)
+    got = {name: r.get("matches_baseline") for name, r in runs.items()}
+    assert got == {
+        "baseline": True,
+        "repeat": False,
+        "det_baseline": True,
+        "det_sigkill": True,
+        "det_exception": False,
+        "det_repeat": False,
+        "sigkill": None,
+    }
 
 
 def test_failed_write_fails_that_save_only(saver: AsyncCheckpointer, tmp_path: Path):

@@ -306,3 +306,18 @@ def test_report_breaks_the_train_stage_down_and_defines_every_figure():
     assert_figures_defined(figures_in_report(md))
     long_run = time_s.model_copy(update={"startup": 1.0, "productive": 20.8})
     assert "too short" not in render_report(r.model_copy(update={"train_time": long_run}))
+
+
+def test_deterministic_reaches_the_workers_on_both_backends(tmp_path: Path):
+    """`deterministic` is what makes a GPU recovery bitwise (benchmarks/results/
+    gpu_check_h200.json): it must reach the trainer config the workers read, on both backends."""
+    from flows.context import eks_train_config, train_config
+
+    for value in (False, True):
+        local = PipelineParams(deterministic=value)
+        cfg = train_config(
+            local, run_root=tmp_path / "r", data_dir=tmp_path / "d", local_paths=False
+        )
+        assert cfg.deterministic is value
+        eks = PipelineParams(backend="eks", nodes=2, global_batch=16, deterministic=value)
+        assert eks_train_config(eks, "r").deterministic is value

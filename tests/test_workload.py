@@ -40,6 +40,7 @@ def _every_field_changed(dataset: Path, tmp_path: Path) -> TrainConfig:
         weight_decay=0.05,
         seed=99,
         device=Device.CPU,
+        deterministic=True,
         ckpt_interval=3,
         keep_last=2,
         resume=ResumePolicy.FRESH,
@@ -131,6 +132,12 @@ def test_flags_override_single_fields_of_the_file(dataset: Path, tmp_path: Path)
     path = save_config(cfg, tmp_path / "attempt.json")
     got = config_from_args(build_parser().parse_args([f"--config={path}", "--steps=9"]))
     assert got == dataclasses.replace(cfg, steps=9)
+    # a switch flag that is not given leaves the file's value, whichever it is
+    off = save_config(dataclasses.replace(cfg, deterministic=False), tmp_path / "off.json")
+    assert not config_from_args(build_parser().parse_args([f"--config={off}"])).deterministic
+    on = config_from_args(build_parser().parse_args([f"--config={off}", "--deterministic"]))
+    assert on == dataclasses.replace(cfg, deterministic=True)
+    assert config_from_args(build_parser().parse_args([f"--config={path}"])).deterministic
 
 
 @pytest.mark.parametrize(

@@ -373,6 +373,11 @@ class TrainConfig:
     weight_decay: float = 0.01
     seed: int = 1234
     device: Device = Device.AUTO
+    # CUDA only: deterministic kernels (torch.use_deterministic_algorithms, a fixed cuBLAS
+    # workspace), so that a recovered run can be bitwise equal to a fault-free one, as on the
+    # CPU. Off by default: measured on an H200 (benchmarks/results/gpu_check.json), two
+    # fault-free CUDA runs already differ in the last bits without it, and it slows some kernels.
+    deterministic: bool = False
     ckpt_interval: int = 5
     keep_last: int = 3
     resume: ResumePolicy = ResumePolicy.AUTO

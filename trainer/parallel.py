@@ -18,13 +18,17 @@ class Placement:
     backend: str
 
 
-def resolve_device(choice: Device) -> Placement:
+def resolve_device(choice: Device, *, deterministic: bool = False) -> Placement:
+    """The device and backend of this worker; on CUDA with ``deterministic``, kernels that give
+    the same bits every run (see :func:`use_deterministic_cuda`)."""
     want_cuda = choice == Device.CUDA or (choice == Device.AUTO and torch.cuda.is_available())
     if want_cuda:
         if not torch.cuda.is_available():
             raise RuntimeError("device=cuda but torch sees no GPU (CUDA build and driver needed)")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
+        if deterministic:
+            use_deterministic_cuda()
         return Placement(torch.device("cuda", local_rank), "nccl")
     return Placement(torch.device("cpu"), "gloo")
 
@@ -33,3 +37,18 @@ def world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def use_deterministic_cuda() -> None:
+    """Deterministic CUDA kernels for this process, before its first matrix product.
+
+    cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG`` when it makes its handle (the first matmul), so it is
+    set here, not later. ``warn_only=False`` matters: with it, PyTorch's flash and
+    memory-efficient attention backward passes take their deterministic paths (with
+    ``warn_only=True`` they only warn and stay non-deterministic), and an op with no
+    deterministic kernel raises instead of silently breaking bitwise recovery. The CPU path
+    needs none of this: its kernels are already deterministic for a fixed thread count."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False

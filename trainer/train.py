@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--weight-decay", type=float)
     a("--seed", type=int)
     a("--device", choices=[d.value for d in Device])
+    a(
+        "--deterministic",
+        action="store_true",
+        default=None,
+        help="CUDA: deterministic kernels, so a recovered run is bitwise equal to a fault-free one",
+    )
     a("--ckpt-interval", type=int, help="save every N steps (and at the last step)")
     a("--keep-last", type=int, help="committed checkpoints to keep")
     a("--resume", choices=[r.value for r in ResumePolicy])
@@ -144,6 +150,7 @@ _TOP = {
     "weight_decay": "weight_decay",
     "seed": "seed",
     "device": "device",
+    "deterministic": "deterministic",
     "ckpt_interval": "ckpt_interval",
     "keep_last": "keep_last",
     "resume": "resume",
@@ -292,7 +299,7 @@ def run(
     cfg.micro_batch_count(world)  # a world the global batch cannot be shared by fails here
     cfg.run_root.mkdir(parents=True, exist_ok=True)
     events = EventLog(cfg.run_root)
-    placement = resolve_device(cfg.device)
+    placement = resolve_device(cfg.device, deterministic=cfg.deterministic)
     saver = AsyncCheckpointer(device=placement.device, timeout_s=cfg.ckpt_timeout_s)
     if placement.device.type == "cpu" and threading.active_count() == 1:
         # The writer, forked now: no other thread runs yet and CUDA is not in use, so it is
