@@ -10,7 +10,7 @@ PORT ?= 29500
 # apt-get needs root: CI runs as root; elsewhere go through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all venv lock browser promtool run run-trainer serve up down test test-fast test-extended lint bench bench-ettr screenshots clean
+.PHONY: all venv lock browser promtool monitor run run-trainer serve up down test test-fast test-extended lint bench bench-ettr screenshots clean
 
 all: test
 
@@ -64,6 +64,13 @@ up: venv
 
 down: venv
 	$(VENV)/bin/nvrx-pipeline down --state-dir $(STATE_DIR)
+
+# A Prometheus scraping the demo's two metrics endpoints, with the shipped alert rules, at
+# http://127.0.0.1:9090 (foreground; Ctrl-C ends it). Run `make run` in another terminal.
+monitor: promtool
+	mkdir -p $(STATE_DIR)/prometheus
+	prometheus --config.file=deploy/prometheus/prometheus-local.yml \
+		--storage.tsdb.path=$(STATE_DIR)/prometheus --web.listen-address=127.0.0.1:9090
 
 # Debian's prometheus package for its promtool: the shipped alert rules are checked and
 # unit-tested with it. RUNLEVEL=1: the package's service is not started (no server is needed).

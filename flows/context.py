@@ -73,6 +73,7 @@ def train_config(
     injob: InJobConfig | None = None,
     metrics_addr: str = "127.0.0.1",
     rank0_metrics_offset: int = 1,
+    metrics_every_node: bool = False,
 ) -> TrainConfig:
     """The trainer config of this run. The Wrapper's soft timeout must also exceed the longest
     wait a rank spends inside one C call (process-group start-up skew, a collective waiting for a
@@ -102,6 +103,7 @@ def train_config(
         if params.metrics_port is None
         else params.metrics_port + rank0_metrics_offset,
         metrics_addr=metrics_addr,
+        metrics_every_node=metrics_every_node,
     )
 
 
@@ -157,4 +159,5 @@ def _placed(
         injob=where.injob,
         metrics_addr=where.metrics_addr,
         rank0_metrics_offset=where.rank0_metrics_offset,
+        metrics_every_node=where.metrics_every_node,
     )

@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 
 from trainer.event_read import DROP_REASONS, EVENTS_FILE, DropCounts, EventReader
 from trainer.events import LAYERS
+from trainer.faults import KINDS as FAULT_KINDS
 from trainer.metrics import MetricsServer, TrainingSeries
 
 _log = logging.getLogger(__name__)
@@ -99,8 +100,14 @@ class RunMetrics:
             ["run_id"],
             registry=r,
         ).labels(run_id).set_function(lambda: self.ettr() or 0.0)
-        for layer in LAYERS:  # every layer's series exists from the start (0, not absent)
+        # Every layer's and fault kind's series exists from the start at 0, not absent: else
+        # a counter's first sample is already 1 and increase() (the dashboard's annotations,
+        # the alert rules) never sees the first restart or fault.
+        for layer in LAYERS:
             self.restarts.labels(run_id, layer)
+            self.recovery.labels(run_id, layer)
+        for fault_kind in FAULT_KINDS:
+            self.faults.labels(run_id, fault_kind)
         self._seen: set[str] = set()
         self._step_s: dict[int, float] = {}  # each step's last execution (replays replace)
         self._ended_wall_s = 0.0

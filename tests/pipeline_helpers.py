@@ -114,6 +114,89 @@ class Scraper:
         return [v for v in values if v is not None]
 
 
+class LocalPrometheus:
+    """A real Prometheus (Debian's binary) running the shipped local recipe,
+    ``deploy/prometheus/prometheus-local.yml`` with its alert rules, its two targets replaced by
+    ``flow`` and ``rank0`` (host:port) and scraping every second; a context manager. Its queries
+    go to its own HTTP API (``query_range``)."""
+
+    def __init__(self, tmp: Path, *, flow: str, rank0: str) -> None:
+        import yaml
+
+        from tests.helpers import REPO, free_port
+
+        src = REPO / "deploy" / "prometheus" / "prometheus-local.yml"
+        config = yaml.safe_load(src.read_text())
+        config["global"]["scrape_interval"] = "1s"
+        config["global"]["evaluation_interval"] = "1s"
+        config["rule_files"] = [str(src.parent / f) for f in config["rule_files"]]
+        targets = {"nvrx-flow": flow, "nvrx-rank0": rank0}
+        assert [j["job_name"] for j in config["scrape_configs"]] == list(targets)
+        for job in config["scrape_configs"]:
+            job["static_configs"] = [{"targets": [targets[job["job_name"]]]}]
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.config = tmp / "prometheus.yml"
+        self.config.write_text(yaml.safe_dump(config))
+        self.data = tmp / "data"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / "prometheus.log"
+        self._proc: Any = None
+
+    def __enter__(self) -> LocalPrometheus:
+        import shutil
+        import subprocess
+        import time
+        import urllib.request
+
+        binary = shutil.which("prometheus")
+        assert binary, "prometheus not installed: `make promtool` installs Debian's package"
+        with open(self.log, "w") as log:
+            self._proc = subprocess.Popen(
+                [
+                    binary,
+                    f"--config.file={self.config}",
+                    f"--storage.tsdb.path={self.data}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert self._proc.poll() is None, self.log.read_text()[-2000:]
+            try:
+                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError("prometheus not ready in 30 s: " + self.log.read_text()[-2000:])
+
+    def __exit__(self, *exc: object) -> None:
+        import os
+        import signal
+
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(10)
+            except Exception:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+
+    def query_range(self, expr: str, start: float, end: float, step: str = "1s") -> list[Any]:
+        import urllib.parse
+        import urllib.request
+
+        q = urllib.parse.urlencode({"query": expr, "start": start, "end": end, "step": step})
+        with urllib.request.urlopen(f"{self.url}/api/v1/query_range?{q}", timeout=30) as r:
+            body = json.loads(r.read())
+        assert body["status"] == "success", (expr, body)
+        return list(body["data"]["result"])
+
+
 def clean_rerun(drilled: Path, run_root: Path, *, nodes: int = 2, nproc_per_node: int = 1) -> str:
     """The fault-free reference of a drilled pipeline run, cheaper than a second pipeline run:
     the drilled run's own first-attempt training config (``config/train-attempt1.json``, as the

@@ -40,7 +40,13 @@ K8S_VERSION = "1.34"
 
 REPO = Path(__file__).resolve().parents[1]
 EKS_DIR = REPO / "deploy" / "eks"
-MANIFESTS = ("fsx.yaml", "rbac.yaml", "network-policy.yaml", "admission-policy.yaml")
+MANIFESTS = (
+    "fsx.yaml",
+    "rbac.yaml",
+    "network-policy.yaml",
+    "admission-policy.yaml",
+    "grafana-dashboard.yaml",
+)
 NAMESPACE = "nvrx"
 PIPELINE_SA = "nvrx-pipeline"
 GPU_INSTANCE = "p5.48xlarge"

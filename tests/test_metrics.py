@@ -25,7 +25,7 @@ from tasks.metrics import RunMetrics, serving
 from tests.helpers import REPO, free_port, sample, scrape, worker_env
 from trainer.config import ConfigError, TrainConfig
 from trainer.events import EventLog
-from trainer.metrics import MetricsServer, Rank0Metrics
+from trainer.metrics import MetricsServer, Rank0Metrics, build_versions
 
 # A run with all three layers, as the files record it: an exception (in-process), a SIGKILL
 # (in-job), a lost node (stage retry); steps 3-4 run twice (replayed after the SIGKILL).
@@ -103,6 +103,12 @@ def _samples(registry: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], flo
 
 def test_run_metrics_map_a_recorded_history_and_count_each_event_once() -> None:
     m = RunMetrics("r1", clock=lambda: 121.0)
+    # before any event every layer's and fault kind's series is there at 0, so increase()
+    # sees the first restart and the first fault (a series born at 1 hides its first event)
+    s = _samples(m.registry)
+    assert sample(s, "nvrx_restarts_total", run_id="r1", layer="spare") == 0
+    assert sample(s, "nvrx_recovery_seconds_count", run_id="r1", layer="injob") == 0
+    assert sample(s, "nvrx_faults_detected_total", run_id="r1", kind="node-loss") == 0
     for _ in range(2):  # the file read again from the start: nothing counts twice
         for e in HISTORY:
             m.observe(dict(e))
@@ -210,6 +216,50 @@ def test_flow_endpoint_serves_the_events_file_as_it_grows(tmp_path: Path) -> Non
     again = MetricsServer(CollectorRegistry(), port=port, addr="127.0.0.1", retry_s=0)
     assert again.serving
     again.close()
+
+
+@pytest.mark.parametrize(
+    ("rank", "local_rank", "every_node", "serves"),
+    [
+        (0, 0, False, "rank0"),
+        (0, 0, True, "rank0"),
+        (3, 0, True, "node"),  # another pod's first worker on EKS
+        (3, 0, False, None),  # locally: the simulated nodes share one host and port
+        (1, 1, True, None),  # not a node's first worker
+    ],
+)
+def test_which_workers_serve_metrics(
+    dataset: Path, tmp_path: Path, rank: int, local_rank: int, every_node: bool, serves: str | None
+) -> None:
+    """Rank 0 serves the training series; on EKS (metrics_every_node) every other pod's first
+    worker serves its rank and versions, so no scraped training pod is `up == 0`
+    (kube-prometheus-stack's TargetDown), and `nvrx_train_rank == 0` names rank 0's pod."""
+    from trainer.config import TrainConfig
+    from trainer.metrics import start_endpoint
+
+    port = free_port()
+    cfg = TrainConfig(
+        run_root=tmp_path / "r1",
+        data_dir=dataset,
+        metrics_port=port,
+        metrics_every_node=every_node,
+    )
+    events = EventLog(tmp_path)
+    server = start_endpoint(cfg, rank, local_rank, events)
+    try:
+        if serves is None:
+            assert server is None and events.observers == []
+            return
+        assert server is not None and server.serving
+        events.emit("step", step=4, loss=1.0, step_s=0.1)
+        s = scrape(f"http://127.0.0.1:{port}/metrics")
+        assert sample(s, "nvrx_train_rank", run_id="r1") == rank
+        assert sample(s, "nvrx_build_info", run_id="r1", **build_versions()) == 1
+        # the training series are rank 0's alone: nothing for a dashboard to count twice
+        assert sample(s, "nvrx_train_step", run_id="r1") == (4 if serves == "rank0" else None)
+    finally:
+        if server is not None:
+            server.close()
 
 
 def test_no_port_serves_nothing(tmp_path: Path) -> None:
@@ -470,16 +520,22 @@ def _panels(dash: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def dashboard_queries(dash: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel or annotation title, PromQL) for every query the dashboard runs."""
+    out = [(p["title"], t["expr"]) for p in _panels(dash) for t in p.get("targets", [])]
+    out += [(a["name"], a["expr"]) for a in dash["annotations"]["list"] if "expr" in a]
+    return out
+
+
 def _unexported(dash: dict[str, Any]) -> dict[str, set[str]]:
-    """Per panel, the metric names its expressions use that no registry exports."""
+    """Per panel or annotation, the metric names its expressions use that no registry exports."""
     exported = _exported_names()
     out = {}
-    for panel in _panels(dash):
-        for target in panel.get("targets", []):
-            names = set(re.findall(r"\bnvrx_[a-z0-9_]+", target["expr"]))
-            assert names, (panel["title"], target["expr"])
-            if names - exported:
-                out[panel["title"]] = names - exported
+    for title, expr in dashboard_queries(dash):
+        names = set(re.findall(r"\bnvrx_[a-z0-9_]+", expr))
+        assert names, (title, expr)
+        if names - exported:
+            out[title] = names - exported
     return out
 
 
@@ -489,10 +545,14 @@ def test_dashboard_uses_only_metrics_the_code_exports() -> None:
     [ds] = [v for v in dash["templating"]["list"] if v["type"] == "datasource"]
     assert ds["query"] == "prometheus"
     assert _unexported(dash) == {}
-    exprs = [t["expr"] for p in _panels(dash) for t in p.get("targets", [])]
+    exprs = [expr for _title, expr in dashboard_queries(dash)]
     for p in _panels(dash):
         for t in p.get("targets", []):
             assert t["datasource"]["uid"] == "${" + ds["name"] + "}", p["title"]
+    # faults and restarts are marked on every panel's time axis (Grafana annotations)
+    marks = {a["name"]: a for a in dash["annotations"]["list"]}
+    assert marks["Faults"]["enable"] and marks["Restarts"]["enable"]
+    assert all(a["datasource"]["uid"] == "${" + ds["name"] + "}" for a in marks.values())
     used = {n for e in exprs for n in re.findall(r"\bnvrx_[a-z0-9_]+", e)}
     for needed in (
         "nvrx_train_steps_total",
@@ -521,6 +581,9 @@ def test_dashboard_check_catches_a_name_the_code_does_not_export() -> None:
     target = dash["panels"][1]["targets"][0]
     target["expr"] = target["expr"].replace("nvrx_train_steps_total", "nvrx_train_step_total")
     assert _unexported(dash) == {dash["panels"][1]["title"]: {"nvrx_train_step_total"}}
+    mark = dash["annotations"]["list"][0]
+    mark["expr"] = mark["expr"].replace("nvrx_faults_detected_total", "nvrx_fault_total")
+    assert _unexported(dash)[mark["name"]] == {"nvrx_fault_total"}
 
 
 # -- alert rules (issue 27) -----------------------------------------------------------------------
@@ -568,3 +631,33 @@ def test_alert_rules_use_only_exported_metrics_and_ship_as_a_prometheusrule() ->
     [rule] = [d for d in docs if d and d["kind"] == "PrometheusRule"]
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     assert rule["spec"]["groups"] == groups  # the same rules promtool checked
+
+
+def test_grafana_gets_the_dashboard_on_eks_and_locally() -> None:
+    """kube-prometheus-stack: the ConfigMap its Grafana sidecar loads holds this very dashboard
+    (regenerated by deploy/grafana/render_configmap.py); locally: provisioning that points a
+    Grafana at the `make monitor` Prometheus and at the dashboard file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "render_configmap", REPO / "deploy" / "grafana" / "render_configmap.py"
+    )
+    assert spec and spec.loader
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    shipped = (REPO / "deploy" / "eks" / "grafana-dashboard.yaml").read_text()
+    assert shipped == render.render(), "run: python deploy/grafana/render_configmap.py"
+    cm = yaml.safe_load(shipped)
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["nvrx-dashboard.json"]) == json.loads(DASHBOARD.read_text())
+
+    prov = REPO / "deploy" / "grafana" / "provisioning"
+    [source] = yaml.safe_load((prov / "datasources" / "nvrx-local.yaml").read_text())["datasources"]
+    local = yaml.safe_load((REPO / "deploy" / "prometheus" / "prometheus-local.yml").read_text())
+    make = (REPO / "Makefile").read_text()
+    assert source["type"] == "prometheus"
+    assert f"--web.listen-address={source['url'].removeprefix('http://')}" in make
+    assert source["jsonData"]["timeInterval"] == local["global"]["scrape_interval"]
+    [provider] = yaml.safe_load((prov / "dashboards" / "nvrx.yaml").read_text())["providers"]
+    where = provider["options"]["path"].replace("$NVRX_REPO", str(REPO))
+    assert (Path(where) / DASHBOARD.name).is_file()

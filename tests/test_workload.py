@@ -84,6 +84,7 @@ def _every_field_changed(dataset: Path, tmp_path: Path) -> TrainConfig:
         local_paths=False,
         metrics_port=9999,
         metrics_addr="0.0.0.0",
+        metrics_every_node=True,
     )
 
 

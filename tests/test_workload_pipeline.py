@@ -9,8 +9,10 @@ stages around it); the parameters must be bitwise equal."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from flows.models import PipelineResult
 from tasks.storage.s3 import boto3_client
 from tests.helpers import OUTSIDE_WORKLOAD, REPO, free_port_pair, scrape
 from tests.pipeline_helpers import (
+    LocalPrometheus,
     Scraper,
     assert_exported,
     assert_report_and_status,
@@ -114,10 +117,19 @@ def test_workload_recovers_bitwise(
     port = free_port_pair()
     flow, rank0 = (f"http://127.0.0.1:{p}/metrics" for p in (port, port + 1))
     extra = {"metrics_port": port} if case.observed else {}
-    with Scraper(*((flow, rank0) if case.observed else ())) as scraped:
+    prometheus = LocalPrometheus(
+        tmp_path / "prometheus", flow=f"127.0.0.1:{port}", rank0=f"127.0.0.1:{port + 1}"
+    )
+    with contextlib.ExitStack() as stack:
+        if case.observed:
+            stack.enter_context(prometheus)
+        scraped = stack.enter_context(Scraper(*((flow, rank0) if case.observed else ())))
+        t0 = time.time()
         drilled = _run(
             tmp_path / "drill", s3_settings, case, f"{case.name}-drill", case.faults, **extra
         )
+        if case.observed:
+            _assert_every_dashboard_query_answers(prometheus, drilled.run_id, t0, time.time())
     assert [f.recovered_by for f in drilled.faults] == list(case.recovered_by)
     assert drilled.stage_attempts["train"] == case.train_attempts
     params = make_params(tmp_path / "drill", s3_settings, run_id=drilled.run_id, steps=case.steps)
@@ -134,6 +146,39 @@ def test_workload_recovers_bitwise(
         assert_report_and_status(drilled, params, tmp_path / "drill", capsys)
     if case.train_attempts > 1:
         _assert_the_lost_attempt_reads_as_a_drill(drilled.run_id)
+
+
+def _assert_every_dashboard_query_answers(
+    prometheus: LocalPrometheus, run_id: str, start: float, end: float
+) -> None:
+    """Issue 27: a real Prometheus, run from the shipped local recipe, scraped the drilled run;
+    every query of the shipped dashboard (panels and annotations, with Grafana's variables
+    filled in as it would) answers with data of that run, and the fault and restart
+    annotations mark each of the run's faults and restarts."""
+    from tests.test_metrics import DASHBOARD, dashboard_queries
+
+    dash = json.loads(DASHBOARD.read_text())
+    empty = []
+    for title, expr in dashboard_queries(dash):
+        q = (
+            expr.replace("$run_id", run_id)
+            .replace("$__rate_interval", "10s")
+            .replace("$__interval", "3s")
+        )
+        series = prometheus.query_range(q, start, end + 5)
+        ours = [s for s in series if s["metric"].get("run_id", run_id) == run_id and s["values"]]
+        if not ours:
+            empty.append((title, q))
+    assert empty == [], empty
+    marks = {a["name"]: a["expr"] for a in dash["annotations"]["list"]}
+    faults = prometheus.query_range(
+        marks["Faults"].replace("$run_id", run_id).replace("$__interval", "3s"), start, end + 5
+    )
+    assert {s["metric"]["kind"] for s in faults} == {"exception", "sigkill", "node-loss"}
+    restarts = prometheus.query_range(
+        marks["Restarts"].replace("$run_id", run_id).replace("$__interval", "3s"), start, end + 5
+    )
+    assert {s["metric"]["layer"] for s in restarts} == {"inprocess", "injob", "stage-retry"}
 
 
 def _assert_the_lost_attempt_reads_as_a_drill(run_id: str) -> None:

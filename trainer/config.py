@@ -397,6 +397,9 @@ class TrainConfig:
     # Rank 0's Prometheus endpoint (trainer.metrics): off unless a port is given.
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
+    # Every node's first worker serves on metrics_port too (trainer.metrics.NodeMetrics), where
+    # each node is a scrape target of its own (EKS pods); off where simulated nodes share a host.
+    metrics_every_node: bool = False
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "steps", f"must be a positive number of steps, got {self.steps}")

@@ -140,6 +140,30 @@ class Rank0Metrics:
             self.inprocess_restarts.inc()
 
 
+class NodeMetrics:
+    """What every other pod's first worker serves where each pod is a scrape target (EKS,
+    ``TrainConfig.metrics_every_node``): its versions and the rank it holds. So no training pod
+    is a target that refuses the scrape (``up == 0``, kube-prometheus-stack's ``TargetDown``),
+    and ``nvrx_train_rank == 0`` names the pod that has rank 0's series. The training series
+    stay rank 0's alone: a dashboard summing pods counts nothing twice."""
+
+    def __init__(self, run_id: str, rank: int) -> None:
+        self.registry = CollectorRegistry()
+        Info("nvrx_build", "Versions this process runs", ["run_id"], registry=self.registry).labels(
+            run_id
+        ).info(build_versions())
+        rank_gauge(self.registry, run_id).set(rank)
+
+
+def rank_gauge(registry: CollectorRegistry, run_id: str) -> Any:
+    return Gauge(
+        "nvrx_train_rank",
+        "Global rank of this pod's first worker (0: the pod serving the training series)",
+        ["run_id"],
+        registry=registry,
+    ).labels(run_id)
+
+
 class MetricsServer:
     """A scrape endpoint for one registry on ``addr:port``. A port still held (the previous
     incarnation of this rank exiting, another run on the host) is retried in the background for
@@ -205,4 +229,26 @@ class MetricsServer:
 def serve(run_id: str, *, port: int, addr: str) -> tuple[Rank0Metrics, MetricsServer]:
     """Rank 0's metrics and their endpoint; feed them with ``events.observers.append``."""
     metrics = Rank0Metrics(run_id)
+    rank_gauge(metrics.registry, run_id).set(0)
     return metrics, MetricsServer(metrics.registry, port=port, addr=addr)
+
+
+def serve_node(run_id: str, rank: int, *, port: int, addr: str) -> MetricsServer:
+    """The endpoint of a pod whose first worker is not rank 0 (:class:`NodeMetrics`)."""
+    return MetricsServer(NodeMetrics(run_id, rank).registry, port=port, addr=addr)
+
+
+def start_endpoint(cfg: Any, rank: int, local_rank: int, events: Any) -> MetricsServer | None:
+    """This worker's endpoint, if it has one: rank 0's (fed by its event log's observers), or,
+    with ``cfg.metrics_every_node``, a node's first worker's. ``cfg`` is a TrainConfig; the run
+    directory is named by the run id (<shared root>/runs/<run_id>)."""
+    if cfg.metrics_port is None:
+        return None
+    run_id = cfg.run_root.name
+    if rank == 0:
+        metrics, server = serve(run_id, port=cfg.metrics_port, addr=cfg.metrics_addr)
+        events.observers.append(metrics.observe)
+        return server
+    if cfg.metrics_every_node and local_rank == 0:
+        return serve_node(run_id, rank, port=cfg.metrics_port, addr=cfg.metrics_addr)
+    return None

@@ -375,13 +375,10 @@ def _run(
         prior=prior,
         stage_attempt=int(os.environ.get("NVRX_STAGE_ATTEMPT", "1")),
     )
-    if rank == 0 and cfg.metrics_port is not None:
-        # Once per process: an in-process restart re-enters `body`, not this function.
-        from trainer.metrics import serve
+    # Once per process: an in-process restart re-enters `body`, not this function.
+    from trainer.metrics import start_endpoint
 
-        # The run directory is named by the run id (<shared root>/runs/<run_id>).
-        metrics, _server = serve(cfg.run_root.name, port=cfg.metrics_port, addr=cfg.metrics_addr)
-        events.observers.append(metrics.observe)
+    start_endpoint(cfg, rank, int(os.environ.get("LOCAL_RANK", "0")), events)
     if rank == 0:
         events.emit(
             "worker_start",

@@ -61,6 +61,8 @@ class Placement:
     # on, and rank 0's port relative to the flow's (+1 where both share a host).
     metrics_addr: str = "127.0.0.1"
     rank0_metrics_offset: int = 1
+    # Each node a scrape target of its own (a pod): every node's first worker serves too.
+    metrics_every_node: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

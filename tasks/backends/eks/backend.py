@@ -102,6 +102,8 @@ def placement(eks: EksParams) -> Placement:
         # Rank 0 and the flow run in pods of their own: the same port, container port `metrics`.
         metrics_addr="0.0.0.0",
         rank0_metrics_offset=0,
+        # every training pod is a PodMonitor target: each serves (its rank, its versions)
+        metrics_every_node=True,
     )
 
 
