@@ -75,7 +75,13 @@ def start_prefect(state_dir: Path, port: int = DEFAULT_PORT, timeout: float = 18
     home.mkdir(parents=True, exist_ok=True)
     # Nothing of the caller's Prefect profile: this server has its own home and database.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        # The UI's pages call the API at this URL, 127.0.0.1:4200 unless told: on any other port
+        # the UI would load and then fail every call ("Can't connect to Server API").
+        PREFECT_UI_API_URL=f"http://127.0.0.1:{port}/api",
+    )
     prefect = Path(sys.executable).parent / "prefect"
     with open(home / "server.log", "ab") as log:
         proc = subprocess.Popen(

@@ -1,6 +1,7 @@
 """`nvrx-pipeline up`/`down` (issue 27): after a run's own process has exited, its flow runs and
-report are in a kept Prefect server's UI and its export is pulled from the kept S3 server, as
-the README says; `down` leaves no process of either."""
+report are in a kept Prefect server's UI (read through the API, and opened in headless
+Chromium: the report rendered, the timeline plot an image) and its export is pulled from the
+kept S3 server, as the README says; `down` leaves no process of either."""
 
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def test_a_finished_run_stays_in_the_ui_and_its_export_in_s3(tmp_path: Path):
         seen = json.loads(probe.stdout.strip().splitlines()[-1])
         assert {"kept", "kept: train attempt 1", "kept: export"} <= set(seen["runs"])
         assert seen["report"].startswith("# Run `kept`: completed")
+        _open_in_the_ui(f"http://127.0.0.1:{port}", seen["ids"]["kept"], tmp_path)
         pulled = _cli(
             [
                 *("pull", "s3://nvrx-checkpoints/exports/kept/step_6/", str(tmp_path / "pulled")),
@@ -80,13 +82,54 @@ def test_a_finished_run_stays_in_the_ui_and_its_export_in_s3(tmp_path: Path):
     assert pids and not any(psutil.pid_exists(p) for p in pids), "a kept server outlived down"
 
 
+def _open_in_the_ui(base: str, flow_run_id: str, tmp: Path) -> None:
+    """Headless Chromium on the kept server's UI, the run's own process gone: the run's page
+    lists its report and timeline; the report renders with its outcome and the timeline is a
+    real image."""
+    import re
+
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.test_ui_browser import chromium_path
+
+    expect.set_options(timeout=60_000)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium_path(), headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
+            page.goto(f"{base}/runs/flow-run/{flow_run_id}")
+            # on a port other than 4200 too: the UI calls its own server's API
+            page.get_by_text("Artifacts", exact=True).first.click()
+            for key in ("run-report", "recovery-timeline"):
+                expect(page.get_by_text(key, exact=True).first).to_be_visible()
+            page.get_by_text("run-report", exact=True).first.click()
+            page.wait_for_url("**/artifacts/artifact/*")
+            heading = page.get_by_role("heading", name=re.compile(r"Run .*kept.*: completed"))
+            expect(heading).to_be_visible()
+            page.screenshot(path=str(tmp / "kept-report.png"), full_page=True)
+            page.go_back()
+            page.get_by_text("Artifacts", exact=True).first.click()
+            page.get_by_text("recovery-timeline", exact=True).first.click()
+            page.wait_for_url("**/artifacts/artifact/*")
+            img = page.locator("img[src^='data:image/png']")
+            expect(img).to_be_visible()
+            assert img.evaluate("e => e.naturalWidth") > 200
+        finally:
+            browser.close()
+
+
 _READ_BACK = """
 import json
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 with get_client(sync_client=True) as c:
-    runs = [r.name for r in c.read_flow_runs() if r.state and r.state.is_completed()]
+    done = [r for r in c.read_flow_runs() if r.state and r.state.is_completed()]
     key = ArtifactFilterKey(any_=["run-report"])
     arts = c.read_artifacts(artifact_filter=ArtifactFilter(key=key))
-print(json.dumps({"runs": runs, "report": str(arts[0].data) if arts else ""}))
+print(json.dumps({
+    "runs": [r.name for r in done],
+    "ids": {r.name: str(r.id) for r in done},
+    "report": str(arts[0].data) if arts else "",
+}))
 """
