@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from flows.models import PipelineParams, new_run_id
 from tasks.backends import registry
@@ -161,3 +162,27 @@ def _placed(
         rank0_metrics_offset=where.rank0_metrics_offset,
         metrics_every_node=where.metrics_every_node,
     )
+
+
+def render_global_batch(data: dict[str, Any]) -> int | None:
+    """The global batch ``render-k8s`` uses when the parameters set none: the run form's default
+    (8) is sized for the embedded default's world of 2 CPU workers, and an EKS world (nodes x
+    eks.gpus_per_node, 16 by default) must divide it, so take the smallest multiple of the
+    world that is at least the default. None when the user set one (theirs is validated as
+    is) or the world cannot be read (validation then names the bad field)."""
+    from tasks.backends.eks.params import EksParams
+
+    if "global_batch" in data:
+        return None
+    raw_eks = data.get("eks")
+    eks: dict[str, Any] = raw_eks if isinstance(raw_eks, dict) else {}
+    try:
+        nodes = int(data.get("nodes", PipelineParams.model_fields["nodes"].default))
+        gpus = int(eks.get("gpus_per_node", EksParams.model_fields["gpus_per_node"].default))
+    except (TypeError, ValueError):
+        return None
+    world = nodes * gpus
+    if world < 1:
+        return None
+    default = int(PipelineParams.model_fields["global_batch"].default)
+    return world * max(1, -(-default // world))

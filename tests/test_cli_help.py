@@ -133,3 +133,24 @@ def test_runs_lists_a_state_directorys_runs_newest_first(tmp_path, capsys):
     assert "run-done" in text and "30/30" in text and "nvrx-pipeline status RUN_ID" in text
     assert main(["runs", "--state-dir", str(tmp_path / "nothing")]) == 0
     assert "no runs under" in capsys.readouterr().out
+
+
+def test_one_module_per_command_that_parses_and_prints() -> None:
+    """Issue 27: each command lives in its own module of flows/cli/ (its parser, its exit codes,
+    its printing), and the modules stay small: the work is in tasks/ and flows/."""
+    import argparse
+    import inspect
+
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(sub.choices) == set(EXIT_CODES)
+    for name, cmd in sub.choices.items():
+        fn = cmd.get_default("fn")
+        if fn is None:  # a group (automations apply)
+            [inner] = [a for a in cmd._actions if isinstance(a, argparse._SubParsersAction)]
+            fn = next(iter(inner.choices.values())).get_default("fn")
+        module = inspect.getmodule(fn)
+        assert module is not None and module.__name__.startswith("flows.cli."), name
+        assert module.__name__ != "flows.cli.common", name
+        lines = inspect.getsource(module).count("\n")
+        assert lines < 200, f"{module.__name__}: {lines} lines; move the logic to tasks/"

@@ -17,8 +17,7 @@ import yaml
 from kubernetes.utils.quantity import parse_quantity
 from pydantic import ValidationError
 
-from flows.cli import render_global_batch
-from flows.context import eks_train_config
+from flows.context import eks_train_config, render_global_batch
 from flows.models import PipelineParams
 from tasks.backends.eks import K8S_VERSION
 from tasks.backends.eks.hydrate import hydration_job, image_pull_failure, wait_for_job

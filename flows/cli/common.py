@@ -1,0 +1,121 @@
+"""What every command shares: exit statuses, a subcommand whose --help lists its exit codes,
+and the run parameters from --config/--set/--inject/--run-id (validated, errors naming the field
+and the fix)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from flows.models import PipelineParams
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def exit_codes_text(codes: dict[int, str]) -> str:
+    return "exit codes:\n" + "\n".join(f"  {code}  {what}" for code, what in codes.items())
+
+
+def command(sub: Any, name: str, codes: dict[int, str], **kw: Any) -> argparse.ArgumentParser:
+    """A subcommand whose --help ends with its exit codes."""
+    return sub.add_parser(  # type: ignore[no-any-return]
+        name,
+        epilog=exit_codes_text(codes),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **kw,
+    )
+
+
+def _set_dotted(d: dict[str, Any], key: str, raw: str) -> None:
+    try:
+        value: Any = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw  # a bare string
+    parts = key.split(".")
+    for p in parts[:-1]:
+        d = d.setdefault(p, {})
+    d[parts[-1]] = value
+
+
+def load_params_dict(
+    config: Path | None, sets: list[str], inject: list[str], run_id: str | None
+) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    if config is not None:
+        text = config.read_text()
+        if config.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"{config}: expected a mapping of parameters")
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--set {item!r}: expected key=value (dotted keys for nested fields)")
+        _set_dotted(data, key.strip(), value.strip())
+    if inject:
+        drills = data.setdefault("drills", {})
+        drills["faults"] = [*drills.get("faults", []), *inject]
+    if run_id:
+        data["run_id"] = run_id
+    return data
+
+
+def format_validation_error(e: ValidationError) -> str:
+    from flows.param_docs import did_you_mean
+
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "params"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            near = did_you_mean(loc)
+            msg = f"no such parameter{f' (did you mean {near}?)' if near else ''}"
+            msg += "; `nvrx-pipeline params` lists them all"
+        lines.append(f"  {loc}: {msg}")
+    return "invalid parameters:\n" + "\n".join(lines)
+
+
+def params_from_args(
+    args: argparse.Namespace, *, inject: list[str], deployment: bool = False, **forced: Any
+) -> PipelineParams | None:
+    """PipelineParams from --config/--set/--run-id (+ forced fields); None after printing why
+    the parameters are invalid. ``deployment``: defaults of a deployment, which name no run."""
+    from flows.models import PipelineParams, new_run_id
+
+    try:
+        data = load_params_dict(args.config, args.set, inject, getattr(args, "run_id", None))
+        for flag in ("state_dir", "s3_endpoint"):  # run's own spellings of two parameters
+            if getattr(args, flag, None) is not None:
+                data[flag] = getattr(args, flag)
+        local = data.get("backend", "local") == "local"
+        if args.command == "run" and local and "s3_endpoint" not in data:
+            from tasks.storage.local_s3 import kept_endpoint
+
+            # The S3 server `up` keeps for this state directory, on whatever port it has.
+            kept = kept_endpoint(Path(str(data.get("state_dir") or ".state")))
+            if kept is not None:
+                data["s3_endpoint"] = kept
+        data.update(forced)
+        if deployment:
+            if data.get("run_id"):
+                # Every run of the deployment would share it; each later one would resume the first.
+                raise ValueError("run_id: a deployment default cannot name the run; set it per run")
+        else:
+            data.setdefault("run_id", new_run_id())  # known up front: progress tails its events
+        return PipelineParams(**data)
+    except ValidationError as e:
+        print(f"error: {format_validation_error(e)}", file=sys.stderr)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+    return None

@@ -1,0 +1,94 @@
+"""``nvrx-pipeline pull``: an export from S3 into a directory, verified (tasks.pull)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from flows.cli.common import EXIT_FAILED, EXIT_USAGE, command
+
+EXIT = {
+    0: "pulled and verified",
+    1: "the pull failed or did not verify (DIR left as it was)",
+    2: "bad usage (S3_URI not an S3 URI, DIR not empty and not this export)",
+}
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    """An export prefix -> a local directory, verified against its manifest (tasks.pull).
+    Exit 2 for a bad S3_URI or a DIR that cannot take it, 1 if the pull fails or does not
+    verify (DIR is then left as it was)."""
+    from tasks.errors import PipelineError, PullUsageError, StorageError
+    from tasks.pull import pull_export
+    from tasks.storage.s3 import S3Settings, boto3_client, parse_s3_uri
+
+    try:
+        bucket, prefix = parse_s3_uri(args.s3_uri)
+    except StorageError as e:
+        print(f"error: S3_URI: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    tty, last = sys.stderr.isatty(), [-1]
+
+    def progress(done: int, total: int, name: str | None) -> None:
+        # A terminal gets a line per file; a log, a line every 10 % (mid-file too).
+        tenth = 10 * done // max(total, 1)
+        if (tty and name is not None) or (not tty and tenth != last[0]):
+            last[0] = tenth
+            what = f" ({name})" if name else ""
+            print(f"pull: {100 * done // max(total, 1):3d}%{what}", file=sys.stderr, flush=True)
+
+    settings = S3Settings(endpoint_url=args.endpoint or os.environ.get("AWS_ENDPOINT_URL"))
+    try:
+        report = pull_export(
+            boto3_client(settings),
+            bucket,
+            prefix,
+            args.dir,
+            endpoint=settings.endpoint_url,
+            on_progress=progress,
+        )
+    except PullUsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (PipelineError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        print(json.dumps(report.to_dict()), flush=True)
+    else:
+        how = "downloaded" if report.downloaded else "already there"
+        print(
+            f"pulled {report.uri} to {report.dir}: step {report.step}, {report.files} files, "
+            f"{report.bytes} bytes, verified ({how})"
+        )
+    return 0
+
+
+def add(sub: Any) -> None:
+    pull = command(
+        sub,
+        "pull",
+        EXIT,
+        help="download an export from S3 into a directory, verified against its manifest",
+        description="Download the export at S3_URI (s3://bucket/prefix/<run_id>/step_<N>/) into "
+        "DIR, every file checked against the export's manifest.json (size and sha256). It lands "
+        "in a hidden directory beside DIR and is renamed to DIR only once it verifies. DIR must "
+        "be absent or empty, or already hold the same verified export (then nothing is "
+        "downloaded).",
+    )
+    pull.add_argument("s3_uri", metavar="S3_URI", help="the export prefix")
+    pull.add_argument("dir", metavar="DIR", type=Path, help="directory to create (or empty one)")
+    pull.add_argument(
+        "--s3-endpoint",
+        dest="endpoint",
+        help="S3 endpoint URL (default: AWS, or $AWS_ENDPOINT_URL)",
+    )
+    # The old spelling still works; one spelling (--s3-endpoint, like prepare-dataset and the
+    # s3_endpoint parameter) is shown.
+    pull.add_argument("--endpoint", dest="endpoint", help=argparse.SUPPRESS)
+    pull.add_argument("--json", action="store_true", help="print a summary as JSON last")
+    pull.set_defaults(fn=cmd_pull)

@@ -1,0 +1,64 @@
+"""``nvrx-pipeline render-k8s``: the EKS train stage's manifests as YAML."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from flows.cli.common import EXIT_USAGE, command, load_params_dict, params_from_args
+from flows.context import render_global_batch
+
+EXIT = {
+    0: "the manifests printed",
+    2: "bad parameters",
+}
+
+
+def cmd_render_k8s(args: argparse.Namespace) -> int:
+    import yaml
+
+    from flows.context import eks_train_config
+    from tasks.backends.eks.render import render_all
+
+    try:
+        data = load_params_dict(args.config, args.set, [], args.run_id)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    batch = render_global_batch(data)
+    forced: dict[str, Any] = {"backend": "eks"}
+    if batch is not None:
+        forced["global_batch"] = batch
+    params = params_from_args(args, inject=[], **forced)
+    if params is None:
+        return EXIT_USAGE
+    if batch is not None:
+        print(
+            f"note: global_batch not set; using {batch}, a multiple of the world size "
+            f"{params.world_size} (nodes x eks.gpus_per_node); set global_batch to choose",
+            file=sys.stderr,
+        )
+    run_id = params.run_id or ""
+    docs = render_all(
+        eks_train_config(params, run_id),
+        run_id=run_id,
+        attempt=args.attempt,
+        nodes=params.max_nodes,
+        min_nodes=params.node_range.min,
+        spares=params.spares,
+        eks=params.eks,
+        deadline_s=params.train_timeout_s,
+    )
+    print(yaml.safe_dump_all(docs, sort_keys=False), end="")
+    return 0
+
+
+def add(sub: Any) -> None:
+    rk = command(sub, "render-k8s", EXIT, help="print the EKS train-stage manifests as YAML")
+    rk.add_argument("--config", type=Path, help="YAML or JSON file of PipelineParams")
+    rk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    rk.add_argument("--run-id", help="run id (default: a new one)")
+    rk.add_argument("--attempt", type=int, default=1, help="train-stage attempt (names the Job)")
+    rk.set_defaults(fn=cmd_render_k8s)

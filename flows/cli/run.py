@@ -1,0 +1,178 @@
+"""``nvrx-pipeline run``: the whole pipeline, with live progress; prints the report (or, with
+``--json``, the PipelineResult) and saves nothing the flow does not."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from flows.cli.common import EXIT_FAILED, EXIT_USAGE, command, params_from_args
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import State
+
+    from flows.models import PipelineResult
+
+EXIT = {
+    0: "the run completed (checkpoint validated, export verified)",
+    1: "the pipeline failed: the cause on stderr (--json: the PipelineResult)",
+    2: "bad parameters: the field and the fix on stderr",
+}
+
+
+class _LiveProgress:
+    """Tails the run's step events: a progress bar on a terminal, a line every 10 steps
+    otherwise. Faults, restarts and recoveries are the flow's log lines alone (printing them
+    here too showed each twice)."""
+
+    def __init__(self, run_root: Path, target: int, tty: bool) -> None:
+        self.run_root, self.target, self.tty = run_root, target, tty
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> _LiveProgress:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+    def _run(self) -> None:
+        from trainer.event_read import EventReader
+
+        path = self.run_root / "events.jsonl"
+        tail = EventReader(path, from_start=False)
+        out = sys.stderr
+        if self.tty:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            with Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total} steps"),
+                TimeElapsedColumn(),
+                transient=False,
+            ) as bar:
+                task = bar.add_task("training", total=self.target)
+                while not self.stop.wait(0.5):
+                    for e in tail.read_new_dicts():
+                        if e["kind"] == "step":
+                            bar.update(
+                                task,
+                                completed=e["step"],
+                                description=f"training loss {e['loss']:.3f} "
+                                f"{e.get('tokens_per_s', 0):,.0f} tok/s",
+                            )
+            return
+        while not self.stop.wait(1.0):
+            for e in tail.read_new_dicts():
+                if e["kind"] == "step" and (e["step"] % 10 == 0 or e["step"] == self.target):
+                    print(
+                        f"step {e['step']}/{self.target} loss {e['loss']:.4f} "
+                        f"{e.get('tokens_per_s', 0):.0f} tok/s",
+                        file=out,
+                        flush=True,
+                    )
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flows.context import RunContext
+    from flows.models import PipelineResult
+
+    params = params_from_args(args, inject=args.inject)
+    if params is None:
+        return EXIT_USAGE
+    ctx = RunContext.create(params)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if not os.environ.get("PREFECT_API_URL"):
+        from tasks.local_services import kept_prefect_api
+
+        # The state directory's kept server (`nvrx-pipeline up`): the run, its report and
+        # artifacts stay in its UI; without one Prefect starts a temporary server.
+        kept = kept_prefect_api(Path(params.state_dir))
+        if kept is not None:
+            os.environ["PREFECT_API_URL"] = kept
+            print(
+                f"Prefect server: {kept.removesuffix('/api')} (nvrx-pipeline up)", file=sys.stderr
+            )
+    from flows.pipeline import training_pipeline
+
+    status = 0
+    started = time.time()
+    # SIGTERM (a scheduler, `kill`, Prefect cancelling the process) unwinds like Ctrl-C, so the
+    # run ends what it started and gives its lease back (arch §6); SIGKILL is what the next
+    # invocation's takeover is for.
+    signal.signal(signal.SIGTERM, _interrupt)
+    with _LiveProgress(ctx.run_root, params.steps, sys.stderr.isatty()):
+        # (``**fields`` in the flow's signature hides Prefect's return_state overload from mypy)
+        state = cast(
+            "State[PipelineResult]",
+            training_pipeline(**params.flow_parameters(), return_state=True),
+        )
+    if state.is_completed():
+        result = state.result()
+    else:
+        status = EXIT_FAILED
+        saved = ctx.run_root / "pipeline_result.json"
+        # Only this invocation's: a refused second invocation must not report the owner's.
+        if saved.exists() and saved.stat().st_mtime >= started:
+            result = PipelineResult.model_validate_json(saved.read_text())
+        else:
+            result = PipelineResult(
+                status="failed", run_id=ctx.run_id, target_steps=params.steps, error=state.message
+            )
+        print(f"error: pipeline failed: {result.error or state.message}", file=sys.stderr)
+    if args.json:
+        print(result.model_dump_json(), flush=True)
+    else:
+        from flows.report import REPORT_FILE, render_report
+
+        print(render_report(result))
+        saved = ctx.run_root / REPORT_FILE
+        if saved.exists() and saved.stat().st_mtime >= started:
+            print(f"report saved: {saved} (the timeline: {ctx.run_root / 'timeline.png'})")
+    return status
+
+
+def add(sub: Any) -> None:
+    run = command(sub, "run", EXIT, help="run the whole pipeline")
+    run.add_argument("--config", type=Path, help="YAML or JSON file of PipelineParams")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a parameter (dotted keys: dataset.bucket=...)",
+    )
+    run.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="fault drill, e.g. node-loss@step=9,node=1",
+    )
+    run.add_argument("--run-id", help="name the run; an existing id resumes it")
+    # The same spellings as status, export, pull and prepare-dataset (each sets its parameter).
+    run.add_argument(
+        "--state-dir", help="the state_dir parameter: local state (FSx, S3 data, runs; .state)"
+    )
+    run.add_argument(
+        "--s3-endpoint", help="the s3_endpoint parameter (a local one is started on demand)"
+    )
+    run.add_argument("--json", action="store_true", help="print the PipelineResult as JSON last")
+    run.epilog = (
+        "parameters: `nvrx-pipeline params` lists every one with its default and description;\n"
+        "examples/params/ holds a params file per backend (--config).\n\n" + (run.epilog or "")
+    )
+    run.set_defaults(fn=cmd_run)

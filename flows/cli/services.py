@@ -1,0 +1,71 @@
+"""``nvrx-pipeline up`` / ``down``: keep a local Prefect server and the S3 server up across runs
+(tasks.local_services, tasks.storage.local_s3), and stop them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from flows.cli.common import EXIT_FAILED, command
+
+UP_EXIT = {
+    0: "both servers up (their addresses printed)",
+    1: "a server did not start",
+}
+
+DOWN_EXIT = {
+    0: "stopped (or nothing was up)",
+}
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from tasks.errors import PipelineError
+    from tasks.local_services import start_prefect
+    from tasks.storage.local_s3 import keep_local_s3
+    from tasks.storage.s3 import S3Settings
+
+    state = Path(args.state_dir)
+    try:
+        endpoint = keep_local_s3(S3Settings(endpoint_url=args.s3_endpoint), state)
+        api = start_prefect(state, port=args.port)
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    ui = api.removesuffix("/api")
+    print(f"Prefect UI: {ui} (runs of --state-dir {state} use it; its data in {state}/prefect)")
+    print(f"S3: {endpoint} (the demo's data and exports, kept until `nvrx-pipeline down`)")
+    print(f"stop both: nvrx-pipeline down --state-dir {state}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from tasks.local_services import stop_prefect
+    from tasks.storage.local_s3 import unkeep_local_s3
+
+    state = Path(args.state_dir)
+    prefect = stop_prefect(state)
+    s3 = unkeep_local_s3(state)
+    print(f"Prefect server: {'stopped' if prefect else 'was not running'}")
+    print(f"S3 server: {'stopped' if s3 else 'not running, or still used by a run'}")
+    return 0
+
+
+def add(sub: Any) -> None:
+    up = command(
+        sub,
+        "up",
+        UP_EXIT,
+        help="keep a local Prefect server (the UI) and the S3 server up across runs",
+        description="Start, for a state directory, a Prefect server (UI and artifacts, its "
+        "database under STATE_DIR/prefect) and the embedded S3 server, and keep them up after "
+        "each run ends, until `down`. `run` with the same --state-dir uses them.",
+    )
+    up.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
+    up.add_argument("--port", type=int, default=4200, help="the Prefect server's port (4200)")
+    up.add_argument("--s3-endpoint", default="http://127.0.0.1:8333", help="the S3 server's")
+    up.set_defaults(fn=cmd_up)
+    down = command(sub, "down", DOWN_EXIT, help="stop what `up` started")
+    down.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
+    down.set_defaults(fn=cmd_down)

@@ -1,0 +1,101 @@
+"""``nvrx-pipeline status``: one run's summary (tasks.run_status), printed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from flows.cli.common import EXIT_USAGE, command
+
+EXIT = {
+    0: "the summary printed",
+    2: "no events for that run (pass --state-dir or --run-root)",
+}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from flows.models import RUN_ID
+    from flows.report import (
+        ETTR_DEFINITION,
+        SHORT_RUN_NOTE,
+        resumed_from,
+        time_rows,
+        too_short_for_ettr,
+    )
+    from tasks.run_status import RunNotFound, locate_run, read_status
+    from trainer.history import TimeBreakdown
+
+    if not RUN_ID.fullmatch(args.run_id):
+        print(
+            f"error: run_id {args.run_id!r}: lowercase letters, digits and dashes (a run's id, "
+            "as `run` printed it)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    try:
+        run_root = locate_run(args.run_id, state_dir=Path(args.state_dir), run_root=args.run_root)
+    except RunNotFound as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    st = read_status(run_root)
+    if args.json:
+        print(json.dumps({"run_id": args.run_id, **st}))
+        return 0
+    loss = "" if st["loss"] is None else f", loss {st['loss']:.4f}"
+    if st["tokens_per_s"] is not None:
+        loss += f", {st['tokens_per_s']:.0f} tok/s"
+    print(f"run {args.run_id}: {st['state']}")
+    if st["owner"] is not None:
+        o = st["owner"]
+        print(
+            f"  owner: {o['owner']}, heartbeat {o['heartbeat_age_s']:.0f} s ago"
+            + (
+                ""
+                if o["alive"] or o["alive"] is None
+                else " (gone: the next run of this id takes it over)"
+            )
+        )
+    print(f"  step {st['step']}{loss}")
+    if st["stages"]:
+        print("  stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in st["stages"].items()))
+    for a in st["train_attempts"]:
+        print(f"  train attempt {a['attempt']} ({a['backend']}): {a['outcome']}")
+    for f in st["faults"]:
+        rec = (
+            "not recovered"
+            if f["recovered_by"] == "none"
+            else (f"recovered by {f['recovered_by']} in {f['recovery_s']:.1f} s")
+        )
+        if f["resume_step"] is not None:
+            rec += f", {resumed_from(f['resume_step'])}, {f['replayed_steps']} step(s) replayed"
+        print(f"  fault {f['fault']}: {rec}")
+    print(
+        f"  checkpoints: {st['checkpoints']} committed, latest step {st['latest_checkpoint_step']}"
+        + (f", max blocking {st['ckpt_blocking_s_max']:.3f} s" if st["checkpoints"] else "")
+    )
+    if st["ettr"] is not None:
+        print(f"  ETTR: {st['ettr']:.3f} ({ETTR_DEFINITION})")
+    if st["time"] is not None:
+        time_s = TimeBreakdown(**st["time"])
+        print(f"  train attempts {time_s.wall_s:.1f} s:")
+        for label, sec, share in time_rows(time_s):
+            print(f"    {label:<20} {sec:7.1f} s  {share:4.0%}")
+        if too_short_for_ettr(time_s):
+            print(f"  {SHORT_RUN_NOTE}")
+    if st["export_uri"]:
+        print(f"  export: {st['export_uri']}")
+    if st["error"]:
+        print(f"  error: {st['error']}")
+    return 0
+
+
+def add(sub: Any) -> None:
+    stp = command(sub, "status", EXIT, help="summarise a run from its events file")
+    stp.add_argument("run_id")
+    stp.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
+    stp.add_argument("--run-root", type=Path, help="the run directory itself (EKS: /fsx/runs/ID)")
+    stp.add_argument("--json", action="store_true")
+    stp.set_defaults(fn=cmd_status)
