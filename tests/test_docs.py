@@ -20,6 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "architecture.md"
+DOCS_MD = sorted((REPO / "docs").rglob("*.md"))  # the reference the README links
 
 TOP_DIRS = ("flows", "tasks", "trainer", "deploy", "benchmarks", "tests", "docs", "examples")
 PACKAGES = ("flows", "tasks", "trainer")
@@ -205,15 +206,33 @@ def test_the_readme_contents_list_every_section_and_resolve() -> None:
             sections.add(re.sub(r"[^\w\- ]", "", m.group(2).lower()).replace(" ", "-"))
     assert listed == sections, (sections - listed, listed - sections)
     assert broken_links(readme) == []
+    # The reference moved under docs/ (issue 27): the contents link every file there.
+    linked = set(re.findall(r"\]\(docs/([^)#]+\.md)(?:#[^)]*)?\)", contents))
+    assert linked == {p.relative_to(REPO / "docs").as_posix() for p in DOCS_MD}
 
 
-def test_the_readme_metrics_table_names_every_restart_layer() -> None:
-    """Issue 27: the table listed 3 of the 5 layers a restart is counted under."""
+def test_docs_holds_the_moved_reference() -> None:
+    names = {p.name for p in DOCS_MD}
+    assert {"metrics.md", "parameters.md", "checkpoints.md", "exports.md"} <= names
+    assert {"ownership.md", "trainer.md", "layout.md", "architecture.md", "glossary.md"} <= names
+
+
+@pytest.mark.parametrize("doc", DOCS_MD, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_docs_file_links_and_paths_resolve(doc: Path) -> None:
+    """Every Markdown file under docs/ (issue 27): each relative link and its anchor, and every
+    repository path it names in backticks."""
+    text = doc.read_text()
+    assert broken_links(doc) == [] and missing_paths(text) == []
+
+
+def test_the_metrics_table_names_every_restart_layer() -> None:
+    """Issue 27: the table (docs/metrics.md) listed 3 of the 5 layers a restart is counted
+    under."""
     from trainer.events import LAYERS
 
     row = next(
         line
-        for line in (REPO / "README.md").read_text().splitlines()
+        for line in (REPO / "docs" / "metrics.md").read_text().splitlines()
         if line.startswith("| `nvrx_restarts_total`")
     )
     assert re.findall(r"`([a-z-]+)`", row.split("|")[3]) == ["layer", *LAYERS]

@@ -1,5 +1,6 @@
-"""``nvrx-pipeline pull`` against real exports in the SeaweedFS fixture, and the README's
-recipes for loading an export with plain torch DCP (run as written there)."""
+"""``nvrx-pipeline pull`` against real exports in the SeaweedFS fixture, and the recipes of
+docs/exports.md (moved there from the README) for loading an export with plain torch DCP (run
+as written there)."""
 
 from __future__ import annotations
 
@@ -269,13 +270,14 @@ def test_mismatch_and_step():
     assert step_in_prefix("exports/run1") is None
 
 
-# -- the README recipes --------------------------------------------------------------------------
+# -- the docs/exports.md recipes (moved from the README) ----------------------------------------
 def recipe_code() -> str:
-    """The first ``python`` block under the README's 'Load an export with torch DCP' heading."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("### Load an export with torch DCP, straight from S3", 1)[1]
+    """The first ``python`` block under docs/exports.md's 'Load an export with torch DCP'
+    heading."""
+    doc = (REPO / "docs" / "exports.md").read_text()
+    section = doc.split("\n## Load an export with torch DCP, straight from S3\n", 1)[1]
     m = re.search(r"```python\n(.*?)```", section, re.S)
-    assert m, "the recipe's code block is missing from README.md"
+    assert m, "the recipe's code block is missing from docs/exports.md"
     return m.group(1)
 
 

@@ -3,7 +3,7 @@
 Under the pipeline (``workload: "script:examples/fsdp_script/train.py"``, script_args
 ``["--data-dir", "{data_dir}", "--steps", "{steps}", "--batch", "{global_batch}"]``), or alone:
 
-    python -m trainer.launch --nproc-per-node 2 ... (see the README) or
+    python -m trainer.launch --nproc-per-node 2 ... (see docs/trainer.md) or
     ft_launcher --nproc-per-node 2 ... examples/fsdp_script/train.py --data-dir D --run-root R
 
 Changes from the plain script (``diff train_plain.py train.py``): the import, ``--run-root``,
