@@ -95,8 +95,8 @@ def sample(samples: Samples, name: str, **labels: str) -> float | None:
 
 def free_s3_port() -> int:
     """A port for a SeaweedFS server whose derived ports (master +1, volume +2, filer +3, admin
-    +4, and gRPC 10000 above each) are all free too; below the ephemeral range, so no client connection
-    takes one of them while it starts."""
+    +4, and gRPC 10000 above each) are all free too; below the ephemeral range, so no client
+    connection takes one of them while it starts."""
     import random
 
     def bindable(port: int) -> bool:
