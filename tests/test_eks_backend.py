@@ -184,6 +184,12 @@ def hang(k: Kube, job: str) -> None:
     pass  # pods stay Running past the deadline
 
 
+def delete_outside(k: Kube, job: str) -> None:
+    """`kubectl delete job` by someone else while the pods run: the attempt ends with that
+    cause, at once (not at the deadline), and is not read as a node loss."""
+    k.batch.delete_namespaced_job(job, NS, _preload_content=False)
+
+
 SCENARIOS = [
     ("completed", succeed, EndKind.COMPLETED, False),
     ("node-loss", lose_node, EndKind.NODE_LOSS, False),
@@ -192,6 +198,7 @@ SCENARIOS = [
     ("oom", exit_code(137, "OOMKilled"), EndKind.BUG, True),
     ("image-pull", image_pull, EndKind.BUG, False),
     ("deadline", hang, EndKind.TIMEOUT, False),
+    ("deleted-outside", delete_outside, EndKind.BUG, False),
 ]
 
 
@@ -205,6 +212,8 @@ def test_attempt_outcomes(kube: Kube, tmp_path: Path, name, act, kind, kept):
     report = attempt_on(kube, params)
     driver.join(5)
     assert report.outcome.kind == kind, report.outcome.message
+    if name == "deleted-outside":
+        assert "deleted outside the pipeline" in report.outcome.message
     job = report.released["job"]
     assert report.released["kept_job"] == kept
     assert (kube.read_job(NS, job) is not None) == kept  # failed Job kept for forensics

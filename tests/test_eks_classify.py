@@ -84,7 +84,7 @@ def history(
         elif kind == "node":
             h.nodes.append(observe_node(obj, t, deleted=deleted))
         else:
-            h.jobs.append(observe_job(obj, t))
+            h.jobs.append(observe_job(obj, t, deleted=deleted))
     return h
 
 
@@ -213,6 +213,22 @@ SCENARIOS = [
         EndKind.BUG,
     ),
     (
+        "job-deleted-outside",  # kubectl delete job: the Job gone, its pods going with it
+        [
+            *RUNNING,
+            (10, "job", job()),
+            (50, "job", job(), True),
+            (51, "pod", pod(0), True),
+            (51, "pod", pod(1, node="ip-10-0-1-2"), True),
+        ],
+        EndKind.BUG,
+    ),
+    (
+        "job-deleted-pods-still-running",
+        [*RUNNING, (10, "job", job()), (50, "job", job(), True)],
+        EndKind.BUG,
+    ),
+    (
         "oom",
         [*RUNNING, (70, "pod", pod(0, phase="Failed", exit_code=137, reason="OOMKilled"))],
         EndKind.BUG,
@@ -231,10 +247,14 @@ def test_recorded_histories(name, steps, kind):
 
 
 def test_messages_say_what_happened():
-    pull = classify_history(history(*SCENARIOS[10][1]), now=10, unschedulable_timeout_s=600)
+    steps = {name: s for name, s, _kind in SCENARIOS}
+    pull = classify_history(history(*steps["image-pull"]), now=10, unschedulable_timeout_s=600)
     assert pull is not None and "registry/nvrx:bad" in pull.message and "eks.image" in pull.message
-    oom = classify_history(history(*SCENARIOS[11][1]), now=100, unschedulable_timeout_s=600)
+    oom = classify_history(history(*steps["oom"]), now=100, unschedulable_timeout_s=600)
     assert oom is not None and "OOMKilled" in oom.message
+    gone = steps["job-deleted-outside"]
+    deleted = classify_history(history(*gone), now=100, unschedulable_timeout_s=600)
+    assert deleted is not None and "deleted outside the pipeline" in deleted.message
     lost = classify_history(history(*SCENARIOS[3][1]), now=100, unschedulable_timeout_s=600)
     assert lost is not None and lost.details["lost_nodes"] == ["ip-10-0-1-2"]
 

@@ -33,6 +33,7 @@ from tasks.backends.base import (
 from tasks.backends.eks.capacity import wait_for_nodes
 from tasks.backends.eks.classify import (
     History,
+    JobObs,
     classify_history,
     healthy,
     judge,
@@ -203,6 +204,9 @@ class EksJob:
         job = self.kube.read_job(self.ns, self.name)
         if job is not None:
             self.history.jobs.append(observe_job(job, now))
+        elif self.history.jobs and not self._deleted and not self.history.jobs[-1].gone:
+            # Seen, now gone, and not by our stop(): deleted outside the pipeline.
+            self.history.jobs.append(JobObs(t=now, gone=True))
         pods = reversed(self.history.pods)
         self._log.follow(next((p.name for p in pods if p.index == 0 and p.node), None))
         self.observed = classify_history(

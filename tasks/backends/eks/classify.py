@@ -63,6 +63,8 @@ class NodeObs:
 @dataclass(frozen=True)
 class JobObs:
     t: float
+    # The Job was there and is gone, deleted by none of ours (kubectl, another controller).
+    gone: bool = False
     complete: bool = False
     failed: bool = False
     failed_reason: str = ""
@@ -142,11 +144,12 @@ def observe_node(node: dict[str, Any], t: float, *, deleted: bool = False) -> No
     )
 
 
-def observe_job(job: dict[str, Any], t: float) -> JobObs:
+def observe_job(job: dict[str, Any], t: float, *, deleted: bool = False) -> JobObs:
     conds = _conditions(job)
     failed = conds.get("Failed", {})
     return JobObs(
         t=t,
+        gone=deleted,
         complete=conds.get("Complete", {}).get("status") == "True",
         failed=failed.get("status") == "True",
         failed_reason=failed.get("reason", ""),
@@ -240,7 +243,17 @@ def classify_history(h: History, *, now: float, unschedulable_timeout_s: float) 
         len(succeeded) >= h.completions and all(p.phase == "Succeeded" for p in pods.values())
     ):
         return Outcome(EndKind.COMPLETED, f"all {h.completions} pods succeeded")
-    # 3. Node loss, in any of its guises.
+    # 3. The Job deleted outside the pipeline: its pods go with it, which must not read as a
+    # node loss (a stage retry would recreate what an operator removed), nor be watched until
+    # the deadline.
+    if job is not None and job.gone:
+        return Outcome(
+            EndKind.BUG,
+            "the training Job was deleted outside the pipeline (kubectl delete, or another "
+            "controller) while it ran; the attempt ends with no retry. Run again with the same "
+            "run id to resume from its newest checkpoint",
+        )
+    # 4. Node loss, in any of its guises.
     evidence = node_loss_evidence(h, pods)
     if evidence:
         # Nodes of disrupted pods count as lost too (the Node object may still look Ready).
@@ -255,7 +268,7 @@ def classify_history(h: History, *, now: float, unschedulable_timeout_s: float) 
             + (f" (nodes {nodes} unreachable or gone)" if nodes else ""),
             {"lost_nodes": nodes},
         )
-    # 4. Could never have run.
+    # 5. Could never have run.
     for p in pods.values():
         if p.waiting_reason in IMAGE_PULL_REASONS:
             return Outcome(
@@ -280,7 +293,7 @@ def classify_history(h: History, *, now: float, unschedulable_timeout_s: float) 
                 f"pod {pending[0].name} unschedulable for {now - first_seen:.0f} s: "
                 f"{pending[0].unschedulable_message}",
             )
-    # 5. Failed pods.
+    # 6. Failed pods.
     failed = [p for p in pods.values() if p.phase == "Failed"]
     for p in failed:
         if p.terminated_reason == "OOMKilled":

@@ -8,10 +8,12 @@ twice is harmless).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -208,44 +210,116 @@ class Kube:
         stop: threading.Event,
         *,
         timeout_s: int = 30,
+        min_interval_s: float = 0.5,
     ) -> None:
-        """Stream ``(what, type, object)`` into ``out`` until ``stop``. A watch that ends or
-        fails is resumed from the last resourceVersion when the server gives numeric ones, else
-        started over (the caller's history dedupes by time, so replays are harmless)."""
+        """Stream ``(what, type, object)`` into ``out`` until ``stop``, as the API server defines
+        a watch (``tasks.backends.eks.watch``): list, then watch from the list's
+        resourceVersion with bookmarks; resume from the last version when a watch ends; on
+        ``410 Gone`` (an ``ERROR`` event or the answer to the request) list again; on any other
+        error back off (jittered, bounded, ``Retry-After`` honoured) and resume. Only objects of
+        the watched kind reach ``out``: an ``ERROR`` event's ``Status`` or a bad line never does.
+        A list's items are passed on as ``ADDED`` (the caller's history dedupes by time, so a
+        replay is harmless)."""
+        from tasks.backends.eks.watch import Step, WatchCursor, backoff_s, list_version
+
         func, args = (
             (self.core.list_namespaced_pod, (ns,)) if what == "pod" else (self.core.list_node, ())
         )
-        version: str | None = None
+        cursor = WatchCursor("Pod" if what == "pod" else "Node")
+        relist, last_open, retry_after = True, -math.inf, None
         while not stop.is_set():
-            kwargs: dict[str, Any] = {
-                # The literal "true": the client would send "True" for a bool, which some
-                # servers (and the emulator in the tests) do not take as a watch request.
-                "watch": "true",
-                "timeout_seconds": timeout_s,
-                "_preload_content": False,
-                "_request_timeout": timeout_s + 5,
-            }
-            if version and version.isdigit():
-                kwargs["resource_version"] = version
+            # At least min_interval_s between opens, and after a failure at least that long
+            # after it too (the client's own retry of a 429 may have taken the interval).
+            since = time.monotonic() - last_open
+            wait = max(
+                backoff_s(cursor.failures, retry_after_s=retry_after),
+                min_interval_s - since,
+                min_interval_s if cursor.failures else 0.0,
+            )
+            if wait > 0 and stop.wait(wait):
+                return
+            last_open, retry_after = time.monotonic(), None
+            resp = None
             try:
+                if relist:
+                    listing = _json(func(*args, _preload_content=False))
+                    for obj in listing.get("items") or []:
+                        d = cursor.on_event({"type": "ADDED", "object": obj})
+                        if d.step is Step.EMIT and d.obj is not None:
+                            out.put((what, "ADDED", d.obj))
+                    cursor.on_relisted(list_version(listing))
+                    relist = False
+                kwargs: dict[str, Any] = {
+                    # Literal "true"s: the client would send "True" for a bool, which some
+                    # servers (and the emulator in the tests) do not take as a watch request.
+                    "watch": "true",
+                    "allow_watch_bookmarks": "true",
+                    "timeout_seconds": timeout_s,
+                    "_preload_content": False,
+                    "_request_timeout": timeout_s + 5,
+                }
+                if cursor.version and cursor.version.isdigit():
+                    kwargs["resource_version"] = cursor.version
                 resp = func(*args, **kwargs)
-                buf = b""
-                for chunk in resp.stream(4096):
-                    if stop.is_set():
-                        break
-                    buf += chunk
-                    *lines, buf = buf.split(b"\n")
-                    for line in lines:
-                        if not line.strip():
-                            continue
-                        event = json.loads(line)
-                        obj = event.get("object") or {}
-                        version = (obj.get("metadata") or {}).get("resourceVersion") or version
-                        out.put((what, str(event.get("type")), obj))
-                resp.release_conn()
-            except Exception:  # connection reset, read timeout, bad line: resume
-                version = None
-                stop.wait(1.0)
+                ended = self._stream(resp, what, cursor, out, stop)
+                if ended is None:
+                    cursor.on_stream_end()
+                elif ended.step is Step.RELIST:
+                    relist = True
+                else:
+                    cursor.on_failure()
+                    retry_after = ended.retry_after_s
+            except self._exc as e:
+                if e.status == 410:
+                    relist = True
+                else:
+                    cursor.on_failure()
+                    retry_after = _retry_after(e)
+            except Exception:  # connection reset, read timeout: resume from the version held
+                cursor.on_failure()
+            finally:
+                if resp is not None:
+                    with contextlib.suppress(Exception):
+                        resp.release_conn()
+
+    @staticmethod
+    def _stream(
+        resp: Any,
+        what: str,
+        cursor: Any,
+        out: queue.Queue[tuple[str, str, dict[str, Any]]],
+        stop: threading.Event,
+    ) -> Any:
+        """Pass one watch response's objects on; the decision that ended it early (a relist or
+        a back-off), or None when the server closed it."""
+        from tasks.backends.eks.watch import Step
+
+        buf = b""
+        for chunk in resp.stream(4096):
+            if stop.is_set():
+                return None
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                if not line.strip():
+                    continue
+                d = cursor.on_line(line)
+                if d.step is Step.EMIT and d.obj is not None:
+                    out.put((what, d.type, d.obj))
+                elif d.step in (Step.RELIST, Step.BACKOFF):
+                    return d
+        if buf.strip():  # a stream cut mid-line: the partial line is dropped, not parsed
+            cursor.dropped["cut mid-line"] = cursor.dropped.get("cut mid-line", 0) + 1
+        return None
+
+
+def _retry_after(e: Any) -> float | None:
+    """An ApiException's Retry-After header, in seconds."""
+    raw = (getattr(e, "headers", None) or {}).get("Retry-After")
+    try:
+        return float(raw) if raw else None
+    except (TypeError, ValueError):
+        return None
 
 
 def iter_queue(q: queue.Queue[Any]) -> Iterator[Any]:
