@@ -86,11 +86,9 @@ def _open_in_the_ui(base: str, flow_run_id: str, tmp: Path) -> None:
     """Headless Chromium on the kept server's UI, the run's own process gone: the run's page
     lists its report and timeline; the report renders with its outcome and the timeline is a
     real image."""
-    import re
-
     from playwright.sync_api import expect, sync_playwright
 
-    from tests.test_ui_browser import chromium_path
+    from tests.test_ui_browser import chromium_path, open_run_report, open_run_timeline
 
     expect.set_options(timeout=60_000)
     with sync_playwright() as pw:
@@ -100,21 +98,9 @@ def _open_in_the_ui(base: str, flow_run_id: str, tmp: Path) -> None:
             page.set_default_timeout(60_000)
             page.goto(f"{base}/runs/flow-run/{flow_run_id}")
             # on a port other than 4200 too: the UI calls its own server's API
-            page.get_by_text("Artifacts", exact=True).first.click()
-            for key in ("run-report", "recovery-timeline"):
-                expect(page.get_by_text(key, exact=True).first).to_be_visible()
-            page.get_by_text("run-report", exact=True).first.click()
-            page.wait_for_url("**/artifacts/artifact/*")
-            heading = page.get_by_role("heading", name=re.compile(r"Run .*kept.*: completed"))
-            expect(heading).to_be_visible()
+            open_run_report(page, r"Run .*kept.*: completed")
             page.screenshot(path=str(tmp / "kept-report.png"), full_page=True)
-            page.go_back()
-            page.get_by_text("Artifacts", exact=True).first.click()
-            page.get_by_text("recovery-timeline", exact=True).first.click()
-            page.wait_for_url("**/artifacts/artifact/*")
-            img = page.locator("img[src^='data:image/png']")
-            expect(img).to_be_visible()
-            assert img.evaluate("e => e.naturalWidth") > 200
+            open_run_timeline(page)
         finally:
             browser.close()
 

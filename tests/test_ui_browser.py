@@ -153,6 +153,34 @@ def form_field(page: Any, label: str) -> Any:
     return page.locator(".p-label").filter(has=page.locator(".p-label__label", has_text=text)).last
 
 
+def open_run_report(page: Any, heading: str, shot: Path | None = None) -> None:
+    """On a finished flow run's page: its Artifacts tab lists the report and the timeline
+    (``shot``: a screenshot of that list), and the report opens, rendered, with ``heading``."""
+    from playwright.sync_api import expect
+
+    page.get_by_text("Artifacts", exact=True).first.click()
+    for key in FLOW_RUN_ARTIFACTS:
+        expect(page.get_by_text(key, exact=True).first).to_be_visible()
+    if shot is not None:
+        page.screenshot(path=str(shot))
+    page.get_by_text("run-report", exact=True).first.click()
+    page.wait_for_url("**/artifacts/artifact/*")
+    expect(page.get_by_role("heading", name=re.compile(heading))).to_be_visible()
+
+
+def open_run_timeline(page: Any) -> None:
+    """Back from the report: the recovery-timeline artifact is the PNG itself, a real image."""
+    from playwright.sync_api import expect
+
+    page.go_back()
+    page.get_by_text("Artifacts", exact=True).first.click()
+    page.get_by_text("recovery-timeline", exact=True).first.click()
+    page.wait_for_url("**/artifacts/artifact/*")
+    img = page.locator("img[src^='data:image/png']")
+    expect(img).to_be_visible()
+    assert img.evaluate("e => e.naturalWidth") > 200
+
+
 def _deployment(api: httpx.Client, name: str, deadline: float) -> dict[str, Any]:
     while time.time() < deadline:
         r = api.get(f"/deployments/name/{FLOW}/{name}")
@@ -225,30 +253,15 @@ def test_custom_run_from_the_ui(ui_stack: dict[str, Any], s3_settings) -> None:
                 # No run id in the form: the run id is derived from the flow run, which bears it.
                 assert run["name"] == run_id_of_flow_run(flow_run_id), run["name"]
 
-                # The finished run's Artifacts tab shows the report and the timeline image.
+                # The finished run's Artifacts tab shows the report and the timeline image;
+                # the report, rendered: the outcome first, then the fault and its layer.
                 page.reload()
-                page.get_by_text("Artifacts", exact=True).first.click()
-                for key in FLOW_RUN_ARTIFACTS:
-                    expect(page.get_by_text(key, exact=True).first).to_be_visible()
-                page.screenshot(path=str(shots / "ui-run-artifacts.png"))
-                # The report, rendered: the outcome first, then the fault and its layer.
-                page.get_by_text("run-report", exact=True).first.click()
-                page.wait_for_url("**/artifacts/artifact/*")
-                expect(
-                    page.get_by_role("heading", name=re.compile(r"Run .*: completed"))
-                ).to_be_visible()
+                open_run_report(page, r"Run .*: completed", shots / "ui-run-artifacts.png")
                 row = page.get_by_role("row").filter(has_text="exception")
                 expect(row).to_contain_text("inprocess")
                 expect(row).to_contain_text("4")
                 page.screenshot(path=str(shots / "ui-run-report.png"), full_page=True)
-                # The recovery-timeline artifact is the PNG itself.
-                page.go_back()
-                page.get_by_text("Artifacts", exact=True).first.click()
-                page.get_by_text("recovery-timeline", exact=True).first.click()
-                page.wait_for_url("**/artifacts/artifact/*")
-                img = page.locator("img[src^='data:image/png']")
-                expect(img).to_be_visible()
-                assert img.evaluate("e => e.naturalWidth") > 200
+                open_run_timeline(page)
                 # What the export stage returned, on its own flow run's page, and the link.
                 (exported,) = api.post(
                     "/artifacts/filter", json={"artifacts": {"key": {"any_": ["export-result"]}}}
