@@ -176,10 +176,13 @@ def render_global_batch(data: dict[str, Any]) -> int | None:
         return None
     raw_eks = data.get("eks")
     eks: dict[str, Any] = raw_eks if isinstance(raw_eks, dict) else {}
+    from trainer.elastic import NodeRange, NodeRangeError
+
     try:
-        nodes = int(data.get("nodes", PipelineParams.model_fields["nodes"].default))
+        # An elastic range (MIN:MAX) divides the batch by its largest world.
+        nodes = NodeRange.parse(data.get("nodes", PipelineParams.model_fields["nodes"].default)).max
         gpus = int(eks.get("gpus_per_node", EksParams.model_fields["gpus_per_node"].default))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, NodeRangeError):
         return None
     world = nodes * gpus
     if world < 1:

@@ -17,6 +17,7 @@ from flows.context import eks_train_config
 from flows.models import PipelineParams
 from tasks.backends.eks import K8S_VERSION, security
 from tasks.backends.eks.fsx import render_hydration_job
+from tasks.backends.eks.params import INSTANCE_TYPES
 from tasks.backends.eks.render import JOB_NAME_LABEL, job_name, labels, render_all
 from tests.helpers import REPO, worker_env
 
@@ -345,3 +346,53 @@ def test_an_elastic_job(nodes, spares, nnodes):
     argv = container["command"] + container["args"]
     assert argv[:3] == ["python", "-m", "trainer.agent"]  # the shortened rendezvous keep-alive
     assert f"--nnodes={nnodes}" in argv
+
+
+@pytest.mark.parametrize("itype", sorted(INSTANCE_TYPES))
+def test_every_gpu_instance_type_renders_from_the_one_table(itype: str):
+    """Issue 28, item 4: GPUs, EFA interfaces, CPU and memory of the training pod all come from
+    INSTANCE_TYPES; EFA settings (the resource, its toleration, libfabric's provider) only
+    where the type has EFA, device RDMA only where EFA does it; the Job validates strictly."""
+    spec = INSTANCE_TYPES[itype]
+    p = params(eks={"instance_type": itype, "gpus_per_node": spec.gpus}, global_batch=8 * spec.gpus)
+    *_, job = render(p)
+    kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+    pod = job["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    limits = c["resources"]["limits"]
+    assert limits == c["resources"]["requests"]  # Guaranteed QoS
+    assert limits["nvidia.com/gpu"] == str(spec.gpus)
+    assert limits.get("vpc.amazonaws.com/efa") == (str(spec.efa) if spec.efa else None)
+    cpu = limits["cpu"]
+    assert 0 < (int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)) < spec.vcpus
+    assert 0 < int(limits["memory"].removesuffix("Gi")) < spec.memory_gib
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert (env.get("FI_PROVIDER") == "efa") == (spec.efa > 0)
+    assert ("FI_EFA_USE_DEVICE_RDMA" in env) == spec.gpudirect_rdma
+    tolerated = {t["key"] for t in pod["tolerations"]}
+    assert ("vpc.amazonaws.com/efa" in tolerated) == (spec.efa > 0)
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": itype}
+
+
+def test_efa_follows_the_instance_type_or_the_field():
+    assert params().eks.pod_efa() == 32  # p5.48xlarge, every interface
+    g5 = params(eks={"instance_type": "g5.48xlarge"}).eks
+    assert g5.pod_efa() == 1 and not g5.gpudirect_rdma()
+    off = params(eks={"instance_type": "p4d.24xlarge", "efa_per_node": 0}).eks
+    *_, job = render(params(eks={"instance_type": "p4d.24xlarge", "efa_per_node": 0}))
+    env = {e["name"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert off.pod_efa() == 0 and "FI_PROVIDER" not in env
+    with pytest.raises(ValueError, match=r"eks.efa_per_node: 32 but g5.48xlarge has 1 EFA"):
+        params(eks={"instance_type": "g5.48xlarge", "efa_per_node": 32})
+    # a type the table does not know: no EFA unless given (cpu and memory must be given too)
+    other = {"instance_type": "p6-b200.48xlarge", "cpu": "180", "memory_gi": 1800}
+    assert params(eks=other).eks.pod_efa() == 0
+    assert params(eks={**other, "efa_per_node": 8}).eks.pod_efa() == 8
+
+
+def test_render_k8s_takes_an_elastic_range_with_the_default_batch():
+    """`render-k8s` with nodes MIN:MAX and no global_batch: the batch is sized for the largest
+    world (it exited 2 before)."""
+    from flows.cli import main
+
+    assert main(["render-k8s", "--run-id", "elastic", "--set", "nodes=1:2"]) == 0

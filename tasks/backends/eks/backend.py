@@ -331,7 +331,7 @@ class EksBackend:
         return EksRequirements(
             nodes=self.nodes,
             gpus_per_node=eks.gpus_per_node,
-            efa_per_node=eks.efa_per_node,
+            efa_per_node=eks.pod_efa(),
             instance_type=eks.instance_type,
             namespace=eks.namespace,
             fsx_claim=eks.fsx_claim,

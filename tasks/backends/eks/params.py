@@ -42,25 +42,29 @@ class InstanceType:
     vcpus: int
     memory_gib: int  # as EC2 lists it
     gpus: int
+    efa: int  # EFA interfaces (vpc.amazonaws.com/efa the EFA device plugin advertises); 0: none
+    gpudirect_rdma: bool  # EFA with GPUDirect RDMA (FI_EFA_USE_DEVICE_RDMA=1); g-types have none
 
 
-# EC2's published sizes (vCPUs, GiB, GPUs) of the GPU instance types a training pod targets;
-# deploy/eks/cluster.yaml's GPU node group (p5.48xlarge) is one of them.
+# EC2's published sizes (vCPUs, GiB, GPUs) and EFA interfaces (the network cards of an
+# EFA-capable size: "Supported instance types" in the EFA user guide) of the GPU instance types a
+# training pod targets; deploy/eks/cluster.yaml's GPU node group (p5.48xlarge) is one of them.
+# One table: the pod's GPUs, EFA, CPU and memory all render from it (EksParams' defaults).
 INSTANCE_TYPES: dict[str, InstanceType] = {
-    "p5.48xlarge": InstanceType(192, 2048, 8),  # H100
-    "p5e.48xlarge": InstanceType(192, 2048, 8),  # H200
-    "p5en.48xlarge": InstanceType(192, 2048, 8),  # H200, EFAv3
-    "p4d.24xlarge": InstanceType(96, 1152, 8),  # A100 40 GB
-    "p4de.24xlarge": InstanceType(96, 1152, 8),  # A100 80 GB
-    "g5.12xlarge": InstanceType(48, 192, 4),  # A10G
-    "g5.24xlarge": InstanceType(96, 384, 4),
-    "g5.48xlarge": InstanceType(192, 768, 8),
-    "g6.12xlarge": InstanceType(48, 192, 4),  # L4
-    "g6.24xlarge": InstanceType(96, 384, 4),
-    "g6.48xlarge": InstanceType(192, 768, 8),
-    "g6e.12xlarge": InstanceType(48, 384, 4),  # L40S
-    "g6e.24xlarge": InstanceType(96, 768, 4),
-    "g6e.48xlarge": InstanceType(192, 1536, 8),
+    "p5.48xlarge": InstanceType(192, 2048, 8, 32, True),  # H100
+    "p5e.48xlarge": InstanceType(192, 2048, 8, 32, True),  # H200
+    "p5en.48xlarge": InstanceType(192, 2048, 8, 16, True),  # H200, EFAv3 (16 x 200 Gbps)
+    "p4d.24xlarge": InstanceType(96, 1152, 8, 4, True),  # A100 40 GB
+    "p4de.24xlarge": InstanceType(96, 1152, 8, 4, True),  # A100 80 GB
+    "g5.12xlarge": InstanceType(48, 192, 4, 1, False),  # A10G
+    "g5.24xlarge": InstanceType(96, 384, 4, 1, False),
+    "g5.48xlarge": InstanceType(192, 768, 8, 1, False),
+    "g6.12xlarge": InstanceType(48, 192, 4, 1, False),  # L4
+    "g6.24xlarge": InstanceType(96, 384, 4, 1, False),
+    "g6.48xlarge": InstanceType(192, 768, 8, 1, False),
+    "g6e.12xlarge": InstanceType(48, 384, 4, 1, False),  # L40S
+    "g6e.24xlarge": InstanceType(96, 768, 4, 2, False),
+    "g6e.48xlarge": InstanceType(192, 1536, 8, 4, False),
 }
 
 # The reserve a pod cannot have, so that requests == limits (Guaranteed QoS) still schedule:
@@ -143,7 +147,13 @@ class EksParams(BaseModel):
     )
     instance_type: str = Field("p5.48xlarge", description="node instance type (node affinity)")
     gpus_per_node: int = Field(8, ge=1, le=16, description="nvidia.com/gpu per pod (= ranks)")
-    efa_per_node: int = Field(32, ge=0, le=64, description="vpc.amazonaws.com/efa per pod")
+    efa_per_node: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="vpc.amazonaws.com/efa per pod; empty: every EFA interface of the instance "
+        "type (32 on p5, 4 on p4d, 1 on g5.48xlarge; 0 where it has none)",
+    )
     fsx_claim: str = Field("fsx-claim", description="PVC of the FSx for Lustre file system")
     fsx_mount: str = Field("/fsx", description="where pods mount the FSx volume")
     shm_gi: int = Field(
@@ -243,6 +253,12 @@ class EksParams(BaseModel):
                     f"eks.gpus_per_node: {self.gpus_per_node} but {self.instance_type} has "
                     f"{itype.gpus} GPUs; the pods would never schedule"
                 )
+            if self.efa_per_node is not None and self.efa_per_node > itype.efa:
+                raise ValueError(
+                    f"eks.efa_per_node: {self.efa_per_node} but {self.instance_type} has "
+                    f"{itype.efa} EFA interface(s); the pods would never schedule (empty: "
+                    f"{itype.efa})"
+                )
             if self.cpu is not None and cpu_millicores(self.cpu) > itype.vcpus * 1000:
                 raise ValueError(
                     f"eks.cpu: {self.cpu} is more than {self.instance_type}'s {itype.vcpus} "
@@ -264,6 +280,19 @@ class EksParams(BaseModel):
                 "ranks; lower eks.shm_gi or raise eks.memory_gi"
             )
         return self
+
+    def pod_efa(self) -> int:
+        """EFA interfaces of a training pod: the field, else every one the instance type has
+        (an unknown type: none unless given)."""
+        if self.efa_per_node is not None:
+            return self.efa_per_node
+        itype = INSTANCE_TYPES.get(self.instance_type)
+        return itype.efa if itype is not None else 0
+
+    def gpudirect_rdma(self) -> bool:
+        """Whether the pod's EFA does GPUDirect RDMA (p4d, p5): an unknown type, not assumed."""
+        itype = INSTANCE_TYPES.get(self.instance_type)
+        return self.pod_efa() > 0 and itype is not None and itype.gpudirect_rdma
 
     def pod_cpu(self) -> str:
         """The training pod's CPU quantity (requests = limits)."""

@@ -102,8 +102,8 @@ def pod_resources(eks: EksParams) -> dict[str, str]:
         "memory": f"{eks.pod_memory_gi()}Gi",
         "nvidia.com/gpu": str(eks.gpus_per_node),
     }
-    if eks.efa_per_node:
-        resources["vpc.amazonaws.com/efa"] = str(eks.efa_per_node)
+    if eks.pod_efa():
+        resources["vpc.amazonaws.com/efa"] = str(eks.pod_efa())
     return resources
 
 
@@ -164,8 +164,10 @@ def render_job(
         *({"name": k, "value": v} for k, v in worker_env(config).items()),
         {"name": "NVRX_EVENTS_STDOUT", "value": "1"},  # structured progress in `kubectl logs`
         {"name": "TORCH_CPP_LOG_LEVEL", "value": "ERROR"},
-        {"name": "FI_PROVIDER", "value": "efa"},
-        {"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"},
+        # libfabric's EFA provider only where the pod has EFA interfaces (else NCCL would fail
+        # to find the provider it was told to use), and device RDMA only where EFA does it.
+        *([{"name": "FI_PROVIDER", "value": "efa"}] if eks.pod_efa() else []),
+        *([{"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"}] if eks.gpudirect_rdma() else []),
         {"name": "NCCL_DEBUG", "value": "WARN"},
         {"name": "NCCL_SOCKET_IFNAME", "value": "^lo,docker"},
         # Workloads load Hugging Face layouts from directories on FSx; the NetworkPolicy gives
@@ -206,7 +208,11 @@ def render_job(
             },
             "tolerations": [
                 {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
-                {"key": "vpc.amazonaws.com/efa", "operator": "Exists", "effect": "NoSchedule"},
+                *(
+                    [{"key": "vpc.amazonaws.com/efa", "operator": "Exists", "effect": "NoSchedule"}]
+                    if eks.pod_efa()
+                    else []
+                ),
                 # Evict sooner than the default 300 s when a node is lost: the stage retry
                 # (not a wait) is what recovers a node loss.
                 {
