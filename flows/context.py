@@ -10,7 +10,7 @@ from typing import Any
 from flows.models import PipelineParams, new_run_id
 from tasks.backends import registry
 from tasks.backends.base import Placement
-from tasks.storage.s3 import S3Settings
+from tasks.storage.s3 import S3Settings, parse_s3_uri
 from trainer.config import (
     Device,
     InJobConfig,
@@ -53,7 +53,7 @@ class RunContext:
             s3=S3Settings(endpoint_url=params.s3_endpoint, region=where.s3_region),
             weights_dir=None
             if weights is None
-            else fsx / "weights" / weights.removeprefix("s3://").rstrip("/"),
+            else fsx / "weights" / "/".join(parse_s3_uri(weights)),
         )
 
 

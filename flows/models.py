@@ -299,7 +299,18 @@ class PipelineParams(BaseModel):
             return
         if self.script_args:
             raise ValueError("script_args: only a script:PATH workload takes them")
-        if self.s3_init_weights() and not self.backend_type.hydrates_s3_weights:
+        weights = self.s3_init_weights()
+        if weights is not None:
+            from tasks.errors import StorageError
+            from tasks.storage.s3 import parse_s3_uri
+
+            try:
+                # The prefix becomes a directory on the shared filesystem (weights/<bucket>/
+                # <prefix>): `s3:///abs/dir` or a `..` would put the hydrated files anywhere.
+                parse_s3_uri(weights)
+            except StorageError as e:
+                raise ValueError(f"workload_options.init_weights: {e}") from None
+        if weights and not self.backend_type.hydrates_s3_weights:
             raise ValueError(
                 f"workload_options.init_weights: the {self.backend} backend does not copy s3:// "
                 "weights; give a directory on its shared filesystem (on EKS, import it with the "

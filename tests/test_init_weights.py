@@ -3,6 +3,7 @@ dataset (real SeaweedFS over HTTP), and loaded by the Llama workload."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,34 @@ def test_s3_weights_map_to_the_hydrated_directory(tmp_path: Path, dataset: Path)
         PipelineParams(
             backend="eks",
             workload="llama-tiny",
-            workload_options={"init_weights": "s3://b/p"},
+            workload_options={"init_weights": "s3://nvrx-weights/p"},
             global_batch=16,
+        )
+
+
+@pytest.mark.parametrize(
+    ("uri", "said"),
+    [
+        # no bucket: the rest read as an absolute path (the hydrated files land there)
+        ("s3:///tmp/anywhere", "bucket '' is not a valid S3 bucket name"),
+        # out of weights/ into another run's config/, which is code
+        ("s3://nvrx-weights/../../runs/other/config", "must not contain empty, '.' or '..'"),
+        ("s3://nvrx-weights/a/./b", "must not contain empty, '.' or '..'"),
+        ("s3://user:secret@nvrx-weights/p", "must not carry credentials"),
+    ],
+)
+def test_init_weights_that_would_write_outside_weights_are_refused(
+    tmp_path: Path, uri: str, said: str
+):
+    """Issue 28: the weights' S3 prefix becomes a directory on the shared filesystem, so it is
+    validated as one before anything runs."""
+    from pydantic import ValidationError
+
+    from flows.models import PipelineParams
+
+    with pytest.raises(
+        ValidationError, match=r"workload_options.init_weights: .*" + re.escape(said)
+    ):
+        PipelineParams(
+            state_dir=str(tmp_path), workload="llama-tiny", workload_options={"init_weights": uri}
         )
