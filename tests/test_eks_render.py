@@ -396,3 +396,29 @@ def test_render_k8s_takes_an_elastic_range_with_the_default_batch():
     from flows.cli import main
 
     assert main(["render-k8s", "--run-id", "elastic", "--set", "nodes=1:2"]) == 0
+
+
+def test_render_k8s_is_a_stable_bundle_without_aliases(capsys):
+    """Issue 28, item 5 (part): with no --run-id the id is derived from the parameters, so the
+    same parameters render the same bundle (what `kubectl apply` takes as unchanged); no YAML
+    aliases; every object carries Kubernetes' recommended labels and validates strictly."""
+    from flows.cli import main
+
+    outs = []
+    for _ in range(2):
+        assert main(["render-k8s", "--set", "nodes=2", "--set", "global_batch=32"]) == 0
+        outs.append(capsys.readouterr())
+    assert outs[0].out == outs[1].out
+    assert "derived from the parameters" in outs[0].err
+    assert "&id" not in outs[0].out and "*id" not in outs[0].out
+    docs = list(yaml.safe_load_all(outs[0].out))
+    run = docs[0]["metadata"]["labels"]["app.kubernetes.io/instance"]
+    assert run.startswith("rk-")
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        lab = doc["metadata"]["labels"]
+        for key in ("name", "instance", "component", "part-of", "managed-by"):
+            assert lab[f"app.kubernetes.io/{key}"], (doc["kind"], key)
+        assert lab["app.kubernetes.io/instance"] == run
+    assert main(["render-k8s", "--set", "nodes=3", "--set", "global_batch=48"]) == 0
+    assert capsys.readouterr().out != outs[0].out  # other parameters, another run

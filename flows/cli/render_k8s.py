@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import sys
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from flows.cli.common import EXIT_USAGE, command, load_params_dict, params_from_args
 from flows.context import render_global_batch
@@ -17,8 +21,6 @@ EXIT = {
 
 
 def cmd_render_k8s(args: argparse.Namespace) -> int:
-    import yaml
-
     from flows.context import eks_train_config
     from tasks.backends.eks.render import render_all
 
@@ -31,6 +33,12 @@ def cmd_render_k8s(args: argparse.Namespace) -> int:
     forced: dict[str, Any] = {"backend": "eks"}
     if batch is not None:
         forced["global_batch"] = batch
+    derived = None
+    if not data.get("run_id"):
+        # The same parameters name the same run: rendering twice gives one bundle, which
+        # `kubectl apply` takes as unchanged (a new id each call made a second Job).
+        derived = derived_run_id({**data, **forced})
+        forced["run_id"] = derived
     params = params_from_args(args, inject=[], **forced)
     if params is None:
         return EXIT_USAGE
@@ -38,6 +46,11 @@ def cmd_render_k8s(args: argparse.Namespace) -> int:
         print(
             f"note: global_batch not set; using {batch}, a multiple of the world size "
             f"{params.world_size} (nodes x eks.gpus_per_node); set global_batch to choose",
+            file=sys.stderr,
+        )
+    if derived is not None:
+        print(
+            f"note: run id {derived}, derived from the parameters (--run-id names one)",
             file=sys.stderr,
         )
     run_id = params.run_id or ""
@@ -51,14 +64,28 @@ def cmd_render_k8s(args: argparse.Namespace) -> int:
         eks=params.eks,
         deadline_s=params.train_timeout_s,
     )
-    print(yaml.safe_dump_all(docs, sort_keys=False), end="")
+    print(yaml.dump_all(docs, Dumper=_NoAliases, sort_keys=False), end="")
     return 0
+
+
+class _NoAliases(yaml.SafeDumper):
+    """Every mapping written out where it stands: no `&id001`/`*id001` for a dict the manifests
+    share (some tools and reviewers do not follow YAML aliases)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def derived_run_id(data: dict[str, Any]) -> str:
+    """A run id from the parameters themselves (their canonical JSON's digest)."""
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+    return f"rk-{digest[:12]}"
 
 
 def add(sub: Any) -> None:
     rk = command(sub, "render-k8s", EXIT, help="print the EKS train-stage manifests as YAML")
     rk.add_argument("--config", type=Path, help="YAML or JSON file of PipelineParams")
     rk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    rk.add_argument("--run-id", help="run id (default: a new one)")
+    rk.add_argument("--run-id", help="run id (default: derived from the parameters)")
     rk.add_argument("--attempt", type=int, default=1, help="train-stage attempt (names the Job)")
     rk.set_defaults(fn=cmd_render_k8s)

@@ -63,9 +63,13 @@ def run_label(run_id: str) -> str:
 
 
 def labels(run_id: str, attempt: int) -> dict[str, str]:
+    """Kubernetes' recommended labels (app.kubernetes.io/*: the instance is the run) and ours."""
     return {
         "app.kubernetes.io/name": "nvrx-pipeline",
+        "app.kubernetes.io/instance": run_label(run_id),
         "app.kubernetes.io/component": "trainer",
+        "app.kubernetes.io/part-of": "nvrx-pipeline",
+        "app.kubernetes.io/managed-by": "nvrx-pipeline",
         LABEL_RUN: run_label(run_id),
         LABEL_ATTEMPT: str(attempt),
     }
