@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.adversarial.conftest import Inject, RunOutcome, run_under, tiny_config
+from tests.adversarial.conftest import KILL, Inject, RunOutcome, run_under, tiny_config
 from trainer import manifest
 
 pytestmark = pytest.mark.slow
@@ -85,3 +85,12 @@ def test_kill_at_commit_syscall(
     # Nothing half-done is left behind, and the newest K are kept.
     assert sorted(p.name for p in ckdir.iterdir()) == ["LATEST", "step_000000008", "step_000000010"]
     assert manifest.read_latest(cfg.run_root) == 10
+
+
+@pytest.mark.parametrize("pid", [7544, 12345, 4194303])
+def test_the_held_call_is_found_whatever_the_pid_width(pid: int):
+    """strace -f pads the pid to 5 columns ("%-5d "): a 4-digit pid is followed by two spaces.
+    Reading one space only made every drill time out on a fresh machine's low pids."""
+    trace = f'{pid:<5d} rename("/r/probe", "/r/probe.renamed"'
+    assert Inject("rename", Path("/r/probe"), KILL).held_thread(trace) == pid
+    assert Inject("rename", Path("/r/probe"), KILL, when=2).held_thread(trace) is None
