@@ -23,6 +23,17 @@ def exit_codes_text(codes: dict[int, str]) -> str:
     return "exit codes:\n" + "\n".join(f"  {code}  {what}" for code, what in codes.items())
 
 
+def add_s3_endpoint(parser: argparse.ArgumentParser) -> None:
+    """``--s3-endpoint`` (as ``args.endpoint``): one spelling, like prepare-dataset's and the
+    s3_endpoint parameter; the old ``--endpoint`` still works, unlisted."""
+    parser.add_argument(
+        "--s3-endpoint",
+        dest="endpoint",
+        help="S3 endpoint URL (default: AWS, or $AWS_ENDPOINT_URL)",
+    )
+    parser.add_argument("--endpoint", dest="endpoint", help=argparse.SUPPRESS)
+
+
 def command(sub: Any, name: str, codes: dict[int, str], **kw: Any) -> argparse.ArgumentParser:
     """A subcommand whose --help ends with its exit codes."""
     return sub.add_parser(  # type: ignore[no-any-return]

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_FAILED, command
+from flows.cli.common import EXIT_FAILED, add_s3_endpoint, command
 
 EXIT = {
     0: "exported and verified against the manifest",
@@ -60,14 +60,7 @@ def add(sub: Any) -> None:
     exp.add_argument("path", type=Path)
     exp.add_argument("s3_uri")
     exp.add_argument("--run-id")
-    exp.add_argument(
-        "--s3-endpoint",
-        dest="endpoint",
-        help="S3 endpoint URL (default: AWS, or $AWS_ENDPOINT_URL)",
-    )
-    # The old spelling still works; one spelling (--s3-endpoint, like prepare-dataset and the
-    # s3_endpoint parameter) is shown.
-    exp.add_argument("--endpoint", dest="endpoint", help=argparse.SUPPRESS)
+    add_s3_endpoint(exp)
     exp.add_argument("--sse", choices=["AES256", "aws:kms"], help="server-side encryption")
     exp.add_argument("--kms-key-id", help="KMS key id or ARN (with --sse aws:kms)")
     exp.add_argument(

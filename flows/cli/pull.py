@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_FAILED, EXIT_USAGE, command
+from flows.cli.common import EXIT_FAILED, EXIT_USAGE, add_s3_endpoint, command
 
 EXIT = {
     0: "pulled and verified",
@@ -82,13 +82,6 @@ def add(sub: Any) -> None:
     )
     pull.add_argument("s3_uri", metavar="S3_URI", help="the export prefix")
     pull.add_argument("dir", metavar="DIR", type=Path, help="directory to create (or empty one)")
-    pull.add_argument(
-        "--s3-endpoint",
-        dest="endpoint",
-        help="S3 endpoint URL (default: AWS, or $AWS_ENDPOINT_URL)",
-    )
-    # The old spelling still works; one spelling (--s3-endpoint, like prepare-dataset and the
-    # s3_endpoint parameter) is shown.
-    pull.add_argument("--endpoint", dest="endpoint", help=argparse.SUPPRESS)
+    add_s3_endpoint(pull)
     pull.add_argument("--json", action="store_true", help="print a summary as JSON last")
     pull.set_defaults(fn=cmd_pull)
