@@ -25,6 +25,7 @@ from tasks.backends.eks.render import job_name
 from tasks.classify import EndKind
 from tasks.train_stage import AttemptReport, run_attempt
 from tests.eks_cluster import NS, mark_disrupted, node_obj, pod_obj, terminated
+from tests.kube_chaos import ChaosProxy, Misbehaviour
 from trainer import fence
 
 TAG = "inv001"  # the invocation's tag in the Job's name
@@ -191,8 +192,7 @@ def delete_outside(k: Kube, job: str) -> None:
 
 
 SCENARIOS = [
-    ("completed", succeed, EndKind.COMPLETED, False),
-    ("node-loss", lose_node, EndKind.NODE_LOSS, False),
+    # completed and node-loss: test_an_api_servers_bad_day, through the misbehaving server
     ("injob-exhausted", exit_code(1), EndKind.INJOB_EXHAUSTED, True),
     ("do-not-requeue", exit_code(93), EndKind.DO_NOT_REQUEUE, True),
     ("oom", exit_code(137, "OOMKilled"), EndKind.BUG, True),
@@ -217,6 +217,78 @@ def test_attempt_outcomes(kube: Kube, tmp_path: Path, name, act, kind, kept):
     job = report.released["job"]
     assert report.released["kept_job"] == kept
     assert (kube.read_job(NS, job) is not None) == kept  # failed Job kept for forensics
+
+
+def force_delete_pod(k: Kube, job: str) -> None:
+    """`kubectl delete pod --force --grace-period=0` on a healthy node: no DisruptionTarget."""
+    k.delete_pod(NS, f"{job}-1-x")
+
+
+def node_not_ready(k: Kube, job: str) -> None:
+    """The kubelet reports NotReady (runtime down, PLEG unhealthy) and keeps reporting; the
+    pods stay Running and nothing evicts them (the emulator runs no taint manager)."""
+    k.core.patch_node_status(
+        "ip-10-0-1-2", node_obj("ip-10-0-1-2", "False", "KubeletNotReady"), _preload_content=False
+    )
+
+
+EVERYTHING = Misbehaviour(
+    "everything", expire_resumed=1, compacted=1, bursts=((0, 2, 429), (5, 3, 503), (12, 2, 500)),
+    watch_errors=(429, 503), slow_s=0.05, cut=3,
+)  # fmt: skip
+# (misbehaviour, what the control plane does, the outcome, words of its message, what the
+# proxy must have done). A healthy attempt completes through every one of the server's
+# ordinary answers; a real end is still seen, with its cause, through all of them at once.
+CHAOS = [
+    (Misbehaviour("410-on-each-watch", expire_resumed=1, compacted=1), succeed,
+     EndKind.COMPLETED, "", {f"410 {w} {r}" for w in ("expired", "compacted")
+                             for r in ("pods", "nodes")}),
+    (Misbehaviour("429-and-5xx", bursts=((0, 2, 429), (4, 3, 503), (9, 3, 500)),
+                  watch_errors=(429, 500)), succeed, EndKind.COMPLETED, "", {"429", "500", "503"}),
+    (Misbehaviour("slow-and-cut", slow_s=0.2, cut=4), succeed, EndKind.COMPLETED, "",
+     {"slow", "cut mid-line"}),
+    (EVERYTHING, lose_node, EndKind.NODE_LOSS, "unreachable", {"429", "503", "cut mid-line"}),
+    (EVERYTHING, force_delete_pod, EndKind.BUG, "deleted outside the pipeline", {"429"}),
+    (EVERYTHING, node_not_ready, EndKind.NODE_LOSS, "NotReady for", {"429"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("m", "act", "kind", "words", "done"),
+    CHAOS,
+    ids=[f"{c[0].name}-{c[1].__name__}" for c in CHAOS],
+)
+def test_an_api_servers_bad_day(kube: Kube, tmp_path: Path, m, act, kind, words, done):
+    """The attempt's own client talks to the API server through a proxy that misbehaves as a
+    real one does (tests/kube_chaos.py); the control plane acts directly. Every scenario ends
+    with the outcome stated, before the deadline, and only a decided outcome deletes the Job."""
+    from kubernetes import client
+
+    proxy = ChaosProxy(kube.core.api_client.configuration.host, m)
+    try:
+        chaotic = Kube(client.ApiClient(client.Configuration(host=proxy.url)))
+        params = PipelineParams(
+            backend="eks", nodes=2, global_batch=16, run_id=f"k-chaos-{m.name}",
+            eks={"fsx_mount": str(tmp_path), "unreachable_toleration_s": 2},  # the NotReady bound
+        )  # fmt: skip
+        name = job_name(params.run_id or "", 1, TAG)
+        root = tmp_path / "runs" / (params.run_id or "")
+
+        def pods_act(k: Kube, job: str) -> None:
+            if kind == EndKind.COMPLETED:  # the pods' trainer wrote its result under the epoch
+                result_later(root, params.steps, after_s=0.0)
+            act(k, job)
+
+        driver = ControlPlane(kube, name, pods_act)
+        driver.start()
+        report = attempt_on(chaotic, params, deadline_s=20)
+        driver.join(5)
+    finally:
+        proxy.close()
+    assert report.outcome.kind == kind, (report.outcome.message, proxy.seen)
+    assert words in report.outcome.message
+    assert done <= set(proxy.seen.counts), proxy.seen  # the misbehaviour really happened
+    assert (kube.read_job(NS, name) is not None) == report.released["kept_job"]
 
 
 def test_node_loss_then_next_attempt_succeeds(kube: Kube, tmp_path: Path):

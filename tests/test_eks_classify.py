@@ -246,6 +246,54 @@ def test_recorded_histories(name, steps, kind):
     assert outcome.message
 
 
+# (name, history, [(now, outcome kind or None, words of the message)]): decisions that wait on
+# a bound, read at several clocks. The node's kubelet reports NotReady at t=100 (bound 60 s);
+# a pod deleted by none of ours at t=200 decides after DELETED_GRACE_S (5 s).
+NOT_READY = [*RUNNING, (100, "node", node("ip-10-0-1-2", "False", "KubeletNotReady"))]
+DELETED = [*RUNNING, (150, "job", job()), (200, "pod", pod(1, node="ip-10-0-1-2"), True)]
+TIMED = [
+    ("not-ready-below-the-bound", NOT_READY, [(100, None, ""), (159, None, "")]),
+    ("not-ready-past-the-bound", NOT_READY,
+     [(160, EndKind.NODE_LOSS, "NotReady for 60 s"), (400, EndKind.NODE_LOSS, "ip-10-0-1-2")]),
+    ("not-ready-flap", [*NOT_READY, (130, "node", node("ip-10-0-1-2"))],
+     [(161, None, ""), (1000, None, "")]),
+    ("not-ready-again-counts-anew",
+     [*NOT_READY, (130, "node", node("ip-10-0-1-2")),
+      (140, "node", node("ip-10-0-1-2", "False", "KubeletNotReady"))],
+     [(161, None, ""), (200, EndKind.NODE_LOSS, "NotReady for 60 s")]),
+    ("not-ready-after-success",  # the pod finished first: nothing was lost
+     [*NOT_READY, (110, "pod", pod(1, phase="Succeeded", exit_code=0, node="ip-10-0-1-2"))],
+     [(500, None, "")]),
+    ("pod-force-deleted", DELETED,
+     [(201, None, ""), (205, EndKind.BUG, "pod nvrx-run1-a1-1-abcde was deleted outside")]),
+    ("pod-deleted-as-the-job-fails",  # the Job controller ending it says so (FailureTarget)
+     [*DELETED, (201, "job", job(FailureTarget="True"))], [(300, None, "")]),
+    ("pod-deleted-on-success",  # an elastic Job's success policy deletes the other pods
+     [*DELETED, (202, "job", job(SuccessCriteriaMet="True"))], [(300, None, "")]),
+    ("pod-deleted-with-its-node",
+     [*DELETED, (200, "node", node("ip-10-0-1-2", "Unknown", "NodeStatusUnknown"))],
+     [(201, EndKind.NODE_LOSS, "on lost node")]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "steps", "reads"), TIMED, ids=[t[0] for t in TIMED])
+def test_decisions_that_wait_on_a_bound(name, steps, reads):
+    h = history(*steps)
+    h.not_ready_s = 60.0
+    for now, kind, words in reads:
+        outcome = classify_history(h, now=now, unschedulable_timeout_s=600)
+        got = outcome.kind if outcome else None
+        assert got == kind, (now, outcome)
+        if outcome is not None:
+            assert words in outcome.message, (now, outcome.message)
+
+
+def test_pods_the_pipeline_deleted_itself_are_not_deleted_outside():
+    h = history(*DELETED)
+    h.deleted_by_us.add("nvrx-run1-a1-1-abcde")
+    assert classify_history(h, now=1000, unschedulable_timeout_s=600) is None
+
+
 def test_messages_say_what_happened():
     steps = {name: s for name, s, _kind in SCENARIOS}
     pull = classify_history(history(*steps["image-pull"]), now=10, unschedulable_timeout_s=600)

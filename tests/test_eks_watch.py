@@ -76,6 +76,34 @@ def test_each_answer_means_what_the_api_server_says() -> None:
     assert cursor.version is None
 
 
+def test_a_relist_replaces_what_the_watch_knew() -> None:
+    """An object deleted while the watch was expired or cut is absent from the relist: it is
+    passed on as DELETED (its last state), as an informer's store would; listed ones as ADDED."""
+    cursor = WatchCursor("Pod")
+    first = cursor.on_list({"metadata": {"resourceVersion": "5"}, "items": [
+        {"kind": "Pod", "metadata": {"name": "p0", "namespace": "ns", "resourceVersion": "3"}},
+        {"kind": "Pod", "metadata": {"name": "p1", "namespace": "ns", "resourceVersion": "4"}},
+    ]})  # fmt: skip
+    assert [(d.type, d.obj["metadata"]["name"]) for d in first if d.obj] == [
+        ("ADDED", "p0"), ("ADDED", "p1"),
+    ]  # fmt: skip
+    assert cursor.version == "5"
+    moved = {"kind": "Pod", "metadata": {"name": "p1", "namespace": "ns", "resourceVersion": "6"},
+             "status": {"phase": "Running"}}  # fmt: skip
+    assert cursor.on_event({"type": "MODIFIED", "object": moved}).step is Step.EMIT
+    again = cursor.on_list({"metadata": {"resourceVersion": "9"}, "items": [
+        {"kind": "Pod", "metadata": {"name": "p0", "namespace": "ns", "resourceVersion": "3"}},
+    ]})  # fmt: skip
+    assert [(d.type, d.obj["metadata"]["name"]) for d in again if d.obj] == [
+        ("ADDED", "p0"), ("DELETED", "p1"),
+    ]  # fmt: skip
+    assert again[1].obj == moved  # its last state: where it ran, what it was doing
+    assert set(cursor.known) == {"ns/p0"} and cursor.version == "9"
+    # a watched DELETED forgets it too: the next relist does not delete it twice
+    cursor.on_event({"type": "DELETED", "object": again[0].obj})
+    assert cursor.on_list({"metadata": {"resourceVersion": "10"}, "items": []}) == []
+
+
 @pytest.mark.parametrize(
     ("failures", "retry_after", "low", "high"),
     [(0, None, 0.0, 0.0), (1, None, 0.0, 0.5), (4, None, 0.0, 4.0), (30, None, 0.0, 30.0),
@@ -206,3 +234,23 @@ def test_a_watch_survives_a_bad_day_and_never_passes_a_status_on() -> None:
     gaps = [b - a for a, b in itertools.pairwise(opened)]
     assert len(server.requests) <= 14, len(server.requests)
     assert gaps and min(gaps) >= 0.45, gaps
+
+
+@pytest.mark.parametrize(
+    ("tries", "status", "retry_after", "waited", "retried"),
+    [(1, 429, 1.0, 0.0, True), (1, 503, None, 0.0, True), (1, None, None, 0.0, True),
+     (5, 500, None, 10.0, True), (6, 500, None, 10.0, False),  # out of tries
+     (1, 429, 40.0, 0.0, False),  # a Retry-After past the budget: the caller's deadline decides
+     (2, 500, None, 29.9, False),  # the budget spent
+     (1, 404, None, 0.0, False), (1, 409, None, 0.0, False), (1, 403, None, 0.0, False),
+     (1, 422, None, 0.0, False)],
+)  # fmt: skip
+def test_an_ordinary_call_retries_only_transient_answers_within_bounds(
+    tries: int, status: int | None, retry_after: float | None, waited: float, retried: bool
+) -> None:
+    from tasks.backends.eks.kube import retry_wait
+
+    wait = retry_wait(tries, status, retry_after, waited_s=waited, rand=lambda: 0.999)
+    assert (wait is not None) == retried, wait
+    if wait is not None and retry_after:
+        assert wait >= retry_after

@@ -39,6 +39,7 @@ from tasks.backends.eks.classify import (
     judge,
     lost_indexes,
     node_loss_evidence,
+    not_ready_since,
     observe_job,
     observe_node,
     observe_pod,
@@ -165,7 +166,7 @@ class EksJob:
         self.poll_s = poll_s
         # The deleted pod's end and conditions reach the watch asynchronously.
         self.loss_grace_s = 2.0
-        self.history = History(completions=nodes)
+        self.history = History(completions=nodes, not_ready_s=float(eks.unreachable_toleration_s))
         self.observed: Outcome | None = None
         self.lost: set[int] = set()
         self._reported: set[str] = set()  # pods whose loss losses() reported
@@ -223,7 +224,7 @@ class EksJob:
     def alive_nodes(self) -> frozenset[int]:
         self._drain(time.time())
         latest = {p.name: p for p in self.history.pods}
-        gone = node_loss_evidence(self.history)
+        gone = node_loss_evidence(self.history, now=time.time())
         return frozenset(
             p.index
             for p in latest.values()
@@ -236,9 +237,21 @@ class EksJob:
     def losses(self) -> frozenset[int]:
         """Indexes whose pod the control plane shows lost with its node, each reported once;
         the watcher decides them (tasks.loss_policy) and absorbs those the in-job layer can."""
-        self._drain(time.time())
-        new = {n: i for n, i in lost_indexes(self.history).items() if n not in self._reported}
+        now = time.time()
+        self._drain(now)
+        new = {n: i for n, i in lost_indexes(self.history, now).items() if n not in self._reported}
         self._reported |= new.keys()
+        # A pod on a node NotReady past the bound may still run (its kubelet is alive, and
+        # Kubernetes has not evicted it): it is taken away, so that the survivors re-form
+        # without it and a writer of it is not left training beside them.
+        not_ready = not_ready_since(self.history, now)
+        latest = {p.name: p for p in self.history.pods}
+        for name in new:
+            pod = latest.get(name)
+            if pod is not None and pod.node in not_ready and not pod.deleted:
+                self.history.deleted_by_us.add(name)
+                with contextlib.suppress(Exception):  # decided either way; fenced if it lives
+                    self.kube.delete_pod(self.ns, name)
         return frozenset(new.values())
 
     def absorb(self, node: int) -> None:
@@ -264,6 +277,7 @@ class EksJob:
             raise ValueError(f"node-loss drill: Job {self.name} has no pod of index {node}")
         self.lost.add(node)
         for p in pods:
+            self.history.deleted_by_us.add(p["metadata"]["name"])
             self.kube.delete_pod(self.ns, p["metadata"]["name"])
 
     def stop(self) -> None:

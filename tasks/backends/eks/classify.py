@@ -69,6 +69,9 @@ class JobObs:
     failed: bool = False
     failed_reason: str = ""
     failed_message: str = ""
+    # The Job controller is ending it (SuccessCriteriaMet or FailureTarget): the pods it
+    # deletes now are its own doing.
+    terminating: bool = False
 
 
 @dataclass
@@ -80,6 +83,20 @@ class History:
     # Pods whose node loss the in-job layer absorbs (an elastic Job's, tasks.loss_policy):
     # they decide nothing, and a replacement of their index may wait for a node.
     absorbed: set[str] = field(default_factory=set)
+    # Pods the pipeline deleted itself (a node-loss drill, a silent node): never "outside".
+    deleted_by_us: set[str] = field(default_factory=set)
+    # A node its kubelet reports NotReady (Ready=False) this long, with pods of ours on it, is
+    # lost: the pods tolerate not-ready that long (eks.unreachable_toleration_s) before
+    # Kubernetes itself would evict them, and the pipeline does not wait on an eviction that a
+    # cluster may never make (taint-based eviction off, the controller behind). Shorter flaps
+    # (a runtime or CNI hiccup) decide nothing.
+    not_ready_s: float = 60.0
+
+
+# A pod deleted by none of ours decides the attempt this long after its deletion was seen, so
+# that a Job condition saying the Job controller did it (the deletion and the condition come
+# as separate watch events) is seen first.
+DELETED_GRACE_S = 5.0
 
 
 # -- observation (pure conversions of API objects) -------------------------------------------
@@ -154,6 +171,10 @@ def observe_job(job: dict[str, Any], t: float, *, deleted: bool = False) -> JobO
         failed=failed.get("status") == "True",
         failed_reason=failed.get("reason", ""),
         failed_message=failed.get("message", ""),
+        terminating=any(
+            conds.get(c, {}).get("status") == "True"
+            for c in ("SuccessCriteriaMet", "FailureTarget")
+        ),
     )
 
 
@@ -165,28 +186,48 @@ def _latest(pods: Iterable[PodObs]) -> dict[str, PodObs]:
     return out
 
 
-def lost_nodes(h: History) -> set[str]:
-    """Kubernetes nodes seen unreachable or deleted, ever."""
-    return {n.name for n in h.nodes if n.deleted or (n.ready == "Unknown")}
+def lost_nodes(h: History, now: float | None = None) -> set[str]:
+    """Kubernetes nodes seen unreachable or deleted, ever, or NotReady past the bound now."""
+    out = {n.name for n in h.nodes if n.deleted or (n.ready == "Unknown")}
+    return out | set(not_ready_since(h, now))
 
 
-def _lost_under(h: History) -> Callable[[PodObs], bool]:
+def not_ready_since(h: History, now: float | None) -> dict[str, float]:
+    """Nodes whose kubelet has reported NotReady without a break for ``h.not_ready_s`` at
+    ``now`` (None: no clock, none), and since when."""
+    if now is None:
+        return {}
+    since: dict[str, float] = {}
+    for n in sorted(h.nodes, key=lambda n: n.t):
+        if n.ready == "False" and not n.deleted:
+            since.setdefault(n.name, n.t)
+        else:
+            since.pop(n.name, None)
+    return {name: t for name, t in since.items() if now - t >= h.not_ready_s}
+
+
+def _lost_under(h: History, now: float | None = None) -> Callable[[PodObs], bool]:
     """Whether a pod's node was lost under it: the node is lost now (its latest observation
-    unreachable or deleted), or was seen lost once the pod existed. A pod that first appeared
-    after its node came back (an elastic Job's replacement on a node that recovered) was not:
-    the node's earlier loss is its predecessor's."""
+    unreachable or deleted, or NotReady past the bound), or was seen lost once the pod existed.
+    A pod that first appeared after its node came back (an elastic Job's replacement on a node
+    that recovered) was not: the node's earlier loss is its predecessor's."""
     last_lost: dict[str, float] = {}
     latest: dict[str, NodeObs] = {}
     for n in sorted(h.nodes, key=lambda n: n.t):
         latest[n.name] = n
         if n.deleted or n.ready == "Unknown":
             last_lost[n.name] = n.t
+    not_ready = not_ready_since(h, now)
     first_seen: dict[str, float] = {}
     for p in h.pods:
         first_seen[p.name] = min(p.t, first_seen.get(p.name, p.t))
 
     def lost(p: PodObs) -> bool:
-        if p.node is None or p.node not in last_lost:
+        if p.node is None:
+            return False
+        if p.node in not_ready:
+            return True
+        if p.node not in last_lost:
             return False
         now = latest[p.node]
         return now.deleted or now.ready == "Unknown" or last_lost[p.node] >= first_seen[p.name]
@@ -194,13 +235,22 @@ def _lost_under(h: History) -> Callable[[PodObs], bool]:
     return lost
 
 
-def node_loss_evidence(h: History, pods: dict[str, PodObs] | None = None) -> dict[str, str]:
-    """Pods (by name) that went with their node, in any of its guises, and how each showed it."""
-    lost_under = _lost_under(h)
+def node_loss_evidence(
+    h: History, pods: dict[str, PodObs] | None = None, now: float | None = None
+) -> dict[str, str]:
+    """Pods (by name) that went with their node, in any of its guises, and how each showed it
+    (``now``: the clock the NotReady bound is read against; None leaves it out)."""
+    lost_under = _lost_under(h, now)
+    not_ready = not_ready_since(h, now)
     out: dict[str, str] = {}
     for p in (_latest(h.pods) if pods is None else pods).values():
         if p.disruption_reason in NODE_LOSS_REASONS:
             out[p.name] = f"pod {p.name}: DisruptionTarget {p.disruption_reason}"
+        elif p.node in not_ready and p.phase not in ("Succeeded",) and now is not None:
+            out[p.name] = (
+                f"pod {p.name} on node {p.node}, NotReady for {now - not_ready[p.node]:.0f} s "
+                f"(bound {h.not_ready_s:.0f} s)"
+            )
         elif lost_under(p) and p.phase not in ("Succeeded",):
             out[p.name] = f"pod {p.name} on lost node {p.node}"
         elif p.deleted and lost_under(p):
@@ -210,15 +260,32 @@ def node_loss_evidence(h: History, pods: dict[str, PodObs] | None = None) -> dic
     return out
 
 
-def lost_indexes(h: History) -> dict[str, int]:
+def lost_indexes(h: History, now: float | None = None) -> dict[str, int]:
     """Pods (by name) lost with their node, not absorbed yet, and their index: what the watcher
     decides, one loss at a time (tasks.loss_policy)."""
     pods = {name: p for name, p in _latest(h.pods).items() if name not in h.absorbed}
     return {
         name: index
-        for name in node_loss_evidence(h, pods)
+        for name in node_loss_evidence(h, pods, now)
         if (index := pods[name].index) is not None
     }
+
+
+def deleted_outside(h: History, pods: dict[str, PodObs], job: JobObs | None, now: float) -> str:
+    """A pod of the attempt deleted by none of ours while it ran, on a node not lost (``kubectl
+    delete pod --force``, a descheduler), once ``DELETED_GRACE_S`` has passed without the Job
+    controller claiming it; its name, or ''."""
+    if job is not None and (job.terminating or job.complete or job.failed):
+        return ""
+    for p in pods.values():
+        if (
+            p.deleted
+            and p.phase not in ("Succeeded", "Failed")
+            and p.name not in h.deleted_by_us
+            and now - p.t >= DELETED_GRACE_S
+        ):
+            return p.name
+    return ""
 
 
 def classify_history(h: History, *, now: float, unschedulable_timeout_s: float) -> Outcome | None:
@@ -254,11 +321,11 @@ def classify_history(h: History, *, now: float, unschedulable_timeout_s: float) 
             "run id to resume from its newest checkpoint",
         )
     # 4. Node loss, in any of its guises.
-    evidence = node_loss_evidence(h, pods)
+    evidence = node_loss_evidence(h, pods, now)
     if evidence:
         # Nodes of disrupted pods count as lost too (the Node object may still look Ready).
         nodes = sorted(
-            lost_nodes(h)
+            lost_nodes(h, now)
             | {p.node for p in pods.values() if p.node and p.disruption_reason in NODE_LOSS_REASONS}
         )
         return Outcome(
@@ -267,6 +334,18 @@ def classify_history(h: History, *, now: float, unschedulable_timeout_s: float) 
             + "; ".join(evidence.values())
             + (f" (nodes {nodes} unreachable or gone)" if nodes else ""),
             {"lost_nodes": nodes},
+        )
+    # 4b. A pod deleted outside the pipeline on a healthy node: its ranks are gone and nothing
+    # of ours brings them back (the Job controller's replacement cannot join a fixed world),
+    # and, like the Job deleted outside, it must not read as a node loss that a stage retry
+    # would undo.
+    gone = deleted_outside(h, pods, job, now)
+    if gone:
+        return Outcome(
+            EndKind.BUG,
+            f"pod {gone} was deleted outside the pipeline (kubectl delete pod, or another "
+            "controller) while it ran, on a node that is not lost; the attempt ends with no "
+            "retry. Run again with the same run id to resume from its newest checkpoint",
         )
     # 5. Could never have run.
     for p in pods.values():
@@ -340,10 +419,15 @@ def judge(observed: Outcome | None, ev: Evidence, *, job: str, fsx_mount: str) -
         )
     nodes = sorted(ev.lost_nodes)
     if nodes and (observed is None or observed.kind != EndKind.COMPLETED):
-        # An elastic Job that carried on without them completes instead (below).
+        # An elastic Job that carried on without them completes instead (below). What the
+        # control plane showed (a disruption, a node NotReady past its bound) says why.
+        seen = (
+            observed.message if observed is not None and observed.kind == EndKind.NODE_LOSS else ""
+        )
         return Outcome(
             EndKind.NODE_LOSS,
-            f"node loss: the pod(s) of node index(es) {nodes} were lost (Job {job})",
+            f"node loss: the pod(s) of node index(es) {nodes} were lost (Job {job})"
+            + (f": {seen.removeprefix('node loss: ')}" if seen else ""),
             {"lost_nodes": nodes},
         )
     if observed is None:

@@ -12,11 +12,14 @@ import contextlib
 import json
 import math
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
+
+from tasks.backends.eks.watch import backoff_s
 
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 
@@ -29,17 +32,69 @@ def _json(resp: Any) -> Any:
 # do): without one a stalled connection to the API server blocks the flow past every deadline.
 REQUEST_TIMEOUT_S = (10.0, 60.0)
 
+# What an API server answers on an ordinary bad day: 429 (API Priority and Fairness throttling,
+# with Retry-After), 500/502/503/504 (a control-plane replica restarting, the load balancer in
+# front of them, etcd leader election), or no answer at all (a reset connection). A call is
+# retried on those, jittered, at most CALL_TRIES times and CALL_BUDGET_S of waiting; anything
+# else (403, 404, 409, 422) is an answer and goes to the caller at once.
+TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
+CALL_TRIES = 6
+CALL_BUDGET_S = 30.0
 
-def with_request_timeout(api_client: Any) -> Any:
-    """Give every call through ``api_client`` a request timeout (``REQUEST_TIMEOUT_S``) unless it
-    sets one: one seam for the generated API classes (batch, core, apps, storage, authorization,
-    networking), whose methods all end in ``ApiClient.call_api``."""
+
+def retry_wait(
+    tries: int,
+    status: int | None,
+    retry_after_s: float | None,
+    *,
+    waited_s: float,
+    rand: Callable[[], float] = random.random,
+) -> float | None:
+    """Seconds to wait before trying a failed call again, or None to give up: ``tries`` failures
+    so far, the last answered ``status`` (None: no answer, 0: the client's own TLS error)."""
+    if status is not None and status not in TRANSIENT_STATUS:
+        return None
+    if tries >= CALL_TRIES:
+        return None
+    wait = backoff_s(tries, retry_after_s=retry_after_s, rand=rand)
+    if waited_s + wait > CALL_BUDGET_S:
+        return None  # a Retry-After past the budget: the caller's own deadline decides
+    return wait
+
+
+def with_request_timeout(api_client: Any, *, sleep: Callable[[float], None] = time.sleep) -> Any:
+    """Give every call through ``api_client`` a request timeout (``REQUEST_TIMEOUT_S``) and
+    bounded retries of transient answers (:func:`retry_wait`) unless it sets its own timeout
+    (a watch or a log follow: their loops resume and back off themselves). One seam for the
+    generated API classes (batch, core, apps, storage, authorization, networking), whose
+    methods all end in ``ApiClient.call_api``. A create retried after an answer that never
+    arrived may find its object made (409): ``Kube.apply`` patches then, so it is idempotent."""
+    import urllib3
+    from kubernetes.client import ApiException
+
     call = api_client.call_api
 
     def call_api(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("_request_timeout") is None:
-            kwargs["_request_timeout"] = REQUEST_TIMEOUT_S
-        return call(*args, **kwargs)
+        if kwargs.get("_request_timeout") is not None:
+            return call(*args, **kwargs)
+        kwargs["_request_timeout"] = REQUEST_TIMEOUT_S
+        tries, waited = 0, 0.0
+        while True:
+            try:
+                return call(*args, **kwargs)
+            except ApiException as e:
+                status: int | None = e.status
+                retry_after, error = _retry_after(e), e
+            except (urllib3.exceptions.HTTPError, ConnectionError) as e:
+                if _timed_out(e):  # its own bound spent: a silent server is not waited on again
+                    raise
+                status, retry_after, error = None, None, e
+            tries += 1
+            wait = retry_wait(tries, status, retry_after, waited_s=waited)
+            if wait is None:
+                raise error
+            sleep(wait)
+            waited += wait
 
     api_client.call_api = call_api
     return api_client
@@ -219,8 +274,8 @@ class Kube:
         error back off (jittered, bounded, ``Retry-After`` honoured) and resume. Only objects of
         the watched kind reach ``out``: an ``ERROR`` event's ``Status`` or a bad line never does.
         A list's items are passed on as ``ADDED`` (the caller's history dedupes by time, so a
-        replay is harmless)."""
-        from tasks.backends.eks.watch import Step, WatchCursor, backoff_s, list_version
+        replay is harmless), and what it no longer shows as ``DELETED``."""
+        from tasks.backends.eks.watch import Step, WatchCursor, backoff_s
 
         func, args = (
             (self.core.list_namespaced_pod, (ns,)) if what == "pod" else (self.core.list_node, ())
@@ -242,12 +297,9 @@ class Kube:
             resp = None
             try:
                 if relist:
-                    listing = _json(func(*args, _preload_content=False))
-                    for obj in listing.get("items") or []:
-                        d = cursor.on_event({"type": "ADDED", "object": obj})
-                        if d.step is Step.EMIT and d.obj is not None:
-                            out.put((what, "ADDED", d.obj))
-                    cursor.on_relisted(list_version(listing))
+                    for d in cursor.on_list(_json(func(*args, _preload_content=False))):
+                        if d.obj is not None:
+                            out.put((what, d.type, d.obj))
                     relist = False
                 kwargs: dict[str, Any] = {
                     # Literal "true"s: the client would send "True" for a bool, which some
@@ -311,6 +363,13 @@ class Kube:
         if buf.strip():  # a stream cut mid-line: the partial line is dropped, not parsed
             cursor.dropped["cut mid-line"] = cursor.dropped.get("cut mid-line", 0) + 1
         return None
+
+
+def _timed_out(e: BaseException) -> bool:
+    import urllib3
+
+    timeout = (urllib3.exceptions.TimeoutError, TimeoutError)
+    return isinstance(e, timeout) or isinstance(getattr(e, "reason", None), timeout)
 
 
 def _retry_after(e: Any) -> float | None:

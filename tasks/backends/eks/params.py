@@ -198,7 +198,11 @@ class EksParams(BaseModel):
         "NetworkPolicy admits it to the metrics port)",
     )
     unreachable_toleration_s: int = Field(
-        60, ge=0, le=3600, description="evict pods this long after their node goes unreachable"
+        60,
+        ge=0,
+        le=3600,
+        description="evict pods this long after their node goes unreachable or not-ready; a "
+        "node NotReady this long with pods of the attempt on it is a node loss",
     )
     unschedulable_timeout_s: float = Field(
         900, ge=30, description="fail the stage when pods stay unschedulable this long"

@@ -13,6 +13,10 @@ what each answer means, so it is tested over tables of recorded answers with no 
   back off and resume from the version held.
 - A line that is not JSON, or an event whose object is not one of the watched kind, is dropped
   and counted: one bad object never stops the watch nor reaches the caller.
+- A list (the first, or after a 410) replaces what the watch knew, as an informer's store does:
+  every object listed is passed on as ``ADDED``, and every object known before and absent from
+  the list as ``DELETED`` (its last state). A pod deleted while the watch was expired or cut
+  is otherwise never seen to go: the attempt would wait on it until its deadline.
 
 Every (re)open waits at least ``min_interval_s`` after the previous one, and after failures a
 jittered exponential backoff (``backoff_s``) up to ``max_backoff_s``: a server answering every
@@ -57,6 +61,9 @@ class WatchCursor:
     version: str | None = None
     failures: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    # The last state of every object seen and not deleted, by namespace/name: what a relist
+    # is compared with.
+    known: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def _drop(self, why: str) -> Decision:
         self.dropped[why] = self.dropped.get(why, 0) + 1
@@ -101,7 +108,28 @@ class WatchCursor:
         if isinstance(version, str) and version:
             self.version = version
         self.failures = 0
+        key = _key(obj)
+        if kind == "DELETED":
+            self.known.pop(key, None)
+        else:
+            self.known[key] = obj
         return Decision(Step.EMIT, type=kind, obj=obj)
+
+    def on_list(self, listing: dict[str, Any]) -> list[Decision]:
+        """A list answered: what to pass on (every item ``ADDED``, every object known before
+        and not listed ``DELETED``), and the watch resumes from the list's version."""
+        before = dict(self.known)
+        self.known.clear()
+        out = []
+        for obj in listing.get("items") or []:
+            d = self.on_event({"type": "ADDED", "object": obj})
+            if d.step is Step.EMIT:
+                out.append(d)
+        for key, obj in before.items():
+            if key not in self.known:
+                out.append(Decision(Step.EMIT, type="DELETED", obj=obj, why="gone at a relist"))
+        self.on_relisted(list_version(listing))
+        return out
 
     def on_relisted(self, list_version: str | None) -> None:
         """A list answered: the watch resumes from its version (none: from now)."""
@@ -129,6 +157,11 @@ def backoff_s(
     ``Retry-After``; 0 after none."""
     wait = 0.0 if failures <= 0 else rand() * min(max_backoff_s, base_s * 2 ** (failures - 1))
     return max(wait, retry_after_s or 0.0)
+
+
+def _key(obj: dict[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{meta.get('namespace') or ''}/{meta.get('name') or ''}"
 
 
 def list_version(listing: dict[str, Any]) -> str | None:
