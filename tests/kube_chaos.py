@@ -36,6 +36,7 @@ class Misbehaviour:
     expire_resumed: int = 0
     compacted: int = 0
     bursts: tuple[tuple[int, int, int], ...] = ()
+    periodic: tuple[tuple[int, int], ...] = ()  # (period, status): every period-th request
     watch_errors: tuple[int, ...] = ()  # statuses the next watch opens are answered with
     slow_s: float = 0.0  # every answer delayed this long
     cut: int = 0  # watch streams cut mid-line, after their first event
@@ -132,6 +133,9 @@ class ChaosProxy:
             elif not watch:
                 for first, count, code in self.m.bursts:
                     if first <= n < first + count:
+                        status = code
+                for period, code in self.m.periodic:
+                    if n % period == period - 1:
                         status = code
             resumed = watch and query.get("resourceVersion", "").isdigit()
             what = urllib.parse.urlsplit(h.path).path.rstrip("/").rsplit("/", 1)[-1]

@@ -49,6 +49,7 @@ from tasks.ownership import processes
 from tasks.storage.s3 import S3Settings, s3fs_filesystem
 from tests.eks_cluster import NODES, NS, mark_disrupted, p5, pod_obj, seed_cluster, terminated
 from tests.helpers import FAST_INJOB, FAST_INPROCESS, REPO, free_port, worker_env, write_config
+from tests.kube_chaos import ChaosProxy, Misbehaviour
 from tests.pipeline_helpers import assert_exported, run_pipeline
 from trainer.config import Device, TrainConfig, load_config
 from trainer.data import load_manifest, manifest_digest
@@ -569,13 +570,21 @@ def eks_params(run_id: str, s3: S3Settings, tmp_path: Path, **kw: Any) -> Pipeli
     )
 
 
-def run_on_cluster(cluster: Cluster) -> tuple[Any, PipelineResult | None]:
+def run_on_cluster(
+    cluster: Cluster, chaos: ChaosProxy | None = None
+) -> tuple[Any, PipelineResult | None]:
     """The pipeline, with ``cluster`` playing kmock's control plane and kubelets and FSx's
-    API stubbed; every FSx call the flow makes is checked, none may be left unmade."""
+    API stubbed; every FSx call the flow makes is checked, none may be left unmade. ``chaos``:
+    the flow's own client talks to the API server through it (the cluster acts directly)."""
+    from kubernetes import client
+
     fsx, stub = stubbed_fsx(cluster.params)
     cluster.start()
+    kube = cluster.kube
+    if chaos is not None:
+        kube = Kube(client.ApiClient(client.Configuration(host=chaos.url)))
     clients = EksClients(
-        kube=cluster.kube,
+        kube=kube,
         fsx=fsx,
         fsx_backoff=Backoff(first_s=0.05, max_s=0.2, deadline_s=30),
         poll_s=0.2,
@@ -597,6 +606,10 @@ def run_on_cluster(cluster: Cluster) -> tuple[Any, PipelineResult | None]:
 # rendezvous host and for a silent pod deleted through the API are tested on the stand-in
 # without training processes, tests/test_eks_backend.py; the CI budget keeps one real run.)
 LOSSES = [("node1-lost", {1}, [])]
+BAD_DAY = Misbehaviour(
+    "bad-day", expire_resumed=2, compacted=2, periodic=((29, 429), (37, 503), (53, 500)),
+    watch_errors=(429, 503), cut=6,
+)  # fmt: skip
 
 
 @pytest.mark.parametrize(("case", "lose_node_in", "faults"), LOSSES, ids=[c[0] for c in LOSSES])
@@ -613,8 +626,17 @@ def test_node_loss_then_stage_retry_on_eks(
     run_id = f"eks-{case}"
     params = eks_params(run_id, s3_settings, tmp_path, drills={"faults": faults})
     cluster = Cluster(kube, params, s3_settings, lose_node_in=lose_node_in)
-    state, result = run_on_cluster(cluster)
+    # The flow's client meets an API server's bad day all along, with real agents training:
+    # the loss is still seen and the healthy second attempt runs to completion.
+    chaos = ChaosProxy(kube.core.api_client.configuration.host, BAD_DAY)
+    try:
+        state, result = run_on_cluster(cluster, chaos)
+    finally:
+        chaos.close()
     assert state.is_completed(), state.message
+    assert {"410 expired pods", "410 expired nodes", "cut mid-line", "429", "500", "503"} <= set(
+        chaos.seen.counts
+    ), chaos.seen
     assert result is not None and result.status == "completed"
     # Both attempts were told the manifest hydration verified.
     assert len(cluster.manifest_digests) == 2 and None not in cluster.manifest_digests
