@@ -209,7 +209,7 @@ def test_attempt_outcomes(kube: Kube, tmp_path: Path, name, act, kind, kept):
     driver.start()
     if kind == EndKind.COMPLETED:
         result_later(tmp_path / "runs" / (params.run_id or ""), params.steps)
-    report = attempt_on(kube, params)
+    report = attempt_on(kube, params, deadline_s=4 if kind == EndKind.TIMEOUT else 8)
     driver.join(5)
     assert report.outcome.kind == kind, report.outcome.message
     if name == "deleted-outside":
@@ -234,7 +234,7 @@ def node_not_ready(k: Kube, job: str) -> None:
 
 EVERYTHING = Misbehaviour(
     "everything", expire_resumed=1, compacted=1, bursts=((0, 2, 429), (5, 3, 503), (12, 2, 500)),
-    watch_errors=(429, 503), slow_s=0.05, cut=3,
+    watch_errors=(429, 503), cut=3,
 )  # fmt: skip
 # (misbehaviour, what the control plane does, the outcome, words of its message, what the
 # proxy must have done). A healthy attempt completes through every one of the server's

@@ -21,7 +21,9 @@ from trainer.data import write_synthetic_dataset
 
 pytestmark = pytest.mark.slow
 
-RESTARTS = 20
+# The race it guards showed on 1 restart in 8: 12 restarts miss it 1 run in 5 at worst (20 did
+# 1 in 14, at 25 s more of the suite's budget).
+RESTARTS = 12
 
 
 def test_restarted_server_serves_its_data_the_moment_it_is_ready(
