@@ -221,3 +221,40 @@ def test_duplicate_shard_names_are_refused(copy: Path):
     path.write_text(json.dumps(manifest))
     with pytest.raises(DataError, match=r"files\[1\].name: 'shard_00000.bin' .* listed twice"):
         load_manifest(copy)
+
+
+def test_the_preload_reads_every_byte_with_progress_and_stops_at_the_manifest(
+    copy: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    """The hydration Job's command: every shard read (on FSx: loaded from S3) and digested by
+    several readers, progress said, the manifest pinned to the one the flow read; a shard is
+    never read past its manifest size, and an oversized manifest is refused unread."""
+    from trainer import data
+    from trainer.hashing import sha256_capped
+
+    m = load_manifest(copy)
+    verified = manifest_digest(m)
+    seen: list[data.ReadProgress] = []
+    verify_dataset(copy, digests=True, manifest_sha256=verified, readers=3, progress=seen.append)
+    total = sum(f["bytes"] for f in m["files"])
+    assert (seen[-1].files, seen[-1].bytes) == (len(m["files"]), total)
+    assert seen[-1].total_bytes == total and "files" in seen[-1].line()
+    assert data.main(["--verify", "--out", str(copy), "--manifest-sha256", verified]) == 0
+    assert f"read {len(m['files'])}/{len(m['files'])} files" in capsys.readouterr().out
+    # another manifest than the flow read: the Job fails, naming it
+    assert data.main(["--verify", "--out", str(copy), "--manifest-sha256", "0" * 64]) == 2
+    assert "changed since hydration verified" in capsys.readouterr().err
+    # a corrupt shard among several readers: named
+    path = copy / "shard_00002.bin"
+    raw = bytearray(path.read_bytes())
+    raw[7] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match="shard_00002.bin is corrupt"):
+        verify_dataset(copy, readers=4)
+    # the capped read itself: one byte past the expected size is refused, unread beyond it
+    with pytest.raises(ValueError, match="more than the 10 bytes"):
+        sha256_capped(path, 10)
+    # a manifest over the cap: refused before it is parsed
+    monkeypatch.setattr(data, "MAX_MANIFEST_BYTES", 100)
+    with pytest.raises(DataError, match="over the 100 bytes a manifest may hold"):
+        load_manifest(copy)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -698,3 +699,50 @@ def test_readme_tables_list_every_call_and_grant() -> None:
         assert f"`{ac.method}`" in readme, ac
     for action in permissions.iam_actions():
         assert f"`{action}`" in readme, action
+
+
+def test_the_image_installs_the_tested_versions_and_has_every_command_the_jobs_run(
+    tmp_path: Path,
+) -> None:
+    """The image installs from constraints.txt (the versions the tests ran) and runs
+    deploy/eks/check_image.py at build; the check itself, here: in this environment and read
+    off the Dockerfile, it finds every command the rendered Jobs run, and it fails naming the
+    Job and the command when the Dockerfile stops providing one."""
+    import subprocess
+    import sys
+
+    runs = " ".join(a for i, a in _dockerfile() if i == "RUN")
+    assert "--constraint constraints.txt" in runs and "check_image.py --inside" in runs
+    ignore = (EKS_DIR / "Dockerfile.dockerignore").read_text().splitlines()
+    assert {"!constraints.txt", "!deploy/eks/check_image.py"} <= set(ignore)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    script = str(EKS_DIR / "check_image.py")
+    for mode in ("--inside", "--dockerfile"):
+        done = subprocess.run([sys.executable, script, mode], capture_output=True, text=True,
+                              env=env, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        for needed in (
+            "ft_launcher",
+            "python -m trainer.data",
+            "python -m trainer.agent",
+            "prefect",
+        ):
+            assert needed in done.stdout, (mode, done.stdout)
+    sys.path.insert(0, str(EKS_DIR))
+    try:
+        import check_image
+    finally:
+        sys.path.remove(str(EKS_DIR))
+    dockerfile = (EKS_DIR / "Dockerfile").read_text()
+    items = check_image.needs()
+    assert check_image.missing_from_dockerfile(items, dockerfile) == []
+    without_trainer = dockerfile.replace("COPY trainer/ trainer/\n", "")
+    bad = check_image.missing_from_dockerfile(items, without_trainer)
+    assert "hydration Job (hydrate): python -m trainer.data: package trainer/ is not copied" in (
+        " | ".join(bad)
+    )
+    lfs = [check_image.Need("hydration Job (hydrate)", "executable", "lfs")]
+    assert check_image.missing_from_dockerfile(lfs, dockerfile) == [
+        "hydration Job (hydrate): lfs: neither the base image's nor installed by the Dockerfile"
+    ]
+    assert check_image.missing_here(lfs) == ["hydration Job (hydrate): lfs: not on PATH"]

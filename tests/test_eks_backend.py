@@ -481,6 +481,7 @@ def test_hydration_job_failure_names_the_job(kube: Kube):
         namespace=NS,
         image="img",
         data_dir="/fsx/datasets/b/p",
+        manifest_sha256="ab" * 32,
         fsx_claim="fsx-claim",
         fsx_mount="/fsx",
         service_account="nvrx-trainer",

@@ -230,7 +230,9 @@ def test_priority_class_and_queue_render_and_validate():
     assert pod["priorityClassName"] == "training-high"
     # the queue is the Job's; the pods' labels (the NetworkPolicy's selector) do not change
     assert KUEUE_QUEUE_LABEL not in job["spec"]["template"]["metadata"]["labels"]
-    hydrate = hydration_job(name="nvrx-r1-hydrate", eks=p.eks, data_dir="/fsx/datasets/b/p")
+    hydrate = hydration_job(
+        name="nvrx-r1-hydrate", eks=p.eks, data_dir="/fsx/datasets/b/p", manifest_sha256="ab" * 32
+    )
     kubernetes_validate.validate(hydrate, K8S_VERSION, strict=True)
     assert hydrate["spec"]["template"]["spec"]["priorityClassName"] == "training-high"
 
@@ -241,8 +243,16 @@ def test_defaults_render_neither_priority_class_nor_queue():
     assert "priorityClassName" not in job["spec"]["template"]["spec"]
 
 
+DATASET = {"data_dir": "/fsx/datasets/b/p", "manifest_sha256": "ab" * 32}
+
+
 def test_hydration_pod_is_guaranteed():
-    job = hydration_job(name="nvrx-r1-hydrate", eks=EksParams(), data_dir="/fsx/datasets/b/p")
+    job = hydration_job(
+        name="nvrx-r1-hydrate",
+        eks=EksParams(),
+        data_dir="/fsx/datasets/b/p",
+        manifest_sha256="ab" * 32,
+    )
     kubernetes_validate.validate(job, K8S_VERSION, strict=True)
     pod = job["spec"]["template"]["spec"]
     assert qos_class(pod) == "Guaranteed"
@@ -349,7 +359,7 @@ def test_hydration_fails_at_once_on_a_wrong_image(kube: Kube):
     6-hour deadline."""
     name, image = "nvrx-r1-hydrate", "REGISTRY/nvrx-pipeline:typo"
     eks = EksParams(image="REGISTRY/nvrx-pipeline:latest")
-    kube.apply(hydration_job(name=name, eks=eks, data_dir="/fsx/datasets/b/p"))
+    kube.apply(hydration_job(name=name, eks=eks, **DATASET))
     kube.core.create_namespaced_pod(
         NS, _waiting_pod(name, "ImagePullBackOff", image), _preload_content=False
     )
@@ -364,7 +374,11 @@ def test_hydration_fails_at_once_on_a_wrong_image(kube: Kube):
 
 def test_hydration_wait_still_completes_when_pods_pull(kube: Kube):
     name = "nvrx-r2-hydrate"
-    kube.apply(hydration_job(name=name, eks=EksParams(), data_dir="/fsx/datasets/b/p"))
+    kube.apply(
+        hydration_job(
+            name=name, eks=EksParams(), data_dir="/fsx/datasets/b/p", manifest_sha256="ab" * 32
+        )
+    )
     kube.core.create_namespaced_pod(
         NS, _waiting_pod(name, "ContainerCreating", "img"), _preload_content=False
     )

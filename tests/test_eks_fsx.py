@@ -3,7 +3,9 @@ service model (no emulator implements data repository associations or tasks)."""
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
+from pathlib import Path
 
 import boto3
 import kubernetes_validate
@@ -200,10 +202,30 @@ def test_hydration_job_validates():
         namespace="nvrx",
         image="img:1",
         data_dir="/fsx/datasets/nvrx-datasets/synthetic/v1",
+        manifest_sha256="ab" * 32,
         fsx_claim="fsx-claim",
         fsx_mount="/fsx",
         service_account="nvrx-trainer",
     )
     kubernetes_validate.validate(job, K8S_VERSION, strict=True)
-    script = job["spec"]["template"]["spec"]["containers"][0]["command"][2]
-    assert "-n 1000 lfs hsm_restore" in script and "NOOP" in script
+    # Nothing but the image's Python: no shell, no Lustre user-space tools (the image has none).
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:4] == ["python", "-m", "trainer.data", "--verify"], command
+    assert command[command.index("--manifest-sha256") + 1] == "ab" * 32
+    assert not {"bash", "sh", "lfs"} & {Path(c).name for c in command}
+
+
+def test_hydration_job_names_are_a_digest_of_run_place_and_manifest():
+    from tasks.backends.eks.hydrate import hydration_job_name
+
+    a = hydration_job_name("run1", "/datasets/b/p", "aa" * 32)
+    assert re.fullmatch(r"nvrx-hydrate-[0-9a-f]{20}", a) and len(a) <= 63
+    assert a == hydration_job_name("run1", "/datasets/b/p", "aa" * 32)  # a re-run joins it
+    others = {
+        hydration_job_name("run1", "/datasets/b/p", "bb" * 32),  # the dataset changed
+        hydration_job_name("run2", "/datasets/b/p", "aa" * 32),  # another run
+        hydration_job_name("r" * 40 + "x", "/datasets/b/p", "aa" * 32),  # ids alike in 40 chars
+        hydration_job_name("r" * 40 + "y", "/datasets/b/p", "aa" * 32),
+        hydration_job_name("run1", "/datasets/b/q", "aa" * 32),
+    }
+    assert len(others) == 5 and a not in others

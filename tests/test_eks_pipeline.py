@@ -14,8 +14,8 @@ the stand-ins this machine can run.
   ignores the disruption) and index 0's success completing the Job (its success policy).
 - FSx: ``botocore.stub.Stubber`` on the real FSx service model; the "file system" is a
   directory mounted (as the work pool template mounts the claim) at ``eks.fsx_mount``. The
-  hydration Job's effect (lazy load + ``lfs hsm_restore``) is played by copying the dataset
-  from S3 into it.
+  metadata import's effect (the manifest readable on the mount) and the hydration Job's (every
+  file read, so lazily loaded) are played by copying the manifest, then the dataset, from S3.
 - S3: SeaweedFS over HTTP; Prefect: the test server.
 """
 
@@ -26,6 +26,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -115,8 +116,8 @@ class Cluster(threading.Thread):
 
     def run_job(self, name: str, job: dict[str, Any]) -> None:
         try:
-            if name.endswith("-hydrate"):
-                self.hydrate(name)
+            if name.startswith("nvrx-hydrate-"):
+                self.hydrate(name, job)
             else:
                 self.train(name, job)
         except BaseException as e:
@@ -140,9 +141,15 @@ class Cluster(threading.Thread):
             _preload_content=False,
         )
 
-    def hydrate(self, name: str) -> None:
+    def hydrate(self, name: str, job: dict[str, Any]) -> None:
+        """The contents arrive (a lazily imported file loads on its first read), then the pod's
+        own command runs: every file read and digested against the manifest the flow read."""
         d = self.params.dataset
         hydrate_dataset(s3fs_filesystem(self.s3), d.bucket, d.prefix, self.ctx.data_dir)
+        [container] = job["spec"]["template"]["spec"]["containers"]
+        command = container["command"]
+        assert command[:3] == ["python", "-m", "trainer.data"], command
+        subprocess.run([sys.executable, *command[1:]], check=True, cwd=REPO, timeout=120)
         self.complete_job(name)
 
     def train(self, name: str, job: Any) -> None:
@@ -495,6 +502,19 @@ def stubbed_fsx(params: PipelineParams) -> tuple[Any, Stubber]:
     stub = Stubber(fsx)
     d = params.dataset
     fs_path, s3_path = f"/datasets/{d.bucket}/{d.prefix}", f"s3://{d.bucket}/{d.prefix}/"
+
+    def metadata_imported(parsed: dict[str, Any], **_: Any) -> None:
+        """FSx's metadata import lists the repository's files on the file system, and the flow
+        reads the manifest through its mount next (the content loads on that read). The
+        shards' contents come with the hydration Job (Cluster.hydrate)."""
+        tasks = parsed.get("DataRepositoryTasks") or []
+        if tasks and tasks[0].get("Lifecycle") == "SUCCEEDED":
+            data_dir = RunContext.create(params).data_dir
+            data_dir.mkdir(parents=True, exist_ok=True)
+            s3 = s3fs_filesystem(S3Settings(endpoint_url=params.s3_endpoint))
+            s3.get(f"{d.bucket}/{d.prefix}/dataset.json", str(data_dir / "dataset.json"))
+
+    fsx.meta.events.register("after-call.fsx.DescribeDataRepositoryTasks", metadata_imported)
     by_fs = {"Filters": [{"Name": "file-system-id", "Values": [FS]}]}
     # preflight
     stub.add_response(

@@ -211,6 +211,7 @@ def hydration_job() -> dict:
         namespace="nvrx",
         image="img:1",
         data_dir="/fsx/datasets/b/p",
+        manifest_sha256="ab" * 32,
         fsx_claim="fsx-claim",
         fsx_mount="/fsx",
         service_account="nvrx-trainer",

@@ -26,6 +26,9 @@ import hashlib
 import json
 import os
 import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,11 +36,14 @@ from typing import Any
 import numpy as np
 
 from trainer.errors import TerminalError
-from trainer.hashing import sha256_file
+from trainer.hashing import sha256_capped
 from trainer.untrusted import UnsafeNameError, check_component
 
 MANIFEST = "dataset.json"
 FORMAT = "nvrx-tokens-v1"
+# A manifest is untrusted (the shared filesystem, a bucket): one past this is refused unread.
+# 16 MiB holds ~100 k shard entries.
+MAX_MANIFEST_BYTES = 16 << 20
 DTYPE = np.dtype("<u2")  # the default token dtype (uint16)
 # Token dtypes a dataset may use (always little-endian) and the vocabulary each can hold.
 DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -166,13 +172,21 @@ def load_manifest(data_dir: Path) -> dict[str, Any]:
             f"dataset manifest {path} is missing; write a dataset with "
             f"`python -m trainer.data --out {data_dir}` or hydrate it first"
         )
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise DataError(
+            f"dataset manifest {path} is {size} bytes, over the {MAX_MANIFEST_BYTES} bytes a "
+            "manifest may hold: it is not one this pipeline wrote (split the dataset into fewer, "
+            "larger shards)"
+        )
     try:
-        manifest = json.loads(path.read_text())
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read(MAX_MANIFEST_BYTES + 1))
         files = manifest["files"]
         assert manifest["format"] == FORMAT and isinstance(files, list) and files
         for entry in files:
             assert {"name", "tokens", "bytes", "sha256"} <= set(entry)
-    except (json.JSONDecodeError, KeyError, AssertionError, TypeError) as e:
+    except (ValueError, KeyError, AssertionError, TypeError) as e:
         raise DataError(f"dataset manifest {path} is malformed ({type(e).__name__}: {e})") from e
     check_file_names(manifest, source=str(path))
     token_dtype(manifest.get("dtype"), field=f"dataset manifest {path}: dtype")
@@ -211,15 +225,46 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+@dataclass
+class ReadProgress:
+    """How far a full read of the dataset is (``verify_dataset`` with digests)."""
+
+    files: int
+    total_files: int
+    bytes: int
+    total_bytes: int
+    seconds: float
+
+    def line(self) -> str:
+        rate = self.bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
+        return (
+            f"read {self.files}/{self.total_files} files, {self.bytes / 2**30:.2f}/"
+            f"{self.total_bytes / 2**30:.2f} GiB, {rate:.0f} MB/s"
+        )
+
+
 def verify_dataset(
-    data_dir: Path, *, digests: bool = True, manifest_sha256: str | None = None
+    data_dir: Path,
+    *,
+    digests: bool | None = None,
+    manifest_sha256: str | None = None,
+    readers: int = 1,
+    progress: Callable[[ReadProgress], None] | None = None,
+    every_s: float = 10.0,
 ) -> dict[str, Any]:
     """Check every shard is present, full-sized and (optionally) matches its digest.
 
     ``manifest_sha256``: the manifest hydration verified every shard against (its
     :func:`manifest_digest`). When given, the manifest must still be that one, and the shards'
-    digests are not read again: a worker's start-up checks sizes only, instead of hashing the
-    whole dataset on the critical path of every restart."""
+    digests are not read again (unless ``digests=True`` asks; None: read them only without
+    ``manifest_sha256``): a worker's start-up checks sizes
+    only, instead of hashing the whole dataset on the critical path of every restart.
+
+    With digests every byte is read, by ``readers`` threads, each shard no further than its
+    manifest size (:func:`trainer.hashing.sha256_capped`): on FSx for Lustre that read is
+    what loads a lazily imported file from its data repository, so the hydration Job preloads
+    and verifies in one pass with nothing but Python (no Lustre user-space tools).
+    ``progress`` hears how far it is at most every ``every_s`` seconds, and at the end."""
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)
     if manifest_sha256 is not None:
@@ -230,7 +275,8 @@ def verify_dataset(
                 f"dataset (digest {found[:12]}, hydration verified {manifest_sha256[:12]}): run "
                 "the pipeline again so hydration re-checks it"
             )
-        digests = False
+    if digests is None:
+        digests = manifest_sha256 is None
     itemsize = DTYPES[manifest["dtype"]].itemsize
     for entry in manifest["files"]:
         path = data_dir / entry["name"]
@@ -248,9 +294,53 @@ def verify_dataset(
                 f"dataset shard {path} is {'short' if size < entry['bytes'] else 'too long'}: "
                 f"{size} bytes, manifest says {entry['bytes']}"
             )
-        if digests and sha256_file(path) != entry["sha256"]:
-            raise DataError(f"dataset shard {path} is corrupt: sha256 does not match {MANIFEST}")
+    if digests:
+        _read_all(data_dir, manifest["files"], readers, progress, every_s)
     return manifest
+
+
+def _read_all(
+    data_dir: Path,
+    files: list[dict[str, Any]],
+    readers: int,
+    progress: Callable[[ReadProgress], None] | None,
+    every_s: float,
+) -> None:
+    """Digest every shard (each read at most to its manifest size), ``readers`` at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lock = threading.Lock()
+    t0 = time.monotonic()
+    done = {"files": 0, "bytes": 0}
+    said = [t0]
+    total = sum(int(e["bytes"]) for e in files)
+
+    def say(force: bool = False) -> None:
+        now = time.monotonic()
+        if progress is not None and (force or now - said[0] >= every_s):
+            said[0] = now
+            progress(ReadProgress(done["files"], len(files), done["bytes"], total, now - t0))
+
+    def on_bytes(n: int) -> None:
+        with lock:
+            done["bytes"] += n
+            say()
+
+    def check(entry: dict[str, Any]) -> None:
+        path = data_dir / entry["name"]
+        try:
+            digest = sha256_capped(path, int(entry["bytes"]), on_bytes)
+        except ValueError as e:
+            raise DataError(f"dataset shard {path}: {e} ({MANIFEST})") from e
+        if digest != entry["sha256"]:
+            raise DataError(f"dataset shard {path} is corrupt: sha256 does not match {MANIFEST}")
+        with lock:
+            done["files"] += 1
+
+    with ThreadPoolExecutor(max(1, readers), thread_name_prefix="dataset-read") as pool:
+        list(pool.map(check, files))  # the first failure raises here
+    with lock:
+        say(force=True)
 
 
 class TokenStream:
@@ -372,10 +462,23 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", choices=list(DTYPES), help="token dtype (default: the smallest that fits)"
     )
     p.add_argument("--verify", action="store_true", help="only verify an existing dataset")
+    p.add_argument(
+        "--readers", type=int, default=8, help="files read at once by --verify (default 8)"
+    )
+    p.add_argument(
+        "--manifest-sha256",
+        help="--verify: the manifest must be this one (its canonical digest), as the flow read it",
+    )
     args = p.parse_args(argv)
     try:
         if args.verify:
-            m = verify_dataset(args.out)
+            m = verify_dataset(
+                args.out,
+                digests=True,
+                manifest_sha256=args.manifest_sha256,
+                readers=args.readers,
+                progress=lambda r: print(r.line(), flush=True),
+            )
         else:
             m = write_synthetic_dataset(
                 args.out,

@@ -1,7 +1,7 @@
 """FSx for Lustre hydration: the data repository association (idempotent), an
 ``IMPORT_METADATA_FROM_REPOSITORY`` task polled with backoff (FSx has no waiters), and the
-hydration Job that preloads file contents with ``lfs hsm_restore`` in batches and waits until
-``lfs hsm_action`` reports NOOP for every file.
+hydration Job that preloads file contents by reading every file once (a lazily imported file's
+first read loads it from S3) while digesting it against the dataset manifest.
 
 The boto3 calls go through ``fsx`` (a boto3 FSx client): tests drive it with
 ``botocore.stub.Stubber``, which checks every call and response against the real FSx service model.
@@ -135,23 +135,16 @@ def import_metadata(
     raise HydrationError(f"FSx import task {task_id} still {state} at the deadline")
 
 
-HSM_SCRIPT = r"""set -euo pipefail
-cd "$DATA_DIR"
-find . -type f > /tmp/files
-total=$(wc -l < /tmp/files)
-echo "hydrating $total files under $DATA_DIR"
-# lfs hsm_restore is asynchronous; batches of at most 1000 files per call.
-xargs -a /tmp/files -d '\n' -n 1000 lfs hsm_restore
-while true; do
-  pending=$(xargs -a /tmp/files -d '\n' -n 1000 lfs hsm_action | grep -vc 'NOOP' || true)
-  echo "pending $pending / $total"
-  [ "$pending" -eq 0 ] && break
-  sleep 10
-done
-bytes=$(xargs -a /tmp/files -d '\n' du -cb | tail -1 | cut -f1)
-echo "hydrated files=$total bytes=$bytes"
-python -m trainer.data --verify --out "$DATA_DIR"
-"""
+def hydration_command(data_dir: str, manifest_sha256: str) -> list[str]:
+    """What the hydration pod runs: read every file of the dataset once through the Lustre
+    client, digesting it against the manifest (``python -m trainer.data --verify``). On FSx a
+    lazily imported file's first read loads it from its data repository, so the read is the
+    preload; 8 readers keep several loads in flight. Nothing but the image's Python: no Lustre
+    user-space tools (``lfs``), no shell. The manifest must be the one the flow read."""
+    return [
+        "python", "-m", "trainer.data", "--verify", "--out", data_dir,
+        "--readers", "8", "--manifest-sha256", manifest_sha256,
+    ]  # fmt: skip
 
 
 def render_hydration_job(
@@ -160,19 +153,15 @@ def render_hydration_job(
     namespace: str,
     image: str,
     data_dir: str,
+    manifest_sha256: str,
     fsx_claim: str,
     fsx_mount: str,
     service_account: str,
 ) -> dict[str, Any]:
-    """A Job that mounts the FSx claim and preloads ``data_dir``, as the image's non-root user.
-
-    ``lfs hsm_restore`` needs no root: the MDT checks an HSM request from a non-admin against
-    ``mdt.*.hsm.{user,group,other}_request_mask``, which allow RESTORE (and only RESTORE) to the
-    owner, the group and everyone else by default (Lustre's mdt_coordinator.c), and FSx does not
-    let anyone change MDT parameters. ``hsm_action`` and the digests only read. So the pod
-    needs read access to the files, which FSx's imported files give (see deploy/eks/README.md),
-    and nothing else: no capability, no API token, no network (the Lustre client is the
-    node's kernel)."""
+    """A Job that mounts the FSx claim and preloads ``data_dir`` by reading it
+    (:func:`hydration_command`), as the image's non-root user. Reading needs read access to
+    the files, which FSx's imported files give (see deploy/eks/README.md), and nothing else:
+    no capability, no API token, no network (the Lustre client is the node's kernel)."""
     scratch, scratch_mounts = scratch_volumes(tmp_gi=1)
     return {
         "apiVersion": "batch/v1",
@@ -199,13 +188,12 @@ def render_hydration_job(
                         {
                             "name": "hydrate",
                             "image": image,
-                            "command": ["bash", "-c", HSM_SCRIPT],
-                            "env": [{"name": "DATA_DIR", "value": data_dir}],
+                            "command": hydration_command(data_dir, manifest_sha256),
                             "securityContext": container_security_context(),
                             "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
                             "volumeMounts": [
                                 {"name": "fsx", "mountPath": fsx_mount},
-                                *scratch_mounts,  # the script's file list goes to /tmp
+                                *scratch_mounts,  # Python's own temporary files
                             ],
                         }
                     ],

@@ -3,12 +3,18 @@ file contents with the hydration Job, then check the manifest on the FSx mount.
 
 The flow runner mounts the same FSx claim at the same path as the training pods
 (deploy/eks/work-pool-template.json), so what it reads under ``data_dir`` is what the pods will
-read. The hydration Job digests every file (``python -m trainer.data --verify``); the flow only
-re-checks presence and sizes, which costs a stat per file instead of a second full read.
+read. It reads the dataset's manifest there first (capped: ``trainer.data.MAX_MANIFEST_BYTES``),
+and the hydration Job's name is a digest of the run, the dataset's place and that manifest: a
+re-run of the same run over the same dataset joins (or reuses) the Job already there, a changed
+dataset gets a new Job that reads and digests it again, and two runs never share one. The Job
+reads every file once (``python -m trainer.data --verify``, each no further than its manifest
+size), which on FSx is the preload; the flow then re-checks the same manifest, presence and
+sizes, a stat per file instead of a second full read.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +27,7 @@ from tasks.backends.eks.fsx import ensure_association, import_metadata, render_h
 from tasks.backends.eks.kube import Kube
 from tasks.backends.eks.params import EksParams
 from tasks.errors import HydrationError
-from trainer.data import DataError, manifest_digest, verify_dataset
+from trainer.data import DataError, load_manifest, manifest_digest, verify_dataset
 
 
 @dataclass
@@ -45,6 +51,13 @@ def fsx_dataset_path(bucket: str, prefix: str) -> str:
     """Where a dataset lives on the file system (relative to its root; the pods and the flow
     runner see it under their FSx mount)."""
     return f"/datasets/{bucket}/{prefix}".rstrip("/")
+
+
+def hydration_job_name(run_id: str, fs_path: str, manifest_sha256: str) -> str:
+    """``nvrx-hydrate-<20 hex>``: a digest of the run, the dataset's place on FSx and its
+    manifest (a valid DNS label of fixed length, whatever the run id)."""
+    key = "\0".join((run_id, fs_path, manifest_sha256)).encode()
+    return f"nvrx-hydrate-{hashlib.sha256(key).hexdigest()[:20]}"
 
 
 def _token(run_id: str, what: str) -> str:
@@ -127,7 +140,9 @@ def wait_for_job(
         time.sleep(poll_s)
 
 
-def hydration_job(*, name: str, eks: EksParams, data_dir: str) -> dict[str, Any]:
+def hydration_job(
+    *, name: str, eks: EksParams, data_dir: str, manifest_sha256: str
+) -> dict[str, Any]:
     """The hydration Job (:func:`render_hydration_job`) with the run's pod policy: limits equal
     to its requests in every container (Guaranteed QoS: not the first pod evicted when a system
     node runs short) and eks.priority_class."""
@@ -136,6 +151,7 @@ def hydration_job(*, name: str, eks: EksParams, data_dir: str) -> dict[str, Any]
         namespace=eks.namespace,
         image=eks.image,
         data_dir=data_dir,
+        manifest_sha256=manifest_sha256,
         fsx_claim=eks.fsx_claim,
         fsx_mount=eks.fsx_mount,
         service_account=eks.service_account,
@@ -184,9 +200,16 @@ def hydrate_fsx(
         backoff=clients.fsx_backoff,
     )
     progress(f"metadata import task {task['TaskId']} SUCCEEDED")
-    name = f"nvrx-{run_id[:40]}-hydrate"
-    job = hydration_job(name=name, eks=eks, data_dir=f"{eks.fsx_mount}{fs_path}")
-    clients.kube.apply(job)  # same run -> same name: a re-run joins the Job already there
+    try:  # the imported manifest, read through the mount (capped): what the Job must verify
+        digest = manifest_digest(load_manifest(data_dir))
+    except DataError as e:
+        raise HydrationError(f"dataset {s3_path} on FSx: {e}") from e
+    name = hydration_job_name(run_id, fs_path, digest)
+    job = hydration_job(
+        name=name, eks=eks, data_dir=f"{eks.fsx_mount}{fs_path}", manifest_sha256=digest
+    )
+    progress(f"hydration Job {name}: reads and digests every file of manifest {digest[:12]}")
+    clients.kube.apply(job)  # the same run and dataset: joins (or reuses) the Job there
     remaining = eks.hydrate_timeout_s - (time.monotonic() - t0)
     last_note = [0.0]
 
@@ -204,7 +227,7 @@ def hydrate_fsx(
         on_wait=note,
     )
     try:
-        manifest = verify_dataset(data_dir, digests=False)
+        manifest = verify_dataset(data_dir, digests=False, manifest_sha256=digest)
     except DataError as e:
         raise HydrationError(
             f"hydration Job {name} completed but the dataset on FSx is incomplete: {e}"
