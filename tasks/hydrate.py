@@ -4,6 +4,7 @@ the local ``dataset.json`` is written last, so a half-hydrated directory never l
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -17,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from tasks.errors import HydrationError
-from trainer.data import MANIFEST, DataError, check_file_names, manifest_digest, verify_dataset
+from trainer.data import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    DataError,
+    check_file_names,
+    manifest_digest,
+    verify_dataset,
+)
 from trainer.hashing import sha256_file
 
 
@@ -93,7 +101,14 @@ def hydrate_dataset(
     t0 = time.perf_counter()
     src = f"{bucket}/{prefix}".rstrip("/")
     try:
-        manifest = json.loads(fs.cat_file(f"{src}/{MANIFEST}"))
+        # Untrusted: never read past the cap, whatever the object's size.
+        raw = fs.cat_file(f"{src}/{MANIFEST}", start=0, end=MAX_MANIFEST_BYTES + 1)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise HydrationError(
+                f"dataset manifest s3://{src}/{MANIFEST} is over the {MAX_MANIFEST_BYTES} bytes "
+                "a manifest may hold: it is not one this pipeline wrote"
+            )
+        manifest = json.loads(raw)
     except FileNotFoundError as e:
         raise HydrationError(f"dataset manifest s3://{src}/{MANIFEST} not found") from e
     except json.JSONDecodeError as e:
@@ -106,12 +121,41 @@ def hydrate_dataset(
     except DataError as e:
         raise HydrationError(str(e)) from e
     files = manifest.get("files") or []
+    for i, entry in enumerate(files):  # sizes and digests bound every read below
+        size, digest = entry.get("bytes"), entry.get("sha256")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise HydrationError(
+                f"dataset manifest s3://{src}/{MANIFEST}: files[{i}].bytes must be a "
+                f"non-negative integer, not {size!r}"
+            )
+        if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+            raise HydrationError(
+                f"dataset manifest s3://{src}/{MANIFEST}: files[{i}].sha256 must be 64 "
+                f"lowercase hex digits, not {str(digest)[:80]!r}"
+            )
     dest = prepare_dest(dest)
     staging = _staging(dest)
     try:
         return _hydrate_files(fs, src, dest, staging, manifest, files, progress, max_workers, t0)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _get_capped(fs: Any, path: str, out: Path, size: int) -> tuple[int, str]:
+    """Stream ``path`` into ``out``, digesting it, and stop one byte past ``size`` (the
+    manifest's): an object larger than its manifest says is never downloaded whole. The bytes
+    written (``size + 1`` at most) and the sha256."""
+    h = hashlib.sha256()
+    written = 0
+    with fs.open(path, "rb", block_size=_CHUNK) as src, open(out, "wb") as dst:
+        while written <= size and (chunk := src.read(min(_CHUNK, size + 1 - written))):
+            h.update(chunk)
+            dst.write(chunk)
+            written += len(chunk)
+    return written, h.hexdigest()
+
+
+_CHUNK = 8 << 20
 
 
 def _hydrate_files(
@@ -132,12 +176,12 @@ def _hydrate_files(
             return 0
         tmp = staging / entry["name"]
         try:
-            fs.get_file(f"{src}/{entry['name']}", str(tmp))
+            size, digest = _get_capped(fs, f"{src}/{entry['name']}", tmp, entry["bytes"])
         except FileNotFoundError as e:
             raise HydrationError(
                 f"s3://{src}/{entry['name']} is listed in the manifest but missing"
             ) from e
-        if tmp.stat().st_size != entry["bytes"] or sha256_file(tmp) != entry["sha256"]:
+        if size != entry["bytes"] or digest != entry["sha256"]:
             tmp.unlink()
             raise HydrationError(
                 f"s3://{src}/{entry['name']} does not match the dataset manifest "

@@ -45,6 +45,41 @@ def test_hydrate_is_verified_and_idempotent(seeded, tmp_path: Path):
     assert (third.downloaded, third.skipped) == (1, 2)
 
 
+def test_hydrate_reads_untrusted_objects_only_as_far_as_the_manifest_says(
+    seeded, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """An object far larger than its manifest entry is read one byte past it and refused (not
+    downloaded whole: it could fill the shared filesystem); a manifest over the cap is refused
+    before it is parsed; nothing is left in the destination either way."""
+    import tasks.hydrate as hydrate
+
+    settings, bucket = seeded
+    client = boto3_client(settings)
+    body = json.loads(client.get_object(Bucket=bucket, Key="ds/v1/dataset.json")["Body"].read())
+    client.put_object(Bucket=bucket, Key="big/dataset.json", Body=json.dumps(body).encode())
+    for e in body["files"]:
+        client.put_object(Bucket=bucket, Key=f"big/{e['name']}", Body=b"\0" * (e["bytes"] + 10**6))
+    read: list[int] = []
+    real_open = hydrate._get_capped
+
+    def counting(fs, path, out, size):
+        got = real_open(fs, path, out, size)
+        read.append(got[0] - size)
+        return got
+
+    monkeypatch.setattr(hydrate, "_get_capped", counting)
+    with pytest.raises(
+        HydrationError, match=r"s3://hydrate-test/big/shard_0000\d.bin does not match"
+    ):
+        hydrate_dataset(s3fs_filesystem(settings), bucket, "big", tmp_path / "a")
+    assert read and max(read) == 1  # one byte past the manifest's size, never the whole object
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == []
+    monkeypatch.setattr(hydrate, "MAX_MANIFEST_BYTES", 64)
+    with pytest.raises(HydrationError, match="over the 64 bytes a manifest may hold"):
+        hydrate_dataset(s3fs_filesystem(settings), bucket, "ds/v1", tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+
+
 def test_hydrate_missing_prefix_is_named(seeded, tmp_path: Path):
     settings, bucket = seeded
     with pytest.raises(HydrationError, match=r"s3://hydrate-test/nope/dataset.json not found"):

@@ -9,6 +9,7 @@ Real checkpoints (a trainer run), real subprocesses, real files; the attacks are
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -304,16 +305,17 @@ def test_child_process_sees_no_credentials() -> None:
 
 # -- (c) hostile dataset manifests -----------------------------------------------------------
 class FakeS3:
-    """The two s3fs calls hydration makes, over a dict (the attack is in the manifest)."""
+    """The two s3fs calls hydration makes, over a dict (the attack is in the manifest; an
+    object larger than its manifest says meets real SeaweedFS, tests/test_storage.py)."""
 
     def __init__(self, objects: dict[str, bytes]) -> None:
         self.objects = objects
 
-    def cat_file(self, key: str) -> bytes:
-        return self.objects[key]
+    def cat_file(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        return self.objects[key][start:end]
 
-    def get_file(self, key: str, local: str) -> None:
-        Path(local).write_bytes(self.objects[key])
+    def open(self, key: str, mode: str = "rb", **kw: Any) -> io.BytesIO:
+        return io.BytesIO(self.objects[key])
 
 
 def _dataset_objects(name: str, body: bytes = b"\x01\x00" * 8) -> dict[str, bytes]:
@@ -404,3 +406,22 @@ def test_good_dataset_hydrates(tmp_path: Path) -> None:
     dest = tmp_path / "fsx"
     report = hydrate_dataset(FakeS3(_dataset_objects("shard_00000.bin", body)), "b", "ds", dest)
     assert report.downloaded == 1 and (dest / "shard_00000.bin").read_bytes() == body
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("bytes", -1), ("bytes", "16"), ("bytes", True), ("bytes", None), ("sha256", "x" * 64),
+     ("sha256", None), ("sha256", "AB" * 32)],
+)  # fmt: skip
+def test_a_manifests_sizes_and_digests_are_checked_before_any_read(
+    tmp_path: Path, field: str, value: Any
+) -> None:
+    """The sizes bound every read and the digests judge it: a manifest whose entry has neither
+    in a usable form is refused naming the field, before any object is fetched or written."""
+    objects = _dataset_objects("shard_00000.bin")
+    man = json.loads(objects["b/ds/dataset.json"])
+    man["files"][0][field] = value
+    objects["b/ds/dataset.json"] = json.dumps(man).encode()
+    with pytest.raises(HydrationError, match=rf"files\[0\]\.{field} must be"):
+        hydrate_dataset(FakeS3(objects), "b", "ds", tmp_path / "fsx")
+    assert not (tmp_path / "fsx").exists()
