@@ -382,7 +382,7 @@ def test_iam_check_can_fail() -> None:
 
 
 def test_admission_policy_holds_the_pipelines_jobs_to_the_pool_allow_lists() -> None:
-    policy, binding = _load_all("admission-policy.yaml")
+    policy, binding, *_network = _load_all("admission-policy.yaml")
     spec = policy["spec"]
     assert binding["spec"]["policyName"] == policy["metadata"]["name"]
     assert binding["spec"]["validationActions"] == ["Deny"]
@@ -746,3 +746,116 @@ def test_the_image_installs_the_tested_versions_and_has_every_command_the_jobs_r
         "hydration Job (hydrate): lfs: neither the base image's nor installed by the Dockerfile"
     ]
     assert check_image.missing_here(lfs) == ["hydration Job (hydrate): lfs: not on PATH"]
+
+
+# --- the admission policies, evaluated -----------------------------------------------------------
+PIPELINE_USER = f"system:serviceaccount:{NAMESPACE}:{PIPELINE_SA}"
+
+
+def _admit(policy: dict[str, Any], operation: str, obj: Any, old: Any = None,
+           user: str = PIPELINE_USER) -> list[str]:  # fmt: skip
+    """What an API server answers the pipeline's identity for a ValidatingAdmissionPolicy: the
+    messages of the failed validations (empty: admitted; not matched: admitted). CEL evaluated
+    by cel-python (an API server runs cel-go: the same language, corners may differ)."""
+    import celpy
+    from celpy import celtypes
+
+    env = celpy.Environment()
+
+    def ev(expr: str, act: dict[str, Any]) -> Any:
+        return env.program(env.compile(expr)).evaluate(act)
+
+    subject = obj if obj is not None else old
+    resource = {"Job": "jobs", "Service": "services", "NetworkPolicy": "networkpolicies"}[
+        subject["kind"]
+    ]
+    spec = policy["spec"]
+    if not any(resource in r["resources"] and operation in r["operations"]
+               for r in spec["matchConstraints"]["resourceRules"]):  # fmt: skip
+        return []
+    request = {"operation": operation, "userInfo": {"username": user},
+               "resource": {"resource": resource}}  # fmt: skip
+    act: dict[str, Any] = {
+        "request": celpy.json_to_cel(request),
+        "object": celpy.json_to_cel(obj),
+        "oldObject": celpy.json_to_cel(old),
+    }
+    if not all(ev(c["expression"], act) for c in spec.get("matchConditions", [])):
+        return []
+    variables: dict[Any, Any] = {}
+    for v in spec.get("variables", []):
+        act["variables"] = celtypes.MapType(variables)
+        variables[celtypes.StringType(v["name"])] = ev(v["expression"], act)
+    act["variables"] = celtypes.MapType(variables)
+    return [" ".join(v["message"].split()) for v in spec["validations"]
+            if not ev(v["expression"], act)]  # fmt: skip
+
+
+def _rendered_training_objects() -> dict[str, dict[str, Any]]:
+    from flows.context import eks_train_config
+    from tasks.backends.eks.render import render_all
+
+    params = PipelineParams(backend="eks", nodes=2, global_batch=16, run_id="r1")
+    cfg = eks_train_config(params, "r1")
+    docs = render_all(cfg, run_id="r1", attempt=1, nodes=2, eks=params.eks, deadline_s=60,
+                      rdzv_id="x", tag="t")  # fmt: skip
+    return {d["kind"]: d for d in docs}
+
+
+def _with(obj: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(obj)
+    *parents, last = path.split(".")
+    node = out
+    for p in parents:
+        node = node.setdefault(p, {})
+    if value is None:
+        node.pop(last, None)
+    else:
+        node[last] = value
+    return out
+
+
+def test_admission_admits_what_the_pipeline_writes_and_nothing_wider() -> None:
+    """Every object the pipeline writes passes both policies, and each widening is denied
+    with its message: another image or account for a Job; a Service that leaves the cluster
+    or selects other pods; a NetworkPolicy over other pods; touching the namespace's own
+    policies (its default deny) or anything not the pipeline's."""
+    from tasks.backends.eks.hydrate import hydration_job
+
+    jobs, network = (p for p in _load_all("admission-policy.yaml")
+                     if p["kind"] == "ValidatingAdmissionPolicy")  # fmt: skip
+    objs = _rendered_training_objects()
+    hydrate = hydration_job(name="nvrx-hydrate-x", eks=EksParams(), data_dir="/fsx/d",
+                            manifest_sha256="0" * 64)  # fmt: skip
+    job, svc, netpol = objs["Job"], objs["Service"], objs["NetworkPolicy"]
+    for obj in (job, hydrate, svc, netpol):
+        for policy in (jobs, network):
+            assert _admit(policy, "CREATE", obj) == [], obj["kind"]
+            assert _admit(policy, "UPDATE", obj, obj) == [], obj["kind"]
+    assert (
+        _admit(network, "DELETE", None, svc) == [] and _admit(network, "DELETE", None, netpol) == []
+    )
+    deny_all, metrics_in = _load_all("network-policy.yaml")
+    containers = "spec.template.spec.containers"
+    other_image = [{**job["spec"]["template"]["spec"]["containers"][0], "image": "evil:1"}]
+    cases = [
+        (jobs, "CREATE", _with(job, containers, other_image), None, "image the deployment allows"),
+        (jobs, "CREATE", _with(job, "spec.template.spec.serviceAccountName", "admin"), None,
+         "ServiceAccount nvrx-trainer"),
+        (network, "CREATE", _with(svc, "spec.type", "LoadBalancer"), None, "headless"),
+        (network, "CREATE", _with(svc, "spec.clusterIP", None), None, "headless"),
+        (network, "CREATE", _with(svc, "spec.externalIPs", ["1.2.3.4"]), None, "headless"),
+        (network, "CREATE", _with(svc, "spec.selector", {"app": "db"}), None, "headless"),
+        (network, "CREATE", _with(netpol, "spec.podSelector", {}), None, "own Job's pods"),
+        (network, "UPDATE", _with(netpol, "spec.podSelector.matchLabels", {"app": "db"}), netpol,
+         "own Job's pods"),
+        (network, "DELETE", None, deny_all, "only its own"),
+        (network, "DELETE", None, metrics_in, "only its own"),
+        (network, "UPDATE", _with(deny_all, "spec.ingress", [{}]), deny_all, "only its own"),
+        (network, "CREATE", _with(netpol, "metadata.labels", {"app": "x"}), None, "only its own"),
+    ]  # fmt: skip
+    for policy, op, obj, old, words in cases:
+        denied = _admit(policy, op, obj, old)
+        assert denied and words in " ".join(denied), (op, (obj or old)["metadata"], denied)
+    # another identity (a person's kubectl, the Prefect worker) is not this policy's business
+    assert _admit(network, "DELETE", None, deny_all, user="kubernetes-admin") == []
