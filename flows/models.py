@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tasks.backends.eks.params import ALLOWED_ENV as ALLOWED_ENV  # re-exported: the form's home
 from tasks.backends.eks.params import EksParams
 from tasks.backends.registry import BackendType, backend_type
+from tasks.deployment_policy import check_run
 from trainer.events import RecoveryLayer
 from trainer.faults import NODE_KINDS, FaultSpecError, parse_fault
 from trainer.history import TimeBreakdown
@@ -343,6 +344,9 @@ class PipelineParams(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> PipelineParams:
+        # What the deployment lets a run ask for, before anything else is resolved (a
+        # workload is imported below: one the deployment does not allow never is).
+        check_run(self.backend, self.workload)
         kind = self.backend_type
         if not kind.embedded_s3 and self.s3_endpoint == LOCAL_S3_ENDPOINT:
             # The embedded default's local server makes no sense on a cluster (a form that

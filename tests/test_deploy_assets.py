@@ -33,6 +33,7 @@ from packaging.requirements import Requirement
 from flows.models import ALLOWED_ENV, EksParams, PipelineParams
 from tasks import aws
 from tasks.backends.eks import permissions, security
+from tasks.deployment_policy import BACKENDS, EVERY_LIST
 from tasks.preflight.eks import PERMISSIONS as PREFLIGHT_PERMISSIONS
 from tests.test_eks_render import restricted_violations
 
@@ -566,11 +567,12 @@ def _render(node: Any, values: dict[str, Any]) -> Any:
     return node
 
 
-def _pool_allow_lists() -> dict[str, str]:
+def _pool_allow_lists(every: bool = False) -> dict[str, str]:
     container = _template()["job_configuration"]["job_manifest"]["spec"]["template"]["spec"][
         "containers"
     ][0]
-    return {e["name"]: e["value"] for e in container["env"] if e["name"] in ALLOWED_ENV.values()}
+    names = EVERY_LIST if every else ALLOWED_ENV.values()
+    return {e["name"]: e["value"] for e in container["env"] if e["name"] in names}
 
 
 def test_work_pool_template_defaults_target_the_nvrx_namespace() -> None:
@@ -578,8 +580,8 @@ def test_work_pool_template_defaults_target_the_nvrx_namespace() -> None:
     assert set(template) == {"job_configuration", "variables"}
     props = template["variables"]["properties"]
     assert props["namespace"]["default"] == NAMESPACE
-    assert props["service_account_name"]["default"] == PIPELINE_SA
-    assert props["image"]["default"] == EksParams().image == "REGISTRY/nvrx-pipeline:latest"
+    # what the flow-run pod runs, as whom and with which image is the pool's, not a run's
+    assert not {"image", "service_account_name", "command"} & set(props)
     config = template["job_configuration"]
     assert config["namespace"] == "{{ namespace }}"
     assert config["job_manifest"]["metadata"]["namespace"] == "{{ namespace }}"
@@ -594,7 +596,6 @@ def test_work_pool_job_manifest_renders_to_a_valid_job() -> None:
     # what the worker supplies for a flow run (prefect-kubernetes turns env into a list)
     values |= {
         "name": "brisk-otter",
-        "command": ["prefect", "flow-run", "execute"],
         "env": [{"name": "PREFECT__FLOW_RUN_ID", "value": "0"}],
         "labels": {"prefect.io/flow-run-name": "brisk-otter"},
         "annotations": {},
@@ -610,6 +611,7 @@ def test_work_pool_job_manifest_renders_to_a_valid_job() -> None:
     pod = job["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == PIPELINE_SA
     (container,) = pod["containers"]
+    assert container["image"] == EksParams().image == "REGISTRY/nvrx-pipeline:latest"
     # the image's ENTRYPOINT is ft_launcher: flow-run pods must replace it
     assert container["command"] == ["/usr/bin/env"]
     assert container["args"] == ["prefect", "flow-run", "execute"]
@@ -620,9 +622,10 @@ def test_work_pool_job_manifest_renders_to_a_valid_job() -> None:
     # the allow-lists are fixed in the template: prefect-kubernetes puts the job variables'
     # env *before* a hard-coded list (KubernetesWorkerJobConfiguration._populate_env_in_manifest)
     # and the kubelet takes the last definition of a name, so a run cannot widen them
-    run_env = [{"name": n, "value": "attacker/image:1"} for n in ALLOWED_ENV.values()]
+    run_env = [{"name": n, "value": "attacker/image:1"} for n in EVERY_LIST]
     effective = {e["name"]: e["value"] for e in [*run_env, *container["env"]]}
-    assert effective == _pool_allow_lists()
+    assert {n: effective[n] for n in EVERY_LIST} == _pool_allow_lists(every=True)
+    assert effective[BACKENDS] == "eks"  # no backend=local run inside the pipeline's pod
     # the flow-run pods run as the image's user too, restricted (they do call the API)
     assert restricted_violations(pod, api_token=True) == []
     assert pod["securityContext"] == security.pod_security_context()
@@ -658,17 +661,15 @@ def test_eks_prefect_yaml_deploys_valid_eks_runs_to_the_pool(monkeypatch) -> Non
         path, _, func = dep["entrypoint"].partition(":")
         assert f"def {func}(" in (REPO / path).read_text()
         assert dep["work_pool"]["name"] == "nvrx-eks"
-        variables = dep["work_pool"]["job_variables"]
         # the pool's flow-run pods allow exactly the deployment's image, ServiceAccount and
         # namespace (fixed in the template, not a job variable); its parameters validate there
-        assert "env" not in variables
+        assert "job_variables" not in dep["work_pool"]
         env = _pool_allow_lists()
         assert set(env) == set(ALLOWED_ENV.values())
-        for name, value in env.items():
+        for name, value in _pool_allow_lists(every=True).items():
             monkeypatch.setenv(name, value)
         params = PipelineParams.model_validate(dep["parameters"])
         assert params.backend == "eks" and params.s3_endpoint is None
-        assert variables["image"] == params.eks.image
         for field, name in ALLOWED_ENV.items():
             assert env[name].split(",") == [getattr(params.eks, field)]
         other = {**dep["parameters"], "eks": {**params.eks.model_dump(), "image": "x"}}

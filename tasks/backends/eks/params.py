@@ -4,28 +4,17 @@ construction, passed whole to every EKS function."""
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# Which image runs, as which ServiceAccount, in which namespace is the deployment's decision, not
-# the run form's: the EKS work pool's base job template fixes these in the flow-run pod's
-# environment (deploy/eks/work-pool-template.json), comma-separated, and a backend=eks run
-# naming anything else is refused before anything launches. Unset (the CLI, tests), only the
-# field's default is allowed; a backend=local run is never checked, so it never needs EKS values.
-ALLOWED_ENV = {
-    "image": "NVRX_ALLOWED_IMAGES",
-    "service_account": "NVRX_ALLOWED_SERVICE_ACCOUNTS",
-    "namespace": "NVRX_ALLOWED_NAMESPACES",
-}
+from tasks.deployment_policy import STRICT, check_eks
 
-
-def deployment_allowed(field: str, default: str) -> tuple[str, ...]:
-    """The values the deployment allows for an EKS field (read when a run is validated)."""
-    raw = os.environ.get(ALLOWED_ENV[field], "")
-    values = tuple(v.strip() for v in raw.split(",") if v.strip())
-    return values or (default,)
+# Which image runs, as which ServiceAccount, in which namespace, on which instance types, FSx
+# claims and mounts, priority classes and queues is the deployment's decision, not the run
+# form's: tasks.deployment_policy. (ALLOWED_ENV: the lists whose unset value allows only the
+# field's default.)
+ALLOWED_ENV = STRICT
 
 
 # DNS-1123 names: a PriorityClass is a subdomain (<= 253), a Kueue LocalQueue's name travels as a
@@ -311,13 +300,5 @@ class EksParams(BaseModel):
         return pod_memory_gi_for(INSTANCE_TYPES[self.instance_type])
 
     def check_deployment_allows(self) -> None:
-        """Refuse an image, service account or namespace the deployment does not allow (the
-        defaults included: a run that replaces ``params`` falls back to them)."""
-        for field in ALLOWED_ENV:
-            value = getattr(self, field)
-            allowed = deployment_allowed(field, str(type(self).model_fields[field].default))
-            if value not in allowed:
-                raise ValueError(
-                    f"eks.{field}: {value!r} is not allowed by this deployment; allowed: "
-                    f"{', '.join(allowed)} (the deployment sets {ALLOWED_ENV[field]})"
-                )
+        """Refuse a value the deployment does not allow (tasks.deployment_policy)."""
+        check_eks(self)
