@@ -14,6 +14,7 @@ from tasks.backends.eks.params import ALLOWED_ENV as ALLOWED_ENV  # re-exported:
 from tasks.backends.eks.params import EksParams
 from tasks.backends.registry import BackendType, backend_type
 from tasks.deployment_policy import check_run
+from tasks.secrets import check_declared
 from trainer.events import RecoveryLayer
 from trainer.faults import NODE_KINDS, FaultSpecError, parse_fault
 from trainer.history import TimeBreakdown
@@ -138,6 +139,12 @@ class PipelineParams(BaseModel):
         default_factory=dict,
         description='the workload\'s own options (e.g. {"mixed_precision": "bf16"} for '
         "Llama), validated by the workload",
+    )
+    secrets: dict[str, str] = Field(
+        default_factory=dict,
+        description='secrets the workers get as environment variables, by name: {"HF_TOKEN": '
+        '"hf-token"} reads the Prefect Secret block hf-token locally, the Kubernetes Secret '
+        "hf-token (key value) on EKS; values never reach a config, manifest, event or export",
     )
     steps: int = Field(20, ge=1, le=10_000_000, description="total optimizer steps")
     global_batch: int = Field(8, ge=1, le=1_000_000, description="sequences per step, all ranks")
@@ -347,6 +354,7 @@ class PipelineParams(BaseModel):
         # What the deployment lets a run ask for, before anything else is resolved (a
         # workload is imported below: one the deployment does not allow never is).
         check_run(self.backend, self.workload)
+        check_declared(self.secrets)
         kind = self.backend_type
         if not kind.embedded_s3 and self.s3_endpoint == LOCAL_S3_ENDPOINT:
             # The embedded default's local server makes no sense on a cluster (a form that

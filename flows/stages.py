@@ -316,6 +316,7 @@ def train_flow(plan: RunPlan, attempt: int) -> TrainResult | State[TrainResult]:
         spares=params.spares,
         invocation=held.owner.invocation if held is not None else "unowned",
         deadline_s=params.train_timeout_s,
+        secrets=dict(params.secrets),
     )
     log.info(
         "train attempt %d: %s node(s)%s x %d rank(s), %d steps, backend %s",

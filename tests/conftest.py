@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -116,14 +117,70 @@ def kube():
     t.join(0.5)  # daemon thread: open watch streams may keep it a little longer
 
 
+# Set in the orchestrator's environment during the baseline run: none may reach a worker.
+ORCHESTRATOR_SECRETS = {
+    "HF_TOKEN": "hf_orchestrator-3f9c1e7a",
+    "PREFECT_API_KEY": "pnu_orchestrator-8d2b4c6e",
+    "NVRX_TEST_PASSWORD": "orchestrator-pw-5a7e9d1b",
+}
+BASELINE_SECRETS = {"declared": "declared-secret-2c4e6a8f", **ORCHESTRATOR_SECRETS}
+
+
+def assert_no_secret_leaked(state_dir, params, s3_settings) -> None:
+    """Every worker got the declared secret's name and none of the orchestrator's; no value of
+    either is in any file under the run's state directory or in any object in S3."""
+    from flows.context import RunContext
+    from tasks.storage.s3 import boto3_client
+    from trainer.events import read_events
+
+    starts = [e for e in read_events(RunContext.create(params).run_root)
+              if e["kind"] == "worker_start"]  # fmt: skip
+    assert starts
+    for e in starts:
+        assert "DEMO_TOKEN" in e["secret_env"], e["secret_env"]
+        assert not set(ORCHESTRATOR_SECRETS) & set(e["secret_env"]), e["secret_env"]
+    values = [v.encode() for v in BASELINE_SECRETS.values()]
+    for path in state_dir.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            assert not any(v in data for v in values), path
+    client = boto3_client(s3_settings)
+    for bucket in (params.dataset.bucket, params.export.bucket):
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            for obj in page.get("Contents", []):
+                body = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+                assert not any(v in body for v in values), (bucket, obj["Key"])
+
+
 @pytest.fixture(scope="session")
 def baseline(prefect_server, s3_settings, tmp_path_factory):
     """A fault-free pipeline run on the embedded default: what every drill must equal."""
+    from prefect.blocks.system import Secret
+
     from tests.pipeline_helpers import assert_exported, make_params, run_pipeline
 
-    params = make_params(tmp_path_factory.mktemp("pipe"), s3_settings, run_id="baseline")
-    state, result = run_pipeline(params)
+    # The orchestrator holds credentials of its own, and the run declares one secret for its
+    # workers (issue 28, item 7): what reaches which process is checked after the run.
+    Secret(value=BASELINE_SECRETS["declared"]).save("nvrx-baseline-token", overwrite=True)
+    state_dir = tmp_path_factory.mktemp("pipe")
+    params = make_params(
+        state_dir,
+        s3_settings,
+        run_id="baseline",
+        secrets={"DEMO_TOKEN": "nvrx-baseline-token"},
+    )
+    saved = {k: os.environ.get(k) for k in ORCHESTRATOR_SECRETS}
+    os.environ.update(ORCHESTRATOR_SECRETS)
+    try:
+        state, result = run_pipeline(params)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     assert state.is_completed(), state.message
+    assert_no_secret_leaked(state_dir, params, s3_settings)
     assert result is not None
     assert result.status == "completed" and result.final_step == 20
     assert result.stage_attempts["train"] == 1 and result.faults == []

@@ -68,6 +68,7 @@ class WorkerStart(_Base):
     restart_count: NonNeg = 0
     process_start_t: float | None = None
     data_s: Seconds | None = None
+    secret_env: list[str] | None = None  # credential-like variable names it was given
 
 
 class Phase(_Base):

@@ -376,6 +376,7 @@ def _run(
         stage_attempt=int(os.environ.get("NVRX_STAGE_ATTEMPT", "1")),
     )
     # Once per process: an in-process restart re-enters `body`, not this function.
+    from trainer.credentials import secret_like
     from trainer.metrics import start_endpoint
 
     start_endpoint(cfg, rank, int(os.environ.get("LOCAL_RANK", "0")), events)
@@ -392,6 +393,9 @@ def _run(
             injob=heartbeat.active,
             restart_count=restart_count,
             config_hash=cfg.fingerprint(),
+            # The credential-like names this worker was given (the run's declared secrets, and
+            # nothing of the orchestrator's: tasks.secrets), never their values.
+            secret_env=secret_like(os.environ),
             # Recovery phases (trainer.timeline): when this interpreter started, and how long
             # the dataset check took (sizes and manifest digest, or every shard's digest).
             process_start_t=process_start_time(),

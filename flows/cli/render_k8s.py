@@ -63,6 +63,7 @@ def cmd_render_k8s(args: argparse.Namespace) -> int:
         spares=params.spares,
         eks=params.eks,
         deadline_s=params.train_timeout_s,
+        secrets=params.secrets,
     )
     print(yaml.dump_all(docs, Dumper=_NoAliases, sort_keys=False), end="")
     return 0

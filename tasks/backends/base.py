@@ -9,8 +9,8 @@ same way (events, drills, deadline, result) and asks the job for its outcome at 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -83,6 +83,9 @@ class LaunchRequest:
     # The epoch the watcher published for this attempt (trainer.fence), handed to every worker
     # as NVRX_EPOCH: a writer of any other epoch changes nothing in the run root.
     epoch: int | None = None
+    # The run's declared secrets (environment name -> secret name; tasks.secrets): names
+    # only, resolved where the workers start, never written down.
+    secrets: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def node_range(self) -> NodeRange:

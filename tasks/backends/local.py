@@ -34,6 +34,7 @@ from tasks.checks import CheckResult
 from tasks.classify import EndSnapshot, Outcome, classify
 from tasks.ownership import processes
 from tasks.ownership.lease import RunLease, process_is
+from tasks.secrets import resolve_local, scrubbed
 from trainer.config import config_file, save_config
 from trainer.fence import EPOCH_ENV
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
@@ -404,7 +405,9 @@ class LocalBackend:
         )
         config = save_config(cfg, config_file(cfg.run_root, request.attempt))
         argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config))
-        env = {**os.environ, **worker_env(config)}
+        # A clean environment: none of the orchestrator's credentials, and the run's declared
+        # secrets only (tasks.secrets), resolved now from Prefect's Secret blocks.
+        env = {**scrubbed(os.environ), **worker_env(config), **resolve_local(request.secrets)}
         env["NVRX_STAGE_ATTEMPT"] = str(request.attempt)
         env.pop(EPOCH_ENV, None)
         if request.epoch is not None:  # the attempt's (trainer.fence)

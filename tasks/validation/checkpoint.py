@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.checks import Check, Snapshot, Source, Status, Verdict, blocks, run_all
+from tasks.secrets import scrubbed
 from tasks.validation import load_process
 from tasks.validation.load_check import untrusted_workload_message
 from trainer import manifest as ckpt_manifest
@@ -304,34 +304,12 @@ def check_file_names(manifest: dict[str, Any], path: Path) -> None:
             check_component(name, where=f"{path / ckpt_manifest.MANIFEST}: files[{i}].name")
 
 
-# Variables that give a process credentials: the load check needs none, and it reads files that
-# anyone with write access to the shared filesystem controls. Every AWS_* variable goes (keys,
-# session token, profile, role ARN, web identity token file, container credentials URI and
-# token); the SDKs' other sources (~/.aws files, instance metadata) are pointed at nothing.
-# Any other variable named like a secret (HF_TOKEN, PREFECT_API_AUTH_STRING, *_PASSWORD,
-# GOOGLE_APPLICATION_CREDENTIALS, SSH_AUTH_SOCK...) goes too; the check never needs one.
-_SECRET_NAME = re.compile(
-    r"(?:.*_)?(?:SECRET|TOKEN|PASSWORD|PASSWD|API_KEY|APIKEY|KEY|CREDENTIALS?|AUTH)(?:_.*)?",
-    re.IGNORECASE,
-)
-_CHILD_OVERRIDES = {
-    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-    "AWS_CONFIG_FILE": os.devnull,
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
-
-
 def child_env(parent: dict[str, str]) -> dict[str, str]:
     """The environment of the load-check process: ``parent`` without credentials and without
     the trainer's distributed settings (it is a world of its own)."""
-    env = {
-        k: v
-        for k, v in parent.items()
-        if not k.upper().startswith("AWS_") and not _SECRET_NAME.fullmatch(k)
-    }
+    env = scrubbed(parent)  # no credentials: it reads files others control (tasks.secrets)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NVRX_CONFIG"):
         env.pop(key, None)
-    env.update(_CHILD_OVERRIDES)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), parent.get("PYTHONPATH")]))
     return env
 

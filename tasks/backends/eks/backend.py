@@ -460,6 +460,7 @@ class EksBackend:
             min_nodes=request.min_nodes,
             spares=request.spares,
             epoch=request.epoch,
+            secrets=request.secrets,
         )
         job = self._job(name, request.attempt, request.launched)
         try:

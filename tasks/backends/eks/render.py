@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from tasks.backends.eks.kube import JOB_NAME_LABEL  # set on every pod by the Job controller
@@ -31,6 +32,7 @@ from tasks.backends.eks.security import (
     pod_security_context,
     scratch_volumes,
 )
+from tasks.secrets import kubernetes_env
 from trainer.config import TrainConfig, config_file
 from trainer.fence import EPOCH_ENV
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
@@ -137,6 +139,7 @@ def render_job(
     min_nodes: int | None = None,
     spares: int = 0,
     epoch: int | None = None,
+    secrets: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """``nodes``: the most the job trains on; ``min_nodes`` (elastic) the fewest; ``spares``:
     pods launched beyond ``nodes`` to wait in the rendezvous. ``rdzv_id``: unique per
@@ -180,6 +183,9 @@ def render_job(
         # No AWS_REGION (nor any AWS_*): the pods call no AWS API (no IAM role, no egress but to
         # each other and DNS); the dataset and weights reach them through FSx, hydrated by the
         # flow runner, whose clients resolve the region (tasks.aws).
+        # The run's declared secrets: references to Kubernetes Secrets the kubelet resolves,
+        # never values in the manifest (tasks.secrets).
+        *kubernetes_env(secrets or {}),
     ]
     scratch, scratch_mounts = scratch_volumes(tmp_gi=TMP_GI)
     pod_labels = labels(run_id, attempt)
@@ -400,6 +406,7 @@ def render_all(
     min_nodes: int | None = None,
     spares: int = 0,
     epoch: int | None = None,
+    secrets: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """``deadline_s``: the attempt's deadline (``activeDeadlineSeconds`` adds a margin);
     ``tag``: the invocation's, in every name (:func:`job_name`); ``nodes``, ``min_nodes``,
@@ -427,5 +434,6 @@ def render_all(
             min_nodes=min_nodes,
             spares=spares,
             epoch=epoch,
+            secrets=secrets,
         ),
     ]

@@ -1,0 +1,115 @@
+"""What a worker may know: a clean environment, and the secrets a run declares.
+
+The orchestrator's environment holds its own credentials (``PREFECT_API_KEY``, AWS keys, a
+``HF_TOKEN`` someone exported); the workers run the user's code on data anyone with write access
+to the shared filesystem controls, and need none of them. They get :func:`scrubbed`: every
+``AWS_*`` variable and every variable named like a secret gone, the AWS SDKs' other sources
+pointed at nothing (the same stripping as the load check, tasks.validation.checkpoint).
+
+What a workload does need (a Hugging Face token, a tracker's key) it declares by name in the
+run's ``secrets`` (environment variable -> secret name): the values live in the platform's
+secret store and reach the workers' environment only, never a config file, a manifest, an
+event, an argv or an export. Locally the store is Prefect's Secret blocks, read by the flow at
+launch (:func:`resolve_local`); on EKS Kubernetes Secrets in the run's namespace (key
+``value``), which the kubelet puts into the pods' environment (:func:`kubernetes_env`): the
+Job's manifest carries only the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from trainer.credentials import SECRET_NAME
+
+# Variables that give a process credentials: every AWS_* variable (keys, session token,
+# profile, role ARN, web identity token file, container credentials URI and token) and every one
+# named like a secret (trainer.credentials); the SDKs' other sources (~/.aws files, instance
+# metadata) are pointed at nothing.
+OVERRIDES = {
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+# A declared secret's variable: an environment name of the workload's own, never one the
+# pipeline, the launcher, torch or the dynamic loader reads.
+ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,63}")
+RESERVED_PREFIXES = ("NVRX_", "TORCH", "PYTHON", "LD_", "CUDA_", "NCCL_", "FI_", "OMP_", "PREFECT_")
+RESERVED = frozenset(
+    {"PATH", "HOME", "USER", "SHELL", "TMPDIR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK",
+     "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "HOSTNAME"}
+)  # fmt: skip
+# A secret's name: a DNS-1123 label, valid as a Kubernetes Secret and a Prefect block name.
+SECRET_REF = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+MAX_SECRETS = 16
+SECRET_KEY = "value"  # the key of a Kubernetes Secret that holds the value
+
+
+def scrubbed(parent: Mapping[str, str]) -> dict[str, str]:
+    """``parent`` without credentials, the SDKs' other sources pointed at nothing."""
+    env = {
+        k: v
+        for k, v in parent.items()
+        if not k.upper().startswith("AWS_") and not SECRET_NAME.fullmatch(k)
+    }
+    env.update(OVERRIDES)
+    return env
+
+
+def check_declared(secrets: Mapping[str, str]) -> None:
+    """Refuse a ``secrets`` mapping that is not environment name -> secret name (ValueError
+    naming the entry and the fix)."""
+    if len(secrets) > MAX_SECRETS:
+        raise ValueError(f"secrets: {len(secrets)} entries, at most {MAX_SECRETS}")
+    for name, ref in secrets.items():
+        where = f"secrets.{name}"
+        if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
+            raise ValueError(
+                f"secrets: {name!r} is not an environment variable name (A-Z, 0-9, _; at most "
+                "64 characters, not starting with a digit)"
+            )
+        if name in RESERVED or name.startswith(RESERVED_PREFIXES):
+            raise ValueError(
+                f"{where}: the pipeline, the launcher or torch reads {name}; name the "
+                "workload's own variable (e.g. HF_TOKEN)"
+            )
+        if not isinstance(ref, str) or not SECRET_REF.fullmatch(ref):
+            raise ValueError(
+                f"{where}: {ref!r} is not a secret name: lowercase letters, digits and '-', at "
+                "most 63 (a Kubernetes Secret in the run's namespace on EKS, a Prefect Secret "
+                "block locally)"
+            )
+
+
+def _prefect_secret(name: str) -> str:
+    from prefect.blocks.system import Secret
+
+    block: Any = Secret.load(name)  # sync here: the flows are synchronous
+    return str(block.get())
+
+
+def resolve_local(
+    secrets: Mapping[str, str], load: Callable[[str], Any] = _prefect_secret
+) -> dict[str, str]:
+    """The declared secrets' values, from Prefect's Secret blocks (the flow's own API access):
+    environment name -> value, for the workers' environment only."""
+    out: dict[str, str] = {}
+    for name, ref in secrets.items():
+        try:
+            out[name] = str(load(ref))
+        except ValueError as e:  # Prefect: "Unable to find block document named ..."
+            raise ValueError(
+                f"secrets.{name}: no Prefect Secret block {ref!r} ({e}); create it: "
+                f"`prefect block create secret` or Secret(value=...).save({ref!r})"
+            ) from None
+    return out
+
+
+def kubernetes_env(secrets: Mapping[str, str]) -> list[dict[str, Any]]:
+    """A container's env entries for the declared secrets: references, never values."""
+    return [
+        {"name": name, "valueFrom": {"secretKeyRef": {"name": ref, "key": SECRET_KEY}}}
+        for name, ref in sorted(secrets.items())
+    ]
