@@ -9,7 +9,7 @@ from typing import Any
 
 from flows.models import PipelineParams, new_run_id
 from tasks.backends import registry
-from tasks.backends.base import Placement
+from tasks.backends.base import LaunchRequest, Placement
 from tasks.storage.s3 import S3Settings, parse_s3_uri
 from trainer.config import (
     Device,
@@ -189,3 +189,29 @@ def render_global_batch(data: dict[str, Any]) -> int | None:
         return None
     default = int(PipelineParams.model_fields["global_batch"].default)
     return world * max(1, -(-default // world))
+
+
+def launch_request(
+    params: PipelineParams,
+    cfg: TrainConfig,
+    *,
+    run_id: str,
+    attempt: int,
+    invocation: str,
+    epoch: int | None = None,
+) -> LaunchRequest:
+    """One train attempt as the backend is asked to launch it: what the train flow launches and
+    what ``render-k8s`` renders, from the same parameters (one code path)."""
+    return LaunchRequest(
+        run_id=run_id,
+        attempt=attempt,
+        cfg=cfg,
+        nodes=params.max_nodes,
+        nproc_per_node=params.ranks_per_node,
+        min_nodes=params.node_range.min,
+        spares=params.spares,
+        invocation=invocation,
+        deadline_s=params.train_timeout_s,
+        epoch=epoch,
+        secrets=dict(params.secrets),
+    )

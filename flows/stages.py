@@ -22,7 +22,7 @@ from prefect.artifacts import (
 from prefect.logging import get_run_logger
 from prefect.states import Failed, State
 
-from flows.context import RunContext
+from flows.context import RunContext, launch_request
 from flows.events import emit, emit_for_trainer_event, last_attempt_cause
 from flows.models import DEMO_DATASET, DatasetLocation, PipelineParams
 from flows.plan import RunPlan
@@ -40,7 +40,7 @@ from flows.results import (
 )
 from tasks import aws
 from tasks.backends import registry
-from tasks.backends.base import Backend, HydrateRequest, LaunchRequest
+from tasks.backends.base import Backend, HydrateRequest
 from tasks.classify import EndKind
 from tasks.errors import NodeLost, PreflightFailed
 from tasks.export import ExportOptions, ExportReport, export_checkpoint
@@ -306,17 +306,12 @@ def train_flow(plan: RunPlan, attempt: int) -> TrainResult | State[TrainResult]:
         log.warning("stage retry: train attempt %d after: %s", attempt, cause)
         emit("stage.retried", ctx.run_id, stage="train", attempt=attempt, cause=cause)
     held = lease.held(ctx.run_root)
-    request = LaunchRequest(
+    request = launch_request(
+        params,
+        plan.train,
         run_id=ctx.run_id,
         attempt=attempt,
-        cfg=plan.train,
-        nodes=params.max_nodes,
-        nproc_per_node=params.ranks_per_node,
-        min_nodes=params.node_range.min,
-        spares=params.spares,
         invocation=held.owner.invocation if held is not None else "unowned",
-        deadline_s=params.train_timeout_s,
-        secrets=dict(params.secrets),
     )
     log.info(
         "train attempt %d: %s node(s)%s x %d rank(s), %d steps, backend %s",

@@ -229,10 +229,10 @@ def test_every_kubernetes_call_is_in_the_permissions_table() -> None:
 
 
 def test_source_grep_catches_an_undeclared_call() -> None:
-    assert KUBE_CALL.findall("kube.core.delete_namespaced_config_map(name, ns)") == [
-        ("core", "delete_namespaced_config_map")
+    assert KUBE_CALL.findall("kube.core.delete_namespaced_secret(name, ns)") == [
+        ("core", "delete_namespaced_secret")
     ]
-    assert ("", "delete_namespaced_config_map") not in {
+    assert ("", "delete_namespaced_secret") not in {
         (c.group, c.method) for c in permissions.KUBE_CALLS
     }
     assert _verb_resource("delete_namespaced_network_policy") == ("delete", "networkpolicies")
@@ -767,9 +767,12 @@ def _admit(policy: dict[str, Any], operation: str, obj: Any, old: Any = None,
         return env.program(env.compile(expr)).evaluate(act)
 
     subject = obj if obj is not None else old
-    resource = {"Job": "jobs", "Service": "services", "NetworkPolicy": "networkpolicies"}[
-        subject["kind"]
-    ]
+    resource = {
+        "Job": "jobs",
+        "Service": "services",
+        "NetworkPolicy": "networkpolicies",
+        "ConfigMap": "configmaps",
+    }[subject["kind"]]
     spec = policy["spec"]
     if not any(resource in r["resources"] and operation in r["operations"]
                for r in spec["matchConstraints"]["resourceRules"]):  # fmt: skip
@@ -828,14 +831,13 @@ def test_admission_admits_what_the_pipeline_writes_and_nothing_wider() -> None:
     objs = _rendered_training_objects()
     hydrate = hydration_job(name="nvrx-hydrate-x", eks=EksParams(), data_dir="/fsx/d",
                             manifest_sha256="0" * 64)  # fmt: skip
-    job, svc, netpol = objs["Job"], objs["Service"], objs["NetworkPolicy"]
-    for obj in (job, hydrate, svc, netpol):
+    job, svc, netpol, config = (objs[k] for k in ("Job", "Service", "NetworkPolicy", "ConfigMap"))
+    for obj in (job, hydrate, svc, netpol, config):
         for policy in (jobs, network):
             assert _admit(policy, "CREATE", obj) == [], obj["kind"]
             assert _admit(policy, "UPDATE", obj, obj) == [], obj["kind"]
-    assert (
-        _admit(network, "DELETE", None, svc) == [] and _admit(network, "DELETE", None, netpol) == []
-    )
+    for obj in (svc, netpol, config):
+        assert _admit(network, "DELETE", None, obj) == []
     deny_all, metrics_in = _load_all("network-policy.yaml")
     containers = "spec.template.spec.containers"
     other_image = [{**job["spec"]["template"]["spec"]["containers"][0], "image": "evil:1"}]
@@ -854,6 +856,8 @@ def test_admission_admits_what_the_pipeline_writes_and_nothing_wider() -> None:
         (network, "DELETE", None, metrics_in, "only its own"),
         (network, "UPDATE", _with(deny_all, "spec.ingress", [{}]), deny_all, "only its own"),
         (network, "CREATE", _with(netpol, "metadata.labels", {"app": "x"}), None, "only its own"),
+        (network, "DELETE", None, _with(config, "metadata.name", "aws-auth"), "only its own"),
+        (network, "UPDATE", _with(config, "metadata.labels", {}), config, "only its own"),
     ]  # fmt: skip
     for policy, op, obj, old, words in cases:
         denied = _admit(policy, op, obj, old)

@@ -639,3 +639,59 @@ def test_below_the_minimum_the_survivors_wait_then_the_stage_retry(kube: Kube, t
     [end] = [e for e in events if e["kind"] == "stage_attempt_end"]
     assert end["t"] - faults[1]["t"] >= 4.0 + WAIT_GRACE_S
     assert kube.jobs_labelled(NS, "nvrx.io/run-id", run_id) == []
+
+
+def test_render_k8s_prints_what_the_flow_creates(kube: Kube, tmp_path: Path, capsys):
+    """One code path (issue 28, item 5): the bundle `render-k8s` prints for a run, attempt,
+    invocation and epoch is, object for object and field for field, what the train flow's
+    launch created in the cluster; it carries the attempt's config (a ConfigMap the Job
+    mounts), so `kubectl apply` of it needs nothing else."""
+    import yaml
+
+    from flows.cli import main
+    from trainer.config import TrainConfig, load_config
+
+    params = eks_params("k-bundle", tmp_path)
+    name = job_name("k-bundle", 1, TAG)
+    created: dict[str, dict] = {}
+
+    def capture(k: Kube, job: str) -> None:
+        for kind, read in (
+            ("NetworkPolicy", k.networking.read_namespaced_network_policy),
+            ("Service", k.core.read_namespaced_service),
+            ("ConfigMap", k.core.read_namespaced_config_map),
+            ("Job", k.batch.read_namespaced_job),
+        ):
+            created[kind] = json.loads(read(job, NS, _preload_content=False).data)
+        result_later(tmp_path / "runs" / "k-bundle", params.steps, after_s=0.0)
+        succeed(k, job)
+
+    driver = ControlPlane(kube, name, capture)
+    driver.start()
+    report = attempt_on(kube, params, deadline_s=30)
+    driver.join(5)
+    assert report.outcome.kind == EndKind.COMPLETED, report.outcome.message
+    env = created["Job"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    epoch = next(e["value"] for e in env if e["name"] == "NVRX_EPOCH")
+    rc = main([
+        "render-k8s", "--run-id", "k-bundle", "--attempt", "1", "--invocation", TAG,
+        "--epoch", epoch, "--set", "backend=eks", "--set", "nodes=2", "--set", "global_batch=16",
+        "--set", f"eks.fsx_mount={tmp_path}", "--set", "train_timeout_s=30",
+    ])  # fmt: skip
+    assert rc == 0
+    rendered = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["kind"] for d in rendered] == ["NetworkPolicy", "Service", "ConfigMap", "Job"]
+    for doc in rendered:
+        made = created[doc["kind"]]
+        # the emulator stores what it was given; a real server adds metadata (uid, versions)
+        made["metadata"] = {k: v for k, v in made["metadata"].items() if k in doc["metadata"]}
+        made.pop("status", None)
+        assert made == doc, doc["kind"]
+    # the config the pods mount is the attempt's, as the flow recorded it on the shared FS
+    [(key, text)] = created["ConfigMap"]["data"].items()
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(text)
+    recorded = load_config(tmp_path / "runs" / "k-bundle" / "config" / key)
+    assert isinstance(recorded, TrainConfig) and load_config(cfg_path) == recorded
+    args = created["Job"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--config=/etc/nvrx-pipeline/attempt/{key}" in args

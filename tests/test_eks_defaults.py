@@ -271,12 +271,12 @@ def test_render_k8s_with_no_options_renders_valid_manifests():
     )
     assert proc.returncode == 0, proc.stderr
     docs = list(yaml.safe_load_all(proc.stdout))
-    assert [d["kind"] for d in docs] == ["NetworkPolicy", "Service", "Job"]
+    assert [d["kind"] for d in docs] == ["NetworkPolicy", "Service", "ConfigMap", "Job"]
     for doc in docs:
         assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True) == K8S_VERSION
     # the default world is 2 nodes x 8 GPUs: the batch the CLI chose is said, and used
     assert "global_batch not set; using 16" in proc.stderr
-    pod = docs[2]["spec"]["template"]["spec"]
+    pod = docs[3]["spec"]["template"]["spec"]
     assert qos_class(pod) == "Guaranteed"
     assert "--nproc-per-node=8" in pod["containers"][0]["args"]
 

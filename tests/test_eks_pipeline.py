@@ -217,9 +217,20 @@ class Cluster(threading.Thread):
         run here on CPU with the drills' short timeouts; and the Job's NVRX_* environment."""
         container = job["spec"]["template"]["spec"]["containers"][0]
         env = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("NVRX_")}
-        # The config the flow wrote for this attempt (what the Job's command names).
+        # The attempt's config as the kubelet mounts it: the file the Job's command names, in
+        # the ConfigMap mounted there (the bundle carries it).
         [config_arg] = [a for a in container["args"] if a.startswith("--config=")]
-        written = load_config(Path(config_arg.split("=", 1)[1]))
+        path = Path(config_arg.split("=", 1)[1])
+        [mount] = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == path.parent]
+        [volume] = [
+            v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+        ]
+        resp = self.kube.core.read_namespaced_config_map(
+            volume["configMap"]["name"], NS, _preload_content=False
+        )
+        mounted = self.ctx.run_root.parent / f"{name}-{path.name}"
+        mounted.write_text(json.loads(resp.data)["data"][path.name])
+        written = load_config(mounted)
         # What render-k8s renders, plus what only the pipeline knows once hydration ran: the
         # digest of the manifest it verified (the pods then check sizes only).
         digest = written.data_manifest_sha256

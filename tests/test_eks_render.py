@@ -52,7 +52,7 @@ def test_manifests_validate_strictly(attempt: int):
 
 
 def test_schema_catches_a_wrong_field():
-    _policy, _svc, job = render(params())
+    _policy, _svc, _config, job = render(params())
     job["spec"]["template"]["spec"]["containers"][0]["resource"] = {}  # typo'd field
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(job, K8S_VERSION, strict=True)
@@ -68,7 +68,7 @@ def test_same_attempt_same_names_next_attempt_new_names():
 
 def test_launch_contract():
     p = params(drills={"faults": ["exception@step=5,rank=3"]})
-    _policy, svc, job = render(p)
+    _policy, svc, config, job = render(p)
     name = job["metadata"]["name"]
     spec = job["spec"]
     assert spec["completionMode"] == "Indexed"
@@ -81,14 +81,17 @@ def test_launch_contract():
     args = c["args"]
     assert f"--rdzv-endpoint={name}-0.{name}.nvrx.svc.cluster.local:29500" in args
     assert "--nproc-per-node=8" in args and "--nnodes=4" in args and "--max-restarts=3" in args
-    # The workers read the attempt's whole config from the shared FSx mount (the flow writes
-    # it there before it creates the Job); nothing travels as flags.
-    assert args[-3:] == [
-        "-m",
-        "trainer",
-        "--config=/fsx/runs/run-2026-11-29/config/train-attempt1.json",
-    ]
+    # The workers read the attempt's whole config from the ConfigMap of the Job's name, which
+    # the bundle carries and the pod mounts read-only; nothing travels as flags.
+    assert args[-3:] == ["-m", "trainer", "--config=/etc/nvrx-pipeline/attempt/train-attempt1.json"]
     cfg = eks_train_config(p, "run-2026-11-29")
+    assert config["metadata"]["name"] == name
+    assert load_config_text(config["data"]["train-attempt1.json"]) == cfg
+    pod = job["spec"]["template"]["spec"]
+    assert {"name": "config", "configMap": {"name": name}} in pod["volumes"]
+    assert {"name": "config", "mountPath": "/etc/nvrx-pipeline/attempt", "readOnly": True} in c[
+        "volumeMounts"
+    ]
     assert str(cfg.run_root) == "/fsx/runs/run-2026-11-29" and cfg.device.value == "cuda"
     assert cfg.faults == ("exception@step=5,rank=3",) and cfg.workload == "llama3-8b"
     # requests == limits, cpu and memory included: Guaranteed QoS (tests/test_eks_defaults.py)
@@ -100,7 +103,8 @@ def test_launch_contract():
         "vpc.amazonaws.com/efa": "32",
     }
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
-    assert mounts == {"/fsx": "fsx", "/dev/shm": "shm", "/tmp": "tmp", security.HOME: "home"}
+    assert mounts == {"/fsx": "fsx", "/dev/shm": "shm", "/tmp": "tmp", security.HOME: "home",
+                      "/etc/nvrx-pipeline/attempt": "config"}  # fmt: skip
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["fsx"]["persistentVolumeClaim"]["claimName"] == "fsx-claim"
     assert vols["shm"]["emptyDir"]["medium"] == "Memory"
@@ -131,7 +135,7 @@ def test_render_k8s_cli():
     )
     assert proc.returncode == 0, proc.stderr
     docs = list(yaml.safe_load_all(proc.stdout))
-    assert [d["kind"] for d in docs] == ["NetworkPolicy", "Service", "Job"]
+    assert [d["kind"] for d in docs] == ["NetworkPolicy", "Service", "ConfigMap", "Job"]
     assert {d["metadata"]["name"] for d in docs} == {"nvrx-cli-run-a2"}
     bad = subprocess.run(
         [*argv[:4], "--set", "global_batch=7"],
@@ -219,14 +223,14 @@ def hydration_job() -> dict:
 
 
 def test_every_rendered_pod_is_restricted_and_non_root():
-    _policy, _svc, train = render(params())
+    _policy, _svc, _config, train = render(params())
     for job in (train, hydration_job()):
         kubernetes_validate.validate(job, K8S_VERSION, strict=True)
         assert restricted_violations(job["spec"]["template"]["spec"]) == [], job["metadata"]
 
 
 def test_restricted_check_can_fail():
-    _policy, _svc, job = render(params())
+    _policy, _svc, _config, job = render(params())
     pod = copy.deepcopy(job["spec"]["template"]["spec"])
     pod["containers"][0]["securityContext"]["capabilities"]["add"] = ["IPC_LOCK"]
     pod["securityContext"]["runAsUser"] = 0
@@ -237,7 +241,7 @@ def test_restricted_check_can_fail():
 
 def test_network_policy_admits_only_the_jobs_own_pods():
     p = params()
-    policy, svc, job = render(p)
+    policy, svc, _config, job = render(p)
     kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
     name = job["metadata"]["name"]
     # same name and labels as the Job: applied, found and deleted with it
@@ -269,7 +273,7 @@ def test_network_policy_admits_only_the_jobs_own_pods():
 
 
 def test_network_policy_schema_catches_a_wrong_field():
-    policy, _svc, _job = render(params())
+    policy, _svc, _config, _job = render(params())
     policy["spec"]["ingress"][0]["from"][0]["podSelectors"] = {}  # typo'd field
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
@@ -328,7 +332,7 @@ def test_an_elastic_job(nodes, spares, nnodes):
     """MAX + spares pods, agents admitting the range; a node's disruption is ignored by the Job
     (the in-job layer re-forms, the controller replaces the pod), and index 0's success ends
     it. A fixed-size Job keeps failing on a disruption (tests above)."""
-    _policy, _svc, job = render_all(
+    _policy, _svc, _config, job = render_all(
         eks_train_config(p := params(nodes=nodes, spares=spares), "x"),
         run_id="x",
         attempt=1,
@@ -423,3 +427,11 @@ def test_render_k8s_is_a_stable_bundle_without_aliases(capsys):
         assert lab["app.kubernetes.io/instance"] == run
     assert main(["render-k8s", "--set", "nodes=3", "--set", "global_batch=48"]) == 0
     assert capsys.readouterr().out != outs[0].out  # other parameters, another run
+
+
+def load_config_text(text: str):
+    import json
+
+    from trainer.config import TrainConfig
+
+    return TrainConfig.from_dict({k: v for k, v in json.loads(text).items() if k != "format"})

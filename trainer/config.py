@@ -637,6 +637,11 @@ def config_file(run_root: Path, attempt: int) -> Path:
     return Path(run_root) / "config" / f"train-attempt{attempt}.json"
 
 
+def config_text(cfg: TrainConfig) -> str:
+    """``cfg`` as the JSON workers read (a file, or a ConfigMap's value on EKS)."""
+    return json.dumps({"format": CONFIG_FORMAT, **cfg.to_dict()}, indent=1) + "\n"
+
+
 def save_config(cfg: TrainConfig, path: Path) -> Path:
     """Write ``cfg`` atomically as JSON (the one serialized form workers read)."""
     import os
@@ -644,7 +649,7 @@ def save_config(cfg: TrainConfig, path: Path) -> Path:
     path = Path(path).absolute()  # workers may run in another directory
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"format": CONFIG_FORMAT, **cfg.to_dict()}, indent=1) + "\n")
+    tmp.write_text(config_text(cfg))
     os.replace(tmp, path)
     return path
 

@@ -21,8 +21,8 @@ EXIT = {
 
 
 def cmd_render_k8s(args: argparse.Namespace) -> int:
-    from flows.context import eks_train_config
-    from tasks.backends.eks.render import render_all
+    from flows.context import eks_train_config, launch_request
+    from tasks.backends.eks.backend import EksBackend
 
     try:
         data = load_params_dict(args.config, args.set, [], args.run_id)
@@ -54,17 +54,16 @@ def cmd_render_k8s(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     run_id = params.run_id or ""
-    docs = render_all(
+    request = launch_request(
+        params,
         eks_train_config(params, run_id),
         run_id=run_id,
         attempt=args.attempt,
-        nodes=params.max_nodes,
-        min_nodes=params.node_range.min,
-        spares=params.spares,
-        eks=params.eks,
-        deadline_s=params.train_timeout_s,
-        secrets=params.secrets,
+        invocation=args.invocation,
+        epoch=args.epoch,
     )
+    # What the train flow's launch creates for the same run, attempt, invocation and epoch.
+    docs = EksBackend(params.eks, nodes=params.launched_nodes).bundle(request)
     print(yaml.dump_all(docs, Dumper=_NoAliases, sort_keys=False), end="")
     return 0
 
@@ -89,4 +88,13 @@ def add(sub: Any) -> None:
     rk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     rk.add_argument("--run-id", help="run id (default: derived from the parameters)")
     rk.add_argument("--attempt", type=int, default=1, help="train-stage attempt (names the Job)")
+    rk.add_argument(
+        "--invocation",
+        default="",
+        help="the invocation whose Job to render (its first 6 characters end the names, as the "
+        "flow's do; default: none)",
+    )
+    rk.add_argument(
+        "--epoch", type=int, help="the attempt's epoch (NVRX_EPOCH), as the flow publishes it"
+    )
     rk.set_defaults(fn=cmd_render_k8s)

@@ -424,6 +424,27 @@ class EksBackend:
             return self._job(name, attempt, completions)
         return None
 
+    def bundle(self, request: LaunchRequest) -> list[dict[str, Any]]:
+        """The attempt's objects, in the order they are applied (the NetworkPolicy first, the
+        Job last): what :meth:`launch` creates and what ``render-k8s`` prints (one code path;
+        ``kubectl apply -f`` of that output makes the same objects)."""
+        tag = request.invocation[:6]
+        name = job_name(request.run_id, request.attempt, tag)
+        return render_all(
+            request.cfg,
+            run_id=request.run_id,
+            attempt=request.attempt,
+            nodes=request.nodes,
+            eks=self.eks,
+            deadline_s=request.deadline_s,
+            rdzv_id=name,  # unique per invocation too (the tag)
+            tag=tag,
+            min_nodes=request.min_nodes,
+            spares=request.spares,
+            epoch=request.epoch,
+            secrets=request.secrets,
+        )
+
     def launch(self, request: LaunchRequest) -> EksJob:
         kube, eks, cfg = self.clients.kube, self.eks, request.cfg
         # A run never has two Jobs (arch §6). This invocation holds the run's lease, so any
@@ -445,23 +466,10 @@ class EksBackend:
                 on_wait=on_wait,
             )
         cfg.run_root.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, config_file(cfg.run_root, request.attempt))  # what every pod reads
-        tag = request.invocation[:6]
-        name = job_name(request.run_id, request.attempt, tag)
-        docs = render_all(
-            cfg,
-            run_id=request.run_id,
-            attempt=request.attempt,
-            nodes=request.nodes,
-            eks=eks,
-            deadline_s=request.deadline_s,
-            rdzv_id=name,  # unique per invocation too (the tag)
-            tag=tag,
-            min_nodes=request.min_nodes,
-            spares=request.spares,
-            epoch=request.epoch,
-            secrets=request.secrets,
-        )
+        # The record of what the attempt ran (the pods read the bundle's ConfigMap).
+        save_config(cfg, config_file(cfg.run_root, request.attempt))
+        docs = self.bundle(request)
+        name = job_name(request.run_id, request.attempt, request.invocation[:6])
         job = self._job(name, request.attempt, request.launched)
         try:
             for doc in docs:

@@ -136,6 +136,10 @@ class Kube:
                 self.networking.create_namespaced_network_policy,
                 self.networking.patch_namespaced_network_policy,
             ),
+            "ConfigMap": (
+                self.core.create_namespaced_config_map,
+                self.core.patch_namespaced_config_map,
+            ),
         }[kind]
         try:
             create(ns, obj, _preload_content=False)
@@ -145,12 +149,13 @@ class Kube:
             patch(name, ns, obj, _preload_content=False)
 
     def delete_job(self, ns: str, name: str) -> None:
-        """The Job and what was rendered with it under the same name (Service, NetworkPolicy).
-        The policy goes last; the Job's pods still end in the background (grace period) after
-        it, which is harmless: nothing new can join a deleted Job."""
+        """The Job and what was rendered with it under the same name (Service, ConfigMap,
+        NetworkPolicy). The policy goes last; the Job's pods still end in the background (grace
+        period) after it, which is harmless: nothing new can join a deleted Job."""
         for fn in (
             self.batch.delete_namespaced_job,
             self.core.delete_namespaced_service,
+            self.core.delete_namespaced_config_map,
             self.networking.delete_namespaced_network_policy,
         ):
             try:

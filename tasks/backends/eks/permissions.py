@@ -42,6 +42,10 @@ KUBE_CALLS: tuple[KubeCall, ...] = (
     KubeCall("create_namespaced_service", "", "services", "create", "kube.Kube.apply"),
     KubeCall("patch_namespaced_service", "", "services", "patch", "kube.Kube.apply (on 409)"),
     KubeCall("delete_namespaced_service", "", "services", "delete", "kube.Kube.delete_job"),
+    # the attempt's config, carried in the bundle (render.render_config_map)
+    KubeCall("create_namespaced_config_map", "", "configmaps", "create", "kube.Kube.apply"),
+    KubeCall("patch_namespaced_config_map", "", "configmaps", "patch", "kube.Kube.apply (on 409)"),
+    KubeCall("delete_namespaced_config_map", "", "configmaps", "delete", "kube.Kube.delete_job"),
     KubeCall(
         "create_namespaced_network_policy",
         "networking.k8s.io",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from tasks.backends.eks.kube import JOB_NAME_LABEL  # set on every pod by the Job controller
@@ -33,7 +34,7 @@ from tasks.backends.eks.security import (
     scratch_volumes,
 )
 from tasks.secrets import kubernetes_env
-from trainer.config import TrainConfig, config_file
+from trainer.config import TrainConfig, config_file, config_text
 from trainer.fence import EPOCH_ENV
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
 
@@ -92,6 +93,27 @@ def render_service(
             "selector": {JOB_NAME_LABEL: name},
             "ports": [{"name": "rdzv", "port": port, "targetPort": port, "protocol": "TCP"}],
         },
+    }
+
+
+# Where a training pod finds its attempt's config: the ConfigMap of the Job's name.
+CONFIG_MOUNT = Path("/etc/nvrx-pipeline/attempt")
+
+
+def render_config_map(
+    cfg: TrainConfig, run_id: str, attempt: int, *, namespace: str, tag: str = ""
+) -> dict[str, Any]:
+    """The attempt's config (the JSON workers read), under the Job's name: carried in the
+    bundle, so that the bundle alone is what `kubectl apply` needs."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": job_name(run_id, attempt, tag),
+            "namespace": namespace,
+            "labels": labels(run_id, attempt),
+        },
+        "data": {config_file(cfg.run_root, attempt).name: config_text(cfg)},
     }
 
 
@@ -158,9 +180,10 @@ def render_job(
         rdzv_id=rdzv_id or name,
         cpu_only=False,
     )
-    # The flow runner writes this file on the shared FSx mount before it creates the Job
-    # (eks_train_attempt); the pods read the same path.
-    config = config_file(cfg.run_root, attempt)
+    # The attempt's config travels in the bundle, as the ConfigMap of the Job's name
+    # (render_config_map), mounted read-only: `kubectl apply` of a rendered bundle needs nothing
+    # the flow would have written first. (The flow keeps its copy on FSx, for the record.)
+    config = CONFIG_MOUNT / config_file(cfg.run_root, attempt).name
     # The image's programs, not this machine's paths.
     argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config), portable=True)
     resources = pod_resources(eks)
@@ -261,6 +284,7 @@ def render_job(
                     "volumeMounts": [
                         {"name": "fsx", "mountPath": eks.fsx_mount},
                         {"name": "shm", "mountPath": "/dev/shm"},
+                        {"name": "config", "mountPath": str(CONFIG_MOUNT), "readOnly": True},
                         *scratch_mounts,
                     ],
                 }
@@ -268,6 +292,7 @@ def render_job(
             "volumes": [
                 {"name": "fsx", "persistentVolumeClaim": {"claimName": eks.fsx_claim}},
                 {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{eks.shm_gi}Gi"}},
+                {"name": "config", "configMap": {"name": name}},
                 *scratch,
             ],
         },
@@ -422,6 +447,7 @@ def render_all(
             monitoring_namespace=eks.monitoring_namespace,
         ),
         render_service(run_id, attempt, namespace=eks.namespace, port=eks.rdzv_port, tag=tag),
+        render_config_map(cfg, run_id, attempt, namespace=eks.namespace, tag=tag),
         render_job(
             cfg,
             run_id=run_id,
