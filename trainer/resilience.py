@@ -259,7 +259,10 @@ def wrap_inprocess(
             timeout=datetime.timedelta(seconds=cfg.soft_timeout_s)
         )
     s = datetime.timedelta(seconds=1)
+    from trainer.stores import BoundNvrxStore
+
     wrapper = inprocess.Wrapper(
+        store_factory=BoundNvrxStore,  # its server on MASTER_ADDR's address, not everywhere
         store_kwargs={
             "port": store_port,
             "timeout": datetime.timedelta(seconds=cfg.barrier_timeout_s),

@@ -408,14 +408,15 @@ def _run(
         return body(ctx, None)
     import datetime
 
-    from torch.distributed import TCPStore
+    from trainer.stores import tcp_store
 
     master_port = int(os.environ["MASTER_PORT"])
-    # Own ports next to the launcher's store: +1 for the Wrapper, +2 for our process groups.
-    ctx.base_store = TCPStore(
+    # Own ports next to the launcher's store: +1 for the Wrapper, +2 for our process groups;
+    # both listen on MASTER_ADDR's address alone (trainer.stores).
+    ctx.base_store = tcp_store(
         os.environ["MASTER_ADDR"],
         master_port + 2,
-        world,
+        world_size=world,
         is_master=rank == 0,
         timeout=datetime.timedelta(seconds=cfg.inprocess.barrier_timeout_s),
         multi_tenant=True,

@@ -23,9 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from datetime import timedelta
 
-    from torch.distributed import TCPStore
+    from trainer.stores import tcp_store
 
-    store = TCPStore(
+    # Listening on --host alone (torch's own server binds every interface: trainer.stores).
+    store = tcp_store(
         args.host,
         args.port,
         is_master=True,

@@ -1,0 +1,91 @@
+"""TCPStores that listen where they are told, not on every interface.
+
+torch's ``TCPStore`` server binds the wildcard address whatever host it is given (``*:PORT``,
+measured: ``ss -ltn``), and what the stores hold is trusted by their clients (torch elastic's
+rendezvous state is a pickle). Given a socket already bound to the host's own address
+(``master_listen_fd``), the server listens there alone: on the embedded default 127.0.0.1, so
+nothing off the machine reaches it; on EKS the pod's address, which the Job's NetworkPolicy
+then closes to everything but the Job's own pods.
+
+Used for every store the pipeline hosts: the trainer's process-group store, NVRx in-process
+restart's store (:class:`BoundNvrxStore`, the Wrapper's ``store_factory``) and a local elastic
+job's rendezvous store (tasks.backends.rdzv_store). What remains is torch elastic's own: the
+rendezvous store an agent hosts for a fixed-size local job, and the workers' ``MASTER_PORT``
+store (docs/architecture.md, "Doors").
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from typing import Any
+
+import torch.distributed as dist
+
+
+def listening_socket(host: str, port: int) -> int:
+    """A TCP socket bound to ``host``'s address (its first, as the resolver answers) and
+    ``port``, listening; its file descriptor, which the store's server then owns."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()  # the fd outlives the Python object: the server closes it
+
+
+def tcp_store(host: str, port: int, *, is_master: bool, **kwargs: Any) -> dist.TCPStore:
+    """A ``TCPStore``; its server (``is_master``) listening on ``host``'s address alone."""
+    if is_master:
+        fd = listening_socket(host, port)
+        return dist.TCPStore(host, port, is_master=True, master_listen_fd=fd, **kwargs)
+    return dist.TCPStore(host, port, is_master=False, **kwargs)
+
+
+def _nvrx_store_base() -> type:
+    from nvidia_resiliency_ext.inprocess import store
+
+    return store.TCPStore
+
+
+class BoundNvrxStore(_nvrx_store_base()):  # type: ignore[misc]
+    """NVRx in-process restart's ``TCPStore`` (the Wrapper's ``store_factory``), its server
+    bound as :func:`tcp_store` binds one. The same contract as NVRx's: rank 0 hosts, and if it
+    cannot (the port taken by a store still closing), it joins as a client."""
+
+    def __init__(
+        self,
+        host_name: str | None = None,
+        port: int | None = None,
+        world_size: int | None = None,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+        wait_for_workers: bool = True,
+        multi_tenant: bool = False,
+        use_libuv: bool = True,
+    ) -> None:
+        host = host_name if host_name is not None else os.environ["MASTER_ADDR"]
+        port = port if port is not None else int(os.environ["MASTER_PORT"])
+        world = world_size if world_size is not None else int(os.environ["WORLD_SIZE"])
+        kwargs: dict[str, Any] = {
+            "host_name": host,
+            "port": port,
+            "world_size": world,
+            "timeout": timeout,
+            "wait_for_workers": wait_for_workers,
+            "multi_tenant": multi_tenant,
+            "use_libuv": use_libuv,
+        }
+        if int(os.environ["RANK"]) == self.TCP_STORE_HOST_RANK:
+            try:
+                fd = listening_socket(host, port)
+                dist.TCPStore.__init__(self, is_master=True, master_listen_fd=fd, **kwargs)
+                return
+            except Exception as e:  # as NVRx does: another hosts it, be a client
+                logging.getLogger(__name__).debug("not hosting the NVRx store: %s", e)
+        dist.TCPStore.__init__(self, is_master=False, **kwargs)
