@@ -56,3 +56,24 @@ def test_the_pipelines_stores_listen_on_their_host_alone(monkeypatch):
     joined.set(BoundNvrxStore.ANY_RANK_COMPLETED, "1")
     assert host.get(BoundNvrxStore.ANY_RANK_COMPLETED) == b"1"
     _refused_from_outside(port)
+
+
+def test_a_host_that_is_not_this_machines_still_gets_a_store(caplog, monkeypatch):
+    """MASTER_ADDR resolved here to an address no interface has (a NAT or virtual address that
+    still routes to this host): the server binds as torch would, every interface, and says
+    so, rather than not start."""
+    import errno
+
+    from trainer import stores
+
+    def unavailable(host: str, port: int) -> int:
+        raise OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")
+
+    monkeypatch.setattr(stores, "listening_socket", unavailable)
+    port = free_port()
+    with caplog.at_level("WARNING"):
+        store = tcp_store("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))  # fmt: skip
+    assert "not an address of this machine" in caplog.text
+    assert _listening(port) == [f"*:{port}"]
+    store.set("k", "v")

@@ -17,6 +17,7 @@ store (docs/architecture.md, "Doors").
 from __future__ import annotations
 
 import datetime
+import errno
 import logging
 import os
 import socket
@@ -40,11 +41,35 @@ def listening_socket(host: str, port: int) -> int:
     return sock.detach()  # the fd outlives the Python object: the server closes it
 
 
+def _bound_fd(host: str, port: int) -> int | None:
+    """:func:`listening_socket`, or None when ``host`` names no address of this machine (a
+    name resolved differently here than by the clients): the server then binds as torch
+    would, every interface, and says so, rather than not start at all."""
+    try:
+        return listening_socket(host, port)
+    except OSError as e:
+        if e.errno != errno.EADDRNOTAVAIL:
+            raise
+        logging.getLogger(__name__).warning(
+            "store on %s:%d: %s is not an address of this machine (%s); listening on every "
+            "interface",
+            host,
+            port,
+            host,
+            e,
+        )
+        return None
+
+
+def _listen_kwargs(fd: int | None) -> dict[str, Any]:
+    return {} if fd is None else {"master_listen_fd": fd}
+
+
 def tcp_store(host: str, port: int, *, is_master: bool, **kwargs: Any) -> dist.TCPStore:
     """A ``TCPStore``; its server (``is_master``) listening on ``host``'s address alone."""
     if is_master:
-        fd = listening_socket(host, port)
-        return dist.TCPStore(host, port, is_master=True, master_listen_fd=fd, **kwargs)
+        fd = _bound_fd(host, port)
+        return dist.TCPStore(host, port, is_master=True, **_listen_kwargs(fd), **kwargs)
     return dist.TCPStore(host, port, is_master=False, **kwargs)
 
 
@@ -83,8 +108,8 @@ class BoundNvrxStore(_nvrx_store_base()):  # type: ignore[misc]
         }
         if int(os.environ["RANK"]) == self.TCP_STORE_HOST_RANK:
             try:
-                fd = listening_socket(host, port)
-                dist.TCPStore.__init__(self, is_master=True, master_listen_fd=fd, **kwargs)
+                fd = _bound_fd(host, port)
+                dist.TCPStore.__init__(self, is_master=True, **_listen_kwargs(fd), **kwargs)
                 return
             except Exception as e:  # as NVRx does: another hosts it, be a client
                 logging.getLogger(__name__).debug("not hosting the NVRx store: %s", e)
