@@ -213,6 +213,21 @@ SCENARIOS = [
         EndKind.BUG,
     ),
     (
+        "secret-missing",  # a declared secret not created in the namespace
+        [
+            (
+                0,
+                "pod",
+                pod(
+                    0,
+                    phase="Pending",
+                    waiting=("CreateContainerConfigError", 'secret "hf-token" not found'),
+                ),
+            )
+        ],
+        EndKind.BUG,
+    ),
+    (
         "job-deleted-outside",  # kubectl delete job: the Job gone, its pods going with it
         [
             *RUNNING,
@@ -298,6 +313,10 @@ def test_messages_say_what_happened():
     steps = {name: s for name, s, _kind in SCENARIOS}
     pull = classify_history(history(*steps["image-pull"]), now=10, unschedulable_timeout_s=600)
     assert pull is not None and "registry/nvrx:bad" in pull.message and "eks.image" in pull.message
+    secret = classify_history(
+        history(*steps["secret-missing"]), now=10, unschedulable_timeout_s=600
+    )
+    assert secret is not None and 'secret "hf-token" not found' in secret.message
     oom = classify_history(history(*steps["oom"]), now=100, unschedulable_timeout_s=600)
     assert oom is not None and "OOMKilled" in oom.message
     gone = steps["job-deleted-outside"]

@@ -31,6 +31,9 @@ NODE_LOSS_REASONS = frozenset(
     }
 )
 IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName"})
+# The kubelet cannot build the container's configuration: a Secret or ConfigMap the pod names
+# is missing (a declared secret not created in the namespace). It retries forever.
+CONFIG_REASONS = frozenset({"CreateContainerConfigError"})
 
 
 @dataclass(frozen=True)
@@ -356,6 +359,14 @@ def classify_history(h: History, *, now: float, unschedulable_timeout_s: float) 
                 f"{p.waiting_message}".strip()
                 + "; check eks.image (a pushed image that NVRX_ALLOWED_IMAGES allows) and the "
                 "nodes' pull access to its registry",
+            )
+    for p in pods.values():
+        if p.waiting_reason in CONFIG_REASONS:
+            return Outcome(
+                EndKind.BUG,
+                f"pod {p.name} cannot start: {p.waiting_reason} {p.waiting_message}".strip()
+                + "; a Secret named in the run's secrets (key 'value') or the attempt's "
+                "ConfigMap is missing from the namespace: create it, then run again",
             )
     pending = [
         p
