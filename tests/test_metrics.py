@@ -374,7 +374,7 @@ def _eks_docs(**kw: Any) -> list[dict[str, Any]]:
 
 
 def test_training_pods_expose_rank0s_port_and_admit_the_scrape() -> None:
-    policy, _svc, job = _eks_docs()
+    policy, _svc, _config, job = _eks_docs()
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "metrics", "containerPort": 9464} in container["ports"]
     assert "--config=" in " ".join(container["args"])  # the port travels in the config file
@@ -385,7 +385,7 @@ def test_training_pods_expose_rank0s_port_and_admit_the_scrape() -> None:
         ],
         "ports": [{"protocol": "TCP", "port": 9464}],
     }
-    policy, _svc, job = _eks_docs(metrics_port=None)
+    policy, _svc, _config, job = _eks_docs(metrics_port=None)
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert [p["name"] for p in container["ports"]] == ["rdzv"]
     assert all("ports" not in r for r in policy["spec"]["ingress"])
@@ -473,7 +473,7 @@ def test_podmonitors_select_the_pods_that_serve_metrics() -> None:
         jsonschema.validate(doc, _PODMONITOR_SCHEMA)
         assert doc["spec"]["namespaceSelector"] == {"matchNames": ["nvrx"]}
         assert [e["port"] for e in doc["spec"]["podMetricsEndpoints"]] == [METRICS_PORT_NAME]
-    _policy, _svc, job = _eks_docs()
+    _policy, _svc, _config, job = _eks_docs()
     pod_labels = job["spec"]["template"]["metadata"]["labels"]
     trainer = docs["nvrx-trainer"]["spec"]["selector"]["matchLabels"]
     assert trainer.items() <= pod_labels.items() and trainer.items() <= labels("x", 9).items()
