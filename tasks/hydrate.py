@@ -4,7 +4,6 @@ the local ``dataset.json`` is written last, so a half-hydrated directory never l
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from trainer.data import (
     manifest_digest,
     verify_dataset,
 )
-from trainer.hashing import sha256_file
+from trainer.hashing import read_capped, sha256_file
 
 
 @dataclass
@@ -142,20 +141,10 @@ def hydrate_dataset(
 
 
 def _get_capped(fs: Any, path: str, out: Path, size: int) -> tuple[int, str]:
-    """Stream ``path`` into ``out``, digesting it, and stop one byte past ``size`` (the
-    manifest's): an object larger than its manifest says is never downloaded whole. The bytes
-    written (``size + 1`` at most) and the sha256."""
-    h = hashlib.sha256()
-    written = 0
-    with fs.open(path, "rb", block_size=_CHUNK) as src, open(out, "wb") as dst:
-        while written <= size and (chunk := src.read(min(_CHUNK, size + 1 - written))):
-            h.update(chunk)
-            dst.write(chunk)
-            written += len(chunk)
-    return written, h.hexdigest()
-
-
-_CHUNK = 8 << 20
+    """Stream ``path`` into ``out``, digesting it, no further than one byte past ``size`` (the
+    manifest's; :func:`trainer.hashing.read_capped`): the bytes read and the sha256."""
+    with fs.open(path, "rb", block_size=8 << 20) as src, open(out, "wb") as dst:
+        return read_capped(src, size, out=dst)
 
 
 def _hydrate_files(
