@@ -115,23 +115,11 @@ def hydrate_dataset(
     if not isinstance(manifest, dict):
         raise HydrationError(f"dataset manifest s3://{src}/{MANIFEST} is not a JSON object")
     try:
-        # Names are joined onto dest: each must be one plain file name (before any write).
+        # Names are joined onto dest, sizes bound every read: checked before any read or write.
         check_file_names(manifest, source=f"s3://{src}/{MANIFEST}")
     except DataError as e:
         raise HydrationError(str(e)) from e
     files = manifest.get("files") or []
-    for i, entry in enumerate(files):  # sizes and digests bound every read below
-        size, digest = entry.get("bytes"), entry.get("sha256")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise HydrationError(
-                f"dataset manifest s3://{src}/{MANIFEST}: files[{i}].bytes must be a "
-                f"non-negative integer, not {size!r}"
-            )
-        if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
-            raise HydrationError(
-                f"dataset manifest s3://{src}/{MANIFEST}: files[{i}].sha256 must be 64 "
-                f"lowercase hex digits, not {str(digest)[:80]!r}"
-            )
     dest = prepare_dest(dest)
     staging = _staging(dest)
     try:

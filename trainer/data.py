@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -199,23 +200,34 @@ def load_manifest(data_dir: Path) -> dict[str, Any]:
 
 
 def check_file_names(manifest: dict[str, Any], *, source: str) -> None:
-    """Every ``files[i].name`` is one plain file name: the manifest lives on the shared
-    filesystem (or in a bucket), and its names are joined onto the dataset directory, read,
-    and written by hydration. DataError names the manifest, the field and the value."""
+    """Every ``files[i]`` names one plain file, with a size and a digest that can bound and
+    judge reading it: the manifest lives on the shared filesystem (or in a bucket), its names
+    are joined onto the dataset directory, read, and written by hydration, and no read goes
+    past ``bytes``. DataError names the manifest, the field and the value."""
     files = manifest.get("files")
     if not isinstance(files, list):
         raise DataError(f"dataset manifest {source}: files must be a list")
     seen: set[str] = set()
     for i, entry in enumerate(files):
-        where = f"dataset manifest {source}: files[{i}].name"
+        where = f"dataset manifest {source}: files[{i}]"
         name = entry.get("name") if isinstance(entry, dict) else None
         try:
-            check_component(name, where=where)
+            check_component(name, where=f"{where}.name")
         except UnsafeNameError as e:
             raise DataError(str(e)) from e
         if name == MANIFEST or name in seen:
-            raise DataError(f"{where}: {name!r} is the manifest itself or listed twice")
+            raise DataError(f"{where}.name: {name!r} is the manifest itself or listed twice")
         seen.add(str(name))
+        size, digest = entry.get("bytes"), entry.get("sha256")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise DataError(f"{where}.bytes must be a non-negative integer, not {size!r}")
+        if not (isinstance(digest, str) and _SHA256_HEX.fullmatch(digest)):
+            raise DataError(
+                f"{where}.sha256 must be 64 lowercase hex digits, not {str(digest)[:80]!r}"
+            )
+
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def manifest_digest(manifest: dict[str, Any]) -> str:
