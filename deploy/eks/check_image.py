@@ -86,12 +86,12 @@ def needs() -> list[Need]:
         )  # fmt: skip
         for doc in docs:
             if doc["kind"] == "Job":
-                out += _pod_needs(label, doc["spec"]["template"]["spec"], args_count=True)
+                out += _pod_needs(label, doc["spec"]["template"]["spec"])
     job = hydration_job(
         name="check", eks=EksParams(), data_dir="/fsx/d",
         manifest_sha256="0" * 64,
     )  # fmt: skip
-    out += _pod_needs("hydration Job", job["spec"]["template"]["spec"], args_count=True)
+    out += _pod_needs("hydration Job", job["spec"]["template"]["spec"])
     template = json.loads((EKS_DIR / "work-pool-template.json").read_text())
     pod = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
     for c in pod["containers"]:
@@ -100,12 +100,12 @@ def needs() -> list[Need]:
     return list(dict.fromkeys(out))
 
 
-def _pod_needs(job: str, pod: dict, *, args_count: bool) -> list[Need]:
+def _pod_needs(job: str, pod: dict) -> list[Need]:
     out: list[Need] = []
     for c in [*(pod.get("initContainers") or []), *pod["containers"]]:
         command = list(c.get("command") or _entrypoint())
         args = [a for a in c.get("args") or [] if isinstance(a, str)]
-        out += _argv_needs(f"{job} ({c['name']})", command + (args if args_count else []))
+        out += _argv_needs(f"{job} ({c['name']})", command + args)
     return out
 
 

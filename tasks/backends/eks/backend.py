@@ -109,6 +109,12 @@ def placement(eks: EksParams) -> Placement:
     )
 
 
+def _attempt_job_name(request: LaunchRequest) -> str:
+    """The attempt's Job (and Service, ConfigMap, NetworkPolicy) name: the invocation's tag
+    in it, so a later invocation's attempt of the same number is another Job."""
+    return job_name(request.run_id, request.attempt, request.invocation[:6])
+
+
 def delete_run_jobs(kube: Kube, namespace: str, run_id: str) -> list[str]:
     """Delete every Job of run ``run_id`` (with its Service and NetworkPolicy); their names."""
     stale = kube.jobs_labelled(namespace, LABEL_RUN, run_label(run_id))
@@ -429,7 +435,7 @@ class EksBackend:
         Job last): what :meth:`launch` creates and what ``render-k8s`` prints (one code path;
         ``kubectl apply -f`` of that output makes the same objects)."""
         tag = request.invocation[:6]
-        name = job_name(request.run_id, request.attempt, tag)
+        name = _attempt_job_name(request)
         return render_all(
             request.cfg,
             run_id=request.run_id,
@@ -469,7 +475,7 @@ class EksBackend:
         # The record of what the attempt ran (the pods read the bundle's ConfigMap).
         save_config(cfg, config_file(cfg.run_root, request.attempt))
         docs = self.bundle(request)
-        name = job_name(request.run_id, request.attempt, request.invocation[:6])
+        name = _attempt_job_name(request)
         job = self._job(name, request.attempt, request.launched)
         try:
             for doc in docs:

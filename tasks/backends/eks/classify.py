@@ -209,18 +209,18 @@ def not_ready_since(h: History, now: float | None) -> dict[str, float]:
     return {name: t for name, t in since.items() if now - t >= h.not_ready_s}
 
 
-def _lost_under(h: History, now: float | None = None) -> Callable[[PodObs], bool]:
+def _lost_under(h: History, not_ready: dict[str, float]) -> Callable[[PodObs], bool]:
     """Whether a pod's node was lost under it: the node is lost now (its latest observation
     unreachable or deleted, or NotReady past the bound), or was seen lost once the pod existed.
     A pod that first appeared after its node came back (an elastic Job's replacement on a node
-    that recovered) was not: the node's earlier loss is its predecessor's."""
+    that recovered) was not: the node's earlier loss is its predecessor's. ``not_ready``:
+    :func:`not_ready_since`, read once per judgement."""
     last_lost: dict[str, float] = {}
     latest: dict[str, NodeObs] = {}
     for n in sorted(h.nodes, key=lambda n: n.t):
         latest[n.name] = n
         if n.deleted or n.ready == "Unknown":
             last_lost[n.name] = n.t
-    not_ready = not_ready_since(h, now)
     first_seen: dict[str, float] = {}
     for p in h.pods:
         first_seen[p.name] = min(p.t, first_seen.get(p.name, p.t))
@@ -243,13 +243,13 @@ def node_loss_evidence(
 ) -> dict[str, str]:
     """Pods (by name) that went with their node, in any of its guises, and how each showed it
     (``now``: the clock the NotReady bound is read against; None leaves it out)."""
-    lost_under = _lost_under(h, now)
     not_ready = not_ready_since(h, now)
+    lost_under = _lost_under(h, not_ready)
     out: dict[str, str] = {}
     for p in (_latest(h.pods) if pods is None else pods).values():
         if p.disruption_reason in NODE_LOSS_REASONS:
             out[p.name] = f"pod {p.name}: DisruptionTarget {p.disruption_reason}"
-        elif p.node in not_ready and p.phase not in ("Succeeded",) and now is not None:
+        elif now is not None and p.node in not_ready and p.phase != "Succeeded":
             out[p.name] = (
                 f"pod {p.name} on node {p.node}, NotReady for {now - not_ready[p.node]:.0f} s "
                 f"(bound {h.not_ready_s:.0f} s)"
