@@ -70,21 +70,19 @@ def _entrypoint() -> list[str]:
 def needs() -> list[Need]:
     """What every Job runs, as the code renders it."""
     sys.path.insert(0, str(REPO))
-    from flows.context import eks_train_config
+    from flows.context import eks_train_config, launch_request
     from flows.models import PipelineParams
+    from tasks.backends.eks.backend import EksBackend
     from tasks.backends.eks.hydrate import hydration_job
     from tasks.backends.eks.params import EksParams
-    from tasks.backends.eks.render import render_all
 
     out: list[Need] = []
     for nodes, label in ((2, "training Job"), ("1:2", "elastic training Job")):
         params = PipelineParams(backend="eks", nodes=nodes, global_batch=16, run_id="check")
         cfg = eks_train_config(params, "check")
-        docs = render_all(
-            cfg, run_id="check", attempt=1, nodes=params.max_nodes, eks=params.eks,
-            deadline_s=3600, rdzv_id="check", tag="check", min_nodes=params.node_range.min,
-        )  # fmt: skip
-        for doc in docs:
+        request = launch_request(params, cfg, run_id="check", attempt=1, invocation="check")
+        # The bundle the train flow applies (EksBackend.bundle, what render-k8s prints too).
+        for doc in EksBackend(params.eks, nodes=params.launched_nodes).bundle(request):
             if doc["kind"] == "Job":
                 out += _pod_needs(label, doc["spec"]["template"]["spec"])
     job = hydration_job(
