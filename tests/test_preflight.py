@@ -21,6 +21,7 @@ def healthy() -> Snapshot:
             "disk_free_gb": 50.0,
             "disk_path": "/x",
             "loopback_bind": True,
+            "private_network": None,
             "torch_version": "2.13.0+cpu",
             "nvrx_version": "0.4.1",
             "ft_launcher": "/bin/ft",
@@ -161,3 +162,12 @@ def test_memory_is_checked_against_the_workloads_own_need():
     assert "eks backend" in r.fix and "gpt-tiny" in r.fix
     ok = replace(REQ, min_memory_gb=tiny.gb, memory_basis=tiny.explain())
     assert by_name(run_checks(healthy(), ok))["memory"].status == Status.PASSED
+
+
+def test_a_shared_network_is_said_and_does_not_stop_the_run():
+    snap = healthy()
+    snap.facts["private_network"] = "user namespaces are not allowed here"
+    results = run_checks(snap, REQ)
+    net = by_name(results)["private network for the simulated nodes"]
+    assert net.status == Status.SKIPPED and not net.required and not failures(results)
+    assert "stores open to its other processes: user namespaces are not allowed" in net.detail

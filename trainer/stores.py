@@ -9,9 +9,10 @@ then closes to everything but the Job's own pods.
 
 Used for every store the pipeline hosts: the trainer's process-group store, NVRx in-process
 restart's store (:class:`BoundNvrxStore`, the Wrapper's ``store_factory``) and a local elastic
-job's rendezvous store (tasks.backends.rdzv_store). What remains is torch elastic's own: the
-rendezvous store an agent hosts for a fixed-size local job, and the workers' ``MASTER_PORT``
-store (docs/architecture.md, "Doors").
+job's rendezvous store (tasks.backends.rdzv_store). torch elastic's own (the rendezvous store an
+agent hosts for a fixed-size job, the workers' ``MASTER_PORT`` store) still bind every
+interface: locally the attempt's network namespace (tasks.backends.netns) closes them to the
+rest of the machine, on EKS the Job's NetworkPolicy (docs/architecture.md, "Doors").
 """
 
 from __future__ import annotations

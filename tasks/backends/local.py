@@ -1,5 +1,7 @@
 """The embedded default: N simulated nodes on 127.0.0.1, each an ``ft_launcher`` agent in its own
-session with ``--nproc-per-node`` CPU workers, joined by a c10d rendezvous (arch §4).
+session with ``--nproc-per-node`` CPU workers, joined by a c10d rendezvous (arch §4). An
+attempt's processes share a network namespace of their own (:mod:`tasks.backends.netns`): their
+stores are out of reach of everything else on the machine.
 
 Node loss is simulated by killing one agent's whole process *tree* (agent, its rank monitor, its
 workers and their checkpoint writers): ft_launcher starts workers in sessions of their own, so a
@@ -30,6 +32,7 @@ from tasks.backends.base import (
     Placement,
 )
 from tasks.backends.local_devices import split_devices, visible_gpus
+from tasks.backends.netns import PrivateNetwork, await_ready, open_network, support
 from tasks.checks import CheckResult
 from tasks.classify import EndSnapshot, Outcome, classify
 from tasks.ownership import processes
@@ -184,6 +187,8 @@ class LocalJob:
     deferred: list[int] = field(default_factory=list)  # spares, started once the world formed
     store: subprocess.Popen[bytes] | None = None  # the rendezvous store, when it runs apart
     store_host: int | None = 0  # the node hosting it otherwise (the first agent to start)
+    # The attempt's own network (None: the host's, where user namespaces are not allowed).
+    network: PrivateNetwork | None = None
     poll_s: float = 0.2
     # The watcher kills the node's process tree itself: nothing more to wait for.
     loss_grace_s: float = 0.0
@@ -288,6 +293,8 @@ class LocalJob:
         if self.store is not None:
             kill_tree(self.store.pid)
             self.store.wait()
+        if self.network is not None:
+            self.network.close()
         # Whatever escaped its node's tree (a worker whose agent died first) goes too.
         processes.end(
             [
@@ -315,6 +322,7 @@ class LocalBackend:
         self.lease = lease
         self.recorder: Recorder | None = lease
         self.log = log
+        self._said_shared = False
 
     def preflight(self, req: Any, s3: dict[str, Any]) -> list[CheckResult]:
         from tasks.preflight.checks import run_checks
@@ -429,6 +437,7 @@ class LocalBackend:
         )
         log_dir = cfg.run_root / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
+        network = self._network(request, env, log_dir / f"attempt{request.attempt}-net.log")
 
         def start(node: int) -> NodeProcess:
             log_path = log_dir / f"attempt{request.attempt}-node{node}.log"
@@ -437,7 +446,10 @@ class LocalBackend:
             # Appended: a node that returns after a loss keeps its first life's log above.
             with open(log_path, "ab") as log:
                 popen = subprocess.Popen(
-                    ["/bin/sh", "-c", _EXIT_WRAPPER, f"nvrx-node{node}", *argv],
+                    [
+                        *(network.enter() if network is not None else []),
+                        *("/bin/sh", "-c", _EXIT_WRAPPER, f"nvrx-node{node}", *argv),
+                    ],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env={
@@ -457,10 +469,18 @@ class LocalBackend:
             return proc
 
         store = None
-        if spec.external_store:
-            store = start_store(
-                spec.rdzv_endpoint, env, log_dir / f"attempt{request.attempt}-rdzv.log"
-            )
+        try:
+            if spec.external_store:
+                store = start_store(
+                    spec.rdzv_endpoint,
+                    env,
+                    log_dir / f"attempt{request.attempt}-rdzv.log",
+                    enter=network.enter() if network is not None else [],
+                )
+        except BaseException:
+            if network is not None:
+                network.close()
+            raise
         # The nodes the job trains on start now; hot spares once those formed the world (the
         # first ``train_start``), so that they are the ones waiting in the rendezvous.
         nodes = {node: start(node) for node in range(request.nodes)}
@@ -477,7 +497,24 @@ class LocalBackend:
             deferred=list(range(request.nodes, request.launched)),
             store=store,
             store_host=None if store is not None else 0,
+            network=network,
         )
+
+    def _network(
+        self, request: LaunchRequest, env: dict[str, str], log: Path
+    ) -> PrivateNetwork | None:
+        """The attempt's own network namespace, rank 0's metrics port published from it; None
+        (the host's network, said once) where this machine allows no user namespaces."""
+        why_not = support()
+        if why_not is not None:
+            if not self._said_shared:
+                self._said_shared = True
+                self.log(
+                    "simulated nodes share this machine's network, their stores open to its "
+                    f"other processes: {why_not}"
+                )
+            return None
+        return open_network(env=env, cwd=_REPO, log=log, publish=request.cfg.metrics_port)
 
 
 def _cuda_device_count() -> int:
@@ -486,27 +523,41 @@ def _cuda_device_count() -> int:
     return torch.cuda.device_count()  # 0 on a CPU build or without a driver
 
 
-def start_store(endpoint: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """The rendezvous store of an elastic job, in a session of its own, listening when this
-    returns. It carries the run's tags, so whatever ends the run's processes ends it too."""
-    import time
-
+def start_store(
+    endpoint: str, env: dict[str, str], log: Path, *, enter: list[str] | None = None
+) -> subprocess.Popen[bytes]:
+    """The rendezvous store of an elastic job, in a session of its own (and in the attempt's
+    network when ``enter`` says how), listening when this returns: it says so on a pipe, as a
+    connection from here could not reach it inside the attempt's network. It carries the run's
+    tags, so whatever ends the run's processes ends it too."""
     host, _, port = endpoint.rpartition(":")
-    with open(log, "ab") as out:
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "tasks.backends.rdzv_store", "--host", host, "--port", port],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=_REPO,
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if popen.poll() is not None:
-            raise RuntimeError(f"the rendezvous store exited {popen.returncode}; see {log}")
-        with contextlib.suppress(OSError), socket.create_connection((host, int(port)), 0.5):
-            return popen
-        time.sleep(0.05)
+    r, w = os.pipe()
+    try:
+        with open(log, "ab") as out:
+            popen = subprocess.Popen(
+                [
+                    *(enter or []),
+                    *(sys.executable, "-m", "tasks.backends.rdzv_store", "--host", host),
+                    *("--port", port, "--ready-fd", str(w)),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=_REPO,
+                pass_fds=(w,),
+                start_new_session=True,
+            )
+    finally:
+        os.close(w)
+    try:
+        ready = await_ready(r, timeout_s=60)
+    finally:
+        os.close(r)
+    if ready:
+        return popen
     kill_tree(popen.pid)
-    raise RuntimeError(f"the rendezvous store did not listen on {endpoint} within 60 s; see {log}")
+    popen.wait()
+    raise RuntimeError(
+        f"the rendezvous store did not listen on {endpoint} within 60 s (exit code "
+        f"{popen.returncode}); see {log}"
+    )

@@ -73,6 +73,11 @@ PORTS = Source(
     facts=("loopback_bind",),
     fix="allow binding 127.0.0.1 ports (rendezvous and stores listen there)",
 )
+NETWORK = Source(
+    name="network",
+    facts=("private_network",),
+    fix="install util-linux (unshare, nsenter)",
+)
 VERSIONS = Source(
     name="versions",
     facts=("torch_version", "nvrx_version", "ft_launcher"),
@@ -134,6 +139,17 @@ def disk(snap: Snapshot, req: Requirements) -> Verdict:
 
 def ports(snap: Snapshot, req: Requirements) -> Verdict:
     return passed("can bind 127.0.0.1 ports for rendezvous and stores")
+
+
+def network(snap: Snapshot, req: Requirements) -> Verdict:
+    why_not = snap.facts["private_network"]  # None: a namespace can be made (tasks.backends.netns)
+    if why_not:
+        return Verdict(
+            Status.SKIPPED,
+            f"the simulated nodes will share this machine's network, their stores open to its "
+            f"other processes: {why_not}",
+        )
+    return passed("each attempt's nodes and stores in a network namespace of their own")
 
 
 def versions(snap: Snapshot, req: Requirements) -> Verdict:
@@ -211,6 +227,14 @@ check_cores = Check(name="cpu cores", requires=(HOST,), fn=cores)
 check_memory = Check(name="memory", requires=(HOST,), fn=memory)
 check_disk = Check(name="free disk on run root", requires=(DISK,), fn=disk)
 check_ports = Check(name="loopback ports", requires=(PORTS,), fn=ports)
+check_network = Check(
+    name="private network for the simulated nodes",
+    requires=(NETWORK,),
+    fn=network,
+    # Advisory: without user namespaces the run still works on the host's loopback, as it
+    # always did; the backend says so again when it launches.
+    required=False,
+)
 check_versions = Check(name="torch / NVRx versions", requires=(VERSIONS,), fn=versions)
 check_s3_endpoint = Check(name="S3 endpoint reachable", requires=(), fn=s3_endpoint)
 check_buckets = Check(name="S3 buckets present", requires=(S3,), fn=buckets)
@@ -230,6 +254,7 @@ CHECKS: tuple[Check, ...] = (
     check_memory,
     check_disk,
     check_ports,
+    check_network,
     check_versions,
     check_s3_endpoint,
     check_buckets,

@@ -52,6 +52,12 @@ def gather_local(
     except OSError as e:
         err["ports"] = str(e)
     try:
+        from tasks.backends.netns import support
+
+        f["private_network"] = support()
+    except Exception as e:
+        err["network"] = str(e)
+    try:
         import torch
 
         from trainer import launch, nvrx_compat
