@@ -66,6 +66,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from trainer.checkpointing import fsync_path
 from trainer.config import (
     CHECKPOINT_SECTION,
     LOAD_SECTION,
@@ -75,7 +76,6 @@ from trainer.config import (
 )
 from trainer.events import EventLog
 from trainer.faults import FaultSpec, claim, parse_fault
-from trainer.manifest import fsync_path
 from trainer.train import process_start_time, workload_data
 from trainer.workload import OptimSettings
 

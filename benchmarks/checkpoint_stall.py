@@ -23,11 +23,12 @@ phase of the same run (the order rotates between ``--rounds``):
   stager caches its shared-memory (and on CUDA pinned) buffers across saves, and a persistent
   daemon process writes. With async staging (CUDA) the loop waits for the staging to finish
   before the next ``optimizer.step()`` (counted as blocking).
-- ``ours``: ``trainer.async_ckpt.AsyncCheckpointer`` driven as ``trainer/checkpoint.py`` drives
-  it: bound (writer started and warmed up) at the start, ``save()`` after the optimizer step,
-  ``before_optimizer_step()`` before each step's ``optimizer.step()``, ``poll()`` every step,
-  then rank 0 commits (``trainer.manifest.commit``: manifest, fsyncs, rename) and broadcasts the
-  outcome, on the training thread, as the trainer does today.
+- ``ours``: ``trainer.checkpointing.async_save.AsyncCheckpointer`` driven as
+  ``trainer/checkpointing/manager.py`` drives it: bound (writer started and warmed up) at the
+  start, ``save()`` after the optimizer step, ``before_optimizer_step()`` before each step's
+  ``optimizer.step()``, ``poll()`` every step, then rank 0 commits
+  (``trainer.checkpointing.commit``: manifest, fsyncs, rename) and broadcasts the outcome, on
+  the training thread, as the trainer does today.
 - ``memcpy``: ``copy_`` of every local shard into preallocated buffers: the floor of taking a
   consistent snapshot. Blocking only.
 
@@ -319,8 +320,8 @@ class Rank:
         return M()
 
     def _m_ours(self, state_fn: Callable[[], dict[str, Any]]) -> Any:
-        from trainer import manifest
-        from trainer.async_ckpt import AsyncCheckpointer
+        from trainer import checkpointing
+        from trainer.checkpointing.async_save import AsyncCheckpointer
 
         if self.saver is None:
             self.saver = AsyncCheckpointer(device=self.device, timeout_s=600)
@@ -335,12 +336,12 @@ class Rank:
                 saver.save(state_fn(), d, save.step)
 
             def _commit_task(self, result: Any) -> Callable[[], Any]:
-                # Rank 0's commit, on the saver's commit thread (as trainer/checkpoint.py does).
+                # Rank 0's commit, on the saver's commit thread (as the manager does).
                 run_root = self.run_root
                 assert run_root is not None
 
                 def run() -> Path:
-                    return manifest.commit(
+                    return checkpointing.commit(
                         run_root,
                         result.step,
                         world_size=world,
@@ -393,7 +394,7 @@ class Rank:
     def phase(self, wl: Any, model: nn.Module, optim: Any, method: str, tag: str) -> dict:
         args = self.args
         mdir = self.root / tag / method
-        run_root = mdir / "run"  # ours: trainer.manifest's layout (checkpoints/step_N.partial)
+        run_root = mdir / "run"  # ours: trainer.checkpointing.layout (checkpoints/step_N.partial)
         m = self.make_method(method, lambda: _state(model, optim))
         if method == "ours":
             m.run_root = run_root
@@ -455,9 +456,9 @@ class Rank:
 
 
 def _ours_partial(run_root: Path, step: int) -> Path:
-    from trainer import manifest
+    from trainer import checkpointing
 
-    return manifest.partial_path(run_root, step)
+    return checkpointing.partial_path(run_root, step)
 
 
 def _state(model: nn.Module, optim: Any) -> dict[str, Any]:

@@ -6,7 +6,8 @@ Run by ``benchmarks/gpu_check.sh OUT_DIR`` (which makes the venv and gives every
 
 - ``env``    -> ``env.json``: nvidia-smi, torch / CUDA / NVRx versions, /dev/shm, disk, memory.
 - ``ckpt``   -> ``ckpt.json`` (rewritten after every model): per model size (``build_model``),
-  the seconds training is blocked by ``trainer.async_ckpt.AsyncCheckpointer.save`` next to the
+  the seconds training is blocked by
+  ``trainer.checkpointing.async_save.AsyncCheckpointer.save`` next to the
   pinned device-to-host floor (``copy_`` of the same bytes into pinned buffers, timed with CUDA
   events) and to a synchronous ``torch.distributed.checkpoint.save``; several samples, median
   and spread, ``ours_vs_floor`` and ``ours_vs_sync_dcp``; and whether the checkpoint written by
@@ -296,7 +297,7 @@ def bench_model(name: str, root: Path, samples: int, deadline: float) -> dict[st
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from trainer.async_ckpt import AsyncCheckpointer
+    from trainer.checkpointing.async_save import AsyncCheckpointer
 
     group = _init_dist()
     device = torch.device("cuda", 0)

@@ -36,14 +36,16 @@ TARGETS = {"export_vs_boto3": 0.9, "hydrate_vs_boto3": 0.9, "digest_vs_sha256sum
 
 
 def _fake_checkpoint(root: Path, files: int, mb: int) -> Path:
-    from trainer import manifest
+    from trainer import checkpointing
 
-    partial = manifest.partial_path(root, 1)
+    partial = checkpointing.partial_path(root, 1)
     partial.mkdir(parents=True)
     for i in range(files):
         (partial / f"__{i}_0.distcp").write_bytes(os.urandom(mb << 20))
     (partial / ".metadata").write_bytes(os.urandom(4096))
-    return manifest.commit(root, 1, world_size=files, info={"config_hash": "bench"}, keep_last=1)
+    return checkpointing.commit(
+        root, 1, world_size=files, info={"config_hash": "bench"}, keep_last=1
+    )
 
 
 def _fake_dataset(d: Path, files: int, mb: int) -> None:

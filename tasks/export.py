@@ -31,7 +31,7 @@ from typing import Any
 
 from tasks.errors import ExportError, StorageError
 from tasks.storage.s3 import describe_client_error, validate_bucket, validate_prefix
-from trainer import manifest as ckpt_manifest
+from trainer import checkpointing
 from trainer.hashing import sha256_file
 
 _CHUNK = 8 << 20
@@ -127,7 +127,7 @@ def plan_export(
     todo = tuple(n for n, ok in present.items() if not ok)
     if not todo and manifest_present:
         return ExportPlan((), False)
-    return ExportPlan((*todo, ckpt_manifest.MANIFEST), remote_manifest)
+    return ExportPlan((*todo, checkpointing.MANIFEST), remote_manifest)
 
 
 # -- S3 I/O -----------------------------------------------------------------------------------
@@ -257,7 +257,7 @@ def export_checkpoint(
     opts = options or ExportOptions()
     validate_bucket(bucket)
     validate_prefix(prefix)
-    verdict = ckpt_manifest.verify_checkpoint(ckpt_dir)
+    verdict = checkpointing.verify_checkpoint(ckpt_dir)
     if not verdict.ok:
         raise ExportError(f"refusing to export {ckpt_dir}: {verdict.reason}")
     man = verdict.manifest
@@ -269,7 +269,7 @@ def export_checkpoint(
         extra["SSEKMSKeyId"] = opts.kms_key_id
     modes: set[str] = set()
     sources = {e["name"]: ckpt_dir / e["name"] for e in man["files"]}
-    manifest_path = ckpt_dir / ckpt_manifest.MANIFEST
+    manifest_path = ckpt_dir / checkpointing.MANIFEST
     staging = None
     staged: set[str] = set()  # files made here (not in the checkpoint's manifest)
     if opts.consolidated:
@@ -297,7 +297,7 @@ def export_checkpoint(
                 sources[name] = staging / PRETRAINED / f["name"]
                 staged.add(name)
             consolidated[PRETRAINED] = {"files": info["pretrained"]["files"]}
-        manifest_path = staging / ckpt_manifest.MANIFEST
+        manifest_path = staging / checkpointing.MANIFEST
         manifest_path.write_text(
             json.dumps({**man, "consolidated": consolidated}, indent=1, sort_keys=True)
         )
@@ -305,7 +305,7 @@ def export_checkpoint(
     part_size = opts.part_size
 
     def path_of(name: str) -> Path:
-        return manifest_path if name == ckpt_manifest.MANIFEST else sources[name]
+        return manifest_path if name == checkpointing.MANIFEST else sources[name]
 
     def local_checksum(name: str, sha: str) -> tuple[str, list[str] | None]:
         """What the server's checksum must read for the manifest's bytes of ``name``."""
@@ -347,12 +347,12 @@ def export_checkpoint(
             for name, src in sources.items()
         }
         # The manifest's own digest: taken now, so a change before its upload is refused too.
-        digests[ckpt_manifest.MANIFEST] = sha256_file(manifest_path)
+        digests[checkpointing.MANIFEST] = sha256_file(manifest_path)
         with ThreadPoolExecutor(max_workers=opts.max_workers) as pool:
             names = list(digests)
             found = dict(zip(names, pool.map(lambda n: present(n, digests[n]), names), strict=True))
-        manifest_key = f"{base}/{ckpt_manifest.MANIFEST}"
-        ours = found.pop(ckpt_manifest.MANIFEST)
+        manifest_key = f"{base}/{checkpointing.MANIFEST}"
+        ours = found.pop(checkpointing.MANIFEST)
         plan = plan_export(found, ours, ours or _head(client, bucket, manifest_key) is not None)
         for name, ok in found.items():
             if ok:
@@ -360,15 +360,15 @@ def export_checkpoint(
         if plan.withdraw_manifest:
             # First: readers stop trusting the prefix before any object under it changes.
             client.delete_object(Bucket=bucket, Key=manifest_key)
-            on_object(ckpt_manifest.MANIFEST, "withdrawn")
-        objects = [n for n in plan.upload if n != ckpt_manifest.MANIFEST]
+            on_object(checkpointing.MANIFEST, "withdrawn")
+        objects = [n for n in plan.upload if n != checkpointing.MANIFEST]
         with ThreadPoolExecutor(max_workers=opts.max_workers) as pool:
             sizes = list(pool.map(lambda n: put(n, digests[n]), objects))
-        if ckpt_manifest.MANIFEST in plan.upload:
+        if checkpointing.MANIFEST in plan.upload:
             # Last, and only after every other object verified against the manifest.
-            sizes.append(put(ckpt_manifest.MANIFEST, digests[ckpt_manifest.MANIFEST]))
+            sizes.append(put(checkpointing.MANIFEST, digests[checkpointing.MANIFEST]))
         else:
-            on_object(ckpt_manifest.MANIFEST, "present")
+            on_object(checkpointing.MANIFEST, "present")
         total = sum(p.stat().st_size for p in sources.values()) + manifest_path.stat().st_size
     except ExportError:
         raise

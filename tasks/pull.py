@@ -1,10 +1,10 @@
 """Pull an export (``s3://bucket/prefix/<run_id>/step_<N>/``, see :mod:`tasks.export`) into a
 local directory, every file verified against the export's manifest.
 
-- Objects in S3 are untrusted input: the manifest is parsed by :mod:`trainer.manifest` (names
+- Objects in S3 are untrusted input: the manifest is parsed by :mod:`trainer.checkpointing` (names
   are single safe path components, sizes and digests well-formed), each object is hashed as it
   arrives and never read past the manifest's size, and the DCP ``.metadata`` goes through the
-  restricted unpickler (:func:`trainer.manifest.verify_checkpoint`).
+  restricted unpickler (:func:`trainer.checkpointing.verify_checkpoint`).
 - Atomic: everything lands in a hidden temporary directory beside ``DIR`` and is renamed to
   ``DIR`` only once it verifies, so a failed or killed pull never leaves a ``DIR`` a reader
   could trust (a kill leaves at most the hidden ``.DIR.pull-*`` directory).
@@ -31,7 +31,7 @@ from typing import Any
 from tasks.errors import PullError, PullUsageError, StorageError
 from tasks.export import CONSOLIDATED
 from tasks.storage.s3 import describe_client_error
-from trainer import manifest as ckpt_manifest
+from trainer import checkpointing
 from trainer.hashing import sha256_file
 
 _CHUNK = 8 << 20
@@ -72,7 +72,7 @@ class PullReport:
 # -- decisions (pure) -------------------------------------------------------------------------
 def files_to_pull(manifest: dict[str, Any], *, where: str) -> list[PullFile]:
     """Every file an export holds besides its manifest: the DCP files (already checked by
-    :func:`trainer.manifest.read_manifest`) and what a consolidated export added under
+    :func:`trainer.checkpointing.read_manifest`) and what a consolidated export added under
     ``consolidated`` (``model.safetensors``; a directory such as ``hf/`` with its files).
     Each name is checked like the manifest's own; a name given twice, or naming the manifest,
     is refused (it would overwrite another file)."""
@@ -83,22 +83,22 @@ def files_to_pull(manifest: dict[str, Any], *, where: str) -> list[PullFile]:
     for key, value in consolidated.items():
         if isinstance(value, dict) and "sha256" in value:
             entry = {**value, "name": key}
-            ckpt_manifest.check_entry(where, entry)
+            checkpointing.check_entry(where, entry)
             entries.append((key, entry))
         elif isinstance(value, dict) and isinstance(value.get("files"), list):
-            if not ckpt_manifest.is_safe_name(key):
+            if not checkpointing.is_safe_name(key):
                 raise PullError(
                     f"{where} lists the directory name {key!r}: not a single safe path component"
                 )
             for f in value["files"]:
-                ckpt_manifest.check_entry(where, f)
+                checkpointing.check_entry(where, f)
                 entries.append((f"{key}/{f['name']}", f))
         else:
             raise PullError(f"{where}: consolidated[{key!r}] is neither a file nor a directory")
     seen: set[str] = set()
     out = []
     for name, e in entries:
-        if name == ckpt_manifest.MANIFEST or name in seen:
+        if name == checkpointing.MANIFEST or name in seen:
             raise PullError(f"{where} lists {name!r} twice (or as the manifest): refusing it")
         seen.add(name)
         out.append(PullFile(name, int(e["bytes"]), str(e["sha256"])))
@@ -145,7 +145,7 @@ def check_destination(dest: Path) -> bool:
         )
     if not dest.exists() or not any(dest.iterdir()):
         return False
-    if not (dest / ckpt_manifest.MANIFEST).is_file():
+    if not (dest / checkpointing.MANIFEST).is_file():
         raise PullUsageError(
             f"DIR {dest} is not empty and holds no export: give a new or empty directory, or "
             "remove it first"
@@ -155,7 +155,7 @@ def check_destination(dest: Path) -> bool:
 
 def verify_local(directory: Path, files: list[PullFile]) -> str | None:
     """Why ``directory`` is not a verified copy of ``files`` (every size and sha256, then the
-    DCP checks of :func:`trainer.manifest.verify_checkpoint`); None if it is."""
+    DCP checks of :func:`trainer.checkpointing.verify_checkpoint`); None if it is."""
     for f in files:
         path = directory / f.name
         if path.is_symlink() or not path.is_file():
@@ -163,7 +163,7 @@ def verify_local(directory: Path, files: list[PullFile]) -> str | None:
         why = mismatch(f, path.stat().st_size, sha256_file(path))
         if why:
             return f"{f.name} {why}"
-    verdict = ckpt_manifest.verify_checkpoint(directory, digests=False)
+    verdict = checkpointing.verify_checkpoint(directory, digests=False)
     return None if verdict.ok else verdict.reason
 
 
@@ -261,7 +261,7 @@ def pull_export(
     dest = Path(dest).absolute()
     existing = check_destination(dest)
     try:
-        raw = _read_manifest_object(client, bucket, f"{prefix}/{ckpt_manifest.MANIFEST}")
+        raw = _read_manifest_object(client, bucket, f"{prefix}/{checkpointing.MANIFEST}")
     except PullError:
         raise
     except Exception as e:
@@ -273,7 +273,7 @@ def pull_export(
     staging = dest.parent / f".{dest.name}.pull-{secrets.token_hex(6)}"
     staging.mkdir()
     try:
-        with open(staging / ckpt_manifest.MANIFEST, "xb") as out:
+        with open(staging / checkpointing.MANIFEST, "xb") as out:
             out.write(raw)
             out.flush()
             os.fsync(out.fileno())
@@ -320,10 +320,10 @@ def pull_export(
             raise StorageError(describe_client_error(e, bucket=bucket, endpoint=endpoint)) from e
         # Sizes and digests were checked on arrival; these are the DCP checks (restricted
         # unpickling of .metadata) that need the files in place.
-        verdict = ckpt_manifest.verify_checkpoint(staging, digests=False)
+        verdict = checkpointing.verify_checkpoint(staging, digests=False)
         if not verdict.ok:
             raise PullError(verdict.reason.replace(str(staging), uri.rstrip("/")))
-        ckpt_manifest.fsync_path(staging)
+        checkpointing.fsync_path(staging)
         try:
             os.rename(staging, dest)  # replaces an empty dest; refuses one filled meanwhile
         except OSError as e:
@@ -331,7 +331,7 @@ def pull_export(
                 f"DIR {dest} could not be replaced ({e.strerror}): was it written to during "
                 "the pull? Give a new or empty directory"
             ) from e
-        ckpt_manifest.fsync_path(dest.parent)
+        checkpointing.fsync_path(dest.parent)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
@@ -339,12 +339,12 @@ def pull_export(
 
 
 def _parse(uri: str, directory: Path, prefix: str) -> tuple[dict[str, Any], list[PullFile]]:
-    where = uri + ckpt_manifest.MANIFEST
+    where = uri + checkpointing.MANIFEST
     try:
-        man = ckpt_manifest.read_manifest(directory)
+        man = checkpointing.read_manifest(directory)
         files = files_to_pull(man, where=where)
-    except ckpt_manifest.CheckpointError as e:
-        raise PullError(str(e).replace(str(directory / ckpt_manifest.MANIFEST), where)) from e
+    except checkpointing.CheckpointError as e:
+        raise PullError(str(e).replace(str(directory / checkpointing.MANIFEST), where)) from e
     named = step_in_prefix(prefix)
     if named is not None and named != man["step"]:
         raise PullError(f"{where} is the manifest of step {man['step']}, not {named}")
@@ -352,7 +352,7 @@ def _parse(uri: str, directory: Path, prefix: str) -> tuple[dict[str, Any], list
 
 
 def _already_there(uri: str, prefix: str, dest: Path, raw: bytes) -> PullReport:
-    mine = dest / ckpt_manifest.MANIFEST
+    mine = dest / checkpointing.MANIFEST
     if sha256_file(mine) != hashlib.sha256(raw).hexdigest():
         raise PullUsageError(
             f"DIR {dest} holds a different export (its manifest.json differs from {uri}): "

@@ -10,7 +10,7 @@ from typing import Any
 
 from tasks.errors import ValidationFailed
 from tasks.validation.checkpoint import CheckpointReport, Expectations, validate_checkpoint
-from trainer import manifest
+from trainer import checkpointing
 
 
 @dataclass
@@ -37,8 +37,8 @@ class ValidationOutcome:
 def validate_latest(run_root: Path, exp: Expectations, *, load: bool = True) -> ValidationOutcome:
     """``load=False`` skips the fresh-process load check (quick checks only)."""
     rejected: list[CheckpointReport] = []
-    for step in reversed(manifest.committed_steps(run_root)):
-        report = validate_checkpoint(manifest.committed_path(run_root, step), exp, load=load)
+    for step in reversed(checkpointing.committed_steps(run_root)):
+        report = validate_checkpoint(checkpointing.committed_path(run_root, step), exp, load=load)
         if report.step is None:
             # The manifest could not be read (it is what failed): the directory names the step,
             # so the report and the fallback still say which checkpoint was rejected.
@@ -48,7 +48,7 @@ def validate_latest(run_root: Path, exp: Expectations, *, load: bool = True) -> 
         rejected.append(report)
     if not rejected:
         raise ValidationFailed(
-            f"no committed checkpoint under {manifest.checkpoints_dir(run_root)}"
+            f"no committed checkpoint under {checkpointing.checkpoints_dir(run_root)}"
         )
     details = "; ".join(
         f"step {r.step}: " + ", ".join(c["detail"] for c in r.failed_checks()) for r in rejected

@@ -21,13 +21,15 @@ def small_checkpoint(dataset: Path, tmp_path_factory: pytest.TempPathFactory):
     checkpoint and the run's ``params_sha256`` (export and pull tests share it; copy the
     directory before changing it)."""
     from tests.helpers import SmallCheckpoint, make_config, run_single
-    from trainer import manifest
+    from trainer import checkpointing
 
     cfg = make_config(tmp_path_factory.mktemp("exp") / "run", dataset, steps=5)
     out = run_single(cfg)
     assert out.returncode == 0, out.log[-2000:]
     assert out.result is not None and out.result["params_sha256"]
-    return SmallCheckpoint(manifest.committed_path(cfg.run_root, 5), out.result["params_sha256"])
+    return SmallCheckpoint(
+        checkpointing.committed_path(cfg.run_root, 5), out.result["params_sha256"]
+    )
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from typing import Any
 
 from flows.models import PipelineParams, PipelineResult
 from tasks.storage.s3 import S3Settings, boto3_client
-from trainer import manifest
+from trainer import checkpointing
 
 
 def make_params(state: Path, s3: S3Settings, **kw: Any) -> PipelineParams:
@@ -36,7 +36,7 @@ def assert_exported(result: PipelineResult, s3: S3Settings) -> None:
     assert result.export.verified and result.export.uri
     bucket, _, base = result.export.uri.removeprefix("s3://").partition("/")
     client = boto3_client(s3)
-    local = manifest.read_manifest(Path(result.checkpoint.uri))  # type: ignore[arg-type]
+    local = checkpointing.read_manifest(Path(result.checkpoint.uri))  # type: ignore[arg-type]
     remote = json.loads(client.get_object(Bucket=bucket, Key=f"{base}manifest.json")["Body"].read())
     # A consolidated export adds what it made (model.safetensors, hf/...) under "consolidated".
     consolidated = remote.pop("consolidated", {})

@@ -14,13 +14,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from tests.helpers import free_port
-from trainer.async_ckpt import (
-    WARMUP_STEP,
-    AsyncCheckpointer,
-    CheckpointStorageError,
-    CheckpointTimeout,
-    CheckpointWorkerDied,
-)
+from trainer.checkpointing import CheckpointStorageError, CheckpointTimeout, CheckpointWorkerDied
+from trainer.checkpointing.async_save import WARMUP_STEP, AsyncCheckpointer
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +54,7 @@ def test_writer_starts_with_training_not_at_bind(group, tmp_path: Path):
         assert s.writer_pid() is None and s.pending is None
         s.ensure_started()
         pid = s.writer_pid()
-        assert pid is not None and s._worker_alive()
+        assert pid is not None and s.writer.alive()
         s.ensure_started()
         assert s.writer_pid() == pid
         s.save(_state(6), tmp_path / "f", step=6)
@@ -78,7 +73,7 @@ def test_writer_starts_with_training_not_at_bind(group, tmp_path: Path):
 _FORKED = """
 import datetime, json, os, sys, threading
 import torch, torch.distributed as dist
-from trainer.async_ckpt import AsyncCheckpointer
+from trainer.checkpointing.async_save import AsyncCheckpointer
 from trainer.digest import tensor_dict_sha256
 
 def main():
@@ -209,7 +204,7 @@ def test_a_replaced_writer_warms_up_in_the_background(group, tmp_path: Path):
         assert dead is not None
         os.kill(dead, signal.SIGKILL)
         deadline = time.time() + 10
-        while s._worker_alive() and time.time() < deadline:
+        while s.writer.alive() and time.time() < deadline:
             time.sleep(0.05)
         s.bind(group, warmup_dir=tmp_path / ".writer-warmup")
         assert s.writer_pid() not in (None, dead)
@@ -465,7 +460,7 @@ def test_write_waits_for_the_copy(saver, tmp_path: Path, monkeypatch):
     fake = _FakeInFlightCopy()
     monkeypatch.setattr(saver.staging, "_copier", fake)
     saver.save(_state(11), tmp_path / "j", step=1)
-    assert not _handed_over(saver) and saver.queue.get_num_unfinalized_calls() == 0
+    assert not _handed_over(saver) and saver.writer.queue.get_num_unfinalized_calls() == 0
     assert saver._step_hook is not None  # the optimizer safety net is armed
     assert saver.poll() is None and not _handed_over(saver)  # copy "running": not handed over
     saver.before_optimizer_step()  # still running: ordered on the stream, not handed over
@@ -512,7 +507,7 @@ def test_abandon_never_hands_over_an_unfinished_copy(saver, tmp_path: Path, monk
     saver.save(_state(14), tmp_path / "m", step=1)
     saver.abandon()
     assert saver.pending is None and fake.synchronized == 1 and saver._step_hook is None
-    assert saver.queue.get_num_unfinalized_calls() == 0
+    assert saver.writer.queue.get_num_unfinalized_calls() == 0
     assert not (tmp_path / "m" / "__0_0.distcp").exists()
     saver.save(_state(15), tmp_path / "n", step=2)  # usable afterwards
     fake.done = True

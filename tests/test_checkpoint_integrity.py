@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import RunOutcome, make_config, run_ft_launcher, run_single
-from trainer import manifest
+from trainer import checkpointing
 from trainer.config import ResumePolicy
 
 pytestmark = pytest.mark.slow
@@ -33,10 +33,10 @@ def test_sigkill_while_writing_leaves_nothing_trusted(
     killed = run_single(cfg)
     assert killed.returncode == -9
     # The save of step 10 was in flight: its directory is partial, nothing points at it.
-    assert manifest.partial_path(cfg.run_root, 10).exists()
-    assert not manifest.committed_path(cfg.run_root, 10).exists()
-    assert manifest.read_latest(cfg.run_root) == 5
-    assert manifest.choose_resume(cfg.run_root, fingerprint=cfg.fingerprint()).step == 5
+    assert checkpointing.partial_path(cfg.run_root, 10).exists()
+    assert not checkpointing.committed_path(cfg.run_root, 10).exists()
+    assert checkpointing.read_latest(cfg.run_root) == 5
+    assert checkpointing.choose_resume(cfg.run_root, fingerprint=cfg.fingerprint()).step == 5
 
     resumed = run_single(cfg)  # the fault fired once: this life runs to the end
     assert resumed.returncode == 0, resumed.log[-3000:]
@@ -86,7 +86,7 @@ def test_two_rank_checkpoint_loads_on_one_rank(dataset: Path, tmp_path: Path):
 def test_recorded_commits_with_checkpoints_gone_fail_loudly(dataset: Path, tmp_path: Path):
     cfg = make_config(tmp_path / "run", dataset, steps=4, ckpt_interval=2)
     assert run_single(cfg).returncode == 0
-    shutil.rmtree(manifest.checkpoints_dir(cfg.run_root))  # lost, or the wrong volume mounted
+    shutil.rmtree(checkpointing.checkpoints_dir(cfg.run_root))  # lost, or the wrong volume mounted
     out = run_single(replace(cfg, steps=6))
     assert out.returncode == 3, out.log[-3000:]
     assert f"run {cfg.run_root}: its events.jsonl records committed checkpoints up to step 4" in (

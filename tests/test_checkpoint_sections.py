@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import free_port, make_config
-from trainer import manifest
-from trainer.async_ckpt import AsyncCheckpointer
-from trainer.checkpoint import CheckpointManager
+from trainer import checkpointing
+from trainer.checkpointing.async_save import AsyncCheckpointer
+from trainer.checkpointing.manager import CheckpointManager
 from trainer.config import CHECKPOINT_SECTION
 from trainer.events import EventLog
 
@@ -60,7 +60,7 @@ def test_the_final_wait_runs_in_the_checkpoint_section(group, dataset: Path, tmp
         )
         seen: list[list[str]] = []
         ckpt.progress = lambda: seen.append(list(sections.open))
-        partial = manifest.partial_path(cfg.run_root, cfg.steps)
+        partial = checkpointing.partial_path(cfg.run_root, cfg.steps)
         partial.mkdir(parents=True)
         # A fresh writer: the save is handed to it while it is still starting, as after a
         # resume close to the end.
@@ -68,6 +68,6 @@ def test_the_final_wait_runs_in_the_checkpoint_section(group, dataset: Path, tmp
         ckpt.finish()
         assert seen, "finish waited for the writer (and told the Wrapper it is alive)"
         assert all(CHECKPOINT_SECTION in open_ for open_ in seen), seen
-        assert manifest.committed_steps(cfg.run_root) == [cfg.steps]
+        assert checkpointing.committed_steps(cfg.run_root) == [cfg.steps]
     finally:
         saver.close()

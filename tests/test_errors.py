@@ -7,11 +7,11 @@ import inspect
 import pkgutil
 
 import trainer
-from trainer.checkpoint import FatalError
+from trainer.checkpointing import NoValidCheckpoint
+from trainer.checkpointing.manager import FatalError
 from trainer.config import ConfigError
 from trainer.data import DataError
 from trainer.errors import TerminalError, TrainerError
-from trainer.manifest import NoValidCheckpoint
 from trainer.prepare import PrepareError
 
 
@@ -41,6 +41,7 @@ def test_what_no_restart_fixes_is_terminal_with_its_exit_code():
         PrepareError: 3,
     }
     # A checkpoint nobody can trust is a fatal error only once the resume gives up on all of
-    # them (trainer.checkpoint wraps it); on its own it is a fault a fallback may still fix.
+    # them (trainer.checkpointing.manager wraps it); on its own it is a fault a fallback may
+    # still fix.
     assert not issubclass(NoValidCheckpoint, TerminalError)
     assert issubclass(ConfigError, ValueError) and issubclass(DataError, RuntimeError)

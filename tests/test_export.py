@@ -17,7 +17,7 @@ from tasks.export import ExportOptions, export_checkpoint
 from tasks.storage.local_s3 import LocalS3Server
 from tasks.storage.s3 import S3Settings, boto3_client
 from tests.helpers import SmallCheckpoint, free_s3_port
-from trainer import manifest
+from trainer import checkpointing
 from trainer.faults import flip_bytes
 
 BUCKET = "export-test"
@@ -66,7 +66,7 @@ def test_happy_path_manifest_last(ckpt: Path, client, s3_settings):
     assert report.uri == f"s3://{BUCKET}/happy/run1/step_5/" and report.verified
     assert report.verification == "sha256"  # the server checked each object's digest
     assert order[-1] == ("manifest.json", "uploaded")
-    local = manifest.read_manifest(ckpt)
+    local = checkpointing.read_manifest(ckpt)
     objs = remote_objects(client, "happy/run1/step_5/")
     assert set(objs) == {e["name"] for e in local["files"]} | {"manifest.json"}
     for e in local["files"]:
@@ -111,7 +111,7 @@ class _FailAfter:
 
 
 def test_interrupted_export_resumes(ckpt: Path, client, s3_settings):
-    n_files = len(manifest.read_manifest(ckpt)["files"])
+    n_files = len(checkpointing.read_manifest(ckpt)["files"])
     with pytest.raises(StorageError, match="unreachable"):
         export_checkpoint(
             _FailAfter(client, 1),
@@ -143,7 +143,7 @@ def test_interrupted_export_resumes(ckpt: Path, client, s3_settings):
 def test_mismatched_object_is_replaced(ckpt: Path, client, s3_settings):
     export_checkpoint(client, ckpt, BUCKET, "mm", "run1", endpoint=s3_settings.endpoint_url)
     name = sorted(p.name for p in ckpt.glob("*.distcp"))[0]
-    sha = next(e["sha256"] for e in manifest.read_manifest(ckpt)["files"] if e["name"] == name)
+    sha = next(e["sha256"] for e in checkpointing.read_manifest(ckpt)["files"] if e["name"] == name)
     client.put_object(
         Bucket=BUCKET, Key=f"mm/run1/step_5/{name}", Body=b"garbage", Metadata={"sha256": sha}
     )
@@ -248,16 +248,16 @@ def test_consolidated_safetensors(ckpt: Path, client, s3_settings):
     weights = load(objs["model.safetensors"])
     assert tensor_dict_sha256(weights) == entry["params_sha256"]
     assert {k: v for k, v in remote_manifest.items() if k != "consolidated"} == (
-        manifest.read_manifest(ckpt)
+        checkpointing.read_manifest(ckpt)
     )
-    assert report.objects == len(manifest.read_manifest(ckpt)["files"]) + 2
+    assert report.objects == len(checkpointing.read_manifest(ckpt)["files"]) + 2
 
 
 # -- verified against the manifest, and no stale manifest window ---------------------------------
 def _verdict_before_change(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The checkpoint verifies, then a shard changes before its upload (a writer still busy,
     bit rot, a bug): the export must not publish the changed bytes as the manifest's."""
-    verdict = manifest.verify_checkpoint(ckpt)
+    verdict = checkpointing.verify_checkpoint(ckpt)
     assert verdict.ok
     victim = sorted(ckpt.glob("*.distcp"))[0]
     flip_bytes(victim)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import RunOutcome, make_config, run_ft_launcher, start_ft_launcher
-from trainer import fence, manifest
+from trainer import checkpointing, fence
 from trainer.events import read_events
 
 pytestmark = pytest.mark.slow
@@ -98,8 +98,8 @@ def _lock_is_free(run_root: Path) -> bool:
 def _checkpoints_state(run_root: Path) -> dict[str, object]:
     """What a zombie must not change: the committed steps, LATEST, the result."""
     return {
-        "committed": manifest.committed_steps(run_root),
-        "latest": manifest.read_latest(run_root),
+        "committed": checkpointing.committed_steps(run_root),
+        "latest": checkpointing.read_latest(run_root),
         "result": (run_root / "result.json").read_bytes(),
     }
 
@@ -114,7 +114,7 @@ def test_a_zombie_attempt_changes_nothing(baseline: RunOutcome, dataset: Path, t
     first = fence.publish(cfg.run_root, invocation="first", attempt=1)
     zombie = start_ft_launcher(cfg, env={fence.EPOCH_ENV: str(first.epoch)}, tag="-zombie")
     try:
-        partial = manifest.partial_path(cfg.run_root, 10, first.epoch)
+        partial = checkpointing.partial_path(cfg.run_root, 10, first.epoch)
         deadline = time.monotonic() + 180
         while not partial.exists():
             assert zombie.poll() is None, "attempt 1 ended before it wrote step 10"
@@ -143,7 +143,9 @@ def test_a_zombie_attempt_changes_nothing(baseline: RunOutcome, dataset: Path, t
         assert {e["epoch"] for e in fenced} == {first.epoch}
         assert all(e["current"] == second.epoch for e in fenced)
         for step in before["committed"]:  # type: ignore[attr-defined]
-            assert manifest.verify_checkpoint(manifest.committed_path(cfg.run_root, step)).ok
+            assert checkpointing.verify_checkpoint(
+                checkpointing.committed_path(cfg.run_root, step)
+            ).ok
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(zombie.pid, signal.SIGCONT)

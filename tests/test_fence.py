@@ -1,6 +1,6 @@
 """Epoch fencing of the run root (trainer.fence) at the storage level: a writer of a replaced
 attempt changes nothing and says so; the current one commits; publishing waits for a mutation
-in progress. Real files, real flock, the real commit (trainer.checkpoint._Commit)."""
+in progress. Real files, real flock, the real commit (trainer.checkpointing.manager._Commit)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer import fence, manifest, run_state
-from trainer.checkpoint import _Commit
+from trainer import checkpointing, fence, run_state
+from trainer.checkpointing.manager import _Commit
 from trainer.event_read import EventReader
 from trainer.event_types import FencedEvent
 from trainer.events import EventLog
@@ -28,10 +28,10 @@ def _fence(run_root: Path, epoch: int | None) -> fence.Fence:
 
 
 def _write_partial(run_root: Path, step: int, epoch: int | None, content: bytes) -> Path:
-    partial = manifest.partial_path(run_root, step, epoch)
+    partial = checkpointing.partial_path(run_root, step, epoch)
     partial.mkdir(parents=True)
     (partial / "__0_0.distcp").write_bytes(content)
-    (partial / manifest.DCP_METADATA).write_bytes(b"meta" + content)
+    (partial / checkpointing.DCP_METADATA).write_bytes(b"meta" + content)
     return partial
 
 
@@ -79,19 +79,19 @@ def test_a_zombie_commits_nothing_and_the_new_attempt_commits(tmp_path: Path):
 
     with pytest.raises(fence.Fenced, match=f"epoch {old} is not the run's"):
         _commit(root, 10, zombie).run()
-    assert manifest.committed_steps(root) == [] and mine.exists()
+    assert checkpointing.committed_steps(root) == [] and mine.exists()
     assert run_state.recorded_commit(root).known is False
     (ev,) = [e for e in EventReader(root / "events.jsonl").read_new() if e.kind == "fenced"]
     assert isinstance(ev, FencedEvent)
     assert ev.epoch == old and ev.current == new and "commit step 10" in ev.action
 
     path = _commit(root, 10, current).run()
-    assert path == manifest.committed_path(root, 10)
+    assert path == checkpointing.committed_path(root, 10)
     assert (path / "__0_0.distcp").read_bytes() == b"new"
-    assert manifest.read_latest(root) == 10 and run_state.recorded_commit(root).step == 10
+    assert checkpointing.read_latest(root) == 10 and run_state.recorded_commit(root).step == 10
     # The zombie's own partial is left for the current attempt's recovery to settle.
-    assert manifest.partial_path(root, 10, old).exists()
-    settled = manifest.recover(root, fingerprint=FP)
+    assert checkpointing.partial_path(root, 10, old).exists()
+    settled = checkpointing.recover(root, fingerprint=FP)
     assert [(r.action, r.dir) for r in settled] == [
         ("removed-partial", f"step_000000010.e{old}.partial")
     ]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
-from trainer import manifest as m
-from trainer.checkpoint import recorded_commit
+from trainer import checkpointing as m
+from trainer.checkpointing.manager import recorded_commit
 from trainer.config import ConfigError, TrainConfig
 from trainer.events import EventLog, read_events
 from trainer.faults import flip_bytes
@@ -94,7 +95,7 @@ class Killed(BaseException):
 
 def _kill_at(monkeypatch: pytest.MonkeyPatch, n: int, seen: list[str]) -> None:
     """Make the n-th rename/replace/rmtree of the manifest module die before it happens."""
-    real = {"rename": os.rename, "replace": os.replace, "rmtree": m.shutil.rmtree}
+    real = {"rename": os.rename, "replace": os.replace, "rmtree": shutil.rmtree}
 
     def wrap(name: str):
         def op(*args, **kwargs):
@@ -105,9 +106,9 @@ def _kill_at(monkeypatch: pytest.MonkeyPatch, n: int, seen: list[str]) -> None:
 
         return op
 
-    monkeypatch.setattr(m.os, "rename", wrap("rename"))
-    monkeypatch.setattr(m.os, "replace", wrap("replace"))
-    monkeypatch.setattr(m.shutil, "rmtree", wrap("rmtree"))
+    monkeypatch.setattr(os, "rename", wrap("rename"))
+    monkeypatch.setattr(os, "replace", wrap("replace"))
+    monkeypatch.setattr(shutil, "rmtree", wrap("rmtree"))
 
 
 # Every rename/removal of a commit that supersedes a committed step 10, in order.
@@ -190,7 +191,7 @@ def test_incomplete_partial_is_discarded(tmp_path: Path, damage: str, reason: st
     partial = _write_partial(tmp_path, 10)
     if damage != "no-manifest":
         fp = "other" if damage == "other-config" else FP
-        files = m._collect_file_entries(partial, 2)
+        files = m.collect_file_entries(partial, 2)
         doc = {"format": m.FORMAT, "step": 10, "world_size": 2, "config_hash": fp, "files": files}
         (partial / "manifest.json").write_text(json.dumps(doc))
     if damage == "truncated":
@@ -258,7 +259,9 @@ def test_digest_shares_cover_every_file_once(tmp_path: Path, monkeypatch: pytest
     ok, rejected, found = m.resume_candidates(tmp_path, fingerprint=FP)
     assert [s for s, _, _ in ok] == [10, 5] and rejected == [] and found == 2
     manifest = ok[0][2]
-    real = m.sha256_file
+    from trainer.checkpointing import manifest as manifest_module
+
+    real = manifest_module.sha256_file
     for world in (1, 2, 3):
         seen: list[str] = []
 
@@ -266,12 +269,12 @@ def test_digest_shares_cover_every_file_once(tmp_path: Path, monkeypatch: pytest
             _seen.append(Path(path).name)
             return real(path)
 
-        monkeypatch.setattr(m, "sha256_file", counting)
+        monkeypatch.setattr(manifest_module, "sha256_file", counting)
         assert all(
             m.digest_share(newest, manifest, index=i, count=world) is None for i in range(world)
         )
         assert sorted(seen) == sorted(e["name"] for e in manifest["files"]), world
-    monkeypatch.setattr(m, "sha256_file", real)
+    monkeypatch.setattr(manifest_module, "sha256_file", real)
     flip_bytes(newest / "__1_0.distcp")
     reasons = [m.digest_share(newest, manifest, index=i, count=2) for i in range(2)]
     assert [r is None for r in reasons].count(False) == 1

@@ -17,7 +17,7 @@ import pytest
 from flows.context import RunContext
 from tasks.storage.s3 import boto3_client
 from tests.pipeline_helpers import make_params, nvrx_events, run_pipeline
-from trainer import manifest
+from trainer import checkpointing
 from trainer.events import read_events
 from trainer.faults import flip_bytes
 
@@ -104,9 +104,9 @@ def test_unrecoverable_training_failure_is_not_retried(baseline, tmp_path: Path)
 
     source = Path(baseline.checkpoint.uri).parents[1]
     run_root = tmp_path / "no-valid-ckpt"
-    shutil.copytree(manifest.checkpoints_dir(source), manifest.checkpoints_dir(run_root))
-    for step in manifest.committed_steps(run_root):
-        flip_bytes(sorted(manifest.committed_path(run_root, step).glob("*.distcp"))[0])
+    shutil.copytree(checkpointing.checkpoints_dir(source), checkpointing.checkpoints_dir(run_root))
+    for step in checkpointing.committed_steps(run_root):
+        flip_bytes(sorted(checkpointing.committed_path(run_root, step).glob("*.distcp"))[0])
     cfg = replace(load_config(source / "config" / "train-attempt1.json"), run_root=run_root)
     request = LaunchRequest(
         run_id="no-valid-ckpt", attempt=1, cfg=cfg, nodes=2, nproc_per_node=1, deadline_s=180

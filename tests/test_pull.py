@@ -21,7 +21,7 @@ from tasks.export import ExportOptions, export_checkpoint
 from tasks.pull import PullFile, files_to_pull, mismatch, pull_export, step_in_prefix
 from tasks.storage.s3 import S3Settings, boto3_client
 from tests.helpers import REPO, SmallCheckpoint
-from trainer import manifest
+from trainer import checkpointing
 from trainer.digest import tensor_dict_sha256
 
 BUCKET = "pull-test"
@@ -78,7 +78,7 @@ def test_good_pull_verifies_and_matches(
     dest = tmp_path / "out" / "step_5"  # the parent is created too
     rc, summary, err = pull(uri, dest, s3_settings, capsys)
     assert rc == 0, err
-    local = manifest.read_manifest(small_checkpoint.path)
+    local = checkpointing.read_manifest(small_checkpoint.path)
     names = {e["name"] for e in local["files"]} | {"model.safetensors", "manifest.json"}
     assert {p.name for p in dest.iterdir()} == names
     for e in local["files"]:  # byte for byte the committed checkpoint
@@ -257,7 +257,7 @@ def test_files_to_pull(manifest_extra, refused):
         names = [f.name for f in files_to_pull(man, where="M")]
         assert names[0] == "shard" and len(names) == 1 + len(manifest_extra.get("consolidated", {}))
     else:
-        with pytest.raises((PullError, manifest.CheckpointError), match=refused):
+        with pytest.raises((PullError, checkpointing.CheckpointError), match=refused):
             files_to_pull(man, where="M")
 
 

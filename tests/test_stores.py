@@ -77,3 +77,67 @@ def test_a_host_that_is_not_this_machines_still_gets_a_store(caplog, monkeypatch
     assert "not an address of this machine" in caplog.text
     assert _listening(port) == [f"*:{port}"]
     store.set("k", "v")
+
+
+@pytest.mark.slow
+def test_ports_next_to_master_port_taken_do_not_stop_the_workers(dataset, tmp_path):
+    """Issue 29, item 7: the in-process layer's stores used to sit on MASTER_PORT+1 and +2,
+    ports nobody reserved. Here another process holds both (as an outgoing connection's port
+    may): a world of two workers with in-process restart, started as the launcher starts them,
+    still trains to the end, on the one store rank 0 hosts at MASTER_PORT."""
+    import dataclasses
+    import os
+    import sys
+
+    from tests.helpers import FAST_INJOB, REPO, make_config, worker_env, write_config
+    from trainer.launch import trainer_args
+    from trainer.launch import worker_env as launch_env
+
+    cfg = make_config(
+        tmp_path / "run", dataset, steps=3, injob=dataclasses.replace(FAST_INJOB, enabled=False)
+    )
+    assert cfg.inprocess.enabled
+    config = write_config(cfg)
+    squatters = []
+    for _ in range(50):  # a free port whose two neighbours can be taken
+        port = free_port()
+        try:
+            for p in (port + 1, port + 2):
+                s = socket.socket()
+                squatters.append(s)
+                s.bind(("127.0.0.1", p))
+                s.listen()
+            break
+        except OSError:
+            for s in squatters:
+                s.close()
+            squatters.clear()
+    assert squatters, "no free port with two free neighbours"
+    env = {**worker_env(), **launch_env(config), "MASTER_ADDR": "127.0.0.1"}
+    env.update(MASTER_PORT=str(port), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    argv = [sys.executable, *trainer_args(cfg, config)]
+    logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
+    procs = []
+    try:
+        for r in (0, 1):
+            with open(logs[r], "w") as out:
+                procs.append(
+                    subprocess.Popen(
+                        argv,
+                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                        cwd=REPO,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+        for s in squatters:
+            s.close()
+    assert codes == [0, 0], [log.read_text()[-2000:] for log in logs]
+    assert (cfg.run_root / "result.json").exists()

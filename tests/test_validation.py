@@ -13,7 +13,7 @@ import pytest
 from tasks.checks import Status
 from tasks.validation.checkpoint import Expectations, Facts, gather, judge, validate_checkpoint
 from tests.helpers import REPO, make_config, run_single, worker_env
-from trainer import manifest
+from trainer import checkpointing
 from trainer.faults import flip_bytes
 
 
@@ -27,7 +27,7 @@ def trained(dataset: Path, tmp_path_factory) -> tuple[Path, dict]:
 
 @pytest.fixture
 def ckpt(trained, tmp_path: Path) -> Path:
-    src = manifest.committed_path(trained[0], 10)
+    src = checkpointing.committed_path(trained[0], 10)
     dst = tmp_path / src.name
     shutil.copytree(src, dst)
     return dst
@@ -58,16 +58,18 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(
     from tasks.validate import validate_latest
 
     run_root = tmp_path / "run"
-    shutil.copytree(manifest.checkpoints_dir(trained[0]), manifest.checkpoints_dir(run_root))
-    assert manifest.committed_steps(run_root)[-2:] == [5, 10]
-    victim = sorted(manifest.committed_path(run_root, 10).glob("*.distcp"))[0]
+    shutil.copytree(
+        checkpointing.checkpoints_dir(trained[0]), checkpointing.checkpoints_dir(run_root)
+    )
+    assert checkpointing.committed_steps(run_root)[-2:] == [5, 10]
+    victim = sorted(checkpointing.committed_path(run_root, 10).glob("*.distcp"))[0]
     flip_bytes(victim)
     exp = Expectations(config_hash=trained[1]["hash"], world_size=1, data_dir=dataset)
     outcome = validate_latest(run_root, exp)
     assert outcome.fell_back and [r.step for r in outcome.rejected] == [10]
     assert victim.name in outcome.rejected[0].failed_checks()[0]["detail"]
     assert outcome.chosen.step == 5 and outcome.chosen.passed
-    assert outcome.chosen.path == str(manifest.committed_path(run_root, 5))
+    assert outcome.chosen.path == str(checkpointing.committed_path(run_root, 5))
     assert outcome.to_dict()["fell_back_from"][0]["step"] == 10
 
 

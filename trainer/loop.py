@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.async_ckpt import AsyncCheckpointer
+from trainer.checkpointing.async_save import AsyncCheckpointer
 from trainer.config import TrainConfig
 from trainer.elastic import PriorWorld, restart_layer
 from trainer.events import EventLog

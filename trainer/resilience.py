@@ -262,9 +262,12 @@ def wrap_inprocess(
     from trainer.stores import BoundNvrxStore
 
     wrapper = inprocess.Wrapper(
-        store_factory=BoundNvrxStore,  # its server on MASTER_ADDR's address, not everywhere
+        # A client of the incarnation's store (rank 0 hosts it at store_port: trainer.train),
+        # in the worker and in its monitor process alike.
+        store_factory=BoundNvrxStore,
         store_kwargs={
             "port": store_port,
+            "join": True,
             "timeout": datetime.timedelta(seconds=cfg.barrier_timeout_s),
         },
         initialize=inprocess.initialize.RetryController(

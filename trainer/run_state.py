@@ -7,7 +7,7 @@ by whoever makes it true, read in O(1) whatever the log's length
 
 - ``control/commit.json``: the newest step rank 0 recorded as committed (``null`` after an
   explicit fresh start). A resume that finds no checkpoint on disk but a recorded commit
-  refuses to start from step 0 (trainer.checkpoint).
+  refuses to start from step 0 (trainer.checkpointing.manager).
 - ``control/launch.json``: the last launcher job that trained (its rendezvous id, world size and
   nodes): whether a starting worker is a respawn of that job, and which layer its restart is.
 - ``control/retry.json``: when the newest train-stage retry (attempt > 1, not adopted) began: a

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from trainer import manifest, run_state
-from trainer.checkpoint import CheckpointManager
+from trainer import checkpointing, run_state
+from trainer.checkpointing.manager import CheckpointManager
 from trainer.digest import params_sha256
 from trainer.elastic import micro_batches, node_id
 from trainer.hooks import Hooks, StepEnd
@@ -258,7 +258,7 @@ class TrainSession:
             "final_loss": self.loss,
             "params_sha256": params_sha256(model, rank=self.rank),
             "world_size": self.world_size,
-            "latest_checkpoint": manifest.read_latest(self.cfg.run_root),
+            "latest_checkpoint": checkpointing.read_latest(self.cfg.run_root),
             "config_hash": self.cfg.fingerprint(),
         }
         if self.rank == 0:

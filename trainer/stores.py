@@ -7,9 +7,10 @@ rendezvous state is a pickle). Given a socket already bound to the host's own ad
 nothing off the machine reaches it; on EKS the pod's address, which the Job's NetworkPolicy
 then closes to everything but the Job's own pods.
 
-Used for every store the pipeline hosts: the trainer's process-group store, NVRx in-process
-restart's store (:class:`BoundNvrxStore`, the Wrapper's ``store_factory``) and a local elastic
-job's rendezvous store (tasks.backends.rdzv_store). torch elastic's own (the rendezvous store an
+Used for every store the pipeline hosts: the trainer's store (one per incarnation, at
+``MASTER_PORT``: its process groups and NVRx in-process restart's keys, whose
+:class:`BoundNvrxStore` joins it as the Wrapper's ``store_factory``) and a local elastic job's
+rendezvous store (tasks.backends.rdzv_store). torch elastic's own (the rendezvous store an
 agent hosts for a fixed-size job, the workers' ``MASTER_PORT`` store) still bind every
 interface: locally the attempt's network namespace (tasks.backends.netns) closes them to the
 rest of the machine, on EKS the Job's NetworkPolicy (docs/architecture.md, "Doors").
@@ -83,7 +84,8 @@ def _nvrx_store_base() -> type:
 class BoundNvrxStore(_nvrx_store_base()):  # type: ignore[misc]
     """NVRx in-process restart's ``TCPStore`` (the Wrapper's ``store_factory``), its server
     bound as :func:`tcp_store` binds one. The same contract as NVRx's: rank 0 hosts, and if it
-    cannot (the port taken by a store still closing), it joins as a client."""
+    cannot (the port taken by a store still closing), it joins as a client. With ``join``,
+    every rank is a client of a store hosted already (the trainer's, at the same port)."""
 
     def __init__(
         self,
@@ -94,6 +96,7 @@ class BoundNvrxStore(_nvrx_store_base()):  # type: ignore[misc]
         wait_for_workers: bool = True,
         multi_tenant: bool = False,
         use_libuv: bool = True,
+        join: bool = False,
     ) -> None:
         host = host_name if host_name is not None else os.environ["MASTER_ADDR"]
         port = port if port is not None else int(os.environ["MASTER_PORT"])
@@ -107,7 +110,7 @@ class BoundNvrxStore(_nvrx_store_base()):  # type: ignore[misc]
             "multi_tenant": multi_tenant,
             "use_libuv": use_libuv,
         }
-        if int(os.environ["RANK"]) == self.TCP_STORE_HOST_RANK:
+        if not join and int(os.environ["RANK"]) == self.TCP_STORE_HOST_RANK:
             try:
                 fd = _bound_fd(host, port)
                 dist.TCPStore.__init__(self, is_master=True, **_listen_kwargs(fd), **kwargs)

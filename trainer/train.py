@@ -74,7 +74,7 @@ from trainer.faults import FaultSpecError
 from trainer.gloo_release import release_process_groups
 
 if TYPE_CHECKING:
-    from trainer.async_ckpt import AsyncCheckpointer
+    from trainer.checkpointing.async_save import AsyncCheckpointer
     from trainer.parallel import Placement
     from trainer.resilience import Heartbeat
     from trainer.workload import DataSource
@@ -207,8 +207,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def _free_port_run(count: int = 3, attempts: int = 50) -> int:
-    """A port P with P..P+count-1 all free right now: the in-process layer puts its stores on
-    MASTER_PORT+1 and +2, so those must be free too."""
+    """A port P with P..P+count-1 all free right now (a world of one, no launcher: its
+    MASTER_PORT)."""
     for _ in range(attempts):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -287,7 +287,7 @@ def run(
     ``body(ctx, call_wrapper)`` is one attempt of the training run (re-entered by the in-process
     layer after a fault): the built-in loop (:func:`trainer.loop.train`) by default, a user
     script's train function in script mode (:mod:`trainer.script`)."""
-    from trainer.async_ckpt import AsyncCheckpointer
+    from trainer.checkpointing.async_save import AsyncCheckpointer
     from trainer.loop import train
     from trainer.parallel import resolve_device
     from trainer.resilience import Heartbeat
@@ -411,11 +411,16 @@ def _run(
     from trainer.stores import tcp_store
 
     master_port = int(os.environ["MASTER_PORT"])
-    # Own ports next to the launcher's store: +1 for the Wrapper, +2 for our process groups;
-    # both listen on MASTER_ADDR's address alone (trainer.stores).
+    # One store per incarnation, at MASTER_PORT (the port the launcher found free for this
+    # rendezvous round), hosted by rank 0 on MASTER_ADDR's address alone (trainer.stores): our
+    # process groups (a prefix per restart iteration) and the Wrapper's keys (the workers' and
+    # their monitor processes') are all its clients. No port next to it: MASTER_PORT+1 and +2
+    # were never reserved, and one taken by any socket of the host (an outgoing connection's
+    # port, likely for an even one) left every rank waiting on a store nobody hosted until the
+    # rank monitor's out-of-section timeout (issue 29, item 7).
     ctx.base_store = tcp_store(
         os.environ["MASTER_ADDR"],
-        master_port + 2,
+        master_port,
         world_size=world,
         is_master=rank == 0,
         timeout=datetime.timedelta(seconds=cfg.inprocess.barrier_timeout_s),
@@ -462,7 +467,7 @@ def _run(
         world_size=world,
         on_restart=on_restart,
         logfile=cfg.run_root / "logs" / "inprocess-monitor-{rank}.log",
-        store_port=master_port + 1,
+        store_port=master_port,
     )
     (cfg.run_root / "logs").mkdir(exist_ok=True)
     return wrapped()  # type: ignore[no-any-return]

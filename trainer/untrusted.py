@@ -43,8 +43,8 @@ class UnsafeNameError(TrainerError, ValueError):
 class UnsafeCheckpointError(TrainerError, RuntimeError):
     """A checkpoint file asks for something no checkpoint holds (a class outside the allowlist,
     a path outside its directory): refused before anything it names is called or opened.
-    (Not a ``trainer.manifest.CheckpointError``: this module imports nothing from the trainer,
-    so that ``trainer.manifest`` can use it.)"""
+    (Not a ``trainer.checkpointing.CheckpointError``: this module imports nothing from the trainer,
+    so that ``trainer.checkpointing`` can use it.)"""
 
 
 def check_component(value: object, *, where: str) -> str:
@@ -150,7 +150,7 @@ def loads_dcp_metadata(data: bytes, *, source: str) -> Metadata:
 
 # -- DCP reader and planner -----------------------------------------------------------------------
 def _reader_and_planner() -> tuple[type, type]:
-    # Built lazily: importing torch.distributed.checkpoint costs seconds, and trainer.manifest
+    # Built lazily: importing torch.distributed.checkpoint costs seconds, and trainer.checkpointing
     # (which many light tools import) must not pay it.
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner

@@ -29,7 +29,7 @@ from tasks.checks import Check, Snapshot, Source, Status, Verdict, blocks, run_a
 from tasks.secrets import scrubbed
 from tasks.validation import load_process
 from tasks.validation.load_check import untrusted_workload_message
-from trainer import manifest as ckpt_manifest
+from trainer import checkpointing
 from trainer.hashing import sha256_file
 from trainer.untrusted import METADATA, UnsafeNameError, check_component, load_dcp_metadata
 
@@ -301,7 +301,7 @@ def check_file_names(manifest: dict[str, Any], path: Path) -> None:
     for i, entry in enumerate(manifest["files"]):
         name = entry.get("name") if isinstance(entry, dict) else None
         if name != METADATA:  # DCP's one dot-file, by its exact name
-            check_component(name, where=f"{path / ckpt_manifest.MANIFEST}: files[{i}].name")
+            check_component(name, where=f"{path / checkpointing.MANIFEST}: files[{i}].name")
 
 
 def child_env(parent: dict[str, str]) -> dict[str, str]:
@@ -355,8 +355,8 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
     path = Path(path)
     facts = Facts(path=path)
     try:
-        facts.manifest = ckpt_manifest.read_manifest(path)
-    except ckpt_manifest.CheckpointError as e:
+        facts.manifest = checkpointing.read_manifest(path)
+    except checkpointing.CheckpointError as e:
         facts.errors["manifest"] = str(e)
         facts.errors["load"] = "not loaded: no manifest to vouch for the files"
         return facts
@@ -386,7 +386,7 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
             facts.extent_errors = extent_errors(index.extents, facts.files)
     from trainer.workload import safe_to_name_from_file  # imports torch: only when validating
 
-    workload = exp.workload or ckpt_manifest.workload_of(facts.manifest)
+    workload = exp.workload or checkpointing.workload_of(facts.manifest)
     if workload and exp.workload is None and not safe_to_name_from_file(workload["ref"]):
         why = untrusted_workload_message(path, workload["ref"])
         facts.errors["expected"] = why

@@ -36,7 +36,7 @@ def load_and_inspect(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from trainer import manifest as ckpt_manifest
+    from trainer import checkpointing
     from trainer.digest import tensor_dict_sha256
     from trainer.untrusted import dcp_load_args
     from trainer.workload import (
@@ -47,10 +47,10 @@ def load_and_inspect(
     )
 
     torch.set_num_threads(1)
-    man = ckpt_manifest.read_manifest(path)
+    man = checkpointing.read_manifest(path)
     verify_before_loading(path, man)
     step = int(man["step"])
-    produced = ckpt_manifest.workload_of(man)
+    produced = checkpointing.workload_of(man)
     chosen = workload or produced
     if chosen is None:
         raise ValueError(f"{path}: the manifest does not say which workload wrote it; name one")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.adversarial.conftest import KILL, Inject, RunOutcome, run_under, tiny_config
-from trainer import manifest
+from trainer import checkpointing
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def test_kill_at_commit_syscall(
     point: KillPoint, strace_ok: None, fault_free: RunOutcome, dataset: Path, tmp_path: Path
 ):
     cfg = tiny_config(tmp_path / "run", dataset)
-    ckdir = manifest.checkpoints_dir(cfg.run_root)
+    ckdir = checkpointing.checkpoints_dir(cfg.run_root)
     inject = Inject(point.syscalls, ckdir / point.path, "signal=KILL", point.when)
     killed = run_under(cfg, inject)
     assert killed.returncode == -9, killed.log[-3000:]
@@ -71,7 +71,7 @@ def test_kill_at_commit_syscall(
 
     # At the instant of the kill, a reader finds a valid checkpoint at least as new as the
     # newest completed rename (for `partial-rename`: 4, until recovery rolls 6 forward).
-    choice = manifest.choose_resume(cfg.run_root, fingerprint=cfg.fingerprint())
+    choice = checkpointing.choose_resume(cfg.run_root, fingerprint=cfg.fingerprint())
     assert choice.step is not None and choice.step >= min(point.loads, 4)
 
     resumed = run_under(cfg, None)
@@ -84,7 +84,7 @@ def test_kill_at_commit_syscall(
     assert resumed.result["params_sha256"] == fault_free.result["params_sha256"]  # type: ignore[index]
     # Nothing half-done is left behind, and the newest K are kept.
     assert sorted(p.name for p in ckdir.iterdir()) == ["LATEST", "step_000000008", "step_000000010"]
-    assert manifest.read_latest(cfg.run_root) == 10
+    assert checkpointing.read_latest(cfg.run_root) == 10
 
 
 @pytest.mark.parametrize("pid", [7544, 12345, 4194303])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.adversarial.conftest import Inject, RunOutcome, run_under, tiny_config
-from trainer import manifest
+from trainer import checkpointing
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +47,8 @@ def test_full_disk_fails_the_save_not_the_checkpoints(
     disk: FullDisk, strace_ok: None, fault_free: RunOutcome, dataset: Path, tmp_path: Path
 ):
     cfg = tiny_config(tmp_path / "run", dataset)
-    ckdir = manifest.checkpoints_dir(cfg.run_root)
-    target = manifest.partial_path(cfg.run_root, 6) / disk.path
+    ckdir = checkpointing.checkpoints_dir(cfg.run_root)
+    target = checkpointing.partial_path(cfg.run_root, 6) / disk.path
     out = run_under(cfg, Inject(WRITES, target, "error=ENOSPC"))
 
     assert out.returncode == EXIT_FATAL, out.log[-3000:]
@@ -61,8 +61,8 @@ def test_full_disk_fails_the_save_not_the_checkpoints(
     # Only that save is lost: no partial left, the last commit verifies in full.
     assert [e["step"] for e in out.of_kind("checkpoint")] == [2, 4]
     assert sorted(p.name for p in ckdir.iterdir()) == ["LATEST", "step_000000002", "step_000000004"]
-    assert manifest.verify_checkpoint(manifest.committed_path(cfg.run_root, 4)).ok
-    assert manifest.read_latest(cfg.run_root) == 4
+    assert checkpointing.verify_checkpoint(checkpointing.committed_path(cfg.run_root, 4)).ok
+    assert checkpointing.read_latest(cfg.run_root) == 4
     lines = (cfg.run_root / "events.jsonl").read_text().splitlines()
     assert [json.loads(line)["kind"] for line in lines] == [e["kind"] for e in out.events]
 

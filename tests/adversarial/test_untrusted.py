@@ -28,7 +28,7 @@ from tasks.hydrate import hydrate_dataset
 from tasks.validate import validate_latest
 from tasks.validation.checkpoint import Expectations, child_env
 from tests.helpers import REPO, make_config, run_single, worker_env
-from trainer import manifest
+from trainer import checkpointing
 from trainer.untrusted import UnsafeCheckpointError, load_dcp_metadata, loads_dcp_metadata
 
 NEWEST, OLDER = 10, 5
@@ -40,7 +40,7 @@ def trained(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
     cfg = make_config(tmp_path_factory.mktemp("untrusted") / "run", dataset, steps=NEWEST)
     out = run_single(cfg)
     assert out.returncode == 0, out.log[-2000:]
-    assert manifest.committed_steps(cfg.run_root) == [OLDER, NEWEST]
+    assert checkpointing.committed_steps(cfg.run_root) == [OLDER, NEWEST]
     return cfg.run_root, cfg.fingerprint()
 
 
@@ -53,7 +53,7 @@ def run_root(trained: tuple[Path, str], tmp_path: Path) -> Path:
 
 
 def newest(run_root: Path) -> Path:
-    return manifest.committed_path(run_root, NEWEST)
+    return checkpointing.committed_path(run_root, NEWEST)
 
 
 # -- attacks on one checkpoint -----------------------------------------------------------------
@@ -69,29 +69,29 @@ def flip_offset(path: Path) -> int:
     """The middle of a binary file; in manifest.json, the middle of the first sha256 value: the
     manifest carries no digest of itself, so a flip in a field nothing checks (``created_at``)
     would change nothing worth detecting."""
-    if path.name != manifest.MANIFEST:
+    if path.name != checkpointing.MANIFEST:
         return path.stat().st_size // 2
     text = path.read_bytes()
     return text.index(b'"sha256": "') + len(b'"sha256": "') + 32
 
 
 def checkpoint_files(ckpt: Path) -> list[str]:
-    names = sorted(e["name"] for e in manifest.read_manifest(ckpt)["files"])
-    return [*names, manifest.MANIFEST]
+    names = sorted(e["name"] for e in checkpointing.read_manifest(ckpt)["files"])
+    return [*names, checkpointing.MANIFEST]
 
 
 def forge_metadata(ckpt: Path, payload: bytes) -> None:
     """What an attacker with write access does: replace ``.metadata`` and rewrite the (unsigned)
     manifest so that its size and sha256 match."""
     (ckpt / ".metadata").write_bytes(payload)
-    man = json.loads((ckpt / manifest.MANIFEST).read_text())
+    man = json.loads((ckpt / checkpointing.MANIFEST).read_text())
     for entry in man["files"]:
         if entry["name"] == ".metadata":
             entry["bytes"] = len(payload)
             entry["sha256"] = hashlib.sha256(payload).hexdigest()
-    (ckpt / manifest.MANIFEST).write_text(json.dumps(man, indent=1, sort_keys=True))
+    (ckpt / checkpointing.MANIFEST).write_text(json.dumps(man, indent=1, sort_keys=True))
     # The digests vouch for the forgery; only the restricted reader stands in its way.
-    verdict = manifest.verify_checkpoint(ckpt)
+    verdict = checkpointing.verify_checkpoint(ckpt)
     assert not verdict.ok and "sha256" not in verdict.reason and ".metadata" in verdict.reason
 
 
@@ -143,7 +143,7 @@ def test_every_file_flipped_falls_back_to_the_older_checkpoint(
 ) -> None:
     fingerprint = trained[1]
     names = checkpoint_files(newest(trained[0]))
-    assert {".metadata", manifest.MANIFEST} <= set(names) and any(
+    assert {".metadata", checkpointing.MANIFEST} <= set(names) and any(
         n.endswith(".distcp") for n in names
     )
     for name in names:
@@ -156,7 +156,7 @@ def test_every_file_flipped_falls_back_to_the_older_checkpoint(
         assert outcome.chosen.step == OLDER, name
         assert [r.step for r in outcome.rejected] == [NEWEST], name
 
-        choice = manifest.choose_resume(run_root, fingerprint=fingerprint)
+        choice = checkpointing.choose_resume(run_root, fingerprint=fingerprint)
         assert choice.step == OLDER, name
         assert [s for s, _ in choice.rejected] == [NEWEST], name
 
@@ -258,7 +258,7 @@ def test_resume_choice_rejects_forged_metadata(
 ):
     canary = tmp_path / "canary"
     forge_metadata(newest(run_root), PAYLOADS["os.system"](newest(run_root), canary))
-    choice = manifest.choose_resume(run_root, fingerprint=trained[1])
+    choice = checkpointing.choose_resume(run_root, fingerprint=trained[1])
     assert not canary.exists()
     assert choice.step == OLDER
     assert "refusing to unpickle" in dict(choice.rejected)[NEWEST]

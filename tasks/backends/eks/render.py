@@ -363,8 +363,8 @@ def render_network_policy(
 
     No port list, on purpose: besides the c10d rendezvous store on ``eks.rdzv_port`` (hosted by
     the index-0 agent), the workers' TCPStore (``MASTER_PORT``: torch elastic shares the
-    rendezvous store or has the group's rank-0 agent pick a free port), NVRx's in-process
-    restart stores (``MASTER_PORT+1`` and ``+2``) and NCCL's bootstrap and socket connections
+    rendezvous store or has the group's rank-0 agent pick a free port; the trainer's process
+    groups and NVRx's in-process restart share it) and NCCL's bootstrap and socket connections
     all use ports chosen at run time, on whichever pod holds rank 0. What the policy pins is
     who: pods of this Job, by the job-name label (the API server sets it from the Job's own
     name and refuses a Job template that claims another; a bare pod carrying it needs

@@ -1,33 +1,22 @@
 """Asynchronous DCP checkpoint saves through NVRx's async machinery, with an explicit CPU path.
 
-A save takes a snapshot of this rank's state into CPU staging buffers, plans the DCP save, and
-hands the write to NVRx's persistent writer process (an ``AsyncCallsQueue(persistent=True)``
-worker). On CPU the worker forks it, and NVRx's results-queue Manager, at its start, before any
-other thread runs (``start(fork=True)``, see ``nvrx_compat.start_persistent_writer``): ready at
-once, with nothing to import. Where that cannot be (CUDA, threads already running) it is spawned
-by ``ensure_started()`` after the first training step and never waited for: its interpreter's
-start-up overlaps training, not the restart's model build and load. The writer writes this
-rank's DCP shard with NVRx's ``FileSystemWriterAsync`` (fsync included) and digests it while
-training goes on. ``poll()`` (every step, every rank) finalizes the save once every rank's writer
-is done: the write results are gathered on the training thread (one small collective), and the
-coordinator writes DCP's ``.metadata`` and runs the caller's commit (``poll(commit=...)``: the
-manifest, fsyncs, rename, prune) on a persistent commit thread of its own, while training goes
-on. A later ``poll`` learns from every rank's flags whether that commit is done and whether it
-failed, and returns the ``SaveResult`` only then: a result means committed.
-
-Staging buffers: one CPU tensor per state tensor, allocated once (in shared memory, so the writer
-process receives a handle, not the bytes; page-locked once as well when the source is on CUDA)
-and refilled on every save while the state layout is unchanged. A ``DTensor`` is staged as
-``DTensor(cpu_buffer, source._spec)``: same global shape, placements and mesh (so the DCP planner
-makes the same plan, and the cached plan stays valid), but its local tensor stays on the CPU.
+A save takes a snapshot of this rank's state into CPU staging buffers
+(:mod:`~trainer.checkpointing.staging`), plans the DCP save, and hands the write to NVRx's
+persistent writer process (:mod:`~trainer.checkpointing.writer`), which writes and digests
+this rank's shard while training goes on. ``poll()`` (every step, every rank) finalizes the
+save once every rank's writer is done (:mod:`~trainer.checkpointing.flags` names what the ranks
+agree on): the write results are gathered on the training thread (one small collective), and
+the coordinator writes DCP's ``.metadata`` and runs the caller's commit (``poll(commit=...)``:
+the manifest, fsyncs, rename, prune) on a persistent commit thread of its own, while training
+goes on. A later ``poll`` learns from every rank's flags whether that commit is done and
+whether it failed, and returns the ``SaveResult`` only then: a result means committed.
 
 What blocks training, and what overlaps:
 
-- **CPU** (``device.type == "cpu"``): ``save()`` blocks for the staging copy (synchronous; it is
-  required: "moving to CPU" is a no-op for CPU tensors, so without it the writer would read the
-  live parameters while ``optimizer.step()`` mutates them: measured corrupt checkpoints), the DCP
-  plan (cached after the first save) and the hand-off of the request to the writer. The file
-  writes, fsync and digests overlap training. ``before_optimizer_step()`` is a no-op.
+- **CPU** (``device.type == "cpu"``): ``save()`` blocks for the staging copy (synchronous and
+  required, see the staging module), the DCP plan (cached after the first save) and the
+  hand-off of the request to the writer. The file writes, fsync and digests overlap training.
+  ``before_optimizer_step()`` is a no-op.
 - **CUDA**: ``save()`` blocks only while the device-to-host copies are *enqueued* on a side CUDA
   stream (which first waits on the current stream, so it copies the state as of the finished
   optimizer step), a ``torch.cuda.Event`` is recorded behind them, and the DCP plan is made; no
@@ -60,10 +49,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -72,19 +60,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed._state_dict_utils import (
-    _copy_state_dict,
-    _identity_func,
-    _iterate_state_dict,
-)
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainer import nvrx_compat
-from trainer.errors import TrainerError
-from trainer.manifest import write_digest_sidecar
+from trainer.checkpointing.errors import (
+    CheckpointCommitError,
+    CheckpointStorageError,
+    CheckpointTimeout,
+    CheckpointWorkerDied,
+    CheckpointWriteError,
+)
+from trainer.checkpointing.flags import SaveFlags
+from trainer.checkpointing.staging import Staging
+from trainer.checkpointing.writer import PersistentWriter, write_shard
 
 log = logging.getLogger(__name__)
 
@@ -92,57 +81,7 @@ log = logging.getLogger(__name__)
 WARMUP_STEP = -1  # the step of the writer's warm-up write (never committed)
 
 
-class CheckpointWriteError(TrainerError, RuntimeError):
-    pass
-
-
-class CheckpointWorkerDied(CheckpointWriteError):
-    """The async writer process died: the save in flight is lost (the previous commit is not)."""
-
-
-class CheckpointTimeout(CheckpointWriteError):
-    pass
-
-
-class CheckpointCommitError(CheckpointWriteError):
-    """The coordinator's commit of a written save failed for a reason that is not the storage's
-    (a bug, a refused manifest): every rank raises it; the last commit stays valid."""
-
-
-class CheckpointStorageError(CheckpointWriteError):
-    """A rank's write (or the DCP ``.metadata``) failed, e.g. ENOSPC: the storage refused this
-    save. Raised on every rank; the save in flight is lost, the last commit is not."""
-
-    def __init__(self, message: str, *, step: int, directory: Path) -> None:
-        super().__init__(message)
-        self.step = step
-        self.directory = directory
-
-
-def _noop() -> None:
-    """First request: makes the persistent worker start (and import torch) at init."""
-
-
-def _write_shard(
-    save_fn: Callable[..., None] | None,
-    directory: str,
-    rank: int,
-    write_buckets: list[Any],
-    results_queue: Any,
-) -> None:
-    """Runs in NVRx's persistent writer process: write this rank's files, then digest them."""
-    if save_fn is not None:
-        save_fn(rank, write_buckets, results_queue)
-    try:
-        files = [Path(bucket[0]) for bucket in write_buckets]
-        write_digest_sidecar(Path(directory), rank, files)
-    except OSError:
-        # A failed write is reported by the DCP finalize from the results queue; without a
-        # sidecar the commit simply has nothing to trust.
-        pass
-
-
-def _write_metadata_then(
+def write_metadata_then(
     writer: Any, metadata: Any, gathered: list[Any], task: CommitTask, *, step: int, directory: Path
 ) -> Any:
     """The commit thread: DCP finalize's second half (the coordinator writes ``.metadata``),
@@ -157,14 +96,14 @@ def _write_metadata_then(
     return task()
 
 
-def _remover(directory: Path) -> CommitTask:
+def remover(directory: Path) -> CommitTask:
     def remove() -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
     return remove
 
 
-def _nothing() -> None:
+def nothing() -> None:
     return None
 
 
@@ -203,6 +142,7 @@ class SaveResult:
 # The coordinator's commit of one save, run on the commit thread: built on the training thread
 # from the finalized save, it must hold no process group (see ``trainer.gloo_release``).
 CommitTask = Callable[[], Any]
+
 CommitFor = Callable[[SaveResult], CommitTask]
 
 
@@ -214,189 +154,6 @@ class _Committing:
     result: SaveResult
     coordinator_rank: int
     future: Future[Any] | None = None
-
-
-class _SyncCopy:
-    """CPU: the staging copy runs on the calling thread and is complete when ``copy_`` returns,
-    so nothing is ever in flight and every method is a no-op."""
-
-    non_blocking = False
-
-    @contextlib.contextmanager
-    def copying(self) -> Iterator[None]:
-        yield
-
-    @property
-    def in_flight(self) -> bool:
-        return False
-
-    def query(self) -> bool:
-        """Whether the last copy has completed (and forget it if so)."""
-        return True
-
-    def order_current_stream(self) -> None:
-        """Make work queued after this call on the current stream run after the copy."""
-
-    def synchronize(self) -> None:
-        """Block the host until the copy has completed."""
-
-
-class _CudaSideStreamCopy(_SyncCopy):
-    """CUDA: device-to-host copies on a side stream that first waits on the current stream (so
-    it sees the finished optimizer step); an event recorded behind them tells when they are
-    done. Nothing here synchronizes the device."""
-
-    non_blocking = True
-
-    def __init__(self, device: torch.device) -> None:
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
-        # Created on the training thread after its current stream is set up (as DCP's
-        # DefaultStager does), never the default stream.
-        self.stream = torch.cuda.Stream(device=device)
-        self.event: torch.cuda.Event | None = None
-
-    @contextlib.contextmanager
-    def copying(self) -> Iterator[None]:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.stream(self.stream):
-                yield
-        finally:  # even after a failed copy: whatever was enqueued must be waited for
-            event = torch.cuda.Event()
-            event.record(self.stream)
-            self.event = event
-
-    @property
-    def in_flight(self) -> bool:
-        return self.event is not None
-
-    def query(self) -> bool:
-        if self.event is None:
-            return True
-        if self.event.query():
-            self.event = None
-            return True
-        return False
-
-    def order_current_stream(self) -> None:
-        if self.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.event)
-
-    def synchronize(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
-
-
-def _make_copier(device: torch.device) -> _SyncCopy:
-    return _CudaSideStreamCopy(device) if device.type == "cuda" else _SyncCopy()
-
-
-def _signature(obj: Any) -> Any:
-    """The state layout that the staging buffers (and the cached DCP plan) depend on: structure,
-    and per tensor its local shape, dtype, device type and, for a DTensor, its global shape and
-    placements. Values of non-tensor entries (a learning rate) are not part of it."""
-    if isinstance(obj, ShardedTensor):
-        raise TypeError("ShardedTensor (FSDP1) state is not supported: use FSDP2 (DTensor)")
-    if isinstance(obj, DTensor):
-        local = obj._local_tensor
-        return (
-            "D",
-            tuple(local.shape),
-            local.dtype,
-            local.device.type,
-            tuple(obj.shape),
-            tuple(obj.placements),
-        )
-    if isinstance(obj, torch.Tensor):
-        return ("T", tuple(obj.shape), obj.dtype, obj.device.type)
-    if isinstance(obj, dict):
-        return ("{", tuple((k, _signature(v)) for k, v in obj.items()))
-    if isinstance(obj, (list, tuple)):
-        return ("[" if isinstance(obj, list) else "(", tuple(_signature(v) for v in obj))
-    return type(obj).__name__
-
-
-class _Staging:
-    """CPU buffers the size of this rank's state, allocated once and refilled on every save.
-
-    Built with torch's own state-dict helpers (``torch.distributed._state_dict_utils``):
-    ``_iterate_state_dict`` to build the staged state around the buffers, ``_copy_state_dict`` to
-    fill them. Not ``_create_cpu_state_dict``: it gives 0-dim tensors a buffer that is neither
-    shared nor pinned (on CUDA a copy into pageable memory makes the host wait for the stream)
-    and returns a 0-dim DTensor itself, i.e. the live device tensor.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.key: Any = None
-        self.buffers: list[torch.Tensor] = []  # local CPU tensors, in traversal order
-        self.reallocated = False
-        self._copier: _SyncCopy | None = None
-
-    @property
-    def copier(self) -> _SyncCopy:
-        if self._copier is None:
-            self._copier = _make_copier(self.device)
-        return self._copier
-
-    @staticmethod
-    def _alloc(src: torch.Tensor) -> torch.Tensor:
-        buf = torch.empty(tuple(src.shape), dtype=src.dtype, device="cpu")
-        # Shared memory: the writer process receives a handle, not a copy of the bytes.
-        buf.share_memory_()
-        nbytes = buf.numel() * buf.element_size()
-        if src.device.type == "cuda" and nbytes > 0:
-            # Page-lock the shared buffer once (cudaHostRegister, as torch's own
-            # _create_cpu_state_dict(pin_memory=True, share_memory=True) does) so the
-            # device-to-host copy is truly asynchronous and runs at full speed.
-            from torch.cuda import _pin_memory_utils
-
-            _pin_memory_utils.pin_memory(buf.data_ptr(), nbytes)
-            weakref.finalize(buf, _pin_memory_utils.unpin_memory, buf.data_ptr())
-        return buf
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict`` into the buffers; returns the staged state (CPU tensors only).
-
-        On CUDA the copy may still be in flight when this returns (see ``copier``)."""
-        key = _signature(state_dict)
-        self.reallocated = key != self.key
-        if self.reallocated:
-            self.key = None
-            self.buffers = []
-        reuse = iter(self.buffers)
-        fresh: list[torch.Tensor] = []
-
-        def buffer_for(local: torch.Tensor) -> torch.Tensor:
-            if self.reallocated:
-                buf = self._alloc(local)
-                fresh.append(buf)
-                return buf
-            return next(reuse)
-
-        def tensor_func(obj: torch.Tensor, _pg: Any, _device: Any, _c: Any) -> torch.Tensor:
-            return buffer_for(obj)
-
-        def dtensor_func(obj: DTensor, _pg: Any, _device: Any, _c: Any) -> DTensor:
-            # Same spec (mesh, placements, global shape and stride), CPU local tensor. Never
-            # DTensor.from_local(buf, mesh): that moves the buffer to the mesh's device.
-            return DTensor(buffer_for(obj._local_tensor), obj._spec, requires_grad=False)
-
-        with torch.no_grad():
-            target = _iterate_state_dict(
-                state_dict, _identity_func, dtensor_func, tensor_func, type_check=False
-            )
-            if self.reallocated:
-                self.buffers = fresh
-                self.key = key
-            with self.copier.copying():
-                staged = _copy_state_dict(
-                    state_dict, target, non_blocking=self.copier.non_blocking, type_check=False
-                )
-        return staged
 
 
 class AsyncCheckpointer:
@@ -411,83 +168,43 @@ class AsyncCheckpointer:
         self.device = device
         self.timeout_s = timeout_s
         self.cache_plan = cache_plan
-        self.staging = _Staging(device)
-        self.queue: Any = None
+        self.staging = Staging(device)
+        self.writer = PersistentWriter()
         self.group: dist.ProcessGroup | None = None
         self.pending: _Pending | None = None
         self._md_cache: Any = None
         self._step_hook: Any = None
-        self._results_queue_thread: threading.Thread | None = None
-        # When the current writer was started and when it first answered (time.time()).
-        self.writer_started_at: float | None = None
-        self.writer_ready_at: float | None = None
-        self.writer_start_method: str | None = None  # "fork" or "spawn"
-        self._warmed = False  # the current writer has written once (warm-up or a save)
-        self._ready_taken = False
         self.committing: _Committing | None = None
         self._commit_thread: ThreadPoolExecutor | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, *, rank: int = 0, fork: bool = False) -> bool:
-        """Start the writer process now without waiting for it; whether a new one was started.
-
-        ``fork``: fork this process instead (the caller's word that no other thread runs yet and
-        CUDA is not in use: the worker's start on CPU), and NVRx's results-queue Manager with it;
-        both are ready at once. Otherwise, as follows.
-
-        The writer is a spawned interpreter that imports torch (~1–2 s here), and NVRx's
-        results-queue Manager another (light when the worker runs as ``-m trainer``). Started
-        once training runs (``ensure_started``), their start-up overlaps the steps before the
-        first save instead of the restart's model build and load (measured: the build took
-        1.0–1.4 s beside them, 0.7 s without, on 2 cores); the first ``poll`` that finds the
-        writer's no-op done records ``writer_ready_at``. Idempotent while the writer lives
-        (``bind`` calls it, at a restart, to replace a writer that died)."""
-        if self.queue is not None and self._worker_alive():
+        """Start the writer process now without waiting for it (:class:`PersistentWriter`);
+        whether a new one was started. Idempotent while the writer lives (``bind`` calls it, at
+        a restart, to replace a writer that died); a save of a replaced writer is forgotten."""
+        if self.writer.queue is not None and self.writer.alive():
             return False
-        self._reset_queue()
         self._forget_pending()
-        if fork:  # before the writer: its queue's feeder thread starts with the first request
-            nvrx_compat.fork_write_results_queue()
-        self.queue = nvrx_compat.AsyncCallsQueue(persistent=True)
-        self.writer_start_method = nvrx_compat.start_persistent_writer(
-            self.queue, nvrx_compat.AsyncRequest(_noop, (), []), rank=rank, fork=fork
-        )
-        self.writer_started_at, self.writer_ready_at = time.time(), None
-        self._warmed = self._ready_taken = False
-        if self._results_queue_thread is None and not nvrx_compat.write_results_queue_ready():
-            self._results_queue_thread = threading.Thread(
-                target=nvrx_compat.warm_write_results_queue, name="nvrx-results-queue", daemon=True
-            )
-            self._results_queue_thread.start()
+        self.writer.start(rank=rank, fork=fork)
         return True
 
     def ensure_started(self, *, rank: int = 0) -> None:
         """Start the first writer if none was started yet (cheap: called every step). A writer
         that died is replaced only by ``bind``, at a restart: mid-run its save is still being
         agreed on by every rank, and that agreement reports the death."""
-        if self.queue is None:
+        if self.writer.queue is None:
             self.start(rank=rank)
 
-    def _results_queue_ready(self) -> None:
-        """No save may plan before the Manager exists (NVRx would start a second one)."""
-        if self._results_queue_thread is not None:
-            self._results_queue_thread.join()
-
     def take_ready(self) -> float | None:
-        """Seconds the current writer took from ``start`` to ready, once per writer (then
-        None): for the ``writer_ready`` phase event."""
-        if self.writer_ready_at is None or self.writer_started_at is None or self._ready_taken:
-            return None
-        self._ready_taken = True
-        return self.writer_ready_at - self.writer_started_at
+        """See :meth:`PersistentWriter.take_ready`."""
+        return self.writer.take_ready()
 
-    def _note_ready(self) -> None:
-        """Record when the writer has done everything it was given so far (its start-up no-op,
-        the warm-up write): from then on a save's write starts at once."""
-        if self.writer_ready_at is None and self.queue is not None:
-            self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
-            if not self.queue.get_num_unfinalized_calls():
-                self.writer_ready_at = time.time()
+    @property
+    def writer_start_method(self) -> str | None:
+        return self.writer.start_method
+
+    def writer_pid(self) -> int | None:
+        return self.writer.pid()
 
     def bind(self, group: dist.ProcessGroup, *, warmup_dir: Path | None = None) -> None:
         """Attach to this restart iteration's checkpoint group; replace the writer if one was
@@ -501,7 +218,7 @@ class AsyncCheckpointer:
         self.group = group
         self._md_cache = nvrx_compat.new_metadata_cache() if self.cache_plan else None
         self._settle_quietly()  # a resume must not read the checkpoints while one commits
-        if self.queue is not None:
+        if self.writer.queue is not None:
             self.start(rank=dist.get_rank())
         if warmup_dir is not None:
             # Collective: a save plans across ranks, so all warm up if any rank's writer is new,
@@ -509,8 +226,8 @@ class AsyncCheckpointer:
             # is, and waiting for it here would block the worker's start-up. Skipped (always
             # for a process's first writer, which starts after the first step), the first real
             # save's write pays the fresh writer's extra cost instead (in the background).
-            waiting = self.queue is None or not nvrx_compat.write_results_queue_ready()
-            flags = torch.tensor([0 if self._warmed else 1, 1 if waiting else 0])
+            waiting = self.writer.queue is None or not nvrx_compat.write_results_queue_ready()
+            flags = torch.tensor([0 if self.writer.warmed else 1, 1 if waiting else 0])
             dist.all_reduce(flags, group=group)
             if int(flags[0]) > 0 and int(flags[1]) == 0:
                 self._warm_up(Path(warmup_dir))
@@ -522,31 +239,6 @@ class AsyncCheckpointer:
         dist.barrier(group=self.group)
         self.save({"writer_warmup": torch.zeros(1)}, directory, WARMUP_STEP)
 
-    def _worker_process(self) -> Any:
-        caller = getattr(self.queue, "persistent_caller", None)
-        return getattr(caller, "process", None)
-
-    def writer_pid(self) -> int | None:
-        proc = self._worker_process()
-        return None if proc is None else proc.pid
-
-    def _worker_alive(self) -> bool:
-        proc = self._worker_process()
-        return proc is not None and proc.is_alive()
-
-    def _reset_queue(self) -> None:
-        if self.queue is None:
-            return
-        proc = self._worker_process()
-        if proc is not None:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-            # NVRx's caller.__del__ would put 'DONE' and join a queue nobody serves: disarm it.
-            self.queue.persistent_caller.process = None
-        self.queue.async_calls.clear()
-        self.queue = None
-
     def close(self) -> None:
         """Idempotent. Waits for (and commits) a save in flight only if ``wait`` was called; a
         commit already running on the commit thread is let finish (nothing half-done is left
@@ -557,19 +249,7 @@ class AsyncCheckpointer:
         if self._commit_thread is not None:
             self._commit_thread.shutdown(wait=True)
             self._commit_thread = None
-        if self._results_queue_thread is not None:
-            # A Manager still starting has no exit finalizer yet: the interpreter's exit would
-            # wait for its process forever (a worker that fails in its first second).
-            self._results_queue_thread.join(timeout=60)
-            self._results_queue_thread = None
-        if self.queue is None:
-            return
-        # Killed, not asked to exit ('DONE' and a join waited ~0.7 s for the writer's
-        # interpreter to wind down, at the end of every worker): it writes nothing once every
-        # call is finalized, and a save still in flight is abandoned either way. The same for
-        # NVRx's results-queue Manager (its exit finalizer waited ~1 s).
-        self._reset_queue()
-        nvrx_compat.stop_write_results_queue()
+        self.writer.close()
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, state_dict: dict[str, Any], directory: Path, step: int) -> float:
@@ -605,11 +285,11 @@ class AsyncCheckpointer:
             self._install_step_hook()
         blocking = time.perf_counter() - t0
         self.pending.blocking_s = blocking
-        self._warmed = True
+        self.writer.warmed = True
         return blocking
 
     def _stage_and_plan(self, state_dict: dict[str, Any], directory: Path) -> tuple[Any, ...]:
-        self._results_queue_ready()
+        self.writer.results_queue_ready()
         staged = self.staging.stage(state_dict)
         if self.staging.reallocated and self.cache_plan:
             # NVRx reuses a validated cached plan without re-checking tensor sizes: a new state
@@ -628,7 +308,7 @@ class AsyncCheckpointer:
         rank = dist.get_rank()
         buckets, results_queue = (args[1], args[2]) if args else ([], None)
         request = nvrx_compat.AsyncRequest(
-            _write_shard, (save_fn, str(directory), rank, buckets, results_queue), []
+            write_shard, (save_fn, str(directory), rank, buckets, results_queue), []
         )
         return request, writer, metadata, dist_wrapper
 
@@ -656,7 +336,7 @@ class AsyncCheckpointer:
         assert p is not None and p.request is not None
         request, p.request, p.sources = p.request, None, None
         self._remove_step_hook()
-        self.queue.schedule_async_request(request)
+        self.writer.schedule(request)
 
     def _try_hand_off(self, *, block: bool) -> bool:
         """Hand the pending request over once its copy is complete; whether it has been."""
@@ -721,48 +401,30 @@ class AsyncCheckpointer:
         if dropped:
             log.info("discarded %d write result(s) of a save that will not commit", dropped)
 
-    def _drain_local(self, deadline: float, *, what: str) -> None:
-        """Wait until this rank's writer has finished everything it was given."""
-        while self.queue.get_num_unfinalized_calls():
-            self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
-            if not self.queue.get_num_unfinalized_calls():
-                break
-            if not self._worker_alive():
-                self._reset_queue()
-                raise CheckpointWorkerDied(f"async checkpoint writer died during {what}")
-            if time.monotonic() > deadline:
-                self._reset_queue()
-                raise CheckpointTimeout(f"async checkpoint writer did not finish {what} in time")
-            time.sleep(0.005)
-
     def _locally_done(self, *, block: bool) -> bool:
         assert self.pending is not None
         if not self.pending.locally_done:
             if not self._try_hand_off(block=block):
                 return False
-            self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
-            self.pending.locally_done = self.queue.get_num_unfinalized_calls() == 0
-            if self.pending.locally_done and self.writer_ready_at is None:
-                self.writer_ready_at = time.time()
+            self.pending.locally_done = self.writer.finished_all()
         return self.pending.locally_done
 
     def local_flags(self) -> torch.Tensor:
-        """This rank's share of the next ``poll``'s agreement, ``[not done, writer dead, commit
-        running, commit failed]`` (float, zeros when nothing is pending; the commit flags only
-        on the coordinator): the loop sums it with the loss in its own all-reduce and hands the
-        sums to ``poll(reduced=...)``, so a save in flight costs the step no collective of its
-        own."""
-        flags = torch.zeros(4)
+        """This rank's share of the next ``poll``'s agreement (:class:`SaveFlags`, as a float
+        tensor; zeros when nothing is pending, the commit flags only on the coordinator): the
+        loop sums it with the loss in its own all-reduce and hands the sums to
+        ``poll(reduced=...)``, so a save in flight costs the step no collective of its own."""
+        not_done = writer_dead = commit_running = commit_failed = 0
         if self.pending is not None:
             done = self._locally_done(block=False)
-            flags[0] = 0.0 if done else 1.0
-            flags[1] = 1.0 if not done and not self._worker_alive() else 0.0
+            not_done = 0 if done else 1
+            writer_dead = 1 if not done and not self.writer.alive() else 0
         c = self.committing
         if c is not None and c.future is not None:
             finished = c.future.done()  # one look: running and failed must agree
-            flags[2] = 0.0 if finished else 1.0
-            flags[3] = 1.0 if finished and c.future.exception() is not None else 0.0
-        return flags
+            commit_running = 0 if finished else 1
+            commit_failed = 1 if finished and c.future.exception() is not None else 0
+        return SaveFlags(not_done, writer_dead, commit_running, commit_failed).to_tensor()
 
     def poll(
         self,
@@ -786,31 +448,32 @@ class AsyncCheckpointer:
         bounds it instead); a dead writer or a failed commit on any rank raises on all.
         """
         if self.pending is None and self.committing is None:
-            self._note_ready()
+            self.writer.note_ready()
             return None
         deadline = time.monotonic() + self.timeout_s
         while True:
             if reduced is not None and not block:
                 # Every rank's local_flags(), summed by the caller's collective: the same
                 # decision on every rank without one of ours.
-                flags = reduced.to(torch.int64)
+                flags = SaveFlags.from_tensor(reduced)
                 reduced = None
             else:
                 if block and self.pending is not None:
                     self._locally_done(block=True)  # CUDA: wait for the copy and hand it over
-                flags = self.local_flags().to(torch.int64)
-                dist.all_reduce(flags, group=self.group)
-            if self.committing is not None and flags[2] == 0:
-                return self._settle(failed=bool(flags[3] > 0))
+                summed = self.local_flags()
+                dist.all_reduce(summed, group=self.group)
+                flags = SaveFlags.from_tensor(summed)
+            if self.committing is not None and flags.commit_running == 0:
+                return self._settle(failed=flags.commit_failed > 0)
             if self.pending is not None:
-                if flags[1] > 0:
+                if flags.writer_dead > 0:
                     self._forget_pending()
-                    self._reset_queue()
+                    self.writer.reset()
                     raise CheckpointWorkerDied(
-                        f"async checkpoint writer died on {int(flags[1])} rank(s); the save in "
+                        f"async checkpoint writer died on {flags.writer_dead} rank(s); the save in "
                         "flight is lost, the last committed checkpoint is intact"
                     )
-                if flags[0] == 0:
+                if flags.not_done == 0:
                     with section():  # the gather of write results: storage-bound collective
                         self._finalize(commit)
                     if not block:
@@ -827,7 +490,7 @@ class AsyncCheckpointer:
                         f"{self.timeout_s} s"
                     )
                 self._forget_pending()
-                self._reset_queue()
+                self.writer.reset()
                 raise CheckpointTimeout(f"checkpoint write not done after {self.timeout_s} s")
             if progress is not None:
                 progress()
@@ -875,13 +538,13 @@ class AsyncCheckpointer:
         self.committing = _Committing(result, coordinator)
         if p.dist_wrapper.is_coordinator:
             if p.step == WARMUP_STEP:  # nothing to commit: the warm-up's files go
-                task: CommitTask = _remover(p.directory)
+                task: CommitTask = remover(p.directory)
             else:
-                task = commit(result) if commit is not None else _nothing
+                task = commit(result) if commit is not None else nothing
             if self._commit_thread is None:
                 self._commit_thread = ThreadPoolExecutor(1, thread_name_prefix="nvrx-commit")
             self.committing.future = self._commit_thread.submit(
-                _write_metadata_then,
+                write_metadata_then,
                 p.writer,
                 p.metadata,
                 gathered,
@@ -948,9 +611,9 @@ class AsyncCheckpointer:
         self._wait_copy_quietly()
         self._remove_step_hook()
         self._settle_quietly()
-        if self.queue is not None:
+        if self.writer.queue is not None:
             try:
-                self._drain_local(time.monotonic() + self.timeout_s, what="the abandoned save")
+                self.writer.drain(time.monotonic() + self.timeout_s, what="the abandoned save")
             except CheckpointWriteError as e:
                 log.warning("%s; writer restarted on the next bind", e)
         self.pending = None

@@ -1,7 +1,8 @@
 """Checkpoint manager: when to save, the commit, and resume with fallback.
 
 Public ``resume`` / ``maybe_save`` / ``poll`` / ``finish`` own the guards; the async mechanics
-live in :mod:`trainer.async_ckpt`, the layout and manifest in :mod:`trainer.manifest`.
+live in :mod:`trainer.checkpointing.async_save`, the layout, manifest, commit and resume choice
+in the package's other modules.
 """
 
 from __future__ import annotations
@@ -22,15 +23,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from trainer import __version__, manifest, run_state, untrusted
-from trainer.async_ckpt import (
-    WARMUP_STEP,
-    AsyncCheckpointer,
-    CheckpointCommitError,
-    CheckpointStorageError,
-    CommitTask,
-    SaveResult,
-)
+from trainer import __version__, checkpointing, run_state, untrusted
+from trainer.checkpointing import CheckpointCommitError, CheckpointStorageError
+from trainer.checkpointing.async_save import WARMUP_STEP, AsyncCheckpointer, CommitTask, SaveResult
 from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, ResumePolicy, TrainConfig
 from trainer.errors import TerminalError
 from trainer.events import EventLog
@@ -93,7 +88,7 @@ class CheckpointManager:
         self.group = group
         self.fingerprint = cfg.fingerprint()
         self._inflight: dict[str, Any] = {}
-        saver.bind(group, warmup_dir=manifest.checkpoints_dir(cfg.run_root) / ".writer-warmup")
+        saver.bind(group, warmup_dir=checkpointing.checkpoints_dir(cfg.run_root) / ".writer-warmup")
 
     # -- resume --------------------------------------------------------------------------------
     def resume(self, model: nn.Module, optim: Optimizer, sampler: DataSource) -> Resumed:
@@ -145,10 +140,12 @@ class CheckpointManager:
             self._start_fresh()
         verify = self.cfg.verify_checkpoint_on_resume
         with self.fence.hold("settle what a crash left in the checkpoints"):
-            settled = manifest.recover(root, fingerprint=self.fingerprint, verify_digests=verify)
+            settled = checkpointing.recover(
+                root, fingerprint=self.fingerprint, verify_digests=verify
+            )
         for r in settled:
             self.events.emit("resume", action=r.action, dir=r.dir, step=r.step, reason=r.reason)
-        ok, rejected, found = manifest.resume_candidates(root, fingerprint=self.fingerprint)
+        ok, rejected, found = checkpointing.resume_candidates(root, fingerprint=self.fingerprint)
         if not found:
             fact = run_state.recorded_commit(root)
             # A run root from before control/commit.json: its log says (read once, here).
@@ -168,14 +165,14 @@ class CheckpointManager:
         found: int,
     ) -> tuple[str, Any]:
         """All ranks, newest candidate first: each rank digests its share of the files
-        (``manifest.digest_share``) and the ranks agree; the first candidate every share
+        (``checkpointing.digest_share``) and the ranks agree; the first candidate every share
         vouches for is loaded. Rank 0 records every newer checkpoint skipped, and why."""
         chosen: tuple[int, str, dict[str, Any]] | None = None
         rejected = list(rejected)
         for step, path, info in ok:
             mine = None
             if self.cfg.verify_checkpoint_on_resume:
-                mine = manifest.digest_share(
+                mine = checkpointing.digest_share(
                     Path(path), info, index=self.rank, count=self.world_size
                 )
             reasons: list[Any] = [None] * self.world_size
@@ -189,7 +186,7 @@ class CheckpointManager:
             ((s, why) for s, why in rejected if chosen is None or s > chosen[0]), reverse=True
         )
         if chosen is None:
-            why = manifest.no_valid_checkpoint(self.cfg.run_root, found, rejected)
+            why = checkpointing.no_valid_checkpoint(self.cfg.run_root, found, rejected)
             if self.rank == 0:
                 self.events.emit("resume", action="failed", reason=why)
             return ("error", why)
@@ -202,12 +199,14 @@ class CheckpointManager:
         """Explicit fresh start: archive (never delete) what is there; the ``fresh`` event also
         tells later resumes that commits recorded before it are not expected on disk."""
         root = self.cfg.run_root
-        ckdir = manifest.checkpoints_dir(root)
+        ckdir = checkpointing.checkpoints_dir(root)
         archived = None
         # Only if it holds steps: the writer's warm-up alone is no checkpoint (if the move
         # catches the warm-up mid-write, that failure is only logged).
         with self.fence.hold("start fresh"):
-            if ckdir.is_dir() and any(manifest.step_of(p) is not None for p in ckdir.iterdir()):
+            if ckdir.is_dir() and any(
+                checkpointing.step_of(p) is not None for p in ckdir.iterdir()
+            ):
                 archived = ckdir.with_name(f"checkpoints.before-fresh-{int(time.time())}")
                 shutil.move(str(ckdir), archived)
             run_state.record_commit(root, None)
@@ -232,7 +231,7 @@ class CheckpointManager:
         self, step: int, model: nn.Module, optim: Optimizer, sampler: DataSource, loss: float
     ) -> float:
         self.poll(block=True)  # the previous save is committed before the next starts
-        partial = manifest.partial_path(self.cfg.run_root, step, self.fence.epoch)
+        partial = checkpointing.partial_path(self.cfg.run_root, step, self.fence.epoch)
         if self.rank == 0:
             with self.fence.hold(f"start writing step {step}"):
                 if partial.exists():
@@ -270,7 +269,7 @@ class CheckpointManager:
                 return None
             raise self._storage_failure(e.step, e.directory, e) from e
         except CheckpointCommitError as e:
-            raise manifest.CheckpointError(str(e)) from e
+            raise checkpointing.CheckpointError(str(e)) from e
         if result is not None and isinstance(result.committed, Path):
             self.on_commit(result.step, result.committed)  # rank 0, on the training thread
         ready_s = self.saver.take_ready()
@@ -326,10 +325,10 @@ class CheckpointManager:
         """The storage refused a save (a full disk, most often). Fatal, not restarted: every
         restart would fail the same way until someone frees space. The partial is discarded; the
         last commit stays valid and the next run resumes from it."""
-        ckdir = manifest.checkpoints_dir(self.cfg.run_root)
+        ckdir = checkpointing.checkpoints_dir(self.cfg.run_root)
         disk = _disk(ckdir)
         # The directories, not LATEST: a failure right after the rename leaves LATEST behind.
-        steps = manifest.committed_steps(self.cfg.run_root)
+        steps = checkpointing.committed_steps(self.cfg.run_root)
         last = steps[-1] if steps else None
         message = (
             f"the save of step {step} failed: {error}. Disk: {disk['mount']} (holding {ckdir}; "
@@ -374,14 +373,14 @@ class _Commit:
         # The commit, the prune and the recorded fact as one fenced change: a writer whose
         # attempt was replaced while it wrote commits nothing (trainer.fence).
         with self.fence.hold(f"commit step {self.step}"):
-            path = manifest.commit(
+            path = checkpointing.commit(
                 self.run_root,
                 self.step,
                 world_size=self.world_size,
                 info=self.info,
                 epoch=self.fence.epoch,
             )
-            pruned = manifest.prune(self.run_root, self.keep_last)
+            pruned = checkpointing.prune(self.run_root, self.keep_last)
             run_state.record_commit(self.run_root, self.step)
         if pruned.refused:
             self.events.emit("prune_refused", step=self.step, reason=pruned.refused)
@@ -407,7 +406,7 @@ def recorded_commit(events: list[dict[str, Any]]) -> int | None:
 
 
 def _checkpoints_gone(run_root: Path, recorded: int) -> str:
-    ckdir = manifest.checkpoints_dir(run_root)
+    ckdir = checkpointing.checkpoints_dir(run_root)
     return (
         f"run {run_root}: its events.jsonl records committed checkpoints up to step {recorded}, "
         f"but {ckdir} holds no checkpoint (missing or emptied). Refusing to start from step 0: "

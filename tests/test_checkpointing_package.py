@@ -1,0 +1,50 @@
+"""The checkpointing package's contract (trainer/checkpointing/__init__.py): its on-disk side
+imports without torch (tasks read checkpoints in light processes: validation's gather, pull,
+export), and the ranks' agreement on a save in flight is read by name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import REPO
+from trainer.checkpointing.flags import SaveFlags
+
+
+def test_the_on_disk_side_imports_without_torch():
+    code = "import sys, trainer.checkpointing as c; print('torch' in sys.modules, len(c.__all__))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    loaded, exported = out.stdout.split()
+    assert loaded == "False" and int(exported) > 40
+
+
+@pytest.mark.parametrize(
+    ("shares", "summed"),
+    [
+        # nothing in flight anywhere
+        ([SaveFlags(), SaveFlags()], SaveFlags()),
+        # one rank's writer still writing, the other done
+        ([SaveFlags(not_done=1), SaveFlags()], SaveFlags(not_done=1)),
+        # a writer died with the save pending, on one rank of three
+        (
+            [SaveFlags(not_done=1, writer_dead=1), SaveFlags(not_done=1), SaveFlags()],
+            SaveFlags(not_done=2, writer_dead=1),
+        ),
+        # the coordinator's commit failed: only the coordinator knows, everyone learns it
+        ([SaveFlags(commit_failed=1), SaveFlags()], SaveFlags(commit_failed=1)),
+    ],
+)
+def test_the_ranks_agree_by_summing_their_shares(shares, summed):
+    total = torch.stack([s.to_tensor() for s in shares]).sum(0)  # what all_reduce computes
+    assert SaveFlags.from_tensor(total) == summed
+    assert SaveFlags.names() == ("not_done", "writer_dead", "commit_running", "commit_failed")
+
+
+def test_flags_of_another_length_are_refused():
+    with pytest.raises(ValueError, match="save flags have 4 values, got 5"):
+        SaveFlags.from_tensor(torch.zeros(5))

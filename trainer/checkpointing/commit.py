@@ -1,0 +1,130 @@
+"""The commit protocol (arch §3): every rank's shards written and fsynced -> the DCP
+``.metadata`` -> rank 0 writes ``manifest.json`` -> atomic rename ``.partial`` -> committed
+(directory fsynced) -> ``LATEST`` replaced atomically -> older steps pruned once the newest
+verifies. Every step is one rename, so a kill between any two leaves a state that
+:mod:`trainer.checkpointing.recovery` resolves without losing a committed step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpointing.durable import delete_dir, durable_rename, write_atomic
+from trainer.checkpointing.layout import (
+    LATEST,
+    checkpoints_dir,
+    committed_path,
+    committed_steps,
+    partial_path,
+    read_latest,
+    superseded_path,
+)
+from trainer.checkpointing.manifest import (
+    FORMAT,
+    MANIFEST,
+    collect_file_entries,
+    drop_bookkeeping,
+    verify_checkpoint,
+)
+
+log = logging.getLogger(__name__)
+
+
+# Prune re-digests the newest survivor in full up to this size (measured: ~2 ms for the tiny
+# model's 2.2 MB; sha256 runs at ~1.7 GB/s here, so 64 MiB costs ~40 ms on the commit path);
+# above it, sizes of every file plus the digest of the manifest-listed .metadata.
+PRUNE_FULL_DIGEST_MAX_BYTES = 64 << 20
+
+
+def commit(
+    run_root: Path,
+    step: int,
+    *,
+    world_size: int,
+    info: dict[str, Any],
+    keep_last: int | None = None,
+    epoch: int | None = None,
+) -> Path:
+    """Rank 0 only, after every rank's shards and the DCP metadata are on disk: commits the
+    partial of ``epoch`` (a partial of another epoch is not this writer's to commit). With
+    ``keep_last``, prunes as well (:func:`prune`); without, the caller prunes."""
+    src = partial_path(run_root, step, epoch)
+    files = collect_file_entries(src, world_size)
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "world_size": world_size,
+        "created_at": time.time(),
+        "digest": "sha256",
+        **info,
+        "files": files,
+    }
+    write_atomic(src / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    drop_bookkeeping(src)
+    dst = install(run_root, step, src)
+    if keep_last is not None:
+        prune(run_root, keep_last)
+    return dst
+
+
+def install(run_root: Path, step: int, src: Path | None = None) -> Path:
+    """Rename the complete ``.partial`` of ``step`` to committed, then point ``LATEST`` at it.
+
+    A directory cannot be renamed over a non-empty one, so an older commit of the same step (an
+    earlier life's, e.g. one that resume skipped) is first renamed aside to ``.superseded``,
+    which readers still take as that step's fallback; it is removed only once its replacement
+    is in place. At no instant is there no candidate for the step."""
+    src = src or partial_path(run_root, step)
+    dst = committed_path(run_root, step)
+    aside = superseded_path(run_root, step)
+    if dst.exists():
+        if aside.exists():  # left by a crashed earlier supersede; dst is the newer copy
+            delete_dir(aside)
+        durable_rename(dst, aside)
+    durable_rename(src, dst)
+    write_atomic(checkpoints_dir(run_root) / LATEST, f"{step}\n")
+    if aside.exists():
+        delete_dir(aside)
+    return dst
+
+
+@dataclass
+class Pruned:
+    removed: list[int] = field(default_factory=list)
+    refused: str = ""  # why nothing was removed (the newest survivor did not verify)
+
+
+def prune(run_root: Path, keep_last: int) -> Pruned:
+    """Keep the newest ``keep_last`` committed steps, but delete nothing unless the newest one
+    re-reads correctly from disk: a silently damaged newest must not cost its fallbacks."""
+    steps = committed_steps(run_root)
+    doomed = steps[:-keep_last] if keep_last > 0 else steps
+    if not doomed:
+        return Pruned()
+    newest = committed_path(run_root, steps[-1])
+    verdict = verify_checkpoint(newest, digests=_total_bytes(newest) <= PRUNE_FULL_DIGEST_MAX_BYTES)
+    if not verdict.ok:
+        why = f"newest checkpoint does not verify ({verdict.reason}): keeping steps {steps}"
+        log.warning("not pruning: %s", why)
+        return Pruned(refused=why)
+    for step in doomed:
+        delete_dir(committed_path(run_root, step))
+    return Pruned(removed=doomed)
+
+
+def _total_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+
+
+def repair_latest(run_root: Path) -> None:
+    """LATEST names the newest committed step (a kill between the rename and the LATEST write
+    leaves it one commit behind)."""
+    (checkpoints_dir(run_root) / f".{LATEST}.tmp").unlink(missing_ok=True)  # a killed write's
+    steps = committed_steps(run_root)
+    if steps and read_latest(run_root) != steps[-1]:
+        write_atomic(checkpoints_dir(run_root) / LATEST, f"{steps[-1]}\n")

@@ -1,0 +1,214 @@
+"""The snapshot of a rank's state that a save writes: CPU buffers the size of the state,
+allocated once and refilled on every save while the state layout is unchanged.
+
+Buffers live in shared memory, so the writer process receives a handle, not the bytes (and are
+page-locked once as well when the source is on CUDA). A ``DTensor`` is staged as
+``DTensor(cpu_buffer, source._spec)``: same global shape, placements and mesh (so the DCP
+planner makes the same plan, and the cached plan stays valid), but its local tensor stays on
+the CPU.
+
+The copy itself (:class:`SyncCopy`, :class:`CudaSideStreamCopy`): on CPU it is synchronous and
+required ("moving to CPU" is a no-op for CPU tensors, so without it the writer would read the
+live parameters while ``optimizer.step()`` mutates them: measured corrupt checkpoints); on CUDA
+it runs on a side stream that first waits on the current one, with an event recorded behind it,
+and no ``torch.cuda.synchronize()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._state_dict_utils import (
+    _copy_state_dict,
+    _identity_func,
+    _iterate_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+
+class SyncCopy:
+    """CPU: the staging copy runs on the calling thread and is complete when ``copy_`` returns,
+    so nothing is ever in flight and every method is a no-op."""
+
+    non_blocking = False
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        yield
+
+    @property
+    def in_flight(self) -> bool:
+        return False
+
+    def query(self) -> bool:
+        """Whether the last copy has completed (and forget it if so)."""
+        return True
+
+    def order_current_stream(self) -> None:
+        """Make work queued after this call on the current stream run after the copy."""
+
+    def synchronize(self) -> None:
+        """Block the host until the copy has completed."""
+
+
+class CudaSideStreamCopy(SyncCopy):
+    """CUDA: device-to-host copies on a side stream that first waits on the current stream (so
+    it sees the finished optimizer step); an event recorded behind them tells when they are
+    done. Nothing here synchronizes the device."""
+
+    non_blocking = True
+
+    def __init__(self, device: torch.device) -> None:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        # Created on the training thread after its current stream is set up (as DCP's
+        # DefaultStager does), never the default stream.
+        self.stream = torch.cuda.Stream(device=device)
+        self.event: torch.cuda.Event | None = None
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:  # even after a failed copy: whatever was enqueued must be waited for
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            self.event = event
+
+    @property
+    def in_flight(self) -> bool:
+        return self.event is not None
+
+    def query(self) -> bool:
+        if self.event is None:
+            return True
+        if self.event.query():
+            self.event = None
+            return True
+        return False
+
+    def order_current_stream(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+
+def make_copier(device: torch.device) -> SyncCopy:
+    return CudaSideStreamCopy(device) if device.type == "cuda" else SyncCopy()
+
+
+def _signature(obj: Any) -> Any:
+    """The state layout that the staging buffers (and the cached DCP plan) depend on: structure,
+    and per tensor its local shape, dtype, device type and, for a DTensor, its global shape and
+    placements. Values of non-tensor entries (a learning rate) are not part of it."""
+    if isinstance(obj, ShardedTensor):
+        raise TypeError("ShardedTensor (FSDP1) state is not supported: use FSDP2 (DTensor)")
+    if isinstance(obj, DTensor):
+        local = obj._local_tensor
+        return (
+            "D",
+            tuple(local.shape),
+            local.dtype,
+            local.device.type,
+            tuple(obj.shape),
+            tuple(obj.placements),
+        )
+    if isinstance(obj, torch.Tensor):
+        return ("T", tuple(obj.shape), obj.dtype, obj.device.type)
+    if isinstance(obj, dict):
+        return ("{", tuple((k, _signature(v)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return ("[" if isinstance(obj, list) else "(", tuple(_signature(v) for v in obj))
+    return type(obj).__name__
+
+
+class Staging:
+    """CPU buffers the size of this rank's state, allocated once and refilled on every save.
+
+    Built with torch's own state-dict helpers (``torch.distributed._state_dict_utils``):
+    ``_iterate_state_dict`` to build the staged state around the buffers, ``_copy_state_dict`` to
+    fill them. Not ``_create_cpu_state_dict``: it gives 0-dim tensors a buffer that is neither
+    shared nor pinned (on CUDA a copy into pageable memory makes the host wait for the stream)
+    and returns a 0-dim DTensor itself, i.e. the live device tensor.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.key: Any = None
+        self.buffers: list[torch.Tensor] = []  # local CPU tensors, in traversal order
+        self.reallocated = False
+        self._copier: SyncCopy | None = None
+
+    @property
+    def copier(self) -> SyncCopy:
+        if self._copier is None:
+            self._copier = make_copier(self.device)
+        return self._copier
+
+    @staticmethod
+    def _alloc(src: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty(tuple(src.shape), dtype=src.dtype, device="cpu")
+        # Shared memory: the writer process receives a handle, not a copy of the bytes.
+        buf.share_memory_()
+        nbytes = buf.numel() * buf.element_size()
+        if src.device.type == "cuda" and nbytes > 0:
+            # Page-lock the shared buffer once (cudaHostRegister, as torch's own
+            # _create_cpu_state_dict(pin_memory=True, share_memory=True) does) so the
+            # device-to-host copy is truly asynchronous and runs at full speed.
+            from torch.cuda import _pin_memory_utils
+
+            _pin_memory_utils.pin_memory(buf.data_ptr(), nbytes)
+            weakref.finalize(buf, _pin_memory_utils.unpin_memory, buf.data_ptr())
+        return buf
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``state_dict`` into the buffers; returns the staged state (CPU tensors only).
+
+        On CUDA the copy may still be in flight when this returns (see ``copier``)."""
+        key = _signature(state_dict)
+        self.reallocated = key != self.key
+        if self.reallocated:
+            self.key = None
+            self.buffers = []
+        reuse = iter(self.buffers)
+        fresh: list[torch.Tensor] = []
+
+        def buffer_for(local: torch.Tensor) -> torch.Tensor:
+            if self.reallocated:
+                buf = self._alloc(local)
+                fresh.append(buf)
+                return buf
+            return next(reuse)
+
+        def tensor_func(obj: torch.Tensor, _pg: Any, _device: Any, _c: Any) -> torch.Tensor:
+            return buffer_for(obj)
+
+        def dtensor_func(obj: DTensor, _pg: Any, _device: Any, _c: Any) -> DTensor:
+            # Same spec (mesh, placements, global shape and stride), CPU local tensor. Never
+            # DTensor.from_local(buf, mesh): that moves the buffer to the mesh's device.
+            return DTensor(buffer_for(obj._local_tensor), obj._spec, requires_grad=False)
+
+        with torch.no_grad():
+            target = _iterate_state_dict(
+                state_dict, _identity_func, dtensor_func, tensor_func, type_check=False
+            )
+            if self.reallocated:
+                self.buffers = fresh
+                self.key = key
+            with self.copier.copying():
+                staged = _copy_state_dict(
+                    state_dict, target, non_blocking=self.copier.non_blocking, type_check=False
+                )
+        return staged
