@@ -16,9 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import RunOutcome, make_config, run_ft_launcher, start_ft_launcher
+from tests.helpers import (
+    FAST_INJOB,
+    RunOutcome,
+    make_config,
+    run_ft_launcher,
+    start_ft_launcher,
+)
 from trainer import checkpointing, fence
 from trainer.events import read_events
+from trainer.timeline import recovery_phases
 
 pytestmark = pytest.mark.slow
 
@@ -60,9 +67,14 @@ def baseline(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> RunOutc
     return out
 
 
+# The drills' step timeout is a loose ceiling (20 s), learned down from the first 3 step
+# sections (trainer.hang_bound): the hang must be caught by the learned bound, not the ceiling.
+LEARNING_INJOB = replace(FAST_INJOB, step_timeout_s=20.0, learn_after_sections=3)
+
+
 @pytest.mark.parametrize("drill", DRILLS, ids=[d.name for d in DRILLS])
 def test_drill_recovers_bitwise(drill: Drill, baseline: RunOutcome, dataset: Path, tmp_path: Path):
-    cfg = make_config(tmp_path / drill.name, dataset, faults=drill.faults)
+    cfg = make_config(tmp_path / drill.name, dataset, faults=drill.faults, injob=LEARNING_INJOB)
     out = run_ft_launcher(cfg)
     assert out.returncode == 0, out.log[-4000:]
     assert out.result is not None
@@ -81,6 +93,17 @@ def test_drill_recovers_bitwise(drill: Drill, baseline: RunOutcome, dataset: Pat
     steps = [int(f.split("step=")[1].split(",")[0]) for f in drill.faults]
     assert len(loaded) >= len(steps), loaded
     assert 5 <= loaded[0]["step"] < steps[0] and 10 <= loaded[-1]["step"] < steps[-1], loaded
+    # Hang detection learned the step time (issue 29, item 6): rank 0 said its bound; the hung
+    # rank's own bound is in its fault event; the hang was caught within it (plus the respawn:
+    # teardown, rendezvous, a new process), far inside the 20 s ceiling.
+    learned = out.of_kind("hang_bound")
+    assert learned and all(b["applied"] for b in learned), learned
+    ceiling = LEARNING_INJOB.step_timeout_s
+    for f in (f for f in faults if f["fault_kind"] == "hang"):
+        bound = f["bound_s"]
+        assert cfg.step_timeout_floor() <= bound < ceiling, (bound, learned)
+        [phases] = [r for r in recovery_phases(out.events) if r["fault"] == f["fault"]]
+        assert phases["respawn_s"] < bound + 5.0 < ceiling, (phases, bound)
 
 
 def _lock_is_free(run_root: Path) -> bool:

@@ -262,6 +262,13 @@ class InJobConfig:
     out_of_section_timeout_s: float = 30.0
     # How often each node's rank monitor checks those timeouts (NVRx default 5 s).
     check_interval_s: float = 0.25
+    # The step section's timeout learned per incarnation (trainer.hang_bound): once
+    # learn_after_sections step sections have closed, step_timeout_multiple x the longest, at
+    # least step_timeout_floor_s and at most step_timeout_s (which is then the ceiling, and the
+    # timeout until the sample is complete). 0 sections: never learned, step_timeout_s always.
+    learn_after_sections: int = 10
+    step_timeout_multiple: float = 5.0
+    step_timeout_floor_s: float = 3.0
     # A node that stops without dying (a frozen host, a partition) stops its beat file
     # (trainer.node_beat, rewritten every heartbeat_interval_s); the watcher takes a training
     # node away as lost once its beat has not changed for this long while another node's has.
@@ -320,6 +327,26 @@ class InJobConfig:
             "injob.step_timeout_s",
             f"must exceed injob.heartbeat_interval_s ({self.heartbeat_interval_s} s): the step "
             "section is renewed once per interval",
+        )
+        _require(
+            isinstance(self.learn_after_sections, int)
+            and not isinstance(self.learn_after_sections, bool)
+            and self.learn_after_sections >= 0,
+            "injob.learn_after_sections",
+            f"must be a whole number >= 0 (0: keep injob.step_timeout_s), got "
+            f"{self.learn_after_sections!r}",
+        )
+        _require(
+            self.step_timeout_multiple >= 2,
+            "injob.step_timeout_multiple",
+            f"must be >= 2 (a step only a little slower than the slowest seen is not a hang), "
+            f"got {self.step_timeout_multiple}",
+        )
+        _require(
+            self.heartbeat_interval_s < self.step_timeout_floor_s <= self.step_timeout_s,
+            "injob.step_timeout_floor_s",
+            f"must exceed injob.heartbeat_interval_s ({self.heartbeat_interval_s} s) and be at "
+            f"most injob.step_timeout_s ({self.step_timeout_s} s), got {self.step_timeout_floor_s}",
         )
         longest = max(self.checkpoint_timeout_s, self.load_timeout_s, self.step_timeout_s)
         _require(
@@ -496,6 +523,17 @@ class TrainConfig:
                 f"must exceed inprocess.pg_timeout_s + injob.heartbeat_interval_s ({window} s) "
                 "so that a stalled step is restarted in-process before ft_launcher kills the rank",
             )
+
+    def step_timeout_floor(self) -> float:
+        """The lowest step-section timeout a learned one may be (trainer.hang_bound):
+        ``injob.step_timeout_floor_s``, and with both layers on more than the in-process layer's
+        window for a stalled step (``inprocess.pg_timeout_s + injob.heartbeat_interval_s``, the
+        same rule as for ``injob.step_timeout_s``, with the defaults' 0.5 s margin), never above
+        ``injob.step_timeout_s``."""
+        floor = self.injob.step_timeout_floor_s
+        if self.inprocess.enabled and self.injob.enabled:
+            floor = max(floor, self.inprocess.pg_timeout_s + self.injob.heartbeat_interval_s + 0.5)
+        return min(floor, self.injob.step_timeout_s)
 
     @property
     def is_script(self) -> bool:

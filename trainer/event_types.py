@@ -27,6 +27,7 @@ __all__ = [
     "Fatal",
     "Fault",
     "FencedEvent",
+    "HangBound",
     "NodeReturn",
     "Phase",
     "PruneRefused",
@@ -161,6 +162,22 @@ class Fault(_Base):
     nodes: list[int] | None = None
     path: str | None = None  # a node loss's path (tasks.loss_policy)
     detail: str | None = None
+    # A hang or stall drill: the step-section timeout in force on the faulty rank when it fired
+    # (the learned bound, or the configured one), so the detection can be held against it.
+    bound_s: Seconds | None = None
+
+
+class HangBound(_Base):
+    """The step section's timeout this incarnation learned (trainer.hang_bound), rank 0's."""
+
+    kind: Literal["hang_bound"]
+    step_timeout_s: Seconds
+    slowest_section_s: Seconds | None = None
+    sections: NonNeg | None = None
+    multiple: float | None = None
+    clamped: str | None = None  # "floor" or "ceiling"
+    applied: bool = True  # False: this NVRx could not take it; the configured one stays
+    detail: str | None = None
 
 
 class Restart(_Base):
@@ -257,6 +274,7 @@ Event = Annotated[
     | PruneRefused
     | Resume
     | Fault
+    | HangBound
     | Restart
     | Recovered
     | Fatal

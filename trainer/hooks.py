@@ -15,6 +15,7 @@ Script mode (``trainer.script``) gives a user's own loop the same hooks.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,17 +78,29 @@ class FaultDrills(Hook):
     """Injected faults (tests, benchmarks, game days): at a step's start, right after a save was
     handed to the writer (``phase=checkpoint``), and corrupting a committed checkpoint."""
 
-    def __init__(self, specs: tuple[str, ...], run_root: Path, events: EventLog, *, rank: int):
+    def __init__(
+        self,
+        specs: tuple[str, ...],
+        run_root: Path,
+        events: EventLog,
+        *,
+        rank: int,
+        step_timeout: Callable[[], float | None] | None = None,
+    ):
         self.events = events
         self.rank = rank
+        # The step section's timeout in force (the heartbeat's): a hang's event states it.
+        self.step_timeout = step_timeout
         self.fence = Fence.from_env(run_root, events)
         self.injector = FaultInjector(
             specs, run_root, rank=rank, on_fire=self._fired, guard=self.fence.hold
         )
 
     def _fired(self, spec: FaultSpec) -> None:
+        bound = self.step_timeout() if self.step_timeout and spec.kind == "hang" else None
+        extra = {} if bound is None else {"bound_s": bound}
         event = self.events.emit(
-            "fault", fault=str(spec), fault_kind=spec.kind, step=spec.step, rank=self.rank
+            "fault", fault=str(spec), fault_kind=spec.kind, step=spec.step, rank=self.rank, **extra
         )
         # Open until the first step after the restart closes it (before the fault fires).
         if spec.kind != "corrupt-checkpoint":

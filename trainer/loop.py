@@ -102,7 +102,15 @@ def build_hooks(
     ctx: ProcessContext, *, rank: int, call_wrapper: Any, first_step: int, layer: str | None
 ) -> Hooks:
     """The fault-tolerance hooks of this worker, in the order they run at each point."""
-    hooks: list[Any] = [FaultDrills(ctx.cfg.faults, ctx.cfg.run_root, ctx.events, rank=rank)]
+    hooks: list[Any] = [
+        FaultDrills(
+            ctx.cfg.faults,
+            ctx.cfg.run_root,
+            ctx.events,
+            rank=rank,
+            step_timeout=lambda: getattr(ctx.heartbeat, "step_timeout_s", None),
+        )
+    ]
     hooks.append(Heartbeats(ctx.heartbeat))
     if call_wrapper is not None:
         hooks.append(WrapperPing(call_wrapper))

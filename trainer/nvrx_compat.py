@@ -265,3 +265,45 @@ __all__ = [
     "warm_write_results_queue",
     "write_results_queue_ready",
 ]
+
+
+def step_section_timeout(client: Any) -> float | None:
+    """The ``step`` section's timeout the rank monitor holds now, as the client learned it at
+    its connection (it outlives the workers, so it may be an earlier incarnation's); None where
+    this NVRx keeps it elsewhere."""
+    timeouts = getattr(client, "section_timeouts", None)
+    section = getattr(timeouts, "section", None)
+    value = section.get("step") if isinstance(section, dict) else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def set_step_section_timeout(client: Any, timeout_s: float) -> bool:
+    """Tell this rank's rank monitor to time the ``step`` section with ``timeout_s`` from now on
+    (the other sections and the out-of-section timeout unchanged); whether it was told.
+
+    NVRx computes such timeouts itself (``calculate_and_set_section_timeouts``: a safety factor
+    times the longest section seen, max over ranks by a collective, unbounded) and sends them
+    with the client's ``_set_calculated_timeouts`` (an ``UpdateConfigMsg``). We send our own,
+    bounded and without a collective, through the same call; where this NVRx lacks it (a later
+    version), the configured timeout simply stays in force."""
+    send = getattr(client, "_set_calculated_timeouts", None)
+    current = getattr(client, "section_timeouts", None)
+    if send is None or current is None or not isinstance(getattr(current, "section", None), dict):
+        log.warning("this NVRx cannot take a learned step timeout: the configured one stays")
+        return False
+    try:
+        from nvidia_resiliency_ext.fault_tolerance.data import SectionTimeouts
+
+        send(
+            new_hb_timeouts=None,
+            new_section_timeouts=SectionTimeouts(
+                section={**current.section, "step": float(timeout_s)},
+                out_of_section=current.out_of_section,
+                calculated_sections=set(current.calculated_sections),
+                is_out_of_section_calculated=current.is_out_of_section_calculated,
+            ),
+        )
+    except Exception as e:  # the monitor's connection gone: hang detection as configured
+        log.warning("the rank monitor did not take the learned step timeout: %s", e)
+        return False
+    return True

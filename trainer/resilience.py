@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, STEP_SECTION, InProcessConfig
+from trainer.hang_bound import StepBound, StepBoundLearner
 
 __all__ = ["CHECKPOINT_SECTION", "LOAD_SECTION", "STEP_SECTION", "Heartbeat"]
 
@@ -144,11 +145,24 @@ class Heartbeat:
     and ``step timeout`` after its start.
     """
 
-    def __init__(self, enabled: bool = True, interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        enabled: bool = True,
+        interval_s: float = 1.0,
+        *,
+        learner: StepBoundLearner | None = None,
+        on_bound: Callable[[StepBound, bool], None] | None = None,
+    ) -> None:
         self.client: Any = None
         self.interval_s = interval_s
         self._last = 0.0  # monotonic time of the last round of messages
         self._open: dict[str, int] = {}  # open sections -> nesting depth
+        self._step_opened = 0.0  # monotonic time the open step section was opened
+        # The step section's timeout learned from this incarnation's steps (trainer.hang_bound)
+        # and who hears of it (the bound, and whether the rank monitor took it).
+        self.learner = learner
+        self.on_bound = on_bound
+        self.step_timeout_s: float | None = None  # in force at the rank monitor; None: unknown
         if enabled and os.environ.get(FT_RANK_MONITOR_SOCKET_ENV):
             from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 
@@ -159,6 +173,18 @@ class Heartbeat:
             # lost before its first heartbeat. Keep that window as short as possible.
             self.client.send_heartbeat()
             self._last = time.monotonic()
+            from trainer import nvrx_compat
+
+            self.step_timeout_s = nvrx_compat.step_section_timeout(self.client)
+            # The rank monitor outlives the workers: it may still hold the previous
+            # incarnation's learned bound. Each incarnation learns afresh, from the configured
+            # one (a shrunk world, a slower node, has slower steps).
+            if (
+                learner is not None
+                and self.step_timeout_s != learner.ceiling_s
+                and nvrx_compat.set_step_section_timeout(self.client, learner.ceiling_s)
+            ):
+                self.step_timeout_s = learner.ceiling_s
 
     @property
     def active(self) -> bool:
@@ -174,11 +200,31 @@ class Heartbeat:
         if STEP_SECTION in self._open:
             self.client.end_section(STEP_SECTION)
             del self._open[STEP_SECTION]
+            self._learn(now - self._step_opened)
         if not self._open:  # never inside a checkpoint or load section
             self.client.start_section(STEP_SECTION)
             self._open[STEP_SECTION] = 1
+            self._step_opened = now
         self.client.send_heartbeat()
         self._last = now
+
+    def _learn(self, section_s: float) -> None:
+        """A step section closed normally (renewed by a beat, or cut short by a checkpoint or
+        load section; never one a fault ended): the learner may now have its bound, which the
+        rank monitor applies from the next section on."""
+        if self.learner is None:
+            return
+        bound = self.learner.observe(section_s)
+        if bound is None:
+            return
+        from trainer import nvrx_compat
+
+        applied = nvrx_compat.set_step_section_timeout(self.client, bound.timeout_s)
+        if applied:
+            self.step_timeout_s = bound.timeout_s
+        log.info("step section timeout %s (applied: %s)", bound.describe(), applied)
+        if self.on_bound is not None:
+            self.on_bound(bound, applied)
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
@@ -193,6 +239,7 @@ class Heartbeat:
             if STEP_SECTION in self._open:
                 self.client.end_section(STEP_SECTION)
                 del self._open[STEP_SECTION]
+                self._learn(time.monotonic() - self._step_opened)
             self.client.start_section(name)
         self._open[name] = self._open.get(name, 0) + 1
         try:

@@ -306,7 +306,12 @@ def run(
         # ready at once with nothing to import (nvrx_compat.start_persistent_writer). Else it
         # is spawned after the first step (CheckpointManager.maybe_save), as on CUDA.
         saver.start(rank=int(os.environ["RANK"]), fork=True)
-    heartbeat = Heartbeat(cfg.injob.enabled, cfg.injob.heartbeat_interval_s)
+    heartbeat = Heartbeat(
+        cfg.injob.enabled,
+        cfg.injob.heartbeat_interval_s,
+        learner=_step_bound_learner(cfg),
+        on_bound=_announce_bound(events, rank=int(os.environ["RANK"])),
+    )
     beat = _node_beat(cfg)
     try:
         # A spawned writer starts after this incarnation's first step (maybe_save): its
@@ -471,6 +476,42 @@ def _run(
     )
     (cfg.run_root / "logs").mkdir(exist_ok=True)
     return wrapped()  # type: ignore[no-any-return]
+
+
+def _step_bound_learner(cfg: TrainConfig) -> Any:
+    """The learner of this incarnation's step-section timeout, or None when it is not learned
+    (``injob.learn_after_sections`` 0)."""
+    from trainer.hang_bound import StepBoundLearner
+
+    inj = cfg.injob
+    if inj.learn_after_sections == 0:
+        return None
+    return StepBoundLearner(
+        multiple=inj.step_timeout_multiple,
+        floor_s=cfg.step_timeout_floor(),
+        ceiling_s=inj.step_timeout_s,
+        after=inj.learn_after_sections,
+    )
+
+
+def _announce_bound(events: EventLog, *, rank: int) -> Any:
+    """Rank 0 says what its rank monitor now times a step section with (every rank learns its
+    own: one event per incarnation, not one per rank)."""
+
+    def announce(bound: Any, applied: bool) -> None:
+        if rank == 0:
+            events.emit(
+                "hang_bound",
+                step_timeout_s=bound.timeout_s,
+                slowest_section_s=bound.slowest_s,
+                sections=bound.sections,
+                multiple=bound.multiple,
+                clamped=bound.clamped or None,
+                applied=applied,
+                detail=bound.describe(),
+            )
+
+    return announce
 
 
 def process_start_time() -> float | None:
