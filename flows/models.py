@@ -453,6 +453,11 @@ class FaultRecord(BaseModel):
     # The step training went back to after it, and the completed steps that ran again.
     resume_step: int | None = None
     replayed_steps: int | None = None
+    # Where that step was loaded from (the tier: "durable" today; None: nothing was committed,
+    # training started over), how many bytes were read and how long the load took.
+    resume_source: str | None = None
+    load_bytes: int | None = None
+    load_s: float | None = None
 
 
 class WorldChange(BaseModel):

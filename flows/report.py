@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-from flows.models import PipelineResult
+from flows.models import FaultRecord, PipelineResult
 from trainer.history import TimeBreakdown
 
 _STAGES = ("preflight", "hydrate", "train", "validate", "export")
@@ -107,7 +107,7 @@ def render_report(r: PipelineResult) -> str:
             lines.append(
                 f"| {f.kind} | {f.step} | {'' if f.rank is None else f.rank} | "
                 f"{'' if f.node is None else f.node} | {f.recovered_by} | {rec} | "
-                f"{'' if f.resume_step is None else resumed_from(f.resume_step)} | "
+                f"{'' if f.resume_step is None else resumed_from(f.resume_step, f)} | "
                 f"{_blank(f.replayed_steps)} | {f.detail or ''} |"
             )
     else:
@@ -152,9 +152,20 @@ def _blank(v: int | None) -> str:
     return "" if v is None else str(v)
 
 
-def resumed_from(step: int) -> str:
-    """Where training went back to after a fault (0: nothing committed yet)."""
-    return "started over from step 1" if step == 0 else f"resumed from step {step}'s checkpoint"
+def resumed_from(step: int, fault: FaultRecord | None = None) -> str:
+    """Where training went back to after a fault (0: nothing committed yet), and what the load
+    read: its tier, bytes and seconds."""
+    if step == 0:
+        return "started over from step 1"
+    text = f"resumed from step {step}'s checkpoint"
+    if fault is not None and fault.resume_source:
+        read = [fault.resume_source]
+        if fault.load_bytes is not None:
+            read.append(f"{fault.load_bytes / 1e6:.1f} MB")
+        if fault.load_s is not None:
+            read.append(f"{fault.load_s:.2f} s")
+        text += f" ({', '.join(read)})"
+    return text
 
 
 def png_data_uri(path: Path) -> str:

@@ -33,6 +33,9 @@ _log = logging.getLogger(__name__)
 
 # A recovery is seconds (in-process) to minutes (a stage retry waits for nodes).
 RECOVERY_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+# A load is milliseconds (a small model, node memory) to minutes (90 GB from FSx).
+LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+LOAD_SOURCES = ("durable",)
 
 
 def restart_layer(e: dict[str, Any]) -> str | None:
@@ -76,6 +79,20 @@ class RunMetrics:
             registry=r,
             buckets=RECOVERY_BUCKETS,
         )
+        # Checkpoint loads (a resume's), by the tier they read: "durable" today (issue 29).
+        self.load_seconds = Histogram(
+            "nvrx_checkpoint_load_seconds",
+            "Seconds a resume's checkpoint load took, by the tier it read",
+            ["run_id", "source"],
+            registry=r,
+            buckets=LOAD_BUCKETS,
+        )
+        self.load_bytes = Counter(
+            "nvrx_checkpoint_load_bytes",
+            "Bytes resumes read from checkpoints, by the tier they read",
+            ["run_id", "source"],
+            registry=r,
+        )
         self.faults = Counter(
             "nvrx_faults_detected",
             "Faults detected (drills, lost nodes), by kind",
@@ -108,6 +125,9 @@ class RunMetrics:
             self.recovery.labels(run_id, layer)
         for fault_kind in FAULT_KINDS:
             self.faults.labels(run_id, fault_kind)
+        for source in LOAD_SOURCES:
+            self.load_seconds.labels(run_id, source)
+            self.load_bytes.labels(run_id, source)
         self._seen: set[str] = set()
         self._step_s: dict[int, float] = {}  # each step's last execution (replays replace)
         self._ended_wall_s = 0.0
@@ -133,6 +153,12 @@ class RunMetrics:
             self.recovery.labels(self.run_id, str(e.get("layer"))).observe(e["recovery_s"])
         elif kind == "fault":
             self.faults.labels(self.run_id, str(e.get("fault_kind"))).inc()
+        elif kind == "resume" and e.get("action") == "loaded":
+            source = str(e.get("source") or "durable")
+            if isinstance(e.get("load_s"), (int, float)):
+                self.load_seconds.labels(self.run_id, source).observe(float(e["load_s"]))
+            if isinstance(e.get("bytes"), int) and e["bytes"] >= 0:
+                self.load_bytes.labels(self.run_id, source).inc(e["bytes"])
         elif kind == "checkpoint":
             self.checkpoints.inc()
             if isinstance(e.get("step"), int):

@@ -45,7 +45,7 @@ HISTORY = [
        wall_s=10.0),
     ev(12, "stage_attempt", stage="train", attempt=2, backend="local", nodes=2),
     ev(13, "train_start", world_size=2, nodes=[0, 1], job_id="a2", start_step=5, steps=8),
-    ev(13.1, "resume", action="loaded", step=4),
+    ev(13.1, "resume", action="loaded", step=4, source="durable", bytes=2_200_000, load_s=0.4),
     step(14, 5),
     ev(14.1, "recovered", layer="stage-retry", fault="node-loss@step=6,node=1", fault_step=6,
        step=5, recovery_s=3.6),
@@ -176,6 +176,15 @@ def test_where_the_train_stages_time_went():
         for f in RunHistory.of(HISTORY).fault_records()
     ]
     assert got == [("exception@step=5,rank=1", 4, 1), ("node-loss@step=6,node=1", 4, 2)]
+    # ... and what the load read: its tier, bytes and seconds (a load written before loads
+    # named their tier was the durable one; none since the fault: started over).
+    read = [
+        (f["resume_source"], f["load_bytes"], f["load_s"])
+        for f in RunHistory.of(HISTORY).fault_records()
+    ]
+    assert read == [("durable", None, None), ("durable", 2_200_000, 0.4)]
+    fresh_start = [e for e in HISTORY if not (e["kind"] == "resume" and e["t"] == 8.1)]
+    assert RunHistory.of(fresh_start).fault_records()[0]["resume_source"] is None
 
 
 def test_time_breakdown_blocking_gaps_and_a_start_that_never_trained():

@@ -123,6 +123,7 @@ def test_run_metrics_map_a_recorded_history_and_count_each_event_once() -> None:
     } == {"exception": 1, "sigkill": 1, "node-loss": 1}
     assert sample(s, "nvrx_checkpoints_committed_total", run_id="r1") == 3
     assert sample(s, "nvrx_checkpoint_last_committed_step", run_id="r1") == 5
+
     assert sample(s, "nvrx_checkpoint_blocking_seconds_count", run_id="r1") == 3
     assert sample(s, "nvrx_checkpoint_commit_latency_seconds_sum", run_id="r1") == 4.5
     assert sample(s, "nvrx_train_stage_attempts_total", run_id="r1") == 2
@@ -135,6 +136,25 @@ def test_run_metrics_map_a_recorded_history_and_count_each_event_once() -> None:
     # ETTR: the run report's number (a replayed step counts its last run), 2.0 s / 20 s.
     assert m.ettr() == run_summary.ettr(HISTORY) == 0.1
     assert sample(s, "nvrx_ettr_ratio", run_id="r1") == 0.1
+
+
+def test_checkpoint_loads_are_counted_by_their_tier() -> None:
+    """Issue 29: each resume's load, by the tier it read (its seconds and bytes); a load
+    recorded before loads named their tier was the durable one."""
+    m = RunMetrics("r1")
+    assert sample(_samples(m.registry), "nvrx_checkpoint_load_bytes_total", source="durable") == 0
+    loads = [
+        {"t": 1.0, "kind": "resume", "action": "loaded", "step": 5, "load_s": 0.4,
+         "source": "durable", "bytes": 2_000_000},
+        {"t": 2.0, "kind": "resume", "action": "loaded", "step": 10, "load_s": 0.6},
+        {"t": 3.0, "kind": "resume", "action": "skipped", "step": 15, "reason": "bad"},
+    ]  # fmt: skip
+    for e in loads * 2:  # read twice: counted once
+        m.observe(dict(e))
+    s = _samples(m.registry)
+    assert sample(s, "nvrx_checkpoint_load_seconds_count", source="durable") == 2
+    assert sample(s, "nvrx_checkpoint_load_seconds_sum", source="durable") == 1.0
+    assert sample(s, "nvrx_checkpoint_load_bytes_total", source="durable") == 2_000_000
 
 
 def test_ettr_counts_the_running_attempts_wall_time_so_far() -> None:

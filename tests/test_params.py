@@ -290,7 +290,8 @@ def test_report_breaks_the_train_stage_down_and_defines_every_figure():
             FaultRecord(kind="exception", step=8, rank=1, recovered_by="inprocess",
                         recovery_s=1.2, resume_step=0, replayed_steps=7),
             FaultRecord(kind="sigkill", step=16, rank=0, recovered_by="injob", recovery_s=6.1,
-                        resume_step=10, replayed_steps=5),
+                        resume_step=10, replayed_steps=5, resume_source="durable",
+                        load_bytes=2_200_000, load_s=0.17),
         ],
         ettr=0.05,
         train_time=time_s,
@@ -302,7 +303,7 @@ def test_report_breaks_the_train_stage_down_and_defines_every_figure():
     assert "| start-up | 20.0 | 56% |" in md and "| **train attempts** | **36.0** | 100% |" in md
     assert "too short for its ETTR to mean much" in md  # start-up outweighs the steps
     assert "| exception | 8 | 1 |  | inprocess | 1.2 | started over from step 1 | 7 |" in md
-    assert "| injob | 6.1 | resumed from step 10's checkpoint | 5 |" in md
+    assert "| injob | 6.1 | resumed from step 10's checkpoint (durable, 2.2 MB, 0.17 s) | 5 |" in md
     assert_figures_defined(figures_in_report(md))
     long_run = time_s.model_copy(update={"startup": 1.0, "productive": 20.8})
     assert "too short" not in render_report(r.model_copy(update={"train_time": long_run}))

@@ -150,6 +150,10 @@ class Resume(_Base):
     saved_world_size: NonNeg | None = None
     world_size: NonNeg | None = None
     load_s: Seconds | None = None
+    # A load's tier (issue 29): "durable" (the DCP checkpoint on the shared filesystem) today;
+    # and the bytes it read (the checkpoint's files, as its manifest lists them).
+    source: str | None = None
+    bytes: NonNeg | None = None
 
 
 class Fault(_Base):

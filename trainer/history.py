@@ -145,7 +145,9 @@ class RunHistory:
         self._disturbed = False  # a fault or restart since that step
         # Per fault (as recovered events name it): the step training went back to, and how many
         # completed steps ran again.
-        self._resumed: dict[tuple[str | None, int | None], tuple[int, int]] = {}
+        self._resumed: dict[tuple[str | None, int | None], tuple[int, int, Resume | None]] = {}
+        # The last checkpoint load since the last fault: what the next recovery resumed from.
+        self._loaded_since_fault: Resume | None = None
 
     # -- building -------------------------------------------------------------------------
 
@@ -181,6 +183,7 @@ class RunHistory:
         elif isinstance(ev, Fault):
             self.faults.append(ev)
             self._disturbed = True
+            self._loaded_since_fault = None
         elif isinstance(ev, Recovered):
             if (ev.fault, ev.fault_step) not in self._recovered:
                 # Made right after the first step since the restart: training went back to the
@@ -189,6 +192,7 @@ class RunHistory:
                 self._resumed[(ev.fault, ev.fault_step)] = (
                     back_to,
                     max(0, self.max_step - back_to),
+                    self._loaded_since_fault,
                 )
             self._recovered.setdefault((ev.fault, ev.fault_step), ev)
             self.last_recovered_t = max(self.last_recovered_t, ev.t)
@@ -202,6 +206,7 @@ class RunHistory:
                 self._recorded_commit = None
                 self._final_s, self._window, self._kept = 0.0, {}, []
             elif ev.action == "loaded" and ev.step is not None:
+                self._loaded_since_fault = ev
                 # Steps after the loaded checkpoint run again: their earlier execution is lost.
                 for s in [s for s in self._window if s > ev.step]:
                     del self._window[s]
@@ -312,7 +317,7 @@ class RunHistory:
         out = []
         for f in self.faults:
             r = self._recovered.get((f.fault, f.step))
-            resume_step, replayed = self._resumed.get((f.fault, f.step), (None, None))
+            resume_step, replayed, loaded = self._resumed.get((f.fault, f.step), (None, None, None))
             out.append(
                 {
                     "fault": f.fault,
@@ -330,6 +335,11 @@ class RunHistory:
                     # again (None: no restart followed it).
                     "resume_step": resume_step,
                     "replayed_steps": replayed,
+                    # What it was loaded from (a tier; None: nothing loaded, started over), the
+                    # bytes read and the seconds the load took.
+                    "resume_source": (loaded.source or "durable") if loaded else None,
+                    "load_bytes": loaded.bytes if loaded else None,
+                    "load_s": loaded.load_s if loaded else None,
                     "t": f.t,
                 }
             )

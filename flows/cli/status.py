@@ -17,7 +17,7 @@ EXIT = {
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from flows.models import RUN_ID
+    from flows.models import RUN_ID, FaultRecord
     from flows.report import (
         ETTR_DEFINITION,
         SHORT_RUN_NOTE,
@@ -70,7 +70,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             else (f"recovered by {f['recovered_by']} in {f['recovery_s']:.1f} s")
         )
         if f["resume_step"] is not None:
-            rec += f", {resumed_from(f['resume_step'])}, {f['replayed_steps']} step(s) replayed"
+            went = resumed_from(f["resume_step"], FaultRecord.model_validate(f))
+            rec += f", {went}, {f['replayed_steps']} step(s) replayed"
         print(f"  fault {f['fault']}: {rec}")
     print(
         f"  checkpoints: {st['checkpoints']} committed, latest step {st['latest_checkpoint_step']}"

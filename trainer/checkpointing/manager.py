@@ -131,6 +131,8 @@ class CheckpointManager:
                 saved_world_size=info.get("world_size"),
                 world_size=self.world_size,
                 load_s=round(time.perf_counter() - t0, 4),
+                source="durable",
+                bytes=checkpointing.listed_bytes(info),
             )
         return Resumed(step, info.get("loss"), Path(path))
 

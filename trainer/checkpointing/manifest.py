@@ -123,6 +123,11 @@ def check_entry(path: Path | str, entry: Any) -> None:
         raise CheckpointError(f"{path} gives {name!r} a malformed sha256 {entry.get('sha256')!r}")
 
 
+def listed_bytes(manifest: dict[str, Any]) -> int:
+    """The bytes of every file a (read, checked) manifest lists: what a load of it reads."""
+    return sum(int(e["bytes"]) for e in manifest.get("files", []))
+
+
 def workload_of(manifest: dict[str, Any]) -> dict[str, Any] | None:
     """``{"ref", "options"}`` of the workload that wrote a checkpoint (older manifests name
     only a GPT size under ``model``)."""
