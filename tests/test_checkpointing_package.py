@@ -48,3 +48,21 @@ def test_the_ranks_agree_by_summing_their_shares(shares, summed):
 def test_flags_of_another_length_are_refused():
     with pytest.raises(ValueError, match="save flags have 4 values, got 5"):
         SaveFlags.from_tensor(torch.zeros(5))
+
+
+def test_the_process_copy_is_trusted_only_whole_and_finite():
+    """The last save's snapshot (trainer.checkpointing.process_copy): what makes it unusable,
+    its size, and the restore into a live state dict of the same structure."""
+    from trainer.checkpointing.process_copy import ProcessCopy
+
+    staged = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optim": {"step": torch.tensor(4)}}
+    good = ProcessCopy(10, staged, {"loss": 1.5, "data_loader": {"step": 10}})
+    assert good.problem() is None and good.nbytes() == 6 * 4 + 8
+    assert ProcessCopy(-1, staged, good.info).problem() == "no save of a training step"
+    assert "position was not recorded" in (ProcessCopy(10, staged, {}).problem() or "")
+    poisoned = {"model": {"w": torch.tensor([1.0, float("nan")])}}
+    assert ProcessCopy(10, poisoned, good.info).problem() == "it holds values that are not finite"
+    live = {"model": {"w": torch.zeros(2, 3)}, "optim": {"step": torch.tensor(0)}}
+    good.restore_into(live)
+    assert torch.equal(live["model"]["w"], staged["model"]["w"])
+    assert int(live["optim"]["step"]) == 4

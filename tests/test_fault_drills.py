@@ -25,6 +25,7 @@ from tests.helpers import (
 )
 from trainer import checkpointing, fence
 from trainer.events import read_events
+from trainer.history import RunHistory
 from trainer.timeline import recovery_phases
 
 pytestmark = pytest.mark.slow
@@ -48,9 +49,15 @@ class Drill:
 # `exception` (in-process) and `sigkill` (in-job) run through the whole pipeline instead, with
 # the same bitwise and fired-once checks (tests/test_workload_pipeline.py); running them here as
 # well cost ~2 min of the CI budget for no extra assertion.
+# An exception at step 11, right after step 10's save was handed to the writer, comes first:
+# the in-process restart reloads step 10 from the process's own copy of that save
+# (trainer.checkpointing.process_copy), read from nowhere, though step 10 is not committed yet;
+# the durable tier alone would go back to step 5 or to the start.
 DRILLS = [
     Drill(
-        "stall-then-hang", ("stall@step=12,rank=1", "hang@step=18,rank=1"), ("inprocess", "injob")
+        "exception-stall-hang",
+        ("exception@step=11,rank=1", "stall@step=12,rank=1", "hang@step=18,rank=1"),
+        ("inprocess", "inprocess", "injob"),
     ),
 ]
 
@@ -93,6 +100,16 @@ def test_drill_recovers_bitwise(drill: Drill, baseline: RunOutcome, dataset: Pat
     steps = [int(f.split("step=")[1].split(",")[0]) for f in drill.faults]
     assert len(loaded) >= len(steps), loaded
     assert 5 <= loaded[0]["step"] < steps[0] and 10 <= loaded[-1]["step"] < steps[-1], loaded
+    # The in-process restarts reloaded the process's own copy of step 10 (issue 29, item 1),
+    # at least as new as anything committed before the fault (fewer replayed steps than the
+    # durable tier alone); the respawn after the hang, a new process, read the durable one.
+    records = {r["fault"]: r for r in RunHistory.of(out.events).fault_records()}
+    first = records["exception@step=11,rank=1"]
+    assert (first["resume_source"], first["resume_step"]) == ("memory", 10), first
+    committed = [e["step"] for e in out.of_kind("checkpoint") if e["t"] < faults[0]["t"]]
+    assert first["resume_step"] >= max(committed, default=0)
+    assert first["load_bytes"] > 0 and records["stall@step=12,rank=1"]["resume_source"] == "memory"
+    assert records["hang@step=18,rank=1"]["resume_source"] == "durable"
     # Hang detection learned the step time (issue 29, item 6): rank 0 said its bound; the hung
     # rank's own bound is in its fault event; the hang was caught within it (plus the respawn:
     # teardown, rendezvous, a new process), far inside the 20 s ceiling.

@@ -19,6 +19,8 @@ In the training process (torch, NVRx; imported by module, not here):
 - :mod:`~trainer.checkpointing.flags`: the cross-rank agreement on a save in flight, by name;
 - :mod:`~trainer.checkpointing.async_save`: the asynchronous save (stage, plan, hand off,
   finalize, commit thread);
+- :mod:`~trainer.checkpointing.process_copy`: the last save's snapshot, which an in-process
+  restart reloads with no read;
 - :mod:`~trainer.checkpointing.manager`: when to save, and the resume, for the training loop.
 """
 

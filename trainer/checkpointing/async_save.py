@@ -72,6 +72,7 @@ from trainer.checkpointing.errors import (
     CheckpointWriteError,
 )
 from trainer.checkpointing.flags import SaveFlags
+from trainer.checkpointing.process_copy import ProcessCopy
 from trainer.checkpointing.staging import Staging
 from trainer.checkpointing.writer import PersistentWriter, write_shard
 
@@ -170,6 +171,9 @@ class AsyncCheckpointer:
         self.cache_plan = cache_plan
         self.staging = Staging(device)
         self.writer = PersistentWriter()
+        # The last save's snapshot, kept by the staging buffers until the next save refills
+        # them: what an in-process restart reloads from (trainer.checkpointing.process_copy).
+        self._own_copy: ProcessCopy | None = None
         self.group: dist.ProcessGroup | None = None
         self.pending: _Pending | None = None
         self._md_cache: Any = None
@@ -252,7 +256,20 @@ class AsyncCheckpointer:
         self.writer.close()
 
     # -- saving --------------------------------------------------------------------------------
-    def save(self, state_dict: dict[str, Any], directory: Path, step: int) -> float:
+    def own_copy(self) -> ProcessCopy | None:
+        """The last save's snapshot, if it is complete (its staging copy done)."""
+        if self._own_copy is None or self.staging.copier.in_flight:
+            return None
+        return self._own_copy
+
+    def save(
+        self,
+        state_dict: dict[str, Any],
+        directory: Path,
+        step: int,
+        *,
+        info: dict[str, Any] | None = None,
+    ) -> float:
         """Start an async save of this rank's shard; returns the seconds training was blocked.
         Every rank calls it; the previous save must have been finalized (``wait``/``poll``).
 
@@ -263,11 +280,20 @@ class AsyncCheckpointer:
             raise CheckpointWriteError("previous save not finalized: call wait() first")
         self.ensure_started(rank=dist.get_rank())
         t0 = time.perf_counter()
+        # The buffers are about to be refilled. (The writer's warm-up stages a layout of its
+        # own, into new buffers: the last save's copy keeps its buffers, and stays.)
+        real = step != WARMUP_STEP
+        if real:
+            self._own_copy = None
         try:
-            request, writer, metadata, dist_wrapper = self._stage_and_plan(state_dict, directory)
+            request, writer, metadata, dist_wrapper, staged = self._stage_and_plan(
+                state_dict, directory
+            )
         except BaseException:
             self.staging.copier.synchronize()  # nothing may still be copying into the buffers
             raise
+        if real:
+            self._own_copy = ProcessCopy(step, staged, dict(info or {}))
         self.pending = _Pending(
             step,
             Path(directory),
@@ -310,7 +336,7 @@ class AsyncCheckpointer:
         request = nvrx_compat.AsyncRequest(
             write_shard, (save_fn, str(directory), rank, buckets, results_queue), []
         )
-        return request, writer, metadata, dist_wrapper
+        return request, writer, metadata, dist_wrapper, staged
 
     def before_optimizer_step(self) -> None:
         """Call right before every ``optimizer.step()`` (all ranks; cheap when idle).

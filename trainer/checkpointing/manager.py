@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from trainer import __version__, checkpointing, run_state, untrusted
 from trainer.checkpointing import CheckpointCommitError, CheckpointStorageError
 from trainer.checkpointing.async_save import WARMUP_STEP, AsyncCheckpointer, CommitTask, SaveResult
+from trainer.checkpointing.process_copy import NO_COPY, SOURCE, ProcessCopy
 from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, ResumePolicy, TrainConfig
 from trainer.errors import TerminalError
 from trainer.events import EventLog
@@ -101,6 +102,17 @@ class CheckpointManager:
             return self._resume(model, optim, sampler)
 
     def _resume(self, model: nn.Module, optim: Optimizer, sampler: DataSource) -> Resumed:
+        own = self._agree_on_own_copy()
+        if own is not None and self._restore_own_copy(model, optim, sampler, own[0], own[1]):
+            copy, newest_committed = own[0], own[2]
+            loss = copy.info.get("loss")
+            if copy.step > newest_committed:
+                # The copy's own save never committed (the fault came while it was in flight):
+                # write it again now, or the durable tier, which a respawn or a lost node falls
+                # back to, would stay behind what training resumed from.
+                with self.sections.section(CHECKPOINT_SECTION):
+                    self._save(copy.step, model, optim, sampler, float(loss or 0.0))
+            return Resumed(copy.step, loss, None)
         decision: list[Any] = [None]
         if self.rank == 0:
             decision[0] = self._choose()
@@ -135,6 +147,87 @@ class CheckpointManager:
                 bytes=checkpointing.listed_bytes(info),
             )
         return Resumed(step, info.get("loss"), Path(path))
+
+    def _agree_on_own_copy(self) -> tuple[ProcessCopy, int, int] | None:
+        """All ranks, at a resume: the process's own copy of its last save
+        (:mod:`~trainer.checkpointing.process_copy`), every rank's bytes in it and the newest
+        committed step, when every rank holds one of the same step and nothing newer is
+        committed; else None (the durable checkpoint is read, and rank 0 says why the copy was
+        not used, if one was held)."""
+        if self.cfg.resume != ResumePolicy.AUTO:
+            return None
+        copy = self.saver.own_copy()
+        problem = NO_COPY if copy is None else copy.problem()
+        mine = (copy.step if copy is not None and problem is None else -1, problem)
+        mine_bytes = copy.nbytes() if copy is not None else 0
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (*mine, mine_bytes), group=self.group)
+        steps = {s for s, _, _ in gathered}
+        why = next((p for _, p, _ in gathered if p), None)
+        step = steps.pop() if len(steps) == 1 else -1
+        if why is None and step <= 0:
+            why = f"the ranks hold different steps ({sorted({s for s, _, _ in gathered})})"
+        decision: list[Any] = [why, 0]
+        if self.rank == 0 and why is None:
+            newest = max(checkpointing.committed_steps(self.cfg.run_root), default=0)
+            decision[1] = newest
+            if newest > step:
+                decision[0] = f"step {newest} is committed, newer than the copy's {step}"
+        dist.broadcast_object_list(decision, src=0, group=self.group)
+        if decision[0] is not None:
+            # Said only when some rank held a copy: a new process (a first start, a respawn)
+            # has none, and that is no news.
+            held = any(p != NO_COPY for _, p, _ in gathered)
+            if self.rank == 0 and held:
+                self.events.emit(
+                    "resume", action="skipped", step=max(step, 0), source=SOURCE,
+                    reason=f"not from the process's own copy: {decision[0]}",
+                )  # fmt: skip
+            return None
+        assert copy is not None
+        return copy, sum(b for _, _, b in gathered), int(decision[1])
+
+    def _restore_own_copy(
+        self,
+        model: nn.Module,
+        optim: Optimizer,
+        sampler: DataSource,
+        copy: ProcessCopy,
+        total_bytes: int,
+    ) -> bool:
+        """All ranks: load the agreed copy into the live model and optimizer; whether every
+        rank did (a rank that could not makes every rank read the durable checkpoint, which
+        overwrites whatever was copied)."""
+        t0 = time.perf_counter()
+        failed = ""
+        try:
+            model_sd, optim_sd = get_state_dict(model, optim)
+            copy.restore_into({"model": model_sd, "optim": optim_sd})
+            set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
+            sampler.check_state(copy.info["data_loader"], copy.step)
+        except Exception as e:
+            failed = f"{type(e).__name__}: {e}"
+        outcomes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(outcomes, failed, group=self.group)
+        why = next((o for o in outcomes if o), "")
+        if self.rank == 0:
+            if why:
+                self.events.emit(
+                    "resume", action="skipped", step=copy.step, source=SOURCE,
+                    reason=f"restoring the process's own copy failed: {why}",
+                )  # fmt: skip
+            else:
+                self.events.emit(
+                    "resume",
+                    action="loaded",
+                    step=copy.step,
+                    world_size=self.world_size,
+                    saved_world_size=self.world_size,
+                    load_s=round(time.perf_counter() - t0, 4),
+                    source=SOURCE,
+                    bytes=total_bytes,
+                )
+        return not why
 
     def _choose(self) -> tuple[str, Any]:
         root = self.cfg.run_root
@@ -241,12 +334,14 @@ class CheckpointManager:
                 partial.mkdir(parents=True)
         dist.barrier(group=self.group)
         model_sd, optim_sd = get_state_dict(model, optim)
-        blocking = self.saver.save({"model": model_sd, "optim": optim_sd}, partial, step)
         self._inflight = {
             "loss": loss,
             "data_loader": sampler.state_at(step).to_dict(),
         }
-        return blocking
+        # The same facts travel with the process's own copy of this save (process_copy).
+        return self.saver.save(
+            {"model": model_sd, "optim": optim_sd}, partial, step, info=self._inflight
+        )
 
     def save_flags(self) -> Any:
         """This rank's share of the next poll's agreement (see ``AsyncCheckpointer.local_flags``):

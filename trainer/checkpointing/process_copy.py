@@ -1,0 +1,73 @@
+"""The process's own copy of its last save (issue 29, item 1: the first tier, in-process).
+
+Every save first snapshots the rank's state into CPU staging buffers
+(:mod:`~trainer.checkpointing.staging`); until the next save refills them they hold exactly the
+state that save writes. An in-process restart keeps the process, so it keeps that snapshot: when
+every rank still holds the same step, and nothing newer is committed, the restart reloads from
+it with no read at all (the shared filesystem is not touched), instead of reading the durable
+checkpoint back. The snapshot can be newer than the newest commit (a save in flight when the
+fault came): the restart then replays fewer steps.
+
+What it is trusted for: it never left the process (no digest to check against, no file to be
+torn); it must be complete (a fault during the staging copy drops it), of the process's current
+layout (staging reallocates on a new layout, and the copy goes with it) and finite (a NaN in it
+would be restored silently: the durable checkpoint is the fallback then, and says why).
+An in-job respawn or a node loss starts new processes: they load the durable checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed._state_dict_utils import _copy_state_dict
+from torch.distributed.tensor import DTensor
+
+SOURCE = "memory"  # a resume event's tier
+NO_COPY = "this process holds none"  # a new process: its first start, a respawn
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [_local(obj)]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+@dataclass
+class ProcessCopy:
+    """The last save's staged state (CPU tensors, DTensors with CPU local shards), its step, and
+    what the manager records beside it (the loss, the data loader's position)."""
+
+    step: int
+    staged: dict[str, Any]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        """This rank's bytes in it."""
+        return sum(t.numel() * t.element_size() for t in _tensors(self.staged))
+
+    def problem(self) -> str | None:
+        """Why it cannot be restored from ("" is never returned), or None."""
+        if self.step <= 0:
+            return "no save of a training step"
+        if "data_loader" not in self.info:
+            return "the save's data loader position was not recorded"
+        for t in _tensors(self.staged):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return "it holds values that are not finite"
+        return None
+
+    def restore_into(self, target: dict[str, Any]) -> None:
+        """Copy it into ``target``, a state dict of the same structure (the live model's and
+        optimizer's, from ``get_state_dict``): the inverse of the staging copy."""
+        with torch.no_grad():
+            _copy_state_dict(self.staged, target, type_check=False)
