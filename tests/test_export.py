@@ -261,7 +261,7 @@ def _verdict_before_change(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     assert verdict.ok
     victim = sorted(ckpt.glob("*.distcp"))[0]
     flip_bytes(victim)
-    monkeypatch.setattr("tasks.export.ckpt_manifest.verify_checkpoint", lambda d: verdict)
+    monkeypatch.setattr("tasks.export.checkpointing.verify_checkpoint", lambda d: verdict)
     return victim
 
 
