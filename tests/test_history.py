@@ -208,3 +208,29 @@ def test_time_breakdown_blocking_gaps_and_a_start_that_never_trained():
     assert t.productive == 4.0 and t.replayed == 0.0
     assert round(t.other, 6) == round(15.5 - 14.5, 6)  # the 0.5 s gap, and 0.5 s of wall unseen
     assert RunHistory().time_breakdown() is None  # no train attempt ended yet
+
+
+def test_a_second_fault_recorded_before_the_firsts_recovery_keeps_their_loads_apart():
+    """Recorded in a full run: rank 1's next fault (a stall at step 12) was written between
+    rank 0's load after the first fault and its recovered event. Each fault's recovery still
+    names the load that followed it."""
+    history = [
+        step(1, 10),
+        ev(2, "fault", fault="exception@step=11,rank=1", fault_kind="exception", step=11, rank=1),
+        ev(3, "restart", layer="inprocess", iteration=1),
+        ev(3.1, "resume", action="loaded", step=10, source="memory", bytes=100, load_s=0.01),
+        ev(3.5, "fault", fault="stall@step=12,rank=1", fault_kind="stall", step=12, rank=1),
+        step(3.6, 11),
+        ev(3.7, "recovered", layer="inprocess", fault="exception@step=11,rank=1", fault_step=11,
+           step=11, recovery_s=1.7),
+        ev(5, "restart", layer="inprocess", iteration=2),
+        ev(5.1, "resume", action="loaded", step=10, source="durable", bytes=900, load_s=0.2),
+        step(6, 11),
+        ev(6.1, "recovered", layer="inprocess", fault="stall@step=12,rank=1", fault_step=12,
+           step=11, recovery_s=2.6),
+    ]  # fmt: skip
+    got = [
+        (f["fault"].split("@")[0], f["resume_source"], f["load_bytes"])
+        for f in RunHistory.of(history).fault_records()
+    ]
+    assert got == [("exception", "memory", 100), ("stall", "durable", 900)]

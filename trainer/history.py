@@ -146,8 +146,10 @@ class RunHistory:
         # Per fault (as recovered events name it): the step training went back to, and how many
         # completed steps ran again.
         self._resumed: dict[tuple[str | None, int | None], tuple[int, int, Resume | None]] = {}
-        # The last checkpoint load since the last fault: what the next recovery resumed from.
-        self._loaded_since_fault: Resume | None = None
+        # Per fault still open: the newest checkpoint load since it (what its recovery resumed
+        # from). Per fault, not "since the last fault": a second fault can be recorded (by
+        # another rank) before the first one's recovered event.
+        self._load_of: dict[tuple[str | None, int | None], Resume] = {}
 
     # -- building -------------------------------------------------------------------------
 
@@ -183,7 +185,6 @@ class RunHistory:
         elif isinstance(ev, Fault):
             self.faults.append(ev)
             self._disturbed = True
-            self._loaded_since_fault = None
         elif isinstance(ev, Recovered):
             if (ev.fault, ev.fault_step) not in self._recovered:
                 # Made right after the first step since the restart: training went back to the
@@ -192,7 +193,7 @@ class RunHistory:
                 self._resumed[(ev.fault, ev.fault_step)] = (
                     back_to,
                     max(0, self.max_step - back_to),
-                    self._loaded_since_fault,
+                    self._load_of.get((ev.fault, ev.fault_step)),
                 )
             self._recovered.setdefault((ev.fault, ev.fault_step), ev)
             self.last_recovered_t = max(self.last_recovered_t, ev.t)
@@ -206,7 +207,10 @@ class RunHistory:
                 self._recorded_commit = None
                 self._final_s, self._window, self._kept = 0.0, {}, []
             elif ev.action == "loaded" and ev.step is not None:
-                self._loaded_since_fault = ev
+                for f in self.faults:
+                    key = (f.fault, f.step)
+                    if key not in self._recovered and f.t <= ev.t:
+                        self._load_of[key] = ev
                 # Steps after the loaded checkpoint run again: their earlier execution is lost.
                 for s in [s for s in self._window if s > ev.step]:
                     del self._window[s]
