@@ -71,12 +71,18 @@ while True:
 """
 
 
-def test_only_the_published_port_is_reachable(tmp_path: Path):
+@pytest.mark.parametrize("how", list(netns.Mode))
+def test_only_the_published_port_is_reachable(tmp_path: Path, how: netns.Mode):
+    """Either way of making the namespace (root without a user namespace: a container that
+    forbids them; CI's machines, like this one, run as root)."""
+    if how == netns.Mode.ROOT and os.geteuid() != 0:
+        pytest.skip("only root makes a network namespace without a user namespace")
     port = free_port()
     net = netns.open_network(
         env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, log=tmp_path / "net.log",
-        publish=port,
+        publish=port, how=how,
     )  # fmt: skip
+    assert net.mode == how
     other = free_port()
     servers = [
         subprocess.Popen(
@@ -159,3 +165,28 @@ def _rdzv_port(run_root: Path) -> int:
             if arg.startswith("--rdzv-endpoint="):
                 return int(arg.rsplit(":", 1)[1])
     raise AssertionError("no agent names its rendezvous endpoint")
+
+
+@pytest.mark.parametrize(
+    ("user_ns", "root_ns", "euid", "expected"),
+    [
+        (None, None, 1000, netns.Mode.USER),  # user namespaces allowed: any user
+        ("Operation not permitted", None, 0, netns.Mode.ROOT),  # forbidden, but root
+        ("Operation not permitted", None, 1000, None),  # forbidden, not root: shared network
+        ("Operation not permitted", "Operation not permitted", 0, None),  # no CAP_SYS_ADMIN
+    ],
+)
+def test_how_a_namespace_is_made_here(monkeypatch, user_ns, root_ns, euid, expected):
+    answers = {netns.Mode.USER: user_ns, netns.Mode.ROOT: root_ns}
+    monkeypatch.setattr(netns, "_tries", lambda mode: answers[mode])
+    monkeypatch.setattr(os, "geteuid", lambda: euid)
+    netns._probe.cache_clear()
+    try:
+        assert netns.mode() == expected
+        why = netns.support()
+        assert (why is None) == (expected is not None)
+        if why is not None:
+            assert "user namespaces are not allowed here (Operation not permitted)" in why
+    finally:
+        monkeypatch.undo()
+        netns._probe.cache_clear()

@@ -17,14 +17,16 @@ connect to them.
   the namespace it was made in) on ``127.0.0.1:<rank 0's port>`` and forwards each connection to
   the same port inside, where rank 0 serves. Nothing else is published.
 
-Where user namespaces are not allowed, :func:`support` says why and the attempt shares the
-host's network as before (the preflight's "private network" check says so too).
+Where user namespaces are not allowed, root still makes the namespace without one
+(:class:`Mode`); for anyone else :func:`support` says why and the attempt shares the host's
+network as before (the preflight's "private network" check says so too).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import enum
 import errno
 import fcntl
 import functools
@@ -41,7 +43,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-UNSHARE = ("unshare", "--user", "--map-root-user", "--net")
+
+class Mode(enum.StrEnum):
+    """How the namespace is made: in a user namespace of its own (any user, where the kernel
+    allows them), or by root alone (a container that grants root ``CAP_SYS_ADMIN`` but forbids
+    user namespaces)."""
+
+    USER = "user"
+    ROOT = "root"
+
+
+UNSHARE = {
+    Mode.USER: ("unshare", "--user", "--map-root-user", "--net"),
+    Mode.ROOT: ("unshare", "--net"),
+}
 READY = b"ready\n"
 READY_TIMEOUT_S = 30.0
 # A local flood of scrapes must not grow threads without bound: past this many open forwarded
@@ -50,26 +65,42 @@ MAX_FORWARDED = 32
 FORWARD_IDLE_S = 30.0
 
 
-@functools.cache
-def support() -> str | None:
-    """None when a private network namespace can be made here; otherwise why not (once per
-    process: the answer does not change while it runs)."""
-    for tool in ("unshare", "nsenter"):
-        if shutil.which(tool) is None:
-            return f"{tool} (util-linux) is not installed"
+def _tries(mode: Mode) -> str | None:
+    """Why ``mode`` cannot make a namespace here, or None."""
     try:
         done = subprocess.run(
-            [*UNSHARE, "--", "true"], capture_output=True, text=True, timeout=10, check=False
+            [*UNSHARE[mode], "--", "true"], capture_output=True, text=True, timeout=10, check=False
         )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"unshare failed: {e}"
-    if done.returncode != 0:
-        return (
-            f"user namespaces are not allowed here ({done.stderr.strip() or done.returncode}): "
-            "enable them (sysctl kernel.unprivileged_userns_clone=1, or on Ubuntu "
-            "kernel.apparmor_restrict_unprivileged_userns=0)"
-        )
-    return None
+    return None if done.returncode == 0 else (done.stderr.strip() or f"exit {done.returncode}")
+
+
+@functools.cache
+def _probe() -> tuple[Mode | None, str | None]:
+    for tool in ("unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            return None, f"{tool} (util-linux) is not installed"
+    why = _tries(Mode.USER)
+    if why is None:
+        return Mode.USER, None
+    if os.geteuid() == 0 and _tries(Mode.ROOT) is None:
+        return Mode.ROOT, None
+    return None, (
+        f"user namespaces are not allowed here ({why}): enable them (sysctl "
+        "kernel.unprivileged_userns_clone=1, or on Ubuntu "
+        "kernel.apparmor_restrict_unprivileged_userns=0)"
+    )
+
+
+def mode() -> Mode | None:
+    """How namespaces are made here (once per process), or None when they cannot be."""
+    return _probe()[0]
+
+
+def support() -> str | None:
+    """None when a private network namespace can be made here; otherwise why not."""
+    return _probe()[1]
 
 
 @dataclass
@@ -79,6 +110,7 @@ class PrivateNetwork:
 
     holder: subprocess.Popen[bytes]
     published: int | None = None  # the port forwarded from the host's 127.0.0.1, if any
+    mode: Mode = Mode.USER
     _closed: bool = field(default=False, repr=False)
 
     def enter(self) -> list[str]:
@@ -89,6 +121,8 @@ class PrivateNetwork:
                 f"exited {self.holder.returncode}): no node can join the attempt any more"
             )
         ns = f"/proc/{self.holder.pid}/ns"
+        if self.mode == Mode.ROOT:
+            return ["nsenter", f"--net={ns}/net", "--"]
         return ["nsenter", f"--user={ns}/user", f"--net={ns}/net", "--preserve-credentials", "--"]
 
     def close(self) -> None:
@@ -114,12 +148,21 @@ def _publish_socket(port: int) -> socket.socket:
 
 
 def open_network(
-    *, env: dict[str, str], cwd: Path, log: Path, publish: int | None = None
+    *,
+    env: dict[str, str],
+    cwd: Path,
+    log: Path,
+    publish: int | None = None,
+    how: Mode | None = None,
 ) -> PrivateNetwork:
     """A new namespace with its loopback up, and ``publish`` (a port) forwarded to it from the
     host's 127.0.0.1 when given and free there (a port in use is said in the log and not
     published: metrics never stop training). Returns once the holder is ready; raises with its
-    log when it is not within ``READY_TIMEOUT_S``."""
+    log when it is not within ``READY_TIMEOUT_S``. ``how``: this machine's :func:`mode` unless
+    given."""
+    how = how or mode()
+    if how is None:
+        raise RuntimeError(f"no private network can be made here: {support()}")
     listener: socket.socket | None = None
     if publish is not None:
         try:
@@ -128,7 +171,7 @@ def open_network(
             with open(log, "a") as out:
                 print(f"rank 0's metrics port 127.0.0.1:{publish} not published: {e}", file=out)
     r, w = os.pipe()
-    argv = [*UNSHARE, "--", sys.executable, "-m", "tasks.backends.netns", "--ready-fd", str(w)]
+    argv = [*UNSHARE[how], "--", sys.executable, "-m", "tasks.backends.netns", "--ready-fd", str(w)]
     fds = [w]
     if listener is not None:
         argv += ["--publish-fd", str(listener.fileno()), "--port", str(publish)]
@@ -162,7 +205,7 @@ def open_network(
             f"the attempt's network namespace did not start (holder exited "
             f"{holder.returncode}); {log}:\n{tail}"
         )
-    return PrivateNetwork(holder, published=publish if listener is not None else None)
+    return PrivateNetwork(holder, published=publish if listener is not None else None, mode=how)
 
 
 def await_ready(fd: int, *, timeout_s: float = READY_TIMEOUT_S) -> bool:
