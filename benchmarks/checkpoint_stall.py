@@ -94,6 +94,8 @@ from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 
+from trainer.checkpointing.staging import local_tensors  # noqa: E402
+
 METHODS = ("dcp_save", "dcp_async_thread", "dcp_async_process", "ours", "memcpy")
 ASYNC = ("dcp_async_thread", "dcp_async_process", "ours")
 TARGETS = {"ours_blocking_vs_sync_dcp": 0.10}
@@ -176,22 +178,6 @@ def load_bench_workload(args: argparse.Namespace, mb: float) -> Any:
 # -- helpers --------------------------------------------------------------------------------------
 def _median(xs: list[float]) -> float | None:
     return float(statistics.median(xs)) if xs else None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [_local(obj)]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 class Save:
@@ -372,7 +358,7 @@ class Rank:
             buffers: list[torch.Tensor] | None = None
 
             def start(self, d: Path, save: Save) -> None:
-                src = _tensors(state_fn())
+                src = local_tensors(state_fn())
                 if self.buffers is None:
                     self.buffers = [
                         torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
@@ -564,7 +550,7 @@ def run_size(r: Rank, mb: float) -> dict[str, Any]:
     wl.loss(model, x.to(r.device), x.to(r.device)).backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
-    tensors = _tensors(_state(model, optim))
+    tensors = local_tensors(_state(model, optim))
     mib = sum(t.numel() * t.element_size() for t in tensors) / MIB
     per_method: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
     for rnd in range(args.rounds):

@@ -22,24 +22,11 @@ from typing import Any
 
 import torch
 from torch.distributed._state_dict_utils import _copy_state_dict
-from torch.distributed.tensor import DTensor
+
+from trainer.checkpointing.staging import local_tensors
 
 SOURCE = "memory"  # a resume event's tier
 NO_COPY = "this process holds none"  # a new process: its first start, a respawn
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [_local(obj)]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 @dataclass
@@ -53,7 +40,7 @@ class ProcessCopy:
 
     def nbytes(self) -> int:
         """This rank's bytes in it."""
-        return sum(t.numel() * t.element_size() for t in _tensors(self.staged))
+        return sum(t.numel() * t.element_size() for t in local_tensors(self.staged))
 
     def problem(self) -> str | None:
         """Why it cannot be restored from ("" is never returned), or None."""
@@ -61,7 +48,7 @@ class ProcessCopy:
             return "no save of a training step"
         if "data_loader" not in self.info:
             return "the save's data loader position was not recorded"
-        for t in _tensors(self.staged):
+        for t in local_tensors(self.staged):
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 return "it holds values that are not finite"
         return None

@@ -109,6 +109,19 @@ def make_copier(device: torch.device) -> SyncCopy:
     return CudaSideStreamCopy(device) if device.type == "cuda" else SyncCopy()
 
 
+def local_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor of a state dict, a DTensor as its local shard, in traversal order."""
+    if isinstance(obj, DTensor):
+        return [obj._local_tensor]
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in local_tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in local_tensors(v)]
+    return []
+
+
 def _signature(obj: Any) -> Any:
     """The state layout that the staging buffers (and the cached DCP plan) depend on: structure,
     and per tensor its local shape, dtype, device type and, for a DTensor, its global shape and
