@@ -234,18 +234,3 @@ def test_a_second_fault_recorded_before_the_firsts_recovery_keeps_their_loads_ap
         for f in RunHistory.of(history).fault_records()
     ]
     assert got == [("exception", "memory", 100), ("stall", "durable", 900)]
-
-
-def test_a_fault_written_after_the_load_it_led_to_still_gets_it():
-    """Seen in a fresh-clone run: rank 1's fault line landed in the file after rank 0's load
-    for it. Loads are matched to faults by time, not by file order."""
-    history = [
-        step(1, 10),
-        ev(3.1, "resume", action="loaded", step=10, source="memory", bytes=100, load_s=0.01),
-        ev(2, "fault", fault="stall@step=12,rank=1", fault_kind="stall", step=12, rank=1),
-        step(3.6, 11),
-        ev(3.7, "recovered", layer="inprocess", fault="stall@step=12,rank=1", fault_step=12,
-           step=11, recovery_s=1.7),
-    ]  # fmt: skip
-    [f] = RunHistory.of(history).fault_records()
-    assert (f["resume_source"], f["load_bytes"]) == ("memory", 100)

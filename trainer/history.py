@@ -149,20 +149,7 @@ class RunHistory:
         # Per fault still open: the newest checkpoint load since it (what its recovery resumed
         # from). Per fault, not "since the last fault": a second fault can be recorded (by
         # another rank) before the first one's recovered event.
-        # Every checkpoint load (one per restart): a recovery resumed from the newest one
-        # between its fault and it, by time, whatever order ranks wrote them in.
-        self._loads: list[Resume] = []
-
-    def _load_before(self, rec: Recovered) -> Resume | None:
-        """The newest load between ``rec``'s fault and ``rec``."""
-        fault_t = max(
-            (f.t for f in self.faults if (f.fault, f.step) == (rec.fault, rec.fault_step)),
-            default=None,
-        )
-        if fault_t is None:
-            return None
-        window = [r for r in self._loads if fault_t <= r.t <= rec.t]
-        return max(window, key=lambda r: r.t, default=None)
+        self._load_of: dict[tuple[str | None, int | None], Resume] = {}
 
     # -- building -------------------------------------------------------------------------
 
@@ -206,7 +193,7 @@ class RunHistory:
                 self._resumed[(ev.fault, ev.fault_step)] = (
                     back_to,
                     max(0, self.max_step - back_to),
-                    self._load_before(ev),
+                    self._load_of.get((ev.fault, ev.fault_step)),
                 )
             self._recovered.setdefault((ev.fault, ev.fault_step), ev)
             self.last_recovered_t = max(self.last_recovered_t, ev.t)
@@ -220,7 +207,10 @@ class RunHistory:
                 self._recorded_commit = None
                 self._final_s, self._window, self._kept = 0.0, {}, []
             elif ev.action == "loaded" and ev.step is not None:
-                self._loads.append(ev)
+                for f in self.faults:
+                    key = (f.fault, f.step)
+                    if key not in self._recovered and f.t <= ev.t:
+                        self._load_of[key] = ev
                 # Steps after the loaded checkpoint run again: their earlier execution is lost.
                 for s in [s for s in self._window if s > ev.step]:
                     del self._window[s]
