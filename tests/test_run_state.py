@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -66,13 +67,36 @@ def test_recoveries_close_the_open_faults_once(tmp_path: Path):
     f1 = log.emit("fault", fault="exception@step=3", fault_kind="exception", step=3, rank=1)
     run_state.open_fault(tmp_path, f1)
     (tmp_path / run_state.FAULTS / "zz-forged.json").write_text(json.dumps({"t": 1, "kind": "x"}))
-    emit_recoveries(log, "inprocess", 4)
-    emit_recoveries(log, "inprocess", 5)  # nothing open any more
+    emit_recoveries(log, "inprocess", 4, began=time.time())
+    emit_recoveries(log, "inprocess", 5, began=time.time())  # nothing open any more
     h = RunHistory.read(tmp_path)
     ((fault),) = h.fault_records()
     assert fault["recovered_by"] == "inprocess" and fault["step"] == 3
     assert len([r for r in h.restarts]) == 0 and h.last_recovered_t > 0
     assert [p.name for p in (tmp_path / run_state.FAULTS).iterdir()] == ["zz-forged.json"]
+
+
+def test_a_fault_fired_after_the_incarnation_began_stays_open(tmp_path: Path):
+    """The race seen in a fresh-clone drill: rank 1 fires its next drill (a stall at step 12)
+    while rank 0 is still closing the previous fault after the restart's first step (11). The
+    stall is not recovered yet: its own restart's first step closes it, with that load."""
+    log = EventLog(tmp_path)
+    f1 = log.emit("fault", fault="exception@step=11,rank=1", fault_kind="exception", step=11)
+    run_state.open_fault(tmp_path, f1)
+    began = time.time()
+    log.emit("resume", action="loaded", step=10, source="memory", bytes=8)
+    f2 = log.emit("fault", fault="stall@step=12,rank=1", fault_kind="stall", step=12)
+    run_state.open_fault(tmp_path, f2)
+    emit_recoveries(log, "inprocess", 11, began=began)
+    h = RunHistory.read(tmp_path)
+    assert [f["recovered_by"] for f in h.fault_records()] == ["inprocess", "none"]
+    second = time.time()
+    log.emit("resume", action="loaded", step=10, source="memory", bytes=8)
+    emit_recoveries(log, "inprocess", 11, began=second)
+    records = {f["fault"]: f for f in RunHistory.read(tmp_path).fault_records()}
+    stall = records["stall@step=12,rank=1"]
+    assert (stall["recovered_by"], stall["resume_source"]) == ("inprocess", "memory"), stall
+    assert list((tmp_path / run_state.FAULTS).iterdir()) == []
 
 
 def test_a_fault_from_before_the_retry_is_the_stage_retrys(tmp_path: Path):
@@ -82,6 +106,6 @@ def test_a_fault_from_before_the_retry_is_the_stage_retrys(tmp_path: Path):
     run_state.record_retry(tmp_path, 1)  # a first attempt is no retry
     assert run_state.retry_began(tmp_path) == 0.0
     run_state.record_retry(tmp_path, 2)
-    emit_recoveries(log, "injob", 5)
+    emit_recoveries(log, "injob", 5, began=time.time())
     (fault,) = RunHistory.read(tmp_path).fault_records()
     assert fault["recovered_by"] == "stage-retry"

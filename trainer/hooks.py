@@ -159,11 +159,13 @@ class StepEvents(Hook):
         *,
         first_step: int,
         recovery_layer: str | None,
+        began: float,
         buffered: bool = True,
     ):
         self.events = events
         self.first_step = first_step
         self.layer = recovery_layer
+        self.began = began
         # Unbuffered when a launcher-side drill (node-loss@step=N) waits to see step N.
         self.buffered = buffered
 
@@ -184,16 +186,22 @@ class StepEvents(Hook):
             **rate,
         )
         if end.step == self.first_step and self.layer is not None:
-            emit_recoveries(self.events, self.layer, end.step)
+            emit_recoveries(self.events, self.layer, end.step, began=self.began)
 
 
-def emit_recoveries(events: EventLog, layer: str, step: int) -> None:
-    """Close every fault recorded since the last recovery, attributing it to ``layer``."""
+def emit_recoveries(events: EventLog, layer: str, step: int, *, began: float) -> None:
+    """Close every fault recorded since the last recovery and before this incarnation
+    ``began``, attributing it to ``layer``. A fault recorded after that is not one this
+    incarnation recovered from: another rank may fire its drill at the next step while rank 0
+    is still here (seen: a stall at step 12 claimed by the first step after an exception's
+    restart, 2 ms before it fired, its real recovery then claiming nothing)."""
     run_root = events.path.parent
     retry_t = run_state.retry_began(run_root)
     now = time.time()
     fence = Fence.from_env(run_root, events)
     for path, f in run_state.open_faults(run_root):
+        if f.t >= began:
+            continue
         # Said and closed under the fence: a replaced attempt's rank 0 claims no recovery.
         with fence.hold(f"close the fault {f.fault}"):
             events.emit(

@@ -99,7 +99,13 @@ def recovery_layer(ctx: ProcessContext, iteration: int, world: int) -> str | Non
 
 
 def build_hooks(
-    ctx: ProcessContext, *, rank: int, call_wrapper: Any, first_step: int, layer: str | None
+    ctx: ProcessContext,
+    *,
+    rank: int,
+    call_wrapper: Any,
+    first_step: int,
+    layer: str | None,
+    began: float,
 ) -> Hooks:
     """The fault-tolerance hooks of this worker, in the order they run at each point."""
     hooks: list[Any] = [
@@ -121,6 +127,7 @@ def build_hooks(
                 ctx.events,
                 first_step=first_step,
                 recovery_layer=layer,
+                began=began,
                 buffered=not launcher_drills,
             )
         )

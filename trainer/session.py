@@ -100,6 +100,8 @@ class TrainSession:
         self.cfg = ctx.cfg
         self.call_wrapper = call_wrapper
         self.iteration = int(getattr(call_wrapper, "iteration", 0))
+        # When this incarnation began: only faults recorded before it are ones it recovers from.
+        self.began = time.time()
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.share: Share | None = None
@@ -155,6 +157,7 @@ class TrainSession:
             call_wrapper=self.call_wrapper,
             first_step=first,
             layer=recovery_layer(ctx, self.iteration, world),
+            began=self.began,
         )
         ckpt.on_commit = self.hooks.on_commit
         if self.call_wrapper is not None:
