@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpointing.node_copy import ENV as NODE_MEMORY_ENV
 from trainer.config import InJobConfig, InProcessConfig, TrainConfig, save_config
 from trainer.events import read_events
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
@@ -192,7 +193,10 @@ def _ft_launcher(cfg: TrainConfig, nproc: int, tag: str) -> tuple[list[str], Pat
     config = write_config(cfg)
     argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config))
     log_path = cfg.run_root.parent / f"{cfg.run_root.name}{tag}.log"
-    return argv, log_path, launch_env(config)
+    # The one node's memory (trainer.checkpointing.node_copy): kept across its respawns, as
+    # the local backend keeps a simulated node's.
+    memory = cfg.run_root.parent / f"{cfg.run_root.name}{tag}.node-memory"
+    return argv, log_path, {**launch_env(config), NODE_MEMORY_ENV: str(memory)}
 
 
 def run_ft_launcher(

@@ -25,6 +25,7 @@ from tests.helpers import (
 )
 from trainer import checkpointing, fence
 from trainer.events import read_events
+from trainer.faults import DAMAGE_KINDS
 from trainer.history import RunHistory
 from trainer.timeline import recovery_phases
 
@@ -49,15 +50,27 @@ class Drill:
 # `exception` (in-process) and `sigkill` (in-job) run through the whole pipeline instead, with
 # the same bitwise and fired-once checks (tests/test_workload_pipeline.py); running them here as
 # well cost ~2 min of the CI budget for no extra assertion.
-# An exception at step 11, right after step 10's save was handed to the writer, comes first:
-# the in-process restart reloads step 10 from the process's own copy of that save
-# (trainer.checkpointing.process_copy), read from nowhere, though step 10 is not committed yet;
-# the durable tier alone would go back to step 5 or to the start.
+# The tiers (issue 29), each recovery from the newest copy every rank holds:
+# - an exception at step 11, right after step 10's save was handed to the writer: the in-process
+#   restart reloads step 10 from the process's own copy of that save
+#   (trainer.checkpointing.process_copy), read from nowhere, though step 10 is not committed yet;
+#   the durable tier alone would go back to step 5 or to the start;
+# - the stall at step 12: node memory holds step 11 (a memory save every step,
+#   trainer.checkpointing.node_copy), newer than the process's copy;
+# - at step 14 rank 1's newest node copy (step 13) is damaged and the rank SIGKILLed: its
+#   respawn finds the digest wrong and falls back to the durable tier;
+# - the hang at step 18: the respawned ranks read step 17 from node memory.
 DRILLS = [
     Drill(
-        "exception-stall-hang",
-        ("exception@step=11,rank=1", "stall@step=12,rank=1", "hang@step=18,rank=1"),
-        ("inprocess", "inprocess", "injob"),
+        "exception-stall-corrupt-hang",
+        (
+            "exception@step=11,rank=1",
+            "stall@step=12,rank=1",
+            "corrupt-memory@step=14,rank=1",
+            "sigkill@step=14,rank=1",
+            "hang@step=18,rank=1",
+        ),
+        ("inprocess", "inprocess", "injob", "injob"),
     ),
 ]
 
@@ -97,19 +110,39 @@ def test_drill_recovers_bitwise(drill: Drill, baseline: RunOutcome, dataset: Pat
     assert all(r["recovery_s"] > 0 for r in recovered)
     # Each recovery resumed from a committed checkpoint before its fault, never step 0.
     loaded = [e for e in out.of_kind("resume") if e["action"] == "loaded"]
-    steps = [int(f.split("step=")[1].split(",")[0]) for f in drill.faults]
+    steps = [
+        int(f.split("step=")[1].split(",")[0])
+        for f in drill.faults
+        if not f.startswith(DAMAGE_KINDS)  # damage restarts nothing
+    ]
     assert len(loaded) >= len(steps), loaded
     assert 5 <= loaded[0]["step"] < steps[0] and 10 <= loaded[-1]["step"] < steps[-1], loaded
-    # The in-process restarts reloaded the process's own copy of step 10 (issue 29, item 1),
-    # at least as new as anything committed before the fault (fewer replayed steps than the
-    # durable tier alone); the respawn after the hang, a new process, read the durable one.
+    # Each recovery's tier (see DRILLS), and fewer replayed steps than the durable tier alone:
+    # newer than anything committed before its fault.
     records = {r["fault"]: r for r in RunHistory.of(out.events).fault_records()}
-    first = records["exception@step=11,rank=1"]
-    assert (first["resume_source"], first["resume_step"]) == ("memory", 10), first
-    committed = [e["step"] for e in out.of_kind("checkpoint") if e["t"] < faults[0]["t"]]
-    assert first["resume_step"] >= max(committed, default=0)
-    assert first["load_bytes"] > 0 and records["stall@step=12,rank=1"]["resume_source"] == "memory"
-    assert records["hang@step=18,rank=1"]["resume_source"] == "durable"
+    sources = {
+        "exception@step=11,rank=1": ("memory", 10),
+        "stall@step=12,rank=1": ("node", 11),
+        "hang@step=18,rank=1": ("node", 17),
+    }
+    for fault, want in sources.items():
+        rec = records[fault]
+        assert (rec["resume_source"], rec["resume_step"]) == want, rec
+        assert rec["load_bytes"] > 0, rec
+        fault_t = next(f["t"] for f in faults if f["fault"] == fault)
+        committed = [e["step"] for e in out.of_kind("checkpoint") if e["t"] < fault_t]
+        assert rec["resume_step"] > max(committed, default=0), (rec, committed)
+    # The damaged node copy was found out by its digest, said, and the durable tier read.
+    damaged = records["sigkill@step=14,rank=1"]
+    assert damaged["resume_source"] == "durable" and damaged["resume_step"] <= 10, damaged
+    skipped = [e for e in out.of_kind("resume") if e["action"] == "skipped"]
+    assert any(
+        e["source"] == "node"
+        and e["step"] == 13
+        and "rank 1" in e["reason"]
+        and "sha256" in e["reason"]
+        for e in skipped
+    ), skipped
     # Hang detection learned the step time (issue 29, item 6): rank 0 said its bound; the hung
     # rank's own bound is in its fault event; the hang was caught within it (plus the respawn:
     # teardown, rendezvous, a new process), far inside the 20 s ceiling.

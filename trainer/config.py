@@ -406,6 +406,10 @@ class TrainConfig:
     # fault-free CUDA runs already differ in the last bits without it, and it slows some kernels.
     deterministic: bool = False
     ckpt_interval: int = 5
+    # Node memory (trainer.checkpointing.node_copy): a memory save every this many steps, where
+    # the launcher gives each node a memory directory; 0 turns the tier off. A copy of the
+    # state, not a write to the shared filesystem: cheap enough for every step at this scale.
+    memory_interval: int = 1
     keep_last: int = 3
     resume: ResumePolicy = ResumePolicy.AUTO
     verify_data: bool = True
@@ -448,6 +452,11 @@ class TrainConfig:
             self.ckpt_interval >= 1,
             "ckpt_interval",
             f"checkpoint interval needs to be at least 1 step, got {self.ckpt_interval}",
+        )
+        _require(
+            isinstance(self.memory_interval, int) and self.memory_interval >= 0,
+            "memory_interval",
+            f"must be a number of steps (0 turns node memory off), got {self.memory_interval!r}",
         )
         _require(
             self.keep_last >= 2,
@@ -498,7 +507,13 @@ class TrainConfig:
         from trainer.faults import parse_fault
 
         for spec in self.faults:
-            parse_fault(spec)
+            parsed = parse_fault(spec)
+            _require(
+                parsed.kind != "corrupt-memory" or self.memory_interval > 0,
+                "faults",
+                f"{spec} damages a node-memory copy, and memory_interval 0 makes none: set "
+                "memory_interval to 1 or more, or drop the drill",
+            )
         if self.inprocess.enabled and self.injob.enabled:
             # arch §2: an inner layer must get its chance before the outer one gives up.
             _require(

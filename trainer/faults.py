@@ -14,6 +14,10 @@ Kinds handled by the trainer:
 - ``sigkill``: the rank SIGKILLs itself (recovered in-job).
 - ``corrupt-checkpoint``: after the first checkpoint at or beyond step N commits, flip bytes in one
   of its shards (detected on the next resume, which falls back to the previous checkpoint).
+- ``corrupt-memory``: at the start of step N, flip bytes in the rank's newest node-memory copy
+  (step N-1's, ``trainer.checkpointing.node_copy``) and carry on; the next resume that would
+  read it finds its digest wrong and falls back a tier. Give a second fault at the same step
+  (``sigkill@step=N``, listed after it) to make that resume happen at once.
 ``node-loss``, ``node-return`` and ``node-freeze`` are carried out by the watcher through the
 backend, not here: it kills a whole node, starts a lost one again (a replacement joining an
 elastic job), or stops every process of a node without ending any (SIGSTOP: a frozen host, a
@@ -45,9 +49,13 @@ KINDS = (
     "node-return",
     "node-freeze",
     "corrupt-checkpoint",
+    "corrupt-memory",
 )
 NODE_KINDS = ("node-loss", "node-return", "node-freeze")  # the watcher's, not the trainer's
-TRAINER_KINDS = ("exception", "stall", "hang", "sigkill", "corrupt-checkpoint")
+TRAINER_KINDS = ("exception", "stall", "hang", "sigkill", "corrupt-checkpoint", "corrupt-memory")
+# Damage, not a failure: nothing restarts for it, and no recovery closes it; the next resume
+# that would read the damaged copy notices it (and says so in a resume event).
+DAMAGE_KINDS = ("corrupt-checkpoint", "corrupt-memory")
 PHASES = ("step", "checkpoint")
 
 

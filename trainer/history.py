@@ -43,6 +43,7 @@ from trainer.event_types import (
     WorldChange,
     decode_obj,
 )
+from trainer.faults import DAMAGE_KINDS
 
 # Committed checkpoints remembered for the productive-time window. A run keeps a few
 # (``checkpoint.keep_last``); a writer that never reports pruning (the torchrun baseline) is
@@ -405,11 +406,11 @@ class RunHistory:
 
     def open_faults(self) -> list[Fault]:
         """The faults recorded since the last recovery, which the next first step closes (a
-        corrupted checkpoint is no training fault: validation reports it)."""
+        corrupted checkpoint or memory copy is no training fault: a resume reports it)."""
         return [
             f
             for f in self.faults
-            if f.t > self.last_recovered_t and f.fault_kind != "corrupt-checkpoint"
+            if f.t > self.last_recovered_t and f.fault_kind not in DAMAGE_KINDS
         ]
 
     def summary(self) -> dict[str, Any]:

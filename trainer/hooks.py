@@ -22,7 +22,7 @@ from typing import Any
 
 from trainer import run_state
 from trainer.events import EventLog
-from trainer.faults import FaultInjector, FaultSpec, flip_bytes
+from trainer.faults import DAMAGE_KINDS, FaultInjector, FaultSpec, flip_bytes
 from trainer.fence import Fence
 
 
@@ -86,9 +86,12 @@ class FaultDrills(Hook):
         *,
         rank: int,
         step_timeout: Callable[[], float | None] | None = None,
+        node_memory: Any = None,
     ):
         self.events = events
         self.rank = rank
+        # The rank's node memory (trainer.checkpointing.node_copy), which corrupt-memory damages.
+        self.node_memory = node_memory
         # The step section's timeout in force (the heartbeat's): a hang's event states it.
         self.step_timeout = step_timeout
         self.fence = Fence.from_env(run_root, events)
@@ -98,14 +101,26 @@ class FaultDrills(Hook):
 
     def _fired(self, spec: FaultSpec) -> None:
         bound = self.step_timeout() if self.step_timeout and spec.kind == "hang" else None
-        extra = {} if bound is None else {"bound_s": bound}
+        extra: dict[str, Any] = {} if bound is None else {"bound_s": bound}
+        if spec.kind == "corrupt-memory":
+            extra["file"] = self._damage_node_memory(spec)
         event = self.events.emit(
             "fault", fault=str(spec), fault_kind=spec.kind, step=spec.step, rank=self.rank, **extra
         )
         # Open until the first step after the restart closes it (before the fault fires).
-        if spec.kind != "corrupt-checkpoint":
+        if spec.kind not in DAMAGE_KINDS:
             with self.fence.hold(f"record the fault {spec}"):
                 run_state.open_fault(self.events.path.parent, event)
+
+    def _damage_node_memory(self, spec: FaultSpec) -> str | None:
+        """Flip bytes in the newest copy this rank's node memory holds; None (in the event:
+        ``file: null``) where the node has none to damage."""
+        newest = None if self.node_memory is None else self.node_memory.newest()
+        if newest is None:
+            return None
+        path = self.node_memory.bin_path(newest.generation)
+        flip_bytes(path)
+        return str(path)
 
     def on_step_start(self, step: int) -> None:
         self.injector.maybe_fire(step)

@@ -46,6 +46,9 @@ class ProcessContext:
     respawned: bool = False  # this worker replaces an earlier one of the same launcher job
     stage_attempt: int = 1  # the pipeline's train-stage attempt (NVRX_STAGE_ATTEMPT)
     base_store: Any = None  # long-lived store for per-iteration process groups (in-process mode)
+    # This rank's node memory (trainer.checkpointing.node_copy.NodeMemory), kept across
+    # in-process restarts: its files outlive the process too.
+    node_memory: Any = None
     started: float = field(default_factory=time.time)
 
 
@@ -115,6 +118,7 @@ def build_hooks(
             ctx.events,
             rank=rank,
             step_timeout=lambda: getattr(ctx.heartbeat, "step_timeout_s", None),
+            node_memory=ctx.node_memory,
         )
     ]
     hooks.append(Heartbeats(ctx.heartbeat))

@@ -147,6 +147,7 @@ class TrainSession:
             world_size=world,
             group=self.ckpt_group,
             sections=ctx.heartbeat,
+            node=ctx.node_memory,
         )
         resumed = ckpt.resume(model, optim, ctx.sampler)
         self.loss = resumed.loss

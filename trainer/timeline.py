@@ -24,6 +24,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainer.faults import DAMAGE_KINDS
+
 RESTART_KINDS = ("restart", "worker_start", "stage_attempt")
 
 
@@ -39,11 +41,11 @@ def _after(events: list[dict[str, Any]], t: float, kinds: tuple[str, ...], **mat
 
 
 def recovery_phases(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per fault (``corrupt-checkpoint`` excluded: it is noticed at the next resume)."""
+    """One row per fault (damage excluded, ``faults.DAMAGE_KINDS``: noticed at the next resume)."""
     events = sorted(events, key=lambda e: e["t"])
     rows = []
     for f in events:
-        if f["kind"] != "fault" or f.get("fault_kind") == "corrupt-checkpoint":
+        if f["kind"] != "fault" or f.get("fault_kind") in DAMAGE_KINDS:
             continue
         t0 = f["t"]
         begin = _after(events, t0, RESTART_KINDS)

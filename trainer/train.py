@@ -343,6 +343,19 @@ def _node_beat(cfg: TrainConfig) -> Any:
     )
 
 
+def _node_memory(cfg: TrainConfig, rank: int, world: int) -> Any:
+    """This rank's node-memory tier, where the launcher gave the node a directory and
+    ``memory_interval`` asks for memory saves."""
+    from trainer import fence
+    from trainer.checkpointing import node_copy
+
+    if cfg.memory_interval <= 0:
+        return None
+    return node_copy.from_env(
+        rank=rank, world_size=world, fingerprint=cfg.fingerprint(), epoch=fence.epoch_from_env()
+    )
+
+
 def _run(
     cfg: TrainConfig,
     body: Callable[[Any, Any], dict[str, Any]],
@@ -379,6 +392,7 @@ def _run(
         respawned=respawned,
         prior=prior,
         stage_attempt=int(os.environ.get("NVRX_STAGE_ATTEMPT", "1")),
+        node_memory=_node_memory(cfg, rank, world),
     )
     # Once per process: an in-process restart re-enters `body`, not this function.
     from trainer.credentials import secret_like

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import psutil
 
+from tasks.backends import node_memory
 from tasks.backends.base import (
     Evidence,
     Hydrated,
@@ -264,6 +265,12 @@ class LocalJob:
         self.lost.add(node)
         kill_tree(self.nodes[node].pid)
         self.nodes[node].wait()
+        # Its memory goes with it: no later resume may read a lost node's node-memory copy.
+        node_memory.forget_node(*self._memory_key, node)
+
+    @property
+    def _memory_key(self) -> tuple[Path, int, str]:
+        return (self.request.cfg.run_root, self.attempt, self.invocation or self.request.invocation)
 
     def freeze_node(self, node: int) -> None:
         """Stop (SIGSTOP) every process of the node's tree, its agent first so that it sees no
@@ -295,6 +302,7 @@ class LocalJob:
             self.store.wait()
         if self.network is not None:
             self.network.close()
+        node_memory.forget_attempt(*self._memory_key)
         # Whatever escaped its node's tree (a worker whose agent died first) goes too.
         processes.end(
             [
@@ -438,11 +446,15 @@ class LocalBackend:
         log_dir = cfg.run_root / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         network = self._network(request, env, log_dir / f"attempt{request.attempt}-net.log")
+        memory = node_memory.prepare(cfg.run_root, request.attempt, request.invocation)
 
         def start(node: int) -> NodeProcess:
             log_path = log_dir / f"attempt{request.attempt}-node{node}.log"
             exit_path = exit_file(cfg.run_root, request.attempt, node)
             exit_path.unlink(missing_ok=True)
+            # A node's memory starts empty: a first start, or a node back after a loss.
+            node_mem = memory / f"node-{node}"
+            node_mem.mkdir(mode=0o700, exist_ok=True)
             # Appended: a node that returns after a loss keeps its first life's log above.
             with open(log_path, "ab") as log:
                 popen = subprocess.Popen(
@@ -456,6 +468,7 @@ class LocalBackend:
                         **env,
                         "NVRX_EXIT_FILE": str(exit_path),
                         "NVRX_NODE": str(node),
+                        node_memory.ENV: str(node_mem),
                         **({} if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus[node]}),
                     },
                     cwd=_REPO,

@@ -24,8 +24,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 
 from trainer import __version__, checkpointing, run_state, untrusted
-from trainer.checkpointing import CheckpointCommitError, CheckpointStorageError
+from trainer.checkpointing import CheckpointCommitError, CheckpointStorageError, node_copy, tiers
 from trainer.checkpointing.async_save import WARMUP_STEP, AsyncCheckpointer, CommitTask, SaveResult
+from trainer.checkpointing.node_copy import NodeMemory
 from trainer.checkpointing.process_copy import NO_COPY, SOURCE, ProcessCopy
 from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, ResumePolicy, TrainConfig
 from trainer.errors import TerminalError
@@ -71,8 +72,13 @@ class CheckpointManager:
         group: dist.ProcessGroup,
         sections: Sections | None = None,
         fence: Fence | None = None,
+        node: NodeMemory | None = None,
     ) -> None:
         self.cfg = cfg
+        # This rank's node-memory tier (trainer.checkpointing.node_copy), where the node has one.
+        self.node = node
+        self._node_headers: dict[int, node_copy.Header] = {}
+        self._own_bytes = 0  # every rank's bytes in its own copy, at the resume
         # Every change rank 0 makes to the run root runs under it (trainer.fence).
         self.fence = fence or Fence.from_env(cfg.run_root, events)
         self.saver = saver
@@ -102,17 +108,25 @@ class CheckpointManager:
             return self._resume(model, optim, sampler)
 
     def _resume(self, model: nn.Module, optim: Optimizer, sampler: DataSource) -> Resumed:
-        own = self._agree_on_own_copy()
-        if own is not None and self._restore_own_copy(model, optim, sampler, own[0], own[1]):
-            copy, newest_committed = own[0], own[2]
+        choice, copy = self._choose_tier()
+        restored_own = (
+            choice.tier == "memory"
+            and copy is not None
+            and self._restore_own_copy(model, optim, sampler, copy, self._own_bytes)
+        )
+        if restored_own and copy is not None:
             loss = copy.info.get("loss")
-            if copy.step > newest_committed:
+            if copy.step > choice.newest_committed:
                 # The copy's own save never committed (the fault came while it was in flight):
                 # write it again now, or the durable tier, which a respawn or a lost node falls
                 # back to, would stay behind what training resumed from.
                 with self.sections.section(CHECKPOINT_SECTION):
                     self._save(copy.step, model, optim, sampler, float(loss or 0.0))
             return Resumed(copy.step, loss, None)
+        if choice.tier == "node":
+            restored = self._restore_node_copy(model, optim, sampler, choice.step)
+            if restored is not None:
+                return restored
         decision: list[Any] = [None]
         if self.rank == 0:
             decision[0] = self._choose()
@@ -148,44 +162,85 @@ class CheckpointManager:
             )
         return Resumed(step, info.get("loss"), Path(path))
 
-    def _agree_on_own_copy(self) -> tuple[ProcessCopy, int, int] | None:
-        """All ranks, at a resume: the process's own copy of its last save
-        (:mod:`~trainer.checkpointing.process_copy`), every rank's bytes in it and the newest
-        committed step, when every rank holds one of the same step and nothing newer is
-        committed; else None (the durable checkpoint is read, and rank 0 says why the copy was
-        not used, if one was held)."""
+    def _choose_tier(self) -> tuple[tiers.Choice, ProcessCopy | None]:
+        """All ranks, at a resume: what each rank offers (its process's own copy, the steps its
+        node memory holds) gathered, rank 0's choice (:func:`tiers.choose`, with the newest
+        committed step) broadcast, and every tier held but not used said in a ``skipped``
+        resume event. With ``resume`` other than auto: the durable tier."""
         if self.cfg.resume != ResumePolicy.AUTO:
-            return None
+            return tiers.Choice("durable", 0), None
         copy = self.saver.own_copy()
         problem = NO_COPY if copy is None else copy.problem()
-        mine = (copy.step if copy is not None and problem is None else -1, problem)
-        mine_bytes = copy.nbytes() if copy is not None else 0
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (*mine, mine_bytes), group=self.group)
-        steps = {s for s, _, _ in gathered}
-        why = next((p for _, p, _ in gathered if p), None)
-        step = steps.pop() if len(steps) == 1 else -1
-        if why is None and step <= 0:
-            why = f"the ranks hold different steps ({sorted({s for s, _, _ in gathered})})"
-        decision: list[Any] = [why, 0]
-        if self.rank == 0 and why is None:
+        headers: dict[int, node_copy.Header] = {}
+        node_why: str | None = None
+        if self.node is not None:
+            headers, node_why = self.node.headers()
+        self._node_headers = headers
+        offer = tiers.Offer(
+            own_step=copy.step if copy is not None and problem is None else -1,
+            own_problem=problem,
+            own_bytes=copy.nbytes() if copy is not None else 0,
+            node_steps=tuple(sorted(headers)),
+            node_problem=node_why,
+        )
+        offers: list[Any] = [None] * self.world_size
+        dist.all_gather_object(offers, offer, group=self.group)
+        decision: list[Any] = [None]
+        if self.rank == 0:
             newest = max(checkpointing.committed_steps(self.cfg.run_root), default=0)
-            decision[1] = newest
-            if newest > step:
-                decision[0] = f"step {newest} is committed, newer than the copy's {step}"
+            decision[0] = tiers.choose(offers, newest)
         dist.broadcast_object_list(decision, src=0, group=self.group)
-        if decision[0] is not None:
-            # Said only when some rank held a copy: a new process (a first start, a respawn)
-            # has none, and that is no news.
-            held = any(p != NO_COPY for _, p, _ in gathered)
-            if self.rank == 0 and held:
+        choice: tiers.Choice = decision[0]
+        self._own_bytes = sum(o.own_bytes for o in offers)
+        if self.rank == 0:
+            for s in choice.skipped:
                 self.events.emit(
-                    "resume", action="skipped", step=max(step, 0), source=SOURCE,
-                    reason=f"not from the process's own copy: {decision[0]}",
+                    "resume", action="skipped", step=s.step, source=s.tier,
+                    reason=f"not from {tiers.DESCRIBED[s.tier]}: {s.why}",
                 )  # fmt: skip
+        return choice, (copy if choice.tier == "memory" else None)
+
+    def _restore_node_copy(
+        self, model: nn.Module, optim: Optimizer, sampler: DataSource, step: int
+    ) -> Resumed | None:
+        """All ranks: load step ``step`` from node memory (each rank its own shard, digest,
+        finite values and layout checked first); None when some rank could not (the durable
+        checkpoint is read then, and overwrites whatever was copied)."""
+        t0 = time.perf_counter()
+        failed, nbytes, loss = "", 0, None
+        try:
+            assert self.node is not None
+            header = self._node_headers[step]
+            model_sd, optim_sd = get_state_dict(model, optim)
+            nbytes = self.node.load(header, {"model": model_sd, "optim": optim_sd})
+            set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
+            sampler.check_state(header.info.get("data_loader", {}), step)
+            loss = header.info.get("loss")
+        except Exception as e:
+            failed = f"{type(e).__name__}: {e}"
+        outcomes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(outcomes, (failed, nbytes), group=self.group)
+        why = next((f"rank {r}: {o[0]}" for r, o in enumerate(outcomes) if o[0]), "")
+        if self.rank == 0:
+            if why:
+                self.events.emit(
+                    "resume", action="skipped", step=step, source=node_copy.SOURCE,
+                    reason=f"not from node memory: restoring it failed: {why}",
+                )  # fmt: skip
+            else:
+                self.events.emit(
+                    "resume",
+                    action="loaded",
+                    step=step,
+                    world_size=self.world_size,
+                    saved_world_size=self.world_size,
+                    load_s=round(time.perf_counter() - t0, 4),
+                    source=node_copy.SOURCE,
+                    bytes=sum(int(o[1]) for o in outcomes),
+                )
+        if why:
             return None
-        assert copy is not None
-        return copy, sum(b for _, _, b in gathered), int(decision[1])
+        return Resumed(step, loss if isinstance(loss, (int, float)) else None, None)
 
     def _restore_own_copy(
         self,
@@ -317,10 +372,26 @@ class CheckpointManager:
         """Every rank after finishing ``step``. Returns seconds training was blocked, if saved."""
         # The first call of an incarnation starts the writer (see AsyncCheckpointer.start).
         self.saver.ensure_started(rank=self.rank)
-        if not self.due(step):
-            return None
-        with self.sections.section(CHECKPOINT_SECTION):
-            return self._save(step, model, optim, sampler, loss)
+        blocked: float | None = None
+        if self.due(step):
+            with self.sections.section(CHECKPOINT_SECTION):
+                blocked = self._save(step, model, optim, sampler, loss)
+        if self.node is not None and self.memory_due(step):
+            model_sd, optim_sd = get_state_dict(model, optim)
+            info = {"loss": loss, "data_loader": sampler.state_at(step).to_dict()}
+            blocked = (blocked or 0.0) + self.node.save(
+                step, {"model": model_sd, "optim": optim_sd}, info
+            )
+            failed = self.node.take_failure()
+            if failed:  # that step is missing from the tier: a resume says so, and reads another
+                log.warning("rank %d: %s", self.rank, failed)
+        return blocked
+
+    def memory_due(self, step: int) -> bool:
+        """A memory save (node memory) follows this step: every ``memory_interval`` steps but
+        the last (nothing resumes after it)."""
+        every = self.cfg.memory_interval
+        return every > 0 and step % every == 0 and step < self.cfg.steps
 
     def _save(
         self, step: int, model: nn.Module, optim: Optimizer, sampler: DataSource, loss: float

@@ -24,9 +24,10 @@ import torch
 from torch.distributed._state_dict_utils import _copy_state_dict
 
 from trainer.checkpointing.staging import local_tensors
+from trainer.checkpointing.tiers import NO_COPY
 
 SOURCE = "memory"  # a resume event's tier
-NO_COPY = "this process holds none"  # a new process: its first start, a respawn
+__all__ = ["NO_COPY", "SOURCE", "ProcessCopy"]
 
 
 @dataclass

@@ -1,0 +1,63 @@
+"""The simulated nodes' node memory (trainer.checkpointing.node_copy), on this machine.
+
+Each simulated node of an attempt gets a directory of its own in ``/dev/shm`` (memory, as an
+EKS pod's memory-backed volume is), given to its workers in ``NVRX_NODE_MEMORY``. The simulation
+is honest about what a node's memory survives: a worker respawn on the node keeps it; a lost node
+loses it (``forget_node``); a new attempt starts with none (``prepare`` removes every earlier
+attempt's of the run, and ``forget_attempt`` the attempt's own when it ends), as new nodes would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from trainer.checkpointing.node_copy import ENV
+
+__all__ = ["ENV", "attempt_dir", "forget_attempt", "forget_node", "node_dir", "prepare"]
+
+
+def _base() -> Path:
+    shm = Path("/dev/shm")
+    where = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return where / f"nvrx-node-memory-{os.getuid()}"
+
+
+def _run_dir(run_root: Path) -> Path:
+    key = hashlib.sha256(str(Path(run_root).absolute()).encode()).hexdigest()[:16]
+    return _base() / key
+
+
+def attempt_dir(run_root: Path, attempt: int, invocation: str) -> Path:
+    return _run_dir(run_root) / f"attempt{attempt}-{invocation[:8]}"
+
+
+def node_dir(run_root: Path, attempt: int, invocation: str, node: int) -> Path:
+    return attempt_dir(run_root, attempt, invocation) / f"node-{node}"
+
+
+def prepare(run_root: Path, attempt: int, invocation: str) -> Path:
+    """The attempt's directory, empty, with every earlier attempt's of the run removed (their
+    nodes are gone: a stage retry runs on new ones)."""
+    run = _run_dir(run_root)
+    shutil.rmtree(run, ignore_errors=True)
+    path = attempt_dir(run_root, attempt, invocation)
+    path.mkdir(parents=True, mode=0o700)
+    os.chmod(_base(), 0o700)
+    return path
+
+
+def forget_node(run_root: Path, attempt: int, invocation: str, node: int) -> None:
+    """A lost node's memory goes with it."""
+    shutil.rmtree(node_dir(run_root, attempt, invocation, node), ignore_errors=True)
+
+
+def forget_attempt(run_root: Path, attempt: int, invocation: str) -> None:
+    shutil.rmtree(attempt_dir(run_root, attempt, invocation), ignore_errors=True)
+    run = _run_dir(run_root)
+    with contextlib.suppress(OSError):
+        run.rmdir()  # only if empty

@@ -1,0 +1,409 @@
+"""Node memory: each rank's newest memory saves, in memory that outlives the worker process
+(issue 29, item 1: the second tier).
+
+A memory save (every ``memory_interval`` steps, far more often than the durable save) copies the
+rank's state into a file of node memory: ``/dev/shm`` on one machine, a memory-backed volume
+(``emptyDir: {medium: Memory}``, counted in the pod's memory) on EKS. The directory is given by
+the launcher in ``NVRX_NODE_MEMORY`` and lives as long as the node does in the attempt: an in-job
+respawn on the node finds it; a lost node takes it with it (the local backend deletes a lost
+simulated node's directory, so the simulation is honest), and a new attempt starts empty.
+
+Layout, per rank: ``rank-R-of-W/gen-G.bin`` (the raw bytes of every tensor, the rank's local
+shard of a DTensor) and ``gen-G.json`` (the header: step, topology, config fingerprint, fence
+epoch, where each tensor lies, every non-tensor leaf's value, the sha256 of the bytes and the
+save's loss and data-loader position). ``GENERATIONS`` generations alternate: a save first
+removes the older generation's header, fills its bytes, digests them off the training thread
+and only then writes the header (atomically). A header therefore vouches only for bytes that were
+complete when it was written, and a crash mid-save leaves the other generation whole.
+
+What a reader trusts: nothing before checking it. The header is bounded and validated, it must
+name this rank, world size, fingerprint and epoch; the bytes must have the header's size and
+digest, every floating-point tensor must be finite, and every entry must match the live state's
+path, dtype and shape. Any failure names itself, and the resume falls back a tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import mmap
+import os
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from torch.distributed.tensor import DTensor
+
+from trainer.checkpointing.durable import write_atomic
+from trainer.run_files import read_json_object
+
+log = logging.getLogger(__name__)
+
+SOURCE = "node"  # a resume event's tier
+ENV = "NVRX_NODE_MEMORY"  # the node's directory, set by the launcher (absent: no node tier)
+GENERATIONS = 2
+HEADER_LIMIT = 16 << 20  # a header lists every tensor of a shard: bounded all the same
+FORMAT = 1
+
+Scalar = int | float | bool | str | None
+PathPart = str | int
+
+
+class NodeCopyError(RuntimeError):
+    """A node copy that cannot be restored from; the message says why."""
+
+
+class Entry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: list[PathPart] = Field(max_length=64)
+    # A tensor: its dtype, local shape and bytes [offset, offset + nbytes) of the .bin file.
+    dtype: str | None = Field(default=None, max_length=32)
+    shape: list[int] | None = Field(default=None, max_length=16)
+    offset: int = Field(default=0, ge=0)
+    nbytes: int = Field(default=0, ge=0)
+    # Anything else (a learning rate, a parameter's name, Adam's betas): its value.
+    value: Scalar | list[Scalar] = None  # a list: a tuple's items (lists are walked)
+
+
+class Header(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: Literal[1]
+    step: int = Field(ge=1)
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    fingerprint: str = Field(max_length=64)
+    epoch: int | None
+    generation: int = Field(ge=0, lt=GENERATIONS)
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    entries: list[Entry] = Field(max_length=1_000_000)
+    info: dict[str, Any]
+    t: float
+
+
+@dataclass(frozen=True)
+class Leaf:
+    path: tuple[PathPart, ...]
+    holder: Any  # the dict or list holding it (where a restored value goes)
+    key: PathPart
+    value: Any
+
+
+def leaves(obj: Any, path: tuple[PathPart, ...] = ()) -> Iterator[Leaf]:
+    """Every leaf of a state dict in traversal order (the order ``staging.local_tensors`` uses)."""
+    items: Any
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, list):
+        items = enumerate(obj)
+    else:
+        return
+    for k, v in items:
+        if isinstance(v, (dict, list)):
+            yield from leaves(v, (*path, k))
+        else:
+            yield Leaf((*path, k), obj, k, v)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _dtype(name: str) -> torch.dtype | None:
+    d = getattr(torch, name.removeprefix("torch."), None)
+    return d if isinstance(d, torch.dtype) else None
+
+
+def plan(state: dict[str, Any]) -> tuple[list[Entry], int]:
+    """Where every leaf of ``state`` goes: tensors packed (8-byte aligned) into one buffer."""
+    entries: list[Entry] = []
+    offset = 0
+    for leaf in leaves(state):
+        v = leaf.value
+        if isinstance(v, torch.Tensor):
+            t = _local(v)
+            n = t.numel() * t.element_size()
+            entries.append(
+                Entry(
+                    path=list(leaf.path),
+                    dtype=str(t.dtype),
+                    shape=list(t.shape),
+                    offset=offset,
+                    nbytes=n,
+                )
+            )
+            offset += (n + 7) // 8 * 8
+        elif isinstance(v, (int, float, bool, str)) or v is None:
+            entries.append(Entry(path=list(leaf.path), value=v))
+        elif isinstance(v, tuple) and all(_is_scalar(x) for x in v):
+            entries.append(Entry(path=list(leaf.path), value=list(v)))
+        else:
+            raise TypeError(
+                f"node memory cannot hold {type(v).__name__} at {'/'.join(map(str, leaf.path))}"
+            )
+    return entries, offset
+
+
+def _is_scalar(v: Any) -> bool:
+    return isinstance(v, (int, float, bool, str)) or v is None
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+class NodeMemory:
+    """One rank's node-memory tier: ``save`` on the training thread (a copy), the digest and the
+    header on a thread of its own; ``offers`` and ``load`` at a resume."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        rank: int,
+        world_size: int,
+        fingerprint: str,
+        epoch: int | None,
+    ) -> None:
+        self.dir = Path(root) / f"rank-{rank}-of-{world_size}"
+        self.rank, self.world_size = rank, world_size
+        self.fingerprint, self.epoch = fingerprint, epoch
+        self._maps: dict[int, mmap.mmap] = {}
+        self._thread: threading.Thread | None = None
+        self._failed: str | None = None  # the newest save's failure, said once by the caller
+        self._newest_gen: int | None = None
+
+    # -- paths -----------------------------------------------------------------------------
+    def bin_path(self, gen: int) -> Path:
+        return self.dir / f"gen-{gen}.bin"
+
+    def header_path(self, gen: int) -> Path:
+        return self.dir / f"gen-{gen}.json"
+
+    # -- saving ----------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Until the save in flight has its header (or failed)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def take_failure(self) -> str | None:
+        failed, self._failed = self._failed, None
+        return failed
+
+    def save(self, step: int, state: dict[str, Any], info: dict[str, Any]) -> float:
+        """Copy ``state`` (this rank's, as ``get_state_dict`` gives it) into the older
+        generation; returns the seconds the training thread was blocked. The digest and the
+        header follow on a thread: until then the other generation is the newest."""
+        t0 = time.perf_counter()
+        self.wait()
+        gen = 0 if self._newest_gen is None else (self._newest_gen + 1) % GENERATIONS
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.header_path(gen).unlink(missing_ok=True)  # first: nothing vouches for it now
+            entries, size = plan(state)
+            buf = self._buffer(gen, size)
+            dst = torch.frombuffer(buf, dtype=torch.uint8) if size else None
+            for leaf, e in zip(leaves(state), entries, strict=True):
+                if e.dtype is not None and e.nbytes:
+                    assert dst is not None
+                    dst[e.offset : e.offset + e.nbytes].copy_(_bytes_of(_local(leaf.value)))
+        except (OSError, TypeError, RuntimeError) as e:
+            self._failed = f"the memory save of step {step} failed: {e}"
+            return time.perf_counter() - t0
+        header = {
+            "format": FORMAT,
+            "step": step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "fingerprint": self.fingerprint,
+            "epoch": self.epoch,
+            "generation": gen,
+            "size": size,
+            "entries": [e.model_dump() for e in entries],
+            "info": info,
+        }
+        self._thread = threading.Thread(
+            target=self._seal, args=(gen, header), name=f"node-copy-{step}", daemon=True
+        )
+        self._thread.start()
+        return time.perf_counter() - t0
+
+    def _buffer(self, gen: int, size: int) -> mmap.mmap:
+        """Generation ``gen``'s bytes, mapped (kept across saves; remade when the size changes).
+        The file's pages are allocated first: writing into a sparse tmpfs file that cannot grow
+        would kill the process with SIGBUS, where this raises ENOSPC."""
+        mm = self._maps.get(gen)
+        if mm is not None and len(mm) == max(size, 1):
+            return mm
+        if mm is not None:
+            with contextlib.suppress(BufferError):  # a tensor still viewing it keeps it alive
+                mm.close()
+        path = self.bin_path(gen)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, max(size, 1))
+            mm = mmap.mmap(fd, max(size, 1))
+        finally:
+            os.close(fd)
+        self._maps[gen] = mm
+        return mm
+
+    def _seal(self, gen: int, header: dict[str, Any]) -> None:
+        try:
+            mm = self._maps[gen]
+            digest = hashlib.sha256(memoryview(mm)[: header["size"]]).hexdigest()
+            write_atomic(
+                self.header_path(gen),
+                Header(**header, sha256=digest, t=time.time()).model_dump_json(),
+            )
+            self._newest_gen = gen
+        except (OSError, ValidationError) as e:
+            self._failed = f"the memory save of step {header['step']} failed: {e}"
+
+    def close(self) -> None:
+        self.wait()
+        for mm in self._maps.values():
+            with contextlib.suppress(BufferError):
+                mm.close()
+        self._maps.clear()
+
+    # -- resuming --------------------------------------------------------------------------
+    def headers(self) -> tuple[dict[int, Header], str | None]:
+        """The generations this rank could resume from, by step (their headers only: the
+        bytes are checked by ``load``), and, when there are none, why, if the node held
+        something (None for an empty node memory: no news)."""
+        self.wait()
+        found: dict[int, Header] = {}
+        why: str | None = None
+        for gen in range(GENERATIONS):
+            obj = read_json_object(self.header_path(gen), limit=HEADER_LIMIT)
+            if obj is None:
+                continue
+            try:
+                h = Header.model_validate(obj)
+            except ValidationError as e:
+                why = (
+                    f"{self.header_path(gen)} is not a node-copy header ({e.error_count()} errors)"
+                )
+                continue
+            mismatch = self._mismatch(h)
+            if mismatch:
+                why = f"{self.header_path(gen)}: {mismatch}"
+                continue
+            found[h.step] = h
+        if found:  # the next save overwrites the older generation
+            self._newest_gen = found[max(found)].generation
+        return found, (None if found else why)
+
+    def newest(self) -> Header | None:
+        found, _ = self.headers()
+        return found[max(found)] if found else None
+
+    def _mismatch(self, h: Header) -> str:
+        for name, want in (
+            ("rank", self.rank),
+            ("world_size", self.world_size),
+            ("fingerprint", self.fingerprint),
+            ("epoch", self.epoch),
+        ):
+            if getattr(h, name) != want:
+                return f"written for {name} {getattr(h, name)!r}, this one is {want!r}"
+        return ""
+
+    def load(self, header: Header, target: dict[str, Any]) -> int:
+        """Restore ``header``'s generation into ``target`` (the live model's and optimizer's
+        state, from ``get_state_dict``): digest, finite values and layout checked first, so a
+        failure leaves ``target`` untouched. Returns the bytes read."""
+        path = self.bin_path(header.generation)
+        src: torch.Tensor | None = None
+        try:
+            with open(path, "rb", opener=_no_follow) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < header.size:
+                    raise NodeCopyError(f"{path} holds {size} bytes, its header {header.size}")
+                mm = mmap.mmap(f.fileno(), max(header.size, 1), access=mmap.ACCESS_COPY)
+        except OSError as e:
+            raise NodeCopyError(f"{path}: {e}") from e
+        try:
+            digest = hashlib.sha256(memoryview(mm)[: header.size]).hexdigest()
+            if digest != header.sha256:
+                raise NodeCopyError(
+                    f"{path}: sha256 {digest[:12]}…, its header {header.sha256[:12]}…"
+                )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # frombuffer on a copy-on-write map
+                src = torch.frombuffer(mm, dtype=torch.uint8) if header.size else None
+            pairs = self._match(header, target)
+            views = []
+            for entry, leaf in pairs:
+                if entry.dtype is None:
+                    continue
+                dtype = _dtype(entry.dtype)
+                assert dtype is not None and src is not None and entry.shape is not None
+                raw = src[entry.offset : entry.offset + entry.nbytes]
+                view = raw.view(dtype).reshape(entry.shape)
+                if view.is_floating_point() and not bool(torch.isfinite(view).all()):
+                    where = "/".join(map(str, entry.path))
+                    raise NodeCopyError(f"{path}: {where} is not finite")
+                views.append((view, leaf))
+            with torch.no_grad():
+                for view, leaf in views:
+                    _local(leaf.value).copy_(view)
+            for entry, leaf in pairs:
+                if entry.dtype is None:
+                    value = entry.value
+                    leaf.holder[leaf.key] = tuple(value) if isinstance(value, list) else value
+            return header.size
+        finally:
+            del src
+            with contextlib.suppress(BufferError):
+                mm.close()
+
+    def _match(self, header: Header, target: dict[str, Any]) -> list[tuple[Entry, Leaf]]:
+        live = list(leaves(target))
+        if len(live) != len(header.entries):
+            raise NodeCopyError(
+                f"the copy holds {len(header.entries)} entries, the live state {len(live)}"
+            )
+        for e, leaf in zip(header.entries, live, strict=True):
+            where = "/".join(map(str, leaf.path))
+            if tuple(e.path) != leaf.path:
+                raise NodeCopyError(f"entry {'/'.join(map(str, e.path))} where {where} is")
+            is_tensor = isinstance(leaf.value, torch.Tensor)
+            if is_tensor != (e.dtype is not None):
+                raise NodeCopyError(f"{where}: a tensor in one, not in the other")
+            if is_tensor:
+                t = _local(leaf.value)
+                if e.dtype != str(t.dtype) or e.shape != list(t.shape):
+                    raise NodeCopyError(
+                        f"{where}: {e.dtype} {e.shape} in the copy, {t.dtype} {list(t.shape)} live"
+                    )
+                if e.nbytes != t.numel() * t.element_size() or e.offset + e.nbytes > header.size:
+                    raise NodeCopyError(f"{where}: its bytes lie outside the copy")
+        return list(zip(header.entries, live, strict=True))
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
+def from_env(
+    *, rank: int, world_size: int, fingerprint: str, epoch: int | None
+) -> NodeMemory | None:
+    """This rank's node memory, where the launcher gave the node a directory."""
+    root = os.environ.get(ENV)
+    if not root:
+        return None
+    return NodeMemory(
+        Path(root), rank=rank, world_size=world_size, fingerprint=fingerprint, epoch=epoch
+    )
