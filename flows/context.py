@@ -91,6 +91,7 @@ def train_config(
         global_batch=params.global_batch,
         micro_batches=params.micro_batches,
         ckpt_interval=params.ckpt_interval,
+        memory_interval=params.memory_interval,
         keep_last=params.keep_last,
         faults=tuple(params.drills.faults),
         device=device,

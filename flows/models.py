@@ -149,6 +149,13 @@ class PipelineParams(BaseModel):
     steps: int = Field(20, ge=1, le=10_000_000, description="total optimizer steps")
     global_batch: int = Field(8, ge=1, le=1_000_000, description="sequences per step, all ranks")
     ckpt_interval: int = Field(5, ge=1, le=1_000_000, description="checkpoint every N steps")
+    memory_interval: int = Field(
+        1,
+        ge=0,
+        le=1_000_000,
+        description="a memory save every N steps: each rank's state copied to its node's memory, "
+        "what a respawn resumes from (0: none, the durable checkpoint only)",
+    )
     keep_last: int = Field(
         3,
         ge=2,

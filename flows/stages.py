@@ -47,13 +47,14 @@ from tasks.export import ExportOptions, ExportReport, export_checkpoint
 from tasks.hydrate import upload_dataset
 from tasks.ownership import lease
 from tasks.preflight.checks import Requirements, failures
-from tasks.preflight.memory import local_memory_need
+from tasks.preflight.memory import MemoryNeed, NodeMemoryNeed, count_parameters
 from tasks.retry_policy import prefect_retry_condition
 from tasks.storage.s3 import boto3_client
 from tasks.train_stage import AttemptReport, run_attempt
 from tasks.validate import validate_latest
 from tasks.validation import load_process
 from tasks.validation.checkpoint import Expectations, prestart_load_check
+from trainer.checkpointing.layout import NODE_MEMORY_GENERATIONS
 from trainer.data import write_synthetic_dataset
 
 
@@ -156,11 +157,14 @@ def preflight_flow(plan: RunPlan) -> PreflightResult:
         "dataset_prefix": params.dataset.prefix,
     }
     wl = params.workload_spec()
-    # Every rank on this machine (the local backend): what the workload needs of its memory.
-    need = None
-    if wl is not None and params.backend == "local":
+    # What the workload needs of memory: every rank on this machine (the local backend), and
+    # the memory saves of one node (node memory: this machine's /dev/shm for every simulated
+    # node locally, the pod's on EKS).
+    need, node_need = None, None
+    copies = NODE_MEMORY_GENERATIONS if params.memory_interval > 0 else 0
+    if wl is not None:
         try:
-            need = local_memory_need(wl, params.world_size)
+            n = count_parameters(wl)
         except Exception as e:  # a user's model that cannot be built on the meta device
             get_run_logger().warning(
                 "memory check: %s's parameters could not be counted on the meta device (%s: "
@@ -169,6 +173,13 @@ def preflight_flow(plan: RunPlan) -> PreflightResult:
                 type(e).__name__,
                 e,
             )
+        else:
+            local = params.backend == "local"
+            if local:
+                need = MemoryNeed(params=n, workers=params.world_size, memory_copies=copies)
+            if copies:
+                nodes = 1 if local else params.node_range.min
+                node_need = NodeMemoryNeed(params=n, nodes=nodes, generations=copies)
     req = Requirements(
         workers=params.world_size,
         buckets=(params.dataset.bucket, params.export.bucket),
@@ -178,6 +189,8 @@ def preflight_flow(plan: RunPlan) -> PreflightResult:
     )
     if need is not None:
         req = replace(req, min_memory_gb=need.gb, memory_basis=need.explain())
+    if node_need is not None:
+        req = replace(req, node_memory_gb=node_need.gb, node_memory_basis=node_need.explain())
     results = backend_for(plan).preflight(req, s3)
     rows = [
         {"check": r.name, "status": r.status.value, "detail": r.detail, "fix": r.fix}

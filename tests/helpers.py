@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpointing.node_copy import ENV as NODE_MEMORY_ENV
+from trainer.checkpointing.layout import NODE_MEMORY_ENV
 from trainer.config import InJobConfig, InProcessConfig, TrainConfig, save_config
 from trainer.events import read_events
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args

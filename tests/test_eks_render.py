@@ -113,6 +113,8 @@ def test_launch_contract():
     assert rules[1]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["NVRX_STAGE_ATTEMPT"] == "1" and env["FI_PROVIDER"] == "efa"
+    # Node memory (issue 29) lives in the pod's memory-backed /dev/shm: a respawn finds it.
+    assert env["NVRX_NODE_MEMORY"].startswith("/dev/shm/")
 
 
 def test_render_k8s_cli():

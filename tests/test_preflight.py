@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tasks.preflight.checks import Requirements, Snapshot, Status, failures, run_checks
+from tasks.preflight.memory import count_parameters
 
 REQ = Requirements(
     workers=2,
@@ -30,6 +31,8 @@ def healthy() -> Snapshot:
             "dataset_files": 4,
             "dataset_vocab_size": 512,
             "dataset_dtype": "uint16",
+            "node_memory_free_gb": 12.0,
+            "node_memory_where": "/dev/shm",
         }
     )
 
@@ -39,7 +42,9 @@ def by_name(results):
 
 
 def test_all_pass():
-    results = run_checks(healthy(), REQ)
+    from dataclasses import replace
+
+    results = run_checks(healthy(), replace(REQ, node_memory_gb=0.01, node_memory_basis="tiny"))
     assert {r.status for r in results} == {Status.PASSED}
 
 
@@ -162,6 +167,35 @@ def test_memory_is_checked_against_the_workloads_own_need():
     assert "eks backend" in r.fix and "gpt-tiny" in r.fix
     ok = replace(REQ, min_memory_gb=tiny.gb, memory_basis=tiny.explain())
     assert by_name(run_checks(healthy(), ok))["memory"].status == Status.PASSED
+
+
+def test_memory_saves_that_do_not_fit_the_node_are_refused_with_both_numbers():
+    """Issue 29, item 5: the node-memory tier's need (shard x generations) from the model,
+    against the node's memory (/dev/shm here, eks.shm_gi on EKS)."""
+    from dataclasses import replace
+
+    from tasks.preflight.memory import NodeMemoryNeed
+    from trainer.workload import load_workload
+
+    name = "node memory for the memory saves"
+    n = count_parameters(load_workload("llama3-8b", {}))
+    one_node = NodeMemoryNeed(params=n, nodes=1, generations=2)  # every simulated node here
+    assert 190 < one_node.gb < 195  # 8.03 B x 12 bytes x 2
+    req = replace(REQ, node_memory_gb=one_node.gb, node_memory_basis=one_node.explain())
+    r = by_name(run_checks(healthy(), req))[name]
+    assert r.status == Status.FAILED and r in failures(run_checks(healthy(), req))
+    assert "192.7" in r.detail and "12.00 GB" in r.detail and "/dev/shm" in r.detail
+    assert "memory_interval to 0" in r.fix and "eks.shm_gi" in r.fix
+    # 16 p5 pods, 64 GiB of /dev/shm each: 12 GB per pod fits.
+    per_pod = NodeMemoryNeed(params=n, nodes=16, generations=2)
+    snap = healthy()
+    snap.facts["node_memory_free_gb"] = 64 * 2**30 / 1e9
+    fits = replace(REQ, node_memory_gb=per_pod.gb, node_memory_basis=per_pod.explain())
+    assert by_name(run_checks(snap, fits))[name].status == Status.PASSED
+    # No tier (memory_interval 0): said, stops nothing; nor does an unreadable /dev/shm.
+    assert by_name(run_checks(healthy(), REQ))[name].status == Status.SKIPPED
+    del snap.facts["node_memory_free_gb"]
+    assert not failures(run_checks(snap, fits))
 
 
 def test_a_shared_network_is_said_and_does_not_stop_the_run():

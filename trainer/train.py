@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="CUDA: deterministic kernels, so a recovered run is bitwise equal to a fault-free one",
     )
     a("--ckpt-interval", type=int, help="save every N steps (and at the last step)")
+    a(
+        "--memory-interval",
+        type=int,
+        help="a memory save (node memory) every N steps; 0: none",
+    )
     a("--keep-last", type=int, help="committed checkpoints to keep")
     a("--resume", choices=[r.value for r in ResumePolicy])
     a("--ckpt-timeout", type=float, help="max seconds for one async save")
@@ -152,6 +157,7 @@ _TOP = {
     "device": "device",
     "deterministic": "deterministic",
     "ckpt_interval": "ckpt_interval",
+    "memory_interval": "memory_interval",
     "keep_last": "keep_last",
     "resume": "resume",
     "ckpt_timeout": "ckpt_timeout_s",

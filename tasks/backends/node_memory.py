@@ -16,12 +16,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from trainer.checkpointing.node_copy import ENV
+from trainer.checkpointing.layout import NODE_MEMORY_ENV as ENV
 
 __all__ = ["ENV", "attempt_dir", "forget_attempt", "forget_node", "node_dir", "prepare"]
 
 
-def _base() -> Path:
+def base_dir() -> Path:
+    """Where every run's node memory goes on this machine (memory: /dev/shm where writable)."""
     shm = Path("/dev/shm")
     where = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
     return where / f"nvrx-node-memory-{os.getuid()}"
@@ -29,7 +30,7 @@ def _base() -> Path:
 
 def _run_dir(run_root: Path) -> Path:
     key = hashlib.sha256(str(Path(run_root).absolute()).encode()).hexdigest()[:16]
-    return _base() / key
+    return base_dir() / key
 
 
 def attempt_dir(run_root: Path, attempt: int, invocation: str) -> Path:
@@ -47,7 +48,7 @@ def prepare(run_root: Path, attempt: int, invocation: str) -> Path:
     shutil.rmtree(run, ignore_errors=True)
     path = attempt_dir(run_root, attempt, invocation)
     path.mkdir(parents=True, mode=0o700)
-    os.chmod(_base(), 0o700)
+    os.chmod(base_dir(), 0o700)
     return path
 
 

@@ -55,6 +55,10 @@ class Requirements:
     # How min_memory_gb was estimated for this workload (tasks.preflight.memory); empty: the
     # flat floor (a script, whose model is not known here).
     memory_basis: str = ""
+    # Node memory (issue 29): what the memory saves of one node need (its ranks' shards x the
+    # generations kept), and how that was computed; 0: no node-memory tier, or not known.
+    node_memory_gb: float = 0.0
+    node_memory_basis: str = ""
 
 
 # -- sources (what tasks.preflight.local gathers) ---------------------------------------------
@@ -87,6 +91,11 @@ S3 = Source(
     name="s3",
     facts=("buckets",),
     fix="check the S3 endpoint URL and credentials",
+)
+NODE_MEMORY = Source(
+    name="node memory",
+    facts=("node_memory_free_gb", "node_memory_where"),
+    fix="make /dev/shm readable (the node-memory tier's files live there)",
 )
 DATASET = Source(
     name="dataset",
@@ -125,6 +134,23 @@ def memory(snap: Snapshot, req: Requirements) -> Verdict:
             "machine, or train this one on the eks backend",
         )
     return passed(f"{gb:.1f} GB available, need {need}")
+
+
+def node_memory(snap: Snapshot, req: Requirements) -> Verdict:
+    if req.node_memory_gb <= 0:
+        return Verdict(
+            Status.SKIPPED, "no node-memory tier (memory_interval 0), or the model is unknown"
+        )
+    free, where = snap.facts["node_memory_free_gb"], snap.facts["node_memory_where"]
+    need = f"{req.node_memory_gb:.2f} GB ({req.node_memory_basis})"
+    if req.node_memory_gb > free:
+        return failed(
+            f"the memory saves need {need} per node, {where} holds {free:.2f} GB",
+            "set memory_interval to 0 (no node-memory tier: a respawn reads the durable "
+            "checkpoint), train a smaller workload, or give the node more: on EKS raise "
+            "eks.shm_gi (and eks.memory_gi), locally remount /dev/shm larger",
+        )
+    return passed(f"the memory saves need {need} per node, {where} holds {free:.2f} GB")
 
 
 def disk(snap: Snapshot, req: Requirements) -> Verdict:
@@ -226,6 +252,14 @@ def vocabulary(snap: Snapshot, req: Requirements) -> Verdict:
 check_cores = Check(name="cpu cores", requires=(HOST,), fn=cores)
 check_memory = Check(name="memory", requires=(HOST,), fn=memory)
 check_disk = Check(name="free disk on run root", requires=(DISK,), fn=disk)
+check_node_memory = Check(
+    name="node memory for the memory saves",
+    requires=(NODE_MEMORY,),
+    fn=node_memory,
+    # A need that does not fit fails; a machine whose /dev/shm cannot be read, or a run with no
+    # memory saves, is said and stops nothing (a failed memory save only costs its tier).
+    required=False,
+)
 check_ports = Check(name="loopback ports", requires=(PORTS,), fn=ports)
 check_network = Check(
     name="private network for the simulated nodes",
@@ -252,6 +286,7 @@ check_vocabulary = Check(
 CHECKS: tuple[Check, ...] = (
     check_cores,
     check_memory,
+    check_node_memory,
     check_disk,
     check_ports,
     check_network,

@@ -46,6 +46,14 @@ def gather_local(
     except Exception as e:
         err["disk"] = str(e)
     try:
+        from tasks.backends.node_memory import base_dir
+
+        shm = _existing_parent(base_dir())
+        f["node_memory_free_gb"] = shutil.disk_usage(shm).free / 1e9
+        f["node_memory_where"] = f"{shm} on this machine (every simulated node's)"
+    except Exception as e:
+        err["node memory"] = str(e)
+    try:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
         f["loopback_bind"] = True

@@ -20,25 +20,61 @@ from trainer.workload import Workload
 STATE_BYTES_PER_PARAM = 16  # fp32 weights + gradients + AdamW exp_avg and exp_avg_sq
 STAGED_BYTES_PER_PARAM = 12  # the async save's copy of weights and both moments
 PER_WORKER_GB = 0.5
+# A memory save (trainer.checkpointing.node_copy) holds the same state as the staged copy, in
+# each of the generations it alternates between.
+NODE_COPY_BYTES_PER_PARAM = STAGED_BYTES_PER_PARAM
+
+
+@dataclass(frozen=True)
+class NodeMemoryNeed:
+    """What the memory saves of one node keep in its memory: the node's ranks' shards of the
+    weights and both moments (FSDP shards evenly), in each generation."""
+
+    params: int
+    nodes: int  # the fewest nodes the job may run on: the largest shard per node
+    generations: int
+
+    @property
+    def gb(self) -> float:
+        return self.params * NODE_COPY_BYTES_PER_PARAM * self.generations / self.nodes / 1e9
+
+    def explain(self) -> str:
+        return (
+            f"{_count(self.params)} parameters x {NODE_COPY_BYTES_PER_PARAM} bytes (weights, "
+            f"AdamW state) x {self.generations} generations / {self.nodes} node(s)"
+        )
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
 
 
 @dataclass(frozen=True)
 class MemoryNeed:
     params: int
     workers: int
+    # Generations of memory saves kept in node memory (0: none): locally /dev/shm is this
+    # machine's memory too, for every simulated node.
+    memory_copies: int = 0
+
+    @property
+    def per_param(self) -> int:
+        return (
+            STATE_BYTES_PER_PARAM
+            + STAGED_BYTES_PER_PARAM
+            + NODE_COPY_BYTES_PER_PARAM * self.memory_copies
+        )
 
     @property
     def gb(self) -> float:
-        per_param = STATE_BYTES_PER_PARAM + STAGED_BYTES_PER_PARAM
-        return self.params * per_param / 1e9 + PER_WORKER_GB * self.workers
+        return self.params * self.per_param / 1e9 + PER_WORKER_GB * self.workers
 
     def explain(self) -> str:
-        n = self.params
-        count = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
-        per_param = STATE_BYTES_PER_PARAM + STAGED_BYTES_PER_PARAM
+        copies = f", {self.memory_copies} memory saves" if self.memory_copies else ""
         return (
-            f"{count} parameters x {per_param} bytes (weights, gradients, AdamW state, the "
-            f"checkpoint's staged copy) + {PER_WORKER_GB} GB per worker x {self.workers}"
+            f"{_count(self.params)} parameters x {self.per_param} bytes (weights, gradients, "
+            f"AdamW state, the checkpoint's staged copy{copies}) + {PER_WORKER_GB} GB per "
+            f"worker x {self.workers}"
         )
 
 
@@ -48,5 +84,7 @@ def count_parameters(workload: Workload) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def local_memory_need(workload: Workload, workers: int) -> MemoryNeed:
-    return MemoryNeed(params=count_parameters(workload), workers=workers)
+def local_memory_need(workload: Workload, workers: int, *, memory_copies: int = 0) -> MemoryNeed:
+    return MemoryNeed(
+        params=count_parameters(workload), workers=workers, memory_copies=memory_copies
+    )

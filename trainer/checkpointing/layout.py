@@ -23,6 +23,11 @@ log = logging.getLogger(__name__)
 
 LATEST = "LATEST"
 
+# Node memory (trainer.checkpointing.node_copy) is not on the shared filesystem: the launcher
+# gives each node its directory in this variable (absent: the node has no node-memory tier).
+NODE_MEMORY_ENV = "NVRX_NODE_MEMORY"
+NODE_MEMORY_GENERATIONS = 2  # memory saves kept per rank: the newest, and the one before it
+
 DCP_METADATA = ".metadata"
 
 PARTIAL_SUFFIX = ".partial"

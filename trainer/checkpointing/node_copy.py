@@ -42,13 +42,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpointing.durable import write_atomic
+from trainer.checkpointing.layout import NODE_MEMORY_ENV, NODE_MEMORY_GENERATIONS
+from trainer.errors import TrainerError
 from trainer.run_files import read_json_object
 
 log = logging.getLogger(__name__)
 
 SOURCE = "node"  # a resume event's tier
-ENV = "NVRX_NODE_MEMORY"  # the node's directory, set by the launcher (absent: no node tier)
-GENERATIONS = 2
+ENV = NODE_MEMORY_ENV  # the node's directory, set by the launcher (absent: no node tier)
+GENERATIONS = NODE_MEMORY_GENERATIONS
 HEADER_LIMIT = 16 << 20  # a header lists every tensor of a shard: bounded all the same
 FORMAT = 1
 
@@ -56,7 +58,7 @@ Scalar = int | float | bool | str | None
 PathPart = str | int
 
 
-class NodeCopyError(RuntimeError):
+class NodeCopyError(TrainerError, RuntimeError):
     """A node copy that cannot be restored from; the message says why."""
 
 

@@ -51,7 +51,7 @@ from tasks.backends.eks.params import EksParams, cpu_millicores
 from tasks.backends.eks.render import LABEL_ATTEMPT, LABEL_RUN, job_name, render_all, run_label
 from tasks.checks import CheckResult
 from tasks.classify import EndKind, Outcome
-from tasks.preflight.checks import S3_CHECKS
+from tasks.preflight.checks import S3_CHECKS, check_node_memory
 from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks
 from tasks.preflight.local import gather_s3
 from trainer.config import Device, InJobConfig, InProcessConfig, config_file, save_config
@@ -364,7 +364,11 @@ class EksBackend:
         clients = self.clients
         snap = gather_eks(clients.kube, clients.fsx, self.requirements)
         gather_s3(snap, **s3)
-        return run_eks_checks(snap, self.requirements) + [check(snap, req) for check in S3_CHECKS]
+        # A pod's node memory is its memory-backed /dev/shm, as large as the form sizes it.
+        snap.facts["node_memory_free_gb"] = self.eks.shm_gi * 2**30 / 1e9
+        snap.facts["node_memory_where"] = f"the pod's /dev/shm (eks.shm_gi {self.eks.shm_gi} GiB)"
+        checks = (*S3_CHECKS, check_node_memory)
+        return run_eks_checks(snap, self.requirements) + [check(snap, req) for check in checks]
 
     def hydrate(
         self, request: HydrateRequest, progress: Callable[[int, int, str], None]

@@ -34,6 +34,7 @@ from tasks.backends.eks.security import (
     scratch_volumes,
 )
 from tasks.secrets import kubernetes_env
+from trainer.checkpointing.layout import NODE_MEMORY_ENV
 from trainer.config import TrainConfig, config_file, config_text
 from trainer.fence import EPOCH_ENV
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
@@ -44,6 +45,8 @@ LABEL_ATTEMPT = "nvrx.io/attempt"
 EXIT_DO_NOT_REQUEUE = 93
 METRICS_PORT_NAME = "metrics"
 TMP_GI = 32  # /tmp: torch.compile/Triton caches and tempfiles (ephemeral storage)
+
+NODE_MEMORY_DIR = "/dev/shm/nvrx-node-memory"  # on the pod's shm emptyDir (medium Memory)
 
 
 def job_name(run_id: str, attempt: int, tag: str = "") -> str:
@@ -198,6 +201,9 @@ def render_job(
         # to find the provider it was told to use), and device RDMA only where EFA does it.
         *([{"name": "FI_PROVIDER", "value": "efa"}] if eks.pod_efa() else []),
         *([{"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"}] if eks.gpudirect_rdma() else []),
+        # Node memory (trainer.checkpointing.node_copy) in the pod's memory-backed /dev/shm: it
+        # outlives a worker respawn in the pod, and goes with the pod (a lost node's memory).
+        {"name": NODE_MEMORY_ENV, "value": NODE_MEMORY_DIR},
         {"name": "NCCL_DEBUG", "value": "WARN"},
         {"name": "NCCL_SOCKET_IFNAME", "value": "^lo,docker"},
         # Workloads load Hugging Face layouts from directories on FSx; the NetworkPolicy gives

@@ -1,0 +1,204 @@
+"""Issue 29's memory tiers as code: the choice of tier over recorded offers (a table), and node
+memory (trainer.checkpointing.node_copy) against every way its files can mislead a resume."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from tasks.backends import node_memory
+from trainer.checkpointing import node_copy
+from trainer.checkpointing.node_copy import NodeCopyError, NodeMemory
+from trainer.checkpointing.tiers import NO_COPY, Offer, choose
+from trainer.faults import flip_bytes
+
+OWN10 = Offer(own_step=10, own_problem=None, own_bytes=8)
+
+
+@pytest.mark.parametrize(
+    "offers, committed, tier, step, skipped",
+    [
+        # A first start: nothing anywhere, nothing said.
+        ([Offer(), Offer()], 0, "durable", 0, []),
+        # An in-process restart, no node memory: the process's own copy.
+        ([OWN10, OWN10], 5, "memory", 10, []),
+        # Node memory newer than the own copy wins (fewer steps replayed).
+        ([Offer(10, None, 8, (10, 11)), Offer(10, None, 8, (10, 11))], 5, "node", 11, []),
+        # Equal steps: the own copy, which reads nothing.
+        ([Offer(10, None, 8, (9, 10)), Offer(10, None, 8, (9, 10))], 5, "memory", 10, []),
+        # A respawn: no own copy (no news), node memory's newest step every rank holds.
+        ([Offer(node_steps=(16, 17)), Offer(node_steps=(15, 16))], 15, "node", 16, []),
+        # A commit newer than every copy: the durable tier, and why the copies were not used.
+        ([Offer(node_steps=(11, 12)), Offer(node_steps=(11, 12))], 15, "durable", 15, ["node"]),
+        ([OWN10, OWN10], 15, "durable", 15, ["memory"]),
+        # A lost node's ranks hold nothing: no common step, said with each rank's reason.
+        ([Offer(node_steps=(16, 17)), Offer(node_problem=None)], 15, "durable", 15, ["node"]),
+        # A bad header on one rank: said, and the durable tier read.
+        ([Offer(node_steps=(17,)), Offer(node_problem="gen-0.json: written for epoch 3")], 15,
+         "durable", 15, ["node"]),
+        # Own copies of different steps, or one damaged: said.
+        ([OWN10, Offer(5, None, 8)], 0, "durable", 0, ["memory"]),
+        ([OWN10, Offer(-1, "it holds values that are not finite", 8)], 0, "durable", 0,
+         ["memory"]),
+    ],
+)  # fmt: skip
+def test_the_newest_step_every_rank_holds_wins(offers, committed, tier, step, skipped):
+    choice = choose(offers, committed)
+    assert (choice.tier, choice.step, choice.newest_committed) == (tier, step, committed)
+    assert [s.tier for s in choice.skipped] == skipped, choice.skipped
+
+
+def test_a_skipped_tier_says_why():
+    choice = choose([Offer(node_steps=(16, 17)), Offer(node_problem="bad header")], 15)
+    (s,) = choice.skipped
+    assert "rank 1: bad header" in s.why and "rank 0: steps [16, 17]" in s.why
+    (s,) = choose([Offer(node_steps=(12,)), Offer(node_steps=(12,))], 15).skipped
+    assert s.why == "step 15 is committed, newer than the copy's 12"
+    assert choose([Offer(), Offer(own_problem=NO_COPY)], 0).skipped == ()
+
+
+def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    o = torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.8, 0.95))
+    m(torch.randn(2, 4)).sum().backward()
+    o.step()
+    return m, o
+
+
+def _state(m: torch.nn.Module, o: torch.optim.Optimizer) -> dict:
+    msd, osd = get_state_dict(m, o)
+    return {"model": msd, "optim": osd}
+
+
+def _memory(root: Path, **kw) -> NodeMemory:
+    args = {"rank": 0, "world_size": 1, "fingerprint": "f" * 16, "epoch": 2, **kw}
+    return NodeMemory(root, **args)
+
+
+def test_a_respawned_process_restores_the_newest_copy_bitwise(tmp_path: Path):
+    m, o = _model(0)
+    mem = _memory(tmp_path)
+    for step in (3, 4, 5):  # three saves, two generations: 4 and 5 remain
+        for p in m.parameters():
+            p.data.add_(step)
+        mem.save(step, _state(m, o), {"loss": 1.5, "data_loader": {"step": step}})
+    mem.close()
+    fresh = _memory(tmp_path)  # a new process: nothing in memory but the files
+    found, why = fresh.headers()
+    assert sorted(found) == [4, 5] and why is None
+    m2, o2 = _model(1)
+    target = _state(m2, o2)
+    assert fresh.load(found[5], target) == found[5].size
+    set_state_dict(m2, o2, model_state_dict=target["model"], optim_state_dict=target["optim"])
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
+    s1, s2 = o.state_dict(), o2.state_dict()
+    for k in s1["state"]:
+        assert all(torch.equal(s1["state"][k][n], s2["state"][k][n]) for n in s1["state"][k])
+    assert s2["param_groups"][0]["betas"] == (0.8, 0.95)
+    assert found[5].info == {"loss": 1.5, "data_loader": {"step": 5}}
+
+
+@pytest.mark.parametrize(
+    "damage, expect",
+    [
+        ("flip", "sha256"),
+        ("truncate", "holds"),
+        ("nan", "not finite"),
+        ("layout", "live"),
+    ],
+)
+def test_a_damaged_copy_is_refused_and_the_live_state_untouched(tmp_path, damage, expect):
+    m, o = _model(0)
+    state = _state(m, o)
+    if damage == "nan":
+        with torch.no_grad():
+            next(iter(m.parameters()))[0, 0] = float("nan")
+    mem = _memory(tmp_path)
+    mem.save(7, _state(m, o), {"loss": 1.0})
+    mem.wait()
+    (header,) = mem.headers()[0].values()
+    path = mem.bin_path(header.generation)
+    if damage == "flip":
+        flip_bytes(path)
+    elif damage == "truncate":
+        os.truncate(path, header.size - 8)
+    m2, o2 = _model(1) if damage != "layout" else (torch.nn.Linear(4, 3), None)
+    o2 = o2 or torch.optim.AdamW(m2.parameters())
+    target = _state(m2, o2)
+    before = [p.detach().clone() for p in m2.parameters()]
+    with pytest.raises(NodeCopyError, match=expect):
+        _memory(tmp_path).load(header, target)
+    assert all(torch.equal(a, b) for a, b in zip(before, m2.parameters(), strict=True))
+    del state
+
+
+@pytest.mark.parametrize(
+    "who, expect",
+    [
+        ({"epoch": 3}, "epoch"),
+        ({"fingerprint": "0" * 16}, "fingerprint"),
+        ({"world_size": 2}, None),  # another topology: another directory, nothing found
+    ],
+)
+def test_a_copy_of_another_attempt_or_topology_is_not_offered(tmp_path, who, expect):
+    m, o = _model(0)
+    mem = _memory(tmp_path)
+    mem.save(7, _state(m, o), {})
+    mem.close()
+    found, why = _memory(tmp_path, **who).headers()
+    assert found == {}
+    assert (why is None) if expect is None else (expect in why)
+
+
+def test_a_forged_header_is_refused_bounded_and_named(tmp_path: Path):
+    m, o = _model(0)
+    mem = _memory(tmp_path)
+    mem.save(7, _state(m, o), {})
+    mem.wait()
+    header_path = mem.header_path(0)
+    obj = json.loads(header_path.read_text())
+    obj["entries"][0]["offset"] = 10**12  # points outside the bytes
+    header_path.write_text(json.dumps(obj))
+    (header,) = _memory(tmp_path).headers()[0].values()
+    with pytest.raises(NodeCopyError, match="outside"):
+        _memory(tmp_path).load(header, _state(*_model(1)))
+    header_path.write_text(json.dumps({**obj, "step": "x"}))
+    found, why = _memory(tmp_path).headers()
+    assert found == {} and "not a node-copy header" in why
+    header_path.write_bytes(b"{" + b" " * (node_copy.HEADER_LIMIT + 1) + b"}")
+    assert _memory(tmp_path).headers()[0] == {}
+
+
+def test_a_save_torn_midway_leaves_the_other_generation(tmp_path: Path):
+    """The header goes first and comes back last: a kill between leaves no header vouching
+    for the half-written bytes, and the older generation is what a resume finds."""
+    m, o = _model(0)
+    mem = _memory(tmp_path)
+    mem.save(4, _state(m, o), {})
+    mem.save(5, _state(m, o), {})
+    mem.wait()
+    mem.header_path(0).unlink()  # step 4's slot, being rewritten for step 6 when killed
+    found, _ = _memory(tmp_path).headers()
+    assert sorted(found) == [5]
+    assert found[5].generation == 1
+
+
+def test_the_local_backend_gives_each_node_memory_and_takes_a_lost_nodes(tmp_path: Path):
+    root = tmp_path / "run"
+    first = node_memory.prepare(root, 1, "inv-aaaa")
+    assert str(first).startswith("/dev/shm/") and first.is_dir()
+    (first / "node-0").mkdir()
+    (first / "node-1").mkdir()
+    node_memory.forget_node(root, 1, "inv-aaaa", 1)
+    assert [p.name for p in first.iterdir()] == ["node-0"]
+    # A new attempt runs on new nodes: nothing of the last one's memory is left.
+    second = node_memory.prepare(root, 2, "inv-bbbb")
+    assert not first.exists() and second.is_dir()
+    node_memory.forget_attempt(root, 2, "inv-bbbb")
+    assert not second.exists() and not second.parent.exists()
