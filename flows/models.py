@@ -154,7 +154,7 @@ class PipelineParams(BaseModel):
         ge=0,
         le=1_000_000,
         description="a memory save every N steps: each rank's state copied to its node's memory, "
-        "what a respawn resumes from (0: none, the durable checkpoint only)",
+        "what a respawn resumes from (0: no memory tiers, every resume reads the durable checkpoint)",
     )
     keep_last: int = Field(
         3,

@@ -42,6 +42,7 @@ def _every_field_changed(dataset: Path, tmp_path: Path) -> TrainConfig:
         device=Device.CPU,
         deterministic=True,
         ckpt_interval=3,
+        memory_interval=2,
         keep_last=2,
         resume=ResumePolicy.FRESH,
         verify_data=False,

@@ -407,8 +407,9 @@ class TrainConfig:
     deterministic: bool = False
     ckpt_interval: int = 5
     # Node memory (trainer.checkpointing.node_copy): a memory save every this many steps, where
-    # the launcher gives each node a memory directory; 0 turns the tier off. A copy of the
-    # state, not a write to the shared filesystem: cheap enough for every step at this scale.
+    # the launcher gives each node a memory directory. A copy of the state, not a write to the
+    # shared filesystem: cheap enough for every step at this scale. 0 turns the memory tiers
+    # off, the process's own copy too: every resume reads the durable checkpoint.
     memory_interval: int = 1
     keep_last: int = 3
     resume: ResumePolicy = ResumePolicy.AUTO

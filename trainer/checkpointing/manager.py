@@ -166,8 +166,9 @@ class CheckpointManager:
         """All ranks, at a resume: what each rank offers (its process's own copy, the steps its
         node memory holds) gathered, rank 0's choice (:func:`tiers.choose`, with the newest
         committed step) broadcast, and every tier held but not used said in a ``skipped``
-        resume event. With ``resume`` other than auto: the durable tier."""
-        if self.cfg.resume != ResumePolicy.AUTO:
+        resume event. With ``resume`` other than auto, or ``memory_interval`` 0 (no memory
+        tiers at all): the durable tier."""
+        if self.cfg.resume != ResumePolicy.AUTO or self.cfg.memory_interval == 0:
             return tiers.Choice("durable", 0), None
         copy = self.saver.own_copy()
         problem = NO_COPY if copy is None else copy.problem()

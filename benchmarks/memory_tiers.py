@@ -1,0 +1,195 @@
+"""Recovery with the memory tiers vs the durable checkpoint alone, per fault class, in one run.
+
+Issue 29's performance section: per fault class, the load seconds and the replayed steps with
+the tiers (the process's own copy and node memory, ``memory_interval`` 1) vs durable only
+(``memory_interval`` 0), each sample running both on the same fault (the order alternates); and
+what the tiers cost: the blocking time of a memory save (a step's ``ckpt_blocking_s`` where no
+durable save was due) vs a durable save's (``checkpoint`` events' ``blocking_s``), and the
+fault-free step time with and without them.
+
+The pipeline's train stage on the embedded default (``tasks.train_stage.run_attempt`` with the
+local backend: 2 simulated nodes of 1 gloo rank each, the tiny model, checkpoints every
+``--ckpt-interval`` steps), as ``benchmarks/recovery_time.py`` runs it; a node loss is answered by
+the stage retry (a new attempt: new nodes, no node memory). Faults at a random step (seeded)
+after the first checkpoint.
+
+    python benchmarks/memory_tiers.py [--faults exception sigkill hang node-loss]
+        [--samples 3] [--seed 0] [--steps 30] [--ckpt-interval 5] [--json] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+from tasks.backends.base import LaunchRequest  # noqa: E402
+from tasks.backends.local import LocalBackend  # noqa: E402
+from tasks.classify import EndKind  # noqa: E402
+from tasks.train_stage import run_attempt  # noqa: E402
+from trainer.config import TrainConfig  # noqa: E402
+from trainer.data import write_synthetic_dataset  # noqa: E402
+from trainer.events import read_events  # noqa: E402
+from trainer.history import RunHistory  # noqa: E402
+
+SPECS = {
+    "exception": "exception@step={s},rank=1",
+    "sigkill": "sigkill@step={s},rank=1",
+    "hang": "hang@step={s},rank=1",
+    "node-loss": "node-loss@step={s},node=1",
+}
+MODES = {"tiers": 1, "durable": 0}  # memory_interval
+
+
+def run(spec: str, memory_interval: int, run_root: Path, data: Path, args: Any) -> list:
+    cfg = TrainConfig(
+        run_root=run_root,
+        data_dir=data,
+        steps=args.steps,
+        ckpt_interval=args.ckpt_interval,
+        memory_interval=memory_interval,
+        faults=(spec,) if spec else (),
+    )
+    for attempt in (1, 2):
+        report = run_attempt(
+            LocalBackend(),
+            LaunchRequest(
+                run_id=run_root.name, attempt=attempt, cfg=cfg, nodes=2, nproc_per_node=1,
+                deadline_s=600,
+            ),
+        )  # fmt: skip
+        if report.outcome.kind != EndKind.NODE_LOSS:
+            break
+    if report.outcome.kind != EndKind.COMPLETED:
+        print(f"{spec} ({memory_interval}): {report.outcome.message} ({run_root})", file=sys.stderr)
+    return read_events(run_root)
+
+
+def recovery(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    records = [r for r in RunHistory.of(events).fault_records() if r["recovered_by"] != "none"]
+    if not records:
+        return None
+    r = records[0]
+    keys = ("resume_source", "resume_step", "replayed_steps", "load_s", "load_bytes", "recovery_s")
+    return {k: r[k] for k in keys}
+
+
+def costs(events: list[dict[str, Any]], ckpt_interval: int, steps: int) -> dict[str, Any]:
+    """Blocking per memory save (steps with no durable save due), per durable save, and the
+    median step time, of a fault-free run."""
+    step_ev = [e for e in events if e["kind"] == "step"]
+    memory_only = [
+        e["ckpt_blocking_s"]
+        for e in step_ev
+        if e.get("ckpt_blocking_s") is not None and e["step"] % ckpt_interval and e["step"] < steps
+    ]
+    durable = [e["blocking_s"] for e in events if e["kind"] == "checkpoint"]
+    return {
+        "memory_save_blocking_s": _median(memory_only),
+        "durable_save_blocking_s": _median(durable),
+        "step_s": _median([e["step_s"] for e in step_ev]),
+    }
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 4) if xs else None
+
+
+def _spread(xs: list[float]) -> dict[str, float] | None:
+    if not xs:
+        return None
+    return {"median": round(statistics.median(xs), 4), "min": min(xs), "max": max(xs)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--faults", nargs="+", default=list(SPECS), choices=list(SPECS))
+    p.add_argument("--samples", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--ckpt-interval", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    rng = random.Random(args.seed)
+    root = Path(tempfile.mkdtemp(prefix="nvrx-bench-tiers-"))
+    data = root / "data"
+    write_synthetic_dataset(data, vocab_size=512, seed=0)
+    t_start = time.monotonic()
+
+    # What the tiers cost, fault-free, each mode --samples times (alternating).
+    cost_runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    for i in range(args.samples):
+        order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
+        for mode in order:
+            ev = run("", MODES[mode], root / f"clean-{mode}-{i}", data, args)
+            cost_runs[mode].append(costs(ev, args.ckpt_interval, args.steps))
+    cost = {
+        mode: {k: _spread([c[k] for c in runs if c[k] is not None]) for k in runs[0]}
+        for mode, runs in cost_runs.items()
+    }
+    print(f"costs: {json.dumps(cost)}", file=sys.stderr, flush=True)
+
+    rows = []
+    for kind in args.faults:
+        samples = []
+        for i in range(args.samples):
+            step = rng.randint(args.ckpt_interval + 1, args.steps - 3)
+            spec = SPECS[kind].format(s=step)
+            order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
+            sample: dict[str, Any] = {"fault": spec}
+            for mode in order:
+                ev = run(spec, MODES[mode], root / f"{kind}-{i}-{mode}", data, args)
+                sample[mode] = recovery(ev)
+            samples.append(sample)
+            print(f"{spec}: {json.dumps({m: sample[m] for m in MODES})}", file=sys.stderr)
+        agg: dict[str, Any] = {"fault": kind, "samples": samples}
+        for mode in MODES:
+            got = [s[mode] for s in samples if s[mode]]
+            agg[mode] = {
+                "recovered": len(got),
+                "sources": sorted({g["resume_source"] for g in got}),
+                **{
+                    k: _spread([g[k] for g in got if g[k] is not None])
+                    for k in ("load_s", "replayed_steps", "recovery_s")
+                },
+            }
+        rows.append(agg)
+
+    out = {
+        "benchmark": "memory_tiers",
+        "setup": "2 simulated nodes x 1 gloo rank, gpt-tiny, local backend, 2 cores",
+        "args": {k: v for k, v in vars(args).items() if k not in ("json", "out")},
+        "costs": cost,
+        "faults": rows,
+        "wall_s": round(time.monotonic() - t_start, 1),
+    }
+    text = json.dumps(out, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        for r in rows:
+            t, d = r["tiers"], r["durable"]
+            print(
+                f"{r['fault']:10} tiers {t['sources']} load {t['load_s']} replayed "
+                f"{t['replayed_steps']} | durable load {d['load_s']} replayed {d['replayed_steps']}"
+            )
+        print(f"costs: {json.dumps(cost)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
