@@ -134,6 +134,9 @@ def test_node_loss_without_a_stage_retry(
     assert loaded and all(
         5 <= e["step"] < 12 and e["saved_world_size"] == d.worlds[0] for e in loaded[:1]
     )
+    # From the durable tier (issue 29): a lost node's memory is gone with it, and a world of
+    # another size has shards of other sizes.
+    assert loaded[0]["source"] == "durable", loaded[0]
     # The world changes, in the result and the report.
     expected = [(a, b) for a, b in zip(d.worlds, d.worlds[1:], strict=False) if a != b]
     assert [(c.from_world, c.to_world) for c in result.world_changes] == expected

@@ -138,6 +138,10 @@ def test_workload_recovers_bitwise(
     assert [e["fault"] for e in events if e["kind"] == "fault"] == list(case.faults)  # once each
     loaded = [e["step"] for e in events if e["kind"] == "resume" and e.get("action") == "loaded"]
     assert loaded and loaded[-1] >= 3, "the stage retry resumed from a committed checkpoint"
+    # Issue 29: a respawn reads the rank's shard from node memory; a stage retry runs on new
+    # nodes, with none: the durable tier.
+    sources = {f.kind: f.resume_source for f in drilled.faults}
+    assert sources.get("sigkill", "node") == "node" and sources["node-loss"] == "durable", sources
     assert drilled.params_sha256 == clean_rerun(run_root, tmp_path / "clean" / "run")
     if case.params.get("export", {}).get("consolidated"):
         _assert_hf_export_matches_checkpoint(drilled, s3_settings, tmp_path, run_root)
