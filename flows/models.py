@@ -153,8 +153,9 @@ class PipelineParams(BaseModel):
         1,
         ge=0,
         le=1_000_000,
-        description="a memory save every N steps: each rank's state copied to its node's memory, "
-        "what a respawn resumes from (0: no memory tiers, every resume reads the durable checkpoint)",
+        description="a memory save every N steps: each rank's state copied to its node's "
+        "memory, what a respawn resumes from (0: no memory tiers, every resume reads the "
+        "durable checkpoint)",
     )
     keep_last: int = Field(
         3,
