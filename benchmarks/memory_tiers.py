@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             got = [s[mode] for s in samples if s[mode]]
             agg[mode] = {
                 "recovered": len(got),
-                "sources": sorted({g["resume_source"] for g in got}),
+                "sources": sorted({g["resume_source"] or "fresh" for g in got}),
                 **{
                     k: _spread([g[k] for g in got if g[k] is not None])
                     for k in ("load_s", "replayed_steps", "recovery_s")

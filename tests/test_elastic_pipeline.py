@@ -128,15 +128,20 @@ def test_node_loss_without_a_stage_retry(
     # was not found in 5 runs here, under CPU load too. A spare's takeover changes the nodes.
     worlds = [(e["world_size"], e["nodes"]) for e in starts]
     assert tuple(w[0] for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]) == d.worlds
-    # The resume after the loss loaded a committed checkpoint written by the 2-rank world
-    # (resharded by DCP when the world shrank), never step 0.
+    # The resume after the loss loaded what the 2-rank world saved (resharded by DCP when the
+    # world shrank), never step 0.
     loaded = [e for e in events if e["kind"] == "resume" and e.get("action") == "loaded"]
-    assert loaded and all(
-        5 <= e["step"] < 12 and e["saved_world_size"] == d.worlds[0] for e in loaded[:1]
-    )
-    # From the durable tier (issue 29): a lost node's memory is gone with it, and a world of
-    # another size has shards of other sizes.
-    assert loaded[0]["source"] == "durable", loaded[0]
+    assert loaded and loaded[0]["saved_world_size"] == d.worlds[0], loaded
+    # Issue 29: a world of another size has shards of other sizes: the durable tier. A spare in
+    # the lost node's place keeps the world: the lost rank's shard comes from its peer copy on
+    # the surviving node (the lost node's own memory is gone with it), newer than any commit.
+    # (The drill kills the node once the watcher saw step 12: training may have gone further.)
+    if d.name == "spare":
+        fault_t = next(e["t"] for e in events if e["kind"] == "fault")
+        committed = [e["step"] for e in events if e["kind"] == "checkpoint" and e["t"] < fault_t]
+        assert loaded[0]["source"] == "peer" and loaded[0]["step"] > max(committed), loaded[0]
+    else:
+        assert loaded[0]["source"] == "durable" and 5 <= loaded[0]["step"] < 12, loaded[0]
     # The world changes, in the result and the report.
     expected = [(a, b) for a, b in zip(d.worlds, d.worlds[1:], strict=False) if a != b]
     assert [(c.from_world, c.to_world) for c in result.world_changes] == expected

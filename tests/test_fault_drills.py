@@ -57,18 +57,20 @@ class Drill:
 #   the durable tier alone would go back to step 5 or to the start;
 # - the stall at step 12: node memory holds step 11 (a memory save every step,
 #   trainer.checkpointing.node_copy), newer than the process's copy;
-# - at step 14 rank 1's newest node copy (step 13) is damaged and the rank SIGKILLed: its
-#   respawn finds the digest wrong and falls back to the durable tier;
-# - the hang at step 18: the respawned ranks read step 17 from node memory.
+# - the hang at step 18: the respawned ranks read step 17 from node memory;
+# - at step 19 rank 1's newest node copy (step 18) is damaged and the rank SIGKILLed: its
+#   respawn finds the digest wrong and falls back to the durable tier. (After the hang, not
+#   before: a respawned incarnation learns its hang bound from its own steps, and the 7 fast
+#   steps between a respawn at 14 and the hang at 18 closed too few sections to learn from.)
 DRILLS = [
     Drill(
         "exception-stall-corrupt-hang",
         (
             "exception@step=11,rank=1",
             "stall@step=12,rank=1",
-            "corrupt-memory@step=14,rank=1",
-            "sigkill@step=14,rank=1",
             "hang@step=18,rank=1",
+            "corrupt-memory@step=19,rank=1",
+            "sigkill@step=19,rank=1",
         ),
         ("inprocess", "inprocess", "injob", "injob"),
     ),
@@ -133,12 +135,12 @@ def test_drill_recovers_bitwise(drill: Drill, baseline: RunOutcome, dataset: Pat
         committed = [e["step"] for e in out.of_kind("checkpoint") if e["t"] < fault_t]
         assert rec["resume_step"] > max(committed, default=0), (rec, committed)
     # The damaged node copy was found out by its digest, said, and the durable tier read.
-    damaged = records["sigkill@step=14,rank=1"]
-    assert damaged["resume_source"] == "durable" and damaged["resume_step"] <= 10, damaged
+    damaged = records["sigkill@step=19,rank=1"]
+    assert damaged["resume_source"] == "durable" and damaged["resume_step"] <= 15, damaged
     skipped = [e for e in out.of_kind("resume") if e["action"] == "skipped"]
     assert any(
         e["source"] == "node"
-        and e["step"] == 13
+        and e["step"] == 18
         and "rank 1" in e["reason"]
         and "sha256" in e["reason"]
         for e in skipped

@@ -106,6 +106,7 @@ class TrainSession:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.share: Share | None = None
         self.ckpt_group: Any = None
+        self.peer_group: Any = None
         self.ckpt: CheckpointManager | None = None
         self.hooks: Hooks | None = None
         self.loss: float | None = None  # the newest step's loss (all ranks), or the resumed one
@@ -124,6 +125,13 @@ class TrainSession:
         self.ckpt_group = dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.ckpt_timeout_s)
         )
+        # The peer copy's own (issue 29, item 2): the memory saves' thread sends each shard to
+        # a rank on another node through it, never in the way of the training's collectives.
+        # Made by every rank (a group is collective), used by those with node memory.
+        if self.world_size > 1 and self.cfg.memory_interval > 0:
+            self.peer_group = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.ckpt_timeout_s)
+            )
         if self.rank == 0 and self.iteration > 0:
             self.ctx.events.emit("restart", layer="inprocess", iteration=self.iteration)
         self.share = Share.of(
@@ -148,6 +156,7 @@ class TrainSession:
             group=self.ckpt_group,
             sections=ctx.heartbeat,
             node=ctx.node_memory,
+            peer_group=self.peer_group,
         )
         resumed = ckpt.resume(model, optim, ctx.sampler)
         self.loss = resumed.loss

@@ -29,6 +29,7 @@ from trainer.checkpointing.async_save import WARMUP_STEP, AsyncCheckpointer, Com
 from trainer.checkpointing.node_copy import NodeMemory
 from trainer.checkpointing.process_copy import NO_COPY, SOURCE, ProcessCopy
 from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, ResumePolicy, TrainConfig
+from trainer.elastic import node_id
 from trainer.errors import TerminalError
 from trainer.events import EventLog
 from trainer.fence import Fence
@@ -73,11 +74,15 @@ class CheckpointManager:
         sections: Sections | None = None,
         fence: Fence | None = None,
         node: NodeMemory | None = None,
+        peer_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.cfg = cfg
         # This rank's node-memory tier (trainer.checkpointing.node_copy), where the node has one.
         self.node = node
+        # The peer copy's own gloo group (trainer.session), for the memory saves' thread.
+        self.peer_group = peer_group
         self._node_headers: dict[int, node_copy.Header] = {}
+        self._peer_headers: dict[int, dict[int, node_copy.Header]] = {}
         self._own_bytes = 0  # every rank's bytes in its own copy, at the resume
         # Every change rank 0 makes to the run root runs under it (trainer.fence).
         self.fence = fence or Fence.from_env(cfg.run_root, events)
@@ -123,8 +128,8 @@ class CheckpointManager:
                 with self.sections.section(CHECKPOINT_SECTION):
                     self._save(copy.step, model, optim, sampler, float(loss or 0.0))
             return Resumed(copy.step, loss, None)
-        if choice.tier == "node":
-            restored = self._restore_node_copy(model, optim, sampler, choice.step)
+        if choice.tier in ("node", "peer"):
+            restored = self._restore_node_copy(model, optim, sampler, choice.step, choice.plan)
             if restored is not None:
                 return restored
         decision: list[Any] = [None]
@@ -175,7 +180,9 @@ class CheckpointManager:
         headers: dict[int, node_copy.Header] = {}
         node_why: str | None = None
         if self.node is not None:
+            self.node.unbind()  # an earlier incarnation's peer copy writes nothing more
             headers, node_why = self.node.headers()
+            self._peer_headers = self.node.peer_headers()
         self._node_headers = headers
         offer = tiers.Offer(
             own_step=copy.step if copy is not None and problem is None else -1,
@@ -183,9 +190,25 @@ class CheckpointManager:
             own_bytes=copy.nbytes() if copy is not None else 0,
             node_steps=tuple(sorted(headers)),
             node_problem=node_why,
+            peer_holds=tuple(
+                (src, step)
+                for src, by_step in sorted(self._peer_headers.items())
+                for step in by_step
+            ),
         )
         offers: list[Any] = [None] * self.world_size
-        dist.all_gather_object(offers, offer, group=self.group)
+        # With the node each rank runs on, where it has node memory and a peer group: the ring
+        # of peer copies is drawn among those only.
+        where = node_id() if self.node is not None and self.peer_group is not None else None
+        dist.all_gather_object(offers, (offer, where), group=self.group)
+        ring = tiers.peer_ring([n for _, n in offers])
+        offers = [o for o, _ in offers]
+        if self.node is not None and self.peer_group is not None:
+            self.node.bind_peers(
+                self.peer_group,
+                ring[self.rank],
+                tuple(q for q, p in enumerate(ring) if p == self.rank),
+            )
         decision: list[Any] = [None]
         if self.rank == 0:
             newest = max(checkpointing.committed_steps(self.cfg.run_root), default=0)
@@ -201,19 +224,57 @@ class CheckpointManager:
                 )  # fmt: skip
         return choice, (copy if choice.tier == "memory" else None)
 
+    def _shard_for(self, step: int, plan: tuple[int, ...]) -> tuple[Any, Any, str]:
+        """All ranks, in one order: the peer copies that must travel (a holder sends, the rank
+        it belongs to receives, on the checkpoint group), then this rank's (header, bytes or
+        directory, where from). A failure is raised after every transfer of this rank ran."""
+        assert self.node is not None
+        received: tuple[Any, Any, str] | None = None
+        failure: Exception | None = None
+        for r, h in enumerate(plan):
+            if h < 0 or h == r:
+                continue
+            if self.rank == h:
+                header = self._peer_headers.get(r, {}).get(step)
+                self.node.send_shard(header, self.node.peer_dir(r), r, self.group)
+            elif self.rank == r:
+                try:
+                    header, mm = self.node.recv_shard(h, self.group)
+                    received = (header, mm, f"rank {h}'s peer copy")
+                except Exception as e:
+                    failure = e
+        if failure is not None:
+            raise failure
+        h = plan[self.rank]
+        if h < 0:
+            header = self._node_headers[step]
+            return header, self.node._map(header, None), str(self.node.dir)
+        if h == self.rank:
+            header = self._peer_headers[self.rank][step]
+            where = self.node.peer_dir(self.rank)
+            return header, self.node._map(header, where), str(where)
+        assert received is not None
+        return received
+
     def _restore_node_copy(
-        self, model: nn.Module, optim: Optimizer, sampler: DataSource, step: int
+        self,
+        model: nn.Module,
+        optim: Optimizer,
+        sampler: DataSource,
+        step: int,
+        plan: tuple[int, ...] = (),
     ) -> Resumed | None:
         """All ranks: load step ``step`` from node memory (each rank its own shard, digest,
         finite values and layout checked first); None when some rank could not (the durable
         checkpoint is read then, and overwrites whatever was copied)."""
         t0 = time.perf_counter()
         failed, nbytes, loss = "", 0, None
+        source = "peer" if any(h >= 0 for h in plan) else node_copy.SOURCE
         try:
             assert self.node is not None
-            header = self._node_headers[step]
+            header, mm, where = self._shard_for(step, plan or (-1,) * self.world_size)
             model_sd, optim_sd = get_state_dict(model, optim)
-            nbytes = self.node.load(header, {"model": model_sd, "optim": optim_sd})
+            nbytes = self.node.restore(header, mm, {"model": model_sd, "optim": optim_sd}, where)
             set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
             sampler.check_state(header.info.get("data_loader", {}), step)
             loss = header.info.get("loss")
@@ -225,8 +286,8 @@ class CheckpointManager:
         if self.rank == 0:
             if why:
                 self.events.emit(
-                    "resume", action="skipped", step=step, source=node_copy.SOURCE,
-                    reason=f"not from node memory: restoring it failed: {why}",
+                    "resume", action="skipped", step=step, source=source,
+                    reason=f"not from {tiers.DESCRIBED[source]}: restoring it failed: {why}",
                 )  # fmt: skip
             else:
                 self.events.emit(
@@ -236,7 +297,7 @@ class CheckpointManager:
                     world_size=self.world_size,
                     saved_world_size=self.world_size,
                     load_s=round(time.perf_counter() - t0, 4),
-                    source=node_copy.SOURCE,
+                    source=source,
                     bytes=sum(int(o[1]) for o in outcomes),
                 )
         if why:

@@ -176,27 +176,126 @@ class NodeMemory:
         fingerprint: str,
         epoch: int | None,
     ) -> None:
-        self.dir = Path(root) / f"rank-{rank}-of-{world_size}"
+        self.root = Path(root)
+        self.dir = self.root / f"rank-{rank}-of-{world_size}"
         self.rank, self.world_size = rank, world_size
         self.fingerprint, self.epoch = fingerprint, epoch
         self._maps: dict[int, mmap.mmap] = {}
         self._thread: threading.Thread | None = None
         self._failed: str | None = None  # the newest save's failure, said once by the caller
         self._newest_gen: int | None = None
+        # The peer copy (issue 29, item 2): this incarnation's transport (a gloo group of its
+        # own), the rank this one's shard goes to (on another node) and those whose shards come
+        # here. ``_token`` changes with each incarnation: a thread of an earlier one that is
+        # still in flight writes nothing.
+        self._peers: tuple[Any, int | None, tuple[int, ...]] | None = None
+        self._token = 0
 
     # -- paths -----------------------------------------------------------------------------
-    def bin_path(self, gen: int) -> Path:
-        return self.dir / f"gen-{gen}.bin"
+    def bin_path(self, gen: int, where: Path | None = None) -> Path:
+        return (where or self.dir) / f"gen-{gen}.bin"
 
-    def header_path(self, gen: int) -> Path:
-        return self.dir / f"gen-{gen}.json"
+    def header_path(self, gen: int, where: Path | None = None) -> Path:
+        return (where or self.dir) / f"gen-{gen}.json"
 
     # -- saving ----------------------------------------------------------------------------
-    def wait(self) -> None:
-        """Until the save in flight has its header (or failed)."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the save in flight has its header and its peer copy went out (or failed);
+        with ``timeout``, at most that long (a thread still running is left to itself: it
+        belongs to an incarnation that ``unbind`` retired, and writes nothing)."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
             self._thread = None
+
+    # -- the peer copy ---------------------------------------------------------------------
+    def bind_peers(self, group: Any, send_to: int | None, recv_from: tuple[int, ...]) -> None:
+        """This incarnation's peer copy: each memory save's shard also goes to ``send_to``
+        (a rank on another node), and the shards of ``recv_from`` come here, off the training
+        thread, through ``group`` (gloo)."""
+        self._peers = (
+            (group, send_to, tuple(recv_from)) if (send_to is not None or recv_from) else None
+        )
+
+    def unbind(self) -> None:
+        """At a restart: the old incarnation's group goes (its last reference must, for its
+        connections to close), and a thread of it still running writes nothing more."""
+        self._token += 1
+        self._peers = None
+        self.wait(timeout=5.0)
+
+    def _replicate(self, gen: int, header: Header | None, token: int) -> None:
+        """Send this save's shard to the peer and receive the shards that come here; a save
+        that failed still sends its message (an empty one), or the peer would wait for it."""
+        import torch.distributed as dist
+
+        peers = self._peers
+        if peers is None or token != self._token:
+            return
+        group, send_to, recv_from = peers
+        works = []
+        if send_to is not None:
+            blob = header.model_dump_json().encode() if header is not None else b""
+            size = header.size if header is not None else 0
+            meta = torch.tensor([len(blob), size], dtype=torch.int64)
+            works.append(dist.isend(meta, send_to, group=group, tag=1))
+            if blob:
+                payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                works.append(dist.isend(payload, send_to, group=group, tag=2))
+            if header is not None and header.size:
+                data = torch.frombuffer(self._maps[gen], dtype=torch.uint8)[: header.size]
+                works.append(dist.isend(data, send_to, group=group, tag=3))
+        for q in recv_from:
+            self._receive(q, group, token)
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def _receive(self, src: int, group: Any, token: int) -> None:
+        """One shard from ``src``: into a temporary file, digest checked, then renamed in and
+        its header written; anything wrong is logged and the copy dropped (the stream is read
+        to its end all the same)."""
+        import torch.distributed as dist
+
+        meta = torch.zeros(2, dtype=torch.int64)
+        dist.recv(meta, src, group=group, tag=1)
+        hlen, size = int(meta[0]), int(meta[1])
+        if hlen == 0:  # its save failed: nothing comes
+            return
+        if not 0 < hlen <= HEADER_LIMIT or size < 0:
+            raise NodeCopyError(f"rank {src} announced a {hlen}-byte header and {size} bytes")
+        blob = torch.empty(hlen, dtype=torch.uint8)
+        dist.recv(blob, src, group=group, tag=2)
+        d = self.peer_dir(src)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".incoming-{token}.bin"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, max(size, 1))
+            mm = mmap.mmap(fd, max(size, 1))
+        finally:
+            os.close(fd)
+        try:
+            if size:
+                dist.recv(torch.frombuffer(mm, dtype=torch.uint8)[:size], src, group=group, tag=3)
+            header = Header.model_validate_json(bytes(blob.numpy()))
+            why = self._mismatch(header, rank=src)
+            digest = hashlib.sha256(memoryview(mm)[:size]).hexdigest()
+            if not why and (header.size != size or digest != header.sha256):
+                why = f"its bytes do not match its header (sha256 {digest[:12]}…)"
+            if why or token != self._token:
+                raise NodeCopyError(why or "an earlier incarnation's copy")
+            self.header_path(header.generation, d).unlink(missing_ok=True)
+            os.replace(tmp, self.bin_path(header.generation, d))
+            write_atomic(self.header_path(header.generation, d), blob.numpy().tobytes().decode())
+        except (NodeCopyError, ValidationError, OSError, UnicodeDecodeError) as e:
+            log.warning("rank %d: the peer copy of rank %d was dropped: %s", self.rank, src, e)
+            tmp.unlink(missing_ok=True)
+        finally:
+            with contextlib.suppress(BufferError):
+                mm.close()
+
+    def peer_dir(self, rank: int) -> Path:
+        return self.root / f"peer-rank-{rank}-of-{self.world_size}"
 
     def take_failure(self) -> str | None:
         failed, self._failed = self._failed, None
@@ -221,6 +320,8 @@ class NodeMemory:
                     dst[e.offset : e.offset + e.nbytes].copy_(_bytes_of(_local(leaf.value)))
         except (OSError, TypeError, RuntimeError) as e:
             self._failed = f"the memory save of step {step} failed: {e}"
+            # The peers still expect this save's message: say there is nothing.
+            self._start(step, gen, None)
             return time.perf_counter() - t0
         header = {
             "format": FORMAT,
@@ -234,11 +335,17 @@ class NodeMemory:
             "entries": [e.model_dump() for e in entries],
             "info": info,
         }
+        self._start(step, gen, header)
+        return time.perf_counter() - t0
+
+    def _start(self, step: int, gen: int, header: dict[str, Any] | None) -> None:
         self._thread = threading.Thread(
-            target=self._seal, args=(gen, header), name=f"node-copy-{step}", daemon=True
+            target=self._seal,
+            args=(gen, header, self._token),
+            name=f"node-copy-{step}",
+            daemon=True,
         )
         self._thread.start()
-        return time.perf_counter() - t0
 
     def _buffer(self, gen: int, size: int) -> mmap.mmap:
         """Generation ``gen``'s bytes, mapped (kept across saves; remade when the size changes).
@@ -260,17 +367,23 @@ class NodeMemory:
         self._maps[gen] = mm
         return mm
 
-    def _seal(self, gen: int, header: dict[str, Any]) -> None:
+    def _seal(self, gen: int, header: dict[str, Any] | None, token: int) -> None:
+        """The digest and the header, then the peer copy (off the training thread)."""
+        sealed: Header | None = None
+        if header is not None:
+            try:
+                mm = self._maps[gen]
+                digest = hashlib.sha256(memoryview(mm)[: header["size"]]).hexdigest()
+                sealed = Header(**header, sha256=digest, t=time.time())
+                write_atomic(self.header_path(gen), sealed.model_dump_json())
+                self._newest_gen = gen
+            except (OSError, ValidationError) as e:
+                self._failed = f"the memory save of step {header['step']} failed: {e}"
+                sealed = None
         try:
-            mm = self._maps[gen]
-            digest = hashlib.sha256(memoryview(mm)[: header["size"]]).hexdigest()
-            write_atomic(
-                self.header_path(gen),
-                Header(**header, sha256=digest, t=time.time()).model_dump_json(),
-            )
-            self._newest_gen = gen
-        except (OSError, ValidationError) as e:
-            self._failed = f"the memory save of step {header['step']} failed: {e}"
+            self._replicate(gen, sealed, token)
+        except Exception as e:  # a peer gone (its restart), a timeout: this copy is lost
+            log.warning("rank %d: the peer copy failed: %s", self.rank, e)
 
     def close(self) -> None:
         self.wait()
@@ -307,13 +420,92 @@ class NodeMemory:
             self._newest_gen = found[max(found)].generation
         return found, (None if found else why)
 
+    def peer_headers(self) -> dict[int, dict[int, Header]]:
+        """The peer copies this node holds: by the rank that wrote them, by step (headers only,
+        each checked to be that rank's, of this world size, fingerprint and epoch)."""
+        self.wait()
+        out: dict[int, dict[int, Header]] = {}
+        prefix, suffix = "peer-rank-", f"-of-{self.world_size}"
+        try:
+            names = sorted(p.name for p in self.root.iterdir())[:1024]
+        except OSError:
+            return out
+        for name in names:
+            middle = name[len(prefix) : -len(suffix)] if name.startswith(prefix) else ""
+            if not (name.endswith(suffix) and middle.isdigit()):
+                continue
+            src = int(middle)
+            d = self.root / name
+            for gen in range(GENERATIONS):
+                obj = read_json_object(self.header_path(gen, d), limit=HEADER_LIMIT)
+                if obj is None:
+                    continue
+                try:
+                    h = Header.model_validate(obj)
+                except ValidationError:
+                    continue
+                if not self._mismatch(h, rank=src):
+                    out.setdefault(src, {})[h.step] = h
+        return out
+
+    def send_shard(self, header: Header | None, where: Path | None, dst: int, group: Any) -> None:
+        """At a resume: ``header``'s generation to rank ``dst`` (which calls ``recv_shard``);
+        ``header`` None, or a file that cannot be read, sends word that nothing comes."""
+        import torch.distributed as dist
+
+        mm = None
+        if header is not None:
+            try:
+                mm = self._map(header, where)
+            except NodeCopyError as e:
+                log.warning("rank %d: cannot send rank %d's copy: %s", self.rank, dst, e)
+                header = None
+        blob = header.model_dump_json().encode() if header is not None else b""
+        size = header.size if header is not None else 0
+        dist.send(torch.tensor([len(blob), size], dtype=torch.int64), dst, group=group)
+        if blob:
+            dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst, group=group)
+        if mm is not None and size:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dist.send(torch.frombuffer(mm, dtype=torch.uint8)[:size], dst, group=group)
+
+    def recv_shard(self, src: int, group: Any) -> tuple[Header, mmap.mmap]:
+        """At a resume: a shard sent by ``src``'s ``send_shard``, in anonymous memory, its
+        header validated (this rank's, world size, fingerprint, epoch); the bytes are checked
+        by :meth:`restore`."""
+        import torch.distributed as dist
+
+        meta = torch.zeros(2, dtype=torch.int64)
+        dist.recv(meta, src, group=group)
+        hlen, size = int(meta[0]), int(meta[1])
+        if hlen == 0:
+            raise NodeCopyError(f"rank {src} had no copy to send")
+        if not 0 < hlen <= HEADER_LIMIT or size < 0:
+            raise NodeCopyError(f"rank {src} announced a {hlen}-byte header and {size} bytes")
+        blob = torch.empty(hlen, dtype=torch.uint8)
+        dist.recv(blob, src, group=group)
+        mm = mmap.mmap(-1, max(size, 1))
+        if size:
+            dist.recv(torch.frombuffer(mm, dtype=torch.uint8)[:size], src, group=group)
+        try:
+            header = Header.model_validate_json(bytes(blob.numpy()))
+        except ValidationError as e:
+            raise NodeCopyError(
+                f"rank {src} sent no node-copy header ({e.error_count()} errors)"
+            ) from e
+        why = self._mismatch(header)
+        if why or header.size != size:
+            raise NodeCopyError(f"the copy rank {src} sent: {why or 'its size is not its header'}")
+        return header, mm
+
     def newest(self) -> Header | None:
         found, _ = self.headers()
         return found[max(found)] if found else None
 
-    def _mismatch(self, h: Header) -> str:
+    def _mismatch(self, h: Header, *, rank: int | None = None) -> str:
         for name, want in (
-            ("rank", self.rank),
+            ("rank", self.rank if rank is None else rank),
             ("world_size", self.world_size),
             ("fingerprint", self.fingerprint),
             ("epoch", self.epoch),
@@ -322,20 +514,30 @@ class NodeMemory:
                 return f"written for {name} {getattr(h, name)!r}, this one is {want!r}"
         return ""
 
-    def load(self, header: Header, target: dict[str, Any]) -> int:
-        """Restore ``header``'s generation into ``target`` (the live model's and optimizer's
-        state, from ``get_state_dict``): digest, finite values and layout checked first, so a
-        failure leaves ``target`` untouched. Returns the bytes read."""
-        path = self.bin_path(header.generation)
-        src: torch.Tensor | None = None
+    def load(self, header: Header, target: dict[str, Any], where: Path | None = None) -> int:
+        """Restore ``header``'s generation (in ``where``: this rank's directory by default, a
+        peer copy's) into ``target`` (the live model's and optimizer's state, from
+        ``get_state_dict``): digest, finite values and layout checked first, so a failure
+        leaves ``target`` untouched. Returns the bytes read."""
+        return self.restore(
+            header, self._map(header, where), target, str(self.bin_path(header.generation, where))
+        )
+
+    def _map(self, header: Header, where: Path | None) -> mmap.mmap:
+        path = self.bin_path(header.generation, where)
         try:
             with open(path, "rb", opener=_no_follow) as f:
                 size = os.fstat(f.fileno()).st_size
                 if size < header.size:
                     raise NodeCopyError(f"{path} holds {size} bytes, its header {header.size}")
-                mm = mmap.mmap(f.fileno(), max(header.size, 1), access=mmap.ACCESS_COPY)
+                return mmap.mmap(f.fileno(), max(header.size, 1), access=mmap.ACCESS_COPY)
         except OSError as e:
             raise NodeCopyError(f"{path}: {e}") from e
+
+    def restore(self, header: Header, mm: mmap.mmap, target: dict[str, Any], path: str) -> int:
+        """Restore ``header``'s bytes, mapped in ``mm`` (a file's, or received from a peer),
+        into ``target``; see :meth:`load`. Closes ``mm``."""
+        src: torch.Tensor | None = None
         try:
             digest = hashlib.sha256(memoryview(mm)[: header.size]).hexdigest()
             if digest != header.sha256:

@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Tier = Literal["memory", "node", "durable"]
+Tier = Literal["memory", "node", "peer", "durable"]
 # How a resume event's reason names a tier not used.
 DESCRIBED: dict[str, str] = {
     "memory": "the process's own copy",
     "node": "node memory",
+    "peer": "the peer copies",
     "durable": "the durable checkpoint",
 }
 NO_COPY = "this process holds none"  # a new process: its first start, a respawn
@@ -31,6 +32,8 @@ class Offer:
     own_bytes: int = 0
     node_steps: tuple[int, ...] = ()
     node_problem: str | None = None  # why it offers no node step (None: no node memory at all)
+    # The peer copies its node holds (issue 29, item 2): (the rank that wrote one, its step).
+    peer_holds: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,9 @@ class Choice:
     step: int  # for "durable": the newest committed step (the durable resume decides itself)
     newest_committed: int = 0
     skipped: tuple[Skipped, ...] = ()
+    # "node" and "peer": where each rank's shard comes from, by rank: -1 its own node memory,
+    # else the rank whose node holds its peer copy (itself: the copy is on its own node).
+    plan: tuple[int, ...] = ()
 
 
 def choose(offers: list[Offer], newest_committed: int) -> Choice:
@@ -64,13 +70,14 @@ def choose(offers: list[Offer], newest_committed: int) -> Choice:
     elif own_held:
         skipped.append(Skipped("memory", max(own_step, 0), own_why))
 
-    node_held = any(o.node_steps or o.node_problem for o in offers)
+    node_held = any(o.node_steps or o.node_problem or o.peer_holds for o in offers)
+    plans: dict[int, tuple[int, ...]] = {}
     if node_held:
-        common = set(offers[0].node_steps)
-        for o in offers[1:]:
-            common &= set(o.node_steps)
-        if common:
-            candidates.append((max(common), 1, "node"))
+        step, plan = _newest_complete(offers)
+        if step > 0:
+            tier: Tier = "node" if all(h < 0 for h in plan) else "peer"
+            candidates.append((step, 1 if tier == "node" else 0, tier))
+            plans[step] = plan
         else:
             missing = [
                 f"rank {r}: {o.node_problem or 'steps ' + str(sorted(o.node_steps))}"
@@ -81,7 +88,9 @@ def choose(offers: list[Offer], newest_committed: int) -> Choice:
                 Skipped(
                     "node",
                     newest,
-                    "no step every rank holds in node memory (" + "; ".join(missing[:8]) + ")",
+                    "no step every rank holds in node memory, its own or a peer's ("
+                    + "; ".join(missing[:8])
+                    + ")",
                 )
             )
 
@@ -99,4 +108,50 @@ def choose(offers: list[Offer], newest_committed: int) -> Choice:
         return Choice("durable", newest_committed, newest_committed, tuple(skipped))
     # An older or equal tier not chosen is no news: the newest step wins by design.
     step, _, tier = max(usable)
-    return Choice(tier, step, newest_committed, tuple(skipped))
+    return Choice(tier, step, newest_committed, tuple(skipped), plans.get(step, ()))
+
+
+def _newest_complete(offers: list[Offer]) -> tuple[int, tuple[int, ...]]:
+    """The newest step of which every rank's shard is in some node's memory, and where each
+    comes from: its own node memory first, else a peer copy (its own node's first, then the
+    lowest rank's holding one). (0, ()) when there is none."""
+    holders: dict[tuple[int, int], list[int]] = {}
+    for h, o in enumerate(offers):
+        for src, step in o.peer_holds:
+            holders.setdefault((src, step), []).append(h)
+    steps = sorted(
+        {s for o in offers for s in o.node_steps} | {s for _, s in holders}, reverse=True
+    )
+    for step in steps:
+        plan = []
+        for r, o in enumerate(offers):
+            if step in o.node_steps:
+                plan.append(-1)
+                continue
+            found = holders.get((r, step))
+            if not found:
+                break
+            plan.append(r if r in found else min(found))
+        else:
+            return step, tuple(plan)
+    return 0, ()
+
+
+def peer_ring(rank_nodes: list[int | None]) -> list[int | None]:
+    """Where each rank's peer copy goes (issue 29, item 2): the rank at the same position on
+    the next node (nodes in order of their ids, ranks in order on each), so that every rank
+    sends one copy and receives one, never on its own node. None: a one-node world, or a rank
+    with no node memory (``rank_nodes`` None: it neither sends nor receives)."""
+    by_node: dict[int, list[int]] = {}
+    for r, n in enumerate(rank_nodes):
+        if n is not None:
+            by_node.setdefault(n, []).append(r)
+    nodes = sorted(by_node)
+    out: list[int | None] = [None] * len(rank_nodes)
+    for k, n in enumerate(nodes):
+        nxt = nodes[(k + 1) % len(nodes)]
+        if nxt == n:
+            continue
+        for i, r in enumerate(by_node[n]):
+            out[r] = by_node[nxt][i % len(by_node[nxt])]
+    return out
