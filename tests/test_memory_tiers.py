@@ -202,3 +202,98 @@ def test_the_local_backend_gives_each_node_memory_and_takes_a_lost_nodes(tmp_pat
     assert not first.exists() and second.is_dir()
     node_memory.forget_attempt(root, 2, "inv-bbbb")
     assert not second.exists() and not second.parent.exists()
+
+
+@pytest.mark.parametrize(
+    "rank_nodes, ring",
+    [
+        ([0, 1], [1, 0]),
+        ([0, 0, 1, 1], [2, 3, 0, 1]),  # the same local rank on the next node
+        ([0, 0, 1, 1, 2, 2], [2, 3, 4, 5, 0, 1]),
+        ([0, 2], [1, 0]),  # a spare (node 2) in node 1's place
+        ([5, 5], [None, None]),  # one node: no other failure domain
+        ([0, None, 1], [2, None, 0]),  # a rank without node memory takes no part
+        ([0, 0, 0, 1], [3, 3, 3, 0]),  # uneven: the next node's ranks in turn
+    ],
+)
+def test_a_peer_copy_goes_to_another_node(rank_nodes, ring):
+    from trainer.checkpointing.tiers import peer_ring
+
+    assert peer_ring(rank_nodes) == ring
+    for r, p in enumerate(peer_ring(rank_nodes)):
+        assert p is None or rank_nodes[p] != rank_nodes[r]
+
+
+@pytest.mark.parametrize(
+    "offers, committed, tier, step, plan",
+    [
+        # A spare in node 1's place: rank 1 has nothing; node 0 holds rank 1's peer copies.
+        ([Offer(node_steps=(12, 13), peer_holds=((1, 12), (1, 13))), Offer()], 10, "peer", 13,
+         (-1, 0)),
+        # The peer copies lag one step: the newest step complete across both.
+        ([Offer(node_steps=(12, 13), peer_holds=((1, 11), (1, 12))), Offer()], 10, "peer", 12,
+         (-1, 0)),
+        # Every rank's own node memory holds the step: no transfer, "node".
+        ([Offer(node_steps=(12, 13), peer_holds=((1, 13),)), Offer(node_steps=(13,))], 10,
+         "node", 13, (-1, -1)),
+        # Peer copies older than a commit: the durable tier.
+        ([Offer(node_steps=(8, 9), peer_holds=((1, 9),)), Offer()], 10, "durable", 10, ()),
+        # A rank's shard in no node's memory: the durable tier, said.
+        ([Offer(node_steps=(12, 13)), Offer()], 10, "durable", 10, ()),
+    ],
+)  # fmt: skip
+def test_a_lost_nodes_shards_come_from_their_peer_copies(offers, committed, tier, step, plan):
+    choice = choose(offers, committed)
+    assert (choice.tier, choice.step, choice.plan) == (tier, step, plan), choice
+
+
+def _peer_pair(rank: int, world: int, port: int, root: str, out: str) -> None:
+    """One of two ranks (two "nodes"): two memory saves replicated to the other, then rank 0
+    sends rank 1's peer copy back to it, once intact and once with a flipped byte."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.new_group(backend="gloo")
+    m, o = _model(rank)
+    mem = NodeMemory(Path(root) / f"node-{rank}", rank=rank, world_size=2, fingerprint="f", epoch=1)
+    mem.bind_peers(group, 1 - rank, (1 - rank,))
+    for step in (6, 7):
+        mem.save(step, _state(m, o), {"loss": float(step)})
+    mem.wait()
+    dist.barrier()
+    result: dict = {"peer_steps": sorted(mem.peer_headers().get(1 - rank, {}))}
+    held = mem.peer_headers().get(1, {})
+    for damaged in (False, True):
+        if rank == 0:
+            if damaged:
+                flip_bytes(mem.bin_path(held[7].generation, mem.peer_dir(1)))
+            mem.send_shard(held[7], mem.peer_dir(1), 1, dist.group.WORLD)
+        else:
+            header, mm = mem.recv_shard(0, dist.group.WORLD)
+            target = _state(*_model(5))
+            try:
+                mem.restore(header, mm, target, "rank 0's peer copy")
+                mine = _state(m, o)["model"].values()
+                pairs = zip(target["model"].values(), mine, strict=True)
+                result[str(damaged)] = [torch.equal(a, b) for a, b in pairs]
+            except NodeCopyError as e:
+                result[str(damaged)] = str(e)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_a_peer_copy_travels_checked_and_a_damaged_one_is_refused(tmp_path: Path):
+    """Real gloo, two processes: each memory save reaches the other "node" (its digest checked
+    on arrival), a resume's transfer brings the lost rank's shard back bitwise, and a peer copy
+    damaged on its node is refused by the rank it belongs to."""
+    import torch.multiprocessing as mp
+
+    from tests.helpers import free_port
+
+    mp.spawn(_peer_pair, args=(2, free_port(), str(tmp_path), str(tmp_path)), nprocs=2)
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert r0["peer_steps"] == [6, 7] and r1["peer_steps"] == [6, 7]
+    assert r1["False"] == [True, True, True, True]
+    assert "sha256" in r1["True"], r1
