@@ -68,6 +68,8 @@ ASSUMPTIONS: dict[str, Any] = {
     # trainer.hang_bound, measured in the issue 29 session that built it).
     "h2d_gb_s": 20.0,
     "sha256_gb_s": 1.5,
+    # A peer copy travels over gloo (TCP on the pod network), one stream per rank pair.
+    "peer_gb_s": 1.0,
     "learned_hang_bound_s": 121.5,
 }
 
@@ -98,15 +100,17 @@ def recoveries(a: dict[str, Any], nodes: int, measured: dict[str, float]) -> dic
         "node-loss": a["k8s_detect_s"] + a["pod_start_s"] + start + load,
     }
     # With the memory tiers: each rank reads its own shard from memory, not the whole
-    # checkpoint from FSx. A node loss still reads FSx: the peer copy is not built yet.
+    # checkpoint from FSx; a lost node's ranks get theirs from the peer copies on the next node
+    # (a spare in its place, the world unchanged).
     shard = a["ckpt_gb"] / (nodes * a["gpus_per_node"])
     from_process = shard / a["h2d_gb_s"]
     from_node = shard / a["sha256_gb_s"] + shard / a["h2d_gb_s"]
+    from_peer = shard / a["peer_gb_s"] + from_node
     tiers = {
         "exception": ours_inproc + from_process,
         "sigkill": measured["injob_detect_s"] + start + from_node,
         "hang": a["learned_hang_bound_s"] + start + from_node,
-        "node-loss": ours["node-loss"],
+        "node-loss": a["k8s_detect_s"] + a["pod_start_s"] + start + from_peer,
     }
     base = {
         "exception": measured["baseline_exception_detect_s"] + start + load,

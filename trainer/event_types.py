@@ -150,8 +150,9 @@ class Resume(_Base):
     saved_world_size: NonNeg | None = None
     world_size: NonNeg | None = None
     load_s: Seconds | None = None
-    # A load's tier (issue 29): "durable" (the DCP checkpoint on the shared filesystem) today;
-    # and the bytes it read (the checkpoint's files, as its manifest lists them).
+    # A load's tier (issue 29, trainer.checkpointing.tiers): "memory" (the process's own copy),
+    # "node" (node memory), "peer" (peer copies, some from another node) or "durable" (the DCP
+    # checkpoint on the shared filesystem); and the bytes it read (every rank's).
     source: str | None = None
     bytes: NonNeg | None = None
 
