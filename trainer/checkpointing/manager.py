@@ -174,6 +174,7 @@ class CheckpointManager:
         resume event. With ``resume`` other than auto, or ``memory_interval`` 0 (no memory
         tiers at all): the durable tier."""
         if self.cfg.resume != ResumePolicy.AUTO or self.cfg.memory_interval == 0:
+            self._bind_peers([None] * self.world_size, where=None)  # this run's peer copies
             return tiers.Choice("durable", 0), None
         copy = self.saver.own_copy()
         problem = NO_COPY if copy is None else copy.problem()
@@ -197,18 +198,7 @@ class CheckpointManager:
             ),
         )
         offers: list[Any] = [None] * self.world_size
-        # With the node each rank runs on, where it has node memory and a peer group: the ring
-        # of peer copies is drawn among those only.
-        where = node_id() if self.node is not None and self.peer_group is not None else None
-        dist.all_gather_object(offers, (offer, where), group=self.group)
-        ring = tiers.peer_ring([n for _, n in offers])
-        offers = [o for o, _ in offers]
-        if self.node is not None and self.peer_group is not None:
-            self.node.bind_peers(
-                self.peer_group,
-                ring[self.rank],
-                tuple(q for q, p in enumerate(ring) if p == self.rank),
-            )
+        offers = self._bind_peers(offers, where=offer)
         decision: list[Any] = [None]
         if self.rank == 0:
             newest = max(checkpointing.committed_steps(self.cfg.run_root), default=0)
@@ -223,6 +213,22 @@ class CheckpointManager:
                     reason=f"not from {tiers.DESCRIBED[s.tier]}: {s.why}",
                 )  # fmt: skip
         return choice, (copy if choice.tier == "memory" else None)
+
+    def _bind_peers(self, gathered: list[Any], *, where: tuple[Any, ...] | Any) -> list[Any]:
+        """All ranks: gather ``where`` (this rank's offer) with the node each rank runs on, where
+        it has node memory and a peer group, draw the ring of peer copies among those
+        (:func:`tiers.peer_ring`) and bind this rank's part; returns the offers by rank."""
+        mine = node_id() if self.node is not None and self.peer_group is not None else None
+        dist.all_gather_object(gathered, (where, mine), group=self.group)
+        ring = tiers.peer_ring([n for _, n in gathered])
+        if self.node is not None and self.peer_group is not None:
+            self.node.unbind()  # an earlier incarnation's peer copy writes nothing more
+            self.node.bind_peers(
+                self.peer_group,
+                ring[self.rank],
+                tuple(q for q, p in enumerate(ring) if p == self.rank),
+            )
+        return [o for o, _ in gathered]
 
     def _shard_for(self, step: int, plan: tuple[int, ...]) -> tuple[Any, Any, str]:
         """All ranks, in one order: the peer copies that must travel (a holder sends, the rank

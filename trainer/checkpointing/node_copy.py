@@ -126,7 +126,9 @@ def _dtype(name: str) -> torch.dtype | None:
 
 
 def plan(state: dict[str, Any]) -> tuple[list[Entry], int]:
-    """Where every leaf of ``state`` goes: tensors packed (8-byte aligned) into one buffer."""
+    """Where every leaf of ``state`` goes: tensors packed (8-byte aligned) into one buffer.
+    On the training thread, so unvalidated (``model_construct``): the header that lists them
+    is validated whole on the sealing thread."""
     entries: list[Entry] = []
     offset = 0
     for leaf in leaves(state):
@@ -135,7 +137,7 @@ def plan(state: dict[str, Any]) -> tuple[list[Entry], int]:
             t = _local(v)
             n = t.numel() * t.element_size()
             entries.append(
-                Entry(
+                Entry.model_construct(
                     path=list(leaf.path),
                     dtype=str(t.dtype),
                     shape=list(t.shape),
@@ -145,9 +147,9 @@ def plan(state: dict[str, Any]) -> tuple[list[Entry], int]:
             )
             offset += (n + 7) // 8 * 8
         elif isinstance(v, (int, float, bool, str)) or v is None:
-            entries.append(Entry(path=list(leaf.path), value=v))
+            entries.append(Entry.model_construct(path=list(leaf.path), value=v))
         elif isinstance(v, tuple) and all(_is_scalar(x) for x in v):
-            entries.append(Entry(path=list(leaf.path), value=list(v)))
+            entries.append(Entry.model_construct(path=list(leaf.path), value=list(v)))
         else:
             raise TypeError(
                 f"node memory cannot hold {type(v).__name__} at {'/'.join(map(str, leaf.path))}"
@@ -332,7 +334,7 @@ class NodeMemory:
             "epoch": self.epoch,
             "generation": gen,
             "size": size,
-            "entries": [e.model_dump() for e in entries],
+            "entries": entries,  # dumped and validated on the sealing thread
             "info": info,
         }
         self._start(step, gen, header)
@@ -374,7 +376,8 @@ class NodeMemory:
             try:
                 mm = self._maps[gen]
                 digest = hashlib.sha256(memoryview(mm)[: header["size"]]).hexdigest()
-                sealed = Header(**header, sha256=digest, t=time.time())
+                dumped = [e.model_dump() for e in header["entries"]]
+                sealed = Header(**{**header, "entries": dumped}, sha256=digest, t=time.time())
                 write_atomic(self.header_path(gen), sealed.model_dump_json())
                 self._newest_gen = gen
             except (OSError, ValidationError) as e:
