@@ -322,3 +322,21 @@ def test_deterministic_reaches_the_workers_on_both_backends(tmp_path: Path):
         assert cfg.deterministic is value
         eks = PipelineParams(backend="eks", nodes=2, global_batch=16, deterministic=value)
         assert eks_train_config(eks, "r").deterministic is value
+
+
+@pytest.mark.parametrize(
+    "source, text",
+    [
+        ("memory", "resumed from step 7 in the process's own copy (2.0 MB, 0.03 s)"),
+        ("node", "resumed from step 7 in node memory (2.0 MB, 0.03 s)"),
+        ("peer", "resumed from step 7 in peer copies (2.0 MB, 0.03 s)"),
+        ("durable", "resumed from step 7's checkpoint (durable, 2.0 MB, 0.03 s)"),
+        (None, "resumed from step 7's checkpoint"),
+    ],
+)
+def test_the_report_names_the_tier_a_recovery_read(source, text):
+    from flows.report import resumed_from
+
+    read = {"load_bytes": 2_000_000, "load_s": 0.03} if source else {}
+    fault = FaultRecord(kind="sigkill", resume_step=7, resume_source=source, **read)
+    assert resumed_from(7, fault) == text
