@@ -68,10 +68,22 @@ def schedule(steps: int, step_s: float, mtbf_s: float) -> list[str]:
 
 
 def run_ours(
-    root: Path, data: Path, *, steps: int, interval: int, faults: list[str]
+    root: Path,
+    data: Path,
+    *,
+    steps: int,
+    interval: int,
+    faults: list[str],
+    memory_interval: int = 1,
 ) -> dict[str, Any]:
     cfg = TrainConfig(
-        run_root=root, data_dir=data, steps=steps, ckpt_interval=interval, faults=tuple(faults)
+        run_root=root,
+        data_dir=data,
+        steps=steps,
+        ckpt_interval=interval,
+        faults=tuple(faults),
+        # 1: the default, the memory tiers on; 0: the durable checkpoint alone (issue 29).
+        memory_interval=memory_interval,
     )
     t0 = time.monotonic()
     attempts = 0
@@ -204,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtbf-s", type=float, default=120.0)
     p.add_argument("--baseline-pg-timeout-s", type=float, default=InProcessConfig().pg_timeout_s)
     p.add_argument("--skip", nargs="*", default=[], choices=["ours", "baseline", "clean"])
+    p.add_argument(
+        "--durable-only",
+        action="store_true",
+        help="also run ours without the memory tiers (memory_interval 0), side by side",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", type=Path)
     p.add_argument("--plot", type=Path, help="write the timelines (PNG) here")
@@ -216,9 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"calibration: {cal}", file=sys.stderr, flush=True)
     out: dict[str, Any] = {"benchmark": "ettr", "calibration": cal, "mtbf_s": args.mtbf_s}
     runs: dict[str, Any] = {}
-    for who in ("ours", "baseline"):
-        step_s = cal[f"{'ours' if who == 'ours' else 'base'}_step_s"]
-        cost = cal[f"{'ours' if who == 'ours' else 'base'}_ckpt_cost_s"]
+    for who in ("ours", *(["ours-durable"] if args.durable_only else []), "baseline"):
+        mine = who.startswith("ours")
+        step_s = cal[f"{'ours' if mine else 'base'}_step_s"]
+        cost = cal[f"{'ours' if mine else 'base'}_ckpt_cost_s"]
         interval = max(1, round(young_interval_s(args.mtbf_s, cost) / step_s))
         for mode, minutes in (("faults", args.minutes), ("clean", args.clean_minutes)):
             if who in args.skip or (mode == "clean" and "clean" in args.skip):
@@ -231,8 +249,15 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             d = root / f"{who}-{mode}"
-            if who == "ours":
-                run = run_ours(d, data, steps=steps, interval=interval, faults=faults)
+            if mine:
+                run = run_ours(
+                    d,
+                    data,
+                    steps=steps,
+                    interval=interval,
+                    faults=faults,
+                    memory_interval=0 if who == "ours-durable" else 1,
+                )
             else:
                 run = run_baseline(
                     d,
@@ -265,7 +290,14 @@ def main(argv: list[str] | None = None) -> int:
         "| mean recovery s | ckpt every (steps) |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for key in ("ours-faults", "baseline-faults", "ours-clean", "baseline-clean"):
+    for key in (
+        "ours-faults",
+        "ours-durable-faults",
+        "baseline-faults",
+        "ours-clean",
+        "ours-durable-clean",
+        "baseline-clean",
+    ):
         if key in out:
             r = out[key]
             print(
