@@ -297,3 +297,19 @@ def test_a_peer_copy_travels_checked_and_a_damaged_one_is_refused(tmp_path: Path
     assert r0["peer_steps"] == [6, 7] and r1["peer_steps"] == [6, 7]
     assert r1["False"] == [True, True, True, True]
     assert "sha256" in r1["True"], r1
+
+
+def test_copies_of_another_world_size_are_forgotten(tmp_path: Path):
+    """An elastic job that shrank and grew again must not be offered the larger world's old
+    copies: they would go back past what the smaller world trained."""
+    m, o = _model(0)
+    two = _memory(tmp_path, world_size=2)
+    two.save(7, _state(m, o), {})
+    two.wait()
+    (tmp_path / "peer-rank-1-of-2").mkdir()
+    one = _memory(tmp_path, world_size=1)
+    one.save(9, _state(m, o), {})
+    one.wait()
+    assert sorted(one.forget_other_worlds()) == ["peer-rank-1-of-2", "rank-0-of-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0-of-1"]
+    assert sorted(_memory(tmp_path, world_size=1).headers()[0]) == [9]

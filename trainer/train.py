@@ -357,9 +357,14 @@ def _node_memory(cfg: TrainConfig, rank: int, world: int) -> Any:
 
     if cfg.memory_interval <= 0:
         return None
-    return node_copy.from_env(
+    node = node_copy.from_env(
         rank=rank, world_size=world, fingerprint=cfg.fingerprint(), epoch=fence.epoch_from_env()
     )
+    if node is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+        gone = node.forget_other_worlds()  # once per node (idempotent if two ranks race)
+        if gone:
+            log.info("node memory: removed the copies of other world sizes: %s", gone)
+    return node
 
 
 def _run(

@@ -29,6 +29,7 @@ import hashlib
 import logging
 import mmap
 import os
+import shutil
 import threading
 import time
 import warnings
@@ -295,6 +296,23 @@ class NodeMemory:
         finally:
             with contextlib.suppress(BufferError):
                 mm.close()
+
+    def forget_other_worlds(self) -> list[str]:
+        """Remove this node's copies of worlds of another size (an elastic job that shrank or
+        grew): they can never be restored into this world, and offered at a later resume of a
+        world of their size they would go back past what this one trained. Returns what went."""
+        gone: list[str] = []
+        suffix = f"-of-{self.world_size}"
+        try:
+            names = sorted(p.name for p in self.root.iterdir())[:1024]
+        except OSError:
+            return gone
+        for name in names:
+            mine = name.startswith(("rank-", "peer-rank-")) and "-of-" in name
+            if mine and not name.endswith(suffix):
+                shutil.rmtree(self.root / name, ignore_errors=True)
+                gone.append(name)
+        return gone
 
     def peer_dir(self, rank: int) -> Path:
         return self.root / f"peer-rank-{rank}-of-{self.world_size}"
