@@ -271,12 +271,20 @@ class NodeMemory:
         d = self.peer_dir(src)
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f".incoming-{token}.bin"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        no_room = ""
         try:
-            os.posix_fallocate(fd, 0, max(size, 1))
-            mm = mmap.mmap(fd, max(size, 1))
-        finally:
-            os.close(fd)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, max(size, 1))
+                mm = mmap.mmap(fd, max(size, 1))
+            finally:
+                os.close(fd)
+        except OSError as e:
+            # The bytes are on their way all the same: take them into anonymous memory and
+            # drop them, or the sender would wait on its send until the group's timeout.
+            no_room = f"no room in node memory for it ({e})"
+            tmp.unlink(missing_ok=True)
+            mm = mmap.mmap(-1, max(size, 1))
         try:
             if size:
                 dist.recv(torch.frombuffer(mm, dtype=torch.uint8)[:size], src, group=group, tag=3)
@@ -285,6 +293,7 @@ class NodeMemory:
             digest = hashlib.sha256(memoryview(mm)[:size]).hexdigest()
             if not why and (header.size != size or digest != header.sha256):
                 why = f"its bytes do not match its header (sha256 {digest[:12]}…)"
+            why = no_room or why
             if why or token != self._token:
                 raise NodeCopyError(why or "an earlier incarnation's copy")
             self.header_path(header.generation, d).unlink(missing_ok=True)
