@@ -210,6 +210,24 @@ def test_time_breakdown_blocking_gaps_and_a_start_that_never_trained():
     assert RunHistory().time_breakdown() is None  # no train attempt ended yet
 
 
+def test_a_wall_clock_that_ran_ahead_still_adds_up():
+    """Seen in a fresh-clone run: attempt 1's events spanned 20.8 s of wall clock while its
+    monotonic wall_s was 19.4 s (the VM's clock stepped), and the parts summed past the wall
+    time ("other" -1.05 s). The attempt's event-time parts are scaled to its wall time."""
+    history = [
+        ev(0, "stage_attempt", stage="train", attempt=1, backend="local", nodes=1),
+        step(3, 1),  # 2 s of start-up by the event clock
+        step(4, 2),
+        ev(8, "stage_attempt_end", stage="train", attempt=1, outcome="completed", message="ok",
+           wall_s=6.0),  # 8 s of events in 6 s of monotonic time
+    ]  # fmt: skip
+    t = RunHistory.of(history).time_breakdown()
+    assert t is not None and t.wall_s == 6.0
+    assert (t.startup, t.end) == (1.333, 2.667)  # 2 s and 4 s, x (6 - 2 of steps) / (8 - 2)
+    assert min(t.model_dump().values()) >= 0
+    assert abs(sum(v for k, v in t.model_dump().items() if k != "wall_s") - 6.0) < 1e-6
+
+
 def test_a_second_fault_recorded_before_the_firsts_recovery_keeps_their_loads_apart():
     """Recorded in a full run: rank 1's next fault (a stall at step 12) was written between
     rank 0's load after the first fault and its recovered event. Each fault's recovery still

@@ -142,6 +142,10 @@ class RunHistory:
         self._step_blocking_s = 0.0
         self._time = {"startup": 0.0, "recovery": 0.0, "end": 0.0, "other": 0.0}
         self._attempt_t: float | None = None  # the open train attempt's start
+        # The time parts before the open attempt began: its own are scaled at its end when the
+        # event clock ran ahead of its wall time (``_close_attempt``).
+        self._time_before: dict[str, float] = dict(self._time)
+        self._timed_before = 0.0  # and the step and blocking seconds before it
         self._prev_step_t: float | None = None  # its newest step event
         self._disturbed = False  # a fault or restart since that step
         # Per fault (as recovered events name it): the step training went back to, and how many
@@ -221,6 +225,8 @@ class RunHistory:
                 self.last_retry_t = max(self.last_retry_t, ev.t)
             if ev.stage == "train":
                 self._attempt_t, self._prev_step_t = ev.t, None
+                self._time_before = dict(self._time)
+                self._timed_before = self._steps_s + self._step_blocking_s
         elif isinstance(ev, StageAttemptEnd):
             self._last_end_message = ev.message
             self.ended_attempts[(ev.stage, ev.attempt)] = ev.t
@@ -276,6 +282,16 @@ class RunHistory:
             tail = max(0.0, ev.t - self._prev_step_t)
             done = ev.outcome == "completed" and not self._disturbed
             self._time["end" if done else "recovery"] += tail
+        # The parts above are spans of event times (the wall clock); the attempt's wall_s is
+        # monotonic. Where the wall clock ran ahead (a step of it, a paused VM resumed), its
+        # spans would add up to more than the attempt lasted: scale this attempt's down to fit.
+        # (The steps' own seconds are measured, not spans: they stay, and the rest shrinks.)
+        timed = self._steps_s + self._step_blocking_s - self._timed_before
+        span = ev.t - self._attempt_t
+        if span > ev.wall_s > 0 and span > timed:
+            factor = max(0.0, ev.wall_s - timed) / (span - timed)
+            for k, before in self._time_before.items():
+                self._time[k] = before + (self._time[k] - before) * factor
         self._attempt_t, self._prev_step_t, self._disturbed = None, None, False
 
     def time_breakdown(self) -> TimeBreakdown | None:

@@ -252,9 +252,13 @@ class TrainSession:
         self.loss = float(reduced[0].item() / self._share().count)
         step_s = time.perf_counter() - self._t0
         blocking = ckpt.maybe_save(step, model, optim, self.ctx.sampler, self.loss)
-        if blocking is not None:
+        if blocking is not None:  # a durable save started at this step
             hooks.on_save_started(step)
         ckpt.poll(reduced=reduced[1:] if blocking is None else None)
+        # What the step waited on, a durable save's hand-off and a memory save's copy alike.
+        memory = ckpt.take_memory_blocking()
+        if memory is not None:
+            blocking = (blocking or 0.0) + memory
         hooks.on_step_end(StepEnd(step, self.loss, step_s, tokens, blocking))
         return self.loss
 

@@ -84,6 +84,7 @@ class CheckpointManager:
         self._node_headers: dict[int, node_copy.Header] = {}
         self._peer_headers: dict[int, dict[int, node_copy.Header]] = {}
         self._own_bytes = 0  # every rank's bytes in its own copy, at the resume
+        self._memory_blocking: float | None = None  # this step's memory save (maybe_save)
         # Every change rank 0 makes to the run root runs under it (trainer.fence).
         self.fence = fence or Fence.from_env(cfg.run_root, events)
         self.saver = saver
@@ -437,7 +438,9 @@ class CheckpointManager:
     def maybe_save(
         self, step: int, model: nn.Module, optim: Optimizer, sampler: DataSource, loss: float
     ) -> float | None:
-        """Every rank after finishing ``step``. Returns seconds training was blocked, if saved."""
+        """Every rank after finishing ``step``. Returns the seconds training was blocked by a
+        durable save this step started, None when none started (the caller's poll depends on
+        it); a memory save's blocking is :meth:`take_memory_blocking`'s."""
         # The first call of an incarnation starts the writer (see AsyncCheckpointer.start).
         self.saver.ensure_started(rank=self.rank)
         blocked: float | None = None
@@ -447,13 +450,18 @@ class CheckpointManager:
         if self.node is not None and self.memory_due(step):
             model_sd, optim_sd = get_state_dict(model, optim)
             info = {"loss": loss, "data_loader": sampler.state_at(step).to_dict()}
-            blocked = (blocked or 0.0) + self.node.save(
+            self._memory_blocking = self.node.save(
                 step, {"model": model_sd, "optim": optim_sd}, info
             )
             failed = self.node.take_failure()
             if failed:  # that step is missing from the tier: a resume says so, and reads another
                 log.warning("rank %d: %s", self.rank, failed)
         return blocked
+
+    def take_memory_blocking(self) -> float | None:
+        """The seconds this step's memory save blocked training (None: none was made)."""
+        taken, self._memory_blocking = self._memory_blocking, None
+        return taken
 
     def memory_due(self, step: int) -> bool:
         """A memory save (node memory) follows this step: every ``memory_interval`` steps but
