@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
+from benchmarks.recovery_time import SPECS as RECOVERY_SPECS  # noqa: E402
 from tasks.backends.base import LaunchRequest  # noqa: E402
 from tasks.backends.local import LocalBackend  # noqa: E402
 from tasks.classify import EndKind  # noqa: E402
@@ -44,10 +45,7 @@ from trainer.events import read_events  # noqa: E402
 from trainer.history import RunHistory  # noqa: E402
 
 SPECS = {
-    "exception": "exception@step={s},rank=1",
-    "sigkill": "sigkill@step={s},rank=1",
-    "hang": "hang@step={s},rank=1",
-    "node-loss": "node-loss@step={s},node=1",
+    **RECOVERY_SPECS,  # the classes recovery_time.py samples, spelled the same
     # The same loss with a hot spare (a third node) taking the lost node's place in-job: the
     # world keeps its size, and the lost rank's shard comes from its peer copy.
     "node-loss+spare": "node-loss@step={s},node=1",

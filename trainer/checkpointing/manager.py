@@ -174,6 +174,8 @@ class CheckpointManager:
         committed step) broadcast, and every tier held but not used said in a ``skipped``
         resume event. With ``resume`` other than auto, or ``memory_interval`` 0 (no memory
         tiers at all): the durable tier."""
+        if self.node is not None:
+            self.node.unbind()  # an earlier incarnation's peer copy writes nothing more
         if self.cfg.resume != ResumePolicy.AUTO or self.cfg.memory_interval == 0:
             self._bind_peers([None] * self.world_size, where=None)  # this run's peer copies
             return tiers.Choice("durable", 0), None
@@ -182,7 +184,6 @@ class CheckpointManager:
         headers: dict[int, node_copy.Header] = {}
         node_why: str | None = None
         if self.node is not None:
-            self.node.unbind()  # an earlier incarnation's peer copy writes nothing more
             headers, node_why = self.node.headers()
             self._peer_headers = self.node.peer_headers()
         self._node_headers = headers
@@ -223,7 +224,6 @@ class CheckpointManager:
         dist.all_gather_object(gathered, (where, mine), group=self.group)
         ring = tiers.peer_ring([n for _, n in gathered])
         if self.node is not None and self.peer_group is not None:
-            self.node.unbind()  # an earlier incarnation's peer copy writes nothing more
             self.node.bind_peers(
                 self.peer_group,
                 ring[self.rank],

@@ -229,7 +229,6 @@ class NodeMemory:
     def _replicate(self, gen: int, header: Header | None, token: int) -> None:
         """Send this save's shard to the peer and receive the shards that come here; a save
         that failed still sends its message (an empty one), or the peer would wait for it."""
-        import torch.distributed as dist
 
         peers = self._peers
         if peers is None or token != self._token:
@@ -237,16 +236,8 @@ class NodeMemory:
         group, send_to, recv_from = peers
         works = []
         if send_to is not None:
-            blob = header.model_dump_json().encode() if header is not None else b""
-            size = header.size if header is not None else 0
-            meta = torch.tensor([len(blob), size], dtype=torch.int64)
-            works.append(dist.isend(meta, send_to, group=group, tag=1))
-            if blob:
-                payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-                works.append(dist.isend(payload, send_to, group=group, tag=2))
-            if header is not None and header.size:
-                data = torch.frombuffer(self._maps[gen], dtype=torch.uint8)[: header.size]
-                works.append(dist.isend(data, send_to, group=group, tag=3))
+            mm = self._maps[gen] if header is not None else None
+            works = _send(header, mm, send_to, group, tags=REPLICA_TAGS)
         for q in recv_from:
             self._receive(q, group, token)
         for w in works:
@@ -259,26 +250,16 @@ class NodeMemory:
         to its end all the same)."""
         import torch.distributed as dist
 
-        meta = torch.zeros(2, dtype=torch.int64)
-        dist.recv(meta, src, group=group, tag=1)
-        hlen, size = int(meta[0]), int(meta[1])
-        if hlen == 0:  # its save failed: nothing comes
+        announced = _receive_header(src, group, tags=REPLICA_TAGS)
+        if announced is None:  # its save failed: nothing comes
             return
-        if not 0 < hlen <= HEADER_LIMIT or size < 0:
-            raise NodeCopyError(f"rank {src} announced a {hlen}-byte header and {size} bytes")
-        blob = torch.empty(hlen, dtype=torch.uint8)
-        dist.recv(blob, src, group=group, tag=2)
+        blob, size = announced
         d = self.peer_dir(src)
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f".incoming-{token}.bin"
         no_room = ""
         try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, max(size, 1))
-                mm = mmap.mmap(fd, max(size, 1))
-            finally:
-                os.close(fd)
+            mm = _allocated_map(tmp, size)
         except OSError as e:
             # The bytes are on their way all the same: take them into anonymous memory and
             # drop them, or the sender would wait on its send until the group's timeout.
@@ -287,8 +268,13 @@ class NodeMemory:
             mm = mmap.mmap(-1, max(size, 1))
         try:
             if size:
-                dist.recv(torch.frombuffer(mm, dtype=torch.uint8)[:size], src, group=group, tag=3)
-            header = Header.model_validate_json(bytes(blob.numpy()))
+                dist.recv(
+                    torch.frombuffer(mm, dtype=torch.uint8)[:size],
+                    src,
+                    group=group,
+                    tag=REPLICA_TAGS[2],
+                )
+            header = Header.model_validate_json(blob)
             why = self._mismatch(header, rank=src)
             digest = hashlib.sha256(memoryview(mm)[:size]).hexdigest()
             if not why and (header.size != size or digest != header.sha256):
@@ -298,7 +284,7 @@ class NodeMemory:
                 raise NodeCopyError(why or "an earlier incarnation's copy")
             self.header_path(header.generation, d).unlink(missing_ok=True)
             os.replace(tmp, self.bin_path(header.generation, d))
-            write_atomic(self.header_path(header.generation, d), blob.numpy().tobytes().decode())
+            write_atomic(self.header_path(header.generation, d), blob.decode())
         except (NodeCopyError, ValidationError, OSError, UnicodeDecodeError) as e:
             log.warning("rank %d: the peer copy of rank %d was dropped: %s", self.rank, src, e)
             tmp.unlink(missing_ok=True)
@@ -386,13 +372,7 @@ class NodeMemory:
         if mm is not None:
             with contextlib.suppress(BufferError):  # a tensor still viewing it keeps it alive
                 mm.close()
-        path = self.bin_path(gen)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, max(size, 1))
-            mm = mmap.mmap(fd, max(size, 1))
-        finally:
-            os.close(fd)
+        mm = _allocated_map(self.bin_path(gen), size)
         self._maps[gen] = mm
         return mm
 
@@ -428,24 +408,7 @@ class NodeMemory:
         bytes are checked by ``load``), and, when there are none, why, if the node held
         something (None for an empty node memory: no news)."""
         self.wait()
-        found: dict[int, Header] = {}
-        why: str | None = None
-        for gen in range(GENERATIONS):
-            obj = read_json_object(self.header_path(gen), limit=HEADER_LIMIT)
-            if obj is None:
-                continue
-            try:
-                h = Header.model_validate(obj)
-            except ValidationError as e:
-                why = (
-                    f"{self.header_path(gen)} is not a node-copy header ({e.error_count()} errors)"
-                )
-                continue
-            mismatch = self._mismatch(h)
-            if mismatch:
-                why = f"{self.header_path(gen)}: {mismatch}"
-                continue
-            found[h.step] = h
+        found, why = self._scan(self.dir, self.rank)
         if found:  # the next save overwrites the older generation
             self._newest_gen = found[max(found)].generation
         return found, (None if found else why)
@@ -462,27 +425,37 @@ class NodeMemory:
             return out
         for name in names:
             middle = name[len(prefix) : -len(suffix)] if name.startswith(prefix) else ""
-            if not (name.endswith(suffix) and middle.isdigit()):
-                continue
-            src = int(middle)
-            d = self.root / name
-            for gen in range(GENERATIONS):
-                obj = read_json_object(self.header_path(gen, d), limit=HEADER_LIMIT)
-                if obj is None:
-                    continue
-                try:
-                    h = Header.model_validate(obj)
-                except ValidationError:
-                    continue
-                if not self._mismatch(h, rank=src):
-                    out.setdefault(src, {})[h.step] = h
+            if name.endswith(suffix) and middle.isdigit():
+                found, _ = self._scan(self.root / name, int(middle))
+                if found:
+                    out[int(middle)] = found
         return out
+
+    def _scan(self, d: Path, rank: int) -> tuple[dict[int, Header], str | None]:
+        """The valid headers in ``d`` (copies of ``rank``'s shard), by step, and why the last
+        one refused was (None: none was)."""
+        found: dict[int, Header] = {}
+        why: str | None = None
+        for gen in range(GENERATIONS):
+            path = self.header_path(gen, d)
+            obj = read_json_object(path, limit=HEADER_LIMIT)
+            if obj is None:
+                continue
+            try:
+                h = Header.model_validate(obj)
+            except ValidationError as e:
+                why = f"{path} is not a node-copy header ({e.error_count()} errors)"
+                continue
+            mismatch = self._mismatch(h, rank=rank)
+            if mismatch:
+                why = f"{path}: {mismatch}"
+                continue
+            found[h.step] = h
+        return found, why
 
     def send_shard(self, header: Header | None, where: Path | None, dst: int, group: Any) -> None:
         """At a resume: ``header``'s generation to rank ``dst`` (which calls ``recv_shard``);
         ``header`` None, or a file that cannot be read, sends word that nothing comes."""
-        import torch.distributed as dist
-
         mm = None
         if header is not None:
             try:
@@ -490,15 +463,9 @@ class NodeMemory:
             except NodeCopyError as e:
                 log.warning("rank %d: cannot send rank %d's copy: %s", self.rank, dst, e)
                 header = None
-        blob = header.model_dump_json().encode() if header is not None else b""
-        size = header.size if header is not None else 0
-        dist.send(torch.tensor([len(blob), size], dtype=torch.int64), dst, group=group)
-        if blob:
-            dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst, group=group)
-        if mm is not None and size:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                dist.send(torch.frombuffer(mm, dtype=torch.uint8)[:size], dst, group=group)
+        for w in _send(header, mm, dst, group, tags=RESUME_TAGS):
+            if w is not None:
+                w.wait()
 
     def recv_shard(self, src: int, group: Any) -> tuple[Header, mmap.mmap]:
         """At a resume: a shard sent by ``src``'s ``send_shard``, in anonymous memory, its
@@ -506,20 +473,16 @@ class NodeMemory:
         by :meth:`restore`."""
         import torch.distributed as dist
 
-        meta = torch.zeros(2, dtype=torch.int64)
-        dist.recv(meta, src, group=group)
-        hlen, size = int(meta[0]), int(meta[1])
-        if hlen == 0:
+        announced = _receive_header(src, group, tags=RESUME_TAGS)
+        if announced is None:
             raise NodeCopyError(f"rank {src} had no copy to send")
-        if not 0 < hlen <= HEADER_LIMIT or size < 0:
-            raise NodeCopyError(f"rank {src} announced a {hlen}-byte header and {size} bytes")
-        blob = torch.empty(hlen, dtype=torch.uint8)
-        dist.recv(blob, src, group=group)
+        blob, size = announced
         mm = mmap.mmap(-1, max(size, 1))
         if size:
-            dist.recv(torch.frombuffer(mm, dtype=torch.uint8)[:size], src, group=group)
+            data = torch.frombuffer(mm, dtype=torch.uint8)[:size]
+            dist.recv(data, src, group=group, tag=RESUME_TAGS[2])
         try:
-            header = Header.model_validate_json(bytes(blob.numpy()))
+            header = Header.model_validate_json(blob)
         except ValidationError as e:
             raise NodeCopyError(
                 f"rank {src} sent no node-copy header ({e.error_count()} errors)"
@@ -625,6 +588,62 @@ class NodeMemory:
                 if e.nbytes != t.numel() * t.element_size() or e.offset + e.nbytes > header.size:
                     raise NodeCopyError(f"{where}: its bytes lie outside the copy")
         return list(zip(header.entries, live, strict=True))
+
+
+# One shard on the wire (the memory saves' replication and a resume's transfer alike): its
+# header's length and the bytes' size, the header (JSON), the bytes; a length of 0 says nothing
+# comes. Each use has its own tags, so the two never match each other's messages.
+REPLICA_TAGS = (1, 2, 3)
+RESUME_TAGS = (4, 5, 6)
+
+
+def _send(
+    header: Header | None, mm: mmap.mmap | None, dst: int, group: Any, *, tags: tuple[int, ...]
+) -> list[Any]:
+    """Post ``header``'s shard (its bytes mapped in ``mm``) to ``dst``; the sends' handles."""
+    import torch.distributed as dist
+
+    blob = header.model_dump_json().encode() if header is not None else b""
+    size = header.size if header is not None else 0
+    meta = torch.tensor([len(blob), size], dtype=torch.int64)
+    works = [dist.isend(meta, dst, group=group, tag=tags[0])]
+    if blob:
+        payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        works.append(dist.isend(payload, dst, group=group, tag=tags[1]))
+    if mm is not None and size:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer on a copy-on-write map
+            data = torch.frombuffer(mm, dtype=torch.uint8)[:size]
+        works.append(dist.isend(data, dst, group=group, tag=tags[2]))
+    return works
+
+
+def _receive_header(src: int, group: Any, *, tags: tuple[int, ...]) -> tuple[bytes, int] | None:
+    """The header (JSON bytes, bounded) and the size of the shard ``src`` sends, or None when
+    it says nothing comes; the bytes follow with ``tags[2]``."""
+    import torch.distributed as dist
+
+    meta = torch.zeros(2, dtype=torch.int64)
+    dist.recv(meta, src, group=group, tag=tags[0])
+    hlen, size = int(meta[0]), int(meta[1])
+    if hlen == 0:
+        return None
+    if not 0 < hlen <= HEADER_LIMIT or size < 0:
+        raise NodeCopyError(f"rank {src} announced a {hlen}-byte header and {size} bytes")
+    blob = torch.empty(hlen, dtype=torch.uint8)
+    dist.recv(blob, src, group=group, tag=tags[1])
+    return blob.numpy().tobytes(), size
+
+
+def _allocated_map(path: Path, size: int) -> mmap.mmap:
+    """A new file of ``size`` bytes, its pages allocated first (a full tmpfs raises ENOSPC
+    here rather than SIGBUS at the first write), mapped read-write."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(size, 1))
+        return mmap.mmap(fd, max(size, 1))
+    finally:
+        os.close(fd)
 
 
 def _no_follow(path: str, flags: int) -> int:
