@@ -457,7 +457,8 @@ class TrainConfig:
         _require(
             isinstance(self.memory_interval, int) and self.memory_interval >= 0,
             "memory_interval",
-            f"must be a number of steps (0 turns node memory off), got {self.memory_interval!r}",
+            "must be a number of steps (0 turns the memory tiers off), got "
+            f"{self.memory_interval!r}",
         )
         _require(
             self.keep_last >= 2,
