@@ -89,7 +89,8 @@ class DrillParams(BaseModel):
     faults: list[str] = Field(
         default_factory=list,
         description="faults to inject, e.g. exception@step=7,rank=1 or node-loss@step=9,node=1; "
-        "kinds: exception, stall, hang, sigkill, corrupt-checkpoint (the trainer's); "
+        "kinds: exception, stall, hang, sigkill, corrupt-checkpoint, corrupt-memory, "
+        "corrupt-peer (the trainer's); "
         "node-loss, node-return, node-freeze (the watcher's, as the backend allows)",
     )
 

@@ -47,14 +47,13 @@ from tasks.export import ExportOptions, ExportReport, export_checkpoint
 from tasks.hydrate import upload_dataset
 from tasks.ownership import lease
 from tasks.preflight.checks import Requirements, failures
-from tasks.preflight.memory import MemoryNeed, NodeMemoryNeed, count_parameters
+from tasks.preflight.memory import MemoryNeed, count_parameters, node_memory_need
 from tasks.retry_policy import prefect_retry_condition
 from tasks.storage.s3 import boto3_client
 from tasks.train_stage import AttemptReport, run_attempt
 from tasks.validate import validate_latest
 from tasks.validation import load_process
 from tasks.validation.checkpoint import Expectations, prestart_load_check
-from trainer.checkpointing.layout import NODE_MEMORY_GENERATIONS
 from trainer.data import write_synthetic_dataset
 
 
@@ -161,7 +160,6 @@ def preflight_flow(plan: RunPlan) -> PreflightResult:
     # the memory saves of one node (node memory: this machine's /dev/shm for every simulated
     # node locally, the pod's on EKS).
     need, node_need = None, None
-    copies = NODE_MEMORY_GENERATIONS if params.memory_interval > 0 else 0
     if wl is not None:
         try:
             n = count_parameters(wl)
@@ -175,11 +173,16 @@ def preflight_flow(plan: RunPlan) -> PreflightResult:
             )
         else:
             local = params.backend == "local"
+            node_need = node_memory_need(
+                n,
+                memory_interval=params.memory_interval,
+                # Locally every simulated node's memory is this machine's.
+                nodes=1 if local else params.node_range.min,
+                peers=params.node_range.max > 1,
+            )
             if local:
+                copies = node_need.copies if node_need is not None else 0
                 need = MemoryNeed(params=n, workers=params.world_size, memory_copies=copies)
-            if copies:
-                nodes = 1 if local else params.node_range.min
-                node_need = NodeMemoryNeed(params=n, nodes=nodes, generations=copies)
     req = Requirements(
         workers=params.world_size,
         buckets=(params.dataset.bucket, params.export.bucket),

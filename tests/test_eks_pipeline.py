@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -52,6 +53,7 @@ from tests.eks_cluster import NODES, NS, mark_disrupted, p5, pod_obj, seed_clust
 from tests.helpers import FAST_INJOB, FAST_INPROCESS, REPO, free_port, worker_env, write_config
 from tests.kube_chaos import ChaosProxy, Misbehaviour
 from tests.pipeline_helpers import assert_exported, run_pipeline
+from trainer.checkpointing.layout import NODE_MEMORY_ENV
 from trainer.config import Device, TrainConfig, load_config
 from trainer.data import load_manifest, manifest_digest
 from trainer.elastic import NodeRange
@@ -180,7 +182,7 @@ class Cluster(threading.Thread):
             argv,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**worker_env(), **env, POD_ENV: name},
+            env={**worker_env(), **env, POD_ENV: name, **self.pod_memory(env, name)},
             cwd=REPO,
             start_new_session=True,
         )
@@ -211,6 +213,14 @@ class Cluster(threading.Thread):
                 self.kube.core.patch_namespaced_pod_status(
                     f"{name}-{i}-x", NS, terminated(rc), _preload_content=False
                 )
+
+    def pod_memory(self, env: dict[str, str], pod: str) -> dict[str, str]:
+        """The pod's own memory-backed /dev/shm: the rendered NVRX_NODE_MEMORY, moved into a
+        directory of the pod's beside the run (pods of this machine would share /dev/shm, and
+        a lost pod's memory must go with it)."""
+        rendered = Path(env[NODE_MEMORY_ENV])
+        shm = self.ctx.run_root.parent / f"{pod}-shm"
+        return {NODE_MEMORY_ENV: str(shm / rendered.relative_to("/dev/shm"))}
 
     def workload(self, name: str, job: Any) -> tuple[TrainConfig, dict[str, str]]:
         """The attempt's config as the pods read it (checked against what the flow rendered),
@@ -378,7 +388,13 @@ class ElasticPods:
             self.argv,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**worker_env(), **self.env, "JOB_COMPLETION_INDEX": str(index), POD_ENV: pod},
+            env={
+                **worker_env(),
+                **self.env,
+                "JOB_COMPLETION_INDEX": str(index),
+                POD_ENV: pod,
+                **self.cluster.pod_memory(self.env, pod),
+            },
             cwd=REPO,
             start_new_session=True,
         )
@@ -399,6 +415,8 @@ class ElasticPods:
         for index in indexes:
             pod, proc = gone[index]
             _end_pod(pod, proc)
+            # Its memory goes with the node.
+            shutil.rmtree(self.cluster.ctx.run_root.parent / f"{pod}-shm", ignore_errors=True)
             node = self.cluster.nodes[index]
             unknown = p5(node, ready="Unknown")
             self.kube.core.patch_node_status(node, unknown, _preload_content=False)

@@ -437,3 +437,32 @@ def load_config_text(text: str):
     from trainer.config import TrainConfig
 
     return TrainConfig.from_dict({k: v for k, v in json.loads(text).items() if k != "format"})
+
+
+@pytest.mark.parametrize(
+    "nodes, memory_interval, eks, shm_gi",
+    [
+        # llama3-8b's memory saves: 8.03 B x 12 bytes x 5 copies (own 2 generations, a peer
+        # node's 2, 1 arriving) / 4 pods = 120.4 GB = 113 GiB, and 16 beside them.
+        (4, 1, {}, 129),
+        (16, 1, {}, 45),  # 30.1 GB = 29 GiB per pod + 16
+        (1, 1, {}, 196),  # one pod: no peer copy, its own 2 generations (192.7 GB = 180 GiB)
+        (4, 0, {}, 16),  # no memory saves: what else uses /dev/shm
+        (4, 1, {"shm_gi": 64}, 64),  # the field wins
+        (2, 1, {"memory_gi": 300}, 150),  # 240.9 GB does not fit: half the pod, preflight says
+    ],
+)  # fmt: skip
+def test_dev_shm_is_sized_from_the_models_memory_saves(nodes, memory_interval, eks, shm_gi):
+    """Issue 29, item 5: the pod's memory-backed /dev/shm (node memory) is sized from what the
+    memory saves keep in it per pod, through the backend's one code path (launch and
+    render-k8s), unless eks.shm_gi says otherwise."""
+    from flows.context import launch_request
+    from tasks.backends.eks.backend import EksBackend
+
+    p = params(nodes=nodes, memory_interval=memory_interval, global_batch=64 * nodes, eks=eks)
+    cfg = eks_train_config(p, "r")
+    request = launch_request(p, cfg, run_id="r", attempt=1, invocation="inv0001", epoch=1)
+    docs = EksBackend(p.eks, nodes=p.launched_nodes).bundle(request)
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    vols = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    assert vols["shm"]["emptyDir"]["sizeLimit"] == f"{shm_gi}Gi"

@@ -19,6 +19,7 @@ from flows.models import PipelineResult
 from tests.helpers import free_port_pair
 from tests.pipeline_helpers import Scraper, assert_exported, make_params, nvrx_events, run_pipeline
 from trainer.events import read_events
+from trainer.faults import DAMAGE_KINDS
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -61,8 +62,15 @@ DRILLS = [
         (2, 1, 2),
     ),
     # Two nodes and one hot spare (node 2, started once the world formed): it takes node 1's
-    # place, the world keeps its size.
-    Drill("spare", {"nodes": 2, "spares": 1}, ("node-loss@step=12,node=1",), "spare", (2, 2)),
+    # place, the world keeps its size. At the resume after the loss, node 0 damages the newest
+    # peer copy it holds of rank 1's shard (issue 29: a damaged peer copy falls back).
+    Drill(
+        "spare",
+        {"nodes": 2, "spares": 1},
+        ("node-loss@step=12,node=1", "corrupt-peer@step=10,rank=0"),
+        "spare",
+        (2, 2),
+    ),
     # Two of three nodes lost at once: the first loss leaves the minimum (elastic), the second
     # leaves one node, which waits in the rendezvous (node-wait) rather than ending the attempt;
     # node 2 returns while it waits and the job re-forms on 2 nodes in-job. Another global
@@ -114,11 +122,12 @@ def test_node_loss_without_a_stage_retry(
         assert result.final_loss == baseline.final_loss
     paths = d.paths or (d.layer,)
     losses = [f for f in d.faults if f.startswith("node-loss")]
-    assert [(f.kind, f.node, f.path, f.recovered_by) for f in result.faults] == [
+    failures = [f for f in result.faults if f.kind not in DAMAGE_KINDS]
+    assert [(f.kind, f.node, f.path, f.recovered_by) for f in failures] == [
         ("node-loss", int(spec.rsplit("=", 1)[1]), path, d.layer)
         for spec, path in zip(losses, paths, strict=True)
     ]
-    assert all(f.recovery_s and f.recovery_s > 0 for f in result.faults)
+    assert all(f.recovery_s and f.recovery_s > 0 for f in failures)
     run_root = RunContext.create(params).run_root
     events = read_events(run_root)
     starts = [e for e in events if e["kind"] == "train_start"]
@@ -136,10 +145,18 @@ def test_node_loss_without_a_stage_retry(
     # the lost node's place keeps the world: the lost rank's shard comes from its peer copy on
     # the surviving node (the lost node's own memory is gone with it), newer than any commit.
     # (The drill kills the node once the watcher saw step 12: training may have gone further.)
+    # Its newest peer copy was damaged at the resume: found out by its digest when it reached
+    # the spare, said, and the older generation read, still newer than any commit.
     if d.name == "spare":
         fault_t = next(e["t"] for e in events if e["kind"] == "fault")
         committed = [e["step"] for e in events if e["kind"] == "checkpoint" and e["t"] < fault_t]
         assert loaded[0]["source"] == "peer" and loaded[0]["step"] > max(committed), loaded[0]
+        (damage,) = [e for e in events if e.get("fault_kind") == "corrupt-peer"]
+        skipped = [e for e in events if e["kind"] == "resume" and e["action"] == "skipped"]
+        peer = [(e["source"], e["step"]) for e in skipped if e["source"] == "peer"]
+        assert peer == [("peer", damage["copy_step"])], skipped
+        assert "rank 1" in skipped[0]["reason"] and "sha256" in skipped[0]["reason"], skipped
+        assert loaded[0]["step"] < damage["copy_step"], (loaded[0], damage)
     else:
         assert loaded[0]["source"] == "durable" and 5 <= loaded[0]["step"] < 12, loaded[0]
     # The world changes, in the result and the report.
@@ -160,7 +177,11 @@ def test_node_loss_without_a_stage_retry(
     by_name: dict[str, list[Any]] = {}
     for e in prefect:
         by_name.setdefault(e.event, []).append(e)
-    assert [e.payload["path"] for e in by_name["nvrx.fault.detected"]] == list(paths)
+    detected = by_name["nvrx.fault.detected"]
+    assert [e.payload["path"] for e in detected if e.payload["kind"] not in DAMAGE_KINDS] == list(
+        paths
+    )
+    assert any(e.payload["kind"] == "corrupt-peer" for e in detected) == (d.name == "spare")
     assert [e.payload["layer"] for e in by_name["nvrx.recovery.completed"]] == [d.layer] * len(
         paths
     )

@@ -3,6 +3,7 @@ memory (trainer.checkpointing.node_copy) against every way its files can mislead
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -13,8 +14,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from tasks.backends import node_memory
 from trainer.checkpointing import node_copy
+from trainer.checkpointing.live_state import LiveState
 from trainer.checkpointing.node_copy import NodeCopyError, NodeMemory
-from trainer.checkpointing.tiers import NO_COPY, Offer, choose
+from trainer.checkpointing.tiers import NO_COPY, Offer, choose, without
 from trainer.faults import flip_bytes
 
 OWN10 = Offer(own_step=10, own_problem=None, own_bytes=8)
@@ -102,6 +104,90 @@ def test_a_respawned_process_restores_the_newest_copy_bitwise(tmp_path: Path):
         assert all(torch.equal(s1["state"][k][n], s2["state"][k][n]) for n in s1["state"][k])
     assert s2["param_groups"][0]["betas"] == (0.8, 0.95)
     assert found[5].info == {"loss": 1.5, "data_loader": {"step": 5}}
+
+
+def _train(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
+    o.zero_grad()
+    m(torch.randn(2, 4)).sum().backward()
+    o.step()
+
+
+def _equal_states(a: dict, b: dict) -> bool:
+    pairs = zip(node_copy.leaves(a), node_copy.leaves(b), strict=True)
+    return all(
+        x.path == y.path
+        and (torch.equal(x.value, y.value) if torch.is_tensor(x.value) else x.value == y.value)
+        for x, y in pairs
+    )
+
+
+def test_the_kept_state_reads_the_live_values_and_is_retaken_when_its_structure_changes():
+    """The memory saves' state dicts (live_state.LiveState) are reused between steps only while
+    they still are what get_state_dict would give: the same values after steps, and taken anew
+    when a learning rate changes, the optimizer's state is replaced (a restore) or a
+    parameter's storage is swapped."""
+    m, o = _model(0)
+    live = LiveState()
+    kept = live.get(m, o)
+    seen = {live.version}
+    for _ in range(3):
+        _train(m, o)
+        assert live.get(m, o) is kept and live.version in seen
+        assert _equal_states(kept, _state(m, o))
+    changes = [
+        lambda: o.param_groups[0].update(lr=5e-4),  # a scheduler
+        lambda: o.load_state_dict(copy.deepcopy(o.state_dict())),  # a restore: new tensors
+        lambda: setattr(next(m.parameters()), "data", torch.zeros(8, 4)),  # swapped storage
+    ]
+    for change in changes:
+        change()
+        again = live.get(m, o)
+        assert again is not kept and live.version not in seen
+        assert _equal_states(again, _state(m, o))
+        kept = again
+        seen.add(live.version)
+    live.forget()
+    assert live.get(m, o) is not kept and live.version not in seen
+    # A new one (the manager of an in-process restart) never repeats a version: a node memory
+    # kept across it must not take its layout of the replaced tensors for the new state's.
+    other = LiveState()
+    other.get(m, o)
+    assert other.version not in seen
+
+
+def test_a_memory_save_of_a_kept_state_copies_its_newest_values(tmp_path: Path):
+    """The layout kept for a version (no walk, no plan) still copies the values of the step
+    the save follows, bitwise; a restore with a new manager (an in-process restart: a new
+    LiveState, the same node memory) copies the new tensors; a new version is planned anew."""
+    m, o = _model(0)
+    live, mem = LiveState(), _memory(tmp_path)
+
+    def save(step: int) -> None:
+        _train(m, o)
+        mem.save(step, live.get(m, o), {"data_loader": {}}, version=live.version)
+        mem.wait()
+
+    def restored(step: int) -> dict:
+        found, _ = _memory(tmp_path).headers()
+        m2, o2 = _model(1)
+        target = _state(m2, o2)
+        _memory(tmp_path).load(found[step], target)
+        return target
+
+    for step in (1, 2, 3):
+        save(step)
+    assert _equal_states(restored(3), _state(m, o))
+    o.load_state_dict(copy.deepcopy(o.state_dict()))  # the restore: new state tensors
+    live = LiveState()  # the restarted incarnation's manager
+    save(4)
+    assert not _equal_states(restored(3), _state(m, o))  # step 3's, not the live step 4's
+    assert _equal_states(restored(4), _state(m, o))
+    o.param_groups[0]["lr"] = 1e-2  # a new version: planned again (lr is in the header)
+    save(5)
+    target = restored(5)
+    assert _equal_states(target, _state(m, o))
+    assert target["optim"]["param_groups"][0]["lr"] == 1e-2
+    mem.close()
 
 
 @pytest.mark.parametrize(
@@ -245,6 +331,39 @@ def test_a_peer_copy_goes_to_another_node(rank_nodes, ring):
 def test_a_lost_nodes_shards_come_from_their_peer_copies(offers, committed, tier, step, plan):
     choice = choose(offers, committed)
     assert (choice.tier, choice.step, choice.plan) == (tier, step, plan), choice
+
+
+SPARE = [Offer(node_steps=(12, 13), peer_holds=((1, 12), (1, 13))), Offer()]
+BOTH = [Offer(own_step=10, own_problem=None, node_steps=(16, 17)),
+        Offer(own_step=10, own_problem=None, node_steps=(16, 17))]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "offers, committed, fails, path",
+    [
+        # The newest peer copy damaged: the older generation, still on the surviving node.
+        (SPARE, 10, 1, [("peer", 13), ("peer", 12)]),
+        # Both generations damaged: the durable tier.
+        (SPARE, 10, 2, [("peer", 13), ("peer", 12), ("durable", 10)]),
+        # An older generation older than a commit is no candidate: straight to the durable tier.
+        (SPARE, 13, 1, [("peer", 13), ("durable", 13)]),
+        # Node memory fails twice, then the process's own copy (older, read from nowhere)...
+        (BOTH, 5, 2, [("node", 17), ("node", 16), ("memory", 10)]),
+        # ...and when that fails too, the durable tier.
+        (BOTH, 5, 3, [("node", 17), ("node", 16), ("memory", 10), ("durable", 5)]),
+    ],
+)  # fmt: skip
+def test_a_failed_restore_falls_back_to_the_next_newest_candidate(offers, committed, fails, path):
+    """Issue 29, item 4: a restore that fails on some rank removes its candidate (tiers.without)
+    and the choice is made again: an older generation, another tier, at last the durable
+    checkpoint; each failure removes one, so the fallback ends."""
+    choice = choose(offers, committed)
+    seen = [(choice.tier, choice.step)]
+    for _ in range(fails):
+        offers = without(offers, choice.tier, choice.step, "restoring it failed")
+        choice = choose(offers, committed)
+        seen.append((choice.tier, choice.step))
+    assert seen == path
 
 
 def _peer_pair(rank: int, world: int, port: int, root: str, out: str) -> None:

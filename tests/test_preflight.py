@@ -174,20 +174,28 @@ def test_memory_saves_that_do_not_fit_the_node_are_refused_with_both_numbers():
     against the node's memory (/dev/shm here, eks.shm_gi on EKS)."""
     from dataclasses import replace
 
-    from tasks.preflight.memory import NodeMemoryNeed
+    from tasks.preflight.memory import node_memory_need
     from trainer.workload import load_workload
 
     name = "node memory for the memory saves"
     n = count_parameters(load_workload("llama3-8b", {}))
-    one_node = NodeMemoryNeed(params=n, nodes=1, generations=2)  # every simulated node here
-    assert 190 < one_node.gb < 195  # 8.03 B x 12 bytes x 2
+    # Every simulated node here, of two: own generations and a peer node's, with the one arriving.
+    one_node = node_memory_need(n, memory_interval=1, nodes=1, peers=True)
+    assert one_node is not None and one_node.copies == 5
+    assert 480 < one_node.gb < 483  # 8.03 B x 12 bytes x 5
+    assert "2 generations of its own, 2 of a peer node's, 1 arriving" in one_node.explain()
     req = replace(REQ, node_memory_gb=one_node.gb, node_memory_basis=one_node.explain())
     r = by_name(run_checks(healthy(), req))[name]
     assert r.status == Status.FAILED and r in failures(run_checks(healthy(), req))
-    assert "192.7" in r.detail and "12.00 GB" in r.detail and "/dev/shm" in r.detail
+    assert "481.8" in r.detail and "12.00 GB" in r.detail and "/dev/shm" in r.detail
     assert "memory_interval to 0" in r.fix and "eks.shm_gi" in r.fix
-    # 16 p5 pods, 64 GiB of /dev/shm each: 12 GB per pod fits.
-    per_pod = NodeMemoryNeed(params=n, nodes=16, generations=2)
+    # One node: no peer copy, its own two generations only.
+    alone = node_memory_need(n, memory_interval=1, nodes=1, peers=False)
+    assert alone is not None and alone.copies == 2 and 192 < alone.gb < 193
+    assert node_memory_need(n, memory_interval=0, nodes=1, peers=True) is None
+    # 16 p5 pods, 64 GiB of /dev/shm each: 30 GB per pod fits.
+    per_pod = node_memory_need(n, memory_interval=1, nodes=16, peers=True)
+    assert per_pod is not None
     snap = healthy()
     snap.facts["node_memory_free_gb"] = 64 * 2**30 / 1e9
     fits = replace(REQ, node_memory_gb=per_pod.gb, node_memory_basis=per_pod.explain())

@@ -511,7 +511,7 @@ class TrainConfig:
         for spec in self.faults:
             parsed = parse_fault(spec)
             _require(
-                parsed.kind != "corrupt-memory" or self.memory_interval > 0,
+                parsed.kind not in ("corrupt-memory", "corrupt-peer") or self.memory_interval > 0,
                 "faults",
                 f"{spec} damages a node-memory copy, and memory_interval 0 makes none: set "
                 "memory_interval to 1 or more, or drop the drill",

@@ -14,10 +14,16 @@ Kinds handled by the trainer:
 - ``sigkill``: the rank SIGKILLs itself (recovered in-job).
 - ``corrupt-checkpoint``: after the first checkpoint at or beyond step N commits, flip bytes in one
   of its shards (detected on the next resume, which falls back to the previous checkpoint).
-- ``corrupt-memory``: at the start of step N, flip bytes in the rank's newest node-memory copy
-  (step N-1's, ``trainer.checkpointing.node_copy``) and carry on; the next resume that would
-  read it finds its digest wrong and falls back a tier. Give a second fault at the same step
-  (``sigkill@step=N``, listed after it) to make that resume happen at once.
+- ``corrupt-memory``: at the start of step N, flip bytes in every generation of the rank's own
+  node-memory copies (``trainer.checkpointing.node_copy``) and carry on; the next resume that
+  would read them finds their digests wrong and falls back, past node memory, to the next tier.
+  Give a second fault at the same step (``sigkill@step=N``, listed after it) to make that resume
+  happen at once.
+- ``corrupt-peer``: at the first resume after step N, on rank R, flip bytes in the newest peer
+  copy rank R's node holds (another node's rank's shard), after the resume listed it; the rank
+  it belongs to finds the digest wrong when the copy reaches it, and the resume falls back to
+  the next newest copy (the older generation) or tier. Name the rank whose node holds the lost
+  node's peer copies (the previous node's, ``tiers.peer_ring``).
 ``node-loss``, ``node-return`` and ``node-freeze`` are carried out by the watcher through the
 backend, not here: it kills a whole node, starts a lost one again (a replacement joining an
 elastic job), or stops every process of a node without ending any (SIGSTOP: a frozen host, a
@@ -50,12 +56,23 @@ KINDS = (
     "node-freeze",
     "corrupt-checkpoint",
     "corrupt-memory",
+    "corrupt-peer",
 )
 NODE_KINDS = ("node-loss", "node-return", "node-freeze")  # the watcher's, not the trainer's
-TRAINER_KINDS = ("exception", "stall", "hang", "sigkill", "corrupt-checkpoint", "corrupt-memory")
+TRAINER_KINDS = (
+    "exception",
+    "stall",
+    "hang",
+    "sigkill",
+    "corrupt-checkpoint",
+    "corrupt-memory",
+    "corrupt-peer",
+)
 # Damage, not a failure: nothing restarts for it, and no recovery closes it; the next resume
 # that would read the damaged copy notices it (and says so in a resume event).
-DAMAGE_KINDS = ("corrupt-checkpoint", "corrupt-memory")
+DAMAGE_KINDS = ("corrupt-checkpoint", "corrupt-memory", "corrupt-peer")
+# Damage a resume finds, not a step: never fired at a step's start.
+RESUME_KINDS = ("corrupt-checkpoint", "corrupt-peer")
 PHASES = ("step", "checkpoint")
 
 
@@ -180,7 +197,7 @@ class FaultInjector:
     def maybe_fire(self, step: int, phase: str = "step") -> None:
         """Called by every rank at ``step`` (the step being computed) in each phase."""
         for spec in self.specs:
-            if spec.kind == "corrupt-checkpoint" or not self._due(spec, step, phase):
+            if spec.kind in RESUME_KINDS or not self._due(spec, step, phase):
                 continue
             if not self._claim(spec):
                 continue
@@ -195,6 +212,19 @@ class FaultInjector:
             if (
                 spec.kind == "corrupt-checkpoint"
                 and committed_step >= spec.step
+                and self._claim(spec)
+            ):
+                return spec
+        return None
+
+    def peer_damage_due(self, newest_held: int) -> FaultSpec | None:
+        """The ``corrupt-peer`` fault to apply at this resume, on the rank it names, when its
+        node holds a peer copy of its step or later (a first start holds none: nothing fires)."""
+        for spec in self.specs:
+            if (
+                spec.kind == "corrupt-peer"
+                and (spec.rank or 0) == self.rank
+                and newest_held >= spec.step
                 and self._claim(spec)
             ):
                 return spec

@@ -113,14 +113,34 @@ class FaultDrills(Hook):
                 run_state.open_fault(self.events.path.parent, event)
 
     def _damage_node_memory(self, spec: FaultSpec) -> str | None:
-        """Flip bytes in the newest copy this rank's node memory holds; None (in the event:
-        ``file: null``) where the node has none to damage."""
-        newest = None if self.node_memory is None else self.node_memory.newest()
-        if newest is None:
+        """Flip bytes in every generation of this rank's own node-memory copies; the newest's
+        path (in the event), None (``file: null``) where the node has none to damage."""
+        if self.node_memory is None:
             return None
-        path = self.node_memory.bin_path(newest.generation)
+        self.node_memory.wait()  # a save's digest in flight would vouch for the damaged bytes
+        held, _ = self.node_memory.headers()
+        for step in sorted(held):
+            flip_bytes(self.node_memory.bin_path(held[step].generation))
+        return str(self.node_memory.bin_path(held[max(held)].generation)) if held else None
+
+    def on_offer(self, peer_headers: dict[int, dict[int, Any]]) -> None:
+        """At a resume, once the peer copies this node holds were listed (``peer_headers``: by
+        the rank that wrote them, by step): a due ``corrupt-peer`` drill damages the newest."""
+        held = [
+            (step, src, h) for src, by_step in peer_headers.items() for step, h in by_step.items()
+        ]
+        if not held or self.node_memory is None:
+            return
+        step, src, header = max(held, key=lambda x: (x[0], x[1]))
+        spec = self.injector.peer_damage_due(step)
+        if spec is None:
+            return
+        path = self.node_memory.bin_path(header.generation, self.node_memory.peer_dir(src))
         flip_bytes(path)
-        return str(path)
+        self.events.emit(
+            "fault", fault=str(spec), fault_kind=spec.kind, step=spec.step, rank=self.rank,
+            file=str(path), copy_of_rank=src, copy_step=step,
+        )  # fmt: skip
 
     def on_step_start(self, step: int) -> None:
         self.injector.maybe_fire(step)

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.workload import Workload
+from trainer.checkpointing.layout import NODE_MEMORY_GENERATIONS
+from trainer.config import TrainConfig
+from trainer.workload import Workload, load_workload
 
 STATE_BYTES_PER_PARAM = 16  # fp32 weights + gradients + AdamW exp_avg and exp_avg_sq
 STAGED_BYTES_PER_PARAM = 12  # the async save's copy of weights and both moments
@@ -28,21 +30,51 @@ NODE_COPY_BYTES_PER_PARAM = STAGED_BYTES_PER_PARAM
 @dataclass(frozen=True)
 class NodeMemoryNeed:
     """What the memory saves of one node keep in its memory: the node's ranks' shards of the
-    weights and both moments (FSDP shards evenly), in each generation."""
+    weights and both moments (FSDP shards evenly), ``copies`` times (:func:`node_memory_copies`)."""
 
     params: int
     nodes: int  # the fewest nodes the job may run on: the largest shard per node
-    generations: int
+    copies: int
 
     @property
     def gb(self) -> float:
-        return self.params * NODE_COPY_BYTES_PER_PARAM * self.generations / self.nodes / 1e9
+        return self.params * NODE_COPY_BYTES_PER_PARAM * self.copies / self.nodes / 1e9
 
     def explain(self) -> str:
         return (
             f"{_count(self.params)} parameters x {NODE_COPY_BYTES_PER_PARAM} bytes (weights, "
-            f"AdamW state) x {self.generations} generations / {self.nodes} node(s)"
+            f"AdamW state) x {self.copies} copies ({describe_copies(self.copies)}) / "
+            f"{self.nodes} node(s)"
         )
+
+
+def node_memory_copies(generations: int, *, peers: bool) -> int:
+    """How many copies of its ranks' state a node's memory holds at most: the generations of
+    its own memory saves and, where the job has more than one node, as many peer copies of
+    another node's ranks (trainer.checkpointing.node_copy) plus the one arriving (received
+    into a file of its own before it replaces the older)."""
+    if generations <= 0:
+        return 0
+    return generations + (generations + 1 if peers else 0)
+
+
+def describe_copies(copies: int) -> str:
+    if copies <= NODE_MEMORY_GENERATIONS:
+        return f"{copies} generations of its own"
+    own = NODE_MEMORY_GENERATIONS
+    return f"{own} generations of its own, {copies - own - 1} of a peer node's, 1 arriving"
+
+
+def node_memory_need(
+    params: int, *, memory_interval: int, nodes: int, peers: bool
+) -> NodeMemoryNeed | None:
+    """The memory saves' need per node (None: ``memory_interval`` 0, no node-memory tier).
+    ``nodes``: the fewest the job runs on (each holds the most then); ``peers``: whether it can
+    have more than one (a peer copy goes to another node)."""
+    if memory_interval <= 0:
+        return None
+    copies = node_memory_copies(NODE_MEMORY_GENERATIONS, peers=peers)
+    return NodeMemoryNeed(params=params, nodes=max(1, nodes), copies=copies)
 
 
 def _count(n: int) -> str:
@@ -53,8 +85,8 @@ def _count(n: int) -> str:
 class MemoryNeed:
     params: int
     workers: int
-    # Generations of memory saves kept in node memory (0: none): locally /dev/shm is this
-    # machine's memory too, for every simulated node.
+    # Copies of the state in node memory (0: none; node_memory_copies): locally /dev/shm is
+    # this machine's memory too, for every simulated node.
     memory_copies: int = 0
 
     @property
@@ -70,7 +102,7 @@ class MemoryNeed:
         return self.params * self.per_param / 1e9 + PER_WORKER_GB * self.workers
 
     def explain(self) -> str:
-        copies = f", {self.memory_copies} memory saves" if self.memory_copies else ""
+        copies = f", {self.memory_copies} node-memory copies" if self.memory_copies else ""
         return (
             f"{_count(self.params)} parameters x {self.per_param} bytes (weights, gradients, "
             f"AdamW state, the checkpoint's staged copy{copies}) + {PER_WORKER_GB} GB per "
@@ -88,3 +120,12 @@ def local_memory_need(workload: Workload, workers: int, *, memory_copies: int = 
     return MemoryNeed(
         params=count_parameters(workload), workers=workers, memory_copies=memory_copies
     )
+
+
+def node_memory_need_of(cfg: TrainConfig, *, nodes: int, peers: bool) -> NodeMemoryNeed | None:
+    """:func:`node_memory_need` of a training config's workload (None: no tier). Raises what
+    building its model on the meta device raises (a script's workload has no model to count)."""
+    if cfg.memory_interval <= 0:
+        return None
+    n = count_parameters(load_workload(cfg.workload, cfg.workload_options))
+    return node_memory_need(n, memory_interval=cfg.memory_interval, nodes=nodes, peers=peers)

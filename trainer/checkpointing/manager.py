@@ -13,7 +13,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from trainer import __version__, checkpointing, run_state, untrusted
 from trainer.checkpointing import CheckpointCommitError, CheckpointStorageError, node_copy, tiers
 from trainer.checkpointing.async_save import WARMUP_STEP, AsyncCheckpointer, CommitTask, SaveResult
+from trainer.checkpointing.live_state import LiveState
 from trainer.checkpointing.node_copy import NodeMemory
 from trainer.checkpointing.process_copy import NO_COPY, SOURCE, ProcessCopy
 from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, ResumePolicy, TrainConfig
@@ -84,7 +85,10 @@ class CheckpointManager:
         self._node_headers: dict[int, node_copy.Header] = {}
         self._peer_headers: dict[int, dict[int, node_copy.Header]] = {}
         self._own_bytes = 0  # every rank's bytes in its own copy, at the resume
+        self._offers: list[tiers.Offer] = []  # every rank's, gathered at the resume
         self._memory_blocking: float | None = None  # this step's memory save (maybe_save)
+        # The state dicts the memory saves copy from, kept while their structure holds.
+        self._live = LiveState()
         # Every change rank 0 makes to the run root runs under it (trainer.fence).
         self.fence = fence or Fence.from_env(cfg.run_root, events)
         self.saver = saver
@@ -93,6 +97,9 @@ class CheckpointManager:
         self.sections: Sections = sections or _NoSections()
         # Rank 0, after each commit (step, committed directory): the loop's hooks.
         self.on_commit: Callable[[int, Path], None] = lambda step, path: None
+        # Every rank at a resume, once the peer copies its node holds are listed (by the rank
+        # that wrote them, by step): the corrupt-peer drill (trainer.hooks.FaultDrills).
+        self.on_offer: Callable[[dict[int, dict[int, node_copy.Header]]], None] = lambda h: None
         # While a due save waits for the one before it: the in-process Wrapper's ping, so that
         # the wait is not taken for a stalled step (the checkpoint section bounds it).
         self.progress: Callable[[], None] = lambda: None
@@ -110,29 +117,38 @@ class CheckpointManager:
         resume reads the checkpoint once, in parallel); the first that every share vouches for
         is loaded by everyone, resharding if the world size changed (rank 0 emits a ``resume``
         event for every newer one skipped and why)."""
+        self._live.forget()  # a restore replaces the optimizer's state: its state dicts anew
         with self.sections.section(LOAD_SECTION):
             return self._resume(model, optim, sampler)
 
     def _resume(self, model: nn.Module, optim: Optimizer, sampler: DataSource) -> Resumed:
         choice, copy = self._choose_tier()
-        restored_own = (
-            choice.tier == "memory"
-            and copy is not None
-            and self._restore_own_copy(model, optim, sampler, copy, self._own_bytes)
-        )
-        if restored_own and copy is not None:
-            loss = copy.info.get("loss")
-            if copy.step > choice.newest_committed:
-                # The copy's own save never committed (the fault came while it was in flight):
-                # write it again now, or the durable tier, which a respawn or a lost node falls
-                # back to, would stay behind what training resumed from.
-                with self.sections.section(CHECKPOINT_SECTION):
-                    self._save(copy.step, model, optim, sampler, float(loss or 0.0))
-            return Resumed(copy.step, loss, None)
-        if choice.tier in ("node", "peer"):
-            restored = self._restore_node_copy(model, optim, sampler, choice.step, choice.plan)
-            if restored is not None:
-                return restored
+        # A restore that fails on some rank (said in a skipped event) removes its candidate and
+        # the choice is made again over what is left, by every rank alike (the offers were
+        # gathered by all, the newest commit came with the choice): an older generation,
+        # another tier, at last the durable checkpoint, which overwrites whatever was copied.
+        while choice.tier != "durable":
+            if choice.tier == "memory":
+                assert copy is not None  # chosen only where every rank offered its own copy
+                if self._restore_own_copy(model, optim, sampler, copy, self._own_bytes):
+                    loss = copy.info.get("loss")
+                    if copy.step > choice.newest_committed:
+                        # The copy's own save never committed (the fault came while it was in
+                        # flight): write it again now, or the durable tier, which a respawn or
+                        # a lost node falls back to, would stay behind what training resumed
+                        # from.
+                        with self.sections.section(CHECKPOINT_SECTION):
+                            self._save(copy.step, model, optim, sampler, float(loss or 0.0))
+                    return Resumed(copy.step, loss, None)
+            else:
+                restored = self._restore_node_copy(model, optim, sampler, choice.step, choice.plan)
+                if restored is not None:
+                    return restored
+            self._offers = tiers.without(
+                self._offers, choice.tier, choice.step, "restoring it failed"
+            )
+            # What the first choice did not use was said then; the failure just now too.
+            choice = replace(tiers.choose(self._offers, choice.newest_committed), skipped=())
         decision: list[Any] = [None]
         if self.rank == 0:
             decision[0] = self._choose()
@@ -186,6 +202,7 @@ class CheckpointManager:
         if self.node is not None:
             headers, node_why = self.node.headers()
             self._peer_headers = self.node.peer_headers()
+            self.on_offer(self._peer_headers)
         self._node_headers = headers
         offer = tiers.Offer(
             own_step=copy.step if copy is not None and problem is None else -1,
@@ -214,7 +231,8 @@ class CheckpointManager:
                     "resume", action="skipped", step=s.step, source=s.tier,
                     reason=f"not from {tiers.DESCRIBED[s.tier]}: {s.why}",
                 )  # fmt: skip
-        return choice, (copy if choice.tier == "memory" else None)
+        self._offers = offers
+        return choice, copy
 
     def _bind_peers(self, gathered: list[Any], *, where: tuple[Any, ...] | Any) -> list[Any]:
         """All ranks: gather ``where`` (this rank's offer) with the node each rank runs on, where
@@ -272,8 +290,8 @@ class CheckpointManager:
         plan: tuple[int, ...] = (),
     ) -> Resumed | None:
         """All ranks: load step ``step`` from node memory (each rank its own shard, digest,
-        finite values and layout checked first); None when some rank could not (the durable
-        checkpoint is read then, and overwrites whatever was copied)."""
+        finite values and layout checked first); None when some rank could not (the next
+        candidate is read then, and overwrites whatever was copied: see ``_resume``)."""
         t0 = time.perf_counter()
         failed, nbytes, loss = "", 0, None
         source = "peer" if any(h >= 0 for h in plan) else node_copy.SOURCE
@@ -320,8 +338,8 @@ class CheckpointManager:
         total_bytes: int,
     ) -> bool:
         """All ranks: load the agreed copy into the live model and optimizer; whether every
-        rank did (a rank that could not makes every rank read the durable checkpoint, which
-        overwrites whatever was copied)."""
+        rank did (a rank that could not makes every rank read the next candidate, which
+        overwrites whatever was copied: see ``_resume``)."""
         t0 = time.perf_counter()
         failed = ""
         try:
@@ -448,11 +466,12 @@ class CheckpointManager:
             with self.sections.section(CHECKPOINT_SECTION):
                 blocked = self._save(step, model, optim, sampler, loss)
         if self.node is not None and self.memory_due(step):
-            model_sd, optim_sd = get_state_dict(model, optim)
+            t0 = time.perf_counter()
+            state = self._live.get(model, optim)
             info = {"loss": loss, "data_loader": sampler.state_at(step).to_dict()}
-            self._memory_blocking = self.node.save(
-                step, {"model": model_sd, "optim": optim_sd}, info
-            )
+            self.node.save(step, state, info, version=self._live.version)
+            # What it blocked training, the state dicts' walk (or its reuse) included.
+            self._memory_blocking = time.perf_counter() - t0
             failed = self.node.take_failure()
             if failed:  # that step is missing from the tier: a resume says so, and reads another
                 log.warning("rank %d: %s", self.rank, failed)

@@ -158,6 +158,41 @@ def plan(state: dict[str, Any]) -> tuple[list[Entry], int]:
     return entries, offset
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Where a state's tensors go in a memory save (:func:`plan`), with the tensors' bytes as
+    views of their live storage when every one of them is contiguous: a save of the same
+    state's version then only copies (no walk, no plan)."""
+
+    version: int | None
+    entries: list[Entry]
+    size: int
+    views: list[tuple[int, int, torch.Tensor]] | None
+
+    @classmethod
+    def of(cls, state: dict[str, Any], version: int | None) -> _Layout:
+        entries, size = plan(state)
+        views: list[tuple[int, int, torch.Tensor]] | None = []
+        for leaf, e in zip(leaves(state), entries, strict=True):
+            if e.dtype is None or not e.nbytes:
+                continue
+            t = _local(leaf.value)
+            if not t.is_contiguous():  # its bytes would be a copy: take them at each save
+                views = None
+                break
+            assert views is not None
+            views.append((e.offset, e.nbytes, _bytes_of(t)))
+        return cls(version, entries, size, views)
+
+    def sources(self, state: dict[str, Any]) -> Iterator[tuple[int, int, torch.Tensor]]:
+        if self.views is not None:
+            yield from self.views
+            return
+        for leaf, e in zip(leaves(state), self.entries, strict=True):
+            if e.dtype is not None and e.nbytes:
+                yield e.offset, e.nbytes, _bytes_of(_local(leaf.value))
+
+
 def _is_scalar(v: Any) -> bool:
     return isinstance(v, (int, float, bool, str)) or v is None
 
@@ -193,6 +228,7 @@ class NodeMemory:
         # still in flight writes nothing.
         self._peers: tuple[Any, int | None, tuple[int, ...]] | None = None
         self._token = 0
+        self._layout: _Layout | None = None  # the last save's, kept for its state's version
 
     # -- paths -----------------------------------------------------------------------------
     def bin_path(self, gen: int, where: Path | None = None) -> Path:
@@ -316,24 +352,33 @@ class NodeMemory:
         failed, self._failed = self._failed, None
         return failed
 
-    def save(self, step: int, state: dict[str, Any], info: dict[str, Any]) -> float:
+    def save(
+        self, step: int, state: dict[str, Any], info: dict[str, Any], version: int | None = None
+    ) -> float:
         """Copy ``state`` (this rank's, as ``get_state_dict`` gives it) into the older
         generation; returns the seconds the training thread was blocked. The digest and the
-        header follow on a thread: until then the other generation is the newest."""
+        header follow on a thread: until then the other generation is the newest.
+        ``version``: ``state`` is the same object, of the same structure and values but for its
+        tensors', as at the last save of this version (``live_state.LiveState``): where each
+        tensor goes is not worked out again."""
         t0 = time.perf_counter()
         self.wait()
         gen = 0 if self._newest_gen is None else (self._newest_gen + 1) % GENERATIONS
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.header_path(gen).unlink(missing_ok=True)  # first: nothing vouches for it now
-            entries, size = plan(state)
-            buf = self._buffer(gen, size)
-            dst = torch.frombuffer(buf, dtype=torch.uint8) if size else None
-            for leaf, e in zip(leaves(state), entries, strict=True):
-                if e.dtype is not None and e.nbytes:
-                    assert dst is not None
-                    dst[e.offset : e.offset + e.nbytes].copy_(_bytes_of(_local(leaf.value)))
+            layout = self._layout
+            if version is None or layout is None or layout.version != version:
+                layout = _Layout.of(state, version)
+                self._layout = layout if version is not None else None
+            buf = self._buffer(gen, layout.size)
+            dst = torch.frombuffer(buf, dtype=torch.uint8) if layout.size else None
+            for offset, nbytes, src in layout.sources(state):
+                assert dst is not None
+                dst[offset : offset + nbytes].copy_(src)
+            entries, size = layout.entries, layout.size
         except (OSError, TypeError, RuntimeError) as e:
+            self._layout = None
             self._failed = f"the memory save of step {step} failed: {e}"
             # The peers still expect this save's message: say there is nothing.
             self._start(step, gen, None)

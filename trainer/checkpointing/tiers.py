@@ -9,7 +9,7 @@ Every tier some rank held and that was not used is said, with why: a resume even
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 Tier = Literal["memory", "node", "peer", "durable"]
@@ -109,6 +109,26 @@ def choose(offers: list[Offer], newest_committed: int) -> Choice:
     # An older or equal tier not chosen is no news: the newest step wins by design.
     step, _, tier = max(usable)
     return Choice(tier, step, newest_committed, tuple(skipped), plans.get(step, ()))
+
+
+def without(offers: list[Offer], tier: Tier, step: int, why: str = "") -> list[Offer]:
+    """``offers`` less a candidate whose restore failed on some rank: the process's own copies
+    (``tier`` "memory"), or step ``step`` of node memory and the peer copies ("node", "peer":
+    some rank's shard of it could not be restored, so no rank's can serve). Choosing again
+    over what is left gives the next newest step (an older generation, another tier, or the
+    durable checkpoint): each failure removes a candidate, so the fallback ends."""
+    if tier == "memory":
+        return [replace(o, own_step=-1, own_problem=why) for o in offers]
+    if tier == "durable":
+        return offers
+    return [
+        replace(
+            o,
+            node_steps=tuple(s for s in o.node_steps if s != step),
+            peer_holds=tuple(h for h in o.peer_holds if h[1] != step),
+        )
+        for o in offers
+    ]
 
 
 def _newest_complete(offers: list[Offer]) -> tuple[int, tuple[int, ...]]:

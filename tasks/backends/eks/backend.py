@@ -54,6 +54,7 @@ from tasks.classify import EndKind, Outcome
 from tasks.preflight.checks import S3_CHECKS, check_node_memory
 from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks
 from tasks.preflight.local import gather_s3
+from tasks.preflight.memory import node_memory_need_of
 from trainer.config import Device, InJobConfig, InProcessConfig, config_file, save_config
 from trainer.events import EventLog
 
@@ -365,8 +366,12 @@ class EksBackend:
         snap = gather_eks(clients.kube, clients.fsx, self.requirements)
         gather_s3(snap, **s3)
         # A pod's node memory is its memory-backed /dev/shm, as large as the form sizes it.
-        snap.facts["node_memory_free_gb"] = self.eks.shm_gi * 2**30 / 1e9
-        snap.facts["node_memory_where"] = f"the pod's /dev/shm (eks.shm_gi {self.eks.shm_gi} GiB)"
+        shm = self.eks.pod_shm_gi(req.node_memory_gb)
+        sized = (
+            "eks.shm_gi" if self.eks.shm_gi is not None else "sized from the model, at most half"
+        )
+        snap.facts["node_memory_free_gb"] = shm * 2**30 / 1e9
+        snap.facts["node_memory_where"] = f"the pod's /dev/shm ({shm} GiB, {sized})"
         checks = (*S3_CHECKS, check_node_memory)
         return run_eks_checks(snap, self.requirements) + [check(snap, req) for check in checks]
 
@@ -453,7 +458,24 @@ class EksBackend:
             spares=request.spares,
             epoch=request.epoch,
             secrets=request.secrets,
+            node_memory_gb=self._node_memory_gb(request),
         )
+
+    def _node_memory_gb(self, request: LaunchRequest) -> float:
+        """What the memory saves keep per pod, for /dev/shm's size (eks.shm_gi empty); 0 when
+        the workload's model cannot be counted (its saves then have the rest of /dev/shm)."""
+        if self.eks.shm_gi is not None:
+            return 0.0
+        try:
+            need = node_memory_need_of(
+                request.cfg,
+                nodes=request.min_nodes or request.nodes,
+                peers=request.nodes > 1,
+            )
+        except Exception as e:  # a script's workload, a model that cannot be built on meta
+            self.log(f"/dev/shm sized without the memory saves' need: {type(e).__name__}: {e}")
+            return 0.0
+        return 0.0 if need is None else need.gb
 
     def launch(self, request: LaunchRequest) -> EksJob:
         kube, eks, cfg = self.clients.kube, self.eks, request.cfg

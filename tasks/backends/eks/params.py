@@ -98,6 +98,11 @@ def pod_cpu_for(itype: InstanceType) -> int:
     )
 
 
+# /dev/shm beside the memory saves: NCCL's shared-memory transport between the node's GPUs and
+# the data loader workers' batches.
+SHM_BESIDE_GI = 16
+
+
 def pod_memory_gi_for(itype: InstanceType) -> int:
     """Whole GiB one pod may request (= limit) on a node of this type."""
     capacity_mib = itype.memory_gib * 1024 * (1 - KERNEL_MEMORY_FRACTION)
@@ -145,11 +150,13 @@ class EksParams(BaseModel):
     )
     fsx_claim: str = Field("fsx-claim", description="PVC of the FSx for Lustre file system")
     fsx_mount: str = Field("/fsx", description="where pods mount the FSx volume")
-    shm_gi: int = Field(
-        64,
+    shm_gi: int | None = Field(
+        None,
         ge=1,
         le=2048,
-        description="/dev/shm size (memory emptyDir), GiB; counted against the pod's memory",
+        description="/dev/shm size (memory emptyDir), GiB; counted against the pod's memory; "
+        f"empty: sized from the model, the memory saves' need per node + {SHM_BESIDE_GI} "
+        "(at most half the pod's memory)",
     )
     cpu: str | None = Field(
         None,
@@ -266,7 +273,7 @@ class EksParams(BaseModel):
         if self.cpu is not None and cpu_millicores(self.cpu) == 0:
             raise ValueError("eks.cpu: must be more than 0")
         memory = self.pod_memory_gi()
-        if self.shm_gi >= memory:
+        if self.shm_gi is not None and self.shm_gi >= memory:
             raise ValueError(
                 f"eks.shm_gi: {self.shm_gi} GiB of /dev/shm is memory, counted against the "
                 f"training pod's memory limit of {memory} GiB, which leaves nothing for the "
@@ -292,6 +299,16 @@ class EksParams(BaseModel):
         if self.cpu is not None:
             return self.cpu
         return str(pod_cpu_for(INSTANCE_TYPES[self.instance_type]))
+
+    def pod_shm_gi(self, node_memory_gb: float = 0.0) -> int:
+        """The training pod's /dev/shm in GiB: the field, else sized from what the memory saves
+        keep in it per node (``node_memory_gb``, tasks.preflight.memory.node_memory_need) plus
+        what else uses it, at most half the pod's memory (the ranks need the rest; preflight
+        then refuses a need that does not fit, with both numbers)."""
+        if self.shm_gi is not None:
+            return self.shm_gi
+        sized = math.ceil(node_memory_gb * 1e9 / 2**30) + SHM_BESIDE_GI
+        return max(1, min(sized, self.pod_memory_gi() // 2))
 
     def pod_memory_gi(self) -> int:
         """The training pod's memory in GiB (requests = limits), /dev/shm included."""

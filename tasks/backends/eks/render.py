@@ -127,7 +127,7 @@ def pod_resources(eks: EksParams) -> dict[str, str]:
     """What one training pod requests, all of it also its limit. cpu and memory come from the
     instance type less the node's reserve (:mod:`tasks.backends.eks.params`) unless eks.cpu /
     eks.memory_gi say otherwise; the /dev/shm emptyDir (medium Memory) is charged to the
-    memory limit, which is why EksParams refuses shm_gi >= memory."""
+    memory limit, which is why EksParams refuses shm_gi >= memory (and sizes it at most half)."""
     resources = {
         "cpu": eks.pod_cpu(),
         "memory": f"{eks.pod_memory_gi()}Gi",
@@ -165,6 +165,7 @@ def render_job(
     spares: int = 0,
     epoch: int | None = None,
     secrets: Mapping[str, str] | None = None,
+    node_memory_gb: float = 0.0,
 ) -> dict[str, Any]:
     """``nodes``: the most the job trains on; ``min_nodes`` (elastic) the fewest; ``spares``:
     pods launched beyond ``nodes`` to wait in the rendezvous. ``rdzv_id``: unique per
@@ -190,6 +191,8 @@ def render_job(
     # The image's programs, not this machine's paths.
     argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config), portable=True)
     resources = pod_resources(eks)
+    # Node memory's size: the memory saves' need per node (node_memory_gb) and the rest.
+    shm_gi = eks.pod_shm_gi(node_memory_gb)
     env = [
         {"name": "NVRX_STAGE_ATTEMPT", "value": str(attempt)},
         # The attempt's epoch (trainer.fence): a pod that outlives its attempt changes nothing.
@@ -297,7 +300,7 @@ def render_job(
             ],
             "volumes": [
                 {"name": "fsx", "persistentVolumeClaim": {"claimName": eks.fsx_claim}},
-                {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{eks.shm_gi}Gi"}},
+                {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gi}Gi"}},
                 {"name": "config", "configMap": {"name": name}},
                 *scratch,
             ],
@@ -438,10 +441,12 @@ def render_all(
     spares: int = 0,
     epoch: int | None = None,
     secrets: Mapping[str, str] | None = None,
+    node_memory_gb: float = 0.0,
 ) -> list[dict[str, Any]]:
     """``deadline_s``: the attempt's deadline (``activeDeadlineSeconds`` adds a margin);
     ``tag``: the invocation's, in every name (:func:`job_name`); ``nodes``, ``min_nodes``,
-    ``spares``: see :func:`render_job`."""
+    ``spares``: see :func:`render_job`; ``node_memory_gb``: the memory saves' need per node,
+    which sizes /dev/shm where ``eks.shm_gi`` is empty."""
     # The policy first: the pods never run unprotected, not even for the first seconds.
     return [
         render_network_policy(
@@ -467,5 +472,6 @@ def render_all(
             spares=spares,
             epoch=epoch,
             secrets=secrets,
+            node_memory_gb=node_memory_gb,
         ),
     ]
