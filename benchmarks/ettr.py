@@ -23,7 +23,8 @@ noticed at its process-group timeout (``--baseline-pg-timeout-s``, by default ou
 which this script re-submits at once (a person would take longer: this favours the baseline).
 
     python benchmarks/ettr.py [--minutes 10] [--clean-minutes 3] [--mtbf-s 120]
-        [--json] [--out FILE] [--plot DIR]
+        [--durable-only] [--memory-interval N] [--skip WHO_OR_MODE ...] [--json] [--out FILE]
+        [--plot DIR]
 """
 
 from __future__ import annotations
@@ -215,11 +216,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clean-minutes", type=float, default=3.0)
     p.add_argument("--mtbf-s", type=float, default=120.0)
     p.add_argument("--baseline-pg-timeout-s", type=float, default=InProcessConfig().pg_timeout_s)
-    p.add_argument("--skip", nargs="*", default=[], choices=["ours", "baseline", "clean"])
+    p.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["ours", "ours-durable", "baseline", "faults", "clean"],
+        help="runs to leave out: by who (ours-durable: with --durable-only) or by mode",
+    )
     p.add_argument(
         "--durable-only",
         action="store_true",
         help="also run ours without the memory tiers (memory_interval 0), side by side",
+    )
+    p.add_argument(
+        "--memory-interval",
+        type=int,
+        default=1,
+        help="ours: a memory save every N steps (1, the default; ours-durable: 0)",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", type=Path)
@@ -231,7 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     write_synthetic_dataset(data, vocab_size=512, seed=0)
     cal = calibrate(root, data, args.baseline_pg_timeout_s)
     print(f"calibration: {cal}", file=sys.stderr, flush=True)
-    out: dict[str, Any] = {"benchmark": "ettr", "calibration": cal, "mtbf_s": args.mtbf_s}
+    out: dict[str, Any] = {
+        "benchmark": "ettr",
+        "calibration": cal,
+        "mtbf_s": args.mtbf_s,
+        "memory_interval": args.memory_interval,
+    }
     runs: dict[str, Any] = {}
     for who in ("ours", *(["ours-durable"] if args.durable_only else []), "baseline"):
         mine = who.startswith("ours")
@@ -239,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         cost = cal[f"{'ours' if mine else 'base'}_ckpt_cost_s"]
         interval = max(1, round(young_interval_s(args.mtbf_s, cost) / step_s))
         for mode, minutes in (("faults", args.minutes), ("clean", args.clean_minutes)):
-            if who in args.skip or (mode == "clean" and "clean" in args.skip):
+            if who in args.skip or mode in args.skip:
                 continue
             steps = max(20, round(minutes * 60 / step_s))
             faults = schedule(steps, step_s, args.mtbf_s) if mode == "faults" else []
@@ -256,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                     steps=steps,
                     interval=interval,
                     faults=faults,
-                    memory_interval=0 if who == "ours-durable" else 1,
+                    memory_interval=0 if who == "ours-durable" else args.memory_interval,
                 )
             else:
                 run = run_baseline(

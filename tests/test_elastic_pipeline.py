@@ -145,18 +145,25 @@ def test_node_loss_without_a_stage_retry(
     # the lost node's place keeps the world: the lost rank's shard comes from its peer copy on
     # the surviving node (the lost node's own memory is gone with it), newer than any commit.
     # (The drill kills the node once the watcher saw step 12: training may have gone further.)
-    # Its newest peer copy was damaged at the resume: found out by its digest when it reached
-    # the spare, said, and the older generation read, still newer than any commit.
+    # Its newest peer copy was damaged at the resume: chosen (the node loss went to the peer
+    # copies), found out by its digest when it reached the spare, said, and the next newest
+    # candidate read. That is the older generation when both ranks hold it, still newer than
+    # any commit; when the lost rank died before sending its last copy, the survivor's own
+    # generations are a step ahead of the peer copies and share only the damaged step: then
+    # the durable tier (1 of 4 runs here). Bitwise either way (above).
     if d.name == "spare":
         fault_t = next(e["t"] for e in events if e["kind"] == "fault")
         committed = [e["step"] for e in events if e["kind"] == "checkpoint" and e["t"] < fault_t]
-        assert loaded[0]["source"] == "peer" and loaded[0]["step"] > max(committed), loaded[0]
         (damage,) = [e for e in events if e.get("fault_kind") == "corrupt-peer"]
         skipped = [e for e in events if e["kind"] == "resume" and e["action"] == "skipped"]
-        peer = [(e["source"], e["step"]) for e in skipped if e["source"] == "peer"]
-        assert peer == [("peer", damage["copy_step"])], skipped
-        assert "rank 1" in skipped[0]["reason"] and "sha256" in skipped[0]["reason"], skipped
-        assert loaded[0]["step"] < damage["copy_step"], (loaded[0], damage)
+        peer = [e for e in skipped if e["source"] == "peer"]
+        assert [e["step"] for e in peer] == [damage["copy_step"]], skipped
+        assert "rank 1" in peer[0]["reason"] and "sha256" in peer[0]["reason"], skipped
+        assert damage["copy_step"] > max(committed), (damage, committed)
+        if loaded[0]["source"] == "peer":
+            assert max(committed) < loaded[0]["step"] < damage["copy_step"], (loaded[0], damage)
+        else:
+            assert loaded[0]["source"] == "durable", loaded[0]
     else:
         assert loaded[0]["source"] == "durable" and 5 <= loaded[0]["step"] < 12, loaded[0]
     # The world changes, in the result and the report.
