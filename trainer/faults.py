@@ -205,26 +205,16 @@ class FaultInjector:
                 self.on_fire(spec)
             _fire(spec)
 
-    def corruption_due(self, committed_step: int) -> FaultSpec | None:
-        """The ``corrupt-checkpoint`` fault to apply to the checkpoint just committed, if any.
-        Only rank 0 commits, so only rank 0 asks."""
+    def damage_due(self, kind: str, reached: int) -> FaultSpec | None:
+        """The damage drill of ``kind`` (``RESUME_KINDS``) to apply now, claimed, if one is due
+        on this rank for a copy of step ``reached``, at or after its step: a checkpoint just
+        committed (``corrupt-checkpoint``: rank 0, which commits), the newest peer copy a
+        resume lists (``corrupt-peer``: on the rank named; a first start holds none)."""
         for spec in self.specs:
             if (
-                spec.kind == "corrupt-checkpoint"
-                and committed_step >= spec.step
-                and self._claim(spec)
-            ):
-                return spec
-        return None
-
-    def peer_damage_due(self, newest_held: int) -> FaultSpec | None:
-        """The ``corrupt-peer`` fault to apply at this resume, on the rank it names, when its
-        node holds a peer copy of its step or later (a first start holds none: nothing fires)."""
-        for spec in self.specs:
-            if (
-                spec.kind == "corrupt-peer"
+                spec.kind == kind
                 and (spec.rank or 0) == self.rank
-                and newest_held >= spec.step
+                and reached >= spec.step
                 and self._claim(spec)
             ):
                 return spec

@@ -132,7 +132,7 @@ class FaultDrills(Hook):
         if not held or self.node_memory is None:
             return
         step, src, header = max(held, key=lambda x: (x[0], x[1]))
-        spec = self.injector.peer_damage_due(step)
+        spec = self.injector.damage_due("corrupt-peer", step)
         if spec is None:
             return
         path = self.node_memory.bin_path(header.generation, self.node_memory.peer_dir(src))
@@ -149,7 +149,7 @@ class FaultDrills(Hook):
         self.injector.maybe_fire(step, phase="checkpoint")
 
     def on_commit(self, step: int, path: Path) -> None:
-        spec = self.injector.corruption_due(step)
+        spec = self.injector.damage_due("corrupt-checkpoint", step)
         if spec is None:
             return
         victim = sorted(path.glob("*.distcp"))[0]

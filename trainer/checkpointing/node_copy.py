@@ -232,7 +232,7 @@ class _Layout:
         try:
             # One call for every tensor (a loop of copy_ costs ~2 us each in Python).
             torch._foreach_copy_(dsts, srcs)
-        except (AttributeError, RuntimeError, TypeError):  # a torch without it
+        except AttributeError:  # a torch without it (it is private)
             for d, src in zip(dsts, srcs, strict=True):
                 d.copy_(src)
 
@@ -590,10 +590,6 @@ class NodeMemory:
         if why or header.size != size:
             raise NodeCopyError(f"the copy rank {src} sent: {why or 'its size is not its header'}")
         return header, mm
-
-    def newest(self) -> Header | None:
-        found, _ = self.headers()
-        return found[max(found)] if found else None
 
     def _mismatch(self, h: Announced, *, rank: int | None = None) -> str:
         for name, want in (
