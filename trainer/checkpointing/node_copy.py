@@ -19,7 +19,8 @@ complete when it was written, and a crash mid-save leaves the other generation w
 What a reader trusts: nothing before checking it. The header is bounded and validated, it must
 name this rank, world size, fingerprint and epoch; the bytes must have the header's size and
 digest, every floating-point tensor must be finite, and every entry must match the live state's
-path, dtype and shape. Any failure names itself, and the resume falls back a tier.
+path, dtype and shape. Any failure names itself, and the resume falls back to the next newest
+copy (the older generation, another tier, at last the durable checkpoint: ``tiers.without``).
 """
 
 from __future__ import annotations
