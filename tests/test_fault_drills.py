@@ -57,7 +57,12 @@ class Drill:
 #   the durable tier alone would go back to step 5 or to the start;
 # - the stall at step 12: node memory holds step 11 (a memory save every step,
 #   trainer.checkpointing.node_copy), newer than the process's copy;
-# - the hang at step 18: the respawned ranks read step 17 from node memory;
+# - the hang at step 18: the respawned ranks read step 17 or 16 from node memory. The hang is a
+#   SIGSTOP of the whole process, its sealing thread too: rank 1 stops at the start of step 18,
+#   often before step 17's digest and header are written (a fresh clone's CI stopped it there
+#   in 3 runs of 4), and a copy with no header is no copy. The guarantee is the bound: the
+#   newest step every rank holds, which is the step before the fault or, with that save cut
+#   short, the one before it;
 # - at step 19 rank 1's newest node copy (step 18) is damaged and the rank SIGKILLed: its
 #   respawn finds the digest wrong and falls back to the durable tier. (After the hang, not
 #   before: a respawned incarnation learns its hang bound from its own steps, and the 7 fast
@@ -127,13 +132,13 @@ def test_drill_recovers_bitwise(drill: Drill, baseline: RunOutcome, dataset: Pat
     # newer than anything committed before its fault.
     records = {r["fault"]: r for r in RunHistory.of(out.events).fault_records()}
     sources = {
-        "exception@step=11,rank=1": ("memory", 10),
-        "stall@step=12,rank=1": ("node", 11),
-        "hang@step=18,rank=1": ("node", 17),
+        "exception@step=11,rank=1": ("memory", (10,)),
+        "stall@step=12,rank=1": ("node", (11,)),
+        "hang@step=18,rank=1": ("node", (17, 16)),  # 16: step 17's seal was stopped with it
     }
-    for fault, want in sources.items():
+    for fault, (tier, steps_ok) in sources.items():
         rec = records[fault]
-        assert (rec["resume_source"], rec["resume_step"]) == want, rec
+        assert rec["resume_source"] == tier and rec["resume_step"] in steps_ok, rec
         assert rec["load_bytes"] > 0, rec
         fault_t = next(f["t"] for f in faults if f["fault"] == fault)
         committed = [e["step"] for e in out.of_kind("checkpoint") if e["t"] < fault_t]
