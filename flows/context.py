@@ -100,7 +100,9 @@ def train_config(
         inprocess=dataclasses.replace(
             inprocess or InProcessConfig(), enabled=params.inprocess_restart
         ),
-        injob=dataclasses.replace(injob or InJobConfig(), enabled=params.injob_restart),
+        injob=dataclasses.replace(
+            injob or InJobConfig(), enabled=params.injob_restart, **params.injob.pinned()
+        ),
         metrics_port=None
         if params.metrics_port is None
         else params.metrics_port + rank0_metrics_offset,

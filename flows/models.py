@@ -105,6 +105,59 @@ class DrillParams(BaseModel):
         return v
 
 
+_TIMEOUT_HELP = (
+    "seconds, or auto: derived from what each incarnation measures (trainer.timeouts), the "
+    "start-up allowance until then"
+)
+
+
+def _timeout(what: str) -> Any:
+    return Field("auto", description=f"{what}: {_TIMEOUT_HELP}")
+
+
+class InJobParams(BaseModel):
+    """The in-job layer's timeouts (``trainer.config.InJobConfig``), each ``auto`` by default:
+    pin one only where a measured value cannot do (a known long pause, a policy)."""
+
+    model_config = ConfigDict(extra="forbid")
+    startup_allowance_s: float | Literal["auto"] = Field(
+        "auto",
+        description="what every auto timeout is until measured (start-up, the model build, "
+        "the first steps and save): seconds, or auto (the backend's: 600 s locally, 1800 s "
+        "on EKS)",
+    )
+    step_timeout_s: float | Literal["auto"] = Field(
+        "auto",
+        description="a step longer than this is a hang: seconds (the ceiling the learned one "
+        f"stays under), or auto: {_TIMEOUT_HELP}",
+    )
+    checkpoint_timeout_s: float | Literal["auto"] = _timeout("a checkpoint save and commit")
+    load_timeout_s: float | Literal["auto"] = _timeout("a checkpoint load")
+    out_of_section_timeout_s: float | Literal["auto"] = _timeout(
+        "start-up and an in-process restart"
+    )
+    heartbeat_timeout_s: float | Literal["auto"] = _timeout(
+        "the backstop: no heartbeat for this long kills the rank (auto: the out-of-section "
+        "timeout + the longest section's)"
+    )
+    initial_heartbeat_timeout_s: float | Literal["auto"] = _timeout("until the first heartbeat")
+    node_silence_s: float | Literal["auto"] = _timeout(
+        "a node whose beat stops this long while another's goes on is taken away as lost "
+        "(auto: twice the attempt's measured start-up + the workers' stop timeout)"
+    )
+
+    @field_validator("*")
+    @classmethod
+    def _seconds(cls, v: float | str) -> float | str:
+        if v != "auto" and not 0 < float(v) <= 30 * 86400:
+            raise ValueError("must be auto or seconds in (0, 2592000]")
+        return v
+
+    def pinned(self) -> dict[str, Any]:
+        """The fields set to a number: what overrides the backend's ``InJobConfig``."""
+        return {k: float(v) for k, v in self.model_dump().items() if v != "auto"}
+
+
 LOCAL_S3_ENDPOINT = "http://127.0.0.1:8333"
 
 
@@ -181,6 +234,10 @@ class PipelineParams(BaseModel):
     nproc_per_node: int = Field(1, ge=1, le=8, description="worker processes per node")
     inprocess_restart: bool = Field(True, description="NVRx in-process restart layer")
     injob_restart: bool = Field(True, description="ft_launcher in-job restart layer")
+    injob: InJobParams = Field(
+        default_factory=InJobParams,
+        description="the in-job layer's timeouts: each auto (measured) unless pinned",
+    )
     deterministic: bool = Field(
         False,
         description="CUDA: deterministic kernels, so that a recovered run is bitwise equal to "
@@ -500,6 +557,8 @@ class PipelineResult(BaseModel):
     export: ExportInfo = Field(default_factory=ExportInfo)
     faults: list[FaultRecord] = Field(default_factory=list)
     world_changes: list[WorldChange] = Field(default_factory=list)
+    # The newest in-job timeouts rank 0 applied (trainer.timeouts): each value with why.
+    timeouts: dict[str, str] = Field(default_factory=dict)
     stage_attempts: dict[str, int] = Field(default_factory=dict)
     stage_durations_s: dict[str, float] = Field(default_factory=dict)
     ettr: float | None = None

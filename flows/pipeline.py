@@ -101,6 +101,7 @@ def build_result(
         ),
         faults=faults,
         world_changes=changes,
+        timeouts=dict(history.timeouts.detail) if history.timeouts is not None else {},
         stage_attempts=attempts,
         stage_durations_s={k: round(v, 3) for k, v in durations.items()},
         ettr=history.ettr(),

@@ -126,6 +126,15 @@ def render_report(r: PipelineResult) -> str:
                 f"| {c.step} | {c.from_world} -> {c.to_world} | "
                 f"{', '.join(map(str, c.nodes))} | {why} |"
             )
+    if r.timeouts:
+        lines += [
+            "",
+            "## In-job timeouts (the newest incarnation's, rank 0)",
+            "",
+            "| timeout | seconds: why |",
+            "| --- | --- |",
+        ]
+        lines += [f"| {name} | {said} |" for name, said in r.timeouts.items()]
     lines += [
         "",
         "## Outputs",

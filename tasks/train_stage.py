@@ -28,6 +28,7 @@ from tasks.loss_policy import LossPath, LossSnapshot, decide
 from tasks.off_loop import OffLoop, bounded
 from tasks.ownership.lease import LeaseLost
 from tasks.watch_state import (
+    SilenceRule,
     Verdict,
     WatchState,
     beat,
@@ -41,6 +42,7 @@ from tasks.watch_state import (
     tick,
 )
 from trainer import fence, run_state
+from trainer.config import TrainConfig
 from trainer.elastic import NodeRange
 from trainer.event_read import EVENTS_FILE, EventReader
 from trainer.event_types import Fatal, StageAttempt
@@ -137,6 +139,7 @@ def run_attempt(
     started = clock()
     check_owner("start an attempt")
     job = backend.reattach(request)
+    adopted = job is not None
     if job is None:
         # A new epoch first: from here on, no writer of an earlier attempt (a pod on an
         # unreachable node, a frozen host that wakes) changes the run root (trainer.fence).
@@ -174,7 +177,7 @@ def run_attempt(
         wait_s=cfg.injob.rdzv_join_timeout_s if elastic else 0.0,
         min_nodes=request.node_range.min,
         wait_grace_s=WAIT_GRACE_S,
-        silence_s=cfg.injob.node_silence_s,
+        **_silence(cfg, adopted=adopted),
         epoch=epoch,
         drills=tuple(node_faults(cfg.faults)),
         fatal=fatal,
@@ -443,6 +446,23 @@ class _Watch:
                 step=step,
                 recovery_s=0.0,
             )
+
+
+def _silence(cfg: TrainConfig, *, adopted: bool) -> dict[str, Any]:
+    """The watcher's node-silence bound: pinned, or auto (measured from this attempt's start,
+    :class:`tasks.watch_state.SilenceRule`); an adopted attempt started before this watch, so
+    its start cannot be measured here: the start-up allowance."""
+    inj = cfg.injob
+    pinned = inj.pinned("node_silence_s")
+    if pinned is not None:
+        return {"silence_s": pinned}
+    if adopted:
+        return {"silence_s": inj.startup_allowance_s}
+    floor = max(inj.section_floor_s, 3 * inj.heartbeat_interval_s)
+    rule = SilenceRule(
+        stop_s=inj.workers_stop_timeout_s, floor_s=floor, ceiling_s=inj.startup_allowance_s
+    )
+    return {"silence_rule": rule}
 
 
 def _attempt_event(

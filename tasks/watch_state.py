@@ -41,6 +41,25 @@ class Beat:
 
 
 @dataclass(frozen=True)
+class SilenceRule:
+    """``injob.node_silence_s`` auto (issue 40, item 0): a node's first worker is gone for good
+    reasons at most as long as an in-job respawn takes (its stop, then the start-up again:
+    rendezvous, interpreter, the model build, a load), so the silence bound is twice this
+    attempt's own start-up as the watcher measured it (launch to the first ``train_start``)
+    plus the workers' stop timeout, between ``floor_s`` and ``ceiling_s`` (the start-up
+    allowance). Until measured no world trains, and silence is not judged."""
+
+    stop_s: float
+    floor_s: float
+    ceiling_s: float
+    multiple: float = 2.0
+
+    def bound(self, startup_s: float) -> float:
+        raw = self.multiple * max(0.0, startup_s) + self.stop_s
+        return round(min(max(raw, self.floor_s), self.ceiling_s), 3)
+
+
+@dataclass(frozen=True)
 class WatchState:
     started: float  # monotonic, when the watch began
     deadline_s: float | None  # None: no deadline
@@ -55,6 +74,8 @@ class WatchState:
     # A training node whose beat has not changed for this long, while another node's has, is
     # taken away as lost (None: silence is not judged).
     silence_s: float | None = None
+    # Where ``silence_s`` is auto: how it is derived from the first train_start (then None).
+    silence_rule: SilenceRule | None = None
     epoch: int | None = None  # the attempt's: only its own fatal error decides
     drills: tuple[FaultSpec, ...] = ()  # node drills not carried out yet, in step order
     fatal: str | None = None  # the attempt's first fatal error
@@ -91,8 +112,12 @@ def observe(s: WatchState, e: Mapping[str, Any], now: float) -> WatchState:
         waiting_until = s.waiting_until
         if len(named) >= s.min_nodes and e["t"] > s.wait_began:
             waiting_until = None  # a node returned in time: the world re-formed
+        silence: dict[str, Any] = {}
+        if s.silence_rule is not None:  # the attempt's own start-up, measured: the bound
+            silence = {"silence_s": s.silence_rule.bound(now - s.started), "silence_rule": None}
         return _replace(
             s,
+            **silence,
             world_nodes=world,
             world_at=now,
             reformed=s.reformed | s.lost,

@@ -32,14 +32,11 @@ FAST_INPROCESS = InProcessConfig(
     completion_timeout_s=30.0,
 )
 FAST_INJOB = InJobConfig(
-    # The checkpoint section (and the heartbeat backstop over it) covers the async writer's
-    # start-up: the first save after a (re)start, or the final one of a resume a few steps before
-    # the end, waits for a spawned interpreter importing torch, 12-25 s on 2 loaded cores.
-    heartbeat_timeout_s=30.0,
-    initial_heartbeat_timeout_s=60.0,
-    checkpoint_timeout_s=30.0,
-    load_timeout_s=12.0,
-    out_of_section_timeout_s=12.0,
+    # Every timeout auto, as a user's run has them, with a start-up allowance of 30 s: the
+    # checkpoint section (and the backstop over it) must cover the async writer's start-up
+    # (the first save after a (re)start, or the final one of a resume a few steps before the
+    # end, waits for a spawned interpreter importing torch, 12-25 s on 2 loaded cores).
+    startup_allowance_s=30.0,
 )
 
 

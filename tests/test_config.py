@@ -49,7 +49,9 @@ def test_gloo_timeout_must_be_below_soft_timeout():
 
 # Small section timeouts so that each InJobConfig is valid on its own; each case breaks one
 # cross-layer rule (arch §2: an inner layer gets its chance before the outer one acts).
-_SECTIONS = dict(checkpoint_timeout_s=10, load_timeout_s=10, out_of_section_timeout_s=30)
+_SECTIONS = dict(
+    checkpoint_timeout_s=10, load_timeout_s=10, out_of_section_timeout_s=30, step_timeout_s=4.5
+)
 NESTING = [
     # ft_launcher's heartbeat must not give up while an in-process restart may still succeed.
     (
@@ -66,7 +68,7 @@ NESTING = [
     # A stalled step: the peers' collective timeout (then an in-process restart) comes first.
     (
         InProcessConfig(pg_timeout_s=3),
-        InJobConfig(heartbeat_timeout_s=30, step_timeout_s=3.5, **_SECTIONS),
+        InJobConfig(heartbeat_timeout_s=30, **{**_SECTIONS, "step_timeout_s": 3.5}),
         r"injob.step_timeout_s: must exceed inprocess.pg_timeout_s \+ injob.heartbeat_interval_s",
     ),
 ]
@@ -84,8 +86,10 @@ def test_layer_timeouts_nest(inprocess, injob, message, dataset: Path, tmp_path:
 def test_injob_sections_fit_under_the_heartbeat_backstop():
     with pytest.raises(ConfigError, match=r"injob.heartbeat_timeout_s: must be >= every section"):
         InJobConfig(heartbeat_timeout_s=20, load_timeout_s=25)
+    with pytest.raises(ConfigError, match=r"injob.heartbeat_timeout_s: must be >= every section"):
+        InJobConfig(heartbeat_timeout_s=500)  # the sections auto: the 600 s allowance
     with pytest.raises(ConfigError, match=r"injob.step_timeout_s: must exceed injob.heartbeat_i"):
-        InJobConfig(step_timeout_s=1.0, heartbeat_interval_s=1.0)
+        InJobConfig(step_timeout_s=1.0, heartbeat_interval_s=1.0, step_timeout_floor_s=1.0)
 
 
 def test_bad_fault_spec_rejected(dataset: Path, tmp_path: Path):

@@ -94,9 +94,10 @@ def baseline(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> RunOutc
     return out
 
 
-# The drills' step timeout is a loose ceiling (20 s), learned down from the first 3 step
-# sections (trainer.hang_bound): the hang must be caught by the learned bound, not the ceiling.
-LEARNING_INJOB = replace(FAST_INJOB, step_timeout_s=20.0, learn_after_sections=3)
+# The drills' timeouts are auto (trainer.timeouts): the start-up allowance (30 s) until 3 step
+# sections have closed after the warm-up one, then learned: the hang must be caught by the
+# learned bound, not the allowance.
+LEARNING_INJOB = replace(FAST_INJOB, learn_after_sections=3)
 
 
 @pytest.mark.parametrize("drill", DRILLS, ids=[d.name for d in DRILLS])
@@ -154,12 +155,14 @@ def test_drill_recovers_bitwise(drill: Drill, baseline: RunOutcome, dataset: Pat
         and "sha256" in e["reason"]
         for e in skipped
     ), skipped
-    # Hang detection learned the step time (issue 29, item 6): rank 0 said its bound; the hung
-    # rank's own bound is in its fault event; the hang was caught within it (plus the respawn:
-    # teardown, rendezvous, a new process), far inside the 20 s ceiling.
-    learned = out.of_kind("hang_bound")
+    # Hang detection learned the step time (issue 29, item 6; every timeout, issue 40 item 0):
+    # rank 0 said its timeouts, each incarnation afresh; the hung rank's own bound is in its
+    # fault event; the hang was caught within it (plus the respawn: teardown, rendezvous, a new
+    # process), far inside the 30 s allowance.
+    learned = out.of_kind("timeouts")
     assert learned and all(b["applied"] for b in learned), learned
-    ceiling = LEARNING_INJOB.step_timeout_s
+    assert all("step sections" in b["detail"]["step"] for b in learned), learned
+    ceiling = LEARNING_INJOB.startup_allowance_s
     for f in (f for f in faults if f["fault_kind"] == "hang"):
         bound = f["bound_s"]
         assert cfg.step_timeout_floor() <= bound < ceiling, (bound, learned)

@@ -14,6 +14,7 @@ import pytest
 from tasks.loss_policy import LossDecision, LossPath
 from tasks.off_loop import OffLoop, Stuck, bounded
 from tasks.watch_state import (
+    SilenceRule,
     Verdict,
     WatchState,
     beat,
@@ -144,6 +145,17 @@ def test_a_return_is_due_at_once_while_the_survivors_wait():
 
 # -- silent nodes -------------------------------------------------------------------------------
 SILENT = replace(BASE, silence_s=10.0)
+AUTO: dict[str, Any] = {
+    "silence_s": None,
+    "silence_rule": SilenceRule(stop_s=5.0, floor_s=3.0, ceiling_s=600.0),
+}
+
+
+def test_the_auto_silence_bound_is_measured_and_bounded():
+    rule = SilenceRule(stop_s=5.0, floor_s=30.0, ceiling_s=600.0)
+    assert [rule.bound(s) for s in (1.0, 20.0, 400.0)] == [30.0, 45.0, 600.0]
+    s = replay(replace(BASE, **AUTO), [(20, start(0, 1)), (40, start(0, 1))])
+    assert (s.silence_s, s.silence_rule) == (45.0, None)  # the first start measures, once
 
 
 def beats(t: float, **tokens: int) -> list[tuple[float, Seen]]:
@@ -182,6 +194,13 @@ SILENCES: list[tuple[str, dict[str, Any], list[tuple[float, Seen]], float, list[
     ("during-a-wait", {}, [(1, start(0, 1, 2)), *every_second(20, n0=99, n1=99, n2=99),
                            (20, ("loss", 2, LossPath.NODE_WAIT)),
                            *every_second(60, n0=20, n1=99)], 60, []),
+    # Auto (issue 40, item 0): the bound is measured from the attempt's own start-up, twice it
+    # plus the workers' stop timeout: a world up 1 s after launch gives 7 s, so a node silent
+    # for 10 s is found; one up after 20 s gives 45 s, so the same node is not, until later.
+    ("auto-fast-start", AUTO, [(1, start(0, 1)), *every_second(40, n0=99, n1=30)], 40, [1]),
+    ("auto-slow-start", AUTO, [(20, start(0, 1)), *every_second(60, n0=99, n1=30)], 60, []),
+    ("auto-slow-start-later", AUTO, [(20, start(0, 1)), *every_second(80, n0=99, n1=30)], 80,
+     [1]),
     # A lost node is not judged again.
     ("lost-not-judged", {}, [(1, start(0, 1, 2)), (2, ("loss", 2, LossPath.ELASTIC)),
                              *every_second(60, n0=99, n1=99)], 60, []),

@@ -225,21 +225,50 @@ CHECKPOINT_SECTION = "checkpoint"
 LOAD_SECTION = "load"
 
 
+def backstop(out_of_section_s: float, longest_section_s: float) -> float:
+    """The heartbeat timeout auto: a beat goes out at every section's end and step-section
+    renewal (trainer.resilience.Heartbeat), so no healthy gap between two beats is longer than
+    an out-of-section stretch and the longest section after it."""
+    return out_of_section_s + longest_section_s
+
+
+# An in-job timeout the worker derives from what its incarnation measures (trainer.timeouts).
+AUTO = "auto"
+Timeout = float | str  # seconds, or AUTO
+# The in-job timeouts that may be AUTO (every one the run form exposes).
+AUTO_TIMEOUTS = (
+    "initial_heartbeat_timeout_s",
+    "heartbeat_timeout_s",
+    "step_timeout_s",
+    "checkpoint_timeout_s",
+    "load_timeout_s",
+    "out_of_section_timeout_s",
+    "node_silence_s",
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class InJobConfig:
     """In-job restart: ``ft_launcher`` + ``RankMonitorClient`` heartbeats.
 
-    The heartbeat timeout is what ft_launcher waits for a silent rank before it kills the worker
-    group. A heartbeat is sent after every step, so it must cover a step, the blocking part of a
-    checkpoint save, and a whole in-process restart including the checkpoint load.
+    Every timeout (:data:`AUTO_TIMEOUTS`) is ``"auto"`` by default: until the incarnation has
+    measured what a timeout covers it is ``startup_allowance_s`` (interpreter start, the model
+    build, the first steps and the first save, which no earlier run of this job predicts), then
+    ``timeout_multiple`` x the longest such stretch measured, between its floor and the
+    allowance (trainer.timeouts). A number pins a timeout: the step timeout is then the ceiling
+    the learned one stays under (as the allowance is for ``auto``), every other one is fixed.
     """
 
     enabled: bool = True
     max_restarts: int = 3
-    initial_heartbeat_timeout_s: float = 90.0
-    # The backstop: no heartbeat for this long kills the rank whatever section it is in, so it
-    # must cover the longest checkpoint save or load.
-    heartbeat_timeout_s: float = 30.0
+    # What every auto timeout is until measured: a model whose build or first step takes longer
+    # needs more (or those timeouts pinned).
+    startup_allowance_s: float = 600.0
+    initial_heartbeat_timeout_s: Timeout = AUTO
+    # The backstop: no heartbeat for this long kills the rank whatever section it is in. A beat
+    # goes out at every section's end and every step-section renewal, so it must cover the
+    # out-of-section timeout and the longest section (auto: their sum).
+    heartbeat_timeout_s: Timeout = AUTO
     # How often ft_launcher polls its workers: a worker's death, and its clean exit, wait for it.
     monitor_interval_s: float = 0.25
     workers_stop_timeout_s: float = 5.0
@@ -256,45 +285,52 @@ class InJobConfig:
     # per heartbeat_interval_s; a checkpoint save and commit; a checkpoint load; and everything
     # else (start-up, an in-process restart).
     heartbeat_interval_s: float = 1.0
-    step_timeout_s: float = 4.5
-    checkpoint_timeout_s: float = 30.0
-    load_timeout_s: float = 30.0
-    out_of_section_timeout_s: float = 30.0
+    step_timeout_s: Timeout = AUTO
+    checkpoint_timeout_s: Timeout = AUTO
+    load_timeout_s: Timeout = AUTO
+    out_of_section_timeout_s: Timeout = AUTO
     # How often each node's rank monitor checks those timeouts (NVRx default 5 s).
     check_interval_s: float = 0.25
-    # The step section's timeout learned per incarnation (trainer.hang_bound): once
-    # learn_after_sections step sections have closed, step_timeout_multiple x the longest, at
-    # least step_timeout_floor_s and at most step_timeout_s (which is then the ceiling, and the
-    # timeout until the sample is complete). 0 sections: never learned, step_timeout_s always.
+    # Learning (trainer.timeouts): the step timeout once learn_after_sections step sections have
+    # closed after the first (the warm-up: compilation, allocator growth), timeout_multiple x the
+    # longest, at least step_timeout_floor_s; the checkpoint, load and out-of-section timeouts
+    # timeout_multiple x the longest such section seen (rising when a longer one comes), at
+    # least section_floor_s. 0 sections: nothing is learned, the allowance (or the pinned
+    # values) stay in force.
     learn_after_sections: int = 10
-    step_timeout_multiple: float = 5.0
+    timeout_multiple: float = 5.0
     step_timeout_floor_s: float = 3.0
+    section_floor_s: float = 30.0
     # A node that stops without dying (a frozen host, a partition) stops its beat file
     # (trainer.node_beat, rewritten every heartbeat_interval_s); the watcher takes a training
     # node away as lost once its beat has not changed for this long while another node's has.
     # It must cover the longest stretch a node's first worker is gone for good reasons: an
-    # in-job respawn (stop, rendezvous, interpreter start).
-    node_silence_s: float = 60.0
+    # in-job respawn (stop, rendezvous, interpreter start, the model build). Auto: measured
+    # from the attempt's own start (tasks.watch_state.SilenceRule).
+    node_silence_s: Timeout = AUTO
 
     def __post_init__(self) -> None:
         _require(
             self.max_restarts >= 0, "injob.max_restarts", f"must be >= 0, got {self.max_restarts}"
         )
+        for name in AUTO_TIMEOUTS:
+            value = getattr(self, name)
+            ok = value == AUTO or (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            )
+            _require(
+                ok, f"injob.{name}", f"must be 'auto' or a number of seconds > 0, got {value!r}"
+            )
         for name in (
-            "initial_heartbeat_timeout_s",
-            "heartbeat_timeout_s",
+            "startup_allowance_s",
             "monitor_interval_s",
             "workers_stop_timeout_s",
             "rdzv_join_timeout_s",
             "rdzv_last_call_s",
             "rdzv_keep_alive_s",
             "heartbeat_interval_s",
-            "step_timeout_s",
-            "checkpoint_timeout_s",
-            "load_timeout_s",
-            "out_of_section_timeout_s",
             "check_interval_s",
-            "node_silence_s",
+            "section_floor_s",
         ):
             value = getattr(self, name)
             _require(value > 0, f"injob.{name}", f"must be > 0 seconds, got {value}")
@@ -311,19 +347,20 @@ class InJobConfig:
             "loss wait that long for the dead node to be dropped before they re-form",
         )
         _require(
-            self.node_silence_s > 2 * self.heartbeat_interval_s,
+            self.pinned("node_silence_s") is None
+            or self.seconds("node_silence_s") > 2 * self.heartbeat_interval_s,
             "injob.node_silence_s",
             f"must exceed twice injob.heartbeat_interval_s ({self.heartbeat_interval_s} s), how "
             f"often a node rewrites its beat, got {self.node_silence_s}",
         )
         _require(
-            self.heartbeat_timeout_s <= self.initial_heartbeat_timeout_s,
+            self.seconds("heartbeat_timeout_s") <= self.seconds("initial_heartbeat_timeout_s"),
             "injob.initial_heartbeat_timeout_s",
             "must be >= injob.heartbeat_timeout_s: the first heartbeat comes after start-up and "
             "the checkpoint load",
         )
         _require(
-            self.heartbeat_interval_s < self.step_timeout_s,
+            self.heartbeat_interval_s < self.seconds("step_timeout_s"),
             "injob.step_timeout_s",
             f"must exceed injob.heartbeat_interval_s ({self.heartbeat_interval_s} s): the step "
             "section is renewed once per interval",
@@ -333,35 +370,57 @@ class InJobConfig:
             and not isinstance(self.learn_after_sections, bool)
             and self.learn_after_sections >= 0,
             "injob.learn_after_sections",
-            f"must be a whole number >= 0 (0: keep injob.step_timeout_s), got "
+            f"must be a whole number >= 0 (0: nothing is learned), got "
             f"{self.learn_after_sections!r}",
         )
         _require(
-            self.step_timeout_multiple >= 2,
-            "injob.step_timeout_multiple",
+            self.timeout_multiple >= 2,
+            "injob.timeout_multiple",
             f"must be >= 2 (a step only a little slower than the slowest seen is not a hang), "
-            f"got {self.step_timeout_multiple}",
+            f"got {self.timeout_multiple}",
         )
+        step = self.seconds("step_timeout_s")
         _require(
-            self.heartbeat_interval_s < self.step_timeout_floor_s <= self.step_timeout_s,
+            self.heartbeat_interval_s < self.step_timeout_floor_s <= step,
             "injob.step_timeout_floor_s",
             f"must exceed injob.heartbeat_interval_s ({self.heartbeat_interval_s} s) and be at "
-            f"most injob.step_timeout_s ({self.step_timeout_s} s), got {self.step_timeout_floor_s}",
+            f"most injob.step_timeout_s ({step} s), got {self.step_timeout_floor_s}",
         )
-        longest = max(self.checkpoint_timeout_s, self.load_timeout_s, self.step_timeout_s)
+        longest = max(self.section_timeouts().values())
         _require(
-            self.heartbeat_timeout_s >= longest,
+            self.seconds("heartbeat_timeout_s") >= longest,
             "injob.heartbeat_timeout_s",
             f"must be >= every section timeout ({longest} s): no heartbeat goes out during a "
             "checkpoint save or load, and the heartbeat timeout is checked in every section",
         )
 
+    def pinned(self, name: str) -> float | None:
+        """The timeout ``name`` as the operator pinned it; None where it is auto."""
+        value = getattr(self, name)
+        return None if value == AUTO else float(value)
+
+    def seconds(self, name: str) -> float:
+        """The timeout ``name`` at launch, before this incarnation measured anything: the pinned
+        value, or the start-up allowance (the heartbeat backstop auto: the out-of-section
+        timeout plus the longest section's, see ``heartbeat_timeout_s``)."""
+        value = self.pinned(name)
+        if value is not None:
+            return value
+        if name == "heartbeat_timeout_s":
+            return backstop(
+                self.seconds("out_of_section_timeout_s"), max(self.section_timeouts().values())
+            )
+        if name == "initial_heartbeat_timeout_s":
+            backstop_s = self.seconds("heartbeat_timeout_s")
+            return max(backstop_s, self.seconds("out_of_section_timeout_s"))
+        return self.startup_allowance_s
+
     def section_timeouts(self) -> dict[str, float]:
-        """``--ft-rank-section-timeouts``."""
+        """``--ft-rank-section-timeouts`` (at launch)."""
         return {
-            STEP_SECTION: self.step_timeout_s,
-            CHECKPOINT_SECTION: self.checkpoint_timeout_s,
-            LOAD_SECTION: self.load_timeout_s,
+            STEP_SECTION: self.seconds("step_timeout_s"),
+            CHECKPOINT_SECTION: self.seconds("checkpoint_timeout_s"),
+            LOAD_SECTION: self.seconds("load_timeout_s"),
         }
 
 
@@ -519,13 +578,13 @@ class TrainConfig:
         if self.inprocess.enabled and self.injob.enabled:
             # arch §2: an inner layer must get its chance before the outer one gives up.
             _require(
-                self.inprocess.hard_timeout_s < self.injob.heartbeat_timeout_s,
+                self.inprocess.hard_timeout_s < self.injob.seconds("heartbeat_timeout_s"),
                 "injob.heartbeat_timeout_s",
                 f"must exceed inprocess.hard_timeout_s ({self.inprocess.hard_timeout_s} s) so "
                 "that an in-process restart completes before ft_launcher declares the rank dead",
             )
             _require(
-                self.inprocess.hard_timeout_s < self.injob.out_of_section_timeout_s,
+                self.inprocess.hard_timeout_s < self.injob.seconds("out_of_section_timeout_s"),
                 "injob.out_of_section_timeout_s",
                 f"must exceed inprocess.hard_timeout_s ({self.inprocess.hard_timeout_s} s): an "
                 "in-process restart runs out of section",
@@ -535,14 +594,14 @@ class TrainConfig:
             # (counted from the section's renewal, up to one interval before the stall) kills it.
             window = self.inprocess.pg_timeout_s + self.injob.heartbeat_interval_s
             _require(
-                window < self.injob.step_timeout_s,
+                window < self.injob.seconds("step_timeout_s"),
                 "injob.step_timeout_s",
                 f"must exceed inprocess.pg_timeout_s + injob.heartbeat_interval_s ({window} s) "
                 "so that a stalled step is restarted in-process before ft_launcher kills the rank",
             )
 
     def step_timeout_floor(self) -> float:
-        """The lowest step-section timeout a learned one may be (trainer.hang_bound):
+        """The lowest step-section timeout a learned one may be (trainer.timeouts):
         ``injob.step_timeout_floor_s``, and with both layers on more than the in-process layer's
         window for a stalled step (``inprocess.pg_timeout_s + injob.heartbeat_interval_s``, the
         same rule as for ``injob.step_timeout_s``, with the defaults' 0.5 s margin), never above
@@ -550,7 +609,17 @@ class TrainConfig:
         floor = self.injob.step_timeout_floor_s
         if self.inprocess.enabled and self.injob.enabled:
             floor = max(floor, self.inprocess.pg_timeout_s + self.injob.heartbeat_interval_s + 0.5)
-        return min(floor, self.injob.step_timeout_s)
+        return min(floor, self.injob.seconds("step_timeout_s"))
+
+    def out_of_section_floor(self) -> float:
+        """The lowest out-of-section timeout a learned one may be (trainer.timeouts):
+        ``injob.section_floor_s``, and with both layers on more than an in-process restart may
+        take (``inprocess.hard_timeout_s + inprocess.barrier_timeout_s``: the Wrapper's
+        detection, then its wait for every rank), never above the launch value."""
+        floor = self.injob.section_floor_s
+        if self.inprocess.enabled and self.injob.enabled:
+            floor = max(floor, self.inprocess.hard_timeout_s + self.inprocess.barrier_timeout_s)
+        return min(floor, self.injob.seconds("out_of_section_timeout_s"))
 
     @property
     def is_script(self) -> bool:

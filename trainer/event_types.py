@@ -27,7 +27,6 @@ __all__ = [
     "Fatal",
     "Fault",
     "FencedEvent",
-    "HangBound",
     "NodeReturn",
     "Phase",
     "PruneRefused",
@@ -39,6 +38,7 @@ __all__ = [
     "StaleJobsDeleted",
     "Step",
     "Takeover",
+    "TimeoutsSet",
     "TrainEnd",
     "TrainStart",
     "ValidationError",
@@ -172,17 +172,18 @@ class Fault(_Base):
     bound_s: Seconds | None = None
 
 
-class HangBound(_Base):
-    """The step section's timeout this incarnation learned (trainer.hang_bound), rank 0's."""
+class TimeoutsSet(_Base):
+    """The in-job timeouts rank 0's rank monitor now times with (trainer.timeouts): derived
+    from this incarnation's own sections, each with why (``detail``: field -> "S s: why")."""
 
-    kind: Literal["hang_bound"]
+    kind: Literal["timeouts"]
     step_timeout_s: Seconds
-    slowest_section_s: Seconds | None = None
-    sections: NonNeg | None = None
-    multiple: float | None = None
-    clamped: str | None = None  # "floor" or "ceiling"
-    applied: bool = True  # False: this NVRx could not take it; the configured one stays
-    detail: str | None = None
+    checkpoint_timeout_s: Seconds
+    load_timeout_s: Seconds
+    out_of_section_timeout_s: Seconds
+    heartbeat_timeout_s: Seconds
+    applied: bool = True  # False: this NVRx could not take them; the launch ones stay
+    detail: dict[str, str] = {}
 
 
 class Restart(_Base):
@@ -279,7 +280,7 @@ Event = Annotated[
     | PruneRefused
     | Resume
     | Fault
-    | HangBound
+    | TimeoutsSet
     | Restart
     | Recovered
     | Fatal

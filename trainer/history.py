@@ -37,6 +37,7 @@ from trainer.event_types import (
     StageAttemptEnd,
     Step,
     Takeover,
+    TimeoutsSet,
     TrainEnd,
     TrainStart,
     ValidationError,
@@ -118,6 +119,7 @@ class RunHistory:
         self.restarts: list[Restart] = []
         self._launches: dict[str, _Launch] = {}  # by launcher job id (rendezvous id)
         self.last_train_start: TrainStart | None = None
+        self.timeouts: TimeoutsSet | None = None  # the newest in-job timeouts rank 0 applied
         self.takeover: Takeover | None = None
         self.end: TrainEnd | Fatal | None = None  # the newest train_end or fatal
         self.first_fatal: Fatal | None = None
@@ -243,6 +245,8 @@ class RunHistory:
                 self._launches[ev.job_id] = _Launch(ev.t, ev.world_size, tuple(ev.nodes))
         elif isinstance(ev, WorldChange):
             self.world_changes.append(ev)
+        elif isinstance(ev, TimeoutsSet):
+            self.timeouts = ev
         elif isinstance(ev, TrainEnd):
             self.end, self.train_ended = ev, True
         elif isinstance(ev, Fatal):
@@ -438,6 +442,7 @@ class RunHistory:
             "final_loss": self.last_step.loss if self.last_step else None,
             "faults": self.fault_records(),
             "world_changes": self.world_change_records(),
+            "timeouts": self.timeouts.detail if self.timeouts is not None else None,
             "restarts": [{"layer": r.layer, "t": r.t} for r in self.restarts],
             "checkpoints": n,
             "ckpt_blocking_s_max": self.blocking_max,

@@ -174,16 +174,6 @@ class Heartbeats(Hook):
         self.heartbeat.beat()
 
 
-class WrapperPing(Hook):
-    """Tells the in-process Wrapper the rank makes progress (its soft/hard timeouts)."""
-
-    def __init__(self, call_wrapper: Any) -> None:
-        self.call_wrapper = call_wrapper
-
-    def on_step_end(self, end: StepEnd) -> None:
-        self.call_wrapper.ping()
-
-
 class StepEvents(Hook):
     """Rank 0: a ``step`` event per step, and after the first step since a restart a
     ``recovered`` event closing every open fault (what recovery times are measured from)."""

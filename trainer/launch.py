@@ -58,11 +58,11 @@ def ft_launcher_argv(
         f"--max-restarts={inj.max_restarts}",
         f"--monitor-interval={inj.monitor_interval_s}",
         f"--workers-stop-timeout={int(inj.workers_stop_timeout_s)}",
-        f"--ft-initial-rank-heartbeat-timeout={inj.initial_heartbeat_timeout_s}",
-        f"--ft-rank-heartbeat-timeout={inj.heartbeat_timeout_s}",
+        f"--ft-initial-rank-heartbeat-timeout={inj.seconds('initial_heartbeat_timeout_s')}",
+        f"--ft-rank-heartbeat-timeout={inj.seconds('heartbeat_timeout_s')}",
         "--ft-rank-section-timeouts="
         + ",".join(f"{name}:{t}" for name, t in inj.section_timeouts().items()),
-        f"--ft-rank-out-of-section-timeout={inj.out_of_section_timeout_s}",
+        f"--ft-rank-out-of-section-timeout={inj.seconds('out_of_section_timeout_s')}",
         f"--ft-workload-check-interval={inj.check_interval_s}",
         "--ft-enable-nic-monitor=false",
     ]

@@ -24,7 +24,7 @@ from trainer.elastic import PriorWorld, restart_layer
 from trainer.events import EventLog
 from trainer.faults import NODE_KINDS
 from trainer.fence import Fence
-from trainer.hooks import FaultDrills, Heartbeats, Hooks, StepEvents, WrapperPing
+from trainer.hooks import FaultDrills, Heartbeats, Hooks, StepEvents
 from trainer.parallel import Placement
 from trainer.session import TrainSession
 from trainer.workload import DataSource, OptimSettings
@@ -105,7 +105,6 @@ def build_hooks(
     ctx: ProcessContext,
     *,
     rank: int,
-    call_wrapper: Any,
     first_step: int,
     layer: str | None,
     began: float,
@@ -122,8 +121,12 @@ def build_hooks(
         )
     ]
     hooks.append(Heartbeats(ctx.heartbeat))
-    if call_wrapper is not None:
-        hooks.append(WrapperPing(call_wrapper))
+    # No manual ping of the in-process Wrapper (issue 40, item 0): its first ping arms a manual
+    # progress timeout, the soft timeout (8 s here) from each step's end to the next, so a
+    # healthy 35 s step of gpt-100m was interrupted at every second step of an incarnation.
+    # The Wrapper's automatic watchdog (the main thread running Python) stays; a rank wedged in
+    # a C call still trips it, a stalled collective its peers' process-group timeout, and a
+    # step slower than the learned bound the in-job step timeout (trainer.timeouts).
     if rank == 0:
         launcher_drills = any(spec.startswith(NODE_KINDS) for spec in ctx.cfg.faults)
         hooks.append(

@@ -277,33 +277,37 @@ def step_section_timeout(client: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def set_step_section_timeout(client: Any, timeout_s: float) -> bool:
-    """Tell this rank's rank monitor to time the ``step`` section with ``timeout_s`` from now on
-    (the other sections and the out-of-section timeout unchanged); whether it was told.
+def set_timeouts(client: Any, timeouts: Any) -> bool:
+    """Tell this rank's rank monitor to time its sections and heartbeats with ``timeouts``
+    (``trainer.timeouts.Timeouts``) from now on; whether it was told.
 
     NVRx computes such timeouts itself (``calculate_and_set_section_timeouts``: a safety factor
     times the longest section seen, max over ranks by a collective, unbounded) and sends them
-    with the client's ``_set_calculated_timeouts`` (an ``UpdateConfigMsg``). We send our own,
-    bounded and without a collective, through the same call; where this NVRx lacks it (a later
-    version), the configured timeout simply stays in force."""
+    with the client's ``_set_calculated_timeouts`` (an ``UpdateConfigMsg``, applied at once).
+    We send our own, bounded and without a collective, through the same call; where this NVRx
+    lacks it (a later version), the launch timeouts simply stay in force."""
     send = getattr(client, "_set_calculated_timeouts", None)
     current = getattr(client, "section_timeouts", None)
     if send is None or current is None or not isinstance(getattr(current, "section", None), dict):
-        log.warning("this NVRx cannot take a learned step timeout: the configured one stays")
+        log.warning("this NVRx cannot take learned timeouts: the launch ones stay")
         return False
     try:
-        from nvidia_resiliency_ext.fault_tolerance.data import SectionTimeouts
+        from nvidia_resiliency_ext.fault_tolerance.data import HeartbeatTimeouts, SectionTimeouts
 
         send(
-            new_hb_timeouts=None,
+            new_hb_timeouts=HeartbeatTimeouts(
+                initial=float(timeouts.initial.seconds),
+                subsequent=float(timeouts.heartbeat.seconds),
+                were_calculated=True,
+            ),
             new_section_timeouts=SectionTimeouts(
-                section={**current.section, "step": float(timeout_s)},
-                out_of_section=current.out_of_section,
-                calculated_sections=set(current.calculated_sections),
-                is_out_of_section_calculated=current.is_out_of_section_calculated,
+                section={**current.section, **timeouts.sections()},
+                out_of_section=float(timeouts.out_of_section.seconds),
+                calculated_sections=set(current.section),
+                is_out_of_section_calculated=True,
             ),
         )
-    except Exception as e:  # the monitor's connection gone: hang detection as configured
-        log.warning("the rank monitor did not take the learned step timeout: %s", e)
+    except Exception as e:  # the monitor's connection gone: hang detection as launched
+        log.warning("the rank monitor did not take the learned timeouts: %s", e)
         return False
     return True

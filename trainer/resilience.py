@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, STEP_SECTION, InProcessConfig
-from trainer.hang_bound import StepBound, StepBoundLearner
+from trainer.timeouts import OUT_OF_SECTION, STEP, TimeoutLearner, Timeouts
 
 __all__ = ["CHECKPOINT_SECTION", "LOAD_SECTION", "STEP_SECTION", "Heartbeat"]
 
@@ -135,14 +135,17 @@ class Heartbeat:
     """``RankMonitorClient`` heartbeats and timed sections when the worker runs under
     ft_launcher, no-op otherwise. One per process (it survives in-process restarts).
 
-    Hang detection is by section (arch §2): the steps run in the ``step`` section, whose
-    timeout is tight (seconds on the embedded default); a checkpoint save and commit and a
-    checkpoint load run in sections of their own with the storage's timeouts; start-up and
+    Hang detection is by section (arch §2): the steps run in the ``step`` section; a
+    checkpoint save and commit and a checkpoint load run in sections of their own; start-up and
     in-process restarts are out of section. Every message is a synchronous round trip to the
     node's rank monitor, so the loop pays for them at most once per ``interval_s``: the step
     section is closed and reopened (and a heartbeat sent, the backstop) when that much time has
-    passed, never per step. A hang is therefore detected between ``step timeout - interval``
-    and ``step timeout`` after its start.
+    passed, never per step; a heartbeat also goes out at every other section's end. A hang is
+    therefore detected between ``step timeout - interval`` and ``step timeout`` after its start.
+
+    Every timeout is the incarnation's own (trainer.timeouts): the ``learner`` sees each closed
+    section's length and out-of-section stretch, and whatever timeouts it derives are sent to
+    the rank monitor and handed to ``on_timeouts`` (with whether the monitor took them).
     """
 
     def __init__(
@@ -150,18 +153,17 @@ class Heartbeat:
         enabled: bool = True,
         interval_s: float = 1.0,
         *,
-        learner: StepBoundLearner | None = None,
-        on_bound: Callable[[StepBound, bool], None] | None = None,
+        learner: TimeoutLearner | None = None,
+        on_timeouts: Callable[[Timeouts, bool], None] | None = None,
     ) -> None:
         self.client: Any = None
         self.interval_s = interval_s
         self._last = 0.0  # monotonic time of the last round of messages
         self._open: dict[str, int] = {}  # open sections -> nesting depth
         self._step_opened = 0.0  # monotonic time the open step section was opened
-        # The step section's timeout learned from this incarnation's steps (trainer.hang_bound)
-        # and who hears of it (the bound, and whether the rank monitor took it).
+        self._out_since = time.monotonic()  # when the last section closed (or the connection)
         self.learner = learner
-        self.on_bound = on_bound
+        self.on_timeouts = on_timeouts
         self.step_timeout_s: float | None = None  # in force at the rank monitor; None: unknown
         if enabled and os.environ.get(FT_RANK_MONITOR_SOCKET_ENV):
             from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
@@ -172,19 +174,15 @@ class Heartbeat:
             # later heartbeat of this node's rank fails) if a respawned worker's connection is
             # lost before its first heartbeat. Keep that window as short as possible.
             self.client.send_heartbeat()
-            self._last = time.monotonic()
+            self._last = self._out_since = time.monotonic()
             from trainer import nvrx_compat
 
             self.step_timeout_s = nvrx_compat.step_section_timeout(self.client)
             # The rank monitor outlives the workers: it may still hold the previous
-            # incarnation's learned bound. Each incarnation learns afresh, from the configured
-            # one (a shrunk world, a slower node, has slower steps).
-            if (
-                learner is not None
-                and self.step_timeout_s != learner.ceiling_s
-                and nvrx_compat.set_step_section_timeout(self.client, learner.ceiling_s)
-            ):
-                self.step_timeout_s = learner.ceiling_s
+            # incarnation's learned timeouts. Each incarnation learns afresh, from the launch
+            # values (a shrunk world, a slower node, has slower steps).
+            if learner is not None and nvrx_compat.set_timeouts(self.client, learner.in_force):
+                self.step_timeout_s = learner.in_force.step.seconds
 
     @property
     def active(self) -> bool:
@@ -200,7 +198,9 @@ class Heartbeat:
         if STEP_SECTION in self._open:
             self.client.end_section(STEP_SECTION)
             del self._open[STEP_SECTION]
-            self._learn(now - self._step_opened)
+            self._learn(STEP, now - self._step_opened)
+        elif not self._open:  # the first step after start-up, a restart or another section
+            self._learn(OUT_OF_SECTION, now - self._out_since)
         if not self._open:  # never inside a checkpoint or load section
             self.client.start_section(STEP_SECTION)
             self._open[STEP_SECTION] = 1
@@ -208,23 +208,22 @@ class Heartbeat:
         self.client.send_heartbeat()
         self._last = now
 
-    def _learn(self, section_s: float) -> None:
-        """A step section closed normally (renewed by a beat, or cut short by a checkpoint or
-        load section; never one a fault ended): the learner may now have its bound, which the
-        rank monitor applies from the next section on."""
+    def _learn(self, kind: str, seconds: float) -> None:
+        """A section (or an out-of-section stretch) closed normally (never one a fault ended):
+        the learner may now have new timeouts, which the rank monitor applies at once."""
         if self.learner is None:
             return
-        bound = self.learner.observe(section_s)
-        if bound is None:
+        new = self.learner.observe(kind, seconds)
+        if new is None:
             return
         from trainer import nvrx_compat
 
-        applied = nvrx_compat.set_step_section_timeout(self.client, bound.timeout_s)
+        applied = nvrx_compat.set_timeouts(self.client, new)
         if applied:
-            self.step_timeout_s = bound.timeout_s
-        log.info("step section timeout %s (applied: %s)", bound.describe(), applied)
-        if self.on_bound is not None:
-            self.on_bound(bound, applied)
+            self.step_timeout_s = new.step.seconds
+        log.info("in-job timeouts %s (applied: %s)", new.describe(), applied)
+        if self.on_timeouts is not None:
+            self.on_timeouts(new, applied)
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
@@ -236,20 +235,32 @@ class Heartbeat:
             yield
             return
         if name not in self._open:
+            now = time.monotonic()
             if STEP_SECTION in self._open:
                 self.client.end_section(STEP_SECTION)
                 del self._open[STEP_SECTION]
-                self._learn(time.monotonic() - self._step_opened)
+                self._learn(STEP, now - self._step_opened)
+            elif not self._open:
+                self._learn(OUT_OF_SECTION, now - self._out_since)
             self.client.start_section(name)
         self._open[name] = self._open.get(name, 0) + 1
+        opened = time.monotonic()
+        ok = False
         try:
             yield
+            ok = True
         finally:
             self._open[name] -= 1
             if not self._open[name]:
                 del self._open[name]
                 self.client.end_section(name)
-                self._last = time.monotonic()
+                now = time.monotonic()
+                if ok:
+                    self._learn(name, now - opened)
+                    # A beat at the section's end: the backstop's gap spans one section and
+                    # the out-of-section stretch before it, never a section and a step.
+                    self.client.send_heartbeat()
+                self._last = self._out_since = now
 
     def end_sections(self) -> None:
         """A fault is being handled in-process: what follows (the restart, the new
@@ -257,6 +268,7 @@ class Heartbeat:
         the monitor's connection may be gone too (the fault being handled is what matters)."""
         if self.client is not None and self._open:
             self._open.clear()
+            self._out_since = time.monotonic()
             try:
                 self.client.end_all_sections()
             except Exception as e:

@@ -169,14 +169,11 @@ class TrainSession:
         self.hooks = build_hooks(
             ctx,
             rank=rank,
-            call_wrapper=self.call_wrapper,
             first_step=first,
             layer=recovery_layer(ctx, self.iteration, world),
             began=self.began,
         )
         ckpt.on_commit = self.hooks.on_commit
-        if self.call_wrapper is not None:
-            ckpt.progress = self.call_wrapper.ping
         nodes = world_nodes(world, self.ckpt_group)
         if rank != 0:
             return first

@@ -60,9 +60,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.config import (
+    AUTO,
     ConfigError,
     Device,
-    InJobConfig,
     ResumePolicy,
     TrainConfig,
     load_config,
@@ -197,10 +197,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     injob = data.setdefault("injob", {})
     if args.heartbeat_timeout is not None:
         injob["heartbeat_timeout_s"] = args.heartbeat_timeout
-        injob["initial_heartbeat_timeout_s"] = max(
-            args.heartbeat_timeout,
-            injob.get("initial_heartbeat_timeout_s", InJobConfig.initial_heartbeat_timeout_s),
-        )
+        initial = injob.get("initial_heartbeat_timeout_s", AUTO)
+        if initial != AUTO:  # auto follows the backstop by itself
+            injob["initial_heartbeat_timeout_s"] = max(args.heartbeat_timeout, initial)
     if args.no_inprocess:
         inprocess["enabled"] = False
     if args.no_injob:
@@ -315,8 +314,8 @@ def run(
     heartbeat = Heartbeat(
         cfg.injob.enabled,
         cfg.injob.heartbeat_interval_s,
-        learner=_step_bound_learner(cfg),
-        on_bound=_announce_bound(events, rank=int(os.environ["RANK"])),
+        learner=_timeout_learner(cfg),
+        on_timeouts=_announce_timeouts(events, rank=int(os.environ["RANK"])),
     )
     beat = _node_beat(cfg)
     try:
@@ -503,37 +502,29 @@ def _run(
     return wrapped()  # type: ignore[no-any-return]
 
 
-def _step_bound_learner(cfg: TrainConfig) -> Any:
-    """The learner of this incarnation's step-section timeout, or None when it is not learned
-    (``injob.learn_after_sections`` 0)."""
-    from trainer.hang_bound import StepBoundLearner
+def _timeout_learner(cfg: TrainConfig) -> Any:
+    """This incarnation's in-job timeouts (trainer.timeouts): the launch values until measured,
+    then derived from its own sections."""
+    from trainer.timeouts import TimeoutLearner, TimeoutPolicy
 
-    inj = cfg.injob
-    if inj.learn_after_sections == 0:
-        return None
-    return StepBoundLearner(
-        multiple=inj.step_timeout_multiple,
-        floor_s=cfg.step_timeout_floor(),
-        ceiling_s=inj.step_timeout_s,
-        after=inj.learn_after_sections,
-    )
+    return TimeoutLearner(TimeoutPolicy.of(cfg))
 
 
-def _announce_bound(events: EventLog, *, rank: int) -> Any:
-    """Rank 0 says what its rank monitor now times a step section with (every rank learns its
-    own: one event per incarnation, not one per rank)."""
+def _announce_timeouts(events: EventLog, *, rank: int) -> Any:
+    """Rank 0 says what its rank monitor now times with (every rank learns its own: one event
+    per change of rank 0's, not one per rank)."""
 
-    def announce(bound: Any, applied: bool) -> None:
+    def announce(timeouts: Any, applied: bool) -> None:
         if rank == 0:
             events.emit(
-                "hang_bound",
-                step_timeout_s=bound.timeout_s,
-                slowest_section_s=bound.slowest_s,
-                sections=bound.sections,
-                multiple=bound.multiple,
-                clamped=bound.clamped or None,
+                "timeouts",
+                step_timeout_s=timeouts.step.seconds,
+                checkpoint_timeout_s=timeouts.checkpoint.seconds,
+                load_timeout_s=timeouts.load.seconds,
+                out_of_section_timeout_s=timeouts.out_of_section.seconds,
+                heartbeat_timeout_s=timeouts.heartbeat.seconds,
                 applied=applied,
-                detail=bound.describe(),
+                detail=timeouts.describe(),
             )
 
     return announce

@@ -458,7 +458,6 @@ class AsyncCheckpointer:
         block: bool = False,
         section: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
         reduced: torch.Tensor | None = None,
-        progress: Callable[[], None] | None = None,
         commit: CommitFor | None = None,
     ) -> SaveResult | None:
         """Every rank, every step: finalize the save in flight once all ranks' writers are done,
@@ -518,8 +517,6 @@ class AsyncCheckpointer:
                 self._forget_pending()
                 self.writer.reset()
                 raise CheckpointTimeout(f"checkpoint write not done after {self.timeout_s} s")
-            if progress is not None:
-                progress()
             time.sleep(0.005)
 
     def wait(

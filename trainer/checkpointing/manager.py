@@ -100,9 +100,6 @@ class CheckpointManager:
         # Every rank at a resume, once the peer copies its node holds are listed (by the rank
         # that wrote them, by step): the corrupt-peer drill (trainer.hooks.FaultDrills).
         self.on_offer: Callable[[dict[int, dict[int, node_copy.Header]]], None] = lambda h: None
-        # While a due save waits for the one before it: the in-process Wrapper's ping, so that
-        # the wait is not taken for a stalled step (the checkpoint section bounds it).
-        self.progress: Callable[[], None] = lambda: None
         self.rank = rank
         self.world_size = world_size
         self.group = group
@@ -523,7 +520,6 @@ class CheckpointManager:
                 block=block,
                 section=self._checkpoint_section,
                 reduced=reduced,
-                progress=self.progress,
                 commit=self._commit_task,
             )
         except CheckpointStorageError as e:

@@ -17,10 +17,18 @@ class GptOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     size: Literal["tiny", "100m", "8b"] = Field("tiny", description="named model size")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability")
+    seq_len: int | None = Field(
+        None,
+        ge=8,
+        le=131072,
+        description="training sequence length (the learned position table has this many "
+        "rows); empty: the size's own (tiny 64, 100m 1024, 8b 8192)",
+    )
 
 
 def config_of(o: GptOptions) -> ModelConfig:
-    return dataclasses.replace(model_config(o.size), dropout=o.dropout)
+    base = model_config(o.size)
+    return dataclasses.replace(base, dropout=o.dropout, seq_len=o.seq_len or base.seq_len)
 
 
 def build_model(o: GptOptions, device: torch.device) -> nn.Module:

@@ -78,19 +78,17 @@ EKS_INPROCESS = InProcessConfig(
     termination_grace_s=5.0,
 )
 EKS_INJOB = InJobConfig(
-    heartbeat_timeout_s=1800.0,  # the backstop: covers the longest checkpoint save or load
-    initial_heartbeat_timeout_s=1800.0,
+    # Every timeout auto (trainer.timeouts): until measured, the start-up allowance covers pod
+    # start-up, CUDA and NCCL initialisation, an 8B model's build and load from FSx, the first
+    # (compiling) steps and the first save; then each is 5 x what this incarnation measured,
+    # the step timeout at least the in-process layer's window (pg_timeout_s + a beat), the
+    # others at least section_floor_s (an 8B save or load to FSx takes minutes).
+    startup_allowance_s=1800.0,
+    section_floor_s=300.0,
     monitor_interval_s=1.0,
     workers_stop_timeout_s=30.0,
     rdzv_join_timeout_s=120.0,
-    step_timeout_s=300.0,
-    checkpoint_timeout_s=1800.0,  # an 8B save or load to FSx: minutes
-    load_timeout_s=1800.0,
-    out_of_section_timeout_s=900.0,  # pod start-up, NCCL init, an in-process restart
     check_interval_s=5.0,
-    # A pod's first worker is gone this long in an in-job respawn at most (interpreter, CUDA
-    # and NCCL start-up); a node silent for longer is frozen or partitioned.
-    node_silence_s=300.0,
 )
 
 
