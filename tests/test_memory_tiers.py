@@ -13,9 +13,10 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from tasks.backends import node_memory
-from trainer.checkpointing import node_copy
+from trainer.checkpointing import node_format
 from trainer.checkpointing.live_state import LiveState
-from trainer.checkpointing.node_copy import NodeCopyError, NodeMemory
+from trainer.checkpointing.node_copy import NodeMemory
+from trainer.checkpointing.node_format import NodeCopyError
 from trainer.checkpointing.tiers import NO_COPY, Offer, choose, without
 from trainer.faults import flip_bytes
 
@@ -113,7 +114,7 @@ def _train(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
 
 
 def _equal_states(a: dict, b: dict) -> bool:
-    pairs = zip(node_copy.leaves(a), node_copy.leaves(b), strict=True)
+    pairs = zip(node_format.leaves(a), node_format.leaves(b), strict=True)
     return all(
         x.path == y.path
         and (torch.equal(x.value, y.value) if torch.is_tensor(x.value) else x.value == y.value)
@@ -257,7 +258,7 @@ def test_a_forged_header_is_refused_bounded_and_named(tmp_path: Path):
     header_path.write_text(json.dumps({**obj, "step": "x"}))
     found, why = _memory(tmp_path).headers()
     assert found == {} and "not a node-copy header" in why
-    header_path.write_bytes(b"{" + b" " * (node_copy.HEADER_LIMIT + 1) + b"}")
+    header_path.write_bytes(b"{" + b" " * (node_format.HEADER_LIMIT + 1) + b"}")
     assert _memory(tmp_path).headers()[0] == {}
 
 
@@ -392,7 +393,7 @@ def _peer_pair(rank: int, world: int, port: int, root: str, out: str) -> None:
             header, mm = mem.recv_shard(0, dist.group.WORLD)
             target = _state(*_model(5))
             try:
-                mem.restore(header, mm, target, "rank 0's peer copy")
+                node_format.restore(header, mm, target, "rank 0's peer copy")
                 mine = _state(m, o)["model"].values()
                 pairs = zip(target["model"].values(), mine, strict=True)
                 result[str(damaged)] = [torch.equal(a, b) for a, b in pairs]

@@ -21,7 +21,9 @@ In the training process (torch, NVRx; imported by module, not here):
   finalize, commit thread);
 - :mod:`~trainer.checkpointing.process_copy`: the last save's snapshot, which an in-process
   restart reloads with no read;
-- :mod:`~trainer.checkpointing.node_copy`: the memory saves in node memory and their peer copies;
+- :mod:`~trainer.checkpointing.node_copy`: the memory saves in node memory and their peer copies
+  (the store); :mod:`~trainer.checkpointing.node_format`: a copy's bytes and header, and its
+  restore; :mod:`~trainer.checkpointing.node_transport`: one copy between two ranks;
 - :mod:`~trainer.checkpointing.live_state`: the state dicts the memory saves copy from, kept
   while their structure holds;
 - :mod:`~trainer.checkpointing.tiers`: which tier a resume reads;

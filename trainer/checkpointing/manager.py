@@ -24,7 +24,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 
 from trainer import __version__, checkpointing, run_state, untrusted
-from trainer.checkpointing import CheckpointCommitError, CheckpointStorageError, node_copy, tiers
+from trainer.checkpointing import (
+    CheckpointCommitError,
+    CheckpointStorageError,
+    node_copy,
+    node_format,
+    tiers,
+)
 from trainer.checkpointing.async_save import WARMUP_STEP, AsyncCheckpointer, CommitTask, SaveResult
 from trainer.checkpointing.live_state import LiveState
 from trainer.checkpointing.node_copy import NodeMemory
@@ -82,8 +88,8 @@ class CheckpointManager:
         self.node = node
         # The peer copy's own gloo group (trainer.session), for the memory saves' thread.
         self.peer_group = peer_group
-        self._node_headers: dict[int, node_copy.Header] = {}
-        self._peer_headers: dict[int, dict[int, node_copy.Header]] = {}
+        self._node_headers: dict[int, node_format.Header] = {}
+        self._peer_headers: dict[int, dict[int, node_format.Header]] = {}
         self._own_bytes = 0  # every rank's bytes in its own copy, at the resume
         self._offers: list[tiers.Offer] = []  # every rank's, gathered at the resume
         self._memory_blocking: float | None = None  # this step's memory save (maybe_save)
@@ -99,7 +105,7 @@ class CheckpointManager:
         self.on_commit: Callable[[int, Path], None] = lambda step, path: None
         # Every rank at a resume, once the peer copies its node holds are listed (by the rank
         # that wrote them, by step): the corrupt-peer drill (trainer.hooks.FaultDrills).
-        self.on_offer: Callable[[dict[int, dict[int, node_copy.Header]]], None] = lambda h: None
+        self.on_offer: Callable[[dict[int, dict[int, node_format.Header]]], None] = lambda h: None
         self.rank = rank
         self.world_size = world_size
         self.group = group
@@ -194,7 +200,7 @@ class CheckpointManager:
             return tiers.Choice("durable", 0), None
         copy = self.saver.own_copy()
         problem = NO_COPY if copy is None else copy.problem()
-        headers: dict[int, node_copy.Header] = {}
+        headers: dict[int, node_format.Header] = {}
         node_why: str | None = None
         if self.node is not None:
             headers, node_why = self.node.headers()
@@ -270,11 +276,11 @@ class CheckpointManager:
         h = plan[self.rank]
         if h < 0:
             header = self._node_headers[step]
-            return header, self.node._map(header, None), str(self.node.dir)
+            return header, self.node.map(header, None), str(self.node.dir)
         if h == self.rank:
             header = self._peer_headers[self.rank][step]
             where = self.node.peer_dir(self.rank)
-            return header, self.node._map(header, where), str(where)
+            return header, self.node.map(header, where), str(where)
         assert received is not None
         return received
 
@@ -296,7 +302,8 @@ class CheckpointManager:
             assert self.node is not None
             header, mm, where = self._shard_for(step, plan or (-1,) * self.world_size)
             model_sd, optim_sd = get_state_dict(model, optim)
-            nbytes = self.node.restore(header, mm, {"model": model_sd, "optim": optim_sd}, where)
+            state = {"model": model_sd, "optim": optim_sd}
+            nbytes = node_format.restore(header, mm, state, where)
             set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
             sampler.check_state(header.info.get("data_loader", {}), step)
             loss = header.info.get("loss")

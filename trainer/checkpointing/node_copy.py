@@ -8,10 +8,10 @@ the launcher in ``NVRX_NODE_MEMORY`` and lives as long as the node does in the a
 respawn on the node finds it; a lost node takes it with it (the local backend deletes a lost
 simulated node's directory, so the simulation is honest), and a new attempt starts empty.
 
-Layout, per rank: ``rank-R-of-W/gen-G.bin`` (the raw bytes of every tensor, the rank's local
-shard of a DTensor) and ``gen-G.json`` (the header: step, topology, config fingerprint, fence
-epoch, where each tensor lies, every non-tensor leaf's value, the sha256 of the bytes and the
-save's loss and data-loader position). ``GENERATIONS`` generations alternate: a save first
+Layout, per rank: ``rank-R-of-W/gen-G.bin`` and ``gen-G.json``, a copy's bytes and header
+(their format: :mod:`~trainer.checkpointing.node_format`); the peer copies a node holds for
+ranks of other nodes are ``peer-rank-R-of-W/`` beside them (their wire:
+:mod:`~trainer.checkpointing.node_transport`). ``GENERATIONS`` generations alternate: a save first
 removes the older generation's header, fills its bytes, digests them off the training thread
 and only then writes the header (atomically). A header therefore vouches only for bytes that were
 complete when it was written, and a crash mid-save leaves the other generation whole.
@@ -33,217 +33,32 @@ import os
 import shutil
 import threading
 import time
-import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
-from torch.distributed.tensor import DTensor
+from pydantic import ValidationError
 
+from trainer.checkpointing import node_format
+from trainer.checkpointing import node_transport as transport
 from trainer.checkpointing.durable import write_atomic
-from trainer.checkpointing.layout import NODE_MEMORY_ENV, NODE_MEMORY_GENERATIONS
-from trainer.errors import TrainerError
+from trainer.checkpointing.layout import NODE_MEMORY_ENV
+from trainer.checkpointing.node_format import (
+    EMPTY_ENTRIES,
+    FORMAT,
+    GENERATIONS,
+    HEADER_LIMIT,
+    Announced,
+    Header,
+    NodeCopyError,
+    _Layout,
+)
 from trainer.run_files import read_json_object
 
 log = logging.getLogger(__name__)
 
 SOURCE = "node"  # a resume event's tier
 ENV = NODE_MEMORY_ENV  # the node's directory, set by the launcher (absent: no node tier)
-GENERATIONS = NODE_MEMORY_GENERATIONS
-HEADER_LIMIT = 16 << 20  # a header lists every tensor of a shard: bounded all the same
-FORMAT = 1
-
-Scalar = int | float | bool | str | None
-PathPart = str | int
-
-
-class NodeCopyError(TrainerError, RuntimeError):
-    """A node copy that cannot be restored from; the message says why."""
-
-
-class Entry(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    path: list[PathPart] = Field(max_length=64)
-    # A tensor: its dtype, local shape and bytes [offset, offset + nbytes) of the .bin file.
-    dtype: str | None = Field(default=None, max_length=32)
-    shape: list[int] | None = Field(default=None, max_length=16)
-    offset: int = Field(default=0, ge=0)
-    nbytes: int = Field(default=0, ge=0)
-    # Anything else (a learning rate, a parameter's name, Adam's betas): its value.
-    value: Scalar | list[Scalar] = None  # a list: a tuple's items (lists are walked)
-
-
-class Announced(BaseModel):
-    """A copy's header's top fields: whose copy it is, its size and digest. A peer copy is
-    checked against them as it arrives (NodeMemory._receive); its entries are validated whole
-    (``Header``) when it is restored."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    format: Literal[1]
-    step: int = Field(ge=1)
-    rank: int = Field(ge=0)
-    world_size: int = Field(ge=1)
-    fingerprint: str = Field(max_length=64)
-    epoch: int | None
-    generation: int = Field(ge=0, lt=GENERATIONS)
-    size: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-
-
-class Header(Announced):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    entries: list[Entry] = Field(max_length=1_000_000)
-    info: dict[str, Any]
-    t: float
-
-
-# A header as this process writes it, its entries spliced in (NodeMemory._seal): the field
-# comes before ``info``, whose values could hold the same text.
-EMPTY_ENTRIES = '"entries":[]'
-_ENTRIES: TypeAdapter[list[Entry]] = TypeAdapter(list[Entry])
-
-
-@dataclass(frozen=True)
-class Leaf:
-    path: tuple[PathPart, ...]
-    holder: Any  # the dict or list holding it (where a restored value goes)
-    key: PathPart
-    value: Any
-
-
-def leaves(obj: Any, path: tuple[PathPart, ...] = ()) -> Iterator[Leaf]:
-    """Every leaf of a state dict in traversal order (the order ``staging.local_tensors`` uses)."""
-    items: Any
-    if isinstance(obj, dict):
-        items = obj.items()
-    elif isinstance(obj, list):
-        items = enumerate(obj)
-    else:
-        return
-    for k, v in items:
-        if isinstance(v, (dict, list)):
-            yield from leaves(v, (*path, k))
-        else:
-            yield Leaf((*path, k), obj, k, v)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _dtype(name: str) -> torch.dtype | None:
-    d = getattr(torch, name.removeprefix("torch."), None)
-    return d if isinstance(d, torch.dtype) else None
-
-
-def plan(state: dict[str, Any]) -> tuple[list[Entry], int]:
-    """Where every leaf of ``state`` goes: tensors packed (8-byte aligned) into one buffer.
-    On the training thread, so unvalidated (``model_construct``): the header that lists them
-    is validated whole on the sealing thread."""
-    entries: list[Entry] = []
-    offset = 0
-    for leaf in leaves(state):
-        v = leaf.value
-        if isinstance(v, torch.Tensor):
-            t = _local(v)
-            n = t.numel() * t.element_size()
-            entries.append(
-                Entry.model_construct(
-                    path=list(leaf.path),
-                    dtype=str(t.dtype),
-                    shape=list(t.shape),
-                    offset=offset,
-                    nbytes=n,
-                )
-            )
-            offset += (n + 7) // 8 * 8
-        elif isinstance(v, (int, float, bool, str)) or v is None:
-            entries.append(Entry.model_construct(path=list(leaf.path), value=v))
-        elif isinstance(v, tuple) and all(_is_scalar(x) for x in v):
-            entries.append(Entry.model_construct(path=list(leaf.path), value=list(v)))
-        else:
-            raise TypeError(
-                f"node memory cannot hold {type(v).__name__} at {'/'.join(map(str, leaf.path))}"
-            )
-    return entries, offset
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where a state's tensors go in a memory save (:func:`plan`), with the tensors' bytes as
-    views of their live storage when every one of them is contiguous, and the slices of each
-    generation's buffer they go to: a save of the same state's version then only copies, in
-    one call (no walk, no plan, no slicing)."""
-
-    version: int | None
-    entries: list[Entry]
-    size: int
-    views: list[tuple[int, int, torch.Tensor]] | None
-    # Per generation: the buffer the slices view, and the slices (kept while it is the same).
-    targets: dict[int, tuple[mmap.mmap, list[torch.Tensor]]] = field(default_factory=dict)
-    _json: list[str] = field(default_factory=list)  # the entries' JSON, once made
-
-    def entries_json(self) -> str:
-        if not self._json:
-            self._json.append(_ENTRIES.dump_json(self.entries).decode())
-        return self._json[0]
-
-    @classmethod
-    def of(cls, state: dict[str, Any], version: int | None) -> _Layout:
-        entries, size = plan(state)
-        views: list[tuple[int, int, torch.Tensor]] | None = []
-        for leaf, e in zip(leaves(state), entries, strict=True):
-            if e.dtype is None or not e.nbytes:
-                continue
-            t = _local(leaf.value)
-            if not t.is_contiguous():  # its bytes would be a copy: take them at each save
-                views = None
-                break
-            assert views is not None
-            views.append((e.offset, e.nbytes, _bytes_of(t)))
-        return cls(version, entries, size, views)
-
-    def copy_into(self, gen: int, buf: mmap.mmap, state: dict[str, Any]) -> None:
-        """Copy the state's tensors' bytes into ``buf`` (generation ``gen``'s buffer)."""
-        if self.views is None:
-            sources = [
-                (e.offset, e.nbytes, _bytes_of(_local(leaf.value)))
-                for leaf, e in zip(leaves(state), self.entries, strict=True)
-                if e.dtype is not None and e.nbytes
-            ]
-        else:
-            sources = self.views
-        if not sources:
-            return
-        kept = self.targets.get(gen)
-        if kept is not None and kept[0] is buf and self.views is not None:
-            dsts = kept[1]
-        else:
-            whole = torch.frombuffer(buf, dtype=torch.uint8)
-            dsts = [whole[o : o + n] for o, n, _ in sources]
-            if self.views is not None:
-                self.targets[gen] = (buf, dsts)
-        srcs = [src for _, _, src in sources]
-        try:
-            # One call for every tensor (a loop of copy_ costs ~2 us each in Python).
-            torch._foreach_copy_(dsts, srcs)
-        except AttributeError:  # a torch without it (it is private)
-            for d, src in zip(dsts, srcs, strict=True):
-                d.copy_(src)
-
-
-def _is_scalar(v: Any) -> bool:
-    return isinstance(v, (int, float, bool, str)) or v is None
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 class NodeMemory:
@@ -320,7 +135,7 @@ class NodeMemory:
         if send_to is not None:
             mm = self._maps[gen] if sealed is not None else None
             blob, size = (sealed[0].encode(), sealed[1]) if sealed is not None else (b"", 0)
-            works = _send(blob, size, mm, send_to, group, tags=REPLICA_TAGS)
+            works = transport.send(blob, size, mm, send_to, group, tags=transport.REPLICA_TAGS)
         for q in recv_from:
             self._receive(q, group, token)
         for w in works:
@@ -333,7 +148,7 @@ class NodeMemory:
         to its end all the same)."""
         import torch.distributed as dist
 
-        announced = _receive_header(src, group, tags=REPLICA_TAGS)
+        announced = transport.receive_header(src, group, tags=transport.REPLICA_TAGS)
         if announced is None:  # its save failed: nothing comes
             return
         blob, size = announced
@@ -355,7 +170,7 @@ class NodeMemory:
                     torch.frombuffer(mm, dtype=torch.uint8)[:size],
                     src,
                     group=group,
-                    tag=REPLICA_TAGS[2],
+                    tag=transport.REPLICA_TAGS[2],
                 )
             # Its top fields only: its entries are validated whole when it is restored.
             header = Announced.model_validate_json(blob)
@@ -557,13 +372,13 @@ class NodeMemory:
         mm = None
         if header is not None:
             try:
-                mm = self._map(header, where)
+                mm = self.map(header, where)
             except NodeCopyError as e:
                 log.warning("rank %d: cannot send rank %d's copy: %s", self.rank, dst, e)
                 header = None
         blob = header.model_dump_json().encode() if header is not None else b""
         size = header.size if header is not None else 0
-        for w in _send(blob, size, mm, dst, group, tags=RESUME_TAGS):
+        for w in transport.send(blob, size, mm, dst, group, tags=transport.RESUME_TAGS):
             if w is not None:
                 w.wait()
 
@@ -573,14 +388,14 @@ class NodeMemory:
         by :meth:`restore`."""
         import torch.distributed as dist
 
-        announced = _receive_header(src, group, tags=RESUME_TAGS)
+        announced = transport.receive_header(src, group, tags=transport.RESUME_TAGS)
         if announced is None:
             raise NodeCopyError(f"rank {src} had no copy to send")
         blob, size = announced
         mm = mmap.mmap(-1, max(size, 1))
         if size:
             data = torch.frombuffer(mm, dtype=torch.uint8)[:size]
-            dist.recv(data, src, group=group, tag=RESUME_TAGS[2])
+            dist.recv(data, src, group=group, tag=transport.RESUME_TAGS[2])
         try:
             header = Header.model_validate_json(blob)
         except ValidationError as e:
@@ -608,11 +423,12 @@ class NodeMemory:
         peer copy's) into ``target`` (the live model's and optimizer's state, from
         ``get_state_dict``): digest, finite values and layout checked first, so a failure
         leaves ``target`` untouched. Returns the bytes read."""
-        return self.restore(
-            header, self._map(header, where), target, str(self.bin_path(header.generation, where))
-        )
+        path = str(self.bin_path(header.generation, where))
+        return node_format.restore(header, self.map(header, where), target, path)
 
-    def _map(self, header: Header, where: Path | None) -> mmap.mmap:
+    def map(self, header: Header, where: Path | None) -> mmap.mmap:
+        """``header``'s bytes (in ``where``: this rank's directory by default), mapped
+        copy-on-write (a restore never changes the file)."""
         path = self.bin_path(header.generation, where)
         try:
             with open(path, "rb", opener=_no_follow) as f:
@@ -622,112 +438,6 @@ class NodeMemory:
                 return mmap.mmap(f.fileno(), max(header.size, 1), access=mmap.ACCESS_COPY)
         except OSError as e:
             raise NodeCopyError(f"{path}: {e}") from e
-
-    def restore(self, header: Header, mm: mmap.mmap, target: dict[str, Any], path: str) -> int:
-        """Restore ``header``'s bytes, mapped in ``mm`` (a file's, or received from a peer),
-        into ``target``; see :meth:`load`. Closes ``mm``."""
-        src: torch.Tensor | None = None
-        try:
-            digest = hashlib.sha256(memoryview(mm)[: header.size]).hexdigest()
-            if digest != header.sha256:
-                raise NodeCopyError(
-                    f"{path}: sha256 {digest[:12]}…, its header {header.sha256[:12]}…"
-                )
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # frombuffer on a copy-on-write map
-                src = torch.frombuffer(mm, dtype=torch.uint8) if header.size else None
-            pairs = self._match(header, target)
-            views = []
-            for entry, leaf in pairs:
-                if entry.dtype is None:
-                    continue
-                dtype = _dtype(entry.dtype)
-                assert dtype is not None and src is not None and entry.shape is not None
-                raw = src[entry.offset : entry.offset + entry.nbytes]
-                view = raw.view(dtype).reshape(entry.shape)
-                if view.is_floating_point() and not bool(torch.isfinite(view).all()):
-                    where = "/".join(map(str, entry.path))
-                    raise NodeCopyError(f"{path}: {where} is not finite")
-                views.append((view, leaf))
-            with torch.no_grad():
-                for view, leaf in views:
-                    _local(leaf.value).copy_(view)
-            for entry, leaf in pairs:
-                if entry.dtype is None:
-                    value = entry.value
-                    leaf.holder[leaf.key] = tuple(value) if isinstance(value, list) else value
-            return header.size
-        finally:
-            del src
-            with contextlib.suppress(BufferError):
-                mm.close()
-
-    def _match(self, header: Header, target: dict[str, Any]) -> list[tuple[Entry, Leaf]]:
-        live = list(leaves(target))
-        if len(live) != len(header.entries):
-            raise NodeCopyError(
-                f"the copy holds {len(header.entries)} entries, the live state {len(live)}"
-            )
-        for e, leaf in zip(header.entries, live, strict=True):
-            where = "/".join(map(str, leaf.path))
-            if tuple(e.path) != leaf.path:
-                raise NodeCopyError(f"entry {'/'.join(map(str, e.path))} where {where} is")
-            is_tensor = isinstance(leaf.value, torch.Tensor)
-            if is_tensor != (e.dtype is not None):
-                raise NodeCopyError(f"{where}: a tensor in one, not in the other")
-            if is_tensor:
-                t = _local(leaf.value)
-                if e.dtype != str(t.dtype) or e.shape != list(t.shape):
-                    raise NodeCopyError(
-                        f"{where}: {e.dtype} {e.shape} in the copy, {t.dtype} {list(t.shape)} live"
-                    )
-                if e.nbytes != t.numel() * t.element_size() or e.offset + e.nbytes > header.size:
-                    raise NodeCopyError(f"{where}: its bytes lie outside the copy")
-        return list(zip(header.entries, live, strict=True))
-
-
-# One shard on the wire (the memory saves' replication and a resume's transfer alike): its
-# header's length and the bytes' size, the header (JSON), the bytes; a length of 0 says nothing
-# comes. Each use has its own tags, so the two never match each other's messages.
-REPLICA_TAGS = (1, 2, 3)
-RESUME_TAGS = (4, 5, 6)
-
-
-def _send(
-    blob: bytes, size: int, mm: mmap.mmap | None, dst: int, group: Any, *, tags: tuple[int, ...]
-) -> list[Any]:
-    """Post a shard, its header's JSON ``blob`` (empty: nothing comes) and ``size`` bytes mapped
-    in ``mm``, to ``dst``; the sends' handles."""
-    import torch.distributed as dist
-
-    meta = torch.tensor([len(blob), size], dtype=torch.int64)
-    works = [dist.isend(meta, dst, group=group, tag=tags[0])]
-    if blob:
-        payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        works.append(dist.isend(payload, dst, group=group, tag=tags[1]))
-    if mm is not None and size:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # frombuffer on a copy-on-write map
-            data = torch.frombuffer(mm, dtype=torch.uint8)[:size]
-        works.append(dist.isend(data, dst, group=group, tag=tags[2]))
-    return works
-
-
-def _receive_header(src: int, group: Any, *, tags: tuple[int, ...]) -> tuple[bytes, int] | None:
-    """The header (JSON bytes, bounded) and the size of the shard ``src`` sends, or None when
-    it says nothing comes; the bytes follow with ``tags[2]``."""
-    import torch.distributed as dist
-
-    meta = torch.zeros(2, dtype=torch.int64)
-    dist.recv(meta, src, group=group, tag=tags[0])
-    hlen, size = int(meta[0]), int(meta[1])
-    if hlen == 0:
-        return None
-    if not 0 < hlen <= HEADER_LIMIT or size < 0:
-        raise NodeCopyError(f"rank {src} announced a {hlen}-byte header and {size} bytes")
-    blob = torch.empty(hlen, dtype=torch.uint8)
-    dist.recv(blob, src, group=group, tag=tags[1])
-    return blob.numpy().tobytes(), size
 
 
 def _allocated_map(path: Path, size: int) -> mmap.mmap:
