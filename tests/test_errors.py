@@ -8,7 +8,7 @@ import pkgutil
 
 import trainer
 from trainer.checkpointing import NoValidCheckpoint
-from trainer.checkpointing.manager import FatalError
+from trainer.checkpointing.restoring import FatalError
 from trainer.config import ConfigError
 from trainer.data import DataError
 from trainer.errors import TerminalError, TrainerError

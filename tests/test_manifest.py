@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from trainer import checkpointing as m
-from trainer.checkpointing.manager import recorded_commit
 from trainer.config import ConfigError, TrainConfig
 from trainer.events import EventLog, read_events
 from trainer.faults import flip_bytes
+from trainer.history import RunHistory
 
 FP = "abc123"
 
@@ -349,6 +349,10 @@ def test_recorded_commits_count_since_the_last_fresh_start():
         {"t": 2, "kind": "checkpoint", "step": 10, "blocking_s": 0.1},
         {"t": 3, "kind": "resume", "action": "fresh", "archived": "x"},
     ]
+
+    def recorded_commit(events: list[dict]) -> int | None:
+        return RunHistory.of(events).recorded_commit()
+
     assert recorded_commit(ev[:2]) == 10  # checkpoints gone now: refuse to start at step 0
     assert recorded_commit(ev) is None  # an explicit fresh start expects none
     assert recorded_commit([*ev, {"t": 4, "kind": "checkpoint", "step": 5, "blocking_s": 0.1}]) == 5

@@ -18,43 +18,32 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.optim import Optimizer
 
-from trainer import __version__, checkpointing, run_state, untrusted
+from trainer import __version__, checkpointing, run_state
 from trainer.checkpointing import (
     CheckpointCommitError,
     CheckpointStorageError,
-    node_copy,
     node_format,
     tiers,
 )
 from trainer.checkpointing.async_save import WARMUP_STEP, AsyncCheckpointer, CommitTask, SaveResult
 from trainer.checkpointing.live_state import LiveState
 from trainer.checkpointing.node_copy import NodeMemory
-from trainer.checkpointing.process_copy import NO_COPY, SOURCE, ProcessCopy
+from trainer.checkpointing.process_copy import NO_COPY, ProcessCopy
+from trainer.checkpointing.restore_durable import DurableRestorer
+from trainer.checkpointing.restore_node import NodeRestorer
+from trainer.checkpointing.restore_own import OwnCopyRestorer
+from trainer.checkpointing.restoring import FatalError, RestoreContext, Restorer, Resumed
 from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, ResumePolicy, TrainConfig
 from trainer.elastic import node_id
-from trainer.errors import TerminalError
 from trainer.events import EventLog
 from trainer.fence import Fence
-from trainer.history import RunHistory
 from trainer.workload import DataSource
 
 log = logging.getLogger(__name__)
-
-
-class FatalError(TerminalError):
-    """A failure no restart can fix (bad data, no valid checkpoint, config mismatch)."""
-
-
-@dataclass
-class Resumed:
-    step: int  # 0 when starting fresh
-    loss: float | None
-    path: Path | None
 
 
 class Sections(Protocol):
@@ -126,66 +115,35 @@ class CheckpointManager:
 
     def _resume(self, model: nn.Module, optim: Optimizer, sampler: DataSource) -> Resumed:
         choice, copy = self._choose_tier()
+        ctx = RestoreContext(
+            self.cfg, self.rank, self.world_size, self.group, self.events, self.fence
+        )
         # A restore that fails on some rank (said in a skipped event) removes its candidate and
         # the choice is made again over what is left, by every rank alike (the offers were
         # gathered by all, the newest commit came with the choice): an older generation,
         # another tier, at last the durable checkpoint, which overwrites whatever was copied.
         while choice.tier != "durable":
+            restorer: Restorer
             if choice.tier == "memory":
-                assert copy is not None  # chosen only where every rank offered its own copy
-                if self._restore_own_copy(model, optim, sampler, copy, self._own_bytes):
-                    loss = copy.info.get("loss")
-                    if copy.step > choice.newest_committed:
-                        # The copy's own save never committed (the fault came while it was in
-                        # flight): write it again now, or the durable tier, which a respawn or
-                        # a lost node falls back to, would stay behind what training resumed
-                        # from.
-                        with self.sections.section(CHECKPOINT_SECTION):
-                            self._save(copy.step, model, optim, sampler, float(loss or 0.0))
-                    return Resumed(copy.step, loss, None)
+                restorer = OwnCopyRestorer(ctx, copy, self._own_bytes)
             else:
-                restored = self._restore_node_copy(model, optim, sampler, choice.step, choice.plan)
-                if restored is not None:
-                    return restored
+                assert self.node is not None  # node and peer steps come from node memory
+                restorer = NodeRestorer(ctx, self.node, self._node_headers, self._peer_headers)
+            resumed = restorer.restore(model, optim, sampler, choice)
+            if resumed is not None:
+                if choice.tier == "memory" and resumed.step > choice.newest_committed:
+                    # The copy's own save never committed (the fault came while it was in
+                    # flight): write it again now, or the durable tier, which a respawn or a
+                    # lost node falls back to, would stay behind what training resumed from.
+                    with self.sections.section(CHECKPOINT_SECTION):
+                        self._save(resumed.step, model, optim, sampler, resumed.loss or 0.0)
+                return resumed
             self._offers = tiers.without(
                 self._offers, choice.tier, choice.step, "restoring it failed"
             )
             # What the first choice did not use was said then; the failure just now too.
             choice = replace(tiers.choose(self._offers, choice.newest_committed), skipped=())
-        decision: list[Any] = [None]
-        if self.rank == 0:
-            decision[0] = self._choose()
-        dist.broadcast_object_list(decision, src=0, group=self.group)
-        kind, payload = decision[0]
-        if kind == "candidates":
-            kind, payload = self._verify_candidates(*payload)
-        if kind == "error":
-            raise FatalError(payload)
-        if kind == "fresh":
-            return Resumed(0, None, None)
-        step, path, info = payload
-        t0 = time.perf_counter()
-        model_sd, optim_sd = get_state_dict(model, optim)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, process_group=self.group, **untrusted.dcp_load_args(path))  # resharding
-        set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        try:
-            sampler.check_state(info.get("data_loader", {}), step)
-        except Exception as e:
-            raise FatalError(str(e)) from e
-        if self.rank == 0:
-            self.events.emit(
-                "resume",
-                action="loaded",
-                step=step,
-                path=str(path),
-                saved_world_size=info.get("world_size"),
-                world_size=self.world_size,
-                load_s=round(time.perf_counter() - t0, 4),
-                source="durable",
-                bytes=checkpointing.listed_bytes(info),
-            )
-        return Resumed(step, info.get("loss"), Path(path))
+        return DurableRestorer(ctx, self.fingerprint).restore(model, optim, sampler, choice)
 
     def _choose_tier(self) -> tuple[tiers.Choice, ProcessCopy | None]:
         """All ranks, at a resume: what each rank offers (its process's own copy, the steps its
@@ -251,207 +209,6 @@ class CheckpointManager:
                 tuple(q for q, p in enumerate(ring) if p == self.rank),
             )
         return [o for o, _ in gathered]
-
-    def _shard_for(self, step: int, plan: tuple[int, ...]) -> tuple[Any, Any, str]:
-        """All ranks, in one order: the peer copies that must travel (a holder sends, the rank
-        it belongs to receives, on the checkpoint group), then this rank's (header, bytes or
-        directory, where from). A failure is raised after every transfer of this rank ran."""
-        assert self.node is not None
-        received: tuple[Any, Any, str] | None = None
-        failure: Exception | None = None
-        for r, h in enumerate(plan):
-            if h < 0 or h == r:
-                continue
-            if self.rank == h:
-                header = self._peer_headers.get(r, {}).get(step)
-                self.node.send_shard(header, self.node.peer_dir(r), r, self.group)
-            elif self.rank == r:
-                try:
-                    header, mm = self.node.recv_shard(h, self.group)
-                    received = (header, mm, f"rank {h}'s peer copy")
-                except Exception as e:
-                    failure = e
-        if failure is not None:
-            raise failure
-        h = plan[self.rank]
-        if h < 0:
-            header = self._node_headers[step]
-            return header, self.node.map(header, None), str(self.node.dir)
-        if h == self.rank:
-            header = self._peer_headers[self.rank][step]
-            where = self.node.peer_dir(self.rank)
-            return header, self.node.map(header, where), str(where)
-        assert received is not None
-        return received
-
-    def _restore_node_copy(
-        self,
-        model: nn.Module,
-        optim: Optimizer,
-        sampler: DataSource,
-        step: int,
-        plan: tuple[int, ...] = (),
-    ) -> Resumed | None:
-        """All ranks: load step ``step`` from node memory (each rank its own shard, digest,
-        finite values and layout checked first); None when some rank could not (the next
-        candidate is read then, and overwrites whatever was copied: see ``_resume``)."""
-        t0 = time.perf_counter()
-        failed, nbytes, loss = "", 0, None
-        source = "peer" if any(h >= 0 for h in plan) else node_copy.SOURCE
-        try:
-            assert self.node is not None
-            header, mm, where = self._shard_for(step, plan or (-1,) * self.world_size)
-            model_sd, optim_sd = get_state_dict(model, optim)
-            state = {"model": model_sd, "optim": optim_sd}
-            nbytes = node_format.restore(header, mm, state, where)
-            set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
-            sampler.check_state(header.info.get("data_loader", {}), step)
-            loss = header.info.get("loss")
-        except Exception as e:
-            failed = f"{type(e).__name__}: {e}"
-        outcomes: list[Any] = [None] * self.world_size
-        dist.all_gather_object(outcomes, (failed, nbytes), group=self.group)
-        why = next((f"rank {r}: {o[0]}" for r, o in enumerate(outcomes) if o[0]), "")
-        if self.rank == 0:
-            if why:
-                self.events.emit(
-                    "resume", action="skipped", step=step, source=source,
-                    reason=f"not from {tiers.DESCRIBED[source]}: restoring it failed: {why}",
-                )  # fmt: skip
-            else:
-                self.events.emit(
-                    "resume",
-                    action="loaded",
-                    step=step,
-                    world_size=self.world_size,
-                    saved_world_size=self.world_size,
-                    load_s=round(time.perf_counter() - t0, 4),
-                    source=source,
-                    bytes=sum(int(o[1]) for o in outcomes),
-                )
-        if why:
-            return None
-        return Resumed(step, loss if isinstance(loss, (int, float)) else None, None)
-
-    def _restore_own_copy(
-        self,
-        model: nn.Module,
-        optim: Optimizer,
-        sampler: DataSource,
-        copy: ProcessCopy,
-        total_bytes: int,
-    ) -> bool:
-        """All ranks: load the agreed copy into the live model and optimizer; whether every
-        rank did (a rank that could not makes every rank read the next candidate, which
-        overwrites whatever was copied: see ``_resume``)."""
-        t0 = time.perf_counter()
-        failed = ""
-        try:
-            model_sd, optim_sd = get_state_dict(model, optim)
-            copy.restore_into({"model": model_sd, "optim": optim_sd})
-            set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
-            sampler.check_state(copy.info["data_loader"], copy.step)
-        except Exception as e:
-            failed = f"{type(e).__name__}: {e}"
-        outcomes: list[Any] = [None] * self.world_size
-        dist.all_gather_object(outcomes, failed, group=self.group)
-        why = next((o for o in outcomes if o), "")
-        if self.rank == 0:
-            if why:
-                self.events.emit(
-                    "resume", action="skipped", step=copy.step, source=SOURCE,
-                    reason=f"restoring the process's own copy failed: {why}",
-                )  # fmt: skip
-            else:
-                self.events.emit(
-                    "resume",
-                    action="loaded",
-                    step=copy.step,
-                    world_size=self.world_size,
-                    saved_world_size=self.world_size,
-                    load_s=round(time.perf_counter() - t0, 4),
-                    source=SOURCE,
-                    bytes=total_bytes,
-                )
-        return not why
-
-    def _choose(self) -> tuple[str, Any]:
-        root = self.cfg.run_root
-        if self.cfg.resume == ResumePolicy.FRESH:
-            self._start_fresh()
-        verify = self.cfg.verify_checkpoint_on_resume
-        with self.fence.hold("settle what a crash left in the checkpoints"):
-            settled = checkpointing.recover(
-                root, fingerprint=self.fingerprint, verify_digests=verify
-            )
-        for r in settled:
-            self.events.emit("resume", action=r.action, dir=r.dir, step=r.step, reason=r.reason)
-        ok, rejected, found = checkpointing.resume_candidates(root, fingerprint=self.fingerprint)
-        if not found:
-            fact = run_state.recorded_commit(root)
-            # A run root from before control/commit.json: its log says (read once, here).
-            recorded = fact.step if fact.known else RunHistory.read(root).recorded_commit()
-            if recorded is not None:
-                why = _checkpoints_gone(root, recorded)
-                self.events.emit("resume", action="failed", reason=why, recorded_step=recorded)
-                return ("error", why)
-            return ("fresh", None)
-        # Every check but the files' digests is done; those are every rank's (below).
-        return ("candidates", ([(s, str(p), m) for s, p, m in ok], rejected, found))
-
-    def _verify_candidates(
-        self,
-        ok: list[tuple[int, str, dict[str, Any]]],
-        rejected: list[tuple[int, str]],
-        found: int,
-    ) -> tuple[str, Any]:
-        """All ranks, newest candidate first: each rank digests its share of the files
-        (``checkpointing.digest_share``) and the ranks agree; the first candidate every share
-        vouches for is loaded. Rank 0 records every newer checkpoint skipped, and why."""
-        chosen: tuple[int, str, dict[str, Any]] | None = None
-        rejected = list(rejected)
-        for step, path, info in ok:
-            mine = None
-            if self.cfg.verify_checkpoint_on_resume:
-                mine = checkpointing.digest_share(
-                    Path(path), info, index=self.rank, count=self.world_size
-                )
-            reasons: list[Any] = [None] * self.world_size
-            dist.all_gather_object(reasons, mine, group=self.group)
-            bad = next((r for r in reasons if r), None)
-            if bad is None:
-                chosen = (step, path, info)
-                break
-            rejected.append((step, bad))
-        newer = sorted(
-            ((s, why) for s, why in rejected if chosen is None or s > chosen[0]), reverse=True
-        )
-        if chosen is None:
-            why = checkpointing.no_valid_checkpoint(self.cfg.run_root, found, rejected)
-            if self.rank == 0:
-                self.events.emit("resume", action="failed", reason=why)
-            return ("error", why)
-        if self.rank == 0:
-            for s, why in newer:
-                self.events.emit("resume", action="skipped", step=s, reason=why)
-        return ("load", chosen)
-
-    def _start_fresh(self) -> None:
-        """Explicit fresh start: archive (never delete) what is there; the ``fresh`` event also
-        tells later resumes that commits recorded before it are not expected on disk."""
-        root = self.cfg.run_root
-        ckdir = checkpointing.checkpoints_dir(root)
-        archived = None
-        # Only if it holds steps: the writer's warm-up alone is no checkpoint (if the move
-        # catches the warm-up mid-write, that failure is only logged).
-        with self.fence.hold("start fresh"):
-            if ckdir.is_dir() and any(
-                checkpointing.step_of(p) is not None for p in ckdir.iterdir()
-            ):
-                archived = ckdir.with_name(f"checkpoints.before-fresh-{int(time.time())}")
-                shutil.move(str(ckdir), archived)
-            run_state.record_commit(root, None)
-        self.events.emit("resume", action="fresh", archived=archived and str(archived))
 
     # -- saving --------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -663,21 +420,6 @@ class _Commit:
             pruned=pruned.removed,
         )
         return path
-
-
-def recorded_commit(events: list[dict[str, Any]]) -> int | None:
-    """The newest step recorded events say was committed since the last explicit fresh start
-    (:meth:`trainer.history.RunHistory.recorded_commit`)."""
-    return RunHistory.of(events).recorded_commit()
-
-
-def _checkpoints_gone(run_root: Path, recorded: int) -> str:
-    ckdir = checkpointing.checkpoints_dir(run_root)
-    return (
-        f"run {run_root}: its events.jsonl records committed checkpoints up to step {recorded}, "
-        f"but {ckdir} holds no checkpoint (missing or emptied). Refusing to start from step 0: "
-        f"restore {ckdir}, or start over explicitly with resume=fresh."
-    )
 
 
 def _disk(path: Path) -> dict[str, Any]:

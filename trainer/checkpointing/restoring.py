@@ -1,0 +1,94 @@
+"""What every tier's restorer shares (issue 40, item 1): the ranks' context, the result, the
+agreement on a failure and the events that say what was read or skipped.
+
+A resume chooses a tier (:mod:`~trainer.checkpointing.tiers`), then that tier's restorer loads
+it into the live model and optimizer on every rank: :mod:`~trainer.checkpointing.restore_own`
+(the process's own copy), :mod:`~trainer.checkpointing.restore_node` (node memory and the peer
+copies), :mod:`~trainer.checkpointing.restore_durable` (the committed checkpoint). A memory tier
+that fails on any rank gives None on every rank, and the manager chooses again over what is
+left; the durable restorer is the last word (it loads, starts fresh, or raises
+:class:`FatalError`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from trainer.checkpointing import tiers
+from trainer.config import TrainConfig
+from trainer.errors import TerminalError
+from trainer.events import EventLog
+from trainer.fence import Fence
+from trainer.workload import DataSource
+
+
+class FatalError(TerminalError):
+    """A failure no restart can fix (bad data, no valid checkpoint, config mismatch)."""
+
+
+@dataclass
+class Resumed:
+    step: int  # 0 when starting fresh
+    loss: float | None
+    path: Path | None
+
+
+@dataclass(frozen=True)
+class RestoreContext:
+    """The ranks a restore runs on and where it reports."""
+
+    cfg: TrainConfig
+    rank: int
+    world_size: int
+    group: Any  # the checkpoint process group
+    events: EventLog
+    fence: Fence
+
+    def failure(self, mine: str, nbytes: int = 0) -> tuple[str, int]:
+        """All ranks: this rank's failure ("" for none) and bytes read, gathered; the first
+        failure named with its rank ("" when every rank succeeded) and the bytes of all."""
+        outcomes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(outcomes, (mine, nbytes), group=self.group)
+        why = next((f"rank {r}: {o[0]}" for r, o in enumerate(outcomes) if o[0]), "")
+        return why, sum(int(o[1]) for o in outcomes)
+
+    def loaded(self, step: int, source: str, began: float, nbytes: int, **extra: Any) -> None:
+        """Rank 0: the ``resume`` event of a load."""
+        if self.rank == 0:
+            self.events.emit(
+                "resume",
+                action="loaded",
+                step=step,
+                world_size=self.world_size,
+                load_s=round(time.perf_counter() - began, 4),
+                source=source,
+                bytes=nbytes,
+                **{"saved_world_size": self.world_size, **extra},
+            )
+
+    def skipped(self, step: int, source: str, reason: str) -> None:
+        """Rank 0: the ``resume`` event of a candidate not read, and why."""
+        if self.rank == 0:
+            self.events.emit("resume", action="skipped", step=step, source=source, reason=reason)
+
+
+class Restorer(Protocol):
+    """One tier's restore, on every rank alike: the resume, or None where some rank could not
+    (every rank then chooses again over what is left)."""
+
+    def restore(
+        self, model: nn.Module, optim: Optimizer, sampler: DataSource, choice: tiers.Choice
+    ) -> Resumed | None: ...
+
+
+def loss_of(info: dict[str, Any]) -> float | None:
+    """A copy's recorded loss, where it is a number (a copy is untrusted input)."""
+    loss = info.get("loss")
+    return float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None
