@@ -8,7 +8,7 @@ of the resilience layers being compared:
   global batch and learning rate (``TrainConfig``'s defaults);
 - the process-group timeout is ours (``InProcessConfig().pg_timeout_s`` unless
   ``--pg-timeout-s`` says otherwise), and checkpoint collectives run on their own gloo group
-  with ours' checkpoint timeout (``TrainConfig.ckpt_timeout_s``), as the trainer does;
+  with ours' checkpoint timeout (``DurableConfig.timeout_s``), as the trainer does;
 - checkpoints are synchronous ``torch.distributed.checkpoint.save`` (every rank writes its own
   shard, fsynced: ``FileSystemWriter(sync_files=True)``) of ``get_state_dict(model, optim)``
   into ``<run_root>/baseline_ckpt/step_NNNNNNNNN.tmp``; once every rank is done, rank 0 writes
@@ -67,6 +67,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer.checkpointing import fsync_path
+from trainer.checkpointing.config import CheckpointConfig, DurableConfig
 from trainer.config import (
     CHECKPOINT_SECTION,
     LOAD_SECTION,
@@ -82,6 +83,7 @@ from trainer.workload import OptimSettings
 COMMITTED = "COMMITTED"
 CKPT_DIR = "baseline_ckpt"
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+_DURABLE = DurableConfig()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--global-batch", type=int, default=_DEFAULTS["global_batch"])
     p.add_argument("--ckpt-interval", type=int, default=10)
-    p.add_argument("--keep-last", type=int, default=_DEFAULTS["keep_last"])
+    p.add_argument("--keep-last", type=int, default=_DURABLE.keep_last)
     p.add_argument("--seed", type=int, default=_DEFAULTS["seed"])
     p.add_argument("--lr", type=float, default=_DEFAULTS["lr"])
     p.add_argument("--weight-decay", type=float, default=_DEFAULTS["weight_decay"])
@@ -104,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=InProcessConfig().pg_timeout_s,
         help="process-group timeout (default: ours, InProcessConfig().pg_timeout_s)",
     )
-    p.add_argument("--ckpt-timeout-s", type=float, default=_DEFAULTS["ckpt_timeout_s"])
+    p.add_argument("--ckpt-timeout-s", type=float, default=_DURABLE.timeout_s)
     p.add_argument("--parallel", choices=("fsdp2", "ddp"), default="fsdp2")
     p.add_argument(
         "--fault", action="append", default=[], help="kind@step=N[,rank=R][,phase=checkpoint]"
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         lr=args.lr,
         weight_decay=args.weight_decay,
         seed=args.seed,
-        ckpt_interval=args.ckpt_interval,
+        checkpoint=CheckpointConfig(durable=DurableConfig(interval=args.ckpt_interval)),
     )
     wl = cfg.wl
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank and every restart
@@ -334,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                 step_s=round(step_s, 4),
                 tokens_per_s=round(tokens / step_s, 1),
             )
-        if step % cfg.ckpt_interval == 0 or step == cfg.steps:
+        if cfg.checkpoint.durable.due(step, cfg.steps):
             monitor.start(CHECKPOINT_SECTION)
             t0 = time.perf_counter()
             tmp = tmp_dir(cfg.run_root, step)

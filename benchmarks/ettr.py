@@ -50,6 +50,7 @@ from tasks.backends.local import LocalBackend  # noqa: E402
 from tasks.classify import EndKind  # noqa: E402
 from tasks.run_summary import productive_s  # noqa: E402
 from tasks.train_stage import run_attempt  # noqa: E402
+from trainer.checkpointing.config import CheckpointConfig, DurableConfig, MemoryConfig  # noqa: E402
 from trainer.config import InProcessConfig, TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
 from trainer.events import read_events  # noqa: E402
@@ -81,10 +82,11 @@ def run_ours(
         run_root=root,
         data_dir=data,
         steps=steps,
-        ckpt_interval=interval,
         faults=tuple(faults),
-        # 1: the default, the memory tiers on; 0: the durable checkpoint alone (issue 29).
-        memory_interval=memory_interval,
+        # 1: the memory tiers on; 0: the durable checkpoint alone (issue 29).
+        checkpoint=CheckpointConfig(
+            durable=DurableConfig(interval=interval), memory=MemoryConfig(interval=memory_interval)
+        ),
     )
     t0 = time.monotonic()
     attempts = 0

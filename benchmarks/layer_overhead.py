@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
 
+    from trainer.checkpointing.config import CheckpointConfig, DurableConfig
     from trainer.config import InJobConfig, InProcessConfig, TrainConfig
     from trainer.data import write_synthetic_dataset
 
@@ -117,18 +118,19 @@ def main(argv: list[str] | None = None) -> int:
         workload=args.workload,
         steps=args.steps,
         global_batch=8,
-        ckpt_interval=args.ckpt_interval,
+        checkpoint=CheckpointConfig(durable=DurableConfig(interval=args.ckpt_interval)),
     )
+    last_only = CheckpointConfig(durable=DurableConfig(interval=args.steps))
     none = replace(
         base,
-        ckpt_interval=args.steps,  # only the last step saves: outside the window
+        checkpoint=last_only,  # only the last step saves: outside the window
         inprocess=replace(InProcessConfig(), enabled=False),
         injob=replace(InJobConfig(), enabled=False),
     )
     # Which layer costs what: the restart layers alone (heartbeats, Wrapper), then all three.
     variants = (
         ("none", none, False),
-        ("restart-layers", replace(base, ckpt_interval=args.steps), True),
+        ("restart-layers", replace(base, checkpoint=last_only), True),
         ("layers", base, True),
     )
     runs: list[dict[str, object]] = []

@@ -39,6 +39,7 @@ from tasks.backends.base import LaunchRequest  # noqa: E402
 from tasks.backends.local import LocalBackend  # noqa: E402
 from tasks.classify import EndKind  # noqa: E402
 from tasks.train_stage import run_attempt  # noqa: E402
+from trainer.checkpointing.config import CheckpointConfig, DurableConfig, MemoryConfig  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
 from trainer.events import read_events  # noqa: E402
@@ -61,8 +62,10 @@ def run(
         run_root=run_root,
         data_dir=data,
         steps=args.steps,
-        ckpt_interval=args.ckpt_interval,
-        memory_interval=memory_interval,
+        checkpoint=CheckpointConfig(
+            durable=DurableConfig(interval=args.ckpt_interval),
+            memory=MemoryConfig(interval=memory_interval),
+        ),
         faults=(spec,) if spec else (),
     )
     for attempt in (1, 2):

@@ -48,6 +48,7 @@ from tasks.backends.base import LaunchRequest  # noqa: E402
 from tasks.backends.local import LocalBackend  # noqa: E402
 from tasks.classify import EndKind  # noqa: E402
 from tasks.train_stage import run_attempt  # noqa: E402
+from trainer.checkpointing.config import CheckpointConfig, DurableConfig  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
 from trainer.events import read_events  # noqa: E402
@@ -81,7 +82,7 @@ def run_path(path: LossPath, step: int, run_root: Path, data: Path, args: argpar
         run_root=run_root,
         data_dir=data,
         steps=args.steps,
-        ckpt_interval=args.ckpt_interval,
+        checkpoint=CheckpointConfig(durable=DurableConfig(interval=args.ckpt_interval)),
         faults=(path.fault.format(s=step),),
         # An elastic job splits every global batch into the full world's micro-batches.
         micro_batches=2 if path.min_nodes < 2 else None,

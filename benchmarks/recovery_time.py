@@ -57,6 +57,7 @@ from tasks.backends.base import LaunchRequest  # noqa: E402
 from tasks.backends.local import LocalBackend  # noqa: E402
 from tasks.classify import EndKind  # noqa: E402
 from tasks.train_stage import run_attempt  # noqa: E402
+from trainer.checkpointing.config import CheckpointConfig, DurableConfig  # noqa: E402
 from trainer.config import InProcessConfig, TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
 from trainer.events import read_events  # noqa: E402
@@ -97,7 +98,7 @@ def run_ours(spec: str, kind: str, run_root: Path, data: Path, args: argparse.Na
         run_root=run_root,
         data_dir=data,
         steps=args.steps,
-        ckpt_interval=args.ckpt_interval,
+        checkpoint=CheckpointConfig(durable=DurableConfig(interval=args.ckpt_interval)),
         faults=(spec,),
     )
     for attempt in (1, 2):

@@ -11,6 +11,7 @@ from flows.models import PipelineParams, new_run_id
 from tasks.backends import registry
 from tasks.backends.base import LaunchRequest, Placement
 from tasks.storage.s3 import S3Settings, parse_s3_uri
+from trainer.checkpointing.config import CheckpointConfig, DurableConfig, MemoryConfig
 from trainer.config import (
     Device,
     InJobConfig,
@@ -90,9 +91,10 @@ def train_config(
         steps=params.steps,
         global_batch=params.global_batch,
         micro_batches=params.micro_batches,
-        ckpt_interval=params.ckpt_interval,
-        memory_interval=params.memory_interval,
-        keep_last=params.keep_last,
+        checkpoint=CheckpointConfig(
+            durable=DurableConfig(interval=params.ckpt_interval, keep_last=params.keep_last),
+            memory=MemoryConfig(interval=params.memory_interval),
+        ),
         faults=tuple(params.drills.faults),
         device=device,
         deterministic=params.deterministic,

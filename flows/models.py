@@ -143,7 +143,7 @@ class InJobParams(BaseModel):
     initial_heartbeat_timeout_s: float | Literal["auto"] = _timeout("until the first heartbeat")
     node_silence_s: float | Literal["auto"] = _timeout(
         "a node whose beat stops this long while another's goes on is taken away as lost "
-        "(auto: twice the attempt's measured start-up + the workers' stop timeout)"
+        "(auto: thrice the attempt's measured start-up + the workers' stop timeout)"
     )
 
     @field_validator("*")

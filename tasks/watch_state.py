@@ -44,15 +44,18 @@ class Beat:
 class SilenceRule:
     """``injob.node_silence_s`` auto (issue 40, item 0): a node's first worker is gone for good
     reasons at most as long as an in-job respawn takes (its stop, then the start-up again:
-    rendezvous, interpreter, the model build, a load), so the silence bound is twice this
+    rendezvous, interpreter, the model build, a load), so the silence bound is three times this
     attempt's own start-up as the watcher measured it (launch to the first ``train_start``)
     plus the workers' stop timeout, between ``floor_s`` and ``ceiling_s`` (the start-up
-    allowance). Until measured no world trains, and silence is not judged."""
+    allowance). Until measured no world trains, and silence is not judged. Thrice, not twice:
+    a respawn also loads the state (1.3 GB from node memory in 2.6 s for gpt-100m here) and
+    follows a failure that may have stalled the node first (an OOM's reclaim: 18 s in a
+    gpt-100m run whose healthy-but-dying node 0 was taken away at 2 x)."""
 
     stop_s: float
     floor_s: float
     ceiling_s: float
-    multiple: float = 2.0
+    multiple: float = 3.0
 
     def bound(self, startup_s: float) -> float:
         raw = self.multiple * max(0.0, startup_s) + self.stop_s

@@ -13,6 +13,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpointing.config import (
+    CheckpointConfig,
+    DurableConfig,
+    MemoryConfig,
+    ResumePolicy,
+)
 from trainer.checkpointing.layout import NODE_MEMORY_ENV
 from trainer.config import InJobConfig, InProcessConfig, TrainConfig, save_config
 from trainer.events import read_events
@@ -118,12 +124,32 @@ class SmallCheckpoint:
     params_sha256: str  # the run's, at the checkpoint's step (its last)
 
 
+def ckpt(
+    interval: int = 5,
+    *,
+    memory: int = 1,
+    keep_last: int = 3,
+    resume: ResumePolicy = ResumePolicy.AUTO,
+    verify: bool = True,
+    timeout_s: float = 300.0,
+) -> CheckpointConfig:
+    """A checkpoint config, tersely: a durable save every ``interval`` steps, a memory save
+    every ``memory`` (0: no memory tiers)."""
+    return CheckpointConfig(
+        durable=DurableConfig(
+            interval=interval, keep_last=keep_last, timeout_s=timeout_s, verify_on_resume=verify
+        ),
+        memory=MemoryConfig(interval=memory),
+        resume=resume,
+    )
+
+
 def make_config(run_root: Path, data_dir: Path, **overrides: Any) -> TrainConfig:
     base = TrainConfig(
         run_root=run_root,
         data_dir=data_dir,
         steps=20,
-        ckpt_interval=5,
+        checkpoint=ckpt(5),
         inprocess=FAST_INPROCESS,
         injob=FAST_INJOB,
     )

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import RunOutcome, make_config, run_ft_launcher, run_single
+from tests.helpers import RunOutcome, ckpt, make_config, run_ft_launcher, run_single
 from trainer import checkpointing
-from trainer.config import ResumePolicy
+from trainer.checkpointing.config import ResumePolicy
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def test_injected_corruption_is_caught_by_the_next_resume(single_baseline, datas
         steps=20,
         faults=("corrupt-checkpoint@step=10", "sigkill@step=15,phase=checkpoint"),
         # The durable tier alone: node memory would resume from step 14 and read no checkpoint.
-        memory_interval=0,
+        checkpoint=ckpt(5, memory=0),
     )
     out = run_ft_launcher(cfg, nproc=1)
     assert out.returncode == 0, out.log[-3000:]
@@ -86,7 +86,7 @@ def test_two_rank_checkpoint_loads_on_one_rank(dataset: Path, tmp_path: Path):
 
 
 def test_recorded_commits_with_checkpoints_gone_fail_loudly(dataset: Path, tmp_path: Path):
-    cfg = make_config(tmp_path / "run", dataset, steps=4, ckpt_interval=2)
+    cfg = make_config(tmp_path / "run", dataset, steps=4, checkpoint=ckpt(2))
     assert run_single(cfg).returncode == 0
     shutil.rmtree(checkpointing.checkpoints_dir(cfg.run_root))  # lost, or the wrong volume mounted
     out = run_single(replace(cfg, steps=6))
@@ -97,6 +97,6 @@ def test_recorded_commits_with_checkpoints_gone_fail_loudly(dataset: Path, tmp_p
     assert "restore" in out.log and "resume=fresh" in out.log
     assert [e["step"] for e in out.of_kind("step")] == [1, 2, 3, 4], "must not train from scratch"
     # Starting over is still possible, explicitly.
-    fresh = run_single(replace(cfg, steps=6, resume=ResumePolicy.FRESH))
+    fresh = run_single(replace(cfg, steps=6, checkpoint=ckpt(2, resume=ResumePolicy.FRESH)))
     assert fresh.returncode == 0, fresh.log[-3000:]
     assert fresh.result is not None and fresh.result["final_step"] == 6

@@ -10,8 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, make_config, worker_env
-from trainer.config import ConfigError, InJobConfig, InProcessConfig, model_config, tiny
+from tests.helpers import REPO, ckpt, make_config, worker_env
+from trainer.config import (
+    ConfigError,
+    InJobConfig,
+    InProcessConfig,
+    TrainConfig,
+    model_config,
+    tiny,
+)
 
 
 @pytest.mark.parametrize(
@@ -19,8 +26,6 @@ from trainer.config import ConfigError, InJobConfig, InProcessConfig, model_conf
     [
         ({"steps": -1}, "steps"),
         ({"steps": 0}, "steps"),
-        ({"ckpt_interval": 0}, "ckpt_interval"),
-        ({"keep_last": 0}, "keep_last"),
         ({"global_batch": 0}, "global_batch"),
         ({"lr": 0.0}, "lr"),
     ],
@@ -105,7 +110,7 @@ def test_model_param_counts():
 
 def test_fingerprint_ignores_paths_and_timeouts(dataset: Path, tmp_path: Path):
     a = make_config(tmp_path / "a", dataset)
-    b = replace(a, run_root=tmp_path / "b", ckpt_timeout_s=99.0)
+    b = replace(a, run_root=tmp_path / "b", checkpoint=ckpt(timeout_s=99.0))
     c = replace(a, lr=a.lr * 2)
     assert a.fingerprint() == b.fingerprint() != c.fingerprint()
 
@@ -116,7 +121,7 @@ def test_fingerprint_ignores_paths_and_timeouts(dataset: Path, tmp_path: Path):
         # The worker's real entry point once (its own interpreter: torch's ~3 s import each);
         # the other fields through the same main() in this process.
         (["--steps", "-3"], "steps", True),
-        (["--ckpt-interval", "0"], "ckpt_interval", False),
+        (["--ckpt-interval", "0"], "checkpoint.durable.interval", False),
         (["--workload", "gpt-huge"], "workload", False),
         (["--workload-options", '{"size": "huge"}'], "workload_options.size", False),
         (["--data-dir", "/nonexistent/data"], "data_dir", False),
@@ -151,3 +156,24 @@ def test_param_count_formula_matches_the_model():
 
     cfg = tiny()
     assert sum(p.numel() for p in GPT(cfg).parameters()) == cfg.num_params()
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "words"),
+    [
+        ({"ckpt_interval": 5}, "ckpt_interval", "moved to checkpoint.durable.interval"),
+        ({"memory_interval": 0}, "memory_interval", "moved to checkpoint.memory.interval"),
+        ({"checkpoint": {"durable": {"interval": 0}}}, "checkpoint.durable.interval", "N >= 1"),
+        ({"checkpoint": {"memory": {"every": 2}}}, "checkpoint.memory.every", "unknown field"),
+        ({"checkpoint": {"resume": "later"}}, "checkpoint.resume", "later"),
+    ],
+)
+def test_the_checkpoint_config_names_each_field(data, field, words, tmp_path: Path):
+    """One nested checkpoint config (issue 40, item 1): a config file of the flat fields it
+    replaced is refused naming where each went; a bad value names its field."""
+    base = {"run_root": str(tmp_path / "run"), "data_dir": str(tmp_path), "local_paths": False}
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.from_dict({**base, **data})
+    assert err.value.field == field and words in str(err.value)
+    cfg = TrainConfig.from_dict({**base, "checkpoint": ckpt(3, memory=0).to_dict()})
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg and not cfg.checkpoint.memory.enabled

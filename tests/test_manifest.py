@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from trainer import checkpointing as m
-from trainer.config import ConfigError, TrainConfig
+from trainer.checkpointing.config import DurableConfig
+from trainer.config import ConfigError
 from trainer.events import EventLog, read_events
 from trainer.faults import flip_bytes
 from trainer.history import RunHistory
@@ -85,8 +86,8 @@ def test_prune_waits_for_the_newest_to_verify(tmp_path: Path):
 
 def test_keep_last_1_is_refused():
     with pytest.raises(ConfigError) as err:
-        TrainConfig(run_root=Path("r"), data_dir=Path("d"), keep_last=1, local_paths=False)
-    assert err.value.field == "keep_last" and "set keep_last to 2 or more" in str(err.value)
+        DurableConfig(keep_last=1)
+    assert err.value.field == "checkpoint.durable.keep_last" and "2 or more" in str(err.value)
 
 
 class Killed(BaseException):

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import OUTSIDE_WORKLOAD
+from tests.helpers import OUTSIDE_WORKLOAD, ckpt
+from trainer.checkpointing.config import ResumePolicy
 from trainer.config import (
     ConfigError,
     Device,
     InJobConfig,
     InProcessConfig,
-    ResumePolicy,
     TrainConfig,
     load_config,
     save_config,
@@ -41,14 +41,11 @@ def _every_field_changed(dataset: Path, tmp_path: Path) -> TrainConfig:
         seed=99,
         device=Device.CPU,
         deterministic=True,
-        ckpt_interval=3,
-        memory_interval=2,
-        keep_last=2,
-        resume=ResumePolicy.FRESH,
+        checkpoint=ckpt(
+            3, memory=2, keep_last=2, resume=ResumePolicy.FRESH, verify=False, timeout_s=77.0
+        ),
         verify_data=False,
         data_manifest_sha256="0" * 64,
-        verify_checkpoint_on_resume=False,
-        ckpt_timeout_s=77.0,
         faults=("exception@step=2,rank=0", "sigkill@step=5"),
         inprocess=InProcessConfig(
             enabled=False,

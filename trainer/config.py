@@ -17,25 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.errors import TerminalError
+from trainer.checkpointing.config import (
+    MOVED,
+    CheckpointConfig,
+)
+from trainer.errors import ConfigError, require
 
 if TYPE_CHECKING:
     from trainer.workload import Workload
-
-
-class ConfigError(TerminalError, ValueError):
-    """A configuration value is invalid. The message names the field and the fix."""
-
-    exit_code = 2
-
-    def __init__(self, field_name: str, message: str) -> None:
-        self.field = field_name
-        super().__init__(f"{field_name}: {message}")
-
-
-def _require(ok: bool, field_name: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(field_name, message)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -57,17 +46,17 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
             value = getattr(self, name)
-            _require(
+            require(
                 isinstance(value, int) and value >= 1,
                 f"model.{name}",
                 f"must be a positive integer, got {value!r}",
             )
-        _require(
+        require(
             self.d_model % self.n_heads == 0,
             "model.n_heads",
             f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})",
         )
-        _require(
+        require(
             0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}"
         )
 
@@ -184,33 +173,33 @@ class InProcessConfig:
             "termination_grace_s",
         ):
             value = getattr(self, name)
-            _require(value > 0, f"inprocess.{name}", f"must be > 0 seconds, got {value}")
-        _require(
+            require(value > 0, f"inprocess.{name}", f"must be > 0 seconds, got {value}")
+        require(
             self.max_restarts >= 0,
             "inprocess.max_restarts",
             f"must be >= 0, got {self.max_restarts}",
         )
         if not self.enabled:
             return
-        _require(
+        require(
             self.pg_timeout_s < self.soft_timeout_s,
             "inprocess.pg_timeout_s",
             f"must be below inprocess.soft_timeout_s ({self.pg_timeout_s} >= "
             f"{self.soft_timeout_s}): gloo collectives cannot be aborted, so a peer stuck in one "
             "must time out by itself before the Wrapper's soft timeout",
         )
-        _require(
+        require(
             self.soft_timeout_s < self.hard_timeout_s < self.barrier_timeout_s,
             "inprocess.hard_timeout_s",
             "timeouts must nest: soft_timeout_s < hard_timeout_s < barrier_timeout_s, got "
             f"{self.soft_timeout_s} / {self.hard_timeout_s} / {self.barrier_timeout_s}",
         )
-        _require(
+        require(
             1.0 < self.heartbeat_timeout_s < self.barrier_timeout_s,
             "inprocess.heartbeat_timeout_s",
             f"must be between 1 s and barrier_timeout_s ({self.barrier_timeout_s})",
         )
-        _require(
+        require(
             self.monitor_interval_s < min(self.soft_timeout_s, self.heartbeat_timeout_s),
             "inprocess.monitor_interval_s",
             f"must be below soft_timeout_s and heartbeat_timeout_s, got {self.monitor_interval_s}",
@@ -310,7 +299,7 @@ class InJobConfig:
     node_silence_s: Timeout = AUTO
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.max_restarts >= 0, "injob.max_restarts", f"must be >= 0, got {self.max_restarts}"
         )
         for name in AUTO_TIMEOUTS:
@@ -318,7 +307,7 @@ class InJobConfig:
             ok = value == AUTO or (
                 isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
             )
-            _require(
+            require(
                 ok, f"injob.{name}", f"must be 'auto' or a number of seconds > 0, got {value!r}"
             )
         for name in (
@@ -333,39 +322,39 @@ class InJobConfig:
             "section_floor_s",
         ):
             value = getattr(self, name)
-            _require(value > 0, f"injob.{name}", f"must be > 0 seconds, got {value}")
-        _require(
+            require(value > 0, f"injob.{name}", f"must be > 0 seconds, got {value}")
+        require(
             isinstance(self.rdzv_keep_alive_misses, int) and self.rdzv_keep_alive_misses >= 1,
             "injob.rdzv_keep_alive_misses",
             f"must be a whole number >= 1, got {self.rdzv_keep_alive_misses!r}",
         )
-        _require(
+        require(
             self.rdzv_keep_alive_s * self.rdzv_keep_alive_misses < self.rdzv_join_timeout_s,
             "injob.rdzv_join_timeout_s",
             f"must exceed injob.rdzv_keep_alive_s x injob.rdzv_keep_alive_misses "
             f"({self.rdzv_keep_alive_s * self.rdzv_keep_alive_misses} s): the survivors of a "
             "loss wait that long for the dead node to be dropped before they re-form",
         )
-        _require(
+        require(
             self.pinned("node_silence_s") is None
             or self.seconds("node_silence_s") > 2 * self.heartbeat_interval_s,
             "injob.node_silence_s",
             f"must exceed twice injob.heartbeat_interval_s ({self.heartbeat_interval_s} s), how "
             f"often a node rewrites its beat, got {self.node_silence_s}",
         )
-        _require(
+        require(
             self.seconds("heartbeat_timeout_s") <= self.seconds("initial_heartbeat_timeout_s"),
             "injob.initial_heartbeat_timeout_s",
             "must be >= injob.heartbeat_timeout_s: the first heartbeat comes after start-up and "
             "the checkpoint load",
         )
-        _require(
+        require(
             self.heartbeat_interval_s < self.seconds("step_timeout_s"),
             "injob.step_timeout_s",
             f"must exceed injob.heartbeat_interval_s ({self.heartbeat_interval_s} s): the step "
             "section is renewed once per interval",
         )
-        _require(
+        require(
             isinstance(self.learn_after_sections, int)
             and not isinstance(self.learn_after_sections, bool)
             and self.learn_after_sections >= 0,
@@ -373,21 +362,21 @@ class InJobConfig:
             f"must be a whole number >= 0 (0: nothing is learned), got "
             f"{self.learn_after_sections!r}",
         )
-        _require(
+        require(
             self.timeout_multiple >= 2,
             "injob.timeout_multiple",
             f"must be >= 2 (a step only a little slower than the slowest seen is not a hang), "
             f"got {self.timeout_multiple}",
         )
         step = self.seconds("step_timeout_s")
-        _require(
+        require(
             self.heartbeat_interval_s < self.step_timeout_floor_s <= step,
             "injob.step_timeout_floor_s",
             f"must exceed injob.heartbeat_interval_s ({self.heartbeat_interval_s} s) and be at "
             f"most injob.step_timeout_s ({step} s), got {self.step_timeout_floor_s}",
         )
         longest = max(self.section_timeouts().values())
-        _require(
+        require(
             self.seconds("heartbeat_timeout_s") >= longest,
             "injob.heartbeat_timeout_s",
             f"must be >= every section timeout ({longest} s): no heartbeat goes out during a "
@@ -422,11 +411,6 @@ class InJobConfig:
             CHECKPOINT_SECTION: self.seconds("checkpoint_timeout_s"),
             LOAD_SECTION: self.seconds("load_timeout_s"),
         }
-
-
-class ResumePolicy(enum.StrEnum):
-    AUTO = "auto"  # resume from the newest valid checkpoint; fail if some exist but none is valid
-    FRESH = "fresh"  # ignore existing checkpoints and start at step 0 (explicit opt-in)
 
 
 class Device(enum.StrEnum):
@@ -464,21 +448,13 @@ class TrainConfig:
     # CPU. Off by default: measured on an H200 (benchmarks/results/gpu_check.json), two
     # fault-free CUDA runs already differ in the last bits without it, and it slows some kernels.
     deterministic: bool = False
-    ckpt_interval: int = 5
-    # Node memory (trainer.checkpointing.node_copy): a memory save every this many steps, where
-    # the launcher gives each node a memory directory. A copy of the state, not a write to the
-    # shared filesystem: cheap enough for every step at this scale. 0 turns the memory tiers
-    # off, the process's own copy too: every resume reads the durable checkpoint.
-    memory_interval: int = 1
-    keep_last: int = 3
-    resume: ResumePolicy = ResumePolicy.AUTO
+    # Every checkpoint setting: the durable tier, the memory tiers, how a run resumes
+    # (trainer.checkpointing.config).
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     verify_data: bool = True
     # Set by the pipeline after hydration verified every shard: the workers then check that the
     # manifest is still that one and the shards' sizes, not every shard's digest (arch §3).
     data_manifest_sha256: str | None = None
-    verify_checkpoint_on_resume: bool = True
-    # Upper bound on waiting for the async writer of one checkpoint (dead or stuck worker).
-    ckpt_timeout_s: float = 300.0
     faults: tuple[str, ...] = ()
     inprocess: InProcessConfig = field(default_factory=InProcessConfig)
     injob: InJobConfig = field(default_factory=InJobConfig)
@@ -493,72 +469,59 @@ class TrainConfig:
     metrics_every_node: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.steps >= 1, "steps", f"must be a positive number of steps, got {self.steps}")
-        _require(self.global_batch >= 1, "global_batch", f"must be >= 1, got {self.global_batch}")
-        _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        require(self.steps >= 1, "steps", f"must be a positive number of steps, got {self.steps}")
+        require(self.global_batch >= 1, "global_batch", f"must be >= 1, got {self.global_batch}")
+        require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         if self.micro_batches is not None:
-            _require(
+            require(
                 isinstance(self.micro_batches, int) and self.micro_batches >= 1,
                 "micro_batches",
                 f"must be a positive number of micro-batches or None, got {self.micro_batches!r}",
             )
-            _require(
+            require(
                 self.global_batch % self.micro_batches == 0,
                 "global_batch",
                 f"{self.global_batch} is not divisible into {self.micro_batches} micro-batches "
                 "(the largest world size of an elastic job); pick a multiple of it",
             )
-        _require(
-            self.ckpt_interval >= 1,
-            "ckpt_interval",
-            f"checkpoint interval needs to be at least 1 step, got {self.ckpt_interval}",
+        require(
+            isinstance(self.checkpoint, CheckpointConfig),
+            "checkpoint",
+            "must be a CheckpointConfig (a mapping in a config file)",
         )
-        _require(
-            isinstance(self.memory_interval, int) and self.memory_interval >= 0,
-            "memory_interval",
-            "must be a number of steps (0 turns the memory tiers off), got "
-            f"{self.memory_interval!r}",
-        )
-        _require(
-            self.keep_last >= 2,
-            "keep_last",
-            f"must keep at least 2 committed checkpoints (the previous one is the fallback when "
-            f"the newest turns out damaged), got {self.keep_last}: set keep_last to 2 or more",
-        )
-        _require(self.ckpt_timeout_s > 0, "ckpt_timeout_s", "must be > 0 seconds")
-        _require(
+        require(
             self.metrics_port is None
             or (isinstance(self.metrics_port, int) and 1 <= self.metrics_port <= 65535),
             "metrics_port",
             f"must be a TCP port (1-65535), or None to turn rank 0's metrics off, got "
             f"{self.metrics_port!r}",
         )
-        _require(
+        require(
             bool(self.metrics_addr),
             "metrics_addr",
             "set the address rank 0's metrics listen on (127.0.0.1, or 0.0.0.0 in a pod)",
         )
-        _require(
+        require(
             isinstance(self.workload_options, dict),
             "workload_options",
             f"must be a mapping of option names to values, got {type(self.workload_options)}",
         )
         if self.is_script:
-            _require(
+            require(
                 not self.workload_options,
                 "workload_options",
                 "a training script takes script_args, not workload options",
             )
-            _require(
+            require(
                 not self.local_paths or self.script_path.is_file(),
                 "workload",
                 f"training script {str(self.script_path)!r} not found",
             )
         else:
-            _require(not self.script_args, "script_args", "only a script: workload takes them")
+            require(not self.script_args, "script_args", "only a script: workload takes them")
             _ = self.wl  # resolve the workload and validate its options now, naming the field
-        _require(str(self.run_root) != "", "run_root", "set the run directory (shared filesystem)")
-        _require(
+        require(str(self.run_root) != "", "run_root", "set the run directory (shared filesystem)")
+        require(
             not self.local_paths or self.data_dir.is_dir(),
             "data_dir",
             f"dataset directory {str(self.data_dir)!r} does not exist; write one with "
@@ -569,21 +532,22 @@ class TrainConfig:
 
         for spec in self.faults:
             parsed = parse_fault(spec)
-            _require(
-                parsed.kind not in ("corrupt-memory", "corrupt-peer") or self.memory_interval > 0,
+            require(
+                parsed.kind not in ("corrupt-memory", "corrupt-peer")
+                or self.checkpoint.memory.enabled,
                 "faults",
-                f"{spec} damages a node-memory copy, and memory_interval 0 makes none: set "
-                "memory_interval to 1 or more, or drop the drill",
+                f"{spec} damages a node-memory copy, and checkpoint.memory.interval 0 makes "
+                "none: set it to 1 or more, or drop the drill",
             )
         if self.inprocess.enabled and self.injob.enabled:
             # arch §2: an inner layer must get its chance before the outer one gives up.
-            _require(
+            require(
                 self.inprocess.hard_timeout_s < self.injob.seconds("heartbeat_timeout_s"),
                 "injob.heartbeat_timeout_s",
                 f"must exceed inprocess.hard_timeout_s ({self.inprocess.hard_timeout_s} s) so "
                 "that an in-process restart completes before ft_launcher declares the rank dead",
             )
-            _require(
+            require(
                 self.inprocess.hard_timeout_s < self.injob.seconds("out_of_section_timeout_s"),
                 "injob.out_of_section_timeout_s",
                 f"must exceed inprocess.hard_timeout_s ({self.inprocess.hard_timeout_s} s): an "
@@ -593,7 +557,7 @@ class TrainConfig:
             # in-process layer restarts every rank in place, before ft_launcher's step timeout
             # (counted from the section's renewal, up to one interval before the stall) kills it.
             window = self.inprocess.pg_timeout_s + self.injob.heartbeat_interval_s
-            _require(
+            require(
                 window < self.injob.seconds("step_timeout_s"),
                 "injob.step_timeout_s",
                 f"must exceed inprocess.pg_timeout_s + injob.heartbeat_interval_s ({window} s) "
@@ -711,7 +675,7 @@ class TrainConfig:
         out["run_root"] = str(self.run_root)
         out["data_dir"] = str(self.data_dir)
         out["device"] = self.device.value
-        out["resume"] = self.resume.value
+        out["checkpoint"] = self.checkpoint.to_dict()
         out["faults"] = list(self.faults)
         out["script_args"] = list(self.script_args)
         return out
@@ -722,12 +686,16 @@ class TrainConfig:
         to a default silently); missing keys take the defaults."""
         data = dict(data)
         data.pop("format", None)
+        for old, new in MOVED.items():
+            require(old not in data, old, f"moved to {new} (issue 40): set that instead")
         _check_keys(cls, data, "")
         nested: dict[str, Any] = {}
+        if "checkpoint" in data:
+            nested["checkpoint"] = CheckpointConfig.from_dict(data.pop("checkpoint"))
         for name, kind in (("inprocess", InProcessConfig), ("injob", InJobConfig)):
             if name in data:
                 sub = data.pop(name)
-                _require(isinstance(sub, dict), name, "must be a mapping")
+                require(isinstance(sub, dict), name, "must be a mapping")
                 _check_keys(kind, sub, f"{name}.")
                 nested[name] = kind(**sub)
         try:
@@ -737,8 +705,6 @@ class TrainConfig:
                 data["data_dir"] = Path(data["data_dir"])
             if "device" in data:
                 data["device"] = Device(data["device"])
-            if "resume" in data:
-                data["resume"] = ResumePolicy(data["resume"])
         except ValueError as e:
             raise ConfigError("config", str(e)) from e
         for key in ("faults", "script_args"):
@@ -753,7 +719,7 @@ CONFIG_FORMAT = "nvrx-train-config-v1"
 def _check_keys(kind: type, data: dict[str, Any], prefix: str) -> None:
     known = {f.name for f in dataclasses.fields(kind)}
     for key in data:
-        _require(key in known, f"{prefix}{key}", f"unknown field; known: {sorted(known)}")
+        require(key in known, f"{prefix}{key}", f"unknown field; known: {sorted(known)}")
 
 
 def config_file(run_root: Path, attempt: int) -> Path:
@@ -783,7 +749,7 @@ def load_config(path: Path) -> TrainConfig:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError("config", f"cannot read training config {path}: {e}") from e
-    _require(
+    require(
         isinstance(data, dict) and data.get("format") == CONFIG_FORMAT,
         "config",
         f"{path} is not a training config (format {CONFIG_FORMAT!r} expected)",

@@ -16,3 +16,19 @@ class TerminalError(TrainerError):
     """No restart can fix it: bad configuration, bad data, no valid checkpoint, a full disk."""
 
     exit_code = 3  # the worker's exit code (trainer.train: 0 done, 2 bad config, 3 fatal)
+
+
+class ConfigError(TerminalError, ValueError):
+    """A configuration value is invalid. The message names the field and the fix."""
+
+    exit_code = 2
+
+    def __init__(self, field_name: str, message: str) -> None:
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+def require(ok: bool, field_name: str, message: str) -> None:
+    """Raise :class:`ConfigError` naming ``field_name`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(field_name, message)

@@ -181,8 +181,12 @@ class Heartbeat:
             # The rank monitor outlives the workers: it may still hold the previous
             # incarnation's learned timeouts. Each incarnation learns afresh, from the launch
             # values (a shrunk world, a slower node, has slower steps).
-            if learner is not None and nvrx_compat.set_timeouts(self.client, learner.in_force):
-                self.step_timeout_s = learner.in_force.step.seconds
+            if learner is not None:
+                applied = nvrx_compat.set_timeouts(self.client, learner.in_force)
+                if applied:
+                    self.step_timeout_s = learner.in_force.step.seconds
+                if on_timeouts is not None:  # what is in force until measured, said at once
+                    on_timeouts(learner.in_force, applied)
 
     @property
     def active(self) -> bool:

@@ -122,16 +122,13 @@ class TrainSession:
         # Checkpoint collectives (resume decision, commit, DCP finalize) get their own gloo
         # group: its timeout covers checkpoint I/O, and async-save traffic never collides with
         # FSDP's.
-        self.ckpt_group = dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.ckpt_timeout_s)
-        )
+        timeout = datetime.timedelta(seconds=self.cfg.checkpoint.durable.timeout_s)
+        self.ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
         # The peer copy's own (issue 29, item 2): the memory saves' thread sends each shard to
         # a rank on another node through it, never in the way of the training's collectives.
         # Made by every rank (a group is collective), used by those with node memory.
-        if self.world_size > 1 and self.cfg.memory_interval > 0:
-            self.peer_group = dist.new_group(
-                backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.ckpt_timeout_s)
-            )
+        if self.world_size > 1 and self.cfg.checkpoint.memory.enabled:
+            self.peer_group = dist.new_group(backend="gloo", timeout=timeout)
         if self.rank == 0 and self.iteration > 0:
             self.ctx.events.emit("restart", layer="inprocess", iteration=self.iteration)
         self.share = Share.of(

@@ -59,11 +59,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.checkpointing.config import ResumePolicy
 from trainer.config import (
     AUTO,
     ConfigError,
     Device,
-    ResumePolicy,
     TrainConfig,
     load_config,
 )
@@ -156,13 +156,16 @@ _TOP = {
     "seed": "seed",
     "device": "device",
     "deterministic": "deterministic",
-    "ckpt_interval": "ckpt_interval",
-    "memory_interval": "memory_interval",
-    "keep_last": "keep_last",
-    "resume": "resume",
-    "ckpt_timeout": "ckpt_timeout_s",
     "metrics_port": "metrics_port",
     "metrics_addr": "metrics_addr",
+}
+# Flags of the checkpoint config (trainer.checkpointing.config): where each goes in it.
+_CHECKPOINT = {
+    "ckpt_interval": ("durable", "interval"),
+    "keep_last": ("durable", "keep_last"),
+    "ckpt_timeout": ("durable", "timeout_s"),
+    "memory_interval": ("memory", "interval"),
+    "resume": (None, "resume"),
 }
 _INPROCESS = {
     "pg_timeout": "pg_timeout_s",
@@ -188,6 +191,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         value = getattr(args, dest)
         if value is not None:
             data[name] = str(value) if isinstance(value, Path) else value
+    checkpoint = data.setdefault("checkpoint", {})
+    for dest, (tier, name) in _CHECKPOINT.items():
+        value = getattr(args, dest)
+        if value is not None:
+            (checkpoint.setdefault(tier, {}) if tier else checkpoint)[name] = value
     inprocess = data.setdefault("inprocess", {})
     for dest, name in _INPROCESS.items():
         if getattr(args, dest) is not None:
@@ -305,7 +313,7 @@ def run(
     cfg.run_root.mkdir(parents=True, exist_ok=True)
     events = EventLog(cfg.run_root)
     placement = resolve_device(cfg.device, deterministic=cfg.deterministic)
-    saver = AsyncCheckpointer(device=placement.device, timeout_s=cfg.ckpt_timeout_s)
+    saver = AsyncCheckpointer(device=placement.device, timeout_s=cfg.checkpoint.durable.timeout_s)
     if placement.device.type == "cpu" and threading.active_count() == 1:
         # The writer, forked now: no other thread runs yet and CUDA is not in use, so it is
         # ready at once with nothing to import (nvrx_compat.start_persistent_writer). Else it
@@ -350,11 +358,11 @@ def _node_beat(cfg: TrainConfig) -> Any:
 
 def _node_memory(cfg: TrainConfig, rank: int, world: int) -> Any:
     """This rank's node-memory tier, where the launcher gave the node a directory and
-    ``memory_interval`` asks for memory saves."""
+    the config has memory tiers."""
     from trainer import fence
     from trainer.checkpointing import node_copy
 
-    if cfg.memory_interval <= 0:
+    if not cfg.checkpoint.memory.enabled:
         return None
     node = node_copy.from_env(
         rank=rank, world_size=world, fingerprint=cfg.fingerprint(), epoch=fence.epoch_from_env()

@@ -125,7 +125,8 @@ def local_memory_need(workload: Workload, workers: int, *, memory_copies: int = 
 def node_memory_need_of(cfg: TrainConfig, *, nodes: int, peers: bool) -> NodeMemoryNeed | None:
     """:func:`node_memory_need` of a training config's workload (None: no tier). Raises what
     building its model on the meta device raises (a script's workload has no model to count)."""
-    if cfg.memory_interval <= 0:
+    every = cfg.checkpoint.memory.interval
+    if every <= 0:
         return None
     n = count_parameters(load_workload(cfg.workload, cfg.workload_options))
-    return node_memory_need(n, memory_interval=cfg.memory_interval, nodes=nodes, peers=peers)
+    return node_memory_need(n, memory_interval=every, nodes=nodes, peers=peers)

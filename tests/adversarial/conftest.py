@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, RunOutcome, _outcome, _run, make_config, write_config
+from tests.helpers import REPO, RunOutcome, _outcome, _run, ckpt, make_config, write_config
 from tests.helpers import worker_env as helper_env
 from trainer.config import TrainConfig
 from trainer.launch import trainer_args, worker_env
@@ -27,7 +27,7 @@ STEPS, INTERVAL, KEEP = 10, 2, 2
 
 
 def tiny_config(run_root: Path, dataset: Path) -> TrainConfig:
-    cfg = make_config(run_root, dataset, steps=STEPS, ckpt_interval=INTERVAL, keep_last=KEEP)
+    cfg = make_config(run_root, dataset, steps=STEPS, checkpoint=ckpt(INTERVAL, keep_last=KEEP))
     return replace(cfg, inprocess=replace(cfg.inprocess, enabled=False))
 
 

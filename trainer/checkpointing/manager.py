@@ -37,7 +37,7 @@ from trainer.checkpointing.restore_durable import DurableRestorer
 from trainer.checkpointing.restore_node import NodeRestorer
 from trainer.checkpointing.restore_own import OwnCopyRestorer
 from trainer.checkpointing.restoring import FatalError, RestoreContext, Restorer, Resumed
-from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, ResumePolicy, TrainConfig
+from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, TrainConfig
 from trainer.elastic import node_id
 from trainer.events import EventLog
 from trainer.fence import Fence
@@ -149,11 +149,11 @@ class CheckpointManager:
         """All ranks, at a resume: what each rank offers (its process's own copy, the steps its
         node memory holds) gathered, rank 0's choice (:func:`tiers.choose`, with the newest
         committed step) broadcast, and every tier held but not used said in a ``skipped``
-        resume event. With ``resume`` other than auto, or ``memory_interval`` 0 (no memory
+        resume event. With ``resume`` other than auto, or ``memory.interval`` 0 (no memory
         tiers at all): the durable tier."""
         if self.node is not None:
             self.node.unbind()  # an earlier incarnation's peer copy writes nothing more
-        if self.cfg.resume != ResumePolicy.AUTO or self.cfg.memory_interval == 0:
+        if not self.cfg.checkpoint.reads_memory_tiers:
             self._bind_peers([None] * self.world_size, where=None)  # this run's peer copies
             return tiers.Choice("durable", 0), None
         copy = self.saver.own_copy()
@@ -212,7 +212,7 @@ class CheckpointManager:
 
     # -- saving --------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        return step % self.cfg.ckpt_interval == 0 or step == self.cfg.steps
+        return self.cfg.checkpoint.durable.due(step, self.cfg.steps)
 
     def maybe_save(
         self, step: int, model: nn.Module, optim: Optimizer, sampler: DataSource, loss: float
@@ -244,10 +244,8 @@ class CheckpointManager:
         return taken
 
     def memory_due(self, step: int) -> bool:
-        """A memory save (node memory) follows this step: every ``memory_interval`` steps but
-        the last (nothing resumes after it)."""
-        every = self.cfg.memory_interval
-        return every > 0 and step % every == 0 and step < self.cfg.steps
+        """A memory save (node memory) follows this step (``MemoryConfig.due``)."""
+        return self.cfg.checkpoint.memory.due(step, self.cfg.steps)
 
     def _save(
         self, step: int, model: nn.Module, optim: Optimizer, sampler: DataSource, loss: float
@@ -327,7 +325,7 @@ class CheckpointManager:
             run_root=self.cfg.run_root,
             step=result.step,
             world_size=self.world_size,
-            keep_last=self.cfg.keep_last,
+            keep_last=self.cfg.checkpoint.durable.keep_last,
             info={
                 "config_hash": self.fingerprint,
                 "trainer_version": __version__,

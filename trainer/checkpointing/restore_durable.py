@@ -25,8 +25,8 @@ from torch.optim import Optimizer
 
 from trainer import checkpointing, run_state, untrusted
 from trainer.checkpointing import tiers
+from trainer.checkpointing.config import ResumePolicy
 from trainer.checkpointing.restoring import FatalError, RestoreContext, Resumed, loss_of
-from trainer.config import ResumePolicy
 from trainer.history import RunHistory
 from trainer.workload import DataSource
 
@@ -92,9 +92,9 @@ class DurableRestorer:
         """Rank 0: settle what a crash left and list what may be resumed from."""
         cfg = self.ctx.cfg
         root = cfg.run_root
-        if cfg.resume == ResumePolicy.FRESH:
+        if cfg.checkpoint.resume == ResumePolicy.FRESH:
             self._start_fresh()
-        verify = cfg.verify_checkpoint_on_resume
+        verify = cfg.checkpoint.durable.verify_on_resume
         with self.ctx.fence.hold("settle what a crash left in the checkpoints"):
             settled = checkpointing.recover(
                 root, fingerprint=self.fingerprint, verify_digests=verify
@@ -122,7 +122,7 @@ class DurableRestorer:
         rejected = list(made.rejected)
         for c in made.ok:
             mine = None
-            if ctx.cfg.verify_checkpoint_on_resume:
+            if ctx.cfg.checkpoint.durable.verify_on_resume:
                 mine = checkpointing.digest_share(
                     Path(c.path), c.info, index=ctx.rank, count=ctx.world_size
                 )
