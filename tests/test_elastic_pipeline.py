@@ -158,7 +158,7 @@ def test_node_loss_without_a_stage_retry(
         skipped = [e for e in events if e["kind"] == "resume" and e["action"] == "skipped"]
         peer = [e for e in skipped if e["source"] == "peer"]
         assert [e["step"] for e in peer] == [damage["copy_step"]], skipped
-        assert "rank 1" in peer[0]["reason"] and "sha256" in peer[0]["reason"], skipped
+        assert "rank 1" in peer[0]["reason"] and "xxh3_128" in peer[0]["reason"], skipped
         assert damage["copy_step"] > max(committed), (damage, committed)
         if loaded[0]["source"] == "peer":
             assert max(committed) < loaded[0]["step"] < damage["copy_step"], (loaded[0], damage)

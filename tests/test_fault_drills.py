@@ -152,7 +152,7 @@ def test_drill_recovers_bitwise(drill: Drill, baseline: RunOutcome, dataset: Pat
         e["source"] == "node"
         and e["step"] == 18
         and "rank 1" in e["reason"]
-        and "sha256" in e["reason"]
+        and "xxh3_128" in e["reason"]
         for e in skipped
     ), skipped
     # Hang detection learned the step time (issue 29, item 6; every timeout, issue 40 item 0):

@@ -194,7 +194,7 @@ def test_a_memory_save_of_a_kept_state_copies_its_newest_values(tmp_path: Path):
 @pytest.mark.parametrize(
     "damage, expect",
     [
-        ("flip", "sha256"),
+        ("flip", "xxh3_128"),
         ("truncate", "holds"),
         ("nan", "not finite"),
         ("layout", "live"),
@@ -241,6 +241,25 @@ def test_a_copy_of_another_attempt_or_topology_is_not_offered(tmp_path, who, exp
     found, why = _memory(tmp_path, **who).headers()
     assert found == {}
     assert (why is None) if expect is None else (expect in why)
+
+
+def test_a_copy_of_the_sha256_format_is_not_offered(tmp_path: Path):
+    """Format 1 (sha256, before issue 40) left in node memory by an older trainer: refused by
+    name at the scan, so the resume reads the next tier; the same copy as format 2 is read."""
+    m, o = _model(0)
+    mem = _memory(tmp_path)
+    mem.save(7, _state(m, o), {})
+    mem.wait()
+    header_path = mem.header_path(0)
+    obj = json.loads(header_path.read_text())
+    assert obj["format"] == node_format.FORMAT == 2
+    assert obj["xxh3_128"] == node_format.checksum(mem.bin_path(0).read_bytes()[: obj["size"]])
+    old = {k: v for k, v in obj.items() if k != "xxh3_128"}
+    header_path.write_text(json.dumps({**old, "format": 1, "sha256": "0" * 64}))
+    found, why = _memory(tmp_path).headers()
+    assert found == {} and why is not None and "not a node-copy header" in why
+    header_path.write_text(json.dumps(obj))
+    assert set(_memory(tmp_path).headers()[0]) == {7}
 
 
 def test_a_forged_header_is_refused_bounded_and_named(tmp_path: Path):
@@ -416,7 +435,7 @@ def test_a_peer_copy_travels_checked_and_a_damaged_one_is_refused(tmp_path: Path
     r1 = json.loads((tmp_path / "rank1.json").read_text())
     assert r0["peer_steps"] == [6, 7] and r1["peer_steps"] == [6, 7]
     assert r1["False"] == [True, True, True, True]
-    assert "sha256" in r1["True"], r1
+    assert "xxh3_128" in r1["True"], r1
 
 
 def test_copies_of_another_world_size_are_forgotten(tmp_path: Path):

@@ -26,7 +26,6 @@ copy (the older generation, another tier, at last the durable checkpoint: ``tier
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import mmap
 import os
@@ -175,9 +174,9 @@ class NodeMemory:
             # Its top fields only: its entries are validated whole when it is restored.
             header = Announced.model_validate_json(blob)
             why = self._mismatch(header, rank=src)
-            digest = hashlib.sha256(memoryview(mm)[:size]).hexdigest()
-            if not why and (header.size != size or digest != header.sha256):
-                why = f"its bytes do not match its header (sha256 {digest[:12]}…)"
+            digest = node_format.checksum(memoryview(mm)[:size])
+            if not why and (header.size != size or digest != header.xxh3_128):
+                why = f"its bytes do not match its header (xxh3_128 {digest[:12]}…)"
             why = no_room or why
             if why or token != self._token:
                 raise NodeCopyError(why or "an earlier incarnation's copy")
@@ -290,10 +289,10 @@ class NodeMemory:
         if header is not None:
             try:
                 mm = self._maps[gen]
-                digest = hashlib.sha256(memoryview(mm)[: header["size"]]).hexdigest()
+                digest = node_format.checksum(memoryview(mm)[: header["size"]])
                 layout: _Layout = header.pop("layout")
                 top = Header.model_construct(
-                    **header, entries=[], sha256=digest, t=time.time()
+                    **header, entries=[], xxh3_128=digest, t=time.time()
                 ).model_dump_json()
                 text = top.replace(EMPTY_ENTRIES, f'"entries":{layout.entries_json()}', 1)
                 write_atomic(self.header_path(gen), text)
