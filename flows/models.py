@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import secrets
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -203,13 +203,12 @@ class PipelineParams(BaseModel):
     steps: int = Field(20, ge=1, le=10_000_000, description="total optimizer steps")
     global_batch: int = Field(8, ge=1, le=1_000_000, description="sequences per step, all ranks")
     ckpt_interval: int = Field(5, ge=1, le=1_000_000, description="checkpoint every N steps")
-    memory_interval: int = Field(
-        1,
-        ge=0,
-        le=1_000_000,
+    memory_interval: Annotated[int, Field(ge=0, le=1_000_000)] | Literal["auto"] = Field(
+        "auto",
         description="a memory save every N steps: each rank's state copied to its node's "
-        "memory, what a respawn resumes from (0: no memory tiers, every resume reads the "
-        "durable checkpoint)",
+        "memory, what a respawn resumes from; auto: each incarnation measures a save's cost "
+        "and takes the smallest interval within 2 % of a step (0: no memory tiers, every "
+        "resume reads the durable checkpoint)",
     )
     keep_last: int = Field(
         3,
@@ -559,6 +558,8 @@ class PipelineResult(BaseModel):
     world_changes: list[WorldChange] = Field(default_factory=list)
     # The newest in-job timeouts rank 0 applied (trainer.timeouts): each value with why.
     timeouts: dict[str, str] = Field(default_factory=dict)
+    # How often the newest incarnation's memory saves ran, and why (memory_interval auto).
+    memory_interval: str | None = None
     stage_attempts: dict[str, int] = Field(default_factory=dict)
     stage_durations_s: dict[str, float] = Field(default_factory=dict)
     ettr: float | None = None

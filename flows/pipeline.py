@@ -102,6 +102,7 @@ def build_result(
         faults=faults,
         world_changes=changes,
         timeouts=dict(history.timeouts.detail) if history.timeouts is not None else {},
+        memory_interval=history.memory_interval.detail if history.memory_interval else None,
         stage_attempts=attempts,
         stage_durations_s={k: round(v, 3) for k, v in durations.items()},
         ettr=history.ettr(),

@@ -126,6 +126,8 @@ def render_report(r: PipelineResult) -> str:
                 f"| {c.step} | {c.from_world} -> {c.to_world} | "
                 f"{', '.join(map(str, c.nodes))} | {why} |"
             )
+    if r.memory_interval:
+        lines += ["", f"Memory saves (the newest incarnation's choice): {r.memory_interval}."]
     if r.timeouts:
         lines += [
             "",

@@ -175,7 +175,7 @@ def preflight_flow(plan: RunPlan) -> PreflightResult:
             local = params.backend == "local"
             node_need = node_memory_need(
                 n,
-                memory_interval=params.memory_interval,
+                memory_tiers=params.memory_interval != 0,
                 # Locally every simulated node's memory is this machine's.
                 nodes=1 if local else params.node_range.min,
                 peers=params.node_range.max > 1,

@@ -127,7 +127,7 @@ class SmallCheckpoint:
 def ckpt(
     interval: int = 5,
     *,
-    memory: int = 1,
+    memory: int | str = 1,
     keep_last: int = 3,
     resume: ResumePolicy = ResumePolicy.AUTO,
     verify: bool = True,

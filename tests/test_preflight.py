@@ -180,7 +180,7 @@ def test_memory_saves_that_do_not_fit_the_node_are_refused_with_both_numbers():
     name = "node memory for the memory saves"
     n = count_parameters(load_workload("llama3-8b", {}))
     # Every simulated node here, of two: own generations and a peer node's, with the one arriving.
-    one_node = node_memory_need(n, memory_interval=1, nodes=1, peers=True)
+    one_node = node_memory_need(n, memory_tiers=True, nodes=1, peers=True)
     assert one_node is not None and one_node.copies == 5
     assert 480 < one_node.gb < 483  # 8.03 B x 12 bytes x 5
     assert "2 generations of its own, 2 of a peer node's, 1 arriving" in one_node.explain()
@@ -190,11 +190,11 @@ def test_memory_saves_that_do_not_fit_the_node_are_refused_with_both_numbers():
     assert "481.8" in r.detail and "12.00 GB" in r.detail and "/dev/shm" in r.detail
     assert "memory_interval to 0" in r.fix and "eks.shm_gi" in r.fix
     # One node: no peer copy, its own two generations only.
-    alone = node_memory_need(n, memory_interval=1, nodes=1, peers=False)
+    alone = node_memory_need(n, memory_tiers=True, nodes=1, peers=False)
     assert alone is not None and alone.copies == 2 and 192 < alone.gb < 193
-    assert node_memory_need(n, memory_interval=0, nodes=1, peers=True) is None
+    assert node_memory_need(n, memory_tiers=False, nodes=1, peers=True) is None
     # 16 p5 pods, 64 GiB of /dev/shm each: 30 GB per pod fits.
-    per_pod = node_memory_need(n, memory_interval=1, nodes=16, peers=True)
+    per_pod = node_memory_need(n, memory_tiers=True, nodes=16, peers=True)
     assert per_pod is not None
     snap = healthy()
     snap.facts["node_memory_free_gb"] = 64 * 2**30 / 1e9

@@ -27,6 +27,7 @@ __all__ = [
     "Fatal",
     "Fault",
     "FencedEvent",
+    "MemoryInterval",
     "NodeReturn",
     "Phase",
     "PruneRefused",
@@ -172,6 +173,21 @@ class Fault(_Base):
     bound_s: Seconds | None = None
 
 
+class MemoryInterval(_Base):
+    """How often this incarnation's memory saves run (``checkpoint.memory.interval: auto``,
+    trainer.checkpointing.memory_cadence): chosen at ``step`` from the worst rank's medians."""
+
+    kind: Literal["memory_interval"]
+    step: NonNeg
+    interval: int = Field(ge=1)
+    step_s: Seconds
+    blocking_s: Seconds
+    background_s: Seconds
+    budget: float
+    samples: NonNeg
+    detail: str | None = None
+
+
 class TimeoutsSet(_Base):
     """The in-job timeouts rank 0's rank monitor now times with (trainer.timeouts): derived
     from this incarnation's own sections, each with why (``detail``: field -> "S s: why")."""
@@ -281,6 +297,7 @@ Event = Annotated[
     | Resume
     | Fault
     | TimeoutsSet
+    | MemoryInterval
     | Restart
     | Recovered
     | Fatal

@@ -30,6 +30,7 @@ from trainer.event_types import (
     Event,
     Fatal,
     Fault,
+    MemoryInterval,
     Recovered,
     Restart,
     Resume,
@@ -120,6 +121,7 @@ class RunHistory:
         self._launches: dict[str, _Launch] = {}  # by launcher job id (rendezvous id)
         self.last_train_start: TrainStart | None = None
         self.timeouts: TimeoutsSet | None = None  # the newest in-job timeouts rank 0 applied
+        self.memory_interval: MemoryInterval | None = None  # the newest memory cadence chosen
         self.takeover: Takeover | None = None
         self.end: TrainEnd | Fatal | None = None  # the newest train_end or fatal
         self.first_fatal: Fatal | None = None
@@ -247,6 +249,8 @@ class RunHistory:
             self.world_changes.append(ev)
         elif isinstance(ev, TimeoutsSet):
             self.timeouts = ev
+        elif isinstance(ev, MemoryInterval):
+            self.memory_interval = ev
         elif isinstance(ev, TrainEnd):
             self.end, self.train_ended = ev, True
         elif isinstance(ev, Fatal):

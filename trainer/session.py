@@ -250,7 +250,7 @@ class TrainSession:
         reduced = reduced.cpu()
         self.loss = float(reduced[0].item() / self._share().count)
         step_s = time.perf_counter() - self._t0
-        blocking = ckpt.maybe_save(step, model, optim, self.ctx.sampler, self.loss)
+        blocking = ckpt.maybe_save(step, model, optim, self.ctx.sampler, self.loss, step_s)
         if blocking is not None:  # a durable save started at this step
             hooks.on_save_started(step)
         ckpt.poll(reduced=reduced[1:] if blocking is None else None)

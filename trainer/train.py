@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--ckpt-interval", type=int, help="save every N steps (and at the last step)")
     a(
         "--memory-interval",
-        type=int,
-        help="a memory save (node memory) every N steps; 0: none",
+        type=_interval,
+        help="a memory save (node memory) every N steps; auto (the default): measured; 0: none",
     )
     a("--keep-last", type=int, help="committed checkpoints to keep")
     a("--resume", choices=[r.value for r in ResumePolicy])
@@ -175,6 +175,11 @@ _INPROCESS = {
     "barrier_timeout": "barrier_timeout_s",
     "inprocess_max_restarts": "max_restarts",
 }
+
+
+def _interval(text: str) -> int | str:
+    """``--memory-interval``: a number of steps, or ``auto``."""
+    return text if text == "auto" else int(text)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -66,12 +66,13 @@ def describe_copies(copies: int) -> str:
 
 
 def node_memory_need(
-    params: int, *, memory_interval: int, nodes: int, peers: bool
+    params: int, *, memory_tiers: bool, nodes: int, peers: bool
 ) -> NodeMemoryNeed | None:
-    """The memory saves' need per node (None: ``memory_interval`` 0, no node-memory tier).
+    """The memory saves' need per node (None: no memory tiers, ``memory_interval`` 0). The
+    interval does not change it: two generations of every shard, however often written.
     ``nodes``: the fewest the job runs on (each holds the most then); ``peers``: whether it can
     have more than one (a peer copy goes to another node)."""
-    if memory_interval <= 0:
+    if not memory_tiers:
         return None
     copies = node_memory_copies(NODE_MEMORY_GENERATIONS, peers=peers)
     return NodeMemoryNeed(params=params, nodes=max(1, nodes), copies=copies)
@@ -125,8 +126,7 @@ def local_memory_need(workload: Workload, workers: int, *, memory_copies: int = 
 def node_memory_need_of(cfg: TrainConfig, *, nodes: int, peers: bool) -> NodeMemoryNeed | None:
     """:func:`node_memory_need` of a training config's workload (None: no tier). Raises what
     building its model on the meta device raises (a script's workload has no model to count)."""
-    every = cfg.checkpoint.memory.interval
-    if every <= 0:
+    if not cfg.checkpoint.memory.enabled:
         return None
     n = count_parameters(load_workload(cfg.workload, cfg.workload_options))
-    return node_memory_need(n, memory_interval=every, nodes=nodes, peers=peers)
+    return node_memory_need(n, memory_tiers=True, nodes=nodes, peers=peers)

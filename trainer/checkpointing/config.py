@@ -46,30 +46,41 @@ class DurableConfig:
         return step % self.interval == 0 or step == last_step
 
 
+AUTO = "auto"
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemoryConfig:
     """The memory tiers (arch §3): the process's own copy of the last durable save, node memory
-    and the peer copies, all from a memory save every ``interval`` steps (0: none of them,
-    every resume reads the durable checkpoint)."""
+    and the peer copies, all from a memory save every ``interval`` steps: ``"auto"`` (the
+    default: each incarnation measures what a save costs against its steps and chooses,
+    :mod:`~trainer.checkpointing.memory_cadence`), a number of steps, or 0 (none of them, every
+    resume reads the durable checkpoint). ``budget``: the share of a step a memory save may
+    cost under auto."""
 
-    interval: int = 1
+    interval: int | str = AUTO
+    budget: float = 0.02
 
     def __post_init__(self) -> None:
         require(
-            _whole(self.interval) and self.interval >= 0,
+            self.interval == AUTO or (_whole(self.interval) and int(self.interval) >= 0),
             "checkpoint.memory.interval",
-            f"must be a whole number of steps >= 0 (0 turns the memory tiers off), got "
-            f"{self.interval!r}",
+            f"must be 'auto' or a whole number of steps >= 0 (0 turns the memory tiers off), "
+            f"got {self.interval!r}",
+        )
+        require(
+            0 < self.budget < 1,
+            "checkpoint.memory.budget",
+            f"must be a share of the step time in (0, 1), got {self.budget!r}",
         )
 
     @property
     def enabled(self) -> bool:
-        return self.interval > 0
+        return self.interval != 0
 
-    def due(self, step: int, last_step: int) -> bool:
-        """A memory save follows this step: every ``interval`` steps but the last (nothing
-        resumes after it)."""
-        return self.enabled and step % self.interval == 0 and step < last_step
+    @property
+    def auto(self) -> bool:
+        return self.interval == AUTO
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,7 +110,7 @@ class CheckpointConfig:
                 "timeout_s": self.durable.timeout_s,
                 "verify_on_resume": self.durable.verify_on_resume,
             },
-            "memory": {"interval": self.memory.interval},
+            "memory": {"interval": self.memory.interval, "budget": self.memory.budget},
             "resume": self.resume.value,
         }
 
@@ -114,7 +125,7 @@ class CheckpointConfig:
         require(isinstance(memory, dict), "checkpoint.memory", "must be a mapping")
         _known(durable, {"interval", "keep_last", "timeout_s", "verify_on_resume"},
                "checkpoint.durable.")  # fmt: skip
-        _known(memory, {"interval"}, "checkpoint.memory.")
+        _known(memory, {"interval", "budget"}, "checkpoint.memory.")
         try:
             resume = ResumePolicy(data.get("resume", ResumePolicy.AUTO))
         except ValueError as e:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -31,6 +32,7 @@ from trainer.checkpointing import (
 )
 from trainer.checkpointing.async_save import WARMUP_STEP, AsyncCheckpointer, CommitTask, SaveResult
 from trainer.checkpointing.live_state import LiveState
+from trainer.checkpointing.memory_cadence import MemoryCadence
 from trainer.checkpointing.node_copy import NodeMemory
 from trainer.checkpointing.process_copy import NO_COPY, ProcessCopy
 from trainer.checkpointing.restore_durable import DurableRestorer
@@ -82,6 +84,7 @@ class CheckpointManager:
         self._own_bytes = 0  # every rank's bytes in its own copy, at the resume
         self._offers: list[tiers.Offer] = []  # every rank's, gathered at the resume
         self._memory_blocking: float | None = None  # this step's memory save (maybe_save)
+        self.cadence: MemoryCadence | None = None  # how often a memory save runs (at resume)
         # The state dicts the memory saves copy from, kept while their structure holds.
         self._live = LiveState()
         # Every change rank 0 makes to the run root runs under it (trainer.fence).
@@ -111,7 +114,14 @@ class CheckpointManager:
         event for every newer one skipped and why)."""
         self._live.forget()  # a restore replaces the optimizer's state: its state dicts anew
         with self.sections.section(LOAD_SECTION):
-            return self._resume(model, optim, sampler)
+            resumed = self._resume(model, optim, sampler)
+        # Each incarnation measures its own memory saves (a shrunk world, another node).
+        self.cadence = MemoryCadence(
+            self.cfg.checkpoint.memory,
+            durable_interval=self.cfg.checkpoint.durable.interval,
+            first_step=resumed.step + 1,
+        )
+        return resumed
 
     def _resume(self, model: nn.Module, optim: Optimizer, sampler: DataSource) -> Resumed:
         choice, copy = self._choose_tier()
@@ -215,11 +225,18 @@ class CheckpointManager:
         return self.cfg.checkpoint.durable.due(step, self.cfg.steps)
 
     def maybe_save(
-        self, step: int, model: nn.Module, optim: Optimizer, sampler: DataSource, loss: float
+        self,
+        step: int,
+        model: nn.Module,
+        optim: Optimizer,
+        sampler: DataSource,
+        loss: float,
+        step_s: float | None = None,
     ) -> float | None:
-        """Every rank after finishing ``step``. Returns the seconds training was blocked by a
-        durable save this step started, None when none started (the caller's poll depends on
-        it); a memory save's blocking is :meth:`take_memory_blocking`'s."""
+        """Every rank after finishing ``step`` (which took ``step_s``). Returns the seconds
+        training was blocked by a durable save this step started, None when none started (the
+        caller's poll depends on it); a memory save's blocking is
+        :meth:`take_memory_blocking`'s."""
         # The first call of an incarnation starts the writer (see AsyncCheckpointer.start).
         self.saver.ensure_started(rank=self.rank)
         blocked: float | None = None
@@ -236,7 +253,37 @@ class CheckpointManager:
             failed = self.node.take_failure()
             if failed:  # that step is missing from the tier: a resume says so, and reads another
                 log.warning("rank %d: %s", self.rank, failed)
+        self._measure_cadence(step, step_s)
         return blocked
+
+    def _measure_cadence(self, step: int, step_s: float | None) -> None:
+        """Memory interval auto: this step's measurements, and at the agreed step the choice
+        (one all-reduce, on every rank, node memory or not)."""
+        cadence = self.cadence
+        if cadence is None or cadence.decision_step is None:
+            return
+        # A save first waits for the one before it: its background is known by now.
+        background = self.node.take_background() if self.node is not None else None
+        cadence.observe(
+            step_s=step_s or 0.0, blocking_s=self._memory_blocking, background_s=background
+        )
+        if step != cadence.decision_step:
+            return
+        worst = torch.tensor(cadence.offer(), dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.group)
+        chosen = cadence.decide((float(worst[0]), float(worst[1]), float(worst[2])))
+        if self.rank == 0:
+            self.events.emit(
+                "memory_interval",
+                step=step,
+                interval=chosen.interval,
+                step_s=chosen.step_s,
+                blocking_s=chosen.blocking_s,
+                background_s=chosen.background_s,
+                budget=chosen.budget,
+                samples=chosen.samples,
+                detail=chosen.describe(),
+            )
 
     def take_memory_blocking(self) -> float | None:
         """The seconds this step's memory save blocked training (None: none was made)."""
@@ -244,8 +291,9 @@ class CheckpointManager:
         return taken
 
     def memory_due(self, step: int) -> bool:
-        """A memory save (node memory) follows this step (``MemoryConfig.due``)."""
-        return self.cfg.checkpoint.memory.due(step, self.cfg.steps)
+        """A memory save (node memory) follows this step (``MemoryCadence.due``)."""
+        cadence = self.cadence
+        return cadence is not None and cadence.due(step, self.cfg.steps)
 
     def _save(
         self, step: int, model: nn.Module, optim: Optimizer, sampler: DataSource, loss: float

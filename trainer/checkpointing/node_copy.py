@@ -80,6 +80,9 @@ class NodeMemory:
         self._maps: dict[int, mmap.mmap] = {}
         self._thread: threading.Thread | None = None
         self._failed: str | None = None  # the newest save's failure, said once by the caller
+        # The CPU seconds of the newest sealed save's thread (checksum, header, peer copy): what
+        # a memory save costs beside training (trainer.checkpointing.memory_cadence).
+        self._background_s: float | None = None
         self._newest_gen: int | None = None
         # The peer copy (issue 29, item 2): this incarnation's transport (a gloo group of its
         # own), the rank this one's shard goes to (on another node) and those whose shards come
@@ -285,6 +288,7 @@ class NodeMemory:
         is this process's own, written once as JSON (its entries' JSON kept with the layout):
         validating and dumping ~100 entries at every save cost a millisecond of this thread,
         which shares the cores and the GIL with training; every reader validates it whole."""
+        cpu0 = time.thread_time()
         sealed: tuple[str, int] | None = None
         if header is not None:
             try:
@@ -305,6 +309,14 @@ class NodeMemory:
             self._replicate(gen, sealed, token)
         except Exception as e:  # a peer gone (its restart), a timeout: this copy is lost
             log.warning("rank %d: the peer copy failed: %s", self.rank, e)
+        # CPU, not wall: waiting for the peer's message costs training nothing. (gloo's own
+        # threads move the bytes and are not counted: the loopback copy is the kernel's.)
+        self._background_s = time.thread_time() - cpu0
+
+    def take_background(self) -> float | None:
+        """The newest sealed save's background CPU seconds, once (None: none since)."""
+        taken, self._background_s = self._background_s, None
+        return taken
 
     def close(self) -> None:
         self.wait()
