@@ -202,6 +202,13 @@ class PipelineParams(BaseModel):
     )
     steps: int = Field(20, ge=1, le=10_000_000, description="total optimizer steps")
     global_batch: int = Field(8, ge=1, le=1_000_000, description="sequences per step, all ranks")
+    grad_accumulation: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="micro-batches each rank accumulates per step (a rank holds the "
+        "activations of one: a larger global batch in the same memory, a longer step)",
+    )
     ckpt_interval: int = Field(5, ge=1, le=1_000_000, description="checkpoint every N steps")
     memory_interval: Annotated[int, Field(ge=0, le=1_000_000)] | Literal["auto"] = Field(
         "auto",
@@ -411,8 +418,12 @@ class PipelineParams(BaseModel):
 
     @property
     def micro_batches(self) -> int | None:
-        """An elastic job's micro-batches per step (trainer.elastic); None: a fixed-size one."""
-        return self.world_size if self.node_range.elastic else None
+        """The global batch's micro-batches per step: an elastic job's are those of its largest
+        world (trainer.elastic), each rank accumulating its share; ``grad_accumulation`` of
+        them per rank at full size. None: one per rank (a fixed-size job, no accumulation)."""
+        if not self.node_range.elastic and self.grad_accumulation == 1:
+            return None
+        return self.world_size * self.grad_accumulation
 
     @model_validator(mode="after")
     def _consistent(self) -> PipelineParams:
@@ -433,6 +444,12 @@ class PipelineParams(BaseModel):
                 f"global_batch ({self.global_batch}) must be divisible by the world size "
                 f"({world} = nodes{NODES_MAX if self.node_range.elastic else ''} x ranks per "
                 "node)"
+            )
+        if self.global_batch % (world * self.grad_accumulation):
+            raise ValueError(
+                f"global_batch ({self.global_batch}) must be divisible by the world size x "
+                f"grad_accumulation ({world} x {self.grad_accumulation}): every micro-batch "
+                "holds the same number of sequences"
             )
         for spec in map(parse_fault, self.drills.faults):
             where = f"drills.faults: {spec}"

@@ -78,6 +78,8 @@ class NodeMemory:
         self.rank, self.world_size = rank, world_size
         self.fingerprint, self.epoch = fingerprint, epoch
         self._maps: dict[int, mmap.mmap] = {}
+        # The peer copies' buffers, by (the rank that sent it, generation): kept across saves.
+        self._peer_maps: dict[tuple[int, int], mmap.mmap] = {}
         self._thread: threading.Thread | None = None
         self._failed: str | None = None  # the newest save's failure, said once by the caller
         # The CPU seconds of the newest sealed save's thread (checksum, header, peer copy): what
@@ -145,9 +147,13 @@ class NodeMemory:
                 w.wait()
 
     def _receive(self, src: int, group: Any, token: int) -> None:
-        """One shard from ``src``: into a temporary file, digest checked, then renamed in and
-        its header written; anything wrong is logged and the copy dropped (the stream is read
-        to its end all the same)."""
+        """One shard from ``src``, straight into the generation it announces, as a save of
+        this node's own does: that generation's header goes first (nothing vouches for its bytes
+        while they arrive), the bytes land in its file's mapping (kept across saves: no new
+        file, no page faulted in again per save), then the checksum, then the header. A copy
+        cut mid-way leaves a generation without a header, never a stray file; the other
+        generation stays whole. Anything wrong is logged and the copy dropped (the stream is
+        read to its end all the same)."""
         import torch.distributed as dist
 
         announced = transport.receive_header(src, group, tags=transport.REPLICA_TAGS)
@@ -155,43 +161,61 @@ class NodeMemory:
             return
         blob, size = announced
         d = self.peer_dir(src)
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".incoming-{token}.bin"
-        no_room = ""
+        why = ""
+        header: Announced | None = None
+        mm: mmap.mmap | None = None
         try:
-            mm = _allocated_map(tmp, size)
-        except OSError as e:
-            # The bytes are on their way all the same: take them into anonymous memory and
-            # drop them, or the sender would wait on its send until the group's timeout.
-            no_room = f"no room in node memory for it ({e})"
-            tmp.unlink(missing_ok=True)
-            mm = mmap.mmap(-1, max(size, 1))
+            # Its top fields only: its entries are validated whole when it is restored.
+            header = Announced.model_validate_json(blob)
+            why = self._mismatch(header, rank=src)
+            if header.size != size:
+                why = why or f"it announced {size} bytes, its header {header.size}"
+            if not why:
+                d.mkdir(parents=True, exist_ok=True)
+                self.header_path(header.generation, d).unlink(missing_ok=True)
+                mm = self._peer_buffer(src, header.generation, d, size)
+        except (ValidationError, OSError, UnicodeDecodeError) as e:
+            why = f"no room in node memory for it ({e})" if isinstance(e, OSError) else str(e)
+        # The bytes are on their way all the same: a copy refused already goes into anonymous
+        # memory and is dropped, or the sender would wait on its send until the group's timeout.
+        sink = mm if mm is not None else mmap.mmap(-1, max(size, 1))
         try:
             if size:
                 dist.recv(
-                    torch.frombuffer(mm, dtype=torch.uint8)[:size],
+                    torch.frombuffer(sink, dtype=torch.uint8)[:size],
                     src,
                     group=group,
                     tag=transport.REPLICA_TAGS[2],
                 )
-            # Its top fields only: its entries are validated whole when it is restored.
-            header = Announced.model_validate_json(blob)
-            why = self._mismatch(header, rank=src)
-            digest = node_format.checksum(memoryview(mm)[:size])
-            if not why and (header.size != size or digest != header.xxh3_128):
-                why = f"its bytes do not match its header (xxh3_128 {digest[:12]}…)"
-            why = no_room or why
-            if why or token != self._token:
-                raise NodeCopyError(why or "an earlier incarnation's copy")
-            self.header_path(header.generation, d).unlink(missing_ok=True)
-            os.replace(tmp, self.bin_path(header.generation, d))
+            if why or header is None:
+                raise NodeCopyError(why or "no header")
+            digest = node_format.checksum(memoryview(sink)[:size])
+            if digest != header.xxh3_128:
+                raise NodeCopyError(f"its bytes do not match its header (xxh3_128 {digest[:12]}…)")
+            if token != self._token:
+                raise NodeCopyError("an earlier incarnation's copy")
             write_atomic(self.header_path(header.generation, d), blob.decode())
-        except (NodeCopyError, ValidationError, OSError, UnicodeDecodeError) as e:
+        except (NodeCopyError, OSError, UnicodeDecodeError) as e:
             log.warning("rank %d: the peer copy of rank %d was dropped: %s", self.rank, src, e)
-            tmp.unlink(missing_ok=True)
         finally:
+            if sink is not mm:
+                with contextlib.suppress(BufferError):
+                    sink.close()
+
+    def _peer_buffer(self, src: int, gen: int, d: Path, size: int) -> mmap.mmap:
+        """Generation ``gen`` of ``src``'s peer copy, mapped (kept across saves; remade when
+        the size changes or its file is gone), its pages allocated first (ENOSPC, not SIGBUS)."""
+        key = (src, gen)
+        mm = self._peer_maps.get(key)
+        path = self.bin_path(gen, d)
+        if mm is not None and len(mm) == max(size, 1) and path.exists():
+            return mm
+        if mm is not None:
             with contextlib.suppress(BufferError):
                 mm.close()
+        mm = _allocated_map(path, size)
+        self._peer_maps[key] = mm
+        return mm
 
     def forget_other_worlds(self) -> list[str]:
         """Remove this node's copies of worlds of another size (an elastic job that shrank or
@@ -321,10 +345,11 @@ class NodeMemory:
     def close(self) -> None:
         self.wait()
         self._layout = None  # its slices view the maps: they would stay open
-        for mm in self._maps.values():
+        for mm in (*self._maps.values(), *self._peer_maps.values()):
             with contextlib.suppress(BufferError):
                 mm.close()
         self._maps.clear()
+        self._peer_maps.clear()
 
     # -- resuming --------------------------------------------------------------------------
     def headers(self) -> tuple[dict[int, Header], str | None]:
