@@ -1,9 +1,13 @@
 """Export a committed checkpoint to ``s3://bucket/prefix/<run_id>/step_<N>/``.
 
-- Refuses a checkpoint whose files do not match its manifest (names the file).
-- The manifest's sha256 travels with every object as its S3 SHA-256 checksum, so the *server*
-  compares the bytes it receives with the manifest's digest and refuses them when a file changed
-  after the manifest was written (BadDigest: nothing is stored). A multipart object (above
+- Refuses a checkpoint whose files do not match its manifest (names the file). Each file is read
+  once for it: its manifest digest (xxh3-128, or sha256 in checkpoints before manifest v2) is
+  checked and its sha256 taken in the same pass.
+- The exported manifest is the checkpoint's, in format v1: every file's size and sha256, what a
+  reader outside this project checks (``pull``, docs/exports.md). The sha256 travels with every
+  object as its S3 SHA-256 checksum, so the *server* compares the bytes it receives with the
+  digest of the bytes that matched the manifest, and refuses them when a file changed since
+  (BadDigest: nothing is stored). A multipart object (above
   ``part_size``) is verified part by part by the server; the same bytes are hashed whole as they
   are sent and compared with the manifest's digest before the upload is completed (else it is
   aborted: nothing visible), and the server's composite checksum must then equal ours.
@@ -23,6 +27,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import json
+import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,16 +38,12 @@ from typing import Any
 from tasks.errors import ExportError, StorageError
 from tasks.storage.s3 import describe_client_error, validate_bucket, validate_prefix
 from trainer import checkpointing
-from trainer.hashing import sha256_file
+from trainer.hashing import SHA256, new_hasher, sha256_file
 
 _CHUNK = 8 << 20
 PART_SIZE = 8 << 20  # multipart threshold and part size (S3 wants >= 5 MiB but the last)
 CONSOLIDATED = "model.safetensors"
 PRETRAINED = "hf"  # the workload's own layout, e.g. <prefix>/hf/config.json + safetensors
-
-
-def _sha_of(man: dict[str, Any], name: str) -> str:
-    return str(next(e["sha256"] for e in man["files"] if e["name"] == name))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +158,45 @@ def _parts(path: Path, part_size: int) -> Iterator[bytes]:
             yield chunk
 
 
+def checked_sha256(path: Path, entry: dict[str, Any], digest: str) -> str:
+    """One read of a checkpoint file: refused (naming it) unless it is the checked manifest
+    ``entry``'s size and ``digest``, never read past that size; its sha256."""
+    size = int(entry["bytes"])
+    sha = hashlib.sha256()
+    other = None if digest == SHA256 else new_hasher(digest)
+    seen = 0
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(min(_CHUNK, size + 1 - seen)):
+                seen += len(chunk)
+                if seen > size:
+                    break
+                sha.update(chunk)
+                if other is not None:
+                    other.update(chunk)
+    except OSError as e:
+        raise ExportError(f"refusing to export {path}: it cannot be read: {e}") from e
+    if seen != size:
+        raise ExportError(
+            f"refusing to export {path}: it is not the {size} bytes its manifest gives"
+        )
+    if (other or sha).hexdigest() != entry[digest]:
+        raise ExportError(
+            f"refusing to export {path}: it does not match its {digest} in the manifest"
+        )
+    return sha.hexdigest()
+
+
+def checked_digests(ckpt_dir: Path, man: dict[str, Any], max_workers: int) -> dict[str, str]:
+    """name -> sha256 of every file a checked manifest lists, each checked against it
+    (:func:`checked_sha256`), in parallel: hashlib and xxhash release the GIL."""
+    digest = checkpointing.digest_of(man)
+    entries = man["files"]
+    with ThreadPoolExecutor(max_workers=max_workers) as pool:
+        shas = pool.map(lambda e: checked_sha256(ckpt_dir / e["name"], e, digest), entries)
+        return dict(zip((e["name"] for e in entries), shas, strict=True))
+
+
 def part_checksums(path: Path, part_size: int) -> tuple[str, list[str]]:
     """(whole-file sha256 hex, per-part SHA-256 checksums) in one read."""
     whole, parts = hashlib.sha256(), []
@@ -257,10 +298,13 @@ def export_checkpoint(
     opts = options or ExportOptions()
     validate_bucket(bucket)
     validate_prefix(prefix)
-    verdict = checkpointing.verify_checkpoint(ckpt_dir)
+    # Sizes, the .metadata's digest and its restricted unpickling; every file's digest next,
+    # in the read that also takes its sha256.
+    verdict = checkpointing.verify_checkpoint(ckpt_dir, digests=False)
     if not verdict.ok:
         raise ExportError(f"refusing to export {ckpt_dir}: {verdict.reason}")
     man = verdict.manifest
+    shas = checked_digests(ckpt_dir, man, opts.max_workers)
     base = "/".join(p for p in (prefix, run_id, f"step_{man['step']}") if p)
     extra: dict[str, Any] = {}
     if opts.sse:
@@ -272,13 +316,16 @@ def export_checkpoint(
     manifest_path = ckpt_dir / checkpointing.MANIFEST
     staging = None
     staged: set[str] = set()  # files made here (not in the checkpoint's manifest)
+    # The manifest goes as format v1, with sha256 (module doc): a v1 checkpoint's own file as it
+    # is, unless consolidated files join it; any other written here.
+    outward = checkpointing.as_sha256(man, shas)
+    if opts.consolidated or outward != man:
+        staging = Path(tempfile.mkdtemp(prefix="nvrx-export-"))
+        manifest_path = staging / checkpointing.MANIFEST
     if opts.consolidated:
-        import json
-        import tempfile
-
         from tasks.validation.checkpoint import consolidate
 
-        staging = Path(tempfile.mkdtemp(prefix="nvrx-export-"))
+        assert staging is not None
         info = consolidate(
             ckpt_dir,
             staging / CONSOLIDATED,
@@ -297,10 +344,9 @@ def export_checkpoint(
                 sources[name] = staging / PRETRAINED / f["name"]
                 staged.add(name)
             consolidated[PRETRAINED] = {"files": info["pretrained"]["files"]}
-        manifest_path = staging / checkpointing.MANIFEST
-        manifest_path.write_text(
-            json.dumps({**man, "consolidated": consolidated}, indent=1, sort_keys=True)
-        )
+        outward = {**outward, "consolidated": consolidated}
+    if staging is not None:
+        manifest_path.write_text(json.dumps(outward, indent=1, sort_keys=True))
 
     part_size = opts.part_size
 
@@ -343,7 +389,7 @@ def export_checkpoint(
     try:
         client.head_bucket(Bucket=bucket)
         digests = {
-            name: sha256_file(src) if name in staged else _sha_of(man, name)
+            name: sha256_file(src) if name in staged else shas[name]
             for name, src in sources.items()
         }
         # The manifest's own digest: taken now, so a change before its upload is refused too.

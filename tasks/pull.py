@@ -32,12 +32,12 @@ from tasks.errors import PullError, PullUsageError, StorageError
 from tasks.export import CONSOLIDATED
 from tasks.storage.s3 import describe_client_error
 from trainer import checkpointing
-from trainer.hashing import sha256_file
+from trainer.hashing import SHA256, sha256_file
 
 _CHUNK = 8 << 20
-# A manifest lists files and carries the training config: kilobytes. Reading more than this
-# from an object that claims to be one is refused rather than held in memory.
-MANIFEST_MAX_BYTES = 64 << 20
+# Reading more than a manifest may hold from an object that claims to be one is refused rather
+# than held in memory.
+MANIFEST_MAX_BYTES = checkpointing.MANIFEST_MAX_BYTES
 _STEP_SEGMENT_RE = re.compile(r"step_(\d+)")
 
 # (bytes done, bytes in all, the file just finished or None mid-file)
@@ -76,6 +76,12 @@ def files_to_pull(manifest: dict[str, Any], *, where: str) -> list[PullFile]:
     ``consolidated`` (``model.safetensors``; a directory such as ``hf/`` with its files).
     Each name is checked like the manifest's own; a name given twice, or naming the manifest,
     is refused (it would overwrite another file)."""
+    digest = checkpointing.digest_of(manifest)
+    if digest != SHA256:  # a checkpoint's own manifest copied up by hand, not an export's
+        raise PullError(
+            f"{where}: field 'digest' is {digest!r}: an export's manifest lists every file's "
+            "sha256 (export the checkpoint with this project's export)"
+        )
     entries: list[tuple[str, dict[str, Any]]] = [(e["name"], e) for e in manifest["files"]]
     consolidated = manifest.get("consolidated", {})
     if not isinstance(consolidated, dict):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -142,6 +143,44 @@ def ckpt(
         memory=MemoryConfig(interval=memory),
         resume=resume,
     )
+
+
+def as_pre_v2_checkpoint(ckpt: Path) -> dict[str, Any]:
+    """Rewrite a committed checkpoint's manifest the way commits wrote it before manifest v2
+    (format nvrx-ckpt-v1, every file's sha256, read back from disk): what checkpoints already on
+    the shared filesystem hold. Returns the manifest written."""
+    path = ckpt / "manifest.json"
+    man = json.loads(path.read_text())
+    files = [
+        {
+            "name": e["name"],
+            "bytes": e["bytes"],
+            "sha256": hashlib.sha256((ckpt / e["name"]).read_bytes()).hexdigest(),
+        }
+        for e in man["files"]
+    ]
+    old = {**man, "format": "nvrx-ckpt-v1", "digest": "sha256", "files": files}
+    path.write_text(json.dumps(old, indent=1, sort_keys=True))
+    return old
+
+
+def vouch_for(ckpt: Path, name: str, data: bytes) -> None:
+    """Write ``data`` as the checkpoint's file ``name`` and make its manifest vouch for it (size
+    and digest, in the manifest's own algorithm): a consistent pair, what a writer of other
+    bytes leaves, or anyone who can write the checkpoint (the digests are no signature)."""
+    from trainer.checkpointing.manifest import digest_of
+    from trainer.hashing import new_hasher
+
+    (ckpt / name).write_bytes(data)
+    path = ckpt / "manifest.json"
+    man = json.loads(path.read_text())
+    digest = digest_of(man)
+    h = new_hasher(digest)
+    h.update(data)
+    for e in man["files"]:
+        if e["name"] == name:
+            e["bytes"], e[digest] = len(data), h.hexdigest()
+    path.write_text(json.dumps(man, indent=1, sort_keys=True))
 
 
 def make_config(run_root: Path, data_dir: Path, **overrides: Any) -> TrainConfig:

@@ -32,22 +32,28 @@ def run_pipeline(params: PipelineParams) -> tuple[Any, PipelineResult | None]:
 
 
 def assert_exported(result: PipelineResult, s3: S3Settings) -> None:
-    """Every object of the committed checkpoint is in S3 and its bytes hash to the manifest's."""
+    """Every object of the committed checkpoint is in S3 and its bytes hash to the manifest's:
+    the checkpoint's, with every file's sha256 (format v1, what readers outside check)."""
     assert result.export.verified and result.export.uri
     bucket, _, base = result.export.uri.removeprefix("s3://").partition("/")
     client = boto3_client(s3)
-    local = checkpointing.read_manifest(Path(result.checkpoint.uri))  # type: ignore[arg-type]
+    ckpt = Path(result.checkpoint.uri)  # type: ignore[arg-type]
+    local = checkpointing.read_manifest(ckpt)
     remote = json.loads(client.get_object(Bucket=bucket, Key=f"{base}manifest.json")["Body"].read())
     # A consolidated export adds what it made (model.safetensors, hf/...) under "consolidated".
     consolidated = remote.pop("consolidated", {})
-    assert remote == local
+    shas = {
+        e["name"]: hashlib.sha256((ckpt / e["name"]).read_bytes()).hexdigest()
+        for e in local["files"]
+    }
+    assert remote == checkpointing.as_sha256(local, shas)
     made = [{"name": n, **e} for n, e in consolidated.items() if "sha256" in e]
     made += [
         {**f, "name": f"{d}/{f['name']}"}
         for d, e in consolidated.items()
         for f in e.get("files", [])
     ]
-    for entry in [*local["files"], *made]:
+    for entry in [*remote["files"], *made]:
         body = client.get_object(Bucket=bucket, Key=f"{base}{entry['name']}")["Body"].read()
         assert hashlib.sha256(body).hexdigest() == entry["sha256"], entry["name"]
     assert result.export.objects == len(local["files"]) + len(made) + 1

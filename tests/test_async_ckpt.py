@@ -149,6 +149,67 @@ def test_snapshot_is_taken_at_save_time(saver: AsyncCheckpointer, tmp_path: Path
     ]
 
 
+def test_the_shard_digest_is_taken_as_nvrx_writes_it(group, tmp_path: Path, monkeypatch):
+    """NVRx's own write path (the child it forks per file, torch's ``_write_item``) sends every
+    byte of the shard through the tap: the sidecar's digest is the streamed one (nothing is read
+    back) and it is the xxh3-128 of the file as written."""
+    import json
+
+    import xxhash
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from trainer import nvrx_compat
+    from trainer.checkpointing import manifest, shard_digest
+    from trainer.checkpointing.writer import write_shard
+
+    writer = nvrx_compat.FileSystemWriterAsync(str(tmp_path), thread_count=1)
+    assert shard_digest.install(writer)
+    writer, _metadata, _wrapper = nvrx_compat.save_state_dict_async_plan(
+        _state(4), writer, process_group=group, planner=DefaultSavePlanner()
+    )
+    save_fn, _preload, args = writer.get_save_function_and_args()
+
+    def read_back(*args, **kwargs):
+        raise AssertionError("the shard was read back")
+
+    monkeypatch.setattr(manifest, "file_digest", read_back)
+    write_shard(save_fn, str(tmp_path), 0, args[1], args[2])
+    assert len(writer.retrieve_write_results()) == 4  # the write itself succeeded
+    [entry] = json.loads((tmp_path / ".digests-rank0.json").read_text())
+    shard = tmp_path / entry["name"]
+    assert entry["bytes"] == shard.stat().st_size > 256 * 1024 * 4
+    assert entry["xxh3_128"] == xxhash.xxh3_128_hexdigest(shard.read_bytes())
+
+
+def test_a_committed_save_lists_the_xxh3_of_its_files(saver: AsyncCheckpointer, tmp_path: Path):
+    """A real asynchronous save and commit: manifest v2, every entry the xxh3-128 of its file."""
+    import xxhash
+
+    from trainer import checkpointing
+
+    root = tmp_path / "run"
+    partial = checkpointing.partial_path(root, 7)
+    partial.mkdir(parents=True)
+
+    def commit_for(result):
+        return lambda: checkpointing.commit(root, 7, world_size=1, info={"config_hash": "t"})
+
+    saver.save(_state(7), partial, step=7)
+    assert saver.wait(commit=commit_for) is not None
+    ckpt = checkpointing.committed_path(root, 7)
+    man = checkpointing.read_manifest(ckpt)
+    assert (man["format"], man["digest"]) == ("nvrx-ckpt-v2", "xxh3_128")
+    assert sorted(e["name"] for e in man["files"]) == [".metadata", "__0_0.distcp"]
+    for e in man["files"]:
+        data = (ckpt / e["name"]).read_bytes()
+        assert e == {
+            "name": e["name"],
+            "bytes": len(data),
+            "xxh3_128": xxhash.xxh3_128_hexdigest(data),
+        }
+    assert checkpointing.verify_checkpoint(ckpt).ok
+
+
 def test_buffers_are_reused_between_saves(saver: AsyncCheckpointer, tmp_path: Path):
     saver.save(_state(1), tmp_path / "a", step=1)
     saver.wait()

@@ -16,7 +16,7 @@ from tasks.errors import ExportError, StorageError
 from tasks.export import ExportOptions, export_checkpoint
 from tasks.storage.local_s3 import LocalS3Server
 from tasks.storage.s3 import S3Settings, boto3_client
-from tests.helpers import SmallCheckpoint, free_s3_port
+from tests.helpers import SmallCheckpoint, as_pre_v2_checkpoint, free_s3_port
 from trainer import checkpointing
 from trainer.faults import flip_bytes
 
@@ -52,6 +52,10 @@ def remote_objects(client: Any, prefix: str) -> dict[str, bytes]:
     return out
 
 
+def _shas(ckpt: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in ckpt.iterdir()}
+
+
 def test_happy_path_manifest_last(ckpt: Path, client, s3_settings):
     order: list[tuple[str, str]] = []
     report = export_checkpoint(
@@ -69,9 +73,16 @@ def test_happy_path_manifest_last(ckpt: Path, client, s3_settings):
     local = checkpointing.read_manifest(ckpt)
     objs = remote_objects(client, "happy/run1/step_5/")
     assert set(objs) == {e["name"] for e in local["files"]} | {"manifest.json"}
-    for e in local["files"]:
+    # The checkpoint's manifest, with what a reader outside checks: every file's sha256 (v1).
+    remote = json.loads(objs["manifest.json"])
+    assert (local["digest"], remote["format"], remote["digest"]) == (
+        "xxh3_128",
+        "nvrx-ckpt-v1",
+        "sha256",
+    )
+    assert remote == checkpointing.as_sha256(local, _shas(ckpt))
+    for e in remote["files"]:
         assert hashlib.sha256(objs[e["name"]]).hexdigest() == e["sha256"]
-    assert json.loads(objs["manifest.json"]) == local
     again = export_checkpoint(
         client, ckpt, BUCKET, "happy", "run1", endpoint=s3_settings.endpoint_url
     )
@@ -143,7 +154,7 @@ def test_interrupted_export_resumes(ckpt: Path, client, s3_settings):
 def test_mismatched_object_is_replaced(ckpt: Path, client, s3_settings):
     export_checkpoint(client, ckpt, BUCKET, "mm", "run1", endpoint=s3_settings.endpoint_url)
     name = sorted(p.name for p in ckpt.glob("*.distcp"))[0]
-    sha = next(e["sha256"] for e in checkpointing.read_manifest(ckpt)["files"] if e["name"] == name)
+    sha = _shas(ckpt)[name]
     client.put_object(
         Bucket=BUCKET, Key=f"mm/run1/step_5/{name}", Body=b"garbage", Metadata={"sha256": sha}
     )
@@ -156,12 +167,32 @@ def test_mismatched_object_is_replaced(ckpt: Path, client, s3_settings):
     assert hashlib.sha256(body).hexdigest() == sha
 
 
-def test_refuses_corrupt_checkpoint(ckpt: Path, client, s3_settings):
+@pytest.mark.parametrize("manifest", ["v2", "v1"])
+def test_refuses_corrupt_checkpoint(ckpt: Path, client, s3_settings, manifest: str):
+    if manifest == "v1":
+        as_pre_v2_checkpoint(ckpt)
     victim = sorted(ckpt.glob("*.distcp"))[0]
     flip_bytes(victim)
-    with pytest.raises(ExportError, match=rf"refusing to export .*{victim.name}"):
+    digest = "xxh3_128" if manifest == "v2" else "sha256"
+    with pytest.raises(
+        ExportError, match=rf"refusing to export .*{victim.name}: it does not match its {digest}"
+    ):
         export_checkpoint(client, ckpt, BUCKET, "bad", "run1", endpoint=s3_settings.endpoint_url)
     assert remote_objects(client, "bad/") == {}
+
+
+def test_a_checkpoint_of_manifest_v1_exports_as_before(ckpt: Path, client, s3_settings):
+    """A checkpoint committed before manifest v2 (sha256 per file) goes up with its own
+    manifest, byte for byte, as exports did before."""
+    as_pre_v2_checkpoint(ckpt)
+    report = export_checkpoint(
+        client, ckpt, BUCKET, "old", "run1", endpoint=s3_settings.endpoint_url
+    )
+    assert report.verified and report.verification == "sha256"
+    objs = remote_objects(client, "old/run1/step_5/")
+    assert objs["manifest.json"] == (ckpt / "manifest.json").read_bytes()
+    for e in checkpointing.read_manifest(ckpt)["files"]:
+        assert objs[e["name"]] == (ckpt / e["name"]).read_bytes()
 
 
 def test_sse_s3(ckpt: Path, client, s3_settings):
@@ -248,20 +279,25 @@ def test_consolidated_safetensors(ckpt: Path, client, s3_settings):
     weights = load(objs["model.safetensors"])
     assert tensor_dict_sha256(weights) == entry["params_sha256"]
     assert {k: v for k, v in remote_manifest.items() if k != "consolidated"} == (
-        checkpointing.read_manifest(ckpt)
+        checkpointing.as_sha256(checkpointing.read_manifest(ckpt), _shas(ckpt))
     )
     assert report.objects == len(checkpointing.read_manifest(ckpt)["files"]) + 2
 
 
 # -- verified against the manifest, and no stale manifest window ---------------------------------
 def _verdict_before_change(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The checkpoint verifies, then a shard changes before its upload (a writer still busy,
-    bit rot, a bug): the export must not publish the changed bytes as the manifest's."""
+    """The checkpoint verifies (and its sha256 is taken), then a shard changes before its upload
+    (a writer still busy, bit rot, a bug): the export must not publish the changed bytes as
+    the manifest's."""
+    from tasks.export import checked_digests
+
     verdict = checkpointing.verify_checkpoint(ckpt)
     assert verdict.ok
+    shas = checked_digests(ckpt, verdict.manifest, 1)
     victim = sorted(ckpt.glob("*.distcp"))[0]
     flip_bytes(victim)
-    monkeypatch.setattr("tasks.export.checkpointing.verify_checkpoint", lambda d: verdict)
+    monkeypatch.setattr("tasks.export.checkpointing.verify_checkpoint", lambda d, **kw: verdict)
+    monkeypatch.setattr("tasks.export.checked_digests", lambda *args: shas)
     return victim
 
 

@@ -76,7 +76,7 @@ def test_prune_waits_for_the_newest_to_verify(tmp_path: Path):
     newest = _fake_checkpoint(tmp_path, 15, keep_last=None)
     flip_bytes(newest / "__1_0.distcp")  # damaged on its way to disk
     pruned = m.prune(tmp_path, 2)
-    assert pruned.removed == [] and "__1_0.distcp does not match its sha256" in pruned.refused
+    assert pruned.removed == [] and "__1_0.distcp does not match its xxh3_128" in pruned.refused
     assert m.committed_steps(tmp_path) == [5, 10, 15]
     # Its fallbacks survive: resume skips 15 and loads 10.
     assert m.choose_resume(tmp_path, fingerprint=FP).step == 10
@@ -193,7 +193,8 @@ def test_incomplete_partial_is_discarded(tmp_path: Path, damage: str, reason: st
     if damage != "no-manifest":
         fp = "other" if damage == "other-config" else FP
         files = m.collect_file_entries(partial, 2)
-        doc = {"format": m.FORMAT, "step": 10, "world_size": 2, "config_hash": fp, "files": files}
+        doc = {"format": m.FORMAT, "digest": m.DIGEST, "step": 10, "world_size": 2}
+        doc.update(config_hash=fp, files=files)
         (partial / "manifest.json").write_text(json.dumps(doc))
     if damage == "truncated":
         (partial / "__0_0.distcp").write_bytes(b"short")
@@ -248,7 +249,7 @@ def test_corrupt_newest_falls_back_with_reason(tmp_path: Path):
     choice = m.choose_resume(tmp_path, fingerprint=FP)
     assert choice.step == 5
     assert len(choice.rejected) == 1 and choice.rejected[0][0] == 10
-    assert "__1_0.distcp does not match its sha256" in choice.rejected[0][1]
+    assert "__1_0.distcp does not match its xxh3_128" in choice.rejected[0][1]
 
 
 def test_digest_shares_cover_every_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -262,24 +263,24 @@ def test_digest_shares_cover_every_file_once(tmp_path: Path, monkeypatch: pytest
     manifest = ok[0][2]
     from trainer.checkpointing import manifest as manifest_module
 
-    real = manifest_module.sha256_file
+    real = manifest_module.file_digest
     for world in (1, 2, 3):
         seen: list[str] = []
 
-        def counting(path: Path, _seen: list[str] = seen) -> str:
+        def counting(path: Path, digest: str, *, limit: int, _seen: list[str] = seen) -> str:
             _seen.append(Path(path).name)
-            return real(path)
+            return real(path, digest, limit=limit)
 
-        monkeypatch.setattr(manifest_module, "sha256_file", counting)
+        monkeypatch.setattr(manifest_module, "file_digest", counting)
         assert all(
             m.digest_share(newest, manifest, index=i, count=world) is None for i in range(world)
         )
         assert sorted(seen) == sorted(e["name"] for e in manifest["files"]), world
-    monkeypatch.setattr(manifest_module, "sha256_file", real)
+    monkeypatch.setattr(manifest_module, "file_digest", real)
     flip_bytes(newest / "__1_0.distcp")
     reasons = [m.digest_share(newest, manifest, index=i, count=2) for i in range(2)]
     assert [r is None for r in reasons].count(False) == 1
-    assert "__1_0.distcp does not match its sha256" in next(r for r in reasons if r)
+    assert "__1_0.distcp does not match its xxh3_128" in next(r for r in reasons if r)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete", "manifest"])
@@ -302,7 +303,7 @@ def test_metadata_digest_checked_even_without_full_verification(tmp_path: Path):
     flip_bytes(newest / ".metadata")  # same size: only its digest tells (it is a pickle)
     flip_bytes(m.committed_path(tmp_path, 5) / "__0_0.distcp")  # not looked at without digests
     choice = m.choose_resume(tmp_path, fingerprint=FP, verify_digests=False)
-    assert choice.step == 5 and ".metadata does not match its sha256" in choice.rejected[0][1]
+    assert choice.step == 5 and ".metadata does not match its xxh3_128" in choice.rejected[0][1]
 
 
 @pytest.mark.parametrize(
@@ -312,7 +313,7 @@ def test_metadata_digest_checked_even_without_full_verification(tmp_path: Path):
 def test_unsafe_file_names_invalidate_the_checkpoint(tmp_path: Path, name: object):
     path = _fake_checkpoint(tmp_path, 5)
     doc = json.loads((path / "manifest.json").read_text())
-    doc["files"].append({"name": name, "bytes": 0, "sha256": "0" * 64})
+    doc["files"].append({"name": name, "bytes": 0, m.DIGEST: "0" * 32})
     (path / "manifest.json").write_text(json.dumps(doc))
     verdict = m.verify_checkpoint(path)
     assert not verdict.ok and "not a single safe path component" in verdict.reason

@@ -249,6 +249,8 @@ GOOD = {"bytes": 3, "sha256": "a" * 64}
         ({"consolidated": {"hf": {"files": [{"name": "a/b", **GOOD}]}}}, "safe path component"),
         ({"consolidated": {"..": {"files": [{"name": "a", **GOOD}]}}}, "safe path component"),
         ({"consolidated": []}, "not an object"),
+        # A checkpoint's own manifest (xxh3) copied up by hand: exports carry sha256.
+        ({"format": "nvrx-ckpt-v2", "digest": "xxh3_128"}, "field 'digest' is 'xxh3_128'"),
     ],
 )
 def test_files_to_pull(manifest_extra, refused):

@@ -12,7 +12,7 @@ import pytest
 
 from tasks.checks import Status
 from tasks.validation.checkpoint import Expectations, Facts, gather, judge, validate_checkpoint
-from tests.helpers import REPO, make_config, run_single, worker_env
+from tests.helpers import REPO, as_pre_v2_checkpoint, make_config, run_single, vouch_for, worker_env
 from trainer import checkpointing
 from trainer.faults import flip_bytes
 
@@ -83,6 +83,21 @@ def test_flipped_bytes_fail_naming_the_file(ckpt: Path):
     assert s["files and digests"] == "FAILED"
     assert victim.name in next(c["detail"] for c in report.checks if c["status"] == "FAILED")
     assert s["loads on 1 CPU rank, all tensors finite"] == "SKIPPED"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_manifest_v1_still_validates(trained, ckpt: Path):
+    """A checkpoint committed before manifest v2 (every file's sha256, written here the old way)
+    validates, loads in the fresh process, and a flipped byte still fails it naming the file."""
+    as_pre_v2_checkpoint(ckpt)
+    report = validate_checkpoint(ckpt, Expectations(config_hash=trained[1]["hash"], world_size=1))
+    assert report.passed, report.checks
+    assert report.params_sha256 == trained[1]["sha"]
+    victim = sorted(ckpt.glob("*.distcp"))[0]
+    flip_bytes(victim)
+    report = validate_checkpoint(ckpt, Expectations(), load=False)
+    detail = {c["name"]: c["detail"] for c in report.checks}
+    assert f"{victim} does not match its sha256" in detail["files and digests"]
 
 
 def test_cli_validate_json(ckpt: Path):
@@ -211,17 +226,9 @@ def test_manifest_names_outside_the_checkpoint_fail(ckpt: Path, name: str):
 
 def test_refused_metadata_fails_coverage_and_skips_the_load(ckpt: Path):
     """A .metadata the restricted reader refuses is a finding (FAILED), not a blind check."""
-    import hashlib
     import pickle
 
-    data = pickle.dumps({"not": "metadata"})
-    (ckpt / ".metadata").write_bytes(data)
-    path = ckpt / "manifest.json"
-    man = json.loads(path.read_text())
-    for e in man["files"]:
-        if e["name"] == ".metadata":
-            e["bytes"], e["sha256"] = len(data), hashlib.sha256(data).hexdigest()
-    path.write_text(json.dumps(man))
+    vouch_for(ckpt, ".metadata", pickle.dumps({"not": "metadata"}))
     report = validate_checkpoint(ckpt, Expectations())
     s = statuses(report)
     assert s["files and digests"] == "PASSED"
@@ -266,21 +273,13 @@ def _no_load(*args, **kwargs):
 def _rewrite_metadata(ckpt: Path, change) -> None:
     """Re-pickle the checkpoint's DCP metadata after ``change(md)`` and make the manifest vouch
     for it (a consistent pair: what a writer with a different model would have left)."""
-    import hashlib
     import pickle
 
     from trainer.untrusted import load_dcp_metadata
 
     md = load_dcp_metadata(ckpt)
     change(md)
-    data = pickle.dumps(md)
-    (ckpt / ".metadata").write_bytes(data)
-    path = ckpt / "manifest.json"
-    man = json.loads(path.read_text())
-    for e in man["files"]:
-        if e["name"] == ".metadata":
-            e["bytes"], e["sha256"] = len(data), hashlib.sha256(data).hexdigest()
-    path.write_text(json.dumps(man))
+    vouch_for(ckpt, ".metadata", pickle.dumps(md))
 
 
 def test_forced_metadata_mode_passes_without_loading(ckpt: Path, monkeypatch):

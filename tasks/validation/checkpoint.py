@@ -3,7 +3,8 @@ them with pure checks (:func:`judge`), into a :class:`CheckpointReport`.
 
 Checks (each PASSED / FAILED / SKIPPED with why):
 1. manifest well-formed; step, world size and config hash consistent with the run;
-2. every file present with its size and sha256 (hashed in parallel; MB/s reported);
+2. every file present with its size and digest (the manifest's: xxh3-128, or sha256 in
+   checkpoints before manifest v2; hashed in parallel; MB/s reported);
 3. the DCP metadata covers every model and optimizer entry the model config defines, with their
    shapes and dtypes, and every stored item lies within its shard file;
 4. loads on CPU in a fresh process on world size 1 (resharding) and every tensor is finite; or,
@@ -19,6 +20,7 @@ import math
 import os
 import subprocess
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -30,7 +32,7 @@ from tasks.secrets import scrubbed
 from tasks.validation import load_process
 from tasks.validation.load_check import untrusted_workload_message
 from trainer import checkpointing
-from trainer.hashing import sha256_file
+from trainer.hashing import SHA256, file_digest
 from trainer.untrusted import METADATA, UnsafeNameError, check_component, load_dcp_metadata
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +76,7 @@ class Expectations:
 class Facts:
     path: Path
     manifest: dict[str, Any] | None = None
-    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> size, sha256
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> size, digest
     hash_mb_s: float | None = None
     dcp_entries: dict[str, tuple[int, ...] | None] | None = None  # key -> shape (None: bytes)
     expected_entries: dict[str, tuple[int, ...] | None] | None = None
@@ -119,17 +121,31 @@ class CheckpointReport:
 
 
 # -- gathering (I/O) --------------------------------------------------------------------------
-def hash_files(path: Path, names: list[str]) -> tuple[dict[str, dict[str, Any]], float]:
+def hash_files(
+    path: Path,
+    names: list[str],
+    digest: str = SHA256,
+    *,
+    limits: Mapping[str, int] | None = None,
+) -> tuple[dict[str, dict[str, Any]], float]:
+    """name -> {"bytes", ``digest``} of every file of ``names`` present, and the MB/s. ``limits``:
+    the sizes a manifest gives; a file that grew past its own is not read on (its digest is
+    then "", which matches nothing)."""
     t0 = time.perf_counter()
     present = [n for n in names if (path / n).is_file()]
-    # hashlib releases the GIL on large buffers: threads hash files in parallel.
+
+    def one(name: str) -> str:
+        try:
+            return file_digest(path / name, digest, limit=(limits or {}).get(name))
+        except ValueError:
+            return ""
+
+    # hashlib and xxhash release the GIL on large buffers: threads hash files in parallel.
     with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) * 2)) as pool:
-        digests = dict(
-            zip(present, pool.map(lambda n: sha256_file(path / n), present), strict=True)
-        )
+        digests = dict(zip(present, pool.map(one, present), strict=True))
     total = sum((path / n).stat().st_size for n in present)
     seconds = time.perf_counter() - t0
-    files = {n: {"bytes": (path / n).stat().st_size, "sha256": digests[n]} for n in present}
+    files = {n: {"bytes": (path / n).stat().st_size, digest: digests[n]} for n in present}
     return files, (total / 1e6 / seconds if seconds > 0 else 0.0)
 
 
@@ -367,9 +383,11 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
         facts.errors["load"] = "not loaded: the manifest names files outside the checkpoint"
         return facts
     names = [e["name"] for e in facts.manifest["files"]]
-    facts.files, facts.hash_mb_s = hash_files(path, names)
+    digest = checkpointing.digest_of(facts.manifest)
+    sizes = {e["name"]: int(e["bytes"]) for e in facts.manifest["files"]}
+    facts.files, facts.hash_mb_s = hash_files(path, names, digest, limits=sizes)
     digests_ok = all(
-        facts.files.get(e["name"], {}).get("sha256") == e["sha256"] for e in facts.manifest["files"]
+        facts.files.get(e["name"], {}).get(digest) == e[digest] for e in facts.manifest["files"]
     )
     if not digests_ok:
         # The DCP .metadata is a pickle: never read it before the manifest vouched for it.
@@ -512,14 +530,15 @@ def manifest_verdict(snap: Snapshot, exp: Expectations) -> Verdict:
 def files_verdict(snap: Snapshot, exp: Expectations) -> Verdict:
     f = _gathered(snap)
     bad = []
+    digest = checkpointing.digest_of(snap.facts["manifest"])
     for e in snap.facts["manifest"]["files"]:
         got = f.files.get(e["name"])
         if got is None:
             bad.append(f"{f.path / e['name']} is missing")
         elif got["bytes"] != e["bytes"]:
             bad.append(f"{f.path / e['name']} is {got['bytes']} bytes, manifest says {e['bytes']}")
-        elif got["sha256"] != e["sha256"]:
-            bad.append(f"{f.path / e['name']} does not match its sha256")
+        elif got.get(digest) != e[digest]:
+            bad.append(f"{f.path / e['name']} does not match its {digest}")
     if bad:
         return Verdict(Status.FAILED, "; ".join(bad))
     return Verdict(Status.PASSED, f"{len(f.files)} files verified at {f.hash_mb_s or 0:.0f} MB/s")

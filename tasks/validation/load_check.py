@@ -115,10 +115,11 @@ def load_and_inspect(
 
 def verify_before_loading(path: Path, man: dict[str, Any]) -> None:
     """Loading unpickles ``.metadata`` and the shards' non-tensor entries: only files whose size
-    and sha256 the manifest vouches for, and only files it lists, are read (arch §6). Raises
+    and digest the manifest vouches for, and only files it lists, are read (arch §6). Raises
     :class:`UnsafeCheckpointError` naming the files. (The manifest is not signed: this stops
     corruption and half-done tampering; the restricted unpickler stops a forged pair.)"""
     from tasks.validation.checkpoint import check_file_names, hash_files
+    from trainer import checkpointing
     from trainer.untrusted import METADATA, UnsafeCheckpointError, load_dcp_metadata
 
     try:
@@ -128,15 +129,17 @@ def verify_before_loading(path: Path, man: dict[str, Any]) -> None:
     listed = {e["name"]: e for e in man["files"]}
     if METADATA not in listed:
         raise UnsafeCheckpointError(f"{path}: {METADATA} is not in its manifest: not loaded")
-    got, _ = hash_files(path, sorted(listed))
+    digest = checkpointing.digest_of(man)
+    sizes = {n: int(e["bytes"]) for n, e in listed.items()}
+    got, _ = hash_files(path, sorted(listed), digest, limits=sizes)
     bad = sorted(
         n
         for n, e in listed.items()
-        if got.get(n, {}).get("bytes") != e["bytes"] or got.get(n, {}).get("sha256") != e["sha256"]
+        if got.get(n, {}).get("bytes") != e["bytes"] or got.get(n, {}).get(digest) != e[digest]
     )
     if bad:
         raise UnsafeCheckpointError(
-            f"{path}: {', '.join(bad)} missing or not matching the manifest (size or sha256): "
+            f"{path}: {', '.join(bad)} missing or not matching the manifest (size or {digest}): "
             "not loaded"
         )
     md = load_dcp_metadata(path)

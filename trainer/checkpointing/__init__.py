@@ -16,6 +16,8 @@ In the training process (torch, NVRx; imported by module, not here):
 - :mod:`~trainer.checkpointing.staging`: the snapshot of the state into reusable CPU buffers;
 - :mod:`~trainer.checkpointing.writer`: NVRx's persistent writer process, its lifecycle and
   what runs inside it;
+- :mod:`~trainer.checkpointing.shard_digest`: a shard's digest, taken as the writer streams its
+  bytes to the file;
 - :mod:`~trainer.checkpointing.flags`: the cross-rank agreement on a save in flight, by name;
 - :mod:`~trainer.checkpointing.async_save`: the asynchronous save (stage, plan, hand off,
   finalize, commit thread);
@@ -74,12 +76,17 @@ from trainer.checkpointing.layout import (
     superseded_path,
 )
 from trainer.checkpointing.manifest import (
+    DIGEST,
     DIGEST_SIDECAR,
     FORMAT,
+    FORMAT_V1,
     MANIFEST,
+    MANIFEST_MAX_BYTES,
     Verdict,
+    as_sha256,
     check_entry,
     collect_file_entries,
+    digest_of,
     digest_share,
     drop_bookkeeping,
     is_bookkeeping,
@@ -104,10 +111,13 @@ from trainer.checkpointing.resume import (
 __all__ = [
     "DCP_METADATA",
     "DELETING_SUFFIX",
+    "DIGEST",
     "DIGEST_SIDECAR",
     "FORMAT",
+    "FORMAT_V1",
     "LATEST",
     "MANIFEST",
+    "MANIFEST_MAX_BYTES",
     "PARTIAL_SUFFIX",
     "PRUNE_FULL_DIGEST_MAX_BYTES",
     "STEP_DIR_RE",
@@ -123,6 +133,7 @@ __all__ = [
     "Recovery",
     "ResumeChoice",
     "Verdict",
+    "as_sha256",
     "candidates",
     "check_entry",
     "checkpoints_dir",
@@ -132,6 +143,7 @@ __all__ = [
     "committed_path",
     "committed_steps",
     "delete_dir",
+    "digest_of",
     "digest_share",
     "drop_bookkeeping",
     "durable_rename",

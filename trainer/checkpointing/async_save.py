@@ -2,14 +2,14 @@
 
 A save takes a snapshot of this rank's state into CPU staging buffers
 (:mod:`~trainer.checkpointing.staging`), plans the DCP save, and hands the write to NVRx's
-persistent writer process (:mod:`~trainer.checkpointing.writer`), which writes and digests
-this rank's shard while training goes on. ``poll()`` (every step, every rank) finalizes the
-save once every rank's writer is done (:mod:`~trainer.checkpointing.flags` names what the ranks
-agree on): the write results are gathered on the training thread (one small collective), and
-the coordinator writes DCP's ``.metadata`` and runs the caller's commit (``poll(commit=...)``:
-the manifest, fsyncs, rename, prune) on a persistent commit thread of its own, while training
-goes on. A later ``poll`` learns from every rank's flags whether that commit is done and
-whether it failed, and returns the ``SaveResult`` only then: a result means committed.
+persistent writer process (:mod:`~trainer.checkpointing.writer`), which writes this rank's shard,
+digesting its bytes as they go to the file, while training goes on. ``poll()`` (every step, every
+rank) finalizes the save once every rank's writer is done (:mod:`~trainer.checkpointing.flags` names
+what the ranks agree on): the write results are gathered on the training thread (one small
+collective), and the coordinator writes DCP's ``.metadata`` and runs the caller's commit
+(``poll(commit=...)``: the manifest, fsyncs, rename, prune) on a persistent commit thread of its
+own, while training goes on. A later ``poll`` learns from every rank's flags whether that commit is
+done and whether it failed, and returns the ``SaveResult`` only then: a result means committed.
 
 What blocks training, and what overlaps:
 
@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainer import nvrx_compat
+from trainer.checkpointing import shard_digest
 from trainer.checkpointing.errors import (
     CheckpointCommitError,
     CheckpointStorageError,
@@ -322,6 +323,7 @@ class AsyncCheckpointer:
             # layout must start a new cache.
             self._md_cache = nvrx_compat.new_metadata_cache()
         writer = nvrx_compat.FileSystemWriterAsync(str(directory), thread_count=1)
+        shard_digest.install(writer)  # the shard's digest taken as it is written, not re-read
         writer, metadata, dist_wrapper = nvrx_compat.save_state_dict_async_plan(
             staged,
             writer,

@@ -25,6 +25,7 @@ from trainer.checkpointing.layout import (
     superseded_path,
 )
 from trainer.checkpointing.manifest import (
+    DIGEST,
     FORMAT,
     MANIFEST,
     collect_file_entries,
@@ -36,8 +37,9 @@ log = logging.getLogger(__name__)
 
 
 # Prune re-digests the newest survivor in full up to this size (measured: ~2 ms for the tiny
-# model's 2.2 MB; sha256 runs at ~1.7 GB/s here, so 64 MiB costs ~40 ms on the commit path);
-# above it, sizes of every file plus the digest of the manifest-listed .metadata.
+# model's 2.2 MB; sha256, the digest of manifests before v2, runs at ~1.7 GB/s here, so 64 MiB
+# costs ~40 ms on the commit path, and xxh3-128 a fraction of it); above it, sizes of every file
+# plus the digest of the manifest-listed .metadata.
 PRUNE_FULL_DIGEST_MAX_BYTES = 64 << 20
 
 
@@ -60,7 +62,7 @@ def commit(
         "step": step,
         "world_size": world_size,
         "created_at": time.time(),
-        "digest": "sha256",
+        "digest": DIGEST,
         **info,
         "files": files,
     }

@@ -1,10 +1,25 @@
 """The manifest: the one place its format lives (arch §3).
 
-Every rank's async writer leaves a digest sidecar beside its shards; at commit, rank 0 lists
-every file actually in the directory with its size and sha256 (``manifest.json``), and a reader
-trusts a directory only if its manifest exists and every file matches it
+Every rank's async writer leaves a digest sidecar beside its shards, with the digests taken as
+the bytes were written (:mod:`~trainer.checkpointing.shard_digest`); at commit, rank 0 lists
+every file actually in the directory with its size and digest (``manifest.json``), and a
+reader trusts a directory only if its manifest exists and every file matches it
 (:func:`verify_checkpoint`). The DCP ``.metadata`` is a pickle: it is digested always and read
 only through the restricted unpickler (trainer.untrusted).
+
+Formats (a reader takes both; anything else is refused, naming the file and the field):
+
+- ``nvrx-ckpt-v2`` (:data:`FORMAT`, written by commits): the top-level ``"digest"`` names the
+  algorithm, and each file entry holds its hex digest under that name:
+  ``{"digest": "xxh3_128", "files": [{"name", "bytes", "xxh3_128"}]}``. Commits write xxh3-128
+  (:data:`DIGEST`); ``sha256`` is the other digest a v2 manifest may name.
+- ``nvrx-ckpt-v1`` (:data:`FORMAT_V1`): every entry's ``"sha256"`` (``"digest"``, if present,
+  says ``"sha256"``). Checkpoints committed before v2 have it, and so has an export's manifest
+  (:func:`as_sha256`): sha256 is what a reader outside this project checks.
+
+The digests are checksums against corruption (bit rot, torn writes, a damaged copy), not a
+signature: what is trusted comes from where the manifest lives (the fenced run root), never from
+the bytes themselves (docs/checkpoints.md, "Threat model").
 """
 
 from __future__ import annotations
@@ -19,24 +34,74 @@ from typing import Any
 from trainer.checkpointing.durable import write_atomic
 from trainer.checkpointing.errors import CheckpointError
 from trainer.checkpointing.layout import DCP_METADATA, is_safe_name, step_of
-from trainer.hashing import sha256_file
+from trainer.hashing import HEX_DIGITS, SHA256, XXH3_128, file_digest
+from trainer.run_files import UnsafeFile, read_small
 
 log = logging.getLogger(__name__)
 
 
-FORMAT = "nvrx-ckpt-v1"
+FORMAT = "nvrx-ckpt-v2"
+FORMAT_V1 = "nvrx-ckpt-v1"
+DIGEST = XXH3_128  # what commits write
 
 MANIFEST = "manifest.json"
 
 DIGEST_SIDECAR = ".digests-rank{rank}.json"
 
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+# A manifest lists a few files per rank and carries the training config: kilobytes. A file
+# that claims to be one and is larger is refused rather than held in memory; a sidecar lists
+# one rank's files.
+MANIFEST_MAX_BYTES = 64 << 20
+_SIDECAR_MAX_BYTES = 1 << 20
+
+_HEX_RE = {name: re.compile(f"[0-9a-f]{{{n}}}") for name, n in HEX_DIGITS.items()}
 
 
-def write_digest_sidecar(directory: Path, rank: int, files: list[Path]) -> None:
-    """Digest this rank's freshly written files (run in the async writer, off the training path)."""
-    entries = [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files]
+def _short(value: Any) -> str:
+    """An untrusted value for an error message, never longer than a line."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def write_digest_sidecar(
+    directory: Path,
+    rank: int,
+    files: list[Path],
+    *,
+    streamed: dict[str, tuple[int, str]] | None = None,
+) -> None:
+    """This rank's freshly written files with their size and digest (run in the async writer,
+    off the training path). ``streamed``: path -> (bytes, digest) the writer's taps took as the
+    bytes went to the file; a file they did not see whole is read back once, and a log line
+    says so."""
+    entries = []
+    for p in files:
+        size = p.stat().st_size
+        got = (streamed or {}).get(str(p))
+        if got is not None and got[0] == size:
+            digest = got[1]
+        else:
+            why = "no digest streamed" if got is None else f"{got[0]} bytes streamed of {size}"
+            _log_read_back(p, why)
+            digest = file_digest(p, DIGEST)
+        entries.append({"name": p.name, "bytes": size, DIGEST: digest})
     write_atomic(Path(directory) / DIGEST_SIDECAR.format(rank=rank), json.dumps(entries))
+
+
+_read_back_logged = False
+
+
+def _log_read_back(path: Path, why: str) -> None:
+    """Said once per writer process: every save of a writer without the seam would repeat it."""
+    global _read_back_logged
+    if not _read_back_logged:
+        _read_back_logged = True
+        log.warning(
+            "%s: %s as it was written; hashing it once after writing (so for any later file of "
+            "this process that needs it, unlogged)",
+            path,
+            why,
+        )
 
 
 def is_bookkeeping(name: str) -> bool:
@@ -44,18 +109,21 @@ def is_bookkeeping(name: str) -> bool:
 
 
 def _sidecar_digests(directory: Path, world_size: int) -> dict[tuple[str, int], str]:
-    """(name, bytes) -> sha256 from the writers' sidecars; a sidecar is only a shortcut, so an
-    unreadable one is ignored (the file is hashed here instead)."""
+    """(name, bytes) -> digest from the writers' sidecars; a sidecar is only a shortcut, so an
+    unreadable or malformed one is ignored (the file is hashed here instead)."""
     known: dict[tuple[str, int], str] = {}
     for rank in range(world_size):
-        sidecar = directory / DIGEST_SIDECAR.format(rank=rank)
         try:
-            entries = json.loads(sidecar.read_text()) if sidecar.is_file() else []
+            raw = read_small(directory / DIGEST_SIDECAR.format(rank=rank), limit=_SIDECAR_MAX_BYTES)
+            entries = json.loads(raw) if raw is not None else []
         except (OSError, ValueError):
             continue
         for e in entries if isinstance(entries, list) else []:
-            if isinstance(e, dict) and is_safe_name(e.get("name")):
-                known[(e["name"], e.get("bytes", -1))] = str(e.get("sha256"))
+            if not isinstance(e, dict) or not is_safe_name(e.get("name")):
+                continue
+            digest, size = e.get(DIGEST), e.get("bytes")
+            if isinstance(digest, str) and _HEX_RE[DIGEST].fullmatch(digest) and type(size) is int:
+                known[(e["name"], size)] = digest
     return known
 
 
@@ -71,9 +139,9 @@ def collect_file_entries(directory: Path, world_size: int) -> list[dict[str, Any
             log.warning("not listing %s in the manifest: not a DCP file name", path)
             continue
         size = path.stat().st_size
-        # No sidecar for it (e.g. the DCP .metadata, written by the coordinator): hash here.
-        digest = known.get((name, size)) or sha256_file(path)
-        entries.append({"name": name, "bytes": size, "sha256": digest})
+        # No sidecar for it (the DCP .metadata, kilobytes written by the coordinator): hash here.
+        digest = known.get((name, size)) or file_digest(path, DIGEST)
+        entries.append({"name": name, "bytes": size, DIGEST: digest})
     return entries
 
 
@@ -84,11 +152,19 @@ def drop_bookkeeping(directory: Path) -> None:
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
+    """The checked manifest of ``directory`` (module doc): a regular file of at most
+    :data:`MANIFEST_MAX_BYTES`, of a known format, whose every entry is well-formed."""
     path = Path(directory) / MANIFEST
-    if not path.is_file():
+    try:
+        raw = read_small(path, limit=MANIFEST_MAX_BYTES)
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from e
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read: {e}") from e
+    if raw is None:
         raise CheckpointError(f"{path} is missing")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(manifest, dict):
@@ -96,31 +172,76 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     for key in ("format", "step", "world_size", "files"):
         if key not in manifest:
             raise CheckpointError(f"{path} lacks field {key!r}")
-    if manifest["format"] != FORMAT:
-        raise CheckpointError(f"{path} has format {manifest['format']!r}, expected {FORMAT!r}")
+    digest = _digest_named(path, manifest)
     if not isinstance(manifest["files"], list):
-        raise CheckpointError(f"{path}: 'files' is not a list")
-    for entry in manifest["files"]:
-        check_entry(path, entry)
+        raise CheckpointError(f"{path}: field 'files' is not a list")
+    for index, entry in enumerate(manifest["files"]):
+        check_entry(path, entry, digest=digest, index=index)
     return manifest
 
 
-def check_entry(path: Path | str, entry: Any) -> None:
+def _digest_named(path: Path, manifest: dict[str, Any]) -> str:
+    """The digest a manifest's entries hold, from its format and its ``"digest"`` field."""
+    fmt, digest = manifest["format"], manifest.get("digest")
+    if fmt == FORMAT_V1:
+        if digest not in (None, SHA256):
+            raise CheckpointError(
+                f"{path}: field 'digest' is {_short(digest)}, but format {FORMAT_V1} digests "
+                "files with sha256"
+            )
+        return SHA256
+    if fmt != FORMAT:
+        raise CheckpointError(
+            f"{path}: field 'format' is {_short(fmt)}, expected {FORMAT!r} (or {FORMAT_V1!r})"
+        )
+    if not isinstance(digest, str) or digest not in HEX_DIGITS:
+        raise CheckpointError(
+            f"{path}: field 'digest' is {_short(digest)}, not a digest this reader knows "
+            f"({', '.join(HEX_DIGITS)})"
+        )
+    return digest
+
+
+def digest_of(manifest: dict[str, Any]) -> str:
+    """The digest algorithm of a manifest :func:`read_manifest` checked: the key of every
+    entry's digest."""
+    return str(manifest["digest"]) if manifest.get("format") == FORMAT else SHA256
+
+
+def check_entry(
+    path: Path | str, entry: Any, *, digest: str = SHA256, index: int | None = None
+) -> None:
     """A file entry is trusted only if its name is one safe path component (it is joined onto
-    the checkpoint directory) and its size and digest are well-formed. ``path``: where the
-    entry was read (a manifest file or an S3 URI), for the message."""
+    the checkpoint directory) and its size and ``digest`` are well-formed. ``path``: where the
+    entry was read (a manifest file or an S3 URI), ``index``: its place in ``files``, for the
+    message."""
+    at = f"{path}" if index is None else f"{path}: files[{index}]"
     if not isinstance(entry, dict):
-        raise CheckpointError(f"{path} has a file entry that is not an object: {entry!r}")
+        raise CheckpointError(f"{at} is a file entry that is not an object: {_short(entry)}")
     name = entry.get("name")
     if not is_safe_name(name):
         raise CheckpointError(
-            f"{path} lists the file name {name!r}: not a single safe path component"
+            f"{at} lists the file name {_short(name)}: not a single safe path component"
         )
     size = entry.get("bytes")
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise CheckpointError(f"{path} gives {name!r} the size {size!r}")
-    if not isinstance(entry.get("sha256"), str) or not _SHA256_RE.fullmatch(entry["sha256"]):
-        raise CheckpointError(f"{path} gives {name!r} a malformed sha256 {entry.get('sha256')!r}")
+        raise CheckpointError(f"{at} gives {name!r} the size (field 'bytes') {_short(size)}")
+    value = entry.get(digest)
+    if not isinstance(value, str) or not _HEX_RE[digest].fullmatch(value):
+        raise CheckpointError(
+            f"{at} gives {name!r} a malformed {digest} (field {digest!r}): {_short(value)}, "
+            f"not {HEX_DIGITS[digest]} lowercase hex digits"
+        )
+
+
+def as_sha256(manifest: dict[str, Any], sha256: dict[str, str]) -> dict[str, Any]:
+    """A checked manifest as format v1, every file's digest the sha256 given for it by name
+    (an export's manifest: what a reader outside this project checks)."""
+    files = [
+        {"name": e["name"], "bytes": e["bytes"], SHA256: sha256[e["name"]]}
+        for e in manifest["files"]
+    ]
+    return {**manifest, "format": FORMAT_V1, "digest": SHA256, "files": files}
 
 
 def listed_bytes(manifest: dict[str, Any]) -> int:
@@ -146,30 +267,42 @@ class Verdict:
     manifest: dict[str, Any] = field(default_factory=dict)
 
 
+def mismatch(path: Path, entry: dict[str, Any], digest: str) -> str | None:
+    """Why the file at ``path`` is not the checked ``entry`` (read once, never past the size the
+    entry gives), or None."""
+    try:
+        got = file_digest(path, digest, limit=int(entry["bytes"]))
+    except ValueError:
+        return f"{path} holds more than the {entry['bytes']} bytes its manifest gives"
+    except OSError as e:
+        return f"{path} cannot be read: {e}"
+    if got != entry[digest]:
+        return f"{path} does not match its {digest} in the manifest"
+    return None
+
+
 def digest_share(
     directory: Path, manifest: dict[str, Any], *, index: int, count: int
 ) -> str | None:
-    """Check the sha256 of this share of the checkpoint's files (every ``count``-th file from
+    """Check the digests of this share of the checkpoint's files (every ``count``-th file from
     ``index``, largest first so the shares weigh about the same); the reason it fails, or
     None. With one share per rank, a resume reads the checkpoint once, in parallel, instead of
     rank 0 hashing all of it before anyone loads."""
+    digest = digest_of(manifest)
     entries = sorted(manifest["files"], key=lambda e: (-int(e["bytes"]), str(e["name"])))
     for entry in entries[index::count]:
-        path = Path(directory) / entry["name"]
-        try:
-            if sha256_file(path) != entry["sha256"]:
-                return f"{path} does not match its sha256 in the manifest"
-        except OSError as e:
-            return f"{path} cannot be read: {e}"
+        why = mismatch(Path(directory) / entry["name"], entry, digest)
+        if why:
+            return why
     return None
 
 
 def verify_checkpoint(directory: Path, *, digests: bool = True) -> Verdict:
     """Does ``directory`` hold a complete, uncorrupted checkpoint?
 
-    Sizes of every listed file always; sha256 of every file with ``digests``, else only of the
-    DCP ``.metadata``: it is a pickle, and nothing is unpickled that a digest has not vouched
-    for (arch §6)."""
+    Sizes of every listed file always; the digest of every file with ``digests``, else only of
+    the DCP ``.metadata``: it is a pickle, and nothing is unpickled that a digest has not
+    vouched for (arch §6)."""
     directory = Path(directory)
     try:
         manifest = read_manifest(directory)
@@ -180,6 +313,7 @@ def verify_checkpoint(directory: Path, *, digests: bool = True) -> Verdict:
         return Verdict(False, f"{directory} holds a manifest of step {manifest['step']}", manifest)
     if not any(e["name"] == DCP_METADATA for e in manifest["files"]):
         return Verdict(False, f"{directory} has no DCP .metadata in its manifest", manifest)
+    digest = digest_of(manifest)
     for entry in manifest["files"]:
         path = directory / entry["name"]
         if not path.is_file():
@@ -189,8 +323,10 @@ def verify_checkpoint(directory: Path, *, digests: bool = True) -> Verdict:
             return Verdict(
                 False, f"{path} is {size} bytes, manifest says {entry['bytes']}", manifest
             )
-        if (digests or entry["name"] == DCP_METADATA) and sha256_file(path) != entry["sha256"]:
-            return Verdict(False, f"{path} does not match its sha256 in the manifest", manifest)
+        if digests or entry["name"] == DCP_METADATA:
+            why = mismatch(path, entry, digest)
+            if why:
+                return Verdict(False, why, manifest)
     # The manifest is not signed: whoever can write the shared filesystem can forge a .metadata
     # and its digest together. Read through the restricted unpickler, a forged one is refused
     # (and never runs) and the reader falls back like for any invalid checkpoint.

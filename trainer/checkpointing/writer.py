@@ -7,8 +7,8 @@ to import. Where that cannot be (CUDA, threads already running) it is spawned on
 (``ensure_started`` in the save) and never waited for: its interpreter's start-up (~1–2 s of
 importing torch here) overlaps training, not the restart's model build and load (measured: the
 build took 1.0–1.4 s beside them, 0.7 s without, on 2 cores). It writes a rank's DCP shard with
-NVRx's ``FileSystemWriterAsync`` (fsync included) and digests it (:func:`write_shard`) while
-training goes on.
+NVRx's ``FileSystemWriterAsync`` (fsync included), digesting the bytes as they are written
+(:func:`write_shard`), while training goes on.
 
 A writer found dead is replaced only at a restart's ``bind``: mid-run its save is still being
 agreed on by every rank, and that agreement reports the death. A save in flight never makes
@@ -18,6 +18,7 @@ checks :meth:`alive`.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import nvrx_compat
+from trainer.checkpointing import shard_digest
 from trainer.checkpointing.errors import CheckpointTimeout, CheckpointWorkerDied
 from trainer.checkpointing.manifest import write_digest_sidecar
 
@@ -40,16 +42,18 @@ def write_shard(
     write_buckets: list[Any],
     results_queue: Any,
 ) -> None:
-    """Runs in NVRx's persistent writer process: write this rank's files, then digest them."""
-    if save_fn is not None:
-        save_fn(rank, write_buckets, results_queue)
-    try:
-        files = [Path(bucket[0]) for bucket in write_buckets]
-        write_digest_sidecar(Path(directory), rank, files)
-    except OSError:
-        # A failed write is reported by the DCP finalize from the results queue; without a
-        # sidecar the commit simply has nothing to trust.
-        pass
+    """Runs in NVRx's persistent writer process: write this rank's files, digesting them as
+    they are written (:mod:`~trainer.checkpointing.shard_digest`), then list them with their
+    digests in the rank's sidecar."""
+    files = [Path(bucket[0]) for bucket in write_buckets]
+    with shard_digest.capture(files) as captured:
+        if save_fn is not None:
+            save_fn(rank, write_buckets, results_queue)
+        streamed = captured.streamed()
+    # A failed write is reported by the DCP finalize from the results queue; without a sidecar
+    # the commit hashes the files itself.
+    with contextlib.suppress(OSError):
+        write_digest_sidecar(Path(directory), rank, files, streamed=streamed)
 
 
 class PersistentWriter:
