@@ -91,6 +91,13 @@ def kube():
     def serve() -> None:
         async def main() -> None:
             async with kmock.KubernetesEmulator() as emu, kmock.Server(emu) as srv:
+                # kmock answers a list of a resource it holds no object of with 404; a real API
+                # server lists an empty collection. The attempt's pod watch lists before the
+                # Job's pods exist: each 404 counted as a failure grew its backoff (up to 30 s)
+                # until its first list came after a pod was created and deleted (never seen,
+                # so never classified) or after the deadline.
+                for builtin in ("v1/pods", "batch/v1/jobs"):
+                    emu.resources[builtin] = {}
                 state["url"] = str(srv.url).rstrip("/")
                 ready.set()
                 while not state.get("stop"):

@@ -427,6 +427,16 @@ def test_a_silent_pod_is_taken_away_as_a_lost_node(kube: Kube, tmp_path: Path):
     assert f"{name}-1-x" not in left  # deleted through the API
 
 
+@pytest.mark.parametrize("collection", ["pods", "jobs"])
+def test_the_emulator_lists_an_empty_collection(kube: Kube, collection: str):
+    """Before any pod or Job exists, a list answers 200 and no items, as a real API server's
+    does (kmock alone answers 404): the attempt's pod watch lists then, and a 404 it backs off
+    from made a pod created and deleted meanwhile invisible (the bad-day force-delete flake)."""
+    list_fn = {"pods": kube.core.list_namespaced_pod, "jobs": kube.batch.list_namespaced_job}
+    resp = list_fn[collection](NS, _preload_content=False)
+    assert resp.status == 200 and json.loads(resp.data)["items"] == []
+
+
 def test_every_kubernetes_call_has_a_request_timeout(monkeypatch):
     """An API server that accepts the connection and never answers cannot stall the flow: every
     call ends within the request timeout (here shortened to 1 s)."""
