@@ -19,11 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 RECOVERY_JSON = REPO / "benchmarks" / "results" / "recovery_time.json"
 PRODUCE = (
     "run `make bench`, or `python benchmarks/recovery_time.py "
@@ -50,8 +52,6 @@ ASSUMPTIONS: dict[str, Any] = {
     # growing with the log of the ranks.
     "process_start_s": 25.0,
     "nccl_init_s_per_log2_rank": 2.0,
-    # Hang detection: the ft_launcher rank heartbeat timeout of the EKS config (flows/context.py).
-    "heartbeat_timeout_s": 300.0,
     # Node loss on EKS: node-monitor-grace-period (Ready=Unknown) 50 s; a spare node in the
     # node group is Ready at once; image layers cached on the node (else add minutes).
     "k8s_detect_s": 50.0,
@@ -62,16 +62,25 @@ ASSUMPTIONS: dict[str, Any] = {
     "share_hang": 0.25,  # of the in-job faults, how many are hangs (no exit to notice)
     "baseline_hang_detect_s": 1800.0,  # torch's default process-group timeout
     # The memory tiers (issue 29). A restore from the process's own copy is a host-to-device
-    # copy of the rank's shard; from node memory the shard is digested first (sha256, one core
-    # per rank) and then copied up. The hang bound a run learns from its step time is floored,
-    # on EKS, by the in-process layer's window (pg_timeout_s 120 + heartbeat interval + 0.5:
-    # trainer.hang_bound, measured in the issue 29 session that built it).
+    # copy of the rank's shard; from node memory the shard is checked first (xxh3-128 since
+    # issue 40, one core per rank: its GB/s is read from benchmarks/results/checksum_speed.json)
+    # and then copied up. The hang bound a run learns from its step time is floored, on EKS, by
+    # the in-process layer's window (pg_timeout_s 120 + heartbeat interval + 0.5:
+    # trainer.timeouts, issue 40).
     "h2d_gb_s": 20.0,
-    "sha256_gb_s": 1.5,
     # A peer copy travels over gloo (TCP on the pod network), one stream per rank pair.
     "peer_gb_s": 1.0,
     "learned_hang_bound_s": 121.5,
+    # The steady-state cost of the memory saves (issue 40): an 8B step on p5 (assumed: a few
+    # seconds at a global batch of 4M tokens on 16-512 H100s; Llama-3-8B-class reports), the
+    # durable interval in steps, and the memory save's copy off the training stream into
+    # pageable host memory (item 3 not built yet: the copy blocks at pageable D2H speed).
+    "step_s": 4.0,
+    "durable_interval_steps": 100,
+    "pageable_d2h_gb_s": 10.0,
+    "budget": 0.02,  # checkpoint.memory.budget: what interval auto keeps a save within
 }
+CHECKSUM_JSON = REPO / "benchmarks" / "results" / "checksum_speed.json"
 
 
 def load_s(a: dict[str, Any]) -> float:
@@ -96,7 +105,9 @@ def recoveries(a: dict[str, Any], nodes: int, measured: dict[str, float]) -> dic
         # newest checkpoint (the in-memory copy is not kept across a restart here).
         "exception": ours_inproc + load,
         "sigkill": measured["injob_detect_s"] + start + load,
-        "hang": a["heartbeat_timeout_s"] + start + load,
+        # Every in-job timeout is learned (issue 40): a hang is caught at the learned step
+        # bound, whichever tier the resume reads.
+        "hang": a["learned_hang_bound_s"] + start + load,
         "node-loss": a["k8s_detect_s"] + a["pod_start_s"] + start + load,
     }
     # With the memory tiers: each rank reads its own shard from memory, not the whole
@@ -104,7 +115,7 @@ def recoveries(a: dict[str, Any], nodes: int, measured: dict[str, float]) -> dic
     # (a spare in its place, the world unchanged).
     shard = a["ckpt_gb"] / (nodes * a["gpus_per_node"])
     from_process = shard / a["h2d_gb_s"]
-    from_node = shard / a["sha256_gb_s"] + shard / a["h2d_gb_s"]
+    from_node = shard / measured["checksum_gb_s"] + shard / a["h2d_gb_s"]
     from_peer = shard / a["peer_gb_s"] + from_node
     tiers = {
         "exception": ours_inproc + from_process,
@@ -133,8 +144,50 @@ def ettr(a: dict[str, Any], nodes: int, rec: dict[str, float], ckpt_block_s: flo
     return {"mtbf_h": mtbf / 3600, "mean_recovery_s": mean_r, "interval_s": tau, "ettr": value}
 
 
+def tier_cost(a: dict[str, Any], nodes: int, checksum_gb_s: float) -> dict[str, Any]:
+    """A memory save's cost per step at steady state (issue 40, item 8): its blocking copy and
+    its background work (the checksum, and the peer copy out and in with its checksum) for one
+    rank's shard, the interval ``memory_interval: auto`` takes for it
+    (trainer.checkpointing.memory_cadence.choose), and the share of a step that costs."""
+    from trainer.checkpointing.memory_cadence import choose
+
+    shard = a["ckpt_gb"] / (nodes * a["gpus_per_node"])
+    blocking = shard / a["pageable_d2h_gb_s"]
+    background = 2 * shard / checksum_gb_s + shard / a["peer_gb_s"]
+    c = choose(
+        a["step_s"], blocking, background,
+        budget=a["budget"], durable_interval=a["durable_interval_steps"],
+    )  # fmt: skip
+    return {
+        "shard_gb": shard,
+        "blocking_s": blocking,
+        "background_s": background,
+        "interval": c.interval,
+        "share_of_step": (blocking + background) / (c.interval * a["step_s"]),
+        "share_every_step": (blocking + background) / a["step_s"],
+        "capped": bool(c.clamped),
+    }
+
+
 class MeasurementMissing(RuntimeError):
     pass
+
+
+def read_checksum(path: Path = CHECKSUM_JSON) -> float:
+    """xxh3-128's single-core GB/s over 1 GiB (median), from checksum_speed.py's JSON."""
+    try:
+        data = json.loads(path.read_text())
+        rows = [
+            r
+            for r in data["throughput"]
+            if r["algo"] == "xxh3_128" and r["size_mib"] >= 1024 and r["mode"] == "one_call"
+        ]
+        return float(statistics.median(r["median_gbps"] for r in rows))
+    except (OSError, ValueError, KeyError, TypeError, statistics.StatisticsError) as e:
+        raise MeasurementMissing(
+            f"{path} is not checksum_speed.py output ({e!r}): run `python "
+            "benchmarks/checksum_speed.py --out benchmarks/results/checksum_speed.json`"
+        ) from e
 
 
 def read_measured(path: Path) -> dict[str, float]:
@@ -188,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         a["fsx_tib"] = args.fsx_tib
     try:
         measured = read_measured(args.recovery)
+        measured["checksum_gb_s"] = read_checksum()
     except MeasurementMissing as e:
         print(f"scale_model: {e}", file=sys.stderr)
         return 2
@@ -228,6 +282,27 @@ def main(argv: list[str] | None = None) -> int:
             f"{fmt(f'{v:.0f}' for v in rec['tiers'].values())} | "
             f"{fmt(f'{v:.0f}' for v in rec['baseline'].values())} | "
             f"{e_ours['ettr']:.4f} / {e_tiers['ettr']:.4f} | {e_base['ettr']:.4f} |"
+        )
+    print()
+    print(
+        f"Memory saves at steady state (an 8B step of {a['step_s']:g} s, a budget of "
+        f"{a['budget']:.0%}, xxh3 at {measured['checksum_gb_s']:.1f} GB/s, the peer copy at "
+        f"{a['peer_gb_s']:g} GB/s, the copy at pageable D2H {a['pageable_d2h_gb_s']:g} GB/s):"
+    )
+    print()
+    print(
+        "| nodes | shard/GPU (GB) | blocking (s) | background (s) | auto interval | cost, share "
+        "of a step | every step |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    out["tier_cost"] = []
+    for nodes in (2, 4, 8, 16, 32, 64):
+        t = tier_cost(a, nodes, measured["checksum_gb_s"])
+        out["tier_cost"].append({"nodes": nodes, **t})
+        print(
+            f"| {nodes} | {t['shard_gb']:.2f} | {t['blocking_s']:.2f} | {t['background_s']:.2f} "
+            f"| {t['interval']}{' (capped)' if t['capped'] else ''} | "
+            f"{t['share_of_step']:.1%} | {t['share_every_step']:.1%} |"
         )
     if args.json:
         print(json.dumps(out))
