@@ -39,12 +39,23 @@ FAST_INPROCESS = InProcessConfig(
     completion_timeout_s=30.0,
 )
 FAST_INJOB = InJobConfig(
-    # Every timeout auto, as a user's run has them, with a start-up allowance of 30 s: the
-    # checkpoint section (and the backstop over it) must cover the async writer's start-up
-    # (the first save after a (re)start, or the final one of a resume a few steps before the
-    # end, waits for a spawned interpreter importing torch, 12-25 s on 2 loaded cores).
+    # Pinned short, so that the drills' faults are detected in seconds: the step timeout a
+    # ceiling the learned one stays under, the others fixed. The checkpoint section (and the
+    # backstop over it) covers the async writer's start-up (the first save after a (re)start,
+    # or the final one of a resume a few steps before the end, waits for a spawned interpreter
+    # importing torch, 12-25 s on 2 loaded cores). The auto path (every timeout learned) runs
+    # in test_fault_drills (LEARNING_INJOB) and in every pipeline test (the run form's
+    # defaults); pinned here, the suite does not wait 30 s of allowance per detected stall.
     startup_allowance_s=30.0,
+    step_timeout_s=4.5,
+    heartbeat_timeout_s=30.0,
+    initial_heartbeat_timeout_s=60.0,
+    checkpoint_timeout_s=30.0,
+    load_timeout_s=12.0,
+    out_of_section_timeout_s=12.0,
 )
+# Every timeout auto, as a user's run has them, with a start-up allowance of 30 s.
+AUTO_INJOB = InJobConfig(startup_allowance_s=30.0)
 
 
 def free_port() -> int:

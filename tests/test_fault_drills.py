@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
+    AUTO_INJOB,
     FAST_INJOB,
     RunOutcome,
     make_config,
@@ -97,7 +98,7 @@ def baseline(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> RunOutc
 # The drills' timeouts are auto (trainer.timeouts): the start-up allowance (30 s) until 3 step
 # sections have closed after the warm-up one, then learned: the hang must be caught by the
 # learned bound, not the allowance.
-LEARNING_INJOB = replace(FAST_INJOB, learn_after_sections=3)
+LEARNING_INJOB = replace(AUTO_INJOB, learn_after_sections=3)
 
 
 @pytest.mark.parametrize("drill", DRILLS, ids=[d.name for d in DRILLS])
@@ -263,7 +264,6 @@ def test_a_frozen_node_is_noticed_and_recovered_bitwise(
     from tasks.classify import EndKind
     from tasks.ownership import processes
     from tasks.train_stage import run_attempt
-    from tests.helpers import FAST_INJOB
 
     cfg = make_config(
         tmp_path / "run",
