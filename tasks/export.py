@@ -38,7 +38,7 @@ from typing import Any
 from tasks.errors import ExportError, StorageError
 from tasks.storage.s3 import describe_client_error, validate_bucket, validate_prefix
 from trainer import checkpointing
-from trainer.hashing import SHA256, new_hasher, sha256_file
+from trainer.hashing import SHA256, new_hasher, read_capped, sha256_file
 
 _CHUNK = 8 << 20
 PART_SIZE = 8 << 20  # multipart threshold and part size (S3 wants >= 5 MiB but the last)
@@ -162,29 +162,21 @@ def checked_sha256(path: Path, entry: dict[str, Any], digest: str) -> str:
     """One read of a checkpoint file: refused (naming it) unless it is the checked manifest
     ``entry``'s size and ``digest``, never read past that size; its sha256."""
     size = int(entry["bytes"])
-    sha = hashlib.sha256()
     other = None if digest == SHA256 else new_hasher(digest)
-    seen = 0
     try:
         with open(path, "rb") as f:
-            while chunk := f.read(min(_CHUNK, size + 1 - seen)):
-                seen += len(chunk)
-                if seen > size:
-                    break
-                sha.update(chunk)
-                if other is not None:
-                    other.update(chunk)
+            seen, sha = read_capped(f, size, also=other)
     except OSError as e:
         raise ExportError(f"refusing to export {path}: it cannot be read: {e}") from e
     if seen != size:
         raise ExportError(
             f"refusing to export {path}: it is not the {size} bytes its manifest gives"
         )
-    if (other or sha).hexdigest() != entry[digest]:
+    if (sha if other is None else other.hexdigest()) != entry[digest]:
         raise ExportError(
             f"refusing to export {path}: it does not match its {digest} in the manifest"
         )
-    return sha.hexdigest()
+    return sha
 
 
 def checked_digests(ckpt_dir: Path, man: dict[str, Any], max_workers: int) -> dict[str, str]:

@@ -7,6 +7,7 @@ import copy
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -243,15 +244,20 @@ def test_a_copy_of_another_attempt_or_topology_is_not_offered(tmp_path, who, exp
     assert (why is None) if expect is None else (expect in why)
 
 
-def test_a_copy_of_the_sha256_format_is_not_offered(tmp_path: Path):
-    """Format 1 (sha256, before issue 40) left in node memory by an older trainer: refused by
-    name at the scan, so the resume reads the next tier; the same copy as format 2 is read."""
+def _saved_header(tmp_path: Path) -> tuple[NodeMemory, Path, dict[str, Any]]:
+    """A memory save of step 7 made and sealed: the node memory, its header's path and JSON."""
     m, o = _model(0)
     mem = _memory(tmp_path)
     mem.save(7, _state(m, o), {})
     mem.wait()
     header_path = mem.header_path(0)
-    obj = json.loads(header_path.read_text())
+    return mem, header_path, json.loads(header_path.read_text())
+
+
+def test_a_copy_of_the_sha256_format_is_not_offered(tmp_path: Path):
+    """Format 1 (sha256, before issue 40) left in node memory by an older trainer: refused by
+    name at the scan, so the resume reads the next tier; the same copy as format 2 is read."""
+    mem, header_path, obj = _saved_header(tmp_path)
     assert obj["format"] == node_format.FORMAT == 2
     assert obj["xxh3_128"] == node_format.checksum(mem.bin_path(0).read_bytes()[: obj["size"]])
     old = {k: v for k, v in obj.items() if k != "xxh3_128"}
@@ -263,12 +269,7 @@ def test_a_copy_of_the_sha256_format_is_not_offered(tmp_path: Path):
 
 
 def test_a_forged_header_is_refused_bounded_and_named(tmp_path: Path):
-    m, o = _model(0)
-    mem = _memory(tmp_path)
-    mem.save(7, _state(m, o), {})
-    mem.wait()
-    header_path = mem.header_path(0)
-    obj = json.loads(header_path.read_text())
+    _, header_path, obj = _saved_header(tmp_path)
     obj["entries"][0]["offset"] = 10**12  # points outside the bytes
     header_path.write_text(json.dumps(obj))
     (header,) = _memory(tmp_path).headers()[0].values()

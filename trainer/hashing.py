@@ -68,6 +68,7 @@ def read_capped(
     *,
     out: BinaryIO | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    also: Hasher | None = None,
 ) -> tuple[int, str]:
     """Stream ``src`` (into ``out`` when given), digesting it, and stop one byte past
     ``limit``: a file or object that is untrusted (the shared filesystem, a bucket) and far
@@ -81,6 +82,8 @@ def read_capped(
         if seen > limit:
             break
         h.update(chunk)
+        if also is not None:  # a second digest of the same bytes (another algorithm's)
+            also.update(chunk)
         if out is not None:
             out.write(chunk)
         if on_bytes is not None:

@@ -234,6 +234,8 @@ class TimeoutLearner:
     def observe(self, kind: str, seconds: float) -> Timeouts | None:
         if kind not in SECTIONS:
             raise ValueError(f"unknown section {kind!r}")
+        if kind == STEP and self.learned:
+            return None  # decided once per incarnation: nothing to derive at each renewal
         self.observed = self.observed.with_section(kind, seconds, sample=self.policy.learn_after)
         new = self.policy.derive(self.observed)
         if new is None or (self.learned and new.values() == self.in_force.values()):

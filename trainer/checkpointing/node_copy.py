@@ -77,9 +77,8 @@ class NodeMemory:
         self.dir = self.root / f"rank-{rank}-of-{world_size}"
         self.rank, self.world_size = rank, world_size
         self.fingerprint, self.epoch = fingerprint, epoch
-        self._maps: dict[int, mmap.mmap] = {}
-        # The peer copies' buffers, by (the rank that sent it, generation): kept across saves.
-        self._peer_maps: dict[tuple[int, int], mmap.mmap] = {}
+        # Mapped generations: this rank's by generation, the peer copies' by (sender, generation).
+        self._maps: dict[int | tuple[int, int], mmap.mmap] = {}
         self._thread: threading.Thread | None = None
         self._failed: str | None = None  # the newest save's failure, said once by the caller
         # The CPU seconds of the newest sealed save's thread (checksum, header, peer copy): what
@@ -173,7 +172,7 @@ class NodeMemory:
             if not why:
                 d.mkdir(parents=True, exist_ok=True)
                 self.header_path(header.generation, d).unlink(missing_ok=True)
-                mm = self._peer_buffer(src, header.generation, d, size)
+                mm = self._buffer(header.generation, size, src=src)
         except (ValidationError, OSError, UnicodeDecodeError) as e:
             why = f"no room in node memory for it ({e})" if isinstance(e, OSError) else str(e)
         # The bytes are on their way all the same: a copy refused already goes into anonymous
@@ -201,21 +200,6 @@ class NodeMemory:
             if sink is not mm:
                 with contextlib.suppress(BufferError):
                     sink.close()
-
-    def _peer_buffer(self, src: int, gen: int, d: Path, size: int) -> mmap.mmap:
-        """Generation ``gen`` of ``src``'s peer copy, mapped (kept across saves; remade when
-        the size changes or its file is gone), its pages allocated first (ENOSPC, not SIGBUS)."""
-        key = (src, gen)
-        mm = self._peer_maps.get(key)
-        path = self.bin_path(gen, d)
-        if mm is not None and len(mm) == max(size, 1) and path.exists():
-            return mm
-        if mm is not None:
-            with contextlib.suppress(BufferError):
-                mm.close()
-        mm = _allocated_map(path, size)
-        self._peer_maps[key] = mm
-        return mm
 
     def forget_other_worlds(self) -> list[str]:
         """Remove this node's copies of worlds of another size (an elastic job that shrank or
@@ -293,18 +277,22 @@ class NodeMemory:
         )
         self._thread.start()
 
-    def _buffer(self, gen: int, size: int) -> mmap.mmap:
-        """Generation ``gen``'s bytes, mapped (kept across saves; remade when the size changes).
-        The file's pages are allocated first: writing into a sparse tmpfs file that cannot grow
-        would kill the process with SIGBUS, where this raises ENOSPC."""
-        mm = self._maps.get(gen)
-        if mm is not None and len(mm) == max(size, 1):
+    def _buffer(self, gen: int, size: int, *, src: int | None = None) -> mmap.mmap:
+        """Generation ``gen``'s bytes, mapped: this rank's own, or (``src``) the peer copy of
+        rank ``src`` this node holds. Kept across saves (no new file, no page faulted in again
+        per save); remade when the size changes or the file is gone. The file's pages are
+        allocated first: writing into a sparse tmpfs file that cannot grow would kill the
+        process with SIGBUS, where this raises ENOSPC."""
+        key: int | tuple[int, int] = gen if src is None else (src, gen)
+        path = self.bin_path(gen, None if src is None else self.peer_dir(src))
+        mm = self._maps.get(key)
+        if mm is not None and len(mm) == max(size, 1) and path.exists():
             return mm
         if mm is not None:
             with contextlib.suppress(BufferError):  # a tensor still viewing it keeps it alive
                 mm.close()
-        mm = _allocated_map(self.bin_path(gen), size)
-        self._maps[gen] = mm
+        mm = _allocated_map(path, size)
+        self._maps[key] = mm
         return mm
 
     def _seal(self, gen: int, header: dict[str, Any] | None, token: int) -> None:
@@ -345,11 +333,10 @@ class NodeMemory:
     def close(self) -> None:
         self.wait()
         self._layout = None  # its slices view the maps: they would stay open
-        for mm in (*self._maps.values(), *self._peer_maps.values()):
+        for mm in self._maps.values():
             with contextlib.suppress(BufferError):
                 mm.close()
         self._maps.clear()
-        self._peer_maps.clear()
 
     # -- resuming --------------------------------------------------------------------------
     def headers(self) -> tuple[dict[int, Header], str | None]:
