@@ -76,7 +76,7 @@ def run_ours(
     steps: int,
     interval: int,
     faults: list[str],
-    memory_interval: int = 1,
+    memory_interval: int | str = "auto",
 ) -> dict[str, Any]:
     cfg = TrainConfig(
         run_root=root,
@@ -232,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--memory-interval",
-        type=int,
-        default=1,
-        help="ours: a memory save every N steps (1, the default; ours-durable: 0)",
+        type=lambda v: v if v == "auto" else int(v),
+        default="auto",
+        help="ours: a memory save every N steps, or auto (the default; ours-durable: 0)",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", type=Path)

@@ -6,7 +6,9 @@ Run by ``benchmarks/gpu_check.sh OUT_DIR`` (which makes the venv and gives every
 
 - ``env``    -> ``env.json``: nvidia-smi, torch / CUDA / NVRx versions, /dev/shm, disk, memory.
 - ``ckpt``   -> ``ckpt.json`` (rewritten after every model): per model size (``build_model``),
-  the seconds training is blocked by
+  the memory tier's save (``memory``: ``NodeMemory`` into pinned node-memory buffers on a side
+  stream; blocking, copy complete, sealed, the sealing thread's CPU, ``blocking_vs_floor``, a
+  bitwise reload) and the seconds training is blocked by
   ``trainer.checkpointing.async_save.AsyncCheckpointer.save`` next to the
   pinned device-to-host floor (``copy_`` of the same bytes into pinned buffers, timed with CUDA
   events) and to a synchronous ``torch.distributed.checkpoint.save``; several samples, median
@@ -381,6 +383,18 @@ def bench_model(name: str, root: Path, samples: int, deadline: float) -> dict[st
         shutil.rmtree(kept, ignore_errors=True)
         del expected, got
 
+        # the memory tier (issue 40, item 3): a node-memory save, blocking against the floor
+        if time.monotonic() < deadline:
+            try:
+                res["memory"] = bench_memory_save(state, train_step, samples, deadline, nbytes)
+                mem_med = res["memory"]["blocking_s"].get("median")
+                if mem_med is not None:
+                    res["memory"]["blocking_vs_floor"] = mem_med / statistics.median(floor)
+            except Exception as e:  # keep the durable numbers of this model
+                import traceback
+
+                res["memory"] = {"error": repr(e), "trace": traceback.format_exc()[-2000:]}
+
         # synchronous dcp.save (the stock reference)
         sync = []
         for i in range(max(2, samples - 1)):
@@ -407,6 +421,84 @@ def bench_model(name: str, root: Path, samples: int, deadline: float) -> dict[st
     finally:
         saver.close()
         torch.cuda.empty_cache()
+    return res
+
+
+def bench_memory_save(
+    state: Callable[[], dict[str, Any]],
+    train_step: Callable[[int], None],
+    samples: int,
+    deadline: float,
+    nbytes: int,
+) -> dict[str, Any]:
+    """The memory tier's save of the same state (``NodeMemory``: pinned generation buffers in
+    ``/dev/shm``, the copy on a side stream, the digest and header on its thread): the seconds
+    training is blocked (the launch), until the copy completed, until sealed, the sealing
+    thread's CPU seconds; the first two saves (one per generation: map and pin) apart; and a
+    bitwise reload of the last sealed copy over a changed state."""
+    import tempfile
+
+    import torch
+
+    from trainer.checkpointing.node_copy import NodeMemory
+
+    res: dict[str, Any] = {}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    # Node memory is /dev/shm, where it holds two generations (a container's may be small:
+    # then a disk directory, said in the result, still times the copy and the seal).
+    shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+    where = "/dev/shm" if shm_free > 2.2 * nbytes else None
+    res["where"] = where or tempfile.gettempdir()
+    root = Path(tempfile.mkdtemp(prefix="nvrx-gpu-node-", dir=where))
+    node = NodeMemory(root, rank=0, world_size=1, fingerprint="gpu-check", epoch=None)
+    blocking, copied, sealed, background, first = [], [], [], [], []
+    try:
+        for i in range(samples + 2):
+            if i >= 2 and time.monotonic() > deadline:
+                res["truncated"] = "deadline"
+                break
+            train_step(i)
+            sd = state()
+            sync()
+            t0 = time.perf_counter()
+            b = node.save(i + 1, sd, {"loss": 0.0})
+            assert node._device is not None
+            node._device.wait()  # host-side only, to time the copy itself
+            t_copy = time.perf_counter() - t0
+            node.wait()
+            t_sealed = time.perf_counter() - t0
+            failed = node.take_failure()
+            if failed:
+                raise RuntimeError(failed)
+            if i < 2:
+                first.append(b)
+                continue
+            blocking.append(b)
+            copied.append(t_copy)
+            sealed.append(t_sealed)
+            background.append(node.take_background() or 0.0)
+        res["first_saves_s"] = first
+        res["blocking_s"] = stats(blocking)
+        res["copy_complete_s"] = stats(copied)
+        res["sealed_s"] = stats(sealed)
+        res["background_cpu_s"] = stats(background)
+        expected = [_local(t).detach().cpu() for t in _tensors(sd)]
+        headers, why = node.headers()
+        newest = headers[max(headers)] if headers else None
+        train_step(samples + 3)
+        sd = state()
+        if newest is None:
+            res["bitwise_equal"] = False
+            res["why"] = why
+        else:
+            node.load(newest, sd)
+            got = [_local(t).detach().cpu() for t in _tensors(sd)]
+            res["bitwise_equal"] = len(got) == len(expected) and all(
+                a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, expected, strict=True)
+            )
+    finally:
+        node.close()
+        shutil.rmtree(root, ignore_errors=True)
     return res
 
 
@@ -596,6 +688,12 @@ def part_summary(out: Path, args: argparse.Namespace) -> dict[str, Any]:
                 for k in ("ours_save_s", "floor_s", "sync_dcp_s", "ours_total_s")
                 if isinstance(m.get(k), dict)
             }
+            | {
+                f"memory_{k}": (v.get("median") if isinstance(v, dict) else v)
+                for k, v in (m.get("memory") or {}).items()
+                if k in ("blocking_s", "copy_complete_s", "sealed_s", "background_cpu_s")
+                or k in ("blocking_vs_floor", "bitwise_equal", "truncated")
+            }
             for name, m in ckpt.get("models", {}).items()
         }
     if drills is not None:
@@ -611,7 +709,8 @@ def part_summary(out: Path, args: argparse.Namespace) -> dict[str, Any]:
             name: r.get("final_loss") for name, r in drills.get("runs", {}).items()
         }
     ok_ckpt = bool(ckpt) and all(
-        m.get("bitwise_equal") is True for m in ckpt.get("models", {}).values()
+        m.get("bitwise_equal") is True and (m.get("memory") or {}).get("bitwise_equal") is True
+        for m in ckpt.get("models", {}).values()
     )
     summary["ok"] = {"ckpt_bitwise": ok_ckpt}
     for mode in ("default", "deterministic"):

@@ -65,7 +65,7 @@ fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$(dirname "$PY"):$PATH"
 export TORCH_CPP_LOG_LEVEL=ERROR
-"$PY" -c 'import torch, nvidia_resiliency_ext, trainer.async_ckpt; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())' \
+"$PY" -c 'import torch, nvidia_resiliency_ext, trainer.checkpointing.async_save; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())' \
     2>&1 | tee -a "$LOG" >&2
 
 # -- the parts -----------------------------------------------------------------------------------

@@ -15,6 +15,11 @@ after the first checkpoint.
 
     python benchmarks/memory_tiers.py [--faults exception sigkill hang node-loss]
         [--samples 3] [--seed 0] [--steps 30] [--ckpt-interval 5] [--json] [--out FILE]
+
+At a gigabyte (issue 40): ``--workload gpt-100m --seq-len 64 --modes auto 1 0
+--fault-modes auto --min-fault-step 13`` measures the fault-free step time with the memory tiers
+at their default (``auto``), forced every step and off, and each fault's recovery with the
+default tiers (a hang after the step timeout is learned, 10 sections after a warm-up one).
 """
 
 from __future__ import annotations
@@ -52,15 +57,23 @@ SPECS = {
     "node-loss+spare": "node-loss@step={s},node=1",
 }
 SPARES = {"node-loss+spare": 1}
-MODES = {"tiers": 1, "durable": 0}  # memory_interval
+# memory_interval per mode; the names of issue 29's runs kept for its committed results.
+NAMES = {"1": "tiers", "0": "durable", "auto": "auto"}
+
+
+def _interval(mode: str) -> int | str:
+    return mode if mode == "auto" else int(mode)
 
 
 def run(
-    spec: str, memory_interval: int, run_root: Path, data: Path, args: Any, spares: int = 0
+    spec: str, memory_interval: int | str, run_root: Path, data: Path, args: Any, spares: int = 0
 ) -> list:
+    options = {"seq_len": args.seq_len} if args.seq_len else {}
     cfg = TrainConfig(
         run_root=run_root,
         data_dir=data,
+        workload=args.workload,
+        workload_options=options,
         steps=args.steps,
         checkpoint=CheckpointConfig(
             durable=DurableConfig(interval=args.ckpt_interval),
@@ -73,7 +86,7 @@ def run(
             LocalBackend(),
             LaunchRequest(
                 run_id=run_root.name, attempt=attempt, cfg=cfg, nodes=2, nproc_per_node=1,
-                spares=spares, deadline_s=600,
+                spares=spares, deadline_s=args.deadline_s,
             ),
         )  # fmt: skip
         if report.outcome.kind != EndKind.NODE_LOSS:
@@ -89,7 +102,14 @@ def recovery(events: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     r = records[0]
     keys = ("resume_source", "resume_step", "replayed_steps", "load_s", "load_bytes", "recovery_s")
-    return {k: r[k] for k in keys}
+    return {k: r[k] for k in keys} | {"params_sha256": params_digest(events)}
+
+
+def params_digest(events: list[dict[str, Any]]) -> str | None:
+    """The final parameters' digest (train_end), to check a recovery bitwise against the
+    fault-free runs: the memory interval does not change what is trained."""
+    ends = [e for e in events if e["kind"] == "train_end"]
+    return ends[-1].get("params_sha256") if ends else None
 
 
 def costs(events: list[dict[str, Any]], ckpt_interval: int, steps: int) -> dict[str, Any]:
@@ -102,10 +122,17 @@ def costs(events: list[dict[str, Any]], ckpt_interval: int, steps: int) -> dict[
         if e.get("ckpt_blocking_s") is not None and e["step"] % ckpt_interval and e["step"] < steps
     ]
     durable = [e["blocking_s"] for e in events if e["kind"] == "checkpoint"]
+    chosen = [e for e in events if e["kind"] == "memory_interval"]
+    # After the first durable save: the first steps build, warm up and (auto) measure saves.
+    steady = [e["step_s"] for e in step_ev if e["step"] > ckpt_interval and e["step"] < steps]
     return {
         "memory_save_blocking_s": _median(memory_only),
         "durable_save_blocking_s": _median(durable),
         "step_s": _median([e["step_s"] for e in step_ev]),
+        "steady_step_s": _median(steady),
+        "memory_saves": sum(1 for e in step_ev if e.get("ckpt_blocking_s") is not None),
+        "auto_interval": chosen[-1].get("interval") if chosen else None,
+        "params_sha256": params_digest(events),
     }
 
 
@@ -121,11 +148,18 @@ def _spread(xs: list[float]) -> dict[str, float] | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--faults", nargs="+", default=list(SPECS), choices=list(SPECS))
+    p.add_argument("--faults", nargs="*", default=list(SPECS), choices=list(SPECS))
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--ckpt-interval", type=int, default=5)
+    p.add_argument("--workload", default="gpt-tiny")
+    p.add_argument("--seq-len", type=int, default=None, help="the GPT workload's seq_len option")
+    p.add_argument("--modes", nargs="+", default=["1", "0"], help="memory_interval per cost run")
+    p.add_argument("--fault-modes", nargs="+", default=["1", "0"])
+    p.add_argument("--fault-samples", type=int, default=None, help="default: --samples")
+    p.add_argument("--min-fault-step", type=int, default=None)
+    p.add_argument("--deadline-s", type=float, default=600.0)
     p.add_argument("--no-costs", action="store_true", help="skip the fault-free cost runs")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", type=Path)
@@ -133,37 +167,53 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="nvrx-bench-tiers-"))
     data = root / "data"
-    write_synthetic_dataset(data, vocab_size=512, seed=0)
+    vocab = 512  # as the pipeline's hydration writes it for every workload (flows/stages.py)
+    write_synthetic_dataset(data, vocab_size=vocab, seed=0)
     t_start = time.monotonic()
 
     # What the tiers cost, fault-free, each mode --samples times (alternating).
-    cost_runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    modes = {NAMES.get(m, m): _interval(m) for m in args.modes}
+    cost_runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for i in range(0 if args.no_costs else args.samples):
-        order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
+        order = list(modes) if i % 2 == 0 else list(reversed(modes))
         for mode in order:
-            ev = run("", MODES[mode], root / f"clean-{mode}-{i}", data, args)
+            ev = run("", modes[mode], root / f"clean-{mode}-{i}", data, args)
             cost_runs[mode].append(costs(ev, args.ckpt_interval, args.steps))
-    cost = {
-        mode: {k: _spread([c[k] for c in runs if c[k] is not None]) for k in runs[0]}
+            print(f"clean {mode} {i}: {json.dumps(cost_runs[mode][-1])}", file=sys.stderr)
+    cost: dict[str, Any] = {
+        mode: {
+            k: _spread([c[k] for c in runs if isinstance(c[k], float | int)])
+            for k in runs[0]
+            if k not in ("auto_interval", "params_sha256")
+        }
+        | {"auto_interval": [c["auto_interval"] for c in runs]}
+        | {"params_sha256": sorted({c["params_sha256"] or "none" for c in runs})}
         for mode, runs in cost_runs.items()
         if runs
     }
+    if "0" in args.modes and not args.no_costs:
+        off = cost[NAMES["0"]]["steady_step_s"]
+        for mode in cost:
+            on = cost[mode]["steady_step_s"]
+            if on and off:
+                cost[mode]["steady_step_vs_off"] = round(on["median"] / off["median"], 4)
     print(f"costs: {json.dumps(cost)}", file=sys.stderr, flush=True)
 
     rows = []
     for kind in args.faults:
         samples = []
-        for i in range(args.samples):
-            step = rng.randint(args.ckpt_interval + 1, args.steps - 3)
+        for i in range(args.fault_samples or args.samples):
+            step = rng.randint(args.min_fault_step or args.ckpt_interval + 1, args.steps - 3)
             spec = SPECS[kind].format(s=step)
-            order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
+            fmodes = {NAMES.get(m, m): _interval(m) for m in args.fault_modes}
+            order = list(fmodes) if i % 2 == 0 else list(reversed(fmodes))
             # Steps the recovery went back: completed before the fault (fault step - 1) less
             # the step resumed from (the history's replayed_steps counts step events, and a
             # killed rank 0 loses its last second of them).
             sample: dict[str, Any] = {"fault": spec}
             for mode in order:
                 ev = run(
-                    spec, MODES[mode], root / f"{kind}-{i}-{mode}", data, args, SPARES.get(kind, 0)
+                    spec, fmodes[mode], root / f"{kind}-{i}-{mode}", data, args, SPARES.get(kind, 0)
                 )
                 sample[mode] = recovery(ev)
                 if sample[mode] is not None:
@@ -173,9 +223,14 @@ def main(argv: list[str] | None = None) -> int:
                     back = None if node else step - 1 - sample[mode]["resume_step"]
                     sample[mode]["steps_back"] = back
             samples.append(sample)
-            print(f"{spec}: {json.dumps({m: sample[m] for m in MODES})}", file=sys.stderr)
+            print(f"{spec}: {json.dumps({m: sample[m] for m in fmodes})}", file=sys.stderr)
         agg: dict[str, Any] = {"fault": kind, "samples": samples}
-        for mode in MODES:
+        clean = {d for c in cost.values() for d in c["params_sha256"]}
+        if clean:
+            agg["bitwise_equal_to_fault_free"] = [
+                s[m]["params_sha256"] in clean for s in samples for m in fmodes if s[m]
+            ]
+        for mode in fmodes:
             got = [s[mode] for s in samples if s[mode]]
             agg[mode] = {
                 "recovered": len(got),
@@ -189,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = {
         "benchmark": "memory_tiers",
-        "setup": "2 simulated nodes x 1 gloo rank, gpt-tiny, local backend, 2 cores",
+        "setup": f"2 simulated nodes x 1 gloo rank, {args.workload}, local backend, 2 cores",
         "args": {k: v for k, v in vars(args).items() if k not in ("json", "out")},
         "costs": cost,
         "faults": rows,
@@ -202,10 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     else:
         for r in rows:
-            t, d = r["tiers"], r["durable"]
             print(
-                f"{r['fault']:10} tiers {t['sources']} load {t['load_s']} back "
-                f"{t['steps_back']} | durable load {d['load_s']} back {d['steps_back']}"
+                f"{r['fault']:10} "
+                + " | ".join(
+                    f"{m} {r[m]['sources']} load {r[m]['load_s']} back {r[m]['steps_back']}"
+                    for m in r
+                    if isinstance(r[m], dict)
+                )
             )
         print(f"costs: {json.dumps(cost)}")
     return 0

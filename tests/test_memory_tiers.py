@@ -192,6 +192,55 @@ def test_a_memory_save_of_a_kept_state_copies_its_newest_values(tmp_path: Path):
     mem.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA memory save needs a GPU")
+def test_a_cuda_memory_save_is_launched_and_sees_its_own_step(tmp_path: Path):
+    """CUDA (node_device): the copy is only launched (pinned buffers, a side stream); the
+    optimizer steps that follow at once, with no host wait, must not reach it (the step
+    pre-hook orders them after it), and the sealed copy restores that step's state bitwise."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda", 0)
+    m = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.Linear(4096, 1024)).to(dev)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    live, mem = LiveState(), _memory(tmp_path)
+
+    def train() -> None:
+        o.zero_grad()
+        m(torch.randn(64, 1024, device=dev)).square().sum().backward()
+        o.step()
+
+    for step in (1, 2, 3):
+        train()
+        mem.save(step, live.get(m, o), {"data_loader": {}}, version=live.version)
+        expected = {k: v.detach().cpu() for k, v in _flat(_state(m, o)).items()}
+        for _ in range(3):  # steps queued behind the copy, the host never waiting
+            train()
+        mem.wait()
+        assert mem.take_failure() is None
+        found, _ = _memory(tmp_path).headers()
+        target = _state(*_cuda_model(dev))
+        _memory(tmp_path).load(found[step], target)
+        got = {k: v.detach().cpu() for k, v in _flat(target).items()}
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[k], expected[k]) for k in got)
+    mem.close()
+
+
+def _cuda_model(dev: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    m = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.Linear(4096, 1024)).to(dev)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(torch.randn(2, 1024, device=dev)).sum().backward()
+    o.step()
+    return m, o
+
+
+def _flat(state: dict) -> dict[str, torch.Tensor]:
+    return {
+        "/".join(map(str, leaf.path)): leaf.value
+        for leaf in node_format.leaves(state)
+        if torch.is_tensor(leaf.value)
+    }
+
+
 @pytest.mark.parametrize(
     "damage, expect",
     [

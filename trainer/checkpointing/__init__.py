@@ -26,6 +26,8 @@ In the training process (torch, NVRx; imported by module, not here):
 - :mod:`~trainer.checkpointing.node_copy`: the memory saves in node memory and their peer copies
   (the store); :mod:`~trainer.checkpointing.node_format`: a copy's bytes and header, and its
   restore; :mod:`~trainer.checkpointing.node_transport`: one copy between two ranks;
+- :mod:`~trainer.checkpointing.node_device`: how a memory save's bytes leave the device (CUDA:
+  pinned buffers, a side stream, an event the sealing thread waits on);
 - :mod:`~trainer.checkpointing.live_state`: the state dicts the memory saves copy from, kept
   while their structure holds;
 - :mod:`~trainer.checkpointing.tiers`: which tier a resume reads;

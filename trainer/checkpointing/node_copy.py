@@ -42,6 +42,7 @@ from trainer.checkpointing import node_format
 from trainer.checkpointing import node_transport as transport
 from trainer.checkpointing.durable import write_atomic
 from trainer.checkpointing.layout import NODE_MEMORY_ENV
+from trainer.checkpointing.node_device import DeviceCopy
 from trainer.checkpointing.node_format import (
     EMPTY_ENTRIES,
     FORMAT,
@@ -92,6 +93,9 @@ class NodeMemory:
         self._peers: tuple[Any, int | None, tuple[int, ...]] | None = None
         self._token = 0
         self._layout: _Layout | None = None  # the last save's, kept for its state's version
+        # How the bytes leave the device (a CUDA copy is launched, pinned, waited for by
+        # the sealing thread): made at the first save, from where its state is.
+        self._device: DeviceCopy | None = None
 
     # -- paths -----------------------------------------------------------------------------
     def bin_path(self, gen: int, where: Path | None = None) -> Path:
@@ -244,8 +248,12 @@ class NodeMemory:
             if version is None or layout is None or layout.version != version:
                 layout = _Layout.of(state, version)
                 self._layout = layout if version is not None else None
+            if self._device is None or self._device.device != layout.device:
+                self._close_device()
+                self._device = DeviceCopy(layout.device)
             buf = self._buffer(gen, layout.size)
-            layout.copy_into(gen, buf, state)
+            with self._device.copying():
+                layout.copy_into(gen, buf, state, non_blocking=self._device.non_blocking)
             size = layout.size
         except (OSError, TypeError, RuntimeError) as e:
             self._layout = None
@@ -289,17 +297,40 @@ class NodeMemory:
         if mm is not None and len(mm) == max(size, 1) and path.exists():
             return mm
         if mm is not None:
-            with contextlib.suppress(BufferError):  # a tensor still viewing it keeps it alive
-                mm.close()
+            self._unmap(mm)
         mm = _allocated_map(path, size)
         self._maps[key] = mm
+        if src is None and self._device is not None:
+            try:
+                self._device.pin(mm)
+            except RuntimeError:
+                self._maps.pop(key, None)
+                self._unmap(mm)
+                raise
         return mm
+
+    def _unmap(self, mm: mmap.mmap) -> None:
+        if self._device is not None:
+            self._device.unpin(mm)
+        with contextlib.suppress(BufferError):  # a tensor still viewing it keeps it alive
+            mm.close()
+
+    def _close_device(self) -> None:
+        """Unpin every buffer and remove the optimizer hook (no copy may be in flight)."""
+        if self._device is not None:
+            self._device.close()
+            for mm in self._maps.values():
+                self._device.unpin(mm)
+            self._device = None
+            self._layout = None  # its slices view the pinned maps
 
     def _seal(self, gen: int, header: dict[str, Any] | None, token: int) -> None:
         """The digest and the header, then the peer copy (off the training thread). The header
         is this process's own, written once as JSON (its entries' JSON kept with the layout):
         validating and dumping ~100 entries at every save cost a millisecond of this thread,
         which shares the cores and the GIL with training; every reader validates it whole."""
+        if self._device is not None:  # a launched device-to-host copy, done first
+            self._device.wait()
         cpu0 = time.thread_time()
         sealed: tuple[str, int] | None = None
         if header is not None:
@@ -332,6 +363,7 @@ class NodeMemory:
 
     def close(self) -> None:
         self.wait()
+        self._close_device()
         self._layout = None  # its slices view the maps: they would stay open
         for mm in self._maps.values():
             with contextlib.suppress(BufferError):

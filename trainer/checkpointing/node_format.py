@@ -173,6 +173,7 @@ class _Layout:
     entries: list[Entry]
     size: int
     views: list[tuple[int, int, torch.Tensor]] | None
+    device: torch.device  # where the state's tensors are (node_device: how they are copied)
     # Per generation: the buffer the slices view, and the slices (kept while it is the same).
     targets: dict[int, tuple[mmap.mmap, list[torch.Tensor]]] = field(default_factory=dict)
     _json: list[str] = field(default_factory=list)  # the entries' JSON, once made
@@ -186,19 +187,24 @@ class _Layout:
     def of(cls, state: dict[str, Any], version: int | None) -> _Layout:
         entries, size = plan(state)
         views: list[tuple[int, int, torch.Tensor]] | None = []
+        device = torch.device("cpu")
         for leaf, e in zip(leaves(state), entries, strict=True):
             if e.dtype is None or not e.nbytes:
                 continue
             t = _local(leaf.value)
+            device = t.device
             if not t.is_contiguous():  # its bytes would be a copy: take them at each save
                 views = None
-                break
-            assert views is not None
-            views.append((e.offset, e.nbytes, _bytes_of(t)))
-        return cls(version, entries, size, views)
+                continue
+            if views is not None:
+                views.append((e.offset, e.nbytes, _bytes_of(t)))
+        return cls(version, entries, size, views, device)
 
-    def copy_into(self, gen: int, buf: mmap.mmap, state: dict[str, Any]) -> None:
-        """Copy the state's tensors' bytes into ``buf`` (generation ``gen``'s buffer)."""
+    def copy_into(
+        self, gen: int, buf: mmap.mmap, state: dict[str, Any], *, non_blocking: bool = False
+    ) -> None:
+        """Copy the state's tensors' bytes into ``buf`` (generation ``gen``'s buffer);
+        ``non_blocking``: from CUDA into a pinned ``buf``, launched only (``node_device``)."""
         if self.views is None:
             sources = [
                 (e.offset, e.nbytes, _bytes_of(_local(leaf.value)))
@@ -218,6 +224,10 @@ class _Layout:
             if self.views is not None:
                 self.targets[gen] = (buf, dsts)
         srcs = [src for _, _, src in sources]
+        if non_blocking:  # device to host: one launch per tensor (foreach wants one device)
+            for d, src in zip(dsts, srcs, strict=True):
+                d.copy_(src, non_blocking=True)
+            return
         try:
             # One call for every tensor (a loop of copy_ costs ~2 us each in Python).
             torch._foreach_copy_(dsts, srcs)

@@ -95,13 +95,17 @@ class CudaSideStreamCopy(SyncCopy):
             return True
         return False
 
+    # The event is read once into a local: a memory save's sealing thread may clear it
+    # (synchronize) while the training thread's optimizer hook orders its stream on it.
     def order_current_stream(self) -> None:
-        if self.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.event)
+        event = self.event
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def synchronize(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
+        event = self.event
+        if event is not None:
+            event.synchronize()
             self.event = None
 
 
