@@ -29,6 +29,8 @@ phase of the same run (the order rotates between ``--rounds``):
   ``optimizer.step()``, ``poll()`` every step, then rank 0 commits
   (``trainer.checkpointing.commit``: manifest, fsyncs, rename) and broadcasts the outcome, on
   the training thread, as the trainer does today.
+- ``ours_idle``: ours, waiting for its commit right after the save (no training beside the
+  write): the durable writer's own pace, the fair comparison with ``dcp_save``'s seconds.
 - ``memcpy``: ``copy_`` of every local shard into preallocated buffers: the floor of taking a
   consistent snapshot. Blocking only.
 
@@ -96,7 +98,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 
 from trainer.checkpointing.staging import local_tensors  # noqa: E402
 
-METHODS = ("dcp_save", "dcp_async_thread", "dcp_async_process", "ours", "memcpy")
+METHODS = ("dcp_save", "dcp_async_thread", "dcp_async_process", "ours", "ours_idle", "memcpy")
 ASYNC = ("dcp_async_thread", "dcp_async_process", "ours")
 TARGETS = {"ours_blocking_vs_sync_dcp": 0.10}
 MIB = 1 << 20
@@ -350,6 +352,29 @@ class Rank:
 
         return M()
 
+    def _m_ours_idle(self, state_fn: Callable[[], dict[str, Any]]) -> Any:
+        """Ours with nothing beside it: the save, then waiting for its commit at once (all of
+        it counted as blocking). The writer's own pace, next to a synchronous ``dcp.save``
+        that also has the cores to itself, without the training steps it competes with for
+        the CPU or the step granularity at which a training rank learns of the commit."""
+        inner = self._m_ours(state_fn)
+
+        class M:
+            run_root: Path | None = None
+
+            def start(self, d: Path, save: Save) -> None:
+                inner.run_root = self.run_root
+                inner.start(d, save)
+                inner.wait(save)
+
+            def poll(self, save: Save | None) -> None: ...
+            def wait(self, save: Save) -> None: ...
+
+            def before_optimizer_step(self) -> None:
+                inner.before_optimizer_step()
+
+        return M()
+
     def _m_memcpy(self, state_fn: Callable[[], dict[str, Any]]) -> Any:
         device = self.device
         pin = device.type == "cuda"
@@ -382,7 +407,7 @@ class Rank:
         mdir = self.root / tag / method
         run_root = mdir / "run"  # ours: trainer.checkpointing.layout (checkpoints/step_N.partial)
         m = self.make_method(method, lambda: _state(model, optim))
-        if method == "ours":
+        if method.startswith("ours"):
             m.run_root = run_root
         g = torch.Generator().manual_seed(1000 + self.rank)
         per_rank = max(1, args.global_batch // self.world)
@@ -412,7 +437,8 @@ class Rank:
                 t1 -= t_wait  # counted as that save's blocking, not as step time
             steps.append((t0, t1))
             if i % args.save_every == 0 and len(saves) < n_saves:
-                step_dir = _ours_partial(run_root, i) if method == "ours" else mdir / f"step{i}"
+                ours = method.startswith("ours")
+                step_dir = _ours_partial(run_root, i) if ours else mdir / f"step{i}"
                 if self.rank == 0:
                     step_dir.mkdir(parents=True, exist_ok=True)
                 dist.barrier(group=self.group)
