@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from tests.helpers import free_port
+from tests.helpers import REPO, free_port
 from trainer.checkpointing import CheckpointStorageError, CheckpointTimeout, CheckpointWorkerDied
 from trainer.checkpointing.async_save import WARMUP_STEP, AsyncCheckpointer
 
@@ -891,3 +891,66 @@ def test_a_stuck_commit_times_out_naming_it(group, tmp_path: Path):
         assert s.committing is None and s.poll() is None
     finally:
         s.close()
+
+
+# A helper forked as the persistent writer is (trainer.nvrx_compat._with_parent) forks a process
+# of its own, as NVRx's writer does per write; then the worker above them dies (SIGKILL).
+_ORPHANS = r"""
+import multiprocessing as mp, os, sys, time
+from trainer import nvrx_compat
+
+def write(out):
+    with open(out, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)  # blocked, as an orphaned write process was on a dead queue's lock
+
+def writer(out):
+    p = mp.get_context("fork").Process(target=write, args=(out,))
+    p.start()
+    p.join()
+
+if __name__ == "__main__":
+    w = mp.get_context("fork").Process(target=nvrx_compat._with_parent(writer), args=(sys.argv[1],))
+    w.start()
+    while not os.path.exists(sys.argv[1]) or not open(sys.argv[1]).read():
+        time.sleep(0.01)
+    print(w.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_killed_worker_leaves_no_writer_or_write_process(tmp_path: Path):
+    """The writer dies with its worker, and so does every process the writer forked."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "write.pid"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ORPHANS, str(out)], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        assert proc.stdout is not None
+        writer = int(proc.stdout.readline())
+        write = int(out.read_text())
+        proc.kill()  # the worker, as ft_launcher kills a hung one
+        proc.wait()
+        deadline = time.monotonic() + 10
+        alive = {writer, write}
+        while alive and time.monotonic() < deadline:
+            alive = {pid for pid in alive if _running(pid)}
+            time.sleep(0.05)
+        assert not alive, f"left behind: {alive} (writer {writer}, write {write})"
+    finally:
+        proc.kill()
+        for pid in (locals().get("writer"), locals().get("write")):
+            if isinstance(pid, int) and _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a reaped child's pid reads as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -156,6 +156,22 @@ def _die_with_parent(parent: int) -> None:
     """In a forked helper: die with the worker (PR_SET_PDEATHSIG). A worker killed by the
     launcher (a hang, a SIGKILL drill) would otherwise leave its forked writer and Manager
     behind for good, blocked on queues nobody feeds (measured: 2 per killed worker)."""
+    _pdeathsig(parent)
+    # The same for whatever this helper forks in turn: NVRx's writer forks a process per
+    # write (FileSystemWriterAsync.write_preloaded_data_multiproc); the death signal is not
+    # inherited across fork, so a writer killed with its worker would leave a write process
+    # orphaned for good, blocked on a queue's lock, holding the staged state's shared memory
+    # (seen after a frozen attempt was killed mid-write).
+    forking: list[int] = []
+    os.register_at_fork(
+        before=lambda: forking.append(os.getpid()),
+        after_in_parent=forking.clear,
+        after_in_child=lambda: _pdeathsig(forking.pop() if forking else os.getppid()),
+    )
+
+
+def _pdeathsig(parent: int) -> None:
+    """SIGKILL this process when ``parent`` (the one that forked it) dies; exit now if it has."""
     import ctypes
     import signal
 
