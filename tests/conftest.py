@@ -65,10 +65,12 @@ def prefect_server():
     from prefect.testing.utilities import prefect_test_harness
 
     # The server renders notifications' links to the UI from PREFECT_UI_URL (set on a real
-    # server); the harness's server gets it from these settings.
+    # server); the harness's server gets it from these settings. The harness waits 30 s for its
+    # server by default: a fresh clone's CI on a loaded 2-core machine once took longer (its
+    # migrations on a new SQLite file), and every test using the server errored at setup.
     with (
         temporary_settings({PREFECT_UI_URL: UI_URL}),
-        prefect_test_harness(),
+        prefect_test_harness(server_startup_timeout=180),
         temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}),
     ):
         yield PREFECT_API_URL.value()
