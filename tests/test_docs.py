@@ -244,3 +244,79 @@ def test_the_glossary_links_and_paths_resolve() -> None:
     text = glossary.read_text()
     assert broken_links(glossary) == [] and missing_paths(text) == []
     assert "glossary.md" in (REPO / "README.md").read_text()
+
+
+# -- docs/layout.md against the tree (issue 41, item 6) --------------------------------------------
+LAYOUT = REPO / "docs" / "layout.md"
+_ITEM = re.compile(r"^( *)- `([^`]+)`")
+# Top-level directories that are not the repository's own: tool caches, build outputs, state.
+_NOT_OURS = {"build", "runs"}
+
+
+def layout_paths(markdown: str) -> list[str]:
+    """The paths a nested list names: each item's first code span, under its parents' (two
+    spaces of indent per level; a directory's name ends in ``/``)."""
+    out: list[str] = []
+    parents: list[str] = []
+    for line in prose(markdown).splitlines():
+        m = _ITEM.match(line)
+        if not m:
+            continue
+        depth = len(m.group(1)) // 2
+        del parents[depth:]
+        path = "".join(parents) + m.group(2)
+        out.append(path)
+        if path.endswith("/"):
+            parents.append(m.group(2))
+        else:
+            parents.append("")  # a file has no children; keeps the depth count right
+    return out
+
+
+def top_level_dirs(root: Path = REPO) -> set[str]:
+    return {
+        p.name + "/"
+        for p in root.iterdir()
+        if p.is_dir()
+        and (not p.name.startswith(".") or p.name == ".ci")
+        and not p.name.endswith(".egg-info")
+        and p.name not in _NOT_OURS
+    }
+
+
+def product_modules(root: Path = REPO) -> set[str]:
+    """Every product module and package: a package is its directory (``__init__.py`` aside)."""
+    out: set[str] = set()
+    for pkg in PACKAGES:
+        for path in (root / pkg).rglob("*.py"):
+            rel = path.relative_to(root).as_posix()
+            out.add(rel[: -len("__init__.py")] if path.name == "__init__.py" else rel)
+    return out
+
+
+def layout_drift(markdown: str, root: Path = REPO) -> dict[str, list[str]]:
+    named = layout_paths(markdown)
+    return {
+        "missing from the tree": sorted(p for p in named if not (root / p).exists()),
+        "not in the layout": sorted((product_modules(root) | top_level_dirs(root)) - set(named)),
+        "named twice": sorted({p for p in named if named.count(p) > 1}),
+    }
+
+
+def test_the_layout_names_every_module_and_nothing_else() -> None:
+    drift = layout_drift(LAYOUT.read_text())
+    assert drift == {"missing from the tree": [], "not in the layout": [], "named twice": []}
+
+
+def test_the_layout_checker_flags_drift(tmp_path: Path) -> None:
+    for rel in ("trainer/__init__.py", "trainer/a.py", "trainer/sub/__init__.py", "tools/x.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    (tmp_path / ".venv").mkdir()
+    text = "- `trainer/`: x\n  - `a.py`: y\n  - `gone.py`: z\n- `tools/`\n"
+    assert layout_paths(text) == ["trainer/", "trainer/a.py", "trainer/gone.py", "tools/"]
+    assert layout_drift(text, tmp_path) == {
+        "missing from the tree": ["trainer/gone.py"],
+        "not in the layout": ["trainer/sub/"],
+        "named twice": [],
+    }
