@@ -206,9 +206,27 @@ def test_the_readme_contents_list_every_section_and_resolve() -> None:
             sections.add(re.sub(r"[^\w\- ]", "", m.group(2).lower()).replace(" ", "-"))
     assert listed == sections, (sections - listed, listed - sections)
     assert broken_links(readme) == []
-    # The reference moved under docs/ (issue 27): the contents link every file there.
-    linked = set(re.findall(r"\]\(docs/([^)#]+\.md)(?:#[^)]*)?\)", contents))
+
+
+def test_the_readme_links_every_reference_page() -> None:
+    """The reference moved under docs/ (issues 27 and 41): the README's "Where the reference
+    lives" links every file there."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Where the reference lives") :].split("\n## ")[0]
+    linked = set(re.findall(r"\]\(docs/([^)#]+\.md)(?:#[^)]*)?\)", section))
     assert linked == {p.relative_to(REPO / "docs").as_posix() for p in DOCS_MD}
+
+
+def test_the_readme_is_a_newcomers_page() -> None:
+    """Issue 41: what it is, the two commands (as .ci/run and the Makefile run them), reading
+    the report, three things to try, where the reference lives; at most ~300 lines."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    sections = re.findall(r"^## (.*)$", prose(text), re.M)
+    assert sections == ["The two commands", "Three things to try next", "Where the reference lives"]
+    assert re.search(r"^make run +#", text, re.M) and re.search(r"^make test +#", text, re.M)
+    assert "make test" in (REPO / ".ci" / "run").read_text()
+    assert "### Reading the report and `status`" in text  # tests/helpers.py reads it
 
 
 def test_docs_holds_the_moved_reference() -> None:
