@@ -8,6 +8,10 @@
 - it stands on its own: no pointer to notes outside the repository;
 - the layering it states holds: ``trainer/`` imports nothing from ``tasks/`` or ``flows/``, and
   ``tasks/`` nothing from ``flows/``.
+
+And the rest of the docs: every file under ``docs/`` resolves its links and paths;
+``docs/layout.md`` names every module and top-level directory and nothing the tree lacks; the
+README stays a newcomer's page that links every reference page.
 """
 
 from __future__ import annotations
@@ -227,6 +231,7 @@ def test_the_readme_is_a_newcomers_page() -> None:
     assert re.search(r"^make run +#", text, re.M) and re.search(r"^make test +#", text, re.M)
     assert "make test" in (REPO / ".ci" / "run").read_text()
     assert "### Reading the report and `status`" in text  # tests/helpers.py reads it
+    assert missing_paths(text) == []
 
 
 def test_docs_holds_the_moved_reference() -> None:
@@ -237,10 +242,11 @@ def test_docs_holds_the_moved_reference() -> None:
 
 @pytest.mark.parametrize("doc", DOCS_MD, ids=lambda p: p.relative_to(REPO).as_posix())
 def test_every_docs_file_links_and_paths_resolve(doc: Path) -> None:
-    """Every Markdown file under docs/ (issue 27): each relative link and its anchor, and every
-    repository path it names in backticks."""
+    """Every Markdown file under docs/ (issue 27): each relative link and its anchor, every
+    repository path it names in backticks, and (issue 41) every dotted name of our code."""
     text = doc.read_text()
     assert broken_links(doc) == [] and missing_paths(text) == []
+    assert [why for n in sorted(dotted_names(text)) if (why := resolve_dotted(n))] == []
 
 
 def test_the_metrics_table_names_every_restart_layer() -> None:
