@@ -17,13 +17,12 @@ from typing import Any
 from tasks.backends.base import (
     Backend,
     ElasticJob,
-    Evidence,
     FreezeDrills,
     Job,
     LaunchRequest,
     ReturnDrills,
 )
-from tasks.classify import EndKind, Outcome
+from tasks.classify import EndKind, Evidence, Outcome, judge
 from tasks.loss_policy import LossPath, LossSnapshot, decide
 from tasks.off_loop import OffLoop, bounded
 from tasks.ownership.lease import LeaseLost
@@ -234,7 +233,7 @@ def run_attempt(
         target_steps=cfg.steps,
         world_nodes=s.world_nodes,
     )
-    outcome = job.outcome(evidence)
+    outcome = judge(job.observation(), evidence)
     check_owner("release the attempt")
     kept = job.finish(outcome)
     if outcome.kind == EndKind.NODE_LOSS and not s.lost:

@@ -1,4 +1,5 @@
-"""EKS end classification over recorded object sequences, shaped as the API serialises them."""
+"""EKS attempts judged by the one judge (tasks.classify.judge) over recorded object sequences,
+shaped as the API serialises them: the backend's part is only the observation (end_of)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,9 @@ from typing import Any
 
 import pytest
 
-from tasks.backends.base import Evidence
-from tasks.backends.eks.classify import (
-    History,
-    classify_history,
-    healthy,
-    judge,
-    observe_job,
-    observe_node,
-    observe_pod,
-)
-from tasks.classify import EndKind
+from tasks.backends.eks.classify import History, end_of, finished
+from tasks.backends.eks.objects import healthy, observe_job, observe_node, observe_pod
+from tasks.classify import EndKind, Evidence, Outcome, judge
 from tasks.retry_policy import stage_retry_allowed
 
 JOB = "nvrx-run1-a1"
@@ -86,6 +79,25 @@ def history(
         else:
             h.jobs.append(observe_job(obj, t, deleted=deleted))
     return h
+
+
+DONE = {"status": "completed", "final_step": 20}
+
+
+def _evidence(**kw: Any) -> Evidence:
+    base: dict[str, Any] = dict(
+        lost_nodes=frozenset(), timed_out=False, result=None, fatal=None, no_restart=None
+    )
+    return Evidence(**{**base, "target_steps": 20, **kw})
+
+
+def verdict(h: History, now: float, ev: Evidence | None = None) -> Outcome | None:
+    """The judge's verdict once the pods showed an end at ``now`` (None: still running), with
+    the pods' trainer having written its completed result unless ``ev`` says otherwise."""
+    seen = end_of(h, now=now, unschedulable_timeout_s=600)
+    if seen is None:
+        return None
+    return judge(finished(seen, job="nvrx/j", fsx_mount="/fsx"), ev or _evidence(result=DONE))
 
 
 RUNNING = [
@@ -253,7 +265,7 @@ SCENARIOS = [
 
 @pytest.mark.parametrize(("name", "steps", "kind"), SCENARIOS, ids=[s[0] for s in SCENARIOS])
 def test_recorded_histories(name, steps, kind):
-    outcome = classify_history(history(*steps), now=1000, unschedulable_timeout_s=600)
+    outcome = verdict(history(*steps), 1000)
     if kind is None:
         assert outcome is None
         return
@@ -296,7 +308,7 @@ def test_decisions_that_wait_on_a_bound(name, steps, reads):
     h = history(*steps)
     h.not_ready_s = 60.0
     for now, kind, words in reads:
-        outcome = classify_history(h, now=now, unschedulable_timeout_s=600)
+        outcome = verdict(h, now)
         got = outcome.kind if outcome else None
         assert got == kind, (now, outcome)
         if outcome is not None:
@@ -306,23 +318,21 @@ def test_decisions_that_wait_on_a_bound(name, steps, reads):
 def test_pods_the_pipeline_deleted_itself_are_not_deleted_outside():
     h = history(*DELETED)
     h.deleted_by_us.add("nvrx-run1-a1-1-abcde")
-    assert classify_history(h, now=1000, unschedulable_timeout_s=600) is None
+    assert verdict(h, 1000) is None
 
 
 def test_messages_say_what_happened():
     steps = {name: s for name, s, _kind in SCENARIOS}
-    pull = classify_history(history(*steps["image-pull"]), now=10, unschedulable_timeout_s=600)
+    pull = verdict(history(*steps["image-pull"]), 10)
     assert pull is not None and "registry/nvrx:bad" in pull.message and "eks.image" in pull.message
-    secret = classify_history(
-        history(*steps["secret-missing"]), now=10, unschedulable_timeout_s=600
-    )
+    secret = verdict(history(*steps["secret-missing"]), 10)
     assert secret is not None and 'secret "hf-token" not found' in secret.message
-    oom = classify_history(history(*steps["oom"]), now=100, unschedulable_timeout_s=600)
+    oom = verdict(history(*steps["oom"]), 100)
     assert oom is not None and "OOMKilled" in oom.message
     gone = steps["job-deleted-outside"]
-    deleted = classify_history(history(*gone), now=100, unschedulable_timeout_s=600)
+    deleted = verdict(history(*gone), 100)
     assert deleted is not None and "deleted outside the pipeline" in deleted.message
-    lost = classify_history(history(*SCENARIOS[3][1]), now=100, unschedulable_timeout_s=600)
+    lost = verdict(history(*SCENARIOS[3][1]), 100)
     assert lost is not None and lost.details["lost_nodes"] == ["ip-10-0-1-2"]
 
 
@@ -337,8 +347,8 @@ def test_unschedulable_only_after_its_timeout():
         ],
     )
     h = history((0, "pod", p), (100, "pod", p))
-    assert classify_history(h, now=100, unschedulable_timeout_s=600) is None
-    out = classify_history(h, now=700, unschedulable_timeout_s=600)
+    assert verdict(h, 100) is None
+    out = verdict(h, 700)
     assert out is not None and out.kind == EndKind.TIMEOUT and msg in out.message
 
 
@@ -353,55 +363,43 @@ def _ended(*codes: int) -> History:
     return history(*steps)
 
 
-def _evidence(**kw: Any) -> Evidence:
-    base: dict[str, Any] = dict(
-        lost_nodes=frozenset(), timed_out=False, result=None, fatal=None, no_restart=None
-    )
-    return Evidence(**{**base, "target_steps": 20, **kw})
-
-
 @pytest.mark.parametrize("codes", [(0, 93), (143, 93), (93, 143), (137, 93)])
 def test_any_pods_93_is_do_not_requeue(codes):
     """The first pod's 93 tears the step down and its peers are signalled (NVRx PR #397), or
     finish: whichever pod said it, no retry can help."""
-    observed = classify_history(_ended(*codes), now=100, unschedulable_timeout_s=600)
-    out = judge(observed, _evidence(), job="nvrx/j", fsx_mount="/fsx")
-    assert out.kind == EndKind.DO_NOT_REQUEUE, out
+    out = verdict(_ended(*codes), 100, _evidence())
+    assert out is not None and out.kind == EndKind.DO_NOT_REQUEUE, out
     assert not stage_retry_allowed(out.error())
 
 
 @pytest.mark.parametrize(
-    ("codes", "observed_kind"), [((143, 1), EndKind.INJOB_EXHAUSTED), ((1, 1), None)]
+    ("codes", "without_file"), [((143, 1), EndKind.INJOB_EXHAUSTED), ((1, 1), None)]
 )
-def test_the_verdict_file_decides_over_masked_exit_codes(codes, observed_kind):
+def test_the_verdict_file_decides_over_masked_exit_codes(codes, without_file):
     """NVRx writes control/no_restart before exiting 93; the pods' codes may show only the
     teardown (143, 1). The file decides."""
-    observed = classify_history(_ended(*codes), now=100, unschedulable_timeout_s=600)
-    if observed_kind is not None:
-        assert observed is not None and observed.kind == observed_kind
-    out = judge(
-        observed, _evidence(no_restart="ConfigError: global_batch"), job="j", fsx_mount="/fsx"
-    )
-    assert out.kind == EndKind.DO_NOT_REQUEUE and "global_batch" in out.message
+    if without_file is not None:
+        plain = verdict(_ended(*codes), 100, _evidence())
+        assert plain is not None and plain.kind == without_file
+    out = verdict(_ended(*codes), 100, _evidence(no_restart="ConfigError: global_batch"))
+    assert out is not None and out.kind == EndKind.DO_NOT_REQUEUE and "global_batch" in out.message
 
 
 def test_judge_checks_the_result_and_the_drill():
-    done = classify_history(_ended(0, 0), now=100, unschedulable_timeout_s=600)
-    assert done is not None and done.kind == EndKind.COMPLETED
-    ok = judge(
-        done, _evidence(result={"status": "completed", "final_step": 20}), job="j", fsx_mount="/fsx"
+    ok = verdict(_ended(0, 0), 100, _evidence(result=DONE))
+    assert (
+        ok is not None and ok.kind == EndKind.COMPLETED and ok.details["result"]["final_step"] == 20
     )
-    assert ok.kind == EndKind.COMPLETED and ok.details["result"]["final_step"] == 20
-    missing = judge(done, _evidence(), job="j", fsx_mount="/fsx")
-    assert missing.kind == EndKind.BUG and "/fsx" in missing.message
-    short = judge(
-        done, _evidence(result={"status": "completed", "final_step": 7}), job="j", fsx_mount="/fsx"
-    )
-    assert short.kind == EndKind.BUG and "step 7 of 20" in short.message
-    drilled = judge(None, _evidence(lost_nodes=frozenset({0})), job="j", fsx_mount="/fsx")
+    missing = verdict(_ended(0, 0), 100, _evidence())
+    assert missing is not None and missing.kind == EndKind.BUG and "/fsx" in missing.message
+    short = verdict(_ended(0, 0), 100, _evidence(result={**DONE, "final_step": 7}))
+    assert short is not None and short.kind == EndKind.BUG and "step 7 of 20" in short.message
+    # The watcher stopped the Job before its pods showed an end (a drill's loss, the deadline).
+    unseen = finished(None, job="j", fsx_mount="/fsx")
+    drilled = judge(unseen, _evidence(lost_nodes=frozenset({0})))
     assert drilled.kind == EndKind.NODE_LOSS and drilled.details["lost_nodes"] == [0]
-    late = judge(None, _evidence(timed_out=True), job="j", fsx_mount="/fsx")
-    assert late.kind == EndKind.TIMEOUT
+    assert judge(unseen, _evidence(timed_out=True)).kind == EndKind.TIMEOUT
+    assert judge(unseen, _evidence()).kind == EndKind.BUG
 
 
 def test_a_job_is_reattached_only_when_every_pod_runs_on_a_ready_node():
@@ -451,13 +449,13 @@ def test_a_replacement_on_a_node_that_came_back_is_not_lost_with_it():
     assert lost_indexes(h) == {f"{JOB}-1-abcde": 1}
     h.absorbed.add(f"{JOB}-1-abcde")
     assert lost_indexes(h) == {}
-    assert classify_history(h, now=50, unschedulable_timeout_s=600) is None
+    assert verdict(h, 50) is None
     # A pod that was on the node when it went keeps counting as lost after it came back.
     back = history(*RUNNING, (30, "node", node(n2, "Unknown")), (40, "node", node(n2)))
-    outcome = classify_history(back, now=50, unschedulable_timeout_s=600)
+    outcome = verdict(back, 50)
     assert outcome is not None and outcome.kind == EndKind.NODE_LOSS
     # The node lost again, under the replacement.
     h.nodes.append(observe_node(node(n2, "Unknown"), 60))
     assert lost_indexes(h) == {f"{JOB}-1-fghij": 1}
-    again = classify_history(h, now=61, unschedulable_timeout_s=600)
+    again = verdict(h, 61)
     assert again is not None and again.kind == EndKind.NODE_LOSS

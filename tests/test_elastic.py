@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from flows.models import PipelineParams
-from tasks.classify import EndKind, EndSnapshot, classify
 from tasks.loss_policy import LossPath, LossSnapshot, decide
 from trainer.config import ConfigError, TrainConfig
 from trainer.elastic import (
@@ -164,39 +163,6 @@ def test_node_id_from_either_backend():
     assert node_id({"NVRX_NODE": "3"}) == 3
     assert node_id({"JOB_COMPLETION_INDEX": "5"}) == 5
     assert node_id({}) == -1
-
-
-# -- the attempt's end --------------------------------------------------------------------------
-def test_completion_after_an_in_job_loss_is_completed():
-    done = {"status": "completed", "final_step": 20}
-    after_loss = EndSnapshot({0: 0, 1: -9}, lost_nodes=frozenset({1}), result=done, target_steps=20)
-    out = classify(after_loss)
-    assert out.kind == EndKind.COMPLETED and out.details["lost_nodes"] == [1]
-    # Lost and stopped with no completed result: still a node loss (the stage retry's case).
-    stopped = EndSnapshot({0: None, 1: -9}, lost_nodes=frozenset({1}), target_steps=20)
-    assert classify(stopped).kind == EndKind.NODE_LOSS
-    # A survivor that did not exit 0 is not a completion, whatever result.json says.
-    failed = EndSnapshot({0: 1, 1: -9}, lost_nodes=frozenset({1}), result=done, target_steps=20)
-    assert classify(failed).kind == EndKind.NODE_LOSS
-
-
-def test_a_node_turned_away_by_the_end_of_the_job_decides_nothing():
-    """Seen in a full run: node 1 returned during the last steps of the 1-node world, and its
-    agent found the rendezvous closed by the job's end (RendezvousClosedError, exit 1)."""
-    done = {"status": "completed", "final_step": 20}
-    late = EndSnapshot({0: 0, 1: 1}, result=done, target_steps=20, world_nodes=frozenset({0}))
-    out = classify(late)
-    assert out.kind == EndKind.COMPLETED and "turned away" in out.message
-    assert out.details["idle_nodes"] == [1]
-    # The same exit from a node of the world that trained is the exhausted launcher it says.
-    both = EndSnapshot({0: 0, 1: 1}, result=done, target_steps=20, world_nodes=frozenset({0, 1}))
-    assert classify(both).kind == EndKind.INJOB_EXHAUSTED
-    # Without a completed result an idle node's failure is not excused either.
-    unfinished = EndSnapshot({0: 0, 1: 1}, target_steps=20, world_nodes=frozenset({0}))
-    assert classify(unfinished).kind != EndKind.COMPLETED
-    # Nodes no backend named (-1 on the EKS harness): the old rules.
-    unnamed = EndSnapshot({0: 0, 1: 1}, result=done, target_steps=20, world_nodes=frozenset({-1}))
-    assert classify(unnamed).kind == EndKind.INJOB_EXHAUSTED
 
 
 # -- parameters -----------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from tasks.backends.base import Evidence, LaunchRequest
-from tasks.classify import EndKind, EndSnapshot, Outcome, classify
+from tasks.backends.base import LaunchRequest
+from tasks.classify import EndKind, Observation, Outcome
 from tasks.train_stage import run_attempt
 from tests.helpers import free_port, make_config, sample, scrape
 from trainer import fence
@@ -133,17 +133,8 @@ class ScriptedJob:
     def stop(self) -> None:
         self.stopped = True
 
-    def outcome(self, evidence: Evidence) -> Outcome:
-        return classify(
-            EndSnapshot(
-                exit_codes={0: None if self.stopped else 0},
-                timed_out=evidence.timed_out,
-                result=evidence.result,
-                fatal=evidence.fatal,
-                no_restart=evidence.no_restart,
-                target_steps=evidence.target_steps,
-            )
-        )
+    def observation(self) -> Observation:
+        return Observation(exit_codes={0: None if self.stopped else 0})
 
     def finish(self, outcome: Outcome) -> dict[str, Any]:
         return {}

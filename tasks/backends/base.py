@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from tasks.backends.eks.params import EksParams
 from tasks.checks import CheckResult
-from tasks.classify import Outcome
+from tasks.classify import Observation, Outcome
 from tasks.storage.s3 import S3Settings
 from trainer.config import Device, InJobConfig, InProcessConfig, TrainConfig
 from trainer.elastic import NodeRange
@@ -97,20 +97,6 @@ class LaunchRequest:
         return self.nodes + self.spares
 
 
-@dataclass(frozen=True)
-class Evidence:
-    """What the watcher gathered for every backend alike, once the attempt is over."""
-
-    lost_nodes: frozenset[int]  # taken away by node-loss drills
-    timed_out: bool
-    result: dict[str, Any] | None  # result.json written during this attempt
-    fatal: str | None  # the trainer's "fatal" event during this attempt
-    no_restart: str | None  # NVRx's verdict file (<run_root>/control/no_restart)
-    target_steps: int
-    # The nodes of the last world that trained (its train_start); empty: none reported.
-    world_nodes: frozenset[int] = frozenset()
-
-
 @dataclass(frozen=True, kw_only=True)
 class HydrateRequest:
     run_id: str
@@ -182,8 +168,9 @@ class Job(Protocol):
         unwinding)."""
         ...
 
-    def outcome(self, evidence: Evidence) -> Outcome:
-        """How the attempt ended, from every node's end and ``evidence``."""
+    def observation(self) -> Observation:
+        """What the backend saw of the attempt's end (every node's end, a loss, a reason of
+        its own), for the one judge, :func:`tasks.classify.judge`."""
         ...
 
     def finish(self, outcome: Outcome) -> dict[str, Any]:

@@ -26,7 +26,6 @@ import psutil
 
 from tasks.backends import node_memory
 from tasks.backends.base import (
-    Evidence,
     Hydrated,
     HydrateRequest,
     LaunchRequest,
@@ -35,7 +34,7 @@ from tasks.backends.base import (
 from tasks.backends.local_devices import split_devices, visible_gpus
 from tasks.backends.netns import PrivateNetwork, await_ready, open_network, support
 from tasks.checks import CheckResult
-from tasks.classify import EndSnapshot, Outcome, classify
+from tasks.classify import Observation, Outcome
 from tasks.ownership import processes
 from tasks.ownership.lease import RunLease, process_is
 from tasks.secrets import resolve_local, scrubbed
@@ -206,25 +205,16 @@ class LocalJob:
     def running(self) -> bool:
         return bool(self.status().running)
 
-    def outcome(self, evidence: Evidence) -> Outcome:
+    def observation(self) -> Observation:
         status = self.status()
-        return classify(
-            EndSnapshot(
-                exit_codes={
-                    n: None if n in status.stopped_nodes else code
-                    for n, code in status.exit_codes.items()
-                },
-                lost_nodes=frozenset(status.lost_nodes | evidence.lost_nodes),
-                timed_out=evidence.timed_out,
-                result=evidence.result,
-                fatal=evidence.fatal,
-                no_restart=evidence.no_restart,
-                target_steps=evidence.target_steps,
-                world_nodes=evidence.world_nodes,
-                log_hint=str(
-                    self.request.cfg.run_root / "logs" / f"attempt{self.attempt}-node*.log"
-                ),
-            )
+        return Observation(
+            exit_codes={
+                n: None if n in status.stopped_nodes else code
+                for n, code in status.exit_codes.items()
+            },
+            lost=frozenset(status.lost_nodes),
+            where="logs: "
+            + str(self.request.cfg.run_root / "logs" / f"attempt{self.attempt}-node*.log"),
         )
 
     def finish(self, outcome: Outcome) -> dict[str, Any]:

@@ -24,7 +24,6 @@ from typing import Any
 
 from tasks import aws
 from tasks.backends.base import (
-    Evidence,
     Hydrated,
     HydrateRequest,
     LaunchRequest,
@@ -33,24 +32,20 @@ from tasks.backends.base import (
 from tasks.backends.eks.capacity import wait_for_nodes
 from tasks.backends.eks.classify import (
     History,
-    JobObs,
-    classify_history,
-    healthy,
-    judge,
+    end_of,
+    finished,
     lost_indexes,
     node_loss_evidence,
     not_ready_since,
-    observe_job,
-    observe_node,
-    observe_pod,
 )
 from tasks.backends.eks.clients import EksClients, connect
 from tasks.backends.eks.hydrate import hydrate_fsx
 from tasks.backends.eks.kube import JOB_NAME_LABEL, Kube, iter_queue
+from tasks.backends.eks.objects import JobObs, healthy, observe_job, observe_node, observe_pod
 from tasks.backends.eks.params import EksParams, cpu_millicores
 from tasks.backends.eks.render import LABEL_ATTEMPT, LABEL_RUN, job_name, render_all, run_label
 from tasks.checks import CheckResult
-from tasks.classify import EndKind, Outcome
+from tasks.classify import EndKind, Observation, Outcome
 from tasks.preflight.checks import S3_CHECKS, check_node_memory
 from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks
 from tasks.preflight.local import gather_s3
@@ -153,7 +148,7 @@ class _RankZeroLog:
 
 class EksJob:
     """One attempt's Indexed Job: Pods and Nodes watched (threads feeding a queue), the history
-    judged on every poll (:func:`classify_history`), the rank-0 pod's log followed."""
+    read on every poll until it ends (:func:`end_of`), the rank-0 pod's log followed."""
 
     def __init__(
         self,
@@ -172,7 +167,7 @@ class EksJob:
         # The deleted pod's end and conditions reach the watch asynchronously.
         self.loss_grace_s = 2.0
         self.history = History(completions=nodes, not_ready_s=float(eks.unreachable_toleration_s))
-        self.observed: Outcome | None = None
+        self.observed: Observation | None = None
         self.lost: set[int] = set()
         self._reported: set[str] = set()  # pods whose loss losses() reported
         self._deleted = False
@@ -215,7 +210,7 @@ class EksJob:
             self.history.jobs.append(JobObs(t=now, gone=True))
         pods = reversed(self.history.pods)
         self._log.follow(next((p.name for p in pods if p.index == 0 and p.node), None))
-        self.observed = classify_history(
+        self.observed = end_of(
             self.history, now=now, unschedulable_timeout_s=self.eks.unschedulable_timeout_s
         )
         return self.observed is None
@@ -291,10 +286,8 @@ class EksJob:
             self._deleted = True
             self.kube.delete_job(self.ns, self.name)
 
-    def outcome(self, evidence: Evidence) -> Outcome:
-        return judge(
-            self.observed, evidence, job=f"{self.ns}/{self.name}", fsx_mount=self.eks.fsx_mount
-        )
+    def observation(self) -> Observation:
+        return finished(self.observed, job=f"{self.ns}/{self.name}", fsx_mount=self.eks.fsx_mount)
 
     def finish(self, outcome: Outcome) -> dict[str, Any]:
         ended = any(p.phase == "Failed" for p in self.history.pods)

@@ -1,8 +1,9 @@
 """How a train attempt on EKS ended, from the Pod/Node/Job objects the watcher observed.
 
-Pure: :func:`observe_pod` / :func:`observe_node` / :func:`observe_job` turn API objects (dicts as
-the API serialises them) into small snapshots; :func:`classify_history` judges the whole observed
-history (a node seen unreachable once stays a lost node, even after it is deleted).
+Pure: over the snapshots of :mod:`tasks.backends.eks.objects`, :func:`end_of` reads the whole
+observed history into the backend's :class:`~tasks.classify.Observation` once the attempt ended (a
+node seen unreachable once stays a lost node, even after it is deleted). The verdict is the one
+judge's, :func:`tasks.classify.judge`.
 
 Node loss, as a watcher sees it (PLATFORM_NOTES): the Node's ``Ready`` goes ``Unknown`` with reason
 ``NodeStatusUnknown`` (taint ``node.kubernetes.io/unreachable``); its pods get a
@@ -15,11 +16,10 @@ node. ``NodeLost`` is not relied on.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
-from tasks.backends.base import Evidence
-from tasks.classify import EXIT_DO_NOT_REQUEUE, EndKind, Outcome
+from tasks.backends.eks.objects import JobObs, NodeObs, PodObs
+from tasks.classify import EXIT_DO_NOT_REQUEUE, Blocked, Blocker, Observation
 
 NODE_LOSS_REASONS = frozenset(
     {
@@ -34,47 +34,6 @@ IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImag
 # The kubelet cannot build the container's configuration: a Secret or ConfigMap the pod names
 # is missing (a declared secret not created in the namespace). It retries forever.
 CONFIG_REASONS = frozenset({"CreateContainerConfigError"})
-
-
-@dataclass(frozen=True)
-class PodObs:
-    name: str
-    t: float
-    index: int | None = None
-    phase: str = "Pending"
-    node: str | None = None
-    exit_code: int | None = None
-    terminated_reason: str | None = None  # e.g. OOMKilled, Error, Completed
-    waiting_reason: str | None = None  # e.g. ImagePullBackOff
-    waiting_message: str = ""
-    image: str | None = None  # the container's image (what an image pull failure names)
-    disruption_reason: str | None = None  # DisruptionTarget=True reason
-    unschedulable_message: str | None = None  # PodScheduled=False/Unschedulable
-    status_reason: str | None = None  # Evicted, Terminated
-    deleted: bool = False
-
-
-@dataclass(frozen=True)
-class NodeObs:
-    name: str
-    t: float
-    ready: str = "True"  # True / False / Unknown
-    reason: str = ""
-    deleted: bool = False
-
-
-@dataclass(frozen=True)
-class JobObs:
-    t: float
-    # The Job was there and is gone, deleted by none of ours (kubectl, another controller).
-    gone: bool = False
-    complete: bool = False
-    failed: bool = False
-    failed_reason: str = ""
-    failed_message: str = ""
-    # The Job controller is ending it (SuccessCriteriaMet or FailureTarget): the pods it
-    # deletes now are its own doing.
-    terminating: bool = False
 
 
 @dataclass
@@ -100,85 +59,6 @@ class History:
 # that a Job condition saying the Job controller did it (the deletion and the condition come
 # as separate watch events) is seen first.
 DELETED_GRACE_S = 5.0
-
-
-# -- observation (pure conversions of API objects) -------------------------------------------
-def _conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
-
-
-def observe_pod(pod: dict[str, Any], t: float, *, deleted: bool = False) -> PodObs:
-    meta, spec, status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status") or {}
-    conds = _conditions(pod)
-    annotations = meta.get("annotations") or {}
-    labels = meta.get("labels") or {}
-    raw_index = labels.get("batch.kubernetes.io/job-completion-index") or annotations.get(
-        "batch.kubernetes.io/job-completion-index"
-    )
-    exit_code = terminated_reason = waiting_reason = None
-    waiting_message = ""
-    image = next((c.get("image") for c in spec.get("containers") or []), None)
-    for cs in status.get("containerStatuses") or []:
-        image = cs.get("image") or image
-        state = cs.get("state") or {}
-        if "terminated" in state:
-            exit_code = state["terminated"].get("exitCode")
-            terminated_reason = state["terminated"].get("reason")
-        if "waiting" in state:
-            waiting_reason = state["waiting"].get("reason")
-            waiting_message = state["waiting"].get("message", "")
-    disruption = conds.get("DisruptionTarget")
-    scheduled = conds.get("PodScheduled")
-    return PodObs(
-        name=meta.get("name", "?"),
-        t=t,
-        index=int(raw_index) if raw_index is not None else None,
-        phase=status.get("phase", "Pending"),
-        node=spec.get("nodeName"),
-        exit_code=exit_code,
-        terminated_reason=terminated_reason,
-        waiting_reason=waiting_reason,
-        waiting_message=waiting_message,
-        image=image,
-        disruption_reason=disruption.get("reason")
-        if disruption and disruption.get("status") == "True"
-        else None,
-        unschedulable_message=scheduled.get("message", "")
-        if scheduled
-        and scheduled.get("status") == "False"
-        and scheduled.get("reason") == "Unschedulable"
-        else None,
-        status_reason=status.get("reason"),
-        deleted=deleted,
-    )
-
-
-def observe_node(node: dict[str, Any], t: float, *, deleted: bool = False) -> NodeObs:
-    ready = _conditions(node).get("Ready", {})
-    return NodeObs(
-        name=node.get("metadata", {}).get("name", "?"),
-        t=t,
-        ready=ready.get("status", "Unknown"),
-        reason=ready.get("reason", ""),
-        deleted=deleted,
-    )
-
-
-def observe_job(job: dict[str, Any], t: float, *, deleted: bool = False) -> JobObs:
-    conds = _conditions(job)
-    failed = conds.get("Failed", {})
-    return JobObs(
-        t=t,
-        gone=deleted,
-        complete=conds.get("Complete", {}).get("status") == "True",
-        failed=failed.get("status") == "True",
-        failed_reason=failed.get("reason", ""),
-        failed_message=failed.get("message", ""),
-        terminating=any(
-            conds.get(c, {}).get("status") == "True"
-            for c in ("SuccessCriteriaMet", "FailureTarget")
-        ),
-    )
 
 
 # -- judgement ---------------------------------------------------------------------------------
@@ -291,70 +171,106 @@ def deleted_outside(h: History, pods: dict[str, PodObs], job: JobObs | None, now
     return ""
 
 
-def classify_history(h: History, *, now: float, unschedulable_timeout_s: float) -> Outcome | None:
-    """The attempt's outcome, or None while it is still running normally."""
+def end_of(h: History, *, now: float, unschedulable_timeout_s: float) -> Observation | None:
+    """What the pods, nodes and Job showed once the attempt ended, or None while it still runs
+    normally: the EKS backend's observation for the one judge (:func:`tasks.classify.judge`)."""
     every = _latest(h.pods)
     pods = {name: p for name, p in every.items() if name not in h.absorbed}
-    # An absorbed loss's index: its replacement may wait for a node (the world grows back then).
-    waiting_for_node = {every[name].index for name in h.absorbed if name in every}
     job = max(h.jobs, key=lambda j: j.t) if h.jobs else None
-
-    # 1. The workload asked not to be requeued.
-    for p in pods.values():
-        if p.exit_code == EXIT_DO_NOT_REQUEUE:
-            return Outcome(
-                EndKind.DO_NOT_REQUEUE,
-                f"pod {p.name} exited {EXIT_DO_NOT_REQUEUE}: the workload asked not to "
-                "be requeued (see its log)",
-            )
-    # 2. Completed.
+    codes = _exit_codes(pods)
+    # The workload asked not to be requeued (the judge reads any index's 93), or completed.
+    if EXIT_DO_NOT_REQUEUE in codes.values():
+        return Observation(exit_codes=codes)
     succeeded = [p for p in pods.values() if p.phase == "Succeeded"]
     if (job is not None and job.complete) or (
         len(succeeded) >= h.completions and all(p.phase == "Succeeded" for p in pods.values())
     ):
-        return Outcome(EndKind.COMPLETED, f"all {h.completions} pods succeeded")
-    # 3. The Job deleted outside the pipeline: its pods go with it, which must not read as a
-    # node loss (a stage retry would recreate what an operator removed), nor be watched until
-    # the deadline.
+        return Observation(exit_codes=codes, succeeded=True)
+    # The Job deleted outside the pipeline: its pods go with it, which must not read as a node
+    # loss (a stage retry would recreate what an operator removed), nor be watched until the
+    # deadline.
     if job is not None and job.gone:
-        return Outcome(
-            EndKind.BUG,
-            "the training Job was deleted outside the pipeline (kubectl delete, or another "
-            "controller) while it ran; the attempt ends with no retry. Run again with the same "
-            "run id to resume from its newest checkpoint",
-        )
-    # 4. Node loss, in any of its guises.
+        return Observation(exit_codes=codes, blocker=Blocker(Blocked.REMOVED, JOB_REMOVED))
     evidence = node_loss_evidence(h, pods, now)
     if evidence:
         # Nodes of disrupted pods count as lost too (the Node object may still look Ready).
-        nodes = sorted(
-            lost_nodes(h, now)
-            | {p.node for p in pods.values() if p.node and p.disruption_reason in NODE_LOSS_REASONS}
+        hosts = lost_nodes(h, now) | {
+            p.node for p in pods.values() if p.node and p.disruption_reason in NODE_LOSS_REASONS
+        }
+        return Observation(
+            exit_codes=codes, lost_hosts=tuple(sorted(hosts)), loss="; ".join(evidence.values())
         )
-        return Outcome(
-            EndKind.NODE_LOSS,
-            "node loss: "
-            + "; ".join(evidence.values())
-            + (f" (nodes {nodes} unreachable or gone)" if nodes else ""),
-            {"lost_nodes": nodes},
-        )
-    # 4b. A pod deleted outside the pipeline on a healthy node: its ranks are gone and nothing
-    # of ours brings them back (the Job controller's replacement cannot join a fixed world),
-    # and, like the Job deleted outside, it must not read as a node loss that a stage retry
-    # would undo.
+    # Indexes of absorbed losses: their replacements may wait for a node (the world grows back).
+    waiting_for_node = {every[name].index for name in h.absorbed if name in every}
+    blocker = _blocker(h, pods, job, now, waiting_for_node, unschedulable_timeout_s)
+    if blocker is not None:
+        return Observation(exit_codes=codes, blocker=blocker)
+    if any(p.phase == "Failed" and p.exit_code == 1 for p in pods.values()):
+        return Observation(exit_codes=codes)  # ft_launcher exhausted its in-job restarts
+    failed = [p for p in pods.values() if p.phase == "Failed"]
+    if failed:
+        p = failed[0]
+        why = p.terminated_reason or p.status_reason or "no reason"
+        said = f"pod {p.name} failed (exit {p.exit_code}, {why})"
+        return Observation(exit_codes=codes, blocker=Blocker(Blocked.FAILED, said))
+    if job is not None and job.failed:
+        said = f"Job failed: {job.failed_reason} {job.failed_message}".strip()
+        return Observation(exit_codes=codes, blocker=Blocker(Blocked.FAILED, said))
+    return None
+
+
+def finished(observed: Observation | None, *, job: str, fsx_mount: str) -> Observation:
+    """The observation handed to the judge at the end: what :func:`end_of` last read (None:
+    the watcher stopped the Job before its pods showed an end), naming the Job and why a
+    result.json could be missing though the pods succeeded."""
+    return replace(
+        observed or Observation(ended=False),
+        where=f"Job {job}",
+        result_hint=f"does this flow runner mount the same FSx file system at {fsx_mount} as "
+        "the pods (deploy/eks/work-pool-template.json)?",
+    )
+
+
+JOB_REMOVED = (
+    "the training Job was deleted outside the pipeline (kubectl delete, or another controller) "
+    "while it ran; the attempt ends with no retry. Run again with the same run id to resume "
+    "from its newest checkpoint"
+)
+
+
+def _exit_codes(pods: dict[str, PodObs]) -> dict[int, int | None]:
+    """Each index's launcher exit code, from its latest pod (None: not ended)."""
+    codes: dict[int, int | None] = {}
+    for p in sorted(pods.values(), key=lambda p: p.t):
+        if p.index is not None:
+            codes[p.index] = p.exit_code
+    return codes
+
+
+def _blocker(
+    h: History,
+    pods: dict[str, PodObs],
+    job: JobObs | None,
+    now: float,
+    waiting_for_node: set[int | None],
+    unschedulable_timeout_s: float,
+) -> Blocker | None:
+    """A reason of Kubernetes' own that the pods stopped or can never run, or None."""
+    # A pod deleted outside the pipeline on a healthy node: its ranks are gone and nothing of
+    # ours brings them back (the Job controller's replacement cannot join a fixed world), and,
+    # like the Job deleted outside, it must not read as a node loss a stage retry would undo.
     gone = deleted_outside(h, pods, job, now)
     if gone:
-        return Outcome(
-            EndKind.BUG,
+        return Blocker(
+            Blocked.REMOVED,
             f"pod {gone} was deleted outside the pipeline (kubectl delete pod, or another "
             "controller) while it ran, on a node that is not lost; the attempt ends with no "
             "retry. Run again with the same run id to resume from its newest checkpoint",
         )
-    # 5. Could never have run.
     for p in pods.values():
         if p.waiting_reason in IMAGE_PULL_REASONS:
-            return Outcome(
-                EndKind.BUG,
+            return Blocker(
+                Blocked.CANNOT_START,
                 f"image pull failure for pod {p.name}: image {p.image!r}: {p.waiting_reason} "
                 f"{p.waiting_message}".strip()
                 + "; check eks.image (a pushed image that NVRX_ALLOWED_IMAGES allows) and the "
@@ -362,8 +278,8 @@ def classify_history(h: History, *, now: float, unschedulable_timeout_s: float) 
             )
     for p in pods.values():
         if p.waiting_reason in CONFIG_REASONS:
-            return Outcome(
-                EndKind.BUG,
+            return Blocker(
+                Blocked.CANNOT_START,
                 f"pod {p.name} cannot start: {p.waiting_reason} {p.waiting_message}".strip()
                 + "; a Secret named in the run's secrets (key 'value') or the attempt's "
                 "ConfigMap is missing from the namespace: create it, then run again",
@@ -378,128 +294,16 @@ def classify_history(h: History, *, now: float, unschedulable_timeout_s: float) 
             o.t for o in h.pods if o.name == pending[0].name and o.unschedulable_message is not None
         )
         if now - first_seen > unschedulable_timeout_s:
-            return Outcome(
-                EndKind.TIMEOUT,
+            return Blocker(
+                Blocked.UNSCHEDULABLE,
                 f"pod {pending[0].name} unschedulable for {now - first_seen:.0f} s: "
                 f"{pending[0].unschedulable_message}",
             )
-    # 6. Failed pods.
-    failed = [p for p in pods.values() if p.phase == "Failed"]
-    for p in failed:
-        if p.terminated_reason == "OOMKilled":
-            return Outcome(
-                EndKind.BUG,
+    for p in pods.values():
+        if p.phase == "Failed" and p.terminated_reason == "OOMKilled":
+            return Blocker(
+                Blocked.OOM_KILLED,
                 f"pod {p.name} was OOMKilled and ft_launcher could not "
                 "recover it: lower the per-GPU batch or raise the memory limit",
             )
-    for p in failed:
-        if p.exit_code == 1:
-            return Outcome(
-                EndKind.INJOB_EXHAUSTED,
-                f"pod {p.name}: ft_launcher exhausted its in-job restarts (exit 1)",
-            )
-    if failed:
-        p = failed[0]
-        return Outcome(
-            EndKind.BUG,
-            f"pod {p.name} failed (exit {p.exit_code}, "
-            f"{p.terminated_reason or p.status_reason or 'no reason'})",
-        )
-    if job is not None and job.failed:
-        return Outcome(EndKind.BUG, f"Job failed: {job.failed_reason} {job.failed_message}".strip())
     return None
-
-
-def judge(observed: Outcome | None, ev: Evidence, *, job: str, fsx_mount: str) -> Outcome:
-    """The attempt's outcome: what the pods showed (``observed``, None when the watcher stopped
-    the Job first) together with what every backend's watcher gathered. Any pod's exit 93 or the
-    verdict file decides before anything else: the teardown a 93 starts can make the other pods'
-    codes look like a node loss or an exhausted launcher (NVRX_NOTES)."""
-    causes = [c for c in (ev.fatal, ev.no_restart) if c]
-    if observed is not None and observed.kind == EndKind.DO_NOT_REQUEUE:
-        causes.append(observed.message)
-    if causes:
-        return Outcome(
-            EndKind.DO_NOT_REQUEUE,
-            f"training cannot continue: {'; '.join(dict.fromkeys(causes))} (Job {job})",
-            {"no_restart": ev.no_restart},
-        )
-    if ev.timed_out:
-        return Outcome(
-            EndKind.TIMEOUT, f"train attempt passed its deadline; Job {job} stopped and deleted"
-        )
-    nodes = sorted(ev.lost_nodes)
-    if nodes and (observed is None or observed.kind != EndKind.COMPLETED):
-        # An elastic Job that carried on without them completes instead (below). What the
-        # control plane showed (a disruption, a node NotReady past its bound) says why.
-        seen = (
-            observed.message if observed is not None and observed.kind == EndKind.NODE_LOSS else ""
-        )
-        return Outcome(
-            EndKind.NODE_LOSS,
-            f"node loss: the pod(s) of node index(es) {nodes} were lost (Job {job})"
-            + (f": {seen.removeprefix('node loss: ')}" if seen else ""),
-            {"lost_nodes": nodes},
-        )
-    if observed is None:
-        return Outcome(EndKind.BUG, f"the watch of Job {job} ended with no outcome")
-    if observed.kind != EndKind.COMPLETED:
-        return observed
-    r = ev.result
-    if r is None:
-        return Outcome(
-            EndKind.BUG,
-            f"Job {job} completed but its result.json is missing: does this flow runner mount "
-            f"the same FSx file system at {fsx_mount} as the pods "
-            "(deploy/eks/work-pool-template.json)?",
-        )
-    if r.get("status") != "completed" or r.get("final_step") != ev.target_steps:
-        return Outcome(
-            EndKind.BUG,
-            f"Job {job} completed but its result says {r.get('status')} at step "
-            f"{r.get('final_step')} of {ev.target_steps}",
-        )
-    if nodes:
-        return Outcome(
-            EndKind.COMPLETED,
-            f"{observed.message}; node index(es) {nodes} lost and recovered in-job",
-            {"result": r, "lost_nodes": nodes},
-        )
-    return Outcome(EndKind.COMPLETED, observed.message, {"result": r})
-
-
-def healthy(
-    job: dict[str, Any], pods: list[dict[str, Any]], nodes: list[dict[str, Any]], *, t: float
-) -> tuple[bool, str]:
-    """Is a Job found (a replaced flow runner's) fit to be watched to its end rather than
-    relaunched? One that completed while nobody watched (its result stands), or one still
-    running where every index has a running pod, none terminated or disrupted, each on a Ready
-    node. Returns the verdict and why."""
-    j = observe_job(job, t)
-    name = job.get("metadata", {}).get("name", "?")
-    if j.complete:
-        return True, f"Job {name} completed while no flow runner watched it: its result stands"
-    if j.failed:
-        return False, f"Job {name} has failed ({j.failed_reason or 'Failed'})"
-    completions = int((job.get("spec") or {}).get("completions") or 1)
-    latest: dict[int, PodObs] = {}
-    disrupted: set[str] = set()
-    for raw in pods:
-        p = observe_pod(raw, t)
-        if p.index is not None:
-            latest[p.index] = p
-        if _conditions(raw).get("DisruptionTarget", {}).get("status") == "True":
-            disrupted.add(p.name)
-    missing = sorted(set(range(completions)) - set(latest))
-    if missing:
-        return False, f"Job {name}: no pod for index(es) {missing}"
-    ready = {n.name: n.ready for n in (observe_node(n, t) for n in nodes)}
-    for i, p in sorted(latest.items()):
-        if p.phase != "Running" or p.exit_code is not None or p.waiting_reason is not None:
-            return False, f"Job {name}: pod {p.name} (index {i}) is {p.phase}"
-        if p.name in disrupted:
-            why = p.disruption_reason or "DisruptionTarget"
-            return False, f"Job {name}: pod {p.name} is being disrupted ({why})"
-        if ready.get(p.node or "") != "True":
-            return False, f"Job {name}: pod {p.name}'s node {p.node} is not Ready"
-    return True, f"Job {name}: all {completions} pod(s) running on Ready nodes"
