@@ -28,7 +28,7 @@ from tasks.off_loop import OffLoop, bounded
 from tasks.ownership.lease import LeaseLost
 from tasks.watch_state import (
     SilenceRule,
-    Verdict,
+    Tick,
     WatchState,
     beat,
     drop,
@@ -203,8 +203,8 @@ def run_attempt(
                 watch.complain("reading the lease", e)
             watch.pump(READ_TIMEOUT_S)
             verdict = watch.tick()
-            if verdict != Verdict.CONTINUE:
-                if verdict != Verdict.ENDED:
+            if verdict != Tick.CONTINUE:
+                if verdict != Tick.ENDED:
                     _log.info("stopping %s: %s", job.name, verdict.value)
                     job.stop()
                 break
@@ -297,7 +297,7 @@ class _Watch:
             self._complaints[what] = text
             _log.warning("watching %s: %s failed (%s); watching on", self.job.name, what, text)
 
-    def tick(self) -> Verdict:
+    def tick(self) -> Tick:
         try:
             running = self.job.running()
         except Exception as e:

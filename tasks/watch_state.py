@@ -24,7 +24,7 @@ from tasks.loss_policy import LossDecision, LossPath
 from trainer.faults import FaultSpec
 
 
-class Verdict(enum.Enum):
+class Tick(enum.Enum):
     CONTINUE = "continue"
     ENDED = "ended"  # nothing of the attempt runs any more: judge it
     STOP_LOST = "stop-lost"  # a node is gone for good and the survivors only wait: stop them
@@ -228,18 +228,18 @@ def silent(s: WatchState, now: float) -> list[int]:
     return quiet
 
 
-def tick(s: WatchState, now: float, *, running: bool) -> tuple[WatchState, Verdict]:
+def tick(s: WatchState, now: float, *, running: bool) -> tuple[WatchState, Tick]:
     """After a poll: go on, or how the watch ends."""
     if not running:
-        return s, Verdict.ENDED
+        return s, Tick.ENDED
     # After the watcher takes a node away and too few remain (tasks.loss_policy), the
     # survivors fail their collectives and then wait in rendezvous (bounded by ft_launcher's
     # join timeout). The watcher knows the node is gone: it stops them (after the backend's
     # grace) instead of waiting.
     if s.loss_at is not None and now - s.loss_at >= s.loss_grace_s:
-        return s, Verdict.STOP_LOST
+        return s, Tick.STOP_LOST
     if s.waiting_until is not None and now > s.waiting_until:
-        return s, Verdict.STOP_WAITED  # no node returned in time: the stage retry
+        return s, Tick.STOP_WAITED  # no node returned in time: the stage retry
     if s.deadline_s is not None and now - s.started > s.deadline_s:
-        return _replace(s, timed_out=True), Verdict.TIMED_OUT
-    return s, Verdict.CONTINUE
+        return _replace(s, timed_out=True), Tick.TIMED_OUT
+    return s, Tick.CONTINUE

@@ -15,7 +15,7 @@ from tasks.loss_policy import LossDecision, LossPath
 from tasks.off_loop import OffLoop, Stuck, bounded
 from tasks.watch_state import (
     SilenceRule,
-    Verdict,
+    Tick,
     WatchState,
     beat,
     drop,
@@ -60,30 +60,30 @@ def replay(s: WatchState, history: list[tuple[float, Seen]]) -> WatchState:
 BASE = WatchState(started=T0, deadline_s=600.0, loss_grace_s=2.0, wait_s=20.0, min_nodes=2)
 
 # (case, the state's settings, the history, when the watcher ticks, what it decides)
-TICKS: list[tuple[str, dict[str, Any], list[tuple[float, Seen]], float, Verdict]] = [
-    ("training", {}, [(1, start(0, 1)), (2, step(1))], 30, Verdict.CONTINUE),
-    ("deadline", {}, [(1, start(0, 1))], 601, Verdict.TIMED_OUT),
-    ("no-deadline", {"deadline_s": None}, [(1, start(0, 1))], 10**6, Verdict.CONTINUE),
+TICKS: list[tuple[str, dict[str, Any], list[tuple[float, Seen]], float, Tick]] = [
+    ("training", {}, [(1, start(0, 1)), (2, step(1))], 30, Tick.CONTINUE),
+    ("deadline", {}, [(1, start(0, 1))], 601, Tick.TIMED_OUT),
+    ("no-deadline", {"deadline_s": None}, [(1, start(0, 1))], 10**6, Tick.CONTINUE),
     # A loss only a stage retry recovers: the survivors would only wait in rendezvous.
     ("stage-retry-within-grace", {}, [(1, start(0, 1)), (5, ("loss", 1, LossPath.STAGE_RETRY))],
-     6.9, Verdict.CONTINUE),
+     6.9, Tick.CONTINUE),
     ("stage-retry-after-grace", {}, [(1, start(0, 1)), (5, ("loss", 1, LossPath.STAGE_RETRY))],
-     7.0, Verdict.STOP_LOST),
+     7.0, Tick.STOP_LOST),
     # Survivors below the minimum wait their join timeout (20 s) and a grace (10 s).
     ("node-wait-within", {}, [(1, start(0, 1)), (5, ("loss", 1, LossPath.NODE_WAIT))], 34.9,
-     Verdict.CONTINUE),
+     Tick.CONTINUE),
     ("node-wait-over", {}, [(1, start(0, 1)), (5, ("loss", 1, LossPath.NODE_WAIT))], 35.1,
-     Verdict.STOP_WAITED),
+     Tick.STOP_WAITED),
     # A node returned in time: the world re-formed (a train_start after the wait began).
     ("node-wait-ended-by-return", {},
      [(1, start(0, 1)), (5, ("loss", 1, LossPath.NODE_WAIT)), (20, start(0, 1, t=9.0))], 40,
-     Verdict.CONTINUE),
+     Tick.CONTINUE),
     # A train_start written before the wait began (read late) ends nothing.
     ("node-wait-old-start", {},
      [(1, start(0, 1)), (5, ("loss", 1, LossPath.NODE_WAIT)), (6, start(0, 1, t=4.0))], 40,
-     Verdict.STOP_WAITED),
+     Tick.STOP_WAITED),
     ("elastic-shrink-goes-on", {}, [(1, start(0, 1, 2)), (5, ("loss", 2, LossPath.ELASTIC))],
-     300, Verdict.CONTINUE),
+     300, Tick.CONTINUE),
 ]  # fmt: skip
 
 
@@ -91,17 +91,17 @@ TICKS: list[tuple[str, dict[str, Any], list[tuple[float, Seen]], float, Verdict]
                          ids=[c[0] for c in TICKS])  # fmt: skip
 def test_tick_decides_from_the_history(
     case: str, settings: dict[str, Any], history: list[tuple[float, Seen]], at: float,
-    verdict: Verdict,
+    verdict: Tick,
 ):  # fmt: skip
     s = replay(replace(BASE, **settings), history)
     s2, got = tick(s, T0 + at, running=True)
     assert got == verdict
-    assert s2.timed_out == (verdict == Verdict.TIMED_OUT)
+    assert s2.timed_out == (verdict == Tick.TIMED_OUT)
 
 
 def test_an_ended_job_is_judged_whatever_else_is_due():
     s = replay(BASE, [(1, start(0, 1)), (5, ("loss", 1, LossPath.STAGE_RETRY))])
-    assert tick(s, T0 + 10_000, running=False)[1] == Verdict.ENDED
+    assert tick(s, T0 + 10_000, running=False)[1] == Tick.ENDED
 
 
 def test_only_the_attempts_own_fatal_error_counts():

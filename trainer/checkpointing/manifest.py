@@ -261,7 +261,7 @@ def workload_of(manifest: dict[str, Any]) -> dict[str, Any] | None:
 
 
 @dataclass
-class Verdict:
+class ManifestCheck:
     ok: bool
     reason: str = ""
     manifest: dict[str, Any] = field(default_factory=dict)
@@ -297,7 +297,7 @@ def digest_share(
     return None
 
 
-def verify_checkpoint(directory: Path, *, digests: bool = True) -> Verdict:
+def verify_checkpoint(directory: Path, *, digests: bool = True) -> ManifestCheck:
     """Does ``directory`` hold a complete, uncorrupted checkpoint?
 
     Sizes of every listed file always; the digest of every file with ``digests``, else only of
@@ -307,26 +307,28 @@ def verify_checkpoint(directory: Path, *, digests: bool = True) -> Verdict:
     try:
         manifest = read_manifest(directory)
     except CheckpointError as e:
-        return Verdict(False, str(e))
+        return ManifestCheck(False, str(e))
     named = step_of(directory)
     if named is not None and manifest["step"] != named:
-        return Verdict(False, f"{directory} holds a manifest of step {manifest['step']}", manifest)
+        return ManifestCheck(
+            False, f"{directory} holds a manifest of step {manifest['step']}", manifest
+        )
     if not any(e["name"] == DCP_METADATA for e in manifest["files"]):
-        return Verdict(False, f"{directory} has no DCP .metadata in its manifest", manifest)
+        return ManifestCheck(False, f"{directory} has no DCP .metadata in its manifest", manifest)
     digest = digest_of(manifest)
     for entry in manifest["files"]:
         path = directory / entry["name"]
         if not path.is_file():
-            return Verdict(False, f"{path} is missing", manifest)
+            return ManifestCheck(False, f"{path} is missing", manifest)
         size = path.stat().st_size
         if size != entry["bytes"]:
-            return Verdict(
+            return ManifestCheck(
                 False, f"{path} is {size} bytes, manifest says {entry['bytes']}", manifest
             )
         if digests or entry["name"] == DCP_METADATA:
             why = mismatch(path, entry, digest)
             if why:
-                return Verdict(False, why, manifest)
+                return ManifestCheck(False, why, manifest)
     # The manifest is not signed: whoever can write the shared filesystem can forge a .metadata
     # and its digest together. Read through the restricted unpickler, a forged one is refused
     # (and never runs) and the reader falls back like for any invalid checkpoint.
@@ -335,5 +337,5 @@ def verify_checkpoint(directory: Path, *, digests: bool = True) -> Verdict:
     try:
         load_dcp_metadata(directory)
     except UnsafeCheckpointError as e:
-        return Verdict(False, str(e), manifest)
-    return Verdict(True, "", manifest)
+        return ManifestCheck(False, str(e), manifest)
+    return ManifestCheck(True, "", manifest)

@@ -18,7 +18,7 @@ from trainer.checkpointing.layout import (
     named,
     step_of,
 )
-from trainer.checkpointing.manifest import Verdict, digest_share, verify_checkpoint
+from trainer.checkpointing.manifest import ManifestCheck, digest_share, verify_checkpoint
 
 
 @dataclass
@@ -54,7 +54,7 @@ def resume_candidates(
     for step, path in reversed(found):
         verdict = verify_checkpoint(path, digests=False)
         if verdict.ok and verdict.manifest.get("config_hash") != fingerprint:
-            verdict = Verdict(
+            verdict = ManifestCheck(
                 False,
                 f"{path} was written with config hash {verdict.manifest.get('config_hash')}, this "
                 f"run has {fingerprint} (model or optimisation settings changed)",
