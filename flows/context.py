@@ -95,7 +95,7 @@ def train_config(
             durable=DurableConfig(interval=params.ckpt_interval, keep_last=params.keep_last),
             memory=MemoryConfig(interval=params.memory_interval),
         ),
-        faults=tuple(params.drills.faults),
+        faults=params.drills.specs,
         device=device,
         deterministic=params.deterministic,
         local_paths=local_paths,

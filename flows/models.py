@@ -8,7 +8,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from tasks.backends.eks.params import ALLOWED_ENV as ALLOWED_ENV  # re-exported: the form's home
 from tasks.backends.eks.params import EksParams
@@ -16,7 +16,7 @@ from tasks.backends.registry import BackendType, backend_type
 from tasks.deployment_policy import check_run
 from tasks.secrets import check_declared
 from trainer.events import RecoveryLayer
-from trainer.faults import NODE_KINDS, FaultSpecError, parse_fault
+from trainer.faults import FaultSpec, FaultSpecError, parse_faults
 from trainer.history import TimeBreakdown
 
 if TYPE_CHECKING:
@@ -94,15 +94,20 @@ class DrillParams(BaseModel):
         "node-loss, node-return, node-freeze (the watcher's, as the backend allows)",
     )
 
-    @field_validator("faults")
-    @classmethod
-    def _faults(cls, v: list[str]) -> list[str]:
-        for spec in v:
-            try:
-                parse_fault(spec)
-            except FaultSpecError as e:
-                raise ValueError(str(e)) from None
-        return v
+    # The drills parsed, once, here at the edge; everything inward gets these FaultSpecs.
+    _specs: tuple[FaultSpec, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="after")
+    def _parse(self) -> DrillParams:
+        try:
+            self._specs = parse_faults(self.faults)
+        except FaultSpecError as e:
+            raise ValueError(f"drills.faults: {e}") from None
+        return self
+
+    @property
+    def specs(self) -> tuple[FaultSpec, ...]:
+        return self._specs
 
 
 _TIMEOUT_HELP = (
@@ -451,21 +456,21 @@ class PipelineParams(BaseModel):
                 f"grad_accumulation ({world} x {self.grad_accumulation}): every micro-batch "
                 "holds the same number of sequences"
             )
-        for spec in map(parse_fault, self.drills.faults):
+        for spec in self.drills.specs:
             where = f"drills.faults: {spec}"
-            if spec.kind in NODE_KINDS and spec.kind not in kind.drills:
+            if spec.is_node_fault and spec.kind not in kind.drills:
                 can = ", ".join(sorted(kind.drills)) or "none"
                 raise ValueError(
                     f"{where}: the {kind.name} backend cannot carry out {spec.kind} drills (it "
                     f"can: {can}); remove it, or drill it on another backend"
                 )
-            if spec.kind == "node-freeze" and self.node_range.min < 2:
+            if spec.needs_other_nodes and self.node_range.min < 2:
                 raise ValueError(
                     f"{where}: a frozen node is noticed against the other nodes' beats, so the "
                     f"job must train on at least 2 nodes (nodes' minimum is "
                     f"{self.node_range.min}); raise nodes, or drill a node-loss instead"
                 )
-            if spec.kind in NODE_KINDS and (spec.node or 0) >= self.launched_nodes:
+            if spec.is_node_fault and spec.target_node >= self.launched_nodes:
                 raise ValueError(
                     f"{where} names node {spec.node}, there are {self.launched_nodes} (nodes' "
                     "maximum plus spares, numbered from 0)"
@@ -481,13 +486,13 @@ class PipelineParams(BaseModel):
         """A node returns only after it was lost, and is lost only while it runs."""
         down: dict[int, int] = {}  # node -> step it was lost at
         specs = sorted(
-            (s for s in map(parse_fault, self.drills.faults) if s.kind in NODE_KINDS),
-            key=lambda s: (s.step, s.kind == "node-return"),
+            (s for s in self.drills.specs if s.is_node_fault),
+            key=lambda s: (s.step, s.returns_node),
         )
         for spec in specs:
-            node = spec.node or 0
+            node = spec.target_node
             where = f"drills.faults: {spec}"
-            if spec.kind != "node-return":  # a loss, or a freeze (noticed as a loss)
+            if spec.takes_node_away:  # a loss, or a freeze (noticed as a loss)
                 if node in down:
                     raise ValueError(
                         f"{where}: node {node} is already lost (at step {down[node]}); add a "

@@ -375,7 +375,7 @@ def _failed_attempt(report: AttemptReport, params: PipelineParams) -> State[Trai
     error = report.outcome.error()
     assert error is not None
     note = ""
-    planned = [f for f in params.drills.faults if f.startswith("node-loss")]
+    planned = [str(f) for f in params.drills.specs if f.kills_node]
     if isinstance(error, NodeLost) and planned:
         note = f" (the planned drill {', '.join(planned)})"
     get_run_logger().warning(

@@ -46,7 +46,7 @@ from trainer.elastic import NodeRange
 from trainer.event_read import EVENTS_FILE, EventReader
 from trainer.event_types import Fatal, StageAttempt
 from trainer.events import EventLog
-from trainer.faults import NODE_KINDS, FaultSpec, claim, parse_fault
+from trainer.faults import FaultSpec, claim
 from trainer.node_beat import clear_other_epochs, read_beats
 from trainer.resilience import (
     clear_no_restart,
@@ -101,10 +101,9 @@ def _fatal_since_last_attempt_start(run_root: Path, epoch: int | None) -> str | 
     return fatal
 
 
-def node_faults(specs: list[str] | tuple[str, ...]) -> list[FaultSpec]:
+def node_faults(specs: tuple[FaultSpec, ...]) -> list[FaultSpec]:
     """The drills the watcher carries out: node losses and returns, in step order."""
-    out = [f for f in map(parse_fault, specs) if f.kind in NODE_KINDS]
-    return sorted(out, key=lambda f: (f.step, f.kind != "node-loss"))
+    return sorted((f for f in specs if f.is_node_fault), key=lambda f: (f.step, not f.kills_node))
 
 
 def run_attempt(
@@ -345,15 +344,15 @@ class _Watch:
                 self._drill(spec, at_step if at_step is not None else self.state.last_step or 0)
 
     def _drill(self, spec: FaultSpec, step: int) -> None:
-        node = spec.node or 0
+        node = spec.target_node
         job = self.job
-        if spec.kind == "node-return":
+        if spec.returns_node:
             if not isinstance(job, ReturnDrills):
                 raise ValueError(f"{spec}: {job.name} cannot start a lost node again")
             self.events.emit("node_return", fault=str(spec), step=step, node=node)
             job.restore_node(node)
             self.state = returned(self.state, node)
-        elif spec.kind == "node-freeze":
+        elif spec.freezes_node:
             if not isinstance(job, FreezeDrills):
                 raise ValueError(f"{spec}: {job.name} cannot freeze a node")
             _log.warning("drill %s: every process of node %d stopped (SIGSTOP)", spec, node)

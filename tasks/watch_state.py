@@ -141,8 +141,8 @@ def due(s: WatchState, at_step: int | None = None) -> FaultSpec | None:
     not the dying world's last ones read late), or at any time for a return the survivors wait
     for. The shell claims it (fire-once per run), calls :func:`drop` and carries it out."""
     for spec in s.drills:
-        node = spec.node or 0
-        if spec.kind == "node-return":
+        node = spec.target_node
+        if spec.returns_node:
             # While the survivors wait no world trains, so no step would reach it: now.
             if s.waiting_until is not None and node in s.lost:
                 return spec

@@ -93,7 +93,9 @@ def test_launch_contract():
         "volumeMounts"
     ]
     assert str(cfg.run_root) == "/fsx/runs/run-2026-11-29" and cfg.device.value == "cuda"
-    assert cfg.faults == ("exception@step=5,rank=3",) and cfg.workload == "llama3-8b"
+    assert [str(f) for f in cfg.faults] == [
+        "exception@step=5,rank=3"
+    ] and cfg.workload == "llama3-8b"
     # requests == limits, cpu and memory included: Guaranteed QoS (tests/test_eks_defaults.py)
     assert c["resources"]["limits"] == c["resources"]["requests"]
     assert c["resources"]["limits"] == {

@@ -22,6 +22,7 @@ from trainer.checkpointing.config import (
     CheckpointConfig,
 )
 from trainer.errors import ConfigError, require
+from trainer.faults import FaultSpec, parse_faults
 
 if TYPE_CHECKING:
     from trainer.workload import Workload
@@ -455,7 +456,8 @@ class TrainConfig:
     # Set by the pipeline after hydration verified every shard: the workers then check that the
     # manifest is still that one and the shards' sizes, not every shard's digest (arch §3).
     data_manifest_sha256: str | None = None
-    faults: tuple[str, ...] = ()
+    # Drills, parsed where the config is made (a spec's text is its form in a config file).
+    faults: tuple[FaultSpec, ...] = ()
     inprocess: InProcessConfig = field(default_factory=InProcessConfig)
     injob: InJobConfig = field(default_factory=InJobConfig)
     # False when the config is built for workers elsewhere (an EKS pod's /fsx): paths are then
@@ -469,6 +471,9 @@ class TrainConfig:
     metrics_every_node: bool = False
 
     def __post_init__(self) -> None:
+        # The one parse of the drills the workers get: a config file (and a caller) gives their
+        # text, and from here inward they are FaultSpecs.
+        object.__setattr__(self, "faults", parse_faults(self.faults))
         require(self.steps >= 1, "steps", f"must be a positive number of steps, got {self.steps}")
         require(self.global_batch >= 1, "global_batch", f"must be >= 1, got {self.global_batch}")
         require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
@@ -527,14 +532,9 @@ class TrainConfig:
             f"dataset directory {str(self.data_dir)!r} does not exist; write one with "
             "`python -m trainer.data --out DIR` or hydrate it first",
         )
-        # Validate fault specs early (import here: faults imports nothing from config).
-        from trainer.faults import parse_fault
-
         for spec in self.faults:
-            parsed = parse_fault(spec)
             require(
-                parsed.kind not in ("corrupt-memory", "corrupt-peer")
-                or self.checkpoint.memory.enabled,
+                not spec.needs_node_memory or self.checkpoint.memory.enabled,
                 "faults",
                 f"{spec} damages a node-memory copy, and checkpoint.memory.interval 0 makes "
                 "none: set it to 1 or more, or drop the drill",
@@ -676,7 +676,7 @@ class TrainConfig:
         out["data_dir"] = str(self.data_dir)
         out["device"] = self.device.value
         out["checkpoint"] = self.checkpoint.to_dict()
-        out["faults"] = list(self.faults)
+        out["faults"] = [str(spec) for spec in self.faults]
         out["script_args"] = list(self.script_args)
         return out
 
@@ -707,9 +707,9 @@ class TrainConfig:
                 data["device"] = Device(data["device"])
         except ValueError as e:
             raise ConfigError("config", str(e)) from e
-        for key in ("faults", "script_args"):
-            if key in data:
-                data[key] = tuple(data[key])
+        if "script_args" in data:
+            data["script_args"] = tuple(data["script_args"])
+
         return cls(**data, **nested)
 
 

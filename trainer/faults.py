@@ -30,6 +30,11 @@ elastic job), or stops every process of a node without ending any (SIGSTOP: a fr
 partition), which the watcher must then notice by itself (``tasks.watch_state.silent``). Which
 of them a backend can carry out is its ``BackendType.drills``.
 
+A spec is parsed once, where it enters (:func:`parse_fault`: the run form's validation,
+``DrillParams.specs``; a worker's config, ``TrainConfig.faults``), into a frozen
+:class:`FaultSpec`; what its readers ask (is it the watcher's? does it take a node away? does it
+need node memory?) are its predicates, never a look at the text.
+
 A fault fires once per run: a marker file under ``<run_root>/faults/`` is created atomically
 *before* it fires, so the restart it causes does not fire it again.
 """
@@ -37,43 +42,45 @@ A fault fires once per run: a marker file under ``<run_root>/faults/`` is create
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.errors import TrainerError
 
-KINDS = (
-    "exception",
-    "stall",
-    "hang",
-    "sigkill",
-    "node-loss",
-    "node-return",
-    "node-freeze",
-    "corrupt-checkpoint",
-    "corrupt-memory",
-    "corrupt-peer",
-)
-NODE_KINDS = ("node-loss", "node-return", "node-freeze")  # the watcher's, not the trainer's
-TRAINER_KINDS = (
-    "exception",
-    "stall",
-    "hang",
-    "sigkill",
-    "corrupt-checkpoint",
-    "corrupt-memory",
-    "corrupt-peer",
-)
+
+class FaultKind(enum.StrEnum):
+    EXCEPTION = "exception"
+    STALL = "stall"
+    HANG = "hang"
+    SIGKILL = "sigkill"
+    NODE_LOSS = "node-loss"
+    NODE_RETURN = "node-return"
+    NODE_FREEZE = "node-freeze"
+    CORRUPT_CHECKPOINT = "corrupt-checkpoint"
+    CORRUPT_MEMORY = "corrupt-memory"
+    CORRUPT_PEER = "corrupt-peer"
+
+
+class Phase(enum.StrEnum):
+    STEP = "step"  # at the start of the step
+    CHECKPOINT = "checkpoint"  # right after the step's save was handed to the async writer
+
+
+KINDS = tuple(FaultKind)
+# The watcher's, carried out through the backend (its BackendType.drills), not the trainer's.
+NODE_KINDS = (FaultKind.NODE_LOSS, FaultKind.NODE_RETURN, FaultKind.NODE_FREEZE)
 # Damage, not a failure: nothing restarts for it, and no recovery closes it; the next resume
-# that would read the damaged copy notices it (and says so in a resume event).
-DAMAGE_KINDS = ("corrupt-checkpoint", "corrupt-memory", "corrupt-peer")
+# that would read the damaged copy notices it (and says so in a resume event). Event readers
+# compare their ``fault_kind`` strings against these (a StrEnum member equals its value).
+DAMAGE_KINDS = (FaultKind.CORRUPT_CHECKPOINT, FaultKind.CORRUPT_MEMORY, FaultKind.CORRUPT_PEER)
 # Damage a resume finds, not a step: never fired at a step's start.
-RESUME_KINDS = ("corrupt-checkpoint", "corrupt-peer")
-PHASES = ("step", "checkpoint")
+RESUME_KINDS = (FaultKind.CORRUPT_CHECKPOINT, FaultKind.CORRUPT_PEER)
+USAGE = "KIND@step=N[,rank=R][,node=K][,phase=checkpoint]"
 
 
 class FaultSpecError(TrainerError, ValueError):
@@ -86,68 +93,138 @@ class InjectedFault(TrainerError, RuntimeError):
 
 @dataclass(frozen=True)
 class FaultSpec:
-    kind: str
+    """One drill, parsed once where it enters (the run form's validation, the worker's config)
+    and passed inward typed; what each reader asks of it is a predicate here."""
+
+    kind: FaultKind
     step: int
     rank: int | None = None
     node: int | None = None
-    phase: str = "step"
+    phase: Phase = Phase.STEP
+
+    @property
+    def is_node_fault(self) -> bool:
+        """The watcher carries it out through the backend (the trainer never fires it)."""
+        return self.kind in NODE_KINDS
+
+    @property
+    def kills_node(self) -> bool:
+        return self.kind is FaultKind.NODE_LOSS
+
+    @property
+    def returns_node(self) -> bool:
+        return self.kind is FaultKind.NODE_RETURN
+
+    @property
+    def freezes_node(self) -> bool:
+        return self.kind is FaultKind.NODE_FREEZE
+
+    @property
+    def takes_node_away(self) -> bool:
+        """A loss, or a freeze (noticed as a loss): the node is down until a node-return."""
+        return self.kills_node or self.freezes_node
+
+    @property
+    def needs_other_nodes(self) -> bool:
+        """Noticed only against the other nodes' beats: the job must train on 2 or more."""
+        return self.freezes_node
+
+    @property
+    def is_damage(self) -> bool:
+        return self.kind in DAMAGE_KINDS
+
+    @property
+    def at_resume(self) -> bool:
+        """Fired by the resume that would read the damaged copy, not at a step's start."""
+        return self.kind in RESUME_KINDS
+
+    @property
+    def needs_node_memory(self) -> bool:
+        """Damages a node-memory copy: needs checkpoint.memory.interval >= 1."""
+        return self.kind in (FaultKind.CORRUPT_MEMORY, FaultKind.CORRUPT_PEER)
+
+    @property
+    def target_rank(self) -> int:
+        return 0 if self.rank is None else self.rank
+
+    @property
+    def target_node(self) -> int:
+        return 0 if self.node is None else self.node
 
     @property
     def slug(self) -> str:
-        parts = [self.kind, f"step{self.step}"]
+        parts = [self.kind.value, f"step{self.step}"]
         if self.rank is not None:
             parts.append(f"rank{self.rank}")
         if self.node is not None:
             parts.append(f"node{self.node}")
-        if self.phase != "step":
-            parts.append(self.phase)
+        if self.phase is not Phase.STEP:
+            parts.append(self.phase.value)
         return "-".join(parts)
 
     def __str__(self) -> str:
-        out = f"{self.kind}@step={self.step}"
+        out = f"{self.kind.value}@step={self.step}"
         if self.rank is not None:
             out += f",rank={self.rank}"
         if self.node is not None:
             out += f",node={self.node}"
-        if self.phase != "step":
-            out += f",phase={self.phase}"
+        if self.phase is not Phase.STEP:
+            out += f",phase={self.phase.value}"
         return out
 
 
-def parse_fault(spec: str) -> FaultSpec:
-    """Parse ``KIND@step=N[,rank=R][,node=K][,phase=P]``; errors say what a valid spec is."""
-    usage = (
-        f"invalid fault spec {spec!r}: expected KIND@step=N[,rank=R][,node=K], KIND one of "
-        f"{', '.join(KINDS)}"
-    )
-    kind, sep, rest = spec.strip().partition("@")
-    if not sep or kind not in KINDS:
-        raise FaultSpecError(usage)
+def parse_fault(spec: str | FaultSpec) -> FaultSpec:
+    """Parse ``KIND@step=N[,rank=R][,node=K][,phase=P]`` (a spec already parsed is returned as
+    it is). Each error names the spec, the field at fault and the fix."""
+    if isinstance(spec, FaultSpec):
+        return spec
+    kind_text, sep, rest = spec.strip().partition("@")
+
+    def bad(field: str, fix: str) -> FaultSpecError:
+        return FaultSpecError(f"invalid fault spec {spec!r}: {field}: {fix} (expected {USAGE})")
+
+    try:
+        kind = FaultKind(kind_text)
+    except ValueError:
+        raise bad("kind", f"{kind_text!r} is not one; use one of {', '.join(KINDS)}") from None
+    if not sep:
+        raise bad("step", f"missing; add @step=N, the step at which the {kind} fires")
     fields: dict[str, str] = {}
     for item in rest.split(","):
-        key, eq, value = item.strip().partition("=")
-        if not eq or key not in ("step", "rank", "node", "phase") or key in fields:
-            raise FaultSpecError(usage)
-        fields[key] = value.strip()
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if key not in ("step", "rank", "node", "phase"):
+            raise bad(key or "field", "unknown; the fields are step, rank, node and phase")
+        if not eq or key in fields:
+            raise bad(key, "give it once, as key=value")
+        fields[key] = value
     if "step" not in fields:
-        raise FaultSpecError(usage)
-    ints: dict[str, int] = {}
-    for key in ("step", "rank", "node"):
-        if key in fields:
-            try:
-                ints[key] = int(fields[key])
-            except ValueError:
-                raise FaultSpecError(f"{usage} ({key} must be an integer)") from None
-            if ints[key] < 0 or (key == "step" and ints[key] < 1):
-                raise FaultSpecError(f"{usage} ({key} out of range)")
-    phase = fields.get("phase", "step")
-    if phase not in PHASES or (phase != "step" and kind != "sigkill"):
-        raise FaultSpecError(f"{usage} (phase=checkpoint applies to sigkill only)")
+        raise bad("step", f"missing; add step=N, the step at which the {kind} fires")
+    ints = {key: _count(fields[key], key, bad) for key in ("step", "rank", "node") if key in fields}
+    if ints["step"] < 1:
+        raise bad("step", "must be 1 or more (steps count from 1)")
+    try:
+        phase = Phase(fields.get("phase", "step"))
+    except ValueError:
+        raise bad("phase", "must be step or checkpoint") from None
+    if phase is not Phase.STEP and kind is not FaultKind.SIGKILL:
+        raise bad("phase", "phase=checkpoint applies to sigkill only; drop it")
     if kind in NODE_KINDS and "rank" in ints:
-        raise FaultSpecError(f"{usage} ({kind} takes node=K, not rank=R)")
-    return FaultSpec(
-        kind=kind, step=ints["step"], rank=ints.get("rank"), node=ints.get("node"), phase=phase
-    )
+        raise bad("rank", f"{kind} takes node=K, not rank=R")
+    return FaultSpec(kind, ints["step"], ints.get("rank"), ints.get("node"), phase)
+
+
+def _count(text: str, key: str, bad: Callable[[str, str], FaultSpecError]) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise bad(key, f"{text!r} must be an integer") from None
+    if value < 0:
+        raise bad(key, f"{value} is out of range: {key}s count from 0")
+    return value
+
+
+def parse_faults(specs: Iterable[str | FaultSpec]) -> tuple[FaultSpec, ...]:
+    return tuple(map(parse_fault, specs))
 
 
 def claim(run_root: Path, spec: FaultSpec) -> bool:
@@ -171,14 +248,14 @@ class FaultInjector:
 
     def __init__(
         self,
-        specs: tuple[str, ...] | list[str],
+        specs: tuple[FaultSpec, ...],
         run_root: Path,
         *,
         rank: int,
         on_fire: Callable[[FaultSpec], None] | None = None,
         guard: Callable[[str], contextlib.AbstractContextManager[None]] | None = None,
     ) -> None:
-        self.specs = [s for s in map(parse_fault, specs) if s.kind in TRAINER_KINDS]
+        self.specs = [s for s in specs if not s.is_node_fault]
         self.marker_dir = Path(run_root) / "faults"
         self.rank = rank
         self.on_fire = on_fire
@@ -191,13 +268,12 @@ class FaultInjector:
             return claim(self.marker_dir.parent, spec)
 
     def _due(self, spec: FaultSpec, step: int, phase: str) -> bool:
-        target_rank = 0 if spec.rank is None else spec.rank
-        return spec.phase == phase and spec.step == step and target_rank == self.rank
+        return spec.phase == phase and spec.step == step and spec.target_rank == self.rank
 
     def maybe_fire(self, step: int, phase: str = "step") -> None:
         """Called by every rank at ``step`` (the step being computed) in each phase."""
         for spec in self.specs:
-            if spec.kind in RESUME_KINDS or not self._due(spec, step, phase):
+            if spec.at_resume or not self._due(spec, step, phase):
                 continue
             if not self._claim(spec):
                 continue
@@ -205,7 +281,7 @@ class FaultInjector:
                 self.on_fire(spec)
             _fire(spec)
 
-    def damage_due(self, kind: str, reached: int) -> FaultSpec | None:
+    def damage_due(self, kind: FaultKind, reached: int) -> FaultSpec | None:
         """The damage drill of ``kind`` (``RESUME_KINDS``) to apply now, claimed, if one is due
         on this rank for a copy of step ``reached``, at or after its step: a checkpoint just
         committed (``corrupt-checkpoint``: rank 0, which commits), the newest peer copy a
@@ -213,7 +289,7 @@ class FaultInjector:
         for spec in self.specs:
             if (
                 spec.kind == kind
-                and (spec.rank or 0) == self.rank
+                and spec.target_rank == self.rank
                 and reached >= spec.step
                 and self._claim(spec)
             ):
@@ -222,16 +298,16 @@ class FaultInjector:
 
 
 def _fire(spec: FaultSpec) -> None:
-    if spec.kind == "exception":
+    if spec.kind is FaultKind.EXCEPTION:
         raise InjectedFault(f"injected fault {spec}")
-    if spec.kind == "stall":
+    if spec.kind is FaultKind.STALL:
         # Interruptible: the Wrapper's monitor thread raises its restart exception in here.
         while True:
             time.sleep(0.05)
-    if spec.kind == "sigkill":
+    if spec.kind is FaultKind.SIGKILL:
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # never reached: SIGKILL is not deliverable late
-    if spec.kind == "hang":
+    if spec.kind is FaultKind.HANG:
         # Stop the whole process, as a rank wedged in a native call would be: its heartbeats
         # stop, and no Python-level interruption can reach it.
         os.kill(os.getpid(), signal.SIGSTOP)

@@ -22,7 +22,7 @@ from typing import Any
 
 from trainer import run_state
 from trainer.events import EventLog
-from trainer.faults import DAMAGE_KINDS, FaultInjector, FaultSpec, flip_bytes
+from trainer.faults import FaultInjector, FaultKind, FaultSpec, flip_bytes
 from trainer.fence import Fence
 
 
@@ -80,7 +80,7 @@ class FaultDrills(Hook):
 
     def __init__(
         self,
-        specs: tuple[str, ...],
+        specs: tuple[FaultSpec, ...],
         run_root: Path,
         events: EventLog,
         *,
@@ -100,15 +100,20 @@ class FaultDrills(Hook):
         )
 
     def _fired(self, spec: FaultSpec) -> None:
-        bound = self.step_timeout() if self.step_timeout and spec.kind == "hang" else None
+        bound = self.step_timeout() if self.step_timeout and spec.kind is FaultKind.HANG else None
         extra: dict[str, Any] = {} if bound is None else {"bound_s": bound}
-        if spec.kind == "corrupt-memory":
+        if spec.kind is FaultKind.CORRUPT_MEMORY:
             extra["file"] = self._damage_node_memory(spec)
         event = self.events.emit(
-            "fault", fault=str(spec), fault_kind=spec.kind, step=spec.step, rank=self.rank, **extra
+            "fault",
+            fault=str(spec),
+            fault_kind=spec.kind.value,
+            step=spec.step,
+            rank=self.rank,
+            **extra,
         )
         # Open until the first step after the restart closes it (before the fault fires).
-        if spec.kind not in DAMAGE_KINDS:
+        if not spec.is_damage:
             with self.fence.hold(f"record the fault {spec}"):
                 run_state.open_fault(self.events.path.parent, event)
 
@@ -132,13 +137,13 @@ class FaultDrills(Hook):
         if not held or self.node_memory is None:
             return
         step, src, header = max(held, key=lambda x: (x[0], x[1]))
-        spec = self.injector.damage_due("corrupt-peer", step)
+        spec = self.injector.damage_due(FaultKind.CORRUPT_PEER, step)
         if spec is None:
             return
         path = self.node_memory.bin_path(header.generation, self.node_memory.peer_dir(src))
         flip_bytes(path)
         self.events.emit(
-            "fault", fault=str(spec), fault_kind=spec.kind, step=spec.step, rank=self.rank,
+            "fault", fault=str(spec), fault_kind=spec.kind.value, step=spec.step, rank=self.rank,
             file=str(path), copy_of_rank=src, copy_step=step,
         )  # fmt: skip
 
@@ -149,7 +154,7 @@ class FaultDrills(Hook):
         self.injector.maybe_fire(step, phase="checkpoint")
 
     def on_commit(self, step: int, path: Path) -> None:
-        spec = self.injector.damage_due("corrupt-checkpoint", step)
+        spec = self.injector.damage_due(FaultKind.CORRUPT_CHECKPOINT, step)
         if spec is None:
             return
         victim = sorted(path.glob("*.distcp"))[0]
@@ -157,7 +162,7 @@ class FaultDrills(Hook):
         self.events.emit(
             "fault",
             fault=str(spec),
-            fault_kind=spec.kind,
+            fault_kind=spec.kind.value,
             step=step,
             rank=self.rank,
             file=str(victim),

@@ -22,7 +22,6 @@ from trainer.checkpointing.async_save import AsyncCheckpointer
 from trainer.config import TrainConfig
 from trainer.elastic import PriorWorld, restart_layer
 from trainer.events import EventLog
-from trainer.faults import NODE_KINDS
 from trainer.fence import Fence
 from trainer.hooks import FaultDrills, Heartbeats, Hooks, StepEvents
 from trainer.parallel import Placement
@@ -128,7 +127,7 @@ def build_hooks(
     # a C call still trips it, a stalled collective its peers' process-group timeout, and a
     # step slower than the learned bound the in-job step timeout (trainer.timeouts).
     if rank == 0:
-        launcher_drills = any(spec.startswith(NODE_KINDS) for spec in ctx.cfg.faults)
+        launcher_drills = any(spec.is_node_fault for spec in ctx.cfg.faults)
         hooks.append(
             StepEvents(
                 ctx.events,

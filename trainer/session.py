@@ -34,6 +34,7 @@ from trainer import checkpointing, run_state
 from trainer.checkpointing.manager import CheckpointManager
 from trainer.digest import params_sha256
 from trainer.elastic import micro_batches, node_id
+from trainer.faults import FaultKind
 from trainer.hooks import FaultDrills, Hooks, StepEnd
 
 if TYPE_CHECKING:
@@ -155,7 +156,7 @@ class TrainSession:
             node=ctx.node_memory,
             peer_group=self.peer_group,
         )
-        if any(spec.startswith("corrupt-peer") for spec in cfg.faults):
+        if any(spec.kind is FaultKind.CORRUPT_PEER for spec in cfg.faults):
             # The one drill a resume itself fires (before the loop's hooks exist).
             ckpt.on_offer = FaultDrills(
                 cfg.faults, cfg.run_root, ctx.events, rank=rank, node_memory=ctx.node_memory
