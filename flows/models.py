@@ -85,7 +85,7 @@ class ExportLocation(BaseModel):
 class DrillParams(BaseModel):
     """Fault drills: an opt-in section of the form, apart from the production parameters."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)  # its specs stay its faults
     faults: list[str] = Field(
         default_factory=list,
         description="faults to inject, e.g. exception@step=7,rank=1 or node-loss@step=9,node=1; "
