@@ -21,8 +21,10 @@ def test_commit_fact(tmp_path: Path):
     assert run_state.recorded_commit(tmp_path) == run_state.Recorded(False)
     run_state.record_commit(tmp_path, 20)
     assert run_state.recorded_commit(tmp_path) == run_state.Recorded(True, 20)
-    run_state.record_commit(tmp_path, None)  # an explicit fresh start
+    run_state.record_commit(tmp_path, None)  # an explicit fresh start expects none
     assert run_state.recorded_commit(tmp_path) == run_state.Recorded(True, None)
+    run_state.record_commit(tmp_path, 5)  # commits since the fresh start count again
+    assert run_state.recorded_commit(tmp_path) == run_state.Recorded(True, 5)
 
 
 def test_launch_fact_and_open_node_loss(tmp_path: Path):
@@ -35,6 +37,11 @@ def test_launch_fact_and_open_node_loss(tmp_path: Path):
     loss = log.emit("fault", fault="node-loss@node=1", fault_kind="node-loss", node=1)
     run_state.open_fault(tmp_path, loss)
     assert run_state.prior_world(tmp_path, "j1") == PriorWorld(4, (0, 1), True)
+    ((_, fault),) = run_state.open_faults(tmp_path)
+    assert fault.fault_kind == "node-loss"
+    emit_recoveries(log, "spare", 3, began=time.time())  # closed: no longer open after it
+    assert run_state.open_faults(tmp_path) == []
+    assert run_state.prior_world(tmp_path, "j1") == PriorWorld(4, (0, 1), False)
 
 
 MALFORMED = [
@@ -72,7 +79,7 @@ def test_recoveries_close_the_open_faults_once(tmp_path: Path):
     h = RunHistory.read(tmp_path)
     ((fault),) = h.fault_records()
     assert fault["recovered_by"] == "inprocess" and fault["step"] == 3
-    assert len([r for r in h.restarts]) == 0 and h.last_recovered_t > 0
+    assert not h.restarts  # emit_recoveries records recoveries, never restarts
     assert [p.name for p in (tmp_path / run_state.FAULTS).iterdir()] == ["zz-forged.json"]
 
 

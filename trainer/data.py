@@ -45,7 +45,6 @@ FORMAT = "nvrx-tokens-v1"
 # A manifest is untrusted (the shared filesystem, a bucket): one past this is refused unread.
 # 16 MiB holds ~100 k shard entries.
 MAX_MANIFEST_BYTES = 16 << 20
-DTYPE = np.dtype("<u2")  # the default token dtype (uint16)
 # Token dtypes a dataset may use (always little-endian) and the vocabulary each can hold.
 DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 MAX_VOCAB: dict[str, int] = {"uint16": 1 << 16, "uint32": 1 << 32}

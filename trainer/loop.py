@@ -81,16 +81,6 @@ def init_process_group(ctx: ProcessContext, iteration: int) -> tuple[int, int]:
     return rank, world
 
 
-def is_respawn(events: list[dict[str, Any]], job_id: str | None) -> bool:
-    """Was a worker of this launcher job (same rendezvous id) already training? With several
-    nodes, an agent that restarts because *another* node's workers failed does not count it in
-    its TORCHELASTIC_RESTART_COUNT, so the restart count alone misses those respawns. (Of
-    recorded events; a worker asks its run's fold, :meth:`RunHistory.is_respawn`.)"""
-    from trainer.history import RunHistory
-
-    return RunHistory.of(events).is_respawn(job_id)
-
-
 def recovery_layer(ctx: ProcessContext, iteration: int, world: int) -> str | None:
     if iteration > 0:
         return "inprocess"
