@@ -135,7 +135,7 @@ def test_publishing_waits_for_a_mutation_in_progress(tmp_path: Path):
 
 def test_a_stale_result_and_marker_carry_their_epoch(tmp_path: Path, monkeypatch):
     from trainer.config import TrainConfig
-    from trainer.loop import write_result
+    from trainer.process import write_result
     from trainer.resilience import read_no_restart, write_no_restart
 
     epoch = fence.publish(tmp_path, invocation="a", attempt=1).epoch

@@ -390,7 +390,7 @@ def _run(
 ) -> dict[str, Any]:
     from trainer import nvrx_compat, run_state
     from trainer.elastic import restart_layer
-    from trainer.loop import ProcessContext
+    from trainer.process import ProcessContext
     from trainer.resilience import wrap_inprocess
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -622,7 +622,7 @@ def _terminal(cfg: TrainConfig, message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     if int(os.environ.get("RANK", "0")) == 0:
         try:
-            from trainer.loop import write_result
+            from trainer.process import write_result
 
             EventLog(cfg.run_root).emit("fatal", error=message, requeue=False)
             write_result(cfg, {"status": "failed", "error": message, "requeue": False})

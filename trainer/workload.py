@@ -49,7 +49,7 @@ from pydantic import BaseModel, ValidationError
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 
 
 class DataSource(Protocol):

@@ -19,9 +19,6 @@ import json
 import math
 import os
 import subprocess
-import time
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -30,10 +27,9 @@ from typing import Any
 from tasks.checks import Check, Snapshot, Source, Status, Verdict, blocks, run_all
 from tasks.secrets import scrubbed
 from tasks.validation import load_process
-from tasks.validation.load_check import untrusted_workload_message
+from tasks.validation.files import check_file_names, hash_files, untrusted_workload_message
 from trainer import checkpointing
-from trainer.hashing import SHA256, file_digest
-from trainer.untrusted import METADATA, UnsafeNameError, check_component, load_dcp_metadata
+from trainer.untrusted import METADATA, UnsafeNameError, load_dcp_metadata
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -121,37 +117,6 @@ class CheckpointReport:
 
 
 # -- gathering (I/O) --------------------------------------------------------------------------
-def hash_files(
-    path: Path,
-    names: list[str],
-    digest: str = SHA256,
-    *,
-    limits: Mapping[str, int] | None = None,
-) -> tuple[dict[str, dict[str, Any]], float]:
-    """name -> {"bytes", ``digest``} of every file of ``names`` present, and the MB/s. ``limits``:
-    the sizes a manifest gives; a file that grew past its own is not read on (its digest is
-    then "", which matches nothing)."""
-    t0 = time.perf_counter()
-    present = [n for n in names if (path / n).is_file()]
-
-    def one(name: str) -> str:
-        try:
-            return file_digest(path / name, digest, limit=(limits or {}).get(name))
-        except ValueError:
-            return ""
-
-    # hashlib and xxhash release the GIL on large buffers: threads hash files in parallel.
-    with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) * 2)) as pool:
-        digests = dict(zip(present, pool.map(one, present), strict=True))
-    total = sum((path / n).stat().st_size for n in present)
-    seconds = time.perf_counter() - t0
-    files = {n: {"bytes": (path / n).stat().st_size, digest: digests[n]} for n in present}
-    return files, (total / 1e6 / seconds if seconds > 0 else 0.0)
-
-
-_hash_files = hash_files  # the name benchmarks/transfer_throughput.py imports
-
-
 def expected_tensors(
     workload: dict[str, Any],
 ) -> tuple[dict[str, tuple[int, ...] | None], dict[str, str]]:
@@ -309,15 +274,6 @@ def memory_budget() -> tuple[int | None, str]:
     if available is None:
         return None, "unknown"
     return available, "available memory"
-
-
-def check_file_names(manifest: dict[str, Any], path: Path) -> None:
-    """Every ``files[i].name`` of a checkpoint manifest is a plain file name in ``path``: the
-    manifest is untrusted, and its names are joined onto the directory and opened."""
-    for i, entry in enumerate(manifest["files"]):
-        name = entry.get("name") if isinstance(entry, dict) else None
-        if name != METADATA:  # DCP's one dot-file, by its exact name
-            check_component(name, where=f"{path / checkpointing.MANIFEST}: files[{i}].name")
 
 
 def child_env(parent: dict[str, str]) -> dict[str, str]:

@@ -36,6 +36,7 @@ def load_and_inspect(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from tasks.validation.files import untrusted_workload_message
     from trainer import checkpointing
     from trainer.digest import tensor_dict_sha256
     from trainer.untrusted import dcp_load_args
@@ -118,7 +119,7 @@ def verify_before_loading(path: Path, man: dict[str, Any]) -> None:
     and digest the manifest vouches for, and only files it lists, are read (arch §6). Raises
     :class:`UnsafeCheckpointError` naming the files. (The manifest is not signed: this stops
     corruption and half-done tampering; the restricted unpickler stops a forged pair.)"""
-    from tasks.validation.checkpoint import check_file_names, hash_files
+    from tasks.validation.files import check_file_names, hash_files
     from trainer import checkpointing
     from trainer.untrusted import METADATA, UnsafeCheckpointError, load_dcp_metadata
 
@@ -212,14 +213,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def untrusted_workload_message(path: Path, ref: str) -> str:
-    return (
-        f"{path}: its manifest names the workload {ref!r}, which is code to import; a file on "
-        f"the shared filesystem does not choose what runs. Name it yourself to use it: "
-        f"--workload {ref}"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
