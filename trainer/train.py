@@ -60,18 +60,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.checkpointing.config import ResumePolicy
-from trainer.config import (
-    AUTO,
-    ConfigError,
-    Device,
-    TrainConfig,
-    load_config,
-)
+from trainer.config import ConfigError, Device, TrainConfig, load_config
 from trainer.data import DataError
 from trainer.errors import TerminalError
 from trainer.events import EventLog
 from trainer.faults import FaultSpecError
 from trainer.gloo_release import release_process_groups
+from trainer.layer_config import AUTO
 
 if TYPE_CHECKING:
     from trainer.checkpointing.async_save import AsyncCheckpointer
