@@ -18,13 +18,13 @@ from trainer.hooks import emit_recoveries
 
 
 def test_commit_fact(tmp_path: Path):
-    assert run_state.recorded_commit(tmp_path) == run_state.Recorded(False)
+    assert run_state.recorded_commit(tmp_path) is None
     run_state.record_commit(tmp_path, 20)
-    assert run_state.recorded_commit(tmp_path) == run_state.Recorded(True, 20)
+    assert run_state.recorded_commit(tmp_path) == 20
     run_state.record_commit(tmp_path, None)  # an explicit fresh start expects none
-    assert run_state.recorded_commit(tmp_path) == run_state.Recorded(True, None)
+    assert run_state.recorded_commit(tmp_path) is None
     run_state.record_commit(tmp_path, 5)  # commits since the fresh start count again
-    assert run_state.recorded_commit(tmp_path) == run_state.Recorded(True, 5)
+    assert run_state.recorded_commit(tmp_path) == 5
 
 
 def test_launch_fact_and_open_node_loss(tmp_path: Path):
@@ -58,7 +58,7 @@ MALFORMED = [
 def test_a_malformed_fact_is_no_fact(tmp_path: Path, content: bytes):
     (tmp_path / "control").mkdir()
     (tmp_path / run_state.COMMIT).write_bytes(content)
-    assert run_state.recorded_commit(tmp_path) == run_state.Recorded(False)
+    assert run_state.recorded_commit(tmp_path) is None
     (tmp_path / run_state.LAUNCH).write_bytes(content)
     assert run_state.prior_world(tmp_path, "j") is None
 
@@ -66,7 +66,7 @@ def test_a_malformed_fact_is_no_fact(tmp_path: Path, content: bytes):
 def test_a_fifo_fact_does_not_block(tmp_path: Path):
     (tmp_path / "control").mkdir()
     os.mkfifo(tmp_path / run_state.COMMIT)
-    assert run_state.recorded_commit(tmp_path) == run_state.Recorded(False)
+    assert run_state.recorded_commit(tmp_path) is None
 
 
 def test_recoveries_close_the_open_faults_once(tmp_path: Path):

@@ -102,7 +102,7 @@ class DurableRestorer:
             self.ctx.events.emit("resume", action=r.action, dir=r.dir, step=r.step, reason=r.reason)
         ok, rejected, found = checkpointing.resume_candidates(root, fingerprint=self.fingerprint)
         if not found:
-            recorded = run_state.recorded_commit(root).step
+            recorded = run_state.recorded_commit(root)
             if recorded is not None:
                 why = _checkpoints_gone(root, recorded)
                 self.ctx.events.emit("resume", action="failed", reason=why, recorded_step=recorded)
