@@ -11,6 +11,8 @@ attempts, three faults), then measures, each in a fresh interpreter and ``--samp
   as it was: ``json.loads`` of every line into one list), for comparison.
 - ``state``: the fold's live state (entries held, and its pickled size) after 1 k and after 1 M
   steps. Target: the same.
+- ``status``: ``nvrx-pipeline status`` of the run (the whole command in a fresh interpreter):
+  its peak resident memory at 1 M steps and at 1 k. Target: within 64 MB, under 10 s.
 - ``startup``: what a worker reads of the run at start-up (trainer.run_state: the recorded
   commit, the last launch, open faults, the newest retry) beside a 1 M-line log and beside an
   empty one. Target: within 0.1 s of each other.
@@ -99,6 +101,12 @@ elif what == "state":
     sizes = [len(v) if isinstance(v, (list, dict, set)) else 1 for v in vars(h).values()]
     out["entries"] = sum(sizes)
     out["pickled_bytes"] = len(pickle.dumps(h))
+elif what == "status":
+    import contextlib, io
+    from flows.cli import main as cli
+    with contextlib.redirect_stdout(io.StringIO()):
+        out["rc"] = cli(["status", root.name, "--run-root", str(root)])
+    out["peak_mb"] = rss_mb()
 elif what == "startup":
     run_state.recorded_commit(root)
     run_state.prior_world(root, "a1")
@@ -152,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             ("legacy", "legacy", big),
             ("startup_1m", "startup", big),
             ("startup_empty", "startup", empty),
+            ("status_1m", "status", big),
+            ("status_1k", "status", small),
         ]:
             samples.setdefault(name, []).append(probe(what, root))
     state_small, state_big = probe("state", small), probe("state", big)
@@ -162,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         b["s"] - e["s"]
         for b, e in zip(samples["startup_1m"], samples["startup_empty"], strict=True)
     ]
+    status_delta = [
+        b["peak_mb"] - s["peak_mb"]
+        for b, s in zip(samples["status_1m"], samples["status_1k"], strict=True)
+    ]
+    status_s = stats([s["s"] for s in samples["status_1m"]])
     result = {
         "steps": args.steps,
         "file_mib": round(size / 2**20, 1),
@@ -175,7 +190,19 @@ def main(argv: list[str] | None = None) -> int:
         "startup_1m_s": stats([s["s"] for s in samples["startup_1m"]]),
         "startup_empty_s": stats([s["s"] for s in samples["startup_empty"]]),
         "startup_delta_s": stats(startup_delta),
+        "status_1m_peak_mb": stats([s["peak_mb"] for s in samples["status_1m"]]),
+        "status_1k_peak_mb": stats([s["peak_mb"] for s in samples["status_1k"]]),
+        "status_peak_delta_mb": stats(status_delta),
+        "status_1m_s": status_s,
         "targets": {
+            "status": f"1 M steps' peak within {TARGET_FOLD_MB} MB of 1 k's, under "
+            f"{TARGET_FOLD_S} s: "
+            + (
+                "met"
+                if statistics.median(status_delta) <= TARGET_FOLD_MB
+                and status_s["median"] <= TARGET_FOLD_S
+                else "MISSED"
+            ),
             "fold_s": f"<= {TARGET_FOLD_S}: "
             + ("met" if fold_s["median"] <= TARGET_FOLD_S else "MISSED"),
             "fold_mb": f"<= {TARGET_FOLD_MB}: "

@@ -1,4 +1,5 @@
-"""The work each pipeline stage does, as plain functions (and thin Prefect tasks over them).
+"""The work each pipeline stage does, as plain functions and pure decisions: no Prefect task or
+flow lives here (those are in ``flows``).
 
 Imports ``trainer`` (checkpoint manifest format, fault specs, launch command) but never ``flows``.
 """

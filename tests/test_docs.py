@@ -8,6 +8,10 @@
 - it stands on its own: no pointer to notes outside the repository;
 - the layering it states holds: ``trainer/`` imports nothing from ``tasks/`` or ``flows/``, and
   ``tasks/`` nothing from ``flows/``.
+
+And the rest of the docs: every file under ``docs/`` resolves its links and paths;
+``docs/layout.md`` names every module and top-level directory and nothing the tree lacks; the
+README stays a newcomer's page that links every reference page.
 """
 
 from __future__ import annotations
@@ -206,9 +210,28 @@ def test_the_readme_contents_list_every_section_and_resolve() -> None:
             sections.add(re.sub(r"[^\w\- ]", "", m.group(2).lower()).replace(" ", "-"))
     assert listed == sections, (sections - listed, listed - sections)
     assert broken_links(readme) == []
-    # The reference moved under docs/ (issue 27): the contents link every file there.
-    linked = set(re.findall(r"\]\(docs/([^)#]+\.md)(?:#[^)]*)?\)", contents))
+
+
+def test_the_readme_links_every_reference_page() -> None:
+    """The reference moved under docs/ (issues 27 and 41): the README's "Where the reference
+    lives" links every file there."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Where the reference lives") :].split("\n## ")[0]
+    linked = set(re.findall(r"\]\(docs/([^)#]+\.md)(?:#[^)]*)?\)", section))
     assert linked == {p.relative_to(REPO / "docs").as_posix() for p in DOCS_MD}
+
+
+def test_the_readme_is_a_newcomers_page() -> None:
+    """Issue 41: what it is, the two commands (as .ci/run and the Makefile run them), reading
+    the report, three things to try, where the reference lives; at most ~300 lines."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    sections = re.findall(r"^## (.*)$", prose(text), re.M)
+    assert sections == ["The two commands", "Three things to try next", "Where the reference lives"]
+    assert re.search(r"^make run +#", text, re.M) and re.search(r"^make test +#", text, re.M)
+    assert "make test" in (REPO / ".ci" / "run").read_text()
+    assert "### Reading the report and `status`" in text  # tests/helpers.py reads it
+    assert missing_paths(text) == []
 
 
 def test_docs_holds_the_moved_reference() -> None:
@@ -219,10 +242,11 @@ def test_docs_holds_the_moved_reference() -> None:
 
 @pytest.mark.parametrize("doc", DOCS_MD, ids=lambda p: p.relative_to(REPO).as_posix())
 def test_every_docs_file_links_and_paths_resolve(doc: Path) -> None:
-    """Every Markdown file under docs/ (issue 27): each relative link and its anchor, and every
-    repository path it names in backticks."""
+    """Every Markdown file under docs/ (issue 27): each relative link and its anchor, every
+    repository path it names in backticks, and (issue 41) every dotted name of our code."""
     text = doc.read_text()
     assert broken_links(doc) == [] and missing_paths(text) == []
+    assert [why for n in sorted(dotted_names(text)) if (why := resolve_dotted(n))] == []
 
 
 def test_the_metrics_table_names_every_restart_layer() -> None:
@@ -244,3 +268,79 @@ def test_the_glossary_links_and_paths_resolve() -> None:
     text = glossary.read_text()
     assert broken_links(glossary) == [] and missing_paths(text) == []
     assert "glossary.md" in (REPO / "README.md").read_text()
+
+
+# -- docs/layout.md against the tree (issue 41, item 6) --------------------------------------------
+LAYOUT = REPO / "docs" / "layout.md"
+_ITEM = re.compile(r"^( *)- `([^`]+)`")
+# Top-level directories that are not the repository's own: tool caches, build outputs, state.
+_NOT_OURS = {"build", "runs"}
+
+
+def layout_paths(markdown: str) -> list[str]:
+    """The paths a nested list names: each item's first code span, under its parents' (two
+    spaces of indent per level; a directory's name ends in ``/``)."""
+    out: list[str] = []
+    parents: list[str] = []
+    for line in prose(markdown).splitlines():
+        m = _ITEM.match(line)
+        if not m:
+            continue
+        depth = len(m.group(1)) // 2
+        del parents[depth:]
+        path = "".join(parents) + m.group(2)
+        out.append(path)
+        if path.endswith("/"):
+            parents.append(m.group(2))
+        else:
+            parents.append("")  # a file has no children; keeps the depth count right
+    return out
+
+
+def top_level_dirs(root: Path = REPO) -> set[str]:
+    return {
+        p.name + "/"
+        for p in root.iterdir()
+        if p.is_dir()
+        and (not p.name.startswith(".") or p.name == ".ci")
+        and not p.name.endswith(".egg-info")
+        and p.name not in _NOT_OURS
+    }
+
+
+def product_modules(root: Path = REPO) -> set[str]:
+    """Every product module and package: a package is its directory (``__init__.py`` aside)."""
+    out: set[str] = set()
+    for pkg in PACKAGES:
+        for path in (root / pkg).rglob("*.py"):
+            rel = path.relative_to(root).as_posix()
+            out.add(rel[: -len("__init__.py")] if path.name == "__init__.py" else rel)
+    return out
+
+
+def layout_drift(markdown: str, root: Path = REPO) -> dict[str, list[str]]:
+    named = layout_paths(markdown)
+    return {
+        "missing from the tree": sorted(p for p in named if not (root / p).exists()),
+        "not in the layout": sorted((product_modules(root) | top_level_dirs(root)) - set(named)),
+        "named twice": sorted({p for p in named if named.count(p) > 1}),
+    }
+
+
+def test_the_layout_names_every_module_and_nothing_else() -> None:
+    drift = layout_drift(LAYOUT.read_text())
+    assert drift == {"missing from the tree": [], "not in the layout": [], "named twice": []}
+
+
+def test_the_layout_checker_flags_drift(tmp_path: Path) -> None:
+    for rel in ("trainer/__init__.py", "trainer/a.py", "trainer/sub/__init__.py", "tools/x.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    (tmp_path / ".venv").mkdir()
+    text = "- `trainer/`: x\n  - `a.py`: y\n  - `gone.py`: z\n- `tools/`\n"
+    assert layout_paths(text) == ["trainer/", "trainer/a.py", "trainer/gone.py", "tools/"]
+    assert layout_drift(text, tmp_path) == {
+        "missing from the tree": ["trainer/gone.py"],
+        "not in the layout": ["trainer/sub/"],
+        "named twice": [],
+    }

@@ -15,7 +15,7 @@ class TrainerError(Exception):
 class TerminalError(TrainerError):
     """No restart can fix it: bad configuration, bad data, no valid checkpoint, a full disk."""
 
-    exit_code = 3  # the worker's exit code (trainer.train: 0 done, 2 bad config, 3 fatal)
+    exit_code = 3  # the worker's exit code (0 done, 2 bad config, 3 fatal, 4 fenced)
 
 
 class ConfigError(TerminalError, ValueError):

@@ -40,7 +40,8 @@ Exit codes: 0 done (``<run_root>/result.json`` written); 2 bad configuration; 3 
 no valid checkpoint). For 2 and 3 the worker first writes ``<run_root>/control/no_restart`` and
 asks ft_launcher not to restart (NVRx's ``WorkloadAction.ShutdownWorkload``: the launcher closes
 the rendezvous instead of respawning the workers), so the job ends after one start and the
-pipeline reports do-not-requeue. Anything else is a crash that the in-job layer may restart.
+pipeline reports do-not-requeue. 4: fenced (``trainer.fence``: its attempt was replaced, and it
+changed nothing). Anything else is a crash that the in-job layer may restart.
 """
 
 from __future__ import annotations
@@ -576,10 +577,10 @@ def execute(
     data: Callable[[TrainConfig], DataSource] = workload_data,
 ) -> int:
     """:func:`run`, turned into the worker's exit code (arch §5): 0 done, 2 bad
-    configuration, 3 fatal; a crash raises (the in-job layer may restart it). For 2 and 3 the
-    whole job is stopped without restarts first (:func:`_terminal`): respawning the workers
-    cannot fix either, and under ft_launcher the exit code alone would be retried until the
-    launcher's restarts ran out."""
+    configuration, 3 fatal (4, fenced, exits in :mod:`trainer.fence`); a crash raises (the
+    in-job layer may restart it). For 2 and 3 the whole job is stopped without restarts first
+    (:func:`_terminal`): respawning the workers cannot fix either, and under ft_launcher the exit
+    code alone would be retried until the launcher's restarts ran out."""
     try:
         result = run(cfg, body, data)
     except BaseException as e:
