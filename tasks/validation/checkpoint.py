@@ -164,20 +164,36 @@ def _fresh_process_load(
 
 
 def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
+    """Every fact the checks judge, read once and in order: the manifest and the files it
+    vouches for, what the workload expects, the load. A step that makes the load impossible
+    says why in ``errors["load"]`` and ends the gathering."""
     path = Path(path)
     facts = Facts(path=path)
+    digests_ok = _read_files(path, facts)
+    if "load" in facts.errors:
+        return facts
+    workload = _read_expected(path, exp, facts)
+    if "load" in facts.errors:
+        return facts
+    _read_load(path, exp, facts, load=load, digests_ok=digests_ok, workload=workload)
+    return facts
+
+
+def _read_files(path: Path, facts: Facts) -> bool:
+    """The manifest, every file's digest against it, and the DCP metadata once they match;
+    whether they all match."""
     try:
         facts.manifest = checkpointing.read_manifest(path)
     except checkpointing.CheckpointError as e:
         facts.errors["manifest"] = str(e)
         facts.errors["load"] = "not loaded: no manifest to vouch for the files"
-        return facts
+        return False
     try:
         check_file_names(facts.manifest, path)
     except UnsafeNameError as e:
         facts.errors["manifest"] = str(e)
         facts.errors["load"] = "not loaded: the manifest names files outside the checkpoint"
-        return facts
+        return False
     names = [e["name"] for e in facts.manifest["files"]]
     digest = checkpointing.digest_of(facts.manifest)
     sizes = {e["name"]: int(e["bytes"]) for e in facts.manifest["files"]}
@@ -198,21 +214,27 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
             facts.dcp_entries, facts.dcp_dtypes = index.shapes, index.dtypes
             facts.tensor_bytes = index.tensor_bytes
             facts.extent_errors = extent_errors(index.extents, facts.files)
+    return digests_ok
+
+
+def _read_expected(path: Path, exp: Expectations, facts: Facts) -> dict[str, Any] | None:
+    """The workload the checkpoint is judged against (the run's, else the manifest's if it may
+    be named from a file) and the tensors it expects."""
     from trainer.workload import safe_to_name_from_file  # imports torch: only when validating
 
-    workload = exp.workload or checkpointing.workload_of(facts.manifest)
+    workload = exp.workload or checkpointing.workload_of(facts.manifest or {})
     if workload and exp.workload is None and not safe_to_name_from_file(workload["ref"]):
         why = untrusted_workload_message(path, workload["ref"])
         facts.errors["expected"] = why
         facts.errors["load"] = why
-        return facts
+        return None
     if workload and workload["ref"].startswith("script:"):
         # A user's script builds its own model: nothing here can rebuild it to compare.
         why = f"written by the training script {workload['ref'][7:]!r}: its model is its own"
         facts.errors["expected"] = why
         facts.errors["load"] = why
         facts.not_needed.update(expected=why, load=why)
-        return facts
+        return None
     if workload:
         try:
             facts.expected_entries, facts.expected_dtypes = expected_tensors(workload)
@@ -220,6 +242,19 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
             facts.errors["expected"] = f"workload {workload['ref']!r}: {e}"
     else:
         facts.errors["expected"] = "workload unknown (not in the manifest, none given)"
+    return workload
+
+
+def _read_load(
+    path: Path,
+    exp: Expectations,
+    facts: Facts,
+    *,
+    load: bool,
+    digests_ok: bool,
+    workload: dict[str, Any] | None,
+) -> None:
+    """Check 4's facts: the load in a fresh process, or why there is none."""
     if not load:
         facts.errors["load"] = "not requested"
         facts.not_needed["load"] = "not requested (quick checks)"
@@ -243,12 +278,11 @@ def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
                 "the shard files were checked against the DCP metadata instead)"
             )
             facts.not_needed["load"] = facts.load_why
-            return facts
+            return
         try:
             facts.load = _fresh_process_load(path, exp)
         except subprocess.TimeoutExpired:
             facts.errors["load"] = f"load did not finish in {exp.load_timeout_s} s"
-    return facts
 
 
 def consolidate(
