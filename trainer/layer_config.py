@@ -178,6 +178,11 @@ class InJobConfig:
     node_silence_s: Timeout = AUTO
 
     def __post_init__(self) -> None:
+        self._check_values()
+        self._check_nesting()
+
+    def _check_values(self) -> None:
+        """Each field on its own: a count, a number of seconds, or ``auto``."""
         require(
             self.max_restarts >= 0, "injob.max_restarts", f"must be >= 0, got {self.max_restarts}"
         )
@@ -207,6 +212,9 @@ class InJobConfig:
             "injob.rdzv_keep_alive_misses",
             f"must be a whole number >= 1, got {self.rdzv_keep_alive_misses!r}",
         )
+
+    def _check_nesting(self) -> None:
+        """The fields against each other: the timeouts nest as the layers need."""
         require(
             self.rdzv_keep_alive_s * self.rdzv_keep_alive_misses < self.rdzv_join_timeout_s,
             "injob.rdzv_join_timeout_s",
