@@ -262,18 +262,7 @@ def from_jsonl(
     tok = load_tokenizer(tokenizer_json)
     vocab = int(tok.get_vocab_size()) if vocab_size is None else vocab_size
     name = out_dtype(vocab, dtype)
-    eos: int | None = None
-    if append_eos:
-        eos = find_eos_id(tok, tokenizer_json) if eos_id is None else eos_id
-        if eos is None:
-            raise PrepareError(
-                "eos_id",
-                f"tokenizer {tokenizer_json} has no end-of-text token known here "
-                f"({', '.join(EOS_CANDIDATES)}, or eos_token in tokenizer_config.json); pass "
-                "--eos-id N, or --no-eos to concatenate documents without one",
-            )
-        if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < vocab:
-            raise PrepareError("eos_id", f"{eos!r} is not a token id below vocab_size {vocab}")
+    eos = _document_end(tok, tokenizer_json, eos_id, vocab) if append_eos else None
     total = sum(p.stat().st_size for p in files)
     writer = ShardWriter(out, name, shard_tokens)
     state = {"done": 0}
@@ -319,6 +308,21 @@ def from_jsonl(
     except BaseException:
         writer.abort()
         raise
+
+
+def _document_end(tok: Any, tokenizer_json: Path | str, eos_id: int | None, vocab: int) -> int:
+    """The token appended after each document: ``eos_id``, else the tokenizer's own EOS."""
+    eos = find_eos_id(tok, tokenizer_json) if eos_id is None else eos_id
+    if eos is None:
+        raise PrepareError(
+            "eos_id",
+            f"tokenizer {tokenizer_json} has no end-of-text token known here "
+            f"({', '.join(EOS_CANDIDATES)}, or eos_token in tokenizer_config.json); pass "
+            "--eos-id N, or --no-eos to concatenate documents without one",
+        )
+    if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < vocab:
+        raise PrepareError("eos_id", f"{eos!r} is not a token id below vocab_size {vocab}")
+    return eos
 
 
 def _encode(tok: Any, texts: list[str], eos: int | None) -> np.ndarray:
