@@ -284,46 +284,17 @@ def pull_export(
             out.flush()
             os.fsync(out.fileno())
         man, files = _parse(uri, staging, prefix)
-        total = len(raw) + sum(f.bytes for f in files)
-        done = [len(raw)]
-        lock, stop = threading.Lock(), threading.Event()
-
-        def on_bytes(n: int) -> None:
-            with lock:
-                done[0] += n
-                on_progress(done[0], total, None)
-
-        def fetch(f: PullFile) -> str:
-            if stop.is_set():
-                raise _Stopped
-            _download(
-                client,
-                bucket,
-                f"{prefix}/{f.name}",
-                staging / f.name,
-                f,
-                on_bytes=on_bytes,
-                stop=stop,
-            )
-            with lock:
-                on_progress(done[0], total, f.name)
-            return f.name
-
-        try:
-            with ThreadPoolExecutor(max_workers=max_workers) as pool:
-                futures = [pool.submit(fetch, f) for f in files]
-                try:
-                    wait(futures, return_when=FIRST_EXCEPTION)
-                finally:
-                    stop.set()  # the first failure (or an interrupt) stops the others
-            # The first real failure, not a download it stopped.
-            failures = [x for fut in futures if (x := fut.exception()) is not None]
-            if first := next((x for x in failures if not isinstance(x, _Stopped)), None):
-                raise first
-        except (PullError, OSError):  # OSError: the local disk (full, not writable)
-            raise
-        except Exception as e:
-            raise StorageError(describe_client_error(e, bucket=bucket, endpoint=endpoint)) from e
+        _download_all(
+            client,
+            bucket,
+            prefix,
+            staging,
+            files,
+            first_bytes=len(raw),
+            max_workers=max_workers,
+            on_progress=on_progress,
+            endpoint=endpoint,
+        )
         # Sizes and digests were checked on arrival; these are the DCP checks (restricted
         # unpickling of .metadata) that need the files in place.
         verdict = checkpointing.verify_checkpoint(staging, digests=False)
@@ -342,6 +313,63 @@ def pull_export(
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return _report(uri, dest, man, files, len(raw), downloaded=len(files) + 1)
+
+
+def _download_all(
+    client: Any,
+    bucket: str,
+    prefix: str,
+    staging: Path,
+    files: list[PullFile],
+    *,
+    first_bytes: int,
+    max_workers: int,
+    on_progress: Progress,
+    endpoint: str | None,
+) -> None:
+    """Every file of the export into ``staging``, ``max_workers`` at a time, each verified as it
+    arrives; the first failure stops the others and is raised (``first_bytes``: the manifest's,
+    already there)."""
+    total = first_bytes + sum(f.bytes for f in files)
+    done = [first_bytes]
+    lock, stop = threading.Lock(), threading.Event()
+
+    def on_bytes(n: int) -> None:
+        with lock:
+            done[0] += n
+            on_progress(done[0], total, None)
+
+    def fetch(f: PullFile) -> str:
+        if stop.is_set():
+            raise _Stopped
+        _download(
+            client,
+            bucket,
+            f"{prefix}/{f.name}",
+            staging / f.name,
+            f,
+            on_bytes=on_bytes,
+            stop=stop,
+        )
+        with lock:
+            on_progress(done[0], total, f.name)
+        return f.name
+
+    try:
+        with ThreadPoolExecutor(max_workers=max_workers) as pool:
+            futures = [pool.submit(fetch, f) for f in files]
+            try:
+                wait(futures, return_when=FIRST_EXCEPTION)
+            finally:
+                stop.set()  # the first failure (or an interrupt) stops the others
+        # The first real failure, not a download it stopped.
+        failures = [x for fut in futures if (x := fut.exception()) is not None]
+        if first := next((x for x in failures if not isinstance(x, _Stopped)), None):
+            raise first
+    except (PullError, OSError):  # OSError: the local disk (full, not writable)
+        raise
+    except Exception as e:
+        raise StorageError(describe_client_error(e, bucket=bucket, endpoint=endpoint)) from e
 
 
 def _parse(uri: str, directory: Path, prefix: str) -> tuple[dict[str, Any], list[PullFile]]:
