@@ -68,15 +68,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from trainer.checkpointing import fsync_path
 from trainer.checkpointing.config import CheckpointConfig, DurableConfig
-from trainer.config import (
-    CHECKPOINT_SECTION,
-    LOAD_SECTION,
-    STEP_SECTION,
-    InProcessConfig,
-    TrainConfig,
-)
+from trainer.config import InProcessConfig, TrainConfig
 from trainer.events import EventLog
 from trainer.faults import FaultSpec, claim, parse_fault
+from trainer.layer_config import CHECKPOINT_SECTION, LOAD_SECTION, STEP_SECTION
 from trainer.train import process_start_time, workload_data
 from trainer.workload import OptimSettings
 

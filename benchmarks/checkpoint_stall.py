@@ -118,7 +118,7 @@ class BenchGptOptions(BaseModel):
 
 
 def _model_config(o: BenchGptOptions) -> Any:
-    from trainer.config import ModelConfig
+    from trainer.model_config import ModelConfig
 
     return ModelConfig(name="bench", **o.model_dump())
 

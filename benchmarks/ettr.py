@@ -48,12 +48,12 @@ from benchmarks.baseline_trainer import run_job, torchrun_job  # noqa: E402
 from tasks.backends.base import LaunchRequest  # noqa: E402
 from tasks.backends.local import LocalBackend  # noqa: E402
 from tasks.classify import EndKind  # noqa: E402
-from tasks.run_summary import productive_s  # noqa: E402
 from tasks.train_stage import run_attempt  # noqa: E402
 from trainer.checkpointing.config import CheckpointConfig, DurableConfig, MemoryConfig  # noqa: E402
 from trainer.config import InProcessConfig, TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
 from trainer.events import read_events  # noqa: E402
+from trainer.history import RunHistory  # noqa: E402
 from trainer.timeline import plot_timeline, recovery_phases  # noqa: E402
 
 CYCLE = ("exception@step={s},rank=1", "sigkill@step={s},rank=1", "hang@step={s},rank=1")
@@ -144,7 +144,7 @@ def run_baseline(
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
     evs = run["events"]
-    prod = productive_s(evs)
+    prod = RunHistory.of(evs).productive_s()
     steps = sorted((e for e in evs if e["kind"] == "step"), key=lambda e: e["t"])
     first = steps[0]["t"] if steps else None
     end = steps[-1]["t"] if steps else None

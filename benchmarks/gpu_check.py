@@ -135,7 +135,7 @@ def drill_command(
 
 
 def drill_vocab_size(model: str) -> int:
-    from trainer.config import model_config as trainer_model_config
+    from trainer.model_config import model_config as trainer_model_config
 
     return int(trainer_model_config(model).vocab_size)
 

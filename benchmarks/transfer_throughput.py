@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.hydrate import hydrate_dataset, upload_dataset
     from tasks.storage.local_s3 import LocalS3Server
     from tasks.storage.s3 import S3Settings, boto3_client, s3fs_filesystem
-    from tasks.validation.checkpoint import _hash_files
+    from tasks.validation.files import hash_files
 
     work = Path(tempfile.mkdtemp(prefix="nvrx-bench-transfer-"))
     server = LocalS3Server(f"http://127.0.0.1:{args.port}", work / "s3")
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         data_mb = sum((data / n).stat().st_size for n in shards) / 1e6
 
-        t_digest = _timed(lambda: _hash_files(ckpt, names), args.repeats)
+        t_digest = _timed(lambda: hash_files(ckpt, names), args.repeats)
         t_sum = _timed(
             lambda: subprocess.run(
                 ["sha256sum", *names], cwd=ckpt, check=True, capture_output=True

@@ -129,13 +129,6 @@ def _script_absolute(workload: str) -> str:
     return "script:" + str(Path(workload.removeprefix("script:")).absolute())
 
 
-def stage_train_config(params: PipelineParams, ctx: RunContext) -> TrainConfig:
-    """The trainer config as this run's workers see it (what validation compares checkpoints
-    to): paths on the shared filesystem, the backend's device and fault-layer timings."""
-    cfg = _placed(params, placement(params), ctx.run_root, ctx.data_dir, ctx.weights_dir)
-    return dataclasses.replace(cfg, data_manifest_sha256=ctx.data_manifest_sha256)
-
-
 def eks_train_config(params: PipelineParams, run_id: str) -> TrainConfig:
     """The trainer config as the EKS pods see it (``render-k8s``): the run and the data on the
     FSx mount."""

@@ -46,29 +46,36 @@ class UploadError(Exception):
     """The bucket cannot be reached or the upload failed (one line with the cause)."""
 
 
+def _upload_target(req: PrepareRequest) -> tuple[tuple[str, str] | None, Any, S3Settings | None]:
+    """(bucket and prefix, client, settings) of the upload asked for, its bucket checked before
+    the conversion, which can take a while; all None without ``s3_uri``."""
+    if not req.s3_uri:
+        if req.s3_endpoint:
+            raise PrepareInputError("s3_endpoint", "only means something with --s3-uri")
+        return None, None, None
+    from tasks.storage.s3 import boto3_client, check_bucket
+
+    try:
+        target = parse_s3_uri(req.s3_uri)
+    except StorageError as e:
+        raise PrepareInputError("s3_uri", str(e)) from None
+    settings = S3Settings(
+        endpoint_url=req.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
+    )
+    try:
+        client = boto3_client(settings)
+        check_bucket(client, target[0], endpoint=settings.endpoint_url)
+    except StorageError as e:
+        raise UploadError(str(e)) from None
+    return target, client, settings
+
+
 def prepare_dataset(
     req: PrepareRequest, progress: Callable[[int, int, str], None] | None = None
 ) -> dict[str, Any]:
     """Write the dataset (and upload it); a summary: dir, dtype, vocab_size, files, tokens,
     source, and with an upload its uri and objects."""
-    target = client = settings = None
-    if req.s3_uri:
-        from tasks.storage.s3 import boto3_client, check_bucket
-
-        try:
-            target = parse_s3_uri(req.s3_uri)
-        except StorageError as e:
-            raise PrepareInputError("s3_uri", str(e)) from None
-        settings = S3Settings(
-            endpoint_url=req.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
-        )
-        try:  # before the conversion, which can take a while: the bucket must be there
-            client = boto3_client(settings)
-            check_bucket(client, target[0], endpoint=settings.endpoint_url)
-        except StorageError as e:
-            raise UploadError(str(e)) from None
-    elif req.s3_endpoint:
-        raise PrepareInputError("s3_endpoint", "only means something with --s3-uri")
+    target, client, settings = _upload_target(req)
     common: dict[str, Any] = {"dtype": req.dtype, "progress": progress}
     if req.shard_tokens is not None:
         common["shard_tokens"] = req.shard_tokens

@@ -4,7 +4,8 @@ the training series of :class:`trainer.metrics.TrainingSeries` (so one scrape ta
 for the dashboard on the local backend).
 
 Everything comes from the run's ``events.jsonl``, which the flow already trusts for recovery
-times and ETTR (:mod:`tasks.run_summary`): the metrics cannot disagree with the run report.
+times and ETTR (the fold, :class:`trainer.history.RunHistory`): the metrics cannot disagree
+with the run report.
 :meth:`RunMetrics.observe` counts each event once, however often the file is read again (a
 re-attached watcher, a second tail from the start).
 """
@@ -171,8 +172,8 @@ class RunMetrics:
             self._open_attempt_t = None
 
     def ettr(self) -> float | None:
-        """As :func:`tasks.run_summary.ettr` once the attempts ended; while one runs, its wall
-        time so far counts."""
+        """As the fold's ``RunHistory.ettr`` once the attempts ended; while one runs, its
+        wall time so far counts."""
         wall = self._ended_wall_s
         if self._open_attempt_t is not None:
             wall += max(0.0, self.clock() - self._open_attempt_t)

@@ -212,39 +212,6 @@ def _steps_under(client: Any, bucket: str, prefix: str) -> list[str]:
     return [f"s3://{bucket}/{prefix}/{n}/" for _, n in found]
 
 
-def _download(
-    client: Any,
-    bucket: str,
-    key: str,
-    dest: Path,
-    f: PullFile,
-    *,
-    on_bytes: Callable[[int], None],
-    stop: threading.Event,
-) -> None:
-    """``key`` to ``dest``, hashed as it arrives; never more than the manifest's size."""
-    body = client.get_object(Bucket=bucket, Key=key)["Body"]
-    h, n = hashlib.sha256(), 0
-    dest.parent.mkdir(exist_ok=True)
-    with open(dest, "xb") as out:
-        while chunk := body.read(_CHUNK):
-            if stop.is_set():
-                raise _Stopped
-            n += len(chunk)
-            if n > f.bytes:  # refused without reading on: it could be endless
-                raise PullError(
-                    f"s3://{bucket}/{key} is larger than the manifest's {f.bytes} bytes"
-                )
-            h.update(chunk)
-            out.write(chunk)
-            on_bytes(len(chunk))
-        out.flush()
-        os.fsync(out.fileno())
-    why = mismatch(f, n, h.hexdigest())
-    if why:
-        raise PullError(f"s3://{bucket}/{key} {why}")
-
-
 def pull_export(
     client: Any,
     bucket: str,
@@ -284,46 +251,8 @@ def pull_export(
             out.flush()
             os.fsync(out.fileno())
         man, files = _parse(uri, staging, prefix)
-        total = len(raw) + sum(f.bytes for f in files)
-        done = [len(raw)]
-        lock, stop = threading.Lock(), threading.Event()
-
-        def on_bytes(n: int) -> None:
-            with lock:
-                done[0] += n
-                on_progress(done[0], total, None)
-
-        def fetch(f: PullFile) -> str:
-            if stop.is_set():
-                raise _Stopped
-            _download(
-                client,
-                bucket,
-                f"{prefix}/{f.name}",
-                staging / f.name,
-                f,
-                on_bytes=on_bytes,
-                stop=stop,
-            )
-            with lock:
-                on_progress(done[0], total, f.name)
-            return f.name
-
-        try:
-            with ThreadPoolExecutor(max_workers=max_workers) as pool:
-                futures = [pool.submit(fetch, f) for f in files]
-                try:
-                    wait(futures, return_when=FIRST_EXCEPTION)
-                finally:
-                    stop.set()  # the first failure (or an interrupt) stops the others
-            # The first real failure, not a download it stopped.
-            failures = [x for fut in futures if (x := fut.exception()) is not None]
-            if first := next((x for x in failures if not isinstance(x, _Stopped)), None):
-                raise first
-        except (PullError, OSError):  # OSError: the local disk (full, not writable)
-            raise
-        except Exception as e:
-            raise StorageError(describe_client_error(e, bucket=bucket, endpoint=endpoint)) from e
+        get = _Get(client, bucket, prefix, staging, endpoint)
+        get.all(files, first_bytes=len(raw), max_workers=max_workers, on_progress=on_progress)
         # Sizes and digests were checked on arrival; these are the DCP checks (restricted
         # unpickling of .metadata) that need the files in place.
         verdict = checkpointing.verify_checkpoint(staging, digests=False)
@@ -342,6 +271,81 @@ def pull_export(
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return _report(uri, dest, man, files, len(raw), downloaded=len(files) + 1)
+
+
+@dataclass(frozen=True)
+class _Get:
+    """Downloads of one export's files into ``staging``."""
+
+    client: Any
+    bucket: str
+    prefix: str
+    staging: Path
+    endpoint: str | None
+
+    def one(self, f: PullFile, *, on_bytes: Callable[[int], None], stop: threading.Event) -> None:
+        """One file, hashed as it arrives; never more than the manifest's size."""
+        key, dest = f"{self.prefix}/{f.name}", self.staging / f.name
+        body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+        h, n = hashlib.sha256(), 0
+        dest.parent.mkdir(exist_ok=True)
+        with open(dest, "xb") as out:
+            while chunk := body.read(_CHUNK):
+                if stop.is_set():
+                    raise _Stopped
+                n += len(chunk)
+                if n > f.bytes:  # refused without reading on: it could be endless
+                    raise PullError(
+                        f"s3://{self.bucket}/{key} is larger than the manifest's {f.bytes} bytes"
+                    )
+                h.update(chunk)
+                out.write(chunk)
+                on_bytes(len(chunk))
+            out.flush()
+            os.fsync(out.fileno())
+        why = mismatch(f, n, h.hexdigest())
+        if why:
+            raise PullError(f"s3://{self.bucket}/{key} {why}")
+
+    def all(
+        self, files: list[PullFile], *, first_bytes: int, max_workers: int, on_progress: Progress
+    ) -> None:
+        """Every file, ``max_workers`` at a time, each verified as it arrives; the first
+        failure stops the others and is raised (``first_bytes``: the manifest's, already
+        there)."""
+        total = first_bytes + sum(f.bytes for f in files)
+        done = [first_bytes]
+        lock, stop = threading.Lock(), threading.Event()
+
+        def on_bytes(n: int) -> None:
+            with lock:
+                done[0] += n
+                on_progress(done[0], total, None)
+
+        def fetch(f: PullFile) -> str:
+            if stop.is_set():
+                raise _Stopped
+            self.one(f, on_bytes=on_bytes, stop=stop)
+            with lock:
+                on_progress(done[0], total, f.name)
+            return f.name
+
+        try:
+            with ThreadPoolExecutor(max_workers=max_workers) as pool:
+                futures = [pool.submit(fetch, f) for f in files]
+                try:
+                    wait(futures, return_when=FIRST_EXCEPTION)
+                finally:
+                    stop.set()  # the first failure (or an interrupt) stops the others
+            # The first real failure, not a download it stopped.
+            failures = [x for fut in futures if (x := fut.exception()) is not None]
+            if first := next((x for x in failures if not isinstance(x, _Stopped)), None):
+                raise first
+        except (PullError, OSError):  # OSError: the local disk (full, not writable)
+            raise
+        except Exception as e:
+            why = describe_client_error(e, bucket=self.bucket, endpoint=self.endpoint)
+            raise StorageError(why) from e
 
 
 def _parse(uri: str, directory: Path, prefix: str) -> tuple[dict[str, Any], list[PullFile]]:

@@ -3,7 +3,12 @@ kmock's emulator for the EKS tests (kmock stores what it is given; it runs no co
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
+
+from tasks.backends.eks import clients as eks_clients
+from tasks.backends.eks.clients import EksClients
 
 NS = "nvrx"
 NODES = ("ip-10-0-1-1", "ip-10-0-1-2")
@@ -152,3 +157,14 @@ def seed_cluster(kube: Any) -> None:
         },
         _preload_content=False,
     )
+
+
+@contextlib.contextmanager
+def use_clients(clients: EksClients) -> Iterator[EksClients]:
+    """The EKS stages talk to ``clients`` (kmock's Kube, a stubbed FSx client) within the block:
+    what ``tasks.backends.eks.clients.connect`` returns instead of building real ones."""
+    previous, eks_clients._override = eks_clients._override, clients
+    try:
+        yield clients
+    finally:
+        eks_clients._override = previous

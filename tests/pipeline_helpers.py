@@ -243,12 +243,11 @@ def assert_report_and_status(result: PipelineResult, params: Any, state: Path, c
     from flows.cli import main
     from flows.context import RunContext
     from flows.report import TIME_PARTS
-    from tasks import run_summary
     from tests.helpers import assert_figures_defined, figures_in_report
-    from trainer.events import read_events
+    from trainer.history import RunHistory
 
-    events = read_events(RunContext.create(params).run_root)
-    ettr = run_summary.ettr(events)
+    history = RunHistory.read(RunContext.create(params).run_root)
+    ettr = history.ettr()
     assert ettr is not None and result.ettr == ettr
     with get_client(sync_client=True) as client:
         arts = client.read_artifacts(
@@ -258,7 +257,7 @@ def assert_report_and_status(result: PipelineResult, params: Any, state: Path, c
     text = str(report.data)
     assert text.index("completed") < text.index("## Stage timeline") < text.index("## Faults")
     assert f"**{ettr:.3f}**" in text
-    for f in run_summary.faults_with_recovery(events):
+    for f in history.fault_records():
         assert f"| {f['kind']} | {f['step']} |" in text and f"| {f['recovered_by']} |" in text
     # The train stage's wall time in parts that add up to it (issue 27), every figure defined
     # in the README; each recovered fault says where training went back to.

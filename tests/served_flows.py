@@ -29,7 +29,8 @@ from prefect import flow
 
 from flows.models import PipelineParams, PipelineResult
 from flows.pipeline import _clean_up_after, _run_id, training_pipeline
-from tasks.backends.eks.clients import EksClients, use_clients
+from tasks.backends.eks.clients import EksClients
+from tests.eks_cluster import use_clients
 
 KMOCK_FLOW = "nvrx-training-pipeline-on-kmock"
 KMOCK_DEPLOYMENT = "kmock"

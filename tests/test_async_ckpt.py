@@ -51,21 +51,21 @@ def test_writer_starts_with_training_not_at_bind(group, tmp_path: Path):
     s = AsyncCheckpointer(device=torch.device("cpu"), timeout_s=60)
     try:
         s.bind(group, warmup_dir=tmp_path / ".writer-warmup")
-        assert s.writer_pid() is None and s.pending is None
+        assert s.writer.pid() is None and s.pending is None
         s.ensure_started()
-        pid = s.writer_pid()
+        pid = s.writer.pid()
         assert pid is not None and s.writer.alive()
         s.ensure_started()
-        assert s.writer_pid() == pid
+        assert s.writer.pid() == pid
         s.save(_state(6), tmp_path / "f", step=6)
-        assert s.writer_pid() == pid and s.wait() is not None
+        assert s.writer.pid() == pid and s.wait() is not None
     finally:
         s.close()
     other = AsyncCheckpointer(device=torch.device("cpu"), timeout_s=60)
     try:  # a save is enough on its own
         other.bind(group)
         other.save(_state(7), tmp_path / "g", step=7)
-        assert other.writer_pid() is not None and other.wait() is not None
+        assert other.writer.pid() is not None and other.wait() is not None
     finally:
         other.close()
 
@@ -88,7 +88,7 @@ def main():
         state = {"w": torch.randn(64, 128, generator=g), "step": torch.tensor(2.0)}
         s.save(state, sys.argv[1], step=2)
         done = s.wait()
-        print(json.dumps({"how": s.writer_start_method, "writer": s.writer_pid(),
+        print(json.dumps({"how": s.writer_start_method, "writer": s.writer.pid(),
                           "me": os.getpid(), "step": done.step,
                           "digest": tensor_dict_sha256({"w": state["w"]})}))
     finally:
@@ -237,7 +237,7 @@ def test_poll_does_not_block(saver: AsyncCheckpointer, tmp_path: Path):
 
 
 def test_dead_writer_fails_instead_of_hanging(saver: AsyncCheckpointer, tmp_path: Path):
-    pid = saver.writer_pid()
+    pid = saver.writer.pid()
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
     time.sleep(0.5)
@@ -249,7 +249,7 @@ def test_dead_writer_fails_instead_of_hanging(saver: AsyncCheckpointer, tmp_path
     # After the restart's bind, the next save starts a fresh writer.
     saver.bind(saver.group)  # type: ignore[arg-type]
     saver.save(_state(4), tmp_path / "d", step=4)
-    assert saver.writer_pid() not in (None, pid)
+    assert saver.writer.pid() not in (None, pid)
     assert saver.wait() is not None
 
 
@@ -261,14 +261,14 @@ def test_a_replaced_writer_warms_up_in_the_background(group, tmp_path: Path):
     try:
         s.bind(group, warmup_dir=tmp_path / ".writer-warmup")
         s.ensure_started()
-        dead = s.writer_pid()
+        dead = s.writer.pid()
         assert dead is not None
         os.kill(dead, signal.SIGKILL)
         deadline = time.time() + 10
         while s.writer.alive() and time.time() < deadline:
             time.sleep(0.05)
         s.bind(group, warmup_dir=tmp_path / ".writer-warmup")
-        assert s.writer_pid() not in (None, dead)
+        assert s.writer.pid() not in (None, dead)
         assert s.pending is not None and s.pending.step == WARMUP_STEP
         assert s.wait() is None and s.pending is None
         assert not (tmp_path / ".writer-warmup").exists()

@@ -21,8 +21,8 @@ from tests.helpers import free_port, make_config
 from trainer import checkpointing
 from trainer.checkpointing.async_save import AsyncCheckpointer
 from trainer.checkpointing.manager import CheckpointManager
-from trainer.config import CHECKPOINT_SECTION
 from trainer.events import EventLog
+from trainer.layer_config import CHECKPOINT_SECTION
 
 
 class RecordedSections:

@@ -19,11 +19,11 @@ from prefect.states import Cancelled, Crashed
 from flows.context import RunContext, eks_train_config
 from flows.models import PipelineParams
 from flows.pipeline import _clean_up_after
-from tasks.backends.eks.clients import EksClients, use_clients
+from tasks.backends.eks.clients import EksClients
 from tasks.backends.eks.kube import Kube
 from tasks.backends.eks.render import render_all
 from tasks.ownership import processes
-from tests.eks_cluster import NS
+from tests.eks_cluster import NS, use_clients
 from tests.helpers import lease_holder
 from trainer.events import read_events
 

@@ -11,14 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, ckpt, make_config, worker_env
-from trainer.config import (
-    ConfigError,
-    InJobConfig,
-    InProcessConfig,
-    TrainConfig,
-    model_config,
-    tiny,
-)
+from trainer.config import ConfigError, InJobConfig, InProcessConfig, TrainConfig
+from trainer.model_config import model_config, tiny
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,6 @@ import pytest
 
 from trainer.data import (
     DataError,
-    StepSampler,
     check_vocab_fits,
     dtype_for_vocab,
     load_manifest,
@@ -17,6 +16,7 @@ from trainer.data import (
     verify_dataset,
     write_synthetic_dataset,
 )
+from trainer.sampler import StepSampler
 
 
 def test_dataset_is_reproducible(tmp_path: Path):

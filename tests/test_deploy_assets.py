@@ -249,6 +249,21 @@ def test_every_aws_call_is_in_the_permissions_table() -> None:
     assert declared - found == set(), "the code no longer makes these calls"
 
 
+def rbac_grants(*, cluster: bool) -> dict[tuple[str, str], set[str]]:
+    """{(group, resource): verbs} the Role (``cluster=False``) or ClusterRole must grant: every
+    call of ``permissions.KUBE_CALLS`` that Kubernetes does not allow by default."""
+    out: dict[tuple[str, str], set[str]] = {}
+    for c in permissions.KUBE_CALLS:
+        if c.cluster == cluster and not c.default:
+            out.setdefault((c.group, c.resource), set()).add(c.verb)
+    return out
+
+
+def iam_actions() -> set[str]:
+    """The IAM actions the flow runner's policy must grant: every call's, and what FSx checks."""
+    return {a for c in permissions.AWS_CALLS for a in c.actions} | set(permissions.AWS_IMPLIED)
+
+
 def test_rbac_grants_exactly_what_the_flows_need() -> None:
     docs = _load_all("rbac.yaml")
     kinds = _by_kind(docs)
@@ -260,11 +275,11 @@ def test_rbac_grants_exactly_what_the_flows_need() -> None:
 
     role = kinds[("Role", PIPELINE_SA)]
     # exactly the calls the code makes: a missing grant fails, and so does an extra one
-    assert _rules(role) == permissions.rbac_grants(cluster=False)
+    assert _rules(role) == rbac_grants(cluster=False)
     # the one object the flows read by name: the FSx claim
     assert _resource_names(role) == {"persistentvolumeclaims": [EksParams().fsx_claim]}
     cluster_role = next(d for d in docs if d["kind"] == "ClusterRole")
-    assert _rules(cluster_role) == permissions.rbac_grants(cluster=True)
+    assert _rules(cluster_role) == rbac_grants(cluster=True)
     assert _resource_names(cluster_role) == {}
     # what the preflight's access review asks for is granted
     granted = {**_rules(role), **_rules(cluster_role)}
@@ -296,7 +311,7 @@ def test_rbac_check_can_fail() -> None:
     docs = _load_all("rbac.yaml")
     role = copy.deepcopy(_by_kind(docs)[("Role", PIPELINE_SA)])
     role["rules"][0]["verbs"].append("deletecollection")  # one verb more than the code uses
-    assert _rules(role) != permissions.rbac_grants(cluster=False)
+    assert _rules(role) != rbac_grants(cluster=False)
 
 
 def test_namespace_enforces_pod_security() -> None:
@@ -342,7 +357,7 @@ def test_iam_policy_grants_exactly_the_aws_calls() -> None:
     assert all(st["Effect"] == "Allow" and "NotAction" not in st for st in policy["Statement"])
     actions = _iam_actions(policy)
     assert not [a for a in actions if "*" in a]  # no wildcard actions
-    assert actions == permissions.iam_actions()
+    assert actions == iam_actions()
 
 
 def test_iam_policy_is_scoped_to_the_deployments_file_system_and_buckets() -> None:
@@ -379,7 +394,7 @@ def test_iam_policy_is_scoped_to_the_deployments_file_system_and_buckets() -> No
 def test_iam_check_can_fail() -> None:
     policy = _iam()
     policy["Statement"][0]["Action"].append("fsx:DeleteDataRepositoryAssociation")
-    assert _iam_actions(policy) != permissions.iam_actions()
+    assert _iam_actions(policy) != iam_actions()
 
 
 def test_admission_policy_holds_the_pipelines_jobs_to_the_pool_allow_lists() -> None:
@@ -698,7 +713,7 @@ def test_readme_tables_list_every_call_and_grant() -> None:
         assert f"`{kc.method}`" in readme and f"`{kc.resource}`" in readme, kc
     for ac in permissions.AWS_CALLS:
         assert f"`{ac.method}`" in readme, ac
-    for action in permissions.iam_actions():
+    for action in iam_actions():
         assert f"`{action}`" in readme, action
 
 

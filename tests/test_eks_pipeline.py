@@ -42,14 +42,23 @@ from kubernetes.client import ApiException
 
 from flows.context import RunContext, eks_train_config
 from flows.models import PipelineParams, PipelineResult
-from tasks.backends.eks.clients import EksClients, use_clients
+from tasks.backends.eks.clients import EksClients
 from tasks.backends.eks.fsx import Backoff
 from tasks.backends.eks.kube import Kube
 from tasks.backends.local import kill_tree
 from tasks.hydrate import hydrate_dataset
 from tasks.ownership import processes
 from tasks.storage.s3 import S3Settings, s3fs_filesystem
-from tests.eks_cluster import NODES, NS, mark_disrupted, p5, pod_obj, seed_cluster, terminated
+from tests.eks_cluster import (
+    NODES,
+    NS,
+    mark_disrupted,
+    p5,
+    pod_obj,
+    seed_cluster,
+    terminated,
+    use_clients,
+)
 from tests.helpers import FAST_INJOB, FAST_INPROCESS, REPO, free_port, worker_env, write_config
 from tests.kube_chaos import ChaosProxy, Misbehaviour
 from tests.pipeline_helpers import assert_exported, run_pipeline

@@ -19,18 +19,18 @@ from pathlib import Path
 
 import pytest
 
-from flows.context import RunContext, stage_train_config
 from flows.models import PipelineParams, PipelineResult
 from flows.pipeline import run_id_of_flow_run, training_pipeline
+from flows.plan import RunPlan
 from tasks.backends.base import LaunchRequest
 from tasks.backends.eks.backend import EksBackend
-from tasks.backends.eks.clients import EksClients, use_clients
+from tasks.backends.eks.clients import EksClients
 from tasks.backends.eks.fsx import Backoff
 from tasks.backends.eks.kube import Kube
 from tasks.hydrate import hydrate_dataset
 from tasks.ownership.lease import peek
 from tasks.storage.s3 import S3Settings, s3fs_filesystem
-from tests.eks_cluster import NS, seed_cluster
+from tests.eks_cluster import NS, seed_cluster, use_clients
 from tests.helpers import lease_holder
 from tests.pipeline_helpers import assert_exported
 from tests.test_eks_pipeline import FS, Cluster, stubbed_fsx
@@ -115,7 +115,8 @@ def test_a_replaced_flow_runner_continues_the_run(
         flow_run = client.create_flow_run(training_pipeline, parameters=form.flow_parameters())
     run_id = run_id_of_flow_run(flow_run.id)
     params = form.model_copy(update={"run_id": run_id})
-    ctx = RunContext.create(params)
+    plan = RunPlan.build(params)
+    ctx = plan.ctx
     clients = EksClients(
         kube=kube,
         fsx=None,
@@ -135,7 +136,7 @@ def test_a_replaced_flow_runner_continues_the_run(
         request = LaunchRequest(
             run_id=run_id,
             attempt=1,
-            cfg=stage_train_config(form, ctx),
+            cfg=plan.hydrated(ctx.data_manifest_sha256).train,
             nodes=2,
             nproc_per_node=1,
             invocation=DEAD,

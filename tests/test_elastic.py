@@ -8,12 +8,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from flows.models import PipelineParams
 from tasks.loss_policy import LossPath, LossSnapshot, decide
+from trainer import run_state
 from trainer.config import ConfigError, TrainConfig
 from trainer.elastic import (
     NodeRange,
@@ -21,9 +23,10 @@ from trainer.elastic import (
     PriorWorld,
     micro_batches,
     node_id,
-    prior_world,
     restart_layer,
 )
+from trainer.events import EventLog
+from trainer.hooks import emit_recoveries
 from trainer.launch import LaunchSpec, ft_launcher_argv, rdzv_conf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,24 +142,22 @@ def test_losing_a_waiting_spare_costs_nothing():
 
 
 # -- which layer recovered ----------------------------------------------------------------------
-def _start(t, world, nodes, job="j"):
-    return {"t": t, "kind": "train_start", "job_id": job, "world_size": world, "nodes": nodes}
-
-
-def test_prior_world_and_restart_layer():
-    loss = {"t": 2.0, "kind": "fault", "fault": "node-loss@node=1", "fault_kind": "node-loss"}
-    events = [_start(1.0, 2, [0, 1]), loss]
-    prior = prior_world(events, "j")
+def test_prior_world_and_restart_layer(tmp_path: Path):
+    """What a respawned worker reads from control/ (trainer.run_state), and the layer it
+    attributes its restart to."""
+    run_state.record_launch(tmp_path, job_id="j", world_size=2, nodes=[0, 1])
+    log = EventLog(tmp_path)
+    loss = log.emit("fault", fault="node-loss@node=1", fault_kind="node-loss", node=1)
+    run_state.open_fault(tmp_path, loss)
+    prior = run_state.prior_world(tmp_path, "j")
     assert prior == PriorWorld(2, (0, 1), open_node_loss=True)
     assert restart_layer(prior, 1) == "elastic"  # shrank
     assert restart_layer(prior, 2) == "spare"  # same size after a loss: a spare took over
-    recovered = [
-        *events,
-        {"t": 3.0, "kind": "recovered", "layer": "elastic", "step": 4, "recovery_s": 1.0},
-    ]
-    assert restart_layer(prior_world(recovered, "j"), 2) == "injob"
-    assert restart_layer(prior_world([_start(1.0, 1, [0])], "j"), 2) == "injob"  # grew back
-    assert prior_world(events, "other") is None and restart_layer(None, 2) == "injob"
+    emit_recoveries(log, "elastic", 4, began=time.time())  # the first step after it closes it
+    assert restart_layer(run_state.prior_world(tmp_path, "j"), 2) == "injob"
+    run_state.record_launch(tmp_path, job_id="j", world_size=1, nodes=[0])
+    assert restart_layer(run_state.prior_world(tmp_path, "j"), 2) == "injob"  # grew back
+    assert run_state.prior_world(tmp_path, "other") is None and restart_layer(None, 2) == "injob"
 
 
 def test_node_id_from_either_backend():

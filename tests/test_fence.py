@@ -80,7 +80,7 @@ def test_a_zombie_commits_nothing_and_the_new_attempt_commits(tmp_path: Path):
     with pytest.raises(fence.Fenced, match=f"epoch {old} is not the run's"):
         _commit(root, 10, zombie).run()
     assert checkpointing.committed_steps(root) == [] and mine.exists()
-    assert run_state.recorded_commit(root).known is False
+    assert not (root / run_state.COMMIT).exists()  # the zombie recorded nothing
     (ev,) = [e for e in EventReader(root / "events.jsonl").read_new() if e.kind == "fenced"]
     assert isinstance(ev, FencedEvent)
     assert ev.epoch == old and ev.current == new and "commit step 10" in ev.action
@@ -88,7 +88,7 @@ def test_a_zombie_commits_nothing_and_the_new_attempt_commits(tmp_path: Path):
     path = _commit(root, 10, current).run()
     assert path == checkpointing.committed_path(root, 10)
     assert (path / "__0_0.distcp").read_bytes() == b"new"
-    assert checkpointing.read_latest(root) == 10 and run_state.recorded_commit(root).step == 10
+    assert checkpointing.read_latest(root) == 10 and run_state.recorded_commit(root) == 10
     # The zombie's own partial is left for the current attempt's recovery to settle.
     assert checkpointing.partial_path(root, 10, old).exists()
     settled = checkpointing.recover(root, fingerprint=FP)
@@ -135,7 +135,7 @@ def test_publishing_waits_for_a_mutation_in_progress(tmp_path: Path):
 
 def test_a_stale_result_and_marker_carry_their_epoch(tmp_path: Path, monkeypatch):
     from trainer.config import TrainConfig
-    from trainer.loop import write_result
+    from trainer.process import write_result
     from trainer.resilience import read_no_restart, write_no_restart
 
     epoch = fence.publish(tmp_path, invocation="a", attempt=1).epoch

@@ -72,7 +72,7 @@ def test_the_fold_reports_a_recorded_run():
     # Each step's last execution: steps 1-8 at 1 s (the replays of 5 and 6 at 2 s were lost
     # to the node loss and run again at 1 s).
     assert h.productive_s() == 8.0 and h.ettr() == round(8.0 / 18.0, 4)
-    assert h.progress() == 8 and h.recorded_commit() == 8
+    assert h.progress() == 8 and h.last_checkpoint is not None and h.last_checkpoint.step == 8
     assert h.last_attempt_cause() == "done"
     s = h.summary()
     assert s["outcome"] == "completed" and s["params_sha256"] == "abc"
@@ -89,25 +89,14 @@ def test_since_keeps_one_invocations_share():
     assert h.train_wall_s() == 8.0
 
 
-def test_the_workers_start_up_facts():
-    h = RunHistory.of(HISTORY[:16])  # attempt 1, after the node loss
-    assert h.is_respawn("a1") and not h.is_respawn("a2") and not h.is_respawn(None)
-    prior = h.prior_world("a1")
-    assert prior is not None and prior.nodes == (0, 1) and prior.open_node_loss
-    assert [f.fault_kind for f in h.open_faults()] == ["node-loss"]
-    h = RunHistory.of(HISTORY)
-    assert not h.open_faults()  # every fault closed
-    assert h.last_retry_t == 12  # attempt 2 began then: its recoveries are the stage retry's
-
-
-def test_a_fresh_start_forgets_earlier_commits_and_steps():
+def test_a_fresh_start_forgets_earlier_steps():
     h = RunHistory.of(
         [
             *(step(1, 1), step(2, 2), ev(2.1, "checkpoint", step=2, blocking_s=0.1)),
             *(ev(3, "resume", action="fresh"), step(4, 1, 3.0)),
         ]
     )
-    assert h.recorded_commit() is None and h.productive_s() == 3.0
+    assert h.productive_s() == 3.0
 
 
 def test_the_live_state_does_not_grow_with_steps():

@@ -14,7 +14,6 @@ from trainer.checkpointing.config import DurableConfig
 from trainer.config import ConfigError
 from trainer.events import EventLog, read_events
 from trainer.faults import flip_bytes
-from trainer.history import RunHistory
 
 FP = "abc123"
 
@@ -343,21 +342,6 @@ def test_none_valid_refuses_to_start_over(tmp_path: Path):
 
 def test_no_checkpoints_means_fresh(tmp_path: Path):
     assert m.choose_resume(tmp_path, fingerprint=FP).step is None
-
-
-def test_recorded_commits_count_since_the_last_fresh_start():
-    ev = [
-        {"t": 1, "kind": "checkpoint", "step": 5, "blocking_s": 0.1},
-        {"t": 2, "kind": "checkpoint", "step": 10, "blocking_s": 0.1},
-        {"t": 3, "kind": "resume", "action": "fresh", "archived": "x"},
-    ]
-
-    def recorded_commit(events: list[dict]) -> int | None:
-        return RunHistory.of(events).recorded_commit()
-
-    assert recorded_commit(ev[:2]) == 10  # checkpoints gone now: refuse to start at step 0
-    assert recorded_commit(ev) is None  # an explicit fresh start expects none
-    assert recorded_commit([*ev, {"t": 4, "kind": "checkpoint", "step": 5, "blocking_s": 0.1}]) == 5
 
 
 def test_torn_last_event_line(tmp_path: Path):

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import yaml
 
-from tasks import run_summary
 from tasks.metrics import RunMetrics, serving
 from tests.helpers import REPO, free_port, sample, scrape, worker_env
 from trainer.config import ConfigError, TrainConfig
 from trainer.events import EventLog
+from trainer.history import RunHistory
 from trainer.metrics import MetricsServer, Rank0Metrics, build_versions
 
 # A run with all three layers, as the files record it: an exception (in-process), a SIGKILL
@@ -134,7 +134,7 @@ def test_run_metrics_map_a_recorded_history_and_count_each_event_once() -> None:
     # A counter for rate(): each step's tokens once, however often the file is read.
     assert sample(s, "nvrx_train_tokens_total", run_id="r1") == 450 + 475 + 495
     # ETTR: the run report's number (a replayed step counts its last run), 2.0 s / 20 s.
-    assert m.ettr() == run_summary.ettr(HISTORY) == 0.1
+    assert m.ettr() == RunHistory.of(HISTORY).ettr() == 0.1
     assert sample(s, "nvrx_ettr_ratio", run_id="r1") == 0.1
 
 

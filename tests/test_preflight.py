@@ -153,12 +153,15 @@ def test_memory_is_checked_against_the_workloads_own_need():
     the model's parameter count (built on the meta device), not a flat floor."""
     from dataclasses import replace
 
-    from tasks.preflight.memory import local_memory_need
+    from tasks.preflight.memory import MemoryNeed, count_parameters
     from trainer.workload import load_workload
 
-    big = local_memory_need(load_workload("llama3-8b", {}), workers=2)
+    def local_memory_need(workload: str) -> MemoryNeed:  # as flows.stages' preflight builds it
+        return MemoryNeed(params=count_parameters(load_workload(workload, {})), workers=2)
+
+    big = local_memory_need("llama3-8b")
     assert 8.0e9 < big.params < 8.1e9 and big.gb > 200  # Llama 3 8B: 8.03 B parameters
-    tiny = local_memory_need(load_workload("gpt-tiny", {}), workers=2)
+    tiny = local_memory_need("gpt-tiny")
     assert tiny.params < 1e6 and tiny.gb < 2
     req = replace(REQ, workload="llama3-8b", min_memory_gb=big.gb, memory_basis=big.explain())
     r = by_name(run_checks(healthy(), req))["memory"]  # 20 GB available

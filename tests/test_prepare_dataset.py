@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer.data import StepSampler, verify_dataset
+from trainer.data import verify_dataset
 from trainer.hashing import sha256_file
 from trainer.prepare import PrepareError, find_eos_id, from_jsonl, from_token_files
+from trainer.sampler import StepSampler
 
 LINES = [
     "the cat sat on the mat",

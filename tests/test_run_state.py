@@ -18,11 +18,13 @@ from trainer.hooks import emit_recoveries
 
 
 def test_commit_fact(tmp_path: Path):
-    assert run_state.recorded_commit(tmp_path) == run_state.Recorded(False)
+    assert run_state.recorded_commit(tmp_path) is None
     run_state.record_commit(tmp_path, 20)
-    assert run_state.recorded_commit(tmp_path) == run_state.Recorded(True, 20)
-    run_state.record_commit(tmp_path, None)  # an explicit fresh start
-    assert run_state.recorded_commit(tmp_path) == run_state.Recorded(True, None)
+    assert run_state.recorded_commit(tmp_path) == 20
+    run_state.record_commit(tmp_path, None)  # an explicit fresh start expects none
+    assert run_state.recorded_commit(tmp_path) is None
+    run_state.record_commit(tmp_path, 5)  # commits since the fresh start count again
+    assert run_state.recorded_commit(tmp_path) == 5
 
 
 def test_launch_fact_and_open_node_loss(tmp_path: Path):
@@ -35,6 +37,11 @@ def test_launch_fact_and_open_node_loss(tmp_path: Path):
     loss = log.emit("fault", fault="node-loss@node=1", fault_kind="node-loss", node=1)
     run_state.open_fault(tmp_path, loss)
     assert run_state.prior_world(tmp_path, "j1") == PriorWorld(4, (0, 1), True)
+    ((_, fault),) = run_state.open_faults(tmp_path)
+    assert fault.fault_kind == "node-loss"
+    emit_recoveries(log, "spare", 3, began=time.time())  # closed: no longer open after it
+    assert run_state.open_faults(tmp_path) == []
+    assert run_state.prior_world(tmp_path, "j1") == PriorWorld(4, (0, 1), False)
 
 
 MALFORMED = [
@@ -51,7 +58,7 @@ MALFORMED = [
 def test_a_malformed_fact_is_no_fact(tmp_path: Path, content: bytes):
     (tmp_path / "control").mkdir()
     (tmp_path / run_state.COMMIT).write_bytes(content)
-    assert run_state.recorded_commit(tmp_path) == run_state.Recorded(False)
+    assert run_state.recorded_commit(tmp_path) is None
     (tmp_path / run_state.LAUNCH).write_bytes(content)
     assert run_state.prior_world(tmp_path, "j") is None
 
@@ -59,7 +66,7 @@ def test_a_malformed_fact_is_no_fact(tmp_path: Path, content: bytes):
 def test_a_fifo_fact_does_not_block(tmp_path: Path):
     (tmp_path / "control").mkdir()
     os.mkfifo(tmp_path / run_state.COMMIT)
-    assert run_state.recorded_commit(tmp_path) == run_state.Recorded(False)
+    assert run_state.recorded_commit(tmp_path) is None
 
 
 def test_recoveries_close_the_open_faults_once(tmp_path: Path):
@@ -72,7 +79,7 @@ def test_recoveries_close_the_open_faults_once(tmp_path: Path):
     h = RunHistory.read(tmp_path)
     ((fault),) = h.fault_records()
     assert fault["recovered_by"] == "inprocess" and fault["step"] == 3
-    assert len([r for r in h.restarts]) == 0 and h.last_recovered_t > 0
+    assert not h.restarts  # emit_recoveries records recoveries, never restarts
     assert [p.name for p in (tmp_path / run_state.FAULTS).iterdir()] == ["zz-forged.json"]
 
 

@@ -357,7 +357,7 @@ def test_auto_mode_loads_nothing_when_memory_is_short(ckpt: Path, monkeypatch):
     ],
 )
 def test_choose_load_mode(requested, tensor_gb, budget_gb, mode, phrase):
-    from tasks.validation.checkpoint import LoadMode, choose_load_mode
+    from tasks.validation.load_mode import LoadMode, choose_load_mode
 
     got, why = choose_load_mode(
         LoadMode(requested),
@@ -369,7 +369,7 @@ def test_choose_load_mode(requested, tensor_gb, budget_gb, mode, phrase):
 
 
 def test_cgroup_memory_left(tmp_path: Path):
-    from tasks.validation.checkpoint import cgroup_memory_left
+    from tasks.validation.load_mode import cgroup_memory_left
 
     proc = tmp_path / "cgroup"
     proc.write_text("0::/kubepods/pod1\n")

@@ -125,14 +125,6 @@ class PriorWorld:
     open_node_loss: bool  # a node-loss fault recorded since then and not yet recovered
 
 
-def prior_world(events: list[dict[str, object]], job_id: str | None) -> PriorWorld | None:
-    """The last ``train_start`` of launcher job ``job_id`` (its rendezvous id), if any, in
-    recorded events (a worker asks its run's fold: ``RunHistory.prior_world``)."""
-    from trainer.history import RunHistory
-
-    return RunHistory.of(events).prior_world(job_id)  # type: ignore[arg-type]
-
-
 def restart_layer(prior: PriorWorld | None, world_size: int) -> str:
     """The layer an in-job restart of this job recovered by: ``elastic`` when the world shrank,
     ``spare`` when a node was lost and the world kept its size (a spare took its place),

@@ -44,7 +44,6 @@ class DropCounts:
     and ``unreadable`` (reads of a path that is not a regular file, or that failed)."""
 
     by_reason: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
-    last_error: str | None = None
 
     @property
     def total(self) -> int:
@@ -53,7 +52,6 @@ class DropCounts:
     def add(self, reason: str, detail: str) -> None:
         first = self.by_reason[reason] == 0
         self.by_reason[reason] += 1
-        self.last_error = detail
         if first:  # once per reason and reader: a flood of bad lines must not flood the log
             _log.warning("events: dropped a line (%s): %s", reason, detail)
 

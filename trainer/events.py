@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from trainer.event_read import MAX_LINE, read_event_dicts
+from trainer.event_read import read_event_dicts
 from trainer.event_types import ValidationError, decode_json
 
 # The layers a recovery is attributed to (``restart``/``recovered`` events, the result's
@@ -32,16 +32,6 @@ LAYERS: tuple[str, ...] = get_args(RecoveryLayer)
 
 ECHO_ENV = "NVRX_EVENTS_STDOUT"  # set: every event is also printed on stdout
 STDOUT_PREFIX = "NVRX_EVENT "
-
-
-def parse_stdout_line(line: str) -> dict[str, Any] | None:
-    """The event in a log line printed by an echoing :class:`EventLog`, if it is a valid one
-    (a pod's log is as untrusted as the events file)."""
-    if not line.startswith(STDOUT_PREFIX):
-        return None
-    return parse_line(line[len(STDOUT_PREFIX) :].encode())
-
-
 FLUSH_S = 1.0  # buffered events (steps) reach the file at most this late
 
 _log = logging.getLogger(__name__)
@@ -147,13 +137,3 @@ def read_events(run_root: Path) -> list[dict[str, Any]]:
     a torn, foreign or malformed line is dropped, and a path that is not a regular file reads
     as no events."""
     return read_event_dicts(run_root)
-
-
-def parse_line(raw: bytes) -> dict[str, Any] | None:
-    """One line as an event's JSON object, or None unless it decodes as a typed event."""
-    if len(raw) > MAX_LINE:
-        return None
-    try:
-        return decode_json(raw).model_dump(exclude_unset=True)
-    except ValidationError:
-        return None

@@ -2,7 +2,7 @@
 
 :class:`RunHistory` takes events one at a time (:meth:`RunHistory.observe`), in file order, and
 keeps only what its readers ask: the stage attempts, the faults with the layer that recovered
-each, the world changes, the restarts, the launches, the newest step and checkpoint, and running
+each, the world changes, the restarts, the newest step and checkpoint, and running
 sums. Its live state grows with attempts, faults, restarts and world changes, never with steps:
 a 1 M-step log folds in the memory of a 1 k-step one (``benchmarks/fold_events.py``).
 
@@ -23,7 +23,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from trainer.elastic import PriorWorld
 from trainer.event_read import EVENTS_FILE, EventReader
 from trainer.event_types import (
     Checkpoint,
@@ -40,12 +39,10 @@ from trainer.event_types import (
     Takeover,
     TimeoutsSet,
     TrainEnd,
-    TrainStart,
     ValidationError,
     WorldChange,
     decode_obj,
 )
-from trainer.faults import DAMAGE_KINDS
 
 # Committed checkpoints remembered for the productive-time window. A run keeps a few
 # (``checkpoint.keep_last``); a writer that never reports pruning (the torchrun baseline) is
@@ -93,13 +90,6 @@ class TimeBreakdown(BaseModel):
     other: float
 
 
-@dataclass(frozen=True)
-class _Launch:
-    t: float
-    world_size: int
-    nodes: tuple[int, ...]
-
-
 class RunHistory:
     """The fold. ``since`` (unix time) ignores older events: one invocation's share of a run
     resumed by several."""
@@ -114,12 +104,8 @@ class RunHistory:
         self._last_end_message: str | None = None
         self.faults: list[Fault] = []
         self._recovered: dict[tuple[str | None, int | None], Recovered] = {}
-        self.last_recovered_t = 0.0
-        self.last_retry_t = 0.0  # start of the newest train attempt > 1 not adopted
         self.world_changes: list[WorldChange] = []
         self.restarts: list[Restart] = []
-        self._launches: dict[str, _Launch] = {}  # by launcher job id (rendezvous id)
-        self.last_train_start: TrainStart | None = None
         self.timeouts: TimeoutsSet | None = None  # the newest in-job timeouts rank 0 applied
         self.memory_interval: MemoryInterval | None = None  # the newest memory cadence chosen
         self.takeover: Takeover | None = None
@@ -136,7 +122,6 @@ class RunHistory:
         self.last_checkpoint: Checkpoint | None = None
         self.blocking_max: float | None = None
         self._blocking_sum = 0.0
-        self._recorded_commit: int | None = None  # newest commit since the last fresh start
         # Productive time: final seconds, and the window of steps a resume may still replay.
         self._final_s = 0.0
         self._window: dict[int, float] = {}
@@ -205,7 +190,6 @@ class RunHistory:
                     self._load_of.get((ev.fault, ev.fault_step)),
                 )
             self._recovered.setdefault((ev.fault, ev.fault_step), ev)
-            self.last_recovered_t = max(self.last_recovered_t, ev.t)
         elif isinstance(ev, Restart):
             self.restarts.append(ev)
             self.last_progress_t = ev.t
@@ -213,7 +197,6 @@ class RunHistory:
         elif isinstance(ev, Resume):
             self.last_progress_t = ev.t
             if ev.action == "fresh":
-                self._recorded_commit = None
                 self._final_s, self._window, self._kept = 0.0, {}, []
             elif ev.action == "loaded" and ev.step is not None:
                 for f in self.faults:
@@ -225,8 +208,6 @@ class RunHistory:
                     del self._window[s]
         elif isinstance(ev, StageAttempt):
             self.attempts.append(AttemptView(ev.attempt, ev.stage, ev.t, ev.backend, ev.adopted))
-            if ev.stage == "train" and ev.attempt > 1 and not ev.adopted:
-                self.last_retry_t = max(self.last_retry_t, ev.t)
             if ev.stage == "train":
                 self._attempt_t, self._prev_step_t = ev.t, None
                 self._time_before = dict(self._time)
@@ -241,10 +222,6 @@ class RunHistory:
                 same = (a.stage, a.attempt) == (ev.stage, ev.attempt)
                 if same and a.outcome is None and a.t <= ev.t:
                     a.outcome, a.message, a.wall_s = ev.outcome, ev.message, ev.wall_s
-        elif isinstance(ev, TrainStart):
-            self.last_train_start = ev
-            if ev.job_id:
-                self._launches[ev.job_id] = _Launch(ev.t, ev.world_size, tuple(ev.nodes))
         elif isinstance(ev, WorldChange):
             self.world_changes.append(ev)
         elif isinstance(ev, TimeoutsSet):
@@ -326,7 +303,6 @@ class RunHistory:
         self.last_progress_t = ev.t
         self.blocking_max = max(ev.blocking_s, self.blocking_max or 0.0)
         self._blocking_sum += ev.blocking_s
-        self._recorded_commit = max(ev.step, self._recorded_commit or ev.step)
         if ev.step not in self._kept:
             bisect.insort(self._kept, ev.step)
         for s in ev.pruned:
@@ -407,35 +383,9 @@ class RunHistory:
         """The newest step reported (0 before any)."""
         return self.last_step.step if self.last_step else 0
 
-    def recorded_commit(self) -> int | None:
-        """The newest step recorded as committed since the last explicit fresh start."""
-        return self._recorded_commit
-
     def last_attempt_cause(self) -> str | None:
         """Why the newest ended train attempt ended (its ``stage_attempt_end`` message)."""
         return self._last_end_message
-
-    def is_respawn(self, job_id: str | None) -> bool:
-        """Was a worker of this launcher job (same rendezvous id) already training?"""
-        return bool(job_id) and job_id in self._launches
-
-    def prior_world(self, job_id: str | None) -> PriorWorld | None:
-        """The last ``train_start`` of launcher job ``job_id``, if any."""
-        launch = self._launches.get(job_id) if job_id else None
-        if launch is None:
-            return None
-        after = max(launch.t, self.last_recovered_t)
-        open_loss = any(f.fault_kind == "node-loss" and f.t > after for f in self.faults)
-        return PriorWorld(launch.world_size, launch.nodes, open_loss)
-
-    def open_faults(self) -> list[Fault]:
-        """The faults recorded since the last recovery, which the next first step closes (a
-        corrupted checkpoint or memory copy is no training fault: a resume reports it)."""
-        return [
-            f
-            for f in self.faults
-            if f.t > self.last_recovered_t and f.fault_kind not in DAMAGE_KINDS
-        ]
 
     def summary(self) -> dict[str, Any]:
         """``python -m trainer.report``: faults with their recovery, checkpoints, steps."""

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import ModelConfig
+from trainer.model_config import ModelConfig
 
 
 class Attention(nn.Module):

@@ -21,24 +21,24 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from trainer.data import (
-    DTYPES,
-    FORMAT,
-    MANIFEST,
-    DataError,
-    check_vocab_fits,
-    dtype_for_vocab,
-    token_dtype,
-)
+from trainer.data import DTYPES, token_dtype
 from trainer.hashing import sha256_file
+from trainer.shard_writer import (
+    PrepareError,
+    ShardWriter,
+    as_prepare_error,
+    check_range,
+    check_shard_tokens,
+    input_paths,
+    no_progress,
+    out_dtype,
+)
 
 Progress = Callable[[int, int, str], None]
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB of uint16, 256 MiB of uint32 per shard
@@ -46,167 +46,6 @@ CHUNK_TOKENS = 1 << 20  # tokens read per step from a token file
 BATCH_LINES = 1024  # JSONL lines encoded per encode_batch call
 # Tried in order when the tokenizer's tokenizer_config.json does not name its eos_token.
 EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>")
-SHARD_NAME = "shard_{:05d}.bin"
-
-
-class PrepareError(DataError):
-    """Bad input for a dataset conversion; ``field`` is the parameter or file at fault."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-def _no_progress(done: int, total: int, what: str) -> None:
-    pass
-
-
-def _check_shard_tokens(shard_tokens: int) -> None:
-    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
-        raise PrepareError("shard_tokens", f"must be a positive integer, got {shard_tokens!r}")
-
-
-@contextmanager
-def _as_prepare_error() -> Iterator[None]:
-    """trainer.data's checks raise DataError("field: message"); here they become PrepareError."""
-    try:
-        yield
-    except PrepareError:
-        raise
-    except DataError as e:
-        field, _, message = str(e).partition(": ")
-        raise PrepareError(field, message) from e
-
-
-def _out_dtype(vocab_size: int, dtype: str | None) -> str:
-    with _as_prepare_error():
-        name = dtype_for_vocab(vocab_size) if dtype is None else dtype
-        token_dtype(name)
-        check_vocab_fits(vocab_size, name)
-    return name
-
-
-def _inputs(paths: Sequence[Path | str], out: Path) -> list[Path]:
-    if not paths:
-        raise PrepareError("inputs", "no input files given")
-    result = []
-    for p in map(Path, paths):
-        if not p.is_file():
-            raise PrepareError("inputs", f"{p} is not a file")
-        r = p.resolve()
-        if r.parent == out.resolve() and (r.name == MANIFEST or r.name.startswith("shard_")):
-            raise PrepareError("out", f"{out} holds the input {p.name}; write to another directory")
-        result.append(p)
-    return result
-
-
-class ShardWriter:
-    """Appends tokens to ``shard_NNNNN.bin`` files of ``shard_tokens`` tokens each (the last may be
-    shorter), hashing as it writes; each shard is renamed into place once complete. ``finish``
-    writes the manifest last; ``abort`` removes what this writer wrote."""
-
-    def __init__(self, out: Path, dtype: str, shard_tokens: int) -> None:
-        self.out, self.dtype, self.shard_tokens = out, DTYPES[dtype], shard_tokens
-        self.dtype_name = dtype
-        out.mkdir(parents=True, exist_ok=True)
-        # An older manifest here would describe shards about to be overwritten.
-        (out / MANIFEST).unlink(missing_ok=True)
-        self.files: list[dict[str, Any]] = []
-        self.total = 0
-        self._f: Any = None
-        self._hash: Any = None
-        self._count = 0
-
-    def _tmp(self) -> Path:
-        return self.out / f".{SHARD_NAME.format(len(self.files))}.tmp"
-
-    def write(self, tokens: np.ndarray) -> None:
-        """``tokens``: integers already checked to be in ``[0, vocab_size)``."""
-        data = np.ascontiguousarray(tokens, dtype=self.dtype)
-        while data.size:
-            if self._f is None:
-                self._f = open(self._tmp(), "wb")  # noqa: SIM115  # closed in _close_shard
-                self._hash = hashlib.sha256()
-                self._count = 0
-            take = min(data.size, self.shard_tokens - self._count)
-            raw = data[:take].tobytes()
-            self._f.write(raw)
-            self._hash.update(raw)
-            self._count += take
-            self.total += take
-            data = data[take:]
-            if self._count == self.shard_tokens:
-                self._close_shard()
-
-    def _close_shard(self) -> None:
-        assert self._f is not None
-        tmp = self._tmp()
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        self._f = None
-        name = SHARD_NAME.format(len(self.files))
-        os.replace(tmp, self.out / name)
-        self.files.append(
-            {
-                "name": name,
-                "tokens": self._count,
-                "bytes": self._count * self.dtype.itemsize,
-                "sha256": self._hash.hexdigest(),
-            }
-        )
-
-    def finish(self, vocab_size: int, source: dict[str, Any]) -> dict[str, Any]:
-        if self._f is not None:
-            self._close_shard()
-        if self.total < 2:
-            self.abort()
-            raise PrepareError("inputs", f"hold {self.total} tokens; a dataset needs at least 2")
-        keep = {f["name"] for f in self.files}
-        for stale in self.out.glob("shard_*.bin"):  # from an earlier, longer conversion
-            if stale.name not in keep:
-                stale.unlink()
-        manifest = {
-            "format": FORMAT,
-            "dtype": self.dtype_name,
-            "vocab_size": vocab_size,
-            "total_tokens": self.total,
-            "files": self.files,
-            "source": source,
-        }
-        tmp = self.out / f".{MANIFEST}.tmp"
-        with open(tmp, "w") as f:
-            f.write(json.dumps(manifest, indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.out / MANIFEST)
-        return manifest
-
-    def abort(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-            self._tmp().unlink(missing_ok=True)
-        for entry in self.files:
-            (self.out / entry["name"]).unlink(missing_ok=True)
-        self.files = []
-
-
-def _check_range(tokens: np.ndarray, vocab_size: int, where: str, first_index: int) -> None:
-    if not tokens.size:
-        return
-    lo, hi = int(tokens.min()), int(tokens.max())
-    if lo < 0:
-        at = first_index + int(np.argmax(tokens < 0))
-        raise PrepareError(where, f"negative token {lo} (first negative at token {at})")
-    if hi >= vocab_size:
-        at = first_index + int(np.argmax(tokens >= vocab_size))
-        raise PrepareError(
-            where,
-            f"token {hi} is not below vocab_size {vocab_size} (first out of range at token "
-            f"{at}); pass the vocabulary size the data was tokenized with",
-        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,7 +73,7 @@ def _open_token_file(path: Path, input_dtype: str | None) -> tuple[np.ndarray, s
             f"{path.name} is a raw .bin file, which does not record its dtype; pass "
             f"--input-dtype ({' or '.join(DTYPES)})",
         )
-    with _as_prepare_error():
+    with as_prepare_error():
         dt = token_dtype(input_dtype, field="input_dtype")
     size = path.stat().st_size
     if size % dt.itemsize:
@@ -279,10 +118,10 @@ def from_token_files(
     ``[0, vocab_size)``. ``progress(done_tokens, total_tokens, file_name)`` is called per chunk.
     """
     out = Path(out)
-    progress = progress or _no_progress
-    _check_shard_tokens(shard_tokens)
-    name = _out_dtype(vocab_size, dtype)
-    files = _inputs(paths, out)
+    progress = progress or no_progress
+    check_shard_tokens(shard_tokens)
+    name = out_dtype(vocab_size, dtype)
+    files = input_paths(paths, out)
     # Every input is checked before anything is written; each is mapped again when its turn
     # comes (a map holds a file descriptor, and there may be thousands of inputs).
     total = sum(int(_open_token_file(p, input_dtype)[0].size) for p in files)
@@ -294,7 +133,7 @@ def from_token_files(
             arr, in_dtype = _open_token_file(path, input_dtype)
             first = done
             for chunk in _chunks(arr, CHUNK_TOKENS):
-                _check_range(chunk, vocab_size, str(path), done - first)
+                check_range(chunk, vocab_size, str(path), done - first)
                 writer.write(chunk)
                 done += chunk.size
                 progress(done, total, path.name)
@@ -413,28 +252,17 @@ def from_jsonl(
     is called per batch of ``batch_lines`` lines.
     """
     out = Path(out)
-    progress = progress or _no_progress
-    _check_shard_tokens(shard_tokens)
+    progress = progress or no_progress
+    check_shard_tokens(shard_tokens)
     if batch_lines < 1:
         raise PrepareError("batch_lines", f"must be a positive integer, got {batch_lines!r}")
     if not text_field:
         raise PrepareError("text_field", "must not be empty")
-    files = _inputs(paths, out)
+    files = input_paths(paths, out)
     tok = load_tokenizer(tokenizer_json)
     vocab = int(tok.get_vocab_size()) if vocab_size is None else vocab_size
-    name = _out_dtype(vocab, dtype)
-    eos: int | None = None
-    if append_eos:
-        eos = find_eos_id(tok, tokenizer_json) if eos_id is None else eos_id
-        if eos is None:
-            raise PrepareError(
-                "eos_id",
-                f"tokenizer {tokenizer_json} has no end-of-text token known here "
-                f"({', '.join(EOS_CANDIDATES)}, or eos_token in tokenizer_config.json); pass "
-                "--eos-id N, or --no-eos to concatenate documents without one",
-            )
-        if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < vocab:
-            raise PrepareError("eos_id", f"{eos!r} is not a token id below vocab_size {vocab}")
+    name = out_dtype(vocab, dtype)
+    eos = _document_end(tok, tokenizer_json, eos_id, vocab) if append_eos else None
     total = sum(p.stat().st_size for p in files)
     writer = ShardWriter(out, name, shard_tokens)
     state = {"done": 0}
@@ -450,7 +278,7 @@ def from_jsonl(
             first_tokens, first_docs = writer.total, documents
             for batch in _jsonl_batches(path, text_field, batch_lines, hasher, count):
                 ids = _encode(tok, batch, eos)
-                _check_range(ids, vocab, str(path), writer.total - first_tokens)
+                check_range(ids, vocab, str(path), writer.total - first_tokens)
                 writer.write(ids)
                 documents += len(batch)
                 progress(state["done"], total, path.name)
@@ -480,6 +308,21 @@ def from_jsonl(
     except BaseException:
         writer.abort()
         raise
+
+
+def _document_end(tok: Any, tokenizer_json: Path | str, eos_id: int | None, vocab: int) -> int:
+    """The token appended after each document: ``eos_id``, else the tokenizer's own EOS."""
+    eos = find_eos_id(tok, tokenizer_json) if eos_id is None else eos_id
+    if eos is None:
+        raise PrepareError(
+            "eos_id",
+            f"tokenizer {tokenizer_json} has no end-of-text token known here "
+            f"({', '.join(EOS_CANDIDATES)}, or eos_token in tokenizer_config.json); pass "
+            "--eos-id N, or --no-eos to concatenate documents without one",
+        )
+    if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < vocab:
+        raise PrepareError("eos_id", f"{eos!r} is not a token id below vocab_size {vocab}")
+    return eos
 
 
 def _encode(tok: Any, texts: list[str], eos: int | None) -> np.ndarray:

@@ -5,28 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-from trainer.event_types import Event
 from trainer.history import RunHistory
-
-
-def faults_with_recovery(events: Iterable[Event | dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every fault with the layer that recovered it and how long it took (``none`` if no
-    ``recovered`` event closed it)."""
-    return RunHistory.of(events).fault_records()
-
-
-def world_changes(events: Iterable[Event | dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every time an elastic job re-formed on another number of ranks (trainer.elastic)."""
-    return RunHistory.of(events).world_change_records()
-
-
-def summarize(events: Iterable[Event | dict[str, Any]]) -> dict[str, Any]:
-    """Pure: faults with the layer that recovered each and how long it took, checkpoints, steps."""
-    return RunHistory.of(events).summary()
 
 
 def main(argv: list[str] | None = None) -> int:

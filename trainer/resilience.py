@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
-from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, STEP_SECTION, InProcessConfig
+from trainer.config import InProcessConfig
+from trainer.layer_config import CHECKPOINT_SECTION, LOAD_SECTION, STEP_SECTION
 from trainer.timeouts import OUT_OF_SECTION, STEP, TimeoutLearner, Timeouts
 
 __all__ = ["CHECKPOINT_SECTION", "LOAD_SECTION", "STEP_SECTION", "Heartbeat"]

@@ -27,7 +27,6 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,18 +84,11 @@ def record_commit(run_root: Path, step: int | None) -> None:
     _write(run_root, COMMIT, {"step": step, "t": time.time()})
 
 
-@dataclass(frozen=True)
-class Recorded:
-    """What ``control/commit.json`` says; ``known`` False: no such file (a run root older than
-    these files, or one where no worker ever recorded anything)."""
-
-    known: bool
-    step: int | None = None
-
-
-def recorded_commit(run_root: Path) -> Recorded:
-    fact = _read(run_root, COMMIT, CommitFact)
-    return Recorded(False) if fact is None else Recorded(True, fact.step)
+def recorded_commit(run_root: Path) -> int | None:
+    """The newest step recorded as committed since the last explicit fresh start; None: none,
+    or no (readable) ``control/commit.json``."""
+    fact: CommitFact | None = _read(run_root, COMMIT, CommitFact)
+    return None if fact is None else fact.step
 
 
 # -- the last launch ---------------------------------------------------------------------------

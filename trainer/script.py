@@ -58,7 +58,7 @@ from torch.optim import Optimizer
 
 from trainer.config import TrainConfig, load_config
 from trainer.launch import CONFIG_ENV
-from trainer.loop import ProcessContext
+from trainer.process import ProcessContext
 from trainer.session import MicroBatch, TrainSession, step_seed
 
 __all__ = ["MicroBatch", "Session", "StepPosition", "launch"]

@@ -36,12 +36,17 @@ from trainer.digest import params_sha256
 from trainer.elastic import micro_batches, node_id
 from trainer.faults import FaultKind
 from trainer.hooks import FaultDrills, Hooks, StepEnd
+from trainer.process import (
+    ProcessContext,
+    build_hooks,
+    init_process_group,
+    recovery_layer,
+    write_result,
+)
 
 if TYPE_CHECKING:
     from torch import nn
     from torch.optim import Optimizer
-
-    from trainer.loop import ProcessContext
 
 
 def step_seed(seed: int, step: int, index: int) -> int:
@@ -117,8 +122,6 @@ class TrainSession:
 
     # -- the attempt ---------------------------------------------------------------------------
     def init_process_group(self) -> tuple[int, int]:
-        from trainer.loop import init_process_group
-
         self.rank, self.world_size = init_process_group(self.ctx, self.iteration)
         # Checkpoint collectives (resume decision, commit, DCP finalize) get their own gloo
         # group: its timeout covers checkpoint I/O, and async-save traffic never collides with
@@ -140,8 +143,6 @@ class TrainSession:
     def resume(self, model: nn.Module, optim: Optimizer, **start: Any) -> int:
         """Load the newest valid commit; returns the first step to run. ``start``: more fields
         of the ``train_start`` event (the built-in loop's batch shape)."""
-        from trainer.loop import build_hooks, recovery_layer
-
         if self.ckpt_group is None:
             raise RuntimeError("call session.init_process_group() before session.resume()")
         ctx, cfg, rank, world = self.ctx, self.cfg, self.rank, self.world_size
@@ -263,8 +264,6 @@ class TrainSession:
         return self.loss
 
     def finish(self, model: nn.Module) -> dict[str, Any]:
-        from trainer.loop import write_result
-
         ckpt = self.ckpt
         if ckpt is None:
             raise RuntimeError("call session.resume() first")

@@ -35,7 +35,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from trainer.config import AUTO_TIMEOUTS, TrainConfig, backstop
+from trainer.config import TrainConfig
+from trainer.layer_config import AUTO_TIMEOUTS, backstop
 
 STEP, CHECKPOINT, LOAD, OUT_OF_SECTION = "step", "checkpoint", "load", "out_of_section"
 SECTIONS = (STEP, CHECKPOINT, LOAD, OUT_OF_SECTION)

@@ -61,18 +61,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.checkpointing.config import ResumePolicy
-from trainer.config import (
-    AUTO,
-    ConfigError,
-    Device,
-    TrainConfig,
-    load_config,
-)
+from trainer.config import ConfigError, Device, TrainConfig, load_config
 from trainer.data import DataError
 from trainer.errors import TerminalError
 from trainer.events import EventLog
 from trainer.faults import FaultSpecError
 from trainer.gloo_release import release_process_groups
+from trainer.layer_config import AUTO
 
 if TYPE_CHECKING:
     from trainer.checkpointing.async_save import AsyncCheckpointer
@@ -391,7 +386,7 @@ def _run(
 ) -> dict[str, Any]:
     from trainer import nvrx_compat, run_state
     from trainer.elastic import restart_layer
-    from trainer.loop import ProcessContext
+    from trainer.process import ProcessContext
     from trainer.resilience import wrap_inprocess
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -623,7 +618,7 @@ def _terminal(cfg: TrainConfig, message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     if int(os.environ.get("RANK", "0")) == 0:
         try:
-            from trainer.loop import write_result
+            from trainer.process import write_result
 
             EventLog(cfg.run_root).emit("fatal", error=message, requeue=False)
             write_result(cfg, {"status": "failed", "error": message, "requeue": False})

@@ -49,14 +49,14 @@ from pydantic import BaseModel, ValidationError
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 
 
 class DataSource(Protocol):
     """Token batches as a pure function of (step, rank, world): resume is exact by construction.
 
     ``state_at``/``check_state`` let a checkpoint record the position and a resume prove that the
-    data order did not change (:class:`trainer.data.StepSampler` is the built-in one)."""
+    data order did not change (:class:`trainer.sampler.StepSampler` is the built-in one)."""
 
     vocab_size: int
 
@@ -90,7 +90,7 @@ def adamw(model: nn.Module, s: OptimSettings) -> Optimizer:
 
 def token_shards(s: DataSettings) -> DataSource:
     """The dataset format of ``trainer.data`` (``dataset.json`` + token shards)."""
-    from trainer.data import StepSampler
+    from trainer.sampler import StepSampler
 
     return StepSampler(
         s.data_dir,

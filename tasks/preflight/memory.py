@@ -117,12 +117,6 @@ def count_parameters(workload: Workload) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def local_memory_need(workload: Workload, workers: int, *, memory_copies: int = 0) -> MemoryNeed:
-    return MemoryNeed(
-        params=count_parameters(workload), workers=workers, memory_copies=memory_copies
-    )
-
-
 def node_memory_need_of(cfg: TrainConfig, *, nodes: int, peers: bool) -> NodeMemoryNeed | None:
     """:func:`node_memory_need` of a training config's workload (None: no tier). Raises what
     building its model on the meta device raises (a script's workload has no model to count)."""

@@ -39,26 +39,13 @@ def load_and_inspect(
     from trainer import checkpointing
     from trainer.digest import tensor_dict_sha256
     from trainer.untrusted import dcp_load_args
-    from trainer.workload import (
-        DataSettings,
-        OptimSettings,
-        load_workload,
-        safe_to_name_from_file,
-    )
+    from trainer.workload import OptimSettings
 
     torch.set_num_threads(1)
     man = checkpointing.read_manifest(path)
     verify_before_loading(path, man)
     step = int(man["step"])
-    produced = checkpointing.workload_of(man)
-    chosen = workload or produced
-    if chosen is None:
-        raise ValueError(f"{path}: the manifest does not say which workload wrote it; name one")
-    if workload is None and not safe_to_name_from_file(chosen["ref"]):
-        raise ValueError(untrusted_workload_message(path, chosen["ref"]))
-    options = dict(chosen.get("options") or {})
-    options.pop("init_weights", None)  # the checkpoint's weights replace them anyway
-    wl = load_workload(chosen["ref"], options)
+    wl = _workload(path, man, workload)
     cfg = man.get("config") or {}
     # Its own port, whatever MASTER_PORT the caller's environment carries (it may be in use).
     dist.init_process_group(
@@ -94,23 +81,51 @@ def load_and_inspect(
         if pretrained_out is not None:
             out["pretrained"] = _write_pretrained(wl, model, pretrained_out)
         if data_dir is not None:
-            source = wl.data_source(
-                DataSettings(
-                    data_dir=data_dir,
-                    seq_len=wl.seq_len,
-                    global_batch=int(cfg.get("global_batch", 8)),
-                    seed=int(cfg.get("seed", 1234)),
-                    verify=False,
-                )
-            )
-            x, y = source.batch(step + 1, 0, 1)
-            model.eval()
-            with torch.no_grad():
-                loss = wl.loss(model, torch.from_numpy(x), torch.from_numpy(y))
-            out["heldout_loss"] = float(loss) if math.isfinite(float(loss)) else None
+            out["heldout_loss"] = _heldout_loss(wl, model, cfg, data_dir, step)
         return out
     finally:
         dist.destroy_process_group()
+
+
+def _workload(path: Path, man: dict[str, Any], workload: dict[str, Any] | None) -> Any:
+    """The workload to rebuild the model with: the one asked for, else the manifest's if a
+    file may name it (a file on the shared filesystem does not choose what code runs)."""
+    from tasks.validation.files import untrusted_workload_message
+    from trainer import checkpointing
+    from trainer.workload import load_workload, safe_to_name_from_file
+
+    chosen = workload or checkpointing.workload_of(man)
+    if chosen is None:
+        raise ValueError(f"{path}: the manifest does not say which workload wrote it; name one")
+    if workload is None and not safe_to_name_from_file(chosen["ref"]):
+        raise ValueError(untrusted_workload_message(path, chosen["ref"]))
+    options = dict(chosen.get("options") or {})
+    options.pop("init_weights", None)  # the checkpoint's weights replace them anyway
+    return load_workload(chosen["ref"], options)
+
+
+def _heldout_loss(
+    wl: Any, model: Any, cfg: dict[str, Any], data_dir: Path, step: int
+) -> float | None:
+    """The loss on the batch of the step after the checkpoint's, which it has not trained on."""
+    import torch
+
+    from trainer.workload import DataSettings
+
+    source = wl.data_source(
+        DataSettings(
+            data_dir=data_dir,
+            seq_len=wl.seq_len,
+            global_batch=int(cfg.get("global_batch", 8)),
+            seed=int(cfg.get("seed", 1234)),
+            verify=False,
+        )
+    )
+    x, y = source.batch(step + 1, 0, 1)
+    model.eval()
+    with torch.no_grad():
+        loss = wl.loss(model, torch.from_numpy(x), torch.from_numpy(y))
+    return float(loss) if math.isfinite(float(loss)) else None
 
 
 def verify_before_loading(path: Path, man: dict[str, Any]) -> None:
@@ -118,7 +133,7 @@ def verify_before_loading(path: Path, man: dict[str, Any]) -> None:
     and digest the manifest vouches for, and only files it lists, are read (arch §6). Raises
     :class:`UnsafeCheckpointError` naming the files. (The manifest is not signed: this stops
     corruption and half-done tampering; the restricted unpickler stops a forged pair.)"""
-    from tasks.validation.checkpoint import check_file_names, hash_files
+    from tasks.validation.files import check_file_names, hash_files
     from trainer import checkpointing
     from trainer.untrusted import METADATA, UnsafeCheckpointError, load_dcp_metadata
 
@@ -212,14 +227,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def untrusted_workload_message(path: Path, ref: str) -> str:
-    return (
-        f"{path}: its manifest names the workload {ref!r}, which is code to import; a file on "
-        f"the shared filesystem does not choose what runs. Name it yourself to use it: "
-        f"--workload {ref}"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -208,9 +208,6 @@ class AsyncCheckpointer:
     def writer_start_method(self) -> str | None:
         return self.writer.start_method
 
-    def writer_pid(self) -> int | None:
-        return self.writer.pid()
-
     def bind(self, group: dist.ProcessGroup, *, warmup_dir: Path | None = None) -> None:
         """Attach to this restart iteration's checkpoint group; replace the writer if one was
         started and has died (never waits for it: see ``start``).

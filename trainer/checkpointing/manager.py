@@ -39,10 +39,11 @@ from trainer.checkpointing.restore_durable import DurableRestorer
 from trainer.checkpointing.restore_node import NodeRestorer
 from trainer.checkpointing.restore_own import OwnCopyRestorer
 from trainer.checkpointing.restoring import FatalError, RestoreContext, Restorer, Resumed
-from trainer.config import CHECKPOINT_SECTION, LOAD_SECTION, TrainConfig
+from trainer.config import TrainConfig
 from trainer.elastic import node_id
 from trainer.events import EventLog
 from trainer.fence import Fence
+from trainer.layer_config import CHECKPOINT_SECTION, LOAD_SECTION
 from trainer.workload import DataSource
 
 log = logging.getLogger(__name__)

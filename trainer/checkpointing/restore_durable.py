@@ -27,7 +27,6 @@ from trainer import checkpointing, run_state, untrusted
 from trainer.checkpointing import tiers
 from trainer.checkpointing.config import ResumePolicy
 from trainer.checkpointing.restoring import FatalError, RestoreContext, Resumed, loss_of
-from trainer.history import RunHistory
 from trainer.workload import DataSource
 
 SOURCE = "durable"
@@ -103,9 +102,7 @@ class DurableRestorer:
             self.ctx.events.emit("resume", action=r.action, dir=r.dir, step=r.step, reason=r.reason)
         ok, rejected, found = checkpointing.resume_candidates(root, fingerprint=self.fingerprint)
         if not found:
-            fact = run_state.recorded_commit(root)
-            # A run root from before control/commit.json: its log says (read once, here).
-            recorded = fact.step if fact.known else RunHistory.read(root).recorded_commit()
+            recorded = run_state.recorded_commit(root)
             if recorded is not None:
                 why = _checkpoints_gone(root, recorded)
                 self.ctx.events.emit("resume", action="failed", reason=why, recorded_step=recorded)

@@ -9,7 +9,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from trainer.config import ModelConfig, model_config
+from trainer.model_config import ModelConfig, model_config
 from trainer.workload import WorkloadSpec
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 from trainer.workload import WorkloadSpec
 
 # Named shapes: plain data, derived by copy-and-change.

@@ -2,15 +2,13 @@
 
 In production: the in-cluster (or kubeconfig) Kubernetes client and a boto3 FSx client whose
 credentials come from the pod's IRSA role and whose region is ``eks.region``, else the standard
-chain (:mod:`tasks.aws`). :func:`use_clients` swaps in other clients for the duration of a block:
-the tests pass a :class:`~tasks.backends.eks.kube.Kube` on kmock's emulator and an FSx client
-under ``botocore.stub.Stubber``; everything downstream is the same code.
+chain (:mod:`tasks.aws`). ``_override``, when set, is returned instead: the tests set it
+(``tests.eks_cluster.use_clients``) to a :class:`~tasks.backends.eks.kube.Kube` on kmock's
+emulator and an FSx client under ``botocore.stub.Stubber``; everything downstream is the same code.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,13 +34,3 @@ def connect(region: str | None) -> EksClients:
     from tasks import aws
 
     return EksClients(kube=Kube.from_environment(), fsx=aws.client("fsx", region=region))
-
-
-@contextlib.contextmanager
-def use_clients(clients: EksClients) -> Iterator[EksClients]:
-    global _override
-    previous, _override = _override, clients
-    try:
-        yield clients
-    finally:
-        _override = previous

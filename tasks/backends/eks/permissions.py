@@ -167,16 +167,3 @@ AWS_IMPLIED: tuple[str, ...] = (
     "iam:AttachRolePolicy",
     "iam:PutRolePolicy",
 )
-
-
-def rbac_grants(*, cluster: bool) -> dict[tuple[str, str], set[str]]:
-    """{(group, resource): verbs} the Role (``cluster=False``) or ClusterRole must grant."""
-    out: dict[tuple[str, str], set[str]] = {}
-    for c in KUBE_CALLS:
-        if c.cluster == cluster and not c.default:
-            out.setdefault((c.group, c.resource), set()).add(c.verb)
-    return out
-
-
-def iam_actions() -> set[str]:
-    return {a for c in AWS_CALLS for a in c.actions} | set(AWS_IMPLIED)
