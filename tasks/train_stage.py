@@ -36,6 +36,7 @@ from tasks.watch_state import (
     due,
     frozen,
     lost,
+    mine,
     observe,
     returned,
     silent,
@@ -156,9 +157,9 @@ def run_attempt(
         _attempt_event(events, backend, request, request.attempt)
         job = backend.launch(request)
     else:
-        # Adopted: the attempt runs under the epoch its (dead) watcher published.
-        now = fence.current(run_root)
-        epoch = now.epoch if now is not None else None
+        # Adopted: the attempt runs under the epoch its (dead) watcher published, the highest
+        # on record (epoch.json's, or the event log's where that file was lost).
+        epoch = fence.highest(run_root) or None
         events = EventLog(run_root, epoch=epoch)
         # What the attempt said before we came: a fatal error there decides its outcome too.
         fatal = bounded(
@@ -314,6 +315,8 @@ class _Watch:
             self.complain("reading the event log", err)
             batch = []
         for event in batch:
+            if not mine(self.state, event):  # another epoch's: not this attempt's to count
+                continue
             self.state = observe(self.state, event, self.clock())
             for what, fn in (("on_event", self.on_event), ("the job's observe", self.job.observe)):
                 try:
