@@ -24,6 +24,7 @@ from tasks.backends.base import (
     ReturnDrills,
 )
 from tasks.classify import EndKind, Outcome
+from tasks.errors import FenceBusy
 from tasks.loss_policy import LossPath, LossSnapshot, decide
 from tasks.off_loop import OffLoop, bounded
 from tasks.ownership.lease import LeaseLost
@@ -144,9 +145,12 @@ def run_attempt(
     if job is None:
         # A new epoch first: from here on, no writer of an earlier attempt (a pod on an
         # unreachable node, a frozen host that wakes) changes the run root (trainer.fence).
-        epoch: int | None = fence.publish(
-            run_root, invocation=request.invocation, attempt=request.attempt
-        ).epoch
+        try:
+            epoch: int | None = fence.publish(
+                run_root, invocation=request.invocation, attempt=request.attempt
+            ).epoch
+        except fence.LockTimeout as e:
+            raise FenceBusy(f"attempt {request.attempt} not launched: {e}") from e
         request = dataclasses.replace(request, epoch=epoch)
         events = EventLog(run_root, epoch=epoch)
         (run_root / "result.json").unlink(missing_ok=True)  # only this attempt's result counts

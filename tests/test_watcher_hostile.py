@@ -384,3 +384,47 @@ def test_a_stuck_lease_read_holds_neither_the_watch_nor_the_outcome(tmp_path: Pa
     assert report.outcome.kind == EndKind.COMPLETED, report.outcome.message
     assert backend.job is not None and not backend.job.stopped
     assert time.monotonic() - started < 10  # one read's timeout, not one per poll
+
+
+def test_a_frozen_fence_lock_holder_costs_a_stage_retry_not_the_run(
+    tmp_path: Path, dataset: Path, monkeypatch
+):
+    """A real process holds the fence lock and is frozen (SIGSTOP) past the lock's timeout
+    (1 s here for 60 s; the issue's 90 s hold): the attempt is not launched and its error is
+    a stage retry's; once the holder thaws, the retry publishes and completes."""
+    import signal
+    import subprocess
+    import sys
+
+    from tasks.errors import FenceBusy
+    from tasks.retry_policy import stage_retry_allowed
+
+    cfg = make_config(tmp_path / "run", dataset, steps=STEPS)
+    holds = "import sys; from trainer import fence\nwith fence.locked(sys.argv[1]):\n"
+    holds += " print('held', flush=True); sys.stdin.read()"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", holds, str(cfg.run_root)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        holder.send_signal(signal.SIGSTOP)
+        monkeypatch.setattr(fence, "LOCK_TIMEOUT_S", 1.0)
+        request = LaunchRequest(
+            run_id="frozen", attempt=1, cfg=cfg, nodes=1, nproc_per_node=1, deadline_s=30
+        )
+        backend = ScriptedBackend([*TRAINING, result()])
+        with pytest.raises(FenceBusy, match="attempt 1 not launched") as err:
+            run_attempt(backend, request)  # type: ignore[arg-type]
+        assert stage_retry_allowed(err.value) and backend.job is None
+        assert fence.current(cfg.run_root) is None  # no epoch published
+        holder.send_signal(signal.SIGCONT)  # it thaws, ends its mutation, lets go
+        holder.communicate(timeout=30)
+        retry = LaunchRequest(
+            run_id="frozen", attempt=2, cfg=cfg, nodes=1, nproc_per_node=1, deadline_s=30
+        )
+        report = run_attempt(backend, retry)  # type: ignore[arg-type]
+        assert report.outcome.kind == EndKind.COMPLETED, report.outcome.message
+    finally:
+        holder.kill()
+        holder.wait()

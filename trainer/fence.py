@@ -83,7 +83,7 @@ def epoch_from_env(env: dict[str, str] | None = None) -> int | None:
 
 
 @contextlib.contextmanager
-def locked(run_root: Path, *, timeout_s: float | None = None) -> Iterator[None]:
+def locked(run_root: Path | str, *, timeout_s: float | None = None) -> Iterator[None]:
     """The run root's fence lock, exclusive, waited for at most ``timeout_s`` (None:
     :data:`LOCK_TIMEOUT_S`)."""
     timeout_s = LOCK_TIMEOUT_S if timeout_s is None else timeout_s
