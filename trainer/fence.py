@@ -83,11 +83,13 @@ def epoch_from_env(env: dict[str, str] | None = None) -> int | None:
 
 
 @contextlib.contextmanager
-def locked(run_root: Path | str, *, timeout_s: float | None = None) -> Iterator[None]:
-    """The run root's fence lock, exclusive, waited for at most ``timeout_s`` (None:
-    :data:`LOCK_TIMEOUT_S`)."""
+def locked(
+    run_root: Path | str, *, timeout_s: float | None = None, name: Path = LOCK_FILE
+) -> Iterator[None]:
+    """The run root's fence lock (or another lock file of it, ``name``), exclusive, waited for
+    at most ``timeout_s`` (None: :data:`LOCK_TIMEOUT_S`)."""
     timeout_s = LOCK_TIMEOUT_S if timeout_s is None else timeout_s
-    path = Path(run_root) / LOCK_FILE
+    path = Path(run_root) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     fd = os.open(path, flags, 0o644)

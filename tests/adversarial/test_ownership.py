@@ -209,6 +209,58 @@ def test_a_lease_taken_over_is_known_lost_and_never_rewritten(tmp_path: Path):
     assert (tmp_path / "owner.lease").exists()  # the new owner's file stays
 
 
+OLD_OWNER = """
+import sys, time
+from pathlib import Path
+from tasks.ownership.lease import RunLease
+lease = RunLease(Path(sys.argv[1]), "r1", heartbeat_s=0.0)  # swaps without pause
+lease.acquire()
+print("held", flush=True)
+while lease.lost is None:
+    time.sleep(0.01)
+lease.release()
+print("lost", flush=True)
+"""
+
+
+@pytest.mark.parametrize("pause_s", [0.0, 0.003, 0.011, 0.02, 0.037])
+def test_a_paused_old_owner_resuming_after_a_takeover_never_overwrites_it(
+    tmp_path: Path, pause_s: float
+):
+    """The old owner (a real process rewriting its lease as fast as it can) is paused
+    (SIGSTOP) wherever it is, maybe between reading the file and writing it; a new owner on
+    another host takes the lease over (the same compare-and-swap, under the swap lock); the old
+    one resumes: it finds the new owner, writes nothing more, and its release leaves the file."""
+    from tasks.ownership.lease import swapping
+
+    old = subprocess.Popen(
+        [sys.executable, "-c", OLD_OWNER, str(tmp_path)], stdout=subprocess.PIPE, cwd=REPO
+    )
+    try:
+        assert old.stdout is not None and old.stdout.readline() == b"held\n"
+        time.sleep(pause_s)
+        old.send_signal(signal.SIGSTOP)
+        new = Owner("newowner", os.getpid(), "other-host", time.time(), time.time())
+
+        def take_over() -> None:  # waits while the paused owner is mid-swap
+            with swapping(tmp_path):
+                (tmp_path / "owner.lease").write_text(LeaseRecord("r1", new, time.time()).to_json())
+
+        taker = threading.Thread(target=take_over)
+        taker.start()
+        taker.join(0.3)
+        old.send_signal(signal.SIGCONT)
+        taker.join(10)
+        assert not taker.is_alive()
+        out, _ = old.communicate(timeout=10)  # an owner that overwrote would beat on
+        assert out == b"lost\n" and old.returncode == 0
+        rec = LeaseRecord.parse((tmp_path / "owner.lease").read_text())
+        assert rec is not None and rec.owner.invocation == "newowner"
+    finally:
+        old.kill()
+        old.wait()
+
+
 # -- takeover decisions (pure) --------------------------------------------------------------------
 def _snap(**kw: object) -> takeover.Snapshot:
     nodes = tuple({"kind": "node", "attempt": 2, "node": n, "pid": 10 + n} for n in range(2))
