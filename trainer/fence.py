@@ -35,7 +35,8 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainer.errors import TrainerError
-from trainer.event_read import EVENTS_FILE, EventReader
+from trainer.event_read import EVENTS_FILE
+from trainer.event_types import ValidationError, decode_json
 from trainer.run_files import open_regular, read_model, write_json_atomic
 
 EPOCH_ENV = "NVRX_EPOCH"
@@ -120,14 +121,18 @@ def current(run_root: Path) -> Epoch | None:
 
 def logged(run_root: Path) -> int:
     """The highest epoch the event log's end records (0: none)."""
-    path = Path(run_root) / EVENTS_FILE
-    reader = EventReader(path)
     try:
-        with open_regular(path) as fd:
-            reader.offset = max(0, os.fstat(fd).st_size - EVENTS_TAIL)
+        with open_regular(Path(run_root) / EVENTS_FILE) as fd:
+            size = os.fstat(fd).st_size
+            start = max(0, size - EVENTS_TAIL)
+            lines = os.pread(fd, size - start, start).split(b"\n")[1 if start else 0 :]
     except OSError:
         return 0
-    return max((e.epoch or 0 for e in reader.iter_new()), default=0)
+    best = 0
+    for line in lines:  # the first, cut by the tail's start, skipped; bad ones too
+        with contextlib.suppress(ValidationError):
+            best = max(best, decode_json(line).epoch or 0)
+    return best
 
 
 def highest(run_root: Path) -> int:
