@@ -104,6 +104,17 @@ def _fatal_since_last_attempt_start(run_root: Path, epoch: int | None) -> str | 
     return fatal
 
 
+def _publish(request: LaunchRequest) -> int:
+    """The attempt's new epoch; a fence lock held past its timeout (a writer frozen holding it)
+    launches nothing and is a stage retry's (:class:`FenceBusy`), not the run's end."""
+    try:
+        return fence.publish(
+            request.cfg.run_root, invocation=request.invocation, attempt=request.attempt
+        ).epoch
+    except fence.LockTimeout as e:
+        raise FenceBusy(f"attempt {request.attempt} not launched: {e}") from e
+
+
 def node_faults(specs: list[str] | tuple[str, ...]) -> list[FaultSpec]:
     """The drills the watcher carries out: node losses and returns, in step order."""
     out = [f for f in map(parse_fault, specs) if f.kind in NODE_KINDS]
@@ -145,12 +156,7 @@ def run_attempt(
     if job is None:
         # A new epoch first: from here on, no writer of an earlier attempt (a pod on an
         # unreachable node, a frozen host that wakes) changes the run root (trainer.fence).
-        try:
-            epoch: int | None = fence.publish(
-                run_root, invocation=request.invocation, attempt=request.attempt
-            ).epoch
-        except fence.LockTimeout as e:
-            raise FenceBusy(f"attempt {request.attempt} not launched: {e}") from e
+        epoch: int | None = _publish(request)
         request = dataclasses.replace(request, epoch=epoch)
         events = EventLog(run_root, epoch=epoch)
         (run_root / "result.json").unlink(missing_ok=True)  # only this attempt's result counts
