@@ -238,8 +238,9 @@ class RunLease:
                     self._unlock(fd)
                 except BlockingIOError:
                     pass
-                except LockTimeout as e:  # the swap lock held by a stopped process: try again
-                    undecided = True
+                except LockTimeout as e:
+                    # The swap lock held by a stopped owner (frozen mid-swap): as busy as a
+                    # live one, until it lets go or wait_s runs out.
                     self._unlock(fd)
                     log.warning("run %s: %s", self.run_id, e)
                 if time.monotonic() >= deadline and not undecided:

@@ -261,6 +261,38 @@ def test_a_paused_old_owner_resuming_after_a_takeover_never_overwrites_it(
         old.wait()
 
 
+def test_an_owner_frozen_mid_swap_makes_the_run_busy_not_a_hang(tmp_path: Path, monkeypatch):
+    """A real process holds the lease's swap lock and is frozen (SIGSTOP): a takeover of the
+    lease, due by its record (its owner is dead), waits no longer than wait_s, then RunBusy."""
+    from tasks.ownership import lease
+
+    (tmp_path / "owner.lease").write_text(_dead_owner().to_json())
+    holds = "import sys; from pathlib import Path; from trainer import fence\n"
+    holds += "with fence.locked(sys.argv[1], name=Path('.lease.lock')):\n"
+    holds += " print('held', flush=True); sys.stdin.read()"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", holds, str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        holder.send_signal(signal.SIGSTOP)
+        monkeypatch.setattr(lease, "SWAP_TIMEOUT_S", 0.3)
+        started = time.monotonic()
+        with pytest.raises(RunBusy):
+            RunLease(tmp_path, "r1").acquire(wait_s=1.0)
+        assert time.monotonic() - started < 10
+        holder.send_signal(signal.SIGCONT)
+        holder.communicate(timeout=30)  # thawed, it lets go: the takeover goes through
+        again = RunLease(tmp_path, "r1")
+        again.acquire()
+        assert again.takeover is not None
+        again.release()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 # -- takeover decisions (pure) --------------------------------------------------------------------
 def _snap(**kw: object) -> takeover.Snapshot:
     nodes = tuple({"kind": "node", "attempt": 2, "node": n, "pid": 10 + n} for n in range(2))
