@@ -49,6 +49,12 @@ class DoNotRequeue(TrainingFailed):
     the ``control/no_restart`` marker or a fatal event, or a launcher exited 93. Never retried."""
 
 
+class FenceBusy(TrainingFailed):
+    """The new attempt's epoch could not be published: the run root's fence lock stayed held
+    past its timeout (a writer frozen while holding it). Nothing was launched; a stage retry
+    publishes again, once the holder thawed or died."""
+
+
 class TrainTimeout(TrainingFailed):
     """The train stage's own deadline passed."""
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.errors import CapacityNotRestored, NodeLost
+from tasks.errors import CapacityNotRestored, FenceBusy, NodeLost
 
 
 def stage_retry_allowed(error: BaseException | None) -> bool:
-    """A whole train stage is retried only when the in-job layers were exhausted by node loss.
-    Every other failure repeats on a retry (a bug, bad data, a fault that keeps coming) and must
-    fail fast with its cause."""
-    return isinstance(error, NodeLost)
+    """A whole train stage is retried only when the in-job layers were exhausted by node loss,
+    or when its epoch could not be published past a frozen holder of the fence lock. Every
+    other failure repeats on a retry (a bug, bad data, a fault that keeps coming) and must fail
+    fast with its cause."""
+    return isinstance(error, NodeLost | FenceBusy)
 
 
 def awaits_capacity(error: BaseException | None) -> bool:

@@ -23,6 +23,7 @@ from tasks.backends.base import (
     ReturnDrills,
 )
 from tasks.classify import EndKind, Evidence, Outcome, judge
+from tasks.errors import FenceBusy
 from tasks.loss_policy import LossPath, LossSnapshot, decide
 from tasks.off_loop import OffLoop, bounded
 from tasks.ownership.lease import LeaseLost
@@ -35,6 +36,7 @@ from tasks.watch_state import (
     due,
     frozen,
     lost,
+    mine,
     observe,
     returned,
     silent,
@@ -101,6 +103,17 @@ def _fatal_since_last_attempt_start(run_root: Path, epoch: int | None) -> str | 
     return fatal
 
 
+def _publish(request: LaunchRequest) -> int:
+    """The attempt's new epoch; a fence lock held past its timeout (a writer frozen holding it)
+    launches nothing and is a stage retry's (:class:`FenceBusy`), not the run's end."""
+    try:
+        return fence.publish(
+            request.cfg.run_root, invocation=request.invocation, attempt=request.attempt
+        ).epoch
+    except fence.LockTimeout as e:
+        raise FenceBusy(f"attempt {request.attempt} not launched: {e}") from e
+
+
 def node_faults(specs: tuple[FaultSpec, ...]) -> list[FaultSpec]:
     """The drills the watcher carries out: node losses and returns, in step order."""
     return sorted((f for f in specs if f.is_node_fault), key=lambda f: (f.step, not f.kills_node))
@@ -141,9 +154,7 @@ def run_attempt(
     if job is None:
         # A new epoch first: from here on, no writer of an earlier attempt (a pod on an
         # unreachable node, a frozen host that wakes) changes the run root (trainer.fence).
-        epoch: int | None = fence.publish(
-            run_root, invocation=request.invocation, attempt=request.attempt
-        ).epoch
+        epoch: int | None = _publish(request)
         request = dataclasses.replace(request, epoch=epoch)
         events = EventLog(run_root, epoch=epoch)
         (run_root / "result.json").unlink(missing_ok=True)  # only this attempt's result counts
@@ -154,9 +165,9 @@ def run_attempt(
         _attempt_event(events, backend, request, request.attempt)
         job = backend.launch(request)
     else:
-        # Adopted: the attempt runs under the epoch its (dead) watcher published.
-        now = fence.current(run_root)
-        epoch = now.epoch if now is not None else None
+        # Adopted: the attempt runs under the epoch its (dead) watcher published, the highest
+        # on record (epoch.json's, or the event log's where that file was lost).
+        epoch = fence.highest(run_root) or None
         events = EventLog(run_root, epoch=epoch)
         # What the attempt said before we came: a fatal error there decides its outcome too.
         fatal = bounded(
@@ -312,6 +323,8 @@ class _Watch:
             self.complain("reading the event log", err)
             batch = []
         for event in batch:
+            if not mine(self.state, event):  # another epoch's: not this attempt's to count
+                continue
             self.state = observe(self.state, event, self.clock())
             for what, fn in (("on_event", self.on_event), ("the job's observe", self.job.observe)):
                 try:

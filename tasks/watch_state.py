@@ -103,10 +103,20 @@ def _replace(s: WatchState, **changes: Any) -> WatchState:
     return dataclasses.replace(s, **changes)
 
 
+def mine(s: WatchState, e: Mapping[str, Any]) -> bool:
+    """Is ``e`` this attempt's? Only events carrying its epoch are (an unfenced attempt's carry
+    none): another epoch's (a replaced attempt's zombie, another run's pod on the same FSx) or
+    one without an epoch decides nothing, counts no step and fires no drill."""
+    return e.get("epoch") == s.epoch
+
+
 def observe(s: WatchState, e: Mapping[str, Any], now: float) -> WatchState:
-    """One event of the attempt, as read (validated: :mod:`trainer.event_types`)."""
+    """One event of the attempt, as read (validated: :mod:`trainer.event_types`); any other
+    attempt's changes nothing."""
+    if not mine(s, e):
+        return s
     kind = e["kind"]
-    if kind == "fatal" and s.fatal is None and (s.epoch is None or e.get("epoch") == s.epoch):
+    if kind == "fatal" and s.fatal is None:
         return _replace(s, fatal=e["error"])
     if kind == "train_start" and isinstance(e.get("nodes"), list):
         named = frozenset(int(n) for n in e["nodes"])

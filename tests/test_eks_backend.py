@@ -27,6 +27,7 @@ from tasks.train_stage import AttemptReport, run_attempt
 from tests.eks_cluster import NS, mark_disrupted, node_obj, pod_obj, terminated
 from tests.kube_chaos import ChaosProxy, Misbehaviour
 from trainer import fence
+from trainer.events import EventLog
 
 TAG = "inv001"  # the invocation's tag in the Job's name
 
@@ -343,14 +344,13 @@ def test_an_interrupted_watch_deletes_the_job(kube: Kube, tmp_path: Path):
     params = eks_params("k-cancel", tmp_path)
     name = job_name("k-cancel", 1, TAG)
     root = tmp_path / "runs" / "k-cancel"
-    from trainer.events import EventLog
 
     def interrupt(e: dict) -> None:
         if e["kind"] == "step" and kube.read_job(NS, name) is not None:
             raise KeyboardInterrupt("cancelled")  # as Prefect's SIGTERM bridge raises
 
     # A trainer event arrives once the Job exists: the stage's progress callback is interrupted.
-    threading.Timer(1.0, lambda: EventLog(root).emit("step", step=1, loss=1.0)).start()
+    threading.Timer(1.0, lambda: worker_log(root).emit("step", step=1, loss=1.0)).start()
     with pytest.raises(KeyboardInterrupt):
         attempt_on(kube, params, deadline_s=30, on_event=interrupt)
     assert kube.read_job(NS, name) is None
@@ -572,14 +572,19 @@ def test_log_follow_survives_a_dropped_stream_without_duplicates():
     assert "sinceSeconds" not in requests[0] and "sinceSeconds=" in requests[1]
 
 
+def worker_log(root: Path) -> EventLog:
+    """A worker's event log: its events carry the epoch the watcher published, as a pod's do
+    (NVRX_EPOCH); the watcher counts no other's."""
+    return EventLog(root, epoch=fence.highest(root) or None)
+
+
 def lose_then_complete(lost: int, root: Path, world: list[int]) -> Callable[[Kube, str], None]:
     """The world ``world`` starts training (its train_start, as the trainer writes it on FSx);
     the node of pod ``lost`` goes (as the control plane shows it); the job trains on and the
     rendezvous host's pod completes, which ends an elastic Job (its success policy)."""
-    from trainer.events import EventLog
 
     def act(k: Kube, job: str) -> None:
-        EventLog(root).emit("train_start", nodes=world, world_size=len(world))
+        worker_log(root).emit("train_start", nodes=world, world_size=len(world))
         time.sleep(1.0)
         mark_disrupted(k, f"{job}-{lost}-x")
         time.sleep(2.0)
@@ -628,7 +633,7 @@ def test_below_the_minimum_the_survivors_wait_then_the_stage_retry(kube: Kube, t
     survivors' join timeout, 4 s here, plus the watcher's grace) passes with no world re-formed,
     the attempt ends in a node loss: the stage retry's."""
     from tasks.train_stage import WAIT_GRACE_S
-    from trainer.events import EventLog, read_events
+    from trainer.events import read_events
 
     run_id = "k-el-wait"
     params = eks_params(run_id, tmp_path, nodes="2:3", global_batch=24)
@@ -636,7 +641,7 @@ def test_below_the_minimum_the_survivors_wait_then_the_stage_retry(kube: Kube, t
     root = tmp_path / "runs" / run_id
 
     def act(k: Kube, name: str) -> None:
-        EventLog(root).emit("train_start", nodes=[0, 1, 2], world_size=3)
+        worker_log(root).emit("train_start", nodes=[0, 1, 2], world_size=3)
         time.sleep(1.0)
         mark_disrupted(k, f"{name}-2-x")
         time.sleep(1.0)

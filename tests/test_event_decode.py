@@ -195,7 +195,11 @@ def test_a_fifo_marker_is_no_marker(tmp_path: Path):
     os.mkfifo(tmp_path / NO_RESTART_MARKER)
     assert _within(lambda: read_no_restart(tmp_path)) is None
     os.unlink(tmp_path / NO_RESTART_MARKER)
-    (tmp_path / NO_RESTART_MARKER).write_text("garbage")  # NVRx's own may hold anything
-    assert read_no_restart(tmp_path) == "garbage"
+    # Only ours are markers (NVRx asks over its IPC socket): not JSON, or no epoch, is none.
+    (tmp_path / NO_RESTART_MARKER).write_text("garbage")
+    assert read_no_restart(tmp_path) is None
+    (tmp_path / NO_RESTART_MARKER).write_text('{"reason": "bad data"}')
+    assert read_no_restart(tmp_path) == "bad data"  # an unfenced run's (no epoch) is its own
+    assert read_no_restart(tmp_path, epoch=3) is None
     os.mkfifo(tmp_path / "control" / "node_lost")
     assert _within(lambda: node_lost_since(tmp_path, 0.0)) is False

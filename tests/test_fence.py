@@ -57,7 +57,38 @@ def test_publish_counts_up_and_a_malformed_epoch_is_none(tmp_path: Path):
     assert fence.current(tmp_path) == e2
     (tmp_path / fence.EPOCH_FILE).write_text('{"epoch": "3"}')
     assert fence.current(tmp_path) is None
-    assert fence.publish(tmp_path, invocation="c", attempt=1).epoch == 1  # starts over, said
+    # No other record of an epoch (no event yet): nothing to count from.
+    assert fence.publish(tmp_path, invocation="c", attempt=1).epoch == 1
+
+
+def _attempts(root: Path, n: int) -> None:
+    """``n`` attempts published, each saying so in the event log first, as the watcher does."""
+    for attempt in range(1, n + 1):
+        epoch = fence.publish(root, invocation="w", attempt=attempt).epoch
+        EventLog(root, epoch=epoch).emit("stage_attempt", stage="train", attempt=attempt)
+
+
+@pytest.mark.parametrize("damage", ["lost", "corrupt", "not-an-epoch"])
+def test_a_damaged_epoch_json_passes_no_zombie_and_fences_no_live_writer(tmp_path: Path, damage):
+    _attempts(tmp_path, 3)
+    path = tmp_path / fence.EPOCH_FILE
+    path.unlink() if damage == "lost" else path.write_text(
+        "\x00garbage" if damage == "corrupt" else '{"epoch": 1, "t": 0}'
+    )
+    zombie, live = _fence(tmp_path, 1), _fence(tmp_path, 3)
+    assert not zombie.still_current() and live.still_current()
+    ran = []
+    with pytest.raises(fence.Fenced, match="epoch 1 is not the run's"), zombie.hold("commit"):
+        ran.append("zombie")
+    with live.hold("commit"):  # repairs the record, under the lock
+        ran.append("live")
+    assert ran == ["live"]
+    now = fence.current(tmp_path)
+    assert now is not None and now.epoch == 3
+    path.unlink()
+    assert fence.publish(tmp_path, invocation="x", attempt=4).epoch == 4  # never back to 1
+    with pytest.raises(fence.Fenced), live.hold("commit"):
+        pass
 
 
 @pytest.mark.parametrize("value", ["", "0", "-1", "x", "1.5"])

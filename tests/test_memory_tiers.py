@@ -360,6 +360,33 @@ def test_the_local_backend_gives_each_node_memory_and_takes_a_lost_nodes(tmp_pat
     assert not second.exists() and not second.parent.exists()
 
 
+def test_a_cleanup_and_a_takeover_remove_node_memory_no_launcher_removed(tmp_path: Path):
+    """Attempts ended without their launcher (issue 41): a cleanup removes every invocation's
+    node memory (no live owner here); a takeover that ends the dead owner's attempt, all of it;
+    one that adopts it, none."""
+    from tasks.backends.local import LocalBackend
+    from tasks.ownership import takeover
+    from tasks.ownership.lease import LeaseRecord, Owner
+
+    root = tmp_path / "run"
+    previous = LeaseRecord("r", Owner("inv-dead", 1, "h", 0.0, 0.0), 0.0)
+    dead = node_memory.prepare(root, 3, "inv-dead")
+    adopt = takeover.Plan(takeover.Action.ADOPT, "healthy", 3)
+    assert takeover.carry_out(adopt, previous, root) == [] and dead.is_dir()
+    end = takeover.Plan(takeover.Action.END, "attempt 3: node(s) [1] gone", 3)
+    assert takeover.carry_out(end, previous, root) == [] and not dead.exists()
+    swept = node_memory.prepare(root, 1, "inv-gone")
+    removed = LocalBackend(tmp_path / "state").cleanup("r", root)
+    assert removed == ["node memory attempt1-inv-gone"] and not swept.parent.exists()
+    # A live owner's is kept.
+    live = node_memory.prepare(root, 2, "inv-live")
+    (live.parent / "attempt1-inv-gone").mkdir()
+    assert node_memory.forget(root, keep="inv-live") == [live.parent / "attempt1-inv-gone"]
+    assert live.is_dir()
+    node_memory.forget(root)
+    assert not live.parent.exists()
+
+
 @pytest.mark.parametrize(
     "rank_nodes, ring",
     [

@@ -21,6 +21,7 @@ from tasks.watch_state import (
     drop,
     due,
     lost,
+    mine,
     observe,
     returned,
     silent,
@@ -111,6 +112,14 @@ def test_only_the_attempts_own_fatal_error_counts():
     s = observe(s, {"kind": "fatal", "t": 1.0, "error": "mine", "epoch": 7}, T0)
     s = observe(s, {"kind": "fatal", "t": 1.0, "error": "later", "epoch": 7}, T0)
     assert s.fatal == "mine"
+
+
+def test_another_epochs_world_and_steps_change_nothing():
+    """A zombie's train_start and steps (issue 41): no world, no progress, no spare start."""
+    s = replace(BASE, epoch=7)
+    for e in (start(0, 1), step(40), {"kind": "fatal", "t": 1.0, "error": "none"}):
+        assert not mine(s, e) and observe(s, {**e, "epoch": 6}, T0) == s and observe(s, e, T0) == s
+    assert observe(s, {**step(3), "epoch": 7}, T0).last_step == 3
 
 
 def test_drills_come_due_in_order_and_a_return_waits_for_the_reformed_world():

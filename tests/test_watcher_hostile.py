@@ -7,6 +7,7 @@ no processes: the watcher, the decoder, the files and the classification are all
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -22,6 +23,8 @@ from tasks.classify import EndKind, Observation, Outcome
 from tasks.train_stage import run_attempt
 from tests.helpers import free_port, make_config, sample, scrape
 from trainer import fence
+from trainer.event_read import read_event_dicts
+from trainer.events import EventLog
 from trainer.resilience import NO_RESTART_MARKER
 
 STEPS = 4
@@ -36,25 +39,50 @@ def append(*lines: str) -> Action:
     return act
 
 
-def step(n: int) -> str:
-    return json.dumps({"t": time.time(), "kind": "step", "step": n, "loss": 1.0, "step_s": 0.01})
-
-
 def epoch_of(run_root: Path) -> int:
-    """The epoch the watcher published for this attempt (its workers get it as NVRX_EPOCH)."""
-    now = fence.current(run_root)
-    assert now is not None
-    return now.epoch
+    """The epoch of this attempt (its workers get it as NVRX_EPOCH), as its watcher said."""
+    starts = [e for e in read_event_dicts(run_root) if e["kind"] == "stage_attempt"]
+    return int(starts[-1]["epoch"])
+
+
+def step(n: int, *, epoch: int | None = None) -> Action:
+    """A worker's step event, carrying its epoch (this attempt's unless given)."""
+
+    def act(run_root: Path) -> None:
+        mine = epoch_of(run_root) if epoch is None else epoch
+        event = {"t": time.time(), "kind": "step", "step": n, "loss": 1.0, "step_s": 0.01}
+        append(json.dumps({**event, "epoch": mine}))(run_root)
+
+    return act
+
+
+def train_start(nodes: list[int], *, epoch: int) -> Action:
+    event = {"t": time.time(), "kind": "train_start", "world_size": 2, "nodes": nodes}
+    return append(json.dumps({**event, "epoch": epoch}))
 
 
 def result(status: str = "completed", *, epoch: int | None = None) -> Action:
+    """result.json as the worker writes it: under its fence (trainer.loop.write_result)."""
+
     def act(run_root: Path) -> None:
         mine = epoch_of(run_root) if epoch is None else epoch
-        (run_root / "result.json").write_text(
-            json.dumps({"status": status, "final_step": STEPS, "final_loss": 1.0, "epoch": mine})
-        )
+        body = {"status": status, "final_step": STEPS, "final_loss": 1.0, "epoch": mine}
+        with contextlib.suppress(fence.Fenced), _fence(run_root, mine).hold("write result.json"):
+            (run_root / "result.json").write_text(json.dumps(body))
 
     return act
+
+
+def _fence(run_root: Path, epoch: int) -> fence.Fence:
+    def refused() -> None:  # a worker exits 4 here; the script goes on
+        pass
+
+    return fence.Fence(run_root, epoch, on_fenced=refused)
+
+
+def marker(content: Callable[[int], bytes]) -> Action:
+    """A no_restart marker, given this attempt's epoch."""
+    return lambda root: plant(str(NO_RESTART_MARKER), content(epoch_of(root)))(root)
 
 
 def fatal(*, epoch: int | None = None) -> Action:
@@ -82,7 +110,8 @@ def plant(name: str, content: bytes | None) -> Action:
     return act
 
 
-TRAINING = [append(step(n)) for n in range(1, STEPS + 1)]
+TRAINING = [step(n) for n in range(1, STEPS + 1)]
+EARLIER = 2  # epochs published before the attempt's (earlier attempts', whose zombies write)
 BAD = [
     "1",
     "null",
@@ -173,6 +202,26 @@ CASES: list[tuple[str, list[Action], EndKind]] = [
     ("fatal-of-another-epoch", [*TRAINING, fatal(epoch=999), result()], EndKind.COMPLETED),
     ("result-of-another-epoch", [*TRAINING, result(epoch=999)], EndKind.BUG),
     ("own-fatal", [*TRAINING, fatal(), result("failed")], EndKind.DO_NOT_REQUEUE),
+    # Issue 41: a marker nothing of this attempt wrote is no verdict; its own is.
+    ("marker-without-an-epoch", [marker(lambda e: b'{"reason": "whose?"}'), *TRAINING, result()],
+     EndKind.COMPLETED),
+    ("marker-not-json", [marker(lambda e: b"do not restart"), *TRAINING, result()],
+     EndKind.COMPLETED),
+    ("own-marker", [*TRAINING, marker(lambda e: b'{"reason": "bad data", "epoch": %d}' % e),
+                    result("failed")], EndKind.DO_NOT_REQUEUE),
+    # Another epoch's world and steps: no progress, no world, no drill of this attempt's.
+    ("train-start-and-steps-of-another-epoch",
+     [train_start([0, 1], epoch=EARLIER), step(1), step(7, epoch=EARLIER), *TRAINING[1:],
+      step(99, epoch=EARLIER + 1000), result()], EndKind.COMPLETED),
+    # epoch.json lost or corrupt mid-attempt: the live writer's result stands (it repairs
+    # the record); a zombie of an earlier epoch still writes nothing.
+    ("epoch-json-lost", [*TRAINING[:2], lambda root: (root / fence.EPOCH_FILE).unlink(),
+                         *TRAINING[2:], result()], EndKind.COMPLETED),
+    ("epoch-json-corrupt", [*TRAINING[:2], plant(str(fence.EPOCH_FILE), b"\x00{"),
+                            *TRAINING[2:], result()], EndKind.COMPLETED),
+    ("zombie-after-epoch-json-lost",
+     [*TRAINING, lambda root: (root / fence.EPOCH_FILE).unlink(), result(),
+      result(epoch=EARLIER)], EndKind.COMPLETED),
 ]  # fmt: skip
 
 
@@ -184,10 +233,15 @@ def test_hostile_files_do_not_change_an_attempts_outcome(
     request = LaunchRequest(
         run_id="hostile", attempt=1, cfg=cfg, nodes=1, nproc_per_node=1, deadline_s=30
     )
+    for n in range(EARLIER):  # earlier attempts, each on record in the event log
+        epoch = fence.publish(cfg.run_root, invocation="earlier", attempt=n + 1).epoch
+        EventLog(cfg.run_root, epoch=epoch).emit("stage_attempt", stage="train", attempt=n + 1)
     backend = ScriptedBackend(script)
     seen: list[dict[str, Any]] = []
     report = run_attempt(backend, request, on_event=seen.append)  # type: ignore[arg-type]
     assert report.outcome.kind == kind, report.outcome.message
+    if kind == EndKind.COMPLETED:  # the live attempt's result, no zombie's
+        assert json.loads((cfg.run_root / "result.json").read_text())["epoch"] == EARLIER + 1
     assert backend.job is not None and not backend.job.stopped  # it ended by itself
     steps = [e["step"] for e in seen if e["kind"] == "step"]
     assert steps == list(range(1, STEPS + 1))  # every good line, no bad one
@@ -321,3 +375,47 @@ def test_a_stuck_lease_read_holds_neither_the_watch_nor_the_outcome(tmp_path: Pa
     assert report.outcome.kind == EndKind.COMPLETED, report.outcome.message
     assert backend.job is not None and not backend.job.stopped
     assert time.monotonic() - started < 10  # one read's timeout, not one per poll
+
+
+def test_a_frozen_fence_lock_holder_costs_a_stage_retry_not_the_run(
+    tmp_path: Path, dataset: Path, monkeypatch
+):
+    """A real process holds the fence lock and is frozen (SIGSTOP) past the lock's timeout
+    (1 s here for 60 s; the issue's 90 s hold): the attempt is not launched and its error is
+    a stage retry's; once the holder thaws, the retry publishes and completes."""
+    import signal
+    import subprocess
+    import sys
+
+    from tasks.errors import FenceBusy
+    from tasks.retry_policy import stage_retry_allowed
+
+    cfg = make_config(tmp_path / "run", dataset, steps=STEPS)
+    holds = "import sys; from trainer import fence\nwith fence.locked(sys.argv[1]):\n"
+    holds += " print('held', flush=True); sys.stdin.read()"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", holds, str(cfg.run_root)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        holder.send_signal(signal.SIGSTOP)
+        monkeypatch.setattr(fence, "LOCK_TIMEOUT_S", 1.0)
+        request = LaunchRequest(
+            run_id="frozen", attempt=1, cfg=cfg, nodes=1, nproc_per_node=1, deadline_s=30
+        )
+        backend = ScriptedBackend([*TRAINING, result()])
+        with pytest.raises(FenceBusy, match="attempt 1 not launched") as err:
+            run_attempt(backend, request)  # type: ignore[arg-type]
+        assert stage_retry_allowed(err.value) and backend.job is None
+        assert fence.current(cfg.run_root) is None  # no epoch published
+        holder.send_signal(signal.SIGCONT)  # it thaws, ends its mutation, lets go
+        holder.communicate(timeout=30)
+        retry = LaunchRequest(
+            run_id="frozen", attempt=2, cfg=cfg, nodes=1, nproc_per_node=1, deadline_s=30
+        )
+        report = run_attempt(backend, retry)  # type: ignore[arg-type]
+        assert report.outcome.kind == EndKind.COMPLETED, report.outcome.message
+    finally:
+        holder.kill()
+        holder.wait()

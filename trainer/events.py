@@ -23,6 +23,7 @@ from typing import Any, Literal, get_args
 
 from trainer.event_read import read_event_dicts
 from trainer.event_types import ValidationError, decode_json
+from trainer.fence import epoch_from_env
 
 # The layers a recovery is attributed to (``restart``/``recovered`` events, the result's
 # ``faults[].recovered_by``): in-process, in-job respawn, an elastic job re-formed on fewer
@@ -41,8 +42,6 @@ class EventLog:
     def __init__(self, run_root: Path, *, enabled: bool = True, epoch: int | None = None) -> None:
         """``epoch``: the epoch every event carries (trainer.fence); None: this process's own
         (``NVRX_EPOCH``), if it was given one."""
-        from trainer.fence import epoch_from_env
-
         self.path = Path(run_root) / "events.jsonl"
         self.enabled = enabled
         self.epoch = epoch if epoch is not None else epoch_from_env()

@@ -11,6 +11,11 @@ writer whose epoch is no longer current changes nothing: it emits a ``fenced`` e
 with :data:`EXIT_FENCED`. The watcher publishes under the same lock, so no epoch changes in the
 middle of a fenced mutation.
 
+The epoch never goes back: a new one is one more than the highest on record, ``epoch.json``'s
+or any event's (every attempt's first event carries its epoch), so a lost or corrupt
+``epoch.json`` lets no zombie of an earlier attempt pass. Nor does it fence a live writer: under
+the lock, a writer whose epoch is the highest on record repairs the file and goes on.
+
 A worker started without an epoch (the trainer run by hand, outside the pipeline) is unfenced.
 """
 
@@ -25,15 +30,14 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainer.errors import TrainerError
-from trainer.run_files import read_model, write_json_atomic
-
-if TYPE_CHECKING:
-    from trainer.events import EventLog
+from trainer.event_read import EVENTS_FILE
+from trainer.event_types import ValidationError, decode_json
+from trainer.run_files import open_regular, read_model, write_json_atomic
 
 EPOCH_ENV = "NVRX_EPOCH"
 EPOCH_FILE = Path("control") / "epoch.json"
@@ -43,6 +47,9 @@ EXIT_FENCED = 4
 # How long a mutation or a publication waits for the lock: a mutation holds it for a rename or
 # a few (milliseconds); longer means a holder that stopped while holding it (a frozen process).
 LOCK_TIMEOUT_S = 60.0
+# How much of the event log's end is read for the highest epoch on record: every attempt's
+# events since its start carry its epoch, and the newest attempt's are the log's last.
+EVENTS_TAIL = 4 << 20
 
 _log = logging.getLogger(__name__)
 
@@ -53,6 +60,12 @@ class Fenced(TrainerError, RuntimeError):
 
 class LockTimeout(TrainerError, TimeoutError):
     pass
+
+
+class Emits(Protocol):
+    """Where a fenced writer says so (trainer.events.EventLog)."""
+
+    def emit(self, kind: str, **fields: Any) -> Any: ...
 
 
 class Epoch(BaseModel):
@@ -71,9 +84,13 @@ def epoch_from_env(env: dict[str, str] | None = None) -> int | None:
 
 
 @contextlib.contextmanager
-def locked(run_root: Path, *, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
-    """The run root's fence lock, exclusive, waited for at most ``timeout_s``."""
-    path = Path(run_root) / LOCK_FILE
+def locked(
+    run_root: Path | str, *, timeout_s: float | None = None, name: Path = LOCK_FILE
+) -> Iterator[None]:
+    """The run root's fence lock (or another lock file of it, ``name``), exclusive, waited for
+    at most ``timeout_s`` (None: :data:`LOCK_TIMEOUT_S`)."""
+    timeout_s = LOCK_TIMEOUT_S if timeout_s is None else timeout_s
+    path = Path(run_root) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     fd = os.open(path, flags, 0o644)
@@ -102,13 +119,35 @@ def current(run_root: Path) -> Epoch | None:
     return read_model(Path(run_root) / EPOCH_FILE, Epoch)
 
 
+def logged(run_root: Path) -> int:
+    """The highest epoch the event log's end records (0: none)."""
+    try:
+        with open_regular(Path(run_root) / EVENTS_FILE) as fd:
+            size = os.fstat(fd).st_size
+            start = max(0, size - EVENTS_TAIL)
+            lines = os.pread(fd, size - start, start).split(b"\n")[1 if start else 0 :]
+    except OSError:
+        return 0
+    best = 0
+    for line in lines:  # the first, cut by the tail's start, skipped; bad ones too
+        with contextlib.suppress(ValidationError):
+            best = max(best, decode_json(line).epoch or 0)
+    return best
+
+
+def highest(run_root: Path) -> int:
+    """The highest epoch on record, ``epoch.json``'s or the event log's (0: none): an epoch.json
+    lost or corrupt is no reason to count from 1 again."""
+    now = current(run_root)
+    return max(now.epoch if now is not None else 0, logged(run_root))
+
+
 def publish(run_root: Path, *, invocation: str, attempt: int) -> Epoch:
     """A new epoch for an attempt about to launch (the watcher, under the run's lease): every
     writer of an earlier one is fenced from now on."""
     with locked(run_root):
-        prev = current(run_root)
         new = Epoch(
-            epoch=(prev.epoch if prev else 0) + 1,
+            epoch=highest(run_root) + 1,
             invocation=invocation[:128],
             attempt=attempt,
             t=time.time(),
@@ -135,7 +174,7 @@ class Fence:
         self,
         run_root: Path,
         epoch: int | None,
-        events: EventLog | None = None,
+        events: Emits | None = None,
         *,
         on_fenced: Callable[[], None] = _exit_fenced,
     ) -> None:
@@ -147,7 +186,7 @@ class Fence:
         self.on_fenced = on_fenced
 
     @classmethod
-    def from_env(cls, run_root: Path, events: EventLog | None = None) -> Fence:
+    def from_env(cls, run_root: Path, events: Emits | None = None) -> Fence:
         return cls(run_root, epoch_from_env(), events)
 
     @contextlib.contextmanager
@@ -158,16 +197,29 @@ class Fence:
             return
         with locked(self.run_root):
             now = current(self.run_root)
+            if now is None and highest(self.run_root) <= self.epoch:
+                now = self._repair()
             if now is None or now.epoch != self.epoch:
                 self._fenced(action, now)
             yield
+
+    def _repair(self) -> Epoch:
+        """Under the lock: ``epoch.json`` is lost or corrupt and this writer's epoch is the
+        highest on record, so it is the run's: written back, and said."""
+        assert self.epoch is not None
+        _log.warning(
+            "%s unreadable: repaired with epoch %d", self.run_root / EPOCH_FILE, self.epoch
+        )
+        now = Epoch(epoch=self.epoch, invocation="repaired", attempt=1, t=time.time())
+        write_json_atomic(self.run_root / EPOCH_FILE, now.model_dump())
+        return now
 
     def still_current(self) -> bool:
         """A check without the lock, for a decision that mutates nothing by itself."""
         if self.epoch is None:
             return True
         now = current(self.run_root)
-        return now is not None and now.epoch == self.epoch
+        return now.epoch == self.epoch if now is not None else highest(self.run_root) <= self.epoch
 
     def _fenced(self, action: str, now: Epoch | None) -> None:
         reason = (

@@ -32,9 +32,10 @@ FT_RANK_MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
 # The marker helpers below are read by the pipeline (tasks/): this module imports NVRx only
 # inside the functions that need it (importing it costs seconds).
 #
-# The terminal marker on the shared filesystem, where NVRx >= 0.7 writes its own before exiting
-# 93: a peer's exit 93 can be masked on multi-node jobs (the others are signalled), so whoever
-# classifies the end reads this file as well as every node's exit code.
+# The terminal marker on the shared filesystem, written only by our workers (NVRx's own
+# shutdown request travels over its launcher's IPC socket): a peer's exit 93 can be masked on
+# multi-node jobs (the others are signalled), so whoever classifies the end reads this file as
+# well as every node's exit code.
 NO_RESTART_MARKER = Path("control") / "no_restart"
 
 
@@ -68,34 +69,25 @@ def write_no_restart(run_root: Path, *, rank: int, reason: str) -> None:
 
 
 def read_no_restart(run_root: Path, *, epoch: int | None = None) -> str | None:
-    """The marker's reason, or None when there is none. A marker that cannot be parsed still
-    means "do not restart" (NVRx's own may hold anything); with ``epoch``, one that names
-    another epoch is another attempt's, and is no verdict on this one."""
-    from trainer.run_files import UnsafeFile, read_small
+    """The marker's reason, or None when there is none that is this attempt's verdict: only a
+    JSON object carrying ``epoch`` (None: an unfenced run's, which carries none) is one.
+    Anything else (not JSON, no epoch, another epoch's) nothing of this attempt wrote: ignored,
+    and said."""
+    from trainer.run_files import read_json_object
 
     path = run_root / NO_RESTART_MARKER
-    try:
-        data = read_small(path)
-    except UnsafeFile as e:
-        # Not a marker anyone of ours writes (a FIFO, a link, a huge file): ignored, and said.
-        logging.getLogger(__name__).warning("ignoring %s: %s", path, e)
+    marker = read_json_object(path)  # None (said) for a FIFO, a link, a huge file, not JSON
+    if marker is None:
         return None
-    if data is None:
-        return None
-    text = data.decode("utf-8", "replace")
-    try:
-        marker = json.loads(text)
-    except ValueError:
-        marker = None
-    if not isinstance(marker, dict):
-        return text.strip() or f"{path} present"
-    marked = marker.get("epoch")
-    if epoch is not None and marked is not None and marked != epoch:
+    if marker.get("epoch") != epoch:
         logging.getLogger(__name__).warning(
-            "ignoring %s: written by epoch %s, not this attempt's %s", path, marked, epoch
+            "ignoring %s: written by epoch %s, not this attempt's %s",
+            path,
+            marker.get("epoch"),
+            epoch,
         )
         return None
-    return str(marker.get("reason") or text.strip() or "no_restart marker")
+    return str(marker.get("reason") or "no_restart marker")
 
 
 def clear_no_restart(run_root: Path) -> None:

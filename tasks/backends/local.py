@@ -366,15 +366,20 @@ class LocalBackend:
         return self.adopt(attempt, list(plan.nodes), invocation=held.takeover.owner.invocation)
 
     def cleanup(self, run_id: str, run_root: Path) -> list[str]:
-        """End every process of the run but a live other owner's, and stop the state
-        directory's S3 server when no live invocation uses it any more."""
+        """End every process of the run but a live other owner's, remove their node memory,
+        and stop the state directory's S3 server when no live invocation uses it any more."""
         from tasks.ownership.lease import live_owner
         from tasks.storage.local_s3 import sweep
 
         keep = live_owner(run_root)
         ended = processes.end_invocations(run_root, keep=keep)
+        memory = node_memory.forget(run_root, keep=keep)
         stopped = sweep(self.state_dir)
-        return [f"pid {p}" for p in ended] + ([f"S3 server pid {stopped}"] if stopped else [])
+        return (
+            [f"pid {p}" for p in ended]
+            + [f"node memory {m.name}" for m in memory]
+            + ([f"S3 server pid {stopped}"] if stopped else [])
+        )
 
     def adopt(
         self, request: LaunchRequest, records: list[dict[str, Any]], *, invocation: str

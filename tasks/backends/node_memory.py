@@ -5,6 +5,7 @@ EKS pod's memory-backed volume is), given to its workers in ``NVRX_NODE_MEMORY``
 is honest about what a node's memory survives: a worker respawn on the node keeps it; a lost node
 loses it (``forget_node``); a new attempt starts with none (``prepare`` removes every earlier
 attempt's of the run, and ``forget_attempt`` the attempt's own when it ends), as new nodes would.
+What ends an attempt without its launcher (a takeover, a cleanup) removes it with ``forget``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from trainer.checkpointing.layout import NODE_MEMORY_ENV as ENV
 
-__all__ = ["ENV", "attempt_dir", "forget_attempt", "forget_node", "node_dir", "prepare"]
+__all__ = ["ENV", "attempt_dir", "forget", "forget_attempt", "forget_node", "node_dir", "prepare"]
 
 
 def base_dir() -> Path:
@@ -59,6 +60,21 @@ def forget_node(run_root: Path, attempt: int, invocation: str, node: int) -> Non
 
 def forget_attempt(run_root: Path, attempt: int, invocation: str) -> None:
     shutil.rmtree(attempt_dir(run_root, attempt, invocation), ignore_errors=True)
+    with contextlib.suppress(OSError):
+        _run_dir(run_root).rmdir()  # only if empty
+
+
+def forget(run_root: Path, *, keep: str | None = None) -> list[Path]:
+    """Every attempt's node memory of the run but invocation ``keep``'s (a live owner's): the
+    attempts a takeover or a cleanup ended, whose launcher never removed it. Returns what went."""
     run = _run_dir(run_root)
+    gone = [
+        p
+        for p in sorted(run.glob("attempt*"))
+        if keep is None or not p.name.endswith(f"-{keep[:8]}")
+    ]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
     with contextlib.suppress(OSError):
         run.rmdir()  # only if empty
+    return gone

@@ -16,6 +16,10 @@ A lease whose owner is gone (same host: the pid is dead or is another process; a
 record has not changed for ``stale_after_s`` on the reader's own monotonic clock, so no two
 hosts' clocks are ever compared) is taken over, and the new owner gets the dead one's records
 (:attr:`RunLease.takeover`) to adopt or end what it left running.
+
+Every change of the lease file (a takeover, a heartbeat, a release) is a compare-and-swap under
+a short lock of its own, ``<run_root>/.lease.lock`` (:func:`swapping`): an owner paused between
+reading the file and writing it cannot overwrite a takeover made meanwhile.
 """
 
 from __future__ import annotations
@@ -38,9 +42,13 @@ from typing import Any, Literal
 import psutil
 
 from tasks.errors import PipelineError
+from trainer.fence import LockTimeout, locked
 
 LEASE_FILE = "owner.lease"
 LOCK_FILE = ".owner.lock"
+SWAP_LOCK_FILE = Path(".lease.lock")
+# A swap holds its lock for a read and a rename; longer means a holder stopped while holding it.
+SWAP_TIMEOUT_S = 5.0
 HEARTBEAT_S = 5.0
 STALE_AFTER_S = 60.0
 
@@ -57,6 +65,18 @@ class LeaseLost(PipelineError):
 
 class RunBusy(PipelineError):
     """Another live invocation holds this run's lease."""
+
+
+@contextlib.contextmanager
+def swapping(run_root: Path, *, flock: bool = True) -> Iterator[None]:
+    """Hold the lease file's swap lock for one read-compare-write (``flock`` False: a
+    filesystem without flock, where the lease file and its heartbeat alone decide). Raises
+    :class:`trainer.fence.LockTimeout` (an OSError) past :data:`SWAP_TIMEOUT_S`."""
+    if not flock:
+        yield
+        return
+    with locked(run_root, timeout_s=SWAP_TIMEOUT_S, name=SWAP_LOCK_FILE):
+        yield
 
 
 @dataclass(frozen=True)
@@ -210,13 +230,19 @@ class RunLease:
                 undecided = False
                 try:
                     self._lock(fd)
-                    got = self._create(watch)
+                    with swapping(self.run_root, flock=self._flock):
+                        got = self._create(watch)
                     if got == "created":
                         break
                     undecided = got == "undecided"
                     self._unlock(fd)
                 except BlockingIOError:
                     pass
+                except LockTimeout as e:
+                    # The swap lock held by a stopped owner (frozen mid-swap): as busy as a
+                    # live one, until it lets go or wait_s runs out.
+                    self._unlock(fd)
+                    log.warning("run %s: %s", self.run_id, e)
                 if time.monotonic() >= deadline and not undecided:
                     raise RunBusy(self._busy_message())
                 time.sleep(0.5)
@@ -274,9 +300,10 @@ class RunLease:
             self._thread.join(timeout=5)
         if self._lock_fd is None:
             return
-        current = self.read()
-        if current is not None and current.owner.invocation == self.owner.invocation:
-            self.path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError), swapping(self.run_root, flock=self._flock):
+            current = self.read()
+            if current is not None and current.owner.invocation == self.owner.invocation:
+                self.path.unlink(missing_ok=True)
         self._unlock(self._lock_fd)
         os.close(self._lock_fd)
         self._lock_fd = None
@@ -297,10 +324,7 @@ class RunLease:
             self._write()
 
     def read(self) -> LeaseRecord | None:
-        try:
-            return LeaseRecord.parse(self.path.read_text())
-        except OSError:
-            return None
+        return peek(self.run_root)
 
     def _record(self) -> LeaseRecord:
         return LeaseRecord(self.run_id, self.owner, time.time(), tuple(self._resources))
@@ -323,18 +347,20 @@ class RunLease:
         return f"the lease was taken over by {cur.owner.describe()}"
 
     def _write(self) -> None:
-        """Compare and swap: the record is rewritten only while the file still names this
-        invocation. Once another owner took it over, this invocation never writes it again (it
-        used to, every heartbeat, and the file flip-flopped between two owners)."""
+        """Compare and swap, under the swap lock: the record is rewritten only while the file
+        still names this invocation. Once another owner took it over, this invocation never
+        writes it again (it used to, every heartbeat, and the file flip-flopped between two
+        owners)."""
         if self._lock_fd is None or self.lost is not None:
             return
-        self.lost = self._taken_by()
+        with swapping(self.run_root, flock=self._flock):
+            self.lost = self._taken_by()
+            if self.lost is None:
+                tmp = self.path.with_name(f".{LEASE_FILE}.{self.owner.invocation}.tmp")
+                tmp.write_text(self._record().to_json())
+                os.replace(tmp, self.path)
         if self.lost is not None:
             log.error("run %s: %s; this invocation stops acting for it", self.run_id, self.lost)
-            return
-        tmp = self.path.with_name(f".{LEASE_FILE}.{self.owner.invocation}.tmp")
-        tmp.write_text(self._record().to_json())
-        os.replace(tmp, self.path)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):

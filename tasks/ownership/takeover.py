@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tasks.backends import node_memory
 from tasks.ownership import processes
 from tasks.ownership.lease import LeaseRecord
 from trainer.history import RunHistory
@@ -130,10 +131,12 @@ def decide(s: Snapshot, *, healthy_within_s: float = HEALTHY_WITHIN_S) -> Plan:
 
 
 def carry_out(plan: Plan, previous: LeaseRecord, run_root: Path) -> list[int]:
-    """End what the plan says to end (every process tagged with the dead invocation). Adopted
-    processes are left alone. Returns the pids ended."""
+    """End what the plan says to end (every process tagged with the dead invocation, and its
+    node memory: its launcher never removed it). Adopted processes are left alone. Returns the
+    pids ended."""
     if plan.action == Action.ADOPT:
         return []
+    node_memory.forget(run_root)  # nothing of this invocation's is there yet
     victims = [t for t in processes.tagged(run_root) if t.invocation == previous.owner.invocation]
     processes.end([t.process for t in victims])
     return [t.pid for t in victims]

@@ -209,6 +209,90 @@ def test_a_lease_taken_over_is_known_lost_and_never_rewritten(tmp_path: Path):
     assert (tmp_path / "owner.lease").exists()  # the new owner's file stays
 
 
+OLD_OWNER = """
+import sys, time
+from pathlib import Path
+from tasks.ownership.lease import RunLease
+lease = RunLease(Path(sys.argv[1]), "r1", heartbeat_s=0.0)  # swaps without pause
+lease.acquire()
+print("held", flush=True)
+while lease.lost is None:
+    time.sleep(0.01)
+lease.release()
+print("lost", flush=True)
+"""
+
+
+@pytest.mark.parametrize("pause_s", [0.0, 0.003, 0.011, 0.02, 0.037])
+def test_a_paused_old_owner_resuming_after_a_takeover_never_overwrites_it(
+    tmp_path: Path, pause_s: float
+):
+    """The old owner (a real process rewriting its lease as fast as it can) is paused
+    (SIGSTOP) wherever it is, maybe between reading the file and writing it; a new owner on
+    another host takes the lease over (the same compare-and-swap, under the swap lock); the old
+    one resumes: it finds the new owner, writes nothing more, and its release leaves the file."""
+    from tasks.ownership.lease import swapping
+
+    old = subprocess.Popen(
+        [sys.executable, "-c", OLD_OWNER, str(tmp_path)], stdout=subprocess.PIPE, cwd=REPO
+    )
+    try:
+        assert old.stdout is not None and old.stdout.readline() == b"held\n"
+        time.sleep(pause_s)
+        old.send_signal(signal.SIGSTOP)
+        new = Owner("newowner", os.getpid(), "other-host", time.time(), time.time())
+
+        def take_over() -> None:  # waits while the paused owner is mid-swap
+            with swapping(tmp_path):
+                (tmp_path / "owner.lease").write_text(LeaseRecord("r1", new, time.time()).to_json())
+
+        taker = threading.Thread(target=take_over)
+        taker.start()
+        taker.join(0.3)
+        old.send_signal(signal.SIGCONT)
+        taker.join(10)
+        assert not taker.is_alive()
+        out, _ = old.communicate(timeout=10)  # an owner that overwrote would beat on
+        assert out == b"lost\n" and old.returncode == 0
+        rec = LeaseRecord.parse((tmp_path / "owner.lease").read_text())
+        assert rec is not None and rec.owner.invocation == "newowner"
+    finally:
+        old.kill()
+        old.wait()
+
+
+def test_an_owner_frozen_mid_swap_makes_the_run_busy_not_a_hang(tmp_path: Path, monkeypatch):
+    """A real process holds the lease's swap lock and is frozen (SIGSTOP): a takeover of the
+    lease, due by its record (its owner is dead), waits no longer than wait_s, then RunBusy."""
+    from tasks.ownership import lease
+
+    (tmp_path / "owner.lease").write_text(_dead_owner().to_json())
+    holds = "import sys; from pathlib import Path; from trainer import fence\n"
+    holds += "with fence.locked(sys.argv[1], name=Path('.lease.lock')):\n"
+    holds += " print('held', flush=True); sys.stdin.read()"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", holds, str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        holder.send_signal(signal.SIGSTOP)
+        monkeypatch.setattr(lease, "SWAP_TIMEOUT_S", 0.3)
+        started = time.monotonic()
+        with pytest.raises(RunBusy):
+            RunLease(tmp_path, "r1").acquire(wait_s=1.0)
+        assert time.monotonic() - started < 10
+        holder.send_signal(signal.SIGCONT)
+        holder.communicate(timeout=30)  # thawed, it lets go: the takeover goes through
+        again = RunLease(tmp_path, "r1")
+        again.acquire()
+        assert again.takeover is not None
+        again.release()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 # -- takeover decisions (pure) --------------------------------------------------------------------
 def _snap(**kw: object) -> takeover.Snapshot:
     nodes = tuple({"kind": "node", "attempt": 2, "node": n, "pid": 10 + n} for n in range(2))
