@@ -11,7 +11,7 @@ from trainer.checkpointing import NoValidCheckpoint
 from trainer.checkpointing.restoring import FatalError
 from trainer.config import ConfigError
 from trainer.data import DataError
-from trainer.errors import TerminalError, TrainerError
+from trainer.errors import ExitCode, TerminalError, TrainerError
 from trainer.prepare import PrepareError
 
 
@@ -45,3 +45,16 @@ def test_what_no_restart_fixes_is_terminal_with_its_exit_code():
     # still fix.
     assert not issubclass(NoValidCheckpoint, TerminalError)
     assert issubclass(ConfigError, ValueError) and issubclass(DataError, RuntimeError)
+
+
+def test_the_worker_exit_codes_are_one_enum():
+    assert {c.name: int(c) for c in ExitCode} == {"OK": 0, "CONFIG": 2, "FATAL": 3, "FENCED": 4}
+    assert isinstance(TerminalError.exit_code, ExitCode) and isinstance(
+        ConfigError.exit_code, ExitCode
+    )
+    # No second spelling of them anywhere in the trainer (an EXIT_... constant of its own).
+    for info in pkgutil.walk_packages(trainer.__path__, "trainer."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        assert [n for n in vars(module) if n.startswith("EXIT_")] == [], info.name

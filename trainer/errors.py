@@ -7,6 +7,18 @@ error is a fault: the layers restart around it."""
 
 from __future__ import annotations
 
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """The worker's exit codes, the one list (arch §2): anything else is a crash that the in-job
+    layer may restart."""
+
+    OK = 0  # done: result.json written
+    CONFIG = 2  # bad configuration: nothing started, not restarted
+    FATAL = 3  # bad data, no valid checkpoint, a full disk: not restarted
+    FENCED = 4  # its attempt was replaced: it changed nothing (trainer.fence)
+
 
 class TrainerError(Exception):
     """An error the trainer raises on purpose (each names what failed and the fix)."""
@@ -15,13 +27,13 @@ class TrainerError(Exception):
 class TerminalError(TrainerError):
     """No restart can fix it: bad configuration, bad data, no valid checkpoint, a full disk."""
 
-    exit_code = 3  # the worker's exit code (0 done, 2 bad config, 3 fatal, 4 fenced)
+    exit_code = ExitCode.FATAL
 
 
 class ConfigError(TerminalError, ValueError):
     """A configuration value is invalid. The message names the field and the fix."""
 
-    exit_code = 2
+    exit_code = ExitCode.CONFIG
 
     def __init__(self, field_name: str, message: str) -> None:
         self.field = field_name

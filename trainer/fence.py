@@ -8,7 +8,7 @@ checkpoint, pruning, settling what a crash left, a fresh start, ``result.json``,
 ``no_restart`` marker) runs inside :meth:`Fence.hold`: under an exclusive ``flock`` on
 ``control/.fence.lock`` (FSx for Lustre is mounted with ``flock``) it re-reads the epoch, and a
 writer whose epoch is no longer current changes nothing: it emits a ``fenced`` event and exits
-with :data:`EXIT_FENCED`. The watcher publishes under the same lock, so no epoch changes in the
+with ``ExitCode.FENCED`` (4). The watcher publishes under the same lock, so no epoch changes in the
 middle of a fenced mutation.
 
 The epoch never goes back: a new one is one more than the highest on record, ``epoch.json``'s
@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainer.errors import TrainerError
+from trainer.errors import ExitCode, TrainerError
 from trainer.event_read import EVENTS_FILE
 from trainer.event_types import ValidationError, decode_json
 from trainer.run_files import open_regular, read_model, write_json_atomic
@@ -42,8 +42,6 @@ from trainer.run_files import open_regular, read_model, write_json_atomic
 EPOCH_ENV = "NVRX_EPOCH"
 EPOCH_FILE = Path("control") / "epoch.json"
 LOCK_FILE = Path("control") / ".fence.lock"
-# A fenced worker's exit code (the worker's own: 0 done, 2 bad config, 3 fatal).
-EXIT_FENCED = 4
 # How long a mutation or a publication waits for the lock: a mutation holds it for a rename or
 # a few (milliseconds); longer means a holder that stopped while holding it (a frozen process).
 LOCK_TIMEOUT_S = 60.0
@@ -164,7 +162,7 @@ def _exit_fenced() -> None:
 
         nvrx_compat.request_no_restart(int(os.environ.get("RANK", "0")), "fenced")
     logging.shutdown()
-    os._exit(EXIT_FENCED)
+    os._exit(ExitCode.FENCED)
 
 
 class Fence:

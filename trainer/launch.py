@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     from trainer.config import ConfigError, save_config
+    from trainer.errors import ExitCode
     from trainer.faults import FaultSpecError
     from trainer.train import build_parser, config_from_args
 
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(build_parser().parse_args(rest))
     except (ConfigError, FaultSpecError) as e:
         print(f"error: invalid configuration: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG
     spec = LaunchSpec(
         nnodes=launch.nnodes,
         nproc_per_node=launch.nproc_per_node,

@@ -36,12 +36,13 @@ CPU hosts with NVRx >= 0.7)::
 
 (``trainer.launch.ft_launcher_argv`` builds the same line from a config.)
 
-Exit codes: 0 done (``<run_root>/result.json`` written); 2 bad configuration; 3 fatal (bad data,
-no valid checkpoint). For 2 and 3 the worker first writes ``<run_root>/control/no_restart`` and
-asks ft_launcher not to restart (NVRx's ``WorkloadAction.ShutdownWorkload``: the launcher closes
-the rendezvous instead of respawning the workers), so the job ends after one start and the
-pipeline reports do-not-requeue. 4: fenced (``trainer.fence``: its attempt was replaced, and it
-changed nothing). Anything else is a crash that the in-job layer may restart.
+Exit codes (``trainer.errors.ExitCode``): 0 done (``<run_root>/result.json`` written); 2 bad
+configuration; 3 fatal (bad data, no valid checkpoint). For 2 and 3 the worker first writes
+``<run_root>/control/no_restart`` and asks ft_launcher not to restart (NVRx's
+``WorkloadAction.ShutdownWorkload``: the launcher closes the rendezvous instead of respawning the
+workers), so the job ends after one start and the pipeline reports do-not-requeue. 4: fenced
+(``trainer.fence``: its attempt was replaced, and it changed nothing). Anything else is a crash
+that the in-job layer may restart.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ import torch
 from trainer.checkpointing.config import ResumePolicy
 from trainer.config import ConfigError, Device, TrainConfig, load_config
 from trainer.data import DataError
-from trainer.errors import TerminalError
+from trainer.errors import ExitCode, TerminalError
 from trainer.events import EventLog
 from trainer.faults import FaultSpecError
 from trainer.gloo_release import release_process_groups
@@ -74,9 +75,6 @@ if TYPE_CHECKING:
     from trainer.parallel import Placement
     from trainer.resilience import Heartbeat
     from trainer.workload import DataSource
-
-EXIT_CONFIG = 2
-EXIT_FATAL = 3
 
 log = logging.getLogger("trainer")
 
@@ -567,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         _stop_without_restart(
             args.run_root if under_launcher else None, f"invalid configuration: {e}"
         )
-        return EXIT_CONFIG
+        return ExitCode.CONFIG
     return execute(cfg)
 
 
@@ -592,10 +590,10 @@ def execute(
             _terminal(cfg, f"ConfigError: invalid configuration: {terminal}")
         else:
             _terminal(cfg, f"{type(terminal).__name__}: {terminal}")
-        return int(getattr(terminal, "exit_code", EXIT_FATAL))
+        return ExitCode(getattr(terminal, "exit_code", ExitCode.FATAL))
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result))
-    return 0
+    return ExitCode.OK
 
 
 def _fatal_cause(

@@ -17,11 +17,11 @@ import pytest
 
 from tests.adversarial.conftest import Inject, RunOutcome, run_under, tiny_config
 from trainer import checkpointing
+from trainer.errors import ExitCode
 
 pytestmark = pytest.mark.slow
 
 WRITES = "write,pwrite64,writev,pwritev,pwritev2"
-EXIT_FATAL = 3
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def test_full_disk_fails_the_save_not_the_checkpoints(
     target = checkpointing.partial_path(cfg.run_root, 6) / disk.path
     out = run_under(cfg, Inject(WRITES, target, "error=ENOSPC"))
 
-    assert out.returncode == EXIT_FATAL, out.log[-3000:]
+    assert out.returncode == ExitCode.FATAL, out.log[-3000:]
     assert "No space left on device" in out.log and "Disk: " in out.log, out.log[-3000:]
     [failed] = out.of_kind("checkpoint_failed")
     assert failed["step"] == 6 and "No space left on device" in failed["error"]
