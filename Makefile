@@ -50,8 +50,8 @@ run-trainer: venv
 	$(PY) -m trainer.data --out $(STATE_DIR)/trainer-demo/data
 	rm -rf $(STATE_DIR)/trainer-demo/run
 	$(PY) -m trainer.launch --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:$(PORT) \
-		--run-root $(STATE_DIR)/trainer-demo/run --data-dir $(STATE_DIR)/trainer-demo/data \
-		--steps 30 --inject exception@step=12,rank=1 --inject sigkill@step=22,rank=0
+		--set run_root=$(STATE_DIR)/trainer-demo/run --set data_dir=$(STATE_DIR)/trainer-demo/data \
+		--set steps=30 --inject exception@step=12,rank=1 --inject sigkill@step=22,rank=0
 	$(PY) -m trainer.report $(STATE_DIR)/trainer-demo/run
 
 serve: venv

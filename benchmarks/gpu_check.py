@@ -114,21 +114,15 @@ def drill_command(
         "1",
         "--rdzv-endpoint",
         f"127.0.0.1:{port}",
-        "--run-root",
-        str(run_root),
-        "--data-dir",
-        str(data_dir),
-        "--model",
-        model,
-        "--steps",
-        str(DRILL_STEPS),
-        "--global-batch",
-        "8",
-        "--device",
-        device,
+        f"--set=run_root={run_root}",
+        f"--set=data_dir={data_dir}",
+        f"--set=workload=gpt-{model}",
+        f"--set=steps={DRILL_STEPS}",
+        "--set=global_batch=8",
+        f"--set=device={device}",
     ]
     if deterministic:
-        cmd.append("--deterministic")
+        cmd.append("--set=deterministic=true")
     if inject:
         cmd += ["--inject", inject]
     return cmd

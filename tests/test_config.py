@@ -114,17 +114,19 @@ def test_fingerprint_ignores_paths_and_timeouts(dataset: Path, tmp_path: Path):
     [
         # The worker's real entry point once (its own interpreter: torch's ~3 s import each);
         # the other fields through the same main() in this process.
-        (["--steps", "-3"], "steps", True),
-        (["--ckpt-interval", "0"], "checkpoint.durable.interval", False),
-        (["--workload", "gpt-huge"], "workload", False),
-        (["--workload-options", '{"size": "huge"}'], "workload_options.size", False),
-        (["--data-dir", "/nonexistent/data"], "data_dir", False),
+        (["--set", "steps=-3"], "steps", True),
+        (["--set", "checkpoint.durable.interval=0"], "checkpoint.durable.interval", False),
+        (["--set", "workload=gpt-huge"], "workload", False),
+        (["--set", "workload_options.size=huge"], "workload_options.size", False),
+        (["--set", "data_dir=/nonexistent/data"], "data_dir", False),
+        (["--set", "steps=many"], "steps", False),
+        (["--set", "stepz=3"], "stepz", False),
     ],
 )
 def test_cli_rejects_bad_config_before_starting(
     args, field, process: bool, dataset: Path, tmp_path: Path, capsys, monkeypatch
 ):
-    flags = ["--run-root", str(tmp_path / "run"), "--data-dir", str(dataset), *args]
+    flags = ["--set", f"run_root={tmp_path / 'run'}", "--set", f"data_dir={dataset}", *args]
     if process:
         proc = subprocess.run(
             [sys.executable, "-m", "trainer.train", *flags],

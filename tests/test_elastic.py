@@ -320,14 +320,11 @@ def _train(tmp_path: Path, dataset: Path, name: str, nproc: int, micro: int | No
         "trainer.launch",
         f"--nproc-per-node={nproc}",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "--run-root",
-        str(run),
-        "--data-dir",
-        str(dataset),
-        "--steps",
-        "6",
-        "--no-inprocess",
-    ] + ([f"--micro-batches={micro}"] if micro else [])
+        f"--set=run_root={run}",
+        f"--set=data_dir={dataset}",
+        "--set=steps=6",
+        "--set=inprocess.enabled=false",
+    ] + ([f"--set=micro_batches={micro}"] if micro else [])
     subprocess.run(argv, env=env, cwd=REPO, check=True, capture_output=True, timeout=300)
     return json.loads((run / "result.json").read_text())
 

@@ -22,7 +22,7 @@ from trainer.config import (
     load_config,
     save_config,
 )
-from trainer.train import build_parser, config_from_args
+from trainer.worker_cli import build_parser, config_from_args
 from trainer.workload import BUILTIN, load_workload
 
 
@@ -134,12 +134,13 @@ def test_script_config_round_trip(dataset: Path, tmp_path: Path):
 def test_flags_override_single_fields_of_the_file(dataset: Path, tmp_path: Path):
     cfg = _every_field_changed(dataset, tmp_path)
     path = save_config(cfg, tmp_path / "attempt.json")
-    got = config_from_args(build_parser().parse_args([f"--config={path}", "--steps=9"]))
+    got = config_from_args(build_parser().parse_args([f"--config={path}", "--set=steps=9"]))
     assert got == dataclasses.replace(cfg, steps=9)
     # a switch flag that is not given leaves the file's value, whichever it is
     off = save_config(dataclasses.replace(cfg, deterministic=False), tmp_path / "off.json")
     assert not config_from_args(build_parser().parse_args([f"--config={off}"])).deterministic
-    on = config_from_args(build_parser().parse_args([f"--config={off}", "--deterministic"]))
+    argv = [f"--config={off}", "--set=deterministic=true"]
+    on = config_from_args(build_parser().parse_args(argv))
     assert on == dataclasses.replace(cfg, deterministic=True)
     assert config_from_args(build_parser().parse_args([f"--config={path}"])).deterministic
 

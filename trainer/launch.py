@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import ConfigError, save_config
     from trainer.errors import ExitCode
     from trainer.faults import FaultSpecError
-    from trainer.train import build_parser, config_from_args
+    from trainer.worker_cli import build_parser, config_from_args
 
     p = argparse.ArgumentParser(prog="python -m trainer.launch", add_help=False)
     p.add_argument("--nnodes", type=int, default=1)
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rdzv-id", default="nvrx")
     launch, rest = p.parse_known_args(argv)
     try:
-        cfg = config_from_args(build_parser().parse_args(rest))
+        cfg = config_from_args(build_parser("python -m trainer.launch").parse_args(rest))
     except (ConfigError, FaultSpecError) as e:
         print(f"error: invalid configuration: {e}", file=sys.stderr)
         return ExitCode.CONFIG

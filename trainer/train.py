@@ -1,12 +1,13 @@
-"""Worker program: ``python -m trainer --config FILE [overrides]`` (or ``-m trainer.train``).
+"""Worker program: ``python -m trainer --config FILE [--set KEY=VALUE ...]`` (or ``-m
+trainer.train``; the command line is :mod:`trainer.worker_cli`).
 
 Under a launcher, enter it as ``-m trainer`` (``trainer/__main__.py``): the checkpoint writer and
 its Manager are spawned processes, and each would re-import this module, and torch with it, if it
 were ``__main__``.
 
 The config file is the attempt's whole :class:`~trainer.config.TrainConfig` as JSON (the launcher
-writes it: ``trainer.config.save_config``); flags override single fields, for debugging. Without
-``--config``, ``--run-root`` and ``--data-dir`` plus flags make a config from the defaults.
+writes it: ``trainer.config.save_config``); ``--set`` overrides single fields, for debugging.
+Without ``--config``, ``--set run_root=DIR --set data_dir=DIR`` and the defaults make one.
 
 Runs under ``ft_launcher`` (in-job restart), under plain ``torchrun``, or as a single process for
 debugging (no launcher environment: world size 1). CPU + gloo without a GPU, CUDA + NCCL with one.
@@ -19,7 +20,7 @@ to start hosts the c10d rendezvous store)::
         --max-restarts=3 --monitor-interval=0.5 --workers-stop-timeout=5 \\
         --ft-initial-rank-heartbeat-timeout=90 --ft-rank-heartbeat-timeout=30 \\
         --ft-workload-check-interval=1 --ft-enable-nic-monitor=false \\
-        -m trainer --run-root /tmp/run1 --data-dir /tmp/data --workload gpt-tiny --steps 20
+        -m trainer --set run_root=/tmp/run1 --set data_dir=/tmp/data --set steps=20
 
 One node, 2 CPU workers: the same with ``--nnodes=1 --nproc-per-node=2``.
 
@@ -47,7 +48,6 @@ that the in-job layer may restart.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -61,14 +61,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.checkpointing.config import ResumePolicy
-from trainer.config import ConfigError, Device, TrainConfig, load_config
+from trainer.config import ConfigError, TrainConfig
 from trainer.data import DataError
 from trainer.errors import ExitCode, TerminalError
 from trainer.events import EventLog
 from trainer.faults import FaultSpecError
 from trainer.gloo_release import release_process_groups
-from trainer.layer_config import AUTO
+from trainer.worker_cli import build_parser, claimed_run_root, config_from_args
 
 if TYPE_CHECKING:
     from trainer.checkpointing.async_save import AsyncCheckpointer
@@ -77,145 +76,6 @@ if TYPE_CHECKING:
     from trainer.workload import DataSource
 
 log = logging.getLogger("trainer")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("\n")[0])
-    a = p.add_argument
-    a(
-        "--config",
-        type=Path,
-        help="the attempt's training config (JSON, written by the launcher); the flags below "
-        "override single fields of it, for debugging",
-    )
-    a("--run-root", type=Path, help="run directory on the shared filesystem")
-    a("--data-dir", type=Path, help="token dataset directory (dataset.json)")
-    a("--workload", help="gpt-tiny, llama-tiny, ... or package.module:attr")
-    a("--workload-options", type=json.loads, help="workload options as a JSON object")
-    a("--model", help="shorthand for --workload gpt-SIZE (tiny, 100m, 8b)")
-    a("--steps", type=int, help="total optimizer steps of the run")
-    a("--global-batch", type=int, help="sequences per step across all ranks")
-    a(
-        "--micro-batches",
-        type=int,
-        help="split each global batch into this many micro-batches whatever the world size "
-        "(elastic jobs: the largest world's rank count)",
-    )
-    a("--lr", type=float)
-    a("--weight-decay", type=float)
-    a("--seed", type=int)
-    a("--device", choices=[d.value for d in Device])
-    a(
-        "--deterministic",
-        action="store_true",
-        default=None,
-        help="CUDA: deterministic kernels, so a recovered run is bitwise equal to a fault-free one",
-    )
-    a("--ckpt-interval", type=int, help="save every N steps (and at the last step)")
-    a(
-        "--memory-interval",
-        type=_interval,
-        help="a memory save (node memory) every N steps; auto (the default): measured; 0: none",
-    )
-    a("--keep-last", type=int, help="committed checkpoints to keep")
-    a("--resume", choices=[r.value for r in ResumePolicy])
-    a("--ckpt-timeout", type=float, help="max seconds for one async save")
-    a("--no-verify-data", action="store_true", help="skip dataset digest check at start")
-    a("--inject", action="append", default=[], metavar="SPEC", help="fault, e.g. sigkill@step=7")
-    a("--no-inprocess", action="store_true", help="disable in-process restart")
-    a("--no-injob", action="store_true", help="do not send ft_launcher heartbeats")
-    a("--pg-timeout", type=float)
-    a("--soft-timeout", type=float)
-    a("--hard-timeout", type=float)
-    a("--inprocess-heartbeat-timeout", type=float)
-    a("--barrier-timeout", type=float)
-    a("--inprocess-max-restarts", type=int)
-    a("--heartbeat-timeout", type=float, help="must match ft_launcher --ft-rank-heartbeat-timeout")
-    a("--metrics-port", type=int, help="rank 0 serves Prometheus metrics on this port")
-    a("--metrics-addr", help="address of rank 0's metrics endpoint (default 127.0.0.1)")
-    return p
-
-
-# flag dest -> TrainConfig field (top level) or (section, field)
-_TOP = {
-    "run_root": "run_root",
-    "data_dir": "data_dir",
-    "workload": "workload",
-    "workload_options": "workload_options",
-    "steps": "steps",
-    "global_batch": "global_batch",
-    "micro_batches": "micro_batches",
-    "lr": "lr",
-    "weight_decay": "weight_decay",
-    "seed": "seed",
-    "device": "device",
-    "deterministic": "deterministic",
-    "metrics_port": "metrics_port",
-    "metrics_addr": "metrics_addr",
-}
-# Flags of the checkpoint config (trainer.checkpointing.config): where each goes in it.
-_CHECKPOINT = {
-    "ckpt_interval": ("durable", "interval"),
-    "keep_last": ("durable", "keep_last"),
-    "ckpt_timeout": ("durable", "timeout_s"),
-    "memory_interval": ("memory", "interval"),
-    "resume": (None, "resume"),
-}
-_INPROCESS = {
-    "pg_timeout": "pg_timeout_s",
-    "soft_timeout": "soft_timeout_s",
-    "hard_timeout": "hard_timeout_s",
-    "inprocess_heartbeat_timeout": "heartbeat_timeout_s",
-    "barrier_timeout": "barrier_timeout_s",
-    "inprocess_max_restarts": "max_restarts",
-}
-
-
-def _interval(text: str) -> int | str:
-    """``--memory-interval``: a number of steps, or ``auto``."""
-    return text if text == "auto" else int(text)
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The config file if given, else defaults; then every flag given overrides its field."""
-    if args.config is not None:
-        data = load_config(args.config).to_dict()
-    else:
-        if args.run_root is None or args.data_dir is None:
-            raise ConfigError("config", "pass --config FILE, or --run-root and --data-dir")
-        data = {}
-    if args.model is not None:
-        data["workload"] = f"gpt-{args.model}"
-    for dest, name in _TOP.items():
-        value = getattr(args, dest)
-        if value is not None:
-            data[name] = str(value) if isinstance(value, Path) else value
-    checkpoint = data.setdefault("checkpoint", {})
-    for dest, (tier, name) in _CHECKPOINT.items():
-        value = getattr(args, dest)
-        if value is not None:
-            (checkpoint.setdefault(tier, {}) if tier else checkpoint)[name] = value
-    inprocess = data.setdefault("inprocess", {})
-    for dest, name in _INPROCESS.items():
-        if getattr(args, dest) is not None:
-            inprocess[name] = getattr(args, dest)
-    if args.barrier_timeout is not None:
-        inprocess["completion_timeout_s"] = args.barrier_timeout
-    injob = data.setdefault("injob", {})
-    if args.heartbeat_timeout is not None:
-        injob["heartbeat_timeout_s"] = args.heartbeat_timeout
-        initial = injob.get("initial_heartbeat_timeout_s", AUTO)
-        if initial != AUTO:  # auto follows the backstop by itself
-            injob["initial_heartbeat_timeout_s"] = max(args.heartbeat_timeout, initial)
-    if args.no_inprocess:
-        inprocess["enabled"] = False
-    if args.no_injob:
-        injob["enabled"] = False
-    if args.no_verify_data:
-        data["verify_data"] = False
-    if args.inject:
-        data["faults"] = [*data.get("faults", []), *args.inject]
-    return TrainConfig.from_dict(data)
 
 
 def _free_port_run(count: int = 3, attempts: int = 50) -> int:
@@ -553,8 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("NVRX_LOG_LEVEL", "WARNING"),
         format="%(asctime)s %(levelname)s [rank %(process)d] %(name)s: %(message)s",
     )
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
     except (ConfigError, FaultSpecError) as e:
@@ -563,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         # only under a launcher: run by hand, a bad config must leave nothing behind.
         under_launcher = "TORCHELASTIC_RUN_ID" in os.environ
         _stop_without_restart(
-            args.run_root if under_launcher else None, f"invalid configuration: {e}"
+            claimed_run_root(args) if under_launcher else None, f"invalid configuration: {e}"
         )
         return ExitCode.CONFIG
     return execute(cfg)
