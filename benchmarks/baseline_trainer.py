@@ -72,7 +72,7 @@ from trainer.config import InProcessConfig, TrainConfig
 from trainer.events import EventLog
 from trainer.faults import FaultSpec, claim, parse_fault
 from trainer.layer_config import CHECKPOINT_SECTION, LOAD_SECTION, STEP_SECTION
-from trainer.train import process_start_time, workload_data
+from trainer.worker import process_start_time, workload_data
 from trainer.workload import OptimSettings
 
 COMMITTED = "COMMITTED"

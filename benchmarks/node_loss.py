@@ -106,7 +106,7 @@ def run_path(path: LossPath, step: int, run_root: Path, data: Path, args: argpar
     events = read_events(run_root)
     rows = recovery_phases(events)
     row = rows[0] if rows else {"recovered": False, "reason": "no fault recorded"}
-    # The layer the trainer attributed the recovery to (trainer.elastic.restart_layer).
+    # The layer the trainer attributed the recovery to (trainer.process.Origin.layer).
     row["layer"] = next((e.get("layer") for e in events if e["kind"] == "recovered"), None)
     row["attempts"] = attempt
     row["completed"] = report.outcome.kind == EndKind.COMPLETED

@@ -23,11 +23,11 @@ from trainer.elastic import (
     PriorWorld,
     micro_batches,
     node_id,
-    restart_layer,
 )
 from trainer.events import EventLog
 from trainer.hooks import emit_recoveries
 from trainer.launch import LaunchSpec, ft_launcher_argv, rdzv_conf
+from trainer.process import Origin
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -142,22 +142,27 @@ def test_losing_a_waiting_spare_costs_nothing():
 
 
 # -- which layer recovered ----------------------------------------------------------------------
-def test_prior_world_and_restart_layer(tmp_path: Path):
+def test_prior_world_and_the_layer_a_restart_is_attributed_to(tmp_path: Path):
     """What a respawned worker reads from control/ (trainer.run_state), and the layer it
-    attributes its restart to."""
+    attributes its restart to (trainer.process.Origin: the one attribution)."""
     run_state.record_launch(tmp_path, job_id="j", world_size=2, nodes=[0, 1])
     log = EventLog(tmp_path)
     loss = log.emit("fault", fault="node-loss@node=1", fault_kind="node-loss", node=1)
     run_state.open_fault(tmp_path, loss)
-    prior = run_state.prior_world(tmp_path, "j")
-    assert prior == PriorWorld(2, (0, 1), open_node_loss=True)
-    assert restart_layer(prior, 1) == "elastic"  # shrank
-    assert restart_layer(prior, 2) == "spare"  # same size after a loss: a spare took over
+    env = {"TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_RESTART_COUNT": "1"}
+    origin = Origin.of(tmp_path, env)
+    assert origin.prior == PriorWorld(2, (0, 1), open_node_loss=True)
+    assert origin.layer(0, 1) == "elastic"  # shrank
+    assert origin.layer(0, 2) == "spare"  # same size after a loss: a spare took over
+    assert origin.layer(1, 1) == "inprocess"  # a restart iteration of this process
     emit_recoveries(log, "elastic", 4, began=time.time())  # the first step after it closes it
-    assert restart_layer(run_state.prior_world(tmp_path, "j"), 2) == "injob"
+    assert Origin.of(tmp_path, env).layer(0, 2) == "injob"
     run_state.record_launch(tmp_path, job_id="j", world_size=1, nodes=[0])
-    assert restart_layer(run_state.prior_world(tmp_path, "j"), 2) == "injob"  # grew back
-    assert run_state.prior_world(tmp_path, "other") is None and restart_layer(None, 2) == "injob"
+    assert Origin.of(tmp_path, env).layer(0, 2) == "injob"  # grew back
+    assert Origin.of(tmp_path, {"TORCHELASTIC_RUN_ID": "other"}).prior is None
+    assert Origin(restart_count=2).layer(0, 2) == "injob"  # a crash, no record of a world
+    assert Origin(stage_attempt=2).layer(0, 2) == "stage-retry"  # a new train attempt
+    assert Origin().layer(0, 2) is None  # the run's first start
 
 
 def test_node_id_from_either_backend():

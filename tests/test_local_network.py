@@ -145,7 +145,7 @@ def test_a_client_outside_the_run_cannot_reach_its_stores(dataset: Path, tmp_pat
         ports = _listening(run)
         rdzv = _rdzv_port(cfg.run_root)
         # the agent-hosted rendezvous store, the incarnation's store (the workers' process
-        # groups and NVRx's keys: trainer.train), rank 0's metrics
+        # groups and NVRx's keys: trainer.inprocess_layer), rank 0's metrics
         assert rdzv in ports and metrics in ports and len(ports) >= 3, ports
         reachable = sorted(p for p in ports if _connects(p))
         assert reachable == [metrics], f"reachable from outside the run: {reachable}"

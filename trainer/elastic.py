@@ -123,16 +123,3 @@ class PriorWorld:
     world_size: int
     nodes: tuple[int, ...]
     open_node_loss: bool  # a node-loss fault recorded since then and not yet recovered
-
-
-def restart_layer(prior: PriorWorld | None, world_size: int) -> str:
-    """The layer an in-job restart of this job recovered by: ``elastic`` when the world shrank,
-    ``spare`` when a node was lost and the world kept its size (a spare took its place),
-    ``injob`` otherwise (a worker's crash or hang, or a returning node's admission)."""
-    if prior is None:
-        return "injob"
-    if world_size < prior.world_size:
-        return "elastic"
-    if prior.open_node_loss and world_size >= prior.world_size:
-        return "spare"
-    return "injob"

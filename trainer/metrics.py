@@ -7,7 +7,7 @@ loop a few in-memory updates a step: no collective, no I/O (a scrape reads the r
 server's own thread).
 
 One endpoint per process (:func:`serve`, called once per worker process by
-``trainer.train``): an in-process restart re-enters the train function in the same process
+``trainer.worker``): an in-process restart re-enters the train function in the same process
 and keeps it; an in-job restart is a new process, which binds the port again (the old process
 is gone by then; :class:`MetricsServer` retries a little while in case it is still exiting).
 

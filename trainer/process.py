@@ -1,7 +1,8 @@
-"""The worker process (arch §5): what it keeps across in-process restarts
-(:class:`ProcessContext`), and what each restart iteration of the training core
-(:class:`trainer.session.TrainSession`) sets up from it: the process group, the layer its restart
-is attributed to, the fault-tolerance hooks, and at the end ``result.json``. The built-in loop
+"""The worker process (arch §5): how it came to be (:class:`Origin`, the one place a restart is
+attributed to a layer), what it keeps across in-process restarts (:class:`ProcessContext`,
+frozen), and what each restart iteration of the training core
+(:class:`trainer.session.TrainSession`, which holds what changes per iteration) sets up from it:
+the process group, the fault-tolerance hooks, and at the end ``result.json``. The built-in loop
 (:mod:`trainer.loop`) and script mode (:mod:`trainer.script`) both run that core."""
 
 from __future__ import annotations
@@ -10,14 +11,16 @@ import datetime
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from trainer.checkpointing.async_save import AsyncCheckpointer
 from trainer.config import TrainConfig
-from trainer.elastic import PriorWorld, restart_layer
+from trainer.elastic import PriorWorld
 from trainer.events import EventLog
 from trainer.fence import Fence
 from trainer.hooks import FaultDrills, Heartbeats, Hooks, StepEvents
@@ -25,9 +28,57 @@ from trainer.parallel import Placement
 from trainer.workload import DataSource
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class Origin:
+    """How this worker process came to be, read once at its start, and which layer recovered
+    the run when it (or an iteration of it) resumes: the one attribution of a restart."""
+
+    restart_count: int = 0  # ft_launcher's TORCHELASTIC_RESTART_COUNT (this agent's restarts)
+    # The previous incarnation of this launcher job (an elastic job's world may change); None
+    # when this worker is the job's first.
+    prior: PriorWorld | None = None
+    stage_attempt: int = 1  # the pipeline's train-stage attempt (NVRX_STAGE_ATTEMPT)
+
+    @classmethod
+    def of(cls, run_root: Path, environ: Mapping[str, str] = os.environ) -> Origin:
+        from trainer import run_state
+
+        # From control/ (trainer.run_state), never a scan of the event log: O(1) at any length.
+        return cls(
+            restart_count=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            prior=run_state.prior_world(run_root, environ.get("TORCHELASTIC_RUN_ID")),
+            stage_attempt=int(environ.get("NVRX_STAGE_ATTEMPT", "1")),
+        )
+
+    @property
+    def respawned(self) -> bool:
+        """The launcher started this worker again (a restart of it, or of its job's world)."""
+        return self.restart_count > 0 or self.prior is not None
+
+    def layer(self, iteration: int, world_size: int) -> str | None:
+        """Which layer recovered the run at ``iteration`` of this process: ``inprocess`` (a
+        restart iteration), for a respawned worker ``elastic`` (the world shrank), ``spare`` (a
+        node was lost and the world kept its size: a spare took its place) or ``injob`` (a
+        worker's crash or hang, a returning node's admission), ``stage-retry`` for a new train
+        attempt's first start, None for a run's very first start."""
+        if iteration > 0:
+            return "inprocess"
+        if self.respawned:
+            prior = self.prior
+            if prior is not None and world_size < prior.world_size:
+                return "elastic"
+            if prior is not None and prior.open_node_loss:
+                return "spare"
+            return "injob"
+        if self.stage_attempt > 1:
+            return "stage-retry"
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
 class ProcessContext:
-    """What one worker process keeps across in-process restarts."""
+    """What one worker process keeps across in-process restarts: set once, never reassigned
+    (the saver, heartbeat and node memory are long-lived objects with their own state)."""
 
     cfg: TrainConfig
     placement: Placement
@@ -35,16 +86,16 @@ class ProcessContext:
     saver: AsyncCheckpointer
     events: EventLog
     heartbeat: Any
-    restart_count: int = 0  # ft_launcher's TORCHELASTIC_RESTART_COUNT (this agent's restarts)
-    # The previous incarnation of this launcher job (an elastic job's world may change).
-    prior: PriorWorld | None = None
-    respawned: bool = False  # this worker replaces an earlier one of the same launcher job
-    stage_attempt: int = 1  # the pipeline's train-stage attempt (NVRX_STAGE_ATTEMPT)
+    origin: Origin = field(default_factory=Origin)
     base_store: Any = None  # long-lived store for per-iteration process groups (in-process mode)
     # This rank's node memory (trainer.checkpointing.node_copy.NodeMemory), kept across
     # in-process restarts: its files outlive the process too.
     node_memory: Any = None
     started: float = field(default_factory=time.time)
+
+    @property
+    def restart_count(self) -> int:
+        return self.origin.restart_count
 
 
 def init_process_group(ctx: ProcessContext, iteration: int) -> tuple[int, int]:
@@ -59,16 +110,6 @@ def init_process_group(ctx: ProcessContext, iteration: int) -> tuple[int, int]:
     else:
         dist.init_process_group(ctx.placement.backend, timeout=timeout)
     return rank, world
-
-
-def recovery_layer(ctx: ProcessContext, iteration: int, world: int) -> str | None:
-    if iteration > 0:
-        return "inprocess"
-    if ctx.restart_count > 0 or ctx.respawned:
-        return restart_layer(ctx.prior, world)
-    if ctx.stage_attempt > 1:
-        return "stage-retry"
-    return None
 
 
 def build_hooks(

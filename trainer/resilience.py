@@ -1,4 +1,5 @@
-"""NVRx glue: the in-process restart Wrapper and ft_launcher heartbeats.
+"""NVRx glue: ft_launcher heartbeats and the control markers (the in-process Wrapper is
+:mod:`trainer.inprocess_layer`).
 
 Both layers are switchable by config and each works without the other:
 - in-process (``inprocess.Wrapper``) restarts the train function in every rank of the same
@@ -10,16 +11,14 @@ Both layers are switchable by config and each works without the other:
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-from trainer.config import InProcessConfig
 from trainer.layer_config import CHECKPOINT_SECTION, LOAD_SECTION, STEP_SECTION
 from trainer.timeouts import OUT_OF_SECTION, STEP, TimeoutLearner, Timeouts
 
@@ -279,79 +278,3 @@ class Heartbeat:
             except Exception as e:  # the same: never mask the error this process ends with
                 log.warning("could not shut the rank monitor connection down: %s", e)
             self.client = None
-
-
-def wrap_inprocess(
-    fn: Callable[..., Any],
-    cfg: InProcessConfig,
-    *,
-    world_size: int,
-    on_restart: Callable[[], None],
-    logfile: Path,
-    store_port: int,
-) -> Callable[..., Any]:
-    """Wrap ``fn`` in ``inprocess.Wrapper`` (must happen before any process group exists).
-
-    - restarts only with the full world (``RetryController(min_world_size=world_size)``): if a rank
-      is gone for good, shrinking would change the data order, so the Wrapper gives up and the
-      in-job layer (ft_launcher) restarts every worker instead;
-    - ``on_restart`` runs as the Wrapper's finalize (drop the save in flight);
-    - no CUDA health check on CPU (the default ThreadedFinalize/CudaHealthCheck need CUDA).
-    """
-    from nvidia_resiliency_ext import inprocess
-
-    from trainer import nvrx_compat
-
-    class _Finalize(inprocess.finalize.Finalize):
-        def __call__(self, state: Any) -> Any:
-            on_restart()
-            return state
-
-    health: Any = None
-    import torch
-
-    if torch.cuda.is_available():
-        health = inprocess.health_check.CudaHealthCheck(
-            timeout=datetime.timedelta(seconds=cfg.soft_timeout_s)
-        )
-    s = datetime.timedelta(seconds=1)
-    from trainer.stores import BoundNvrxStore
-
-    wrapper = inprocess.Wrapper(
-        # A client of the incarnation's store (rank 0 hosts it at store_port: trainer.train),
-        # in the worker and in its monitor process alike.
-        store_factory=BoundNvrxStore,
-        store_kwargs={
-            "port": store_port,
-            "join": True,
-            "timeout": datetime.timedelta(seconds=cfg.barrier_timeout_s),
-        },
-        initialize=inprocess.initialize.RetryController(
-            max_iterations=cfg.max_restarts + 1,
-            min_world_size=world_size,
-            min_active_world_size=world_size,
-        ),
-        finalize=_Finalize(),
-        health_check=health,
-        soft_timeout=cfg.soft_timeout_s * s,
-        hard_timeout=cfg.hard_timeout_s * s,
-        heartbeat_timeout=cfg.heartbeat_timeout_s * s,
-        barrier_timeout=cfg.barrier_timeout_s * s,
-        completion_timeout=cfg.completion_timeout_s * s,
-        monitor_thread_interval=cfg.monitor_interval_s * s,
-        monitor_process_interval=cfg.monitor_interval_s * s,
-        progress_watchdog_interval=cfg.monitor_interval_s * s,
-        heartbeat_interval=cfg.monitor_interval_s * s,
-        last_call_wait=cfg.last_call_wait_s * s,
-        termination_grace_time=cfg.termination_grace_s * s,
-        monitor_process_logfile=str(logfile.absolute()),
-    )
-    nvrx_compat.disable_device_health_checks(wrapper)
-
-    def entry(call_wrapper: Any = None) -> Any:
-        return fn(call_wrapper)
-
-    # The Wrapper injects its CallWrapper by parameter *annotation object*; this module uses
-    # postponed (string) annotations, so set the real class explicitly.
-    entry.__annotations__ = {"call_wrapper": Optional[inprocess.CallWrapper], "return": Any}  # noqa: UP045
-    return wrapper(entry)

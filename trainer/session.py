@@ -40,7 +40,6 @@ from trainer.process import (
     ProcessContext,
     build_hooks,
     init_process_group,
-    recovery_layer,
     write_result,
 )
 
@@ -169,14 +168,14 @@ class TrainSession:
             ctx,
             rank=rank,
             first_step=first,
-            layer=recovery_layer(ctx, self.iteration, world),
+            layer=ctx.origin.layer(self.iteration, world),
             began=self.began,
         )
         ckpt.on_commit = self.hooks.on_commit
         nodes = world_nodes(world, self.ckpt_group)
         if rank != 0:
             return first
-        prior = ctx.prior
+        prior = ctx.origin.prior
         if prior is not None and self.iteration == 0 and prior.world_size != world:
             ctx.events.emit(
                 "world_change",

@@ -86,12 +86,12 @@ def set_dotted(data: dict[str, Any], key: str, raw: str) -> None:
 def claimed_run_root(args: argparse.Namespace) -> Path | None:
     """Where the command line says the run lives, even when its config is invalid (the
     no-restart marker goes there): the last ``--set run_root``, else the config file's."""
-    for item in reversed(args.set):
-        key, eq, raw = item.partition("=")
-        if eq and key.strip() == "run_root" and raw.strip():
-            return Path(raw.strip())
+    said = [
+        v for k, eq, v in (s.partition("=") for s in args.set) if eq and k.strip() == "run_root"
+    ]
+    if said and said[-1].strip():
+        return Path(said[-1].strip())
     try:
-        root = json.loads(args.config.read_text()).get("run_root") if args.config else None
-    except (OSError, ValueError, AttributeError):
+        return Path(json.loads(args.config.read_text())["run_root"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return Path(root) if isinstance(root, str) and root else None

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from trainer.worker_cli import set_dotted  # one meaning of --set KEY=VALUE, trainer's too
+
 if TYPE_CHECKING:
     from flows.models import PipelineParams
 
@@ -44,17 +46,6 @@ def command(sub: Any, name: str, codes: dict[int, str], **kw: Any) -> argparse.A
     )
 
 
-def _set_dotted(d: dict[str, Any], key: str, raw: str) -> None:
-    try:
-        value: Any = json.loads(raw)
-    except json.JSONDecodeError:
-        value = raw  # a bare string
-    parts = key.split(".")
-    for p in parts[:-1]:
-        d = d.setdefault(p, {})
-    d[parts[-1]] = value
-
-
 def load_params_dict(
     config: Path | None, sets: list[str], inject: list[str], run_id: str | None
 ) -> dict[str, Any]:
@@ -73,7 +64,7 @@ def load_params_dict(
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise ValueError(f"--set {item!r}: expected key=value (dotted keys for nested fields)")
-        _set_dotted(data, key.strip(), value.strip())
+        set_dotted(data, key.strip(), value.strip())
     if inject:
         drills = data.setdefault("drills", {})
         drills["faults"] = [*drills.get("faults", []), *inject]
