@@ -17,7 +17,6 @@ import dataclasses
 import datetime
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,12 +29,10 @@ from trainer import nvrx_compat
 from trainer.config import InProcessConfig
 from trainer.errors import TerminalError
 from trainer.gloo_release import release_process_groups
-from trainer.process import ProcessContext
+from trainer.process import Body, ProcessContext
 from trainer.resilience import node_lost_since
 
 log = logging.getLogger(__name__)
-
-Body = Callable[[ProcessContext, Any], dict[str, Any]]
 
 
 class HandOverOnNodeLoss(inprocess.finalize.Finalize):  # type: ignore[misc]

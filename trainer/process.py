@@ -11,7 +11,7 @@ import datetime
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +96,10 @@ class ProcessContext:
     @property
     def restart_count(self) -> int:
         return self.origin.restart_count
+
+
+# One attempt of the training run, re-entered by the in-process layer after a fault.
+Body = Callable[[ProcessContext, Any], dict[str, Any]]
 
 
 def init_process_group(ctx: ProcessContext, iteration: int) -> tuple[int, int]:

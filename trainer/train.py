@@ -58,7 +58,8 @@ from trainer.config import ConfigError, TrainConfig
 from trainer.errors import ExitCode, TerminalError
 from trainer.events import EventLog
 from trainer.faults import FaultSpecError
-from trainer.worker import Body, DataFactory, run, workload_data
+from trainer.process import Body
+from trainer.worker import DataFactory, run, workload_data
 from trainer.worker_cli import build_parser, claimed_run_root, config_from_args
 
 log = logging.getLogger("trainer")

@@ -12,22 +12,20 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from trainer.config import TrainConfig
 from trainer.data import DataError
 from trainer.events import EventLog
-
-if TYPE_CHECKING:
-    from trainer.workload import DataSource
+from trainer.process import Body, Origin, ProcessContext
+from trainer.workload import DataSettings, DataSource
 
 log = logging.getLogger("trainer")
 
-# One attempt of the training run, ``body(ctx, call_wrapper)``, and where its data comes from.
-Body = Callable[[Any, Any], dict[str, Any]]
-DataFactory = Callable[[TrainConfig], "DataSource"]
+# Where the training run's data comes from (the workload's own source by default).
+DataFactory = Callable[[TrainConfig], DataSource]
 
 
 def _ensure_dist_env() -> None:
@@ -59,8 +57,6 @@ def _cpu_threads() -> None:
 
 def workload_data(cfg: TrainConfig) -> DataSource:
     """The workload's data source, its vocabulary checked against the model's."""
-    from trainer.workload import DataSettings
-
     wl = cfg.wl
     sampler = wl.data_source(
         DataSettings(
@@ -175,7 +171,6 @@ def _run(
 ) -> dict[str, Any]:
     from trainer import nvrx_compat
     from trainer.credentials import secret_like
-    from trainer.process import Origin, ProcessContext
 
     started = time.time()  # a node lost after this is this process's to hand over
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
