@@ -69,6 +69,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from trainer.checkpointing import fsync_path
 from trainer.checkpointing.config import CheckpointConfig, DurableConfig
 from trainer.config import InProcessConfig, TrainConfig
+from trainer.event_types import Checkpoint, Fault, Resume, Step, TrainEnd, WorkerStart
 from trainer.events import EventLog
 from trainer.faults import FaultSpec, claim, parse_fault
 from trainer.layer_config import CHECKPOINT_SECTION, LOAD_SECTION, STEP_SECTION
@@ -211,11 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     events = EventLog(args.run_root)
     if rank == 0:
         events.emit(
-            "worker_start",
-            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            world_size=world,
-            baseline=True,
-            process_start_t=process_start_time(),  # the respawn and start-up phases, as ours
+            WorkerStart(
+                restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                world_size=world,
+                baseline=True,
+                process_start_t=process_start_time(),  # the respawn and start-up phases, as ours
+            )
         )
     monitor = _Sections(args.ft_sections)
     cuda = torch.cuda.is_available()
@@ -289,10 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         start = int(choice[0]) + 1
         if rank == 0:
             events.emit(
-                "resume",
-                action="loaded",
-                step=choice[0],
-                load_s=round(time.perf_counter() - t0, 4),
+                Resume(
+                    action="loaded",
+                    step=choice[0],
+                    load_s=round(time.perf_counter() - t0, 4),
+                )
             )
 
     faults = [parse_fault(s) for s in args.fault]
@@ -304,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 mine = spec.rank in (None, rank)
             if spec.step == step and spec.phase == phase and mine and claim(cfg.run_root, spec):
-                events.emit("fault", fault=str(spec), fault_kind=spec.kind, step=step, rank=rank)
+                events.emit(Fault(fault=str(spec), fault_kind=spec.kind, step=step, rank=rank))
                 _fire(spec)
 
     tokens = cfg.global_batch * wl.seq_len
@@ -325,11 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         monitor.end(STEP_SECTION)
         if rank == 0:
             events.emit(
-                "step",
-                step=step,
-                loss=round(loss_value, 4),
-                step_s=round(step_s, 4),
-                tokens_per_s=round(tokens / step_s, 1),
+                Step(
+                    step=step,
+                    loss=round(loss_value, 4),
+                    step_s=round(step_s, 4),
+                    tokens_per_s=round(tokens / step_s, 1),
+                )
             )
         if cfg.checkpoint.durable.due(step, cfg.steps):
             monitor.start(CHECKPOINT_SECTION)
@@ -353,9 +357,9 @@ def main(argv: list[str] | None = None) -> int:
             monitor.end(CHECKPOINT_SECTION)
             if rank == 0:
                 blocked = round(time.perf_counter() - t0, 4)
-                events.emit("checkpoint", step=step, blocking_s=blocked, total_s=blocked)
+                events.emit(Checkpoint(step=step, blocking_s=blocked, total_s=blocked))
     if rank == 0:
-        events.emit("train_end", final_step=cfg.steps)
+        events.emit(TrainEnd(final_step=cfg.steps))
     dist.barrier(group=ckpt_group)
     dist.destroy_process_group()
     monitor.close()

@@ -47,6 +47,7 @@ from tasks import retry_policy
 from tasks.backends import registry
 from tasks.ownership import lease, takeover
 from tasks.storage.local_s3 import local_s3
+from trainer.event_types import Cleanup, Takeover
 from trainer.events import EventLog, read_events
 from trainer.history import RunHistory
 from trainer.run_files import write_text_atomic
@@ -163,7 +164,7 @@ def _clean_up_after(flow: Any, flow_run: Any, state: Any) -> None:
             log.warning("run %s: left alone, a live invocation %s owns it", ctx.run_id, owner)
             return
         removed = registry.create(params.backend, params).cleanup(ctx.run_id, ctx.run_root)
-        EventLog(ctx.run_root).emit("cleanup", state=state.type.value, removed=removed)
+        EventLog(ctx.run_root).emit(Cleanup(state=state.type.value, removed=removed))
         log.warning("run %s (%s): removed %s", ctx.run_id, state.type.value, removed or "nothing")
     except Exception as e:  # a hook must not fail the state transition it reports
         log.error("cleanup of flow run %s failed: %s: %s", flow_run.id, type(e).__name__, e)
@@ -206,13 +207,14 @@ def _take_over(held: lease.RunLease, ctx: RunContext) -> None:
     plan = takeover.decide(takeover.gather(previous, ctx.run_root))
     ended = takeover.carry_out(plan, previous, ctx.run_root)
     EventLog(ctx.run_root).emit(
-        "takeover",
-        previous=previous.owner.describe(),
-        action=plan.action.value,
-        reason=plan.reason,
-        attempt=plan.attempt,
-        ended_pids=ended,
-        steps_lost=plan.steps_lost,
+        Takeover(
+            previous=previous.owner.describe(),
+            action=plan.action.value,
+            reason=plan.reason,
+            attempt=plan.attempt,
+            ended_pids=ended,
+            steps_lost=plan.steps_lost,
+        )
     )
     log.warning(
         "took over run %s from %s (gone): %s, %s%s",

@@ -13,19 +13,28 @@ re-attached watcher, a second tail from the start).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from trainer.event_read import DROP_REASONS, EVENTS_FILE, DropCounts, EventReader
+from trainer.event_types import (
+    Checkpoint,
+    Event,
+    Fault,
+    Recovered,
+    Restart,
+    Resume,
+    StageAttempt,
+    StageAttemptEnd,
+    Step,
+)
 from trainer.events import LAYERS
 from trainer.faults import KINDS as FAULT_KINDS
 from trainer.metrics import MetricsServer, TrainingSeries
@@ -39,21 +48,13 @@ LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 6
 LOAD_SOURCES = ("durable",)
 
 
-def restart_layer(e: dict[str, Any]) -> str | None:
+def restart_layer(e: Event) -> str | None:
     """The layer an event says restarted training, if it is a restart: the trainer's
     ``restart`` events (in-process, in-job), and a train-stage attempt after the first (an
     attempt adopted from a dead owner restarts nothing)."""
-    kind = e.get("kind")
-    if kind == "restart":
-        layer = e.get("layer")
-        return layer if isinstance(layer, str) else None
-    if (
-        kind == "stage_attempt"
-        and e.get("stage") == "train"
-        and isinstance(e.get("attempt"), int)
-        and e["attempt"] > 1
-        and not e.get("adopted")
-    ):
+    if isinstance(e, Restart):
+        return e.layer
+    if isinstance(e, StageAttempt) and e.stage == "train" and e.attempt > 1 and not e.adopted:
         return "stage-retry"
     return None
 
@@ -134,15 +135,13 @@ class RunMetrics:
         self._ended_wall_s = 0.0
         self._open_attempt_t: float | None = None
 
-    def observe(self, e: dict[str, Any]) -> None:
-        kind = e.get("kind")
-        if kind == "step":
+    def observe(self, e: Event) -> None:
+        if isinstance(e, Step):
             # Gauges and a per-step dict only: seeing a step again changes nothing.
             self.series.observe(e)
-            if isinstance(e.get("step"), int):
-                self._step_s[e["step"]] = float(e.get("step_s") or 0.0)
+            self._step_s[e.step] = e.step_s
             return
-        key = json.dumps(e, sort_keys=True, default=str)
+        key = e.model_dump_json()
         if key in self._seen:
             return
         self._seen.add(key)
@@ -150,26 +149,26 @@ class RunMetrics:
         layer = restart_layer(e)
         if layer is not None:
             self.restarts.labels(self.run_id, layer).inc()
-        if kind == "recovered" and e.get("recovery_s") is not None:
-            self.recovery.labels(self.run_id, str(e.get("layer"))).observe(e["recovery_s"])
-        elif kind == "fault":
-            self.faults.labels(self.run_id, str(e.get("fault_kind"))).inc()
-        elif kind == "resume" and e.get("action") == "loaded":
-            source = str(e.get("source") or "durable")
-            if isinstance(e.get("load_s"), (int, float)):
-                self.load_seconds.labels(self.run_id, source).observe(float(e["load_s"]))
-            if isinstance(e.get("bytes"), int) and e["bytes"] >= 0:
-                self.load_bytes.labels(self.run_id, source).inc(e["bytes"])
-        elif kind == "checkpoint":
-            self.checkpoints.inc()
-            if isinstance(e.get("step"), int):
-                self.last_committed.set(e["step"])
-        elif kind == "stage_attempt" and e.get("stage") == "train":
-            self.attempts.inc()
-            self._open_attempt_t = float(e["t"])
-        elif kind == "stage_attempt_end" and e.get("stage") == "train":
-            self._ended_wall_s += float(e.get("wall_s") or 0.0)
-            self._open_attempt_t = None
+        match e:
+            case Recovered():
+                self.recovery.labels(self.run_id, e.layer).observe(e.recovery_s)
+            case Fault():
+                self.faults.labels(self.run_id, e.fault_kind).inc()
+            case Resume(action="loaded"):
+                source = e.source or "durable"
+                if e.load_s is not None:
+                    self.load_seconds.labels(self.run_id, source).observe(e.load_s)
+                if e.bytes is not None:
+                    self.load_bytes.labels(self.run_id, source).inc(e.bytes)
+            case Checkpoint():
+                self.checkpoints.inc()
+                self.last_committed.set(e.step)
+            case StageAttempt(stage="train"):
+                self.attempts.inc()
+                self._open_attempt_t = e.t
+            case StageAttemptEnd(stage="train"):
+                self._ended_wall_s += e.wall_s
+                self._open_attempt_t = None
 
     def ettr(self) -> float | None:
         """As the fold's ``RunHistory.ettr`` once the attempts ended; while one runs, its
@@ -214,7 +213,7 @@ def serving(
     stop = threading.Event()
 
     def pump() -> None:
-        for e in tail.read_new_dicts():
+        for e in tail.read_new():
             metrics.observe(e)
 
     def follow() -> None:

@@ -46,7 +46,7 @@ from trainer import fence, run_state
 from trainer.config import TrainConfig
 from trainer.elastic import NodeRange
 from trainer.event_read import EVENTS_FILE, EventReader
-from trainer.event_types import Fatal, StageAttempt
+from trainer.event_types import Fatal, Fault, NodeReturn, Recovered, StageAttempt, StageAttemptEnd
 from trainer.events import EventLog
 from trainer.faults import FaultSpec, claim
 from trainer.node_beat import clear_other_epochs, read_beats
@@ -251,25 +251,27 @@ def run_attempt(
         # event (the trainer emits it) closes it with layer ``stage-retry``.
         step = s.last_step
         fault_event = events.emit(
-            "fault",
-            fault=f"node-loss@step={step}" if step is not None else "node-loss",
-            fault_kind="node-loss",
-            step=step,
-            node=None,
-            rank=None,
-            nodes=outcome.details.get("lost_nodes", []),
-            detail=outcome.message,
+            Fault(
+                fault=f"node-loss@step={step}" if step is not None else "node-loss",
+                fault_kind="node-loss",
+                step=step,
+                node=None,
+                rank=None,
+                nodes=outcome.details.get("lost_nodes", []),
+                detail=outcome.message,
+            )
         )
         run_state.open_fault(run_root, fault_event)
     wall = clock() - started
     events.emit(
-        "stage_attempt_end",
-        stage="train",
-        attempt=job.attempt,
-        outcome=outcome.kind.value,
-        message=outcome.message,
-        wall_s=round(wall, 3),
-        **kept,
+        StageAttemptEnd(
+            stage="train",
+            attempt=job.attempt,
+            outcome=outcome.kind.value,
+            message=outcome.message,
+            wall_s=round(wall, 3),
+            **kept,
+        )
     )
     watch.pump(END_READ_TIMEOUT_S)
     return AttemptReport(job.attempt, outcome, wall, kept)
@@ -362,7 +364,7 @@ class _Watch:
         if spec.returns_node:
             if not isinstance(job, ReturnDrills):
                 raise ValueError(f"{spec}: {job.name} cannot start a lost node again")
-            self.events.emit("node_return", fault=str(spec), step=step, node=node)
+            self.events.emit(NodeReturn(fault=str(spec), step=step, node=node))
             job.restore_node(node)
             self.state = returned(self.state, node)
         elif spec.freezes_node:
@@ -431,14 +433,15 @@ class _Watch:
                 _log.warning("could not end silent node %d: %s: %s", node, type(e).__name__, e)
         # Reaches on_event through the tail, like every other event.
         fault_event = self.events.emit(
-            "fault",
-            fault=fault,
-            fault_kind="node-loss",
-            step=step,
-            node=node,
-            rank=None,
-            path=decision.path.value,
-            detail=f"{why}; {decision.reason}" if why else decision.reason,
+            Fault(
+                fault=fault,
+                fault_kind="node-loss",
+                step=step,
+                node=node,
+                rank=None,
+                path=decision.path.value,
+                detail=f"{why}; {decision.reason}" if why else decision.reason,
+            )
         )
         self.state = lost(
             self.state, node, decision, drilled=drilled, now=self.clock(), wall=time.time()
@@ -448,14 +451,15 @@ class _Watch:
         else:
             # Nothing trained there: nothing to recover, and no later recovery may claim it.
             self.events.emit(
-                "recovered",
-                layer=LossPath.SPARE.value,
-                fault=fault,
-                fault_kind="node-loss",
-                fault_step=step,
-                rank=None,
-                step=step,
-                recovery_s=0.0,
+                Recovered(
+                    layer=LossPath.SPARE.value,
+                    fault=fault,
+                    fault_kind="node-loss",
+                    fault_step=step,
+                    rank=None,
+                    step=step or 0,  # no step read yet: before the first
+                    recovery_s=0.0,
+                )
             )
 
 
@@ -485,11 +489,12 @@ def _attempt_event(
     adopted: bool = False,
 ) -> None:
     events.emit(
-        "stage_attempt",
-        stage="train",
-        attempt=attempt,
-        nodes=request.nodes,
-        nproc_per_node=request.nproc_per_node,
-        backend=backend.name,
-        **({"adopted": True} if adopted else {}),
+        StageAttempt(
+            stage="train",
+            attempt=attempt,
+            nodes=request.nodes,
+            nproc_per_node=request.nproc_per_node,
+            backend=backend.name,
+            adopted=adopted,
+        )
     )

@@ -27,6 +27,7 @@ from tasks.train_stage import AttemptReport, run_attempt
 from tests.eks_cluster import NS, mark_disrupted, node_obj, pod_obj, terminated
 from tests.kube_chaos import ChaosProxy, Misbehaviour
 from trainer import fence
+from trainer.event_types import Step, TrainStart
 from trainer.events import EventLog
 
 TAG = "inv001"  # the invocation's tag in the Job's name
@@ -350,7 +351,7 @@ def test_an_interrupted_watch_deletes_the_job(kube: Kube, tmp_path: Path):
             raise KeyboardInterrupt("cancelled")  # as Prefect's SIGTERM bridge raises
 
     # A trainer event arrives once the Job exists: the stage's progress callback is interrupted.
-    threading.Timer(1.0, lambda: worker_log(root).emit("step", step=1, loss=1.0)).start()
+    threading.Timer(1.0, lambda: worker_log(root).emit(Step(step=1, loss=1.0))).start()
     with pytest.raises(KeyboardInterrupt):
         attempt_on(kube, params, deadline_s=30, on_event=interrupt)
     assert kube.read_job(NS, name) is None
@@ -409,7 +410,7 @@ def test_a_silent_pod_is_taken_away_as_a_lost_node(kube: Kube, tmp_path: Path):
         """What the pods' workers do on FSx: say which nodes train, and beat (node 1 stops)."""
         now = fence.current(root)
         epoch = now.epoch if now else None
-        EventLog(root, epoch=epoch).emit("train_start", world_size=2, nodes=[0, 1])
+        EventLog(root, epoch=epoch).emit(TrainStart(world_size=2, nodes=[0, 1]))
         beats = [NodeBeat(root, epoch=epoch, node=n, interval_s=0.1) for n in (0, 1)]
         time.sleep(0.5)
         beats[1].close()  # frozen: alive to the API, silent to the job
@@ -584,7 +585,7 @@ def lose_then_complete(lost: int, root: Path, world: list[int]) -> Callable[[Kub
     rendezvous host's pod completes, which ends an elastic Job (its success policy)."""
 
     def act(k: Kube, job: str) -> None:
-        worker_log(root).emit("train_start", nodes=world, world_size=len(world))
+        worker_log(root).emit(TrainStart(nodes=world, world_size=len(world)))
         time.sleep(1.0)
         mark_disrupted(k, f"{job}-{lost}-x")
         time.sleep(2.0)
@@ -641,7 +642,7 @@ def test_below_the_minimum_the_survivors_wait_then_the_stage_retry(kube: Kube, t
     root = tmp_path / "runs" / run_id
 
     def act(k: Kube, name: str) -> None:
-        worker_log(root).emit("train_start", nodes=[0, 1, 2], world_size=3)
+        worker_log(root).emit(TrainStart(nodes=[0, 1, 2], world_size=3))
         time.sleep(1.0)
         mark_disrupted(k, f"{name}-2-x")
         time.sleep(1.0)

@@ -34,6 +34,7 @@ from tests.eks_cluster import NS, seed_cluster, use_clients
 from tests.helpers import lease_holder
 from tests.pipeline_helpers import assert_exported
 from tests.test_eks_pipeline import FS, Cluster, stubbed_fsx
+from trainer.event_types import StageAttempt
 from trainer.events import EventLog, read_events
 
 pytestmark = pytest.mark.slow
@@ -131,7 +132,7 @@ def test_a_replaced_flow_runner_continues_the_run(
         hydrate_dataset(s3fs_filesystem(s3_settings), d.bucket, d.prefix, ctx.data_dir)
         _dead_owner(ctx.run_root, run_id)
         EventLog(ctx.run_root).emit(
-            "stage_attempt", stage="train", attempt=1, nodes=2, nproc_per_node=1, backend="eks"
+            StageAttempt(stage="train", attempt=1, nodes=2, nproc_per_node=1, backend="eks")
         )
         request = LaunchRequest(
             run_id=run_id,

@@ -24,6 +24,7 @@ from trainer.elastic import (
     micro_batches,
     node_id,
 )
+from trainer.event_types import Fault
 from trainer.events import EventLog
 from trainer.hooks import emit_recoveries
 from trainer.launch import LaunchSpec, ft_launcher_argv, rdzv_conf
@@ -147,7 +148,7 @@ def test_prior_world_and_the_layer_a_restart_is_attributed_to(tmp_path: Path):
     attributes its restart to (trainer.process.Origin: the one attribution)."""
     run_state.record_launch(tmp_path, job_id="j", world_size=2, nodes=[0, 1])
     log = EventLog(tmp_path)
-    loss = log.emit("fault", fault="node-loss@node=1", fault_kind="node-loss", node=1)
+    loss = log.emit(Fault(fault="node-loss@node=1", fault_kind="node-loss", node=1))
     run_state.open_fault(tmp_path, loss)
     env = {"TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_RESTART_COUNT": "1"}
     origin = Origin.of(tmp_path, env)

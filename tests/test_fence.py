@@ -14,7 +14,7 @@ import pytest
 from trainer import checkpointing, fence, run_state
 from trainer.checkpointing.manager import _Commit
 from trainer.event_read import EventReader
-from trainer.event_types import FencedEvent
+from trainer.event_types import FencedEvent, StageAttempt
 from trainer.events import EventLog
 
 FP = "cfg-hash"
@@ -65,7 +65,7 @@ def _attempts(root: Path, n: int) -> None:
     """``n`` attempts published, each saying so in the event log first, as the watcher does."""
     for attempt in range(1, n + 1):
         epoch = fence.publish(root, invocation="w", attempt=attempt).epoch
-        EventLog(root, epoch=epoch).emit("stage_attempt", stage="train", attempt=attempt)
+        EventLog(root, epoch=epoch).emit(StageAttempt(stage="train", attempt=attempt))
 
 
 @pytest.mark.parametrize("damage", ["lost", "corrupt", "not-an-epoch"])

@@ -133,8 +133,7 @@ def _state_size(h: RunHistory) -> int:
 def test_read_streams_the_file(tmp_path: Path):
     log = EventLog(tmp_path)
     for e in HISTORY:
-        fields = {k: v for k, v in e.items() if k not in ("t", "kind")}
-        log.emit(e["kind"], **fields)
+        log.emit(_typed(e))
     with open(log.path, "a") as f:
         f.write('1\nnull\n{"t": 1, "kind": "step", "step": "9"}\n')
     h = RunHistory.read(tmp_path)

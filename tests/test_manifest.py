@@ -12,6 +12,7 @@ import pytest
 from trainer import checkpointing as m
 from trainer.checkpointing.config import DurableConfig
 from trainer.config import ConfigError
+from trainer.event_types import Resume, Step
 from trainer.events import EventLog, read_events
 from trainer.faults import flip_bytes
 
@@ -346,11 +347,11 @@ def test_no_checkpoints_means_fresh(tmp_path: Path):
 
 def test_torn_last_event_line(tmp_path: Path):
     log = EventLog(tmp_path)
-    log.emit("step", step=1)
+    log.emit(Step(step=1))
     with open(log.path, "ab") as f:
         f.write(b'{"kind": "checkpoint", "st')  # the writer died mid-write
     assert [e["kind"] for e in read_events(tmp_path)] == ["step"]
-    log.emit("resume", action="loaded")  # must not be glued onto the fragment
+    log.emit(Resume(action="loaded"))  # must not be glued onto the fragment
     assert [e["kind"] for e in read_events(tmp_path)] == ["step", "resume"]
     assert log.path.read_bytes().endswith(b"\n") and log.path.read_text().count("\n") == 3
     with open(log.path, "ab") as f:

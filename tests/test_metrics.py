@@ -23,6 +23,7 @@ import yaml
 from tasks.metrics import RunMetrics, serving
 from tests.helpers import REPO, free_port, sample, scrape, worker_env
 from trainer.config import ConfigError, TrainConfig
+from trainer.event_types import Checkpoint, Restart, StageAttempt, Step, decode_obj
 from trainer.events import EventLog
 from trainer.history import RunHistory
 from trainer.metrics import MetricsServer, Rank0Metrics, build_versions
@@ -111,7 +112,7 @@ def test_run_metrics_map_a_recorded_history_and_count_each_event_once() -> None:
     assert sample(s, "nvrx_faults_detected_total", run_id="r1", kind="node-loss") == 0
     for _ in range(2):  # the file read again from the start: nothing counts twice
         for e in HISTORY:
-            m.observe(dict(e))
+            m.observe(decode_obj(e))
     s = _samples(m.registry)
     for layer in ("inprocess", "injob", "stage-retry"):
         assert sample(s, "nvrx_restarts_total", run_id="r1", layer=layer) == 1, layer
@@ -150,7 +151,7 @@ def test_checkpoint_loads_are_counted_by_their_tier() -> None:
         {"t": 3.0, "kind": "resume", "action": "skipped", "step": 15, "reason": "bad"},
     ]  # fmt: skip
     for e in loads * 2:  # read twice: counted once
-        m.observe(dict(e))
+        m.observe(decode_obj(e))
     s = _samples(m.registry)
     assert sample(s, "nvrx_checkpoint_load_seconds_count", source="durable") == 2
     assert sample(s, "nvrx_checkpoint_load_seconds_sum", source="durable") == 1.0
@@ -161,7 +162,7 @@ def test_ettr_counts_the_running_attempts_wall_time_so_far() -> None:
     now = {"t": 110.0}
     m = RunMetrics("r1", clock=lambda: now["t"])
     for e in HISTORY[:9]:  # attempt 1 still running at t=110: steps 1-4, 2.0 s productive
-        m.observe(e)
+        m.observe(decode_obj(e))
     assert m.ettr() == 0.2
     now["t"] = 120.0
     assert m.ettr() == 0.1
@@ -169,7 +170,7 @@ def test_ettr_counts_the_running_attempts_wall_time_so_far() -> None:
 
 def test_an_adopted_attempt_is_not_a_stage_retry() -> None:
     m = RunMetrics("r1")
-    m.observe({"t": 1.0, "kind": "stage_attempt", "stage": "train", "attempt": 2, "adopted": True})
+    m.observe(StageAttempt(t=1.0, stage="train", attempt=2, adopted=True))
     s = _samples(m.registry)
     assert sample(s, "nvrx_restarts_total", layer="stage-retry") == 0
     assert sample(s, "nvrx_train_stage_attempts_total") == 1
@@ -183,10 +184,10 @@ def test_rank0_metrics_follow_the_event_log_in_process(tmp_path: Path) -> None:
     events.observers.append(m.observe)
     for step in (1, 2, 3):
         time.sleep(0.001)  # distinct times, as a real loop's steps have
-        events.buffer("step", step=step, loss=1.0 / step, step_s=0.1, tokens_per_s=500.0)
-    events.emit("restart", layer="inprocess", iteration=1)
-    events.emit("restart", layer="injob", restart_count=1)  # a new process's: not counted here
-    events.emit("checkpoint", step=3, blocking_s=0.2, total_s=3.0, commit_s=0.1)
+        events.buffer(Step(step=step, loss=1.0 / step, step_s=0.1, tokens_per_s=500.0))
+    events.emit(Restart(layer="inprocess", iteration=1))
+    events.emit(Restart(layer="injob", restart_count=1))  # a new process's: not counted here
+    events.emit(Checkpoint(step=3, blocking_s=0.2, total_s=3.0, commit_s=0.1))
     s = _samples(m.registry)
     assert sample(s, "nvrx_train_step", run_id="r1") == 3
     assert sample(s, "nvrx_train_steps_total", run_id="r1") == 3
@@ -201,20 +202,20 @@ def test_rank0_metrics_follow_the_event_log_in_process(tmp_path: Path) -> None:
 def test_a_failing_observer_never_stops_the_event_log(tmp_path: Path) -> None:
     events = EventLog(tmp_path)
     events.observers.append(lambda e: 1 / 0)  # type: ignore[func-returns-value]
-    events.emit("step", step=1)
+    events.emit(Step(step=1))
     assert json.loads((tmp_path / "events.jsonl").read_text())["step"] == 1
 
 
 def test_flow_endpoint_serves_the_events_file_as_it_grows(tmp_path: Path) -> None:
     events = EventLog(tmp_path)
-    events.emit("stage_attempt", stage="train", attempt=1)
-    events.emit("step", step=1, loss=2.0, step_s=0.1)
+    events.emit(StageAttempt(stage="train", attempt=1))
+    events.emit(Step(step=1, loss=2.0, step_s=0.1))
     port = free_port()
     with serving(tmp_path, "r1", port=port, addr="127.0.0.1", poll_s=0.05):
         url = f"http://127.0.0.1:{port}/metrics"
         first = sample(scrape(url), "nvrx_train_step", run_id="r1")
-        events.emit("step", step=2, loss=1.9, step_s=0.1)
-        events.emit("restart", layer="inprocess", iteration=1)
+        events.emit(Step(step=2, loss=1.9, step_s=0.1))
+        events.emit(Restart(layer="inprocess", iteration=1))
         deadline = time.monotonic() + 5
         while (later := scrape(url)) and sample(later, "nvrx_train_step") != 2:
             assert time.monotonic() < deadline, later
@@ -271,7 +272,7 @@ def test_which_workers_serve_metrics(
             assert server is None and events.observers == []
             return
         assert server is not None and server.serving
-        events.emit("step", step=4, loss=1.0, step_s=0.1)
+        events.emit(Step(step=4, loss=1.0, step_s=0.1))
         s = scrape(f"http://127.0.0.1:{port}/metrics")
         assert sample(s, "nvrx_train_rank", run_id="r1") == rank
         assert sample(s, "nvrx_build_info", run_id="r1", **build_versions()) == 1
@@ -289,9 +290,10 @@ def test_no_port_serves_nothing(tmp_path: Path) -> None:
 
 _RANK0 = """
 import sys, time
+from trainer.event_types import Step
 from trainer.metrics import serve
 metrics, server = serve("r1", port=int(sys.argv[1]), addr="127.0.0.1")
-metrics.observe({"kind": "step", "step": int(sys.argv[2]), "loss": 1.0, "step_s": 0.1})
+metrics.observe(Step(step=int(sys.argv[2]), loss=1.0, step_s=0.1))
 print("serving" if server.serving else "waiting", flush=True)
 time.sleep(120)
 """

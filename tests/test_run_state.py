@@ -12,6 +12,7 @@ import pytest
 
 from trainer import run_state
 from trainer.elastic import PriorWorld
+from trainer.event_types import Fault, Resume
 from trainer.events import EventLog
 from trainer.history import RunHistory
 from trainer.hooks import emit_recoveries
@@ -34,7 +35,7 @@ def test_launch_fact_and_open_node_loss(tmp_path: Path):
     assert run_state.prior_world(tmp_path, "j2") is None  # another launcher job: no respawn
     assert run_state.prior_world(tmp_path, None) is None
     log = EventLog(tmp_path)
-    loss = log.emit("fault", fault="node-loss@node=1", fault_kind="node-loss", node=1)
+    loss = log.emit(Fault(fault="node-loss@node=1", fault_kind="node-loss", node=1))
     run_state.open_fault(tmp_path, loss)
     assert run_state.prior_world(tmp_path, "j1") == PriorWorld(4, (0, 1), True)
     ((_, fault),) = run_state.open_faults(tmp_path)
@@ -71,7 +72,7 @@ def test_a_fifo_fact_does_not_block(tmp_path: Path):
 
 def test_recoveries_close_the_open_faults_once(tmp_path: Path):
     log = EventLog(tmp_path)
-    f1 = log.emit("fault", fault="exception@step=3", fault_kind="exception", step=3, rank=1)
+    f1 = log.emit(Fault(fault="exception@step=3", fault_kind="exception", step=3, rank=1))
     run_state.open_fault(tmp_path, f1)
     (tmp_path / run_state.FAULTS / "zz-forged.json").write_text(json.dumps({"t": 1, "kind": "x"}))
     emit_recoveries(log, "inprocess", 4, began=time.time())
@@ -88,17 +89,17 @@ def test_a_fault_fired_after_the_incarnation_began_stays_open(tmp_path: Path):
     while rank 0 is still closing the previous fault after the restart's first step (11). The
     stall is not recovered yet: its own restart's first step closes it, with that load."""
     log = EventLog(tmp_path)
-    f1 = log.emit("fault", fault="exception@step=11,rank=1", fault_kind="exception", step=11)
+    f1 = log.emit(Fault(fault="exception@step=11,rank=1", fault_kind="exception", step=11))
     run_state.open_fault(tmp_path, f1)
     began = time.time()
-    log.emit("resume", action="loaded", step=10, source="memory", bytes=8)
-    f2 = log.emit("fault", fault="stall@step=12,rank=1", fault_kind="stall", step=12)
+    log.emit(Resume(action="loaded", step=10, source="memory", bytes=8))
+    f2 = log.emit(Fault(fault="stall@step=12,rank=1", fault_kind="stall", step=12))
     run_state.open_fault(tmp_path, f2)
     emit_recoveries(log, "inprocess", 11, began=began)
     h = RunHistory.read(tmp_path)
     assert [f["recovered_by"] for f in h.fault_records()] == ["inprocess", "none"]
     second = time.time()
-    log.emit("resume", action="loaded", step=10, source="memory", bytes=8)
+    log.emit(Resume(action="loaded", step=10, source="memory", bytes=8))
     emit_recoveries(log, "inprocess", 11, began=second)
     records = {f["fault"]: f for f in RunHistory.read(tmp_path).fault_records()}
     stall = records["stall@step=12,rank=1"]
@@ -108,7 +109,7 @@ def test_a_fault_fired_after_the_incarnation_began_stays_open(tmp_path: Path):
 
 def test_a_fault_from_before_the_retry_is_the_stage_retrys(tmp_path: Path):
     log = EventLog(tmp_path)
-    f1 = log.emit("fault", fault="node-loss@step=6", fault_kind="node-loss", step=6)
+    f1 = log.emit(Fault(fault="node-loss@step=6", fault_kind="node-loss", step=6))
     run_state.open_fault(tmp_path, f1)
     run_state.record_retry(tmp_path, 1)  # a first attempt is no retry
     assert run_state.retry_began(tmp_path) == 0.0

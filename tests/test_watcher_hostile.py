@@ -24,6 +24,7 @@ from tasks.train_stage import run_attempt
 from tests.helpers import free_port, make_config, sample, scrape
 from trainer import fence
 from trainer.event_read import read_event_dicts
+from trainer.event_types import StageAttempt
 from trainer.events import EventLog
 from trainer.resilience import NO_RESTART_MARKER
 
@@ -235,7 +236,7 @@ def test_hostile_files_do_not_change_an_attempts_outcome(
     )
     for n in range(EARLIER):  # earlier attempts, each on record in the event log
         epoch = fence.publish(cfg.run_root, invocation="earlier", attempt=n + 1).epoch
-        EventLog(cfg.run_root, epoch=epoch).emit("stage_attempt", stage="train", attempt=n + 1)
+        EventLog(cfg.run_root, epoch=epoch).emit(StageAttempt(stage="train", attempt=n + 1))
     backend = ScriptedBackend(script)
     seen: list[dict[str, Any]] = []
     report = run_attempt(backend, request, on_event=seen.append)  # type: ignore[arg-type]

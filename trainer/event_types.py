@@ -15,9 +15,18 @@ an older reader's reports instead of failing its decode.
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 __all__ = [
     "Checkpoint",
@@ -53,19 +62,30 @@ __all__ = [
 # backend told this worker its node" (trainer.loop), so node lists admit it.
 NonNeg = Annotated[int, Field(ge=0)]
 Seconds = Annotated[float, Field(ge=0.0)]
+_WIRE = {"wire": True}  # the validation context of a decode
 
 
 class _Base(BaseModel):
     model_config = ConfigDict(frozen=True, strict=True, extra="allow")
 
-    t: float  # unix time the event was made (the writer's clock)
+    # Unix time the event was made (the writer's clock): a writer's new event takes now; a line
+    # read back must carry it (``_on_the_wire``).
+    t: float = Field(default_factory=time.time)
     # The writer's epoch (trainer.fence): the attempt that wrote it. None: no pipeline epoch
     # (the trainer run by hand). The watcher decides only from its own epoch's events.
     epoch: Annotated[int, Field(ge=1)] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _on_the_wire(cls, data: Any, info: ValidationInfo) -> Any:
+        # Decoded (not built by a writer): the time is the line's, never the reader's clock.
+        if info.context == _WIRE and isinstance(data, dict) and "t" not in data:
+            raise ValueError("t: an event read back must carry its time")
+        return data
+
 
 class WorkerStart(_Base):
-    kind: Literal["worker_start"]
+    kind: Literal["worker_start"] = "worker_start"
     world_size: NonNeg
     restart_count: NonNeg = 0
     process_start_t: float | None = None
@@ -74,14 +94,14 @@ class WorkerStart(_Base):
 
 
 class Phase(_Base):
-    kind: Literal["phase"]
+    kind: Literal["phase"] = "phase"
     phase: str
     s: Seconds
     how: Literal["fork", "spawn"] | None = None  # writer_ready: how the writer started
 
 
 class TrainStart(_Base):
-    kind: Literal["train_start"]
+    kind: Literal["train_start"] = "train_start"
     world_size: NonNeg
     start_step: NonNeg | None = None
     steps: NonNeg | None = None
@@ -92,7 +112,7 @@ class TrainStart(_Base):
 
 
 class WorldChange(_Base):
-    kind: Literal["world_change"]
+    kind: Literal["world_change"] = "world_change"
     from_world: NonNeg
     to_world: NonNeg
     from_nodes: list[int] = []
@@ -102,7 +122,7 @@ class WorldChange(_Base):
 
 
 class Step(_Base):
-    kind: Literal["step"]
+    kind: Literal["step"] = "step"
     step: NonNeg
     loss: float | None = None
     step_s: Seconds = 0.0
@@ -112,7 +132,7 @@ class Step(_Base):
 
 
 class TrainEnd(_Base):
-    kind: Literal["train_end"]
+    kind: Literal["train_end"] = "train_end"
     final_step: NonNeg
     final_loss: float | None = None
     params_sha256: str | None = None
@@ -120,7 +140,7 @@ class TrainEnd(_Base):
 
 
 class Checkpoint(_Base):
-    kind: Literal["checkpoint"]
+    kind: Literal["checkpoint"] = "checkpoint"
     step: NonNeg
     blocking_s: Seconds
     total_s: Seconds | None = None
@@ -130,20 +150,20 @@ class Checkpoint(_Base):
 
 
 class CheckpointFailed(_Base):
-    kind: Literal["checkpoint_failed"]
+    kind: Literal["checkpoint_failed"] = "checkpoint_failed"
     step: NonNeg
     error: str
     path: str | None = None
 
 
 class PruneRefused(_Base):
-    kind: Literal["prune_refused"]
+    kind: Literal["prune_refused"] = "prune_refused"
     step: NonNeg
     reason: str
 
 
 class Resume(_Base):
-    kind: Literal["resume"]
+    kind: Literal["resume"] = "resume"
     # loaded, skipped, failed, fresh, or a crash repair (rolled-forward, removed-partial, ...)
     action: str
     step: NonNeg | None = None
@@ -159,7 +179,7 @@ class Resume(_Base):
 
 
 class Fault(_Base):
-    kind: Literal["fault"]
+    kind: Literal["fault"] = "fault"
     fault: str
     fault_kind: str
     step: NonNeg | None = None
@@ -177,7 +197,7 @@ class MemoryInterval(_Base):
     """How often this incarnation's memory saves run (``checkpoint.memory.interval: auto``,
     trainer.checkpointing.memory_cadence): chosen at ``step`` from the worst rank's medians."""
 
-    kind: Literal["memory_interval"]
+    kind: Literal["memory_interval"] = "memory_interval"
     step: NonNeg
     interval: int = Field(ge=1)
     step_s: Seconds
@@ -192,7 +212,7 @@ class TimeoutsSet(_Base):
     """The in-job timeouts rank 0's rank monitor now times with (trainer.timeouts): derived
     from this incarnation's own sections, each with why (``detail``: field -> "S s: why")."""
 
-    kind: Literal["timeouts"]
+    kind: Literal["timeouts"] = "timeouts"
     step_timeout_s: Seconds
     checkpoint_timeout_s: Seconds
     load_timeout_s: Seconds
@@ -203,7 +223,7 @@ class TimeoutsSet(_Base):
 
 
 class Restart(_Base):
-    kind: Literal["restart"]
+    kind: Literal["restart"] = "restart"
     layer: str
     restart_count: NonNeg | None = None
     iteration: int | None = None
@@ -211,7 +231,7 @@ class Restart(_Base):
 
 
 class Recovered(_Base):
-    kind: Literal["recovered"]
+    kind: Literal["recovered"] = "recovered"
     layer: str
     fault: str | None = None
     fault_kind: str | None = None
@@ -222,20 +242,20 @@ class Recovered(_Base):
 
 
 class Fatal(_Base):
-    kind: Literal["fatal"]
+    kind: Literal["fatal"] = "fatal"
     error: str
     requeue: bool = False
 
 
 class NodeReturn(_Base):
-    kind: Literal["node_return"]
+    kind: Literal["node_return"] = "node_return"
     fault: str
     step: NonNeg
     node: NonNeg
 
 
 class StageAttempt(_Base):
-    kind: Literal["stage_attempt"]
+    kind: Literal["stage_attempt"] = "stage_attempt"
     stage: str
     attempt: Annotated[int, Field(ge=1)]
     nodes: NonNeg | None = None
@@ -245,7 +265,7 @@ class StageAttempt(_Base):
 
 
 class StageAttemptEnd(_Base):
-    kind: Literal["stage_attempt_end"]
+    kind: Literal["stage_attempt_end"] = "stage_attempt_end"
     stage: str
     attempt: Annotated[int, Field(ge=1)]
     outcome: str
@@ -254,7 +274,7 @@ class StageAttemptEnd(_Base):
 
 
 class Takeover(_Base):
-    kind: Literal["takeover"]
+    kind: Literal["takeover"] = "takeover"
     previous: str
     action: str
     reason: str
@@ -264,7 +284,7 @@ class Takeover(_Base):
 
 
 class Cleanup(_Base):
-    kind: Literal["cleanup"]
+    kind: Literal["cleanup"] = "cleanup"
     state: str
     removed: Any = None
 
@@ -272,14 +292,14 @@ class Cleanup(_Base):
 class FencedEvent(_Base):
     """A writer whose epoch was no longer the run's refused a mutation (trainer.fence)."""
 
-    kind: Literal["fenced"]
+    kind: Literal["fenced"] = "fenced"
     action: str
     current: int | None = None
     reason: str
 
 
 class StaleJobsDeleted(_Base):
-    kind: Literal["stale_jobs_deleted"]
+    kind: Literal["stale_jobs_deleted"] = "stale_jobs_deleted"
     jobs: list[str]
     attempt: int | None = None
 
@@ -316,10 +336,10 @@ _ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 def decode_json(raw: bytes | str) -> Event:
     """One line as its typed event; raises :class:`ValidationError` when it is not one."""
-    return _ADAPTER.validate_json(raw)
+    return _ADAPTER.validate_json(raw, context=_WIRE)
 
 
 def decode_obj(obj: Any) -> Event:
     """An already-parsed JSON object (a recorded history in a test, an echoed log line) as its
     typed event; raises :class:`ValidationError` when it is not one."""
-    return _ADAPTER.validate_python(obj)
+    return _ADAPTER.validate_python(obj, context=_WIRE)

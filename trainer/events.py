@@ -3,7 +3,8 @@
 Rank 0 writes steps, checkpoints, restarts and resumes; any rank writes the ``fault`` it fires
 (the faulting rank may not be rank 0). Lines are appended with one ``write`` on an ``O_APPEND``
 descriptor, which keeps concurrent writers' lines whole on a local or Lustre filesystem; step
-events are buffered for up to a second (``EventLog.emit(buffered=True)``).
+events are buffered for up to a second (``EventLog.buffer``). Writers hand it typed events
+(:mod:`trainer.event_types`); the log fills in its epoch.
 
 A writer killed mid-``write`` (or a full disk) can leave a torn last line: readers skip it, and
 the next writer starts its line with a newline so that its event is not glued onto the fragment.
@@ -19,10 +20,10 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, cast, get_args
 
 from trainer.event_read import read_event_dicts
-from trainer.event_types import ValidationError, decode_json
+from trainer.event_types import Event, ValidationError, decode_json
 from trainer.fence import epoch_from_env
 
 # The layers a recovery is attributed to (``restart``/``recovered`` events, the result's
@@ -36,6 +37,8 @@ STDOUT_PREFIX = "NVRX_EVENT "
 FLUSH_S = 1.0  # buffered events (steps) reach the file at most this late
 
 _log = logging.getLogger(__name__)
+
+E = TypeVar("E", bound=Event)
 
 
 class EventLog:
@@ -52,44 +55,49 @@ class EventLog:
         self._warned = False
         # Called with every event as it is made (buffered or not): rank 0's Prometheus metrics
         # (trainer.metrics) read the values the loop already reports, with no I/O of their own.
-        self.observers: list[Callable[[dict[str, Any]], None]] = []
+        self.observers: list[Callable[[Event], None]] = []
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Append one event (and any held by ``buffer`` before it)."""
-        return self._add(kind, fields, buffered=False)
+    def emit(self, event: E) -> E:
+        """Append one event (and any held by ``buffer`` before it); the event as written (with
+        this log's epoch)."""
+        return self._add(event, buffered=False)
 
-    def buffer(self, kind: str, **fields: Any) -> dict[str, Any]:
+    def buffer(self, event: E) -> E:
         """The per-step events: held, and written with the next ``emit`` or once ``FLUSH_S``
         has passed, so the loop opens the file about once a second instead of once a step.
         Each keeps the time it was made at; a process killed with events held loses at most
         the last second of them."""
-        return self._add(kind, fields, buffered=True)
+        return self._add(event, buffered=True)
 
-    def _add(self, kind: str, fields: dict[str, Any], *, buffered: bool) -> dict[str, Any]:
-        event = {"t": time.time(), "kind": kind, **fields}
-        if self.epoch is not None:
-            event["epoch"] = self.epoch
-        line = (json.dumps(event, sort_keys=True, default=str) + "\n").encode()
+    def _add(self, event: E, *, buffered: bool) -> E:
+        if self.epoch is not None and event.epoch is None:
+            event = cast(E, event.model_copy(update={"epoch": self.epoch}))
+        # What the writer set (and its time, kind and epoch), as the JSON a reader decodes.
+        fields = event.model_dump(mode="json", exclude_unset=True)
+        fields.update(t=event.t, kind=event.kind)
+        if event.epoch is not None:
+            fields["epoch"] = event.epoch
+        line = (json.dumps(fields, sort_keys=True, default=str) + "\n").encode()
         try:
             # Written through the types: an event no reader would decode is a writer's bug.
-            decode_json(line)
+            typed = cast(E, decode_json(line))
         except ValidationError as e:
             raise ValueError(
-                f"event {kind!r} does not match its type (trainer.event_types): {e}"
+                f"event {event.kind!r} does not match its type (trainer.event_types): {e}"
             ) from e
         for observe in self.observers:
             try:
-                observe(event)
+                observe(typed)
             except Exception as e:  # an observer informs; it must never stop training
-                _log.warning("event observer failed on a %s event: %s", kind, e)
+                _log.warning("event observer failed on a %s event: %s", event.kind, e)
         if self.enabled:
             with self._lock:
                 self._buffer.append(line)
                 if not buffered or time.monotonic() - self._flushed >= FLUSH_S:
                     self._write()
-        return event
+        return typed
 
     def flush(self) -> None:
         with self._lock:

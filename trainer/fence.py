@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trainer.errors import ExitCode, TrainerError
 from trainer.event_read import EVENTS_FILE
-from trainer.event_types import ValidationError, decode_json
+from trainer.event_types import FencedEvent, ValidationError, decode_json
 from trainer.run_files import open_regular, read_model, write_json_atomic
 
 EPOCH_ENV = "NVRX_EPOCH"
@@ -63,7 +63,7 @@ class LockTimeout(TrainerError, TimeoutError):
 class Emits(Protocol):
     """Where a fenced writer says so (trainer.events.EventLog)."""
 
-    def emit(self, kind: str, **fields: Any) -> Any: ...
+    def emit(self, event: FencedEvent) -> Any: ...
 
 
 class Epoch(BaseModel):
@@ -229,10 +229,11 @@ class Fence:
         if self.events is not None:
             with contextlib.suppress(Exception):  # saying so must not stop the refusal
                 self.events.emit(
-                    "fenced",
-                    action=action,
-                    current=now.epoch if now else None,
-                    reason=reason,
+                    FencedEvent(
+                        action=action,
+                        current=now.epoch if now else None,
+                        reason=reason,
+                    )
                 )
         self.on_fenced()
         raise Fenced(reason)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import run_state
+from trainer.event_types import Fault, Recovered, Step
 from trainer.events import EventLog
 from trainer.faults import FaultInjector, FaultKind, FaultSpec, flip_bytes
 from trainer.fence import Fence
@@ -105,12 +106,13 @@ class FaultDrills(Hook):
         if spec.kind is FaultKind.CORRUPT_MEMORY:
             extra["file"] = self._damage_node_memory(spec)
         event = self.events.emit(
-            "fault",
-            fault=str(spec),
-            fault_kind=spec.kind.value,
-            step=spec.step,
-            rank=self.rank,
-            **extra,
+            Fault(
+                fault=str(spec),
+                fault_kind=spec.kind.value,
+                step=spec.step,
+                rank=self.rank,
+                **extra,
+            )
         )
         # Open until the first step after the restart closes it (before the fault fires).
         if not spec.is_damage:
@@ -143,9 +145,16 @@ class FaultDrills(Hook):
         path = self.node_memory.bin_path(header.generation, self.node_memory.peer_dir(src))
         flip_bytes(path)
         self.events.emit(
-            "fault", fault=str(spec), fault_kind=spec.kind.value, step=spec.step, rank=self.rank,
-            file=str(path), copy_of_rank=src, copy_step=step,
-        )  # fmt: skip
+            Fault(
+                fault=str(spec),
+                fault_kind=spec.kind.value,
+                step=spec.step,
+                rank=self.rank,
+                file=str(path),
+                copy_of_rank=src,
+                copy_step=step,
+            )
+        )
 
     def on_step_start(self, step: int) -> None:
         self.injector.maybe_fire(step)
@@ -160,12 +169,13 @@ class FaultDrills(Hook):
         victim = sorted(path.glob("*.distcp"))[0]
         flip_bytes(victim)
         self.events.emit(
-            "fault",
-            fault=str(spec),
-            fault_kind=spec.kind.value,
-            step=step,
-            rank=self.rank,
-            file=str(victim),
+            Fault(
+                fault=str(spec),
+                fault_kind=spec.kind.value,
+                step=step,
+                rank=self.rank,
+                file=str(victim),
+            )
         )
 
 
@@ -200,20 +210,22 @@ class StepEvents(Hook):
         self.buffered = buffered
 
     def on_step_end(self, end: StepEnd) -> None:
-        rate: dict[str, float | int] = {}
-        if end.tokens and end.step_s > 0:  # a script may not say how many tokens a step has
-            rate["tokens_per_s"] = round(end.tokens / end.step_s, 1)
-            rate["tokens"] = end.tokens
+        # A script may not say how many tokens a step has.
+        counted = bool(end.tokens) and end.step_s > 0
         # The first step after a (re)start goes out at once: a recovery ends with it.
         at_once = not self.buffered or end.step == self.first_step
         emit = self.events.emit if at_once else self.events.buffer
         emit(
-            "step",
-            step=end.step,
-            loss=round(end.loss, 6),
-            step_s=round(end.step_s, 4),
-            ckpt_blocking_s=None if end.ckpt_blocking_s is None else round(end.ckpt_blocking_s, 4),
-            **rate,
+            Step(
+                step=end.step,
+                loss=round(end.loss, 6),
+                step_s=round(end.step_s, 4),
+                ckpt_blocking_s=None
+                if end.ckpt_blocking_s is None
+                else round(end.ckpt_blocking_s, 4),
+                tokens_per_s=round(end.tokens / end.step_s, 1) if counted else None,
+                tokens=end.tokens if counted else None,
+            )
         )
         if end.step == self.first_step and self.layer is not None:
             emit_recoveries(self.events, self.layer, end.step, began=self.began)
@@ -235,16 +247,17 @@ def emit_recoveries(events: EventLog, layer: str, step: int, *, began: float) ->
         # Said and closed under the fence: a replaced attempt's rank 0 claims no recovery.
         with fence.hold(f"close the fault {f.fault}"):
             events.emit(
-                "recovered",
-                # A fault from before the newest train-stage attempt began was carried over by
-                # the stage retry, whatever restarts that attempt needed on its own before this
-                # step (an adopted attempt is the same attempt, watched by another invocation).
-                layer="stage-retry" if f.t < retry_t else layer,
-                fault=f.fault,
-                fault_kind=f.fault_kind,
-                fault_step=f.step,
-                rank=f.rank,
-                step=step,
-                recovery_s=round(max(0.0, now - f.t), 3),
+                Recovered(
+                    # A fault from before the newest train-stage attempt began was carried over by
+                    # the stage retry, whatever restarts that attempt needed on its own before this
+                    # step (an adopted attempt is the same attempt, watched by another invocation).
+                    layer="stage-retry" if f.t < retry_t else layer,
+                    fault=f.fault,
+                    fault_kind=f.fault_kind,
+                    fault_step=f.step,
+                    rank=f.rank,
+                    step=step,
+                    recovery_s=round(max(0.0, now - f.t), 3),
+                )
             )
             run_state.close_fault(path)

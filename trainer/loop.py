@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from trainer.event_types import Phase
 from trainer.events import EventLog
 from trainer.process import ProcessContext
 from trainer.session import TrainSession
@@ -30,7 +31,7 @@ class _Phases:
     def __call__(self, name: str) -> None:
         now = time.time()
         if self.events is not None:
-            self.events.emit("phase", phase=name, s=round(now - self.t, 4))
+            self.events.emit(Phase(phase=name, s=round(now - self.t, 4)))
         self.t = now
 
 

@@ -25,6 +25,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from trainer.event_types import Checkpoint, Event, Restart, Step
+
 log = logging.getLogger(__name__)
 
 # Seconds the loop is blocked by a save (the device-to-host copy): well under a second is the
@@ -97,27 +99,24 @@ class TrainingSeries:
             run_id
         ).info(build_versions())
 
-    def observe(self, e: dict[str, Any]) -> None:
-        kind = e.get("kind")
-        if kind == "step":
+    def observe(self, e: Event) -> None:
+        if isinstance(e, Step):
             # Only rank 0 writes steps, in order: one seen before (the file read again) is not
             # counted again.
-            t = float(e.get("t", 0.0))
-            if t > self._last_step_t:
-                self._last_step_t = t
+            if e.t > self._last_step_t:
+                self._last_step_t = e.t
                 self.steps.inc()
-                if isinstance(e.get("tokens"), int) and e["tokens"] > 0:
-                    self.tokens.inc(e["tokens"])
-            self.step.set(e["step"])
-            if e.get("loss") is not None:
-                self.loss.set(e["loss"])
-            if e.get("tokens_per_s") is not None:  # a script may not say its tokens
-                self.tokens_per_s.set(e["tokens_per_s"])
-        elif kind == "checkpoint":
-            if e.get("blocking_s") is not None:
-                self.blocking.observe(e["blocking_s"])
-            if e.get("total_s") is not None:
-                self.commit_latency.observe(e["total_s"])
+                if e.tokens:
+                    self.tokens.inc(e.tokens)
+            self.step.set(e.step)
+            if e.loss is not None:
+                self.loss.set(e.loss)
+            if e.tokens_per_s is not None:  # a script may not say its tokens
+                self.tokens_per_s.set(e.tokens_per_s)
+        elif isinstance(e, Checkpoint):
+            self.blocking.observe(e.blocking_s)
+            if e.total_s is not None:
+                self.commit_latency.observe(e.total_s)
 
 
 class Rank0Metrics:
@@ -134,9 +133,9 @@ class Rank0Metrics:
             registry=self.registry,
         ).labels(run_id)
 
-    def observe(self, e: dict[str, Any]) -> None:
+    def observe(self, e: Event) -> None:
         self.series.observe(e)
-        if e.get("kind") == "restart" and e.get("layer") == "inprocess":
+        if isinstance(e, Restart) and e.layer == "inprocess":
             self.inprocess_restarts.inc()
 
 

@@ -126,10 +126,10 @@ def retry_began(run_root: Path) -> float:
 # -- open faults -------------------------------------------------------------------------------
 
 
-def open_fault(run_root: Path, event: dict[str, Any]) -> None:
+def open_fault(run_root: Path, event: Fault) -> None:
     """Record a ``fault`` event (as emitted) as open until a recovery closes it."""
-    name = f"{int(event['t'] * 1e9):020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
-    _write(run_root, FAULTS / name, event)
+    name = f"{int(event.t * 1e9):020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+    _write(run_root, FAULTS / name, event.model_dump(mode="json", exclude_unset=True))
 
 
 def open_faults(run_root: Path) -> list[tuple[Path, Fault]]:

@@ -34,6 +34,7 @@ from trainer import checkpointing, run_state
 from trainer.checkpointing.manager import CheckpointManager
 from trainer.digest import params_sha256
 from trainer.elastic import micro_batches, node_id
+from trainer.event_types import Restart, TrainEnd, TrainStart, WorldChange
 from trainer.faults import FaultKind
 from trainer.hooks import FaultDrills, Hooks, StepEnd
 from trainer.process import (
@@ -133,7 +134,7 @@ class TrainSession:
         if self.world_size > 1 and self.cfg.checkpoint.memory.enabled:
             self.peer_group = dist.new_group(backend="gloo", timeout=timeout)
         if self.rank == 0 and self.iteration > 0:
-            self.ctx.events.emit("restart", layer="inprocess", iteration=self.iteration)
+            self.ctx.events.emit(Restart(layer="inprocess", iteration=self.iteration))
         self.share = Share.of(
             self.rank, self.world_size, self.cfg.micro_batch_count(self.world_size)
         )
@@ -178,27 +179,29 @@ class TrainSession:
         prior = ctx.origin.prior
         if prior is not None and self.iteration == 0 and prior.world_size != world:
             ctx.events.emit(
-                "world_change",
-                from_world=prior.world_size,
-                to_world=world,
-                from_nodes=list(prior.nodes),
-                nodes=nodes,
-                step=first,
-                cause="shrink" if world < prior.world_size else "grow",
+                WorldChange(
+                    from_world=prior.world_size,
+                    to_world=world,
+                    from_nodes=list(prior.nodes),
+                    nodes=nodes,
+                    step=first,
+                    cause="shrink" if world < prior.world_size else "grow",
+                )
             )
         job_id = os.environ.get("TORCHELASTIC_RUN_ID")
         ctx.events.emit(
-            "train_start",
-            start_step=first,
-            steps=cfg.steps,
-            world_size=world,
-            micro_batches=self._share().count,
-            accumulation=len(self._share().mine),
-            nodes=nodes,
-            iteration=self.iteration,
-            restart_count=ctx.restart_count,
-            job_id=job_id,
-            **{"workload": cfg.workload, **start},
+            TrainStart(
+                start_step=first,
+                steps=cfg.steps,
+                world_size=world,
+                micro_batches=self._share().count,
+                accumulation=len(self._share().mine),
+                nodes=nodes,
+                iteration=self.iteration,
+                restart_count=ctx.restart_count,
+                job_id=job_id,
+                **{"workload": cfg.workload, **start},
+            )
         )
         with ckpt.fence.hold("record the launch"):
             run_state.record_launch(cfg.run_root, job_id=job_id, world_size=world, nodes=nodes)
@@ -267,18 +270,29 @@ class TrainSession:
         if ckpt is None:
             raise RuntimeError("call session.resume() first")
         ckpt.finish()
+        digest = params_sha256(model, rank=self.rank)
+        latest = checkpointing.read_latest(self.cfg.run_root)
         result = {
             "status": "completed",
             "final_step": self.cfg.steps,
             "final_loss": self.loss,
-            "params_sha256": params_sha256(model, rank=self.rank),
+            "params_sha256": digest,
             "world_size": self.world_size,
-            "latest_checkpoint": checkpointing.read_latest(self.cfg.run_root),
+            "latest_checkpoint": latest,
             "config_hash": self.cfg.fingerprint(),
         }
         if self.rank == 0:
             write_result(self.cfg, result)
-            self.ctx.events.emit("train_end", **{k: v for k, v in result.items() if k != "status"})
+            self.ctx.events.emit(
+                TrainEnd(
+                    final_step=self.cfg.steps,
+                    final_loss=self.loss,
+                    params_sha256=digest,
+                    world_size=self.world_size,
+                    latest_checkpoint=latest,
+                    config_hash=self.cfg.fingerprint(),
+                )
+            )
         dist.barrier(group=ckpt.group)
         dist.destroy_process_group()
         self.result = result

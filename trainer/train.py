@@ -56,6 +56,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError, TrainConfig
 from trainer.errors import ExitCode, TerminalError
+from trainer.event_types import Fatal
 from trainer.events import EventLog
 from trainer.faults import FaultSpecError
 from trainer.process import Body
@@ -128,7 +129,7 @@ def _terminal(cfg: TrainConfig, message: str) -> None:
         try:
             from trainer.process import write_result
 
-            EventLog(cfg.run_root).emit("fatal", error=message, requeue=False)
+            EventLog(cfg.run_root).emit(Fatal(error=message, requeue=False))
             write_result(cfg, {"status": "failed", "error": message, "requeue": False})
         except OSError as e:  # a full disk may be the very cause: still stop, still exit 3
             log.warning("could not record the fatal error on %s: %s", cfg.run_root, e)

@@ -18,6 +18,7 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.data import DataError
+from trainer.event_types import Restart, TimeoutsSet, WorkerStart
 from trainer.events import EventLog
 from trainer.process import Body, Origin, ProcessContext
 from trainer.workload import DataSettings, DataSource
@@ -188,28 +189,30 @@ def _run(
     restart_count = origin.restart_count
     if rank == 0:
         events.emit(
-            "worker_start",
-            world_size=world,
-            device=str(placement.device),
-            backend=placement.backend,
-            nvrx_version=nvrx_compat.version(),
-            torch_version=torch.__version__,
-            inprocess=use_inprocess,
-            inprocess_unavailable=None if inprocess_ok else why_not,
-            injob=heartbeat.active,
-            restart_count=restart_count,
-            config_hash=cfg.fingerprint(),
-            # The credential-like names this worker was given (the run's declared secrets, and
-            # nothing of the orchestrator's: tasks.secrets), never their values.
-            secret_env=secret_like(os.environ),
-            # Recovery phases (trainer.timeline): when this interpreter started, and how long
-            # the dataset check took (sizes and manifest digest, or every shard's digest).
-            process_start_t=process_start_time(),
-            data_s=round(data_s, 4),
+            WorkerStart(
+                world_size=world,
+                device=str(placement.device),
+                backend=placement.backend,
+                nvrx_version=nvrx_compat.version(),
+                torch_version=torch.__version__,
+                inprocess=use_inprocess,
+                inprocess_unavailable=None if inprocess_ok else why_not,
+                injob=heartbeat.active,
+                restart_count=restart_count,
+                config_hash=cfg.fingerprint(),
+                # The credential-like names this worker was given (the run's declared secrets, and
+                # nothing of the orchestrator's: tasks.secrets), never their values.
+                secret_env=secret_like(os.environ),
+                # Recovery phases (trainer.timeline): when this interpreter started, and how long
+                # the dataset check took (sizes and manifest digest, or every shard's digest).
+                process_start_t=process_start_time(),
+                data_s=round(data_s, 4),
+            )
         )
         if origin.respawned:  # the one attribution of a restart: trainer.process.Origin
             layer = origin.layer(0, world)
-            events.emit("restart", layer=layer, restart_count=restart_count, world_size=world)
+            assert layer is not None  # a respawn always has its layer
+            events.emit(Restart(layer=layer, restart_count=restart_count, world_size=world))
     ctx = ProcessContext(
         cfg=cfg,
         placement=placement,
@@ -235,14 +238,15 @@ def _announce_timeouts(events: EventLog, *, rank: int) -> Any:
     def announce(timeouts: Any, applied: bool) -> None:
         if rank == 0:
             events.emit(
-                "timeouts",
-                step_timeout_s=timeouts.step.seconds,
-                checkpoint_timeout_s=timeouts.checkpoint.seconds,
-                load_timeout_s=timeouts.load.seconds,
-                out_of_section_timeout_s=timeouts.out_of_section.seconds,
-                heartbeat_timeout_s=timeouts.heartbeat.seconds,
-                applied=applied,
-                detail=timeouts.describe(),
+                TimeoutsSet(
+                    step_timeout_s=timeouts.step.seconds,
+                    checkpoint_timeout_s=timeouts.checkpoint.seconds,
+                    load_timeout_s=timeouts.load.seconds,
+                    out_of_section_timeout_s=timeouts.out_of_section.seconds,
+                    heartbeat_timeout_s=timeouts.heartbeat.seconds,
+                    applied=applied,
+                    detail=timeouts.describe(),
+                )
             )
 
     return announce

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,14 @@ from trainer.checkpointing.restore_own import OwnCopyRestorer
 from trainer.checkpointing.restoring import FatalError, RestoreContext, Restorer, Resumed
 from trainer.config import TrainConfig
 from trainer.elastic import node_id
+from trainer.event_types import (
+    Checkpoint,
+    CheckpointFailed,
+    MemoryInterval,
+    Phase,
+    PruneRefused,
+    Resume,
+)
 from trainer.events import EventLog
 from trainer.fence import Fence
 from trainer.layer_config import CHECKPOINT_SECTION, LOAD_SECTION
@@ -200,9 +208,9 @@ class CheckpointManager:
         if self.rank == 0:
             for s in choice.skipped:
                 self.events.emit(
-                    "resume", action="skipped", step=s.step, source=s.tier,
+                    Resume(action="skipped", step=s.step, source=s.tier,
                     reason=f"not from {tiers.DESCRIBED[s.tier]}: {s.why}",
-                )  # fmt: skip
+                ))  # fmt: skip
         self._offers = offers
         return choice, copy
 
@@ -275,15 +283,16 @@ class CheckpointManager:
         chosen = cadence.decide((float(worst[0]), float(worst[1]), float(worst[2])))
         if self.rank == 0:
             self.events.emit(
-                "memory_interval",
-                step=step,
-                interval=chosen.interval,
-                step_s=chosen.step_s,
-                blocking_s=chosen.blocking_s,
-                background_s=chosen.background_s,
-                budget=chosen.budget,
-                samples=chosen.samples,
-                detail=chosen.describe(),
+                MemoryInterval(
+                    step=step,
+                    interval=chosen.interval,
+                    step_s=chosen.step_s,
+                    blocking_s=chosen.blocking_s,
+                    background_s=chosen.background_s,
+                    budget=chosen.budget,
+                    samples=chosen.samples,
+                    detail=chosen.describe(),
+                )
             )
 
     def take_memory_blocking(self) -> float | None:
@@ -347,10 +356,11 @@ class CheckpointManager:
             # Off the critical path since the writer starts after the first step: this says
             # how long it took all the same (a first save before it is ready queues for it).
             self.events.emit(
-                "phase",
-                phase="writer_ready",
-                s=round(ready_s, 3),
-                how=self.saver.writer_start_method,
+                Phase(
+                    phase="writer_ready",
+                    s=round(ready_s, 3),
+                    how=cast("Literal['fork', 'spawn'] | None", self.saver.writer_start_method),
+                )
             )
         return result
 
@@ -411,13 +421,14 @@ class CheckpointManager:
             # Best effort: on a full disk this event may not fit either.
             with contextlib.suppress(OSError):
                 self.events.emit(
-                    "checkpoint_failed",
-                    step=step,
-                    error=str(error),
-                    path=str(ckdir),
-                    disk=disk["mount"],
-                    free_bytes=disk["free_bytes"],
-                    last_committed=last,
+                    CheckpointFailed(
+                        step=step,
+                        error=str(error),
+                        path=str(ckdir),
+                        disk=disk["mount"],
+                        free_bytes=disk["free_bytes"],
+                        last_committed=last,
+                    )
                 )
         return FatalError(message)
 
@@ -453,18 +464,19 @@ class _Commit:
             pruned = checkpointing.prune(self.run_root, self.keep_last)
             run_state.record_commit(self.run_root, self.step)
         if pruned.refused:
-            self.events.emit("prune_refused", step=self.step, reason=pruned.refused)
+            self.events.emit(PruneRefused(step=self.step, reason=pruned.refused))
         commit_s = time.perf_counter() - t0
         self.events.emit(
-            "checkpoint",
-            step=self.step,
-            path=str(path),
-            blocking_s=round(self.blocking_s, 4),
-            # save() until committed (DCP's .metadata and this commit on the commit thread).
-            total_s=round(self.written_s + time.perf_counter() - self.finalized_at, 4),
-            # The commit's own time (manifest, fsyncs, rename, prune), off the training thread.
-            commit_s=round(commit_s, 4),
-            pruned=pruned.removed,
+            Checkpoint(
+                step=self.step,
+                path=str(path),
+                blocking_s=round(self.blocking_s, 4),
+                # save() until committed (DCP's .metadata and this commit on the commit thread).
+                total_s=round(self.written_s + time.perf_counter() - self.finalized_at, 4),
+                # The commit's own time (manifest, fsyncs, rename, prune), off the training thread.
+                commit_s=round(commit_s, 4),
+                pruned=pruned.removed,
+            )
         )
         return path
 

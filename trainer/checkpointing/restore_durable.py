@@ -27,6 +27,7 @@ from trainer import checkpointing, run_state, untrusted
 from trainer.checkpointing import tiers
 from trainer.checkpointing.config import ResumePolicy
 from trainer.checkpointing.restoring import FatalError, RestoreContext, Resumed, loss_of
+from trainer.event_types import Resume
 from trainer.workload import DataSource
 
 SOURCE = "durable"
@@ -99,13 +100,13 @@ class DurableRestorer:
                 root, fingerprint=self.fingerprint, verify_digests=verify
             )
         for r in settled:
-            self.ctx.events.emit("resume", action=r.action, dir=r.dir, step=r.step, reason=r.reason)
+            self.ctx.events.emit(Resume(action=r.action, dir=r.dir, step=r.step, reason=r.reason))
         ok, rejected, found = checkpointing.resume_candidates(root, fingerprint=self.fingerprint)
         if not found:
             recorded = run_state.recorded_commit(root)
             if recorded is not None:
                 why = _checkpoints_gone(root, recorded)
-                self.ctx.events.emit("resume", action="failed", reason=why, recorded_step=recorded)
+                self.ctx.events.emit(Resume(action="failed", reason=why, recorded_step=recorded))
                 return Failed(why)
             return Fresh()
         return Candidates(tuple(Candidate(s, str(p), m) for s, p, m in ok), tuple(rejected), found)
@@ -133,11 +134,11 @@ class DurableRestorer:
         if chosen is None:
             why = checkpointing.no_valid_checkpoint(ctx.cfg.run_root, made.found, rejected)
             if ctx.rank == 0:
-                ctx.events.emit("resume", action="failed", reason=why)
+                ctx.events.emit(Resume(action="failed", reason=why))
             return Failed(why)
         if ctx.rank == 0:
             for s, why in sorted(((s, w) for s, w in rejected if s > chosen.step), reverse=True):
-                ctx.events.emit("resume", action="skipped", step=s, reason=why)
+                ctx.events.emit(Resume(action="skipped", step=s, reason=why))
         return chosen
 
     def _load(
@@ -173,7 +174,7 @@ class DurableRestorer:
                 archived = ckdir.with_name(f"checkpoints.before-fresh-{int(time.time())}")
                 shutil.move(str(ckdir), archived)
             run_state.record_commit(root, None)
-        self.ctx.events.emit("resume", action="fresh", archived=archived and str(archived))
+        self.ctx.events.emit(Resume(action="fresh", archived=archived and str(archived)))
 
 
 def _checkpoints_gone(run_root: Path, recorded: int) -> str:

@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from trainer.checkpointing import tiers
 from trainer.config import TrainConfig
 from trainer.errors import TerminalError
+from trainer.event_types import Resume
 from trainer.events import EventLog
 from trainer.fence import Fence
 from trainer.workload import DataSource
@@ -63,20 +64,21 @@ class RestoreContext:
         """Rank 0: the ``resume`` event of a load."""
         if self.rank == 0:
             self.events.emit(
-                "resume",
-                action="loaded",
-                step=step,
-                world_size=self.world_size,
-                load_s=round(time.perf_counter() - began, 4),
-                source=source,
-                bytes=nbytes,
-                **{"saved_world_size": self.world_size, **extra},
+                Resume(
+                    action="loaded",
+                    step=step,
+                    world_size=self.world_size,
+                    load_s=round(time.perf_counter() - began, 4),
+                    source=source,
+                    bytes=nbytes,
+                    **{"saved_world_size": self.world_size, **extra},
+                )
             )
 
     def skipped(self, step: int, source: str, reason: str) -> None:
         """Rank 0: the ``resume`` event of a candidate not read, and why."""
         if self.rank == 0:
-            self.events.emit("resume", action="skipped", step=step, source=source, reason=reason)
+            self.events.emit(Resume(action="skipped", step=step, source=source, reason=reason))
 
 
 class Restorer(Protocol):

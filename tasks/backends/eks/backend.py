@@ -51,6 +51,7 @@ from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks
 from tasks.preflight.local import gather_s3
 from tasks.preflight.memory import node_memory_need_of
 from trainer.config import Device, InJobConfig, InProcessConfig, config_file, save_config
+from trainer.event_types import StaleJobsDeleted
 from trainer.events import EventLog
 
 # Failures whose Job is kept for forensics (when its pods have ended), and how long to wait
@@ -475,7 +476,7 @@ class EksBackend:
         # the nodes (and the checkpoints directory) the new one needs: delete it first.
         stale = delete_run_jobs(kube, eks.namespace, request.run_id)
         if stale:
-            EventLog(cfg.run_root).emit("stale_jobs_deleted", jobs=stale, attempt=request.attempt)
+            EventLog(cfg.run_root).emit(StaleJobsDeleted(jobs=stale, attempt=request.attempt))
         if request.attempt > 1 or stale:
 
             def on_wait(check: CheckResult, waited: float) -> None:
