@@ -52,7 +52,8 @@ from tasks.train_stage import run_attempt  # noqa: E402
 from trainer.checkpointing.config import CheckpointConfig, DurableConfig, MemoryConfig  # noqa: E402
 from trainer.config import InProcessConfig, TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
-from trainer.events import read_events  # noqa: E402
+from trainer.event_read import read_events  # noqa: E402
+from trainer.event_types import Event  # noqa: E402
 from trainer.history import RunHistory  # noqa: E402
 from trainer.timeline import plot_timeline, recovery_phases  # noqa: E402
 
@@ -135,7 +136,7 @@ def run_baseline(
             root,
             timeout_s=7200,
         )
-        if any(e["kind"] == "train_end" for e in read_events(root)):
+        if any(e.kind == "train_end" for e in read_events(root)):
             break
     else:
         raise RuntimeError("baseline did not finish")
@@ -145,9 +146,9 @@ def run_baseline(
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
     evs = run["events"]
     prod = RunHistory.of(evs).productive_s()
-    steps = sorted((e for e in evs if e["kind"] == "step"), key=lambda e: e["t"])
-    first = steps[0]["t"] if steps else None
-    end = steps[-1]["t"] if steps else None
+    steps = sorted((e for e in evs if e.kind == "step"), key=lambda e: e.t)
+    first = steps[0].t if steps else None
+    end = steps[-1].t if steps else None
     phases = recovery_phases(evs)
     return {
         "wall_s": round(run["wall_s"], 1),
@@ -157,14 +158,14 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         "ettr_after_startup": round(prod / (end - first), 4)
         if first and end and end > first
         else None,
-        "faults": len([e for e in evs if e["kind"] == "fault"]),
+        "faults": len([e for e in evs if e.kind == "fault"]),
         "recovered": sum(1 for p in phases if p.get("recovered")),
         "recovery_s_mean": round(
             statistics.fmean(p["total_s"] for p in phases if p.get("recovered")), 2
         )
         if any(p.get("recovered") for p in phases)
         else None,
-        "checkpoints": len([e for e in evs if e["kind"] == "checkpoint"]),
+        "checkpoints": len([e for e in evs if e.kind == "checkpoint"]),
         "attempts": run["attempts"],
     }
 
@@ -175,8 +176,10 @@ def calibrate(root: Path, data: Path, pg_timeout_s: float) -> dict[str, float]:
         root / "cal-base", data, steps=40, interval=5, faults=[], pg_timeout_s=pg_timeout_s
     )["events"]
 
-    def med(evs: list[dict[str, Any]], kind: str, key: str) -> float:
-        return statistics.median(e[key] for e in evs if e["kind"] == kind and e.get("step", 0) > 5)
+    def med(evs: list[Event], kind: str, key: str) -> float:
+        return statistics.median(
+            getattr(e, key) for e in evs if e.kind == kind and getattr(e, "step", 0) > 5
+        )
 
     return {
         "ours_step_s": med(ours, "step", "step_s"),
@@ -188,24 +191,24 @@ def calibrate(root: Path, data: Path, pg_timeout_s: float) -> dict[str, float]:
     }
 
 
-def ckpt_cost_s(events: list[dict[str, Any]], *, skip: int = 5) -> float:
+def ckpt_cost_s(events: list[Event], *, skip: int = 5) -> float:
     """What one checkpoint costs the run (median over its checkpoints): the wall time of the
     steps from the save's step until its commit, beyond the median wall time of the steps with
     no save in flight. It counts the blocking part, the slower steps while the write overlaps
     training, and the commit; a step's wall time is the time between consecutive step events."""
-    steps = sorted((e for e in events if e["kind"] == "step"), key=lambda e: e["step"])
-    t = {e["step"]: e["t"] for e in steps}
+    steps = sorted((e for e in events if e.kind == "step"), key=lambda e: e.step)
+    t = {e.step: e.t for e in steps}
     dt = {s: t[s] - t[s - 1] for s in t if s - 1 in t and s > skip}
     ckpts = [
-        (e["step"], e["t"])
+        (e.step, e.t)
         for e in events
-        if e["kind"] == "checkpoint" and isinstance(e.get("step"), int) and e["step"] > skip
+        if e.kind == "checkpoint" and isinstance(getattr(e, "step", None), int) and e.step > skip
     ]
     windows = {k: [s for s in dt if s >= k and t[s - 1] <= tc] for k, tc in ckpts}
     dirty = {s for w in windows.values() for s in w}
     clean = [v for s, v in dt.items() if s not in dirty]
     if not clean:
-        return statistics.median(e["blocking_s"] for e in events if e["kind"] == "checkpoint")
+        return statistics.median(e.blocking_s for e in events if e.kind == "checkpoint")
     base = statistics.median(clean)
     last = max(t) if t else 0
     costs = [sum(dt[s] - base for s in w) for k, w in windows.items() if k < last]

@@ -564,7 +564,7 @@ def _drill_start(
 
 
 def _drill_wait(started: dict[str, Any], timeout: float) -> dict[str, Any]:
-    from trainer.events import read_events
+    from trainer.event_read import read_events
 
     p = started["proc"]
     try:
@@ -578,7 +578,9 @@ def _drill_wait(started: dict[str, Any], timeout: float) -> dict[str, Any]:
     events = read_events(run_root)
     result_path = run_root / "result.json"
     result = json.loads(result_path.read_text()) if result_path.exists() else None
-    ckpt_blocking = [e["ckpt_blocking_s"] for e in events if e.get("ckpt_blocking_s") is not None]
+    ckpt_blocking = [
+        e.ckpt_blocking_s for e in events if getattr(e, "ckpt_blocking_s", None) is not None
+    ]
     return {
         "mode": started["mode"],
         "cmd": cmd,
@@ -587,14 +589,19 @@ def _drill_wait(started: dict[str, Any], timeout: float) -> dict[str, Any]:
         "wall_s": wall,
         "params_sha256": (result or {}).get("params_sha256"),
         "final_loss": (result or {}).get("final_loss"),
-        "faults": [e for e in events if e["kind"] == "fault"],
-        "restarts": [e for e in events if e["kind"] == "restart"],
-        "recovered": [e for e in events if e["kind"] == "recovered"],
-        "recovery_s": [e.get("recovery_s") for e in events if e["kind"] == "recovered"],
+        "faults": [_json(e) for e in events if e.kind == "fault"],
+        "restarts": [_json(e) for e in events if e.kind == "restart"],
+        "recovered": [_json(e) for e in events if e.kind == "recovered"],
+        "recovery_s": [getattr(e, "recovery_s", None) for e in events if e.kind == "recovered"],
         "ckpt_blocking_s": stats(ckpt_blocking),
-        "checkpoints": [e for e in events if e["kind"] == "checkpoint"][-3:],
+        "checkpoints": [_json(e) for e in events if e.kind == "checkpoint"][-3:],
         "log_tail": log_path.read_text()[-3000:],
     }
+
+
+def _json(e: Any) -> dict[str, Any]:
+    """An event as the JSON object its line holds."""
+    return e.model_dump(mode="json", exclude_unset=True)
 
 
 def _compare_to_baselines(runs: dict[str, dict[str, Any]]) -> None:

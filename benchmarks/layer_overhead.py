@@ -58,7 +58,7 @@ def _free_port() -> int:
 def run_once(cfg, *, layers: bool, nproc: int, warmup: int, log: Path) -> float:
     """One training run; returns steps/s over the measured window."""
     from trainer.config import save_config
-    from trainer.events import read_events
+    from trainer.event_read import read_events
     from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
 
     shutil.rmtree(cfg.run_root, ignore_errors=True)
@@ -84,7 +84,7 @@ def run_once(cfg, *, layers: bool, nproc: int, warmup: int, log: Path) -> float:
         ).returncode
     if rc != 0:
         raise RuntimeError(f"run failed (exit {rc}), see {log}")
-    steps = {e["step"]: e["t"] for e in read_events(cfg.run_root) if e["kind"] == "step"}
+    steps = {e.step: e.t for e in read_events(cfg.run_root) if e.kind == "step"}
     return _rate(steps, warmup, cfg.steps - 1)
 
 

@@ -47,7 +47,8 @@ from tasks.train_stage import run_attempt  # noqa: E402
 from trainer.checkpointing.config import CheckpointConfig, DurableConfig, MemoryConfig  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
-from trainer.events import read_events  # noqa: E402
+from trainer.event_read import read_events  # noqa: E402
+from trainer.event_types import Event  # noqa: E402
 from trainer.history import RunHistory  # noqa: E402
 
 SPECS = {
@@ -96,7 +97,7 @@ def run(
     return read_events(run_root)
 
 
-def recovery(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+def recovery(events: list[Event]) -> dict[str, Any] | None:
     records = [r for r in RunHistory.of(events).fault_records() if r["recovered_by"] != "none"]
     if not records:
         return None
@@ -105,33 +106,35 @@ def recovery(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {k: r[k] for k in keys} | {"params_sha256": params_digest(events)}
 
 
-def params_digest(events: list[dict[str, Any]]) -> str | None:
+def params_digest(events: list[Event]) -> str | None:
     """The final parameters' digest (train_end), to check a recovery bitwise against the
     fault-free runs: the memory interval does not change what is trained."""
-    ends = [e for e in events if e["kind"] == "train_end"]
-    return ends[-1].get("params_sha256") if ends else None
+    ends = [e for e in events if e.kind == "train_end"]
+    return ends[-1].params_sha256 if ends else None
 
 
-def costs(events: list[dict[str, Any]], ckpt_interval: int, steps: int) -> dict[str, Any]:
+def costs(events: list[Event], ckpt_interval: int, steps: int) -> dict[str, Any]:
     """Blocking per memory save (steps with no durable save due), per durable save, and the
     median step time, of a fault-free run."""
-    step_ev = [e for e in events if e["kind"] == "step"]
+    step_ev = [e for e in events if e.kind == "step"]
     memory_only = [
-        e["ckpt_blocking_s"]
+        e.ckpt_blocking_s
         for e in step_ev
-        if e.get("ckpt_blocking_s") is not None and e["step"] % ckpt_interval and e["step"] < steps
+        if getattr(e, "ckpt_blocking_s", None) is not None
+        and e.step % ckpt_interval
+        and e.step < steps
     ]
-    durable = [e["blocking_s"] for e in events if e["kind"] == "checkpoint"]
-    chosen = [e for e in events if e["kind"] == "memory_interval"]
+    durable = [e.blocking_s for e in events if e.kind == "checkpoint"]
+    chosen = [e for e in events if e.kind == "memory_interval"]
     # After the first durable save: the first steps build, warm up and (auto) measure saves.
-    steady = [e["step_s"] for e in step_ev if e["step"] > ckpt_interval and e["step"] < steps]
+    steady = [e.step_s for e in step_ev if e.step > ckpt_interval and e.step < steps]
     return {
         "memory_save_blocking_s": _median(memory_only),
         "durable_save_blocking_s": _median(durable),
-        "step_s": _median([e["step_s"] for e in step_ev]),
+        "step_s": _median([e.step_s for e in step_ev]),
         "steady_step_s": _median(steady),
-        "memory_saves": sum(1 for e in step_ev if e.get("ckpt_blocking_s") is not None),
-        "auto_interval": chosen[-1].get("interval") if chosen else None,
+        "memory_saves": sum(1 for e in step_ev if getattr(e, "ckpt_blocking_s", None) is not None),
+        "auto_interval": chosen[-1].interval if chosen else None,
         "params_sha256": params_digest(events),
     }
 

@@ -51,7 +51,7 @@ from tasks.train_stage import run_attempt  # noqa: E402
 from trainer.checkpointing.config import CheckpointConfig, DurableConfig  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
-from trainer.events import read_events  # noqa: E402
+from trainer.event_read import read_events  # noqa: E402
 from trainer.timeline import recovery_phases  # noqa: E402
 
 
@@ -107,7 +107,7 @@ def run_path(path: LossPath, step: int, run_root: Path, data: Path, args: argpar
     rows = recovery_phases(events)
     row = rows[0] if rows else {"recovered": False, "reason": "no fault recorded"}
     # The layer the trainer attributed the recovery to (trainer.process.Origin.layer).
-    row["layer"] = next((e.get("layer") for e in events if e["kind"] == "recovered"), None)
+    row["layer"] = next((getattr(e, "layer", None) for e in events if e.kind == "recovered"), None)
     row["attempts"] = attempt
     row["completed"] = report.outcome.kind == EndKind.COMPLETED
     return row

@@ -60,7 +60,8 @@ from tasks.train_stage import run_attempt  # noqa: E402
 from trainer.checkpointing.config import CheckpointConfig, DurableConfig  # noqa: E402
 from trainer.config import InProcessConfig, TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
-from trainer.events import read_events  # noqa: E402
+from trainer.event_read import read_events  # noqa: E402
+from trainer.event_types import Event  # noqa: E402
 from trainer.timeline import plot_timeline, recovery_phases  # noqa: E402
 
 SPECS = {
@@ -169,7 +170,7 @@ def _run_and_read(who: str, spec: str, argvs: list[list[str]], run_root: Path):
     return read_events(run_root)
 
 
-def first_recovery(events: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+def first_recovery(events: list[Event] | None) -> dict[str, Any] | None:
     """The first fault's phases; a restart that loaded nothing (no commit before the fault)
     comes back with ``from_scratch`` and a zero-second load (the work lost is not a phase)."""
     if events is None:

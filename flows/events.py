@@ -29,6 +29,7 @@ import functools
 import logging
 from typing import Any
 
+from trainer.event_types import Checkpoint, Event, Fault, Recovered, WorldChange
 from trainer.history import RunHistory
 
 RESOURCE_PREFIX = "nvrx.run."
@@ -98,49 +99,49 @@ def emit(name: str, run_id: str, **payload: Any) -> None:
         _log.warning("could not emit nvrx.%s: %s", name, e)
 
 
-def emit_for_trainer_event(run_id: str, e: dict[str, Any]) -> None:
-    """Map one ``events.jsonl`` line (trainer or train-stage watcher) to its Prefect event."""
-    kind = e.get("kind")
-    if kind == "fault":
-        emit(
-            "fault.detected",
-            run_id,
-            kind=e.get("fault_kind"),
-            fault=e.get("fault"),
-            rank=e.get("rank"),
-            node=e.get("node"),
-            nodes=e.get("nodes"),
-            step=e.get("step"),
-            path=e.get("path"),
-        )
-    elif kind == "world_change":
-        emit(
-            "world.changed",
-            run_id,
-            from_world=e.get("from_world"),
-            to_world=e.get("to_world"),
-            nodes=e.get("nodes"),
-            cause=e.get("cause"),
-            step=e.get("step"),
-        )
-    elif kind == "recovered":
-        emit(
-            "recovery.completed",
-            run_id,
-            layer=e.get("layer"),
-            seconds=e.get("recovery_s"),
-            fault=e.get("fault"),
-            fault_kind=e.get("fault_kind"),
-            step=e.get("step"),
-        )
-    elif kind == "checkpoint":
-        emit(
-            "checkpoint.committed",
-            run_id,
-            step=e.get("step"),
-            blocking_s=e.get("blocking_s"),
-            path=e.get("path"),
-        )
+def emit_for_trainer_event(run_id: str, e: Event) -> None:
+    """Map one ``events.jsonl`` event (trainer or train-stage watcher) to its Prefect event."""
+    match e:
+        case Fault():
+            emit(
+                "fault.detected",
+                run_id,
+                kind=e.fault_kind,
+                fault=e.fault,
+                rank=e.rank,
+                node=e.node,
+                nodes=e.nodes,
+                step=e.step,
+                path=e.path,
+            )
+        case WorldChange():
+            emit(
+                "world.changed",
+                run_id,
+                from_world=e.from_world,
+                to_world=e.to_world,
+                nodes=e.nodes,
+                cause=e.cause,
+                step=e.step,
+            )
+        case Recovered():
+            emit(
+                "recovery.completed",
+                run_id,
+                layer=e.layer,
+                seconds=e.recovery_s,
+                fault=e.fault,
+                fault_kind=e.fault_kind,
+                step=e.step,
+            )
+        case Checkpoint():
+            emit(
+                "checkpoint.committed",
+                run_id,
+                step=e.step,
+                blocking_s=e.blocking_s,
+                path=e.path,
+            )
 
 
 def last_attempt_cause(run_root: Any) -> str | None:

@@ -47,8 +47,9 @@ from tasks import retry_policy
 from tasks.backends import registry
 from tasks.ownership import lease, takeover
 from tasks.storage.local_s3 import local_s3
-from trainer.event_types import Cleanup, Takeover
-from trainer.events import EventLog, read_events
+from trainer.event_read import read_events
+from trainer.event_types import Cleanup, Step, Takeover
+from trainer.events import EventLog
 from trainer.history import RunHistory
 from trainer.run_files import write_text_atomic
 from trainer.timeline import plot_timeline
@@ -398,8 +399,8 @@ def _publish(ctx: RunContext, result: PipelineResult, since: float, held: lease.
     except Exception as e:  # a report must never mask the run's own outcome
         get_run_logger().warning("could not publish the run report: %s", e)
     try:
-        events = [e for e in read_events(ctx.run_root) if e["t"] >= since]
-        if any(e["kind"] == "step" for e in events):
+        events = [e for e in read_events(ctx.run_root) if e.t >= since]
+        if any(isinstance(e, Step) for e in events):
             png = plot_timeline(
                 events,
                 ctx.run_root / "timeline.png",

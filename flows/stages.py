@@ -9,7 +9,7 @@ import difflib
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, cast
+from typing import cast
 from uuid import UUID
 
 from prefect import flow, task
@@ -55,6 +55,17 @@ from tasks.validate import validate_latest
 from tasks.validation import load_process
 from tasks.validation.checkpoint import Expectations, prestart_load_check
 from trainer.data import write_synthetic_dataset
+from trainer.event_types import (
+    Checkpoint,
+    Event,
+    Fatal,
+    Fault,
+    Recovered,
+    Restart,
+    Resume,
+    Step,
+    TrainEnd,
+)
 
 
 # -- stage flow runs' names ---------------------------------------------------------------------
@@ -272,40 +283,33 @@ class _Progress:
         )
         self.last_log = 0.0
 
-    def __call__(self, e: dict[str, Any]) -> None:
+    def __call__(self, e: Event) -> None:
         emit_for_trainer_event(self.run_id, e)
-        kind = e["kind"]
-        if kind == "step":
-            now = time.monotonic()
-            if now - self.last_log >= 2.0 or e["step"] == self.target:
-                self.last_log = now
-                update_progress_artifact(self.artifact, 100.0 * e["step"] / self.target)
-                self.log.info(
-                    "step %d/%d loss %.4f %.0f tok/s",
-                    e["step"],
-                    self.target,
-                    e["loss"],
-                    e.get("tokens_per_s", 0.0),
-                )
-        elif kind == "fault":
-            self.log.warning("fault injected: %s at step %s", e.get("fault"), e.get("step"))
-        elif kind == "restart":
-            self.log.warning("restart by the %s layer", e.get("layer"))
-        elif kind == "recovered":
-            self.log.info(
-                "recovered from %s by %s in %.1f s",
-                e.get("fault"),
-                e.get("layer"),
-                e.get("recovery_s", 0.0),
-            )
-        elif kind == "resume" and e.get("action") in ("loaded", "skipped", "failed"):
-            self.log.info("resume %s: step %s %s", e["action"], e.get("step"), e.get("reason", ""))
-        elif kind == "checkpoint":
-            self.log.info(
-                "checkpoint step %d committed (blocked %.3f s)", e["step"], e["blocking_s"]
-            )
-        elif kind == "fatal":
-            self.log.error("trainer fatal error: %s", e.get("error"))
+        match e:
+            case Step():
+                now = time.monotonic()
+                if now - self.last_log >= 2.0 or e.step == self.target:
+                    self.last_log = now
+                    update_progress_artifact(self.artifact, 100.0 * e.step / self.target)
+                    self.log.info(
+                        "step %d/%d loss %s %.0f tok/s",
+                        e.step,
+                        self.target,
+                        "?" if e.loss is None else f"{e.loss:.4f}",
+                        e.tokens_per_s or 0.0,
+                    )
+            case Fault():
+                self.log.warning("fault injected: %s at step %s", e.fault, e.step)
+            case Restart():
+                self.log.warning("restart by the %s layer", e.layer)
+            case Recovered():
+                self.log.info("recovered from %s by %s in %.1f s", e.fault, e.layer, e.recovery_s)
+            case Resume(action="loaded" | "skipped" | "failed"):
+                self.log.info("resume %s: step %s %s", e.action, e.step, e.reason or "")
+            case Checkpoint():
+                self.log.info("checkpoint step %d committed (blocked %.3f s)", e.step, e.blocking_s)
+            case Fatal():
+                self.log.error("trainer fatal error: %s", e.error)
 
 
 @flow(
@@ -341,9 +345,9 @@ def train_flow(plan: RunPlan, attempt: int) -> TrainResult | State[TrainResult]:
     emit("train.started", ctx.run_id, attempt=attempt, nodes=params.nodes)
     progress = _Progress(params.steps, attempt, ctx.run_id)
 
-    def on_event(e: dict[str, Any]) -> None:
+    def on_event(e: Event) -> None:
         progress(e)
-        if e["kind"] == "train_end":
+        if isinstance(e, TrainEnd):
             # Validation's load-check interpreter imports while the workers and agents exit
             # (tasks.validation.load_process): ~3.5 s off the pipeline's critical path.
             prestart_load_check()

@@ -46,7 +46,16 @@ from trainer import fence, run_state
 from trainer.config import TrainConfig
 from trainer.elastic import NodeRange
 from trainer.event_read import EVENTS_FILE, EventReader
-from trainer.event_types import Fatal, Fault, NodeReturn, Recovered, StageAttempt, StageAttemptEnd
+from trainer.event_types import (
+    Event,
+    Fatal,
+    Fault,
+    NodeReturn,
+    Recovered,
+    StageAttempt,
+    StageAttemptEnd,
+    Step,
+)
 from trainer.events import EventLog
 from trainer.faults import FaultSpec, claim
 from trainer.node_beat import clear_other_epochs, read_beats
@@ -123,7 +132,7 @@ def run_attempt(
     backend: Backend,
     request: LaunchRequest,
     *,
-    on_event: Callable[[dict[str, Any]], None] = lambda e: None,
+    on_event: Callable[[Event], None] = lambda e: None,
     check_owner: Callable[[str], None] = lambda action: None,
     clock: Callable[[], float] = time.monotonic,
 ) -> AttemptReport:
@@ -193,7 +202,7 @@ def run_attempt(
     )
     watch = _Watch(
         state, job, request, events, on_event, clock,
-        events_read=OffLoop("the event log", tail.read_new_dicts),
+        events_read=OffLoop("the event log", tail.read_new),
         beats_read=OffLoop("the node beats", lambda: read_beats(run_root, epoch)),
         elastic=elastic,
     )  # fmt: skip
@@ -287,10 +296,10 @@ class _Watch:
         job: Job,
         request: LaunchRequest,
         events: EventLog,
-        on_event: Callable[[dict[str, Any]], None],
+        on_event: Callable[[Event], None],
         clock: Callable[[], float],
         *,
-        events_read: OffLoop[list[dict[str, Any]]],
+        events_read: OffLoop[list[Event]],
         beats_read: OffLoop[dict[int, str]],
         elastic: bool,
     ) -> None:
@@ -333,7 +342,7 @@ class _Watch:
                     fn(event)
                 except Exception as err:
                     self.complain(what, err)
-            self._drills(event["step"] if event["kind"] == "step" else None)
+            self._drills(event.step if isinstance(event, Step) else None)
         self._drills(None)
         try:
             self.state = beat(self.state, self.beats_read.call(min(timeout, 1.0)), self.clock())

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.loss_policy import LossDecision, LossPath
+from trainer.event_types import Event, Fatal, Step, TrainStart
 from trainer.faults import FaultSpec
 
 
@@ -103,27 +104,26 @@ def _replace(s: WatchState, **changes: Any) -> WatchState:
     return dataclasses.replace(s, **changes)
 
 
-def mine(s: WatchState, e: Mapping[str, Any]) -> bool:
+def mine(s: WatchState, e: Event) -> bool:
     """Is ``e`` this attempt's? Only events carrying its epoch are (an unfenced attempt's carry
     none): another epoch's (a replaced attempt's zombie, another run's pod on the same FSx) or
     one without an epoch decides nothing, counts no step and fires no drill."""
-    return e.get("epoch") == s.epoch
+    return e.epoch == s.epoch
 
 
-def observe(s: WatchState, e: Mapping[str, Any], now: float) -> WatchState:
+def observe(s: WatchState, e: Event, now: float) -> WatchState:
     """One event of the attempt, as read (validated: :mod:`trainer.event_types`); any other
     attempt's changes nothing."""
     if not mine(s, e):
         return s
-    kind = e["kind"]
-    if kind == "fatal" and s.fatal is None:
-        return _replace(s, fatal=e["error"])
-    if kind == "train_start" and isinstance(e.get("nodes"), list):
-        named = frozenset(int(n) for n in e["nodes"])
+    if isinstance(e, Fatal) and s.fatal is None:
+        return _replace(s, fatal=e.error)
+    if isinstance(e, TrainStart) and "nodes" in e.model_fields_set:  # a world it names
+        named = frozenset(e.nodes)
         # -1: a worker no backend told its node; then which nodes train is unknown.
         world = named if all(n >= 0 for n in named) else frozenset()
         waiting_until = s.waiting_until
-        if len(named) >= s.min_nodes and e["t"] > s.wait_began:
+        if len(named) >= s.min_nodes and e.t > s.wait_began:
             waiting_until = None  # a node returned in time: the world re-formed
         silence: dict[str, Any] = {}
         if s.silence_rule is not None:  # the attempt's own start-up, measured: the bound
@@ -140,8 +140,8 @@ def observe(s: WatchState, e: Mapping[str, Any], now: float) -> WatchState:
             # The world's workers just started: their silence counts from now.
             beats={n: Beat(b.token, now) for n, b in s.beats.items()},
         )
-    if kind == "step":
-        return _replace(s, last_step=max(e["step"], s.last_step or 0))
+    if isinstance(e, Step):
+        return _replace(s, last_step=max(e.step, s.last_step or 0))
     return s
 
 

@@ -142,7 +142,7 @@ def assert_no_secret_leaked(state_dir, params, s3_settings) -> None:
     either is in any file under the run's state directory or in any object in S3."""
     from flows.context import RunContext
     from tasks.storage.s3 import boto3_client
-    from trainer.events import read_events
+    from tests.helpers import read_events
 
     starts = [e for e in read_events(RunContext.create(params).run_root)
               if e["kind"] == "worker_start"]  # fmt: skip
@@ -209,9 +209,9 @@ def baseline(prefect_server, s3_settings, tmp_path_factory):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Hydration verified every shard; the workers were told which manifest that was, so their
     # start-up checks the manifest and sizes only (the attempt's config says so).
+    from tests.helpers import read_events
     from trainer.config import load_config
     from trainer.data import load_manifest, manifest_digest
-    from trainer.events import read_events
 
     attempt = load_config(ctx.run_root / "config" / "train-attempt1.json")
     assert attempt.data_manifest_sha256 == manifest_digest(load_manifest(ctx.data_dir))

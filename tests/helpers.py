@@ -22,7 +22,8 @@ from trainer.checkpointing.config import (
 )
 from trainer.checkpointing.layout import NODE_MEMORY_ENV
 from trainer.config import InJobConfig, InProcessConfig, TrainConfig, save_config
-from trainer.events import read_events
+from trainer.event_read import read_events as typed_events
+from trainer.event_types import Event
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
 from trainer.launch import worker_env as launch_env
 
@@ -218,12 +219,22 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+def read_events(run_root: Path) -> list[dict[str, Any]]:
+    """The run's valid events as the JSON objects their lines hold (decoded by the product's one
+    decoder, :func:`trainer.event_read.read_events`): what tests assert was written."""
+    return [e.model_dump(mode="json", exclude_unset=True) for e in typed_events(run_root)]
+
+
 @dataclass
 class RunOutcome:
     returncode: int
     log: str
     result: dict[str, Any] | None
-    events: list[dict[str, Any]]
+    typed: list[Event]  # as the product's readers receive them
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return [e.model_dump(mode="json", exclude_unset=True) for e in self.typed]
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["kind"] == kind]
@@ -232,7 +243,7 @@ class RunOutcome:
 def _outcome(cfg: TrainConfig, rc: int, log: str) -> RunOutcome:
     path = cfg.run_root / "result.json"
     result = json.loads(path.read_text()) if path.exists() else None
-    return RunOutcome(rc, log, result, read_events(cfg.run_root))
+    return RunOutcome(rc, log, result, typed_events(cfg.run_root))
 
 
 def _run(argv: list[str], log_path: Path, timeout: float, env: dict[str, str] | None = None) -> int:

@@ -31,11 +31,10 @@ from tasks.ownership.lease import LEASE_FILE, LeaseRecord, process_is
 from tasks.storage.local_s3 import SERVER_RECORD
 from tasks.storage.s3 import S3Settings
 from tests.eks_cluster import NODES, NS, seed_cluster
-from tests.helpers import free_s3_port
+from tests.helpers import free_s3_port, read_events
 from tests.pipeline_helpers import make_params
 from tests.served_flows import KMOCK_DEPLOYMENT, KMOCK_FLOW
 from tests.test_eks_pipeline import FS, Cluster
-from trainer.events import read_events
 
 pytestmark = pytest.mark.slow
 

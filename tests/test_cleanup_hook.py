@@ -24,8 +24,7 @@ from tasks.backends.eks.kube import Kube
 from tasks.backends.eks.render import render_all
 from tasks.ownership import processes
 from tests.eks_cluster import NS, use_clients
-from tests.helpers import lease_holder
-from trainer.events import read_events
+from tests.helpers import lease_holder, read_events
 
 DEAD = "deadbeefdeadbeef"
 

@@ -27,7 +27,7 @@ from tasks.train_stage import AttemptReport, run_attempt
 from tests.eks_cluster import NS, mark_disrupted, node_obj, pod_obj, terminated
 from tests.kube_chaos import ChaosProxy, Misbehaviour
 from trainer import fence
-from trainer.event_types import Step, TrainStart
+from trainer.event_types import Event, Step, TrainStart
 from trainer.events import EventLog
 
 TAG = "inv001"  # the invocation's tag in the Job's name
@@ -346,8 +346,8 @@ def test_an_interrupted_watch_deletes_the_job(kube: Kube, tmp_path: Path):
     name = job_name("k-cancel", 1, TAG)
     root = tmp_path / "runs" / "k-cancel"
 
-    def interrupt(e: dict) -> None:
-        if e["kind"] == "step" and kube.read_job(NS, name) is not None:
+    def interrupt(e: Event) -> None:
+        if isinstance(e, Step) and kube.read_job(NS, name) is not None:
             raise KeyboardInterrupt("cancelled")  # as Prefect's SIGTERM bridge raises
 
     # A trainer event arrives once the Job exists: the stage's progress callback is interrupted.
@@ -399,7 +399,8 @@ def test_a_silent_pod_is_taken_away_as_a_lost_node(kube: Kube, tmp_path: Path):
     Running, but its beat on FSx stops while the other pod's goes on. The watcher deletes the
     silent pod through the API and ends the attempt as a node loss (a fixed-size Job: the
     stage retry)."""
-    from trainer.events import EventLog, read_events
+    from tests.helpers import read_events
+    from trainer.events import EventLog
     from trainer.node_beat import NodeBeat
 
     params = eks_params("k-silent", tmp_path)
@@ -608,7 +609,7 @@ ELASTIC = [
 def test_an_elastic_job_absorbs_a_real_node_loss(
     kube: Kube, tmp_path: Path, nodes, spares, pods, lost, path, kind
 ):
-    from trainer.events import read_events
+    from tests.helpers import read_events
     from trainer.resilience import NODE_LOST_MARKER
 
     run_id = f"k-el-{pods}-{lost}"
@@ -634,7 +635,7 @@ def test_below_the_minimum_the_survivors_wait_then_the_stage_retry(kube: Kube, t
     survivors' join timeout, 4 s here, plus the watcher's grace) passes with no world re-formed,
     the attempt ends in a node loss: the stage retry's."""
     from tasks.train_stage import WAIT_GRACE_S
-    from trainer.events import read_events
+    from tests.helpers import read_events
 
     run_id = "k-el-wait"
     params = eks_params(run_id, tmp_path, nodes="2:3", global_batch=24)

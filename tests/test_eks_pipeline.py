@@ -59,14 +59,21 @@ from tests.eks_cluster import (
     terminated,
     use_clients,
 )
-from tests.helpers import FAST_INJOB, FAST_INPROCESS, REPO, free_port, worker_env, write_config
+from tests.helpers import (
+    FAST_INJOB,
+    FAST_INPROCESS,
+    REPO,
+    free_port,
+    read_events,
+    worker_env,
+    write_config,
+)
 from tests.kube_chaos import ChaosProxy, Misbehaviour
 from tests.pipeline_helpers import assert_exported, run_pipeline
 from trainer.checkpointing.layout import NODE_MEMORY_ENV
 from trainer.config import Device, TrainConfig, load_config
 from trainer.data import load_manifest, manifest_digest
 from trainer.elastic import NodeRange
-from trainer.events import read_events
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
 
 pytestmark = pytest.mark.slow

@@ -31,11 +31,11 @@ from tasks.hydrate import hydrate_dataset
 from tasks.ownership.lease import peek
 from tasks.storage.s3 import S3Settings, s3fs_filesystem
 from tests.eks_cluster import NS, seed_cluster, use_clients
-from tests.helpers import lease_holder
+from tests.helpers import lease_holder, read_events
 from tests.pipeline_helpers import assert_exported
 from tests.test_eks_pipeline import FS, Cluster, stubbed_fsx
 from trainer.event_types import StageAttempt
-from trainer.events import EventLog, read_events
+from trainer.events import EventLog
 
 pytestmark = pytest.mark.slow
 

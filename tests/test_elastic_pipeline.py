@@ -16,9 +16,8 @@ import pytest
 
 from flows.context import RunContext
 from flows.models import PipelineResult
-from tests.helpers import free_port_pair
+from tests.helpers import free_port_pair, read_events
 from tests.pipeline_helpers import Scraper, assert_exported, make_params, nvrx_events, run_pipeline
-from trainer.events import read_events
 from trainer.faults import DAMAGE_KINDS
 
 pytestmark = pytest.mark.slow

@@ -21,11 +21,11 @@ from tests.helpers import (
     FAST_INJOB,
     RunOutcome,
     make_config,
+    read_events,
     run_ft_launcher,
     start_ft_launcher,
 )
 from trainer import checkpointing, fence
-from trainer.events import read_events
 from trainer.faults import DAMAGE_KINDS
 from trainer.history import RunHistory
 from trainer.timeline import recovery_phases
@@ -171,7 +171,7 @@ def test_drill_recovers_bitwise(drill: Drill, baseline: RunOutcome, dataset: Pat
     for f in (f for f in faults if f["fault_kind"] == "hang"):
         bound = f["bound_s"]
         assert cfg.step_timeout_floor() <= bound < ceiling, (bound, learned)
-        [phases] = [r for r in recovery_phases(out.events) if r["fault"] == f["fault"]]
+        [phases] = [r for r in recovery_phases(out.typed) if r["fault"] == f["fault"]]
         assert phases["respawn_s"] < bound + 5.0 < ceiling, (phases, bound)
 
 

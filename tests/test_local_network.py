@@ -17,8 +17,7 @@ import pytest
 
 from tasks.backends import netns
 from tasks.ownership import processes
-from tests.helpers import REPO, free_port, make_config
-from trainer.events import read_events
+from tests.helpers import REPO, free_port, make_config, read_events
 
 
 def _connects(port: int) -> bool:

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import read_events
 from trainer import checkpointing as m
 from trainer.checkpointing.config import DurableConfig
 from trainer.config import ConfigError
 from trainer.event_types import Resume, Step
-from trainer.events import EventLog, read_events
+from trainer.events import EventLog
 from trainer.faults import flip_bytes
 
 FP = "abc123"

@@ -17,14 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import ckpt, free_port, make_config
+from tests.helpers import ckpt, free_port, make_config, read_events
 from trainer.checkpointing.async_save import AsyncCheckpointer
 from trainer.checkpointing.config import MemoryConfig
 from trainer.checkpointing.manager import CheckpointManager
 from trainer.checkpointing.memory_cadence import SAMPLE, MemoryCadence, choose
 from trainer.checkpointing.node_copy import NodeMemory
 from trainer.config import ConfigError
-from trainer.events import EventLog, read_events
+from trainer.events import EventLog
 
 
 @pytest.mark.parametrize(

@@ -16,9 +16,9 @@ import pytest
 
 from flows.context import RunContext
 from tasks.storage.s3 import boto3_client
+from tests.helpers import read_events
 from tests.pipeline_helpers import make_params, nvrx_events, run_pipeline
 from trainer import checkpointing
-from trainer.events import read_events
 from trainer.faults import flip_bytes
 
 pytestmark = pytest.mark.slow

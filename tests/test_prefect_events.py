@@ -200,8 +200,8 @@ def test_capacity_restored_resumes_the_failed_run(automations, s3_settings):
 
     from flows.context import RunContext
     from flows.pipeline import training_pipeline
+    from tests.helpers import read_events
     from tests.pipeline_helpers import make_params
-    from trainer.events import read_events
 
     dep_id = automations["deployment_id"]
     custom = {  # a custom run: its own steps and drill, not the deployment's defaults

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainer.event_types import Event, decode_obj
 from trainer.timeline import plot_timeline, recovery_phases
 
+# The required fields these histories do not decide from.
+FILL: dict[str, dict[str, object]] = {
+    "worker_start": {"world_size": 2},
+    "train_start": {"world_size": 2},
+    "stage_attempt": {"stage": "train"},
+}
 
-def ev(t: float, kind: str, **kw: object) -> dict[str, object]:
-    return {"t": t, "kind": kind, **kw}
+
+def ev(t: float, kind: str, **kw: object) -> Event:
+    return decode_obj({"t": t, "kind": kind, **FILL.get(kind, {}), **kw})
 
 
 def test_phases_of_an_in_job_recovery():
@@ -75,7 +83,10 @@ def test_superseded_load_and_unrecovered_fault():
 
 def test_plot_is_a_png(tmp_path: Path):
     events = [ev(float(i), "step", step=i) for i in range(1, 20)]
-    events += [ev(5.5, "fault", fault_kind="exception"), ev(6.0, "restart", layer="inprocess")]
+    events += [
+        ev(5.5, "fault", fault="exception@step=5", fault_kind="exception"),
+        ev(6.0, "restart", layer="inprocess"),
+    ]
     events += [ev(10.0, "checkpoint", step=10, blocking_s=0.01)]
     out = plot_timeline(events, tmp_path / "t.png", compare=("baseline", events[:5]))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000

@@ -27,22 +27,23 @@ from tasks.watch_state import (
     silent,
     tick,
 )
+from trainer.event_types import Event, Fatal, Step, TrainStart
 from trainer.faults import parse_fault
 
 T0 = 1000.0  # the watcher's monotonic clock when the watch began
 
 
-def start(*nodes: int, t: float = 1.0) -> dict[str, Any]:
-    return {"kind": "train_start", "t": t, "nodes": list(nodes), "world_size": len(nodes)}
+def start(*nodes: int, t: float = 1.0) -> Event:
+    return TrainStart(t=t, nodes=list(nodes), world_size=len(nodes))
 
 
-def step(n: int) -> dict[str, Any]:
-    return {"kind": "step", "t": 1.0, "step": n}
+def step(n: int) -> Event:
+    return Step(t=1.0, step=n)
 
 
 # A history: (the watcher's clock, what it saw). What it saw is an event, a beat read
 # (node -> token), or a loss with the path its decision took.
-Seen = dict[str, Any] | dict[int, str] | tuple[str, int, LossPath]
+Seen = Event | dict[int, str] | tuple[str, int, LossPath]
 
 
 def replay(s: WatchState, history: list[tuple[float, Seen]]) -> WatchState:
@@ -51,10 +52,10 @@ def replay(s: WatchState, history: list[tuple[float, Seen]]) -> WatchState:
             _, node, path = seen
             decision = LossDecision(path, "recorded")
             s = lost(s, node, decision, drilled=True, now=T0 + now, wall=now)
-        elif "kind" in seen:
-            s = observe(s, seen, T0 + now)  # type: ignore[arg-type]
+        elif isinstance(seen, dict):
+            s = beat(s, seen, T0 + now)
         else:
-            s = beat(s, seen, T0 + now)  # type: ignore[arg-type]
+            s = observe(s, seen, T0 + now)
     return s
 
 
@@ -107,19 +108,20 @@ def test_an_ended_job_is_judged_whatever_else_is_due():
 
 def test_only_the_attempts_own_fatal_error_counts():
     s = replace(BASE, epoch=7)
-    s = observe(s, {"kind": "fatal", "t": 1.0, "error": "other", "epoch": 6}, T0)
+    s = observe(s, Fatal(t=1.0, error="other", epoch=6), T0)
     assert s.fatal is None
-    s = observe(s, {"kind": "fatal", "t": 1.0, "error": "mine", "epoch": 7}, T0)
-    s = observe(s, {"kind": "fatal", "t": 1.0, "error": "later", "epoch": 7}, T0)
+    s = observe(s, Fatal(t=1.0, error="mine", epoch=7), T0)
+    s = observe(s, Fatal(t=1.0, error="later", epoch=7), T0)
     assert s.fatal == "mine"
 
 
 def test_another_epochs_world_and_steps_change_nothing():
     """A zombie's train_start and steps (issue 41): no world, no progress, no spare start."""
     s = replace(BASE, epoch=7)
-    for e in (start(0, 1), step(40), {"kind": "fatal", "t": 1.0, "error": "none"}):
-        assert not mine(s, e) and observe(s, {**e, "epoch": 6}, T0) == s and observe(s, e, T0) == s
-    assert observe(s, {**step(3), "epoch": 7}, T0).last_step == 3
+    for e in (start(0, 1), step(40), Fatal(t=1.0, error="none")):
+        other = e.model_copy(update={"epoch": 6})
+        assert not mine(s, e) and observe(s, other, T0) == s and observe(s, e, T0) == s
+    assert observe(s, step(3).model_copy(update={"epoch": 7}), T0).last_step == 3
 
 
 def test_drills_come_due_in_order_and_a_return_waits_for_the_reformed_world():

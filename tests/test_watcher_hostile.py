@@ -21,10 +21,9 @@ import pytest
 from tasks.backends.base import LaunchRequest
 from tasks.classify import EndKind, Observation, Outcome
 from tasks.train_stage import run_attempt
-from tests.helpers import free_port, make_config, sample, scrape
+from tests.helpers import free_port, make_config, read_events, sample, scrape
 from trainer import fence
-from trainer.event_read import read_event_dicts
-from trainer.event_types import StageAttempt
+from trainer.event_types import Event, StageAttempt, Step
 from trainer.events import EventLog
 from trainer.resilience import NO_RESTART_MARKER
 
@@ -42,7 +41,7 @@ def append(*lines: str) -> Action:
 
 def epoch_of(run_root: Path) -> int:
     """The epoch of this attempt (its workers get it as NVRX_EPOCH), as its watcher said."""
-    starts = [e for e in read_event_dicts(run_root) if e["kind"] == "stage_attempt"]
+    starts = [e for e in read_events(run_root) if e["kind"] == "stage_attempt"]
     return int(starts[-1]["epoch"])
 
 
@@ -136,7 +135,7 @@ class ScriptedJob:
     loss_grace_s: float = 0.0
     store_host: int | None = None
     stopped: bool = False
-    observed: list[dict[str, Any]] = field(default_factory=list)
+    observed: list[Event] = field(default_factory=list)
 
     def running(self) -> bool:
         if self.stopped:
@@ -146,7 +145,7 @@ class ScriptedJob:
             return True
         return False
 
-    def observe(self, event: dict[str, Any]) -> None:
+    def observe(self, event: Event) -> None:
         self.observed.append(event)
 
     def alive_nodes(self) -> frozenset[int]:
@@ -238,13 +237,13 @@ def test_hostile_files_do_not_change_an_attempts_outcome(
         epoch = fence.publish(cfg.run_root, invocation="earlier", attempt=n + 1).epoch
         EventLog(cfg.run_root, epoch=epoch).emit(StageAttempt(stage="train", attempt=n + 1))
     backend = ScriptedBackend(script)
-    seen: list[dict[str, Any]] = []
-    report = run_attempt(backend, request, on_event=seen.append)  # type: ignore[arg-type]
+    seen: list[Event] = []
+    report = run_attempt(backend, request, on_event=seen.append)
     assert report.outcome.kind == kind, report.outcome.message
     if kind == EndKind.COMPLETED:  # the live attempt's result, no zombie's
         assert json.loads((cfg.run_root / "result.json").read_text())["epoch"] == EARLIER + 1
     assert backend.job is not None and not backend.job.stopped  # it ended by itself
-    steps = [e["step"] for e in seen if e["kind"] == "step"]
+    steps = [e.step for e in seen if isinstance(e, Step)]
     assert steps == list(range(1, STEPS + 1))  # every good line, no bad one
     assert backend.job.observed == seen
 
@@ -296,7 +295,7 @@ def test_metrics_keep_serving_through_bad_lines(tmp_path: Path, dataset: Path):
 
 def test_a_lost_lease_stops_the_watch_and_leaves_the_job_running(tmp_path: Path, dataset: Path):
     from tasks.ownership.lease import LeaseLost
-    from trainer.events import read_events
+    from tests.helpers import read_events
 
     cfg = make_config(tmp_path / "run", dataset, steps=STEPS)
     polls: list[str] = []
@@ -345,14 +344,14 @@ def test_errors_while_observing_never_stop_the_job(tmp_path: Path, dataset: Path
             self.job = FlakyJob(request.cfg.run_root, [*TRAINING, result()])
             return self.job
 
-    def on_event(e: dict[str, Any]) -> None:
+    def on_event(e: Event) -> None:
         raise ValueError("the flow's callback broke")
 
     backend = Backend([])
-    report = run_attempt(backend, request, on_event=on_event)  # type: ignore[arg-type]
+    report = run_attempt(backend, request, on_event=on_event)
     assert report.outcome.kind == EndKind.COMPLETED, report.outcome.message
     assert backend.job is not None and not backend.job.stopped  # it ended by itself
-    assert [e["step"] for e in backend.job.observed if e["kind"] == "step"] == [1, 2, 3, 4]
+    assert [e.step for e in backend.job.observed if isinstance(e, Step)] == [1, 2, 3, 4]
 
 
 def test_a_stuck_lease_read_holds_neither_the_watch_nor_the_outcome(tmp_path: Path, dataset: Path):

@@ -23,7 +23,7 @@ import torch
 from flows.context import RunContext
 from flows.models import PipelineResult
 from tasks.storage.s3 import boto3_client
-from tests.helpers import OUTSIDE_WORKLOAD, REPO, free_port_pair, scrape
+from tests.helpers import OUTSIDE_WORKLOAD, REPO, free_port_pair, read_events, scrape
 from tests.pipeline_helpers import (
     LocalPrometheus,
     Scraper,
@@ -34,7 +34,6 @@ from tests.pipeline_helpers import (
     nvrx_events,
     run_pipeline,
 )
-from trainer.events import read_events
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,6 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from trainer.event_types import Event, ValidationError, decode_json
 from trainer.run_files import open_regular
@@ -86,13 +85,6 @@ class EventReader:
             if ev is not None:
                 yield ev
 
-    def read_new_dicts(self) -> list[dict[str, Any]]:
-        """As :meth:`read_new`, each event as the JSON object it was written as (for readers
-        that still index events by name; every declared field has its declared type)."""
-        # The validated model's own fields: one parse per line (``exclude_unset`` keeps exactly
-        # what the line held, undeclared fields included).
-        return [ev.model_dump(exclude_unset=True) for ev in self.iter_new()]
-
     def iter_new_lines(self) -> Iterator[bytes]:
         """The complete lines appended since the last call (not yet decoded)."""
         with self._lock:
@@ -143,11 +135,11 @@ class EventReader:
             return None
 
 
-def read_event_dicts(run_root: Path) -> list[dict[str, Any]]:
-    """Every valid event of a run as the JSON object it was written as: for the readers that
-    still index events by name. Only lines that decode as typed events are returned, so every
-    declared field has its declared type."""
-    return EventReader(Path(run_root) / EVENTS_FILE).read_new_dicts()
+def read_events(run_root: Path) -> list[Event]:
+    """Every valid event of a run, typed: a torn, foreign or malformed line is dropped, and a
+    path that is not a regular file reads as no events. The whole log at once: a reader that
+    folds it streams it instead (:meth:`EventReader.iter_new`, ``RunHistory.read``)."""
+    return EventReader(Path(run_root) / EVENTS_FILE).read_new()
 
 
 def _short(raw: bytes, e: ValidationError) -> str:

@@ -20,9 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar, cast, get_args
+from typing import Literal, TypeVar, cast, get_args
 
-from trainer.event_read import read_event_dicts
 from trainer.event_types import Event, ValidationError, decode_json
 from trainer.fence import epoch_from_env
 
@@ -137,10 +136,3 @@ def _after_torn_line(fd: int) -> bytes:
     """A newline if the file does not end with one (its last line is torn), else nothing."""
     size = os.fstat(fd).st_size
     return b"\n" if size and os.pread(fd, 1, size - 1) != b"\n" else b""
-
-
-def read_events(run_root: Path) -> list[dict[str, Any]]:
-    """All valid events of a run as JSON objects (:func:`trainer.event_read.read_event_dicts`):
-    a torn, foreign or malformed line is dropped, and a path that is not a regular file reads
-    as no events."""
-    return read_event_dicts(run_root)

@@ -24,110 +24,112 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainer.event_types import (
+    Checkpoint,
+    Event,
+    Fault,
+    Phase,
+    Restart,
+    Resume,
+    StageAttempt,
+    Step,
+    TrainStart,
+    WorkerStart,
+)
 from trainer.faults import DAMAGE_KINDS
 
-RESTART_KINDS = ("restart", "worker_start", "stage_attempt")
+# What begins a new incarnation after a fault.
+RESTARTS = (Restart, WorkerStart, StageAttempt)
 
 
-def _after(events: list[dict[str, Any]], t: float, kinds: tuple[str, ...], **match: Any) -> Any:
-    return next(
-        (
-            e
-            for e in events
-            if e["t"] > t and e["kind"] in kinds and all(e.get(k) == v for k, v in match.items())
-        ),
-        None,
-    )
+def _after(events: list[Event], t: float, kinds: tuple[type, ...]) -> Any:
+    return next((e for e in events if e.t > t and isinstance(e, kinds)), None)
 
 
-def recovery_phases(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _loaded(e: Event) -> bool:
+    return isinstance(e, Resume) and e.action == "loaded"
+
+
+def recovery_phases(events: list[Event]) -> list[dict[str, Any]]:
     """One row per fault (damage excluded, ``faults.DAMAGE_KINDS``: noticed at the next resume)."""
-    events = sorted(events, key=lambda e: e["t"])
+    events = sorted(events, key=lambda e: e.t)
     rows = []
     for f in events:
-        if f["kind"] != "fault" or f.get("fault_kind") in DAMAGE_KINDS:
+        if not isinstance(f, Fault) or f.fault_kind in DAMAGE_KINDS:
             continue
-        t0 = f["t"]
-        begin = _after(events, t0, RESTART_KINDS)
+        t0 = f.t
+        begin = _after(events, t0, RESTARTS)
         row: dict[str, Any] = {
-            "fault": f.get("fault"),
-            "kind": f.get("fault_kind"),
-            "step": f.get("step"),
-            "layer": begin.get("layer") if begin and begin["kind"] == "restart" else None,
+            "fault": f.fault,
+            "kind": f.fault_kind,
+            "step": f.step,
+            "layer": begin.layer if isinstance(begin, Restart) else None,
         }
         # The first step after the fault that follows a load (or, with nothing to load, the new
         # incarnation's training start).
-        step = loaded = None
+        step = None
         if begin is not None:
-            first_load = _after(events, begin["t"], ("resume",), action="loaded")
-            anchor = first_load or _after(events, begin["t"], ("train_start",))
-            step = _after(events, anchor["t"], ("step",)) if anchor else None
+            first_load = next((e for e in events if e.t > begin.t and _loaded(e)), None)
+            anchor = first_load or _after(events, begin.t, (TrainStart,))
+            step = _after(events, anchor.t, (Step,)) if anchor else None
         if begin is None or step is None:
             row.update(recovered=False)
             rows.append(row)
             continue
         # The load that led to that step: a later one supersedes an earlier load that never got
         # a step done (survivors of a lost node restarting in place, say).
-        loads = [
-            e
-            for e in events
-            if t0 < e["t"] < step["t"] and e["kind"] == "resume" and e.get("action") == "loaded"
-        ]
+        loads = [e for e in events if t0 < e.t < step.t and _loaded(e)]
         loaded = loads[-1] if loads else None
-        if loaded is not None:
-            load_s = float(loaded.get("load_s") or 0.0)
-            load_end = loaded["t"]
+        if isinstance(loaded, Resume):
+            load_s = loaded.load_s or 0.0
+            load_end = loaded.t
         else:  # started over from step 1: nothing was committed before the fault
-            starts = [e for e in events if begin["t"] <= e["t"] < step["t"]]
-            load_end = next(
-                (e["t"] for e in reversed(starts) if e["kind"] == "train_start"), step["t"]
-            )
+            starts = [e for e in events if begin.t <= e.t < step.t]
+            load_end = next((e.t for e in reversed(starts) if isinstance(e, TrainStart)), step.t)
             load_s = 0.0
             row["from_scratch"] = True
         load_start = load_end - load_s
         row.update(
             recovered=True,
-            detect_s=round(begin["t"] - t0, 3),
-            restart_s=round(max(0.0, load_start - begin["t"]), 3),
+            detect_s=round(begin.t - t0, 3),
+            restart_s=round(max(0.0, load_start - begin.t), 3),
             load_s=round(load_s, 3),
-            first_step_s=round(step["t"] - load_end, 3),
-            total_s=round(step["t"] - t0, 3),
+            first_step_s=round(step.t - load_end, 3),
+            total_s=round(step.t - t0, 3),
         )
         row.update(_split(events, t0, begin, load_start))
         rows.append(row)
     return rows
 
 
-def _split(
-    events: list[dict[str, Any]], t0: float, begin: dict[str, Any], load_start: float
-) -> dict[str, float]:
+def _split(events: list[Event], t0: float, begin: Event, load_start: float) -> dict[str, float]:
     """The finer phases the trainer's events allow (see the module docstring)."""
     out: dict[str, float] = {}
-    born = begin.get("process_start_t") if begin["kind"] == "worker_start" else None
-    if isinstance(born, (int, float)) and t0 <= born <= begin["t"]:
+    born = begin.process_start_t if isinstance(begin, WorkerStart) else None
+    if born is not None and t0 <= born <= begin.t:
         out["respawn_s"] = round(born - t0, 3)
-        out["startup_s"] = round(begin["t"] - born, 3)
+        out["startup_s"] = round(begin.t - born, 3)
     for e in events:
-        if begin["t"] <= e["t"] <= load_start + 1e-6 and e["kind"] == "phase":
-            name = e.get("phase")
-            if name in ("process_group", "model_built") and isinstance(e.get("s"), (int, float)):
-                out[f"{name}_s"] = round(float(e["s"]), 3)
+        if not isinstance(e, Phase) or e.phase not in ("process_group", "model_built"):
+            continue
+        if begin.t <= e.t <= load_start + 1e-6:
+            out[f"{e.phase}_s"] = round(e.s, 3)
     return out
 
 
-def _is_restart(e: dict[str, Any], after_fault: bool) -> bool:
+def _is_restart(e: Event, after_fault: bool) -> bool:
     """Drawn as a restart: an in-process restart, a train attempt after the first, and a
     worker's start after a fault (the first one of that recovery); every rank's first start is
     not one."""
-    if e["kind"] == "restart":
+    if isinstance(e, Restart):
         return True
-    if e["kind"] == "stage_attempt":
-        return int(e.get("attempt") or 1) > 1
+    if isinstance(e, StageAttempt):
+        return e.attempt > 1
     return after_fault
 
 
 def plot_timeline(
-    events: list[dict[str, Any]],
+    events: list[Event],
     out: Path,
     *,
     title: str = "",
@@ -148,25 +150,25 @@ def plot_timeline(
     fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
     series = [(label, events)] + ([compare] if compare else [])
     for i, (label, evs) in enumerate(series):
-        evs = sorted(evs, key=lambda e: e["t"])
+        evs = sorted(evs, key=lambda e: e.t)
         if not evs:
             continue
-        t0 = evs[0]["t"]
+        t0 = evs[0].t
         if align_on_fault:
-            t0 = next((e["t"] for e in evs if e["kind"] == "fault"), t0)
-        steps = [(e["t"] - t0, e["step"]) for e in evs if e["kind"] == "step"]
+            t0 = next((e.t for e in evs if isinstance(e, Fault)), t0)
+        steps = [(e.t - t0, e.step) for e in evs if isinstance(e, Step)]
         color = ("tab:blue", "tab:gray")[i % 2]
         if steps:
             ax.plot(*zip(*steps, strict=True), ".", ms=2, color=color, label=f"{label}: steps")
         open_fault = False  # a respawn after a fault is a restart; a first start is not
         for e in evs:
-            x = e["t"] - t0
-            if e["kind"] == "fault":
+            x = e.t - t0
+            if isinstance(e, Fault):
                 open_fault = True
                 ax.axvline(x, color="tab:red", lw=1.2, ls="-" if i == 0 else ":")
                 if i == 0:
                     ax.annotate(
-                        str(e.get("fault_kind")),
+                        e.fault_kind,
                         (x, ax.get_ylim()[1] if steps else 0),
                         rotation=90,
                         va="top",
@@ -174,11 +176,11 @@ def plot_timeline(
                         fontsize=7,
                         color="tab:red",
                     )
-            elif e["kind"] in RESTART_KINDS and i == 0 and _is_restart(e, open_fault):
+            elif isinstance(e, RESTARTS) and i == 0 and _is_restart(e, open_fault):
                 ax.axvline(x, color="tab:orange", lw=0.8, ls="--")
                 open_fault = False
-            elif e["kind"] == "checkpoint" and i == 0:
-                ax.plot([x], [e["step"]], "|", color="tab:green", ms=8)
+            elif isinstance(e, Checkpoint) and i == 0:
+                ax.plot([x], [e.step], "|", color="tab:green", ms=8)
     # Legend proxies for the markers.
     ax.plot([], [], color="tab:red", label="fault")
     ax.plot([], [], color="tab:orange", ls="--", label="restart / new attempt")

@@ -46,6 +46,7 @@ class _LiveProgress:
 
     def _run(self) -> None:
         from trainer.event_read import EventReader
+        from trainer.event_types import Step
 
         path = self.run_root / "events.jsonl"
         tail = EventReader(path, from_start=False)
@@ -62,21 +63,21 @@ class _LiveProgress:
             ) as bar:
                 task = bar.add_task("training", total=self.target)
                 while not self.stop.wait(0.5):
-                    for e in tail.read_new_dicts():
-                        if e["kind"] == "step":
+                    for e in tail.read_new():
+                        if isinstance(e, Step):
                             bar.update(
                                 task,
-                                completed=e["step"],
-                                description=f"training loss {e['loss']:.3f} "
-                                f"{e.get('tokens_per_s', 0):,.0f} tok/s",
+                                completed=e.step,
+                                description=f"training loss {e.loss or 0.0:.3f} "
+                                f"{e.tokens_per_s or 0:,.0f} tok/s",
                             )
             return
         while not self.stop.wait(1.0):
-            for e in tail.read_new_dicts():
-                if e["kind"] == "step" and (e["step"] % 10 == 0 or e["step"] == self.target):
+            for e in tail.read_new():
+                if isinstance(e, Step) and (e.step % 10 == 0 or e.step == self.target):
                     print(
-                        f"step {e['step']}/{self.target} loss {e['loss']:.4f} "
-                        f"{e.get('tokens_per_s', 0):.0f} tok/s",
+                        f"step {e.step}/{self.target} loss {e.loss or 0.0:.4f} "
+                        f"{e.tokens_per_s or 0:.0f} tok/s",
                         file=out,
                         flush=True,
                     )

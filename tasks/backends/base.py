@@ -20,6 +20,7 @@ from tasks.classify import Observation, Outcome
 from tasks.storage.s3 import S3Settings
 from trainer.config import Device, InJobConfig, InProcessConfig, TrainConfig
 from trainer.elastic import NodeRange
+from trainer.event_types import Event
 
 
 class RunParams(Protocol):
@@ -144,7 +145,7 @@ class Job(Protocol):
     # any node may be lost): tasks.loss_policy sends such a loss to a stage retry.
     store_host: int | None
 
-    def observe(self, event: dict[str, Any]) -> None:
+    def observe(self, event: Event) -> None:
         """Every event of the attempt, as the watcher reads it (a backend may act on one: the
         local backend starts its hot spares once the world formed)."""
         ...

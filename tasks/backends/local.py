@@ -39,6 +39,7 @@ from tasks.ownership import processes
 from tasks.ownership.lease import RunLease, process_is
 from tasks.secrets import resolve_local, scrubbed
 from trainer.config import config_file, save_config
+from trainer.event_types import Event, TrainStart
 from trainer.fence import EPOCH_ENV
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
 from trainer.run_files import read_small
@@ -227,8 +228,8 @@ class LocalJob:
             exit_codes=codes, lost_nodes=set(self.lost), stopped_nodes=set(self.stopped)
         )
 
-    def observe(self, event: dict[str, Any]) -> None:
-        if self.deferred and event["kind"] == "train_start" and self.start is not None:
+    def observe(self, event: Event) -> None:
+        if self.deferred and isinstance(event, TrainStart) and self.start is not None:
             for node in self.deferred:
                 self.nodes[node] = self.start(node)
             self.deferred.clear()

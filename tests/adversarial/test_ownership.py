@@ -29,9 +29,8 @@ from tasks.ownership import processes, takeover
 from tasks.ownership.lease import LeaseRecord, Owner, RunBusy, RunLease
 from tasks.storage.local_s3 import EMBEDDED_ENDPOINT, ensure_local_s3, recorded_server
 from tasks.storage.s3 import S3Settings
-from tests.helpers import free_s3_port
+from tests.helpers import free_s3_port, read_events
 from tests.pipeline_helpers import make_params, nvrx_events
-from trainer.events import read_events
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -51,7 +51,7 @@ from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks
 from tasks.preflight.local import gather_s3
 from tasks.preflight.memory import node_memory_need_of
 from trainer.config import Device, InJobConfig, InProcessConfig, config_file, save_config
-from trainer.event_types import StaleJobsDeleted
+from trainer.event_types import Event, StaleJobsDeleted
 from trainer.events import EventLog
 
 # Failures whose Job is kept for forensics (when its pods have ended), and how long to wait
@@ -219,7 +219,7 @@ class EksJob:
     # The index-0 pod hosts the rendezvous store ($JOB-0.$SVC): it cannot be replaced in-job.
     store_host: int | None = 0
 
-    def observe(self, event: dict[str, Any]) -> None:
+    def observe(self, event: Event) -> None:
         return None
 
     def alive_nodes(self) -> frozenset[int]:
