@@ -32,11 +32,11 @@ from trainer.event_types import (
     Restart,
     Resume,
     StageAttempt,
-    StageAttemptEnd,
     Step,
 )
 from trainer.events import LAYERS
 from trainer.faults import KINDS as FAULT_KINDS
+from trainer.history import RunHistory
 from trainer.metrics import MetricsServer, TrainingSeries
 
 _log = logging.getLogger(__name__)
@@ -131,20 +131,24 @@ class RunMetrics:
             self.load_seconds.labels(run_id, source)
             self.load_bytes.labels(run_id, source)
         self._seen: set[str] = set()
-        self._step_s: dict[int, float] = {}  # each step's last execution (replays replace)
-        self._ended_wall_s = 0.0
-        self._open_attempt_t: float | None = None
+        self._last_step_t = 0.0
+        # The one fold (as the report's and the result's ETTR): bounded in steps.
+        self.history = RunHistory()
 
     def observe(self, e: Event) -> None:
         if isinstance(e, Step):
-            # Gauges and a per-step dict only: seeing a step again changes nothing.
+            # Only rank 0 writes steps, in order: one seen before (the file read again) is not
+            # folded again.
             self.series.observe(e)
-            self._step_s[e.step] = e.step_s
+            if e.t > self._last_step_t:
+                self._last_step_t = e.t
+                self.history.observe(e)
             return
         key = e.model_dump_json()
         if key in self._seen:
             return
         self._seen.add(key)
+        self.history.observe(e)
         self.series.observe(e)
         layer = restart_layer(e)
         if layer is not None:
@@ -165,18 +169,11 @@ class RunMetrics:
                 self.last_committed.set(e.step)
             case StageAttempt(stage="train"):
                 self.attempts.inc()
-                self._open_attempt_t = e.t
-            case StageAttemptEnd(stage="train"):
-                self._ended_wall_s += e.wall_s
-                self._open_attempt_t = None
 
     def ettr(self) -> float | None:
-        """As the fold's ``RunHistory.ettr`` once the attempts ended; while one runs, its
-        wall time so far counts."""
-        wall = self._ended_wall_s
-        if self._open_attempt_t is not None:
-            wall += max(0.0, self.clock() - self._open_attempt_t)
-        return round(sum(self._step_s.values()) / wall, 4) if wall > 0 else None
+        """The fold's ``RunHistory.ettr``; while a train attempt runs, its wall time so far
+        counts."""
+        return self.history.ettr(now=self.clock())
 
 
 class DroppedLines(Collector):

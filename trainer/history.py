@@ -374,9 +374,13 @@ class RunHistory:
         """Seconds of the steps that count: each step's last execution."""
         return self._final_s + sum(self._window.values())
 
-    def ettr(self) -> float | None:
-        """Effective training time ratio: productive step time / train-stage wall time."""
+    def ettr(self, *, now: float | None = None) -> float | None:
+        """Effective training time ratio: productive step time / train-stage wall time. With
+        ``now`` (unix time), a train attempt still running counts its wall time so far (the
+        live metrics' view)."""
         wall = self.train_wall_s()
+        if now is not None and self._attempt_t is not None:
+            wall += max(0.0, now - self._attempt_t)
         return round(self.productive_s() / wall, 4) if wall > 0 else None
 
     def progress(self) -> int:
