@@ -98,12 +98,12 @@ def run(
 
 
 def recovery(events: list[Event]) -> dict[str, Any] | None:
-    records = [r for r in RunHistory.of(events).fault_records() if r["recovered_by"] != "none"]
+    records = [r for r in RunHistory.of(events).fault_records() if r.recovered_by != "none"]
     if not records:
         return None
     r = records[0]
     keys = ("resume_source", "resume_step", "replayed_steps", "load_s", "load_bytes", "recovery_s")
-    return {k: r[k] for k in keys} | {"params_sha256": params_digest(events)}
+    return {k: getattr(r, k) for k in keys} | {"params_sha256": params_digest(events)}
 
 
 def params_digest(events: list[Event]) -> str | None:

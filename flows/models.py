@@ -15,9 +15,8 @@ from tasks.backends.eks.params import EksParams
 from tasks.backends.registry import BackendType, backend_type
 from tasks.deployment_policy import check_run
 from tasks.secrets import check_declared
-from trainer.events import RecoveryLayer
 from trainer.faults import FaultSpec, FaultSpecError, parse_faults
-from trainer.history import TimeBreakdown
+from trainer.history import FaultRecord, TimeBreakdown, WorldChangeRecord
 
 if TYPE_CHECKING:
     from trainer.elastic import NodeRange
@@ -527,37 +526,6 @@ class ExportInfo(BaseModel):
     verified: bool = False
 
 
-class FaultRecord(BaseModel):
-    kind: str
-    step: int | None = None
-    rank: int | None = None
-    node: int | None = None
-    recovered_by: RecoveryLayer | Literal["none"] = "none"
-    recovery_s: float | None = None
-    # A node loss: the path chosen at the loss (elastic, spare, node-wait, stage-retry) and why.
-    path: Literal["elastic", "spare", "node-wait", "stage-retry"] | None = None
-    detail: str | None = None
-    # The step training went back to after it, and the completed steps that ran again.
-    resume_step: int | None = None
-    replayed_steps: int | None = None
-    # Where that step was loaded from (the tier: "durable" today; None: nothing was committed,
-    # training started over), how many bytes were read and how long the load took.
-    resume_source: str | None = None
-    load_bytes: int | None = None
-    load_s: float | None = None
-
-
-class WorldChange(BaseModel):
-    """An elastic job re-formed on another number of ranks: shrank after a loss, or grew when
-    a node returned."""
-
-    step: int | None = None  # the first step trained on the new world
-    from_world: int
-    to_world: int
-    nodes: list[int] = Field(default_factory=list)
-    cause: Literal["shrink", "grow"]
-
-
 class TakeoverInfo(BaseModel):
     """This invocation took the run over from an owner that died (arch §6)."""
 
@@ -577,7 +545,7 @@ class PipelineResult(BaseModel):
     checkpoint: CheckpointInfo = Field(default_factory=CheckpointInfo)
     export: ExportInfo = Field(default_factory=ExportInfo)
     faults: list[FaultRecord] = Field(default_factory=list)
-    world_changes: list[WorldChange] = Field(default_factory=list)
+    world_changes: list[WorldChangeRecord] = Field(default_factory=list)
     # The newest in-job timeouts rank 0 applied (trainer.timeouts): each value with why.
     timeouts: dict[str, str] = Field(default_factory=dict)
     # How often the newest incarnation's memory saves ran, and why (memory_interval auto).

@@ -25,11 +25,9 @@ from flows.events import emit
 from flows.models import (
     CheckpointInfo,
     ExportInfo,
-    FaultRecord,
     PipelineParams,
     PipelineResult,
     TakeoverInfo,
-    WorldChange,
 )
 from flows.plan import RunPlan
 from flows.report import REPORT_FILE, png_data_uri, render_report
@@ -73,13 +71,6 @@ def build_result(
 ) -> PipelineResult:
     # This invocation only: a resumed run id has events from earlier pipeline runs too.
     history = RunHistory.read(ctx.run_root, since=since)
-    faults = [
-        FaultRecord(**{k: v for k, v in f.items() if k != "t"}) for f in history.fault_records()
-    ]
-    changes = [
-        WorldChange(**{k: v for k, v in c.items() if k != "t"})
-        for c in history.world_change_records()
-    ]
     took = history.takeover
     return PipelineResult(
         status=status,  # type: ignore[arg-type]
@@ -101,8 +92,8 @@ def build_result(
         else ExportInfo(
             uri=export.uri, objects=export.objects, bytes=export.bytes, verified=export.verified
         ),
-        faults=faults,
-        world_changes=changes,
+        faults=history.fault_records(),
+        world_changes=history.world_change_records(),
         timeouts=dict(history.timeouts.detail) if history.timeouts is not None else {},
         memory_interval=history.memory_interval.detail if history.memory_interval else None,
         stage_attempts=attempts,

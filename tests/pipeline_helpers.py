@@ -258,7 +258,7 @@ def assert_report_and_status(result: PipelineResult, params: Any, state: Path, c
     assert text.index("completed") < text.index("## Stage timeline") < text.index("## Faults")
     assert f"**{ettr:.3f}**" in text
     for f in history.fault_records():
-        assert f"| {f['kind']} | {f['step']} |" in text and f"| {f['recovered_by']} |" in text
+        assert f"| {f.kind} | {f.step} |" in text and f"| {f.recovered_by} |" in text
     # The train stage's wall time in parts that add up to it (issue 27), every figure defined
     # in the README; each recovered fault says where training went back to.
     t = result.train_time

@@ -132,7 +132,7 @@ def test_drill_recovers_bitwise(drill: Drill, baseline: RunOutcome, dataset: Pat
     assert 5 <= loaded[0]["step"] < steps[0] and 5 <= loaded[-1]["step"] < steps[-1], loaded
     # Each recovery's tier (see DRILLS), and fewer replayed steps than the durable tier alone:
     # newer than anything committed before its fault.
-    records = {r["fault"]: r for r in RunHistory.of(out.events).fault_records()}
+    records = {r.fault: r for r in RunHistory.of(out.typed).fault_records()}
     sources = {
         "exception@step=11,rank=1": ("memory", (10,)),
         "stall@step=12,rank=1": ("node", (11,)),
@@ -140,14 +140,14 @@ def test_drill_recovers_bitwise(drill: Drill, baseline: RunOutcome, dataset: Pat
     }
     for fault, (tier, steps_ok) in sources.items():
         rec = records[fault]
-        assert rec["resume_source"] == tier and rec["resume_step"] in steps_ok, rec
-        assert rec["load_bytes"] > 0, rec
+        assert rec.resume_source == tier and rec.resume_step in steps_ok, rec
+        assert rec.load_bytes > 0, rec
         fault_t = next(f["t"] for f in faults if f["fault"] == fault)
         committed = [e["step"] for e in out.of_kind("checkpoint") if e["t"] < fault_t]
-        assert rec["resume_step"] > max(committed, default=0), (rec, committed)
+        assert rec.resume_step > max(committed, default=0), (rec, committed)
     # The damaged node copy was found out by its digest, said, and the durable tier read.
     damaged = records["sigkill@step=19,rank=1"]
-    assert damaged["resume_source"] == "durable" and damaged["resume_step"] <= 15, damaged
+    assert damaged.resume_source == "durable" and damaged.resume_step <= 15, damaged
     skipped = [e for e in out.of_kind("resume") if e["action"] == "skipped"]
     assert any(
         e["source"] == "node"

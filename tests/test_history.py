@@ -63,11 +63,11 @@ HISTORY = [
 def test_the_fold_reports_a_recorded_run():
     h = RunHistory.of(HISTORY)
     faults = h.fault_records()
-    assert [(f["kind"], f["recovered_by"], f["recovery_s"]) for f in faults] == [
+    assert [(f.kind, f.recovered_by, f.recovery_s) for f in faults] == [
         ("exception", "inprocess", 1.6),
         ("node-loss", "stage-retry", 3.6),
     ]
-    assert faults[1]["path"] == "stage-retry" and faults[1]["node"] == 1
+    assert faults[1].path == "stage-retry" and faults[1].node == 1
     assert h.stage_attempts() == 2 and h.train_wall_s() == 18.0
     # Each step's last execution: steps 1-8 at 1 s (the replays of 5 and 6 at 2 s were lost
     # to the node loss and run again at 1 s).
@@ -85,7 +85,7 @@ def test_the_fold_reports_a_recorded_run():
 
 def test_since_keeps_one_invocations_share():
     h = RunHistory.of(HISTORY, since=12)
-    assert h.stage_attempts() == 1 and [f["kind"] for f in h.fault_records()] == []
+    assert h.stage_attempts() == 1 and [f.kind for f in h.fault_records()] == []
     assert h.train_wall_s() == 8.0
 
 
@@ -160,19 +160,17 @@ def test_where_the_train_stages_time_went():
     assert sum(v for k, v in parts.items() if k != "wall_s") == parts["wall_s"]
     # Each fault: the step training went back to, and the completed steps that ran again.
     got = [
-        (f["fault"], f["resume_step"], f["replayed_steps"])
-        for f in RunHistory.of(HISTORY).fault_records()
+        (f.fault, f.resume_step, f.replayed_steps) for f in RunHistory.of(HISTORY).fault_records()
     ]
     assert got == [("exception@step=5,rank=1", 4, 1), ("node-loss@step=6,node=1", 4, 2)]
     # ... and what the load read: its tier, bytes and seconds (a load written before loads
     # named their tier was the durable one; none since the fault: started over).
     read = [
-        (f["resume_source"], f["load_bytes"], f["load_s"])
-        for f in RunHistory.of(HISTORY).fault_records()
+        (f.resume_source, f.load_bytes, f.load_s) for f in RunHistory.of(HISTORY).fault_records()
     ]
     assert read == [("durable", None, None), ("durable", 2_200_000, 0.4)]
     fresh_start = [e for e in HISTORY if not (e["kind"] == "resume" and e["t"] == 8.1)]
-    assert RunHistory.of(fresh_start).fault_records()[0]["resume_source"] is None
+    assert RunHistory.of(fresh_start).fault_records()[0].resume_source is None
 
 
 def test_time_breakdown_blocking_gaps_and_a_start_that_never_trained():
@@ -236,7 +234,7 @@ def test_a_second_fault_recorded_before_the_firsts_recovery_keeps_their_loads_ap
            step=11, recovery_s=2.6),
     ]  # fmt: skip
     got = [
-        (f["fault"].split("@")[0], f["resume_source"], f["load_bytes"])
+        (f.fault.split("@")[0], f.resume_source, f.load_bytes)
         for f in RunHistory.of(history).fault_records()
     ]
     assert got == [("exception", "memory", 100), ("stall", "durable", 900)]

@@ -79,7 +79,7 @@ def test_recoveries_close_the_open_faults_once(tmp_path: Path):
     emit_recoveries(log, "inprocess", 5, began=time.time())  # nothing open any more
     h = RunHistory.read(tmp_path)
     ((fault),) = h.fault_records()
-    assert fault["recovered_by"] == "inprocess" and fault["step"] == 3
+    assert fault.recovered_by == "inprocess" and fault.step == 3
     assert not h.restarts  # emit_recoveries records recoveries, never restarts
     assert [p.name for p in (tmp_path / run_state.FAULTS).iterdir()] == ["zz-forged.json"]
 
@@ -97,13 +97,13 @@ def test_a_fault_fired_after_the_incarnation_began_stays_open(tmp_path: Path):
     run_state.open_fault(tmp_path, f2)
     emit_recoveries(log, "inprocess", 11, began=began)
     h = RunHistory.read(tmp_path)
-    assert [f["recovered_by"] for f in h.fault_records()] == ["inprocess", "none"]
+    assert [f.recovered_by for f in h.fault_records()] == ["inprocess", "none"]
     second = time.time()
     log.emit(Resume(action="loaded", step=10, source="memory", bytes=8))
     emit_recoveries(log, "inprocess", 11, began=second)
-    records = {f["fault"]: f for f in RunHistory.read(tmp_path).fault_records()}
+    records = {f.fault: f for f in RunHistory.read(tmp_path).fault_records()}
     stall = records["stall@step=12,rank=1"]
-    assert (stall["recovered_by"], stall["resume_source"]) == ("inprocess", "memory"), stall
+    assert (stall.recovered_by, stall.resume_source) == ("inprocess", "memory"), stall
     assert list((tmp_path / run_state.FAULTS).iterdir()) == []
 
 
@@ -116,4 +116,4 @@ def test_a_fault_from_before_the_retry_is_the_stage_retrys(tmp_path: Path):
     run_state.record_retry(tmp_path, 2)
     emit_recoveries(log, "injob", 5, began=time.time())
     (fault,) = RunHistory.read(tmp_path).fault_records()
-    assert fault["recovered_by"] == "stage-retry"
+    assert fault.recovered_by == "stage-retry"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from trainer.event_read import EVENTS_FILE, EventReader
 from trainer.event_types import (
@@ -88,6 +88,49 @@ class TimeBreakdown(BaseModel):
     recovery: float
     end: float
     other: float
+
+
+class FaultRecord(BaseModel):
+    """A fault as the fold saw it: the layer that recovered it and how (the result's
+    ``faults``, the report's and ``status``'s rows)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    fault: str | None = None  # its spec (``exception@step=3,rank=1``)
+    kind: str
+    step: int | None = None
+    rank: int | None = None
+    node: int | None = None
+    recovered_by: str = "none"  # a RecoveryLayer, or none: no recovered event closed it
+    recovery_s: float | None = None
+    # A node loss: the path chosen at the loss (elastic, spare, node-wait, stage-retry: see
+    # tasks.loss_policy) and why; recovered_by is the layer that did recover it.
+    path: str | None = None
+    detail: str | None = None
+    # The step training went back to after it, and the completed steps that ran again (None:
+    # no restart followed it).
+    resume_step: int | None = None
+    replayed_steps: int | None = None
+    # Where that step was loaded from (a tier: memory, node, peer or durable; None: nothing
+    # was committed, training started over), the bytes read and the seconds the load took.
+    resume_source: str | None = None
+    load_bytes: int | None = None
+    load_s: float | None = None
+    t: float | None = Field(None, exclude=True)  # when it was recorded (not in the result)
+
+
+class WorldChangeRecord(BaseModel):
+    """An elastic job re-formed on another number of ranks: shrank after a loss, or grew when
+    a node returned."""
+
+    model_config = ConfigDict(frozen=True)
+
+    step: int | None = None  # the first step trained on the new world
+    from_world: int
+    to_world: int
+    nodes: list[int] = Field(default_factory=list)
+    cause: str  # shrink or grow
+    t: float | None = Field(None, exclude=True)
 
 
 class RunHistory:
@@ -316,7 +359,7 @@ class RunHistory:
 
     # -- views ----------------------------------------------------------------------------
 
-    def fault_records(self) -> list[dict[str, Any]]:
+    def fault_records(self) -> list[FaultRecord]:
         """Every fault with the layer that recovered it and how long it took (``none`` if no
         ``recovered`` event closed it)."""
         out = []
@@ -324,43 +367,37 @@ class RunHistory:
             r = self._recovered.get((f.fault, f.step))
             resume_step, replayed, loaded = self._resumed.get((f.fault, f.step), (None, None, None))
             out.append(
-                {
-                    "fault": f.fault,
-                    "kind": f.fault_kind,
-                    "step": f.step,
-                    "rank": f.rank,
-                    "node": f.node,
-                    "recovered_by": r.layer if r else "none",
-                    "recovery_s": r.recovery_s if r else None,
-                    # A node loss: the path the watcher chose at the loss (tasks.loss_policy)
-                    # and why; recovered_by is the layer that did recover it.
-                    "path": f.path,
-                    "detail": f.detail,
-                    # Where training went back to after it, and the completed steps that ran
-                    # again (None: no restart followed it).
-                    "resume_step": resume_step,
-                    "replayed_steps": replayed,
-                    # What it was loaded from (a tier; None: nothing loaded, started over), the
-                    # bytes read and the seconds the load took.
-                    "resume_source": (loaded.source or "durable") if loaded else None,
-                    "load_bytes": loaded.bytes if loaded else None,
-                    "load_s": loaded.load_s if loaded else None,
-                    "t": f.t,
-                }
+                FaultRecord(
+                    fault=f.fault,
+                    kind=f.fault_kind,
+                    step=f.step,
+                    rank=f.rank,
+                    node=f.node,
+                    recovered_by=r.layer if r else "none",
+                    recovery_s=r.recovery_s if r else None,
+                    path=f.path,
+                    detail=f.detail,
+                    resume_step=resume_step,
+                    replayed_steps=replayed,
+                    resume_source=(loaded.source or "durable") if loaded else None,
+                    load_bytes=loaded.bytes if loaded else None,
+                    load_s=loaded.load_s if loaded else None,
+                    t=f.t,
+                )
             )
         return out
 
-    def world_change_records(self) -> list[dict[str, Any]]:
+    def world_change_records(self) -> list[WorldChangeRecord]:
         """Every time an elastic job re-formed on another number of ranks (trainer.elastic)."""
         return [
-            {
-                "step": c.step,
-                "from_world": c.from_world,
-                "to_world": c.to_world,
-                "nodes": list(c.nodes),
-                "cause": c.cause,
-                "t": c.t,
-            }
+            WorldChangeRecord(
+                step=c.step,
+                from_world=c.from_world,
+                to_world=c.to_world,
+                nodes=list(c.nodes),
+                cause=c.cause,
+                t=c.t,
+            )
             for c in self.world_changes
         ]
 
@@ -398,8 +435,8 @@ class RunHistory:
             "final_step": self.max_step,
             "steps_run": self.steps_run,
             "final_loss": self.last_step.loss if self.last_step else None,
-            "faults": self.fault_records(),
-            "world_changes": self.world_change_records(),
+            "faults": [f.model_dump() for f in self.fault_records()],
+            "world_changes": [c.model_dump() for c in self.world_change_records()],
             "timeouts": self.timeouts.detail if self.timeouts is not None else None,
             "restarts": [{"layer": r.layer, "t": r.t} for r in self.restarts],
             "checkpoints": n,
@@ -434,7 +471,7 @@ class RunHistory:
                 for a in self.attempts
                 if a.stage == "train"
             ],
-            "faults": self.fault_records(),
+            "faults": [f.model_dump() for f in self.fault_records()],
             "checkpoints": self.checkpoints,
             "latest_checkpoint_step": self.last_checkpoint.step if self.last_checkpoint else None,
             "ckpt_blocking_s_max": self.blocking_max,
