@@ -23,15 +23,18 @@ from flows import parameters
 from flows.context import RunContext
 from flows.events import emit
 from flows.models import (
-    CheckpointInfo,
-    ExportInfo,
     PipelineParams,
     PipelineResult,
-    TakeoverInfo,
 )
 from flows.plan import RunPlan
 from flows.report import REPORT_FILE, png_data_uri, render_report
-from flows.results import ExportResult, TrainResult, ValidationResult
+from flows.results import (
+    ExportResult,
+    TrainResult,
+    ValidationResult,
+    build_result,
+    read_the_log,
+)
 from flows.stages import (
     export_flow,
     hydrate_flow,
@@ -45,72 +48,13 @@ from tasks import retry_policy
 from tasks.backends import registry
 from tasks.ownership import lease, takeover
 from tasks.storage.local_s3 import local_s3
-from trainer.event_read import read_events
-from trainer.event_types import Cleanup, Step, Takeover
+from trainer.event_types import Cleanup, Event, Step, Takeover
 from trainer.events import EventLog
 from trainer.history import RunHistory
 from trainer.run_files import write_text_atomic
 from trainer.timeline import plot_timeline
 
 T = TypeVar("T")
-
-
-def build_result(
-    params: PipelineParams,
-    ctx: RunContext,
-    *,
-    status: str,
-    train: TrainResult | None,
-    validation: ValidationResult | None,
-    export: ExportResult | None,
-    durations: dict[str, float],
-    attempts: dict[str, int],
-    wall_s: float,
-    since: float,
-    error: str | None = None,
-) -> PipelineResult:
-    # This invocation only: a resumed run id has events from earlier pipeline runs too.
-    history = RunHistory.read(ctx.run_root, since=since)
-    took = history.takeover
-    return PipelineResult(
-        status=status,  # type: ignore[arg-type]
-        run_id=ctx.run_id,
-        target_steps=params.steps,
-        final_step=train.final_step if train else history.progress(),
-        final_loss=train.final_loss if train else None,
-        params_sha256=train.params_sha256 if train else None,
-        checkpoint=CheckpointInfo()
-        if validation is None
-        else CheckpointInfo(
-            step=validation.step,
-            uri=validation.path,
-            validated=validation.validated,
-            fell_back_from=[r.step for r in validation.fell_back_from if r.step is not None],
-        ),
-        export=ExportInfo()
-        if export is None
-        else ExportInfo(
-            uri=export.uri, objects=export.objects, bytes=export.bytes, verified=export.verified
-        ),
-        faults=history.fault_records(),
-        world_changes=history.world_change_records(),
-        timeouts=dict(history.timeouts.detail) if history.timeouts is not None else {},
-        memory_interval=history.memory_interval.detail if history.memory_interval else None,
-        stage_attempts=attempts,
-        stage_durations_s={k: round(v, 3) for k, v in durations.items()},
-        ettr=history.ettr(),
-        train_time=history.time_breakdown(),
-        wall_s=round(wall_s, 3),
-        error=error,
-        takeover=None
-        if took is None
-        else TakeoverInfo(
-            previous_owner=took.previous,
-            action=took.action,
-            reason=took.reason,
-            steps_lost=took.steps_lost,
-        ),
-    )
 
 
 def run_id_of_flow_run(flow_run_id: UUID | str) -> str:
@@ -276,7 +220,8 @@ def _run(plan: RunPlan, held: lease.RunLease, since: float) -> PipelineResult:
         raise
     except BaseException as e:
         cancelled = _is_cancellation(e)
-        step = RunHistory.read(ctx.run_root, since=since).progress()
+        history, events = read_the_log(ctx, since)
+        step = history.progress()
         cause = f"{type(e).__name__}: {e}"
         emit(
             "run.cancelled" if cancelled else "run.failed",
@@ -304,11 +249,12 @@ def _run(plan: RunPlan, held: lease.RunLease, since: float) -> PipelineResult:
             durations=durations,
             attempts=attempts,
             wall_s=time.monotonic() - t0,
-            since=since,
+            history=history,
             error=f"{type(e).__name__}: {e}",
         )
-        _publish(ctx, result, since, held)
+        _publish(ctx, result, events, held)
         raise
+    history, events = read_the_log(ctx, since)
     result = build_result(
         params,
         ctx,
@@ -319,9 +265,9 @@ def _run(plan: RunPlan, held: lease.RunLease, since: float) -> PipelineResult:
         durations=durations,
         attempts=attempts,
         wall_s=time.monotonic() - t0,
-        since=since,
+        history=history,
     )
-    _publish(ctx, result, since, held)
+    _publish(ctx, result, events, held)
     emit(
         "run.completed",
         ctx.run_id,
@@ -368,7 +314,9 @@ def _is_cancellation(e: BaseException) -> bool:
     return isinstance(e, KeyboardInterrupt | TerminationSignal | asyncio.CancelledError)
 
 
-def _publish(ctx: RunContext, result: PipelineResult, since: float, held: lease.RunLease) -> None:
+def _publish(
+    ctx: RunContext, result: PipelineResult, events: list[Event], held: lease.RunLease
+) -> None:
     held.check("write pipeline_result.json")
     ctx.run_root.mkdir(parents=True, exist_ok=True)
     write_text_atomic(
@@ -390,7 +338,6 @@ def _publish(ctx: RunContext, result: PipelineResult, since: float, held: lease.
     except Exception as e:  # a report must never mask the run's own outcome
         get_run_logger().warning("could not publish the run report: %s", e)
     try:
-        events = [e for e in read_events(ctx.run_root) if e.t >= since]
         if any(isinstance(e, Step) for e in events):
             png = plot_timeline(
                 events,
