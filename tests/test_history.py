@@ -7,15 +7,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainer.event_types import Event, decode_obj
 from trainer.events import EventLog
 from trainer.history import RunHistory
 
 
-def ev(t: float, kind: str, **fields: Any) -> dict[str, Any]:
-    return {"t": t, "kind": kind, **fields}
+def ev(t: float, kind: str, **fields: Any) -> Event:
+    return decode_obj({"t": t, "kind": kind, **fields})
 
 
-def step(t: float, n: int, s: float = 1.0, **fields: Any) -> dict[str, Any]:
+def step(t: float, n: int, s: float = 1.0, **fields: Any) -> Event:
     return ev(t, "step", step=n, loss=1.0 / n, step_s=s, **fields)
 
 
@@ -106,23 +107,17 @@ def test_the_live_state_does_not_grow_with_steps():
             ev(0, "stage_attempt", stage="train", attempt=1),
             ev(0.5, "train_start", world_size=2, nodes=[0, 1], job_id="j"),
         ]:
-            h.observe(_typed(e))
+            h.observe(e)
         for n in range(1, steps + 1):
-            h.observe(_typed(step(n, n, 0.5)))
+            h.observe(step(n, n, 0.5))
             if n % 10 == 0:  # a commit every 10 steps, keeping the newest 2
-                h.observe(_typed(ev(n + 0.1, "checkpoint", step=n, blocking_s=0.1,
-                                    pruned=[n - 20] if n > 20 else [])))  # fmt: skip
+                h.observe(ev(n + 0.1, "checkpoint", step=n, blocking_s=0.1,
+                             pruned=[n - 20] if n > 20 else []))  # fmt: skip
         return h
 
     small, large = fold(1_000), fold(100_000)
     assert large.productive_s() == 0.5 * 100_000
     assert _state_size(large) == _state_size(small)
-
-
-def _typed(e: dict[str, Any]):
-    from trainer.event_types import decode_obj
-
-    return decode_obj(e)
 
 
 def _state_size(h: RunHistory) -> int:
@@ -133,7 +128,7 @@ def _state_size(h: RunHistory) -> int:
 def test_read_streams_the_file(tmp_path: Path):
     log = EventLog(tmp_path)
     for e in HISTORY:
-        log.emit(_typed(e))
+        log.emit(e)
     with open(log.path, "a") as f:
         f.write('1\nnull\n{"t": 1, "kind": "step", "step": "9"}\n')
     h = RunHistory.read(tmp_path)
@@ -169,7 +164,7 @@ def test_where_the_train_stages_time_went():
         (f.resume_source, f.load_bytes, f.load_s) for f in RunHistory.of(HISTORY).fault_records()
     ]
     assert read == [("durable", None, None), ("durable", 2_200_000, 0.4)]
-    fresh_start = [e for e in HISTORY if not (e["kind"] == "resume" and e["t"] == 8.1)]
+    fresh_start = [e for e in HISTORY if not (e.kind == "resume" and e.t == 8.1)]
     assert RunHistory.of(fresh_start).fault_records()[0].resume_source is None
 
 

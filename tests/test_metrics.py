@@ -135,7 +135,7 @@ def test_run_metrics_map_a_recorded_history_and_count_each_event_once() -> None:
     # A counter for rate(): each step's tokens once, however often the file is read.
     assert sample(s, "nvrx_train_tokens_total", run_id="r1") == 450 + 475 + 495
     # ETTR: the run report's number (a replayed step counts its last run), 2.0 s / 20 s.
-    assert m.ettr() == RunHistory.of(HISTORY).ettr() == 0.1
+    assert m.ettr() == RunHistory.of(decode_obj(e) for e in HISTORY).ettr() == 0.1
     assert sample(s, "nvrx_ettr_ratio", run_id="r1") == 0.1
 
 

@@ -39,9 +39,7 @@ from trainer.event_types import (
     Takeover,
     TimeoutsSet,
     TrainEnd,
-    ValidationError,
     WorldChange,
-    decode_obj,
 )
 
 # Committed checkpoints remembered for the productive-time window. A run keeps a few
@@ -199,15 +197,10 @@ class RunHistory:
         return h
 
     @classmethod
-    def of(cls, events: Iterable[Event | dict[str, Any]], *, since: float = 0.0) -> RunHistory:
-        """The fold of recorded events: typed, or JSON objects (decoded; invalid ones dropped)."""
+    def of(cls, events: Iterable[Event], *, since: float = 0.0) -> RunHistory:
+        """The fold of events already read (:func:`trainer.event_read.read_events`)."""
         h = cls(since=since)
         for e in events:
-            if isinstance(e, dict):
-                try:
-                    e = decode_obj(e)
-                except ValidationError:
-                    continue
             h.observe(e)
         return h
 
