@@ -16,7 +16,7 @@ from tasks.backends.registry import BackendType, backend_type
 from tasks.deployment_policy import check_run
 from tasks.secrets import check_declared
 from trainer.faults import FaultSpec, FaultSpecError, parse_faults
-from trainer.history import FaultRecord, TimeBreakdown, WorldChangeRecord
+from trainer.records import FaultRecord, TimeBreakdown, WorldChangeRecord
 
 if TYPE_CHECKING:
     from trainer.elastic import NodeRange
@@ -553,7 +553,7 @@ class PipelineResult(BaseModel):
     stage_attempts: dict[str, int] = Field(default_factory=dict)
     stage_durations_s: dict[str, float] = Field(default_factory=dict)
     ettr: float | None = None
-    # Where the train attempts' wall time went (trainer.history.TimeBreakdown says how).
+    # Where the train attempts' wall time went (trainer.records.TimeBreakdown says how).
     train_time: TimeBreakdown | None = None
     wall_s: float = 0.0
     error: str | None = None

@@ -6,7 +6,7 @@ import base64
 from pathlib import Path
 
 from flows.models import FaultRecord, PipelineResult
-from trainer.history import TimeBreakdown
+from trainer.records import TimeBreakdown
 
 _STAGES = ("preflight", "hydrate", "train", "validate", "export")
 REPORT_FILE = "report.md"  # saved in the run root beside pipeline_result.json and timeline.png
@@ -17,7 +17,7 @@ ETTR_DEFINITION = (
     "execution) over the train attempts' wall time"
 )
 
-# The parts of the train stage's wall time (trainer.history.TimeBreakdown), in the order
+# The parts of the train stage's wall time (trainer.records.TimeBreakdown), in the order
 # printed, each with the label the report and `status` print (the README's glossary defines
 # every label).
 TIME_PARTS: tuple[tuple[str, str], ...] = (

@@ -171,7 +171,7 @@ def run_attempt(
         clear_node_lost(run_root)
         clear_other_epochs(run_root, epoch)
         run_state.record_retry(run_root, request.attempt)
-        _attempt_event(events, backend, request, request.attempt)
+        events.emit(_attempt(backend, request, request.attempt, adopted=False))
         job = backend.launch(request)
     else:
         # Adopted: the attempt runs under the epoch its (dead) watcher published, the highest
@@ -183,7 +183,7 @@ def run_attempt(
             "the event log", lambda: _fatal_since_last_attempt_start(run_root, epoch),
             END_READ_TIMEOUT_S, None,
         )  # fmt: skip
-        _attempt_event(events, backend, request, job.attempt, adopted=True)
+        events.emit(_attempt(backend, request, job.attempt, adopted=True))
     # An elastic job's survivors below its minimum wait in the rendezvous for a node to return,
     # as long as their own join timeout lets them (tasks.loss_policy NODE_WAIT); a fixed-size
     # job's lost node nothing replaces in-job (nor one whose backend cannot re-form it).
@@ -264,8 +264,6 @@ def run_attempt(
                 fault=f"node-loss@step={step}" if step is not None else "node-loss",
                 fault_kind="node-loss",
                 step=step,
-                node=None,
-                rank=None,
                 nodes=outcome.details.get("lost_nodes", []),
                 detail=outcome.message,
             )
@@ -447,7 +445,6 @@ class _Watch:
                 fault_kind="node-loss",
                 step=step,
                 node=node,
-                rank=None,
                 path=decision.path.value,
                 detail=f"{why}; {decision.reason}" if why else decision.reason,
             )
@@ -465,7 +462,6 @@ class _Watch:
                     fault=fault,
                     fault_kind="node-loss",
                     fault_step=step,
-                    rank=None,
                     step=step or 0,  # no step read yet: before the first
                     recovery_s=0.0,
                 )
@@ -489,21 +485,12 @@ def _silence(cfg: TrainConfig, *, adopted: bool) -> dict[str, Any]:
     return {"silence_rule": rule}
 
 
-def _attempt_event(
-    events: EventLog,
-    backend: Backend,
-    request: LaunchRequest,
-    attempt: int,
-    *,
-    adopted: bool = False,
-) -> None:
-    events.emit(
-        StageAttempt(
-            stage="train",
-            attempt=attempt,
-            nodes=request.nodes,
-            nproc_per_node=request.nproc_per_node,
-            backend=backend.name,
-            adopted=adopted,
-        )
+def _attempt(backend: Backend, request: LaunchRequest, n: int, adopted: bool) -> StageAttempt:
+    return StageAttempt(
+        stage="train",
+        attempt=n,
+        nodes=request.nodes,
+        nproc_per_node=request.nproc_per_node,
+        backend=backend.name,
+        adopted=adopted,
     )

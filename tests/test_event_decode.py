@@ -141,6 +141,7 @@ def test_a_symlinked_events_file_is_not_followed(tmp_path: Path):
     assert reader.read_new() == [] and reader.dropped.by_reason["unreadable"] == 1
 
 
+@pytest.mark.filterwarnings("ignore:Pydantic serializer warnings")
 def test_writers_write_through_the_types(tmp_path: Path):
     log = EventLog(tmp_path)
     with pytest.raises(ValidationError, match="step"):

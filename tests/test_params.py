@@ -275,7 +275,7 @@ def test_report_breaks_the_train_stage_down_and_defines_every_figure():
     """Issue 27: the train stage's wall time in parts that add up, ETTR spelled out, each fault
     with where training went back to; every figure printed is defined in the README."""
     from tests.helpers import assert_figures_defined, figures_in_report
-    from trainer.history import TimeBreakdown
+    from trainer.records import TimeBreakdown
 
     time_s = TimeBreakdown(
         wall_s=36.0, startup=20.0, productive=1.8, replayed=0.6, checkpoint_blocking=0.3,

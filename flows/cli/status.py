@@ -26,7 +26,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         too_short_for_ettr,
     )
     from tasks.run_status import RunNotFound, locate_run, read_status
-    from trainer.history import TimeBreakdown
+    from trainer.records import TimeBreakdown
 
     if not RUN_ID.fullmatch(args.run_id):
         print(
