@@ -76,9 +76,10 @@ def test_the_fold_reports_a_recorded_run():
     assert h.progress() == 8 and h.last_checkpoint is not None and h.last_checkpoint.step == 8
     assert h.last_attempt_cause() == "done"
     s = h.summary()
-    assert s["outcome"] == "completed" and s["params_sha256"] == "abc"
-    assert s["checkpoints"] == 4 and s["ckpt_blocking_s_max"] == 0.4
-    assert s["steps_run"] == 11 and s["final_step"] == 8
+    assert s.outcome == "completed" and s.params_sha256 == "abc"
+    assert s.checkpoints == 4 and s.ckpt_blocking_s_max == 0.4
+    assert s.steps_run == 11 and s.final_step == 8
+    assert s.restart_layers == ["inprocess"]
     st = h.status()
     assert [a["outcome"] for a in st["train_attempts"]] == ["node-loss", "completed"]
     assert st["latest_checkpoint_step"] == 8 and st["state"].startswith("trained")
@@ -233,3 +234,21 @@ def test_a_second_fault_recorded_before_the_firsts_recovery_keeps_their_loads_ap
         for f in RunHistory.of(history).fault_records()
     ]
     assert got == [("exception", "memory", 100), ("stall", "durable", 900)]
+
+
+def test_the_report_prints_the_folds_summary(tmp_path: Path, capsys: Any):
+    """``python -m trainer.report``: the typed summary, as text and as JSON."""
+    import json
+
+    from trainer import report
+
+    log = EventLog(tmp_path)
+    for e in HISTORY:
+        log.emit(e)
+    assert report.main([str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "outcome: completed  final step: 8" in text and "recovered by inprocess" in text
+    assert report.main([str(tmp_path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["restart_layers"] == ["inprocess"] and len(got["faults"]) == 2
+    assert report.main([str(tmp_path / "none")]) == 2

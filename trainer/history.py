@@ -38,7 +38,13 @@ from trainer.event_types import (
     TrainEnd,
     WorldChange,
 )
-from trainer.records import AttemptView, FaultRecord, TimeBreakdown, WorldChangeRecord
+from trainer.records import (
+    AttemptView,
+    FaultRecord,
+    RunSummary,
+    TimeBreakdown,
+    WorldChangeRecord,
+)
 
 # Committed checkpoints remembered for the productive-time window. A run keeps a few
 # (``checkpoint.keep_last``); a writer that never reports pruning (the torchrun baseline) is
@@ -334,25 +340,23 @@ class RunHistory:
         """Why the newest ended train attempt ended (its ``stage_attempt_end`` message)."""
         return self._last_end_message
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> RunSummary:
         """``python -m trainer.report``: faults with their recovery, checkpoints, steps."""
-        n = self.checkpoints
-        return {
-            "final_step": self.max_step,
-            "steps_run": self.steps_run,
-            "final_loss": self.last_step.loss if self.last_step else None,
-            "faults": [f.model_dump() for f in self.fault_records()],
-            "world_changes": [c.model_dump() for c in self.world_change_records()],
-            "timeouts": self.timeouts.detail if self.timeouts is not None else None,
-            "restarts": [{"layer": r.layer, "t": r.t} for r in self.restarts],
-            "checkpoints": n,
-            "ckpt_blocking_s_max": self.blocking_max,
-            "ckpt_blocking_s_mean": self._blocking_sum / n if n else None,
-            "outcome": None
-            if self.end is None
-            else ("completed" if isinstance(self.end, TrainEnd) else "failed"),
-            "params_sha256": self.end.params_sha256 if isinstance(self.end, TrainEnd) else None,
-        }
+        n, end = self.checkpoints, self.end
+        return RunSummary(
+            final_step=self.max_step,
+            steps_run=self.steps_run,
+            final_loss=self.last_step.loss if self.last_step else None,
+            faults=self.fault_records(),
+            world_changes=self.world_change_records(),
+            timeouts=self.timeouts.detail if self.timeouts is not None else None,
+            restart_layers=[r.layer for r in self.restarts],
+            checkpoints=n,
+            ckpt_blocking_s_max=self.blocking_max,
+            ckpt_blocking_s_mean=self._blocking_sum / n if n else None,
+            outcome=None if end is None else "completed" if isinstance(end, TrainEnd) else "failed",
+            params_sha256=end.params_sha256 if isinstance(end, TrainEnd) else None,
+        )
 
     def status(self, result: dict[str, Any] | None = None) -> dict[str, Any]:
         """What ``nvrx-pipeline status`` shows, plus the pipeline's saved result when the run

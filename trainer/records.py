@@ -79,6 +79,26 @@ class WorldChangeRecord(BaseModel):
     t: float | None = Field(None, exclude=True)
 
 
+class RunSummary(BaseModel):
+    """``python -m trainer.report``: the run's outcome, its faults and their recovery, the
+    restarts (by layer, in order) and the checkpoints' cost."""
+
+    model_config = ConfigDict(frozen=True)
+
+    outcome: str | None  # completed, failed, or None: no train_end or fatal yet
+    final_step: int
+    steps_run: int  # replays after restarts included
+    final_loss: float | None
+    params_sha256: str | None
+    faults: list[FaultRecord]
+    world_changes: list[WorldChangeRecord]
+    timeouts: dict[str, str] | None
+    restart_layers: list[str]
+    checkpoints: int
+    ckpt_blocking_s_max: float | None
+    ckpt_blocking_s_mean: float | None
+
+
 @dataclass
 class AttemptView:
     """A stage attempt as its start and end events say (``status``'s attempts)."""

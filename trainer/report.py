@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,18 +20,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     s = history.summary()
     if args.json:
-        print(json.dumps(s))
+        print(s.model_dump_json())
         return 0
-    print(f"outcome: {s['outcome']}  final step: {s['final_step']}  loss: {s['final_loss']}")
-    print(f"steps run (incl. replays after restarts): {s['steps_run']}")
-    mean = s["ckpt_blocking_s_mean"]
+    print(f"outcome: {s.outcome}  final step: {s.final_step}  loss: {s.final_loss}")
+    print(f"steps run (incl. replays after restarts): {s.steps_run}")
+    mean = s.ckpt_blocking_s_mean
     print(
-        f"checkpoints committed: {s['checkpoints']}  blocking per save: mean "
-        f"{mean if mean is None else round(mean, 4)} s, max {s['ckpt_blocking_s_max']} s"
+        f"checkpoints committed: {s.checkpoints}  blocking per save: mean "
+        f"{mean if mean is None else round(mean, 4)} s, max {s.ckpt_blocking_s_max} s"
     )
-    for f in s["faults"]:
-        print(f"fault {f['fault']}: recovered by {f['recovered_by']} in {f['recovery_s']} s")
-    print(f"params_sha256: {s['params_sha256']}")
+    for f in s.faults:
+        print(f"fault {f.fault}: recovered by {f.recovered_by} in {f.recovery_s} s")
+    print(f"params_sha256: {s.params_sha256}")
     return 0
 
 
