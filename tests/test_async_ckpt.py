@@ -704,12 +704,13 @@ def test_gpu_check_dry_run(tmp_path: Path):
     assert set(runs) == drills | {f"det_{d}" for d in drills}
     assert "--inject" not in runs["baseline"] and "--inject" not in runs["det_repeat"]
     assert runs["exception"][-2:] == ["--inject", "exception@step=12,rank=0"]
-    assert runs["sigkill"][runs["sigkill"].index("--device") :][:2] == ["--device", "cuda"]
+    assert "--set=device=cuda" in runs["sigkill"]
     # each mode's runs differ only in the kernels flag (and their run directories)
+    det_flag = "--set=deterministic=true"
     for d in drills:
-        assert "--deterministic" not in runs[d]
-        det = [a for a in runs[f"det_{d}"] if a != "--deterministic"]
-        at = runs[d].index("--run-root") + 1
+        assert det_flag not in runs[d]
+        det = [a for a in runs[f"det_{d}"] if a != det_flag]
+        at = next(i for i, a in enumerate(runs[d]) if a.startswith("--set=run_root="))
         assert det[at].endswith(f"det_{d}") and det[:at] + det[at + 1 :] == (
             runs[d][:at] + runs[d][at + 1 :]
         )

@@ -31,6 +31,7 @@ from tasks.storage.local_s3 import EMBEDDED_ENDPOINT, ensure_local_s3, recorded_
 from tasks.storage.s3 import S3Settings
 from tests.helpers import free_s3_port, read_events
 from tests.pipeline_helpers import make_params, nvrx_events
+from trainer.event_types import Event, Step
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -675,11 +676,11 @@ def test_a_lease_taken_over_mid_train_leaves_the_nodes_to_the_new_owner(
     old = RunLease(cfg.run_root, "r-lost", heartbeat_s=0.2)
     old.acquire()
 
-    def on_event(e: dict[str, object]) -> None:
+    def on_event(e: Event) -> None:
         # Mid-train another host takes over, and beats as a real owner does (atomically, every
         # step): the old owner's compare-and-swap holds no lock here (the lock was lost), so a
         # single write could be overwritten by its heartbeat between its read and its write.
-        if e["kind"] == "step" and int(str(e["step"])) >= 2:
+        if isinstance(e, Step) and e.step >= 2:
             new = Owner("newowner", os.getpid(), "other-host", time.time(), time.time())
             rec = LeaseRecord("r-lost", new, time.time())
             tmp = cfg.run_root / ".owner.lease.newowner.tmp"
