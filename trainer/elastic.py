@@ -118,7 +118,8 @@ def node_id(environ: dict[str, str] | None = None) -> int:
 
 @dataclass(frozen=True)
 class PriorWorld:
-    """What the previous incarnation of this launcher job trained on, from the events."""
+    """What the previous incarnation of this launcher job trained on (``control/launch.json``,
+    trainer.run_state)."""
 
     world_size: int
     nodes: tuple[int, ...]

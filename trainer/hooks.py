@@ -7,7 +7,7 @@ The loop calls four points and knows nothing of what hangs on them::
     hooks.on_save_started(step)          # a save of `step` was handed to the async writer
     hooks.on_commit(step, path)          # rank 0: checkpoint `step` is committed at `path`
 
-Drills, ft_launcher heartbeats, the in-process Wrapper's ping, step/recovery events: each is one
+Drills, ft_launcher heartbeats, step/recovery events: each is one
 small hook; :class:`Hooks` composes them (as NVRx's ``Compose`` does for its extension points).
 Script mode (``trainer.script``) gives a user's own loop the same hooks.
 """

@@ -24,13 +24,14 @@ What each call does:
   long-lived store under in-process restart, so it can be re-created after a fault);
 - ``resume``: loads the newest valid committed checkpoint into the model and optimizer (DCP,
   resharding across world sizes); returns the first step to run;
-- ``step_start``: fault drills; reseeds torch's RNG from (seed, step, rank);
+- ``step_start``: fault drills; reseeds torch's RNG from (seed, step, this rank's first
+  micro-batch);
 - ``micro_batches`` (optional): for a job whose world may change (``nodes=MIN:MAX``), this
   rank's micro-batches of the step, each seeded by (seed, step, micro-batch), so that a smaller
   world computes the same ones and the run stays bitwise exact (``tests/scripts/gpt_script.py``);
 - ``step_end``: the step's loss averaged over the global batch into ``events.jsonl`` (the
   pipeline's progress) in one all-reduce with the checkpoint's flags, the ft_launcher heartbeat,
-  the in-process Wrapper's ping, and an async checkpoint when one is due, committed with the
+  and an async checkpoint when one is due, committed with the
   manifest protocol;
 - ``finish``: waits for the last commit and writes ``result.json`` with the parameters' digest;
 - ``launch``: runs ``train`` under in-process restart when the installed NVRx has it and the
