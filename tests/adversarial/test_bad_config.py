@@ -54,8 +54,10 @@ def test_worker_finds_its_config_bad_and_the_job_ends_after_one_start(
     started = time.monotonic()
     out = run_ft_launcher(cfg, nproc=NPROC, timeout=120)
     wall = time.monotonic() - started
-    # One start: each of the 2 workers found the error once; a restart would have printed more.
-    assert out.log.count(line) == NPROC, out.log[-3000:]
+    # One start: at most each of the 2 workers found the error once (the first to exit may
+    # have the launcher stop its peer before that one prints), and no second rendezvous round.
+    assert 1 <= out.log.count(line) <= NPROC, out.log[-3000:]
+    assert "has joined round 1 " not in out.log, out.log[-3000:]
     assert "ShutdownWorkload" in out.log  # the launcher received the request
     assert out.returncode != 0
     marker = read_no_restart(cfg.run_root)
@@ -81,5 +83,7 @@ def test_pipeline_attempt_reports_do_not_requeue(tmp_path: Path, dataset: Path):
     logs = "".join(
         p.read_text() for p in sorted((cfg.run_root / "logs").glob("attempt1-node*.log"))
     )
-    assert logs.count(WORKER_ERROR) == 2, logs[-3000:]  # one per node: no restart anywhere
+    # At most one per node (a node's worker may be stopped before it prints): no restart.
+    assert 1 <= logs.count(WORKER_ERROR) <= 2, logs[-3000:]
+    assert "has joined round 1 " not in logs, logs[-3000:]
     print(f"attempt ended {report.outcome.kind} in {report.wall_s:.1f} s")
