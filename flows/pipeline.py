@@ -52,6 +52,7 @@ from trainer.event_types import Cleanup, Event, Step, Takeover
 from trainer.events import EventLog
 from trainer.history import RunHistory
 from trainer.run_files import write_text_atomic
+from trainer.rundir import Layout
 from trainer.timeline import plot_timeline
 
 T = TypeVar("T")
@@ -320,7 +321,7 @@ def _publish(
     held.check("write pipeline_result.json")
     ctx.run_root.mkdir(parents=True, exist_ok=True)
     write_text_atomic(
-        ctx.run_root / "pipeline_result.json", result.model_dump_json(indent=1) + "\n"
+        ctx.run_root / Layout.PIPELINE_RESULT, result.model_dump_json(indent=1) + "\n"
     )
     report = render_report(result)
     try:

@@ -3,9 +3,8 @@ result storage) and shown in its Artifacts tab (:func:`publish`).
 
 The pipeline reads these by attribute to build its :class:`flows.models.PipelineResult`
 (:func:`build_result`, with the fold of the run's events, read once at its end); the stages
-build them from the typed reports of ``tasks``. ``TrainResult`` is read from the
-trainer's ``result.json`` on the shared filesystem, which is untrusted input: it is validated
-here, field by field, before anything uses it.
+build them from the typed reports of ``tasks``. ``TrainResult`` is the completed part of the
+trainer's ``result.json`` (:class:`trainer.rundir.RunResult`, validated where it is read).
 """
 
 from __future__ import annotations
@@ -23,9 +22,9 @@ from flows.models import (
     TakeoverInfo,
 )
 from tasks.checks import Status
-from trainer.event_read import read_events
 from trainer.event_types import Event
 from trainer.history import RunHistory
+from trainer.rundir import read_events
 
 
 class _Result(BaseModel):

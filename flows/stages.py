@@ -366,7 +366,8 @@ def train_flow(plan: RunPlan, attempt: int) -> TrainResult | State[TrainResult]:
     if report.outcome.kind != EndKind.COMPLETED:
         return _failed_attempt(report, params)
     log.info("train attempt %d completed in %.1f s", report.attempt, report.wall_s)
-    result = TrainResult.model_validate(report.outcome.details["result"])
+    # The judge's RunResult (trainer.rundir), already validated: completed, every step.
+    result = TrainResult.model_validate(report.outcome.details["result"].model_dump())
     publish("train", result, ctx.run_id)
     return result
 

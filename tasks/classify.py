@@ -21,10 +21,11 @@ from tasks.errors import (
     TrainingFailed,
     TrainTimeout,
 )
+from trainer.rundir import RunResult
 
 # ft_launcher's (NVRx >= 0.7) "do not requeue" exit code. NVRx 0.4.1 has no such code: a
 # worker's no-restart request closes the rendezvous and the launcher exits 1, so the
-# ``control/no_restart`` marker (trainer.resilience) is what tells it from exhausted restarts.
+# ``control/no_restart`` marker (trainer.rundir) is what tells it from exhausted restarts.
 EXIT_DO_NOT_REQUEUE = 93
 
 
@@ -81,7 +82,7 @@ class Evidence:
 
     lost_nodes: frozenset[int]  # taken away by node-loss drills or the watcher's loss rule
     timed_out: bool
-    result: dict[str, Any] | None  # result.json written during this attempt
+    result: RunResult | None  # result.json written during this attempt
     fatal: str | None  # the trainer's "fatal" event during this attempt
     no_restart: str | None  # NVRx's verdict file (<run_root>/control/no_restart)
     target_steps: int
@@ -90,8 +91,8 @@ class Evidence:
     world_nodes: frozenset[int] = frozenset()
 
     def done(self) -> bool:
-        r = self.result or {}
-        return r.get("status") == "completed" and r.get("final_step") == self.target_steps
+        r = self.result
+        return r is not None and r.status == "completed" and r.final_step == self.target_steps
 
 
 @dataclass(frozen=True)
@@ -192,8 +193,8 @@ def _no_result(obs: Observation, ev: Evidence, where: str) -> Outcome:
         )
     return Outcome(
         EndKind.BUG,
-        f"the workers ended well but the result says {r.get('status')} at step "
-        f"{r.get('final_step')} of {ev.target_steps}{where}",
+        f"the workers ended well but the result says {r.status} at step "
+        f"{r.final_step} of {ev.target_steps}{where}",
     )
 
 

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from trainer.event_read import DROP_REASONS, EVENTS_FILE, DropCounts, EventReader
+from trainer.event_read import DROP_REASONS, DropCounts
 from trainer.event_types import (
     Checkpoint,
     Event,
@@ -38,6 +38,7 @@ from trainer.events import LAYERS
 from trainer.faults import KINDS as FAULT_KINDS
 from trainer.history import RunHistory
 from trainer.metrics import MetricsServer, TrainingSeries
+from trainer.rundir import RunDir
 
 _log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ def serving(
         yield None
         return
     metrics = RunMetrics(run_id)
-    tail = EventReader(Path(run_root) / EVENTS_FILE)
+    tail = RunDir(run_root).event_reader()
     metrics.registry.register(DroppedLines(run_id, tail.dropped))
     stop = threading.Event()
 

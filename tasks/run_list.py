@@ -11,11 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.event_read import EVENTS_FILE
 from trainer.history import RunHistory
 from trainer.run_files import read_json_object
+from trainer.rundir import Layout
 
-RESULT_FILE = "pipeline_result.json"
 MAX_RUNS = 1000  # listed at most (newest first): a shared root may hold many
 
 
@@ -30,16 +29,16 @@ class RunRow:
 
 
 def _row(run_root: Path) -> RunRow | None:
-    from tasks.ownership.lease import LEASE_FILE, LeaseRecord, owner_alive
+    from tasks.ownership.lease import LeaseRecord, owner_alive
 
-    events = run_root / EVENTS_FILE
-    result_path = run_root / RESULT_FILE
+    events = run_root / Layout.EVENTS
+    result_path = run_root / Layout.PIPELINE_RESULT
     stamps = [p.stat().st_mtime for p in (events, result_path) if p.is_file()]
     if not stamps:
         return None  # not a run directory (or not started)
     owner = None
     try:
-        rec = LeaseRecord.parse((run_root / LEASE_FILE).read_text())
+        rec = LeaseRecord.parse((run_root / Layout.LEASE).read_text())
     except OSError:
         rec = None
     if rec is not None and owner_alive(rec):

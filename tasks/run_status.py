@@ -8,9 +8,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tasks.ownership.lease import LEASE_FILE, LeaseRecord, owner_alive
+from tasks.ownership.lease import LeaseRecord, owner_alive
 from trainer.history import RunHistory
 from trainer.run_files import read_json_object
+from trainer.rundir import Layout
 
 
 class RunNotFound(Exception):
@@ -27,10 +28,10 @@ def locate_run(run_id: str, *, state_dir: Path, run_root: Path | None = None) ->
             f"{root} is run {root.resolve().name!r}, not {run_id!r}: pass that run's id, or the "
             "--run-root of this one"
         )
-    if not (root / "events.jsonl").exists():
+    if not (root / Layout.EVENTS).exists():
         raise RunNotFound(
-            f"no events for run {run_id!r} at {root}/events.jsonl; pass --state-dir (local runs) "
-            "or --run-root (e.g. /fsx/runs/ID on EKS)"
+            f"no events for run {run_id!r} at {root / Layout.EVENTS}; pass --state-dir (local "
+            "runs) or --run-root (e.g. /fsx/runs/ID on EKS)"
         )
     return root
 
@@ -38,7 +39,7 @@ def locate_run(run_id: str, *, state_dir: Path, run_root: Path | None = None) ->
 def owner(run_root: Path) -> dict[str, Any] | None:
     """Who holds the run's lease (arch §6), if anyone."""
     try:
-        rec = LeaseRecord.parse((run_root / LEASE_FILE).read_text())
+        rec = LeaseRecord.parse((run_root / Layout.LEASE).read_text())
     except OSError:
         return None
     if rec is None:
@@ -58,6 +59,6 @@ def owner(run_root: Path) -> dict[str, Any] | None:
 def read_status(run_root: Path) -> dict[str, Any]:
     """The run's status: its history folded from ``events.jsonl``, its saved result, and its
     lease's owner (``owner``)."""
-    st = RunHistory.read(run_root).status(read_json_object(run_root / "pipeline_result.json"))
+    st = RunHistory.read(run_root).status(read_json_object(run_root / Layout.PIPELINE_RESULT))
     st["owner"] = owner(run_root)
     return st

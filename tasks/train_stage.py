@@ -11,7 +11,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tasks.backends.base import (
@@ -42,10 +41,8 @@ from tasks.watch_state import (
     silent,
     tick,
 )
-from trainer import fence, run_state
 from trainer.config import TrainConfig
 from trainer.elastic import NodeRange
-from trainer.event_read import EVENTS_FILE, EventReader
 from trainer.event_types import (
     Event,
     Fatal,
@@ -57,15 +54,8 @@ from trainer.event_types import (
     Step,
 )
 from trainer.events import EventLog
-from trainer.faults import FaultSpec, claim
-from trainer.node_beat import clear_other_epochs, read_beats
-from trainer.resilience import (
-    clear_no_restart,
-    clear_node_lost,
-    read_no_restart,
-    write_node_lost,
-)
-from trainer.run_files import read_json_object
+from trainer.faults import FaultSpec
+from trainer.rundir import RunDir
 
 # After a wait for a returning node (tasks.loss_policy NODE_WAIT), how long past the survivors'
 # own join timeout the watcher lets them end by themselves before it stops the attempt.
@@ -86,25 +76,12 @@ class AttemptReport:
     released: dict[str, Any] = field(default_factory=dict)  # what Job.finish reported
 
 
-def _result(run_root: Path, epoch: int | None) -> dict[str, Any] | None:
-    """``result.json`` if this attempt's workers wrote it."""
-    result = read_json_object(run_root / "result.json")
-    if result is not None and epoch is not None and result.get("epoch") != epoch:
-        _log.warning(
-            "ignoring %s: written by epoch %s, not this attempt's %s",
-            run_root / "result.json",
-            result.get("epoch"),
-            epoch,
-        )
-        return None
-    return result
-
-
-def _fatal_since_last_attempt_start(run_root: Path, epoch: int | None) -> str | None:
-    """The first ``fatal`` error of epoch ``epoch`` recorded since the newest train attempt
+def _fatal_since_last_attempt_start(run_dir: RunDir) -> str | None:
+    """The first ``fatal`` error of ``run_dir``'s epoch recorded since the newest train attempt
     started (streamed: the watcher keeps no event it has read)."""
     fatal: str | None = None
-    for e in EventReader(run_root / EVENTS_FILE).iter_new():
+    epoch = run_dir.epoch
+    for e in run_dir.event_reader().iter_new():
         if isinstance(e, StageAttempt):
             fatal = None
         elif isinstance(e, Fatal) and fatal is None and (epoch is None or e.epoch == epoch):
@@ -112,14 +89,13 @@ def _fatal_since_last_attempt_start(run_root: Path, epoch: int | None) -> str | 
     return fatal
 
 
-def _publish(request: LaunchRequest) -> int:
-    """The attempt's new epoch; a fence lock held past its timeout (a writer frozen holding it)
-    launches nothing and is a stage retry's (:class:`FenceBusy`), not the run's end."""
+def _publish(run_dir: RunDir, request: LaunchRequest) -> RunDir:
+    """The run root under the attempt's new epoch; a fence lock held past its timeout (a writer
+    frozen holding it: :class:`trainer.fence.LockTimeout`, a TimeoutError) launches nothing and
+    is a stage retry's (:class:`FenceBusy`), not the run's end."""
     try:
-        return fence.publish(
-            request.cfg.run_root, invocation=request.invocation, attempt=request.attempt
-        ).epoch
-    except fence.LockTimeout as e:
+        return run_dir.publish(invocation=request.invocation, attempt=request.attempt)
+    except TimeoutError as e:
         raise FenceBusy(f"attempt {request.attempt} not launched: {e}") from e
 
 
@@ -151,10 +127,10 @@ def run_attempt(
     raises :class:`LeaseLost`, watching stops and
     the attempt is left running for the run's new owner: a lost lease never stops a job."""
     cfg = request.cfg
-    run_root = cfg.run_root
-    run_root.mkdir(parents=True, exist_ok=True)
+    run_dir = RunDir(cfg.run_root)
+    run_dir.root.mkdir(parents=True, exist_ok=True)
     # Only what is appended from now on: this attempt's events.
-    tail = EventReader(run_root / EVENTS_FILE, from_start=False)
+    tail = run_dir.event_reader(from_start=False)
     fatal: str | None = None  # the attempt's first fatal error
     started = clock()
     check_owner("start an attempt")
@@ -163,24 +139,23 @@ def run_attempt(
     if job is None:
         # A new epoch first: from here on, no writer of an earlier attempt (a pod on an
         # unreachable node, a frozen host that wakes) changes the run root (trainer.fence).
-        epoch: int | None = _publish(request)
-        request = dataclasses.replace(request, epoch=epoch)
-        events = EventLog(run_root, epoch=epoch)
-        (run_root / "result.json").unlink(missing_ok=True)  # only this attempt's result counts
-        clear_no_restart(run_root)  # nor an earlier attempt's verdict (the config was fixed)
-        clear_node_lost(run_root)
-        clear_other_epochs(run_root, epoch)
-        run_state.record_retry(run_root, request.attempt)
+        run_dir = _publish(run_dir, request)
+        request = dataclasses.replace(request, epoch=run_dir.epoch)
+        events = EventLog(run_dir.root, epoch=run_dir.epoch)
+        run_dir.clear_result()  # only this attempt's result counts
+        run_dir.clear_markers()  # nor an earlier attempt's verdict (the config was fixed)
+        run_dir.clear_other_beats()
+        run_dir.record_retry(request.attempt)
         events.emit(_attempt(backend, request, request.attempt, adopted=False))
         job = backend.launch(request)
     else:
         # Adopted: the attempt runs under the epoch its (dead) watcher published, the highest
         # on record (epoch.json's, or the event log's where that file was lost).
-        epoch = fence.highest(run_root) or None
-        events = EventLog(run_root, epoch=epoch)
+        run_dir = run_dir.adopted()
+        events = EventLog(run_dir.root, epoch=run_dir.epoch)
         # What the attempt said before we came: a fatal error there decides its outcome too.
         fatal = bounded(
-            "the event log", lambda: _fatal_since_last_attempt_start(run_root, epoch),
+            "the event log", lambda: _fatal_since_last_attempt_start(run_dir),
             END_READ_TIMEOUT_S, None,
         )  # fmt: skip
         events.emit(_attempt(backend, request, job.attempt, adopted=True))
@@ -196,14 +171,14 @@ def run_attempt(
         min_nodes=request.node_range.min,
         wait_grace_s=WAIT_GRACE_S,
         **_silence(cfg, adopted=adopted),
-        epoch=epoch,
+        epoch=run_dir.epoch,
         drills=tuple(node_faults(cfg.faults)),
         fatal=fatal,
     )
     watch = _Watch(
-        state, job, request, events, on_event, clock,
+        state, job, request, run_dir, events, on_event, clock,
         events_read=OffLoop("the event log", tail.read_new),
-        beats_read=OffLoop("the node beats", lambda: read_beats(run_root, epoch)),
+        beats_read=OffLoop("the node beats", run_dir.beats),
         elastic=elastic,
     )  # fmt: skip
     # The lease's poll reads the shared filesystem too: off the loop, like the event log. A
@@ -241,14 +216,9 @@ def run_attempt(
     evidence = Evidence(
         lost_nodes=frozenset(s.lost),
         timed_out=s.timed_out,
-        result=bounded("result.json", lambda: _result(run_root, epoch), END_READ_TIMEOUT_S, None),
+        result=bounded("result.json", run_dir.result, END_READ_TIMEOUT_S, None),
         fatal=s.fatal,
-        no_restart=bounded(
-            "the no_restart marker",
-            lambda: read_no_restart(run_root, epoch=epoch),
-            END_READ_TIMEOUT_S,
-            None,
-        ),
+        no_restart=bounded("the no_restart marker", run_dir.no_restart, END_READ_TIMEOUT_S, None),
         target_steps=cfg.steps,
         world_nodes=s.world_nodes,
     )
@@ -268,7 +238,7 @@ def run_attempt(
                 detail=outcome.message,
             )
         )
-        run_state.open_fault(run_root, fault_event)
+        run_dir.open_fault(fault_event)
     wall = clock() - started
     events.emit(
         StageAttemptEnd(
@@ -293,6 +263,7 @@ class _Watch:
         state: WatchState,
         job: Job,
         request: LaunchRequest,
+        run_dir: RunDir,
         events: EventLog,
         on_event: Callable[[Event], None],
         clock: Callable[[], float],
@@ -305,7 +276,7 @@ class _Watch:
         self.on_event, self.clock = on_event, clock
         self.events_read, self.beats_read = events_read, beats_read
         self.elastic = elastic
-        self.run_root = request.cfg.run_root
+        self.run_dir = run_dir
         self._complaints: dict[str, str] = {}  # what went wrong observing, said once each
 
     def complain(self, what: str, e: BaseException) -> None:
@@ -362,7 +333,7 @@ class _Watch:
     def _drills(self, at_step: int | None) -> None:
         while (spec := due(self.state, at_step)) is not None:
             self.state = drop(self.state, spec)
-            if claim(self.run_root, spec):  # fire-once per run, across attempts
+            if self.run_dir.claim(spec.slug):  # fire-once per run, across attempts
                 self._drill(spec, at_step if at_step is not None else self.state.last_step or 0)
 
     def _drill(self, spec: FaultSpec, step: int) -> None:
@@ -408,7 +379,7 @@ class _Watch:
     ) -> None:
         """A node lost, by a drill or a silence (``drilled``: the watcher takes it away now)
         or as the backend saw it: which path its loss takes, decided once, and recorded."""
-        job, run_root, request = self.job, self.run_root, self.request
+        job, run_dir, request = self.job, self.run_dir, self.request
         # Decided before a drilled node goes: the survivors read the marker the moment they fail.
         decision = decide(
             LossSnapshot(
@@ -426,7 +397,7 @@ class _Watch:
         )
         if decision.path != LossPath.STAGE_RETRY and isinstance(job, ElasticJob):
             if not decision.idle_spare:
-                write_node_lost(run_root, node=node)
+                run_dir.write_node_lost(node=node)
             job.absorb(node)
         if drilled and not best_effort:
             job.lose_node(node)
@@ -453,7 +424,7 @@ class _Watch:
             self.state, node, decision, drilled=drilled, now=self.clock(), wall=time.time()
         )
         if not decision.idle_spare:  # open until the first step after the recovery
-            run_state.open_fault(run_root, fault_event)
+            run_dir.open_fault(fault_event)
         else:
             # Nothing trained there: nothing to recover, and no later recovery may claim it.
             self.events.emit(

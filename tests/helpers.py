@@ -22,10 +22,10 @@ from trainer.checkpointing.config import (
 )
 from trainer.checkpointing.layout import NODE_MEMORY_ENV
 from trainer.config import InJobConfig, InProcessConfig, TrainConfig, save_config
-from trainer.event_read import read_events as typed_events
 from trainer.event_types import Event
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
 from trainer.launch import worker_env as launch_env
+from trainer.rundir import read_events as typed_events
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -221,7 +221,7 @@ def worker_env() -> dict[str, str]:
 
 def read_events(run_root: Path) -> list[dict[str, Any]]:
     """The run's valid events as the JSON objects their lines hold (decoded by the product's one
-    decoder, :func:`trainer.event_read.read_events`): what tests assert was written."""
+    decoder, :func:`trainer.rundir.read_events`): what tests assert was written."""
     return [e.model_dump(mode="json", exclude_unset=True) for e in typed_events(run_root)]
 
 

@@ -27,7 +27,7 @@ from tasks.backends.eks.kube import JOB_NAME_LABEL, Kube
 from tasks.backends.eks.render import LABEL_RUN
 from tasks.backends.local import kill_tree
 from tasks.ownership import processes
-from tasks.ownership.lease import LEASE_FILE, LeaseRecord, process_is
+from tasks.ownership.lease import LeaseRecord, process_is
 from tasks.storage.local_s3 import SERVER_RECORD
 from tasks.storage.s3 import S3Settings
 from tests.eks_cluster import NODES, NS, seed_cluster
@@ -35,6 +35,7 @@ from tests.helpers import free_s3_port, read_events
 from tests.pipeline_helpers import make_params
 from tests.served_flows import KMOCK_DEPLOYMENT, KMOCK_FLOW
 from tests.test_eks_pipeline import FS, Cluster
+from trainer.rundir import Layout
 
 pytestmark = pytest.mark.slow
 
@@ -145,7 +146,7 @@ def assert_cancelled_run_left_nothing_in_its_events(run_root: Path) -> None:
     # The runner ran the pipeline's on_cancellation hook (it records what it removed).
     cleanups = [e for e in events if e["kind"] == "cleanup"]
     assert cleanups and str(cleanups[-1]["state"]).startswith("CANCEL"), events[-5:]
-    lease = run_root / LEASE_FILE
+    lease = run_root / Layout.LEASE
     if lease.exists():  # its owner may have been SIGKILLed: then it must be dead
         rec = LeaseRecord.parse(lease.read_text())
         assert rec is None or not process_is(rec.owner.pid, rec.owner.create_time), rec

@@ -15,8 +15,9 @@ from tasks.errors import (
     TrainTimeout,
 )
 from tasks.retry_policy import prefect_retry_condition, stage_retry_allowed
+from trainer.rundir import RunResult
 
-DONE = {"status": "completed", "final_step": 20}
+DONE = RunResult(status="completed", final_step=20)
 
 
 def end(
@@ -46,7 +47,7 @@ def end(
 CASES = [
     ("completed", end({0: 0, 1: 0}, result=DONE), EndKind.COMPLETED),
     ("exit0-no-result", end({0: 0, 1: 0}), EndKind.BUG),
-    ("short-result", end({0: 0}, result={**DONE, "final_step": 10}), EndKind.BUG),
+    ("short-result", end({0: 0}, result=DONE.model_copy(update={"final_step": 10})), EndKind.BUG),
     ("node-lost", end({0: None, 1: -9}, lost_nodes=frozenset({1})), EndKind.NODE_LOSS),
     ("agent-killed-unprompted", end({0: 1, 1: -9}), EndKind.NODE_LOSS),
     ("injob-exhausted", end({0: 1, 1: 1}), EndKind.INJOB_EXHAUSTED),

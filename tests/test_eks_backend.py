@@ -29,6 +29,7 @@ from tests.kube_chaos import ChaosProxy, Misbehaviour
 from trainer import fence
 from trainer.event_types import Event, Step, TrainStart
 from trainer.events import EventLog
+from trainer.rundir import Layout, RunDir
 
 TAG = "inv001"  # the invocation's tag in the Job's name
 
@@ -38,7 +39,7 @@ def result_later(root: Path, steps: int, after_s: float = 1.0) -> None:
     attempt's epoch, which its pods get as NVRX_EPOCH (trainer.fence)."""
 
     def write() -> None:
-        now = fence.current(root)
+        now = fence.current(RunDir(root))
         epoch = now.epoch if now else None
         result = {"status": "completed", "final_step": steps, "epoch": epoch}
         (root / "result.json").write_text(json.dumps(result))
@@ -409,10 +410,10 @@ def test_a_silent_pod_is_taken_away_as_a_lost_node(kube: Kube, tmp_path: Path):
 
     def pods_train(k: Kube, job: str) -> None:
         """What the pods' workers do on FSx: say which nodes train, and beat (node 1 stops)."""
-        now = fence.current(root)
+        now = fence.current(RunDir(root))
         epoch = now.epoch if now else None
         EventLog(root, epoch=epoch).emit(TrainStart(world_size=2, nodes=[0, 1]))
-        beats = [NodeBeat(root, epoch=epoch, node=n, interval_s=0.1) for n in (0, 1)]
+        beats = [NodeBeat(RunDir(root, epoch).beat_file(n), interval_s=0.1) for n in (0, 1)]
         time.sleep(0.5)
         beats[1].close()  # frozen: alive to the API, silent to the job
         threading.Timer(30, beats[0].close).start()
@@ -577,7 +578,7 @@ def test_log_follow_survives_a_dropped_stream_without_duplicates():
 def worker_log(root: Path) -> EventLog:
     """A worker's event log: its events carry the epoch the watcher published, as a pod's do
     (NVRX_EPOCH); the watcher counts no other's."""
-    return EventLog(root, epoch=fence.highest(root) or None)
+    return EventLog(root, epoch=RunDir(root).adopted().epoch)
 
 
 def lose_then_complete(lost: int, root: Path, world: list[int]) -> Callable[[Kube, str], None]:
@@ -610,7 +611,6 @@ def test_an_elastic_job_absorbs_a_real_node_loss(
     kube: Kube, tmp_path: Path, nodes, spares, pods, lost, path, kind
 ):
     from tests.helpers import read_events
-    from trainer.resilience import NODE_LOST_MARKER
 
     run_id = f"k-el-{pods}-{lost}"
     params = eks_params(run_id, tmp_path, nodes=nodes, spares=spares)
@@ -626,7 +626,7 @@ def test_an_elastic_job_absorbs_a_real_node_loss(
     [fault] = [e for e in read_events(root) if e["kind"] == "fault"]
     assert (fault["fault_kind"], fault["node"], fault["path"]) == ("node-loss", lost, path)
     # The survivors are told to re-form (the marker) only when the in-job layer absorbs it.
-    assert (root / NODE_LOST_MARKER).exists() == (path != "stage-retry")
+    assert (root / Layout.NODE_LOST).exists() == (path != "stage-retry")
 
 
 def test_below_the_minimum_the_survivors_wait_then_the_stage_retry(kube: Kube, tmp_path: Path):

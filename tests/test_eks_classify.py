@@ -11,6 +11,7 @@ from tasks.backends.eks.classify import History, end_of, finished
 from tasks.backends.eks.objects import healthy, observe_job, observe_node, observe_pod
 from tasks.classify import EndKind, Evidence, Outcome, judge
 from tasks.retry_policy import stage_retry_allowed
+from trainer.rundir import RunResult
 
 JOB = "nvrx-run1-a1"
 
@@ -81,7 +82,7 @@ def history(
     return h
 
 
-DONE = {"status": "completed", "final_step": 20}
+DONE = RunResult(status="completed", final_step=20)
 
 
 def _evidence(**kw: Any) -> Evidence:
@@ -388,11 +389,11 @@ def test_the_verdict_file_decides_over_masked_exit_codes(codes, without_file):
 def test_judge_checks_the_result_and_the_drill():
     ok = verdict(_ended(0, 0), 100, _evidence(result=DONE))
     assert (
-        ok is not None and ok.kind == EndKind.COMPLETED and ok.details["result"]["final_step"] == 20
+        ok is not None and ok.kind == EndKind.COMPLETED and ok.details["result"].final_step == 20
     )
     missing = verdict(_ended(0, 0), 100, _evidence())
     assert missing is not None and missing.kind == EndKind.BUG and "/fsx" in missing.message
-    short = verdict(_ended(0, 0), 100, _evidence(result={**DONE, "final_step": 7}))
+    short = verdict(_ended(0, 0), 100, _evidence(result=DONE.model_copy(update={"final_step": 7})))
     assert short is not None and short.kind == EndKind.BUG and "step 7 of 20" in short.message
     # The watcher stopped the Job before its pods showed an end (a drill's loss, the deadline).
     unseen = finished(None, job="j", fsx_mount="/fsx")

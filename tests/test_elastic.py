@@ -15,7 +15,6 @@ import pytest
 
 from flows.models import PipelineParams
 from tasks.loss_policy import LossPath, LossSnapshot, decide
-from trainer import run_state
 from trainer.config import ConfigError, TrainConfig
 from trainer.elastic import (
     NodeRange,
@@ -29,6 +28,7 @@ from trainer.events import EventLog
 from trainer.hooks import emit_recoveries
 from trainer.launch import LaunchSpec, ft_launcher_argv, rdzv_conf
 from trainer.process import Origin
+from trainer.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -144,12 +144,12 @@ def test_losing_a_waiting_spare_costs_nothing():
 
 # -- which layer recovered ----------------------------------------------------------------------
 def test_prior_world_and_the_layer_a_restart_is_attributed_to(tmp_path: Path):
-    """What a respawned worker reads from control/ (trainer.run_state), and the layer it
+    """What a respawned worker reads from control/ (trainer.rundir), and the layer it
     attributes its restart to (trainer.process.Origin: the one attribution)."""
-    run_state.record_launch(tmp_path, job_id="j", world_size=2, nodes=[0, 1])
+    RunDir(tmp_path).record_launch(job_id="j", world_size=2, nodes=[0, 1])
     log = EventLog(tmp_path)
     loss = log.emit(Fault(fault="node-loss@node=1", fault_kind="node-loss", node=1))
-    run_state.open_fault(tmp_path, loss)
+    RunDir(tmp_path).open_fault(loss)
     env = {"TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_RESTART_COUNT": "1"}
     origin = Origin.of(tmp_path, env)
     assert origin.prior == PriorWorld(2, (0, 1), open_node_loss=True)
@@ -158,7 +158,7 @@ def test_prior_world_and_the_layer_a_restart_is_attributed_to(tmp_path: Path):
     assert origin.layer(1, 1) == "inprocess"  # a restart iteration of this process
     emit_recoveries(log, "elastic", 4, began=time.time())  # the first step after it closes it
     assert Origin.of(tmp_path, env).layer(0, 2) == "injob"
-    run_state.record_launch(tmp_path, job_id="j", world_size=1, nodes=[0])
+    RunDir(tmp_path).record_launch(job_id="j", world_size=1, nodes=[0])
     assert Origin.of(tmp_path, env).layer(0, 2) == "injob"  # grew back
     assert Origin.of(tmp_path, {"TORCHELASTIC_RUN_ID": "other"}).prior is None
     assert Origin(restart_count=2).layer(0, 2) == "injob"  # a crash, no record of a world

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from trainer import event_read
-from trainer.event_read import MAX_LINE, EventReader, read_events
+from trainer.event_read import MAX_LINE, EventReader
 from trainer.event_types import Step, TrainStart, ValidationError
 from trainer.events import EventLog
-from trainer.resilience import NO_RESTART_MARKER, node_lost_since, read_no_restart
 from trainer.run_files import UnsafeFile, read_json_object, read_small
+from trainer.rundir import read_events
 
 GOOD = json.dumps({"t": 1.0, "kind": "step", "step": 1, "loss": 2.0, "step_s": 0.1})
 GOOD2 = json.dumps({"t": 2.0, "kind": "step", "step": 2, "loss": 1.9, "step_s": 0.1})
@@ -190,18 +190,3 @@ def test_unsafe_small_files_are_refused_without_blocking(tmp_path: Path):
     assert read_json_object(tmp_path / "link.json") is None
     (tmp_path / "ok.json").write_text('{"status": "completed"}')
     assert read_json_object(tmp_path / "ok.json") == {"status": "completed"}
-
-
-def test_a_fifo_marker_is_no_marker(tmp_path: Path):
-    (tmp_path / "control").mkdir()
-    os.mkfifo(tmp_path / NO_RESTART_MARKER)
-    assert _within(lambda: read_no_restart(tmp_path)) is None
-    os.unlink(tmp_path / NO_RESTART_MARKER)
-    # Only ours are markers (NVRx asks over its IPC socket): not JSON, or no epoch, is none.
-    (tmp_path / NO_RESTART_MARKER).write_text("garbage")
-    assert read_no_restart(tmp_path) is None
-    (tmp_path / NO_RESTART_MARKER).write_text('{"reason": "bad data"}')
-    assert read_no_restart(tmp_path) == "bad data"  # an unfenced run's (no epoch) is its own
-    assert read_no_restart(tmp_path, epoch=3) is None
-    os.mkfifo(tmp_path / "control" / "node_lost")
-    assert _within(lambda: node_lost_since(tmp_path, 0.0)) is False

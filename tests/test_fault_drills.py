@@ -28,6 +28,7 @@ from tests.helpers import (
 from trainer import checkpointing, fence
 from trainer.faults import DAMAGE_KINDS
 from trainer.history import RunHistory
+from trainer.rundir import Layout, RunDir
 from trainer.timeline import recovery_phases
 
 pytestmark = pytest.mark.slow
@@ -178,7 +179,7 @@ def test_drill_recovers_bitwise(drill: Drill, baseline: RunOutcome, dataset: Pat
 def _lock_is_free(run_root: Path) -> bool:
     import fcntl
 
-    with open(run_root / fence.LOCK_FILE, "a") as f:
+    with open(run_root / Layout.FENCE_LOCK, "a") as f:
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -203,7 +204,7 @@ def test_a_zombie_attempt_changes_nothing(baseline: RunOutcome, dataset: Path, t
     fault-free one."""
     cfg = make_config(tmp_path / "run", dataset)
     cfg.run_root.mkdir(parents=True)
-    first = fence.publish(cfg.run_root, invocation="first", attempt=1)
+    first = RunDir(cfg.run_root).publish(invocation="first", attempt=1)
     zombie = start_ft_launcher(cfg, env={fence.EPOCH_ENV: str(first.epoch)}, tag="-zombie")
     try:
         partial = checkpointing.partial_path(cfg.run_root, 10, first.epoch)
@@ -218,7 +219,7 @@ def test_a_zombie_attempt_changes_nothing(baseline: RunOutcome, dataset: Path, t
             os.killpg(zombie.pid, signal.SIGCONT)
             time.sleep(0.02)
             os.killpg(zombie.pid, signal.SIGSTOP)
-        second = fence.publish(cfg.run_root, invocation="second", attempt=2)
+        second = RunDir(cfg.run_root).publish(invocation="second", attempt=2)
         out = run_ft_launcher(cfg, env={fence.EPOCH_ENV: str(second.epoch)})
         assert out.returncode == 0, out.log[-3000:]
         assert out.result is not None and out.result["epoch"] == second.epoch

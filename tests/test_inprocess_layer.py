@@ -11,7 +11,7 @@ from nvidia_resiliency_ext.inprocess.exception import RestartAbort
 
 from trainer.errors import ConfigError
 from trainer.inprocess_layer import InProcessLayer, finalize
-from trainer.resilience import write_node_lost
+from trainer.rundir import RunDir
 
 
 def _ctx(tmp_path: Path, calls: list[str]) -> SimpleNamespace:
@@ -38,7 +38,7 @@ def test_a_lost_node_hands_over_before_anything_is_undone(tmp_path: Path):
     full-world Wrapper would refuse drains nothing."""
     calls: list[str] = []
     ctx = _ctx(tmp_path, calls)
-    write_node_lost(tmp_path, node=1, t=ctx.started + 1)
+    RunDir(tmp_path).write_node_lost(node=1, t=ctx.started + 1)
     with pytest.raises(RestartAbort, match="in-job layer"):
         finalize(ctx)(object())  # type: ignore[arg-type]
     assert calls == []

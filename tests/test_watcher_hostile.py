@@ -25,7 +25,7 @@ from tests.helpers import free_port, make_config, read_events, sample, scrape
 from trainer import fence
 from trainer.event_types import Event, StageAttempt, Step
 from trainer.events import EventLog
-from trainer.resilience import NO_RESTART_MARKER
+from trainer.rundir import Layout, RunDir
 
 STEPS = 4
 Action = Callable[[Path], None]
@@ -62,7 +62,7 @@ def train_start(nodes: list[int], *, epoch: int) -> Action:
 
 
 def result(status: str = "completed", *, epoch: int | None = None) -> Action:
-    """result.json as the worker writes it: under its fence (trainer.loop.write_result)."""
+    """result.json as the worker writes it: under its fence (RunDir.write_result)."""
 
     def act(run_root: Path) -> None:
         mine = epoch_of(run_root) if epoch is None else epoch
@@ -77,12 +77,12 @@ def _fence(run_root: Path, epoch: int) -> fence.Fence:
     def refused() -> None:  # a worker exits 4 here; the script goes on
         pass
 
-    return fence.Fence(run_root, epoch, on_fenced=refused)
+    return RunDir(run_root, epoch).fence(on_fenced=refused)
 
 
 def marker(content: Callable[[int], bytes]) -> Action:
     """A no_restart marker, given this attempt's epoch."""
-    return lambda root: plant(str(NO_RESTART_MARKER), content(epoch_of(root)))(root)
+    return lambda root: plant(str(Layout.NO_RESTART), content(epoch_of(root)))(root)
 
 
 def fatal(*, epoch: int | None = None) -> Action:
@@ -190,37 +190,39 @@ CASES: list[tuple[str, list[Action], EndKind]] = [
      EndKind.COMPLETED),
     ("result-not-an-object", [*TRAINING, plant("result.json", b'["completed"]')], EndKind.BUG),
     ("result-is-a-fifo", [*TRAINING, plant("result.json", None)], EndKind.BUG),
-    ("no-restart-is-a-fifo", [plant(str(NO_RESTART_MARKER), None), *TRAINING, result()],
+    ("no-restart-is-a-fifo", [plant(str(Layout.NO_RESTART), None), *TRAINING, result()],
      EndKind.COMPLETED),
-    ("node-lost-is-a-fifo", [plant("control/node_lost", None), *TRAINING, result()],
+    ("node-lost-is-a-fifo", [plant(str(Layout.NODE_LOST), None), *TRAINING, result()],
      EndKind.COMPLETED),
     # Another epoch's verdicts (an earlier attempt's, another run's pod on the same FSx) are
     # no verdict on this attempt; its own are.
     ("stray-marker-of-another-epoch",
-     [plant(str(NO_RESTART_MARKER), b'{"reason": "not yours", "epoch": 999}'), *TRAINING,
-      result()], EndKind.COMPLETED),
+     [plant(str(Layout.NO_RESTART), b'{"t": 1.0, "rank": 0, "reason": "not yours", "epoch": 999}'),
+      *TRAINING, result()], EndKind.COMPLETED),
     ("fatal-of-another-epoch", [*TRAINING, fatal(epoch=999), result()], EndKind.COMPLETED),
     ("result-of-another-epoch", [*TRAINING, result(epoch=999)], EndKind.BUG),
     ("own-fatal", [*TRAINING, fatal(), result("failed")], EndKind.DO_NOT_REQUEUE),
     # Issue 41: a marker nothing of this attempt wrote is no verdict; its own is.
-    ("marker-without-an-epoch", [marker(lambda e: b'{"reason": "whose?"}'), *TRAINING, result()],
+    ("marker-without-an-epoch",
+     [marker(lambda e: b'{"t": 1.0, "rank": 0, "reason": "whose?"}'), *TRAINING, result()],
      EndKind.COMPLETED),
     ("marker-not-json", [marker(lambda e: b"do not restart"), *TRAINING, result()],
      EndKind.COMPLETED),
-    ("own-marker", [*TRAINING, marker(lambda e: b'{"reason": "bad data", "epoch": %d}' % e),
-                    result("failed")], EndKind.DO_NOT_REQUEUE),
+    ("own-marker",
+     [*TRAINING, marker(lambda e: b'{"t": 1.0, "rank": 0, "reason": "bad data", "epoch": %d}' % e),
+      result("failed")], EndKind.DO_NOT_REQUEUE),
     # Another epoch's world and steps: no progress, no world, no drill of this attempt's.
     ("train-start-and-steps-of-another-epoch",
      [train_start([0, 1], epoch=EARLIER), step(1), step(7, epoch=EARLIER), *TRAINING[1:],
       step(99, epoch=EARLIER + 1000), result()], EndKind.COMPLETED),
     # epoch.json lost or corrupt mid-attempt: the live writer's result stands (it repairs
     # the record); a zombie of an earlier epoch still writes nothing.
-    ("epoch-json-lost", [*TRAINING[:2], lambda root: (root / fence.EPOCH_FILE).unlink(),
+    ("epoch-json-lost", [*TRAINING[:2], lambda root: (root / Layout.EPOCH).unlink(),
                          *TRAINING[2:], result()], EndKind.COMPLETED),
-    ("epoch-json-corrupt", [*TRAINING[:2], plant(str(fence.EPOCH_FILE), b"\x00{"),
+    ("epoch-json-corrupt", [*TRAINING[:2], plant(str(Layout.EPOCH), b"\x00{"),
                             *TRAINING[2:], result()], EndKind.COMPLETED),
     ("zombie-after-epoch-json-lost",
-     [*TRAINING, lambda root: (root / fence.EPOCH_FILE).unlink(), result(),
+     [*TRAINING, lambda root: (root / Layout.EPOCH).unlink(), result(),
       result(epoch=EARLIER)], EndKind.COMPLETED),
 ]  # fmt: skip
 
@@ -234,7 +236,7 @@ def test_hostile_files_do_not_change_an_attempts_outcome(
         run_id="hostile", attempt=1, cfg=cfg, nodes=1, nproc_per_node=1, deadline_s=30
     )
     for n in range(EARLIER):  # earlier attempts, each on record in the event log
-        epoch = fence.publish(cfg.run_root, invocation="earlier", attempt=n + 1).epoch
+        epoch = RunDir(cfg.run_root).publish(invocation="earlier", attempt=n + 1).epoch
         EventLog(cfg.run_root, epoch=epoch).emit(StageAttempt(stage="train", attempt=n + 1))
     backend = ScriptedBackend(script)
     seen: list[Event] = []
@@ -394,7 +396,7 @@ def test_a_frozen_fence_lock_holder_costs_a_stage_retry_not_the_run(
     holds = "import sys; from trainer import fence\nwith fence.locked(sys.argv[1]):\n"
     holds += " print('held', flush=True); sys.stdin.read()"
     holder = subprocess.Popen(
-        [sys.executable, "-c", holds, str(cfg.run_root)],
+        [sys.executable, "-c", holds, str(cfg.run_root / Layout.FENCE_LOCK)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1],
     )  # fmt: skip
     try:
@@ -408,7 +410,7 @@ def test_a_frozen_fence_lock_holder_costs_a_stage_retry_not_the_run(
         with pytest.raises(FenceBusy, match="attempt 1 not launched") as err:
             run_attempt(backend, request)  # type: ignore[arg-type]
         assert stage_retry_allowed(err.value) and backend.job is None
-        assert fence.current(cfg.run_root) is None  # no epoch published
+        assert fence.current(RunDir(cfg.run_root)) is None  # no epoch published
         holder.send_signal(signal.SIGCONT)  # it thaws, ends its mutation, lets go
         holder.communicate(timeout=30)
         retry = LaunchRequest(

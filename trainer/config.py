@@ -337,11 +337,6 @@ def _check_keys(kind: type, data: dict[str, Any], prefix: str) -> None:
         require(key in known, f"{prefix}{key}", f"unknown field; known: {sorted(known)}")
 
 
-def config_file(run_root: Path, attempt: int) -> Path:
-    """Where the config of one train-stage attempt lives (what every worker reads)."""
-    return Path(run_root) / "config" / f"train-attempt{attempt}.json"
-
-
 def config_text(cfg: TrainConfig) -> str:
     """``cfg`` as the JSON workers read (a file, or a ConfigMap's value on EKS)."""
     return json.dumps({"format": CONFIG_FORMAT, **cfg.to_dict()}, indent=1) + "\n"

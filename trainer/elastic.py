@@ -119,7 +119,7 @@ def node_id(environ: dict[str, str] | None = None) -> int:
 @dataclass(frozen=True)
 class PriorWorld:
     """What the previous incarnation of this launcher job trained on (``control/launch.json``,
-    trainer.run_state)."""
+    trainer.rundir)."""
 
     world_size: int
     nodes: tuple[int, ...]

@@ -24,7 +24,6 @@ from pathlib import Path
 from trainer.event_types import Event, ValidationError, decode_json
 from trainer.run_files import open_regular
 
-EVENTS_FILE = "events.jsonl"
 # The longest event written is a few KB (a checkpoint's pruned list, a long error message);
 # a longer line is not ours.
 MAX_LINE = 64 * 1024
@@ -133,13 +132,6 @@ class EventReader:
             reason = "not-json" if json_invalid else "not-an-event"
             self.dropped.add(reason, _short(raw, e))
             return None
-
-
-def read_events(run_root: Path) -> list[Event]:
-    """Every valid event of a run, typed: a torn, foreign or malformed line is dropped, and a
-    path that is not a regular file reads as no events. The whole log at once: a reader that
-    folds it streams it instead (:meth:`EventReader.iter_new`, ``RunHistory.read``)."""
-    return EventReader(Path(run_root) / EVENTS_FILE).read_new()
 
 
 def _short(raw: bytes, e: ValidationError) -> str:

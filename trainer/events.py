@@ -24,6 +24,7 @@ from typing import Literal, TypeVar, cast, get_args
 
 from trainer.event_types import Event, ValidationError, decode_json
 from trainer.fence import epoch_from_env
+from trainer.rundir import Layout
 
 # The layers a recovery is attributed to (``restart``/``recovered`` events, the result's
 # ``faults[].recovered_by``): in-process, in-job respawn, an elastic job re-formed on fewer
@@ -44,7 +45,7 @@ class EventLog:
     def __init__(self, run_root: Path, *, enabled: bool = True, epoch: int | None = None) -> None:
         """``epoch``: the epoch every event carries (trainer.fence); None: this process's own
         (``NVRX_EPOCH``), if it was given one."""
-        self.path = Path(run_root) / "events.jsonl"
+        self.path = Path(run_root) / Layout.EVENTS
         self.enabled = enabled
         self.epoch = epoch if epoch is not None else epoch_from_env()
         self.echo = os.environ.get(ECHO_ENV) == "1"

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.errors import TrainerError
+from trainer.rundir import RunDir
 
 
 class FaultKind(enum.StrEnum):
@@ -227,22 +228,6 @@ def parse_faults(specs: Iterable[str | FaultSpec]) -> tuple[FaultSpec, ...]:
     return tuple(map(parse_fault, specs))
 
 
-def claim(run_root: Path, spec: FaultSpec) -> bool:
-    """Atomically record that ``spec`` fired in this run; False when it already has (in an
-    earlier life of a worker, or an earlier attempt of the stage)."""
-    marker_dir = Path(run_root) / "faults"
-    marker_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(marker_dir / f"{spec.slug}.fired", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{time.time()}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    return True
-
-
 class FaultInjector:
     """Fires the trainer-side faults of a run, each at most once per run."""
 
@@ -256,7 +241,7 @@ class FaultInjector:
         guard: Callable[[str], contextlib.AbstractContextManager[None]] | None = None,
     ) -> None:
         self.specs = [s for s in specs if not s.is_node_fault]
-        self.marker_dir = Path(run_root) / "faults"
+        self.run_dir = RunDir(run_root)
         self.rank = rank
         self.on_fire = on_fire
         # The writer's fence (trainer.fence.Fence.hold): a replaced attempt's rank claims no
@@ -265,7 +250,7 @@ class FaultInjector:
 
     def _claim(self, spec: FaultSpec) -> bool:
         with self.guard(f"claim the drill {spec}"):
-            return claim(self.marker_dir.parent, spec)
+            return self.run_dir.claim(spec.slug)
 
     def _due(self, spec: FaultSpec, step: int, phase: str) -> bool:
         return spec.phase == phase and spec.step == step and spec.target_rank == self.rank

@@ -35,13 +35,10 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainer.errors import ExitCode, TrainerError
-from trainer.event_read import EVENTS_FILE
 from trainer.event_types import FencedEvent, ValidationError, decode_json
 from trainer.run_files import open_regular, read_model, write_json_atomic
 
 EPOCH_ENV = "NVRX_EPOCH"
-EPOCH_FILE = Path("control") / "epoch.json"
-LOCK_FILE = Path("control") / ".fence.lock"
 # How long a mutation or a publication waits for the lock: a mutation holds it for a rename or
 # a few (milliseconds); longer means a holder that stopped while holding it (a frozen process).
 LOCK_TIMEOUT_S = 60.0
@@ -58,6 +55,17 @@ class Fenced(TrainerError, RuntimeError):
 
 class LockTimeout(TrainerError, TimeoutError):
     pass
+
+
+class Files(Protocol):
+    """Where a run root keeps the fence's files (:class:`trainer.rundir.RunDir`)."""
+
+    @property
+    def epoch_file(self) -> Path: ...
+    @property
+    def lock_file(self) -> Path: ...
+    @property
+    def events_file(self) -> Path: ...
 
 
 class Emits(Protocol):
@@ -82,13 +90,11 @@ def epoch_from_env(env: dict[str, str] | None = None) -> int | None:
 
 
 @contextlib.contextmanager
-def locked(
-    run_root: Path | str, *, timeout_s: float | None = None, name: Path = LOCK_FILE
-) -> Iterator[None]:
-    """The run root's fence lock (or another lock file of it, ``name``), exclusive, waited for
-    at most ``timeout_s`` (None: :data:`LOCK_TIMEOUT_S`)."""
+def locked(path: Path | str, *, timeout_s: float | None = None) -> Iterator[None]:
+    """The lock file ``path`` (the fence's, a lease's), exclusive, waited for at most
+    ``timeout_s`` (None: :data:`LOCK_TIMEOUT_S`)."""
     timeout_s = LOCK_TIMEOUT_S if timeout_s is None else timeout_s
-    path = Path(run_root) / name
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     fd = os.open(path, flags, 0o644)
@@ -112,15 +118,15 @@ def locked(
         os.close(fd)  # releases the lock
 
 
-def current(run_root: Path) -> Epoch | None:
+def current(files: Files) -> Epoch | None:
     """The run's epoch; None when none was published (or the file is malformed: said)."""
-    return read_model(Path(run_root) / EPOCH_FILE, Epoch)
+    return read_model(files.epoch_file, Epoch)
 
 
-def logged(run_root: Path) -> int:
+def logged(files: Files) -> int:
     """The highest epoch the event log's end records (0: none)."""
     try:
-        with open_regular(Path(run_root) / EVENTS_FILE) as fd:
+        with open_regular(files.events_file) as fd:
             size = os.fstat(fd).st_size
             start = max(0, size - EVENTS_TAIL)
             lines = os.pread(fd, size - start, start).split(b"\n")[1 if start else 0 :]
@@ -133,24 +139,24 @@ def logged(run_root: Path) -> int:
     return best
 
 
-def highest(run_root: Path) -> int:
+def highest(files: Files) -> int:
     """The highest epoch on record, ``epoch.json``'s or the event log's (0: none): an epoch.json
     lost or corrupt is no reason to count from 1 again."""
-    now = current(run_root)
-    return max(now.epoch if now is not None else 0, logged(run_root))
+    now = current(files)
+    return max(now.epoch if now is not None else 0, logged(files))
 
 
-def publish(run_root: Path, *, invocation: str, attempt: int) -> Epoch:
+def publish(files: Files, *, invocation: str, attempt: int) -> Epoch:
     """A new epoch for an attempt about to launch (the watcher, under the run's lease): every
     writer of an earlier one is fenced from now on."""
-    with locked(run_root):
+    with locked(files.lock_file):
         new = Epoch(
-            epoch=highest(run_root) + 1,
+            epoch=highest(files) + 1,
             invocation=invocation[:128],
             attempt=attempt,
             t=time.time(),
         )
-        write_json_atomic(Path(run_root) / EPOCH_FILE, new.model_dump())
+        write_json_atomic(files.epoch_file, new.model_dump())
         return new
 
 
@@ -166,26 +172,23 @@ def _exit_fenced() -> None:
 
 
 class Fence:
-    """A worker's hold on the run root for its epoch (None: unfenced)."""
+    """A worker's hold on the run root for its epoch (None: unfenced); made by
+    :meth:`trainer.rundir.RunDir.fence`."""
 
     def __init__(
         self,
-        run_root: Path,
+        files: Files,
         epoch: int | None,
         events: Emits | None = None,
         *,
         on_fenced: Callable[[], None] = _exit_fenced,
     ) -> None:
-        self.run_root = Path(run_root)
+        self.files = files
         self.epoch = epoch
         self.events = events
         # What a fenced writer does once it has said so: exit (a zombie has nothing left to
         # do), from whichever thread found out. Tests raise instead.
         self.on_fenced = on_fenced
-
-    @classmethod
-    def from_env(cls, run_root: Path, events: Emits | None = None) -> Fence:
-        return cls(run_root, epoch_from_env(), events)
 
     @contextlib.contextmanager
     def hold(self, action: str) -> Iterator[None]:
@@ -193,9 +196,9 @@ class Fence:
         if self.epoch is None:
             yield
             return
-        with locked(self.run_root):
-            now = current(self.run_root)
-            if now is None and highest(self.run_root) <= self.epoch:
+        with locked(self.files.lock_file):
+            now = current(self.files)
+            if now is None and highest(self.files) <= self.epoch:
                 now = self._repair()
             if now is None or now.epoch != self.epoch:
                 self._fenced(action, now)
@@ -205,19 +208,17 @@ class Fence:
         """Under the lock: ``epoch.json`` is lost or corrupt and this writer's epoch is the
         highest on record, so it is the run's: written back, and said."""
         assert self.epoch is not None
-        _log.warning(
-            "%s unreadable: repaired with epoch %d", self.run_root / EPOCH_FILE, self.epoch
-        )
+        _log.warning("%s unreadable: repaired with epoch %d", self.files.epoch_file, self.epoch)
         now = Epoch(epoch=self.epoch, invocation="repaired", attempt=1, t=time.time())
-        write_json_atomic(self.run_root / EPOCH_FILE, now.model_dump())
+        write_json_atomic(self.files.epoch_file, now.model_dump())
         return now
 
     def still_current(self) -> bool:
         """A check without the lock, for a decision that mutates nothing by itself."""
         if self.epoch is None:
             return True
-        now = current(self.run_root)
-        return now.epoch == self.epoch if now is not None else highest(self.run_root) <= self.epoch
+        now = current(self.files)
+        return now.epoch == self.epoch if now is not None else highest(self.files) <= self.epoch
 
     def _fenced(self, action: str, now: Epoch | None) -> None:
         reason = (

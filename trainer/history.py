@@ -20,7 +20,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from trainer.event_read import EVENTS_FILE, EventReader
 from trainer.event_types import (
     Checkpoint,
     Event,
@@ -45,6 +44,7 @@ from trainer.records import (
     TimeBreakdown,
     WorldChangeRecord,
 )
+from trainer.rundir import RunDir
 
 # Committed checkpoints remembered for the productive-time window. A run keeps a few
 # (``checkpoint.keep_last``); a writer that never reports pruning (the torchrun baseline) is
@@ -113,13 +113,13 @@ class RunHistory:
     def read(cls, run_root: Path, *, since: float = 0.0) -> RunHistory:
         """The fold of a run's ``events.jsonl``, streamed (never held whole)."""
         h = cls(since=since)
-        for ev in EventReader(Path(run_root) / EVENTS_FILE).iter_new():
+        for ev in RunDir(run_root).event_reader().iter_new():
             h.observe(ev)
         return h
 
     @classmethod
     def of(cls, events: Iterable[Event], *, since: float = 0.0) -> RunHistory:
-        """The fold of events already read (:func:`trainer.event_read.read_events`)."""
+        """The fold of events already read (:func:`trainer.rundir.read_events`)."""
         h = cls(since=since)
         for e in events:
             h.observe(e)

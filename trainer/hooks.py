@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer import run_state
 from trainer.event_types import Fault, Recovered, Step
 from trainer.events import EventLog
 from trainer.faults import FaultInjector, FaultKind, FaultSpec, flip_bytes
-from trainer.fence import Fence
+from trainer.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,7 @@ class FaultDrills(Hook):
         self.node_memory = node_memory
         # The step section's timeout in force (the heartbeat's): a hang's event states it.
         self.step_timeout = step_timeout
-        self.fence = Fence.from_env(run_root, events)
+        self.fence = RunDir.from_env(run_root).fence(events)
         self.injector = FaultInjector(
             specs, run_root, rank=rank, on_fire=self._fired, guard=self.fence.hold
         )
@@ -117,7 +116,7 @@ class FaultDrills(Hook):
         # Open until the first step after the restart closes it (before the fault fires).
         if not spec.is_damage:
             with self.fence.hold(f"record the fault {spec}"):
-                run_state.open_fault(self.events.path.parent, event)
+                RunDir(self.events.path.parent).open_fault(event)
 
     def _damage_node_memory(self, spec: FaultSpec) -> str | None:
         """Flip bytes in every generation of this rank's own node-memory copies; the newest's
@@ -237,11 +236,11 @@ def emit_recoveries(events: EventLog, layer: str, step: int, *, began: float) ->
     incarnation recovered from: another rank may fire its drill at the next step while rank 0
     is still here (seen: a stall at step 12 claimed by the first step after an exception's
     restart, 2 ms before it fired, its real recovery then claiming nothing)."""
-    run_root = events.path.parent
-    retry_t = run_state.retry_began(run_root)
+    run_dir = RunDir.from_env(events.path.parent)
+    retry_t = run_dir.retry_began()
     now = time.time()
-    fence = Fence.from_env(run_root, events)
-    for path, f in run_state.open_faults(run_root):
+    fence = run_dir.fence(events)
+    for path, f in run_dir.open_faults():
         if f.t >= began:
             continue
         # Said and closed under the fence: a replaced attempt's rank 0 claims no recovery.
@@ -260,4 +259,4 @@ def emit_recoveries(events: EventLog, layer: str, step: int, *, began: float) ->
                     recovery_s=round(max(0.0, now - f.t), 3),
                 )
             )
-            run_state.close_fault(path)
+            run_dir.close_fault(path)

@@ -30,7 +30,7 @@ from trainer.config import InProcessConfig
 from trainer.errors import TerminalError
 from trainer.gloo_release import release_process_groups
 from trainer.process import Body, ProcessContext
-from trainer.resilience import node_lost_since
+from trainer.rundir import Layout, RunDir
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class HandOverOnNodeLoss(inprocess.finalize.Finalize):  # type: ignore[misc]
         self.run_root, self.since = run_root, since
 
     def __call__(self, state: Any) -> Any:
-        if node_lost_since(self.run_root, self.since):
+        if RunDir(self.run_root).node_lost_since(self.since):
             raise RestartAbort("a node of this job was lost: the in-job layer re-forms the world")
         return state
 
@@ -138,7 +138,7 @@ class InProcessLayer:
         )
         self.ctx = dataclasses.replace(self.ctx, base_store=store)
 
-        logfile = self.ctx.cfg.run_root / "logs" / "inprocess-monitor-{rank}.log"
+        logfile = self.ctx.cfg.run_root / Layout.monitor_log("{rank}")
         wrapper = inprocess.Wrapper(
             # A client of the incarnation's store (rank 0 hosts it at MASTER_PORT, above),
             # in the worker and in its monitor process alike.

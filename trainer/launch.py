@@ -13,6 +13,7 @@ from pathlib import Path
 
 from trainer.config import TrainConfig
 from trainer.elastic import NodeRange
+from trainer.rundir import Layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         rdzv_endpoint=launch.rdzv_endpoint,
         rdzv_id=launch.rdzv_id,
     )
-    path = save_config(cfg, cfg.run_root / "config" / "launch.json")
+    path = save_config(cfg, cfg.run_root / Layout.CONFIG / "launch.json")
     argv_out = ft_launcher_argv(cfg, spec, trainer_args(cfg, path))
     os.environ.update(worker_env(path))
     print(" ".join(argv_out), file=sys.stderr, flush=True)

@@ -8,7 +8,6 @@ the process group, the fault-tolerance hooks, and at the end ``result.json``. Th
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -22,9 +21,9 @@ from trainer.checkpointing.async_save import AsyncCheckpointer
 from trainer.config import TrainConfig
 from trainer.elastic import PriorWorld
 from trainer.events import EventLog
-from trainer.fence import Fence
 from trainer.hooks import FaultDrills, Heartbeats, Hooks, StepEvents
 from trainer.parallel import Placement
+from trainer.rundir import RunDir
 from trainer.workload import DataSource
 
 
@@ -41,12 +40,10 @@ class Origin:
 
     @classmethod
     def of(cls, run_root: Path, environ: Mapping[str, str] = os.environ) -> Origin:
-        from trainer import run_state
-
-        # From control/ (trainer.run_state), never a scan of the event log: O(1) at any length.
+        # From control/ (trainer.rundir), never a scan of the event log: O(1) at any length.
         return cls(
             restart_count=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            prior=run_state.prior_world(run_root, environ.get("TORCHELASTIC_RUN_ID")),
+            prior=RunDir(run_root).prior_world(environ.get("TORCHELASTIC_RUN_ID")),
             stage_attempt=int(environ.get("NVRX_STAGE_ATTEMPT", "1")),
         )
 
@@ -154,16 +151,3 @@ def build_hooks(
             )
         )
     return Hooks(*hooks)
-
-
-def write_result(cfg: TrainConfig, result: dict[str, Any]) -> None:
-    """``result.json``, carrying this worker's epoch: the watcher takes only its own attempt's
-    result, and a writer whose attempt was replaced writes none (trainer.fence)."""
-    fence = Fence.from_env(cfg.run_root, EventLog(cfg.run_root))
-    if fence.epoch is not None:
-        result = {**result, "epoch": fence.epoch}
-    path = cfg.run_root / "result.json"
-    with fence.hold("write result.json"):
-        tmp = path.with_name(f".result.json.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, path)

@@ -11,7 +11,6 @@ Both layers are switchable by config and each works without the other:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -19,7 +18,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from trainer.events import EventLog
 from trainer.layer_config import CHECKPOINT_SECTION, LOAD_SECTION, STEP_SECTION
+from trainer.rundir import RunDir
 from trainer.timeouts import OUT_OF_SECTION, STEP, TimeoutLearner, Timeouts
 
 __all__ = ["CHECKPOINT_SECTION", "LOAD_SECTION", "STEP_SECTION", "Heartbeat"]
@@ -28,99 +29,21 @@ log = logging.getLogger(__name__)
 
 FT_RANK_MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
 
-# The marker helpers below are read by the pipeline (tasks/): this module imports NVRx only
-# inside the functions that need it (importing it costs seconds).
-#
-# The terminal marker on the shared filesystem, written only by our workers (NVRx's own
-# shutdown request travels over its launcher's IPC socket): a peer's exit 93 can be masked on
-# multi-node jobs (the others are signalled), so whoever classifies the end reads this file as
-# well as every node's exit code.
-NO_RESTART_MARKER = Path("control") / "no_restart"
+# Imports NVRx only inside the functions that need it (importing it costs seconds).
 
 
 def stop_without_restart(run_root: Path | None, *, rank: int, reason: str) -> bool:
-    """No restart can fix ``reason`` (bad configuration, a fatal error): write the marker, then
-    ask ft_launcher not to respawn the workers. Returns whether the launcher took the request
+    """No restart can fix ``reason`` (bad configuration, a fatal error): write the
+    ``no_restart`` marker (:meth:`trainer.rundir.RunDir.write_no_restart`: a peer's exit 93 can
+    be masked on multi-node jobs, so whoever classifies the end reads it too), then ask
+    ft_launcher not to respawn the workers. Returns whether the launcher took the request
     (False outside ft_launcher, or on an NVRx without it: the marker still ends the stage)."""
     from trainer import nvrx_compat
 
     if run_root is not None:
-        write_no_restart(run_root, rank=rank, reason=reason)
+        events = EventLog(run_root)
+        RunDir.from_env(run_root).write_no_restart(rank=rank, reason=reason, events=events)
     return nvrx_compat.request_no_restart(rank, reason)
-
-
-def write_no_restart(run_root: Path, *, rank: int, reason: str) -> None:
-    """The marker, carrying this worker's epoch (trainer.fence): the watcher counts only its
-    own attempt's, and a writer whose attempt was replaced writes none."""
-    from trainer.events import EventLog
-    from trainer.fence import Fence
-
-    fence = Fence.from_env(run_root, EventLog(run_root))
-    marker: dict[str, object] = {"t": time.time(), "rank": rank, "reason": reason}
-    if fence.epoch is not None:
-        marker["epoch"] = fence.epoch
-    path = run_root / NO_RESTART_MARKER
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with fence.hold("write the no_restart marker"):
-        tmp = path.with_name(f".no_restart.{rank}.{os.getpid()}")
-        tmp.write_text(json.dumps(marker) + "\n")
-        os.replace(tmp, path)  # atomic: a reader never sees half a marker
-
-
-def read_no_restart(run_root: Path, *, epoch: int | None = None) -> str | None:
-    """The marker's reason, or None when there is none that is this attempt's verdict: only a
-    JSON object carrying ``epoch`` (None: an unfenced run's, which carries none) is one.
-    Anything else (not JSON, no epoch, another epoch's) nothing of this attempt wrote: ignored,
-    and said."""
-    from trainer.run_files import read_json_object
-
-    path = run_root / NO_RESTART_MARKER
-    marker = read_json_object(path)  # None (said) for a FIFO, a link, a huge file, not JSON
-    if marker is None:
-        return None
-    if marker.get("epoch") != epoch:
-        logging.getLogger(__name__).warning(
-            "ignoring %s: written by epoch %s, not this attempt's %s",
-            path,
-            marker.get("epoch"),
-            epoch,
-        )
-        return None
-    return str(marker.get("reason") or "no_restart marker")
-
-
-def clear_no_restart(run_root: Path) -> None:
-    """A new attempt starts without an old attempt's verdict (after the config was fixed)."""
-    (run_root / NO_RESTART_MARKER).unlink(missing_ok=True)
-
-
-# Written by the watcher when it knows a node of an elastic job is gone (before it takes a
-# drill's node away; once it sees a real loss): the survivors' in-process layer cannot bring a
-# lost node back, so it hands the restart to the in-job layer at once instead of first
-# draining its save in flight and checking health (seconds, all of them spent on a restart that
-# the full-world RetryController then refuses).
-NODE_LOST_MARKER = Path("control") / "node_lost"
-
-
-def write_node_lost(run_root: Path, *, node: int | None, t: float | None = None) -> None:
-    path = run_root / NODE_LOST_MARKER
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".node_lost.{os.getpid()}")
-    tmp.write_text(json.dumps({"t": time.time() if t is None else t, "node": node}) + "\n")
-    os.replace(tmp, path)
-
-
-def node_lost_since(run_root: Path, since: float) -> bool:
-    """Was a node of this job reported lost after ``since`` (epoch seconds)? The marker is on
-    the shared filesystem: anything but a well-formed one reads as no."""
-    from trainer.run_files import read_json_object
-
-    t = (read_json_object(run_root / NODE_LOST_MARKER) or {}).get("t")
-    return isinstance(t, (int, float)) and not isinstance(t, bool) and t > since
-
-
-def clear_node_lost(run_root: Path) -> None:
-    (run_root / NODE_LOST_MARKER).unlink(missing_ok=True)
 
 
 class Heartbeat:

@@ -30,19 +30,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from trainer import checkpointing, run_state
+from trainer import checkpointing
 from trainer.checkpointing.manager import CheckpointManager
 from trainer.digest import params_sha256
 from trainer.elastic import micro_batches, node_id
 from trainer.event_types import Restart, TrainEnd, TrainStart, WorldChange
 from trainer.faults import FaultKind
 from trainer.hooks import FaultDrills, Hooks, StepEnd
-from trainer.process import (
-    ProcessContext,
-    build_hooks,
-    init_process_group,
-    write_result,
-)
+from trainer.process import ProcessContext, build_hooks, init_process_group
+from trainer.rundir import RunDir, RunResult
 
 if TYPE_CHECKING:
     from torch import nn
@@ -204,7 +200,7 @@ class TrainSession:
             )
         )
         with ckpt.fence.hold("record the launch"):
-            run_state.record_launch(cfg.run_root, job_id=job_id, world_size=world, nodes=nodes)
+            RunDir(cfg.run_root).record_launch(job_id=job_id, world_size=world, nodes=nodes)
         return first
 
     def step_start(self, step: int) -> None:
@@ -282,7 +278,8 @@ class TrainSession:
             "config_hash": self.cfg.fingerprint(),
         }
         if self.rank == 0:
-            write_result(self.cfg, result)
+            run_dir = RunDir.from_env(self.cfg.run_root)
+            run_dir.write_result(RunResult.model_validate(result), self.ctx.events)
             self.ctx.events.emit(
                 TrainEnd(
                     final_step=self.cfg.steps,

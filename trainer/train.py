@@ -60,6 +60,7 @@ from trainer.event_types import Fatal
 from trainer.events import EventLog
 from trainer.faults import FaultSpecError
 from trainer.process import Body
+from trainer.rundir import RunDir, RunResult
 from trainer.worker import DataFactory, run, workload_data
 from trainer.worker_cli import build_parser, claimed_run_root, config_from_args
 
@@ -127,10 +128,10 @@ def _terminal(cfg: TrainConfig, message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     if int(os.environ.get("RANK", "0")) == 0:
         try:
-            from trainer.process import write_result
-
-            EventLog(cfg.run_root).emit(Fatal(error=message, requeue=False))
-            write_result(cfg, {"status": "failed", "error": message, "requeue": False})
+            events = EventLog(cfg.run_root)
+            events.emit(Fatal(error=message, requeue=False))
+            result = RunResult(status="failed", error=message, requeue=False)
+            RunDir.from_env(cfg.run_root).write_result(result, events)
         except OSError as e:  # a full disk may be the very cause: still stop, still exit 3
             log.warning("could not record the fatal error on %s: %s", cfg.run_root, e)
     _stop_without_restart(cfg.run_root, message)

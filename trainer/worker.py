@@ -128,19 +128,15 @@ def _node_beat(cfg: TrainConfig) -> Any:
     """The node's sign of life for the watcher (trainer.node_beat): written by its first
     worker, from a thread that outlives in-process restarts. None where no backend said
     which node this is (run by hand)."""
-    from trainer import fence
     from trainer.elastic import node_id
     from trainer.node_beat import NodeBeat
+    from trainer.rundir import RunDir
 
     node = node_id()
     if node < 0 or os.environ.get("LOCAL_RANK", "0") != "0":
         return None
-    return NodeBeat(
-        cfg.run_root,
-        epoch=fence.epoch_from_env(),
-        node=node,
-        interval_s=cfg.injob.heartbeat_interval_s,
-    )
+    path = RunDir.from_env(cfg.run_root).beat_file(node)
+    return NodeBeat(path, interval_s=cfg.injob.heartbeat_interval_s)
 
 
 def _node_memory(cfg: TrainConfig, rank: int, world: int) -> Any:

@@ -47,8 +47,9 @@ class _LiveProgress:
     def _run(self) -> None:
         from trainer.event_read import EventReader
         from trainer.event_types import Step
+        from trainer.rundir import Layout
 
-        path = self.run_root / "events.jsonl"
+        path = self.run_root / Layout.EVENTS
         tail = EventReader(path, from_start=False)
         out = sys.stderr
         if self.tty:
@@ -108,6 +109,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"Prefect server: {kept.removesuffix('/api')} (nvrx-pipeline up)", file=sys.stderr
             )
     from flows.pipeline import training_pipeline
+    from trainer.rundir import Layout
 
     status = 0
     started = time.time()
@@ -125,7 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = state.result()
     else:
         status = EXIT_FAILED
-        saved = ctx.run_root / "pipeline_result.json"
+        saved = ctx.run_root / Layout.PIPELINE_RESULT
         # Only this invocation's: a refused second invocation must not report the owner's.
         if saved.exists() and saved.stat().st_mtime >= started:
             result = PipelineResult.model_validate_json(saved.read_text())

@@ -38,11 +38,12 @@ from tasks.classify import Observation, Outcome
 from tasks.ownership import processes
 from tasks.ownership.lease import RunLease, process_is
 from tasks.secrets import resolve_local, scrubbed
-from trainer.config import config_file, save_config
+from trainer.config import save_config
 from trainer.event_types import Event, TrainStart
 from trainer.fence import EPOCH_ENV
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
 from trainer.run_files import read_small
+from trainer.rundir import Layout
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -122,7 +123,7 @@ class Recorder(Protocol):
 
 def exit_file(run_root: Path, attempt: int, node: int) -> Path:
     """Where simulated node ``node`` of ``attempt`` leaves its agent's exit code."""
-    return run_root / "logs" / f"attempt{attempt}-node{node}.exit"
+    return run_root / Layout.attempt_log(attempt, f"node{node}.exit")
 
 
 @dataclass
@@ -215,7 +216,7 @@ class LocalJob:
             },
             lost=frozenset(status.lost_nodes),
             where="logs: "
-            + str(self.request.cfg.run_root / "logs" / f"attempt{self.attempt}-node*.log"),
+            + str(self.request.cfg.run_root / Layout.attempt_log(self.attempt, "node*.log")),
         )
 
     def finish(self, outcome: Outcome) -> dict[str, Any]:
@@ -389,8 +390,7 @@ class LocalBackend:
         watched from here on."""
         root = request.cfg.run_root
         nodes = {int(r["node"]): NodeProcess.from_record(r, root) for r in records}
-        log_dir = request.cfg.run_root / "logs"
-        logs = {n: log_dir / f"attempt{request.attempt}-node{n}.log" for n in nodes}
+        logs = {n: root / Layout.attempt_log(request.attempt, f"node{n}.log") for n in nodes}
         if self.recorder is not None:
             for n in nodes.values():
                 self.recorder.record(n.record(request.attempt))
@@ -415,7 +415,7 @@ class LocalBackend:
             # their rendezvous id in the events already.
             rdzv_id=f"{request.run_id}-attempt{request.attempt}-{request.invocation[:8]}",
         )
-        config = save_config(cfg, config_file(cfg.run_root, request.attempt))
+        config = save_config(cfg, cfg.run_root / Layout.train_config(request.attempt))
         argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config))
         # A clean environment: none of the orchestrator's credentials, and the run's declared
         # secrets only (tasks.secrets), resolved now from Prefect's Secret blocks.
@@ -439,13 +439,13 @@ class LocalBackend:
             nodes=request.launched,
             nproc_per_node=request.nproc_per_node,
         )
-        log_dir = cfg.run_root / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        network = self._network(request, env, log_dir / f"attempt{request.attempt}-net.log")
+        (cfg.run_root / Layout.LOGS).mkdir(parents=True, exist_ok=True)
+        net_log = cfg.run_root / Layout.attempt_log(request.attempt, "net.log")
+        network = self._network(request, env, net_log)
         memory = node_memory.prepare(cfg.run_root, request.attempt, request.invocation)
 
         def start(node: int) -> NodeProcess:
-            log_path = log_dir / f"attempt{request.attempt}-node{node}.log"
+            log_path = cfg.run_root / Layout.attempt_log(request.attempt, f"node{node}.log")
             exit_path = exit_file(cfg.run_root, request.attempt, node)
             exit_path.unlink(missing_ok=True)
             # A node's memory starts empty: a first start, or a node back after a loss.
@@ -483,7 +483,7 @@ class LocalBackend:
                 store = start_store(
                     spec.rdzv_endpoint,
                     env,
-                    log_dir / f"attempt{request.attempt}-rdzv.log",
+                    cfg.run_root / Layout.attempt_log(request.attempt, "rdzv.log"),
                     enter=network.enter() if network is not None else [],
                 )
         except BaseException:
@@ -494,7 +494,8 @@ class LocalBackend:
         # first ``train_start``), so that they are the ones waiting in the rendezvous.
         nodes = {node: start(node) for node in range(request.nodes)}
         logs = {
-            n: log_dir / f"attempt{request.attempt}-node{n}.log" for n in range(request.launched)
+            n: cfg.run_root / Layout.attempt_log(request.attempt, f"node{n}.log")
+            for n in range(request.launched)
         }
         return LocalJob(
             request,

@@ -43,10 +43,8 @@ import psutil
 
 from tasks.errors import PipelineError
 from trainer.fence import LockTimeout, locked
+from trainer.rundir import Layout
 
-LEASE_FILE = "owner.lease"
-LOCK_FILE = ".owner.lock"
-SWAP_LOCK_FILE = Path(".lease.lock")
 # A swap holds its lock for a read and a rename; longer means a holder stopped while holding it.
 SWAP_TIMEOUT_S = 5.0
 HEARTBEAT_S = 5.0
@@ -75,7 +73,7 @@ def swapping(run_root: Path, *, flock: bool = True) -> Iterator[None]:
     if not flock:
         yield
         return
-    with locked(run_root, timeout_s=SWAP_TIMEOUT_S, name=SWAP_LOCK_FILE):
+    with locked(Path(run_root) / Layout.LEASE_LOCK, timeout_s=SWAP_TIMEOUT_S):
         yield
 
 
@@ -213,7 +211,7 @@ class RunLease:
 
     @property
     def path(self) -> Path:
-        return self.run_root / LEASE_FILE
+        return self.run_root / Layout.LEASE
 
     # -- taking and giving back ------------------------------------------------------------------
     def acquire(self, *, wait_s: float = 0.0, stale_after_s: float = STALE_AFTER_S) -> None:
@@ -224,7 +222,7 @@ class RunLease:
         # An owner on another host is watched until it is known: alive (its record changed)
         # or dead (unchanged for stale_after_s), whatever wait_s says.
         watch = HeartbeatWatch(stale_after_s)
-        fd = os.open(self.run_root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.run_root / Layout.OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             while True:
                 undecided = False
@@ -356,7 +354,7 @@ class RunLease:
         with swapping(self.run_root, flock=self._flock):
             self.lost = self._taken_by()
             if self.lost is None:
-                tmp = self.path.with_name(f".{LEASE_FILE}.{self.owner.invocation}.tmp")
+                tmp = self.path.with_name(f".{Layout.LEASE}.{self.owner.invocation}.tmp")
                 tmp.write_text(self._record().to_json())
                 os.replace(tmp, self.path)
         if self.lost is not None:
@@ -410,7 +408,7 @@ def held(run_root: Path) -> RunLease | None:
 def peek(run_root: Path) -> LeaseRecord | None:
     """The run's lease as it stands, without taking it."""
     try:
-        return LeaseRecord.parse((Path(run_root) / LEASE_FILE).read_text())
+        return LeaseRecord.parse((Path(run_root) / Layout.LEASE).read_text())
     except OSError:
         return None
 

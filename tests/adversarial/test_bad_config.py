@@ -21,7 +21,7 @@ from tasks.classify import EndKind
 from tasks.retry_policy import stage_retry_allowed
 from tests.helpers import make_config, run_ft_launcher
 from trainer.data import write_synthetic_dataset
-from trainer.resilience import read_no_restart
+from trainer.rundir import RunDir
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def test_worker_finds_its_config_bad_and_the_job_ends_after_one_start(
     assert "has joined round 1 " not in out.log, out.log[-3000:]
     assert "ShutdownWorkload" in out.log  # the launcher received the request
     assert out.returncode != 0
-    marker = read_no_restart(cfg.run_root)
+    marker = RunDir(cfg.run_root).no_restart()  # run by hand: unfenced
     assert marker is not None and cause in marker
     (fatal,) = out.of_kind("fatal")
     assert cause in fatal["error"] and fatal["requeue"] is False

@@ -32,6 +32,7 @@ from tasks.storage.s3 import S3Settings
 from tests.helpers import free_s3_port, read_events
 from tests.pipeline_helpers import make_params, nvrx_events
 from trainer.event_types import Event, Step
+from trainer.rundir import Layout
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -266,12 +267,12 @@ def test_an_owner_frozen_mid_swap_makes_the_run_busy_not_a_hang(tmp_path: Path, 
     lease, due by its record (its owner is dead), waits no longer than wait_s, then RunBusy."""
     from tasks.ownership import lease
 
-    (tmp_path / "owner.lease").write_text(_dead_owner().to_json())
-    holds = "import sys; from pathlib import Path; from trainer import fence\n"
-    holds += "with fence.locked(sys.argv[1], name=Path('.lease.lock')):\n"
+    (tmp_path / Layout.LEASE).write_text(_dead_owner().to_json())
+    holds = "import sys; from trainer import fence\n"
+    holds += "with fence.locked(sys.argv[1]):\n"
     holds += " print('held', flush=True); sys.stdin.read()"
     holder = subprocess.Popen(
-        [sys.executable, "-c", holds, str(tmp_path)],
+        [sys.executable, "-c", holds, str(tmp_path / Layout.LEASE_LOCK)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO,
     )  # fmt: skip
     try:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.optim import Optimizer
 
-from trainer import __version__, checkpointing, run_state
+from trainer import __version__, checkpointing
 from trainer.checkpointing import (
     CheckpointCommitError,
     CheckpointStorageError,
@@ -52,6 +52,7 @@ from trainer.event_types import (
 from trainer.events import EventLog
 from trainer.fence import Fence
 from trainer.layer_config import CHECKPOINT_SECTION, LOAD_SECTION
+from trainer.rundir import RunDir
 from trainer.workload import DataSource
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class CheckpointManager:
         # The state dicts the memory saves copy from, kept while their structure holds.
         self._live = LiveState()
         # Every change rank 0 makes to the run root runs under it (trainer.fence).
-        self.fence = fence or Fence.from_env(cfg.run_root, events)
+        self.fence = fence or RunDir.from_env(cfg.run_root).fence(events)
         self.saver = saver
         self.events = events
         # A load, and a save with its commit, each run under their own hang timeout.
@@ -462,7 +463,7 @@ class _Commit:
                 epoch=self.fence.epoch,
             )
             pruned = checkpointing.prune(self.run_root, self.keep_last)
-            run_state.record_commit(self.run_root, self.step)
+            RunDir(self.run_root).record_commit(self.step)
         if pruned.refused:
             self.events.emit(PruneRefused(step=self.step, reason=pruned.refused))
         commit_s = time.perf_counter() - t0

@@ -23,11 +23,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from trainer import checkpointing, run_state, untrusted
+from trainer import checkpointing, untrusted
 from trainer.checkpointing import tiers
 from trainer.checkpointing.config import ResumePolicy
 from trainer.checkpointing.restoring import FatalError, RestoreContext, Resumed, loss_of
 from trainer.event_types import Resume
+from trainer.rundir import RunDir
 from trainer.workload import DataSource
 
 SOURCE = "durable"
@@ -103,7 +104,7 @@ class DurableRestorer:
             self.ctx.events.emit(Resume(action=r.action, dir=r.dir, step=r.step, reason=r.reason))
         ok, rejected, found = checkpointing.resume_candidates(root, fingerprint=self.fingerprint)
         if not found:
-            recorded = run_state.recorded_commit(root)
+            recorded = RunDir(root).recorded_commit()
             if recorded is not None:
                 why = _checkpoints_gone(root, recorded)
                 self.ctx.events.emit(Resume(action="failed", reason=why, recorded_step=recorded))
@@ -173,7 +174,7 @@ class DurableRestorer:
             ):
                 archived = ckdir.with_name(f"checkpoints.before-fresh-{int(time.time())}")
                 shutil.move(str(ckdir), archived)
-            run_state.record_commit(root, None)
+            RunDir(root).record_commit(None)
         self.ctx.events.emit(Resume(action="fresh", archived=archived and str(archived)))
 
 

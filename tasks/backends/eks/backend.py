@@ -50,9 +50,10 @@ from tasks.preflight.checks import S3_CHECKS, check_node_memory
 from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks
 from tasks.preflight.local import gather_s3
 from tasks.preflight.memory import node_memory_need_of
-from trainer.config import Device, InJobConfig, InProcessConfig, config_file, save_config
+from trainer.config import Device, InJobConfig, InProcessConfig, save_config
 from trainer.event_types import Event, StaleJobsDeleted
 from trainer.events import EventLog
+from trainer.rundir import Layout
 
 # Failures whose Job is kept for forensics (when its pods have ended), and how long to wait
 # for the other pods to end after the first failure decided the outcome.
@@ -491,7 +492,7 @@ class EksBackend:
             )
         cfg.run_root.mkdir(parents=True, exist_ok=True)
         # The record of what the attempt ran (the pods read the bundle's ConfigMap).
-        save_config(cfg, config_file(cfg.run_root, request.attempt))
+        save_config(cfg, cfg.run_root / Layout.train_config(request.attempt))
         docs = self.bundle(request)
         name = _attempt_job_name(request)
         job = self._job(name, request.attempt, request.launched)

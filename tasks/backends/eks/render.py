@@ -35,9 +35,10 @@ from tasks.backends.eks.security import (
 )
 from tasks.secrets import kubernetes_env
 from trainer.checkpointing.layout import NODE_MEMORY_ENV
-from trainer.config import TrainConfig, config_file, config_text
+from trainer.config import TrainConfig, config_text
 from trainer.fence import EPOCH_ENV
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
+from trainer.rundir import Layout
 
 CONTAINER = "trainer"
 LABEL_RUN = "nvrx.io/run-id"
@@ -116,7 +117,7 @@ def render_config_map(
             "namespace": namespace,
             "labels": labels(run_id, attempt),
         },
-        "data": {config_file(cfg.run_root, attempt).name: config_text(cfg)},
+        "data": {Layout.train_config(attempt).name: config_text(cfg)},
     }
 
 
@@ -187,7 +188,7 @@ def render_job(
     # The attempt's config travels in the bundle, as the ConfigMap of the Job's name
     # (render_config_map), mounted read-only: `kubectl apply` of a rendered bundle needs nothing
     # the flow would have written first. (The flow keeps its copy on FSx, for the record.)
-    config = CONFIG_MOUNT / config_file(cfg.run_root, attempt).name
+    config = CONFIG_MOUNT / Layout.train_config(attempt).name
     # The image's programs, not this machine's paths.
     argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config), portable=True)
     resources = pod_resources(eks)
