@@ -388,9 +388,7 @@ def test_the_verdict_file_decides_over_masked_exit_codes(codes, without_file):
 
 def test_judge_checks_the_result_and_the_drill():
     ok = verdict(_ended(0, 0), 100, _evidence(result=DONE))
-    assert (
-        ok is not None and ok.kind == EndKind.COMPLETED and ok.details["result"].final_step == 20
-    )
+    assert ok is not None and ok.kind == EndKind.COMPLETED and ok.details["result"].final_step == 20
     missing = verdict(_ended(0, 0), 100, _evidence())
     assert missing is not None and missing.kind == EndKind.BUG and "/fsx" in missing.message
     short = verdict(_ended(0, 0), 100, _evidence(result=DONE.model_copy(update={"final_step": 7})))

@@ -181,14 +181,14 @@ class Fence:
         epoch: int | None,
         events: Emits | None = None,
         *,
-        on_fenced: Callable[[], None] = _exit_fenced,
+        on_fenced: Callable[[], None] | None = None,
     ) -> None:
         self.files = files
         self.epoch = epoch
         self.events = events
         # What a fenced writer does once it has said so: exit (a zombie has nothing left to
         # do), from whichever thread found out. Tests raise instead.
-        self.on_fenced = on_fenced
+        self.on_fenced = on_fenced or _exit_fenced
 
     @contextlib.contextmanager
     def hold(self, action: str) -> Iterator[None]:

@@ -5,17 +5,10 @@ for the watcher (:mod:`tasks.train_stage`) and the workers alike. The epoch and 
 (:class:`RunResult`), the start-up facts, the open faults, the drills' claims, the markers and
 the node beats.
 
-The facts a worker decides from at start-up each live in a file of their own under
-``control/``, read in O(1) whatever the event log's length (``benchmarks/fold_events.py``): the
-newest commit (``commit.json``: a resume that finds no checkpoint but a recorded commit refuses
-to start from step 0), the last launcher job that trained (``launch.json``: is a starting worker
-a respawn, and which layer its restart is), the newest stage retry's start (``retry.json``), and
-one file per fault not yet recovered (``faults/``, closed by rank 0's first step after the
-restart: trainer.hooks.emit_recoveries).
-
-Every file is written atomically (a temporary file, then ``rename``) and, like everything on the
-shared filesystem, read as untrusted input (:mod:`trainer.run_files`): bounded, schema-checked,
-and a bad one is no file (said in the log).
+The start-up facts (architecture §5) each live in a file of their own under ``control/``, read
+in O(1) whatever the event log's length. Every file is written atomically (then ``rename``) and,
+like everything on the shared filesystem, read as untrusted input (:mod:`trainer.run_files`):
+bounded, schema-checked, and a bad one is no file (said in the log).
 """
 
 from __future__ import annotations
@@ -147,9 +140,6 @@ class RunDir:
     root: Path
     epoch: int | None = None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "root", Path(self.root))
-
     @classmethod
     def from_env(cls, root: Path, env: dict[str, str] | None = None) -> RunDir:
         """A worker's view: the epoch it was launched with (``NVRX_EPOCH``)."""
@@ -188,23 +178,23 @@ class RunDir:
         self, events: _fence.Emits | None = None, *, on_fenced: Callable[[], None] | None = None
     ) -> _fence.Fence:
         """This view's hold on the run root (:meth:`trainer.fence.Fence.hold`)."""
-        kw = {} if on_fenced is None else {"on_fenced": on_fenced}
-        return _fence.Fence(self, self.epoch, events, **kw)
+        return _fence.Fence(self, self.epoch, events, on_fenced=on_fenced)
 
     # -- result.json ---------------------------------------------------------------------------
 
     def result(self) -> RunResult | None:
         """``result.json`` if this attempt's workers wrote it: a result of another epoch, or one
         that is not a regular small file of the schema, is none (said)."""
-        path = self.root / Layout.RESULT
-        result = read_model(path, RunResult)
-        if result is not None and self.epoch is not None and result.epoch != self.epoch:
-            _log.warning(
-                "ignoring %s: written by epoch %s, not this attempt's %s",
-                path, result.epoch, self.epoch,
-            )  # fmt: skip
-            return None
-        return result
+        result = read_model(self.root / Layout.RESULT, RunResult)
+        if result is None or self.epoch is None or self._mine(Layout.RESULT, result.epoch):
+            return result
+        return None
+
+    def _mine(self, rel: Path, epoch: int | None) -> bool:
+        if epoch != self.epoch:
+            msg = "ignoring %s: written by epoch %s, not this attempt's %s"
+            _log.warning(msg, self.root / rel, epoch, self.epoch)
+        return epoch == self.epoch
 
     def write_result(self, result: RunResult, events: _fence.Emits | None) -> None:
         """``result.json``, carrying this view's epoch, under its fence: a writer whose attempt
@@ -292,31 +282,22 @@ class RunDir:
     def write_no_restart(self, *, rank: int, reason: str, events: _fence.Emits | None) -> None:
         """The terminal marker, carrying this view's epoch, under its fence: the watcher counts
         only its own attempt's, and a writer whose attempt was replaced writes none."""
-        marker: dict[str, object] = {"t": time.time(), "rank": rank, "reason": reason}
-        if self.epoch is not None:
-            marker["epoch"] = self.epoch
+        marker = NoRestart(t=time.time(), rank=rank, reason=reason, epoch=self.epoch)
         with self.fence(events).hold("write the no_restart marker"):
-            write_json_atomic(self.root / Layout.NO_RESTART, marker)
+            write_json_atomic(self.root / Layout.NO_RESTART, marker.model_dump(exclude_none=True))
 
     def no_restart(self) -> str | None:
         """The marker's reason, or None when there is none that is this attempt's verdict: only
         a marker carrying this view's ``epoch`` (None: an unfenced run's, which carries none).
         Anything else (not JSON, another epoch's) nothing of this attempt wrote: ignored, said."""
-        path = self.root / Layout.NO_RESTART
-        marker = read_model(path, NoRestart)
-        if marker is None:
-            return None
-        if marker.epoch != self.epoch:
-            _log.warning(
-                "ignoring %s: written by epoch %s, not this attempt's %s",
-                path, marker.epoch, self.epoch,
-            )  # fmt: skip
+        marker = read_model(self.root / Layout.NO_RESTART, NoRestart)
+        if marker is None or not self._mine(Layout.NO_RESTART, marker.epoch):
             return None
         return marker.reason or "no_restart marker"
 
     def write_node_lost(self, *, node: int | None, t: float | None = None) -> None:
-        obj = {"t": time.time() if t is None else t, "node": node}
-        write_json_atomic(self.root / Layout.NODE_LOST, obj)
+        marker = NodeLost(t=time.time() if t is None else t, node=node)
+        write_json_atomic(self.root / Layout.NODE_LOST, marker.model_dump())
 
     def node_lost_since(self, since: float) -> bool:
         """Was a node of this job reported lost after ``since`` (epoch seconds)? Anything but a

@@ -440,8 +440,9 @@ class LocalBackend:
             nproc_per_node=request.nproc_per_node,
         )
         (cfg.run_root / Layout.LOGS).mkdir(parents=True, exist_ok=True)
-        net_log = cfg.run_root / Layout.attempt_log(request.attempt, "net.log")
-        network = self._network(request, env, net_log)
+        network = self._network(
+            request, env, cfg.run_root / Layout.attempt_log(request.attempt, "net.log")
+        )
         memory = node_memory.prepare(cfg.run_root, request.attempt, request.invocation)
 
         def start(node: int) -> NodeProcess:
