@@ -24,7 +24,8 @@ from prefect.states import Failed, State
 
 from flows.context import RunContext, launch_request
 from flows.events import emit, emit_for_trainer_event, last_attempt_cause
-from flows.models import DEMO_DATASET, DatasetLocation, PipelineParams
+from flows.locations import DEMO_DATASET, DatasetLocation
+from flows.models import PipelineParams
 from flows.plan import RunPlan
 from flows.results import (
     CheckRow,

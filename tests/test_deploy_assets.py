@@ -30,9 +30,10 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from flows.models import ALLOWED_ENV, EksParams, PipelineParams
+from flows.models import EksParams, PipelineParams
 from tasks import aws
 from tasks.backends.eks import permissions, security
+from tasks.backends.eks.params import ALLOWED_ENV
 from tasks.deployment_policy import BACKENDS, EVERY_LIST
 from tasks.preflight.eks import PERMISSIONS as PREFLIGHT_PERMISSIONS
 from tests.test_eks_render import restricted_violations
