@@ -180,7 +180,11 @@ KUBE_CALL = re.compile(r"\b(?:self|kube)\.(" + "|".join(KUBE_APIS) + r")\.(\w+)\
 # S3 snapshot, export).
 AWS_SOURCES = {
     "fsx": (*KUBE_SOURCES,),
-    "s3": (REPO / "tasks" / "export.py", REPO / "tasks" / "preflight" / "local.py"),
+    "s3": (
+        REPO / "tasks" / "export.py",
+        REPO / "tasks" / "storage" / "verified_upload.py",
+        REPO / "tasks" / "preflight" / "local.py",
+    ),
 }
 AWS_CALL = {"fsx": re.compile(r"\bfsx\.(\w+)\("), "s3": re.compile(r"\bclient\.(\w+)\(")}
 VERBS = {"create": "create", "patch": "patch", "delete": "delete", "read": "get", "list": "list"}
