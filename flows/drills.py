@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from tasks.backends.registry import BackendType
 from trainer.faults import FaultSpec, FaultSpecError, parse_faults
-
-if TYPE_CHECKING:
-    from flows.models import PipelineParams
 
 
 class DrillParams(BaseModel):
@@ -40,12 +36,18 @@ class DrillParams(BaseModel):
         return self._specs
 
 
-def check_drills(params: PipelineParams) -> None:
+def check_drills(
+    specs: tuple[FaultSpec, ...],
+    kind: BackendType,
+    *,
+    world: int,
+    min_nodes: int,
+    launched_nodes: int,
+    steps: int,
+) -> None:
     """Each drill fits the run (its backend, nodes, world and steps), and node drills come in an
     order a real cluster could produce: refused at the form, not at a worker mid-run."""
-    kind = params.backend_type
-    world = params.world_size
-    for spec in params.drills.specs:
+    for spec in specs:
         where = f"drills.faults: {spec}"
         if spec.is_node_fault and spec.kind not in kind.drills:
             can = ", ".join(sorted(kind.drills)) or "none"
@@ -53,32 +55,32 @@ def check_drills(params: PipelineParams) -> None:
                 f"{where}: the {kind.name} backend cannot carry out {spec.kind} drills (it "
                 f"can: {can}); remove it, or drill it on another backend"
             )
-        if spec.needs_other_nodes and params.node_range.min < 2:
+        if spec.needs_other_nodes and min_nodes < 2:
             raise ValueError(
                 f"{where}: a frozen node is noticed against the other nodes' beats, so the "
                 f"job must train on at least 2 nodes (nodes' minimum is "
-                f"{params.node_range.min}); raise nodes, or drill a node-loss instead"
+                f"{min_nodes}); raise nodes, or drill a node-loss instead"
             )
-        if spec.is_node_fault and spec.target_node >= params.launched_nodes:
+        if spec.is_node_fault and spec.target_node >= launched_nodes:
             raise ValueError(
-                f"{where} names node {spec.node}, there are {params.launched_nodes} (nodes' "
+                f"{where} names node {spec.node}, there are {launched_nodes} (nodes' "
                 "maximum plus spares, numbered from 0)"
             )
         if spec.rank is not None and spec.rank >= world:
             raise ValueError(f"{where} names rank {spec.rank}, world size is {world}")
-        if spec.step > params.steps:
-            raise ValueError(f"{where} is after the last step ({params.steps})")
-    _check_node_order(params)
+        if spec.step > steps:
+            raise ValueError(f"{where} is after the last step ({steps})")
+    _check_node_order(specs)
 
 
-def _check_node_order(params: PipelineParams) -> None:
+def _check_node_order(specs: tuple[FaultSpec, ...]) -> None:
     """A node returns only after it was lost, and is lost only while it runs."""
     down: dict[int, int] = {}  # node -> step it was lost at
-    specs = sorted(
-        (s for s in params.drills.specs if s.is_node_fault),
+    ordered = sorted(
+        (s for s in specs if s.is_node_fault),
         key=lambda s: (s.step, s.returns_node),
     )
-    for spec in specs:
+    for spec in ordered:
         node = spec.target_node
         where = f"drills.faults: {spec}"
         if spec.takes_node_away:  # a loss, or a freeze (noticed as a loss)

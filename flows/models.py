@@ -327,7 +327,14 @@ class PipelineParams(BaseModel):
                 f"grad_accumulation ({world} x {self.grad_accumulation}): every micro-batch "
                 "holds the same number of sequences"
             )
-        check_drills(self)
+        check_drills(
+            self.drills.specs,
+            kind,
+            world=world,
+            min_nodes=self.node_range.min,
+            launched_nodes=self.launched_nodes,
+            steps=self.steps,
+        )
         return self
 
 
