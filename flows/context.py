@@ -132,7 +132,7 @@ def _script_absolute(workload: str) -> str:
 def eks_train_config(params: PipelineParams, run_id: str) -> TrainConfig:
     """The trainer config as the EKS pods see it (``render-k8s``): the run and the data on the
     FSx mount."""
-    from tasks.backends.eks.backend import placement as eks_placement
+    from tasks.backends.eks.placement import placement as eks_placement
 
     where = eks_placement(params.eks)
     fsx = where.shared_root

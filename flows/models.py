@@ -8,14 +8,15 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tasks.backends.eks.params import ALLOWED_ENV as ALLOWED_ENV  # re-exported: the form's home
+from flows.drills import DrillParams, check_drills
+from flows.injob_params import InJobParams
+from flows.locations import DatasetLocation, ExportLocation
 from tasks.backends.eks.params import EksParams
 from tasks.backends.registry import BackendType, backend_type
 from tasks.deployment_policy import check_run
 from tasks.secrets import check_declared
-from trainer.faults import FaultSpec, FaultSpecError, parse_faults
 from trainer.records import FaultRecord, TimeBreakdown, WorldChangeRecord
 
 if TYPE_CHECKING:
@@ -23,8 +24,6 @@ if TYPE_CHECKING:
     from trainer.workload import Workload
 
 MAX_NODES = 64
-NODES_MAX = "' maximum"
-# Drills that name a node (the launcher backend carries them out).
 
 # Matched with fullmatch: `re.match(r"^...$")` would accept a trailing newline ("abc\n").
 RUN_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
@@ -33,133 +32,6 @@ _S3_ENDPOINT = re.compile(r"https?://[^/@\s]+(:\d+)?/?")
 
 def new_run_id() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(2)
-
-
-def _s3_location(bucket: str, prefix: str) -> None:
-    """Bucket and prefix become paths on the shared filesystem too: refuse what could leave it."""
-    from tasks.errors import StorageError
-    from tasks.storage.s3 import validate_bucket, validate_prefix
-
-    try:
-        validate_bucket(bucket)
-        validate_prefix(prefix)
-    except StorageError as e:
-        raise ValueError(str(e)) from e
-
-
-class DatasetLocation(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    bucket: str = Field("nvrx-datasets", min_length=3, max_length=63, description="S3 bucket")
-    prefix: str = Field("synthetic/v1", min_length=1, description="prefix holding dataset.json")
-
-    @model_validator(mode="after")
-    def _safe(self) -> DatasetLocation:
-        _s3_location(self.bucket, self.prefix)
-        return self
-
-
-DEMO_DATASET = DatasetLocation()  # the only prefix seed_demo_dataset writes into
-
-
-class ExportLocation(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    bucket: str = Field("nvrx-checkpoints", min_length=3, max_length=63, description="S3 bucket")
-    prefix: str = Field("exports", description="prefix; objects go to PREFIX/RUN_ID/step_N/")
-    sse: Literal["none", "AES256", "aws:kms"] = Field(
-        "none", description="server-side encryption: none, AES256 (SSE-S3) or aws:kms (SSE-KMS)"
-    )
-    kms_key_id: str | None = Field(None, description="KMS key id or ARN, with sse=aws:kms")
-    consolidated: bool = Field(
-        False, description="also export the full weights as one model.safetensors"
-    )
-
-    @model_validator(mode="after")
-    def _kms(self) -> ExportLocation:
-        _s3_location(self.bucket, self.prefix)
-        if self.kms_key_id and self.sse != "aws:kms":
-            raise ValueError("kms_key_id needs sse='aws:kms'")
-        return self
-
-
-class DrillParams(BaseModel):
-    """Fault drills: an opt-in section of the form, apart from the production parameters."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)  # its specs stay its faults
-    faults: list[str] = Field(
-        default_factory=list,
-        description="faults to inject, e.g. exception@step=7,rank=1 or node-loss@step=9,node=1; "
-        "kinds: exception, stall, hang, sigkill, corrupt-checkpoint, corrupt-memory, "
-        "corrupt-peer (the trainer's); "
-        "node-loss, node-return, node-freeze (the watcher's, as the backend allows)",
-    )
-
-    # The drills parsed, once, here at the edge; everything inward gets these FaultSpecs.
-    _specs: tuple[FaultSpec, ...] = PrivateAttr(default=())
-
-    @model_validator(mode="after")
-    def _parse(self) -> DrillParams:
-        try:
-            self._specs = parse_faults(self.faults)
-        except FaultSpecError as e:
-            raise ValueError(f"drills.faults: {e}") from None
-        return self
-
-    @property
-    def specs(self) -> tuple[FaultSpec, ...]:
-        return self._specs
-
-
-_TIMEOUT_HELP = (
-    "seconds, or auto: derived from what each incarnation measures (trainer.timeouts), the "
-    "start-up allowance until then"
-)
-
-
-def _timeout(what: str) -> Any:
-    return Field("auto", description=f"{what}: {_TIMEOUT_HELP}")
-
-
-class InJobParams(BaseModel):
-    """The in-job layer's timeouts (``trainer.config.InJobConfig``), each ``auto`` by default:
-    pin one only where a measured value cannot do (a known long pause, a policy)."""
-
-    model_config = ConfigDict(extra="forbid")
-    startup_allowance_s: float | Literal["auto"] = Field(
-        "auto",
-        description="what every auto timeout is until measured (start-up, the model build, "
-        "the first steps and save): seconds, or auto (the backend's: 600 s locally, 1800 s "
-        "on EKS)",
-    )
-    step_timeout_s: float | Literal["auto"] = Field(
-        "auto",
-        description="a step longer than this is a hang: seconds (the ceiling the learned one "
-        f"stays under), or auto: {_TIMEOUT_HELP}",
-    )
-    checkpoint_timeout_s: float | Literal["auto"] = _timeout("a checkpoint save and commit")
-    load_timeout_s: float | Literal["auto"] = _timeout("a checkpoint load")
-    out_of_section_timeout_s: float | Literal["auto"] = _timeout(
-        "start-up and an in-process restart"
-    )
-    heartbeat_timeout_s: float | Literal["auto"] = _timeout(
-        "the backstop: no heartbeat for this long kills the rank (auto: the out-of-section "
-        "timeout + the longest section's)"
-    )
-    initial_heartbeat_timeout_s: float | Literal["auto"] = _timeout("until the first heartbeat")
-    node_silence_s: float | Literal["auto"] = _timeout(
-        "a node whose beat stops this long while another's goes on is taken away as lost "
-        "(auto: thrice the attempt's measured start-up + the workers' stop timeout)"
-    )
-
-    @field_validator("*")
-    @classmethod
-    def _seconds(cls, v: float | str) -> float | str:
-        if v != "auto" and not 0 < float(v) <= 30 * 86400:
-            raise ValueError("must be auto or seconds in (0, 2592000]")
-        return v
-
-    def pinned(self) -> dict[str, Any]:
-        """The fields set to a number: what overrides the backend's ``InJobConfig``."""
-        return {k: float(v) for k, v in self.model_dump().items() if v != "auto"}
 
 
 LOCAL_S3_ENDPOINT = "http://127.0.0.1:8333"
@@ -444,10 +316,10 @@ class PipelineParams(BaseModel):
         self._check_workload()
         world = self.world_size
         if self.global_batch % world:
+            nodes = "nodes' maximum" if self.node_range.elastic else "nodes"
             raise ValueError(
                 f"global_batch ({self.global_batch}) must be divisible by the world size "
-                f"({world} = nodes{NODES_MAX if self.node_range.elastic else ''} x ranks per "
-                "node)"
+                f"({world} = {nodes} x ranks per node)"
             )
         if self.global_batch % (world * self.grad_accumulation):
             raise ValueError(
@@ -455,60 +327,15 @@ class PipelineParams(BaseModel):
                 f"grad_accumulation ({world} x {self.grad_accumulation}): every micro-batch "
                 "holds the same number of sequences"
             )
-        for spec in self.drills.specs:
-            where = f"drills.faults: {spec}"
-            if spec.is_node_fault and spec.kind not in kind.drills:
-                can = ", ".join(sorted(kind.drills)) or "none"
-                raise ValueError(
-                    f"{where}: the {kind.name} backend cannot carry out {spec.kind} drills (it "
-                    f"can: {can}); remove it, or drill it on another backend"
-                )
-            if spec.needs_other_nodes and self.node_range.min < 2:
-                raise ValueError(
-                    f"{where}: a frozen node is noticed against the other nodes' beats, so the "
-                    f"job must train on at least 2 nodes (nodes' minimum is "
-                    f"{self.node_range.min}); raise nodes, or drill a node-loss instead"
-                )
-            if spec.is_node_fault and spec.target_node >= self.launched_nodes:
-                raise ValueError(
-                    f"{where} names node {spec.node}, there are {self.launched_nodes} (nodes' "
-                    "maximum plus spares, numbered from 0)"
-                )
-            if spec.rank is not None and spec.rank >= world:
-                raise ValueError(f"{where} names rank {spec.rank}, world size is {world}")
-            if spec.step > self.steps:
-                raise ValueError(f"{where} is after the last step ({self.steps})")
-        self._check_node_drills()
-        return self
-
-    def _check_node_drills(self) -> None:
-        """A node returns only after it was lost, and is lost only while it runs."""
-        down: dict[int, int] = {}  # node -> step it was lost at
-        specs = sorted(
-            (s for s in self.drills.specs if s.is_node_fault),
-            key=lambda s: (s.step, s.returns_node),
+        check_drills(
+            self.drills.specs,
+            kind,
+            world=world,
+            min_nodes=self.node_range.min,
+            launched_nodes=self.launched_nodes,
+            steps=self.steps,
         )
-        for spec in specs:
-            node = spec.target_node
-            where = f"drills.faults: {spec}"
-            if spec.takes_node_away:  # a loss, or a freeze (noticed as a loss)
-                if node in down:
-                    raise ValueError(
-                        f"{where}: node {node} is already lost (at step {down[node]}); add a "
-                        f"node-return@step=N,node={node} between the two"
-                    )
-                down[node] = spec.step
-            elif node not in down:
-                raise ValueError(
-                    f"{where}: node {node} was not lost before step {spec.step}; a node returns "
-                    f"only after a node-loss@step=M,node={node} with M < {spec.step}"
-                )
-            elif down[node] >= spec.step:
-                raise ValueError(
-                    f"{where}: must come after node {node}'s loss at step {down[node]}"
-                )
-            else:
-                del down[node]
+        return self
 
 
 class CheckpointInfo(BaseModel):

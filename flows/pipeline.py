@@ -21,11 +21,9 @@ from prefect.logging import get_run_logger
 
 from flows import parameters
 from flows.context import RunContext
+from flows.demo_data import seed_demo_dataset
 from flows.events import emit
-from flows.models import (
-    PipelineParams,
-    PipelineResult,
-)
+from flows.models import PipelineParams, PipelineResult
 from flows.plan import RunPlan
 from flows.report import REPORT_FILE, png_data_uri, render_report
 from flows.results import (
@@ -39,7 +37,6 @@ from flows.stages import (
     export_flow,
     hydrate_flow,
     preflight_flow,
-    seed_demo_dataset,
     train_stage,
     validate_flow,
 )
@@ -166,108 +163,20 @@ def _take_over(held: lease.RunLease, ctx: RunContext) -> None:
 
 
 def _run(plan: RunPlan, held: lease.RunLease, since: float) -> PipelineResult:
-    params, ctx = plan.params, plan.ctx
-    log = get_run_logger()
-    t0 = time.monotonic()
-    durations: dict[str, float] = {}
-    attempts: dict[str, int] = {}
-    out = _Outputs()
-
-    current: dict[str, str] = {}
-
-    def stage(name: str, fn: Callable[[], T]) -> T:
-        current["stage"] = name
-        started = time.monotonic()
-        try:
-            return fn()
-        finally:
-            durations[name] = durations.get(name, 0.0) + time.monotonic() - started
-            attempts[name] = (
-                RunHistory.read(ctx.run_root, since=since).stage_attempts()
-                if name == "train"
-                else 1
-            )
-
+    run = _Run(plan, since)
     try:
-        # The embedded default starts its own S3 server; a cluster uses the one it is given.
-        with local_s3(
-            ctx.s3 if params.backend_type.embedded_s3 else None,
-            ctx.state_dir,
-            user=held.owner.invocation,
-        ) as server:
-            if server is not None:
-                held.record({"kind": "s3", "endpoint": server.endpoint, "pid": server.pid})
-                log.info(
-                    "%s local S3 server at %s (data in %s)",
-                    "started the" if server.started_here else "using this state directory's",
-                    ctx.s3.endpoint_url,
-                    server.data_dir,
-                )
-            if params.seed_demo_dataset and ctx.s3.is_local:
-                seed_demo_dataset(params, ctx)
-            stage("preflight", lambda: preflight_flow(plan))
-            hydrated = stage("hydrate", lambda: hydrate_flow(plan))
-            plan = plan.hydrated(hydrated.manifest_sha256)
-            ctx = plan.ctx
-            retries = params.max_train_attempts - 1
-            with _metrics(plan):
-                out.train = stage("train", lambda: train_stage.with_options(retries=retries)(plan))
-            validation = out.validation = stage("validate", lambda: validate_flow(plan))
-            out.export = stage("export", lambda: export_flow(plan, validation.path))
+        _stages(run, held)
     except lease.LeaseLost as e:
         # Another invocation owns the run now: nothing of it is this one's to report, write or
         # notify (the run is not failing; its owner changed). Said in the log, and raised.
-        get_run_logger().error("stopped acting for run %s: %s", ctx.run_id, e)
+        get_run_logger().error("stopped acting for run %s: %s", run.plan.ctx.run_id, e)
         raise
     except BaseException as e:
-        cancelled = _is_cancellation(e)
-        history, events = read_the_log(ctx, since)
-        step = history.progress()
-        cause = f"{type(e).__name__}: {e}"
-        emit(
-            "run.cancelled" if cancelled else "run.failed",
-            ctx.run_id,
-            stage=current.get("stage"),
-            cause=cause,
-            step=step,
-        )
-        if not cancelled and retry_policy.awaits_capacity(e):
-            # Everything the capacity-restored automation needs to resume this very run.
-            emit(
-                "run.awaiting-capacity",
-                ctx.run_id,
-                cause=cause,
-                step=step,
-                parameters={**params.flow_parameters(), "run_id": ctx.run_id},
-            )
-        result = build_result(
-            params,
-            ctx,
-            status="cancelled" if cancelled else "failed",
-            train=out.train,
-            validation=out.validation,
-            export=out.export,
-            durations=durations,
-            attempts=attempts,
-            wall_s=time.monotonic() - t0,
-            history=history,
-            error=f"{type(e).__name__}: {e}",
-        )
-        _publish(ctx, result, events, held)
+        _report_end_early(run, held, e)
         raise
+    ctx = run.plan.ctx
     history, events = read_the_log(ctx, since)
-    result = build_result(
-        params,
-        ctx,
-        status="completed",
-        train=out.train,
-        validation=out.validation,
-        export=out.export,
-        durations=durations,
-        attempts=attempts,
-        wall_s=time.monotonic() - t0,
-        history=history,
-    )
+    result = run.result("completed", history)
     _publish(ctx, result, events, held)
     emit(
         "run.completed",
@@ -281,12 +190,107 @@ def _run(plan: RunPlan, held: lease.RunLease, since: float) -> PipelineResult:
 
 
 @dataclasses.dataclass
-class _Outputs:
-    """What the stages returned so far (a failed run reports what it got to)."""
+class _Run:
+    """The run so far: its plan (hydrated once the data is), what each stage returned, how long
+    and how often each ran, and the stage it is in (a failed run reports what it got to)."""
 
+    plan: RunPlan
+    since: float  # this invocation's events start here
+    t0: float = dataclasses.field(default_factory=time.monotonic)
+    current: str | None = None
+    durations: dict[str, float] = dataclasses.field(default_factory=dict)
+    attempts: dict[str, int] = dataclasses.field(default_factory=dict)
     train: TrainResult | None = None
     validation: ValidationResult | None = None
     export: ExportResult | None = None
+
+    def stage(self, name: str, fn: Callable[[], T]) -> T:
+        self.current = name
+        started = time.monotonic()
+        try:
+            return fn()
+        finally:
+            self.durations[name] = self.durations.get(name, 0.0) + time.monotonic() - started
+            # Prefect retries the train stage as a whole: its attempts are in the event log.
+            self.attempts[name] = (
+                RunHistory.read(self.plan.ctx.run_root, since=self.since).stage_attempts()
+                if name == "train"
+                else 1
+            )
+
+    def result(self, status: str, history: RunHistory, error: str | None = None) -> PipelineResult:
+        return build_result(
+            self.plan.params,
+            self.plan.ctx,
+            status=status,
+            train=self.train,
+            validation=self.validation,
+            export=self.export,
+            durations=self.durations,
+            attempts=self.attempts,
+            wall_s=time.monotonic() - self.t0,
+            history=history,
+            error=error,
+        )
+
+
+def _stages(run: _Run, held: lease.RunLease) -> None:
+    """Preflight, hydrate, train, validate, export: each stage's result kept in ``run``."""
+    plan = run.plan
+    params, ctx = plan.params, plan.ctx
+    log = get_run_logger()
+    # The embedded default starts its own S3 server; a cluster uses the one it is given.
+    with local_s3(
+        ctx.s3 if params.backend_type.embedded_s3 else None,
+        ctx.state_dir,
+        user=held.owner.invocation,
+    ) as server:
+        if server is not None:
+            held.record({"kind": "s3", "endpoint": server.endpoint, "pid": server.pid})
+            log.info(
+                "%s local S3 server at %s (data in %s)",
+                "started the" if server.started_here else "using this state directory's",
+                ctx.s3.endpoint_url,
+                server.data_dir,
+            )
+        if params.seed_demo_dataset and ctx.s3.is_local:
+            seed_demo_dataset(params, ctx)
+        run.stage("preflight", lambda: preflight_flow(plan))
+        hydrated = run.stage("hydrate", lambda: hydrate_flow(plan))
+        plan = run.plan = plan.hydrated(hydrated.manifest_sha256)
+        retries = params.max_train_attempts - 1
+        with _metrics(plan):
+            run.train = run.stage("train", lambda: train_stage.with_options(retries=retries)(plan))
+        validation = run.validation = run.stage("validate", lambda: validate_flow(plan))
+        run.export = run.stage("export", lambda: export_flow(plan, validation.path))
+
+
+def _report_end_early(run: _Run, held: lease.RunLease, e: BaseException) -> None:
+    """A run that failed or was cancelled: its event, and its result and report as far as it
+    got (the caller re-raises)."""
+    ctx = run.plan.ctx
+    cancelled = _is_cancellation(e)
+    history, events = read_the_log(ctx, run.since)
+    step = history.progress()
+    cause = f"{type(e).__name__}: {e}"
+    emit(
+        "run.cancelled" if cancelled else "run.failed",
+        ctx.run_id,
+        stage=run.current,
+        cause=cause,
+        step=step,
+    )
+    if not cancelled and retry_policy.awaits_capacity(e):
+        # Everything the capacity-restored automation needs to resume this very run.
+        emit(
+            "run.awaiting-capacity",
+            ctx.run_id,
+            cause=cause,
+            step=step,
+            parameters={**run.plan.params.flow_parameters(), "run_id": ctx.run_id},
+        )
+    result = run.result("cancelled" if cancelled else "failed", history, error=cause)
+    _publish(ctx, result, events, held)
 
 
 def _metrics(plan: RunPlan) -> contextlib.AbstractContextManager[Any]:

@@ -50,6 +50,27 @@ SHORT_RUN_NOTE = (
 
 
 def render_report(r: PipelineResult) -> str:
+    sections = [
+        _summary(r),
+        _stage_timeline(r),
+        _train_time(r),
+        _faults(r),
+        _world_changes(r),
+        _memory_and_timeouts(r),
+        _outputs(r),
+    ]
+    return "\n\n".join(s for s in sections if s) + "\n"
+
+
+def _table(title: str, header: tuple[str, ...], rows: list[tuple[object, ...]]) -> str:
+    """A titled markdown table, one row per tuple."""
+    head = "|" + "|".join(f" {h} " if h else " " for h in header) + "|"
+    lines = [f"## {title}", "", head, "| --- " * len(header) + "|"]
+    lines += [f"| {' | '.join(map(str, row))} |" for row in rows]
+    return "\n".join(lines)
+
+
+def _summary(r: PipelineResult) -> str:
     icon = {"completed": "completed", "cancelled": "CANCELLED"}.get(r.status, "FAILED")
     lines = [
         f"# Run `{r.run_id}`: {icon}",
@@ -68,95 +89,106 @@ def render_report(r: PipelineResult) -> str:
             f"- taken over from {t.previous_owner} (gone): {t.action}, {t.reason}; "
             f"{t.steps_lost} step(s) lost"
         )
-    lines += [
-        "",
-        "## Stage timeline",
-        "",
-        "| stage | starts at (s) | duration (s) | attempts | |",
-        "| --- | --- | --- | --- | --- |",
-    ]
+    return "\n".join(lines)
+
+
+def _stage_timeline(r: PipelineResult) -> str:
+    rows: list[tuple[object, ...]] = []
     at = 0.0
     for s in _STAGES:
         if s in r.stage_durations_s:
             d = r.stage_durations_s[s]
             bar = "#" * max(1, round(20 * d / max(r.wall_s, 1e-9)))
-            lines.append(f"| {s} | {at:.1f} | {d:.1f} | {r.stage_attempts.get(s, 1)} | `{bar}` |")
+            rows.append((s, f"{at:.1f}", f"{d:.1f}", r.stage_attempts.get(s, 1), f"`{bar}`"))
             at += d
-    if r.train_time is not None:
-        lines += [
-            "",
-            "## Where the train stage's time went",
-            "",
-            "| part | seconds | share |",
-            "| --- | --- | --- |",
-        ]
-        for label, sec, share in time_rows(r.train_time):
-            lines.append(f"| {label} | {sec:.1f} | {share:.0%} |")
-        lines.append(f"| **train attempts** | **{r.train_time.wall_s:.1f}** | 100% |")
-        if too_short_for_ettr(r.train_time):
-            lines += ["", SHORT_RUN_NOTE]
-    lines += ["", "## Faults", ""]
-    if r.faults:
-        lines += [
-            "| fault | step | rank | node | recovered by | recovery (s) | went back to "
-            "| steps replayed | |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for f in r.faults:
-            rec = "n/a" if f.recovery_s is None else f"{f.recovery_s:.1f}"
-            lines.append(
-                f"| {f.kind} | {f.step} | {'' if f.rank is None else f.rank} | "
-                f"{'' if f.node is None else f.node} | {f.recovered_by} | {rec} | "
-                f"{'' if f.resume_step is None else resumed_from(f.resume_step, f)} | "
-                f"{_blank(f.replayed_steps)} | {f.detail or ''} |"
-            )
-    else:
-        lines.append("none")
-    if r.world_changes:
-        lines += [
-            "",
-            "## World size (elastic)",
-            "",
-            "| from step | ranks | nodes | why |",
-            "| --- | --- | --- | --- |",
-        ]
-        for c in r.world_changes:
-            why = "a node was lost" if c.cause == "shrink" else "a node returned"
-            lines.append(
-                f"| {c.step} | {c.from_world} -> {c.to_world} | "
-                f"{', '.join(map(str, c.nodes))} | {why} |"
-            )
-    if r.memory_interval:
-        lines += ["", f"Memory saves (the newest incarnation's choice): {r.memory_interval}."]
-    if r.timeouts:
-        lines += [
-            "",
-            "## In-job timeouts (the newest incarnation's, rank 0)",
-            "",
-            "| timeout | seconds: why |",
-            "| --- | --- |",
-        ]
-        lines += [f"| {name} | {said} |" for name, said in r.timeouts.items()]
-    lines += [
-        "",
-        "## Outputs",
-        "",
-        f"- checkpoint: step {r.checkpoint.step} at `{r.checkpoint.uri}` "
-        f"({'validated' if r.checkpoint.validated else 'not validated'}"
-        + (
-            f"; FALLBACK: newer step(s) {r.checkpoint.fell_back_from} failed validation)"
-            if r.checkpoint.fell_back_from
-            else ")"
-        ),
-        f"- export: `{r.export.uri}` ({r.export.objects} objects, {r.export.bytes} bytes, "
-        f"{'verified' if r.export.verified else 'not verified'})",
-        f"- params_sha256: `{r.params_sha256}`",
-        "",
-        f"Saved with the run: this report (`{REPORT_FILE}`), `pipeline_result.json` and the "
-        "recovery timeline (`timeline.png`: step versus wall time, faults, restarts and "
-        "checkpoints; also the `recovery-timeline` image artifact) in its run root.",
+    header = ("stage", "starts at (s)", "duration (s)", "attempts", "")
+    return _table("Stage timeline", header, rows)
+
+
+def _train_time(r: PipelineResult) -> str:
+    t = r.train_time
+    if t is None:
+        return ""
+    rows: list[tuple[object, ...]] = [
+        (label, f"{sec:.1f}", f"{share:.0%}") for label, sec, share in time_rows(t)
     ]
-    return "\n".join(lines) + "\n"
+    rows.append(("**train attempts**", f"**{t.wall_s:.1f}**", "100%"))
+    table = _table("Where the train stage's time went", ("part", "seconds", "share"), rows)
+    return f"{table}\n\n{SHORT_RUN_NOTE}" if too_short_for_ettr(t) else table
+
+
+def _faults(r: PipelineResult) -> str:
+    if not r.faults:
+        return "## Faults\n\nnone"
+    header = (
+        "fault", "step", "rank", "node", "recovered by", "recovery (s)", "went back to",
+        "steps replayed", "",
+    )  # fmt: skip
+    rows: list[tuple[object, ...]] = [
+        (
+            f.kind,
+            f.step,
+            _blank(f.rank),
+            _blank(f.node),
+            f.recovered_by,
+            "n/a" if f.recovery_s is None else f"{f.recovery_s:.1f}",
+            "" if f.resume_step is None else resumed_from(f.resume_step, f),
+            _blank(f.replayed_steps),
+            f.detail or "",
+        )
+        for f in r.faults
+    ]
+    return _table("Faults", header, rows)
+
+
+def _world_changes(r: PipelineResult) -> str:
+    if not r.world_changes:
+        return ""
+    rows: list[tuple[object, ...]] = [
+        (
+            c.step,
+            f"{c.from_world} -> {c.to_world}",
+            ", ".join(map(str, c.nodes)),
+            "a node was lost" if c.cause == "shrink" else "a node returned",
+        )
+        for c in r.world_changes
+    ]
+    return _table("World size (elastic)", ("from step", "ranks", "nodes", "why"), rows)
+
+
+def _memory_and_timeouts(r: PipelineResult) -> str:
+    """What the newest incarnation measured and chose: its memory-save interval, its timeouts."""
+    parts = []
+    if r.memory_interval:
+        parts.append(f"Memory saves (the newest incarnation's choice): {r.memory_interval}.")
+    if r.timeouts:
+        title = "In-job timeouts (the newest incarnation's, rank 0)"
+        parts.append(_table(title, ("timeout", "seconds: why"), list(r.timeouts.items())))
+    return "\n\n".join(parts)
+
+
+def _outputs(r: PipelineResult) -> str:
+    ck = r.checkpoint
+    fallback = (
+        f"; FALLBACK: newer step(s) {ck.fell_back_from} failed validation"
+        if ck.fell_back_from
+        else ""
+    )
+    return "\n".join(
+        [
+            "## Outputs",
+            "",
+            f"- checkpoint: step {ck.step} at `{ck.uri}` "
+            f"({'validated' if ck.validated else 'not validated'}{fallback})",
+            f"- export: `{r.export.uri}` ({r.export.objects} objects, {r.export.bytes} bytes, "
+            f"{'verified' if r.export.verified else 'not verified'})",
+            f"- params_sha256: `{r.params_sha256}`",
+            "",
+            f"Saved with the run: this report (`{REPORT_FILE}`), `pipeline_result.json` and the "
+            "recovery timeline (`timeline.png`: step versus wall time, faults, restarts and "
+            "checkpoints; also the `recovery-timeline` image artifact) in its run root.",
+        ]
+    )
 
 
 def _blank(v: int | None) -> str:

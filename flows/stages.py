@@ -5,8 +5,6 @@ published to its Artifacts tab."""
 
 from __future__ import annotations
 
-import difflib
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import cast
@@ -22,9 +20,9 @@ from prefect.artifacts import (
 from prefect.logging import get_run_logger
 from prefect.states import Failed, State
 
-from flows.context import RunContext, launch_request
-from flows.events import emit, emit_for_trainer_event, last_attempt_cause
-from flows.models import DEMO_DATASET, DatasetLocation, PipelineParams
+from flows.context import launch_request
+from flows.events import emit, last_attempt_cause
+from flows.models import PipelineParams
 from flows.plan import RunPlan
 from flows.results import (
     CheckRow,
@@ -38,13 +36,13 @@ from flows.results import (
     console_link,
     publish,
 )
+from flows.train_progress import TrainProgress
 from tasks import aws
 from tasks.backends import registry
 from tasks.backends.base import Backend, HydrateRequest
 from tasks.classify import EndKind
 from tasks.errors import NodeLost, PreflightFailed
 from tasks.export import ExportOptions, ExportReport, export_checkpoint
-from tasks.hydrate import upload_dataset
 from tasks.ownership import lease
 from tasks.preflight.checks import Requirements, failures
 from tasks.preflight.memory import MemoryNeed, count_parameters, node_memory_need
@@ -54,18 +52,7 @@ from tasks.train_stage import AttemptReport, run_attempt
 from tasks.validate import validate_latest
 from tasks.validation import load_process
 from tasks.validation.checkpoint import Expectations, prestart_load_check
-from trainer.data import write_synthetic_dataset
-from trainer.event_types import (
-    Checkpoint,
-    Event,
-    Fatal,
-    Fault,
-    Recovered,
-    Restart,
-    Resume,
-    Step,
-    TrainEnd,
-)
+from trainer.event_types import Event, TrainEnd
 
 
 # -- stage flow runs' names ---------------------------------------------------------------------
@@ -83,57 +70,6 @@ def stage_run_name(stage: str) -> Callable[[], str]:
         return f"{run_id}: {label}" if run_id else label
 
     return name
-
-
-# -- demo data ------------------------------------------------------------------------------------
-@task(name="seed-demo-dataset")
-def seed_demo_dataset(params: PipelineParams, ctx: RunContext) -> bool:
-    """Local S3 only: create the buckets, and the demo's synthetic dataset when the demo's own
-    prefix is empty. Any other empty prefix is refused: seeding it would train "successfully"
-    on random tokens after a typo in the prefix."""
-    log = get_run_logger()
-    client = boto3_client(ctx.s3)
-    for bucket in (params.dataset.bucket, params.export.bucket):
-        try:
-            client.head_bucket(Bucket=bucket)
-        except Exception:
-            client.create_bucket(Bucket=bucket)
-            log.info("created bucket %s", bucket)
-    key = f"{params.dataset.prefix}/dataset.json"
-    try:
-        client.head_object(Bucket=params.dataset.bucket, Key=key)
-        return False
-    except Exception:
-        pass
-    check_seedable(params.dataset)
-    staging = ctx.state_dir / "seed" / params.dataset.prefix
-    write_synthetic_dataset(staging, vocab_size=512, seed=0)
-    n = upload_dataset(client, staging, params.dataset.bucket, params.dataset.prefix)
-    log.info(
-        "seeded s3://%s/%s with the demo's synthetic dataset (%d objects)",
-        params.dataset.bucket,
-        params.dataset.prefix,
-        n,
-    )
-    return True
-
-
-def check_seedable(dataset: DatasetLocation) -> None:
-    """Raise when ``dataset`` (found empty) is not the demo's own location: seeding writes
-    synthetic tokens, and anywhere else that would hide a mistyped prefix."""
-    if dataset == DEMO_DATASET:
-        return
-    demo = f"s3://{DEMO_DATASET.bucket}/{DEMO_DATASET.prefix}"
-    given = f"s3://{dataset.bucket}/{dataset.prefix}"
-    close = difflib.SequenceMatcher(None, given, demo).ratio() >= 0.8
-    hint = f" (did you mean {demo}?)" if close else ""
-    raise PreflightFailed(
-        f"dataset: {given}/dataset.json does not exist{hint}, and "
-        f"seed_demo_dataset writes its synthetic tokens only into the demo's own {demo}. "
-        "Fix dataset.bucket/dataset.prefix, or upload your data there first "
-        "(nvrx-pipeline prepare-dataset INPUTS --out DIR --s3-uri "
-        f"s3://{dataset.bucket}/{dataset.prefix}); for the demo's data leave dataset unset"
-    )
 
 
 def backend_for(plan: RunPlan) -> Backend:
@@ -268,50 +204,6 @@ def hydrate_flow(plan: RunPlan) -> HydrateResult:
 
 
 # -- train ----------------------------------------------------------------------------------------
-class _Progress:
-    """Streams rank-0 progress into the flow log (throttled) and a progress artifact."""
-
-    def __init__(self, target: int, attempt: int, run_id: str) -> None:
-        self.log = get_run_logger()
-        self.target = target
-        self.run_id = run_id
-        self.artifact = cast(
-            UUID,
-            create_progress_artifact(
-                0.0, key="train-progress", description=f"training steps (attempt {attempt})"
-            ),
-        )
-        self.last_log = 0.0
-
-    def __call__(self, e: Event) -> None:
-        emit_for_trainer_event(self.run_id, e)
-        match e:
-            case Step():
-                now = time.monotonic()
-                if now - self.last_log >= 2.0 or e.step == self.target:
-                    self.last_log = now
-                    update_progress_artifact(self.artifact, 100.0 * e.step / self.target)
-                    self.log.info(
-                        "step %d/%d loss %s %.0f tok/s",
-                        e.step,
-                        self.target,
-                        "?" if e.loss is None else f"{e.loss:.4f}",
-                        e.tokens_per_s or 0.0,
-                    )
-            case Fault():
-                self.log.warning("fault injected: %s at step %s", e.fault, e.step)
-            case Restart():
-                self.log.warning("restart by the %s layer", e.layer)
-            case Recovered():
-                self.log.info("recovered from %s by %s in %.1f s", e.fault, e.layer, e.recovery_s)
-            case Resume(action="loaded" | "skipped" | "failed"):
-                self.log.info("resume %s: step %s %s", e.action, e.step, e.reason or "")
-            case Checkpoint():
-                self.log.info("checkpoint step %d committed (blocked %.3f s)", e.step, e.blocking_s)
-            case Fatal():
-                self.log.error("trainer fatal error: %s", e.error)
-
-
 @flow(
     name="train",
     flow_run_name=stage_run_name("train"),
@@ -343,7 +235,7 @@ def train_flow(plan: RunPlan, attempt: int) -> TrainResult | State[TrainResult]:
         params.backend,
     )
     emit("train.started", ctx.run_id, attempt=attempt, nodes=params.nodes)
-    progress = _Progress(params.steps, attempt, ctx.run_id)
+    progress = TrainProgress(params.steps, attempt, ctx.run_id)
 
     def on_event(e: Event) -> None:
         progress(e)

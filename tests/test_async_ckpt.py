@@ -88,7 +88,7 @@ def main():
         state = {"w": torch.randn(64, 128, generator=g), "step": torch.tensor(2.0)}
         s.save(state, sys.argv[1], step=2)
         done = s.wait()
-        print(json.dumps({"how": s.writer_start_method, "writer": s.writer.pid(),
+        print(json.dumps({"how": s.writer.start_method, "writer": s.writer.pid(),
                           "me": os.getpid(), "step": done.step,
                           "digest": tensor_dict_sha256({"w": state["w"]})}))
     finally:
@@ -821,7 +821,7 @@ def test_the_commit_runs_off_the_training_thread(saver: AsyncCheckpointer, tmp_p
     assert seen["built_on"] == threading.current_thread().name
     assert seen["ran_on"] != seen["built_on"] and seen["ran_on"].startswith("nvrx-commit")
     assert seen["metadata_first"]
-    assert saver.committing is None and saver.poll() is None
+    assert saver.commits.current is None and saver.poll() is None
 
 
 def test_a_failed_commit_fails_the_next_poll(saver: AsyncCheckpointer, tmp_path: Path):
@@ -856,11 +856,11 @@ def test_abandon_lets_a_running_commit_finish(saver: AsyncCheckpointer, tmp_path
         return run
 
     saver.save(_state(11), tmp_path / "f", step=11)
-    while saver.committing is None:
+    while saver.commits.current is None:
         saver.poll(commit=commit_for)
         time.sleep(0.01)
     saver.abandon()
-    assert done == [11] and saver.committing is None and saver.pending is None
+    assert done == [11] and saver.commits.current is None and saver.pending is None
     assert saver.poll() is None
 
 
@@ -883,13 +883,13 @@ def test_a_stuck_commit_times_out_naming_it(group, tmp_path: Path):
         s.save(_state(12), tmp_path / "g", step=12)
         with pytest.raises(CheckpointTimeout, match="commit of step 12 not done after 1.0 s"):
             deadline = time.monotonic() + 60
-            while s.committing is None and time.monotonic() < deadline:  # writer starting
+            while s.commits.current is None and time.monotonic() < deadline:  # writer starting
                 s.poll(commit=commit_for)
                 time.sleep(0.01)
             s.wait(commit=commit_for)
         release.set()
         s.abandon()
-        assert s.committing is None and s.poll() is None
+        assert s.commits.current is None and s.poll() is None
     finally:
         s.close()
 

@@ -30,9 +30,10 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from flows.models import ALLOWED_ENV, EksParams, PipelineParams
+from flows.models import EksParams, PipelineParams
 from tasks import aws
 from tasks.backends.eks import permissions, security
+from tasks.backends.eks.params import ALLOWED_ENV
 from tasks.deployment_policy import BACKENDS, EVERY_LIST
 from tasks.preflight.eks import PERMISSIONS as PREFLIGHT_PERMISSIONS
 from tests.test_eks_render import restricted_violations
@@ -179,7 +180,11 @@ KUBE_CALL = re.compile(r"\b(?:self|kube)\.(" + "|".join(KUBE_APIS) + r")\.(\w+)\
 # S3 snapshot, export).
 AWS_SOURCES = {
     "fsx": (*KUBE_SOURCES,),
-    "s3": (REPO / "tasks" / "export.py", REPO / "tasks" / "preflight" / "local.py"),
+    "s3": (
+        REPO / "tasks" / "export.py",
+        REPO / "tasks" / "storage" / "verified_upload.py",
+        REPO / "tasks" / "preflight" / "local.py",
+    ),
 }
 AWS_CALL = {"fsx": re.compile(r"\bfsx\.(\w+)\("), "s3": re.compile(r"\bclient\.(\w+)\(")}
 VERBS = {"create": "create", "patch": "patch", "delete": "delete", "read": "get", "list": "list"}

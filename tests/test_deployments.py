@@ -27,7 +27,7 @@ def test_prefect_yaml_matches_served_deployments():
 def test_local_deployments_ignore_the_eks_allow_lists(monkeypatch):
     """The EKS worker's allow-lists (deploy/eks/prefect.yaml) never get in a local run's way,
     and the local deployments name no EKS values to allow."""
-    from flows.models import ALLOWED_ENV
+    from tasks.backends.eks.params import ALLOWED_ENV
 
     for name in ALLOWED_ENV.values():
         monkeypatch.setenv(name, "something-else")

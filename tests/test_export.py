@@ -361,7 +361,7 @@ def test_reexport_order_delete_manifest_objects_manifest_last(ckpt: Path, client
 def test_multipart_is_verified_per_part_and_whole(client, tmp_path: Path):
     import os
 
-    from tasks.export import composite_sha256_b64, part_checksums, upload_multipart
+    from tasks.storage.verified_upload import composite_sha256_b64, part_checksums, upload_multipart
 
     part = 5 << 20
     path = tmp_path / "big.bin"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.models import DatasetLocation, ExportLocation
+from flows.locations import DatasetLocation, ExportLocation
 from tasks.export import export_checkpoint
 from tasks.hydrate import upload_dataset
 from tasks.pull import pull_export

@@ -488,7 +488,8 @@ def test_podmonitors_select_the_pods_that_serve_metrics() -> None:
     import jsonschema
 
     from flows.models import PipelineParams
-    from tasks.backends.eks.render import METRICS_PORT_NAME, labels
+    from tasks.backends.eks.pod import METRICS_PORT_NAME
+    from tasks.backends.eks.render import labels
 
     docs = {d["metadata"]["name"]: d for d in _podmonitors()}
     for doc in docs.values():

@@ -90,20 +90,7 @@ class TrainConfig:
         # text, and from here inward they are FaultSpecs.
         object.__setattr__(self, "faults", parse_faults(self.faults))
         require(self.steps >= 1, "steps", f"must be a positive number of steps, got {self.steps}")
-        require(self.global_batch >= 1, "global_batch", f"must be >= 1, got {self.global_batch}")
-        require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
-        if self.micro_batches is not None:
-            require(
-                isinstance(self.micro_batches, int) and self.micro_batches >= 1,
-                "micro_batches",
-                f"must be a positive number of micro-batches or None, got {self.micro_batches!r}",
-            )
-            require(
-                self.global_batch % self.micro_batches == 0,
-                "global_batch",
-                f"{self.global_batch} is not divisible into {self.micro_batches} micro-batches "
-                "(the largest world size of an elastic job); pick a multiple of it",
-            )
+        self._check_batch()
         require(
             isinstance(self.checkpoint, CheckpointConfig),
             "checkpoint",
@@ -121,6 +108,43 @@ class TrainConfig:
             "metrics_addr",
             "set the address rank 0's metrics listen on (127.0.0.1, or 0.0.0.0 in a pod)",
         )
+        self._check_workload()
+        require(str(self.run_root) != "", "run_root", "set the run directory (shared filesystem)")
+        require(
+            not self.local_paths or self.data_dir.is_dir(),
+            "data_dir",
+            f"dataset directory {str(self.data_dir)!r} does not exist; write one with "
+            "`python -m trainer.data --out DIR` or hydrate it first",
+        )
+        for spec in self.faults:
+            require(
+                not spec.needs_node_memory or self.checkpoint.memory.enabled,
+                "faults",
+                f"{spec} damages a node-memory copy, and checkpoint.memory.interval 0 makes "
+                "none: set it to 1 or more, or drop the drill",
+            )
+        if self.inprocess.enabled and self.injob.enabled:
+            self._check_layers_nest()
+
+    def _check_batch(self) -> None:
+        """The batch, the learning rate, and the micro-batches the global batch splits into."""
+        require(self.global_batch >= 1, "global_batch", f"must be >= 1, got {self.global_batch}")
+        require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        if self.micro_batches is not None:
+            require(
+                isinstance(self.micro_batches, int) and self.micro_batches >= 1,
+                "micro_batches",
+                f"must be a positive number of micro-batches or None, got {self.micro_batches!r}",
+            )
+            require(
+                self.global_batch % self.micro_batches == 0,
+                "global_batch",
+                f"{self.global_batch} is not divisible into {self.micro_batches} micro-batches "
+                "(the largest world size of an elastic job); pick a multiple of it",
+            )
+
+    def _check_workload(self) -> None:
+        """A script, or a workload whose options it validates now (naming the field)."""
         require(
             isinstance(self.workload_options, dict),
             "workload_options",
@@ -140,44 +164,31 @@ class TrainConfig:
         else:
             require(not self.script_args, "script_args", "only a script: workload takes them")
             _ = self.wl  # resolve the workload and validate its options now, naming the field
-        require(str(self.run_root) != "", "run_root", "set the run directory (shared filesystem)")
+
+    def _check_layers_nest(self) -> None:
+        """arch §2: an inner layer must get its chance before the outer one gives up."""
         require(
-            not self.local_paths or self.data_dir.is_dir(),
-            "data_dir",
-            f"dataset directory {str(self.data_dir)!r} does not exist; write one with "
-            "`python -m trainer.data --out DIR` or hydrate it first",
+            self.inprocess.hard_timeout_s < self.injob.seconds("heartbeat_timeout_s"),
+            "injob.heartbeat_timeout_s",
+            f"must exceed inprocess.hard_timeout_s ({self.inprocess.hard_timeout_s} s) so "
+            "that an in-process restart completes before ft_launcher declares the rank dead",
         )
-        for spec in self.faults:
-            require(
-                not spec.needs_node_memory or self.checkpoint.memory.enabled,
-                "faults",
-                f"{spec} damages a node-memory copy, and checkpoint.memory.interval 0 makes "
-                "none: set it to 1 or more, or drop the drill",
-            )
-        if self.inprocess.enabled and self.injob.enabled:
-            # arch §2: an inner layer must get its chance before the outer one gives up.
-            require(
-                self.inprocess.hard_timeout_s < self.injob.seconds("heartbeat_timeout_s"),
-                "injob.heartbeat_timeout_s",
-                f"must exceed inprocess.hard_timeout_s ({self.inprocess.hard_timeout_s} s) so "
-                "that an in-process restart completes before ft_launcher declares the rank dead",
-            )
-            require(
-                self.inprocess.hard_timeout_s < self.injob.seconds("out_of_section_timeout_s"),
-                "injob.out_of_section_timeout_s",
-                f"must exceed inprocess.hard_timeout_s ({self.inprocess.hard_timeout_s} s): an "
-                "in-process restart runs out of section",
-            )
-            # A rank stalled in a step: its peers' collectives time out (pg_timeout_s) and the
-            # in-process layer restarts every rank in place, before ft_launcher's step timeout
-            # (counted from the section's renewal, up to one interval before the stall) kills it.
-            window = self.inprocess.pg_timeout_s + self.injob.heartbeat_interval_s
-            require(
-                window < self.injob.seconds("step_timeout_s"),
-                "injob.step_timeout_s",
-                f"must exceed inprocess.pg_timeout_s + injob.heartbeat_interval_s ({window} s) "
-                "so that a stalled step is restarted in-process before ft_launcher kills the rank",
-            )
+        require(
+            self.inprocess.hard_timeout_s < self.injob.seconds("out_of_section_timeout_s"),
+            "injob.out_of_section_timeout_s",
+            f"must exceed inprocess.hard_timeout_s ({self.inprocess.hard_timeout_s} s): an "
+            "in-process restart runs out of section",
+        )
+        # A rank stalled in a step: its peers' collectives time out (pg_timeout_s) and the
+        # in-process layer restarts every rank in place, before ft_launcher's step timeout
+        # (counted from the section's renewal, up to one interval before the stall) kills it.
+        window = self.inprocess.pg_timeout_s + self.injob.heartbeat_interval_s
+        require(
+            window < self.injob.seconds("step_timeout_s"),
+            "injob.step_timeout_s",
+            f"must exceed inprocess.pg_timeout_s + injob.heartbeat_interval_s ({window} s) "
+            "so that a stalled step is restarted in-process before ft_launcher kills the rank",
+        )
 
     def step_timeout_floor(self) -> float:
         """The lowest step-section timeout a learned one may be (trainer.timeouts):

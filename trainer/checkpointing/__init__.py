@@ -20,7 +20,9 @@ In the training process (torch, NVRx; imported by module, not here):
   bytes to the file;
 - :mod:`~trainer.checkpointing.flags`: the cross-rank agreement on a save in flight, by name;
 - :mod:`~trainer.checkpointing.async_save`: the asynchronous save (stage, plan, hand off,
-  finalize, commit thread);
+  finalize);
+- :mod:`~trainer.checkpointing.async_commit`: its second half, the commit thread and the outcome
+  every rank settles on;
 - :mod:`~trainer.checkpointing.process_copy`: the last save's snapshot, which an in-process
   restart reloads with no read;
 - :mod:`~trainer.checkpointing.node_copy`: the memory saves in node memory and their peer copies

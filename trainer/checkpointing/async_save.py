@@ -52,22 +52,25 @@ import shutil
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainer import nvrx_compat
-from trainer.checkpointing import shard_digest
+from trainer.checkpointing.async_commit import (
+    CommitFor,
+    CommitTask,
+    Committer,
+    SaveResult,
+    gather_write_results,
+    nothing,
+    remover,
+)
 from trainer.checkpointing.errors import (
-    CheckpointCommitError,
-    CheckpointStorageError,
     CheckpointTimeout,
     CheckpointWorkerDied,
     CheckpointWriteError,
@@ -75,38 +78,11 @@ from trainer.checkpointing.errors import (
 from trainer.checkpointing.flags import SaveFlags
 from trainer.checkpointing.process_copy import ProcessCopy
 from trainer.checkpointing.staging import Staging
-from trainer.checkpointing.writer import PersistentWriter, write_shard
+from trainer.checkpointing.writer import PersistentWriter, plan_write
 
 log = logging.getLogger(__name__)
 
-
 WARMUP_STEP = -1  # the step of the writer's warm-up write (never committed)
-
-
-def write_metadata_then(
-    writer: Any, metadata: Any, gathered: list[Any], task: CommitTask, *, step: int, directory: Path
-) -> Any:
-    """The commit thread: DCP finalize's second half (the coordinator writes ``.metadata``),
-    then the caller's commit. A failed ``.metadata`` is the storage's failure, as is an
-    ``OSError`` of the commit (a full disk)."""
-    try:
-        writer.finish(metadata, gathered)
-    except Exception as e:
-        raise CheckpointStorageError(
-            f"writing DCP metadata failed: {e}", step=step, directory=directory
-        ) from e
-    return task()
-
-
-def remover(directory: Path) -> CommitTask:
-    def remove() -> None:
-        shutil.rmtree(directory, ignore_errors=True)
-
-    return remove
-
-
-def nothing() -> None:
-    return None
 
 
 @dataclass
@@ -126,36 +102,6 @@ class _Pending:
     # Training-thread seconds spent on this save after ``save()`` returned (deferred hand-off).
     deferred_s: float = 0.0
     locally_done: bool = False
-
-
-@dataclass
-class SaveResult:
-    step: int
-    directory: Path
-    # Seconds the training thread spent on this save: ``save()`` plus any deferred hand-off.
-    blocking_s: float
-    # From ``save()`` until every rank's writer was done (the commit follows on its thread).
-    total_s: float
-    deferred_s: float = 0.0
-    # On the coordinator, what the commit returned (the committed directory); None elsewhere.
-    committed: Any = None
-
-
-# The coordinator's commit of one save, run on the commit thread: built on the training thread
-# from the finalized save, it must hold no process group (see ``trainer.gloo_release``).
-CommitTask = Callable[[], Any]
-
-CommitFor = Callable[[SaveResult], CommitTask]
-
-
-@dataclass
-class _Committing:
-    """A finalized save whose commit runs on the coordinator's commit thread (every rank holds
-    one, so that every rank polls for its outcome; only the coordinator has the future)."""
-
-    result: SaveResult
-    coordinator_rank: int
-    future: Future[Any] | None = None
 
 
 class AsyncCheckpointer:
@@ -179,8 +125,7 @@ class AsyncCheckpointer:
         self.pending: _Pending | None = None
         self._md_cache: Any = None
         self._step_hook: Any = None
-        self.committing: _Committing | None = None
-        self._commit_thread: ThreadPoolExecutor | None = None
+        self.commits = Committer(timeout_s)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, *, rank: int = 0, fork: bool = False) -> bool:
@@ -200,14 +145,6 @@ class AsyncCheckpointer:
         if self.writer.queue is None:
             self.start(rank=rank)
 
-    def take_ready(self) -> float | None:
-        """See :meth:`PersistentWriter.take_ready`."""
-        return self.writer.take_ready()
-
-    @property
-    def writer_start_method(self) -> str | None:
-        return self.writer.start_method
-
     def bind(self, group: dist.ProcessGroup, *, warmup_dir: Path | None = None) -> None:
         """Attach to this restart iteration's checkpoint group; replace the writer if one was
         started and has died (never waits for it: see ``start``).
@@ -219,7 +156,7 @@ class AsyncCheckpointer:
         warm-up is finalized by the normal ``poll`` and never reported as a save."""
         self.group = group
         self._md_cache = nvrx_compat.new_metadata_cache() if self.cache_plan else None
-        self._settle_quietly()  # a resume must not read the checkpoints while one commits
+        self.commits.settle_quietly()  # a resume must not read the checkpoints while one commits
         if self.writer.queue is not None:
             self.start(rank=dist.get_rank())
         if warmup_dir is not None:
@@ -247,10 +184,7 @@ class AsyncCheckpointer:
         that a reader could trust either way, but a finished commit is not lost work)."""
         self._wait_copy_quietly()
         self._remove_step_hook()
-        self._settle_quietly()
-        if self._commit_thread is not None:
-            self._commit_thread.shutdown(wait=True)
-            self._commit_thread = None
+        self.commits.close()
         self.writer.close()
 
     # -- saving --------------------------------------------------------------------------------
@@ -319,21 +253,8 @@ class AsyncCheckpointer:
             # NVRx reuses a validated cached plan without re-checking tensor sizes: a new state
             # layout must start a new cache.
             self._md_cache = nvrx_compat.new_metadata_cache()
-        writer = nvrx_compat.FileSystemWriterAsync(str(directory), thread_count=1)
-        shard_digest.install(writer)  # the shard's digest taken as it is written, not re-read
-        writer, metadata, dist_wrapper = nvrx_compat.save_state_dict_async_plan(
-            staged,
-            writer,
-            process_group=self.group,
-            planner=DefaultSavePlanner(),
-            enable_cache=self._md_cache is not None,
-            metadata_cache=self._md_cache,
-        )
-        save_fn, _cuda_preload, args = writer.get_save_function_and_args()
-        rank = dist.get_rank()
-        buckets, results_queue = (args[1], args[2]) if args else ([], None)
-        request = nvrx_compat.AsyncRequest(
-            write_shard, (save_fn, str(directory), rank, buckets, results_queue), []
+        request, writer, metadata, dist_wrapper = plan_write(
+            staged, directory, self.group, self._md_cache
         )
         return request, writer, metadata, dist_wrapper, staged
 
@@ -370,18 +291,14 @@ class AsyncCheckpointer:
         if p.request is None:
             return True
         copier = self.staging.copier
+        if not block and not copier.query():
+            return False
+        t0 = time.perf_counter()
         if block:
-            t0 = time.perf_counter()
             copier.synchronize()
-            self._hand_off()
-            p.deferred_s += time.perf_counter() - t0
-            return True
-        if copier.query():
-            t0 = time.perf_counter()
-            self._hand_off()
-            p.deferred_s += time.perf_counter() - t0
-            return True
-        return False
+        self._hand_off()
+        p.deferred_s += time.perf_counter() - t0
+        return True
 
     def _install_step_hook(self) -> None:
         """Safety net while a copy is in flight: every optimizer's ``step()`` first calls
@@ -439,16 +356,12 @@ class AsyncCheckpointer:
         tensor; zeros when nothing is pending, the commit flags only on the coordinator): the
         loop sums it with the loss in its own all-reduce and hands the sums to
         ``poll(reduced=...)``, so a save in flight costs the step no collective of its own."""
-        not_done = writer_dead = commit_running = commit_failed = 0
+        not_done = writer_dead = 0
         if self.pending is not None:
             done = self._locally_done(block=False)
             not_done = 0 if done else 1
             writer_dead = 1 if not done and not self.writer.alive() else 0
-        c = self.committing
-        if c is not None and c.future is not None:
-            finished = c.future.done()  # one look: running and failed must agree
-            commit_running = 0 if finished else 1
-            commit_failed = 1 if finished and c.future.exception() is not None else 0
+        commit_running, commit_failed = self.commits.flags()
         return SaveFlags(not_done, writer_dead, commit_running, commit_failed).to_tensor()
 
     def poll(
@@ -471,7 +384,7 @@ class AsyncCheckpointer:
         rounds (a wait for a slow write is not a stalled step: the checkpoint section's timeout
         bounds it instead); a dead writer or a failed commit on any rank raises on all.
         """
-        if self.pending is None and self.committing is None:
+        if self.pending is None and self.commits.current is None:
             self.writer.note_ready()
             return None
         deadline = time.monotonic() + self.timeout_s
@@ -487,7 +400,7 @@ class AsyncCheckpointer:
                 summed = self.local_flags()
                 dist.all_reduce(summed, group=self.group)
                 flags = SaveFlags.from_tensor(summed)
-            if self.committing is not None and flags.commit_running == 0:
+            if self.commits.current is not None and flags.commit_running == 0:
                 return self._settle(failed=flags.commit_failed > 0)
             if self.pending is not None:
                 if flags.writer_dead > 0:
@@ -506,11 +419,11 @@ class AsyncCheckpointer:
             if not block:
                 return None
             if time.monotonic() > deadline:
-                if self.pending is None and self.committing is not None:
+                if self.pending is None and self.commits.current is not None:
                     # The storage is stuck under the commit thread; the restart this error
                     # leads to waits for it once more (abandon), then resumes from the disk.
                     raise CheckpointTimeout(
-                        f"commit of step {self.committing.result.step} not done after "
+                        f"commit of step {self.commits.current.result.step} not done after "
                         f"{self.timeout_s} s"
                     )
                 self._forget_pending()
@@ -528,28 +441,12 @@ class AsyncCheckpointer:
     def _finalize(self, commit: CommitFor | None) -> None:
         """DCP finalize, first half, on all ranks: gather the write results; a rank's failed
         write fails every rank now. The second half, the coordinator's ``.metadata`` and the
-        commit, goes to the commit thread (``self.committing``)."""
+        commit, goes to the commit thread (``self.commits.current``)."""
         p = self.pending
         assert p is not None
         self.pending = None
-        try:
-            results: Any = p.writer.retrieve_write_results()
-        except Exception as e:  # reported through the gather so every rank fails together
-            results = e
-        gathered = p.dist_wrapper.gather_object(results)
-        outcome: list[Any] = [""]
-        if p.dist_wrapper.is_coordinator:
-            failures = [r for r in gathered if isinstance(r, BaseException)]
-            if failures:
-                outcome[0] = f"{len(failures)} rank(s) failed to write: {failures[0]}"
+        gathered = gather_write_results(p.writer, p.dist_wrapper, self.group, p.step, p.directory)
         coordinator = p.dist_wrapper.coordinator_rank
-        dist.broadcast_object_list(outcome, group_src=coordinator, group=self.group)
-        if outcome[0]:
-            raise CheckpointStorageError(
-                f"checkpoint step {p.step} in {p.directory}: {outcome[0]}",
-                step=p.step,
-                directory=p.directory,
-            )
         result = SaveResult(
             p.step,
             p.directory,
@@ -557,64 +454,18 @@ class AsyncCheckpointer:
             time.perf_counter() - p.started,
             p.deferred_s,
         )
-        self.committing = _Committing(result, coordinator)
-        if p.dist_wrapper.is_coordinator:
-            if p.step == WARMUP_STEP:  # nothing to commit: the warm-up's files go
-                task: CommitTask = remover(p.directory)
-            else:
-                task = commit(result) if commit is not None else nothing
-            if self._commit_thread is None:
-                self._commit_thread = ThreadPoolExecutor(1, thread_name_prefix="nvrx-commit")
-            self.committing.future = self._commit_thread.submit(
-                write_metadata_then,
-                p.writer,
-                p.metadata,
-                gathered,
-                task,
-                step=p.step,
-                directory=p.directory,
-            )
+        task: CommitTask | None = None
+        if p.dist_wrapper.is_coordinator:  # the warm-up commits nothing: its files go
+            task = remover(p.directory) if p.step == WARMUP_STEP else nothing
+            if commit is not None and p.step != WARMUP_STEP:
+                task = commit(result)
+        self.commits.start(
+            result, coordinator, task, writer=p.writer, metadata=p.metadata, gathered=gathered
+        )
 
     def _settle(self, *, failed: bool) -> SaveResult | None:
-        """Every rank, once the coordinator's commit is over (the flags say so on every rank):
-        its result, or the same error on every rank."""
-        c = self.committing
-        assert c is not None
-        self.committing = None
-        step, directory = c.result.step, c.result.directory
-        if failed:
-            error = c.future.exception() if c.future is not None else None
-            message: list[Any] = [None]
-            if error is not None:
-                storage = isinstance(error, (OSError, CheckpointStorageError))
-                message[0] = (storage, f"{type(error).__name__}: {error}")
-            dist.broadcast_object_list(message, group_src=c.coordinator_rank, group=self.group)
-            storage, text = message[0]
-            if storage:
-                raise CheckpointStorageError(
-                    f"checkpoint step {step} in {directory}: {text}", step=step, directory=directory
-                ) from error
-            if error is not None:
-                raise error
-            raise CheckpointCommitError(f"the coordinator could not commit step {step}: {text}")
-        if step == WARMUP_STEP:
-            return None
-        if c.future is not None:
-            c.result.committed = c.future.result()
-        return c.result
-
-    def _settle_quietly(self) -> None:
-        """Fault paths (no collectives): let a running commit finish, and forget it; whether it
-        committed is for the next resume to find on disk."""
-        c, self.committing = self.committing, None
-        if c is None or c.future is None:
-            return
-        try:
-            c.future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            log.warning("commit of step %d not done after %s s", c.result.step, self.timeout_s)
-        except Exception as e:
-            log.warning("the commit of step %d failed: %s", c.result.step, e)
+        result = self.commits.settle(failed=failed, group=self.group)
+        return None if result.step == WARMUP_STEP else result
 
     def drop_group(self) -> None:
         """After a fault, before ``abandon``: forget this iteration's checkpoint group, so that
@@ -632,7 +483,7 @@ class AsyncCheckpointer:
         handed to the writer."""
         self._wait_copy_quietly()
         self._remove_step_hook()
-        self._settle_quietly()
+        self.commits.settle_quietly()
         if self.writer.queue is not None:
             try:
                 self.writer.drain(time.monotonic() + self.timeout_s, what="the abandoned save")

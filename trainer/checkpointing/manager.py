@@ -30,7 +30,8 @@ from trainer.checkpointing import (
     node_format,
     tiers,
 )
-from trainer.checkpointing.async_save import WARMUP_STEP, AsyncCheckpointer, CommitTask, SaveResult
+from trainer.checkpointing.async_commit import CommitTask, SaveResult
+from trainer.checkpointing.async_save import WARMUP_STEP, AsyncCheckpointer
 from trainer.checkpointing.live_state import LiveState
 from trainer.checkpointing.memory_cadence import MemoryCadence
 from trainer.checkpointing.node_copy import NodeMemory
@@ -352,7 +353,7 @@ class CheckpointManager:
             raise checkpointing.CheckpointError(str(e)) from e
         if result is not None and isinstance(result.committed, Path):
             self.on_commit(result.step, result.committed)  # rank 0, on the training thread
-        ready_s = self.saver.take_ready()
+        ready_s = self.saver.writer.take_ready()
         if ready_s is not None and self.rank == 0:
             # Off the critical path since the writer starts after the first step: this says
             # how long it took all the same (a first save before it is ready queues for it).
@@ -360,7 +361,7 @@ class CheckpointManager:
                 Phase(
                     phase="writer_ready",
                     s=round(ready_s, 3),
-                    how=cast("Literal['fork', 'spawn'] | None", self.saver.writer_start_method),
+                    how=cast("Literal['fork', 'spawn'] | None", self.saver.writer.start_method),
                 )
             )
         return result

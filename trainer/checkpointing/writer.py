@@ -56,6 +56,35 @@ def write_shard(
         write_digest_sidecar(Path(directory), rank, files, streamed=streamed)
 
 
+def plan_write(
+    staged: dict[str, Any], directory: Path, group: Any, md_cache: Any
+) -> tuple[Any, Any, Any, Any]:
+    """DCP's save plan of a staged state (across ``group``; ``md_cache``: NVRx's cached plan,
+    or None), and the request that has the writer process write this rank's shard of it,
+    digested as it goes (:mod:`shard_digest`): (request, writer, metadata, dist_wrapper)."""
+    # Here, not at the top: the writer process imports this module and needs neither.
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    writer = nvrx_compat.FileSystemWriterAsync(str(directory), thread_count=1)
+    shard_digest.install(writer)  # the shard's digest taken as it is written, not re-read
+    writer, metadata, dist_wrapper = nvrx_compat.save_state_dict_async_plan(
+        staged,
+        writer,
+        process_group=group,
+        planner=DefaultSavePlanner(),
+        enable_cache=md_cache is not None,
+        metadata_cache=md_cache,
+    )
+    save_fn, _cuda_preload, args = writer.get_save_function_and_args()
+    buckets, results_queue = (args[1], args[2]) if args else ([], None)
+    rank = dist.get_rank()
+    request = nvrx_compat.AsyncRequest(
+        write_shard, (save_fn, str(directory), rank, buckets, results_queue), []
+    )
+    return request, writer, metadata, dist_wrapper
+
+
 class PersistentWriter:
     """The current writer process of this training process (none before :meth:`start`)."""
 

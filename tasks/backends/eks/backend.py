@@ -27,7 +27,6 @@ from tasks.backends.base import (
     Hydrated,
     HydrateRequest,
     LaunchRequest,
-    Placement,
 )
 from tasks.backends.eks.capacity import wait_for_nodes
 from tasks.backends.eks.classify import (
@@ -43,6 +42,7 @@ from tasks.backends.eks.hydrate import hydrate_fsx
 from tasks.backends.eks.kube import JOB_NAME_LABEL, Kube, iter_queue
 from tasks.backends.eks.objects import JobObs, healthy, observe_job, observe_node, observe_pod
 from tasks.backends.eks.params import EksParams, cpu_millicores
+from tasks.backends.eks.placement import placement
 from tasks.backends.eks.render import LABEL_ATTEMPT, LABEL_RUN, job_name, render_all, run_label
 from tasks.checks import CheckResult
 from tasks.classify import EndKind, Observation, Outcome
@@ -50,7 +50,7 @@ from tasks.preflight.checks import S3_CHECKS, check_node_memory
 from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks
 from tasks.preflight.local import gather_s3
 from tasks.preflight.memory import node_memory_need_of
-from trainer.config import Device, InJobConfig, InProcessConfig, save_config
+from trainer.config import save_config
 from trainer.event_types import Event, StaleJobsDeleted
 from trainer.events import EventLog
 from trainer.rundir import Layout
@@ -59,50 +59,6 @@ from trainer.rundir import Layout
 # for the other pods to end after the first failure decided the outcome.
 KEEPABLE = (EndKind.DO_NOT_REQUEUE, EndKind.INJOB_EXHAUSTED, EndKind.BUG)
 SETTLE_S = 30.0
-
-# GPU nodes: NCCL collectives of a large model, checkpoint I/O to FSx and a rendezvous of many
-# pods take minutes, not seconds. Still nested: pg < soft < hard < ft_launcher heartbeat.
-EKS_INPROCESS = InProcessConfig(
-    pg_timeout_s=120.0,
-    soft_timeout_s=240.0,
-    hard_timeout_s=280.0,
-    heartbeat_timeout_s=200.0,
-    barrier_timeout_s=600.0,
-    completion_timeout_s=600.0,
-    # NVRx's own defaults: on many nodes the Wrapper's store traffic grows with the polling rate.
-    monitor_interval_s=1.0,
-    last_call_wait_s=1.0,
-    termination_grace_s=5.0,
-)
-EKS_INJOB = InJobConfig(
-    # Every timeout auto (trainer.timeouts): until measured, the start-up allowance covers pod
-    # start-up, CUDA and NCCL initialisation, an 8B model's build and load from FSx, the first
-    # (compiling) steps and the first save; then each is 5 x what this incarnation measured,
-    # the step timeout at least the in-process layer's window (pg_timeout_s + a beat), the
-    # others at least section_floor_s (an 8B save or load to FSx takes minutes).
-    startup_allowance_s=1800.0,
-    section_floor_s=300.0,
-    monitor_interval_s=1.0,
-    workers_stop_timeout_s=30.0,
-    rdzv_join_timeout_s=120.0,
-    check_interval_s=5.0,
-)
-
-
-def placement(eks: EksParams) -> Placement:
-    return Placement(
-        shared_root=Path(eks.fsx_mount),
-        device=Device.CUDA,
-        local_paths=False,
-        inprocess=EKS_INPROCESS,
-        injob=EKS_INJOB,
-        s3_region=eks.region,
-        # Rank 0 and the flow run in pods of their own: the same port, container port `metrics`.
-        metrics_addr="0.0.0.0",
-        rank0_metrics_offset=0,
-        # every training pod is a PodMonitor target: each serves (its rank, its versions)
-        metrics_every_node=True,
-    )
 
 
 def _attempt_job_name(request: LaunchRequest) -> str:

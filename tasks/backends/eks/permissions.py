@@ -142,7 +142,7 @@ AWS_CALLS: tuple[AwsCall, ...] = (
         ("s3:GetObject",),
         "preflight.local.gather_s3 (dataset.json); export (read-back check)",
     ),
-    AwsCall("s3.head_object", ("s3:GetObject",), "export._head"),
+    AwsCall("s3.head_object", ("s3:GetObject",), "storage.verified_upload.head_object (export)"),
     AwsCall("s3.put_object", ("s3:PutObject",), "export (an object up to one part)"),
     AwsCall("s3.create_multipart_upload", ("s3:PutObject",), "export (a larger object)"),
     AwsCall("s3.upload_part", ("s3:PutObject",), "export"),

@@ -23,31 +23,18 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from tasks.backends.eks.kube import JOB_NAME_LABEL  # set on every pod by the Job controller
 from tasks.backends.eks.params import EksParams
-from tasks.backends.eks.security import (
-    container_security_context,
-    pod_security_context,
-    scratch_volumes,
-)
-from tasks.secrets import kubernetes_env
-from trainer.checkpointing.layout import NODE_MEMORY_ENV
+from tasks.backends.eks.pod import CONFIG_MOUNT, CONTAINER, pod_env, pod_template
 from trainer.config import TrainConfig, config_text
-from trainer.fence import EPOCH_ENV
-from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
+from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
 from trainer.rundir import Layout
 
-CONTAINER = "trainer"
 LABEL_RUN = "nvrx.io/run-id"
 LABEL_ATTEMPT = "nvrx.io/attempt"
 EXIT_DO_NOT_REQUEUE = 93
-METRICS_PORT_NAME = "metrics"
-TMP_GI = 32  # /tmp: torch.compile/Triton caches and tempfiles (ephemeral storage)
-
-NODE_MEMORY_DIR = "/dev/shm/nvrx-node-memory"  # on the pod's shm emptyDir (medium Memory)
 
 
 def job_name(run_id: str, attempt: int, tag: str = "") -> str:
@@ -100,10 +87,6 @@ def render_service(
     }
 
 
-# Where a training pod finds its attempt's config: the ConfigMap of the Job's name.
-CONFIG_MOUNT = Path("/etc/nvrx-pipeline/attempt")
-
-
 def render_config_map(
     cfg: TrainConfig, run_id: str, attempt: int, *, namespace: str, tag: str = ""
 ) -> dict[str, Any]:
@@ -122,29 +105,6 @@ def render_config_map(
 
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-
-
-def pod_resources(eks: EksParams) -> dict[str, str]:
-    """What one training pod requests, all of it also its limit. cpu and memory come from the
-    instance type less the node's reserve (:mod:`tasks.backends.eks.params`) unless eks.cpu /
-    eks.memory_gi say otherwise; the /dev/shm emptyDir (medium Memory) is charged to the
-    memory limit, which is why EksParams refuses shm_gi >= memory (and sizes it at most half)."""
-    resources = {
-        "cpu": eks.pod_cpu(),
-        "memory": f"{eks.pod_memory_gi()}Gi",
-        "nvidia.com/gpu": str(eks.gpus_per_node),
-    }
-    if eks.pod_efa():
-        resources["vpc.amazonaws.com/efa"] = str(eks.pod_efa())
-    return resources
-
-
-def guaranteed(resources: dict[str, str]) -> dict[str, dict[str, str]]:
-    """A container's ``resources`` with requests == limits for every resource: with cpu and
-    memory among them the pod is Guaranteed QoS, the last the kubelet evicts under node
-    pressure and the only class the static CPU manager gives exclusive cores. (Extended
-    resources such as GPUs and EFA must have requests == limits anyway.)"""
-    return {"limits": dict(resources), "requests": dict(resources)}
 
 
 # Beyond the flow's own deadline for the attempt: the flow stops the Job first; the API server's
@@ -191,122 +151,16 @@ def render_job(
     config = CONFIG_MOUNT / Layout.train_config(attempt).name
     # The image's programs, not this machine's paths.
     argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config), portable=True)
-    resources = pod_resources(eks)
-    # Node memory's size: the memory saves' need per node (node_memory_gb) and the rest.
-    shm_gi = eks.pod_shm_gi(node_memory_gb)
-    env = [
-        {"name": "NVRX_STAGE_ATTEMPT", "value": str(attempt)},
-        # The attempt's epoch (trainer.fence): a pod that outlives its attempt changes nothing.
-        *([{"name": EPOCH_ENV, "value": str(epoch)}] if epoch is not None else []),
-        *({"name": k, "value": v} for k, v in worker_env(config).items()),
-        {"name": "NVRX_EVENTS_STDOUT", "value": "1"},  # structured progress in `kubectl logs`
-        {"name": "TORCH_CPP_LOG_LEVEL", "value": "ERROR"},
-        # libfabric's EFA provider only where the pod has EFA interfaces (else NCCL would fail
-        # to find the provider it was told to use), and device RDMA only where EFA does it.
-        *([{"name": "FI_PROVIDER", "value": "efa"}] if eks.pod_efa() else []),
-        *([{"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"}] if eks.gpudirect_rdma() else []),
-        # Node memory (trainer.checkpointing.node_copy) in the pod's memory-backed /dev/shm: it
-        # outlives a worker respawn in the pod, and goes with the pod (a lost node's memory).
-        {"name": NODE_MEMORY_ENV, "value": NODE_MEMORY_DIR},
-        {"name": "NCCL_DEBUG", "value": "WARN"},
-        {"name": "NCCL_SOCKET_IFNAME", "value": "^lo,docker"},
-        # Workloads load Hugging Face layouts from directories on FSx; the NetworkPolicy gives
-        # the pods no route to the Hub, so fail fast instead of retrying downloads.
-        {"name": "HF_HUB_OFFLINE", "value": "1"},
-        # No AWS_REGION (nor any AWS_*): the pods call no AWS API (no IAM role, no egress but to
-        # each other and DNS); the dataset and weights reach them through FSx, hydrated by the
-        # flow runner, whose clients resolve the region (tasks.aws).
-        # The run's declared secrets: references to Kubernetes Secrets the kubelet resolves,
-        # never values in the manifest (tasks.secrets).
-        *kubernetes_env(secrets or {}),
-    ]
-    scratch, scratch_mounts = scratch_volumes(tmp_gi=TMP_GI)
-    pod_labels = labels(run_id, attempt)
-    template = {
-        "metadata": {"labels": pod_labels},
-        "spec": {
-            "restartPolicy": "Never",
-            "subdomain": name,  # <job>-<index>.<service> resolves through the headless Service
-            "serviceAccountName": eks.service_account,
-            # Training pods never call the Kubernetes API (rbac.yaml's nvrx-trainer says so too).
-            "automountServiceAccountToken": False,
-            **({"priorityClassName": eks.priority_class} if eks.priority_class else {}),
-            "securityContext": pod_security_context(),
-            "terminationGracePeriodSeconds": 30,
-            "nodeSelector": {"node.kubernetes.io/instance-type": eks.instance_type},
-            "affinity": {
-                "podAntiAffinity": {  # one pod (= one ft_launcher agent) per node
-                    "requiredDuringSchedulingIgnoredDuringExecution": [
-                        {
-                            "labelSelector": {
-                                "matchLabels": {
-                                    LABEL_RUN: pod_labels[LABEL_RUN],
-                                    LABEL_ATTEMPT: str(attempt),
-                                }
-                            },
-                            "topologyKey": "kubernetes.io/hostname",
-                        }
-                    ]
-                }
-            },
-            "tolerations": [
-                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
-                *(
-                    [{"key": "vpc.amazonaws.com/efa", "operator": "Exists", "effect": "NoSchedule"}]
-                    if eks.pod_efa()
-                    else []
-                ),
-                # Evict sooner than the default 300 s when a node is lost: the stage retry
-                # (not a wait) is what recovers a node loss.
-                {
-                    "key": "node.kubernetes.io/unreachable",
-                    "operator": "Exists",
-                    "effect": "NoExecute",
-                    "tolerationSeconds": eks.unreachable_toleration_s,
-                },
-                {
-                    "key": "node.kubernetes.io/not-ready",
-                    "operator": "Exists",
-                    "effect": "NoExecute",
-                    "tolerationSeconds": eks.unreachable_toleration_s,
-                },
-            ],
-            "containers": [
-                {
-                    "name": CONTAINER,
-                    "image": eks.image,
-                    "imagePullPolicy": "IfNotPresent",
-                    "command": argv[:1],
-                    "args": argv[1:],
-                    "env": env,
-                    "ports": [
-                        {"name": "rdzv", "containerPort": eks.rdzv_port},
-                        # Rank 0's Prometheus endpoint (trainer.metrics), whichever pod has it:
-                        # what deploy/eks/podmonitor.yaml scrapes, by this name.
-                        *(
-                            [{"name": METRICS_PORT_NAME, "containerPort": cfg.metrics_port}]
-                            if cfg.metrics_port is not None
-                            else []
-                        ),
-                    ],
-                    "securityContext": container_security_context(),
-                    "resources": guaranteed(resources),
-                    "volumeMounts": [
-                        {"name": "fsx", "mountPath": eks.fsx_mount},
-                        {"name": "shm", "mountPath": "/dev/shm"},
-                        {"name": "config", "mountPath": str(CONFIG_MOUNT), "readOnly": True},
-                        *scratch_mounts,
-                    ],
-                }
-            ],
-            "volumes": [
-                {"name": "fsx", "persistentVolumeClaim": {"claimName": eks.fsx_claim}},
-                {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gi}Gi"}},
-                {"name": "config", "configMap": {"name": name}},
-                *scratch,
-            ],
-        },
-    }
+    template = pod_template(
+        eks,
+        name=name,
+        labels=labels(run_id, attempt),
+        same_attempt={LABEL_RUN: run_label(run_id), LABEL_ATTEMPT: str(attempt)},
+        argv=argv,
+        env=pod_env(eks, attempt=attempt, epoch=epoch, config=config, secrets=secrets),
+        metrics_port=cfg.metrics_port,
+        node_memory_gb=node_memory_gb,
+    )
     job_labels = labels(run_id, attempt)
     if eks.queue:
         # Kueue admits the Job from this LocalQueue. The Job is not created suspended: Kueue's
@@ -327,27 +181,7 @@ def render_job(
                 if deadline_s is None
                 else {"activeDeadlineSeconds": int(deadline_s) + JOB_DEADLINE_MARGIN_S}
             ),
-            "podFailurePolicy": {
-                "rules": [
-                    {  # the workload asked not to be requeued
-                        "action": "FailJob",
-                        "onExitCodes": {
-                            "containerName": CONTAINER,
-                            "operator": "In",
-                            "values": [EXIT_DO_NOT_REQUEUE],
-                        },
-                    },
-                    # A node went away. Fixed size: end the Job now, the watcher classifies
-                    # node loss and the stage retry relaunches. Elastic: not counted against
-                    # backoffLimit; the in-job layer re-forms without the pod (the watcher
-                    # decides whether it can, tasks.loss_policy) and the controller starts
-                    # the index's replacement.
-                    {
-                        "action": "Ignore" if spec.elastic else "FailJob",
-                        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
-                    },
-                ]
-            },
+            "podFailurePolicy": _pod_failure_policy(elastic=spec.elastic),
             # Elastic: done when the rendezvous host's agent is (the job's world completed).
             **(
                 {"successPolicy": {"rules": [{"succeededIndexes": "0", "succeededCount": 1}]}}
@@ -357,6 +191,32 @@ def render_job(
             "ttlSecondsAfterFinished": 7 * 24 * 3600,
             "template": template,
         },
+    }
+
+
+def _pod_failure_policy(*, elastic: bool) -> dict[str, Any]:
+    """Which pod failures end the Job at once: restarts belong to ft_launcher (in-job) and the
+    stage retry, never to the Job controller."""
+    return {
+        "rules": [
+            {  # the workload asked not to be requeued
+                "action": "FailJob",
+                "onExitCodes": {
+                    "containerName": CONTAINER,
+                    "operator": "In",
+                    "values": [EXIT_DO_NOT_REQUEUE],
+                },
+            },
+            # A node went away. Fixed size: end the Job now, the watcher classifies
+            # node loss and the stage retry relaunches. Elastic: not counted against
+            # backoffLimit; the in-job layer re-forms without the pod (the watcher
+            # decides whether it can, tasks.loss_policy) and the controller starts
+            # the index's replacement.
+            {
+                "action": "Ignore" if elastic else "FailJob",
+                "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+            },
+        ]
     }
 
 

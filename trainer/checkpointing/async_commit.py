@@ -1,0 +1,180 @@
+"""An async save's second half: DCP's ``.metadata`` and the caller's commit, run on the
+coordinator's commit thread while training goes on, and its outcome settled the same way on
+every rank (a result means committed)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from trainer.checkpointing.errors import CheckpointCommitError, CheckpointStorageError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveResult:
+    step: int
+    directory: Path
+    # Seconds the training thread spent on this save: ``save()`` plus any deferred hand-off.
+    blocking_s: float
+    # From ``save()`` until every rank's writer was done (the commit follows on its thread).
+    total_s: float
+    deferred_s: float = 0.0
+    # On the coordinator, what the commit returned (the committed directory); None elsewhere.
+    committed: Any = None
+
+
+# The coordinator's commit of one save, run on the commit thread: built on the training thread
+# from the finalized save, it must hold no process group (see ``trainer.gloo_release``).
+CommitTask = Callable[[], Any]
+
+CommitFor = Callable[[SaveResult], CommitTask]
+
+
+def gather_write_results(
+    writer: Any, dist_wrapper: Any, group: dist.ProcessGroup | None, step: int, directory: Path
+) -> list[Any]:
+    """DCP finalize's first half, every rank: every rank's write results, gathered on the
+    coordinator; a rank's failed write fails every rank now, with the same error."""
+    try:
+        results: Any = writer.retrieve_write_results()
+    except Exception as e:  # reported through the gather so every rank fails together
+        results = e
+    gathered: list[Any] = dist_wrapper.gather_object(results)
+    outcome: list[Any] = [""]
+    if dist_wrapper.is_coordinator:
+        failures = [r for r in gathered if isinstance(r, BaseException)]
+        if failures:
+            outcome[0] = f"{len(failures)} rank(s) failed to write: {failures[0]}"
+    dist.broadcast_object_list(outcome, group_src=dist_wrapper.coordinator_rank, group=group)
+    if outcome[0]:
+        raise CheckpointStorageError(
+            f"checkpoint step {step} in {directory}: {outcome[0]}", step=step, directory=directory
+        )
+    return gathered
+
+
+def write_metadata_then(
+    writer: Any, metadata: Any, gathered: list[Any], task: CommitTask, *, step: int, directory: Path
+) -> Any:
+    """The commit thread: DCP finalize's second half (the coordinator writes ``.metadata``),
+    then the caller's commit. A failed ``.metadata`` is the storage's failure, as is an
+    ``OSError`` of the commit (a full disk)."""
+    try:
+        writer.finish(metadata, gathered)
+    except Exception as e:
+        raise CheckpointStorageError(
+            f"writing DCP metadata failed: {e}", step=step, directory=directory
+        ) from e
+    return task()
+
+
+def remover(directory: Path) -> CommitTask:
+    def remove() -> None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    return remove
+
+
+def nothing() -> None:
+    return None
+
+
+@dataclass
+class _Committing:
+    """A finalized save whose commit runs on the coordinator's commit thread (every rank holds
+    one, so that every rank polls for its outcome; only the coordinator has the future)."""
+
+    result: SaveResult
+    coordinator_rank: int
+    future: Future[Any] | None = None
+
+
+class Committer:
+    """The commit thread (started on the coordinator's first commit) and the one save in commit."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.current: _Committing | None = None
+        self._thread: ThreadPoolExecutor | None = None
+
+    def flags(self) -> tuple[int, int]:
+        """(running, failed): this rank's share of what every rank agrees on (coordinator only)."""
+        c = self.current
+        if c is None or c.future is None:
+            return 0, 0
+        finished = c.future.done()  # one look: running and failed must agree
+        return (0 if finished else 1), (1 if finished and c.future.exception() is not None else 0)
+
+    def start(self, result: SaveResult, coordinator_rank: int, task: CommitTask | None, *,
+              writer: Any, metadata: Any, gathered: list[Any]) -> None:  # fmt: skip
+        """Every rank holds the save; with ``task`` (the coordinator's) the thread runs it."""
+        self.current = _Committing(result, coordinator_rank)
+        if task is None:
+            return
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="nvrx-commit")
+        self.current.future = self._thread.submit(
+            write_metadata_then,
+            writer,
+            metadata,
+            gathered,
+            task,
+            step=result.step,
+            directory=result.directory,
+        )
+
+    def settle(self, *, failed: bool, group: dist.ProcessGroup | None) -> SaveResult:
+        """Every rank, once the coordinator's commit is over (the flags say so on every rank):
+        its result, or the same error on every rank."""
+        c = self.current
+        assert c is not None
+        self.current = None
+        step, directory = c.result.step, c.result.directory
+        if failed:
+            error = c.future.exception() if c.future is not None else None
+            message: list[Any] = [None]
+            if error is not None:
+                storage = isinstance(error, (OSError, CheckpointStorageError))
+                message[0] = (storage, f"{type(error).__name__}: {error}")
+            dist.broadcast_object_list(message, group_src=c.coordinator_rank, group=group)
+            storage, text = message[0]
+            if storage:
+                raise CheckpointStorageError(
+                    f"checkpoint step {step} in {directory}: {text}", step=step, directory=directory
+                ) from error
+            if error is not None:
+                raise error
+            raise CheckpointCommitError(f"the coordinator could not commit step {step}: {text}")
+        if c.future is not None:
+            c.result.committed = c.future.result()
+        return c.result
+
+    def settle_quietly(self) -> None:
+        """Fault paths (no collectives): let a running commit finish, and forget it; whether it
+        committed is for the next resume to find on disk."""
+        c, self.current = self.current, None
+        if c is None or c.future is None:
+            return
+        try:
+            c.future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            log.warning("commit of step %d not done after %s s", c.result.step, self.timeout_s)
+        except Exception as e:
+            log.warning("the commit of step %d failed: %s", c.result.step, e)
+
+    def close(self) -> None:
+        """Let a commit already running finish (a finished commit is not lost work)."""
+        self.settle_quietly()
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
