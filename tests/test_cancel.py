@@ -25,7 +25,7 @@ from flows.models import PipelineParams
 from flows.pipeline import run_id_of_flow_run
 from tasks.backends.eks.kube import JOB_NAME_LABEL, Kube
 from tasks.backends.eks.render import LABEL_RUN
-from tasks.backends.local import kill_tree
+from tasks.backends.local_nodes import kill_tree
 from tasks.ownership import processes
 from tasks.ownership.lease import LeaseRecord, process_is
 from tasks.storage.local_s3 import SERVER_RECORD

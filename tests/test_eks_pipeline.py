@@ -45,7 +45,7 @@ from flows.models import PipelineParams, PipelineResult
 from tasks.backends.eks.clients import EksClients
 from tasks.backends.eks.fsx import Backoff
 from tasks.backends.eks.kube import Kube
-from tasks.backends.local import kill_tree
+from tasks.backends.local_nodes import kill_tree
 from tasks.hydrate import hydrate_dataset
 from tasks.ownership import processes
 from tasks.storage.s3 import S3Settings, s3fs_filesystem

@@ -285,7 +285,7 @@ def test_a_node_arriving_after_the_job_ended_exits_0(tmp_path):
     and ends, which closes the rendezvous; B arrives then (a lost node's replacement, late).
     NVRx's launcher reports a closed rendezvous met on arrival as a failure (exit 1); the agent
     turns B away with exit 0, so on EKS such a pod cannot fail the Indexed Job."""
-    from tasks.backends.local import free_port, kill_tree, start_store
+    from tasks.backends.local_nodes import free_port, kill_tree, start_store
 
     script = tmp_path / "work.py"
     script.write_text("print('trained')\n")
@@ -318,7 +318,7 @@ def test_a_node_arriving_after_the_job_ended_exits_0(tmp_path):
 def _train(tmp_path: Path, dataset: Path, name: str, nproc: int, micro: int | None) -> dict:
     run = tmp_path / name
     env = {**os.environ, "NVRX_CPU_THREADS": "1", "PYTHONPATH": str(REPO)}
-    from tasks.backends.local import free_port
+    from tasks.backends.local_nodes import free_port
 
     argv = [
         sys.executable,

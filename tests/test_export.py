@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tasks.backends.local import free_port
+from tasks.backends.local_nodes import free_port
 from tasks.errors import ExportError, StorageError
 from tasks.export import ExportOptions, export_checkpoint
 from tasks.storage.local_s3 import LocalS3Server

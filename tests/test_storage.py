@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.backends.local import free_port
+from tasks.backends.local_nodes import free_port
 from tasks.errors import HydrationError, StorageError
 from tasks.hydrate import hydrate_dataset, upload_dataset
 from tasks.storage.local_s3 import endpoint_is_up, local_s3

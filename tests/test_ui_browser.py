@@ -79,7 +79,7 @@ def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
 def ui_stack(s3_settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """``prefect server start`` (its own SQLite home, the UI included) plus the served
     deployments, whose defaults point at this test's state dir and S3 server."""
-    from tasks.backends.local import free_port
+    from tasks.backends.local_nodes import free_port
 
     tmp = tmp_path_factory.mktemp("ui")
     port = free_port()

@@ -10,19 +10,13 @@ process-group kill would miss them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import signal
-import socket
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
-
-import psutil
+from typing import Any
 
 from tasks.backends import node_memory
 from tasks.backends.base import (
@@ -32,68 +26,27 @@ from tasks.backends.base import (
     Placement,
 )
 from tasks.backends.local_devices import split_devices, visible_gpus
-from tasks.backends.netns import PrivateNetwork, await_ready, open_network, support
+from tasks.backends.local_nodes import (
+    REPO,
+    NodeProcess,
+    NodeStarter,
+    Recorder,
+    free_port,
+    freeze_tree,
+    kill_tree,
+    start_store,
+)
+from tasks.backends.netns import PrivateNetwork, open_network, support
 from tasks.checks import CheckResult
 from tasks.classify import Observation, Outcome
 from tasks.ownership import processes
-from tasks.ownership.lease import RunLease, process_is
+from tasks.ownership.lease import RunLease
 from tasks.secrets import resolve_local, scrubbed
 from trainer.config import save_config
 from trainer.event_types import Event, TrainStart
 from trainer.fence import EPOCH_ENV
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args, worker_env
-from trainer.run_files import read_small
 from trainer.rundir import Layout
-
-_REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and every descendant (collected first: children re-parent on death)."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
-    psutil.wait_procs(procs, timeout=10)
-
-
-def freeze_tree(pid: int) -> list[psutil.Process]:
-    """SIGSTOP a process and every descendant, parents first; returns them."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGSTOP)
-    # Whatever a stopping parent started in between (a respawn) stops too.
-    with contextlib.suppress(psutil.NoSuchProcess):
-        for p in root.children(recursive=True):
-            if p not in procs:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    p.send_signal(signal.SIGSTOP)
-                procs.append(p)
-    return procs
-
-
-# Each simulated node runs under a tiny shell that writes the agent's exit code to a file: an
-# invocation that adopts the node after its first owner died is not its parent and could not
-# learn the exit code otherwise.
-_EXIT_WRAPPER = (
-    'rc=0; "$@" || rc=$?; printf "%s\\n" "$rc" > "$NVRX_EXIT_FILE.tmp" && '
-    'mv -f "$NVRX_EXIT_FILE.tmp" "$NVRX_EXIT_FILE"; exit "$rc"'
-)
 
 
 @dataclass
@@ -111,67 +64,6 @@ class JobStatus:
             for n, code in self.exit_codes.items()
             if code is None and n not in self.stopped_nodes and n not in self.lost_nodes
         ]
-
-
-class Recorder(Protocol):
-    """Where the backend notes what it starts (the run's lease, arch §6)."""
-
-    def record(self, resource: dict[str, Any]) -> None: ...
-
-    def forget(self, match: dict[str, Any]) -> None: ...
-
-
-def exit_file(run_root: Path, attempt: int, node: int) -> Path:
-    """Where simulated node ``node`` of ``attempt`` leaves its agent's exit code."""
-    return run_root / Layout.attempt_log(attempt, f"node{node}.exit")
-
-
-@dataclass
-class NodeProcess:
-    """One simulated node: its session leader, found again by pid and start time."""
-
-    node: int
-    pid: int
-    create_time: float
-    exit_file: Path
-    popen: subprocess.Popen[bytes] | None = None  # None: adopted from a dead owner
-
-    def poll(self) -> int | None:
-        if self.popen is not None:
-            code = self.popen.poll()
-        elif process_is(self.pid, self.create_time):
-            return None
-        else:
-            try:
-                code = int((read_small(self.exit_file, limit=64) or b"").strip())
-            except (OSError, ValueError):
-                return -int(signal.SIGKILL)  # gone without a word: killed
-        # The shell reports an agent killed by signal N as 128 + N; say it as Popen would.
-        return -(code - 128) if code is not None and code > 128 else code
-
-    def wait(self) -> None:
-        if self.popen is not None:
-            self.popen.wait()
-            return
-        with contextlib.suppress(psutil.NoSuchProcess):
-            psutil.Process(self.pid).wait(timeout=30)
-
-    def record(self, attempt: int) -> dict[str, Any]:
-        return {
-            "kind": "node",
-            "attempt": attempt,
-            "node": self.node,
-            "pid": self.pid,
-            "create_time": self.create_time,
-            "exit_file": str(self.exit_file),
-        }
-
-    @classmethod
-    def from_record(cls, r: dict[str, Any], run_root: Path) -> NodeProcess:
-        """A validated lease record (tasks.ownership.takeover.NodeRecord); its exit file is
-        where the launcher writes it for that attempt and node, whatever the record says."""
-        node, attempt = int(r["node"]), int(r["attempt"])
-        return cls(node, int(r["pid"]), float(r["create_time"]), exit_file(run_root, attempt, node))
 
 
 @dataclass
@@ -417,20 +309,7 @@ class LocalBackend:
         )
         config = save_config(cfg, cfg.run_root / Layout.train_config(request.attempt))
         argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config))
-        # A clean environment: none of the orchestrator's credentials, and the run's declared
-        # secrets only (tasks.secrets), resolved now from Prefect's Secret blocks.
-        env = {**scrubbed(os.environ), **worker_env(config), **resolve_local(request.secrets)}
-        env["NVRX_STAGE_ATTEMPT"] = str(request.attempt)
-        env.pop(EPOCH_ENV, None)
-        if request.epoch is not None:  # the attempt's (trainer.fence)
-            env[EPOCH_ENV] = str(request.epoch)
-        # All simulated nodes share this host's cores. Sized for the full world and kept when
-        # an elastic job shrinks: results are bitwise reproducible for one thread count only.
-        workers = request.nodes * request.nproc_per_node
-        env["NVRX_CPU_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
-        env.update(processes.tags(cfg.run_root, request.invocation))
+        env = _worker_env(request, config)
         # Each simulated node its own GPUs (its ranks' LOCAL_RANK indexes its own list), before
         # any process starts; None: CPU workers.
         gpus = split_devices(
@@ -443,41 +322,16 @@ class LocalBackend:
         network = self._network(
             request, env, cfg.run_root / Layout.attempt_log(request.attempt, "net.log")
         )
-        memory = node_memory.prepare(cfg.run_root, request.attempt, request.invocation)
-
-        def start(node: int) -> NodeProcess:
-            log_path = cfg.run_root / Layout.attempt_log(request.attempt, f"node{node}.log")
-            exit_path = exit_file(cfg.run_root, request.attempt, node)
-            exit_path.unlink(missing_ok=True)
-            # A node's memory starts empty: a first start, or a node back after a loss.
-            node_mem = memory / f"node-{node}"
-            node_mem.mkdir(mode=0o700, exist_ok=True)
-            # Appended: a node that returns after a loss keeps its first life's log above.
-            with open(log_path, "ab") as log:
-                popen = subprocess.Popen(
-                    [
-                        *(network.enter() if network is not None else []),
-                        *("/bin/sh", "-c", _EXIT_WRAPPER, f"nvrx-node{node}", *argv),
-                    ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env={
-                        **env,
-                        "NVRX_EXIT_FILE": str(exit_path),
-                        "NVRX_NODE": str(node),
-                        node_memory.ENV: str(node_mem),
-                        **({} if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus[node]}),
-                    },
-                    cwd=_REPO,
-                    start_new_session=True,  # one "node" = one session we can take down whole
-                )
-            proc = NodeProcess(
-                node, popen.pid, psutil.Process(popen.pid).create_time(), exit_path, popen
-            )
-            if self.recorder is not None:
-                self.recorder.record(proc.record(request.attempt))
-            return proc
-
+        start = NodeStarter(
+            run_root=cfg.run_root,
+            attempt=request.attempt,
+            enter=network.enter() if network is not None else [],
+            argv=argv,
+            env=env,
+            memory=node_memory.prepare(cfg.run_root, request.attempt, request.invocation),
+            gpus=gpus,
+            recorder=self.recorder,
+        )
         store = None
         try:
             if spec.external_store:
@@ -525,50 +379,29 @@ class LocalBackend:
                     f"other processes: {why_not}"
                 )
             return None
-        return open_network(env=env, cwd=_REPO, log=log, publish=request.cfg.metrics_port)
+        return open_network(env=env, cwd=REPO, log=log, publish=request.cfg.metrics_port)
+
+
+def _worker_env(request: LaunchRequest, config: Path) -> dict[str, str]:
+    """Every simulated node's environment. A clean one: none of the orchestrator's credentials,
+    and the run's declared secrets only (tasks.secrets), resolved now from Prefect's Secret
+    blocks."""
+    env = {**scrubbed(os.environ), **worker_env(config), **resolve_local(request.secrets)}
+    env["NVRX_STAGE_ATTEMPT"] = str(request.attempt)
+    env.pop(EPOCH_ENV, None)
+    if request.epoch is not None:  # the attempt's (trainer.fence)
+        env[EPOCH_ENV] = str(request.epoch)
+    # All simulated nodes share this host's cores. Sized for the full world and kept when
+    # an elastic job shrinks: results are bitwise reproducible for one thread count only.
+    workers = request.nodes * request.nproc_per_node
+    env["NVRX_CPU_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.update(processes.tags(request.cfg.run_root, request.invocation))
+    return env
 
 
 def _cuda_device_count() -> int:
     import torch
 
     return torch.cuda.device_count()  # 0 on a CPU build or without a driver
-
-
-def start_store(
-    endpoint: str, env: dict[str, str], log: Path, *, enter: list[str] | None = None
-) -> subprocess.Popen[bytes]:
-    """The rendezvous store of an elastic job, in a session of its own (and in the attempt's
-    network when ``enter`` says how), listening when this returns: it says so on a pipe, as a
-    connection from here could not reach it inside the attempt's network. It carries the run's
-    tags, so whatever ends the run's processes ends it too."""
-    host, _, port = endpoint.rpartition(":")
-    r, w = os.pipe()
-    try:
-        with open(log, "ab") as out:
-            popen = subprocess.Popen(
-                [
-                    *(enter or []),
-                    *(sys.executable, "-m", "tasks.backends.rdzv_store", "--host", host),
-                    *("--port", port, "--ready-fd", str(w)),
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=_REPO,
-                pass_fds=(w,),
-                start_new_session=True,
-            )
-    finally:
-        os.close(w)
-    try:
-        ready = await_ready(r, timeout_s=60)
-    finally:
-        os.close(r)
-    if ready:
-        return popen
-    kill_tree(popen.pid)
-    popen.wait()
-    raise RuntimeError(
-        f"the rendezvous store did not listen on {endpoint} within 60 s (exit code "
-        f"{popen.returncode}); see {log}"
-    )

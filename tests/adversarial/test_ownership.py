@@ -23,7 +23,7 @@ import pytest
 from flows.cli import main
 from flows.context import RunContext
 from flows.models import PipelineResult
-from tasks.backends.local import kill_tree
+from tasks.backends.local_nodes import kill_tree
 from tasks.errors import StorageError
 from tasks.ownership import processes, takeover
 from tasks.ownership.lease import LeaseRecord, Owner, RunBusy, RunLease
@@ -343,7 +343,7 @@ def test_a_forged_lease_names_no_process_of_ours(tmp_path: Path):
     """A lease naming an untagged process (its real pid and start time, readable by anyone from
     /proc) and an exit file elsewhere: takeover sees nothing of the dead owner alive, ends
     nothing, and an adopted node's exit file is the run's own."""
-    from tasks.backends.local import NodeProcess
+    from tasks.backends.local_nodes import NodeProcess
 
     victim = subprocess.Popen(["sleep", "60"])
     try:
@@ -664,7 +664,8 @@ def test_a_lease_taken_over_mid_train_leaves_the_nodes_to_the_new_owner(
     takes the lease over (the lock lost). Its watch stops at the next poll with LeaseLost; the
     nodes, now the new owner's, are not signalled: they train on and complete by themselves."""
     from tasks.backends.base import LaunchRequest
-    from tasks.backends.local import LocalBackend, exit_file
+    from tasks.backends.local import LocalBackend
+    from tasks.backends.local_nodes import exit_file
     from tasks.ownership.lease import LeaseLost
     from tasks.train_stage import run_attempt
     from tests.helpers import make_config
