@@ -131,34 +131,10 @@ def run_attempt(
     run_dir.root.mkdir(parents=True, exist_ok=True)
     # Only what is appended from now on: this attempt's events.
     tail = run_dir.event_reader(from_start=False)
-    fatal: str | None = None  # the attempt's first fatal error
     started = clock()
     check_owner("start an attempt")
-    job = backend.reattach(request)
-    adopted = job is not None
-    if job is None:
-        # A new epoch first: from here on, no writer of an earlier attempt (a pod on an
-        # unreachable node, a frozen host that wakes) changes the run root (trainer.fence).
-        run_dir = _publish(run_dir, request)
-        request = dataclasses.replace(request, epoch=run_dir.epoch)
-        events = EventLog(run_dir.root, epoch=run_dir.epoch)
-        run_dir.clear_result()  # only this attempt's result counts
-        run_dir.clear_markers()  # nor an earlier attempt's verdict (the config was fixed)
-        run_dir.clear_other_beats()
-        run_dir.record_retry(request.attempt)
-        events.emit(_attempt(backend, request, request.attempt, adopted=False))
-        job = backend.launch(request)
-    else:
-        # Adopted: the attempt runs under the epoch its (dead) watcher published, the highest
-        # on record (epoch.json's, or the event log's where that file was lost).
-        run_dir = run_dir.adopted()
-        events = EventLog(run_dir.root, epoch=run_dir.epoch)
-        # What the attempt said before we came: a fatal error there decides its outcome too.
-        fatal = bounded(
-            "the event log", lambda: _fatal_since_last_attempt_start(run_dir),
-            END_READ_TIMEOUT_S, None,
-        )  # fmt: skip
-        events.emit(_attempt(backend, request, job.attempt, adopted=True))
+    job, run_dir, events, adopted, fatal = _start(backend, request, run_dir)
+    request = dataclasses.replace(request, epoch=run_dir.epoch)
     # An elastic job's survivors below its minimum wait in the rendezvous for a node to return,
     # as long as their own join timeout lets them (tasks.loss_policy NODE_WAIT); a fixed-size
     # job's lost node nothing replaces in-job (nor one whose backend cannot re-form it).
@@ -181,6 +157,60 @@ def run_attempt(
         beats_read=OffLoop("the node beats", run_dir.beats),
         elastic=elastic,
     )  # fmt: skip
+    _watch_to_the_end(watch, check_owner)
+    watch.pump(END_READ_TIMEOUT_S)
+    outcome, kept = _conclude(watch, check_owner)
+    wall = clock() - started
+    events.emit(
+        StageAttemptEnd(
+            stage="train",
+            attempt=job.attempt,
+            outcome=outcome.kind.value,
+            message=outcome.message,
+            wall_s=round(wall, 3),
+            **kept,
+        )
+    )
+    watch.pump(END_READ_TIMEOUT_S)
+    return AttemptReport(job.attempt, outcome, wall, kept)
+
+
+def _start(
+    backend: Backend, request: LaunchRequest, run_dir: RunDir
+) -> tuple[Job, RunDir, EventLog, bool, str | None]:
+    """The attempt's job (launched now, or adopted), its run directory under its epoch, its
+    event log, whether it was adopted, and the first fatal error it said before we came."""
+    job = backend.reattach(request)
+    if job is None:
+        # A new epoch first: from here on, no writer of an earlier attempt (a pod on an
+        # unreachable node, a frozen host that wakes) changes the run root (trainer.fence).
+        run_dir = _publish(run_dir, request)
+        request = dataclasses.replace(request, epoch=run_dir.epoch)
+        events = EventLog(run_dir.root, epoch=run_dir.epoch)
+        run_dir.clear_result()  # only this attempt's result counts
+        run_dir.clear_markers()  # nor an earlier attempt's verdict (the config was fixed)
+        run_dir.clear_other_beats()
+        run_dir.record_retry(request.attempt)
+        events.emit(_attempt(backend, request, request.attempt, adopted=False))
+        return backend.launch(request), run_dir, events, False, None
+    # Adopted: the attempt runs under the epoch its (dead) watcher published, the highest
+    # on record (epoch.json's, or the event log's where that file was lost).
+    run_dir = run_dir.adopted()
+    events = EventLog(run_dir.root, epoch=run_dir.epoch)
+    # What the attempt said before we came: a fatal error there decides its outcome too.
+    fatal = bounded(
+        "the event log", lambda: _fatal_since_last_attempt_start(run_dir),
+        END_READ_TIMEOUT_S, None,
+    )  # fmt: skip
+    events.emit(_attempt(backend, request, job.attempt, adopted=True))
+    return job, run_dir, events, True, fatal
+
+
+def _watch_to_the_end(watch: _Watch, check_owner: Callable[[str], None]) -> None:
+    """Polls until the watch decides, stopping the job where the decision is not its own end;
+    on a cancel or a crash the job is stopped too, but not after a lost lease: then it is the
+    run's new owner's."""
+    job = watch.job
     # The lease's poll reads the shared filesystem too: off the loop, like the event log. A
     # read stuck past its timeout says nothing about the owner (the deadline still decides);
     # once stuck, later polls only look whether it has answered.
@@ -211,8 +241,12 @@ def run_attempt(
             # why. (Its new owner's, after a lost lease, is not this invocation's to stop.)
             with contextlib.suppress(Exception):
                 job.stop()
-    watch.pump(END_READ_TIMEOUT_S)
-    s = watch.state
+
+
+def _conclude(watch: _Watch, check_owner: Callable[[str], None]) -> tuple[Outcome, dict[str, Any]]:
+    """The attempt's outcome, judged once over the backend's observation and the watch's
+    evidence, and what releasing the job reported."""
+    s, job, run_dir, cfg = watch.state, watch.job, watch.run_dir, watch.request.cfg
     evidence = Evidence(
         lost_nodes=frozenset(s.lost),
         timed_out=s.timed_out,
@@ -229,7 +263,7 @@ def run_attempt(
         # A real loss (not a drill): recorded as a fault, so the next attempt's ``recovered``
         # event (the trainer emits it) closes it with layer ``stage-retry``.
         step = s.last_step
-        fault_event = events.emit(
+        fault_event = watch.events.emit(
             Fault(
                 fault=f"node-loss@step={step}" if step is not None else "node-loss",
                 fault_kind="node-loss",
@@ -239,19 +273,7 @@ def run_attempt(
             )
         )
         run_dir.open_fault(fault_event)
-    wall = clock() - started
-    events.emit(
-        StageAttemptEnd(
-            stage="train",
-            attempt=job.attempt,
-            outcome=outcome.kind.value,
-            message=outcome.message,
-            wall_s=round(wall, 3),
-            **kept,
-        )
-    )
-    watch.pump(END_READ_TIMEOUT_S)
-    return AttemptReport(job.attempt, outcome, wall, kept)
+    return outcome, kept
 
 
 class _Watch:
