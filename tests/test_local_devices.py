@@ -48,11 +48,11 @@ def test_visible_gpus_follow_cuda_visible_devices():
 def test_the_local_launch_refuses_before_any_process_starts(dataset, tmp_path, monkeypatch):
     """One GPU (the count faked: this machine has none) for two simulated nodes: the launch
     raises before any node starts (no node log written)."""
-    from tasks.backends import local
+    from tasks.backends import local, local_devices
     from tasks.backends.base import LaunchRequest
     from tests.helpers import make_config
 
-    monkeypatch.setattr(local, "_cuda_device_count", lambda: 1)
+    monkeypatch.setattr(local_devices, "cuda_device_count", lambda: 1)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cfg = make_config(tmp_path / "run", dataset, steps=2)
     request = LaunchRequest(run_id="gpu", attempt=1, cfg=cfg, nodes=2, nproc_per_node=1)

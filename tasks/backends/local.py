@@ -25,7 +25,7 @@ from tasks.backends.base import (
     LaunchRequest,
     Placement,
 )
-from tasks.backends.local_devices import split_devices, visible_gpus
+from tasks.backends.local_devices import node_gpus
 from tasks.backends.local_nodes import (
     REPO,
     NodeProcess,
@@ -312,12 +312,7 @@ class LocalBackend:
         env = _worker_env(request, config)
         # Each simulated node its own GPUs (its ranks' LOCAL_RANK indexes its own list), before
         # any process starts; None: CPU workers.
-        gpus = split_devices(
-            cfg.device,
-            visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), _cuda_device_count()),
-            nodes=request.launched,
-            nproc_per_node=request.nproc_per_node,
-        )
+        gpus = node_gpus(cfg.device, nodes=request.launched, nproc_per_node=request.nproc_per_node)
         (cfg.run_root / Layout.LOGS).mkdir(parents=True, exist_ok=True)
         network = self._network(
             request, env, cfg.run_root / Layout.attempt_log(request.attempt, "net.log")
@@ -399,9 +394,3 @@ def _worker_env(request: LaunchRequest, config: Path) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.update(processes.tags(request.cfg.run_root, request.invocation))
     return env
-
-
-def _cuda_device_count() -> int:
-    import torch
-
-    return torch.cuda.device_count()  # 0 on a CPU build or without a driver

@@ -7,6 +7,8 @@ too few refuses the launch, naming the fix. A pure function of the counts: teste
 
 from __future__ import annotations
 
+import os
+
 from trainer.config import Device
 from trainer.errors import TrainerError
 
@@ -42,3 +44,16 @@ def split_devices(
             "CPU (start the run with CUDA_VISIBLE_DEVICES= empty), or use the eks backend"
         )
     return {n: ",".join(gpus[n * nproc_per_node : (n + 1) * nproc_per_node]) for n in range(nodes)}
+
+
+def node_gpus(device: Device, *, nodes: int, nproc_per_node: int) -> dict[int, str] | None:
+    """:func:`split_devices` over this process's GPUs (``CUDA_VISIBLE_DEVICES``, else CUDA's
+    count)."""
+    gpus = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), cuda_device_count())
+    return split_devices(device, gpus, nodes=nodes, nproc_per_node=nproc_per_node)
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()  # 0 on a CPU build or without a driver
