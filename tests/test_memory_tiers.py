@@ -18,6 +18,7 @@ from trainer.checkpointing import node_format
 from trainer.checkpointing.live_state import LiveState
 from trainer.checkpointing.node_copy import NodeMemory
 from trainer.checkpointing.node_format import NodeCopyError
+from trainer.checkpointing.restore_node import recv_shard, send_shard
 from trainer.checkpointing.tiers import NO_COPY, Offer, choose, without
 from trainer.faults import flip_bytes
 
@@ -484,9 +485,9 @@ def _peer_pair(rank: int, world: int, port: int, root: str, out: str) -> None:
         if rank == 0:
             if damaged:
                 flip_bytes(mem.bin_path(held[7].generation, mem.peer_dir(1)))
-            mem.send_shard(held[7], mem.peer_dir(1), 1, dist.group.WORLD)
+            send_shard(mem, held[7], mem.peer_dir(1), 1, dist.group.WORLD)
         else:
-            header, mm = mem.recv_shard(0, dist.group.WORLD)
+            header, mm = recv_shard(mem, 0, dist.group.WORLD)
             target = _state(*_model(5))
             try:
                 node_format.restore(header, mm, target, "rank 0's peer copy")

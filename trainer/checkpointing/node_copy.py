@@ -170,7 +170,7 @@ class NodeMemory:
         try:
             # Its top fields only: its entries are validated whole when it is restored.
             header = Announced.model_validate_json(blob)
-            why = self._mismatch(header, rank=src)
+            why = self.mismatch(header, rank=src)
             if header.size != size:
                 why = why or f"it announced {size} bytes, its header {header.size}"
             if not why:
@@ -414,55 +414,16 @@ class NodeMemory:
             except ValidationError as e:
                 why = f"{path} is not a node-copy header ({e.error_count()} errors)"
                 continue
-            mismatch = self._mismatch(h, rank=rank)
+            mismatch = self.mismatch(h, rank=rank)
             if mismatch:
                 why = f"{path}: {mismatch}"
                 continue
             found[h.step] = h
         return found, why
 
-    def send_shard(self, header: Header | None, where: Path | None, dst: int, group: Any) -> None:
-        """At a resume: ``header``'s generation to rank ``dst`` (which calls ``recv_shard``);
-        ``header`` None, or a file that cannot be read, sends word that nothing comes."""
-        mm = None
-        if header is not None:
-            try:
-                mm = self.map(header, where)
-            except NodeCopyError as e:
-                log.warning("rank %d: cannot send rank %d's copy: %s", self.rank, dst, e)
-                header = None
-        blob = header.model_dump_json().encode() if header is not None else b""
-        size = header.size if header is not None else 0
-        for w in transport.send(blob, size, mm, dst, group, tags=transport.RESUME_TAGS):
-            if w is not None:
-                w.wait()
-
-    def recv_shard(self, src: int, group: Any) -> tuple[Header, mmap.mmap]:
-        """At a resume: a shard sent by ``src``'s ``send_shard``, in anonymous memory, its
-        header validated (this rank's, world size, fingerprint, epoch); the bytes are checked
-        by :meth:`restore`."""
-        import torch.distributed as dist
-
-        announced = transport.receive_header(src, group, tags=transport.RESUME_TAGS)
-        if announced is None:
-            raise NodeCopyError(f"rank {src} had no copy to send")
-        blob, size = announced
-        mm = mmap.mmap(-1, max(size, 1))
-        if size:
-            data = torch.frombuffer(mm, dtype=torch.uint8)[:size]
-            dist.recv(data, src, group=group, tag=transport.RESUME_TAGS[2])
-        try:
-            header = Header.model_validate_json(blob)
-        except ValidationError as e:
-            raise NodeCopyError(
-                f"rank {src} sent no node-copy header ({e.error_count()} errors)"
-            ) from e
-        why = self._mismatch(header)
-        if why or header.size != size:
-            raise NodeCopyError(f"the copy rank {src} sent: {why or 'its size is not its header'}")
-        return header, mm
-
-    def _mismatch(self, h: Announced, *, rank: int | None = None) -> str:
+    def mismatch(self, h: Announced, *, rank: int | None = None) -> str:
+        """Why ``h`` is not a copy of ``rank``'s shard (this rank's by default) for this world,
+        model and epoch; empty when it is."""
         for name, want in (
             ("rank", self.rank if rank is None else rank),
             ("world_size", self.world_size),

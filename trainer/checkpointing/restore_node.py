@@ -5,19 +5,27 @@ finite values and layout are checked before anything is copied into the live sta
 
 from __future__ import annotations
 
+import logging
 import mmap
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+import torch
+from pydantic import ValidationError
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
 from trainer.checkpointing import node_format, tiers
+from trainer.checkpointing import node_transport as transport
 from trainer.checkpointing.node_copy import SOURCE, NodeMemory
-from trainer.checkpointing.node_format import Header
+from trainer.checkpointing.node_format import Header, NodeCopyError
 from trainer.checkpointing.restoring import RestoreContext, Resumed, loss_of
 from trainer.workload import DataSource
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,10 +74,10 @@ class NodeRestorer:
                 continue
             if rank == h:
                 header = self.peers.get(r, {}).get(step)
-                self.node.send_shard(header, self.node.peer_dir(r), r, group)
+                send_shard(self.node, header, self.node.peer_dir(r), r, group)
             elif rank == r:
                 try:
-                    got, mm = self.node.recv_shard(h, group)
+                    got, mm = recv_shard(self.node, h, group)
                     received = (got, mm, f"rank {h}'s peer copy")
                 except Exception as e:
                     failure = e
@@ -85,3 +93,47 @@ class NodeRestorer:
             return mine, self.node.map(mine, where), str(where)
         assert received is not None
         return received
+
+
+def send_shard(
+    node: NodeMemory, header: Header | None, where: Path | None, dst: int, group: Any
+) -> None:
+    """``header``'s generation (in ``where``) to rank ``dst``, which calls :func:`recv_shard`;
+    ``header`` None, or a file that cannot be read, sends word that nothing comes."""
+    mm = None
+    if header is not None:
+        try:
+            mm = node.map(header, where)
+        except NodeCopyError as e:
+            log.warning("rank %d: cannot send rank %d's copy: %s", node.rank, dst, e)
+            header = None
+    blob = header.model_dump_json().encode() if header is not None else b""
+    size = header.size if header is not None else 0
+    for w in transport.send(blob, size, mm, dst, group, tags=transport.RESUME_TAGS):
+        if w is not None:
+            w.wait()
+
+
+def recv_shard(node: NodeMemory, src: int, group: Any) -> tuple[Header, mmap.mmap]:
+    """A shard sent by ``src``'s :func:`send_shard`, in anonymous memory, its header validated
+    (this rank's, world size, fingerprint, epoch); the bytes are checked by the restore."""
+    import torch.distributed as dist
+
+    announced = transport.receive_header(src, group, tags=transport.RESUME_TAGS)
+    if announced is None:
+        raise NodeCopyError(f"rank {src} had no copy to send")
+    blob, size = announced
+    mm = mmap.mmap(-1, max(size, 1))
+    if size:
+        data = torch.frombuffer(mm, dtype=torch.uint8)[:size]
+        dist.recv(data, src, group=group, tag=transport.RESUME_TAGS[2])
+    try:
+        header = Header.model_validate_json(blob)
+    except ValidationError as e:
+        raise NodeCopyError(
+            f"rank {src} sent no node-copy header ({e.error_count()} errors)"
+        ) from e
+    why = node.mismatch(header)
+    if why or header.size != size:
+        raise NodeCopyError(f"the copy rank {src} sent: {why or 'its size is not its header'}")
+    return header, mm
