@@ -41,6 +41,7 @@ from tasks.checks import CheckResult
 from tasks.classify import Observation, Outcome
 from tasks.ownership import processes
 from tasks.ownership.lease import RunLease
+from tasks.ownership.takeover import NodeRecord
 from tasks.secrets import resolve_local, scrubbed
 from trainer.config import save_config
 from trainer.event_types import Event, TrainStart
@@ -276,12 +277,12 @@ class LocalBackend:
         )
 
     def adopt(
-        self, request: LaunchRequest, records: list[dict[str, Any]], *, invocation: str
+        self, request: LaunchRequest, records: list[NodeRecord], *, invocation: str
     ) -> LocalJob:
         """The nodes invocation ``invocation`` (now dead) started for ``request.attempt``,
         watched from here on."""
         root = request.cfg.run_root
-        nodes = {int(r["node"]): NodeProcess.from_record(r, root) for r in records}
+        nodes = {r.node: NodeProcess.from_record(r, root) for r in records}
         logs = {n: root / Layout.attempt_log(request.attempt, f"node{n}.log") for n in nodes}
         if self.recorder is not None:
             for n in nodes.values():

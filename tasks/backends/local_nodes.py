@@ -21,6 +21,7 @@ import psutil
 from tasks.backends import node_memory
 from tasks.backends.netns import await_ready
 from tasks.ownership.lease import process_is
+from tasks.ownership.takeover import NodeRecord
 from trainer.run_files import read_small
 from trainer.rundir import Layout
 
@@ -129,11 +130,10 @@ class NodeProcess:
         }
 
     @classmethod
-    def from_record(cls, r: dict[str, Any], run_root: Path) -> NodeProcess:
-        """A validated lease record (tasks.ownership.takeover.NodeRecord); its exit file is
-        where the launcher writes it for that attempt and node, whatever the record says."""
-        node, attempt = int(r["node"]), int(r["attempt"])
-        return cls(node, int(r["pid"]), float(r["create_time"]), exit_file(run_root, attempt, node))
+    def from_record(cls, r: NodeRecord, run_root: Path) -> NodeProcess:
+        """A validated lease record; its exit file is where the launcher writes it for that
+        attempt and node, whatever the record says."""
+        return cls(r.node, r.pid, r.create_time, exit_file(run_root, r.attempt, r.node))
 
 
 @dataclass(frozen=True)

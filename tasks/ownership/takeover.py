@@ -57,7 +57,7 @@ class NodeRecord(BaseModel):
 @dataclass(frozen=True)
 class Snapshot:
     previous: LeaseRecord
-    nodes: tuple[dict[str, Any], ...]  # node records of the newest attempt
+    nodes: tuple[NodeRecord, ...]  # node records of the newest attempt
     alive: frozenset[int]  # which of those nodes' processes still run
     strays: int  # other live processes tagged with the dead invocation
     last_event_t: float | None
@@ -72,22 +72,18 @@ class Plan:
     action: Action
     reason: str
     attempt: int | None = None
-    nodes: tuple[dict[str, Any], ...] = ()
+    nodes: tuple[NodeRecord, ...] = ()
     steps_lost: int = 0
     details: dict[str, Any] = field(default_factory=dict)
 
 
 def gather(previous: LeaseRecord, run_root: Path, *, now: float | None = None) -> Snapshot:
-    node_records = [
-        r.model_dump() for r in map(NodeRecord.parse, previous.resources) if r is not None
-    ]
-    attempt = max((int(r["attempt"]) for r in node_records), default=None)
-    nodes = tuple(r for r in node_records if int(r["attempt"]) == attempt)
+    node_records = [r for r in map(NodeRecord.parse, previous.resources) if r is not None]
+    attempt = max((r.attempt for r in node_records), default=None)
+    nodes = tuple(r for r in node_records if r.attempt == attempt)
     invocation = previous.owner.invocation
     alive = frozenset(
-        int(r["node"])
-        for r in nodes
-        if processes.carries(int(r["pid"]), float(r["create_time"]), run_root, invocation)
+        r.node for r in nodes if processes.carries(r.pid, r.create_time, run_root, invocation)
     )
     strays = sum(1 for t in processes.tagged(run_root) if t.invocation == previous.owner.invocation)
     history = RunHistory.read(run_root)
@@ -108,9 +104,9 @@ def gather(previous: LeaseRecord, run_root: Path, *, now: float | None = None) -
 
 
 def decide(s: Snapshot, *, healthy_within_s: float = HEALTHY_WITHIN_S) -> Plan:
-    attempt = int(s.nodes[0]["attempt"]) if s.nodes else None
+    attempt = s.nodes[0].attempt if s.nodes else None
     lost = max(0, (s.last_step or 0) - (s.last_commit or 0))
-    wanted = {int(r["node"]) for r in s.nodes}
+    wanted = {r.node for r in s.nodes}
     if not s.alive and not s.strays:
         return Plan(Action.NOTHING, "nothing of the previous owner still runs", attempt)
     if s.nodes and s.alive == wanted and not s.attempt_ended:

@@ -296,7 +296,10 @@ def test_an_owner_frozen_mid_swap_makes_the_run_busy_not_a_hang(tmp_path: Path, 
 
 # -- takeover decisions (pure) --------------------------------------------------------------------
 def _snap(**kw: object) -> takeover.Snapshot:
-    nodes = tuple({"kind": "node", "attempt": 2, "node": n, "pid": 10 + n} for n in range(2))
+    nodes = tuple(
+        takeover.NodeRecord(kind="node", attempt=2, node=n, pid=10 + n, create_time=1.0)
+        for n in range(2)
+    )
     base: dict[str, object] = {
         "previous": _dead_owner(),
         "nodes": nodes,
@@ -361,7 +364,9 @@ def test_a_forged_lease_names_no_process_of_ours(tmp_path: Path):
         assert takeover.carry_out(plan, forged, tmp_path / "run") == []
         # Tagged as the dead owner's, the same process would count as its node.
         assert not processes.carries(victim.pid, created, tmp_path / "run", "deadbeef")
-        adopted = NodeProcess.from_record(node, tmp_path / "run")
+        adopted = NodeProcess.from_record(
+            takeover.NodeRecord.model_validate(node), tmp_path / "run"
+        )
         assert adopted.exit_file == tmp_path / "run" / "logs" / "attempt1-node0.exit"
         assert victim.poll() is None  # never signalled
     finally:
