@@ -236,6 +236,11 @@ def _exists(read: Callable[..., Any], name: str) -> bool:
     return True
 
 
+# `extended` (not in `make test`): the cancel through a served runner and the flow's hooks are
+# the local drill's below (the same flow code, any backend); what EKS adds, its Job, Service and
+# NetworkPolicy deleted when the watch is interrupted as Prefect's SIGTERM bridge interrupts it,
+# is tests/test_eks_backend.py::test_an_interrupted_watch_deletes_the_job.
+@pytest.mark.extended
 def test_cancel_during_train_on_eks_leaves_no_job_service_or_pod(
     kube: Kube, prefect_server: str, s3_settings: S3Settings, tmp_path: Path
 ):

@@ -12,8 +12,10 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+from kubernetes.client import ApiException
 
 from flows.context import eks_train_config
 from flows.models import PipelineParams
@@ -347,8 +349,11 @@ def test_an_interrupted_watch_deletes_the_job(kube: Kube, tmp_path: Path):
     name = job_name("k-cancel", 1, TAG)
     root = tmp_path / "runs" / "k-cancel"
 
+    applied: list[str] = []
+
     def interrupt(e: Event) -> None:
         if isinstance(e, Step) and kube.read_job(NS, name) is not None:
+            applied.extend(k for k, read in _rendered(kube) if _exists(read, name))
             raise KeyboardInterrupt("cancelled")  # as Prefect's SIGTERM bridge raises
 
     # A trainer event arrives once the Job exists: the stage's progress callback is interrupted.
@@ -357,6 +362,26 @@ def test_an_interrupted_watch_deletes_the_job(kube: Kube, tmp_path: Path):
         attempt_on(kube, params, deadline_s=30, on_event=interrupt)
     assert kube.read_job(NS, name) is None
     assert kube.jobs_labelled(NS, "nvrx.io/run-id", "k-cancel") == []
+    # What was rendered with the Job was there, and went with it.
+    assert applied == ["Service", "NetworkPolicy"]
+    assert [k for k, read in _rendered(kube) if _exists(read, name)] == []
+
+
+def _rendered(kube: Kube) -> list[tuple[str, Callable[..., Any]]]:
+    return [
+        ("Service", kube.core.read_namespaced_service),
+        ("NetworkPolicy", kube.networking.read_namespaced_network_policy),
+    ]
+
+
+def _exists(read: Callable[..., Any], name: str) -> bool:
+    try:
+        read(name, NS, _preload_content=False)
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+    return True
 
 
 def test_a_lease_taken_over_stops_the_watch_and_leaves_the_job(kube: Kube, tmp_path: Path):

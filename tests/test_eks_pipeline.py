@@ -747,30 +747,42 @@ class InJobLoss:
 IN_JOB = [
     # The world of one is slowed (0.5 s a micro-batch, the same maths): without it, a CI run
     # ended the shrunk world's last step before the replacement pod's agent had started.
-    InJobLoss(
-        "shrink-and-grow",
-        {"nodes": "1:2", "workload": "tests.adversarial.workloads:PACED_ALONE_GPT"},
-        "elastic",
-        (2, 1, 2),
+    pytest.param(
+        InJobLoss(
+            "shrink-and-grow",
+            {"nodes": "1:2", "workload": "tests.adversarial.workloads:PACED_ALONE_GPT"},
+            "elastic",
+            (2, 1, 2),
+        ),
+        id="shrink-and-grow",
+        # `extended` (not in `make test`): the stand-in's decision and absorption of a real
+        # loss in an elastic Job (tests/test_eks_backend.py, its elastic rows), and the whole
+        # pipeline shrinking and growing back bitwise on the local backend
+        # (tests/test_elastic_pipeline.py) cover its parts; node-wait below keeps the
+        # stand-in's whole-pipeline in-job loss in `make test`.
+        marks=pytest.mark.extended,
     ),
     # 2:3 loses indexes 2 then 1: the first leaves the minimum (elastic), the second leaves
     # index 0 alone, which waits in the rendezvous (node-wait) instead of ending the attempt;
     # index 1's replacement joins 2 s later and the job re-forms on 2 nodes in-job. A global
     # batch divisible by 3 ranks: not the baseline's, so not compared bitwise.
-    InJobLoss(
-        "node-wait",
-        {"nodes": "2:3", "global_batch": 6},
-        "elastic",
-        (3, 2),
-        paths=("elastic", "node-wait"),
-        victims=2,
-        return_after_s=2.0,
-        exact=False,
+    pytest.param(
+        InJobLoss(
+            "node-wait",
+            {"nodes": "2:3", "global_batch": 6},
+            "elastic",
+            (3, 2),
+            paths=("elastic", "node-wait"),
+            victims=2,
+            return_after_s=2.0,
+            exact=False,
+        ),
+        id="node-wait",
     ),
 ]
 
 
-@pytest.mark.parametrize("d", IN_JOB, ids=[d.name for d in IN_JOB])
+@pytest.mark.parametrize("d", IN_JOB)
 def test_node_loss_absorbed_in_job_on_eks(
     kube: Kube, baseline: PipelineResult, s3_settings: S3Settings, tmp_path: Path, d: InJobLoss
 ):
