@@ -137,6 +137,8 @@ class RunMetrics:
         self.history = RunHistory()
 
     def observe(self, e: Event) -> None:
+        if self.history.stale(e):  # a replaced attempt's zombie: not the run's
+            return
         if isinstance(e, Step):
             # Only rank 0 writes steps, in order: one seen before (the file read again) is not
             # folded again.

@@ -91,6 +91,28 @@ def test_since_keeps_one_invocations_share():
     assert h.train_wall_s() == 8.0
 
 
+def test_a_zombie_of_an_older_epoch_counts_for_nothing():
+    """Attempt 1 (epoch 1) is replaced by attempt 2 (epoch 2) while one of its workers, frozen,
+    wakes and appends: its steps, fault and checkpoint are not the run's."""
+    recorded = [
+        ev(1, "stage_attempt", stage="train", attempt=1, epoch=1),
+        step(2, 1, epoch=1),
+        step(3, 2, epoch=1),
+        ev(4, "stage_attempt", stage="train", attempt=2, epoch=2),
+        step(5, 3, epoch=2),
+        step(5.5, 9, epoch=1),  # the zombie, ahead of the run
+        ev(5.6, "fault", fault="exception@step=9", fault_kind="exception", step=9, epoch=1),
+        ev(5.7, "checkpoint", step=9, blocking_s=0.1, epoch=1),
+        ev(5.8, "stage_attempt_end", stage="x", attempt=1, outcome="completed"),  # unfenced
+        step(6, 4, epoch=2),
+    ]
+    h = RunHistory.of(recorded)
+    assert h.max_step == 4 and h.last_step is not None and h.last_step.step == 4
+    assert h.faults == [] and h.checkpoints == 0
+    assert h.stale_events == 3 and h.epoch == 2
+    assert h.stage_attempts() == 2
+
+
 def test_a_fresh_start_forgets_earlier_steps():
     h = RunHistory.of(
         [

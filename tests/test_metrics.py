@@ -23,7 +23,7 @@ import yaml
 from tasks.metrics import RunMetrics, serving
 from tests.helpers import REPO, free_port, sample, scrape, worker_env
 from trainer.config import ConfigError, TrainConfig
-from trainer.event_types import Checkpoint, Restart, StageAttempt, Step, decode_obj
+from trainer.event_types import Checkpoint, Fault, Restart, StageAttempt, Step, decode_obj
 from trainer.events import EventLog
 from trainer.history import RunHistory
 from trainer.metrics import MetricsServer, Rank0Metrics, build_versions
@@ -166,6 +166,26 @@ def test_ettr_counts_the_running_attempts_wall_time_so_far() -> None:
     assert m.ettr() == 0.2
     now["t"] = 120.0
     assert m.ettr() == 0.1
+
+
+def test_a_zombie_of_a_replaced_attempt_counts_nothing() -> None:
+    """Epoch 2 replaced epoch 1; a worker of epoch 1 that wakes and appends (its appends are not
+    fenced) moves no step, fault or checkpoint series."""
+    m = RunMetrics("r1")
+    for e in [
+        StageAttempt(t=1.0, stage="train", attempt=1, epoch=1),
+        StageAttempt(t=2.0, stage="train", attempt=2, epoch=2),
+        Step(t=3.0, step=3, loss=0.5, epoch=2),
+        Step(t=4.0, step=9, loss=0.1, epoch=1),
+        Fault(t=4.1, fault="exception@step=9", fault_kind="exception", step=9, epoch=1),
+        Checkpoint(t=4.2, step=9, blocking_s=0.1, epoch=1),
+    ]:
+        m.observe(e)
+    s = _samples(m.registry)
+    assert sample(s, "nvrx_train_step", run_id="r1") == 3
+    assert sample(s, "nvrx_faults_detected_total", kind="exception") == 0
+    assert sample(s, "nvrx_checkpoints_committed_total", run_id="r1") == 0
+    assert sample(s, "nvrx_train_stage_attempts_total") == 2
 
 
 def test_an_adopted_attempt_is_not_a_stage_retry() -> None:

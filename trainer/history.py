@@ -58,6 +58,11 @@ class RunHistory:
 
     def __init__(self, *, since: float = 0.0) -> None:
         self.since = since
+        # The newest epoch on record (trainer.fence): epochs only go up, so an event of an
+        # older one, after a newer one, is a replaced attempt's zombie (its appends are not
+        # fenced, its control files are) and counts for nothing here.
+        self.epoch: int | None = None
+        self.stale_events = 0
         self.events_seen = 0
         self.attempts: list[AttemptView] = []
         self._train_wall_s = 0.0
@@ -125,9 +130,18 @@ class RunHistory:
             h.observe(e)
         return h
 
+    def stale(self, ev: Event) -> bool:
+        """Of an epoch older than the newest on record: a zombie's."""
+        return ev.epoch is not None and self.epoch is not None and ev.epoch < self.epoch
+
     def observe(self, ev: Event) -> None:
         if ev.t < self.since:
             return
+        if self.stale(ev):
+            self.stale_events += 1
+            return
+        if ev.epoch is not None:
+            self.epoch = ev.epoch
         self.events_seen += 1
         if isinstance(ev, Step):
             self._step(ev)
