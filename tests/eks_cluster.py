@@ -4,8 +4,10 @@ kmock's emulator for the EKS tests (kmock stores what it is given; it runs no co
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from kubernetes.client import ApiException
 
 from tasks.backends.eks import clients as eks_clients
 from tasks.backends.eks.clients import EksClients
@@ -168,3 +170,14 @@ def use_clients(clients: EksClients) -> Iterator[EksClients]:
         yield clients
     finally:
         eks_clients._override = previous
+
+
+def exists(read: Callable[..., Any], name: str) -> bool:
+    """Whether ``read`` (a namespaced read of the Kubernetes client) finds ``name`` in NS."""
+    try:
+        read(name, NS, _preload_content=False)
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+    return True

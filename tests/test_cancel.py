@@ -19,7 +19,6 @@ from uuid import UUID
 
 import psutil
 import pytest
-from kubernetes.client import ApiException
 
 from flows.models import PipelineParams
 from flows.pipeline import run_id_of_flow_run
@@ -30,7 +29,7 @@ from tasks.ownership import processes
 from tasks.ownership.lease import LeaseRecord, process_is
 from tasks.storage.local_s3 import SERVER_RECORD
 from tasks.storage.s3 import S3Settings
-from tests.eks_cluster import NODES, NS, seed_cluster
+from tests.eks_cluster import NODES, NS, exists, seed_cluster
 from tests.helpers import free_s3_port, read_events
 from tests.pipeline_helpers import make_params
 from tests.served_flows import KMOCK_DEPLOYMENT, KMOCK_FLOW
@@ -226,16 +225,6 @@ class GarbageCollectingCluster(Cluster):
                 self.workloads.setdefault(p.pid, p)
 
 
-def _exists(read: Callable[..., Any], name: str) -> bool:
-    try:
-        read(name, NS, _preload_content=False)
-    except ApiException as e:
-        if e.status == 404:
-            return False
-        raise
-    return True
-
-
 # `extended` (not in `make test`): the cancel through a served runner and the flow's hooks are
 # the local drill's below (the same flow code, any backend); what EKS adds, its Job, Service and
 # NetworkPolicy deleted when the watch is interrupted as Prefect's SIGTERM bridge interrupts it,
@@ -281,8 +270,8 @@ def test_cancel_during_train_on_eks_leaves_no_job_service_or_pod(
             job = wait_for(training_job, 150, "the run's training Job never got pods", log)
             wait_for(
                 lambda: (
-                    _exists(kube.core.read_namespaced_service, job)
-                    and _exists(kube.networking.read_namespaced_network_policy, job)
+                    exists(kube.core.read_namespaced_service, job)
+                    and exists(kube.networking.read_namespaced_network_policy, job)
                 ),
                 30,
                 "the Job's Service and NetworkPolicy were never applied",
@@ -293,8 +282,8 @@ def test_cancel_during_train_on_eks_leaves_no_job_service_or_pod(
             assert ended.name == run_id
         # Nothing of the run on the cluster: the Job, what was rendered with it, its pods.
         assert kube.jobs_labelled(NS, LABEL_RUN, run_id) == []
-        assert not _exists(kube.core.read_namespaced_service, job)
-        assert not _exists(kube.networking.read_namespaced_network_policy, job)
+        assert not exists(kube.core.read_namespaced_service, job)
+        assert not exists(kube.networking.read_namespaced_network_policy, job)
         wait_for(lambda: not kube.job_pods(NS, job), 15, "pods of the deleted Job remain")
         pods = kube.core.list_namespaced_pod(NS, _preload_content=False)
         labels = [(p["metadata"].get("labels") or {}) for p in json.loads(pods.data)["items"]]

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes.client import ApiException
 
 from flows.context import eks_train_config
 from flows.models import PipelineParams
@@ -26,7 +25,7 @@ from tasks.backends.eks.kube import Kube
 from tasks.backends.eks.render import job_name
 from tasks.classify import EndKind
 from tasks.train_stage import AttemptReport, run_attempt
-from tests.eks_cluster import NS, mark_disrupted, node_obj, pod_obj, terminated
+from tests.eks_cluster import NS, exists, mark_disrupted, node_obj, pod_obj, terminated
 from tests.kube_chaos import ChaosProxy, Misbehaviour
 from trainer import fence
 from trainer.event_types import Event, Step, TrainStart
@@ -353,7 +352,7 @@ def test_an_interrupted_watch_deletes_the_job(kube: Kube, tmp_path: Path):
 
     def interrupt(e: Event) -> None:
         if isinstance(e, Step) and kube.read_job(NS, name) is not None:
-            applied.extend(k for k, read in _rendered(kube) if _exists(read, name))
+            applied.extend(k for k, read in _rendered(kube) if exists(read, name))
             raise KeyboardInterrupt("cancelled")  # as Prefect's SIGTERM bridge raises
 
     # A trainer event arrives once the Job exists: the stage's progress callback is interrupted.
@@ -364,7 +363,7 @@ def test_an_interrupted_watch_deletes_the_job(kube: Kube, tmp_path: Path):
     assert kube.jobs_labelled(NS, "nvrx.io/run-id", "k-cancel") == []
     # What was rendered with the Job was there, and went with it.
     assert applied == ["Service", "NetworkPolicy"]
-    assert [k for k, read in _rendered(kube) if _exists(read, name)] == []
+    assert [k for k, read in _rendered(kube) if exists(read, name)] == []
 
 
 def _rendered(kube: Kube) -> list[tuple[str, Callable[..., Any]]]:
@@ -372,16 +371,6 @@ def _rendered(kube: Kube) -> list[tuple[str, Callable[..., Any]]]:
         ("Service", kube.core.read_namespaced_service),
         ("NetworkPolicy", kube.networking.read_namespaced_network_policy),
     ]
-
-
-def _exists(read: Callable[..., Any], name: str) -> bool:
-    try:
-        read(name, NS, _preload_content=False)
-    except ApiException as e:
-        if e.status == 404:
-            return False
-        raise
-    return True
 
 
 def test_a_lease_taken_over_stops_the_watch_and_leaves_the_job(kube: Kube, tmp_path: Path):
