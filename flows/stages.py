@@ -320,12 +320,12 @@ def validate_flow(plan: RunPlan) -> ValidationResult:
         log.warning(
             "checkpoint step %s FAILED validation: %s",
             r.step,
-            "; ".join(c["detail"] for c in r.failed_checks()),
+            "; ".join(c.detail for c in r.failed_checks()),
         )
     if outcome.fell_back:
         log.warning("falling back to checkpoint step %s", outcome.chosen.step)
     rows = [
-        {"step": r.step, "check": c["name"], "status": c["status"], "detail": c["detail"]}
+        {"step": r.step, "check": c.name, "status": c.status.value, "detail": c.detail}
         for r in [*outcome.rejected, outcome.chosen]
         for c in r.checks
     ]
@@ -342,11 +342,11 @@ def validate_flow(plan: RunPlan) -> ValidationResult:
         step=chosen.step,
         path=chosen.path,
         validated=chosen.passed,
-        checks=[CheckRow.model_validate(c) for c in chosen.checks],
+        checks=[CheckRow.model_validate(c.row()) for c in chosen.checks],
         hash_mb_s=chosen.hash_mb_s,
         fell_back_from=[
             RejectedCheckpoint(
-                step=r.step, failed=[CheckRow.model_validate(c) for c in r.failed_checks()]
+                step=r.step, failed=[CheckRow.model_validate(c.row()) for c in r.failed_checks()]
             )
             for r in outcome.rejected
         ],

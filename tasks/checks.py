@@ -30,6 +30,10 @@ class CheckResult:
     def to_dict(self) -> dict[str, str]:
         return {"name": self.name, "status": self.status.value, "detail": self.detail}
 
+    def row(self) -> dict[str, str | bool]:
+        """The report's JSON of it (``required`` too: a SKIPPED required check rejects)."""
+        return {**self.to_dict(), "required": self.required}
+
 
 def blocks(result: CheckResult) -> bool:
     """Does this result stop the gate? FAILED always; SKIPPED when the check is required."""

@@ -29,7 +29,8 @@ class ValidationOutcome:
             "validated": self.chosen.passed,
             "report": self.chosen.to_dict(),
             "fell_back_from": [
-                {"step": r.step, "failed": r.failed_checks()} for r in self.rejected
+                {"step": r.step, "failed": [c.row() for c in r.failed_checks()]}
+                for r in self.rejected
             ],
         }
 
@@ -51,6 +52,6 @@ def validate_latest(run_root: Path, exp: Expectations, *, load: bool = True) -> 
             f"no committed checkpoint under {checkpointing.checkpoints_dir(run_root)}"
         )
     details = "; ".join(
-        f"step {r.step}: " + ", ".join(c["detail"] for c in r.failed_checks()) for r in rejected
+        f"step {r.step}: " + ", ".join(c.detail for c in r.failed_checks()) for r in rejected
     )
     raise ValidationFailed(f"no valid checkpoint: {details}")

@@ -34,7 +34,7 @@ def ckpt(trained, tmp_path: Path) -> Path:
 
 
 def statuses(report) -> dict[str, str]:
-    return {c["name"]: c["status"] for c in report.checks}
+    return {c.name: c.status for c in report.checks}
 
 
 @pytest.mark.slow
@@ -67,7 +67,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(
     exp = Expectations(config_hash=trained[1]["hash"], world_size=1, data_dir=dataset)
     outcome = validate_latest(run_root, exp)
     assert outcome.fell_back and [r.step for r in outcome.rejected] == [10]
-    assert victim.name in outcome.rejected[0].failed_checks()[0]["detail"]
+    assert victim.name in outcome.rejected[0].failed_checks()[0].detail
     assert outcome.chosen.step == 5 and outcome.chosen.passed
     assert outcome.chosen.path == str(checkpointing.committed_path(run_root, 5))
     assert outcome.to_dict()["fell_back_from"][0]["step"] == 10
@@ -81,7 +81,7 @@ def test_flipped_bytes_fail_naming_the_file(ckpt: Path):
     s = statuses(report)
     assert not report.passed
     assert s["files and digests"] == "FAILED"
-    assert victim.name in next(c["detail"] for c in report.checks if c["status"] == "FAILED")
+    assert victim.name in next(c.detail for c in report.checks if c.status == "FAILED")
     assert s["loads on 1 CPU rank, all tensors finite"] == "SKIPPED"
 
 
@@ -96,7 +96,7 @@ def test_a_checkpoint_of_manifest_v1_still_validates(trained, ckpt: Path):
     victim = sorted(ckpt.glob("*.distcp"))[0]
     flip_bytes(victim)
     report = validate_checkpoint(ckpt, Expectations(), load=False)
-    detail = {c["name"]: c["detail"] for c in report.checks}
+    detail = {c.name: c.detail for c in report.checks}
     assert f"{victim} does not match its sha256" in detail["files and digests"]
 
 
@@ -119,8 +119,8 @@ def test_cli_validate_json(ckpt: Path):
 def test_run_mismatch_detected(ckpt: Path):
     facts = gather(ckpt, Expectations(), load=False)
     report = judge(facts, Expectations(config_hash="other", world_size=4))
-    detail = report.checks[0]["detail"]
-    assert report.checks[0]["status"] == "FAILED"
+    detail = report.checks[0].detail
+    assert report.checks[0].status == "FAILED"
     assert "config hash" in detail and "world size 1 != the run's 4" in detail
 
 
@@ -132,9 +132,9 @@ def test_an_elastic_runs_checkpoint_may_come_from_any_world_in_its_range(low, hi
     """A 2-rank checkpoint (written after the job shrank) is the run's when 2 is in its range."""
     r = judge(_facts(), Expectations(world_size=high, min_world_size=low))
     manifest = r.checks[0]
-    assert (manifest["status"] == "PASSED") == ok, manifest["detail"]
+    assert (manifest.status == "PASSED") == ok, manifest.detail
     if not ok:
-        assert "world size 2" in manifest["detail"]
+        assert "world size 2" in manifest.detail
 
 
 def _facts(**kw) -> Facts:
@@ -153,8 +153,8 @@ def test_coverage_reports_missing_and_misshapen_entries():
         expected_entries={"model.a": (2, 2), "model.b": (4,), "optim.state.a.exp_avg": (2, 2)},
     )
     r = judge(f, Expectations())
-    c = next(x for x in r.checks if x["name"].startswith("DCP"))
-    assert c["status"] == "FAILED" and "1 missing" in c["detail"] and "wrong shapes" in c["detail"]
+    c = next(x for x in r.checks if x.name.startswith("DCP"))
+    assert c.status == "FAILED" and "1 missing" in c.detail and "wrong shapes" in c.detail
 
 
 def test_nonfinite_and_loss_out_of_tolerance_fail():
@@ -176,7 +176,7 @@ def test_blind_checks_are_skipped_and_a_blind_required_one_rejects():
     assert s["loads on 1 CPU rank, all tensors finite"] == "SKIPPED"
     assert s["held-out loss near the recorded loss"] == "SKIPPED"
     assert not r.passed
-    rejected = {c["name"]: c["detail"] for c in r.failed_checks()}
+    rejected = {c.name: c.detail for c in r.failed_checks()}
     assert rejected == {
         COVERAGE: "source 'dcp' failed: cannot read .metadata",
         LOAD: "source 'load' failed: load did not finish in 600 s",
@@ -201,9 +201,9 @@ def test_checks_a_checkpoint_does_not_need_stop_nothing(case: str, not_needed: d
     )
     r = judge(f, Expectations())
     assert r.passed, r.checks
-    skipped = {c["name"]: c for c in r.checks if c["status"] == "SKIPPED"}
+    skipped = {c.name: c for c in r.checks if c.status == "SKIPPED"}
     assert "loads on 1 CPU rank, all tensors finite" in skipped
-    assert all(not c["required"] for c in skipped.values())
+    assert all(not c.required for c in skipped.values())
     assert r.failed_checks() == []
 
 
@@ -220,7 +220,7 @@ def test_manifest_names_outside_the_checkpoint_fail(ckpt: Path, name: str):
     s = statuses(judge(facts, Expectations()))
     assert s["manifest"] == "FAILED" and s["files and digests"] == "SKIPPED"
     assert s["loads on 1 CPU rank, all tensors finite"] == "SKIPPED"
-    detail = judge(facts, Expectations()).checks[0]["detail"]
+    detail = judge(facts, Expectations()).checks[0].detail
     assert repr(name) in detail
 
 
@@ -291,7 +291,7 @@ def test_forced_metadata_mode_passes_without_loading(ckpt: Path, monkeypatch):
     s = statuses(report)
     assert s["files and digests"] == s[COVERAGE] == "PASSED"
     assert s[LOAD] == "SKIPPED" and report.params_sha256 is None
-    detail = {c["name"]: c["detail"] for c in report.checks}
+    detail = {c.name: c.detail for c in report.checks}
     assert detail[LOAD].startswith("metadata-only (load_mode metadata, as asked)")
     assert "tensors not loaded" in detail[LOAD]
     assert "shapes and dtypes" in detail[COVERAGE] and "within its shard file" in detail[COVERAGE]
@@ -312,7 +312,7 @@ def test_metadata_mode_fails_a_shape_mismatch_naming_the_tensor(ckpt: Path, monk
     monkeypatch.setattr(checkpoint, "_fresh_process_load", _no_load)
     report = validate_checkpoint(ckpt, Expectations(load_mode=checkpoint.LoadMode.METADATA))
     assert not report.passed
-    failed = {c["name"]: c["detail"] for c in report.failed_checks()}
+    failed = {c.name: c.detail for c in report.failed_checks()}
     assert set(failed) == {COVERAGE}
     assert f"{key} is (" in failed[COVERAGE] and "the model's is (" in failed[COVERAGE]
 
@@ -329,7 +329,7 @@ def test_metadata_mode_fails_a_dtype_mismatch_naming_the_tensor(ckpt: Path):
 
     _rewrite_metadata(ckpt, halve)
     facts = gather(ckpt, Expectations(load_mode=checkpoint.LoadMode.METADATA))
-    failed = {c["name"]: c["detail"] for c in judge(facts, Expectations()).failed_checks()}
+    failed = {c.name: c.detail for c in judge(facts, Expectations()).failed_checks()}
     assert f"{key} is torch.bfloat16, the model's is torch.float32" in failed[COVERAGE]
 
 
@@ -340,10 +340,10 @@ def test_auto_mode_loads_nothing_when_memory_is_short(ckpt: Path, monkeypatch):
     monkeypatch.setattr(checkpoint, "_fresh_process_load", _no_load)
     report = validate_checkpoint(ckpt, Expectations())  # load_mode defaults to auto
     assert report.passed, report.checks
-    detail = next(c for c in report.checks if c["name"] == LOAD)
-    assert detail["status"] == "SKIPPED"
-    assert detail["detail"].startswith("metadata-only (auto): checkpoint tensors ")
-    assert "> 0.2 GB this process may use (cgroup limit); tensors not loaded" in detail["detail"]
+    detail = next(c for c in report.checks if c.name == LOAD)
+    assert detail.status == "SKIPPED"
+    assert detail.detail.startswith("metadata-only (auto): checkpoint tensors ")
+    assert "> 0.2 GB this process may use (cgroup limit); tensors not loaded" in detail.detail
 
 
 @pytest.mark.parametrize(
@@ -402,5 +402,5 @@ def test_items_past_their_shard_end_fail_coverage():
         "c is stored in gone, which is missing",
     ]
     f = _facts(dcp_entries={}, expected_entries={}, extent_errors=bad)
-    c = next(x for x in judge(f, Expectations()).checks if x["name"] == COVERAGE)
-    assert c["status"] == "FAILED" and "model.b ends at byte 101" in c["detail"]
+    c = next(x for x in judge(f, Expectations()).checks if x.name == COVERAGE)
+    assert c.status == "FAILED" and "model.b ends at byte 101" in c.detail

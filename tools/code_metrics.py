@@ -151,7 +151,8 @@ def key_reads(tree: ast.Module, fields: set[str]) -> int:
     for node in ast.walk(tree):
         key = None
         if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
-            if isinstance(node.slice, ast.Constant):
+            literal = isinstance(node.value, ast.Name) and node.value.id == "Literal"
+            if isinstance(node.slice, ast.Constant) and not literal:  # a type is not a read
                 key = node.slice.value
         elif (
             isinstance(node, ast.Call)

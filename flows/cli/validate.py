@@ -34,7 +34,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     else:
         print(f"{report.status.upper()}: {report.path} (step {report.step})")
         for c in report.checks:
-            print(f"  {c['status']:<8} {c['name']}: {c['detail']}")
+            print(f"  {c.status.value:<8} {c.name}: {c.detail}")
     return 0 if report.passed else EXIT_FAILED
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.checks import Check, Snapshot, Source, Status, Verdict, blocks, run_all
+from tasks.checks import Check, CheckResult, Snapshot, Source, Status, Verdict, blocks, run_all
 from tasks.validation.load_mode import LoadMode
 from trainer import checkpointing
 
@@ -60,7 +60,7 @@ class CheckpointReport:
     status: str  # "passed" | "failed"
     path: str
     step: int | None
-    checks: list[dict[str, Any]]
+    checks: list[CheckResult]
     hash_mb_s: float | None = None
     params_sha256: str | None = None
 
@@ -68,18 +68,13 @@ class CheckpointReport:
     def passed(self) -> bool:
         return self.status == "passed"
 
-    def failed_checks(self) -> list[dict[str, Any]]:
+    def failed_checks(self) -> list[CheckResult]:
         """What rejects the checkpoint: a FAILED check, or a required one that could not look
         (SKIPPED, with why)."""
-        return [
-            c
-            for c in self.checks
-            if c["status"] == Status.FAILED.value
-            or (c["status"] == Status.SKIPPED.value and c.get("required", True))
-        ]
+        return [c for c in self.checks if blocks(c)]
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "checks": [c.row() for c in self.checks]}
 
 
 MANIFEST = Source(
@@ -262,12 +257,11 @@ CHECKS: tuple[Check, ...] = (
 
 def judge(f: Facts, exp: Expectations) -> CheckpointReport:
     results = run_all(CHECKS, snapshot(f), exp)
-    rows = [{**r.to_dict(), "required": r.required} for r in results]
     return CheckpointReport(
         status="failed" if any(blocks(r) for r in results) else "passed",
         path=str(f.path),
         step=(f.manifest or {}).get("step"),
-        checks=rows,
+        checks=results,
         hash_mb_s=None if f.hash_mb_s is None else round(f.hash_mb_s, 1),
         params_sha256=(f.load or {}).get("params_sha256"),
     )

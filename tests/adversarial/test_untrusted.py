@@ -218,7 +218,7 @@ def test_forged_metadata_validation_and_load_check_refuse(run_root: Path, tmp_pa
     outcome = validate_latest(run_root, Expectations())  # with the fresh-process load
     assert outcome.chosen.step == OLDER and outcome.chosen.passed
     (bad,) = outcome.rejected
-    detail = " ".join(c["detail"] for c in bad.failed_checks())
+    detail = " ".join(c.detail for c in bad.failed_checks())
     assert re.search(r"refusing to unpickle (posix|os)\.system", detail), detail
 
     # The load check on its own (the export's consolidation runs it too).
