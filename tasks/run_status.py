@@ -4,14 +4,19 @@ and who holds its lease. The command only parses and prints (``flows.cli.status`
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
-from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tasks.ownership.lease import LeaseRecord, owner_alive
 from trainer.history import RunHistory
+from trainer.records import OwnerView, RunStatus
 from trainer.run_files import read_json_object
 from trainer.rundir import Layout
+
+_log = logging.getLogger(__name__)
 
 
 class RunNotFound(Exception):
@@ -36,7 +41,24 @@ def locate_run(run_id: str, *, state_dir: Path, run_root: Path | None = None) ->
     return root
 
 
-def owner(run_root: Path) -> dict[str, Any] | None:
+class _SavedEnd(BaseModel):
+    """What ``status`` takes of the pipeline's saved result (``pipeline_result.json``, written
+    when the pipeline ended): a file of the shared filesystem, so validated, and a bad one is no
+    end (the events still say the rest)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    status: str = Field(max_length=64)
+    stage_durations_s: dict[str, float] | None = None
+    export: dict[str, object] | None = None
+    error: str | None = None
+
+    def uri(self) -> str | None:
+        uri = (self.export or {}).get("uri")
+        return uri if isinstance(uri, str) else None
+
+
+def owner(run_root: Path) -> OwnerView | None:
     """Who holds the run's lease (arch §6), if anyone."""
     try:
         rec = LeaseRecord.parse((run_root / Layout.LEASE).read_text())
@@ -44,21 +66,33 @@ def owner(run_root: Path) -> dict[str, Any] | None:
         return None
     if rec is None:
         return None
-    return {
-        "owner": rec.owner.describe(),
-        "pid": rec.owner.pid,
-        "host": rec.owner.host,
-        # By the owner's clock against ours: a hint for a person, never a decision.
-        "heartbeat_age_s": round(time.time() - rec.heartbeat_at, 1),
+    return OwnerView(
+        owner=rec.owner.describe(),
+        pid=rec.owner.pid,
+        host=rec.owner.host,
+        heartbeat_age_s=round(time.time() - rec.heartbeat_at, 1),
         # On this host, from the process table; on another, not known from one look (the
         # lease's takeover watches its record change instead).
-        "alive": owner_alive(rec),
-    }
+        alive=owner_alive(rec),
+    )
 
 
-def read_status(run_root: Path) -> dict[str, Any]:
-    """The run's status: its history folded from ``events.jsonl``, its saved result, and its
-    lease's owner (``owner``)."""
-    st = RunHistory.read(run_root).status(read_json_object(run_root / Layout.PIPELINE_RESULT))
-    st["owner"] = owner(run_root)
-    return st
+def read_status(run_root: Path) -> RunStatus:
+    """The run's status: its history folded from ``events.jsonl``, the pipeline's saved end
+    when it ended, and its lease's owner."""
+    st = RunHistory.read(run_root).status()
+    saved = read_json_object(run_root / Layout.PIPELINE_RESULT)
+    try:
+        end = None if saved is None else _SavedEnd.model_validate(saved)
+    except ValidationError as e:
+        _log.warning("ignoring %s: %d errors", run_root / Layout.PIPELINE_RESULT, e.error_count())
+        end = None
+    update: dict[str, object] = {"owner": owner(run_root)}
+    if end is not None:
+        update |= {
+            "state": end.status,
+            "stages": end.stage_durations_s,
+            "export_uri": end.uri(),
+            "error": end.error,
+        }
+    return st.model_copy(update=update)

@@ -154,3 +154,32 @@ def test_one_module_per_command_that_parses_and_prints() -> None:
         assert module.__name__ != "flows.cli.common", name
         lines = inspect.getsource(module).count("\n")
         assert lines < 200, f"{module.__name__}: {lines} lines; move the logic to tasks/"
+
+
+def test_status_takes_the_saved_end_only_when_it_is_one(tmp_path, capsys):
+    """The pipeline's saved result is a file of the shared filesystem: a garbled one is no end
+    (the events still say the rest), a valid one gives the state, stages and export."""
+    run = tmp_path / "fsx" / "runs" / "run-b"
+    run.mkdir(parents=True)
+    (run / "events.jsonl").write_text(
+        '{"t": 1, "kind": "step", "step": 3, "loss": 0.5, "step_s": 0.1}\n'
+    )
+    saved = run / "pipeline_result.json"
+    for text, state, export in [
+        ('{"status": ["not", "a", "state"]}', "running or interrupted", None),
+        ("not json", "running or interrupted", None),
+        (
+            '{"status": "completed", "stage_durations_s": {"train": 2.5}, '
+            '"export": {"uri": "s3://b/p"}, "other": 1}',
+            "completed",
+            "s3://b/p",
+        ),
+    ]:
+        saved.write_text(text)
+        assert main(["status", "run-b", "--run-root", str(run), "--json"]) == 0
+        st = json.loads(capsys.readouterr().out)
+        assert (st["state"], st["step"], st["export_uri"]) == (state, 3, export)
+    assert main(["status", "run-b", "--run-root", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "run run-b: completed" in out and "stages: train 2.5 s" in out and "s3://b/p" in out
+

@@ -81,8 +81,8 @@ def test_the_fold_reports_a_recorded_run():
     assert s.steps_run == 11 and s.final_step == 8
     assert s.restart_layers == ["inprocess"]
     st = h.status()
-    assert [a["outcome"] for a in st["train_attempts"]] == ["node-loss", "completed"]
-    assert st["latest_checkpoint_step"] == 8 and st["state"].startswith("trained")
+    assert [a.outcome for a in st.train_attempts] == ["node-loss", "completed"]
+    assert st.latest_checkpoint_step == 8 and st.state.startswith("trained")
 
 
 def test_since_keeps_one_invocations_share():

@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from trainer.event_types import (
     Checkpoint,
@@ -38,8 +37,10 @@ from trainer.event_types import (
     WorldChange,
 )
 from trainer.records import (
+    AttemptLine,
     AttemptView,
     FaultRecord,
+    RunStatus,
     RunSummary,
     TimeBreakdown,
     WorldChangeRecord,
@@ -372,36 +373,33 @@ class RunHistory:
             params_sha256=end.params_sha256 if isinstance(end, TrainEnd) else None,
         )
 
-    def status(self, result: dict[str, Any] | None = None) -> dict[str, Any]:
-        """What ``nvrx-pipeline status`` shows, plus the pipeline's saved result when the run
-        has ended (``pipeline_result.json``)."""
+    def status(self) -> RunStatus:
+        """What ``nvrx-pipeline status`` shows of the events (:func:`tasks.run_status.read_status`
+        adds the pipeline's saved end and the lease's owner)."""
         last = self.last_step
-        if result is not None:
-            state = str(result.get("status"))
-        elif self.train_ended:
+        if self.train_ended:
             state = "trained (validation/export pending or not recorded)"
         elif self.first_fatal is not None:
             state = "failed"
         else:
             state = "running or interrupted"
-        export = (result or {}).get("export")
-        return {
-            "state": state,
-            "step": last.step if last else 0,
-            "loss": last.loss if last else None,
-            "tokens_per_s": last.tokens_per_s if last else None,
-            "train_attempts": [
-                {"attempt": a.attempt, "backend": a.backend, "outcome": a.outcome or "running"}
+        return RunStatus(
+            state=state,
+            step=last.step if last else 0,
+            loss=last.loss if last else None,
+            tokens_per_s=last.tokens_per_s if last else None,
+            train_attempts=[
+                AttemptLine(attempt=a.attempt, backend=a.backend, outcome=a.outcome or "running")
                 for a in self.attempts
                 if a.stage == "train"
             ],
-            "faults": [f.model_dump() for f in self.fault_records()],
-            "checkpoints": self.checkpoints,
-            "latest_checkpoint_step": self.last_checkpoint.step if self.last_checkpoint else None,
-            "ckpt_blocking_s_max": self.blocking_max,
-            "ettr": self.ettr(),
-            "time": None if (b := self.time_breakdown()) is None else b.model_dump(),
-            "stages": (result or {}).get("stage_durations_s"),
-            "export_uri": export.get("uri") if isinstance(export, dict) else None,
-            "error": (result or {}).get("error"),
-        }
+            faults=self.fault_records(),
+            checkpoints=self.checkpoints,
+            latest_checkpoint_step=self.last_checkpoint.step if self.last_checkpoint else None,
+            ckpt_blocking_s_max=self.blocking_max,
+            ettr=self.ettr(),
+            time=self.time_breakdown(),
+            stages=None,
+            export_uri=None,
+            error=None,
+        )

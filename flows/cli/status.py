@@ -17,7 +17,7 @@ EXIT = {
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from flows.models import RUN_ID, FaultRecord
+    from flows.models import RUN_ID
     from flows.report import (
         ETTR_DEFINITION,
         SHORT_RUN_NOTE,
@@ -26,7 +26,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         too_short_for_ettr,
     )
     from tasks.run_status import RunNotFound, locate_run, read_status
-    from trainer.records import TimeBreakdown
 
     if not RUN_ID.fullmatch(args.run_id):
         print(
@@ -42,54 +41,46 @@ def cmd_status(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     st = read_status(run_root)
     if args.json:
-        print(json.dumps({"run_id": args.run_id, **st}))
+        print(json.dumps({"run_id": args.run_id, **st.model_dump(mode="json")}))
         return 0
-    loss = "" if st["loss"] is None else f", loss {st['loss']:.4f}"
-    if st["tokens_per_s"] is not None:
-        loss += f", {st['tokens_per_s']:.0f} tok/s"
-    print(f"run {args.run_id}: {st['state']}")
-    if st["owner"] is not None:
-        o = st["owner"]
-        print(
-            f"  owner: {o['owner']}, heartbeat {o['heartbeat_age_s']:.0f} s ago"
-            + (
-                ""
-                if o["alive"] or o["alive"] is None
-                else " (gone: the next run of this id takes it over)"
-            )
-        )
-    print(f"  step {st['step']}{loss}")
-    if st["stages"]:
-        print("  stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in st["stages"].items()))
-    for a in st["train_attempts"]:
-        print(f"  train attempt {a['attempt']} ({a['backend']}): {a['outcome']}")
-    for f in st["faults"]:
+    loss = "" if st.loss is None else f", loss {st.loss:.4f}"
+    if st.tokens_per_s is not None:
+        loss += f", {st.tokens_per_s:.0f} tok/s"
+    print(f"run {args.run_id}: {st.state}")
+    if (o := st.owner) is not None:
+        gone = o.alive is False  # None: another host's, not known from here
+        gone_s = " (gone: the next run of this id takes it over)" if gone else ""
+        print(f"  owner: {o.owner}, heartbeat {o.heartbeat_age_s:.0f} s ago{gone_s}")
+    print(f"  step {st.step}{loss}")
+    if st.stages:
+        print("  stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in st.stages.items()))
+    for a in st.train_attempts:
+        print(f"  train attempt {a.attempt} ({a.backend}): {a.outcome}")
+    for f in st.faults:
         rec = (
             "not recovered"
-            if f["recovered_by"] == "none"
-            else (f"recovered by {f['recovered_by']} in {f['recovery_s']:.1f} s")
+            if f.recovered_by == "none"
+            else (f"recovered by {f.recovered_by} in {f.recovery_s:.1f} s")
         )
-        if f["resume_step"] is not None:
-            went = resumed_from(f["resume_step"], FaultRecord.model_validate(f))
-            rec += f", {went}, {f['replayed_steps']} step(s) replayed"
-        print(f"  fault {f['fault']}: {rec}")
+        if f.resume_step is not None:
+            rec += f", {resumed_from(f.resume_step, f)}, {f.replayed_steps} step(s) replayed"
+        print(f"  fault {f.fault}: {rec}")
     print(
-        f"  checkpoints: {st['checkpoints']} committed, latest step {st['latest_checkpoint_step']}"
-        + (f", max blocking {st['ckpt_blocking_s_max']:.3f} s" if st["checkpoints"] else "")
+        f"  checkpoints: {st.checkpoints} committed, latest step {st.latest_checkpoint_step}"
+        + (f", max blocking {st.ckpt_blocking_s_max:.3f} s" if st.checkpoints else "")
     )
-    if st["ettr"] is not None:
-        print(f"  ETTR: {st['ettr']:.3f} ({ETTR_DEFINITION})")
-    if st["time"] is not None:
-        time_s = TimeBreakdown(**st["time"])
+    if st.ettr is not None:
+        print(f"  ETTR: {st.ettr:.3f} ({ETTR_DEFINITION})")
+    if (time_s := st.time) is not None:
         print(f"  train attempts {time_s.wall_s:.1f} s:")
         for label, sec, share in time_rows(time_s):
             print(f"    {label:<20} {sec:7.1f} s  {share:4.0%}")
         if too_short_for_ettr(time_s):
             print(f"  {SHORT_RUN_NOTE}")
-    if st["export_uri"]:
-        print(f"  export: {st['export_uri']}")
-    if st["error"]:
-        print(f"  error: {st['error']}")
+    if st.export_uri:
+        print(f"  export: {st.export_uri}")
+    if st.error:
+        print(f"  error: {st.error}")
     return 0
 
 
