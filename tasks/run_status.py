@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tasks.ownership.lease import LeaseRecord, owner_alive
 from trainer.history import RunHistory
-from trainer.records import OwnerView, RunStatus
+from trainer.records import FaultRecord, TimeBreakdown
 from trainer.run_files import read_json_object
 from trainer.rundir import Layout
 
@@ -39,6 +39,83 @@ def locate_run(run_id: str, *, state_dir: Path, run_root: Path | None = None) ->
             "runs) or --run-root (e.g. /fsx/runs/ID on EKS)"
         )
     return root
+
+
+class AttemptLine(BaseModel):
+    """One train attempt as ``status`` lists it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    attempt: int
+    backend: str | None
+    outcome: str  # its end, or "running"
+
+
+class OwnerView(BaseModel):
+    """Who holds the run's lease (tasks.ownership.lease), as ``status`` shows it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    owner: str
+    pid: int
+    host: str
+    heartbeat_age_s: float  # by the owner's clock against ours: a hint, never a decision
+    alive: bool | None  # None: on another host, not known from one look
+
+
+class RunStatus(BaseModel):
+    """``nvrx-pipeline status``: the fold's view of a run, its saved result's end (when the
+    pipeline ended) and its lease's owner."""
+
+    model_config = ConfigDict(frozen=True)
+
+    state: str
+    step: int
+    loss: float | None
+    tokens_per_s: float | None
+    train_attempts: list[AttemptLine]
+    faults: list[FaultRecord]
+    checkpoints: int
+    latest_checkpoint_step: int | None
+    ckpt_blocking_s_max: float | None
+    ettr: float | None
+    time: TimeBreakdown | None
+    stages: dict[str, float] | None
+    export_uri: str | None
+    error: str | None
+    owner: OwnerView | None = None
+
+
+def fold_status(h: RunHistory) -> RunStatus:
+    """What ``status`` shows of the events (:func:`read_status` adds the pipeline's saved end
+    and the lease's owner)."""
+    last = h.last_step
+    if h.train_ended:
+        state = "trained (validation/export pending or not recorded)"
+    elif h.first_fatal is not None:
+        state = "failed"
+    else:
+        state = "running or interrupted"
+    return RunStatus(
+        state=state,
+        step=last.step if last else 0,
+        loss=last.loss if last else None,
+        tokens_per_s=last.tokens_per_s if last else None,
+        train_attempts=[
+            AttemptLine(attempt=a.attempt, backend=a.backend, outcome=a.outcome or "running")
+            for a in h.attempts
+            if a.stage == "train"
+        ],
+        faults=h.fault_records(),
+        checkpoints=h.checkpoints,
+        latest_checkpoint_step=h.last_checkpoint.step if h.last_checkpoint else None,
+        ckpt_blocking_s_max=h.blocking_max,
+        ettr=h.ettr(),
+        time=h.time_breakdown(),
+        stages=None,
+        export_uri=None,
+        error=None,
+    )
 
 
 class _SavedEnd(BaseModel):
@@ -80,7 +157,7 @@ def owner(run_root: Path) -> OwnerView | None:
 def read_status(run_root: Path) -> RunStatus:
     """The run's status: its history folded from ``events.jsonl``, the pipeline's saved end
     when it ended, and its lease's owner."""
-    st = RunHistory.read(run_root).status()
+    st = fold_status(RunHistory.read(run_root))
     saved = read_json_object(run_root / Layout.PIPELINE_RESULT)
     try:
         end = None if saved is None else _SavedEnd.model_validate(saved)

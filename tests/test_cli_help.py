@@ -182,4 +182,3 @@ def test_status_takes_the_saved_end_only_when_it_is_one(tmp_path, capsys):
     assert main(["status", "run-b", "--run-root", str(run)]) == 0
     out = capsys.readouterr().out
     assert "run run-b: completed" in out and "stages: train 2.5 s" in out and "s3://b/p" in out
-

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tasks.run_status import fold_status
 from trainer.event_types import Event, decode_obj
 from trainer.events import EventLog
 from trainer.history import RunHistory
@@ -80,7 +81,7 @@ def test_the_fold_reports_a_recorded_run():
     assert s.checkpoints == 4 and s.ckpt_blocking_s_max == 0.4
     assert s.steps_run == 11 and s.final_step == 8
     assert s.restart_layers == ["inprocess"]
-    st = h.status()
+    st = fold_status(h)
     assert [a.outcome for a in st.train_attempts] == ["node-loss", "completed"]
     assert st.latest_checkpoint_step == 8 and st.state.startswith("trained")
 

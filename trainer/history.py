@@ -37,10 +37,8 @@ from trainer.event_types import (
     WorldChange,
 )
 from trainer.records import (
-    AttemptLine,
     AttemptView,
     FaultRecord,
-    RunStatus,
     RunSummary,
     TimeBreakdown,
     WorldChangeRecord,
@@ -371,35 +369,4 @@ class RunHistory:
             ckpt_blocking_s_mean=self._blocking_sum / n if n else None,
             outcome=None if end is None else "completed" if isinstance(end, TrainEnd) else "failed",
             params_sha256=end.params_sha256 if isinstance(end, TrainEnd) else None,
-        )
-
-    def status(self) -> RunStatus:
-        """What ``nvrx-pipeline status`` shows of the events (:func:`tasks.run_status.read_status`
-        adds the pipeline's saved end and the lease's owner)."""
-        last = self.last_step
-        if self.train_ended:
-            state = "trained (validation/export pending or not recorded)"
-        elif self.first_fatal is not None:
-            state = "failed"
-        else:
-            state = "running or interrupted"
-        return RunStatus(
-            state=state,
-            step=last.step if last else 0,
-            loss=last.loss if last else None,
-            tokens_per_s=last.tokens_per_s if last else None,
-            train_attempts=[
-                AttemptLine(attempt=a.attempt, backend=a.backend, outcome=a.outcome or "running")
-                for a in self.attempts
-                if a.stage == "train"
-            ],
-            faults=self.fault_records(),
-            checkpoints=self.checkpoints,
-            latest_checkpoint_step=self.last_checkpoint.step if self.last_checkpoint else None,
-            ckpt_blocking_s_max=self.blocking_max,
-            ettr=self.ettr(),
-            time=self.time_breakdown(),
-            stages=None,
-            export_uri=None,
-            error=None,
         )

@@ -99,51 +99,6 @@ class RunSummary(BaseModel):
     ckpt_blocking_s_mean: float | None
 
 
-class AttemptLine(BaseModel):
-    """One train attempt as ``status`` lists it."""
-
-    model_config = ConfigDict(frozen=True)
-
-    attempt: int
-    backend: str | None
-    outcome: str  # its end, or "running"
-
-
-class OwnerView(BaseModel):
-    """Who holds the run's lease (tasks.ownership.lease), as ``status`` shows it."""
-
-    model_config = ConfigDict(frozen=True)
-
-    owner: str
-    pid: int
-    host: str
-    heartbeat_age_s: float  # by the owner's clock against ours: a hint, never a decision
-    alive: bool | None  # None: on another host, not known from one look
-
-
-class RunStatus(BaseModel):
-    """``nvrx-pipeline status``: the fold's view of a run, its saved result's end (when the
-    pipeline ended) and its lease's owner."""
-
-    model_config = ConfigDict(frozen=True)
-
-    state: str
-    step: int
-    loss: float | None
-    tokens_per_s: float | None
-    train_attempts: list[AttemptLine]
-    faults: list[FaultRecord]
-    checkpoints: int
-    latest_checkpoint_step: int | None
-    ckpt_blocking_s_max: float | None
-    ettr: float | None
-    time: TimeBreakdown | None
-    stages: dict[str, float] | None
-    export_uri: str | None
-    error: str | None
-    owner: OwnerView | None = None
-
-
 @dataclass
 class AttemptView:
     """A stage attempt as its start and end events say (``status``'s attempts)."""
