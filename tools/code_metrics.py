@@ -14,8 +14,8 @@ benchmarks and tools are not product.
   decoder and the fold.
 - ``dict_str_any``: annotations spelled ``dict[str, Any]``.
 - ``test_only``: top-level product functions and classes (and their methods) whose name is used by
-  tests and nowhere else in the product. Names are matched, not resolved: a name that is also an
-  attribute elsewhere counts as used.
+  tests and nowhere else in the product, nor by the repository's benchmarks and tools. Names are
+  matched, not resolved: a name that is also an attribute elsewhere counts as used.
 """
 
 from __future__ import annotations
@@ -202,8 +202,13 @@ def test_only(trees: dict[str, ast.Module], root: Path = ROOT) -> list[str]:
     test_names: set[str] = set()
     for path in (root / "tests").rglob("*.py"):
         test_names |= _names_used(ast.parse(path.read_text()))
-    # Names used in the product outside each definition's own body.
+    # Names used in the product outside each definition's own body, or by the repository's
+    # own benchmarks and tools (they run the product; tests only check it).
     uses: dict[str, int] = defaultdict(int)
+    for folder in ("benchmarks", "tools"):
+        for path in (root / folder).rglob("*.py"):
+            for name in _names_used(ast.parse(path.read_text())):
+                uses[name] += 1
     for tree in trees.values():
         for node in ast.walk(tree):
             if isinstance(node, ast.Name):
