@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.history import RunHistory
-from trainer.run_files import read_json_object
 from trainer.rundir import Layout
 
 MAX_RUNS = 1000  # listed at most (newest first): a shared root may hold many
@@ -30,6 +29,7 @@ class RunRow:
 
 def _row(run_root: Path) -> RunRow | None:
     from tasks.ownership.lease import LeaseRecord, owner_alive
+    from tasks.run_status import SavedEnd
 
     events = run_root / Layout.EVENTS
     result_path = run_root / Layout.PIPELINE_RESULT
@@ -43,16 +43,14 @@ def _row(run_root: Path) -> RunRow | None:
         rec = None
     if rec is not None and owner_alive(rec):
         owner = rec.owner.describe()
-    result = read_json_object(result_path)
+    end = SavedEnd.read(run_root)
     # A live owner's run is running even over an earlier invocation's saved result.
-    if result is not None and owner is None:
-        step = result.get("final_step")
-        target = result.get("target_steps")
+    if end is not None and owner is None:
         return RunRow(
             run_id=run_root.name,
-            state=str(result.get("status")),
-            step=step if isinstance(step, int) else 0,
-            target_steps=target if isinstance(target, int) else None,
+            state=end.status,
+            step=end.final_step or 0,
+            target_steps=end.target_steps,
             updated=max(stamps),
             owner=None,
         )

@@ -118,14 +118,16 @@ def fold_status(h: RunHistory) -> RunStatus:
     )
 
 
-class _SavedEnd(BaseModel):
-    """What ``status`` takes of the pipeline's saved result (``pipeline_result.json``, written
-    when the pipeline ended): a file of the shared filesystem, so validated, and a bad one is no
-    end (the events still say the rest)."""
+class SavedEnd(BaseModel):
+    """What ``status`` and ``runs`` take of the pipeline's saved result (``pipeline_result.json``,
+    written when the pipeline ended): a file of the shared filesystem, so validated, and a bad
+    one is no end (the events still say the rest)."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     status: str = Field(max_length=64)
+    final_step: int | None = Field(None, ge=0)
+    target_steps: int | None = Field(None, ge=0)
     stage_durations_s: dict[str, float] | None = None
     export: dict[str, object] | None = None
     error: str | None = None
@@ -133,6 +135,16 @@ class _SavedEnd(BaseModel):
     def uri(self) -> str | None:
         uri = (self.export or {}).get("uri")
         return uri if isinstance(uri, str) else None
+
+    @classmethod
+    def read(cls, run_root: Path) -> SavedEnd | None:
+        path = run_root / Layout.PIPELINE_RESULT
+        saved = read_json_object(path)
+        try:
+            return None if saved is None else cls.model_validate(saved)
+        except ValidationError as e:
+            _log.warning("ignoring %s: %d errors", path, e.error_count())
+            return None
 
 
 def owner(run_root: Path) -> OwnerView | None:
@@ -158,12 +170,7 @@ def read_status(run_root: Path) -> RunStatus:
     """The run's status: its history folded from ``events.jsonl``, the pipeline's saved end
     when it ended, and its lease's owner."""
     st = fold_status(RunHistory.read(run_root))
-    saved = read_json_object(run_root / Layout.PIPELINE_RESULT)
-    try:
-        end = None if saved is None else _SavedEnd.model_validate(saved)
-    except ValidationError as e:
-        _log.warning("ignoring %s: %d errors", run_root / Layout.PIPELINE_RESULT, e.error_count())
-        end = None
+    end = SavedEnd.read(run_root)
     update: dict[str, object] = {"owner": owner(run_root)}
     if end is not None:
         update |= {

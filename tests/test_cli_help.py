@@ -119,6 +119,12 @@ def test_runs_lists_a_state_directorys_runs_newest_first(tmp_path, capsys):
     (hostile / "pipeline_result.json").write_text("[not json")
     os.utime(hostile / "events.jsonl", (500, 500))
     os.utime(hostile / "pipeline_result.json", (500, 500))
+    typed = root / "run-typed"  # JSON, but not a result: no end, its events say the rest
+    typed.mkdir()
+    (typed / "events.jsonl").write_text("")
+    (typed / "pipeline_result.json").write_text('{"status": ["x"], "final_step": "9"}')
+    os.utime(typed / "events.jsonl", (400, 400))
+    os.utime(typed / "pipeline_result.json", (400, 400))
     (root / "stray.txt").write_text("x")
     (root / "empty").mkdir()
     assert main(["runs", "--state-dir", str(tmp_path), "--json"]) == 0
@@ -127,6 +133,7 @@ def test_runs_lists_a_state_directorys_runs_newest_first(tmp_path, capsys):
         ("run-cut", "interrupted (run it again to resume)", 3),
         ("run-done", "completed", 30),
         ("run-hostile", "interrupted (run it again to resume)", 0),
+        ("run-typed", "interrupted (run it again to resume)", 0),
     ]
     assert main(["runs", "--runs-root", str(root)]) == 0
     text = capsys.readouterr().out
