@@ -309,7 +309,7 @@ def validate_flow(plan: RunPlan) -> ValidationResult:
         data_dir=ctx.data_dir,
         # This run's workload, never the one a manifest names: a forged manifest must not
         # choose which code validation imports.
-        workload=cfg.workload_record(),
+        workload=cfg.workload_ref(),
     )
     try:
         outcome = validate_latest(ctx.run_root, exp)  # raises ValidationFailed when none valid
@@ -374,7 +374,7 @@ def export_flow(plan: RunPlan, checkpoint_path: str) -> ExportResult:
         sse=None if params.export.sse == "none" else params.export.sse,
         kms_key_id=params.export.kms_key_id,
         consolidated=params.export.consolidated,
-        workload=plan.train.workload_record(),
+        workload=plan.train.workload_ref(),
     )
     report: ExportReport = export_checkpoint(
         client,

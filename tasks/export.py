@@ -47,6 +47,7 @@ from tasks.storage.verified_upload import (
     verify_uploaded,
 )
 from trainer import checkpointing
+from trainer.checkpointing import WorkloadRef
 from trainer.hashing import SHA256, new_hasher, read_capped, sha256_file
 
 CONSOLIDATED = "model.safetensors"
@@ -62,9 +63,9 @@ class ExportOptions:
     # uploaded manifest under "consolidated").
     consolidated: bool = False
     part_size: int = PART_SIZE
-    # {"ref", "options"} of the workload that wrote it, for the consolidated weights (None: the
-    # manifest's, if a built-in: a file on the shared filesystem does not choose code to import).
-    workload: dict[str, Any] | None = None
+    # The workload that wrote it, for the consolidated weights (None: the manifest's, if a
+    # built-in: a file on the shared filesystem does not choose code to import).
+    workload: WorkloadRef | None = None
 
     def __post_init__(self) -> None:
         if self.sse not in (None, "AES256", "aws:kms"):

@@ -14,6 +14,7 @@ from tasks.checks import Status
 from tasks.validation.checkpoint import Expectations, Facts, gather, judge, validate_checkpoint
 from tests.helpers import REPO, as_pre_v2_checkpoint, make_config, run_single, vouch_for, worker_env
 from trainer import checkpointing
+from trainer.checkpointing import WorkloadRef
 from trainer.faults import flip_bytes
 
 
@@ -257,7 +258,7 @@ def test_a_manifest_does_not_choose_code_to_import(ckpt: Path):
     assert "--workload planted_workload:SPEC" in facts.errors["expected"]
     s = statuses(judge(facts, Expectations()))
     assert s["DCP metadata covers the model and optimizer"] == "SKIPPED"
-    named = gather(ckpt, Expectations(workload={"ref": "gpt-tiny", "options": {}}), load=False)
+    named = gather(ckpt, Expectations(workload=WorkloadRef("gpt-tiny")), load=False)
     assert "expected" not in named.errors and named.expected_entries
 
 

@@ -21,6 +21,7 @@ from trainer.checkpointing.config import (
     MOVED,
     CheckpointConfig,
 )
+from trainer.checkpointing.manifest import WorkloadRef
 from trainer.errors import ConfigError, require
 from trainer.faults import FaultSpec, parse_faults
 from trainer.layer_config import InJobConfig, InProcessConfig
@@ -241,6 +242,10 @@ class TrainConfig:
         from trainer.workload import load_workload
 
         return load_workload(self.workload, self.workload_options)
+
+    def workload_ref(self) -> WorkloadRef:
+        """The workload by reference, as validation and export rebuild it."""
+        return WorkloadRef(self.workload, {} if self.is_script else self.wl.options_dict())
 
     def workload_record(self) -> dict[str, Any]:
         """What a checkpoint manifest says of the workload that wrote it."""

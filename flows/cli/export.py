@@ -22,6 +22,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from tasks.errors import PipelineError
     from tasks.export import ExportOptions, export_checkpoint
     from tasks.storage.s3 import S3Settings, boto3_client, parse_s3_uri
+    from trainer.checkpointing import WorkloadRef
 
     try:
         bucket, prefix = parse_s3_uri(args.s3_uri)
@@ -39,7 +40,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 consolidated=args.consolidated,
                 workload=None
                 if args.workload is None
-                else {"ref": args.workload, "options": args.workload_options},
+                else WorkloadRef(args.workload, args.workload_options),
             ),
         )
     except (PipelineError, OSError) as e:

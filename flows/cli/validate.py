@@ -19,14 +19,13 @@ EXIT = {
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from tasks.validation.checkpoint import Expectations, validate_checkpoint
+    from trainer.checkpointing import WorkloadRef
 
     if not args.path.is_dir():
         print(f"error: {args.path} is not a checkpoint directory", file=sys.stderr)
         return EXIT_USAGE
     # The workload, batch and seed come from the checkpoint's own manifest unless overridden.
-    workload = (
-        None if args.workload is None else {"ref": args.workload, "options": args.workload_options}
-    )
+    workload = None if args.workload is None else WorkloadRef(args.workload, args.workload_options)
     exp = Expectations(workload=workload, data_dir=args.data_dir)
     report = validate_checkpoint(args.path, exp)
     if args.json:

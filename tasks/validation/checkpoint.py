@@ -30,6 +30,7 @@ from tasks.validation.files import check_file_names, hash_files, untrusted_workl
 from tasks.validation.judge import CheckpointReport, Expectations, Facts, judge
 from tasks.validation.load_mode import LoadMode, choose_load_mode, memory_budget
 from trainer import checkpointing
+from trainer.checkpointing import WorkloadRef
 from trainer.untrusted import METADATA, UnsafeNameError, load_dcp_metadata
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ _REPO = Path(__file__).resolve().parents[2]
 
 # -- gathering (I/O) --------------------------------------------------------------------------
 def expected_tensors(
-    workload: dict[str, Any],
+    workload: WorkloadRef,
 ) -> tuple[dict[str, tuple[int, ...] | None], dict[str, str]]:
     """Every DCP key a checkpoint of this workload must hold with its shape: the model's
     parameters and, with the default AdamW, its state (a workload's own optimizer may keep other
@@ -49,7 +50,7 @@ def expected_tensors(
 
     from trainer.workload import adamw, load_workload
 
-    wl = load_workload(workload["ref"], workload.get("options") or {})
+    wl = load_workload(workload.ref, workload.options)
     model = wl.build_model(torch.device("meta"))  # meta: no memory, initial weights never read
     shapes: dict[str, tuple[int, ...] | None] = {}
     dtypes: dict[str, str] = {}
@@ -64,7 +65,7 @@ def expected_tensors(
     return shapes, dtypes
 
 
-def expected_entries(workload: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
+def expected_entries(workload: WorkloadRef) -> dict[str, tuple[int, ...] | None]:
     """The keys and shapes of :func:`expected_tensors`."""
     return expected_tensors(workload)[0]
 
@@ -143,9 +144,9 @@ def _fresh_process_load(
     if exp.workload is not None:
         argv += [
             "--workload",
-            exp.workload["ref"],
+            exp.workload.ref,
             "--workload-options",
-            json.dumps(exp.workload.get("options") or {}),
+            json.dumps(exp.workload.options),
         ]
     if exp.data_dir is not None:
         argv += ["--data-dir", str(exp.data_dir)]
@@ -217,20 +218,20 @@ def _read_files(path: Path, facts: Facts) -> bool:
     return digests_ok
 
 
-def _read_expected(path: Path, exp: Expectations, facts: Facts) -> dict[str, Any] | None:
+def _read_expected(path: Path, exp: Expectations, facts: Facts) -> WorkloadRef | None:
     """The workload the checkpoint is judged against (the run's, else the manifest's if it may
     be named from a file) and the tensors it expects."""
     from trainer.workload import safe_to_name_from_file  # imports torch: only when validating
 
     workload = exp.workload or checkpointing.workload_of(facts.manifest or {})
-    if workload and exp.workload is None and not safe_to_name_from_file(workload["ref"]):
-        why = untrusted_workload_message(path, workload["ref"])
+    if workload and exp.workload is None and not safe_to_name_from_file(workload.ref):
+        why = untrusted_workload_message(path, workload.ref)
         facts.errors["expected"] = why
         facts.errors["load"] = why
         return None
-    if workload and workload["ref"].startswith("script:"):
+    if workload and workload.is_script:
         # A user's script builds its own model: nothing here can rebuild it to compare.
-        why = f"written by the training script {workload['ref'][7:]!r}: its model is its own"
+        why = f"written by the training script {workload.ref[7:]!r}: its model is its own"
         facts.errors["expected"] = why
         facts.errors["load"] = why
         facts.not_needed.update(expected=why, load=why)
@@ -239,7 +240,7 @@ def _read_expected(path: Path, exp: Expectations, facts: Facts) -> dict[str, Any
         try:
             facts.expected_entries, facts.expected_dtypes = expected_tensors(workload)
         except Exception as e:
-            facts.errors["expected"] = f"workload {workload['ref']!r}: {e}"
+            facts.errors["expected"] = f"workload {workload.ref!r}: {e}"
     else:
         facts.errors["expected"] = "workload unknown (not in the manifest, none given)"
     return workload
@@ -252,7 +253,7 @@ def _read_load(
     *,
     load: bool,
     digests_ok: bool,
-    workload: dict[str, Any] | None,
+    workload: WorkloadRef | None,
 ) -> None:
     """Check 4's facts: the load in a fresh process, or why there is none."""
     if not load:
@@ -290,7 +291,7 @@ def consolidate(
     out: Path,
     *,
     pretrained_out: Path | None = None,
-    workload: dict[str, Any] | None = None,
+    workload: WorkloadRef | None = None,
 ) -> dict[str, Any]:
     """Write the checkpoint's full model weights as one safetensors file and, when the workload
     has one, its own self-contained layout (an HF directory for Llama) (fresh process, one CPU

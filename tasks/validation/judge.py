@@ -15,14 +15,15 @@ from typing import Any
 from tasks.checks import Check, CheckResult, Snapshot, Source, Status, Verdict, blocks, run_all
 from tasks.validation.load_mode import LoadMode
 from trainer import checkpointing
+from trainer.checkpointing import WorkloadRef
 
 
 @dataclass(frozen=True, kw_only=True)
 class Expectations:
     """What the run says the checkpoint must be; None: not known (the check is SKIPPED)."""
 
-    # {"ref", "options"}: overrides the workload the manifest says wrote the checkpoint.
-    workload: dict[str, Any] | None = None
+    # Overrides the workload the manifest says wrote the checkpoint.
+    workload: WorkloadRef | None = None
     config_hash: str | None = None
     world_size: int | None = None
     # An elastic run (trainer.elastic) commits checkpoints on any world from this size up to

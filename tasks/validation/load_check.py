@@ -20,16 +20,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpointing.manifest import WorkloadRef
+
 
 def load_and_inspect(
     path: Path,
     *,
-    workload: dict[str, Any] | None = None,
+    workload: WorkloadRef | None = None,
     data_dir: Path | None = None,
     safetensors_out: Path | None = None,
     pretrained_out: Path | None = None,
 ) -> dict[str, Any]:
-    """``workload``: ``{"ref", "options"}`` to override what the checkpoint's manifest says
+    """``workload``: overrides what the checkpoint's manifest says
     produced it (its workload, optimizer settings, batch and seed come from the manifest)."""
     import torch
     import torch.distributed as dist
@@ -87,7 +89,7 @@ def load_and_inspect(
         dist.destroy_process_group()
 
 
-def _workload(path: Path, man: dict[str, Any], workload: dict[str, Any] | None) -> Any:
+def _workload(path: Path, man: dict[str, Any], workload: WorkloadRef | None) -> Any:
     """The workload to rebuild the model with: the one asked for, else the manifest's if a
     file may name it (a file on the shared filesystem does not choose what code runs)."""
     from tasks.validation.files import untrusted_workload_message
@@ -97,11 +99,11 @@ def _workload(path: Path, man: dict[str, Any], workload: dict[str, Any] | None) 
     chosen = workload or checkpointing.workload_of(man)
     if chosen is None:
         raise ValueError(f"{path}: the manifest does not say which workload wrote it; name one")
-    if workload is None and not safe_to_name_from_file(chosen["ref"]):
-        raise ValueError(untrusted_workload_message(path, chosen["ref"]))
-    options = dict(chosen.get("options") or {})
+    if workload is None and not safe_to_name_from_file(chosen.ref):
+        raise ValueError(untrusted_workload_message(path, chosen.ref))
+    options = dict(chosen.options)
     options.pop("init_weights", None)  # the checkpoint's weights replace them anyway
-    return load_workload(chosen["ref"], options)
+    return load_workload(chosen.ref, options)
 
 
 def _heldout_loss(
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             args.path,
             workload=None
             if args.workload is None
-            else {"ref": args.workload, "options": args.workload_options},
+            else WorkloadRef(args.workload, args.workload_options),
             data_dir=args.data_dir,
             safetensors_out=args.safetensors,
             pretrained_out=args.pretrained,

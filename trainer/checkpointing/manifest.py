@@ -249,14 +249,28 @@ def listed_bytes(manifest: dict[str, Any]) -> int:
     return sum(int(e["bytes"]) for e in manifest.get("files", []))
 
 
-def workload_of(manifest: dict[str, Any]) -> dict[str, Any] | None:
-    """``{"ref", "options"}`` of the workload that wrote a checkpoint (older manifests name
-    only a GPT size under ``model``)."""
+@dataclass(frozen=True)
+class WorkloadRef:
+    """A workload by reference, as :func:`trainer.workload.load_workload` takes it: the one that
+    wrote a checkpoint, or the one a caller says did."""
+
+    ref: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_script(self) -> bool:
+        return self.ref.startswith("script:")
+
+
+def workload_of(manifest: dict[str, Any]) -> WorkloadRef | None:
+    """The workload that wrote a checkpoint, as its manifest says (older manifests name only a
+    GPT size under ``model``)."""
     wl = manifest.get("workload")
     if isinstance(wl, dict) and isinstance(wl.get("ref"), str):
-        return {"ref": wl["ref"], "options": dict(wl.get("options") or {})}
+        options = wl.get("options")
+        return WorkloadRef(wl["ref"], dict(options) if isinstance(options, dict) else {})
     if isinstance(manifest.get("model"), str):
-        return {"ref": f"gpt-{manifest['model']}", "options": {}}
+        return WorkloadRef(f"gpt-{manifest['model']}")
     return None
 
 
