@@ -232,17 +232,24 @@ def _outward_files(
             )
             sources[CONSOLIDATED] = staging / CONSOLIDATED
             staged.add(CONSOLIDATED)
+            assert info.safetensors is not None  # consolidate() raises otherwise
             consolidated: dict[str, Any] = {
-                CONSOLIDATED: {k: info[k] for k in ("bytes", "sha256", "params_sha256")}
+                CONSOLIDATED: {
+                    "bytes": info.safetensors.bytes,
+                    "sha256": info.safetensors.sha256,
+                    "params_sha256": info.params_sha256,
+                }
             }
-            if info.get("pretrained"):
+            if info.pretrained is not None:
                 # The workload's own layout (Hugging Face for Llama), loadable without this
                 # project.
-                for f in info["pretrained"]["files"]:
-                    name = f"{PRETRAINED}/{f['name']}"
-                    sources[name] = staging / PRETRAINED / f["name"]
+                for f in info.pretrained.files:
+                    name = f"{PRETRAINED}/{f.name}"
+                    sources[name] = staging / PRETRAINED / f.name
                     staged.add(name)
-                consolidated[PRETRAINED] = {"files": info["pretrained"]["files"]}
+                consolidated[PRETRAINED] = {
+                    "files": [f.model_dump() for f in info.pretrained.files]
+                }
             outward = {**outward, "consolidated": consolidated}
         manifest_path = staging / checkpointing.MANIFEST
         manifest_path.write_text(json.dumps(outward, indent=1, sort_keys=True))

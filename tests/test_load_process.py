@@ -13,6 +13,7 @@ import pytest
 
 from tasks.validation import load_process
 from tasks.validation.checkpoint import child_env
+from tasks.validation.load_report import LoadReport
 from tests.helpers import SmallCheckpoint
 
 
@@ -66,7 +67,7 @@ def test_a_spare_nobody_takes_exits_and_bad_arguments_are_refused():
     bad = load_process.spawn(env)
     out, _ = bad.communicate('{"path": "/etc"}\n', timeout=120)
     assert bad.returncode == 2
-    assert json.loads(out) == {"loaded": False, "error": "arguments: not a JSON list of strings"}
+    assert LoadReport.parse(out) == LoadReport.failed("arguments: not a JSON list of strings")
 
 
 def test_a_load_past_its_timeout_is_ended(small_checkpoint: SmallCheckpoint):

@@ -12,6 +12,7 @@ import pytest
 
 from tasks.checks import Status
 from tasks.validation.checkpoint import Expectations, Facts, gather, judge, validate_checkpoint
+from tasks.validation.load_report import LoadReport
 from tests.helpers import REPO, as_pre_v2_checkpoint, make_config, run_single, vouch_for, worker_env
 from trainer import checkpointing
 from trainer.checkpointing import WorkloadRef
@@ -159,7 +160,7 @@ def test_coverage_reports_missing_and_misshapen_entries():
 
 
 def test_nonfinite_and_loss_out_of_tolerance_fail():
-    f = _facts(load={"loaded": True, "tensors": 3, "nonfinite": ["model.w"], "heldout_loss": 9.0})
+    f = _facts(load=LoadReport(loaded=True, tensors=3, nonfinite=["model.w"], heldout_loss=9.0))
     r = judge(f, Expectations(data_dir=Path("/data")))
     s = statuses(r)
     assert s["loads on 1 CPU rank, all tensors finite"] == Status.FAILED.value

@@ -29,6 +29,7 @@ from tasks.validation import load_process
 from tasks.validation.files import check_file_names, hash_files, untrusted_workload_message
 from tasks.validation.judge import CheckpointReport, Expectations, Facts, judge
 from tasks.validation.load_mode import LoadMode, choose_load_mode, memory_budget
+from tasks.validation.load_report import LoadReport
 from trainer import checkpointing
 from trainer.checkpointing import WorkloadRef
 from trainer.untrusted import METADATA, UnsafeNameError, load_dcp_metadata
@@ -139,7 +140,7 @@ def _fresh_process_load(
     *,
     safetensors_out: Path | None = None,
     pretrained_out: Path | None = None,
-) -> dict[str, Any]:
+) -> LoadReport:
     argv = [str(path)]
     if exp.workload is not None:
         argv += [
@@ -160,8 +161,8 @@ def _fresh_process_load(
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout)[-800:]
-        return {"loaded": False, "error": f"load process exited {proc.returncode}: {tail}"}
-    return dict(json.loads(lines[-1]))
+        return LoadReport.failed(f"load process exited {proc.returncode}: {tail}")
+    return LoadReport.parse(lines[-1])
 
 
 def gather(path: Path, exp: Expectations, *, load: bool = True) -> Facts:
@@ -292,20 +293,16 @@ def consolidate(
     *,
     pretrained_out: Path | None = None,
     workload: WorkloadRef | None = None,
-) -> dict[str, Any]:
+) -> LoadReport:
     """Write the checkpoint's full model weights as one safetensors file and, when the workload
     has one, its own self-contained layout (an HF directory for Llama) (fresh process, one CPU
-    rank). Returns ``{path, bytes, sha256, params_sha256, pretrained}``."""
+    rank); the load's report says where and what (``safetensors``, ``pretrained``)."""
     res = _fresh_process_load(
         path, Expectations(workload=workload), safetensors_out=out, pretrained_out=pretrained_out
     )
-    if not res.get("loaded") or "safetensors" not in res:
-        raise RuntimeError(f"consolidating {path} failed: {res.get('error')}")
-    return {
-        **res["safetensors"],
-        "params_sha256": res["params_sha256"],
-        "pretrained": res.get("pretrained"),
-    }
+    if not res.loaded or res.safetensors is None or res.params_sha256 is None:
+        raise RuntimeError(f"consolidating {path} failed: {res.error}")
+    return res
 
 
 def validate_checkpoint(path: Path, exp: Expectations, *, load: bool = True) -> CheckpointReport:

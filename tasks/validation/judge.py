@@ -14,6 +14,7 @@ from typing import Any
 
 from tasks.checks import Check, CheckResult, Snapshot, Source, Status, Verdict, blocks, run_all
 from tasks.validation.load_mode import LoadMode
+from tasks.validation.load_report import LoadReport
 from trainer import checkpointing
 from trainer.checkpointing import WorkloadRef
 
@@ -49,7 +50,7 @@ class Facts:
     extent_errors: list[str] = field(default_factory=list)  # items beyond their shard's end
     load_mode: LoadMode | None = None  # what check 4 did (None: it did not get that far)
     load_why: str = ""  # why that mode, for the report
-    load: dict[str, Any] | None = None
+    load: LoadReport | None = None
     errors: dict[str, str] = field(default_factory=dict)
     # Sources this checkpoint's validation does not need (source -> why): what a check that
     # reads only those could not see does not fail the checkpoint. Anything else blind does.
@@ -206,23 +207,24 @@ def coverage_verdict(snap: Snapshot, exp: Expectations) -> Verdict:
 
 def load_verdict(snap: Snapshot, exp: Expectations) -> Verdict:
     f = _gathered(snap)
-    res = snap.facts["load"]
+    res: LoadReport = snap.facts["load"]
     how = f"{f.load_why}: " if f.load_why else ""
-    if not res.get("loaded"):
-        return Verdict(Status.FAILED, how + str(res.get("error", "did not load")))
-    if res.get("nonfinite"):
-        return Verdict(Status.FAILED, f"{how}non-finite values in {res['nonfinite']}")
-    return Verdict(Status.PASSED, f"{how}{res.get('tensors')} tensors loaded, all finite")
+    if not res.loaded:
+        return Verdict(Status.FAILED, how + (res.error or "did not load"))
+    if res.nonfinite:
+        return Verdict(Status.FAILED, f"{how}non-finite values in {res.nonfinite}")
+    return Verdict(Status.PASSED, f"{how}{res.tensors} tensors loaded, all finite")
 
 
 def loss_verdict(snap: Snapshot, exp: Expectations) -> Verdict:
     f = _gathered(snap)
     if exp.data_dir is None:
         return Verdict(Status.SKIPPED, "no dataset given (optional check)")
-    if not snap.facts["load"].get("loaded"):
+    res: LoadReport = snap.facts["load"]
+    if not res.loaded:
         return Verdict(Status.SKIPPED, "checkpoint did not load")
     recorded = (f.manifest or {}).get("loss")
-    got = snap.facts["load"].get("heldout_loss")
+    got = res.heldout_loss
     if recorded is None:
         return Verdict(Status.SKIPPED, "the manifest records no loss")
     if got is None:
@@ -264,5 +266,5 @@ def judge(f: Facts, exp: Expectations) -> CheckpointReport:
         step=(f.manifest or {}).get("step"),
         checks=results,
         hash_mb_s=None if f.hash_mb_s is None else round(f.hash_mb_s, 1),
-        params_sha256=(f.load or {}).get("params_sha256"),
+        params_sha256=None if f.load is None else f.load.params_sha256,
     )

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tasks.validation.load_report import LoadReport, Pretrained, Safetensors, WrittenFile
 from trainer.checkpointing.manifest import WorkloadRef
 
 
@@ -30,7 +31,7 @@ def load_and_inspect(
     data_dir: Path | None = None,
     safetensors_out: Path | None = None,
     pretrained_out: Path | None = None,
-) -> dict[str, Any]:
+) -> LoadReport:
     """``workload``: overrides what the checkpoint's manifest says
     produced it (its workload, optimizer settings, batch and seed come from the manifest)."""
     import torch
@@ -69,22 +70,24 @@ def load_and_inspect(
             for name, t in _tensors({"model": model_sd, "optim": optim_sd})
             if t.is_floating_point() and not bool(torch.isfinite(t).all())
         ]
-        out: dict[str, Any] = {
-            "loaded": True,
-            "tensors": sum(1 for _ in _tensors({"model": model_sd, "optim": optim_sd})),
-            "nonfinite": nonfinite[:20],
-            "params_sha256": tensor_dict_sha256(model.state_dict()),
-            "heldout_loss": None,
-        }
-        if safetensors_out is not None:
-            out["safetensors"] = _write_safetensors(
-                model, safetensors_out, step=step, digest=out["params_sha256"]
-            )
-        if pretrained_out is not None:
-            out["pretrained"] = _write_pretrained(wl, model, pretrained_out)
-        if data_dir is not None:
-            out["heldout_loss"] = _heldout_loss(wl, model, cfg, data_dir, step)
-        return out
+        digest = tensor_dict_sha256(model.state_dict())
+        return LoadReport(
+            loaded=True,
+            tensors=sum(1 for _ in _tensors({"model": model_sd, "optim": optim_sd})),
+            nonfinite=nonfinite[:20],
+            params_sha256=digest,
+            heldout_loss=(
+                None if data_dir is None else _heldout_loss(wl, model, cfg, data_dir, step)
+            ),
+            safetensors=(
+                None
+                if safetensors_out is None
+                else _write_safetensors(model, safetensors_out, step=step, digest=digest)
+            ),
+            pretrained=(
+                None if pretrained_out is None else _write_pretrained(wl, model, pretrained_out)
+            ),
+        )
     finally:
         dist.destroy_process_group()
 
@@ -167,7 +170,7 @@ def verify_before_loading(path: Path, man: dict[str, Any]) -> None:
         )
 
 
-def _write_safetensors(model: Any, out: Path, *, step: int, digest: str) -> dict[str, Any]:
+def _write_safetensors(model: Any, out: Path, *, step: int, digest: str) -> Safetensors:
     """The full model weights in one safetensors file, for inference users."""
     from safetensors.torch import save_file
 
@@ -178,10 +181,10 @@ def _write_safetensors(model: Any, out: Path, *, step: int, digest: str) -> dict
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(tmp), metadata={"step": str(step), "params_sha256": digest})
     os.replace(tmp, out)
-    return {"path": str(out), "bytes": out.stat().st_size, "sha256": sha256_file(out)}
+    return Safetensors(path=str(out), bytes=out.stat().st_size, sha256=sha256_file(out))
 
 
-def _write_pretrained(wl: Any, model: Any, out: Path) -> dict[str, Any] | None:
+def _write_pretrained(wl: Any, model: Any, out: Path) -> Pretrained | None:
     """The workload's own self-contained layout (Hugging Face for Llama): every file with its
     size and sha256, or None when the workload has none."""
     import shutil
@@ -197,17 +200,13 @@ def _write_pretrained(wl: Any, model: Any, out: Path) -> dict[str, Any] | None:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     files = sorted(p for p in out.rglob("*") if p.is_file())
-    return {
-        "path": str(out),
-        "files": [
-            {
-                "name": str(p.relative_to(out)),
-                "bytes": p.stat().st_size,
-                "sha256": sha256_file(p),
-            }
+    return Pretrained(
+        path=str(out),
+        files=[
+            WrittenFile(name=str(p.relative_to(out)), bytes=p.stat().st_size, sha256=sha256_file(p))
             for p in files
         ],
-    }
+    )
 
 
 def _tensors(obj: Any, prefix: str = "") -> Any:
@@ -251,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             pretrained_out=args.pretrained,
         )
     except Exception as e:
-        out = {"loaded": False, "error": f"{type(e).__name__}: {e}"[:2000]}
-    print(json.dumps(out))
+        out = LoadReport.failed(f"{type(e).__name__}: {e}")
+    print(out.model_dump_json())
     return 0
 
 
@@ -279,7 +278,7 @@ def stdin_main() -> int:
         return 0
     args = json.loads(line)
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        print(json.dumps({"loaded": False, "error": "arguments: not a JSON list of strings"}))
+        print(LoadReport.failed("arguments: not a JSON list of strings").model_dump_json())
         return 2
     return main(args)
 
