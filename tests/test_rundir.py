@@ -179,6 +179,31 @@ def test_markers_carry_their_epoch_and_block_nothing(tmp_path: Path):
     assert not any((tmp_path / rel).exists() for rel in (Layout.NO_RESTART, Layout.NODE_LOST))
 
 
+def test_a_terminal_error_is_recorded_once_per_worker_group_by_whichever_rank_is_first(
+    tmp_path: Path,
+):
+    """Rank 1 finds the bad config first (its launcher may stop rank 0 before rank 0 gets
+    anywhere): the marker, one ``fatal`` event and result.json are its; rank 0 adds nothing.
+    The group's restart (a new incarnation), or a run not under a launcher, records again."""
+    from tests.helpers import read_events
+
+    events = EventLog(tmp_path, epoch=2)
+    run = RunDir(tmp_path, 2)
+    group = "run-attempt1-abc/0"
+    assert run.record_terminal(rank=1, reason="bad batch", events=events, incarnation=group)
+    assert not run.record_terminal(rank=0, reason="bad batch", events=events, incarnation=group)
+    result = run.result()
+    assert result is not None and result.status == "failed" and result.requeue is False
+    assert result.error == "bad batch" and result.epoch == 2
+    assert run.no_restart() == "bad batch"
+    assert json.loads((tmp_path / Layout.NO_RESTART).read_text())["rank"] == 1
+    assert [e["error"] for e in read_events(tmp_path) if e["kind"] == "fatal"] == ["bad batch"]
+    assert run.record_terminal(rank=0, reason="again", events=events, incarnation="run/1")
+    assert run.record_terminal(rank=0, reason="by hand", events=events, incarnation=None)
+    fatal = [e["error"] for e in read_events(tmp_path) if e["kind"] == "fatal"]
+    assert fatal == ["bad batch", "again", "by hand"]
+
+
 def test_only_the_epochs_small_regular_beat_files_are_read(tmp_path: Path):
     beats = tmp_path / Layout.BEATS
     beats.mkdir(parents=True)

@@ -6,6 +6,7 @@ Spellings are the ones that work on NVRx 0.4.1 and still on 0.7.0 (not ``--ft-pa
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -179,3 +180,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def incarnation(env: dict[str, str] | None = None) -> str | None:
+    """This worker group under its launcher: the rendezvous id and the group's restart count
+    (every node's agent restarts its group together); None when not under a launcher."""
+    env = dict(os.environ) if env is None else env
+    run = env.get("TORCHELASTIC_RUN_ID")
+    return None if not run else f"{run}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"

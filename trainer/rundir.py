@@ -21,14 +21,14 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainer import fence as _fence
 from trainer.elastic import PriorWorld
 from trainer.event_read import EventReader
-from trainer.event_types import Event, Fault, decode_obj
+from trainer.event_types import Event, Fatal, Fault, decode_obj
 from trainer.run_files import read_json_object, read_model, read_small, write_json_atomic
 
 _log = logging.getLogger(__name__)
@@ -84,7 +84,8 @@ class _File(BaseModel):
 
 
 class RunResult(_File):
-    """``result.json``: how the trainer ended, written by rank 0 under its fence."""
+    """``result.json``: how the trainer ended, written by rank 0 under its fence (a terminal
+    error's by the first rank that finds it: :meth:`RunDir.record_terminal`)."""
 
     # result.json gains fields over time: an unknown one is ignored, a bad known one refused.
     model_config = ConfigDict(frozen=True, strict=True, extra="ignore")
@@ -124,6 +125,11 @@ class NoRestart(_File):  # NVRx's own request travels over its launcher's socket
     rank: int
     reason: str
     epoch: int | None = None
+    incarnation: str | None = Field(None, max_length=512)  # its worker group (trainer.launch)
+
+
+class _Emits(Protocol):
+    def emit(self, event: Event) -> Any: ...
 
 
 class NodeLost(_File):  # the watcher's word that a node of an elastic job is gone, for the
@@ -285,6 +291,29 @@ class RunDir:
         marker = NoRestart(t=time.time(), rank=rank, reason=reason, epoch=self.epoch)
         with self.fence(events).hold("write the no_restart marker"):
             write_json_atomic(self.root / Layout.NO_RESTART, marker.model_dump(exclude_none=True))
+
+    def record_terminal(
+        self, *, rank: int, reason: str, events: _Emits, incarnation: str | None
+    ) -> bool:
+        """An error no restart can fix: the marker, the ``fatal`` event and ``result.json``,
+        once per worker group, by its first rank to take the fence lock (a peer that exits first
+        may have its launcher stop rank 0 before rank 0 records). Whether this rank did."""
+        with self.fence(events).hold("record a terminal error"):
+            marker = read_model(self.root / Layout.NO_RESTART, NoRestart)
+            if (
+                incarnation is not None
+                and marker is not None
+                and (marker.incarnation, marker.epoch) == (incarnation, self.epoch)
+            ):
+                return False
+            mark = NoRestart(
+                t=time.time(), rank=rank, reason=reason, epoch=self.epoch, incarnation=incarnation
+            )
+            write_json_atomic(self.root / Layout.NO_RESTART, mark.model_dump(exclude_none=True))
+            events.emit(Fatal(error=reason, requeue=False))
+            result = RunResult(status="failed", error=reason, requeue=False, epoch=self.epoch)
+            write_json_atomic(self.root / Layout.RESULT, result.model_dump(exclude_none=True))
+        return True
 
     def no_restart(self) -> str | None:
         """The marker's reason, or None when there is none that is this attempt's verdict: only

@@ -56,11 +56,11 @@ from pathlib import Path
 
 from trainer.config import ConfigError, TrainConfig
 from trainer.errors import ExitCode, TerminalError
-from trainer.event_types import Fatal
 from trainer.events import EventLog
 from trainer.faults import FaultSpecError
+from trainer.launch import incarnation
 from trainer.process import Body
-from trainer.rundir import RunDir, RunResult
+from trainer.rundir import RunDir
 from trainer.worker import DataFactory, run, workload_data
 from trainer.worker_cli import build_parser, claimed_run_root, config_from_args
 
@@ -123,18 +123,20 @@ def _terminal_cause(exc: BaseException) -> TerminalError | None:
 
 
 def _terminal(cfg: TrainConfig, message: str) -> None:
-    """Report an error no restart can fix (rank 0: the ``fatal`` event and result.json, which
-    the pipeline reads as do-not-requeue), then stop the job without restarts."""
+    """Report an error no restart can fix (the marker, the ``fatal`` event and result.json,
+    which the pipeline reads as do-not-requeue: written once, by whichever rank finds it
+    first), then ask this rank's launcher to stop the job without restarts."""
+    from trainer import nvrx_compat
+
     print(f"error: {message}", file=sys.stderr)
-    if int(os.environ.get("RANK", "0")) == 0:
-        try:
-            events = EventLog(cfg.run_root)
-            events.emit(Fatal(error=message, requeue=False))
-            result = RunResult(status="failed", error=message, requeue=False)
-            RunDir.from_env(cfg.run_root).write_result(result, events)
-        except OSError as e:  # a full disk may be the very cause: still stop, still exit 3
-            log.warning("could not record the fatal error on %s: %s", cfg.run_root, e)
-    _stop_without_restart(cfg.run_root, message)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        RunDir.from_env(cfg.run_root).record_terminal(
+            rank=rank, reason=message, events=EventLog(cfg.run_root), incarnation=incarnation()
+        )
+    except OSError as e:  # a full disk may be the very cause: still stop, still exit 3
+        log.warning("could not record the terminal error on %s: %s", cfg.run_root, e)
+    nvrx_compat.request_no_restart(rank, message)
 
 
 def _stop_without_restart(run_root: Path | None, message: str) -> None:
