@@ -199,6 +199,30 @@ def _wait_final(api: httpx.Client, flow_run_id: str, deadline: float) -> dict[st
     raise AssertionError("flow run did not finish in time")
 
 
+def _runs_of(api: httpx.Client, deployment_id: str) -> list[dict[str, Any]]:
+    body = {"deployments": {"id": {"any_": [deployment_id]}}}
+    r = api.post("/flow_runs/filter", json=body)
+    r.raise_for_status()
+    return list(r.json())
+
+
+def _submit(page: Any, api: httpx.Client, deployment_id: str, shot: Path) -> None:
+    """Press the form's Submit as a person would: once, and once more only if, a minute later,
+    the UI is still on the form and the server has no run of the deployment (CI saw a press on
+    a loaded 2-core machine go nowhere: no run, no navigation). Never two runs."""
+    button = page.get_by_role("button", name="Submit")
+    button.click()
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        on_form = page.url.split("?")[0].rstrip("/").endswith("/run")
+        if not on_form or _runs_of(api, deployment_id):
+            return
+        time.sleep(1)
+    page.screenshot(path=str(shot), full_page=True)  # what the form showed, for the record
+    assert not _runs_of(api, deployment_id)
+    button.click()
+
+
 def test_custom_run_from_the_ui(ui_stack: dict[str, Any], s3_settings) -> None:
     from playwright.sync_api import expect, sync_playwright
 
@@ -235,7 +259,7 @@ def test_custom_run_from_the_ui(ui_stack: dict[str, Any], s3_settings) -> None:
                 page.screenshot(path=str(shots / "ui-custom-run-form.png"))
                 run_name = form_field(page, "Run Name").locator("input").input_value()
                 assert run_name
-                page.get_by_role("button", name="Submit").click()
+                _submit(page, api, dep["id"], shots / "ui-after-submit.png")
                 # The UI goes back to the deployment; its run list links the new run by name:
                 # the form's name until the runner starts it, then the run id it was renamed to
                 # (the only run this server has seen, so either name is this run).
