@@ -169,7 +169,6 @@ class RunDir:
         return self.root / Layout.FENCE_LOCK
 
     # -- the epoch and its fence (trainer.fence) ----------------------------------------------
-
     def publish(self, *, invocation: str, attempt: int) -> RunDir:
         """A new epoch for an attempt about to launch: the run root as that attempt sees it.
         Raises :class:`trainer.fence.LockTimeout` when the fence lock stays held."""
@@ -187,7 +186,6 @@ class RunDir:
         return _fence.Fence(self, self.epoch, events, on_fenced=on_fenced)
 
     # -- result.json ---------------------------------------------------------------------------
-
     def result(self) -> RunResult | None:
         """``result.json`` if this attempt's workers wrote it: a result of another epoch, or one
         that is not a regular small file of the schema, is none (said)."""
@@ -205,16 +203,17 @@ class RunDir:
     def write_result(self, result: RunResult, events: _fence.Emits | None) -> None:
         """``result.json``, carrying this view's epoch, under its fence: a writer whose attempt
         was replaced writes none."""
-        if self.epoch is not None:
-            result = result.model_copy(update={"epoch": self.epoch})
         with self.fence(events).hold("write result.json"):
-            write_json_atomic(self.root / Layout.RESULT, result.model_dump(exclude_none=True))
+            self._write_result(result)
+
+    def _write_result(self, result: RunResult) -> None:  # these two: under the fence
+        stamped = result.model_copy(update={"epoch": self.epoch or result.epoch})
+        write_json_atomic(self.root / Layout.RESULT, stamped.model_dump(exclude_none=True))
 
     def clear_result(self) -> None:
         (self.root / Layout.RESULT).unlink(missing_ok=True)
 
     # -- the start-up facts --------------------------------------------------------------------
-
     def record_commit(self, step: int | None) -> None:
         write_json_atomic(self.root / Layout.COMMIT, {"step": step, "t": time.time()})
 
@@ -247,7 +246,6 @@ class RunDir:
         return 0.0 if fact is None else fact.t
 
     # -- open faults ---------------------------------------------------------------------------
-
     def open_fault(self, event: Fault) -> None:
         """Record a ``fault`` event (as emitted) as open until a recovery closes it."""
         name = f"{int(event.t * 1e9):020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
@@ -267,7 +265,6 @@ class RunDir:
         path.unlink(missing_ok=True)
 
     # -- drills' claims ------------------------------------------------------------------------
-
     def claim(self, slug: str) -> bool:
         """Atomically record that the drill ``slug`` fired in this run; False when it already
         has (in an earlier life of a worker, or an earlier attempt of the stage)."""
@@ -284,13 +281,17 @@ class RunDir:
         return True
 
     # -- markers -------------------------------------------------------------------------------
-
     def write_no_restart(self, *, rank: int, reason: str, events: _fence.Emits | None) -> None:
         """The terminal marker, carrying this view's epoch, under its fence: the watcher counts
         only its own attempt's, and a writer whose attempt was replaced writes none."""
-        marker = NoRestart(t=time.time(), rank=rank, reason=reason, epoch=self.epoch)
         with self.fence(events).hold("write the no_restart marker"):
-            write_json_atomic(self.root / Layout.NO_RESTART, marker.model_dump(exclude_none=True))
+            self._write_marker(rank, reason, incarnation=None)
+
+    def _write_marker(self, rank: int, reason: str, *, incarnation: str | None) -> None:
+        m = NoRestart(
+            t=time.time(), rank=rank, reason=reason, epoch=self.epoch, incarnation=incarnation
+        )
+        write_json_atomic(self.root / Layout.NO_RESTART, m.model_dump(exclude_none=True))
 
     def record_terminal(
         self, *, rank: int, reason: str, events: _Emits, incarnation: str | None
@@ -306,13 +307,9 @@ class RunDir:
                 and (marker.incarnation, marker.epoch) == (incarnation, self.epoch)
             ):
                 return False
-            mark = NoRestart(
-                t=time.time(), rank=rank, reason=reason, epoch=self.epoch, incarnation=incarnation
-            )
-            write_json_atomic(self.root / Layout.NO_RESTART, mark.model_dump(exclude_none=True))
+            self._write_marker(rank, reason, incarnation=incarnation)
             events.emit(Fatal(error=reason, requeue=False))
-            result = RunResult(status="failed", error=reason, requeue=False, epoch=self.epoch)
-            write_json_atomic(self.root / Layout.RESULT, result.model_dump(exclude_none=True))
+            self._write_result(RunResult(status="failed", error=reason, requeue=False))
         return True
 
     def no_restart(self) -> str | None:
@@ -341,7 +338,6 @@ class RunDir:
             (self.root / rel).unlink(missing_ok=True)
 
     # -- node beats (trainer.node_beat writes them) --------------------------------------------
-
     def beat_file(self, node: int) -> Path:
         return self.root / Layout.beat(self.epoch, node)
 
