@@ -27,12 +27,14 @@ class CheckResult:
     # A required check that could not look (SKIPPED) fails the gate: a blind gate must not pass.
     required: bool = True
 
-    def to_dict(self) -> dict[str, str]:
-        return {"name": self.name, "status": self.status.value, "detail": self.detail}
-
     def row(self) -> dict[str, str | bool]:
         """The report's JSON of it (``required`` too: a SKIPPED required check rejects)."""
-        return {**self.to_dict(), "required": self.required}
+        return {
+            "name": self.name,
+            "status": self.status.value,
+            "detail": self.detail,
+            "required": self.required,
+        }
 
 
 def blocks(result: CheckResult) -> bool:
