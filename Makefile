@@ -80,8 +80,12 @@ promtool:
 		--no-install-recommends prometheus; }
 	@promtool --version 2>/dev/null | head -1
 
+# Two passes: the unit and stand-in tests (mostly waiting on timers, sockets and subprocesses,
+# not on the CPU) three at a time; then the real-process drills one at a time, since their
+# tight hang timeouts read CPU contention as a hang (suite_time.json: parallel_experiment).
 test: venv browser promtool
-	$(PY) -m pytest -q -m "not extended"
+	$(PY) -m pytest -q -m "not slow and not extended" -n 3
+	$(PY) -m pytest -q -m "slow and not extended"
 
 test-fast: venv promtool
 	$(PY) -m pytest -q -m "not slow and not extended"
