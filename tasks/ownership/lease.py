@@ -25,6 +25,7 @@ reading the file and writing it cannot overwrite a takeover made meanwhile.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -34,7 +35,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -112,16 +113,7 @@ class LeaseRecord:
     resources: tuple[dict[str, Any], ...] = ()
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "run_id": self.run_id,
-                "owner": self.owner.__dict__,
-                "heartbeat_at": self.heartbeat_at,
-                "resources": list(self.resources),
-            },
-            indent=1,
-            sort_keys=True,
-        )
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
 
     @classmethod
     def parse(cls, text: str) -> LeaseRecord | None:
@@ -185,6 +177,14 @@ def process_is(pid: int, create_time: float) -> bool:
         p = psutil.Process(pid)
         return abs(p.create_time() - create_time) < 0.01 and p.status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def record_alive(rec: Mapping[str, object]) -> bool:
+    """Does a record's ``pid`` and ``create_time`` name a live process? A malformed one: no."""
+    try:
+        return process_is(int(str(rec["pid"])), float(str(rec["create_time"])))
+    except (KeyError, ValueError):
         return False
 
 
@@ -254,13 +254,11 @@ class RunLease:
     def _lock(self, fd: int) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise
         except OSError as e:
             # A filesystem without flock (Lustre mounted without `-o flock`): the O_EXCL lease
             # file and its heartbeat alone decide (deploy/eks/fsx.yaml mounts with flock).
             if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
-                raise
+                raise  # BlockingIOError (EAGAIN) included: another holds it
             self._flock = False
 
     def _unlock(self, fd: int) -> None:
