@@ -93,36 +93,6 @@ class ExportReport:
         return self.__dict__.copy()
 
 
-# -- digests (pure) ---------------------------------------------------------------------------
-def is_present(head: dict[str, Any] | None, size: int, sha_hex: str, checksum: str) -> bool:
-    """Is the remote object the manifest's bytes? Size, our sha256 metadata and the server's
-    own SHA-256 checksum must all agree; an object without a server checksum (written by an
-    older export, or by someone else) is uploaded again rather than trusted."""
-    if head is None or head.get("ContentLength") != size:
-        return False
-    if head.get("Metadata", {}).get("sha256") != sha_hex:
-        return False
-    return bool(head.get("ChecksumSHA256")) and head.get("ChecksumSHA256") == checksum
-
-
-@dataclass(frozen=True)
-class ExportPlan:
-    upload: tuple[str, ...]  # objects to upload, in order, the manifest (if any) last
-    withdraw_manifest: bool  # delete the remote manifest before anything is uploaded
-
-
-def plan_export(
-    present: dict[str, bool], manifest_present: bool, remote_manifest: bool
-) -> ExportPlan:
-    """What to do, decided from what is there. ``present``: per object (not the manifest),
-    already the manifest's bytes; ``manifest_present``: the remote manifest is ours;
-    ``remote_manifest``: some manifest is there. Any change withdraws the old manifest first."""
-    todo = tuple(n for n, ok in present.items() if not ok)
-    if not todo and manifest_present:
-        return ExportPlan((), False)
-    return ExportPlan((*todo, checkpointing.MANIFEST), remote_manifest)
-
-
 def checked_sha256(path: Path, entry: dict[str, Any], digest: str) -> str:
     """One read of a checkpoint file: refused (naming it) unless it is the checked manifest
     ``entry``'s size and ``digest``, never read past that size; its sha256."""
@@ -294,20 +264,20 @@ class _Uploader:
             present = pool.map(lambda n: self._present(n, digests[n]), names)
             found = dict(zip(names, present, strict=True))
         manifest_key = f"{self.base}/{manifest}"
-        ours = found.pop(manifest)
-        remote = ours or head_object(self.client, self.bucket, manifest_key) is not None
-        plan = plan_export(found, ours, remote)
+        ours = found.pop(manifest)  # the remote manifest is this export's
+        todo = [n for n, ok in found.items() if not ok]
         for name, ok in found.items():
             if ok:
                 self.on_object(name, "present")
-        if plan.withdraw_manifest:
-            # First: readers stop trusting the prefix before any object under it changes.
+        # Any change withdraws a remote manifest first: readers stop trusting the prefix before
+        # any object under it changes.
+        changed = bool(todo) or not ours
+        if changed and (ours or head_object(self.client, self.bucket, manifest_key) is not None):
             self.client.delete_object(Bucket=self.bucket, Key=manifest_key)
             self.on_object(manifest, "withdrawn")
-        objects = [n for n in plan.upload if n != manifest]
         with ThreadPoolExecutor(max_workers=self.opts.max_workers) as pool:
-            sizes = list(pool.map(lambda n: self._put(n, digests[n]), objects))
-        if manifest in plan.upload:
+            sizes = list(pool.map(lambda n: self._put(n, digests[n]), todo))
+        if changed:
             # Last, and only after every other object verified against the manifest.
             sizes.append(self._put(manifest, digests[manifest]))
         else:
@@ -327,11 +297,17 @@ class _Uploader:
         return composite_sha256_b64(parts), parts
 
     def _present(self, name: str, sha: str) -> bool:
-        path = self.sources[name]
-        found = head_object(self.client, self.bucket, f"{self.base}/{name}")
-        if found is None:  # nothing to compare: do not read the file for its part digests
+        """Is the remote object the manifest's bytes? Size, our sha256 metadata and the server's
+        own SHA-256 checksum must all agree; an object without a server checksum (an older
+        export's, someone else's) is uploaded again rather than trusted."""
+        head = head_object(self.client, self.bucket, f"{self.base}/{name}")
+        # Nothing to compare: the file is not read for its part digests.
+        if head is None or head.get("ContentLength") != self.sources[name].stat().st_size:
             return False
-        return is_present(found, path.stat().st_size, sha, self._local_checksum(name, sha)[0])
+        remote = head.get("ChecksumSHA256")
+        if head.get("Metadata", {}).get("sha256") != sha or not remote:
+            return False
+        return bool(remote == self._local_checksum(name, sha)[0])
 
     def _put(self, name: str, sha: str) -> int:
         path, key = self.sources[name], f"{self.base}/{name}"

@@ -32,7 +32,7 @@ from tasks.errors import PullError, PullUsageError, StorageError
 from tasks.export import CONSOLIDATED
 from tasks.storage.s3 import describe_client_error
 from trainer import checkpointing
-from trainer.hashing import SHA256, sha256_file
+from trainer.hashing import SHA256, read_capped, sha256_file
 
 _CHUNK = 8 << 20
 # Reading more than a manifest may hold from an object that claims to be one is refused rather
@@ -283,27 +283,18 @@ class _Get:
     staging: Path
     endpoint: str | None
 
-    def one(self, f: PullFile, *, on_bytes: Callable[[int], None], stop: threading.Event) -> None:
-        """One file, hashed as it arrives; never more than the manifest's size."""
+    def one(self, f: PullFile, *, on_bytes: Callable[[int], None]) -> None:
+        """One file, hashed as it arrives; never more than the manifest's size (an object past
+        it is refused without reading on: it could be endless)."""
         key, dest = f"{self.prefix}/{f.name}", self.staging / f.name
         body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
-        h, n = hashlib.sha256(), 0
         dest.parent.mkdir(exist_ok=True)
         with open(dest, "xb") as out:
-            while chunk := body.read(_CHUNK):
-                if stop.is_set():
-                    raise _Stopped
-                n += len(chunk)
-                if n > f.bytes:  # refused without reading on: it could be endless
-                    raise PullError(
-                        f"s3://{self.bucket}/{key} is larger than the manifest's {f.bytes} bytes"
-                    )
-                h.update(chunk)
-                out.write(chunk)
-                on_bytes(len(chunk))
+            n, sha = read_capped(body, f.bytes, out=out, on_bytes=on_bytes)
             out.flush()
             os.fsync(out.fileno())
-        why = mismatch(f, n, h.hexdigest())
+        over = n > f.bytes
+        why = f"is larger than the manifest's {f.bytes} bytes" if over else mismatch(f, n, sha)
         if why:
             raise PullError(f"s3://{self.bucket}/{key} {why}")
 
@@ -318,6 +309,8 @@ class _Get:
         lock, stop = threading.Lock(), threading.Event()
 
         def on_bytes(n: int) -> None:
+            if stop.is_set():
+                raise _Stopped
             with lock:
                 done[0] += n
                 on_progress(done[0], total, None)
@@ -325,7 +318,7 @@ class _Get:
         def fetch(f: PullFile) -> str:
             if stop.is_set():
                 raise _Stopped
-            self.one(f, on_bytes=on_bytes, stop=stop)
+            self.one(f, on_bytes=on_bytes)
             with lock:
                 on_progress(done[0], total, f.name)
             return f.name
