@@ -50,9 +50,8 @@ from tasks.preflight.memory import MemoryNeed, count_parameters, node_memory_nee
 from tasks.retry_policy import prefect_retry_condition
 from tasks.storage.s3 import boto3_client
 from tasks.train_stage import AttemptReport, run_attempt
-from tasks.validate import validate_latest
 from tasks.validation import load_process
-from tasks.validation.checkpoint import Expectations, prestart_load_check
+from tasks.validation.checkpoint import Expectations, prestart_load_check, validate_latest
 from trainer.event_types import Event, TrainEnd
 
 
