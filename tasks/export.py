@@ -1,25 +1,20 @@
 """Export a committed checkpoint to ``s3://bucket/prefix/<run_id>/step_<N>/``.
 
-- Refuses a checkpoint whose files do not match its manifest (names the file). Each file is read
-  once for it: its manifest digest (xxh3-128, or sha256 in checkpoints before manifest v2) is
-  checked and its sha256 taken in the same pass.
-- The exported manifest is the checkpoint's, in format v1: every file's size and sha256, what a
-  reader outside this project checks (``pull``, docs/exports.md). The sha256 travels with every
-  object as its S3 SHA-256 checksum, so the *server* compares the bytes it receives with the
-  digest of the bytes that matched the manifest, and refuses them when a file changed since
-  (BadDigest: nothing is stored). A multipart object (above
-  ``part_size``) is verified part by part by the server; the same bytes are hashed whole as they
-  are sent and compared with the manifest's digest before the upload is completed (else it is
-  aborted: nothing visible), and the server's composite checksum must then equal ours.
-- A server that returns no checksum is verified by reading every object back (``read-back``).
-  ``verified`` in the report always means "compared with the manifest's digest".
-- Order: an existing manifest at the prefix is deleted *first*, then the objects are uploaded,
-  then the manifest *last*, so a reader that trusts a prefix only when its manifest is there
-  never sees an old manifest over objects that changed under it.
-- Idempotent: objects already present with the manifest's digest (metadata and server checksum)
-  are not uploaded again; when everything is present nothing is uploaded or deleted.
-- Optional server-side encryption (SSE-S3 or SSE-KMS with a key id).
-Credentials are never logged or returned: errors are described by :func:`describe_client_error`.
+- A checkpoint whose files do not match its manifest is refused (naming the file); each file is
+  read once, its manifest digest checked and its sha256 taken in the same pass.
+- The exported manifest is format v1: every file's size and sha256 (what ``pull`` and readers
+  outside this project check, docs/exports.md). The sha256 travels with every object as its S3
+  SHA-256 checksum, so the *server* refuses bytes that changed since (BadDigest: nothing
+  stored). A multipart object (above ``part_size``) is checked part by part by the server and
+  hashed whole as it is sent, compared with the manifest before completing (else aborted), and
+  the server's composite checksum must then equal ours. A server without checksums is read
+  back (``read-back``); ``verified`` always means "compared with the manifest's digest".
+- Order: an existing manifest is deleted *first*, the objects uploaded, the manifest *last*: a
+  reader that trusts a prefix by its manifest never sees an old one over changed objects.
+- Idempotent: objects present with the manifest's digest (metadata and server checksum) are not
+  uploaded again; when all are, nothing is uploaded or deleted.
+- Optional server-side encryption (SSE-S3, or SSE-KMS with a key id). Credentials are never
+  logged or returned (:func:`describe_client_error`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
-"""Pull an export (``s3://bucket/prefix/<run_id>/step_<N>/``, see :mod:`tasks.export`) into a
-local directory, every file verified against the export's manifest.
+"""Pull an export (``s3://bucket/prefix/<run_id>/step_<N>/``, :mod:`tasks.export`) into a local
+directory, every file verified against the export's manifest.
 
-- Objects in S3 are untrusted input: the manifest is parsed by :mod:`trainer.checkpointing` (names
-  are single safe path components, sizes and digests well-formed), each object is hashed as it
-  arrives and never read past the manifest's size, and the DCP ``.metadata`` goes through the
-  restricted unpickler (:func:`trainer.checkpointing.verify_checkpoint`).
-- Atomic: everything lands in a hidden temporary directory beside ``DIR`` and is renamed to
-  ``DIR`` only once it verifies, so a failed or killed pull never leaves a ``DIR`` a reader
-  could trust (a kill leaves at most the hidden ``.DIR.pull-*`` directory).
-- Idempotent: a ``DIR`` that already holds the same export (same manifest bytes) and verifies
-  is left as it is; any other non-empty ``DIR`` is refused.
-The manifest itself is not signed (as on the shared filesystem): a pull proves the files are
-the ones the manifest names, not who wrote the manifest.
+- S3 objects are untrusted: the manifest is parsed by :mod:`trainer.checkpointing` (safe names,
+  well-formed sizes and digests), each object hashed as it arrives and never read past its
+  size, and the DCP ``.metadata`` goes through the restricted unpickler.
+- Atomic: everything lands in a hidden ``.DIR.pull-*`` directory beside ``DIR``, renamed to
+  ``DIR`` only once it verifies: a failed or killed pull never leaves a ``DIR`` to trust.
+- Idempotent: a ``DIR`` holding the same export (same manifest bytes) that verifies is left as
+  it is; any other non-empty ``DIR`` is refused.
+The manifest is not signed: a pull proves the files are the ones it names, not who wrote it.
 """
 
 from __future__ import annotations

