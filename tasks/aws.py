@@ -1,18 +1,17 @@
-"""Every AWS client the pipeline builds (boto3 clients, s3fs filesystems) comes from here, so that
-one rule decides their region and retries.
+"""Every AWS client the pipeline builds (boto3 clients, s3fs filesystems) comes from here, so one
+rule decides their region and retries.
 
-Region: an explicit setting when the user gave one (``eks.region``), else the standard chain as
-the AWS CLI v2 reads it (``AWS_REGION``, ``AWS_DEFAULT_REGION``, the region of the profile that
-``AWS_PROFILE`` names in ``~/.aws/config`` / ``AWS_CONFIG_FILE``), and ``us-east-1`` only when
-nothing at all is set. Retries: ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` and the profile's
-``max_attempts`` / ``retry_mode`` win, each on its own; our default fills only what they leave
-unset. botocore does the reading (its own variable table and config-file loader); the one
-addition is ``AWS_REGION``, which boto3 ignores but the CLI, the other SDKs and EKS's IRSA
-webhook (which sets it to the cluster's region in the flow runner's pod) use.
+Region: an explicit setting (``eks.region``), else the standard chain as the AWS CLI v2 reads it
+(``AWS_REGION``, ``AWS_DEFAULT_REGION``, the region of ``AWS_PROFILE``'s profile in
+``~/.aws/config`` / ``AWS_CONFIG_FILE``), ``us-east-1`` only when nothing is set. Retries:
+``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` and the profile's ``max_attempts`` / ``retry_mode``
+win, each on its own; our default fills only what they leave unset. botocore does the reading;
+the one addition is ``AWS_REGION``, which boto3 ignores but the CLI, the other SDKs and EKS's
+IRSA webhook (the cluster's region, in the flow runner's pod) use.
 
-A fresh session per client: the default boto3 session captures ``AWS_PROFILE`` when it is first
-used, and clients are built once per stage, so the cost does not matter. Local endpoints
-(SeaweedFS) ignore the region; it is still resolved the same way, and any value works there.
+A fresh session per client: the default boto3 session captures ``AWS_PROFILE`` when first used
+(clients are built once per stage: the cost does not matter). Local endpoints (SeaweedFS)
+ignore the region; any value works there.
 """
 
 from __future__ import annotations

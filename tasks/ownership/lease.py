@@ -129,33 +129,29 @@ class LeaseRecord:
             return None
 
 
+@dataclass
 class HeartbeatWatch:
     """Is a lease held on another host still beating? Judged by its record *changing*, timed on
     this process's monotonic clock: the owner's wall clock (skewed, stepped by NTP) and ours are
     never compared. A change seen proves a live owner; the same record for ``stale_after_s``
     proves a dead one; until either, the owner is not known (None)."""
 
-    def __init__(self, stale_after_s: float, clock: Callable[[], float] = time.monotonic):
-        self.stale_after_s = stale_after_s
-        self.clock = clock
-        self._seen: tuple[str, float] | None = None
-        self._since = 0.0
-        self._changed = False
+    stale_after_s: float
+    clock: Callable[[], float] = time.monotonic
+    _seen: tuple[str, float] | None = None  # (invocation, heartbeat_at) last seen
+    _since: float = 0.0  # when it was first seen (our clock)
+    _changed: bool = False
 
     def alive(self, rec: LeaseRecord) -> bool | None:
         key = (rec.owner.invocation, rec.heartbeat_at)
         now = self.clock()
         if key != self._seen:
-            if self._seen is not None and self._seen[0] == key[0]:
-                self._changed = True  # the same owner wrote again: it lives
-            elif self._seen is not None:
-                self._changed = False  # another owner now: judge it afresh
+            # The same owner wrote again: it lives; another owner now: judged afresh.
+            self._changed = self._seen is not None and self._seen[0] == key[0]
             self._seen, self._since = key, now
         if self._changed:
             return True
-        if now - self._since >= self.stale_after_s:
-            return False
-        return None
+        return False if now - self._since >= self.stale_after_s else None
 
 
 def owner_alive(rec: LeaseRecord, watch: HeartbeatWatch | None = None) -> bool | None:
