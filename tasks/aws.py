@@ -25,7 +25,7 @@ from tasks.errors import AwsConfigError
 DEFAULT_REGION = "us-east-1"
 # botocore's client-config ``max_attempts`` counts retries (4 attempts in all), unlike
 # AWS_MAX_ATTEMPTS and the config file's max_attempts, which count attempts.
-DEFAULT_RETRIES: dict[str, Any] = {"max_attempts": 3, "mode": "standard"}
+DEFAULT_RETRIES: dict[str, int | str] = {"max_attempts": 3, "mode": "standard"}
 # What the environment and config file may set instead of DEFAULT_RETRIES' keys.
 _RETRY_VARIABLES = {"max_attempts": "max_attempts", "mode": "retry_mode"}
 
@@ -105,7 +105,7 @@ def _find_region(sess: Any | None) -> Region:
     return Region(DEFAULT_REGION, "default: no AWS_REGION, AWS_DEFAULT_REGION or profile region")
 
 
-def retries(sess: Any | None = None) -> dict[str, Any]:
+def retries(sess: Any | None = None) -> dict[str, int | str]:
     """Our default retry keys that neither the environment nor the config file sets (an empty
     dict when both are set: botocore then reads them itself)."""
     sess = sess if sess is not None else session()

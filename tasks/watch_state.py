@@ -14,7 +14,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from tasks.loss_policy import LossDecision, LossPath
 from trainer.event_types import Event, Fatal, Step, TrainStart
@@ -117,12 +116,13 @@ def observe(s: WatchState, e: Event, now: float) -> WatchState:
         waiting_until = s.waiting_until
         if len(named) >= s.min_nodes and e.t > s.wait_began:
             waiting_until = None  # a node returned in time: the world re-formed
-        silence: dict[str, Any] = {}
-        if s.silence_rule is not None:  # the attempt's own start-up, measured: the bound
-            silence = {"silence_s": s.silence_rule.bound(now - s.started), "silence_rule": None}
+        silence_s, rule = s.silence_s, s.silence_rule
+        if rule is not None:  # the attempt's own start-up, measured: the bound
+            silence_s, rule = rule.bound(now - s.started), None
         return replace(
             s,
-            **silence,
+            silence_s=silence_s,
+            silence_rule=rule,
             world_nodes=world,
             world_at=now,
             reformed=s.reformed | s.lost,
@@ -180,19 +180,17 @@ def lost(
 ) -> WatchState:
     """Node ``node`` is gone (``drilled``: the watcher took it away itself), on the path
     ``decision`` says."""
-    changes: dict[str, Any] = {"lost": s.lost | {node}}
+    s = replace(s, lost=s.lost | {node})
     if decision.idle_spare:
-        pass
-    elif decision.path == LossPath.STAGE_RETRY and drilled:
+        return s
+    if decision.path == LossPath.STAGE_RETRY and drilled:
         # A loss the backend saw ends the attempt through its own classification.
-        if s.loss_at is None:
-            changes["loss_at"] = now
-    elif decision.path == LossPath.NODE_WAIT and s.waiting_until is None:
+        return s if s.loss_at is not None else replace(s, loss_at=now)
+    if decision.path == LossPath.NODE_WAIT and s.waiting_until is None:
         # The survivors give up after their join timeout (and the attempt ends in a node
         # loss, so a stage retry); the watcher stops whatever is left a little later.
-        changes["waiting_until"] = now + s.wait_s + s.wait_grace_s
-        changes["wait_began"] = wall
-    return replace(s, **changes)
+        return replace(s, waiting_until=now + s.wait_s + s.wait_grace_s, wait_began=wall)
+    return s
 
 
 def beat(s: WatchState, tokens: Mapping[int, str], now: float) -> WatchState:
