@@ -40,18 +40,18 @@ from flows.train_progress import TrainProgress
 from tasks import aws
 from tasks.backends import registry
 from tasks.backends.base import Backend, HydrateRequest
+from tasks.checks import failures
 from tasks.classify import EndKind
 from tasks.errors import NodeLost, PreflightFailed
 from tasks.export import ExportOptions, ExportReport, export_checkpoint
 from tasks.ownership import lease
-from tasks.preflight.checks import Requirements, failures
+from tasks.preflight.checks import Requirements
 from tasks.preflight.memory import MemoryNeed, count_parameters, node_memory_need
 from tasks.retry_policy import prefect_retry_condition
 from tasks.storage.s3 import boto3_client
 from tasks.train_stage import AttemptReport, run_attempt
-from tasks.validate import validate_latest
 from tasks.validation import load_process
-from tasks.validation.checkpoint import Expectations, prestart_load_check
+from tasks.validation.checkpoint import Expectations, prestart_load_check, validate_latest
 from trainer.event_types import Event, TrainEnd
 
 

@@ -1,18 +1,17 @@
-"""Every AWS client the pipeline builds (boto3 clients, s3fs filesystems) comes from here, so that
-one rule decides their region and retries.
+"""Every AWS client the pipeline builds (boto3 clients, s3fs filesystems) comes from here, so one
+rule decides their region and retries.
 
-Region: an explicit setting when the user gave one (``eks.region``), else the standard chain as
-the AWS CLI v2 reads it (``AWS_REGION``, ``AWS_DEFAULT_REGION``, the region of the profile that
-``AWS_PROFILE`` names in ``~/.aws/config`` / ``AWS_CONFIG_FILE``), and ``us-east-1`` only when
-nothing at all is set. Retries: ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` and the profile's
-``max_attempts`` / ``retry_mode`` win, each on its own; our default fills only what they leave
-unset. botocore does the reading (its own variable table and config-file loader); the one
-addition is ``AWS_REGION``, which boto3 ignores but the CLI, the other SDKs and EKS's IRSA
-webhook (which sets it to the cluster's region in the flow runner's pod) use.
+Region: an explicit setting (``eks.region``), else the standard chain as the AWS CLI v2 reads it
+(``AWS_REGION``, ``AWS_DEFAULT_REGION``, the region of ``AWS_PROFILE``'s profile in
+``~/.aws/config`` / ``AWS_CONFIG_FILE``), ``us-east-1`` only when nothing is set. Retries:
+``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` and the profile's ``max_attempts`` / ``retry_mode``
+win, each on its own; our default fills only what they leave unset. botocore does the reading;
+the one addition is ``AWS_REGION``, which boto3 ignores but the CLI, the other SDKs and EKS's
+IRSA webhook (the cluster's region, in the flow runner's pod) use.
 
-A fresh session per client: the default boto3 session captures ``AWS_PROFILE`` when it is first
-used, and clients are built once per stage, so the cost does not matter. Local endpoints
-(SeaweedFS) ignore the region; it is still resolved the same way, and any value works there.
+A fresh session per client: the default boto3 session captures ``AWS_PROFILE`` when first used
+(clients are built once per stage: the cost does not matter). Local endpoints (SeaweedFS)
+ignore the region; any value works there.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from tasks.errors import AwsConfigError
 DEFAULT_REGION = "us-east-1"
 # botocore's client-config ``max_attempts`` counts retries (4 attempts in all), unlike
 # AWS_MAX_ATTEMPTS and the config file's max_attempts, which count attempts.
-DEFAULT_RETRIES: dict[str, Any] = {"max_attempts": 3, "mode": "standard"}
+DEFAULT_RETRIES: dict[str, int | str] = {"max_attempts": 3, "mode": "standard"}
 # What the environment and config file may set instead of DEFAULT_RETRIES' keys.
 _RETRY_VARIABLES = {"max_attempts": "max_attempts", "mode": "retry_mode"}
 
@@ -106,7 +105,7 @@ def _find_region(sess: Any | None) -> Region:
     return Region(DEFAULT_REGION, "default: no AWS_REGION, AWS_DEFAULT_REGION or profile region")
 
 
-def retries(sess: Any | None = None) -> dict[str, Any]:
+def retries(sess: Any | None = None) -> dict[str, int | str]:
     """Our default retry keys that neither the environment nor the config file sets (an empty
     dict when both are set: botocore then reads them itself)."""
     sess = sess if sess is not None else session()

@@ -59,14 +59,15 @@ class Snapshot:
     not_read: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class Source:
-    """One thing the gatherer reads. ``facts``: the keys it puts in the snapshot (any absent:
-    it was never gathered, as blind as a failed read); ``fix``: how to make it readable."""
+    """One thing the gatherer reads. ``fix``: how to make it readable; ``facts``: the keys it
+    puts in the snapshot (default: its name; any absent: it was never gathered, as blind as a
+    failed read)."""
 
     name: str
-    facts: tuple[str, ...]
     fix: str
+    facts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def source_error(snap: Snapshot, source: Source) -> str | None:
         return snap.not_read[source.name]
     if source.name in snap.errors:
         return f"source {source.name!r} failed: {snap.errors[source.name]}"
-    missing = [k for k in source.facts if k not in snap.facts]
+    missing = [k for k in source.facts or (source.name,) if k not in snap.facts]
     if missing:
         return f"source {source.name!r} was not gathered (no {', '.join(missing)})"
     return None

@@ -46,36 +46,43 @@ class UploadError(Exception):
     """The bucket cannot be reached or the upload failed (one line with the cause)."""
 
 
-def _upload_target(req: PrepareRequest) -> tuple[tuple[str, str] | None, Any, S3Settings | None]:
-    """(bucket and prefix, client, settings) of the upload asked for, its bucket checked before
-    the conversion, which can take a while; all None without ``s3_uri``."""
+def _uploader(req: PrepareRequest) -> Callable[[], dict[str, object]] | None:
+    """The upload asked for (its summary: uri, objects), its bucket checked now: before the
+    conversion, which can take a while. None without ``s3_uri``."""
     if not req.s3_uri:
         if req.s3_endpoint:
             raise PrepareInputError("s3_endpoint", "only means something with --s3-uri")
-        return None, None, None
-    from tasks.storage.s3 import boto3_client, check_bucket
+        return None
+    from tasks.hydrate import upload_dataset
+    from tasks.storage.s3 import boto3_client, check_bucket, describe_client_error
 
     try:
-        target = parse_s3_uri(req.s3_uri)
+        bucket, prefix = parse_s3_uri(req.s3_uri)
     except StorageError as e:
         raise PrepareInputError("s3_uri", str(e)) from None
-    settings = S3Settings(
-        endpoint_url=req.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
-    )
+    endpoint = req.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
     try:
-        client = boto3_client(settings)
-        check_bucket(client, target[0], endpoint=settings.endpoint_url)
+        client = boto3_client(S3Settings(endpoint_url=endpoint))
+        check_bucket(client, bucket, endpoint=endpoint)
     except StorageError as e:
         raise UploadError(str(e)) from None
-    return target, client, settings
+
+    def upload() -> dict[str, object]:
+        try:
+            objects = upload_dataset(client, req.out, bucket, prefix)
+        except Exception as e:  # boto3/botocore errors: one line with the cause
+            raise UploadError(describe_client_error(e, bucket=bucket, endpoint=endpoint)) from None
+        return {"uri": f"s3://{bucket}/{prefix}", "objects": objects}
+
+    return upload
 
 
 def prepare_dataset(
     req: PrepareRequest, progress: Callable[[int, int, str], None] | None = None
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Write the dataset (and upload it); a summary: dir, dtype, vocab_size, files, tokens,
     source, and with an upload its uri and objects."""
-    target, client, settings = _upload_target(req)
+    upload = _uploader(req)
     common: dict[str, Any] = {"dtype": req.dtype, "progress": progress}
     if req.shard_tokens is not None:
         common["shard_tokens"] = req.shard_tokens
@@ -120,7 +127,7 @@ def prepare_dataset(
         raise PrepareInputError(e.field, e.message) from None
     except DataError as e:
         raise PrepareInputError(None, str(e)) from None
-    summary: dict[str, Any] = {
+    summary: dict[str, object] = {
         "dir": str(req.out),
         "dtype": manifest["dtype"],
         "vocab_size": manifest["vocab_size"],
@@ -128,15 +135,4 @@ def prepare_dataset(
         "tokens": manifest["total_tokens"],
         "source": manifest["source"]["kind"],
     }
-    if target is not None:
-        from tasks.hydrate import upload_dataset
-        from tasks.storage.s3 import describe_client_error
-
-        bucket, prefix = target
-        try:
-            objects = upload_dataset(client, req.out, bucket, prefix)
-        except Exception as e:  # boto3/botocore errors: one line with the cause
-            endpoint = settings.endpoint_url if settings is not None else None
-            raise UploadError(describe_client_error(e, bucket=bucket, endpoint=endpoint)) from None
-        summary.update(uri=f"s3://{bucket}/{prefix}", objects=objects)
-    return summary
+    return summary if upload is None else {**summary, **upload()}

@@ -1,19 +1,17 @@
 """What a deployment lets a run ask for: the allow-lists of whoever runs the flows.
 
-A run form is filled in by anyone who may start a run (the Prefect UI's custom run, a
-deployment's parameters, Python); what those runs may reach is the deployment's decision. The
-EKS work pool's base job template fixes the lists in the flow-run pod's environment
-(deploy/eks/work-pool-template.json), after the job variables' env, so neither a deployment nor a
-run's custom job variables can widen them (prefect-kubernetes puts the job variables' env first
-and the kubelet takes a name's last definition). Each list is comma-separated; a run naming a
-value outside it is refused when its parameters are validated, before anything launches, with
-the field, the value, what is allowed and the variable that says so.
+Anyone who may start a run fills its form (the Prefect UI, a deployment's parameters, Python);
+what it may reach is the deployment's decision. The EKS work pool's base job template fixes the
+lists in the flow-run pod's environment (deploy/eks/work-pool-template.json) after the job
+variables' env, so neither a deployment nor a run's custom job variables can widen them (the
+kubelet takes a name's last definition). Each list is comma-separated; a value outside it is
+refused when the parameters are validated, before anything launches, naming the field, the
+value, what is allowed and the variable that says so.
 
-Unset, a list allows its field's default only where the default is the safe choice and a value
-the cluster itself cannot check (which image runs, as which account, where: ``STRICT``), and
-anything the form's own validation accepts otherwise (``OPEN``: the CLI and the tests run with the
-caller's own powers; the EKS pool sets every list). An optional field left empty (no priority
-class, no queue) asks for nothing and is always allowed.
+Unset, a list allows only its field's default where that is the safe choice and a value the
+cluster cannot check (which image runs, as which account, where: ``STRICT``), and anything the
+form accepts otherwise (``OPEN``: the CLI and tests run with the caller's own powers; the EKS
+pool sets every list). An optional field left empty asks for nothing and is always allowed.
 """
 
 from __future__ import annotations

@@ -1,25 +1,20 @@
 """Export a committed checkpoint to ``s3://bucket/prefix/<run_id>/step_<N>/``.
 
-- Refuses a checkpoint whose files do not match its manifest (names the file). Each file is read
-  once for it: its manifest digest (xxh3-128, or sha256 in checkpoints before manifest v2) is
-  checked and its sha256 taken in the same pass.
-- The exported manifest is the checkpoint's, in format v1: every file's size and sha256, what a
-  reader outside this project checks (``pull``, docs/exports.md). The sha256 travels with every
-  object as its S3 SHA-256 checksum, so the *server* compares the bytes it receives with the
-  digest of the bytes that matched the manifest, and refuses them when a file changed since
-  (BadDigest: nothing is stored). A multipart object (above
-  ``part_size``) is verified part by part by the server; the same bytes are hashed whole as they
-  are sent and compared with the manifest's digest before the upload is completed (else it is
-  aborted: nothing visible), and the server's composite checksum must then equal ours.
-- A server that returns no checksum is verified by reading every object back (``read-back``).
-  ``verified`` in the report always means "compared with the manifest's digest".
-- Order: an existing manifest at the prefix is deleted *first*, then the objects are uploaded,
-  then the manifest *last*, so a reader that trusts a prefix only when its manifest is there
-  never sees an old manifest over objects that changed under it.
-- Idempotent: objects already present with the manifest's digest (metadata and server checksum)
-  are not uploaded again; when everything is present nothing is uploaded or deleted.
-- Optional server-side encryption (SSE-S3 or SSE-KMS with a key id).
-Credentials are never logged or returned: errors are described by :func:`describe_client_error`.
+- A checkpoint whose files do not match its manifest is refused (naming the file); each file is
+  read once, its manifest digest checked and its sha256 taken in the same pass.
+- The exported manifest is format v1: every file's size and sha256 (what ``pull`` and readers
+  outside this project check, docs/exports.md). The sha256 travels with every object as its S3
+  SHA-256 checksum, so the *server* refuses bytes that changed since (BadDigest: nothing
+  stored). A multipart object (above ``part_size``) is checked part by part by the server and
+  hashed whole as it is sent, compared with the manifest before completing (else aborted), and
+  the server's composite checksum must then equal ours. A server without checksums is read
+  back (``read-back``); ``verified`` always means "compared with the manifest's digest".
+- Order: an existing manifest is deleted *first*, the objects uploaded, the manifest *last*: a
+  reader that trusts a prefix by its manifest never sees an old one over changed objects.
+- Idempotent: objects present with the manifest's digest (metadata and server checksum) are not
+  uploaded again; when all are, nothing is uploaded or deleted.
+- Optional server-side encryption (SSE-S3, or SSE-KMS with a key id). Credentials are never
+  logged or returned (:func:`describe_client_error`).
 """
 
 from __future__ import annotations
@@ -91,36 +86,6 @@ class ExportReport:
 
     def to_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
-
-
-# -- digests (pure) ---------------------------------------------------------------------------
-def is_present(head: dict[str, Any] | None, size: int, sha_hex: str, checksum: str) -> bool:
-    """Is the remote object the manifest's bytes? Size, our sha256 metadata and the server's
-    own SHA-256 checksum must all agree; an object without a server checksum (written by an
-    older export, or by someone else) is uploaded again rather than trusted."""
-    if head is None or head.get("ContentLength") != size:
-        return False
-    if head.get("Metadata", {}).get("sha256") != sha_hex:
-        return False
-    return bool(head.get("ChecksumSHA256")) and head.get("ChecksumSHA256") == checksum
-
-
-@dataclass(frozen=True)
-class ExportPlan:
-    upload: tuple[str, ...]  # objects to upload, in order, the manifest (if any) last
-    withdraw_manifest: bool  # delete the remote manifest before anything is uploaded
-
-
-def plan_export(
-    present: dict[str, bool], manifest_present: bool, remote_manifest: bool
-) -> ExportPlan:
-    """What to do, decided from what is there. ``present``: per object (not the manifest),
-    already the manifest's bytes; ``manifest_present``: the remote manifest is ours;
-    ``remote_manifest``: some manifest is there. Any change withdraws the old manifest first."""
-    todo = tuple(n for n, ok in present.items() if not ok)
-    if not todo and manifest_present:
-        return ExportPlan((), False)
-    return ExportPlan((*todo, checkpointing.MANIFEST), remote_manifest)
 
 
 def checked_sha256(path: Path, entry: dict[str, Any], digest: str) -> str:
@@ -294,20 +259,20 @@ class _Uploader:
             present = pool.map(lambda n: self._present(n, digests[n]), names)
             found = dict(zip(names, present, strict=True))
         manifest_key = f"{self.base}/{manifest}"
-        ours = found.pop(manifest)
-        remote = ours or head_object(self.client, self.bucket, manifest_key) is not None
-        plan = plan_export(found, ours, remote)
+        ours = found.pop(manifest)  # the remote manifest is this export's
+        todo = [n for n, ok in found.items() if not ok]
         for name, ok in found.items():
             if ok:
                 self.on_object(name, "present")
-        if plan.withdraw_manifest:
-            # First: readers stop trusting the prefix before any object under it changes.
+        # Any change withdraws a remote manifest first: readers stop trusting the prefix before
+        # any object under it changes.
+        changed = bool(todo) or not ours
+        if changed and (ours or head_object(self.client, self.bucket, manifest_key) is not None):
             self.client.delete_object(Bucket=self.bucket, Key=manifest_key)
             self.on_object(manifest, "withdrawn")
-        objects = [n for n in plan.upload if n != manifest]
         with ThreadPoolExecutor(max_workers=self.opts.max_workers) as pool:
-            sizes = list(pool.map(lambda n: self._put(n, digests[n]), objects))
-        if manifest in plan.upload:
+            sizes = list(pool.map(lambda n: self._put(n, digests[n]), todo))
+        if changed:
             # Last, and only after every other object verified against the manifest.
             sizes.append(self._put(manifest, digests[manifest]))
         else:
@@ -327,11 +292,17 @@ class _Uploader:
         return composite_sha256_b64(parts), parts
 
     def _present(self, name: str, sha: str) -> bool:
-        path = self.sources[name]
-        found = head_object(self.client, self.bucket, f"{self.base}/{name}")
-        if found is None:  # nothing to compare: do not read the file for its part digests
+        """Is the remote object the manifest's bytes? Size, our sha256 metadata and the server's
+        own SHA-256 checksum must all agree; an object without a server checksum (an older
+        export's, someone else's) is uploaded again rather than trusted."""
+        head = head_object(self.client, self.bucket, f"{self.base}/{name}")
+        # Nothing to compare: the file is not read for its part digests.
+        if head is None or head.get("ContentLength") != self.sources[name].stat().st_size:
             return False
-        return is_present(found, path.stat().st_size, sha, self._local_checksum(name, sha)[0])
+        remote = head.get("ChecksumSHA256")
+        if head.get("Metadata", {}).get("sha256") != sha or not remote:
+            return False
+        return bool(remote == self._local_checksum(name, sha)[0])
 
     def _put(self, name: str, sha: str) -> int:
         path, key = self.sources[name], f"{self.base}/{name}"

@@ -4,13 +4,14 @@ the local ``dataset.json`` is written last, so a half-hydrated directory never l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,13 @@ class HydrateReport:
     # the workers then check sizes only (a dataset of weights has none).
     manifest_sha256: str | None = None
 
+    @classmethod
+    def of(cls, source: str, dest: Path, got: list[int], t0: float, **kw: Any) -> HydrateReport:
+        """``got``: each file's bytes downloaded (0: already present)."""
+        seconds = round(time.perf_counter() - t0, 3)
+        n = sum(1 for g in got if g)
+        return cls(source, str(dest), len(got), n, len(got) - n, sum(got), seconds, **kw)
+
     def to_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
 
@@ -64,10 +72,13 @@ def _symlink_on(path: Path) -> Path | None:
     return None
 
 
-def prepare_dest(dest: Path) -> Path:
+@contextlib.contextmanager
+def _destination(dest: Path) -> Iterator[tuple[Path, Path]]:
     """``dest``, created, after refusing a destination that is, or goes through, a symbolic link:
     the shared filesystem is writable by others, and a link planted there would send hydration's
-    writes somewhere else. Checked before and after creating it (a link made in between)."""
+    writes somewhere else (checked before and after creating it: a link made in between); and
+    a private directory in it (unguessable name, mode 0700) for files being written: a name
+    known in advance (``.x.part``) could be planted as a link to a file elsewhere."""
     dest = Path(os.path.abspath(dest))
     for _ in range(2):
         link = _symlink_on(dest)
@@ -78,13 +89,36 @@ def prepare_dest(dest: Path) -> Path:
                 f"({os.path.realpath(dest)}) if that is where the data belongs"
             )
         dest.mkdir(parents=True, exist_ok=True)
-    return dest
+    staging = Path(tempfile.mkdtemp(prefix=".hydrate-", dir=dest))
+    try:
+        yield dest, staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
-def _staging(dest: Path) -> Path:
-    """A private directory in ``dest`` (unguessable name, mode 0700) for files being written: a
-    name known in advance (``.x.part``) could be planted as a link to a file elsewhere."""
-    return Path(tempfile.mkdtemp(prefix=".hydrate-", dir=dest))
+def _read_manifest(fs: Any, src: str) -> dict[str, Any]:
+    where = f"dataset manifest s3://{src}/{MANIFEST}"
+    try:
+        # Untrusted: never read past the cap, whatever the object's size.
+        raw = fs.cat_file(f"{src}/{MANIFEST}", start=0, end=MAX_MANIFEST_BYTES + 1)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise HydrationError(
+                f"{where} is over the {MAX_MANIFEST_BYTES} bytes a manifest may hold: it is not "
+                "one this pipeline wrote"
+            )
+        manifest = json.loads(raw)
+    except FileNotFoundError as e:
+        raise HydrationError(f"{where} not found") from e
+    except json.JSONDecodeError as e:
+        raise HydrationError(f"{where} is not valid JSON") from e
+    if not isinstance(manifest, dict):
+        raise HydrationError(f"{where} is not a JSON object")
+    try:
+        # Names are joined onto dest, sizes bound every read: checked before any read or write.
+        check_file_names(manifest, source=f"s3://{src}/{MANIFEST}")
+    except DataError as e:
+        raise HydrationError(str(e)) from e
+    return manifest
 
 
 def hydrate_dataset(
@@ -99,33 +133,42 @@ def hydrate_dataset(
     """``fs`` is an s3fs filesystem. Raises :class:`HydrationError` naming the file at fault."""
     t0 = time.perf_counter()
     src = f"{bucket}/{prefix}".rstrip("/")
+    manifest = _read_manifest(fs, src)
+    files: list[dict[str, Any]] = manifest.get("files") or []
+    with _destination(dest) as (dest, staging):
+
+        def fetch(entry: dict[str, Any]) -> int:
+            """Bytes downloaded for this file (0: already present and verified)."""
+            name, size = entry["name"], entry["bytes"]
+            if _local_ok(dest / name, entry):
+                return 0
+            try:
+                n, digest = _get_capped(fs, f"{src}/{name}", staging / name, size)
+            except FileNotFoundError as e:
+                raise HydrationError(
+                    f"s3://{src}/{name} is listed in the manifest but missing"
+                ) from e
+            if n != size or digest != entry["sha256"]:
+                raise HydrationError(
+                    f"s3://{src}/{name} does not match the dataset manifest (size or sha256): the "
+                    "source is corrupt"
+                )
+            os.replace(staging / name, dest / name)
+            return int(size)
+
+        got = []
+        # Several files at once: one stream rarely fills the link; results come back in order.
+        with ThreadPoolExecutor(max_workers=max_workers) as pool:
+            for i, (entry, n) in enumerate(zip(files, pool.map(fetch, files), strict=True)):
+                got.append(n)
+                progress(i + 1, len(files), entry["name"])
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(staging / MANIFEST, dest / MANIFEST)
     try:
-        # Untrusted: never read past the cap, whatever the object's size.
-        raw = fs.cat_file(f"{src}/{MANIFEST}", start=0, end=MAX_MANIFEST_BYTES + 1)
-        if len(raw) > MAX_MANIFEST_BYTES:
-            raise HydrationError(
-                f"dataset manifest s3://{src}/{MANIFEST} is over the {MAX_MANIFEST_BYTES} bytes "
-                "a manifest may hold: it is not one this pipeline wrote"
-            )
-        manifest = json.loads(raw)
-    except FileNotFoundError as e:
-        raise HydrationError(f"dataset manifest s3://{src}/{MANIFEST} not found") from e
-    except json.JSONDecodeError as e:
-        raise HydrationError(f"dataset manifest s3://{src}/{MANIFEST} is not valid JSON") from e
-    if not isinstance(manifest, dict):
-        raise HydrationError(f"dataset manifest s3://{src}/{MANIFEST} is not a JSON object")
-    try:
-        # Names are joined onto dest, sizes bound every read: checked before any read or write.
-        check_file_names(manifest, source=f"s3://{src}/{MANIFEST}")
+        written = verify_dataset(dest, digests=False)  # digests were checked file by file above
     except DataError as e:
         raise HydrationError(str(e)) from e
-    files = manifest.get("files") or []
-    dest = prepare_dest(dest)
-    staging = _staging(dest)
-    try:
-        return _hydrate_files(fs, src, dest, staging, manifest, files, progress, max_workers, t0)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    return HydrateReport.of(f"s3://{src}", dest, got, t0, manifest_sha256=manifest_digest(written))
 
 
 def _get_capped(fs: Any, path: str, out: Path, size: int) -> tuple[int, str]:
@@ -133,67 +176,6 @@ def _get_capped(fs: Any, path: str, out: Path, size: int) -> tuple[int, str]:
     manifest's; :func:`trainer.hashing.read_capped`): the bytes read and the sha256."""
     with fs.open(path, "rb", block_size=8 << 20) as src, open(out, "wb") as dst:
         return read_capped(src, size, out=dst)
-
-
-def _hydrate_files(
-    fs: Any,
-    src: str,
-    dest: Path,
-    staging: Path,
-    manifest: dict[str, Any],
-    files: list[dict[str, Any]],
-    progress: Callable[[int, int, str], None],
-    max_workers: int,
-    t0: float,
-) -> HydrateReport:
-    def fetch(entry: dict[str, Any]) -> int:
-        """Bytes downloaded for this file (0: already present and verified)."""
-        local = dest / entry["name"]
-        if _local_ok(local, entry):
-            return 0
-        tmp = staging / entry["name"]
-        try:
-            size, digest = _get_capped(fs, f"{src}/{entry['name']}", tmp, entry["bytes"])
-        except FileNotFoundError as e:
-            raise HydrationError(
-                f"s3://{src}/{entry['name']} is listed in the manifest but missing"
-            ) from e
-        if size != entry["bytes"] or digest != entry["sha256"]:
-            tmp.unlink()
-            raise HydrationError(
-                f"s3://{src}/{entry['name']} does not match the dataset manifest "
-                "(size or sha256): the source is corrupt"
-            )
-        os.replace(tmp, local)
-        return int(entry["bytes"])
-
-    downloaded = skipped = nbytes = 0
-    # Several files at once: one stream rarely fills the link; results come back in order.
-    with ThreadPoolExecutor(max_workers=max_workers) as pool:
-        for i, (entry, got) in enumerate(zip(files, pool.map(fetch, files), strict=True)):
-            downloaded, skipped, nbytes = (
-                downloaded + (got > 0),
-                skipped + (got == 0),
-                nbytes + got,
-            )
-            progress(i + 1, len(files), entry["name"])
-    tmp_manifest = staging / MANIFEST
-    tmp_manifest.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp_manifest, dest / MANIFEST)
-    try:
-        written = verify_dataset(dest, digests=False)  # digests were checked file by file above
-    except DataError as e:
-        raise HydrationError(str(e)) from e
-    return HydrateReport(
-        source=f"s3://{src}",
-        dest=str(dest),
-        files=len(files),
-        downloaded=downloaded,
-        skipped=skipped,
-        bytes_downloaded=nbytes,
-        seconds=round(time.perf_counter() - t0, 3),
-        manifest_sha256=manifest_digest(written),
-    )
 
 
 def upload_dataset(client: Any, local: Path, bucket: str, prefix: str) -> int:
@@ -245,30 +227,17 @@ def hydrate_weights(
             f"directory), found {sorted(names) or 'nothing'}"
         )
     entries.sort(key=lambda e: e[0] == "config.json")  # config.json last: marks it complete
-    dest = prepare_dest(dest)
-    staging = _staging(dest)
-    downloaded = skipped = nbytes = 0
-    try:
+    got = []
+    with _destination(dest) as (dest, staging):
         for i, (name, size) in enumerate(entries):
             local = dest / name
             if not local.is_symlink() and local.is_file() and local.stat().st_size == size:
-                skipped += 1
+                got.append(0)
             else:
-                tmp = staging / name
-                fs.get_file(f"{src}/{name}", str(tmp))
-                if tmp.stat().st_size != size:
+                fs.get_file(f"{src}/{name}", str(staging / name))
+                if (staging / name).stat().st_size != size:
                     raise HydrationError(f"{uri}/{name}: downloaded size differs from the listing")
-                os.replace(tmp, local)
-                downloaded, nbytes = downloaded + 1, nbytes + size
+                os.replace(staging / name, local)
+                got.append(size)
             progress(i + 1, len(entries), name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return HydrateReport(
-        source=uri,
-        dest=str(dest),
-        files=len(entries),
-        downloaded=downloaded,
-        skipped=skipped,
-        bytes_downloaded=nbytes,
-        seconds=round(time.perf_counter() - t0, 3),
-    )
+    return HydrateReport.of(uri, dest, got, t0)

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 
 from tasks.errors import PipelineError
-from tasks.ownership.lease import process_is
+from tasks.ownership.lease import record_alive
 from tasks.ownership.processes import stop_session
 from trainer.run_files import read_json_object, write_json_atomic
 
@@ -46,19 +46,8 @@ def _health(port: int) -> bool:
 def kept_prefect_api(state_dir: Path) -> str | None:
     """The API URL of this state directory's kept Prefect server when it is up, else None."""
     rec = read_json_object(Path(state_dir) / PREFECT_DIR / RECORD)
-    if rec is None:
-        return None
-    try:
-        pid, created, port = (
-            int(str(rec["pid"])),
-            float(str(rec["create_time"])),
-            int(str(rec["port"])),
-        )
-    except (KeyError, ValueError):
-        return None
-    if not process_is(pid, created) or not _health(port):
-        return None
-    return f"http://127.0.0.1:{port}/api"
+    port = rec.get("port") if rec is not None and record_alive(rec) else None
+    return f"http://127.0.0.1:{port}/api" if isinstance(port, int) and _health(port) else None
 
 
 def start_prefect(state_dir: Path, port: int = DEFAULT_PORT, timeout: float = 180.0) -> str:
@@ -113,14 +102,8 @@ def stop_prefect(state_dir: Path) -> bool:
     path = Path(state_dir) / PREFECT_DIR / RECORD
     rec = read_json_object(path)
     path.unlink(missing_ok=True)
-    if rec is None:
-        return False
-    try:
-        pid, created = int(str(rec["pid"])), float(str(rec["create_time"]))
-    except (KeyError, ValueError):
-        return False
-    if not process_is(pid, created):
+    if rec is None or not record_alive(rec):
         return False
     with contextlib.suppress(psutil.NoSuchProcess):
-        stop_session(psutil.Process(pid), timeout_s=20)
+        stop_session(psutil.Process(int(str(rec["pid"]))), timeout_s=20)
     return True

@@ -1,13 +1,11 @@
 """Blocking reads kept off a loop that must keep its deadline (the train-stage watcher's): a read
-of the shared filesystem may block for as long as the mount hangs (Lustre waiting for a lost
-server, an NFS hard mount), and the loop that enforces the attempt's deadline and answers a
-cancel must not block with it.
+of the shared filesystem blocks as long as the mount hangs (Lustre waiting for a lost server, an
+NFS hard mount), and the loop enforcing the deadline and answering a cancel must not block too.
 
-One :class:`OffLoop` per kind of read: its calls run in one daemon thread of its own and are
-waited for up to a timeout. A call still blocked is not started again: the next call waits for
-the same one, and receives its result when it finally comes (so a slow read of new events loses
-none of them).
-A thread blocked for good blocks no one (daemon: it does not hold the interpreter's exit).
+One :class:`OffLoop` per kind of read: its calls run in one daemon thread of its own (it does
+not hold the interpreter's exit), waited for up to a timeout. A call still blocked is not
+started again: the next call waits for the same one and receives its result when it comes (so
+a slow read of new events loses none of them).
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
-"""Pull an export (``s3://bucket/prefix/<run_id>/step_<N>/``, see :mod:`tasks.export`) into a
-local directory, every file verified against the export's manifest.
+"""Pull an export (``s3://bucket/prefix/<run_id>/step_<N>/``, :mod:`tasks.export`) into a local
+directory, every file verified against the export's manifest.
 
-- Objects in S3 are untrusted input: the manifest is parsed by :mod:`trainer.checkpointing` (names
-  are single safe path components, sizes and digests well-formed), each object is hashed as it
-  arrives and never read past the manifest's size, and the DCP ``.metadata`` goes through the
-  restricted unpickler (:func:`trainer.checkpointing.verify_checkpoint`).
-- Atomic: everything lands in a hidden temporary directory beside ``DIR`` and is renamed to
-  ``DIR`` only once it verifies, so a failed or killed pull never leaves a ``DIR`` a reader
-  could trust (a kill leaves at most the hidden ``.DIR.pull-*`` directory).
-- Idempotent: a ``DIR`` that already holds the same export (same manifest bytes) and verifies
-  is left as it is; any other non-empty ``DIR`` is refused.
-The manifest itself is not signed (as on the shared filesystem): a pull proves the files are
-the ones the manifest names, not who wrote the manifest.
+- S3 objects are untrusted: the manifest is parsed by :mod:`trainer.checkpointing` (safe names,
+  well-formed sizes and digests), each object hashed as it arrives and never read past its
+  size, and the DCP ``.metadata`` goes through the restricted unpickler.
+- Atomic: everything lands in a hidden ``.DIR.pull-*`` directory beside ``DIR``, renamed to
+  ``DIR`` only once it verifies: a failed or killed pull never leaves a ``DIR`` to trust.
+- Idempotent: a ``DIR`` holding the same export (same manifest bytes) that verifies is left as
+  it is; any other non-empty ``DIR`` is refused.
+The manifest is not signed: a pull proves the files are the ones it names, not who wrote it.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ from tasks.errors import PullError, PullUsageError, StorageError
 from tasks.export import CONSOLIDATED
 from tasks.storage.s3 import describe_client_error
 from trainer import checkpointing
-from trainer.hashing import SHA256, sha256_file
+from trainer.hashing import SHA256, read_capped, sha256_file
 
 _CHUNK = 8 << 20
 # Reading more than a manifest may hold from an object that claims to be one is refused rather
@@ -283,27 +280,18 @@ class _Get:
     staging: Path
     endpoint: str | None
 
-    def one(self, f: PullFile, *, on_bytes: Callable[[int], None], stop: threading.Event) -> None:
-        """One file, hashed as it arrives; never more than the manifest's size."""
+    def one(self, f: PullFile, *, on_bytes: Callable[[int], None]) -> None:
+        """One file, hashed as it arrives; never more than the manifest's size (an object past
+        it is refused without reading on: it could be endless)."""
         key, dest = f"{self.prefix}/{f.name}", self.staging / f.name
         body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
-        h, n = hashlib.sha256(), 0
         dest.parent.mkdir(exist_ok=True)
         with open(dest, "xb") as out:
-            while chunk := body.read(_CHUNK):
-                if stop.is_set():
-                    raise _Stopped
-                n += len(chunk)
-                if n > f.bytes:  # refused without reading on: it could be endless
-                    raise PullError(
-                        f"s3://{self.bucket}/{key} is larger than the manifest's {f.bytes} bytes"
-                    )
-                h.update(chunk)
-                out.write(chunk)
-                on_bytes(len(chunk))
+            n, sha = read_capped(body, f.bytes, out=out, on_bytes=on_bytes)
             out.flush()
             os.fsync(out.fileno())
-        why = mismatch(f, n, h.hexdigest())
+        over = n > f.bytes
+        why = f"is larger than the manifest's {f.bytes} bytes" if over else mismatch(f, n, sha)
         if why:
             raise PullError(f"s3://{self.bucket}/{key} {why}")
 
@@ -318,6 +306,8 @@ class _Get:
         lock, stop = threading.Lock(), threading.Event()
 
         def on_bytes(n: int) -> None:
+            if stop.is_set():
+                raise _Stopped
             with lock:
                 done[0] += n
                 on_progress(done[0], total, None)
@@ -325,7 +315,7 @@ class _Get:
         def fetch(f: PullFile) -> str:
             if stop.is_set():
                 raise _Stopped
-            self.one(f, on_bytes=on_bytes, stop=stop)
+            self.one(f, on_bytes=on_bytes)
             with lock:
                 on_progress(done[0], total, f.name)
             return f.name

@@ -1,22 +1,30 @@
 """One run's status as ``nvrx-pipeline status`` shows it: where its directory is (checked against
 the id it was asked for), what its events say (``trainer.history.RunHistory``), its saved result,
-and who holds its lease. The command only parses and prints (``flows.cli.status``)."""
+and who holds its lease; and the runs under a shared root as ``nvrx-pipeline runs`` lists them,
+newest first (issue 27: there was no way to find a run's id again but reading directory names).
+The commands only parse and print (``flows.cli.status``, ``flows.cli.runs``).
+
+Every file read is the run's own and untrusted: ``pipeline_result.json`` validated
+(:class:`SavedEnd`), the lease through its validated record. A run that has not ended is folded
+from its events, streamed, bounded in memory."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tasks.ownership.lease import LeaseRecord, owner_alive
+from tasks.ownership.lease import owner_alive, peek
 from trainer.history import RunHistory
 from trainer.records import FaultRecord, TimeBreakdown
 from trainer.run_files import read_json_object
 from trainer.rundir import Layout
 
 _log = logging.getLogger(__name__)
+MAX_RUNS = 1000  # listed at most (newest first): a shared root may hold many
 
 
 class RunNotFound(Exception):
@@ -149,10 +157,7 @@ class SavedEnd(BaseModel):
 
 def owner(run_root: Path) -> OwnerView | None:
     """Who holds the run's lease (arch §6), if anyone."""
-    try:
-        rec = LeaseRecord.parse((run_root / Layout.LEASE).read_text())
-    except OSError:
-        return None
+    rec = peek(run_root)
     if rec is None:
         return None
     return OwnerView(
@@ -180,3 +185,40 @@ def read_status(run_root: Path) -> RunStatus:
             "error": end.error,
         }
     return st.model_copy(update=update)
+
+
+@dataclass(frozen=True)
+class RunRow:
+    run_id: str
+    state: str  # completed, failed, cancelled (the saved result), or running / interrupted
+    step: int
+    target_steps: int | None
+    updated: float  # unix time of the newest write to its events or result
+    owner: str | None  # the lease's holder while one is alive on this host
+
+
+def _row(run_root: Path) -> RunRow | None:
+    paths = (run_root / Layout.EVENTS, run_root / Layout.PIPELINE_RESULT)
+    stamps = [p.stat().st_mtime for p in paths if p.is_file()]
+    if not stamps:
+        return None  # not a run directory (or not started)
+    held = owner(run_root)
+    live = held.owner if held is not None and held.alive else None
+    end = SavedEnd.read(run_root)
+    # A live owner's run is running even over an earlier invocation's saved result.
+    if end is not None and live is None:
+        step, target = end.final_step or 0, end.target_steps
+        return RunRow(run_root.name, end.status, step, target, max(stamps), None)
+    state = "running" if live is not None else "interrupted (run it again to resume)"
+    step = RunHistory.read(run_root).progress()
+    return RunRow(run_root.name, state, step, None, max(stamps), live)
+
+
+def list_runs(runs_root: Path) -> list[RunRow]:
+    """The runs under ``runs_root``, newest first (empty when it does not exist)."""
+    if not runs_root.is_dir():
+        return []
+    dirs = [d for d in runs_root.iterdir() if d.is_dir() and not d.is_symlink()]
+    rows = [r for d in dirs if (r := _row(d)) is not None]
+    rows.sort(key=lambda r: r.updated, reverse=True)
+    return rows[:MAX_RUNS]

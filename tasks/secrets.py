@@ -1,18 +1,16 @@
 """What a worker may know: a clean environment, and the secrets a run declares.
 
-The orchestrator's environment holds its own credentials (``PREFECT_API_KEY``, AWS keys, a
-``HF_TOKEN`` someone exported); the workers run the user's code on data anyone with write access
-to the shared filesystem controls, and need none of them. They get :func:`scrubbed`: every
-``AWS_*`` variable and every variable named like a secret gone, the AWS SDKs' other sources
-pointed at nothing (the same stripping as the load check, tasks.validation.checkpoint).
+The orchestrator's environment holds its own credentials (``PREFECT_API_KEY``, AWS keys, an
+exported ``HF_TOKEN``); the workers run the user's code on data anyone who can write the shared
+filesystem controls, and need none of them: they get :func:`scrubbed` (every ``AWS_*`` and
+secret-like variable gone, the AWS SDKs' other sources pointed at nothing; the load check too).
 
-What a workload does need (a Hugging Face token, a tracker's key) it declares by name in the
-run's ``secrets`` (environment variable -> secret name): the values live in the platform's
-secret store and reach the workers' environment only, never a config file, a manifest, an
-event, an argv or an export. Locally the store is Prefect's Secret blocks, read by the flow at
-launch (:func:`resolve_local`); on EKS Kubernetes Secrets in the run's namespace (key
-``value``), which the kubelet puts into the pods' environment (:func:`kubernetes_env`): the
-Job's manifest carries only the reference.
+What a workload needs (a Hugging Face token, a tracker's key) it declares in the run's
+``secrets`` (environment variable -> secret name): the values live in the platform's secret
+store and reach the workers' environment only, never a config file, manifest, event, argv or
+export. Locally: Prefect Secret blocks, read at launch (:func:`resolve_local`); on EKS:
+Kubernetes Secrets in the run's namespace (key ``value``), put into the pods' environment by the
+kubelet (:func:`kubernetes_env`): the Job's manifest carries only the reference.
 """
 
 from __future__ import annotations

@@ -89,21 +89,6 @@ def _fatal_since_last_attempt_start(run_dir: RunDir) -> str | None:
     return fatal
 
 
-def _publish(run_dir: RunDir, request: LaunchRequest) -> RunDir:
-    """The run root under the attempt's new epoch; a fence lock held past its timeout (a writer
-    frozen holding it: :class:`trainer.fence.LockTimeout`, a TimeoutError) launches nothing and
-    is a stage retry's (:class:`FenceBusy`), not the run's end."""
-    try:
-        return run_dir.publish(invocation=request.invocation, attempt=request.attempt)
-    except TimeoutError as e:
-        raise FenceBusy(f"attempt {request.attempt} not launched: {e}") from e
-
-
-def node_faults(specs: tuple[FaultSpec, ...]) -> list[FaultSpec]:
-    """The drills the watcher carries out: node losses and returns, in step order."""
-    return sorted((f for f in specs if f.is_node_fault), key=lambda f: (f.step, not f.kills_node))
-
-
 def run_attempt(
     backend: Backend,
     request: LaunchRequest,
@@ -112,20 +97,16 @@ def run_attempt(
     check_owner: Callable[[str], None] = lambda action: None,
     clock: Callable[[], float] = time.monotonic,
 ) -> AttemptReport:
-    """Run one attempt on any backend and watch it to its end: or, when the backend finds one
-    of this run still running and healthy (a dead or replaced invocation's, arch §6), only
-    watch that: no relaunch, its result stands. ``request.deadline_s`` bounds the watch.
+    """Run one attempt and watch it to its end, ``request.deadline_s`` at most; or, when the
+    backend finds one of this run still running and healthy (a dead invocation's, arch §6),
+    only watch that: no relaunch, its result stands.
 
     Every decision is a pure transition of :mod:`tasks.watch_state` on ``clock``'s time; this
     shell reads (off the loop, with timeouts: a hung mount or a FIFO never holds the deadline
-    or a cancel), and acts. An error while observing (a read, a callback, the backend's poll)
-    is logged and the watch goes on: only a decided outcome, the deadline or a cancel stops a
-    job.
-
-    ``check_owner(action)`` (the lease's :meth:`RunLease.check`) runs before the launch, on
-    every poll (off the loop: a stuck read is no verdict) and before the release; when it
-    raises :class:`LeaseLost`, watching stops and
-    the attempt is left running for the run's new owner: a lost lease never stops a job."""
+    or a cancel) and acts. An error while observing is logged and the watch goes on: only a
+    decided outcome, the deadline or a cancel stops a job. ``check_owner(action)`` (the
+    lease's :meth:`RunLease.check`) runs before the launch, on every poll and before the
+    release; once it raises :class:`LeaseLost` the attempt is left to the run's new owner."""
     cfg = request.cfg
     run_dir = RunDir(cfg.run_root)
     run_dir.root.mkdir(parents=True, exist_ok=True)
@@ -139,6 +120,9 @@ def run_attempt(
     # as long as their own join timeout lets them (tasks.loss_policy NODE_WAIT); a fixed-size
     # job's lost node nothing replaces in-job (nor one whose backend cannot re-form it).
     elastic = isinstance(job, ElasticJob) and (request.node_range.elastic or request.spares > 0)
+    silence_s, silence_rule = _silence(cfg, adopted=adopted)
+    # The drills the watcher carries out: node losses and returns, in step order.
+    drills = (f for f in cfg.faults if f.is_node_fault)
     state = WatchState(
         started=started,
         deadline_s=request.deadline_s,
@@ -146,16 +130,16 @@ def run_attempt(
         wait_s=cfg.injob.rdzv_join_timeout_s if elastic else 0.0,
         min_nodes=request.node_range.min,
         wait_grace_s=WAIT_GRACE_S,
-        **_silence(cfg, adopted=adopted),
+        silence_s=silence_s,
+        silence_rule=silence_rule,
         epoch=run_dir.epoch,
-        drills=tuple(node_faults(cfg.faults)),
+        drills=tuple(sorted(drills, key=lambda f: (f.step, not f.kills_node))),
         fatal=fatal,
     )
     watch = _Watch(
         state, job, request, run_dir, events, on_event, clock,
         events_read=OffLoop("the event log", tail.read_new),
         beats_read=OffLoop("the node beats", run_dir.beats),
-        elastic=elastic,
     )  # fmt: skip
     _watch_to_the_end(watch, check_owner)
     watch.pump(END_READ_TIMEOUT_S)
@@ -183,8 +167,13 @@ def _start(
     job = backend.reattach(request)
     if job is None:
         # A new epoch first: from here on, no writer of an earlier attempt (a pod on an
-        # unreachable node, a frozen host that wakes) changes the run root (trainer.fence).
-        run_dir = _publish(run_dir, request)
+        # unreachable node, a frozen host that wakes) changes the run root (trainer.fence). A
+        # fence lock held past its timeout (a writer frozen holding it) launches nothing: a
+        # stage retry's (FenceBusy), not the run's end.
+        try:
+            run_dir = run_dir.publish(invocation=request.invocation, attempt=request.attempt)
+        except TimeoutError as e:  # trainer.fence.LockTimeout
+            raise FenceBusy(f"attempt {request.attempt} not launched: {e}") from e
         request = dataclasses.replace(request, epoch=run_dir.epoch)
         events = EventLog(run_dir.root, epoch=run_dir.epoch)
         run_dir.clear_result()  # only this attempt's result counts
@@ -215,13 +204,11 @@ def _watch_to_the_end(watch: _Watch, check_owner: Callable[[str], None]) -> None
     # read stuck past its timeout says nothing about the owner (the deadline still decides);
     # once stuck, later polls only look whether it has answered.
     owner_read = OffLoop("the lease", lambda: check_owner("watch (and stop) the attempt"))
-    ended = lease_lost = False
     try:
         while True:
             try:
                 owner_read.call(0.0 if owner_read.stuck else READ_TIMEOUT_S)
             except LeaseLost:
-                lease_lost = True
                 raise
             except Exception as e:  # Stuck, or the read's own error: not a lost lease
                 watch.complain("reading the lease", e)
@@ -231,16 +218,16 @@ def _watch_to_the_end(watch: _Watch, check_owner: Callable[[str], None]) -> None
                 if verdict != Tick.ENDED:
                     _log.info("stopping %s: %s", job.name, verdict.value)
                     job.stop()
-                break
+                return
             time.sleep(job.poll_s)
-        ended = True
-    finally:
-        if not ended and not lease_lost:
-            # Cancelled (Prefect's SIGTERM bridge, Ctrl-C) or crashed acting: nothing of the
-            # attempt may stay behind holding the nodes, and a failure to stop must not hide
-            # why. (Its new owner's, after a lost lease, is not this invocation's to stop.)
-            with contextlib.suppress(Exception):
-                job.stop()
+    except LeaseLost:
+        raise  # the attempt is its new owner's now, not this invocation's to stop
+    except BaseException:
+        # Cancelled (Prefect's SIGTERM bridge, Ctrl-C) or crashed acting: nothing of the
+        # attempt may stay behind holding the nodes, and a failure to stop must not hide why.
+        with contextlib.suppress(Exception):
+            job.stop()
+        raise
 
 
 def _conclude(watch: _Watch, check_owner: Callable[[str], None]) -> tuple[Outcome, dict[str, Any]]:
@@ -276,30 +263,22 @@ def _conclude(watch: _Watch, check_owner: Callable[[str], None]) -> tuple[Outcom
     return outcome, kept
 
 
+@dataclass
 class _Watch:
     """The shell around :class:`WatchState`: reads what the transitions need and carries out
     what they decide (drills, losses) through the job."""
 
-    def __init__(
-        self,
-        state: WatchState,
-        job: Job,
-        request: LaunchRequest,
-        run_dir: RunDir,
-        events: EventLog,
-        on_event: Callable[[Event], None],
-        clock: Callable[[], float],
-        *,
-        events_read: OffLoop[list[Event]],
-        beats_read: OffLoop[dict[int, str]],
-        elastic: bool,
-    ) -> None:
-        self.state, self.job, self.request, self.events = state, job, request, events
-        self.on_event, self.clock = on_event, clock
-        self.events_read, self.beats_read = events_read, beats_read
-        self.elastic = elastic
-        self.run_dir = run_dir
-        self._complaints: dict[str, str] = {}  # what went wrong observing, said once each
+    state: WatchState
+    job: Job
+    request: LaunchRequest
+    run_dir: RunDir
+    events: EventLog
+    on_event: Callable[[Event], None]
+    clock: Callable[[], float]
+    events_read: OffLoop[list[Event]]
+    beats_read: OffLoop[dict[int, str]]
+    # What went wrong observing, said once each.
+    _complaints: dict[str, str] = field(default_factory=dict)
 
     def complain(self, what: str, e: BaseException) -> None:
         """An observation failed: said once per kind of failure (until it changes), never
@@ -349,8 +328,7 @@ class _Watch:
             seen = frozenset()
         for node in sorted(seen - self.state.lost):
             step = self.state.last_step
-            where = f"@step={step},node={node}" if step is not None else f"@node={node}"
-            self._lose(node, f"node-loss{where}", step, drilled=False)
+            self._lose(node, _loss_name(step, node), step, drilled=False)
 
     def _drills(self, at_step: int | None) -> None:
         while (spec := due(self.state, at_step)) is not None:
@@ -383,8 +361,7 @@ class _Watch:
         since = max(s.world_at or 0.0, b.changed_at if b is not None else 0.0)
         quiet = (s.beats_read_at or self.clock()) - since
         step = s.last_step
-        where = f"@step={step},node={node}" if step is not None else f"@node={node}"
-        fault = s.frozen.get(node, f"node-loss{where}")
+        fault = s.frozen.get(node, _loss_name(step, node))
         why = f"node {node} silent for {quiet:.0f} s (no beat: frozen or partitioned), taken away"
         _log.warning("%s", why)
         self._lose(node, fault, step, drilled=True, why=why, best_effort=True)
@@ -421,16 +398,16 @@ class _Watch:
             if not decision.idle_spare:
                 run_dir.write_node_lost(node=node)
             job.absorb(node)
-        if drilled and not best_effort:
-            job.lose_node(node)
-        elif drilled:
+        try:
+            if drilled:
+                job.lose_node(node)
+        except Exception as e:
             # A silent node: ending it is best effort (its pod may be gone already, or its host
             # unreachable); its loss is decided and recorded either way, and a writer of it
             # that wakes is fenced by the next attempt's epoch.
-            try:
-                job.lose_node(node)
-            except Exception as e:
-                _log.warning("could not end silent node %d: %s: %s", node, type(e).__name__, e)
+            if not best_effort:
+                raise
+            _log.warning("could not end silent node %d: %s: %s", node, type(e).__name__, e)
         # Reaches on_event through the tail, like every other event.
         fault_event = self.events.emit(
             Fault(
@@ -461,21 +438,20 @@ class _Watch:
             )
 
 
-def _silence(cfg: TrainConfig, *, adopted: bool) -> dict[str, Any]:
+def _silence(cfg: TrainConfig, *, adopted: bool) -> tuple[float | None, SilenceRule | None]:
     """The watcher's node-silence bound: pinned, or auto (measured from this attempt's start,
     :class:`tasks.watch_state.SilenceRule`); an adopted attempt started before this watch, so
     its start cannot be measured here: the start-up allowance."""
     inj = cfg.injob
     pinned = inj.pinned("node_silence_s")
-    if pinned is not None:
-        return {"silence_s": pinned}
-    if adopted:
-        return {"silence_s": inj.startup_allowance_s}
+    if pinned is not None or adopted:
+        return (inj.startup_allowance_s if pinned is None else pinned), None
     floor = max(inj.section_floor_s, 3 * inj.heartbeat_interval_s)
-    rule = SilenceRule(
-        stop_s=inj.workers_stop_timeout_s, floor_s=floor, ceiling_s=inj.startup_allowance_s
-    )
-    return {"silence_rule": rule}
+    return None, SilenceRule(inj.workers_stop_timeout_s, floor, inj.startup_allowance_s)
+
+
+def _loss_name(step: int | None, node: int) -> str:
+    return f"node-loss@step={step},node={node}" if step is not None else f"node-loss@node={node}"
 
 
 def _attempt(backend: Backend, request: LaunchRequest, n: int, adopted: bool) -> StageAttempt:

@@ -1,24 +1,19 @@
 """What the train-stage watcher knows of one attempt, and every decision it takes, as pure
-transitions over an explicit state (arch §4). No I/O and no clock of its own: the shell
-(:func:`tasks.train_stage.run_attempt`) reads the files and the job, passes the time in (its
-monotonic clock), and carries out what a transition decides. Tests drive these over recorded
-histories with a fake clock (``tests/test_watch_state.py``).
+transitions over an explicit state (arch §4): no I/O, no clock of its own. The shell
+(:func:`tasks.train_stage.run_attempt`) reads, passes its monotonic time in, and carries out what
+a transition decides; ``tests/test_watch_state.py`` drives them over recorded histories.
 
-The decisions:
-- which node drills are due (:func:`due`), after each event and each loss;
-- which path a node loss takes is :func:`tasks.loss_policy.decide`'s; :func:`lost` records it;
-- which training nodes have gone silent (:func:`silent`): alive to the process table, silent to
-  the job (a frozen host, a partition), judged from their beat files on the watcher's own clock;
-- whether to go on, stop, or time out (:func:`tick`).
+The decisions: which node drills are due (:func:`due`); the path a loss takes is
+:func:`tasks.loss_policy.decide`'s, :func:`lost` records it; which training nodes went silent
+(:func:`silent`: alive to the process table, silent to the job, judged from their beat files);
+whether to go on, stop, or time out (:func:`tick`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 from tasks.loss_policy import LossDecision, LossPath
 from trainer.event_types import Event, Fatal, Step, TrainStart
@@ -100,10 +95,6 @@ class WatchState:
     timed_out: bool = False
 
 
-def _replace(s: WatchState, **changes: Any) -> WatchState:
-    return dataclasses.replace(s, **changes)
-
-
 def mine(s: WatchState, e: Event) -> bool:
     """Is ``e`` this attempt's? Only events carrying its epoch are (an unfenced attempt's carry
     none): another epoch's (a replaced attempt's zombie, another run's pod on the same FSx) or
@@ -117,7 +108,7 @@ def observe(s: WatchState, e: Event, now: float) -> WatchState:
     if not mine(s, e):
         return s
     if isinstance(e, Fatal) and s.fatal is None:
-        return _replace(s, fatal=e.error)
+        return replace(s, fatal=e.error)
     if isinstance(e, TrainStart) and "nodes" in e.model_fields_set:  # a world it names
         named = frozenset(e.nodes)
         # -1: a worker no backend told its node; then which nodes train is unknown.
@@ -125,12 +116,13 @@ def observe(s: WatchState, e: Event, now: float) -> WatchState:
         waiting_until = s.waiting_until
         if len(named) >= s.min_nodes and e.t > s.wait_began:
             waiting_until = None  # a node returned in time: the world re-formed
-        silence: dict[str, Any] = {}
-        if s.silence_rule is not None:  # the attempt's own start-up, measured: the bound
-            silence = {"silence_s": s.silence_rule.bound(now - s.started), "silence_rule": None}
-        return _replace(
+        silence_s, rule = s.silence_s, s.silence_rule
+        if rule is not None:  # the attempt's own start-up, measured: the bound
+            silence_s, rule = rule.bound(now - s.started), None
+        return replace(
             s,
-            **silence,
+            silence_s=silence_s,
+            silence_rule=rule,
             world_nodes=world,
             world_at=now,
             reformed=s.reformed | s.lost,
@@ -141,7 +133,7 @@ def observe(s: WatchState, e: Event, now: float) -> WatchState:
             beats={n: Beat(b.token, now) for n, b in s.beats.items()},
         )
     if isinstance(e, Step):
-        return _replace(s, last_step=max(e.step, s.last_step or 0))
+        return replace(s, last_step=max(e.step, s.last_step or 0))
     return s
 
 
@@ -164,17 +156,17 @@ def due(s: WatchState, at_step: int | None = None) -> FaultSpec | None:
 
 
 def drop(s: WatchState, spec: FaultSpec) -> WatchState:
-    return _replace(s, drills=tuple(d for d in s.drills if d != spec))
+    return replace(s, drills=tuple(d for d in s.drills if d != spec))
 
 
 def frozen(s: WatchState, node: int, spec: FaultSpec) -> WatchState:
     """A freeze drill stopped every process of ``node``: nothing is said (a real freeze says
     nothing either); its silence will be noticed, and named after the drill."""
-    return _replace(s, frozen={**s.frozen, node: str(spec)})
+    return replace(s, frozen={**s.frozen, node: str(spec)})
 
 
 def returned(s: WatchState, node: int) -> WatchState:
-    return _replace(s, lost=s.lost - {node}, reformed=s.reformed - {node})
+    return replace(s, lost=s.lost - {node}, reformed=s.reformed - {node})
 
 
 def lost(
@@ -188,19 +180,17 @@ def lost(
 ) -> WatchState:
     """Node ``node`` is gone (``drilled``: the watcher took it away itself), on the path
     ``decision`` says."""
-    changes: dict[str, Any] = {"lost": s.lost | {node}}
+    s = replace(s, lost=s.lost | {node})
     if decision.idle_spare:
-        pass
-    elif decision.path == LossPath.STAGE_RETRY and drilled:
+        return s
+    if decision.path == LossPath.STAGE_RETRY and drilled:
         # A loss the backend saw ends the attempt through its own classification.
-        if s.loss_at is None:
-            changes["loss_at"] = now
-    elif decision.path == LossPath.NODE_WAIT and s.waiting_until is None:
+        return s if s.loss_at is not None else replace(s, loss_at=now)
+    if decision.path == LossPath.NODE_WAIT and s.waiting_until is None:
         # The survivors give up after their join timeout (and the attempt ends in a node
         # loss, so a stage retry); the watcher stops whatever is left a little later.
-        changes["waiting_until"] = now + s.wait_s + s.wait_grace_s
-        changes["wait_began"] = wall
-    return _replace(s, **changes)
+        return replace(s, waiting_until=now + s.wait_s + s.wait_grace_s, wait_began=wall)
+    return s
 
 
 def beat(s: WatchState, tokens: Mapping[int, str], now: float) -> WatchState:
@@ -210,7 +200,7 @@ def beat(s: WatchState, tokens: Mapping[int, str], now: float) -> WatchState:
         old = beats.get(node)
         if old is None or old.token != token:
             beats[node] = Beat(token, now)
-    return _replace(s, beats=beats, beats_read_at=now)
+    return replace(s, beats=beats, beats_read_at=now)
 
 
 def silent(s: WatchState, now: float) -> list[int]:
@@ -251,5 +241,5 @@ def tick(s: WatchState, now: float, *, running: bool) -> tuple[WatchState, Tick]
     if s.waiting_until is not None and now > s.waiting_until:
         return s, Tick.STOP_WAITED  # no node returned in time: the stage retry
     if s.deadline_s is not None and now - s.started > s.deadline_s:
-        return _replace(s, timed_out=True), Tick.TIMED_OUT
+        return replace(s, timed_out=True), Tick.TIMED_OUT
     return s, Tick.CONTINUE

@@ -6,8 +6,7 @@ from __future__ import annotations
 import boto3
 from botocore.stub import Stubber
 
-from tasks.checks import Status, failures
-from tasks.preflight.checks import Snapshot
+from tasks.checks import Snapshot, Status, failures
 from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks, usable_nodes
 from tests.eks_cluster import p5, seed_cluster
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tasks.preflight.checks import Requirements, Snapshot, Status, failures, run_checks
+from tasks.checks import Snapshot, Status, failures
+from tasks.preflight.checks import Requirements, run_checks
 from tasks.preflight.memory import count_parameters
 
 REQ = Requirements(

@@ -1,4 +1,4 @@
-"""``nvrx-pipeline runs``: the runs of a state directory (tasks.run_list), newest first."""
+"""``nvrx-pipeline runs``: the runs of a state directory (tasks.run_status), newest first."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ EXIT = {
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from tasks.run_list import list_runs
+    from tasks.run_status import list_runs
 
     root = args.runs_root or Path(args.state_dir) / "fsx" / "runs"
     rows = list_runs(root)

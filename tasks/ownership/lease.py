@@ -1,30 +1,26 @@
 """One writer per run directory (arch §6): the lease.
 
-``<run_root>/owner.lease`` names the invocation that may write the run: its pid, host, the
-process's start time (a reused pid is not the same owner), when it started and a heartbeat, and
-every process it started that outlives a step (simulated nodes, the S3 server it started).
-Two mechanisms guard it, because the run directory may sit on a filesystem where one of them is
-weak:
+``<run_root>/owner.lease`` names the invocation that may write the run: its pid, host, process
+start time (a reused pid is not the same owner), start and heartbeat, and every process it
+started that outlives a step. Two guards, since the filesystem may weaken either:
 
-- an exclusive ``flock`` on ``<run_root>/.owner.lock``, held for the whole invocation: the kernel
-  drops it when the owner dies, however it dies (Lustre mounted with ``flock`` makes it
-  cluster-wide);
-- the lease file itself, created with ``O_EXCL`` and refreshed by a heartbeat thread: where the
-  lock is only node-local, a live owner on another host shows by its fresh heartbeat.
+- an exclusive ``flock`` on ``<run_root>/.owner.lock`` for the whole invocation: the kernel
+  drops it however the owner dies (Lustre mounted with ``flock`` makes it cluster-wide);
+- the lease file, created with ``O_EXCL`` and refreshed by a heartbeat thread: where the lock is
+  only node-local, a live owner on another host shows by its fresh heartbeat.
 
-A lease whose owner is gone (same host: the pid is dead or is another process; another host: the
-record has not changed for ``stale_after_s`` on the reader's own monotonic clock, so no two
-hosts' clocks are ever compared) is taken over, and the new owner gets the dead one's records
-(:attr:`RunLease.takeover`) to adopt or end what it left running.
-
-Every change of the lease file (a takeover, a heartbeat, a release) is a compare-and-swap under
-a short lock of its own, ``<run_root>/.lease.lock`` (:func:`swapping`): an owner paused between
-reading the file and writing it cannot overwrite a takeover made meanwhile.
+A lease whose owner is gone (same host: the pid is dead or another process; another host: the
+record unchanged for ``stale_after_s`` on the reader's own monotonic clock, so no two hosts'
+clocks are compared) is taken over; the new owner gets the dead one's records
+(:attr:`RunLease.takeover`). Every change of the file is a compare-and-swap under
+``<run_root>/.lease.lock`` (:func:`swapping`): an owner paused between reading and writing
+cannot overwrite a takeover made meanwhile.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -34,7 +30,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -112,16 +108,7 @@ class LeaseRecord:
     resources: tuple[dict[str, Any], ...] = ()
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "run_id": self.run_id,
-                "owner": self.owner.__dict__,
-                "heartbeat_at": self.heartbeat_at,
-                "resources": list(self.resources),
-            },
-            indent=1,
-            sort_keys=True,
-        )
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
 
     @classmethod
     def parse(cls, text: str) -> LeaseRecord | None:
@@ -142,33 +129,29 @@ class LeaseRecord:
             return None
 
 
+@dataclass
 class HeartbeatWatch:
     """Is a lease held on another host still beating? Judged by its record *changing*, timed on
     this process's monotonic clock: the owner's wall clock (skewed, stepped by NTP) and ours are
     never compared. A change seen proves a live owner; the same record for ``stale_after_s``
     proves a dead one; until either, the owner is not known (None)."""
 
-    def __init__(self, stale_after_s: float, clock: Callable[[], float] = time.monotonic):
-        self.stale_after_s = stale_after_s
-        self.clock = clock
-        self._seen: tuple[str, float] | None = None
-        self._since = 0.0
-        self._changed = False
+    stale_after_s: float
+    clock: Callable[[], float] = time.monotonic
+    _seen: tuple[str, float] | None = None  # (invocation, heartbeat_at) last seen
+    _since: float = 0.0  # when it was first seen (our clock)
+    _changed: bool = False
 
     def alive(self, rec: LeaseRecord) -> bool | None:
         key = (rec.owner.invocation, rec.heartbeat_at)
         now = self.clock()
         if key != self._seen:
-            if self._seen is not None and self._seen[0] == key[0]:
-                self._changed = True  # the same owner wrote again: it lives
-            elif self._seen is not None:
-                self._changed = False  # another owner now: judge it afresh
+            # The same owner wrote again: it lives; another owner now: judged afresh.
+            self._changed = self._seen is not None and self._seen[0] == key[0]
             self._seen, self._since = key, now
         if self._changed:
             return True
-        if now - self._since >= self.stale_after_s:
-            return False
-        return None
+        return False if now - self._since >= self.stale_after_s else None
 
 
 def owner_alive(rec: LeaseRecord, watch: HeartbeatWatch | None = None) -> bool | None:
@@ -185,6 +168,14 @@ def process_is(pid: int, create_time: float) -> bool:
         p = psutil.Process(pid)
         return abs(p.create_time() - create_time) < 0.01 and p.status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def record_alive(rec: Mapping[str, object]) -> bool:
+    """Does a record's ``pid`` and ``create_time`` name a live process? A malformed one: no."""
+    try:
+        return process_is(int(str(rec["pid"])), float(str(rec["create_time"])))
+    except (KeyError, ValueError):
         return False
 
 
@@ -254,13 +245,11 @@ class RunLease:
     def _lock(self, fd: int) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise
         except OSError as e:
             # A filesystem without flock (Lustre mounted without `-o flock`): the O_EXCL lease
             # file and its heartbeat alone decide (deploy/eks/fsx.yaml mounts with flock).
             if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
-                raise
+                raise  # BlockingIOError (EAGAIN) included: another holds it
             self._flock = False
 
     def _unlock(self, fd: int) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,7 +74,6 @@ class Plan:
     attempt: int | None = None
     nodes: tuple[NodeRecord, ...] = ()
     steps_lost: int = 0
-    details: dict[str, Any] = field(default_factory=dict)
 
 
 def gather(previous: LeaseRecord, run_root: Path, *, now: float | None = None) -> Snapshot:

@@ -19,26 +19,9 @@ from tasks.checks import (
     Status,
     Verdict,
     failed,
-    failures,
     passed,
     run_all,
-    run_check,
 )
-
-__all__ = [
-    "CHECKS",
-    "S3_CHECKS",
-    "Check",
-    "CheckResult",
-    "Requirements",
-    "Snapshot",
-    "Source",
-    "Status",
-    "Verdict",
-    "failures",
-    "run_check",
-    "run_checks",
-]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,44 +46,34 @@ class Requirements:
 
 # -- sources (what tasks.preflight.local gathers) ---------------------------------------------
 HOST = Source(
-    name="host",
-    facts=("cpu_count", "mem_available_gb"),
-    fix="make venv (psutil reports cores and memory)",
+    "host", "make venv (psutil reports cores and memory)", ("cpu_count", "mem_available_gb")
 )
 DISK = Source(
-    name="disk",
-    facts=("disk_path", "disk_free_gb"),
-    fix="make the state directory's filesystem readable, or point the state directory elsewhere",
+    "disk",
+    "make the state directory's filesystem readable, or point the state directory elsewhere",
+    ("disk_path", "disk_free_gb"),
 )
 PORTS = Source(
-    name="ports",
-    facts=("loopback_bind",),
-    fix="allow binding 127.0.0.1 ports (rendezvous and stores listen there)",
+    "ports",
+    "allow binding 127.0.0.1 ports (rendezvous and stores listen there)",
+    ("loopback_bind",),
 )
-NETWORK = Source(
-    name="network",
-    facts=("private_network",),
-    fix="install util-linux (unshare, nsenter)",
-)
+NETWORK = Source("network", "install util-linux (unshare, nsenter)", ("private_network",))
 VERSIONS = Source(
-    name="versions",
-    facts=("torch_version", "nvrx_version", "ft_launcher"),
-    fix="make venv (reinstall torch and nvidia-resiliency-ext): the trainer cannot start without",
+    "versions",
+    "make venv (reinstall torch and nvidia-resiliency-ext): the trainer cannot start without",
+    ("torch_version", "nvrx_version", "ft_launcher"),
 )
-S3 = Source(
-    name="s3",
-    facts=("buckets",),
-    fix="check the S3 endpoint URL and credentials",
-)
+S3 = Source("s3", "check the S3 endpoint URL and credentials", ("buckets",))
 NODE_MEMORY = Source(
-    name="node memory",
-    facts=("node_memory_free_gb", "node_memory_where"),
-    fix="make /dev/shm readable (the node-memory tier's files live there)",
+    "node memory",
+    "make /dev/shm readable (the node-memory tier's files live there)",
+    ("node_memory_free_gb", "node_memory_where"),
 )
 DATASET = Source(
-    name="dataset",
-    facts=("dataset_files", "dataset_vocab_size", "dataset_dtype"),
-    fix="upload the dataset (with dataset.json) or fix the prefix",
+    "dataset",
+    "upload the dataset (with dataset.json) or fix the prefix",
+    ("dataset_files", "dataset_vocab_size", "dataset_dtype"),
 )
 
 
@@ -249,9 +222,6 @@ def vocabulary(snap: Snapshot, req: Requirements) -> Verdict:
 
 
 # -- the checks, declared once ----------------------------------------------------------------
-check_cores = Check(name="cpu cores", requires=(HOST,), fn=cores)
-check_memory = Check(name="memory", requires=(HOST,), fn=memory)
-check_disk = Check(name="free disk on run root", requires=(DISK,), fn=disk)
 check_node_memory = Check(
     name="node memory for the memory saves",
     requires=(NODE_MEMORY,),
@@ -260,45 +230,38 @@ check_node_memory = Check(
     # memory saves, is said and stops nothing (a failed memory save only costs its tier).
     required=False,
 )
-check_ports = Check(name="loopback ports", requires=(PORTS,), fn=ports)
-check_network = Check(
-    name="private network for the simulated nodes",
-    requires=(NETWORK,),
-    fn=network,
-    # Advisory: without user namespaces the run still works on the host's loopback, as it
-    # always did; the backend says so again when it launches.
-    required=False,
-)
-check_versions = Check(name="torch / NVRx versions", requires=(VERSIONS,), fn=versions)
-check_s3_endpoint = Check(name="S3 endpoint reachable", requires=(), fn=s3_endpoint)
-check_buckets = Check(name="S3 buckets present", requires=(S3,), fn=buckets)
-check_dataset = Check(name="dataset present", requires=(S3,), fn=dataset)
-check_vocabulary = Check(
-    name="dataset vocabulary fits the workload",
-    requires=(S3, DATASET),
-    fn=vocabulary,
-    # Advisory: "dataset present" already fails when the dataset cannot be read, the trainer
-    # checks the vocabulary again before the first step, and a user workload's vocabulary is
-    # not known here.
-    required=False,
-)
-
-CHECKS: tuple[Check, ...] = (
-    check_cores,
-    check_memory,
-    check_node_memory,
-    check_disk,
-    check_ports,
-    check_network,
-    check_versions,
-    check_s3_endpoint,
-    check_buckets,
-    check_dataset,
-    check_vocabulary,
-)
-
 # What both backends check of S3 (the EKS preflight adds its own cluster and FSx checks).
-S3_CHECKS: tuple[Check, ...] = (check_s3_endpoint, check_buckets, check_dataset, check_vocabulary)
+S3_CHECKS: tuple[Check, ...] = (
+    Check(name="S3 endpoint reachable", requires=(), fn=s3_endpoint),
+    Check(name="S3 buckets present", requires=(S3,), fn=buckets),
+    Check(name="dataset present", requires=(S3,), fn=dataset),
+    Check(
+        name="dataset vocabulary fits the workload",
+        requires=(S3, DATASET),
+        fn=vocabulary,
+        # Advisory: "dataset present" already fails when the dataset cannot be read, the
+        # trainer checks the vocabulary again before the first step, and a user workload's
+        # vocabulary is not known here.
+        required=False,
+    ),
+)
+CHECKS: tuple[Check, ...] = (
+    Check(name="cpu cores", requires=(HOST,), fn=cores),
+    Check(name="memory", requires=(HOST,), fn=memory),
+    check_node_memory,
+    Check(name="free disk on run root", requires=(DISK,), fn=disk),
+    Check(name="loopback ports", requires=(PORTS,), fn=ports),
+    Check(
+        name="private network for the simulated nodes",
+        requires=(NETWORK,),
+        fn=network,
+        # Advisory: without user namespaces the run still works on the host's loopback, as it
+        # always did; the backend says so again when it launches.
+        required=False,
+    ),
+    Check(name="torch / NVRx versions", requires=(VERSIONS,), fn=versions),
+    *S3_CHECKS,
+)
 
 
 def run_checks(snap: Snapshot, req: Requirements) -> list[CheckResult]:

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tasks.backends.eks.params import cpu_millicores
-from tasks.checks import CheckResult
-from tasks.preflight.checks import Check, Snapshot, Source, Verdict, failed, passed, run_all
+from tasks.checks import Check, CheckResult, Snapshot, Source, Verdict, failed, passed, run_all
 
 # What the flow runner needs to be allowed to do (SelfSubjectAccessReview each).
 PERMISSIONS: tuple[tuple[str, str, str, str], ...] = (
@@ -145,33 +144,26 @@ def gather_eks(kube: Any, fsx: Any | None, req: EksRequirements) -> Snapshot:
 
 # -- sources (what gather_eks reads) ----------------------------------------------------------
 NODES = Source(
-    name="nodes",
-    facts=("nodes",),
-    fix="let the flow runner list nodes (deploy/eks/rbac.yaml) and check its kubeconfig and "
-    "the API endpoint",
+    "nodes",
+    "let the flow runner list nodes (deploy/eks/rbac.yaml) and check its kubeconfig and the API "
+    "endpoint",
 )
 DAEMONSETS = Source(
-    name="daemonsets",
-    facts=("daemonsets",),
-    fix="let the flow runner list DaemonSets in all namespaces (deploy/eks/rbac.yaml)",
+    "daemonsets", "let the flow runner list DaemonSets in all namespaces (deploy/eks/rbac.yaml)"
 )
 STORAGE = Source(
-    name="storage",
-    facts=("pvc_phase", "csi_driver"),
-    fix="let the flow runner read PersistentVolumeClaims in the namespace and CSIDrivers "
+    "storage",
+    "let the flow runner read PersistentVolumeClaims in the namespace and CSIDrivers "
     "(deploy/eks/rbac.yaml)",
+    ("pvc_phase", "csi_driver"),
 )
-ACCESS = Source(
-    name="access",
-    facts=("access",),
-    fix="let the flow runner create SelfSubjectAccessReviews",
-)
+ACCESS = Source("access", "let the flow runner create SelfSubjectAccessReviews")
 FSX = Source(
-    name="fsx",
-    facts=("fsx_lifecycle", "fsx_associations"),
-    fix="give the flow runner fsx:DescribeFileSystems and fsx:DescribeDataRepositoryAssociations "
+    "fsx",
+    "give the flow runner fsx:DescribeFileSystems and fsx:DescribeDataRepositoryAssociations "
     "(IAM) and check the region: eks.region, or when empty the flow runner's AWS_REGION / "
     "AWS_DEFAULT_REGION / AWS_PROFILE's region",
+    ("fsx_lifecycle", "fsx_associations"),
 )
 
 

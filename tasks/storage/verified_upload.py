@@ -23,16 +23,14 @@ def b64_of_hex(sha_hex: str) -> str:
     return base64.b64encode(bytes.fromhex(sha_hex)).decode()
 
 
+def _b64_sha256(data: bytes) -> str:
+    return base64.b64encode(hashlib.sha256(data).digest()).decode()
+
+
 def composite_sha256_b64(part_checksums: list[str]) -> str:
     """S3's COMPOSITE SHA-256 of a multipart upload: the digest of the parts' digests, "-N"."""
     raw = b"".join(base64.b64decode(c) for c in part_checksums)
-    return base64.b64encode(hashlib.sha256(raw).digest()).decode() + f"-{len(part_checksums)}"
-
-
-def expected_checksum(size: int, sha_hex: str, part_checksums: list[str] | None) -> str:
-    """The ChecksumSHA256 the server reports for an object we upload: whole-object for a single
-    PUT, composite for a multipart upload (``part_checksums``)."""
-    return b64_of_hex(sha_hex) if part_checksums is None else composite_sha256_b64(part_checksums)
+    return f"{_b64_sha256(raw)}-{len(part_checksums)}"
 
 
 def head_object(client: Any, bucket: str, key: str) -> dict[str, Any] | None:
@@ -65,7 +63,7 @@ def part_checksums(path: Path, part_size: int) -> tuple[str, list[str]]:
     whole, parts = hashlib.sha256(), []
     for chunk in _parts(path, part_size):
         whole.update(chunk)
-        parts.append(base64.b64encode(hashlib.sha256(chunk).digest()).decode())
+        parts.append(_b64_sha256(chunk))
     return whole.hexdigest(), parts
 
 
@@ -119,7 +117,7 @@ def upload_multipart(
         whole, parts = hashlib.sha256(), []
         for number, chunk in enumerate(_parts(path, part_size), start=1):
             whole.update(chunk)
-            checksum = base64.b64encode(hashlib.sha256(chunk).digest()).decode()
+            checksum = _b64_sha256(chunk)
             r = client.upload_part(
                 Bucket=bucket,
                 Key=key,
@@ -160,7 +158,8 @@ def verify_uploaded(
         if _read_back_sha(client, bucket, key) != sha:
             raise ExportError(f"s3://{bucket}/{key} read back does not match the manifest")
         return "read-back"
-    if remote != expected_checksum(size, sha, parts):
+    # Whole-object for a single PUT, composite for a multipart upload (``parts``).
+    if remote != (b64_of_hex(sha) if parts is None else composite_sha256_b64(parts)):
         raise ExportError(
             f"s3://{bucket}/{key}: the server's SHA-256 {remote} is not the manifest's digest"
         )

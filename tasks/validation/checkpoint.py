@@ -1,6 +1,8 @@
 """Checkpoint validation: gather facts about one checkpoint directory once (:func:`gather`, the
 I/O half: files, DCP metadata, the fresh-process load), judge them with pure checks
-(:func:`tasks.validation.judge.judge`), into a :class:`~tasks.validation.judge.CheckpointReport`.
+(:func:`tasks.validation.judge.judge`), into a :class:`~tasks.validation.judge.CheckpointReport`;
+and the validate stage's choice (:func:`validate_latest`): the newest committed checkpoint that
+passes, falling back to the previous valid one (reported), failing when none is valid.
 
 Checks (each PASSED / FAILED / SKIPPED with why):
 1. manifest well-formed; step, world size and config hash consistent with the run;
@@ -16,14 +18,16 @@ Checks (each PASSED / FAILED / SKIPPED with why):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tasks.errors import ValidationFailed
 from tasks.secrets import scrubbed
 from tasks.validation import load_process
 from tasks.validation.files import check_file_names, hash_files, untrusted_workload_message
@@ -64,11 +68,6 @@ def expected_tensors(
             shapes[key] = tuple(p.shape)
             dtypes[key] = str(p.dtype)
     return shapes, dtypes
-
-
-def expected_entries(workload: WorkloadRef) -> dict[str, tuple[int, ...] | None]:
-    """The keys and shapes of :func:`expected_tensors`."""
-    return expected_tensors(workload)[0]
 
 
 @dataclass(frozen=True)
@@ -143,18 +142,12 @@ def _fresh_process_load(
 ) -> LoadReport:
     argv = [str(path)]
     if exp.workload is not None:
-        argv += [
-            "--workload",
-            exp.workload.ref,
-            "--workload-options",
-            json.dumps(exp.workload.options),
-        ]
-    if exp.data_dir is not None:
-        argv += ["--data-dir", str(exp.data_dir)]
-    if safetensors_out is not None:
-        argv += ["--safetensors", str(safetensors_out)]
-    if pretrained_out is not None:
-        argv += ["--pretrained", str(pretrained_out)]
+        argv += ["--workload", exp.workload.ref]
+        argv += ["--workload-options", json.dumps(exp.workload.options)]
+    paths = {"--data-dir": exp.data_dir, "--safetensors": safetensors_out}
+    for flag, value in {**paths, "--pretrained": pretrained_out}.items():
+        if value is not None:
+            argv += [flag, str(value)]
     # A fresh interpreter, possibly started while the trainer's processes exited
     # (tasks.validation.load_process); its arguments go on stdin.
     proc = load_process.run(argv, child_env(dict(os.environ)), exp.load_timeout_s)
@@ -307,3 +300,35 @@ def consolidate(
 
 def validate_checkpoint(path: Path, exp: Expectations, *, load: bool = True) -> CheckpointReport:
     return judge(gather(path, exp, load=load), exp)
+
+
+@dataclass
+class ValidationOutcome:
+    chosen: CheckpointReport
+    rejected: list[CheckpointReport] = field(default_factory=list)
+
+    @property
+    def fell_back(self) -> bool:
+        return bool(self.rejected)
+
+
+def validate_latest(run_root: Path, exp: Expectations, *, load: bool = True) -> ValidationOutcome:
+    """``load=False`` skips the fresh-process load check (quick checks only)."""
+    rejected: list[CheckpointReport] = []
+    for step in reversed(checkpointing.committed_steps(run_root)):
+        report = validate_checkpoint(checkpointing.committed_path(run_root, step), exp, load=load)
+        if report.step is None:
+            # The manifest could not be read (it is what failed): the directory names the step,
+            # so the report and the fallback still say which checkpoint was rejected.
+            report = dataclasses.replace(report, step=step)
+        if report.passed:
+            return ValidationOutcome(report, rejected)
+        rejected.append(report)
+    if not rejected:
+        raise ValidationFailed(
+            f"no committed checkpoint under {checkpointing.checkpoints_dir(run_root)}"
+        )
+    details = "; ".join(
+        f"step {r.step}: " + ", ".join(c.detail for c in r.failed_checks()) for r in rejected
+    )
+    raise ValidationFailed(f"no valid checkpoint: {details}")

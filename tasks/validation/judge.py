@@ -80,25 +80,14 @@ class CheckpointReport:
 
 
 MANIFEST = Source(
-    name="manifest",
-    facts=("manifest",),
-    fix="the checkpoint's manifest.json must be readable and name only files inside it",
+    "manifest", "the checkpoint's manifest.json must be readable and name only files inside it"
 )
-DCP = Source(
-    name="dcp",
-    facts=("dcp",),
-    fix="the DCP metadata is read only once every file matches the manifest",
-)
+DCP = Source("dcp", "the DCP metadata is read only once every file matches the manifest")
 EXPECTED = Source(
-    name="expected",
-    facts=("expected",),
-    fix="validate with the run's workload (the pipeline's own, or validate --workload REF)",
+    "expected",
+    "validate with the run's workload (the pipeline's own, or validate --workload REF)",
 )
-LOADED = Source(
-    name="load",
-    facts=("load",),
-    fix="give the fresh-process load the files, memory and time it needs",
-)
+LOADED = Source("load", "give the fresh-process load the files, memory and time it needs")
 
 
 def snapshot(f: Facts) -> Snapshot:

@@ -1,13 +1,12 @@
 """Load a checkpoint on CPU in a fresh process, world size 1 (resharding whatever world wrote it),
-and report on it as JSON: every tensor finite, the parameters' digest, and optionally the loss on a
-held-out batch (the batch of the step *after* the checkpoint, which it has not trained on).
+and report on it as JSON: every tensor finite, the parameters' digest, and optionally the loss on
+a held-out batch (the batch of the step *after* the checkpoint, which it has not trained on).
 
-    python -m tasks.validation.load_check CKPT_DIR --step N --workload gpt-tiny
-        [--workload-options JSON] [--data-dir D --global-batch N --seed S]
-        [--safetensors FILE] [--pretrained DIR]
+    python -m tasks.validation.load_check CKPT_DIR [--workload REF --workload-options JSON]
+        [--data-dir D] [--safetensors FILE] [--pretrained DIR]
 
-Runs in its own process so that a corrupt checkpoint cannot take the caller down, and so that the
-load sees no state of the writer (a fresh interpreter is what a resuming job has).
+Its own process, so a corrupt checkpoint cannot take the caller down and the load sees no state
+of the writer (a fresh interpreter is what a resuming job has).
 """
 
 from __future__ import annotations

@@ -1,16 +1,15 @@
 """The load check's interpreter (``python -m tasks.validation.load_check --stdin``): a fresh
 process that imports what a load needs, then reads its arguments from stdin, checks one
-checkpoint and exits. It can be started ahead of its checkpoint.
+checkpoint and exits; so it can be started ahead of its checkpoint.
 
-About 3.5 of the load check's ~4.5 s are that interpreter's imports (torch, DCP, the trainer;
-measured on 2 cores), on the pipeline's critical path between training and export. So the train
-stage starts one as soon as the trainer reports its end (``train_end``: the workers and agents
-still exit for ~3 s, then the next stage starts) and validation takes it (:func:`take`). Started
-then, it is as fresh as one started when needed: it has read nothing but its own modules until
-it is given its arguments, it runs with the same environment (credentials removed, see
-``tasks.validation.checkpoint.child_env``), and it is used once. One spare at a time; one that
-is not taken within :data:`MAX_AGE_S`, or that was started with another environment, is ended,
-and validation starts its own as before. A spare whose parent dies reads end-of-file and exits.
+About 3.5 of the load check's ~4.5 s are its imports (torch, DCP, the trainer; 2 cores), on the
+critical path between training and export. So the train stage starts one when the trainer
+reports ``train_end`` (its processes still exit for ~3 s) and validation takes it (:func:`take`).
+It is as fresh as one started when needed: it has read nothing but its modules, has the same
+environment (credentials removed: ``tasks.validation.checkpoint.child_env``) and is used once.
+One spare at a time; one not taken within :data:`MAX_AGE_S`, or started with another
+environment, is ended and validation starts its own. A spare whose parent dies reads
+end-of-file and exits.
 """
 
 from __future__ import annotations

@@ -25,8 +25,7 @@ import pytest
 
 from tasks.errors import HydrationError
 from tasks.hydrate import hydrate_dataset
-from tasks.validate import validate_latest
-from tasks.validation.checkpoint import Expectations, child_env
+from tasks.validation.checkpoint import Expectations, child_env, validate_latest
 from tests.helpers import REPO, make_config, run_single, vouch_for, worker_env
 from trainer import checkpointing
 from trainer.untrusted import UnsafeCheckpointError, load_dcp_metadata, loads_dcp_metadata

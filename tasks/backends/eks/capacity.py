@@ -9,9 +9,8 @@ import time
 from collections.abc import Callable
 
 from tasks.backends.eks.kube import Kube
-from tasks.checks import CheckResult, Status
+from tasks.checks import CheckResult, Snapshot, Status
 from tasks.errors import CapacityNotRestored as CapacityNotRestored  # raised here
-from tasks.preflight.checks import Snapshot
 from tasks.preflight.eks import EksRequirements, check_nodes
 
 
