@@ -20,11 +20,10 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.logging import get_run_logger
 
 from flows import parameters
-from flows.context import RunContext
+from flows.context import RunContext, RunPlan
 from flows.demo_data import seed_demo_dataset
 from flows.events import emit
 from flows.models import PipelineParams, PipelineResult
-from flows.plan import RunPlan
 from flows.report import REPORT_FILE, png_data_uri, render_report
 from flows.results import (
     ExportResult,

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import cast
+from typing import ParamSpec, TypeVar, cast
 from uuid import UUID
 
-from prefect import flow, task
+from prefect import Flow, flow, task
 from prefect.artifacts import (
     create_link_artifact,
     create_progress_artifact,
@@ -20,10 +20,9 @@ from prefect.artifacts import (
 from prefect.logging import get_run_logger
 from prefect.states import Failed, State
 
-from flows.context import launch_request
-from flows.events import emit, last_attempt_cause
+from flows.context import RunPlan, launch_request
+from flows.events import emit
 from flows.models import PipelineParams
-from flows.plan import RunPlan
 from flows.results import (
     CheckRow,
     ExportResult,
@@ -53,23 +52,27 @@ from tasks.validate import validate_latest
 from tasks.validation import load_process
 from tasks.validation.checkpoint import Expectations, prestart_load_check
 from trainer.event_types import Event, TrainEnd
+from trainer.history import RunHistory
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-# -- stage flow runs' names ---------------------------------------------------------------------
-def stage_run_name(stage: str) -> Callable[[], str]:
-    """A stage's flow run reads as what it is (``RUN_ID: train attempt 2``) in the UI's run list
-    and in logs, instead of Prefect's random two words."""
+def stage_flow(name: str) -> Callable[[Callable[P, R]], Flow[P, R]]:
+    """A stage's flow. Its runs read as what they are (``RUN_ID: train attempt 2``) in the UI's
+    run list and in logs, not Prefect's random two words; its result is persisted as JSON
+    (readable from the result storage without this code), so the API and the UI hold it."""
 
-    def name() -> str:
+    def run_name() -> str:
         from prefect.runtime import flow_run
 
         params = flow_run.parameters
         plan, attempt = params.get("plan"), params.get("attempt")
         run_id = plan.ctx.run_id if isinstance(plan, RunPlan) else None
-        label = f"{stage} attempt {attempt}" if attempt else stage
+        label = f"{name} attempt {attempt}" if attempt else name
         return f"{run_id}: {label}" if run_id else label
 
-    return name
+    return flow(name=name, flow_run_name=run_name, persist_result=True, result_serializer="json")
 
 
 def backend_for(plan: RunPlan) -> Backend:
@@ -85,14 +88,7 @@ def backend_for(plan: RunPlan) -> Backend:
 
 
 # -- preflight ------------------------------------------------------------------------------------
-# Every stage flow persists its result as JSON (readable from the result storage without this
-# code), so the API and the UI hold what each stage returned.
-@flow(
-    name="preflight",
-    flow_run_name=stage_run_name("preflight"),
-    persist_result=True,
-    result_serializer="json",
-)
+@stage_flow("preflight")
 def preflight_flow(plan: RunPlan) -> PreflightResult:
     params, ctx = plan.params, plan.ctx
     s3 = {
@@ -160,12 +156,7 @@ def preflight_flow(plan: RunPlan) -> PreflightResult:
 
 
 # -- hydrate --------------------------------------------------------------------------------------
-@flow(
-    name="hydrate",
-    flow_run_name=stage_run_name("hydrate"),
-    persist_result=True,
-    result_serializer="json",
-)
+@stage_flow("hydrate")
 def hydrate_flow(plan: RunPlan) -> HydrateResult:
     params, ctx = plan.params, plan.ctx
     log = get_run_logger()
@@ -204,17 +195,12 @@ def hydrate_flow(plan: RunPlan) -> HydrateResult:
 
 
 # -- train ----------------------------------------------------------------------------------------
-@flow(
-    name="train",
-    flow_run_name=stage_run_name("train"),
-    persist_result=True,
-    result_serializer="json",
-)
+@stage_flow("train")
 def train_flow(plan: RunPlan, attempt: int) -> TrainResult | State[TrainResult]:
     params, ctx = plan.params, plan.ctx
     log = get_run_logger()
     if attempt > 1:
-        cause = last_attempt_cause(ctx.run_root)
+        cause = RunHistory.read(ctx.run_root).last_attempt_cause()
         log.warning("stage retry: train attempt %d after: %s", attempt, cause)
         emit("stage.retried", ctx.run_id, stage="train", attempt=attempt, cause=cause)
     held = lease.held(ctx.run_root)
@@ -292,12 +278,7 @@ def train_stage(plan: RunPlan) -> TrainResult:
 
 
 # -- validate -------------------------------------------------------------------------------------
-@flow(
-    name="validate",
-    flow_run_name=stage_run_name("validate"),
-    persist_result=True,
-    result_serializer="json",
-)
+@stage_flow("validate")
 def validate_flow(plan: RunPlan) -> ValidationResult:
     params, ctx, cfg = plan.params, plan.ctx, plan.train
     # The workload, batch and seed come from each checkpoint's manifest; the config hash says
@@ -356,12 +337,7 @@ def validate_flow(plan: RunPlan) -> ValidationResult:
 
 
 # -- export ---------------------------------------------------------------------------------------
-@flow(
-    name="export",
-    flow_run_name=stage_run_name("export"),
-    persist_result=True,
-    result_serializer="json",
-)
+@stage_flow("export")
 def export_flow(plan: RunPlan, checkpoint_path: str) -> ExportResult:
     from pathlib import Path
 
