@@ -23,15 +23,9 @@ from flows import parameters
 from flows.context import RunContext, RunPlan
 from flows.demo_data import seed_demo_dataset
 from flows.events import emit
-from flows.models import PipelineParams, PipelineResult
+from flows.models import CheckpointInfo, ExportInfo, PipelineParams, PipelineResult, TakeoverInfo
 from flows.report import REPORT_FILE, png_data_uri, render_report
-from flows.results import (
-    ExportResult,
-    TrainResult,
-    ValidationResult,
-    build_result,
-    read_the_log,
-)
+from flows.results import ExportResult, TrainResult, ValidationResult, read_the_log
 from flows.stages import (
     export_flow,
     hydrate_flow,
@@ -218,18 +212,46 @@ class _Run:
             )
 
     def result(self, status: str, history: RunHistory, error: str | None = None) -> PipelineResult:
-        return build_result(
-            self.plan.params,
-            self.plan.ctx,
-            status=status,
-            train=self.train,
-            validation=self.validation,
-            export=self.export,
-            durations=self.durations,
-            attempts=self.attempts,
-            wall_s=time.monotonic() - self.t0,
-            history=history,
+        """What the run got to; ``history``: the fold of this invocation's events."""
+        train, validation, export, took = self.train, self.validation, self.export, history.takeover
+        return PipelineResult(
+            status=status,  # type: ignore[arg-type]
+            run_id=self.plan.ctx.run_id,
+            target_steps=self.plan.params.steps,
+            final_step=train.final_step if train else history.progress(),
+            final_loss=train.final_loss if train else None,
+            params_sha256=train.params_sha256 if train else None,
+            checkpoint=CheckpointInfo()
+            if validation is None
+            else CheckpointInfo(
+                step=validation.step,
+                uri=validation.path,
+                validated=validation.validated,
+                fell_back_from=[r.step for r in validation.fell_back_from if r.step is not None],
+            ),
+            export=ExportInfo()
+            if export is None
+            else ExportInfo(
+                uri=export.uri, objects=export.objects, bytes=export.bytes, verified=export.verified
+            ),
+            faults=history.fault_records(),
+            world_changes=history.world_change_records(),
+            timeouts=dict(history.timeouts.detail) if history.timeouts is not None else {},
+            memory_interval=history.memory_interval.detail if history.memory_interval else None,
+            stage_attempts=self.attempts,
+            stage_durations_s={k: round(v, 3) for k, v in self.durations.items()},
+            ettr=history.ettr(),
+            train_time=history.time_breakdown(),
+            wall_s=round(time.monotonic() - self.t0, 3),
             error=error,
+            takeover=None
+            if took is None
+            else TakeoverInfo(
+                previous_owner=took.previous,
+                action=took.action,
+                reason=took.reason,
+                steps_lost=took.steps_lost,
+            ),
         )
 
 
