@@ -55,23 +55,30 @@ def run_id_of_flow_run(flow_run_id: UUID | str) -> str:
     return f"run-{UUID(str(flow_run_id)).hex[:12]}"
 
 
-def _run_id(named: str | None, flow_run_id: Any) -> str:
-    return str(named) if named else run_id_of_flow_run(flow_run_id)
-
-
 def _flow_run_name() -> str:
     """The flow run is named by its run id (what `nvrx-pipeline status` and the events use)."""
     from prefect.runtime import flow_run
 
-    return _run_id(flow_run.parameters.get("run_id"), flow_run.id)
+    return str(flow_run.parameters.get("run_id") or run_id_of_flow_run(flow_run.id))
 
 
 def resolve_params(values: Mapping[str, Any], deployment_id: Any) -> PipelineParams:
     """A flow run's parameters (validated by Prefect, or JSON) over its deployment's, deep, and
-    validated whole: the parameters the flow runs with."""
-    return parameters.resolve(
-        PipelineParams, values, parameters.deployment_parameters(deployment_id)
-    )
+    validated whole: the parameters the flow runs with (its cross-field checks run here)."""
+    from pydantic import BaseModel
+
+    deployment: Mapping[str, Any] = {}
+    if deployment_id:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            deployment = dict(client.read_deployment(deployment_id).parameters or {})
+    # A group as the run gave it: only the fields it set (validated models remember them).
+    given = {
+        k: v.model_dump(mode="json", exclude_unset=True) if isinstance(v, BaseModel) else v
+        for k, v in values.items()
+    }
+    return PipelineParams.model_validate(parameters.deep_merge(deployment, given))
 
 
 def _clean_up_after(flow: Any, flow_run: Any, state: Any) -> None:
@@ -85,7 +92,7 @@ def _clean_up_after(flow: Any, flow_run: Any, state: Any) -> None:
     log = logging.getLogger("nvrx.cleanup")
     try:
         params = resolve_params(flow_run.parameters or {}, flow_run.deployment_id)
-        ctx = RunContext.create(params, run_id=_run_id(params.run_id, flow_run.id))
+        ctx = RunContext.create(params, run_id=params.run_id or run_id_of_flow_run(flow_run.id))
         owner = lease.live_owner(ctx.run_root)
         if owner is not None:
             log.warning("run %s: left alone, a live invocation %s owns it", ctx.run_id, owner)
@@ -114,7 +121,7 @@ def training_pipeline(**fields: Any) -> PipelineResult:
     # Cross-field checks run here, on the run's parameters merged over the deployment's.
     params = resolve_params(fields, deployment.get_id())
     # Every fact of the run built once (the placement, the paths, the trainer config).
-    plan = RunPlan.build(params, run_id=_run_id(params.run_id, flow_run.id))
+    plan = RunPlan.build(params, run_id=params.run_id or run_id_of_flow_run(flow_run.id))
     ctx = plan.ctx
     log.info("run %s: run root %s", ctx.run_id, ctx.run_root)
     # Before anything else: one writer per run directory (arch §6). A second invocation of a
