@@ -6,7 +6,7 @@ published to its Artifacts tab."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import ParamSpec, TypeVar, cast
 from uuid import UUID
 
@@ -181,15 +181,9 @@ def hydrate_flow(plan: RunPlan) -> HydrateResult:
     done = backend_for(plan).hydrate(request, progress)
     update_progress_artifact(artifact, 100.0)
     log.info("hydrated %s -> %s: %s", done.source, done.dest, done.detail)
-    result = HydrateResult(
-        source=done.source,
-        dest=done.dest,
-        files=done.files,
-        seconds=done.seconds,
-        manifest_sha256=done.manifest_sha256,
-        detail=done.detail,
-        backend=done.report,
-    )
+    fields = asdict(done)
+    fields["backend"] = fields.pop("report")  # what the backend adds, whole
+    result = HydrateResult(**fields)
     publish("hydrate", result, ctx.run_id)
     return result
 
@@ -313,12 +307,8 @@ def validate_flow(plan: RunPlan) -> ValidationResult:
     create_table_artifact(
         rows, key="validation", description=f"checkpoint validation of {ctx.run_id}"
     )
-    log.info(
-        "checkpoint step %s validated (%s MB/s digests)",
-        outcome.chosen.step,
-        outcome.chosen.hash_mb_s,
-    )
     chosen = outcome.chosen
+    log.info("checkpoint step %s validated (%s MB/s digests)", chosen.step, chosen.hash_mb_s)
     result = ValidationResult(
         step=chosen.step,
         path=chosen.path,
@@ -345,7 +335,6 @@ def export_flow(plan: RunPlan, checkpoint_path: str) -> ExportResult:
     held = lease.held(ctx.run_root)
     if held is not None:
         held.check("export the checkpoint")
-    client = boto3_client(ctx.s3)
     options = ExportOptions(
         sse=None if params.export.sse == "none" else params.export.sse,
         kms_key_id=params.export.kms_key_id,
@@ -353,7 +342,7 @@ def export_flow(plan: RunPlan, checkpoint_path: str) -> ExportResult:
         workload=plan.train.workload_ref(),
     )
     report: ExportReport = export_checkpoint(
-        client,
+        boto3_client(ctx.s3),
         Path(checkpoint_path),
         params.export.bucket,
         params.export.prefix,
