@@ -25,7 +25,7 @@ from flows.demo_data import seed_demo_dataset
 from flows.events import emit
 from flows.models import CheckpointInfo, ExportInfo, PipelineParams, PipelineResult, TakeoverInfo
 from flows.report import REPORT_FILE, png_data_uri, render_report
-from flows.results import ExportResult, TrainResult, ValidationResult, read_the_log
+from flows.results import ExportResult, TrainResult, ValidationResult
 from flows.stages import (
     export_flow,
     hydrate_flow,
@@ -42,7 +42,7 @@ from trainer.event_types import Cleanup, Event, Step, Takeover
 from trainer.events import EventLog
 from trainer.history import RunHistory
 from trainer.run_files import write_text_atomic
-from trainer.rundir import Layout
+from trainer.rundir import Layout, read_events
 from trainer.timeline import plot_timeline
 
 T = TypeVar("T")
@@ -175,7 +175,7 @@ def _run(plan: RunPlan, held: lease.RunLease, since: float) -> PipelineResult:
         _report_end_early(run, held, e)
         raise
     ctx = run.plan.ctx
-    history, events = read_the_log(ctx, since)
+    history, events = run.read_log()
     result = run.result("completed", history)
     _publish(ctx, result, events, held)
     emit(
@@ -217,6 +217,13 @@ class _Run:
                 if name == "train"
                 else 1
             )
+
+    def read_log(self) -> tuple[RunHistory, list[Event]]:
+        """This invocation's events (a resumed run id has earlier invocations' too), read once
+        at its end: their fold for the result, and the events for the timeline plot (which
+        draws every step, so they are held whole here anyway)."""
+        events = [e for e in read_events(self.plan.ctx.run_root) if e.t >= self.since]
+        return RunHistory.of(events), events
 
     def result(self, status: str, history: RunHistory, error: str | None = None) -> PipelineResult:
         """What the run got to; ``history``: the fold of this invocation's events."""
@@ -298,7 +305,7 @@ def _report_end_early(run: _Run, held: lease.RunLease, e: BaseException) -> None
     got (the caller re-raises)."""
     ctx = run.plan.ctx
     cancelled = _is_cancellation(e)
-    history, events = read_the_log(ctx, run.since)
+    history, events = run.read_log()
     step = history.progress()
     cause = f"{type(e).__name__}: {e}"
     emit(

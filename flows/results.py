@@ -1,11 +1,7 @@
-"""What each stage flow returns: typed models, persisted as JSON with the flow run (Prefect's
-result storage) and shown in its Artifacts tab (:func:`publish`).
-
-The pipeline reads these by attribute to build its :class:`flows.models.PipelineResult`
-(with the fold of the run's events, read once at its end: :func:`read_the_log`); the stages
-build them from the typed reports of ``tasks``. ``TrainResult`` is the completed part of the
-trainer's ``result.json`` (:class:`trainer.rundir.RunResult`, validated where it is read).
-"""
+"""What each stage flow returns: typed models built from the typed reports of ``tasks``,
+persisted as JSON with the flow run (Prefect's result storage) and shown in its Artifacts tab
+(:func:`publish`). ``TrainResult`` is the completed part of the trainer's ``result.json``
+(:class:`trainer.rundir.RunResult`, validated where it is read)."""
 
 from __future__ import annotations
 
@@ -13,11 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flows.context import RunContext
 from tasks.checks import Status
-from trainer.event_types import Event
-from trainer.history import RunHistory
-from trainer.rundir import read_events
 
 
 class _Result(BaseModel):
@@ -33,10 +25,6 @@ class PreflightRow(_Result):
 
 class PreflightResult(_Result):
     checks: list[PreflightRow]
-
-    @property
-    def passed(self) -> bool:
-        return all(r.status != Status.FAILED for r in self.checks)
 
 
 class HydrateResult(_Result):
@@ -128,11 +116,3 @@ def console_link(uri: str, endpoint: str | None, region: str | None) -> str:
         f"https://s3.console.aws.amazon.com/s3/buckets/{bucket}?prefix={quote(prefix)}{where}"
         "&showversions=false"
     )
-
-
-def read_the_log(ctx: RunContext, since: float) -> tuple[RunHistory, list[Event]]:
-    """The run's events of this invocation (a resumed run id has earlier invocations' too),
-    read once at its end: their fold for the result, and the events for the timeline plot
-    (which draws every step, so they are held whole here anyway)."""
-    events = [e for e in read_events(ctx.run_root) if e.t >= since]
-    return RunHistory.of(events), events
