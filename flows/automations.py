@@ -94,11 +94,9 @@ def resolve(items: list[dict[str, Any]], ids: dict[str, Any]) -> Resolved:
     out = Resolved()
     for item in items:
         text = json.dumps(item, default=str)
-        missing = sorted({p for p in PLACEHOLDERS if p in text} - set(ids))
-        if missing:
-            out.skipped[item["name"]] = "needs " + ", ".join(
-                sorted({PLACEHOLDERS[m] for m in missing})
-            )
+        flags = {flag for p, flag in PLACEHOLDERS.items() if p in text and p not in ids}
+        if flags:
+            out.skipped[item["name"]] = "needs " + ", ".join(sorted(flags))
             continue
         filled = _fill(item, ids)
         try:

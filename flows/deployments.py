@@ -1,11 +1,8 @@
 """Deployments of the pipeline: on demand (the Prefect UI's Run button) and a nightly schedule.
 
 ``nvrx-pipeline serve`` serves both from this process (no work pool needed); ``deploy/prefect.yaml``
-declares the same two for a process work pool (``prefect deploy --all``). The flow's parameters
-are flat (:mod:`flows.parameters`): a run that sets ``steps`` keeps every other default of its
-deployment, and a run that sets one field of a group (``eks``, ``export``, ...) keeps the
-group's other fields.
-"""
+declares the same two for a process work pool (``prefect deploy --all``). A run keeps every
+default of its deployment that it does not set (:mod:`flows.parameters`)."""
 
 from __future__ import annotations
 

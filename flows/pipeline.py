@@ -245,9 +245,7 @@ class _Run:
             ),
             export=ExportInfo()
             if export is None
-            else ExportInfo(
-                uri=export.uri, objects=export.objects, bytes=export.bytes, verified=export.verified
-            ),
+            else ExportInfo.model_validate(export, from_attributes=True),
             faults=history.fault_records(),
             world_changes=history.world_change_records(),
             timeouts=dict(history.timeouts.detail) if history.timeouts is not None else {},
