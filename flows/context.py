@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ class RunContext:
         """Locally "FSx" is a directory under the state dir; on EKS it is the FSx claim, which
         the flow runner mounts at the same path as the training pods (``eks.fsx_mount``).
         ``run_id``: when the parameters name none (derived from the flow run); ``where``: the
-        backend's placement, when the caller has it (flows.plan)."""
+        backend's placement, when the caller has it (:class:`RunPlan`)."""
         state = Path(params.state_dir).absolute()
         where = where or registry.create(params.backend, params).placement
         fsx = where.shared_root
@@ -145,24 +146,22 @@ def eks_train_config(params: PipelineParams, run_id: str) -> TrainConfig:
     return train_config(params, where, fsx / "runs" / run_id, data)
 
 
-def render_global_batch(data: dict[str, Any]) -> int | None:
+def render_global_batch(data: Mapping[str, Any]) -> int | None:
     """The global batch ``render-k8s`` uses when the parameters set none: the run form's default
     (8) is sized for the embedded default's world of 2 CPU workers, and an EKS world (nodes x
     eks.gpus_per_node, 16 by default) must divide it, so take the smallest multiple of the
     world that is at least the default. None when the user set one (theirs is validated as
     is) or the world cannot be read (validation then names the bad field)."""
     from tasks.backends.eks.params import EksParams
+    from trainer.elastic import NodeRange, NodeRangeError
 
     if "global_batch" in data:
         return None
-    raw_eks = data.get("eks")
-    eks: dict[str, Any] = raw_eks if isinstance(raw_eks, dict) else {}
-    from trainer.elastic import NodeRange, NodeRangeError
-
+    gpus_default = EksParams.model_fields["gpus_per_node"].default
     try:
         # An elastic range (MIN:MAX) divides the batch by its largest world.
         nodes = NodeRange.parse(data.get("nodes", PipelineParams.model_fields["nodes"].default)).max
-        gpus = int(eks.get("gpus_per_node", EksParams.model_fields["gpus_per_node"].default))
+        gpus = int(dict(data.get("eks") or {}).get("gpus_per_node", gpus_default))
     except (TypeError, ValueError, NodeRangeError):
         return None
     world = nodes * gpus
