@@ -135,7 +135,7 @@ def lookup_ids(client: Any, *, notify_block: str | None, deployment: str | None)
     return ids
 
 
-def stall_ids(minutes: float) -> dict[str, Any]:
+def stall_ids(minutes: float) -> dict[str, float]:
     """``--checkpoint-stall-minutes``: Prefect refuses a proactive window under 10 s."""
     if not minutes * 60 >= 10:
         raise AutomationConfigError(
