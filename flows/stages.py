@@ -87,7 +87,6 @@ def backend_for(plan: RunPlan) -> Backend:
     )
 
 
-# -- preflight ------------------------------------------------------------------------------------
 @stage_flow("preflight")
 def preflight_flow(plan: RunPlan) -> PreflightResult:
     params, ctx = plan.params, plan.ctx
@@ -155,7 +154,6 @@ def preflight_flow(plan: RunPlan) -> PreflightResult:
     return result
 
 
-# -- hydrate --------------------------------------------------------------------------------------
 @stage_flow("hydrate")
 def hydrate_flow(plan: RunPlan) -> HydrateResult:
     params, ctx = plan.params, plan.ctx
@@ -188,7 +186,6 @@ def hydrate_flow(plan: RunPlan) -> HydrateResult:
     return result
 
 
-# -- train ----------------------------------------------------------------------------------------
 @stage_flow("train")
 def train_flow(plan: RunPlan, attempt: int) -> TrainResult | State[TrainResult]:
     params, ctx = plan.params, plan.ctx
@@ -271,7 +268,6 @@ def train_stage(plan: RunPlan) -> TrainResult:
     return cast(TrainResult, train_flow(plan, attempt=int(task_run.run_count or 1)))
 
 
-# -- validate -------------------------------------------------------------------------------------
 @stage_flow("validate")
 def validate_flow(plan: RunPlan) -> ValidationResult:
     params, ctx, cfg = plan.params, plan.ctx, plan.train
@@ -326,7 +322,6 @@ def validate_flow(plan: RunPlan) -> ValidationResult:
     return result
 
 
-# -- export ---------------------------------------------------------------------------------------
 @stage_flow("export")
 def export_flow(plan: RunPlan, checkpoint_path: str) -> ExportResult:
     from pathlib import Path
@@ -349,15 +344,6 @@ def export_flow(plan: RunPlan, checkpoint_path: str) -> ExportResult:
         ctx.run_id,
         endpoint=ctx.s3.endpoint_url,
         options=options,
-    )
-    emit(
-        "export.completed",
-        ctx.run_id,
-        uri=report.uri,
-        objects=report.objects,
-        bytes=report.bytes,
-        verified=report.verified,
-        verification=report.verification,
     )
     get_run_logger().info(
         "exported %s: %d objects (%d uploaded, %d already there), verified against the "
@@ -384,5 +370,7 @@ def export_flow(plan: RunPlan, checkpoint_path: str) -> ExportResult:
     except Exception as e:
         get_run_logger().warning("could not publish the export link: %s", e)
     result = ExportResult(**report.to_dict(), link=link)
+    payload = {"uri", "objects", "bytes", "verified", "verification"}
+    emit("export.completed", ctx.run_id, **result.model_dump(include=payload))
     publish("export", result, ctx.run_id)
     return result
