@@ -10,6 +10,7 @@ Applying is idempotent: an automation with the same name is replaced.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,14 +65,6 @@ def _fill(value: Any, ids: dict[str, Any]) -> Any:
     return value
 
 
-def _needs(value: Any) -> set[str]:
-    if isinstance(value, dict):
-        return set().union(*(_needs(v) for v in value.values())) if value else set()
-    if isinstance(value, list):
-        return set().union(*(_needs(v) for v in value)) if value else set()
-    return {p for p in PLACEHOLDERS if p in value} if isinstance(value, str) else set()
-
-
 def resume_parameters() -> dict[str, Any]:
     """The run-deployment action's parameters that resume a run: each flow parameter taken from
     the ``nvrx.run.awaiting-capacity`` event's ``parameters`` (the failed run's own, its run id
@@ -100,11 +93,10 @@ def resolve(items: list[dict[str, Any]], ids: dict[str, Any]) -> Resolved:
 
     out = Resolved()
     for item in items:
-        missing = sorted(_needs(item) - set(ids))
-        if missing:
-            out.skipped[item["name"]] = "needs " + ", ".join(
-                sorted({PLACEHOLDERS[m] for m in missing})
-            )
+        text = json.dumps(item, default=str)
+        flags = {flag for p, flag in PLACEHOLDERS.items() if p in text and p not in ids}
+        if flags:
+            out.skipped[item["name"]] = "needs " + ", ".join(sorted(flags))
             continue
         filled = _fill(item, ids)
         try:
@@ -143,7 +135,7 @@ def lookup_ids(client: Any, *, notify_block: str | None, deployment: str | None)
     return ids
 
 
-def stall_ids(minutes: float) -> dict[str, Any]:
+def stall_ids(minutes: float) -> dict[str, float]:
     """``--checkpoint-stall-minutes``: Prefect refuses a proactive window under 10 s."""
     if not minutes * 60 >= 10:
         raise AutomationConfigError(

@@ -1,9 +1,9 @@
-"""Where a run lives, derived once from its parameters (no Prefect here)."""
+"""Where a run lives and its plan, derived once from its parameters (no Prefect here)."""
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +12,7 @@ from tasks.backends import registry
 from tasks.backends.base import LaunchRequest, Placement
 from tasks.storage.s3 import S3Settings, parse_s3_uri
 from trainer.checkpointing.config import CheckpointConfig, DurableConfig, MemoryConfig
-from trainer.config import (
-    Device,
-    InJobConfig,
-    InProcessConfig,
-    TrainConfig,
-)
+from trainer.config import InJobConfig, InProcessConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -40,9 +35,9 @@ class RunContext:
         """Locally "FSx" is a directory under the state dir; on EKS it is the FSx claim, which
         the flow runner mounts at the same path as the training pods (``eks.fsx_mount``).
         ``run_id``: when the parameters name none (derived from the flow run); ``where``: the
-        backend's placement, when the caller has it (flows.plan)."""
+        backend's placement, when the caller has it (:class:`RunPlan`)."""
         state = Path(params.state_dir).absolute()
-        where = where or placement(params)
+        where = where or registry.create(params.backend, params).placement
         fsx = where.shared_root
         run_id = params.run_id or run_id or new_run_id()
         weights = params.s3_init_weights()
@@ -58,35 +53,30 @@ class RunContext:
         )
 
 
-def placement(params: PipelineParams) -> Placement:
-    """Where this run's backend puts its shared filesystem and workers (no connection made)."""
-    return registry.create(params.backend, params).placement
-
-
 def train_config(
     params: PipelineParams,
-    *,
+    where: Placement,
     run_root: Path,
     data_dir: Path,
     weights_dir: Path | None = None,
-    device: Device = Device.AUTO,
-    local_paths: bool = True,
-    inprocess: InProcessConfig | None = None,
-    injob: InJobConfig | None = None,
-    metrics_addr: str = "127.0.0.1",
-    rank0_metrics_offset: int = 1,
-    metrics_every_node: bool = False,
 ) -> TrainConfig:
-    """The trainer config of this run. The Wrapper's soft timeout must also exceed the longest
-    wait a rank spends inside one C call (process-group start-up skew, a collective waiting for a
-    slower peer): the Wrapper only sees progress when the main thread runs Python. The trainer's
-    defaults (3/8/16 s, ft_launcher heartbeat 30 s) hold on a loaded 2-core machine; the 2/4/8 s
-    set that the trainer's own drills use did not, with two simulated nodes."""
+    """The trainer config of this run, as the backend's workers see it (``where``). The Wrapper's
+    soft timeout must also exceed the longest wait a rank spends inside one C call (process-group
+    start-up skew, a collective waiting for a slower peer): the Wrapper only sees progress when
+    the main thread runs Python. The trainer's defaults (3/8/16 s, ft_launcher heartbeat 30 s)
+    hold on a loaded 2-core machine; the 2/4/8 s set that the trainer's own drills use did not,
+    with two simulated nodes."""
+    workload, options = params.workload, dict(params.workload_options)
+    if where.local_paths and params.is_script:
+        # Named relative to where the pipeline was started; the workers run in another directory.
+        workload = "script:" + str(Path(workload.removeprefix("script:")).absolute())
+    if weights_dir is not None:  # the workers read them where hydrate put them
+        options["init_weights"] = str(weights_dir)
     return TrainConfig(
         run_root=run_root,
         data_dir=data_dir,
-        workload=_script_absolute(params.workload) if local_paths else params.workload,
-        workload_options=_hydrated(params.workload_options, weights_dir),
+        workload=workload,
+        workload_options=options,
         script_args=tuple(params.script_args),
         steps=params.steps,
         global_batch=params.global_batch,
@@ -96,90 +86,82 @@ def train_config(
             memory=MemoryConfig(interval=params.memory_interval),
         ),
         faults=params.drills.specs,
-        device=device,
+        device=where.device,
         deterministic=params.deterministic,
-        local_paths=local_paths,
-        inprocess=dataclasses.replace(
-            inprocess or InProcessConfig(), enabled=params.inprocess_restart
-        ),
-        injob=dataclasses.replace(
-            injob or InJobConfig(), enabled=params.injob_restart, **params.injob.pinned()
+        local_paths=where.local_paths,
+        inprocess=replace(where.inprocess or InProcessConfig(), enabled=params.inprocess_restart),
+        injob=replace(
+            where.injob or InJobConfig(), enabled=params.injob_restart, **params.injob.pinned()
         ),
         metrics_port=None
         if params.metrics_port is None
-        else params.metrics_port + rank0_metrics_offset,
-        metrics_addr=metrics_addr,
-        metrics_every_node=metrics_every_node,
+        else params.metrics_port + where.rank0_metrics_offset,
+        metrics_addr=where.metrics_addr,
+        metrics_every_node=where.metrics_every_node,
     )
 
 
-def _hydrated(options: dict[str, object], weights_dir: Path | None) -> dict[str, object]:
-    """The workers read initial weights from the shared filesystem, where hydrate put them."""
-    out = dict(options)
-    if weights_dir is not None:
-        out["init_weights"] = str(weights_dir)
-    return out
+@dataclass(frozen=True)
+class RunPlan:
+    """Every fact a stage needs, built once per run and handed to the stages whole, instead of
+    each stage building the backend again to learn its placement and the trainer config again
+    from the parameters."""
 
+    params: PipelineParams
+    ctx: RunContext
+    placement: Placement  # where the backend puts the shared filesystem and the workers
+    # The trainer config as the workers see it (written whole for each attempt), with the
+    # digest of the dataset manifest hydration verified: built once the dataset is there (the
+    # config checks that its data directory exists).
+    hydrated_train: TrainConfig | None = None
 
-def _script_absolute(workload: str) -> str:
-    """A script named relative to where the pipeline was started, as the workers (which run in
-    another directory) must see it."""
-    if not workload.startswith("script:"):
-        return workload
-    return "script:" + str(Path(workload.removeprefix("script:")).absolute())
+    @classmethod
+    def build(cls, params: PipelineParams, *, run_id: str | None = None) -> RunPlan:
+        where = registry.create(params.backend, params).placement
+        return cls(params, RunContext.create(params, run_id=run_id, where=where), where)
+
+    def hydrated(self, manifest_sha256: str | None) -> RunPlan:
+        """After the hydrate stage: the trainer config, whose workers check the dataset's
+        manifest and sizes only."""
+        ctx = replace(self.ctx, data_manifest_sha256=manifest_sha256)
+        cfg = train_config(self.params, self.placement, ctx.run_root, ctx.data_dir, ctx.weights_dir)
+        cfg = replace(cfg, data_manifest_sha256=manifest_sha256)
+        return replace(self, ctx=ctx, hydrated_train=cfg)
+
+    @property
+    def train(self) -> TrainConfig:
+        if self.hydrated_train is None:
+            raise RuntimeError("the trainer config is built after the hydrate stage")
+        return self.hydrated_train
 
 
 def eks_train_config(params: PipelineParams, run_id: str) -> TrainConfig:
     """The trainer config as the EKS pods see it (``render-k8s``): the run and the data on the
     FSx mount."""
-    from tasks.backends.eks.placement import placement as eks_placement
+    from tasks.backends.eks.placement import placement
 
-    where = eks_placement(params.eks)
+    where = placement(params.eks)
     fsx = where.shared_root
     data = fsx / "datasets" / params.dataset.bucket / params.dataset.prefix
-    return _placed(params, where, fsx / "runs" / run_id, data, None)
+    return train_config(params, where, fsx / "runs" / run_id, data)
 
 
-def _placed(
-    params: PipelineParams,
-    where: Placement,
-    run_root: Path,
-    data_dir: Path,
-    weights_dir: Path | None,
-) -> TrainConfig:
-    return train_config(
-        params,
-        run_root=run_root,
-        data_dir=data_dir,
-        weights_dir=weights_dir,
-        device=where.device,
-        local_paths=where.local_paths,
-        inprocess=where.inprocess,
-        injob=where.injob,
-        metrics_addr=where.metrics_addr,
-        rank0_metrics_offset=where.rank0_metrics_offset,
-        metrics_every_node=where.metrics_every_node,
-    )
-
-
-def render_global_batch(data: dict[str, Any]) -> int | None:
+def render_global_batch(data: Mapping[str, Any]) -> int | None:
     """The global batch ``render-k8s`` uses when the parameters set none: the run form's default
     (8) is sized for the embedded default's world of 2 CPU workers, and an EKS world (nodes x
     eks.gpus_per_node, 16 by default) must divide it, so take the smallest multiple of the
     world that is at least the default. None when the user set one (theirs is validated as
     is) or the world cannot be read (validation then names the bad field)."""
     from tasks.backends.eks.params import EksParams
+    from trainer.elastic import NodeRange, NodeRangeError
 
     if "global_batch" in data:
         return None
-    raw_eks = data.get("eks")
-    eks: dict[str, Any] = raw_eks if isinstance(raw_eks, dict) else {}
-    from trainer.elastic import NodeRange, NodeRangeError
-
+    gpus_default = EksParams.model_fields["gpus_per_node"].default
     try:
         # An elastic range (MIN:MAX) divides the batch by its largest world.
         nodes = NodeRange.parse(data.get("nodes", PipelineParams.model_fields["nodes"].default)).max
-        gpus = int(eks.get("gpus_per_node", EksParams.model_fields["gpus_per_node"].default))
+        gpus = int(dict(data.get("eks") or {}).get("gpus_per_node", gpus_default))
     except (TypeError, ValueError, NodeRangeError):
         return None
     world = nodes * gpus

@@ -1,11 +1,8 @@
 """Deployments of the pipeline: on demand (the Prefect UI's Run button) and a nightly schedule.
 
 ``nvrx-pipeline serve`` serves both from this process (no work pool needed); ``deploy/prefect.yaml``
-declares the same two for a process work pool (``prefect deploy --all``). The flow's parameters
-are flat (:mod:`flows.parameters`): a run that sets ``steps`` keeps every other default of its
-deployment, and a run that sets one field of a group (``eks``, ``export``, ...) keeps the
-group's other fields.
-"""
+declares the same two for a process work pool (``prefect deploy --all``). A run keeps every
+default of its deployment that it does not set (:mod:`flows.parameters`)."""
 
 from __future__ import annotations
 
@@ -24,14 +21,6 @@ CONCURRENCY_LIMIT = 1
 COLLISION_STRATEGY = "ENQUEUE"
 
 
-def concurrency() -> Any:
-    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
-
-    return ConcurrencyLimitConfig(
-        limit=CONCURRENCY_LIMIT, collision_strategy=ConcurrencyLimitStrategy(COLLISION_STRATEGY)
-    )
-
-
 def default_parameters(defaults: PipelineParams | None = None) -> dict[str, Any]:
     """The form's starting values: every field but ``run_id`` (each run names its own)."""
     from flows.models import PipelineParams
@@ -43,24 +32,29 @@ def default_parameters(defaults: PipelineParams | None = None) -> dict[str, Any]
 
 def deployments(defaults: PipelineParams | None = None) -> list[Any]:
     """Both deployments, with ``defaults`` (validated) as the parameters the UI form starts from."""
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+
     from flows.pipeline import training_pipeline
 
+    on_demand = "Run the training pipeline on demand (embedded default backend)."
+    nightly = "Nightly training run with the default drill-free parameters."
+    kinds = [
+        (ON_DEMAND, None, ["nvrx"], on_demand),
+        (NIGHTLY, NIGHTLY_CRON, ["nvrx", "scheduled"], nightly),
+    ]
+    strategy = ConcurrencyLimitStrategy(COLLISION_STRATEGY)
     return [
         training_pipeline.to_deployment(
-            name=ON_DEMAND,
+            name=name,
+            cron=cron,
             parameters=default_parameters(defaults),
-            description="Run the training pipeline on demand (embedded default backend).",
-            tags=["nvrx"],
-            concurrency_limit=concurrency(),
-        ),
-        training_pipeline.to_deployment(
-            name=NIGHTLY,
-            cron=NIGHTLY_CRON,
-            parameters=default_parameters(defaults),
-            description="Nightly training run with the default drill-free parameters.",
-            tags=["nvrx", "scheduled"],
-            concurrency_limit=concurrency(),
-        ),
+            description=description,
+            tags=tags,
+            concurrency_limit=ConcurrencyLimitConfig(
+                limit=CONCURRENCY_LIMIT, collision_strategy=strategy
+            ),
+        )
+        for name, cron, tags, description in kinds
     ]
 
 

@@ -22,12 +22,6 @@ class ParamDoc:
     description: str
 
 
-def _nested_model(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    return None
-
-
 def _type_name(annotation: Any) -> str:
     text = str(annotation) if not isinstance(annotation, type) else annotation.__name__
     return text.replace("typing.", "").replace("NoneType", "None")
@@ -52,20 +46,16 @@ def params_docs(model: type[BaseModel] | None = None, prefix: str = "") -> list[
     hints = typing.get_type_hints(model)
     out: list[ParamDoc] = []
     for name, field in model.model_fields.items():
-        dotted = f"{prefix}{name}"
-        nested = _nested_model(hints.get(name, field.annotation))
-        if nested is not None:
-            out.extend(params_docs(nested, f"{dotted}."))
+        dotted, annotation = f"{prefix}{name}", hints.get(name, field.annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):  # a group
+            out.extend(params_docs(annotation, f"{dotted}."))
             continue
-        if field.default_factory is not None:
-            default = field.default_factory()  # type: ignore[call-arg]
-        else:
-            default = None if field.default is PydanticUndefined else field.default
+        default = field.get_default(call_default_factory=True)
         out.append(
             ParamDoc(
                 name=dotted,
-                type=_type_name(hints.get(name, field.annotation)),
-                default=_jsonable(default),
+                type=_type_name(annotation),
+                default=None if default is PydanticUndefined else _jsonable(default),
                 description=" ".join((field.description or "").split()),
             )
         )

@@ -1,15 +1,10 @@
 """The pipeline's flow parameters: one top-level flow parameter per :class:`PipelineParams` field.
 
-Prefect merges a run's parameters *shallowly* over its deployment's: with the whole pipeline in
-one ``params`` object, a custom run that set only ``steps`` replaced the object, and every field
-it left out fell back to the model default (``backend=local`` on the EKS deployment). With one
-flow parameter per field, a run that sets ``steps`` keeps the deployment's ``backend``, and
-``prefect deployment run ... --param steps=50`` works as Prefect users expect.
-
-The field groups (``eks``, ``dataset``, ``export``, ``drills``) are still one parameter each, so
-Prefect still replaces a group whole; :func:`resolve` merges the fields a run set in a group
-over the deployment's group (a deep merge), so ``{"eks": {"queue": "q"}}`` keeps the
-deployment's image.
+Prefect merges a run's parameters *shallowly* over its deployment's: with one parameter per
+field, a run that sets only ``steps`` keeps the deployment's ``backend`` (one ``params`` object
+fell back to the model defaults), and ``--param steps=50`` works as Prefect users expect. A group
+(``eks``, ``dataset``, ``export``, ``drills``) is one parameter, which Prefect replaces whole:
+:func:`flows.pipeline.resolve_params` merges the fields a run set over the deployment's group.
 
 The flow's signature and its docstring's ``Args:`` are generated from the model
 (:func:`flat_parameters`), so the UI form keeps every field's limits and description with no
@@ -76,29 +71,3 @@ def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, An
         else:
             out[key] = value
     return out
-
-
-def _as_set(value: Any) -> Any:
-    """A group as the run gave it: only the fields it set (validated models remember them)."""
-    if isinstance(value, BaseModel):
-        return value.model_dump(mode="json", exclude_unset=True)
-    return value
-
-
-def resolve(
-    model: type[BaseModel], values: Mapping[str, Any], deployment: Mapping[str, Any] | None = None
-) -> Any:
-    """The run's parameters (as Prefect validated them, or JSON) over its deployment's, deep,
-    validated whole as ``model`` (its cross-field checks run here, on the merged values)."""
-    data = {k: _as_set(v) for k, v in values.items()}
-    return model.model_validate(deep_merge(deployment or {}, data))
-
-
-def deployment_parameters(deployment_id: Any) -> dict[str, Any]:
-    """The parameters a deployment declares (what a run's own parameters were merged over)."""
-    if not deployment_id:
-        return {}
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        return dict(client.read_deployment(deployment_id).parameters or {})

@@ -20,19 +20,12 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.logging import get_run_logger
 
 from flows import parameters
-from flows.context import RunContext
+from flows.context import RunContext, RunPlan
 from flows.demo_data import seed_demo_dataset
 from flows.events import emit
-from flows.models import PipelineParams, PipelineResult
-from flows.plan import RunPlan
+from flows.models import CheckpointInfo, ExportInfo, PipelineParams, PipelineResult, TakeoverInfo
 from flows.report import REPORT_FILE, png_data_uri, render_report
-from flows.results import (
-    ExportResult,
-    TrainResult,
-    ValidationResult,
-    build_result,
-    read_the_log,
-)
+from flows.results import ExportResult, TrainResult, ValidationResult
 from flows.stages import (
     export_flow,
     hydrate_flow,
@@ -49,7 +42,7 @@ from trainer.event_types import Cleanup, Event, Step, Takeover
 from trainer.events import EventLog
 from trainer.history import RunHistory
 from trainer.run_files import write_text_atomic
-from trainer.rundir import Layout
+from trainer.rundir import Layout, read_events
 from trainer.timeline import plot_timeline
 
 T = TypeVar("T")
@@ -62,23 +55,30 @@ def run_id_of_flow_run(flow_run_id: UUID | str) -> str:
     return f"run-{UUID(str(flow_run_id)).hex[:12]}"
 
 
-def _run_id(named: str | None, flow_run_id: Any) -> str:
-    return str(named) if named else run_id_of_flow_run(flow_run_id)
-
-
 def _flow_run_name() -> str:
     """The flow run is named by its run id (what `nvrx-pipeline status` and the events use)."""
     from prefect.runtime import flow_run
 
-    return _run_id(flow_run.parameters.get("run_id"), flow_run.id)
+    return str(flow_run.parameters.get("run_id") or run_id_of_flow_run(flow_run.id))
 
 
 def resolve_params(values: Mapping[str, Any], deployment_id: Any) -> PipelineParams:
     """A flow run's parameters (validated by Prefect, or JSON) over its deployment's, deep, and
-    validated whole: the parameters the flow runs with."""
-    return parameters.resolve(
-        PipelineParams, values, parameters.deployment_parameters(deployment_id)
-    )
+    validated whole: the parameters the flow runs with (its cross-field checks run here)."""
+    from pydantic import BaseModel
+
+    deployment: Mapping[str, Any] = {}
+    if deployment_id:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            deployment = dict(client.read_deployment(deployment_id).parameters or {})
+    # A group as the run gave it: only the fields it set (validated models remember them).
+    given = {
+        k: v.model_dump(mode="json", exclude_unset=True) if isinstance(v, BaseModel) else v
+        for k, v in values.items()
+    }
+    return PipelineParams.model_validate(parameters.deep_merge(deployment, given))
 
 
 def _clean_up_after(flow: Any, flow_run: Any, state: Any) -> None:
@@ -92,7 +92,7 @@ def _clean_up_after(flow: Any, flow_run: Any, state: Any) -> None:
     log = logging.getLogger("nvrx.cleanup")
     try:
         params = resolve_params(flow_run.parameters or {}, flow_run.deployment_id)
-        ctx = RunContext.create(params, run_id=_run_id(params.run_id, flow_run.id))
+        ctx = RunContext.create(params, run_id=params.run_id or run_id_of_flow_run(flow_run.id))
         owner = lease.live_owner(ctx.run_root)
         if owner is not None:
             log.warning("run %s: left alone, a live invocation %s owns it", ctx.run_id, owner)
@@ -121,7 +121,7 @@ def training_pipeline(**fields: Any) -> PipelineResult:
     # Cross-field checks run here, on the run's parameters merged over the deployment's.
     params = resolve_params(fields, deployment.get_id())
     # Every fact of the run built once (the placement, the paths, the trainer config).
-    plan = RunPlan.build(params, run_id=_run_id(params.run_id, flow_run.id))
+    plan = RunPlan.build(params, run_id=params.run_id or run_id_of_flow_run(flow_run.id))
     ctx = plan.ctx
     log.info("run %s: run root %s", ctx.run_id, ctx.run_root)
     # Before anything else: one writer per run directory (arch §6). A second invocation of a
@@ -175,7 +175,7 @@ def _run(plan: RunPlan, held: lease.RunLease, since: float) -> PipelineResult:
         _report_end_early(run, held, e)
         raise
     ctx = run.plan.ctx
-    history, events = read_the_log(ctx, since)
+    history, events = run.read_log()
     result = run.result("completed", history)
     _publish(ctx, result, events, held)
     emit(
@@ -218,19 +218,52 @@ class _Run:
                 else 1
             )
 
+    def read_log(self) -> tuple[RunHistory, list[Event]]:
+        """This invocation's events (a resumed run id has earlier invocations' too), read once
+        at its end: their fold for the result, and the events for the timeline plot (which
+        draws every step, so they are held whole here anyway)."""
+        events = [e for e in read_events(self.plan.ctx.run_root) if e.t >= self.since]
+        return RunHistory.of(events), events
+
     def result(self, status: str, history: RunHistory, error: str | None = None) -> PipelineResult:
-        return build_result(
-            self.plan.params,
-            self.plan.ctx,
-            status=status,
-            train=self.train,
-            validation=self.validation,
-            export=self.export,
-            durations=self.durations,
-            attempts=self.attempts,
-            wall_s=time.monotonic() - self.t0,
-            history=history,
+        """What the run got to; ``history``: the fold of this invocation's events."""
+        train, validation, export, took = self.train, self.validation, self.export, history.takeover
+        return PipelineResult(
+            status=status,  # type: ignore[arg-type]
+            run_id=self.plan.ctx.run_id,
+            target_steps=self.plan.params.steps,
+            final_step=train.final_step if train else history.progress(),
+            final_loss=train.final_loss if train else None,
+            params_sha256=train.params_sha256 if train else None,
+            checkpoint=CheckpointInfo()
+            if validation is None
+            else CheckpointInfo(
+                step=validation.step,
+                uri=validation.path,
+                validated=validation.validated,
+                fell_back_from=[r.step for r in validation.fell_back_from if r.step is not None],
+            ),
+            export=ExportInfo()
+            if export is None
+            else ExportInfo.model_validate(export, from_attributes=True),
+            faults=history.fault_records(),
+            world_changes=history.world_change_records(),
+            timeouts=dict(history.timeouts.detail) if history.timeouts is not None else {},
+            memory_interval=history.memory_interval.detail if history.memory_interval else None,
+            stage_attempts=self.attempts,
+            stage_durations_s={k: round(v, 3) for k, v in self.durations.items()},
+            ettr=history.ettr(),
+            train_time=history.time_breakdown(),
+            wall_s=round(time.monotonic() - self.t0, 3),
             error=error,
+            takeover=None
+            if took is None
+            else TakeoverInfo(
+                previous_owner=took.previous,
+                action=took.action,
+                reason=took.reason,
+                steps_lost=took.steps_lost,
+            ),
         )
 
 
@@ -270,7 +303,7 @@ def _report_end_early(run: _Run, held: lease.RunLease, e: BaseException) -> None
     got (the caller re-raises)."""
     ctx = run.plan.ctx
     cancelled = _is_cancellation(e)
-    history, events = read_the_log(ctx, run.since)
+    history, events = run.read_log()
     step = history.progress()
     cause = f"{type(e).__name__}: {e}"
     emit(

@@ -199,24 +199,21 @@ def _blank(v: int | None) -> str:
 MEMORY_TIERS = {"memory": "the process's own copy", "node": "node memory", "peer": "peer copies"}
 
 
-def resumed_from(step: int, fault: FaultRecord | None = None) -> str:
+def resumed_from(step: int, fault: FaultRecord) -> str:
     """Where training went back to after a fault (0: nothing committed yet), and what the load
     read: its tier, bytes and seconds."""
     if step == 0:
         return "started over from step 1"
-    source = fault.resume_source if fault is not None else None
+    source = fault.resume_source
     if source in MEMORY_TIERS:
         text, read = f"resumed from step {step} in {MEMORY_TIERS[source]}", []
     else:
         text, read = f"resumed from step {step}'s checkpoint", [source] if source else []
-    if fault is not None and fault.resume_source:
-        if fault.load_bytes is not None:
-            read.append(f"{fault.load_bytes / 1e6:.1f} MB")
-        if fault.load_s is not None:
-            read.append(f"{fault.load_s:.2f} s")
-    if read:
-        text += f" ({', '.join(read)})"
-    return text
+    if source and fault.load_bytes is not None:
+        read.append(f"{fault.load_bytes / 1e6:.1f} MB")
+    if source and fault.load_s is not None:
+        read.append(f"{fault.load_s:.2f} s")
+    return f"{text} ({', '.join(read)})" if read else text
 
 
 def png_data_uri(path: Path) -> str:

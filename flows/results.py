@@ -1,11 +1,7 @@
-"""What each stage flow returns: typed models, persisted as JSON with the flow run (Prefect's
-result storage) and shown in its Artifacts tab (:func:`publish`).
-
-The pipeline reads these by attribute to build its :class:`flows.models.PipelineResult`
-(:func:`build_result`, with the fold of the run's events, read once at its end); the stages
-build them from the typed reports of ``tasks``. ``TrainResult`` is the completed part of the
-trainer's ``result.json`` (:class:`trainer.rundir.RunResult`, validated where it is read).
-"""
+"""What each stage flow returns: typed models built from the typed reports of ``tasks``,
+persisted as JSON with the flow run (Prefect's result storage) and shown in its Artifacts tab
+(:func:`publish`). ``TrainResult`` is the completed part of the trainer's ``result.json``
+(:class:`trainer.rundir.RunResult`, validated where it is read)."""
 
 from __future__ import annotations
 
@@ -13,18 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flows.context import RunContext
-from flows.models import (
-    CheckpointInfo,
-    ExportInfo,
-    PipelineParams,
-    PipelineResult,
-    TakeoverInfo,
-)
 from tasks.checks import Status
-from trainer.event_types import Event
-from trainer.history import RunHistory
-from trainer.rundir import read_events
 
 
 class _Result(BaseModel):
@@ -40,10 +25,6 @@ class PreflightRow(_Result):
 
 class PreflightResult(_Result):
     checks: list[PreflightRow]
-
-    @property
-    def passed(self) -> bool:
-        return all(r.status != Status.FAILED for r in self.checks)
 
 
 class HydrateResult(_Result):
@@ -135,68 +116,3 @@ def console_link(uri: str, endpoint: str | None, region: str | None) -> str:
         f"https://s3.console.aws.amazon.com/s3/buckets/{bucket}?prefix={quote(prefix)}{where}"
         "&showversions=false"
     )
-
-
-def build_result(
-    params: PipelineParams,
-    ctx: RunContext,
-    *,
-    status: str,
-    train: TrainResult | None,
-    validation: ValidationResult | None,
-    export: ExportResult | None,
-    durations: dict[str, float],
-    attempts: dict[str, int],
-    wall_s: float,
-    history: RunHistory,
-    error: str | None = None,
-) -> PipelineResult:
-    """``history``: the fold of this invocation's events (:func:`read_the_log`)."""
-    took = history.takeover
-    return PipelineResult(
-        status=status,  # type: ignore[arg-type]
-        run_id=ctx.run_id,
-        target_steps=params.steps,
-        final_step=train.final_step if train else history.progress(),
-        final_loss=train.final_loss if train else None,
-        params_sha256=train.params_sha256 if train else None,
-        checkpoint=CheckpointInfo()
-        if validation is None
-        else CheckpointInfo(
-            step=validation.step,
-            uri=validation.path,
-            validated=validation.validated,
-            fell_back_from=[r.step for r in validation.fell_back_from if r.step is not None],
-        ),
-        export=ExportInfo()
-        if export is None
-        else ExportInfo(
-            uri=export.uri, objects=export.objects, bytes=export.bytes, verified=export.verified
-        ),
-        faults=history.fault_records(),
-        world_changes=history.world_change_records(),
-        timeouts=dict(history.timeouts.detail) if history.timeouts is not None else {},
-        memory_interval=history.memory_interval.detail if history.memory_interval else None,
-        stage_attempts=attempts,
-        stage_durations_s={k: round(v, 3) for k, v in durations.items()},
-        ettr=history.ettr(),
-        train_time=history.time_breakdown(),
-        wall_s=round(wall_s, 3),
-        error=error,
-        takeover=None
-        if took is None
-        else TakeoverInfo(
-            previous_owner=took.previous,
-            action=took.action,
-            reason=took.reason,
-            steps_lost=took.steps_lost,
-        ),
-    )
-
-
-def read_the_log(ctx: RunContext, since: float) -> tuple[RunHistory, list[Event]]:
-    """The run's events of this invocation (a resumed run id has earlier invocations' too),
-    read once at its end: their fold for the result, and the events for the timeline plot
-    (which draws every step, so they are held whole here anyway)."""
-    events = [e for e in read_events(ctx.run_root) if e.t >= since]
-    return RunHistory.of(events), events

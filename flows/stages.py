@@ -6,11 +6,11 @@ published to its Artifacts tab."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
-from typing import cast
+from dataclasses import asdict, replace
+from typing import ParamSpec, TypeVar, cast
 from uuid import UUID
 
-from prefect import flow, task
+from prefect import Flow, flow, task
 from prefect.artifacts import (
     create_link_artifact,
     create_progress_artifact,
@@ -20,10 +20,9 @@ from prefect.artifacts import (
 from prefect.logging import get_run_logger
 from prefect.states import Failed, State
 
-from flows.context import launch_request
-from flows.events import emit, last_attempt_cause
+from flows.context import RunPlan, launch_request
+from flows.events import emit
 from flows.models import PipelineParams
-from flows.plan import RunPlan
 from flows.results import (
     CheckRow,
     ExportResult,
@@ -53,23 +52,27 @@ from tasks.train_stage import AttemptReport, run_attempt
 from tasks.validation import load_process
 from tasks.validation.checkpoint import Expectations, prestart_load_check, validate_latest
 from trainer.event_types import Event, TrainEnd
+from trainer.history import RunHistory
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-# -- stage flow runs' names ---------------------------------------------------------------------
-def stage_run_name(stage: str) -> Callable[[], str]:
-    """A stage's flow run reads as what it is (``RUN_ID: train attempt 2``) in the UI's run list
-    and in logs, instead of Prefect's random two words."""
+def stage_flow(name: str) -> Callable[[Callable[P, R]], Flow[P, R]]:
+    """A stage's flow. Its runs read as what they are (``RUN_ID: train attempt 2``) in the UI's
+    run list and in logs, not Prefect's random two words; its result is persisted as JSON
+    (readable from the result storage without this code), so the API and the UI hold it."""
 
-    def name() -> str:
+    def run_name() -> str:
         from prefect.runtime import flow_run
 
         params = flow_run.parameters
         plan, attempt = params.get("plan"), params.get("attempt")
         run_id = plan.ctx.run_id if isinstance(plan, RunPlan) else None
-        label = f"{stage} attempt {attempt}" if attempt else stage
+        label = f"{name} attempt {attempt}" if attempt else name
         return f"{run_id}: {label}" if run_id else label
 
-    return name
+    return flow(name=name, flow_run_name=run_name, persist_result=True, result_serializer="json")
 
 
 def backend_for(plan: RunPlan) -> Backend:
@@ -84,15 +87,7 @@ def backend_for(plan: RunPlan) -> Backend:
     )
 
 
-# -- preflight ------------------------------------------------------------------------------------
-# Every stage flow persists its result as JSON (readable from the result storage without this
-# code), so the API and the UI hold what each stage returned.
-@flow(
-    name="preflight",
-    flow_run_name=stage_run_name("preflight"),
-    persist_result=True,
-    result_serializer="json",
-)
+@stage_flow("preflight")
 def preflight_flow(plan: RunPlan) -> PreflightResult:
     params, ctx = plan.params, plan.ctx
     s3 = {
@@ -159,13 +154,7 @@ def preflight_flow(plan: RunPlan) -> PreflightResult:
     return result
 
 
-# -- hydrate --------------------------------------------------------------------------------------
-@flow(
-    name="hydrate",
-    flow_run_name=stage_run_name("hydrate"),
-    persist_result=True,
-    result_serializer="json",
-)
+@stage_flow("hydrate")
 def hydrate_flow(plan: RunPlan) -> HydrateResult:
     params, ctx = plan.params, plan.ctx
     log = get_run_logger()
@@ -190,31 +179,19 @@ def hydrate_flow(plan: RunPlan) -> HydrateResult:
     done = backend_for(plan).hydrate(request, progress)
     update_progress_artifact(artifact, 100.0)
     log.info("hydrated %s -> %s: %s", done.source, done.dest, done.detail)
-    result = HydrateResult(
-        source=done.source,
-        dest=done.dest,
-        files=done.files,
-        seconds=done.seconds,
-        manifest_sha256=done.manifest_sha256,
-        detail=done.detail,
-        backend=done.report,
-    )
+    fields = asdict(done)
+    fields["backend"] = fields.pop("report")  # what the backend adds, whole
+    result = HydrateResult(**fields)
     publish("hydrate", result, ctx.run_id)
     return result
 
 
-# -- train ----------------------------------------------------------------------------------------
-@flow(
-    name="train",
-    flow_run_name=stage_run_name("train"),
-    persist_result=True,
-    result_serializer="json",
-)
+@stage_flow("train")
 def train_flow(plan: RunPlan, attempt: int) -> TrainResult | State[TrainResult]:
     params, ctx = plan.params, plan.ctx
     log = get_run_logger()
     if attempt > 1:
-        cause = last_attempt_cause(ctx.run_root)
+        cause = RunHistory.read(ctx.run_root).last_attempt_cause()
         log.warning("stage retry: train attempt %d after: %s", attempt, cause)
         emit("stage.retried", ctx.run_id, stage="train", attempt=attempt, cause=cause)
     held = lease.held(ctx.run_root)
@@ -291,13 +268,7 @@ def train_stage(plan: RunPlan) -> TrainResult:
     return cast(TrainResult, train_flow(plan, attempt=int(task_run.run_count or 1)))
 
 
-# -- validate -------------------------------------------------------------------------------------
-@flow(
-    name="validate",
-    flow_run_name=stage_run_name("validate"),
-    persist_result=True,
-    result_serializer="json",
-)
+@stage_flow("validate")
 def validate_flow(plan: RunPlan) -> ValidationResult:
     params, ctx, cfg = plan.params, plan.ctx, plan.train
     # The workload, batch and seed come from each checkpoint's manifest; the config hash says
@@ -332,12 +303,8 @@ def validate_flow(plan: RunPlan) -> ValidationResult:
     create_table_artifact(
         rows, key="validation", description=f"checkpoint validation of {ctx.run_id}"
     )
-    log.info(
-        "checkpoint step %s validated (%s MB/s digests)",
-        outcome.chosen.step,
-        outcome.chosen.hash_mb_s,
-    )
     chosen = outcome.chosen
+    log.info("checkpoint step %s validated (%s MB/s digests)", chosen.step, chosen.hash_mb_s)
     result = ValidationResult(
         step=chosen.step,
         path=chosen.path,
@@ -355,13 +322,7 @@ def validate_flow(plan: RunPlan) -> ValidationResult:
     return result
 
 
-# -- export ---------------------------------------------------------------------------------------
-@flow(
-    name="export",
-    flow_run_name=stage_run_name("export"),
-    persist_result=True,
-    result_serializer="json",
-)
+@stage_flow("export")
 def export_flow(plan: RunPlan, checkpoint_path: str) -> ExportResult:
     from pathlib import Path
 
@@ -369,7 +330,6 @@ def export_flow(plan: RunPlan, checkpoint_path: str) -> ExportResult:
     held = lease.held(ctx.run_root)
     if held is not None:
         held.check("export the checkpoint")
-    client = boto3_client(ctx.s3)
     options = ExportOptions(
         sse=None if params.export.sse == "none" else params.export.sse,
         kms_key_id=params.export.kms_key_id,
@@ -377,22 +337,13 @@ def export_flow(plan: RunPlan, checkpoint_path: str) -> ExportResult:
         workload=plan.train.workload_ref(),
     )
     report: ExportReport = export_checkpoint(
-        client,
+        boto3_client(ctx.s3),
         Path(checkpoint_path),
         params.export.bucket,
         params.export.prefix,
         ctx.run_id,
         endpoint=ctx.s3.endpoint_url,
         options=options,
-    )
-    emit(
-        "export.completed",
-        ctx.run_id,
-        uri=report.uri,
-        objects=report.objects,
-        bytes=report.bytes,
-        verified=report.verified,
-        verification=report.verification,
     )
     get_run_logger().info(
         "exported %s: %d objects (%d uploaded, %d already there), verified against the "
@@ -419,5 +370,7 @@ def export_flow(plan: RunPlan, checkpoint_path: str) -> ExportResult:
     except Exception as e:
         get_run_logger().warning("could not publish the export link: %s", e)
     result = ExportResult(**report.to_dict(), link=link)
+    payload = {"uri", "objects", "bytes", "verified", "verification"}
+    emit("export.completed", ctx.run_id, **result.model_dump(include=payload))
     publish("export", result, ctx.run_id)
     return result

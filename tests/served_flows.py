@@ -28,7 +28,7 @@ from typing import Any
 from prefect import flow
 
 from flows.models import PipelineParams, PipelineResult
-from flows.pipeline import _clean_up_after, _run_id, training_pipeline
+from flows.pipeline import _clean_up_after, run_id_of_flow_run, training_pipeline
 from tasks.backends.eks.clients import EksClients
 from tests.eks_cluster import use_clients
 
@@ -74,7 +74,7 @@ def _kmock_run_name() -> str:
 
     params = flow_run.parameters.get("params")
     named = params.run_id if isinstance(params, PipelineParams) else (params or {}).get("run_id")
-    return _run_id(named, flow_run.id)
+    return str(named or run_id_of_flow_run(flow_run.id))
 
 
 @flow(

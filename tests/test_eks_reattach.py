@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from flows.context import RunPlan
 from flows.models import PipelineParams, PipelineResult
 from flows.pipeline import run_id_of_flow_run, training_pipeline
-from flows.plan import RunPlan
 from tasks.backends.base import LaunchRequest
 from tasks.backends.eks.backend import EksBackend
 from tasks.backends.eks.clients import EksClients

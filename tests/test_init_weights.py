@@ -69,6 +69,7 @@ def test_s3_weights_map_to_the_hydrated_directory(tmp_path: Path, dataset: Path)
 
     from flows.context import RunContext, train_config
     from flows.models import PipelineParams
+    from tasks.backends.base import Placement
 
     params = PipelineParams(
         state_dir=str(tmp_path),
@@ -77,7 +78,8 @@ def test_s3_weights_map_to_the_hydrated_directory(tmp_path: Path, dataset: Path)
     )
     ctx = RunContext.create(params)
     assert ctx.weights_dir == tmp_path.absolute() / "fsx/weights/nvrx-weights/llama-tiny/v1"
-    cfg = train_config(params, run_root=ctx.run_root, data_dir=dataset, weights_dir=ctx.weights_dir)
+    where = Placement(shared_root=tmp_path)
+    cfg = train_config(params, where, ctx.run_root, dataset, weights_dir=ctx.weights_dir)
     assert cfg.workload_options["init_weights"] == str(ctx.weights_dir)
     with pytest.raises(
         ValidationError, match=r"init_weights: the eks backend does not copy s3:// weights"

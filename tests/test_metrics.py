@@ -391,16 +391,20 @@ def test_pipeline_params_metrics_port(tmp_path: Path) -> None:
 
     from flows.context import train_config
     from flows.models import PipelineParams
+    from tasks.backends.base import Placement
 
     with pytest.raises(ValidationError, match="metrics_port"):
         PipelineParams(metrics_port=80)
     with pytest.raises(ValidationError, match="metrics_port: 29500 is also eks.rdzv_port"):
         PipelineParams(backend="eks", metrics_port=29500, global_batch=16, nodes=2)
     local = PipelineParams(state_dir=str(tmp_path), metrics_port=20000)
-    cfg = train_config(local, run_root=tmp_path, data_dir=tmp_path, local_paths=False)
+    cfg = train_config(
+        local, Placement(shared_root=tmp_path, local_paths=False), tmp_path, tmp_path
+    )
     assert (cfg.metrics_port, cfg.metrics_addr) == (20001, "127.0.0.1")
     off = PipelineParams(state_dir=str(tmp_path), metrics_port=None)
-    assert train_config(off, run_root=tmp_path, data_dir=tmp_path).metrics_port is None
+    where = Placement(shared_root=tmp_path)
+    assert train_config(off, where, tmp_path, tmp_path).metrics_port is None
 
 
 # -- EKS -------------------------------------------------------------------------------------

@@ -313,12 +313,12 @@ def test_deterministic_reaches_the_workers_on_both_backends(tmp_path: Path):
     """`deterministic` is what makes a GPU recovery bitwise (benchmarks/results/
     gpu_check_h200.json): it must reach the trainer config the workers read, on both backends."""
     from flows.context import eks_train_config, train_config
+    from tasks.backends.base import Placement
 
     for value in (False, True):
         local = PipelineParams(deterministic=value)
-        cfg = train_config(
-            local, run_root=tmp_path / "r", data_dir=tmp_path / "d", local_paths=False
-        )
+        where = Placement(shared_root=tmp_path, local_paths=False)
+        cfg = train_config(local, where, tmp_path / "r", tmp_path / "d")
         assert cfg.deterministic is value
         eks = PipelineParams(backend="eks", nodes=2, global_batch=16, deterministic=value)
         assert eks_train_config(eks, "r").deterministic is value

@@ -63,7 +63,8 @@ def test_every_stage_returns_a_typed_persisted_result(baseline: PipelineResult):
     assert baseline.params_sha256 == train.params_sha256 and train.final_step == 20
     assert (baseline.checkpoint.step, baseline.checkpoint.uri) == (validation.step, validation.path)
     assert validation.validated and all(c.status != "FAILED" for c in validation.checks)
-    assert baseline.export.uri == export.uri and export.verified and got["preflight"].passed
+    assert baseline.export.uri == export.uri and export.verified
+    assert all(r.status != "FAILED" for r in got["preflight"].checks)
     hydrate = got["hydrate"]
     assert isinstance(hydrate, HydrateResult) and hydrate.files > 0 and hydrate.manifest_sha256
     # The link artifact goes to the export: here the local S3 server's listing of its prefix.
