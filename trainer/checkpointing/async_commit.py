@@ -1,6 +1,12 @@
 """An async save's second half: DCP's ``.metadata`` and the caller's commit, run on the
 coordinator's commit thread while training goes on, and its outcome settled the same way on
-every rank (a result means committed)."""
+every rank (a result means committed).
+
+The ranks agree on a save in flight by name (:class:`SaveFlags`): every rank contributes its
+share every step; summed over ranks (by the training loop's own all-reduce, beside the loss, or
+by one small collective of the saver's), the same decision is taken on every rank: whether every
+writer is done, whether one died, whether the coordinator's commit still runs and whether it
+failed."""
 
 from __future__ import annotations
 
@@ -9,15 +15,37 @@ import shutil
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from trainer.checkpointing.errors import CheckpointCommitError, CheckpointStorageError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveFlags:
+    """One rank's share, or the sum over ranks (then each field counts ranks)."""
+
+    not_done: int = 0  # the rank's writer has not finished the save in flight
+    writer_dead: int = 0  # ... and its writer process is gone
+    commit_running: int = 0  # the coordinator's commit of the finalized save still runs
+    commit_failed: int = 0  # ... it ended, with an error
+
+    def to_tensor(self) -> torch.Tensor:
+        """Float (it rides in the loss's all-reduce), in field order."""
+        return torch.tensor(astuple(self), dtype=torch.float32)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> SaveFlags:
+        values = [round(float(v)) for v in t.reshape(-1).tolist()]
+        if len(values) != len(fields(cls)):
+            raise ValueError(f"save flags have {len(fields(cls))} values, got {len(values)}")
+        return cls(*values)
 
 
 @dataclass

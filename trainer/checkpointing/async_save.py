@@ -65,6 +65,7 @@ from trainer.checkpointing.async_commit import (
     CommitFor,
     CommitTask,
     Committer,
+    SaveFlags,
     SaveResult,
     gather_write_results,
     nothing,
@@ -75,7 +76,6 @@ from trainer.checkpointing.errors import (
     CheckpointWorkerDied,
     CheckpointWriteError,
 )
-from trainer.checkpointing.flags import SaveFlags
 from trainer.checkpointing.process_copy import ProcessCopy
 from trainer.checkpointing.staging import Staging
 from trainer.checkpointing.writer import PersistentWriter, plan_write

@@ -24,21 +24,20 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.optim import Optimizer
 
 from trainer import __version__, checkpointing
-from trainer.checkpointing import (
-    CheckpointCommitError,
-    CheckpointStorageError,
-    node_format,
-    tiers,
-)
+from trainer.checkpointing import node_format, tiers
 from trainer.checkpointing.async_commit import CommitTask, SaveResult
 from trainer.checkpointing.async_save import WARMUP_STEP, AsyncCheckpointer
+from trainer.checkpointing.errors import (
+    CheckpointCommitError,
+    CheckpointError,
+    CheckpointStorageError,
+)
 from trainer.checkpointing.live_state import LiveState
 from trainer.checkpointing.memory_cadence import MemoryCadence
 from trainer.checkpointing.node_copy import NodeMemory
-from trainer.checkpointing.process_copy import NO_COPY, ProcessCopy
+from trainer.checkpointing.process_copy import OwnCopyRestorer, ProcessCopy
 from trainer.checkpointing.restore_durable import DurableRestorer
 from trainer.checkpointing.restore_node import NodeRestorer
-from trainer.checkpointing.restore_own import OwnCopyRestorer
 from trainer.checkpointing.restoring import FatalError, RestoreContext, Restorer, Resumed
 from trainer.config import TrainConfig
 from trainer.elastic import node_id
@@ -178,7 +177,7 @@ class CheckpointManager:
             self._bind_peers([None] * self.world_size, where=None)  # this run's peer copies
             return tiers.Choice("durable", 0), None
         copy = self.saver.own_copy()
-        problem = NO_COPY if copy is None else copy.problem()
+        problem = tiers.NO_COPY if copy is None else copy.problem()
         headers: dict[int, node_format.Header] = {}
         node_why: str | None = None
         if self.node is not None:
@@ -350,7 +349,7 @@ class CheckpointManager:
                 return None
             raise self._storage_failure(e.step, e.directory, e) from e
         except CheckpointCommitError as e:
-            raise checkpointing.CheckpointError(str(e)) from e
+            raise CheckpointError(str(e)) from e
         if result is not None and isinstance(result.committed, Path):
             self.on_commit(result.step, result.committed)  # rank 0, on the training thread
         ready_s = self.saver.writer.take_ready()

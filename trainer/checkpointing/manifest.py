@@ -31,9 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpointing.durable import write_atomic
 from trainer.checkpointing.errors import CheckpointError
-from trainer.checkpointing.layout import DCP_METADATA, is_safe_name, step_of
+from trainer.checkpointing.layout import DCP_METADATA, is_safe_name, step_of, write_atomic
 from trainer.hashing import HEX_DIGITS, SHA256, XXH3_128, file_digest
 from trainer.run_files import UnsafeFile, read_small
 

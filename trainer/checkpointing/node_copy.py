@@ -10,8 +10,7 @@ simulated node's directory, so the simulation is honest), and a new attempt star
 
 Layout, per rank: ``rank-R-of-W/gen-G.bin`` and ``gen-G.json``, a copy's bytes and header
 (their format: :mod:`~trainer.checkpointing.node_format`); the peer copies a node holds for
-ranks of other nodes are ``peer-rank-R-of-W/`` beside them (their wire:
-:mod:`~trainer.checkpointing.node_transport`). ``GENERATIONS`` generations alternate: a save first
+ranks of other nodes are ``peer-rank-R-of-W/`` beside them. ``GENERATIONS`` generations alternate: a save first
 removes the older generation's header, fills its bytes, digests them off the training thread
 and only then writes the header (atomically). A header therefore vouches only for bytes that were
 complete when it was written, and a crash mid-save leaves the other generation whole.
@@ -39,10 +38,7 @@ import torch
 from pydantic import ValidationError
 
 from trainer.checkpointing import node_format
-from trainer.checkpointing import node_transport as transport
-from trainer.checkpointing.durable import write_atomic
-from trainer.checkpointing.layout import NODE_MEMORY_ENV
-from trainer.checkpointing.node_device import DeviceCopy
+from trainer.checkpointing.layout import NODE_MEMORY_ENV, write_atomic
 from trainer.checkpointing.node_format import (
     EMPTY_ENTRIES,
     FORMAT,
@@ -53,6 +49,7 @@ from trainer.checkpointing.node_format import (
     NodeCopyError,
     _Layout,
 )
+from trainer.checkpointing.staging import DeviceCopy
 from trainer.run_files import read_json_object
 
 log = logging.getLogger(__name__)
@@ -142,7 +139,7 @@ class NodeMemory:
         if send_to is not None:
             mm = self._maps[gen] if sealed is not None else None
             blob, size = (sealed[0].encode(), sealed[1]) if sealed is not None else (b"", 0)
-            works = transport.send(blob, size, mm, send_to, group, tags=transport.REPLICA_TAGS)
+            works = node_format.send(blob, size, mm, send_to, group, tags=node_format.REPLICA_TAGS)
         for q in recv_from:
             self._receive(q, group, token)
         for w in works:
@@ -159,7 +156,7 @@ class NodeMemory:
         read to its end all the same)."""
         import torch.distributed as dist
 
-        announced = transport.receive_header(src, group, tags=transport.REPLICA_TAGS)
+        announced = node_format.receive_header(src, group, tags=node_format.REPLICA_TAGS)
         if announced is None:  # its save failed: nothing comes
             return
         blob, size = announced
@@ -188,7 +185,7 @@ class NodeMemory:
                     torch.frombuffer(sink, dtype=torch.uint8)[:size],
                     src,
                     group=group,
-                    tag=transport.REPLICA_TAGS[2],
+                    tag=node_format.REPLICA_TAGS[2],
                 )
             if why or header is None:
                 raise NodeCopyError(why or "no header")
@@ -252,8 +249,8 @@ class NodeMemory:
                 self._close_device()
                 self._device = DeviceCopy(layout.device)
             buf = self._buffer(gen, layout.size)
-            with self._device.copying():
-                layout.copy_into(gen, buf, state, non_blocking=self._device.non_blocking)
+            with self._device.copier.copying():
+                layout.copy_into(gen, buf, state, non_blocking=self._device.copier.non_blocking)
             size = layout.size
         except (OSError, TypeError, RuntimeError) as e:
             self._layout = None
@@ -330,7 +327,7 @@ class NodeMemory:
         validating and dumping ~100 entries at every save cost a millisecond of this thread,
         which shares the cores and the GIL with training; every reader validates it whole."""
         if self._device is not None:  # a launched device-to-host copy, done first
-            self._device.wait()
+            self._device.copier.synchronize()
         cpu0 = time.thread_time()
         sealed: tuple[str, int] | None = None
         if header is not None:

@@ -1,13 +1,11 @@
-"""What every tier's restorer shares (issue 40, item 1): the ranks' context, the result, the
-agreement on a failure and the events that say what was read or skipped.
+"""What every tier's restorer shares: the ranks' context, the result, the agreement on a
+failure and the events that say what was read or skipped.
 
 A resume chooses a tier (:mod:`~trainer.checkpointing.tiers`), then that tier's restorer loads
-it into the live model and optimizer on every rank: :mod:`~trainer.checkpointing.restore_own`
-(the process's own copy), :mod:`~trainer.checkpointing.restore_node` (node memory and the peer
-copies), :mod:`~trainer.checkpointing.restore_durable` (the committed checkpoint). A memory tier
-that fails on any rank gives None on every rank, and the manager chooses again over what is
-left; the durable restorer is the last word (it loads, starts fresh, or raises
-:class:`FatalError`).
+it into the live model and optimizer on every rank (``process_copy.OwnCopyRestorer``,
+``restore_node``, ``restore_durable``). A memory tier that fails on any rank gives None on every
+rank, and the manager chooses again over what is left; the durable restorer is the last word (it
+loads, starts fresh, or raises :class:`FatalError`).
 """
 
 from __future__ import annotations

@@ -11,12 +11,14 @@ The copy itself (:class:`SyncCopy`, :class:`CudaSideStreamCopy`): on CPU it is s
 required ("moving to CPU" is a no-op for CPU tensors, so without it the writer would read the
 live parameters while ``optimizer.step()`` mutates them: measured corrupt checkpoints); on CUDA
 it runs on a side stream that first waits on the current one, with an event recorded behind it,
-and no ``torch.cuda.synchronize()``.
+and no ``torch.cuda.synchronize()``. A memory save's bytes leave the device the same way
+(:class:`DeviceCopy`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -229,3 +231,57 @@ class Staging:
                     state_dict, target, non_blocking=self.copier.non_blocking, type_check=False
                 )
         return staged
+
+
+class DeviceCopy:
+    """How a memory save's bytes (node_copy) leave ``device``. On CPU the copy *is* the save:
+    synchronous, on the training thread, complete when it returns. On CUDA the training thread
+    only launches it, as :class:`CudaSideStreamCopy`:
+
+    - each generation's buffer (a mapping of node memory, kept across saves) is page-locked once
+      when it is made (:meth:`pin`, as :meth:`Staging._alloc` pins the durable save's buffers) and
+      unregistered before it is unmapped, so the copy runs at the pinned floor and truly
+      asynchronously (into pageable memory the host would wait for the stream);
+    - the sealing thread waits on the copy's event before it digests the bytes;
+    - until then every optimizer step first makes its stream wait on it (a global optimizer-step
+      pre-hook, installed while this object lives): the copy must see this step's parameters and
+      moments, not the next step's. The host is never blocked by it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.copier = make_copier(device)
+        self._pinned: dict[int, int] = {}  # id(mapping) -> the registered address
+        self._hook: Any = None
+        if self.copier.non_blocking:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            copier = self.copier
+            self._hook = register_optimizer_step_pre_hook(lambda *_: copier.order_current_stream())
+
+    def pin(self, mm: mmap.mmap) -> None:
+        """Page-lock a generation's new buffer (CUDA only; once per mapping)."""
+        if not self.copier.non_blocking or id(mm) in self._pinned or len(mm) == 0:
+            return
+        from torch.cuda import _pin_memory_utils
+
+        view = torch.frombuffer(mm, dtype=torch.uint8)
+        ptr = view.data_ptr()
+        del view  # an exported buffer would keep the mapping from closing
+        _pin_memory_utils.pin_memory(ptr, len(mm))
+        self._pinned[id(mm)] = ptr
+
+    def unpin(self, mm: mmap.mmap) -> None:
+        """Before a pinned buffer is unmapped (no copy is in flight: the caller waited)."""
+        ptr = self._pinned.pop(id(mm), None)
+        if ptr is not None:
+            from torch.cuda import _pin_memory_utils
+
+            with contextlib.suppress(AssertionError):  # already gone with its context
+                _pin_memory_utils.unpin_memory(ptr)
+
+    def close(self) -> None:
+        self.copier.synchronize()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
