@@ -64,11 +64,6 @@ class Sections(Protocol):
     def section(self, name: str) -> contextlib.AbstractContextManager[None]: ...
 
 
-class _NoSections:
-    def section(self, name: str) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-
 class CheckpointManager:
     def __init__(
         self,
@@ -91,7 +86,6 @@ class CheckpointManager:
         self.peer_group = peer_group
         self._node_headers: dict[int, node_format.Header] = {}
         self._peer_headers: dict[int, dict[int, node_format.Header]] = {}
-        self._own_bytes = 0  # every rank's bytes in its own copy, at the resume
         self._offers: list[tiers.Offer] = []  # every rank's, gathered at the resume
         self._memory_blocking: float | None = None  # this step's memory save (maybe_save)
         self.cadence: MemoryCadence | None = None  # how often a memory save runs (at resume)
@@ -101,8 +95,7 @@ class CheckpointManager:
         self.fence = fence or RunDir.from_env(cfg.run_root).fence(events)
         self.saver = saver
         self.events = events
-        # A load, and a save with its commit, each run under their own hang timeout.
-        self.sections: Sections = sections or _NoSections()
+        self.sections = sections
         # Rank 0, after each commit (step, committed directory): the loop's hooks.
         self.on_commit: Callable[[int, Path], None] = lambda step, path: None
         # Every rank at a resume, once the peer copies its node holds are listed (by the rank
@@ -117,13 +110,10 @@ class CheckpointManager:
 
     # -- resume --------------------------------------------------------------------------------
     def resume(self, model: nn.Module, optim: Optimizer, sampler: DataSource) -> Resumed:
-        """All ranks. Rank 0 settles what a crash left and lists the checkpoints that pass every
-        check but the files' digests; every rank digests its share of the newest one's files (a
-        resume reads the checkpoint once, in parallel); the first that every share vouches for
-        is loaded by everyone, resharding if the world size changed (rank 0 emits a ``resume``
-        event for every newer one skipped and why)."""
+        """All ranks: the newest state every rank can restore, from the tier chosen
+        (:meth:`_choose_tier`), else the next, at last the durable checkpoint."""
         self._live.forget()  # a restore replaces the optimizer's state: its state dicts anew
-        with self.sections.section(LOAD_SECTION):
+        with self._section(LOAD_SECTION):
             resumed = self._resume(model, optim, sampler)
         # Each incarnation measures its own memory saves (a shrunk world, another node).
         self.cadence = MemoryCadence(
@@ -145,7 +135,7 @@ class CheckpointManager:
         while choice.tier != "durable":
             restorer: Restorer
             if choice.tier == "memory":
-                restorer = OwnCopyRestorer(ctx, copy, self._own_bytes)
+                restorer = OwnCopyRestorer(ctx, copy, sum(o.own_bytes for o in self._offers))
             else:
                 assert self.node is not None  # node and peer steps come from node memory
                 restorer = NodeRestorer(ctx, self.node, self._node_headers, self._peer_headers)
@@ -155,7 +145,7 @@ class CheckpointManager:
                     # The copy's own save never committed (the fault came while it was in
                     # flight): write it again now, or the durable tier, which a respawn or a
                     # lost node falls back to, would stay behind what training resumed from.
-                    with self.sections.section(CHECKPOINT_SECTION):
+                    with self._section():
                         self._save(resumed.step, model, optim, sampler, resumed.loss or 0.0)
                 return resumed
             self._offers = tiers.without(
@@ -205,7 +195,6 @@ class CheckpointManager:
             decision[0] = tiers.choose(offers, newest)
         dist.broadcast_object_list(decision, src=0, group=self.group)
         choice: tiers.Choice = decision[0]
-        self._own_bytes = sum(o.own_bytes for o in offers)
         if self.rank == 0:
             for s in choice.skipped:
                 self.events.emit(
@@ -251,7 +240,7 @@ class CheckpointManager:
         self.saver.ensure_started(rank=self.rank)
         blocked: float | None = None
         if self.due(step):
-            with self.sections.section(CHECKPOINT_SECTION):
+            with self._section():
                 blocked = self._save(step, model, optim, sampler, loss)
         if self.node is not None and self.memory_due(step):
             t0 = time.perf_counter()
@@ -339,7 +328,7 @@ class CheckpointManager:
         try:
             result = self.saver.poll(
                 block=block,
-                section=self._checkpoint_section,
+                section=self._section,
                 reduced=reduced,
                 commit=self._commit_task,
             )
@@ -365,15 +354,16 @@ class CheckpointManager:
             )
         return result
 
-    def _checkpoint_section(self) -> contextlib.AbstractContextManager[None]:
-        return self.sections.section(CHECKPOINT_SECTION)
+    def _section(self, name: str = CHECKPOINT_SECTION) -> contextlib.AbstractContextManager[None]:
+        """A load, and a save with its commit, each run under their own hang timeout."""
+        return contextlib.nullcontext() if self.sections is None else self.sections.section(name)
 
     def finish(self) -> None:
         """Every rank, after the last step: wait for the save in flight and its commit. The
         wait runs in the checkpoint section: a writer still starting (it starts after the first
         step, so a resume a few steps before the end can catch it so) or still writing is not a
         stalled step."""
-        with self.sections.section(CHECKPOINT_SECTION):
+        with self._section():
             self.poll(block=True)
 
     def _commit_task(self, result: SaveResult) -> CommitTask:
@@ -407,15 +397,15 @@ class CheckpointManager:
         restart would fail the same way until someone frees space. The partial is discarded; the
         last commit stays valid and the next run resumes from it."""
         ckdir = checkpointing.checkpoints_dir(self.cfg.run_root)
-        disk = _disk(ckdir)
+        mount, free = _disk(ckdir)
         # The directories, not LATEST: a failure right after the rename leaves LATEST behind.
         steps = checkpointing.committed_steps(self.cfg.run_root)
         last = steps[-1] if steps else None
         message = (
-            f"the save of step {step} failed: {error}. Disk: {disk['mount']} (holding {ckdir}; "
-            f"{disk['free_bytes']} bytes free). The partial save was discarded; the last "
+            f"the save of step {step} failed: {error}. Disk: {mount} (holding {ckdir}; "
+            f"{free} bytes free). The partial save was discarded; the last "
             f"committed checkpoint (step {last}) is intact. "
-            f"Free space on {disk['mount']} (or fix the storage), then run again to resume."
+            f"Free space on {mount} (or fix the storage), then run again to resume."
         )
         if self.rank == 0 and self.fence.still_current():
             shutil.rmtree(directory, ignore_errors=True)
@@ -426,8 +416,8 @@ class CheckpointManager:
                         step=step,
                         error=str(error),
                         path=str(ckdir),
-                        disk=disk["mount"],
-                        free_bytes=disk["free_bytes"],
+                        disk=mount,
+                        free_bytes=free,
                         last_committed=last,
                     )
                 )
@@ -482,7 +472,7 @@ class _Commit:
         return path
 
 
-def _disk(path: Path) -> dict[str, Any]:
+def _disk(path: Path) -> tuple[str, int | None]:
     """The mount point holding ``path`` and its free bytes (None where it cannot be read)."""
     probe = Path(path)
     while not probe.exists() and probe != probe.parent:
@@ -495,4 +485,4 @@ def _disk(path: Path) -> dict[str, Any]:
         free: int | None = st.f_bavail * st.f_frsize
     except OSError:
         free = None
-    return {"mount": str(mount), "free_bytes": free}
+    return str(mount), free
