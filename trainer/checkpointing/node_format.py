@@ -18,7 +18,7 @@ import mmap
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import torch
 import xxhash
@@ -32,7 +32,7 @@ GENERATIONS = NODE_MEMORY_GENERATIONS
 HEADER_LIMIT = 16 << 20  # a header lists every tensor of a shard: bounded all the same
 # 2: the bytes' checksum is xxh3-128 (issue 40, item 2), where 1 had sha256. A copy of another
 # format is refused like any other mismatch, and the resume reads the next tier.
-FORMAT = 2
+FORMAT: Final = 2
 
 
 def checksum(buf: Any) -> str:
