@@ -1,90 +1,48 @@
 """Checkpointing (arch §3), one concept per module (docs/layout.md lists them). This package's
 names are the on-disk side's contract for the rest of the code (tasks/, flows/, tests): where
 checkpoints are, their manifest, the commit and its recovery, the resume choice, the errors.
-They import without torch (tasks read checkpoints in light processes); what runs in the
-training process (torch, NVRx) is imported by module, not here.
+Each is imported ``as`` itself (an explicit re-export). They import without torch (tasks read
+checkpoints in light processes); what runs in the training process is imported by module.
 """
 
 from __future__ import annotations
 
-from trainer.checkpointing.commit import Recovery, commit, install, prune, recover
-from trainer.checkpointing.errors import (
-    CheckpointError,
-    CheckpointStorageError,
-    CheckpointTimeout,
-    CheckpointWorkerDied,
-    NoValidCheckpoint,
-)
-from trainer.checkpointing.layout import (
-    DCP_METADATA,
-    LATEST,
-    checkpoints_dir,
-    committed_path,
-    committed_steps,
-    fsync_path,
-    is_safe_name,
-    named,
-    partial_path,
-    read_latest,
-    superseded_path,
-)
-from trainer.checkpointing.manifest import (
-    DIGEST,
-    FORMAT,
-    FORMAT_V1,
-    MANIFEST,
-    MANIFEST_MAX_BYTES,
-    WorkloadRef,
-    as_sha256,
-    check_entry,
-    collect_file_entries,
-    digest_of,
-    digest_share,
-    read_manifest,
-    verify_checkpoint,
-    workload_of,
-    write_digest_sidecar,
-)
-from trainer.checkpointing.resume import candidates, choose_resume, resume_candidates
-
-__all__ = [
-    "DCP_METADATA",
-    "DIGEST",
-    "FORMAT",
-    "FORMAT_V1",
-    "LATEST",
-    "MANIFEST",
-    "MANIFEST_MAX_BYTES",
-    "CheckpointError",
-    "CheckpointStorageError",
-    "CheckpointTimeout",
-    "CheckpointWorkerDied",
-    "NoValidCheckpoint",
-    "Recovery",
-    "WorkloadRef",
-    "as_sha256",
-    "candidates",
-    "check_entry",
-    "checkpoints_dir",
-    "choose_resume",
-    "collect_file_entries",
-    "commit",
-    "committed_path",
-    "committed_steps",
-    "digest_of",
-    "digest_share",
-    "fsync_path",
-    "install",
-    "is_safe_name",
-    "named",
-    "partial_path",
-    "prune",
-    "read_latest",
-    "read_manifest",
-    "recover",
-    "resume_candidates",
-    "superseded_path",
-    "verify_checkpoint",
-    "workload_of",
-    "write_digest_sidecar",
-]
+from trainer.checkpointing.commit import Recovery as Recovery
+from trainer.checkpointing.commit import commit as commit
+from trainer.checkpointing.commit import install as install
+from trainer.checkpointing.commit import prune as prune
+from trainer.checkpointing.commit import recover as recover
+from trainer.checkpointing.errors import CheckpointError as CheckpointError
+from trainer.checkpointing.errors import CheckpointStorageError as CheckpointStorageError
+from trainer.checkpointing.errors import CheckpointTimeout as CheckpointTimeout
+from trainer.checkpointing.errors import CheckpointWorkerDied as CheckpointWorkerDied
+from trainer.checkpointing.errors import NoValidCheckpoint as NoValidCheckpoint
+from trainer.checkpointing.layout import DCP_METADATA as DCP_METADATA
+from trainer.checkpointing.layout import LATEST as LATEST
+from trainer.checkpointing.layout import checkpoints_dir as checkpoints_dir
+from trainer.checkpointing.layout import committed_path as committed_path
+from trainer.checkpointing.layout import committed_steps as committed_steps
+from trainer.checkpointing.layout import fsync_path as fsync_path
+from trainer.checkpointing.layout import is_safe_name as is_safe_name
+from trainer.checkpointing.layout import named as named
+from trainer.checkpointing.layout import partial_path as partial_path
+from trainer.checkpointing.layout import read_latest as read_latest
+from trainer.checkpointing.layout import superseded_path as superseded_path
+from trainer.checkpointing.manifest import DIGEST as DIGEST
+from trainer.checkpointing.manifest import FORMAT as FORMAT
+from trainer.checkpointing.manifest import FORMAT_V1 as FORMAT_V1
+from trainer.checkpointing.manifest import MANIFEST as MANIFEST
+from trainer.checkpointing.manifest import MANIFEST_MAX_BYTES as MANIFEST_MAX_BYTES
+from trainer.checkpointing.manifest import WorkloadRef as WorkloadRef
+from trainer.checkpointing.manifest import as_sha256 as as_sha256
+from trainer.checkpointing.manifest import check_entry as check_entry
+from trainer.checkpointing.manifest import collect_file_entries as collect_file_entries
+from trainer.checkpointing.manifest import digest_of as digest_of
+from trainer.checkpointing.manifest import digest_share as digest_share
+from trainer.checkpointing.manifest import read_manifest as read_manifest
+from trainer.checkpointing.manifest import verify_checkpoint as verify_checkpoint
+from trainer.checkpointing.manifest import workload_of as workload_of
+from trainer.checkpointing.manifest import write_digest_sidecar as write_digest_sidecar
+from trainer.checkpointing.resume import candidates as candidates
+from trainer.checkpointing.resume import choose_resume as choose_resume
+from trainer.checkpointing.resume import resume_candidates as resume_candidates

@@ -38,7 +38,7 @@ from trainer.checkpointing.node_copy import NodeMemory
 from trainer.checkpointing.process_copy import OwnCopyRestorer, ProcessCopy
 from trainer.checkpointing.restore_durable import DurableRestorer
 from trainer.checkpointing.restore_node import NodeRestorer
-from trainer.checkpointing.restoring import FatalError, RestoreContext, Restorer, Resumed
+from trainer.checkpointing.restoring import FatalError, RestoreContext, Resumed
 from trainer.config import TrainConfig
 from trainer.elastic import node_id
 from trainer.event_types import (
@@ -133,7 +133,7 @@ class CheckpointManager:
         # gathered by all, the newest commit came with the choice): an older generation,
         # another tier, at last the durable checkpoint, which overwrites whatever was copied.
         while choice.tier != "durable":
-            restorer: Restorer
+            restorer: OwnCopyRestorer | NodeRestorer
             if choice.tier == "memory":
                 restorer = OwnCopyRestorer(ctx, copy, sum(o.own_bytes for o in self._offers))
             else:
@@ -164,22 +164,19 @@ class CheckpointManager:
         if self.node is not None:
             self.node.unbind()  # an earlier incarnation's peer copy writes nothing more
         if not self.cfg.checkpoint.reads_memory_tiers:
-            self._bind_peers([None] * self.world_size, where=None)  # this run's peer copies
+            self._bind_peers(None)  # this run's peer copies
             return tiers.Choice("durable", 0), None
         copy = self.saver.own_copy()
         problem = tiers.NO_COPY if copy is None else copy.problem()
-        headers: dict[int, node_format.Header] = {}
-        node_why: str | None = None
+        self._node_headers, node_why = self.node.headers() if self.node is not None else ({}, None)
         if self.node is not None:
-            headers, node_why = self.node.headers()
             self._peer_headers = self.node.peer_headers()
             self.on_offer(self._peer_headers)
-        self._node_headers = headers
         offer = tiers.Offer(
             own_step=copy.step if copy is not None and problem is None else -1,
             own_problem=problem,
             own_bytes=copy.nbytes() if copy is not None else 0,
-            node_steps=tuple(sorted(headers)),
+            node_steps=tuple(sorted(self._node_headers)),
             node_problem=node_why,
             peer_holds=tuple(
                 (src, step)
@@ -187,8 +184,7 @@ class CheckpointManager:
                 for step in by_step
             ),
         )
-        offers: list[Any] = [None] * self.world_size
-        offers = self._bind_peers(offers, where=offer)
+        offers = self._bind_peers(offer)
         decision: list[Any] = [None]
         if self.rank == 0:
             newest = max(checkpointing.committed_steps(self.cfg.run_root), default=0)
@@ -204,12 +200,13 @@ class CheckpointManager:
         self._offers = offers
         return choice, copy
 
-    def _bind_peers(self, gathered: list[Any], *, where: tuple[Any, ...] | Any) -> list[Any]:
-        """All ranks: gather ``where`` (this rank's offer) with the node each rank runs on, where
-        it has node memory and a peer group, draw the ring of peer copies among those
+    def _bind_peers(self, offer: tiers.Offer | None) -> list[Any]:
+        """All ranks: gather this rank's offer with the node each rank runs on, where it has
+        node memory and a peer group, draw the ring of peer copies among those
         (:func:`tiers.peer_ring`) and bind this rank's part; returns the offers by rank."""
         mine = node_id() if self.node is not None and self.peer_group is not None else None
-        dist.all_gather_object(gathered, (where, mine), group=self.group)
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (offer, mine), group=self.group)
         ring = tiers.peer_ring([n for _, n in gathered])
         if self.node is not None and self.peer_group is not None:
             self.node.bind_peers(

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from pydantic import ValidationError
 
 from trainer.checkpointing import node_format
@@ -147,8 +148,6 @@ class NodeMemory:
         does (its header removed, the bytes into its kept mapping, the checksum, the header): a
         copy cut mid-way leaves a generation without a header. Anything wrong is logged and the
         copy dropped (the stream is read to its end all the same)."""
-        import torch.distributed as dist
-
         announced = node_format.receive_header(src, group, tags=REPLICA_TAGS)
         if announced is None:  # its save failed: nothing comes
             return

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import torch
+import torch.distributed as dist
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from torch.distributed.tensor import DTensor
@@ -124,11 +125,6 @@ def leaves(obj: Any, path: tuple[PathPart, ...] = ()) -> Iterator[Leaf]:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _dtype(name: str) -> torch.dtype | None:
-    d = getattr(torch, name.removeprefix("torch."), None)
-    return d if isinstance(d, torch.dtype) else None
 
 
 def plan(state: dict[str, Any]) -> tuple[list[Entry], int]:
@@ -265,8 +261,8 @@ def restore(header: Header, mm: mmap.mmap, target: dict[str, Any], path: str) ->
         for entry, leaf in pairs:
             if entry.dtype is None:
                 continue
-            dtype = _dtype(entry.dtype)
-            assert dtype is not None and src is not None and entry.shape is not None
+            dtype = getattr(torch, entry.dtype.removeprefix("torch."))  # matched a live tensor's
+            assert isinstance(dtype, torch.dtype) and src is not None and entry.shape is not None
             raw = src[entry.offset : entry.offset + entry.nbytes]
             view = raw.view(dtype).reshape(entry.shape)
             if view.is_floating_point() and not bool(torch.isfinite(view).all()):
@@ -325,8 +321,6 @@ def send(
 ) -> list[Any]:
     """Post a shard, its header's JSON ``blob`` (empty: nothing comes) and ``size`` bytes mapped
     in ``mm``, to ``dst``; the sends' handles."""
-    import torch.distributed as dist
-
     meta = torch.tensor([len(blob), size], dtype=torch.int64)
     works = [dist.isend(meta, dst, group=group, tag=tags[0])]
     if blob:
@@ -343,8 +337,6 @@ def send(
 def receive_header(src: int, group: Any, *, tags: tuple[int, ...]) -> tuple[bytes, int] | None:
     """The header (JSON bytes, bounded) and the size of the shard ``src`` sends, or None when
     it says nothing comes; the bytes follow with ``tags[2]``."""
-    import torch.distributed as dist
-
     meta = torch.zeros(2, dtype=torch.int64)
     dist.recv(meta, src, group=group, tag=tags[0])
     hlen, size = int(meta[0]), int(meta[1])

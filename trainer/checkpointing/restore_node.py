@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from pydantic import ValidationError
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -116,8 +117,6 @@ def send_shard(
 def recv_shard(node: NodeMemory, src: int, group: Any) -> tuple[Header, mmap.mmap]:
     """A shard sent by ``src``'s :func:`send_shard`, in anonymous memory, its header validated
     (this rank's, world size, fingerprint, epoch); the bytes are checked by the restore."""
-    import torch.distributed as dist
-
     announced = node_format.receive_header(src, group, tags=node_format.RESUME_TAGS)
     if announced is None:
         raise NodeCopyError(f"rank {src} had no copy to send")

@@ -13,19 +13,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch.distributed as dist
-from torch import nn
-from torch.optim import Optimizer
 
-from trainer.checkpointing import tiers
 from trainer.config import TrainConfig
 from trainer.errors import TerminalError
 from trainer.event_types import Resume
 from trainer.events import EventLog
 from trainer.fence import Fence
-from trainer.workload import DataSource
 
 
 class FatalError(TerminalError):
@@ -77,15 +73,6 @@ class RestoreContext:
         """Rank 0: the ``resume`` event of a candidate not read, and why."""
         if self.rank == 0:
             self.events.emit(Resume(action="skipped", step=step, source=source, reason=reason))
-
-
-class Restorer(Protocol):
-    """One tier's restore, on every rank alike: the resume, or None where some rank could not
-    (every rank then chooses again over what is left)."""
-
-    def restore(
-        self, model: nn.Module, optim: Optimizer, sampler: DataSource, choice: tiers.Choice
-    ) -> Resumed | None: ...
 
 
 def loss_of(info: dict[str, Any]) -> float | None:
