@@ -112,9 +112,8 @@ class AsyncCheckpointer:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, *, rank: int = 0, fork: bool = False) -> bool:
-        """Start the writer process now without waiting for it (:class:`PersistentWriter`);
-        whether a new one was started. Idempotent while the writer lives (``bind`` calls it, at
-        a restart, to replace a writer that died); a save of a replaced writer is forgotten."""
+        """Start the writer process now without waiting for it; whether a new one was started
+        (not while the writer lives). A save of a replaced writer is forgotten."""
         if self.writer.queue is not None and self.writer.alive():
             return False
         self._forget_pending()
@@ -139,11 +138,9 @@ class AsyncCheckpointer:
         if self.writer.queue is not None:
             self.start(rank=dist.get_rank())
         if warmup_dir is not None:
-            # Collective: a save plans across ranks, so all warm up if any rank's writer is new,
-            # and only if every rank's results queue is up already: a save plans only after it
-            # is, and waiting for it here would block the worker's start-up. Skipped (always
-            # for a process's first writer, which starts after the first step), the first real
-            # save's write pays the fresh writer's extra cost instead (in the background).
+            # Collective (a save plans across ranks): all warm up if any rank's writer is new and
+            # every rank's results queue is up (waiting for it would block the start-up). Else
+            # (always for a process's first writer) the first real save pays the extra cost.
             waiting = self.writer.queue is None or not nvrx_compat.write_results_queue_ready()
             flags = torch.tensor([0 if self.writer.warmed else 1, 1 if waiting else 0])
             dist.all_reduce(flags, group=group)
@@ -158,9 +155,8 @@ class AsyncCheckpointer:
         self.save({"writer_warmup": torch.zeros(1)}, directory, WARMUP_STEP)
 
     def close(self) -> None:
-        """Idempotent. Waits for (and commits) a save in flight only if ``wait`` was called; a
-        commit already running on the commit thread is let finish (nothing half-done is left
-        that a reader could trust either way, but a finished commit is not lost work)."""
+        """Idempotent. A save in flight is not waited for (call ``wait``); a commit already
+        running is let finish (a finished commit is not lost work)."""
         self._wait_copy_quietly()
         self._remove_step_hook()
         self.commits.close()
@@ -384,9 +380,8 @@ class AsyncCheckpointer:
         return self.poll(block=True, section=section, commit=commit)
 
     def _finalize(self, commit: CommitFor | None) -> None:
-        """DCP finalize, first half, on all ranks: gather the write results; a rank's failed
-        write fails every rank now. The second half, the coordinator's ``.metadata`` and the
-        commit, goes to the commit thread (``self.commits.current``)."""
+        """DCP finalize on all ranks: gather the write results (a rank's failed write fails
+        every rank now); the coordinator's ``.metadata`` and commit go to the commit thread."""
         p = self.pending
         assert p is not None
         self.pending = None
@@ -411,18 +406,16 @@ class AsyncCheckpointer:
 
     def drop_group(self) -> None:
         """After a fault, before ``abandon``: forget this iteration's checkpoint group, so that
-        nothing here keeps its gloo connections open (see ``trainer.gloo_release``). The save in
-        flight, if any, can only be abandoned from now on."""
+        nothing here keeps its gloo connections open (``trainer.gloo_release``)."""
         self.group = None
         self._md_cache = None
         if self.pending is not None:
             self.pending.dist_wrapper = None
 
     def abandon(self) -> None:
-        """After a fault (no collectives possible): let this rank's writer finish whatever it is
-        writing, then forget the save and its write results; it never commits, and its
-        ``.partial`` is removed later. A write whose staging copy had not completed is never
-        handed to the writer."""
+        """After a fault (no collectives): let this rank's writer finish what it writes, then
+        forget the save (it never commits; its ``.partial`` goes later) and its write results.
+        A write whose staging copy had not completed is never handed over."""
         self._wait_copy_quietly()
         self._remove_step_hook()
         self.commits.settle_quietly()

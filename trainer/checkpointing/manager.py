@@ -156,11 +156,9 @@ class CheckpointManager:
         return DurableRestorer(ctx, self.fingerprint).restore(model, optim, sampler, choice)
 
     def _choose_tier(self) -> tuple[tiers.Choice, ProcessCopy | None]:
-        """All ranks, at a resume: what each rank offers (its process's own copy, the steps its
-        node memory holds) gathered, rank 0's choice (:func:`tiers.choose`, with the newest
-        committed step) broadcast, and every tier held but not used said in a ``skipped``
-        resume event. With ``resume`` other than auto, or ``memory.interval`` 0 (no memory
-        tiers at all): the durable tier."""
+        """All ranks: every rank's offer gathered, rank 0's choice (:func:`tiers.choose`, with the
+        newest committed step) broadcast, every tier held but not used said in a ``skipped``
+        event. The durable tier when the run reads no memory tier."""
         if self.node is not None:
             self.node.unbind()  # an earlier incarnation's peer copy writes nothing more
         if not self.cfg.checkpoint.reads_memory_tiers:
@@ -229,10 +227,9 @@ class CheckpointManager:
         loss: float,
         step_s: float | None = None,
     ) -> float | None:
-        """Every rank after finishing ``step`` (which took ``step_s``). Returns the seconds
-        training was blocked by a durable save this step started, None when none started (the
-        caller's poll depends on it); a memory save's blocking is
-        :meth:`take_memory_blocking`'s."""
+        """Every rank after ``step`` (which took ``step_s``): the seconds training was blocked by
+        a durable save this step started, None when none did (the caller's poll depends on it);
+        a memory save's are :meth:`take_memory_blocking`'s."""
         # The first call of an incarnation starts the writer (see AsyncCheckpointer.start).
         self.saver.ensure_started(rank=self.rank)
         blocked: float | None = None
@@ -356,18 +353,14 @@ class CheckpointManager:
         return contextlib.nullcontext() if self.sections is None else self.sections.section(name)
 
     def finish(self) -> None:
-        """Every rank, after the last step: wait for the save in flight and its commit. The
-        wait runs in the checkpoint section: a writer still starting (it starts after the first
-        step, so a resume a few steps before the end can catch it so) or still writing is not a
-        stalled step."""
+        """Every rank, after the last step: wait for the save in flight and its commit, in the
+        checkpoint section (a writer still starting or writing is not a stalled step)."""
         with self._section():
             self.poll(block=True)
 
     def _commit_task(self, result: SaveResult) -> CommitTask:
-        """Rank 0's commit of ``result``, for the saver's commit thread (after DCP's
-        ``.metadata``). Built here, on the training thread, from plain values: the thread holds
-        neither this manager nor its process group (a group must close at a fault's release,
-        ``trainer.gloo_release``)."""
+        """Rank 0's commit of ``result``, built here from plain values: the commit thread holds
+        neither this manager nor its group (which must close at a fault, ``gloo_release``)."""
         commit = _Commit(
             run_root=self.cfg.run_root,
             step=result.step,

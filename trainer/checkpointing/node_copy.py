@@ -77,19 +77,16 @@ class NodeMemory:
         self._maps: dict[int | tuple[int, int], mmap.mmap] = {}
         self._thread: threading.Thread | None = None
         self._failed: str | None = None  # the newest save's failure, said once by the caller
-        # The CPU seconds of the newest sealed save's thread (checksum, header, peer copy): what
-        # a memory save costs beside training (trainer.checkpointing.memory_cadence).
+        # The newest sealed save's thread's CPU seconds: its cost beside training (cadence).
         self._background_s: float | None = None
         self._newest_gen: int | None = None
-        # The peer copy (issue 29, item 2): this incarnation's transport (a gloo group of its
-        # own), the rank this one's shard goes to (on another node) and those whose shards come
-        # here. ``_token`` changes with each incarnation: a thread of an earlier one that is
-        # still in flight writes nothing.
+        # The peer copy (issue 29, item 2): this incarnation's gloo group, the rank this shard
+        # goes to and those whose shards come here. ``_token`` changes with each incarnation:
+        # a thread of an earlier one still in flight writes nothing.
         self._peers: tuple[Any, int | None, tuple[int, ...]] | None = None
         self._token = 0
         self._layout: _Layout | None = None  # the last save's, kept for its state's version
-        # How the bytes leave the device (a CUDA copy is launched, pinned, waited for by
-        # the sealing thread): made at the first save, from where its state is.
+        # How the bytes leave the device: made at the first save, from where its state is.
         self._device: DeviceCopy | None = None
 
     # -- paths -----------------------------------------------------------------------------
@@ -226,11 +223,9 @@ class NodeMemory:
     def save(
         self, step: int, state: dict[str, Any], info: dict[str, Any], version: int | None = None
     ) -> float:
-        """Copy ``state`` (this rank's, as ``get_state_dict`` gives it) into the older
-        generation; returns the seconds the training thread was blocked. The digest and the
-        header follow on a thread: until then the other generation is the newest.
-        ``version``: ``state`` is the same object, of the same structure and values but for its
-        tensors', as at the last save of this version (``live_state.LiveState``): where each
+        """Copy ``state`` into the older generation; the seconds the training thread was blocked
+        (the digest and header follow on a thread). ``version``: ``state`` is the same object,
+        of the same structure, as at the last save of this version (``LiveState``): where each
         tensor goes is not worked out again."""
         t0 = time.perf_counter()
         self.wait()
@@ -277,11 +272,9 @@ class NodeMemory:
         return time.perf_counter() - t0
 
     def _buffer(self, gen: int, size: int, *, src: int | None = None) -> mmap.mmap:
-        """Generation ``gen``'s bytes, mapped: this rank's own, or (``src``) the peer copy of
-        rank ``src`` this node holds. Kept across saves (no new file, no page faulted in again
-        per save); remade when the size changes or the file is gone. The file's pages are
-        allocated first: writing into a sparse tmpfs file that cannot grow would kill the
-        process with SIGBUS, where this raises ENOSPC."""
+        """Generation ``gen``'s bytes, mapped (this rank's, or the peer copy of rank ``src``);
+        kept across saves (no new file, no page faulted in again), remade when the size
+        changes or the file is gone."""
         key: int | tuple[int, int] = gen if src is None else (src, gen)
         path = self.bin_path(gen, None if src is None else self.peer_dir(src))
         mm = self._maps.get(key)
@@ -416,16 +409,13 @@ class NodeMemory:
         return ""
 
     def load(self, header: Header, target: dict[str, Any], where: Path | None = None) -> int:
-        """Restore ``header``'s generation (in ``where``: this rank's directory by default, a
-        peer copy's) into ``target`` (the live model's and optimizer's state, from
-        ``get_state_dict``): digest, finite values and layout checked first, so a failure
-        leaves ``target`` untouched. Returns the bytes read."""
+        """Restore ``header``'s generation (in ``where``, this rank's directory by default) into
+        ``target`` (``node_format.restore``); the bytes read."""
         path = str(self.bin_path(header.generation, where))
         return node_format.restore(header, self.map(header, where), target, path)
 
     def map(self, header: Header, where: Path | None) -> mmap.mmap:
-        """``header``'s bytes (in ``where``: this rank's directory by default), mapped
-        copy-on-write (a restore never changes the file)."""
+        """``header``'s bytes, mapped copy-on-write (a restore never changes the file)."""
         path = self.bin_path(header.generation, where)
         try:
             with open(path, "rb", opener=_no_follow) as f:

@@ -1,19 +1,13 @@
 """The process's own copy of its last save (issue 29, item 1: the first tier, in-process).
 
 Every save first snapshots the rank's state into CPU staging buffers
-(:mod:`~trainer.checkpointing.staging`); until the next save refills them they hold exactly the
-state that save writes. An in-process restart keeps the process, so it keeps that snapshot: when
-every rank still holds the same step, and nothing newer is committed, the restart reloads from
-it with no read at all (the shared filesystem is not touched), instead of reading the durable
-checkpoint back. The snapshot can be newer than the newest commit (a save in flight when the
-fault came): the restart then replays fewer steps.
-
-What it is trusted for: it never left the process (no digest to check against, no file to be
-torn); it must be complete (a fault during the staging copy drops it), of the process's current
-layout (staging reallocates on a new layout, and the copy goes with it) and finite (a NaN in it
-would be restored silently: the durable checkpoint is the fallback then, and says why).
-An in-job respawn or a node loss starts new processes: they load the durable checkpoint.
-:class:`OwnCopyRestorer` restores it (nothing is read: the fastest tier).
+(:mod:`~trainer.checkpointing.staging`), which hold it until the next save refills them. An
+in-process restart keeps the process, so when every rank still holds the same step and nothing
+newer is committed, it reloads from that snapshot with no read at all (:class:`OwnCopyRestorer`),
+and may replay fewer steps (a save in flight at the fault is newer than the newest commit).
+It never left the process (no digest, no torn file), but it must be complete (a fault during
+the staging copy drops it), of the current layout (staging reallocates, and the copy goes) and
+finite (a NaN would be restored silently). A respawn or a lost node reads the durable tier.
 """
 
 from __future__ import annotations
