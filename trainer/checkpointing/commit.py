@@ -48,10 +48,9 @@ from trainer.checkpointing.manifest import (
 log = logging.getLogger(__name__)
 
 
-# Prune re-digests the newest survivor in full up to this size (measured: ~2 ms for the tiny
-# model's 2.2 MB; sha256, the digest of manifests before v2, runs at ~1.7 GB/s here, so 64 MiB
-# costs ~40 ms on the commit path, and xxh3-128 a fraction of it); above it, sizes of every file
-# plus the digest of the manifest-listed .metadata.
+# Prune re-digests the newest survivor in full up to this size (sha256, of manifests before v2,
+# runs at ~1.7 GB/s here: 64 MiB costs ~40 ms on the commit path, xxh3-128 a fraction of it);
+# above it, sizes of every file plus the digest of the manifest-listed .metadata.
 PRUNE_FULL_DIGEST_MAX_BYTES = 64 << 20
 
 
@@ -88,11 +87,9 @@ def commit(
 
 def install(run_root: Path, step: int, src: Path | None = None) -> Path:
     """Rename the complete ``.partial`` of ``step`` to committed, then point ``LATEST`` at it.
-
-    A directory cannot be renamed over a non-empty one, so an older commit of the same step (an
-    earlier life's, e.g. one that resume skipped) is first renamed aside to ``.superseded``,
-    which readers still take as that step's fallback; it is removed only once its replacement
-    is in place. At no instant is there no candidate for the step."""
+    An older commit of the step (one a resume skipped) is first renamed aside to
+    ``.superseded``, still a reader's fallback, and removed once its replacement is in place:
+    at no instant is there no candidate for the step."""
     src = src or partial_path(run_root, step)
     dst = committed_path(run_root, step)
     aside = superseded_path(run_root, step)

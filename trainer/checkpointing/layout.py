@@ -36,8 +36,6 @@ SUPERSEDED_SUFFIX = ".superseded"
 DELETING_SUFFIX = ".deleting"
 
 # fullmatch everywhere: ``$`` would accept a trailing newline.
-_STEP_RE = re.compile(r"step_(\d{9})")
-
 # A partial written under an epoch (trainer.fence) carries it: ``step_000000100.e7.partial``.
 STEP_DIR_RE = re.compile(r"step_(\d{9})((?:\.e[1-9]\d{0,17})?\.partial|\.superseded|\.deleting)?")
 
@@ -94,10 +92,11 @@ def committed_steps(run_root: Path) -> list[int]:
     root = checkpoints_dir(run_root)
     if not root.is_dir():
         return []
-    steps = [
-        int(m.group(1)) for p in root.iterdir() if (m := _STEP_RE.fullmatch(p.name)) and p.is_dir()
-    ]
-    return sorted(steps)
+    return sorted(
+        int(m[1])
+        for p in root.iterdir()
+        if (m := STEP_DIR_RE.fullmatch(p.name)) and not m[2] and p.is_dir()
+    )
 
 
 def read_latest(run_root: Path) -> int | None:

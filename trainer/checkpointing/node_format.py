@@ -1,5 +1,5 @@
-"""Node copies' format (issue 29, item 1; split out in issue 40, item 1): what a memory save
-writes and a restore reads, for node memory and peer copies alike.
+"""Node copies' format: what a memory save writes and a restore reads, in node memory and
+peer copies alike.
 
 A copy is two parts: the raw bytes of every tensor of the rank's state (its local shard of a
 DTensor), packed 8-byte aligned (:func:`plan`), and a JSON header (:class:`Header`): step,
@@ -37,12 +37,10 @@ FORMAT: Final = 2
 
 
 def checksum(buf: Any) -> str:
-    """The checksum of a copy's bytes: xxh3-128 (``xxhash``), ~8 GB/s on one core here against
-    sha256's 1.2 (``benchmarks/results/checksum_speed.json``), off the GIL for large buffers and
-    reading an mmap or memoryview in place. It catches corruption (a flipped bit, a torn or
-    damaged copy); it vouches for nothing against someone who can write node memory, who
-    could rewrite the header as well: what is trusted is where the copy lives (the node's own
-    memory, this attempt's fenced epoch in the header), never the bytes (docs/checkpoints.md)."""
+    """xxh3-128 of a copy's bytes: ~8 GB/s on one core here against sha256's 1.2
+    (``benchmarks/results/checksum_speed.json``), off the GIL, reading a map in place. Against
+    corruption only: who can write node memory can rewrite the header too; what is trusted is
+    where the copy lives (the node, this attempt's fenced epoch), never the bytes."""
     return str(xxhash.xxh3_128_hexdigest(buf))
 
 

@@ -84,15 +84,12 @@ class NodeRestorer:
         if failure is not None:
             raise failure
         h = plan[rank]
-        if h < 0:
-            mine = self.own[step]
-            return mine, self.node.map(mine, None), str(self.node.dir)
-        if h == rank:
-            mine = self.peers[rank][step]
-            where = self.node.peer_dir(rank)
-            return mine, self.node.map(mine, where), str(where)
-        assert received is not None
-        return received
+        if h >= 0 and h != rank:
+            assert received is not None
+            return received
+        mine = self.own[step] if h < 0 else self.peers[rank][step]  # its node's own, or a peer's
+        where = None if h < 0 else self.node.peer_dir(rank)
+        return mine, self.node.map(mine, where), str(where or self.node.dir)
 
 
 def send_shard(
