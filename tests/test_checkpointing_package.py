@@ -6,21 +6,25 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import fields
 
 import pytest
 import torch
 
 from tests.helpers import REPO
-from trainer.checkpointing.flags import SaveFlags
+from trainer.checkpointing.async_commit import SaveFlags
 
 
 def test_the_on_disk_side_imports_without_torch():
-    code = "import sys, trainer.checkpointing as c; print('torch' in sys.modules, len(c.__all__))"
+    code = (
+        "import sys, trainer.checkpointing as c; "
+        "print('torch' in sys.modules, sum(not n.startswith('_') for n in vars(c)))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )
     loaded, exported = out.stdout.split()
-    assert loaded == "False" and int(exported) > 40
+    assert loaded == "False" and int(exported) > 30
 
 
 @pytest.mark.parametrize(
@@ -42,7 +46,8 @@ def test_the_on_disk_side_imports_without_torch():
 def test_the_ranks_agree_by_summing_their_shares(shares, summed):
     total = torch.stack([s.to_tensor() for s in shares]).sum(0)  # what all_reduce computes
     assert SaveFlags.from_tensor(total) == summed
-    assert SaveFlags.names() == ("not_done", "writer_dead", "commit_running", "commit_failed")
+    names = tuple(f.name for f in fields(SaveFlags))
+    assert names == ("not_done", "writer_dead", "commit_running", "commit_failed")
 
 
 def test_flags_of_another_length_are_refused():

@@ -1,52 +1,40 @@
 """Asynchronous DCP checkpoint saves through NVRx's async machinery, with an explicit CPU path.
 
-A save takes a snapshot of this rank's state into CPU staging buffers
-(:mod:`~trainer.checkpointing.staging`), plans the DCP save, and hands the write to NVRx's
-persistent writer process (:mod:`~trainer.checkpointing.writer`), which writes this rank's shard,
-digesting its bytes as they go to the file, while training goes on. ``poll()`` (every step, every
-rank) finalizes the save once every rank's writer is done (:mod:`~trainer.checkpointing.flags` names
-what the ranks agree on): the write results are gathered on the training thread (one small
-collective), and the coordinator writes DCP's ``.metadata`` and runs the caller's commit
-(``poll(commit=...)``: the manifest, fsyncs, rename, prune) on a persistent commit thread of its
-own, while training goes on. A later ``poll`` learns from every rank's flags whether that commit is
-done and whether it failed, and returns the ``SaveResult`` only then: a result means committed.
+``save()`` snapshots this rank's state into CPU staging buffers (``staging``), plans the DCP
+save and hands the write to NVRx's persistent writer process (``writer``), which writes and
+digests the shard while training goes on. ``poll()`` (every step, every rank) finalizes the save
+once every rank's writer is done (``async_commit.SaveFlags``): the write results are
+gathered on the training thread (one small collective), and the coordinator writes DCP's
+``.metadata`` and runs the caller's commit on a commit thread of its own. A later ``poll`` learns
+from every rank's flags whether that commit is done or failed, and only then returns the
+``SaveResult``: a result means committed.
 
-What blocks training, and what overlaps:
+What blocks training:
 
-- **CPU** (``device.type == "cpu"``): ``save()`` blocks for the staging copy (synchronous and
-  required, see the staging module), the DCP plan (cached after the first save) and the
-  hand-off of the request to the writer. The file writes, fsync and digests overlap training.
-  ``before_optimizer_step()`` is a no-op.
-- **CUDA**: ``save()`` blocks only while the device-to-host copies are *enqueued* on a side CUDA
-  stream (which first waits on the current stream, so it copies the state as of the finished
-  optimizer step), a ``torch.cuda.Event`` is recorded behind them, and the DCP plan is made; no
-  ``torch.cuda.synchronize()``. The copy overlaps the next step's forward and backward. Before
-  the next ``optimizer.step()`` (which mutates the parameters and optimizer state being copied)
-  the training loop calls ``before_optimizer_step()``: it makes the current stream wait on that
-  event (a GPU-side wait; the host does not block) and, if the copy has already completed, hands
-  the write request to the writer. Otherwise the request is handed over by the first ``poll()``
-  that sees the event completed (the writer must never read a buffer the copy is still filling).
-  As a safety net the checkpointer also registers a global optimizer step pre-hook while a copy
-  is in flight (``torch.optim.optimizer.register_optimizer_step_pre_hook``) that calls
-  ``before_optimizer_step()``; any *other* in-place change of parameters or optimizer state
-  between ``save()`` and the next optimizer step must call ``before_optimizer_step()`` first.
-  The writes overlap training as on CPU. ``poll(block=True)``/``wait()`` wait for the copy on the
-  host first.
+- **CPU**: the staging copy (synchronous and required, see ``staging``), the DCP plan
+  (cached after the first save) and the hand-off; the writes, fsync and digests overlap.
+- **CUDA**: only enqueuing the device-to-host copies on a side stream (which first waits on the
+  current stream, so it copies the state as of the finished optimizer step), recording an event
+  behind them, and the plan; no ``torch.cuda.synchronize()``. Before the next
+  ``optimizer.step()`` (which mutates what is being copied) ``before_optimizer_step()`` makes the
+  current stream wait on that event (the host does not block) and hands the write over if the
+  copy is done; otherwise the first ``poll()`` that sees it done does (the writer must never read
+  a buffer still being filled). A global optimizer step pre-hook calls it too while a copy is in
+  flight; any *other* in-place change of the state before the next step must call it first.
 
 Why the explicit CPU path (NVRx 0.4.1 hard-codes CUDA in three places; no monkeypatching here):
-- we never pass a ``preload_fn``: NVRx's preload calls ``torch.cuda.synchronize()``; our own
-  staging copy *is* the snapshot, and its buffers are CPU tensors as the writer asserts.
-- we always finalize NVRx calls with ``no_dist=True`` (its distributed check allocates on
-  ``torch.cuda.current_device()``), and agree across ranks ourselves with a CPU all-reduce on a
-  dedicated gloo group, then run the DCP finalize (gather write results, write ``.metadata``).
-- a save that raises inside the writer would make NVRx's blocking finalize hang forever: we only
-  poll without blocking and check that the writer process is alive; a dead or stuck writer
-  raises instead of hanging.
+no ``preload_fn`` (NVRx's calls ``torch.cuda.synchronize()``; our staging copy *is* the snapshot,
+in CPU tensors as the writer asserts); NVRx calls are always finalized with ``no_dist=True`` (its
+distributed check allocates on ``torch.cuda.current_device()``), the ranks agreeing with a CPU
+all-reduce on a gloo group before the DCP finalize; and NVRx's blocking finalize hangs forever
+on a save that raised in the writer, so we only poll without blocking and check that the writer
+lives: a dead or stuck writer raises instead of hanging.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import shutil
 import time
@@ -65,17 +53,15 @@ from trainer.checkpointing.async_commit import (
     CommitFor,
     CommitTask,
     Committer,
+    SaveFlags,
     SaveResult,
     gather_write_results,
-    nothing,
-    remover,
 )
 from trainer.checkpointing.errors import (
     CheckpointTimeout,
     CheckpointWorkerDied,
     CheckpointWriteError,
 )
-from trainer.checkpointing.flags import SaveFlags
 from trainer.checkpointing.process_copy import ProcessCopy
 from trainer.checkpointing.staging import Staging
 from trainer.checkpointing.writer import PersistentWriter, plan_write
@@ -106,11 +92,8 @@ class _Pending:
 
 class AsyncCheckpointer:
     """One per process; survives in-process restarts (re-``bind`` to each new process group).
-
-    Per save, every rank: ``save()`` after an optimizer step; ``before_optimizer_step()`` right
-    before the next ``optimizer.step()`` (a no-op on CPU); ``poll()`` every step until it returns
-    the ``SaveResult`` (or ``wait()``). See the module docstring for what blocks on CPU and CUDA.
-    """
+    Per save, every rank: ``save()``, ``before_optimizer_step()``, ``poll()`` every step until it
+    returns the ``SaveResult`` (or ``wait()``)."""
 
     def __init__(self, *, device: torch.device, timeout_s: float = 300.0, cache_plan: bool = True):
         self.device = device
@@ -129,9 +112,8 @@ class AsyncCheckpointer:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, *, rank: int = 0, fork: bool = False) -> bool:
-        """Start the writer process now without waiting for it (:class:`PersistentWriter`);
-        whether a new one was started. Idempotent while the writer lives (``bind`` calls it, at
-        a restart, to replace a writer that died); a save of a replaced writer is forgotten."""
+        """Start the writer process now without waiting for it; whether a new one was started
+        (not while the writer lives). A save of a replaced writer is forgotten."""
         if self.writer.queue is not None and self.writer.alive():
             return False
         self._forget_pending()
@@ -139,32 +121,26 @@ class AsyncCheckpointer:
         return True
 
     def ensure_started(self, *, rank: int = 0) -> None:
-        """Start the first writer if none was started yet (cheap: called every step). A writer
-        that died is replaced only by ``bind``, at a restart: mid-run its save is still being
-        agreed on by every rank, and that agreement reports the death."""
+        """Start the first writer if none was started yet (cheap: called every step). A dead
+        writer is replaced only by ``bind``: mid-run, the ranks' agreement reports the death."""
         if self.writer.queue is None:
             self.start(rank=rank)
 
     def bind(self, group: dist.ProcessGroup, *, warmup_dir: Path | None = None) -> None:
         """Attach to this restart iteration's checkpoint group; replace the writer if one was
-        started and has died (never waits for it: see ``start``).
-
-        With ``warmup_dir`` (every rank the same directory, or None on every rank), a writer
-        replaced here also writes a one-element checkpoint there in the background: the first
-        write of a fresh writer costs ~0.6 s more than later ones (measured on CPU, whatever the
-        state's size), and that would otherwise delay the commit of the next checkpoint. The
-        warm-up is finalized by the normal ``poll`` and never reported as a save."""
+        started and has died (never waits for it). With ``warmup_dir`` (the same, or None, on
+        every rank) a new writer also writes a one-element checkpoint there in the background:
+        a fresh writer's first write costs ~0.6 s more (measured on CPU, whatever the state's
+        size), which would otherwise delay the next commit. ``poll`` finalizes it unreported."""
         self.group = group
         self._md_cache = nvrx_compat.new_metadata_cache() if self.cache_plan else None
         self.commits.settle_quietly()  # a resume must not read the checkpoints while one commits
         if self.writer.queue is not None:
             self.start(rank=dist.get_rank())
         if warmup_dir is not None:
-            # Collective: a save plans across ranks, so all warm up if any rank's writer is new,
-            # and only if every rank's results queue is up already: a save plans only after it
-            # is, and waiting for it here would block the worker's start-up. Skipped (always
-            # for a process's first writer, which starts after the first step), the first real
-            # save's write pays the fresh writer's extra cost instead (in the background).
+            # Collective (a save plans across ranks): all warm up if any rank's writer is new and
+            # every rank's results queue is up (waiting for it would block the start-up). Else
+            # (always for a process's first writer) the first real save pays the extra cost.
             waiting = self.writer.queue is None or not nvrx_compat.write_results_queue_ready()
             flags = torch.tensor([0 if self.writer.warmed else 1, 1 if waiting else 0])
             dist.all_reduce(flags, group=group)
@@ -179,9 +155,8 @@ class AsyncCheckpointer:
         self.save({"writer_warmup": torch.zeros(1)}, directory, WARMUP_STEP)
 
     def close(self) -> None:
-        """Idempotent. Waits for (and commits) a save in flight only if ``wait`` was called; a
-        commit already running on the commit thread is let finish (nothing half-done is left
-        that a reader could trust either way, but a finished commit is not lost work)."""
+        """Idempotent. A save in flight is not waited for (call ``wait``); a commit already
+        running is let finish (a finished commit is not lost work)."""
         self._wait_copy_quietly()
         self._remove_step_hook()
         self.commits.close()
@@ -190,9 +165,7 @@ class AsyncCheckpointer:
     # -- saving --------------------------------------------------------------------------------
     def own_copy(self) -> ProcessCopy | None:
         """The last save's snapshot, if it is complete (its staging copy done)."""
-        if self._own_copy is None or self.staging.copier.in_flight:
-            return None
-        return self._own_copy
+        return None if self.staging.copier.in_flight else self._own_copy
 
     def save(
         self,
@@ -202,11 +175,8 @@ class AsyncCheckpointer:
         *,
         info: dict[str, Any] | None = None,
     ) -> float:
-        """Start an async save of this rank's shard; returns the seconds training was blocked.
-        Every rank calls it; the previous save must have been finalized (``wait``/``poll``).
-
-        On CUDA the device-to-host copy may still be running when this returns: call
-        ``before_optimizer_step()`` before anything modifies the state in place."""
+        """Every rank: start an async save of this rank's shard (the previous one finalized);
+        returns the seconds training was blocked (module doc)."""
         assert self.group is not None, "bind() first"
         if self.pending is not None:
             raise CheckpointWriteError("previous save not finalized: call wait() first")
@@ -217,25 +187,22 @@ class AsyncCheckpointer:
         real = step != WARMUP_STEP
         if real:
             self._own_copy = None
+        self.writer.results_queue_ready()
         try:
-            request, writer, metadata, dist_wrapper, staged = self._stage_and_plan(
-                state_dict, directory
-            )
+            staged = self.staging.stage(state_dict)
+            if self.staging.reallocated and self.cache_plan:
+                # NVRx reuses a validated cached plan without re-checking tensor sizes: a new
+                # state layout must start a new cache.
+                self._md_cache = nvrx_compat.new_metadata_cache()
+            planned = plan_write(staged, directory, self.group, self._md_cache)
         except BaseException:
             self.staging.copier.synchronize()  # nothing may still be copying into the buffers
             raise
         if real:
             self._own_copy = ProcessCopy(step, staged, dict(info or {}))
+        request, writer, metadata, dist_wrapper = planned
         self.pending = _Pending(
-            step,
-            Path(directory),
-            writer,
-            metadata,
-            dist_wrapper,
-            t0,
-            0.0,
-            request=request,
-            sources=state_dict,
+            step, Path(directory), writer, metadata, dist_wrapper, t0, 0.0, request, state_dict
         )
         if self.staging.copier.query():  # CPU: always (the copy is synchronous)
             self._hand_off()
@@ -246,26 +213,8 @@ class AsyncCheckpointer:
         self.writer.warmed = True
         return blocking
 
-    def _stage_and_plan(self, state_dict: dict[str, Any], directory: Path) -> tuple[Any, ...]:
-        self.writer.results_queue_ready()
-        staged = self.staging.stage(state_dict)
-        if self.staging.reallocated and self.cache_plan:
-            # NVRx reuses a validated cached plan without re-checking tensor sizes: a new state
-            # layout must start a new cache.
-            self._md_cache = nvrx_compat.new_metadata_cache()
-        request, writer, metadata, dist_wrapper = plan_write(
-            staged, directory, self.group, self._md_cache
-        )
-        return request, writer, metadata, dist_wrapper, staged
-
     def before_optimizer_step(self) -> None:
-        """Call right before every ``optimizer.step()`` (all ranks; cheap when idle).
-
-        While a device-to-host copy of the last ``save()`` is in flight (CUDA only), makes the
-        current CUDA stream wait for it, so the step cannot modify what is still being copied
-        (a GPU-side wait: the host does not block), and hands the write to the writer process
-        if the copy has already completed (otherwise the next ``poll()`` does). A no-op on CPU
-        and when no copy is pending."""
+        """Right before every ``optimizer.step()`` (all ranks; cheap when idle; module doc)."""
         p = self.pending
         if p is None or p.request is None:
             return
@@ -283,22 +232,6 @@ class AsyncCheckpointer:
         request, p.request, p.sources = p.request, None, None
         self._remove_step_hook()
         self.writer.schedule(request)
-
-    def _try_hand_off(self, *, block: bool) -> bool:
-        """Hand the pending request over once its copy is complete; whether it has been."""
-        p = self.pending
-        assert p is not None
-        if p.request is None:
-            return True
-        copier = self.staging.copier
-        if not block and not copier.query():
-            return False
-        t0 = time.perf_counter()
-        if block:
-            copier.synchronize()
-        self._hand_off()
-        p.deferred_s += time.perf_counter() - t0
-        return True
 
     def _install_step_hook(self) -> None:
         """Safety net while a copy is in flight: every optimizer's ``step()`` first calls
@@ -344,18 +277,27 @@ class AsyncCheckpointer:
             log.info("discarded %d write result(s) of a save that will not commit", dropped)
 
     def _locally_done(self, *, block: bool) -> bool:
-        assert self.pending is not None
-        if not self.pending.locally_done:
-            if not self._try_hand_off(block=block):
+        """Whether this rank's writer has finished the save, once handed the request (when its
+        copy is complete; ``block``: waited for)."""
+        p = self.pending
+        assert p is not None
+        if p.request is not None:
+            copier = self.staging.copier
+            if not block and not copier.query():
                 return False
-            self.pending.locally_done = self.writer.finished_all()
-        return self.pending.locally_done
+            t0 = time.perf_counter()
+            if block:
+                copier.synchronize()
+            self._hand_off()
+            p.deferred_s += time.perf_counter() - t0
+        if not p.locally_done:
+            p.locally_done = self.writer.finished_all()
+        return p.locally_done
 
     def local_flags(self) -> torch.Tensor:
-        """This rank's share of the next ``poll``'s agreement (:class:`SaveFlags`, as a float
-        tensor; zeros when nothing is pending, the commit flags only on the coordinator): the
-        loop sums it with the loss in its own all-reduce and hands the sums to
-        ``poll(reduced=...)``, so a save in flight costs the step no collective of its own."""
+        """This rank's share of the next ``poll``'s agreement (:class:`SaveFlags`; the commit
+        flags only on the coordinator): the loop sums it in its loss all-reduce and hands the
+        sums to ``poll(reduced=...)``, so a save in flight costs the step no collective."""
         not_done = writer_dead = 0
         if self.pending is not None:
             done = self._locally_done(block=False)
@@ -375,14 +317,12 @@ class AsyncCheckpointer:
         """Every rank, every step: finalize the save in flight once all ranks' writers are done,
         and return its ``SaveResult`` once the coordinator's commit of it is done.
 
-        ``commit(result)`` (the coordinator's; the same call on every rank) builds what the
-        commit thread runs after writing DCP's ``.metadata``; its return value comes back as
-        ``SaveResult.committed``. Non-blocking by default (one tiny CPU all-reduce while a save
-        or a commit is in flight, none with ``reduced``; on CUDA it also hands the write to the
-        writer once the staging copy has completed). With ``block=True`` waits (for the copy,
-        the writers, then the commit), bounded by ``timeout_s``, calling ``progress`` between
-        rounds (a wait for a slow write is not a stalled step: the checkpoint section's timeout
-        bounds it instead); a dead writer or a failed commit on any rank raises on all.
+        ``commit(result)`` (the coordinator's) builds what the commit thread runs after DCP's
+        ``.metadata``; its return value comes back as ``SaveResult.committed``. Non-blocking by
+        default (one tiny CPU all-reduce while a save or a commit is in flight, none with
+        ``reduced``). ``block=True`` waits for the copy, the writers, then the commit, bounded
+        by ``timeout_s``, the gather inside ``section`` (a slow write is not a stalled step); a
+        dead writer or a failed commit on any rank raises on all.
         """
         if self.pending is None and self.commits.current is None:
             self.writer.note_ready()
@@ -401,7 +341,8 @@ class AsyncCheckpointer:
                 dist.all_reduce(summed, group=self.group)
                 flags = SaveFlags.from_tensor(summed)
             if self.commits.current is not None and flags.commit_running == 0:
-                return self._settle(failed=flags.commit_failed > 0)
+                result = self.commits.settle(failed=flags.commit_failed > 0, group=self.group)
+                return None if result.step == WARMUP_STEP else result
             if self.pending is not None:
                 if flags.writer_dead > 0:
                     self._forget_pending()
@@ -423,7 +364,7 @@ class AsyncCheckpointer:
                     # The storage is stuck under the commit thread; the restart this error
                     # leads to waits for it once more (abandon), then resumes from the disk.
                     raise CheckpointTimeout(
-                        f"commit of step {self.commits.current.result.step} not done after "
+                        f"commit of step {self.commits.current.step} not done after "
                         f"{self.timeout_s} s"
                     )
                 self._forget_pending()
@@ -439,9 +380,8 @@ class AsyncCheckpointer:
         return self.poll(block=True, section=section, commit=commit)
 
     def _finalize(self, commit: CommitFor | None) -> None:
-        """DCP finalize, first half, on all ranks: gather the write results; a rank's failed
-        write fails every rank now. The second half, the coordinator's ``.metadata`` and the
-        commit, goes to the commit thread (``self.commits.current``)."""
+        """DCP finalize on all ranks: gather the write results (a rank's failed write fails
+        every rank now); the coordinator's ``.metadata`` and commit go to the commit thread."""
         p = self.pending
         assert p is not None
         self.pending = None
@@ -456,31 +396,26 @@ class AsyncCheckpointer:
         )
         task: CommitTask | None = None
         if p.dist_wrapper.is_coordinator:  # the warm-up commits nothing: its files go
-            task = remover(p.directory) if p.step == WARMUP_STEP else nothing
-            if commit is not None and p.step != WARMUP_STEP:
-                task = commit(result)
+            if p.step == WARMUP_STEP:
+                task = functools.partial(shutil.rmtree, p.directory, ignore_errors=True)
+            else:
+                task = commit(result) if commit is not None else lambda: None
         self.commits.start(
             result, coordinator, task, writer=p.writer, metadata=p.metadata, gathered=gathered
         )
 
-    def _settle(self, *, failed: bool) -> SaveResult | None:
-        result = self.commits.settle(failed=failed, group=self.group)
-        return None if result.step == WARMUP_STEP else result
-
     def drop_group(self) -> None:
         """After a fault, before ``abandon``: forget this iteration's checkpoint group, so that
-        nothing here keeps its gloo connections open (see ``trainer.gloo_release``). The save in
-        flight, if any, can only be abandoned from now on."""
+        nothing here keeps its gloo connections open (``trainer.gloo_release``)."""
         self.group = None
         self._md_cache = None
         if self.pending is not None:
             self.pending.dist_wrapper = None
 
     def abandon(self) -> None:
-        """After a fault (no collectives possible): let this rank's writer finish whatever it is
-        writing, then forget the save and its write results; it never commits, and its
-        ``.partial`` is removed later. A write whose staging copy had not completed is never
-        handed to the writer."""
+        """After a fault (no collectives): let this rank's writer finish what it writes, then
+        forget the save (it never commits; its ``.partial`` goes later) and its write results.
+        A write whose staging copy had not completed is never handed over."""
         self._wait_copy_quietly()
         self._remove_step_hook()
         self.commits.settle_quietly()

@@ -2,27 +2,39 @@
 ``.metadata`` -> rank 0 writes ``manifest.json`` -> atomic rename ``.partial`` -> committed
 (directory fsynced) -> ``LATEST`` replaced atomically -> older steps pruned once the newest
 verifies. Every step is one rename, so a kill between any two leaves a state that
-:mod:`trainer.checkpointing.recovery` resolves without losing a committed step.
+:func:`recover` resolves without losing a committed step.
+
+Recovery after a crash (rank 0, before choosing a checkpoint): a ``.partial`` whose manifest
+verifies is rolled forward, any other is removed; a ``.superseded`` copy is restored if its
+replacement never arrived; ``.deleting`` is removed; ``LATEST`` is repaired. Idempotent.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpointing.durable import delete_dir, durable_rename, write_atomic
 from trainer.checkpointing.layout import (
+    DELETING_SUFFIX,
     LATEST,
+    PARTIAL_SUFFIX,
+    SUPERSEDED_SUFFIX,
     checkpoints_dir,
     committed_path,
     committed_steps,
+    delete_dir,
+    durable_rename,
+    named,
     partial_path,
     read_latest,
+    step_of,
     superseded_path,
+    write_atomic,
 )
 from trainer.checkpointing.manifest import (
     DIGEST,
@@ -36,10 +48,9 @@ from trainer.checkpointing.manifest import (
 log = logging.getLogger(__name__)
 
 
-# Prune re-digests the newest survivor in full up to this size (measured: ~2 ms for the tiny
-# model's 2.2 MB; sha256, the digest of manifests before v2, runs at ~1.7 GB/s here, so 64 MiB
-# costs ~40 ms on the commit path, and xxh3-128 a fraction of it); above it, sizes of every file
-# plus the digest of the manifest-listed .metadata.
+# Prune re-digests the newest survivor in full up to this size (sha256, of manifests before v2,
+# runs at ~1.7 GB/s here: 64 MiB costs ~40 ms on the commit path, xxh3-128 a fraction of it);
+# above it, sizes of every file plus the digest of the manifest-listed .metadata.
 PRUNE_FULL_DIGEST_MAX_BYTES = 64 << 20
 
 
@@ -76,11 +87,9 @@ def commit(
 
 def install(run_root: Path, step: int, src: Path | None = None) -> Path:
     """Rename the complete ``.partial`` of ``step`` to committed, then point ``LATEST`` at it.
-
-    A directory cannot be renamed over a non-empty one, so an older commit of the same step (an
-    earlier life's, e.g. one that resume skipped) is first renamed aside to ``.superseded``,
-    which readers still take as that step's fallback; it is removed only once its replacement
-    is in place. At no instant is there no candidate for the step."""
+    An older commit of the step (one a resume skipped) is first renamed aside to
+    ``.superseded``, still a reader's fallback, and removed once its replacement is in place:
+    at no instant is there no candidate for the step."""
     src = src or partial_path(run_root, step)
     dst = committed_path(run_root, step)
     aside = superseded_path(run_root, step)
@@ -130,3 +139,66 @@ def repair_latest(run_root: Path) -> None:
     steps = committed_steps(run_root)
     if steps and read_latest(run_root) != steps[-1]:
         write_atomic(checkpoints_dir(run_root) / LATEST, f"{steps[-1]}\n")
+
+
+@dataclass(frozen=True)
+class Recovery:
+    action: str  # rolled-forward | removed-partial | restored-superseded | removed-leftover
+    dir: str
+    step: int | None
+    reason: str
+
+
+def recover(run_root: Path, *, fingerprint: str, verify_digests: bool = True) -> list[Recovery]:
+    """Resolve what a crashed commit left behind, so that every committed step survives and no
+    partial is trusted without a verified manifest (``verify_digests``: every file's digest, as
+    :func:`choose_resume`; else sizes and the ``.metadata`` digest). Idempotent."""
+    root = checkpoints_dir(run_root)
+    if not root.is_dir():
+        return []
+    done: list[Recovery] = []
+    for path in named(root, DELETING_SUFFIX):
+        shutil.rmtree(path, ignore_errors=True)
+        done.append(Recovery("removed-leftover", path.name, step_of(path), "an interrupted prune"))
+    for path in named(root, PARTIAL_SUFFIX):
+        done.append(_settle_partial(run_root, path, fingerprint, verify_digests))
+    for path in named(root, SUPERSEDED_SUFFIX):
+        done.append(_settle_superseded(run_root, path))
+    repair_latest(run_root)
+    return done
+
+
+def _settle_partial(run_root: Path, path: Path, fingerprint: str, digests: bool) -> Recovery:
+    step = step_of(path)
+    assert step is not None
+    why = _incomplete(path, fingerprint, digests)
+    if not why:
+        # Killed after its manifest was written: everything it needs is on disk and verified.
+        drop_bookkeeping(path)
+        install(run_root, step, path)
+        return Recovery("rolled-forward", path.name, step, "complete: its manifest verifies")
+    shutil.rmtree(path, ignore_errors=True)
+    return Recovery("removed-partial", path.name, step, why)
+
+
+def _incomplete(path: Path, fingerprint: str, digests: bool) -> str:
+    """Why a ``.partial`` cannot be rolled forward ("" if it can)."""
+    if not (path / MANIFEST).is_file():
+        return "no manifest.json: the save never reached its commit"
+    verdict = verify_checkpoint(path, digests=digests)
+    if not verdict.ok:
+        return verdict.reason
+    if verdict.manifest.get("config_hash") != fingerprint:
+        return f"written with config hash {verdict.manifest.get('config_hash')}, not {fingerprint}"
+    return ""
+
+
+def _settle_superseded(run_root: Path, path: Path) -> Recovery:
+    step = step_of(path)
+    assert step is not None
+    dst = committed_path(run_root, step)
+    if dst.exists():
+        shutil.rmtree(path, ignore_errors=True)
+        return Recovery("removed-leftover", path.name, step, "its replacement is committed")
+    durable_rename(path, dst)
+    return Recovery("restored-superseded", path.name, step, "its replacement never arrived")

@@ -8,7 +8,8 @@ is due."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from trainer.errors import ConfigError, require
@@ -103,16 +104,7 @@ class CheckpointConfig:
         return self.memory.enabled and self.resume == ResumePolicy.AUTO
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "durable": {
-                "interval": self.durable.interval,
-                "keep_last": self.durable.keep_last,
-                "timeout_s": self.durable.timeout_s,
-                "verify_on_resume": self.durable.verify_on_resume,
-            },
-            "memory": {"interval": self.memory.interval, "budget": self.memory.budget},
-            "resume": self.resume.value,
-        }
+        return {**asdict(self), "resume": self.resume.value}
 
     @classmethod
     def from_dict(cls, data: Any) -> CheckpointConfig:
@@ -123,9 +115,8 @@ class CheckpointConfig:
         memory = data.get("memory", {})
         require(isinstance(durable, dict), "checkpoint.durable", "must be a mapping")
         require(isinstance(memory, dict), "checkpoint.memory", "must be a mapping")
-        _known(durable, {"interval", "keep_last", "timeout_s", "verify_on_resume"},
-               "checkpoint.durable.")  # fmt: skip
-        _known(memory, {"interval", "budget"}, "checkpoint.memory.")
+        _known(durable, {f.name for f in fields(DurableConfig)}, "checkpoint.durable.")
+        _known(memory, {f.name for f in fields(MemoryConfig)}, "checkpoint.memory.")
         try:
             resume = ResumePolicy(data.get("resume", ResumePolicy.AUTO))
         except ValueError as e:
@@ -148,6 +139,6 @@ def _whole(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _known(data: dict[str, Any], known: set[str], prefix: str) -> None:
+def _known(data: Iterable[str], known: set[str], prefix: str) -> None:
     for key in data:
         require(key in known, f"{prefix}{key}", f"unknown field; known: {sorted(known)}")

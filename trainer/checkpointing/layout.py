@@ -10,16 +10,18 @@
 
 Names are parsed with ``fullmatch`` only, and a file a manifest names must be one safe path
 component (:func:`is_safe_name`): everything on the shared filesystem is untrusted input.
+
+The file operations here are ones a kill cannot leave half-done: an atomic write (temporary
+file, fsync, rename, directory fsync), a rename made durable, and a directory deleted by renaming
+it to ``.deleting`` first, so that no half-deleted directory is ever left under a trusted name.
 """
 
 from __future__ import annotations
 
-import logging
+import os
 import re
+import shutil
 from pathlib import Path
-
-log = logging.getLogger(__name__)
-
 
 LATEST = "LATEST"
 
@@ -29,16 +31,11 @@ NODE_MEMORY_ENV = "NVRX_NODE_MEMORY"
 NODE_MEMORY_GENERATIONS = 2  # memory saves kept per rank: the newest, and the one before it
 
 DCP_METADATA = ".metadata"
-
 PARTIAL_SUFFIX = ".partial"
-
 SUPERSEDED_SUFFIX = ".superseded"
-
 DELETING_SUFFIX = ".deleting"
 
 # fullmatch everywhere: ``$`` would accept a trailing newline.
-_STEP_RE = re.compile(r"step_(\d{9})")
-
 # A partial written under an epoch (trainer.fence) carries it: ``step_000000100.e7.partial``.
 STEP_DIR_RE = re.compile(r"step_(\d{9})((?:\.e[1-9]\d{0,17})?\.partial|\.superseded|\.deleting)?")
 
@@ -95,10 +92,11 @@ def committed_steps(run_root: Path) -> list[int]:
     root = checkpoints_dir(run_root)
     if not root.is_dir():
         return []
-    steps = [
-        int(m.group(1)) for p in root.iterdir() if (m := _STEP_RE.fullmatch(p.name)) and p.is_dir()
-    ]
-    return sorted(steps)
+    return sorted(
+        int(m[1])
+        for p in root.iterdir()
+        if (m := STEP_DIR_RE.fullmatch(p.name)) and not m[2] and p.is_dir()
+    )
 
 
 def read_latest(run_root: Path) -> int | None:
@@ -107,3 +105,36 @@ def read_latest(run_root: Path) -> int | None:
         return int(path.read_text().strip())
     except (OSError, ValueError):
         return None
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory entry, e.g. after a rename)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def durable_rename(src: Path, dst: Path) -> None:
+    os.rename(src, dst)
+    fsync_path(dst.parent)
+
+
+def delete_dir(path: Path) -> None:
+    """Remove a checkpoint directory: renamed to ``.deleting`` first (one atomic step)."""
+    doomed = path.with_name(path.name.split(".")[0] + DELETING_SUFFIX)
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    durable_rename(path, doomed)
+    shutil.rmtree(doomed)

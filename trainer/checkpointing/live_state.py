@@ -1,19 +1,13 @@
 """The live state of a rank, as ``get_state_dict`` gives it, kept between memory saves.
 
-A memory save runs as often as every step, on the training thread, so what it costs there is
-what the tier costs a fault-free run (issue 29). ``get_state_dict`` was most of it (1.7 of 2.7 ms
-per save on the tiny model): it walks the model and the optimizer, maps every parameter to its
-name and builds both state dicts anew, although between two steps nothing of their *structure*
-changes. Its tensors are the live ones (a parameter's local shard, the optimizer's moments),
-updated in place by every step, so a state dict taken once still reads the newest values.
-
-What can change between steps is the structure: the optimizer's state appears at its first step
-and is replaced by a restore (``set_state_dict``), a scheduler changes a group's learning rate, a
-parameter's storage can be swapped (``p.data = ...``, FSDP registering its unsharded parameters).
-:func:`identity` is a cheap walk over exactly those (every parameter and buffer, every optimizer
-group's settings, every state entry's tensor object and storage, or its value): while it is equal
-the kept state dicts are reused, and any difference takes ``get_state_dict`` again. The kept state
-is only ever read from, never written to.
+A memory save runs on the training thread as often as every step, and ``get_state_dict`` was
+most of its cost (1.7 of 2.7 ms on the tiny model): it walks the model and optimizer and builds
+both state dicts anew, although between two steps nothing of their *structure* changes; their
+tensors are the live ones, updated in place, so a state dict taken once reads the newest values.
+What can change is the structure: the optimizer's state appears at its first step and is
+replaced by a restore, a scheduler changes a group's learning rate, a parameter's storage can
+be swapped (``p.data = ...``, FSDP's unsharded parameters). :func:`identity` is a cheap walk over
+exactly those: while it is equal the kept state dicts are reused (only ever read from).
 """
 
 from __future__ import annotations

@@ -24,22 +24,21 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.optim import Optimizer
 
 from trainer import __version__, checkpointing
-from trainer.checkpointing import (
-    CheckpointCommitError,
-    CheckpointStorageError,
-    node_format,
-    tiers,
-)
+from trainer.checkpointing import node_format, tiers
 from trainer.checkpointing.async_commit import CommitTask, SaveResult
 from trainer.checkpointing.async_save import WARMUP_STEP, AsyncCheckpointer
+from trainer.checkpointing.errors import (
+    CheckpointCommitError,
+    CheckpointError,
+    CheckpointStorageError,
+)
 from trainer.checkpointing.live_state import LiveState
 from trainer.checkpointing.memory_cadence import MemoryCadence
 from trainer.checkpointing.node_copy import NodeMemory
-from trainer.checkpointing.process_copy import NO_COPY, ProcessCopy
+from trainer.checkpointing.process_copy import OwnCopyRestorer, ProcessCopy
 from trainer.checkpointing.restore_durable import DurableRestorer
 from trainer.checkpointing.restore_node import NodeRestorer
-from trainer.checkpointing.restore_own import OwnCopyRestorer
-from trainer.checkpointing.restoring import FatalError, RestoreContext, Restorer, Resumed
+from trainer.checkpointing.restoring import FatalError, RestoreContext, Resumed
 from trainer.config import TrainConfig
 from trainer.elastic import node_id
 from trainer.event_types import (
@@ -65,11 +64,6 @@ class Sections(Protocol):
     def section(self, name: str) -> contextlib.AbstractContextManager[None]: ...
 
 
-class _NoSections:
-    def section(self, name: str) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-
 class CheckpointManager:
     def __init__(
         self,
@@ -92,7 +86,6 @@ class CheckpointManager:
         self.peer_group = peer_group
         self._node_headers: dict[int, node_format.Header] = {}
         self._peer_headers: dict[int, dict[int, node_format.Header]] = {}
-        self._own_bytes = 0  # every rank's bytes in its own copy, at the resume
         self._offers: list[tiers.Offer] = []  # every rank's, gathered at the resume
         self._memory_blocking: float | None = None  # this step's memory save (maybe_save)
         self.cadence: MemoryCadence | None = None  # how often a memory save runs (at resume)
@@ -102,8 +95,7 @@ class CheckpointManager:
         self.fence = fence or RunDir.from_env(cfg.run_root).fence(events)
         self.saver = saver
         self.events = events
-        # A load, and a save with its commit, each run under their own hang timeout.
-        self.sections: Sections = sections or _NoSections()
+        self.sections = sections
         # Rank 0, after each commit (step, committed directory): the loop's hooks.
         self.on_commit: Callable[[int, Path], None] = lambda step, path: None
         # Every rank at a resume, once the peer copies its node holds are listed (by the rank
@@ -118,13 +110,10 @@ class CheckpointManager:
 
     # -- resume --------------------------------------------------------------------------------
     def resume(self, model: nn.Module, optim: Optimizer, sampler: DataSource) -> Resumed:
-        """All ranks. Rank 0 settles what a crash left and lists the checkpoints that pass every
-        check but the files' digests; every rank digests its share of the newest one's files (a
-        resume reads the checkpoint once, in parallel); the first that every share vouches for
-        is loaded by everyone, resharding if the world size changed (rank 0 emits a ``resume``
-        event for every newer one skipped and why)."""
+        """All ranks: the newest state every rank can restore, from the tier chosen
+        (:meth:`_choose_tier`), else the next, at last the durable checkpoint."""
         self._live.forget()  # a restore replaces the optimizer's state: its state dicts anew
-        with self.sections.section(LOAD_SECTION):
+        with self._section(LOAD_SECTION):
             resumed = self._resume(model, optim, sampler)
         # Each incarnation measures its own memory saves (a shrunk world, another node).
         self.cadence = MemoryCadence(
@@ -144,9 +133,9 @@ class CheckpointManager:
         # gathered by all, the newest commit came with the choice): an older generation,
         # another tier, at last the durable checkpoint, which overwrites whatever was copied.
         while choice.tier != "durable":
-            restorer: Restorer
+            restorer: OwnCopyRestorer | NodeRestorer
             if choice.tier == "memory":
-                restorer = OwnCopyRestorer(ctx, copy, self._own_bytes)
+                restorer = OwnCopyRestorer(ctx, copy, sum(o.own_bytes for o in self._offers))
             else:
                 assert self.node is not None  # node and peer steps come from node memory
                 restorer = NodeRestorer(ctx, self.node, self._node_headers, self._peer_headers)
@@ -156,7 +145,7 @@ class CheckpointManager:
                     # The copy's own save never committed (the fault came while it was in
                     # flight): write it again now, or the durable tier, which a respawn or a
                     # lost node falls back to, would stay behind what training resumed from.
-                    with self.sections.section(CHECKPOINT_SECTION):
+                    with self._section():
                         self._save(resumed.step, model, optim, sampler, resumed.loss or 0.0)
                 return resumed
             self._offers = tiers.without(
@@ -167,30 +156,25 @@ class CheckpointManager:
         return DurableRestorer(ctx, self.fingerprint).restore(model, optim, sampler, choice)
 
     def _choose_tier(self) -> tuple[tiers.Choice, ProcessCopy | None]:
-        """All ranks, at a resume: what each rank offers (its process's own copy, the steps its
-        node memory holds) gathered, rank 0's choice (:func:`tiers.choose`, with the newest
-        committed step) broadcast, and every tier held but not used said in a ``skipped``
-        resume event. With ``resume`` other than auto, or ``memory.interval`` 0 (no memory
-        tiers at all): the durable tier."""
+        """All ranks: every rank's offer gathered, rank 0's choice (:func:`tiers.choose`, with the
+        newest committed step) broadcast, every tier held but not used said in a ``skipped``
+        event. The durable tier when the run reads no memory tier."""
         if self.node is not None:
             self.node.unbind()  # an earlier incarnation's peer copy writes nothing more
         if not self.cfg.checkpoint.reads_memory_tiers:
-            self._bind_peers([None] * self.world_size, where=None)  # this run's peer copies
+            self._bind_peers(None)  # this run's peer copies
             return tiers.Choice("durable", 0), None
         copy = self.saver.own_copy()
-        problem = NO_COPY if copy is None else copy.problem()
-        headers: dict[int, node_format.Header] = {}
-        node_why: str | None = None
+        problem = tiers.NO_COPY if copy is None else copy.problem()
+        self._node_headers, node_why = self.node.headers() if self.node is not None else ({}, None)
         if self.node is not None:
-            headers, node_why = self.node.headers()
             self._peer_headers = self.node.peer_headers()
             self.on_offer(self._peer_headers)
-        self._node_headers = headers
         offer = tiers.Offer(
             own_step=copy.step if copy is not None and problem is None else -1,
             own_problem=problem,
             own_bytes=copy.nbytes() if copy is not None else 0,
-            node_steps=tuple(sorted(headers)),
+            node_steps=tuple(sorted(self._node_headers)),
             node_problem=node_why,
             peer_holds=tuple(
                 (src, step)
@@ -198,15 +182,13 @@ class CheckpointManager:
                 for step in by_step
             ),
         )
-        offers: list[Any] = [None] * self.world_size
-        offers = self._bind_peers(offers, where=offer)
+        offers = self._bind_peers(offer)
         decision: list[Any] = [None]
         if self.rank == 0:
             newest = max(checkpointing.committed_steps(self.cfg.run_root), default=0)
             decision[0] = tiers.choose(offers, newest)
         dist.broadcast_object_list(decision, src=0, group=self.group)
         choice: tiers.Choice = decision[0]
-        self._own_bytes = sum(o.own_bytes for o in offers)
         if self.rank == 0:
             for s in choice.skipped:
                 self.events.emit(
@@ -216,12 +198,13 @@ class CheckpointManager:
         self._offers = offers
         return choice, copy
 
-    def _bind_peers(self, gathered: list[Any], *, where: tuple[Any, ...] | Any) -> list[Any]:
-        """All ranks: gather ``where`` (this rank's offer) with the node each rank runs on, where
-        it has node memory and a peer group, draw the ring of peer copies among those
+    def _bind_peers(self, offer: tiers.Offer | None) -> list[Any]:
+        """All ranks: gather this rank's offer with the node each rank runs on, where it has
+        node memory and a peer group, draw the ring of peer copies among those
         (:func:`tiers.peer_ring`) and bind this rank's part; returns the offers by rank."""
         mine = node_id() if self.node is not None and self.peer_group is not None else None
-        dist.all_gather_object(gathered, (where, mine), group=self.group)
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (offer, mine), group=self.group)
         ring = tiers.peer_ring([n for _, n in gathered])
         if self.node is not None and self.peer_group is not None:
             self.node.bind_peers(
@@ -244,15 +227,14 @@ class CheckpointManager:
         loss: float,
         step_s: float | None = None,
     ) -> float | None:
-        """Every rank after finishing ``step`` (which took ``step_s``). Returns the seconds
-        training was blocked by a durable save this step started, None when none started (the
-        caller's poll depends on it); a memory save's blocking is
-        :meth:`take_memory_blocking`'s."""
+        """Every rank after ``step`` (which took ``step_s``): the seconds training was blocked by
+        a durable save this step started, None when none did (the caller's poll depends on it);
+        a memory save's are :meth:`take_memory_blocking`'s."""
         # The first call of an incarnation starts the writer (see AsyncCheckpointer.start).
         self.saver.ensure_started(rank=self.rank)
         blocked: float | None = None
         if self.due(step):
-            with self.sections.section(CHECKPOINT_SECTION):
+            with self._section():
                 blocked = self._save(step, model, optim, sampler, loss)
         if self.node is not None and self.memory_due(step):
             t0 = time.perf_counter()
@@ -340,7 +322,7 @@ class CheckpointManager:
         try:
             result = self.saver.poll(
                 block=block,
-                section=self._checkpoint_section,
+                section=self._section,
                 reduced=reduced,
                 commit=self._commit_task,
             )
@@ -350,7 +332,7 @@ class CheckpointManager:
                 return None
             raise self._storage_failure(e.step, e.directory, e) from e
         except CheckpointCommitError as e:
-            raise checkpointing.CheckpointError(str(e)) from e
+            raise CheckpointError(str(e)) from e
         if result is not None and isinstance(result.committed, Path):
             self.on_commit(result.step, result.committed)  # rank 0, on the training thread
         ready_s = self.saver.writer.take_ready()
@@ -366,22 +348,19 @@ class CheckpointManager:
             )
         return result
 
-    def _checkpoint_section(self) -> contextlib.AbstractContextManager[None]:
-        return self.sections.section(CHECKPOINT_SECTION)
+    def _section(self, name: str = CHECKPOINT_SECTION) -> contextlib.AbstractContextManager[None]:
+        """A load, and a save with its commit, each run under their own hang timeout."""
+        return contextlib.nullcontext() if self.sections is None else self.sections.section(name)
 
     def finish(self) -> None:
-        """Every rank, after the last step: wait for the save in flight and its commit. The
-        wait runs in the checkpoint section: a writer still starting (it starts after the first
-        step, so a resume a few steps before the end can catch it so) or still writing is not a
-        stalled step."""
-        with self.sections.section(CHECKPOINT_SECTION):
+        """Every rank, after the last step: wait for the save in flight and its commit, in the
+        checkpoint section (a writer still starting or writing is not a stalled step)."""
+        with self._section():
             self.poll(block=True)
 
     def _commit_task(self, result: SaveResult) -> CommitTask:
-        """Rank 0's commit of ``result``, for the saver's commit thread (after DCP's
-        ``.metadata``). Built here, on the training thread, from plain values: the thread holds
-        neither this manager nor its process group (a group must close at a fault's release,
-        ``trainer.gloo_release``)."""
+        """Rank 0's commit of ``result``, built here from plain values: the commit thread holds
+        neither this manager nor its group (which must close at a fault, ``gloo_release``)."""
         commit = _Commit(
             run_root=self.cfg.run_root,
             step=result.step,
@@ -408,15 +387,15 @@ class CheckpointManager:
         restart would fail the same way until someone frees space. The partial is discarded; the
         last commit stays valid and the next run resumes from it."""
         ckdir = checkpointing.checkpoints_dir(self.cfg.run_root)
-        disk = _disk(ckdir)
+        mount, free = _disk(ckdir)
         # The directories, not LATEST: a failure right after the rename leaves LATEST behind.
         steps = checkpointing.committed_steps(self.cfg.run_root)
         last = steps[-1] if steps else None
         message = (
-            f"the save of step {step} failed: {error}. Disk: {disk['mount']} (holding {ckdir}; "
-            f"{disk['free_bytes']} bytes free). The partial save was discarded; the last "
+            f"the save of step {step} failed: {error}. Disk: {mount} (holding {ckdir}; "
+            f"{free} bytes free). The partial save was discarded; the last "
             f"committed checkpoint (step {last}) is intact. "
-            f"Free space on {disk['mount']} (or fix the storage), then run again to resume."
+            f"Free space on {mount} (or fix the storage), then run again to resume."
         )
         if self.rank == 0 and self.fence.still_current():
             shutil.rmtree(directory, ignore_errors=True)
@@ -427,8 +406,8 @@ class CheckpointManager:
                         step=step,
                         error=str(error),
                         path=str(ckdir),
-                        disk=disk["mount"],
-                        free_bytes=disk["free_bytes"],
+                        disk=mount,
+                        free_bytes=free,
                         last_committed=last,
                     )
                 )
@@ -483,7 +462,7 @@ class _Commit:
         return path
 
 
-def _disk(path: Path) -> dict[str, Any]:
+def _disk(path: Path) -> tuple[str, int | None]:
     """The mount point holding ``path`` and its free bytes (None where it cannot be read)."""
     probe = Path(path)
     while not probe.exists() and probe != probe.parent:
@@ -496,4 +475,4 @@ def _disk(path: Path) -> dict[str, Any]:
         free: int | None = st.f_bavail * st.f_frsize
     except OSError:
         free = None
-    return {"mount": str(mount), "free_bytes": free}
+    return str(mount), free

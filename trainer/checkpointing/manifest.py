@@ -1,25 +1,19 @@
 """The manifest: the one place its format lives (arch §3).
 
-Every rank's async writer leaves a digest sidecar beside its shards, with the digests taken as
-the bytes were written (:mod:`~trainer.checkpointing.shard_digest`); at commit, rank 0 lists
-every file actually in the directory with its size and digest (``manifest.json``), and a
-reader trusts a directory only if its manifest exists and every file matches it
-(:func:`verify_checkpoint`). The DCP ``.metadata`` is a pickle: it is digested always and read
-only through the restricted unpickler (trainer.untrusted).
+Every rank's writer leaves a digest sidecar beside its shards, digests taken as the bytes were
+written (:mod:`~trainer.checkpointing.shard_digest`); at commit, rank 0 lists every file actually
+in the directory with its size and digest (``manifest.json``), and a reader trusts a directory
+only if every file matches it (:func:`verify_checkpoint`). The DCP ``.metadata`` is a pickle: it
+is digested always and read only through the restricted unpickler (trainer.untrusted).
 
-Formats (a reader takes both; anything else is refused, naming the file and the field):
-
-- ``nvrx-ckpt-v2`` (:data:`FORMAT`, written by commits): the top-level ``"digest"`` names the
-  algorithm, and each file entry holds its hex digest under that name:
-  ``{"digest": "xxh3_128", "files": [{"name", "bytes", "xxh3_128"}]}``. Commits write xxh3-128
-  (:data:`DIGEST`); ``sha256`` is the other digest a v2 manifest may name.
-- ``nvrx-ckpt-v1`` (:data:`FORMAT_V1`): every entry's ``"sha256"`` (``"digest"``, if present,
-  says ``"sha256"``). Checkpoints committed before v2 have it, and so has an export's manifest
-  (:func:`as_sha256`): sha256 is what a reader outside this project checks.
-
-The digests are checksums against corruption (bit rot, torn writes, a damaged copy), not a
-signature: what is trusted comes from where the manifest lives (the fenced run root), never from
-the bytes themselves (docs/checkpoints.md, "Threat model").
+A reader takes two formats and refuses anything else, naming the file and the field:
+``nvrx-ckpt-v2`` (:data:`FORMAT`, what commits write): ``{"digest": "xxh3_128", "files":
+[{"name", "bytes", "xxh3_128"}]}``, the top-level ``"digest"`` naming the key of each entry's
+hex digest (:data:`DIGEST`, or ``sha256``); ``nvrx-ckpt-v1`` (:data:`FORMAT_V1`): every entry's
+``"sha256"``, as checkpoints committed before v2 and an export's manifest have it
+(:func:`as_sha256`: sha256 is what a reader outside this project checks). The digests are
+checksums against corruption (bit rot, torn writes, a damaged copy), not a signature: trust
+comes from where the manifest lives (the fenced run root; docs/checkpoints.md, "Threat model").
 """
 
 from __future__ import annotations
@@ -31,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpointing.durable import write_atomic
 from trainer.checkpointing.errors import CheckpointError
-from trainer.checkpointing.layout import DCP_METADATA, is_safe_name, step_of
+from trainer.checkpointing.layout import DCP_METADATA, is_safe_name, step_of, write_atomic
 from trainer.hashing import HEX_DIGITS, SHA256, XXH3_128, file_digest
 from trainer.run_files import UnsafeFile, read_small
 
@@ -70,10 +63,9 @@ def write_digest_sidecar(
     *,
     streamed: dict[str, tuple[int, str]] | None = None,
 ) -> None:
-    """This rank's freshly written files with their size and digest (run in the async writer,
-    off the training path). ``streamed``: path -> (bytes, digest) the writer's taps took as the
-    bytes went to the file; a file they did not see whole is read back once, and a log line
-    says so."""
+    """This rank's freshly written files with their size and digest (in the writer process).
+    ``streamed``: path -> (bytes, digest) the taps took as the bytes went to the file; a file
+    they did not see whole is read back once, and a log line says so."""
     entries = []
     for p in files:
         size = p.stat().st_size
@@ -128,7 +120,7 @@ def _sidecar_digests(directory: Path, world_size: int) -> dict[tuple[str, int], 
 
 
 def collect_file_entries(directory: Path, world_size: int) -> list[dict[str, Any]]:
-    """Every file actually in ``directory`` (never a name only a sidecar mentions)."""
+    """Every file actually in ``directory`` (not a name only a sidecar mentions), to list."""
     known = _sidecar_digests(directory, world_size)
     entries = []
     for path in sorted(directory.iterdir()):
@@ -152,8 +144,8 @@ def drop_bookkeeping(directory: Path) -> None:
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
-    """The checked manifest of ``directory`` (module doc): a regular file of at most
-    :data:`MANIFEST_MAX_BYTES`, of a known format, whose every entry is well-formed."""
+    """The manifest of ``directory``, checked: a regular file of at most
+    :data:`MANIFEST_MAX_BYTES`, of a known format, every entry well-formed."""
     path = Path(directory) / MANIFEST
     try:
         raw = read_small(path, limit=MANIFEST_MAX_BYTES)
@@ -212,9 +204,8 @@ def check_entry(
     path: Path | str, entry: Any, *, digest: str = SHA256, index: int | None = None
 ) -> None:
     """A file entry is trusted only if its name is one safe path component (it is joined onto
-    the checkpoint directory) and its size and ``digest`` are well-formed. ``path``: where the
-    entry was read (a manifest file or an S3 URI), ``index``: its place in ``files``, for the
-    message."""
+    the checkpoint directory) and its size and ``digest`` are well-formed. ``path`` (a manifest
+    file or an S3 URI) and ``index`` (in ``files``) say where, in the message."""
     at = f"{path}" if index is None else f"{path}: files[{index}]"
     if not isinstance(entry, dict):
         raise CheckpointError(f"{at} is a file entry that is not an object: {_short(entry)}")
@@ -298,10 +289,9 @@ def mismatch(path: Path, entry: dict[str, Any], digest: str) -> str | None:
 def digest_share(
     directory: Path, manifest: dict[str, Any], *, index: int, count: int
 ) -> str | None:
-    """Check the digests of this share of the checkpoint's files (every ``count``-th file from
-    ``index``, largest first so the shares weigh about the same); the reason it fails, or
-    None. With one share per rank, a resume reads the checkpoint once, in parallel, instead of
-    rank 0 hashing all of it before anyone loads."""
+    """Why this share of the checkpoint's files (every ``count``-th from ``index``, largest
+    first so the shares weigh about the same) does not match its digests, or None. One share
+    per rank: a resume reads the checkpoint once, in parallel."""
     digest = digest_of(manifest)
     entries = sorted(manifest["files"], key=lambda e: (-int(e["bytes"]), str(e["name"])))
     for entry in entries[index::count]:
@@ -312,11 +302,9 @@ def digest_share(
 
 
 def verify_checkpoint(directory: Path, *, digests: bool = True) -> ManifestCheck:
-    """Does ``directory`` hold a complete, uncorrupted checkpoint?
-
-    Sizes of every listed file always; the digest of every file with ``digests``, else only of
-    the DCP ``.metadata``: it is a pickle, and nothing is unpickled that a digest has not
-    vouched for (arch §6)."""
+    """Does ``directory`` hold a complete, uncorrupted checkpoint? Sizes of every listed file
+    always; the digest of every file with ``digests``, else only of the DCP ``.metadata`` (a
+    pickle: nothing is unpickled that a digest has not vouched for, arch §6)."""
     directory = Path(directory)
     try:
         manifest = read_manifest(directory)

@@ -1,22 +1,14 @@
 """How often a memory save runs (issue 40, item 4): ``checkpoint.memory.interval: auto``.
 
-A memory save every step is what a resume wants (the least replayed), but it costs: the copy
-blocks the step, and the checksum, the header and the peer copy run beside training on the same
-cores. At 2 MB on this machine a save every step already cost more than it saved (fault-free
-ETTR 0.924-0.942 against 0.978 without), and the cost grows with the state. So each incarnation
-measures it:
-
-- while measuring, a memory save follows every step (``SAMPLE`` of them);
-- at a fixed step (the incarnation's first + ``SAMPLE``), every rank offers its median step
-  time, save blocking and background seconds, and one all-reduce takes the worst of each (the
-  slowest rank's save is everyone's: a step waits for every rank);
-- the interval is the smallest whose cost per step stays within the budget (2 % of a step):
-  ``ceil((blocking + background) / (budget x step))``, between 1 and the durable interval (a
-  memory save rarer than the durable one is worth nothing);
-- rank 0 says what it chose and from which numbers (a ``memory_interval`` event, the report).
-
-The choice is a pure function (:func:`choose`); :class:`MemoryCadence` is its small shell, fed
-by the checkpoint manager. A number in the config is honoured as it is.
+A memory save every step is what a resume wants, but it costs: the copy blocks the step, and the
+checksum, header and peer copy run beside training on the same cores (at 2 MB on this machine a
+save every step cost more than it saved: fault-free ETTR 0.924-0.942 against 0.978 without). So
+each incarnation measures it: a save follows every step for ``SAMPLE`` steps; then every rank
+offers its median step time, blocking and background seconds, one all-reduce takes the worst of
+each (a step waits for the slowest rank), and the interval is the smallest whose cost per step
+stays within the budget, ``ceil((blocking + background) / (budget x step))`` (:func:`choose`),
+between 1 and the durable interval (a rarer memory save is worth nothing). Rank 0 says what it
+chose (a ``memory_interval`` event). A number in the config is honoured as it is.
 """
 
 from __future__ import annotations
@@ -75,8 +67,8 @@ def choose(
 
 @dataclass
 class MemoryCadence:
-    """One incarnation's memory saves: when one is due, and (auto) the measurement and the
-    choice. ``first_step``: the incarnation's first step."""
+    """One incarnation's memory saves (from ``first_step``): when one is due, and (auto) the
+    measurement and the choice."""
 
     config: MemoryConfig
     durable_interval: int

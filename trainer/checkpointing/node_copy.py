@@ -1,26 +1,21 @@
 """Node memory: each rank's newest memory saves, in memory that outlives the worker process
 (issue 29, item 1: the second tier).
 
-A memory save (every ``memory_interval`` steps, far more often than the durable save) copies the
+A memory save (every ``memory.interval`` steps, far more often than the durable save) copies the
 rank's state into a file of node memory: ``/dev/shm`` on one machine, a memory-backed volume
-(``emptyDir: {medium: Memory}``, counted in the pod's memory) on EKS. The directory is given by
-the launcher in ``NVRX_NODE_MEMORY`` and lives as long as the node does in the attempt: an in-job
+(``emptyDir: {medium: Memory}``, counted in the pod's memory) on EKS, the directory the launcher
+gives in ``NVRX_NODE_MEMORY``. It lives as long as the node does in the attempt: an in-job
 respawn on the node finds it; a lost node takes it with it (the local backend deletes a lost
 simulated node's directory, so the simulation is honest), and a new attempt starts empty.
 
-Layout, per rank: ``rank-R-of-W/gen-G.bin`` and ``gen-G.json``, a copy's bytes and header
-(their format: :mod:`~trainer.checkpointing.node_format`); the peer copies a node holds for
-ranks of other nodes are ``peer-rank-R-of-W/`` beside them (their wire:
-:mod:`~trainer.checkpointing.node_transport`). ``GENERATIONS`` generations alternate: a save first
+Per rank: ``rank-R-of-W/gen-G.bin`` and ``gen-G.json``, a copy's bytes and header (their format:
+:mod:`~trainer.checkpointing.node_format`); the peer copies a node holds for ranks of other nodes
+are ``peer-rank-R-of-W/`` beside them. ``GENERATIONS`` generations alternate: a save first
 removes the older generation's header, fills its bytes, digests them off the training thread
-and only then writes the header (atomically). A header therefore vouches only for bytes that were
-complete when it was written, and a crash mid-save leaves the other generation whole.
-
-What a reader trusts: nothing before checking it. The header is bounded and validated, it must
-name this rank, world size, fingerprint and epoch; the bytes must have the header's size and
-digest, every floating-point tensor must be finite, and every entry must match the live state's
-path, dtype and shape. Any failure names itself, and the resume falls back to the next newest
-copy (the older generation, another tier, at last the durable checkpoint: ``tiers.without``).
+and only then writes the header (atomically). A header therefore vouches only for bytes that
+were complete when it was written, and a crash mid-save leaves the other generation whole.
+Nothing read is trusted before it is checked (``node_format.restore``); any failure names
+itself, and the resume falls back to the next newest copy (``tiers.without``).
 """
 
 from __future__ import annotations
@@ -29,6 +24,7 @@ import contextlib
 import logging
 import mmap
 import os
+import re
 import shutil
 import threading
 import time
@@ -36,34 +32,33 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from pydantic import ValidationError
 
 from trainer.checkpointing import node_format
-from trainer.checkpointing import node_transport as transport
-from trainer.checkpointing.durable import write_atomic
-from trainer.checkpointing.layout import NODE_MEMORY_ENV
-from trainer.checkpointing.node_device import DeviceCopy
+from trainer.checkpointing.layout import NODE_MEMORY_ENV, write_atomic
 from trainer.checkpointing.node_format import (
     EMPTY_ENTRIES,
     FORMAT,
     GENERATIONS,
     HEADER_LIMIT,
+    REPLICA_TAGS,
     Announced,
     Header,
     NodeCopyError,
     _Layout,
 )
+from trainer.checkpointing.staging import DeviceCopy
 from trainer.run_files import read_json_object
 
 log = logging.getLogger(__name__)
 
 SOURCE = "node"  # a resume event's tier
-ENV = NODE_MEMORY_ENV  # the node's directory, set by the launcher (absent: no node tier)
 
 
 class NodeMemory:
     """One rank's node-memory tier: ``save`` on the training thread (a copy), the digest and the
-    header on a thread of its own; ``offers`` and ``load`` at a resume."""
+    header on a thread of its own; ``headers`` and ``peer_headers`` at a resume."""
 
     def __init__(
         self,
@@ -82,19 +77,16 @@ class NodeMemory:
         self._maps: dict[int | tuple[int, int], mmap.mmap] = {}
         self._thread: threading.Thread | None = None
         self._failed: str | None = None  # the newest save's failure, said once by the caller
-        # The CPU seconds of the newest sealed save's thread (checksum, header, peer copy): what
-        # a memory save costs beside training (trainer.checkpointing.memory_cadence).
+        # The newest sealed save's thread's CPU seconds: its cost beside training (cadence).
         self._background_s: float | None = None
         self._newest_gen: int | None = None
-        # The peer copy (issue 29, item 2): this incarnation's transport (a gloo group of its
-        # own), the rank this one's shard goes to (on another node) and those whose shards come
-        # here. ``_token`` changes with each incarnation: a thread of an earlier one that is
-        # still in flight writes nothing.
+        # The peer copy (issue 29, item 2): this incarnation's gloo group, the rank this shard
+        # goes to and those whose shards come here. ``_token`` changes with each incarnation:
+        # a thread of an earlier one still in flight writes nothing.
         self._peers: tuple[Any, int | None, tuple[int, ...]] | None = None
         self._token = 0
         self._layout: _Layout | None = None  # the last save's, kept for its state's version
-        # How the bytes leave the device (a CUDA copy is launched, pinned, waited for by
-        # the sealing thread): made at the first save, from where its state is.
+        # How the bytes leave the device: made at the first save, from where its state is.
         self._device: DeviceCopy | None = None
 
     # -- paths -----------------------------------------------------------------------------
@@ -133,7 +125,6 @@ class NodeMemory:
         """Send this save's shard (``sealed``: its header's JSON and size) to the peer and
         receive the shards that come here; a save that failed still sends its message (an
         empty one), or the peer would wait for it."""
-
         peers = self._peers
         if peers is None or token != self._token:
             return
@@ -142,7 +133,7 @@ class NodeMemory:
         if send_to is not None:
             mm = self._maps[gen] if sealed is not None else None
             blob, size = (sealed[0].encode(), sealed[1]) if sealed is not None else (b"", 0)
-            works = transport.send(blob, size, mm, send_to, group, tags=transport.REPLICA_TAGS)
+            works = node_format.send(blob, size, mm, send_to, group, tags=REPLICA_TAGS)
         for q in recv_from:
             self._receive(q, group, token)
         for w in works:
@@ -150,16 +141,11 @@ class NodeMemory:
                 w.wait()
 
     def _receive(self, src: int, group: Any, token: int) -> None:
-        """One shard from ``src``, straight into the generation it announces, as a save of
-        this node's own does: that generation's header goes first (nothing vouches for its bytes
-        while they arrive), the bytes land in its file's mapping (kept across saves: no new
-        file, no page faulted in again per save), then the checksum, then the header. A copy
-        cut mid-way leaves a generation without a header, never a stray file; the other
-        generation stays whole. Anything wrong is logged and the copy dropped (the stream is
-        read to its end all the same)."""
-        import torch.distributed as dist
-
-        announced = transport.receive_header(src, group, tags=transport.REPLICA_TAGS)
+        """One shard from ``src``, into the generation it announces as a save of this node's own
+        does (its header removed, the bytes into its kept mapping, the checksum, the header): a
+        copy cut mid-way leaves a generation without a header. Anything wrong is logged and the
+        copy dropped (the stream is read to its end all the same)."""
+        announced = node_format.receive_header(src, group, tags=REPLICA_TAGS)
         if announced is None:  # its save failed: nothing comes
             return
         blob, size = announced
@@ -188,7 +174,7 @@ class NodeMemory:
                     torch.frombuffer(sink, dtype=torch.uint8)[:size],
                     src,
                     group=group,
-                    tag=transport.REPLICA_TAGS[2],
+                    tag=REPLICA_TAGS[2],
                 )
             if why or header is None:
                 raise NodeCopyError(why or "no header")
@@ -209,18 +195,23 @@ class NodeMemory:
         """Remove this node's copies of worlds of another size (an elastic job that shrank or
         grew): they can never be restored into this world, and offered at a later resume of a
         world of their size they would go back past what this one trained. Returns what went."""
-        gone: list[str] = []
-        suffix = f"-of-{self.world_size}"
-        try:
-            names = sorted(p.name for p in self.root.iterdir())[:1024]
-        except OSError:
-            return gone
-        for name in names:
-            mine = name.startswith(("rank-", "peer-rank-")) and "-of-" in name
-            if mine and not name.endswith(suffix):
-                shutil.rmtree(self.root / name, ignore_errors=True)
-                gone.append(name)
+        gone = [
+            name
+            for name in self._names()
+            if name.startswith(("rank-", "peer-rank-"))
+            and "-of-" in name
+            and not name.endswith(f"-of-{self.world_size}")
+        ]
+        for name in gone:
+            shutil.rmtree(self.root / name, ignore_errors=True)
         return gone
+
+    def _names(self) -> list[str]:
+        """What node memory holds (at most 1024 names: it is untrusted input)."""
+        try:
+            return sorted(p.name for p in self.root.iterdir())[:1024]
+        except OSError:
+            return []
 
     def peer_dir(self, rank: int) -> Path:
         return self.root / f"peer-rank-{rank}-of-{self.world_size}"
@@ -232,15 +223,14 @@ class NodeMemory:
     def save(
         self, step: int, state: dict[str, Any], info: dict[str, Any], version: int | None = None
     ) -> float:
-        """Copy ``state`` (this rank's, as ``get_state_dict`` gives it) into the older
-        generation; returns the seconds the training thread was blocked. The digest and the
-        header follow on a thread: until then the other generation is the newest.
-        ``version``: ``state`` is the same object, of the same structure and values but for its
-        tensors', as at the last save of this version (``live_state.LiveState``): where each
+        """Copy ``state`` into the older generation; the seconds the training thread was blocked
+        (the digest and header follow on a thread). ``version``: ``state`` is the same object,
+        of the same structure, as at the last save of this version (``LiveState``): where each
         tensor goes is not worked out again."""
         t0 = time.perf_counter()
         self.wait()
         gen = 0 if self._newest_gen is None else (self._newest_gen + 1) % GENERATIONS
+        sealed: tuple[Header, _Layout] | None = None  # None: the peers learn there is nothing
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.header_path(gen).unlink(missing_ok=True)  # first: nothing vouches for it now
@@ -252,45 +242,39 @@ class NodeMemory:
                 self._close_device()
                 self._device = DeviceCopy(layout.device)
             buf = self._buffer(gen, layout.size)
-            with self._device.copying():
-                layout.copy_into(gen, buf, state, non_blocking=self._device.non_blocking)
-            size = layout.size
+            with self._device.copier.copying():
+                layout.copy_into(gen, buf, state, non_blocking=self._device.copier.non_blocking)
+            header = Header.model_construct(
+                format=FORMAT,
+                step=step,
+                rank=self.rank,
+                world_size=self.world_size,
+                fingerprint=self.fingerprint,
+                epoch=self.epoch,
+                generation=gen,
+                size=layout.size,
+                xxh3_128="",  # the sealing thread's
+                entries=[],  # the layout's JSON, spliced in on the sealing thread
+                info=info,
+                t=0.0,
+            )
+            sealed = (header, layout)
         except (OSError, TypeError, RuntimeError) as e:
             self._layout = None
             self._failed = f"the memory save of step {step} failed: {e}"
-            # The peers still expect this save's message: say there is nothing.
-            self._start(step, gen, None)
-            return time.perf_counter() - t0
-        header = {
-            "format": FORMAT,
-            "step": step,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "fingerprint": self.fingerprint,
-            "epoch": self.epoch,
-            "generation": gen,
-            "size": size,
-            "layout": layout,  # its entries' JSON, on the sealing thread
-            "info": info,
-        }
-        self._start(step, gen, header)
-        return time.perf_counter() - t0
-
-    def _start(self, step: int, gen: int, header: dict[str, Any] | None) -> None:
         self._thread = threading.Thread(
             target=self._seal,
-            args=(gen, header, self._token),
+            args=(gen, sealed, self._token),
             name=f"node-copy-{step}",
             daemon=True,
         )
         self._thread.start()
+        return time.perf_counter() - t0
 
     def _buffer(self, gen: int, size: int, *, src: int | None = None) -> mmap.mmap:
-        """Generation ``gen``'s bytes, mapped: this rank's own, or (``src``) the peer copy of
-        rank ``src`` this node holds. Kept across saves (no new file, no page faulted in again
-        per save); remade when the size changes or the file is gone. The file's pages are
-        allocated first: writing into a sparse tmpfs file that cannot grow would kill the
-        process with SIGBUS, where this raises ENOSPC."""
+        """Generation ``gen``'s bytes, mapped (this rank's, or the peer copy of rank ``src``);
+        kept across saves (no new file, no page faulted in again), remade when the size
+        changes or the file is gone."""
         key: int | tuple[int, int] = gen if src is None else (src, gen)
         path = self.bin_path(gen, None if src is None else self.peer_dir(src))
         mm = self._maps.get(key)
@@ -324,32 +308,30 @@ class NodeMemory:
             self._device = None
             self._layout = None  # its slices view the pinned maps
 
-    def _seal(self, gen: int, header: dict[str, Any] | None, token: int) -> None:
+    def _seal(self, gen: int, sealed: tuple[Header, _Layout] | None, token: int) -> None:
         """The digest and the header, then the peer copy (off the training thread). The header
         is this process's own, written once as JSON (its entries' JSON kept with the layout):
         validating and dumping ~100 entries at every save cost a millisecond of this thread,
         which shares the cores and the GIL with training; every reader validates it whole."""
         if self._device is not None:  # a launched device-to-host copy, done first
-            self._device.wait()
+            self._device.copier.synchronize()
         cpu0 = time.thread_time()
-        sealed: tuple[str, int] | None = None
-        if header is not None:
+        written: tuple[str, int] | None = None
+        if sealed is not None:
+            header, layout = sealed
             try:
-                mm = self._maps[gen]
-                digest = node_format.checksum(memoryview(mm)[: header["size"]])
-                layout: _Layout = header.pop("layout")
-                top = Header.model_construct(
-                    **header, entries=[], xxh3_128=digest, t=time.time()
-                ).model_dump_json()
-                text = top.replace(EMPTY_ENTRIES, f'"entries":{layout.entries_json()}', 1)
+                digest = node_format.checksum(memoryview(self._maps[gen])[: header.size])
+                top = header.model_copy(update={"xxh3_128": digest, "t": time.time()})
+                text = top.model_dump_json().replace(
+                    EMPTY_ENTRIES, f'"entries":{layout.entries_json()}', 1
+                )
                 write_atomic(self.header_path(gen), text)
                 self._newest_gen = gen
-                sealed = (text, header["size"])
+                written = (text, header.size)
             except (OSError, ValueError) as e:
-                self._failed = f"the memory save of step {header['step']} failed: {e}"
-                sealed = None
+                self._failed = f"the memory save of step {header.step} failed: {e}"
         try:
-            self._replicate(gen, sealed, token)
+            self._replicate(gen, written, token)
         except Exception as e:  # a peer gone (its restart), a timeout: this copy is lost
             log.warning("rank %d: the peer copy failed: %s", self.rank, e)
         # CPU, not wall: waiting for the peer's message costs training nothing. (gloo's own
@@ -366,8 +348,7 @@ class NodeMemory:
         self._close_device()
         self._layout = None  # its slices view the maps: they would stay open
         for mm in self._maps.values():
-            with contextlib.suppress(BufferError):
-                mm.close()
+            self._unmap(mm)
         self._maps.clear()
 
     # -- resuming --------------------------------------------------------------------------
@@ -386,17 +367,10 @@ class NodeMemory:
         each checked to be that rank's, of this world size, fingerprint and epoch)."""
         self.wait()
         out: dict[int, dict[int, Header]] = {}
-        prefix, suffix = "peer-rank-", f"-of-{self.world_size}"
-        try:
-            names = sorted(p.name for p in self.root.iterdir())[:1024]
-        except OSError:
-            return out
-        for name in names:
-            middle = name[len(prefix) : -len(suffix)] if name.startswith(prefix) else ""
-            if name.endswith(suffix) and middle.isdigit():
-                found, _ = self._scan(self.root / name, int(middle))
-                if found:
-                    out[int(middle)] = found
+        for name in self._names():
+            m = re.fullmatch(rf"peer-rank-(\d+)-of-{self.world_size}", name)
+            if m and (found := self._scan(self.root / name, int(m[1]))[0]):
+                out[int(m[1])] = found
         return out
 
     def _scan(self, d: Path, rank: int) -> tuple[dict[int, Header], str | None]:
@@ -435,16 +409,13 @@ class NodeMemory:
         return ""
 
     def load(self, header: Header, target: dict[str, Any], where: Path | None = None) -> int:
-        """Restore ``header``'s generation (in ``where``: this rank's directory by default, a
-        peer copy's) into ``target`` (the live model's and optimizer's state, from
-        ``get_state_dict``): digest, finite values and layout checked first, so a failure
-        leaves ``target`` untouched. Returns the bytes read."""
+        """Restore ``header``'s generation (in ``where``, this rank's directory by default) into
+        ``target`` (``node_format.restore``); the bytes read."""
         path = str(self.bin_path(header.generation, where))
         return node_format.restore(header, self.map(header, where), target, path)
 
     def map(self, header: Header, where: Path | None) -> mmap.mmap:
-        """``header``'s bytes (in ``where``: this rank's directory by default), mapped
-        copy-on-write (a restore never changes the file)."""
+        """``header``'s bytes, mapped copy-on-write (a restore never changes the file)."""
         path = self.bin_path(header.generation, where)
         try:
             with open(path, "rb", opener=_no_follow) as f:
@@ -475,7 +446,7 @@ def from_env(
     *, rank: int, world_size: int, fingerprint: str, epoch: int | None
 ) -> NodeMemory | None:
     """This rank's node memory, where the launcher gave the node a directory."""
-    root = os.environ.get(ENV)
+    root = os.environ.get(NODE_MEMORY_ENV)  # absent: the node has no node-memory tier
     if not root:
         return None
     return NodeMemory(

@@ -1,5 +1,5 @@
-"""Node copies' format (issue 29, item 1; split out in issue 40, item 1): what a memory save
-writes and a restore reads, for node memory and peer copies alike.
+"""Node copies' format: what a memory save writes and a restore reads, in node memory and
+peer copies alike.
 
 A copy is two parts: the raw bytes of every tensor of the rank's state (its local shard of a
 DTensor), packed 8-byte aligned (:func:`plan`), and a JSON header (:class:`Header`): step,
@@ -7,7 +7,8 @@ topology, config fingerprint, fence epoch, where each tensor lies, every non-ten
 value, the digest of the bytes and the save's loss and data-loader position. Nothing of a copy
 is trusted before it is checked: the header is bounded and validated, the bytes must have the
 header's size and digest, every floating-point tensor must be finite, and every entry must match
-the live state's path, dtype and shape (:func:`restore`).
+the live state's path, dtype and shape (:func:`restore`). The peer copy's wire (:func:`send`,
+:func:`receive_header`) moves one copy between two ranks over a gloo group.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import mmap
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import torch
+import torch.distributed as dist
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from torch.distributed.tensor import DTensor
@@ -31,16 +33,14 @@ GENERATIONS = NODE_MEMORY_GENERATIONS
 HEADER_LIMIT = 16 << 20  # a header lists every tensor of a shard: bounded all the same
 # 2: the bytes' checksum is xxh3-128 (issue 40, item 2), where 1 had sha256. A copy of another
 # format is refused like any other mismatch, and the resume reads the next tier.
-FORMAT = 2
+FORMAT: Final = 2
 
 
 def checksum(buf: Any) -> str:
-    """The checksum of a copy's bytes: xxh3-128 (``xxhash``), ~8 GB/s on one core here against
-    sha256's 1.2 (``benchmarks/results/checksum_speed.json``), off the GIL for large buffers and
-    reading an mmap or memoryview in place. It catches corruption (a flipped bit, a torn or
-    damaged copy); it vouches for nothing against someone who can write node memory, who
-    could rewrite the header as well: what is trusted is where the copy lives (the node's own
-    memory, this attempt's fenced epoch in the header), never the bytes (docs/checkpoints.md)."""
+    """xxh3-128 of a copy's bytes: ~8 GB/s on one core here against sha256's 1.2
+    (``benchmarks/results/checksum_speed.json``), off the GIL, reading a map in place. Against
+    corruption only: who can write node memory can rewrite the header too; what is trusted is
+    where the copy lives (the node, this attempt's fenced epoch), never the bytes."""
     return str(xxhash.xxh3_128_hexdigest(buf))
 
 
@@ -123,11 +123,6 @@ def leaves(obj: Any, path: tuple[PathPart, ...] = ()) -> Iterator[Leaf]:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _dtype(name: str) -> torch.dtype | None:
-    d = getattr(torch, name.removeprefix("torch."), None)
-    return d if isinstance(d, torch.dtype) else None
 
 
 def plan(state: dict[str, Any]) -> tuple[list[Entry], int]:
@@ -264,8 +259,8 @@ def restore(header: Header, mm: mmap.mmap, target: dict[str, Any], path: str) ->
         for entry, leaf in pairs:
             if entry.dtype is None:
                 continue
-            dtype = _dtype(entry.dtype)
-            assert dtype is not None and src is not None and entry.shape is not None
+            dtype = getattr(torch, entry.dtype.removeprefix("torch."))  # matched a live tensor's
+            assert isinstance(dtype, torch.dtype) and src is not None and entry.shape is not None
             raw = src[entry.offset : entry.offset + entry.nbytes]
             view = raw.view(dtype).reshape(entry.shape)
             if view.is_floating_point() and not bool(torch.isfinite(view).all()):
@@ -310,3 +305,43 @@ def match(header: Header, target: dict[str, Any]) -> list[tuple[Entry, Leaf]]:
             if e.nbytes != t.numel() * t.element_size() or e.offset + e.nbytes > header.size:
                 raise NodeCopyError(f"{where}: its bytes lie outside the copy")
     return list(zip(header.entries, live, strict=True))
+
+
+# One shard on the wire (the memory saves' replication and a resume's transfer alike): its
+# header's length and the bytes' size, the header (JSON), the bytes; a length of 0 says nothing
+# comes. Each use has its own tags, so the two never match each other's messages.
+REPLICA_TAGS = (1, 2, 3)
+RESUME_TAGS = (4, 5, 6)
+
+
+def send(
+    blob: bytes, size: int, mm: mmap.mmap | None, dst: int, group: Any, *, tags: tuple[int, ...]
+) -> list[Any]:
+    """Post a shard, its header's JSON ``blob`` (empty: nothing comes) and ``size`` bytes mapped
+    in ``mm``, to ``dst``; the sends' handles."""
+    meta = torch.tensor([len(blob), size], dtype=torch.int64)
+    works = [dist.isend(meta, dst, group=group, tag=tags[0])]
+    if blob:
+        payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        works.append(dist.isend(payload, dst, group=group, tag=tags[1]))
+    if mm is not None and size:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer on a copy-on-write map
+            data = torch.frombuffer(mm, dtype=torch.uint8)[:size]
+        works.append(dist.isend(data, dst, group=group, tag=tags[2]))
+    return works
+
+
+def receive_header(src: int, group: Any, *, tags: tuple[int, ...]) -> tuple[bytes, int] | None:
+    """The header (JSON bytes, bounded) and the size of the shard ``src`` sends, or None when
+    it says nothing comes; the bytes follow with ``tags[2]``."""
+    meta = torch.zeros(2, dtype=torch.int64)
+    dist.recv(meta, src, group=group, tag=tags[0])
+    hlen, size = int(meta[0]), int(meta[1])
+    if hlen == 0:
+        return None
+    if not 0 < hlen <= HEADER_LIMIT or size < 0:
+        raise NodeCopyError(f"rank {src} announced a {hlen}-byte header and {size} bytes")
+    blob = torch.empty(hlen, dtype=torch.uint8)
+    dist.recv(blob, src, group=group, tag=tags[1])
+    return blob.numpy().tobytes(), size

@@ -1,9 +1,8 @@
-"""The committed checkpoint, restored (a restorer of its own since issue 40, item 1): the tier
-every other one falls back to, and the only one a new attempt, a changed world or an explicit
-``resume=fresh`` reads.
+"""The committed checkpoint, restored: the tier every other one falls back to, and the only one
+a new attempt, a changed world or an explicit ``resume=fresh`` reads.
 
 Rank 0 settles what a crash left and lists the checkpoints that pass every check but their
-files' digests (:class:`ResumeDecision`, broadcast); every rank digests its share of the newest
+files' digests (:class:`Candidates`, broadcast); every rank digests its share of the newest
 one's files (a resume reads the checkpoint once, in parallel); the first that every share
 vouches for is loaded by everyone with torch DCP, resharding if the world size changed. Rank 0
 emits a ``resume`` event for every newer one skipped and why.
@@ -23,10 +22,14 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from trainer import checkpointing, untrusted
+from trainer import untrusted
 from trainer.checkpointing import tiers
+from trainer.checkpointing.commit import recover
 from trainer.checkpointing.config import ResumePolicy
+from trainer.checkpointing.layout import checkpoints_dir, step_of
+from trainer.checkpointing.manifest import digest_share, listed_bytes
 from trainer.checkpointing.restoring import FatalError, RestoreContext, Resumed, loss_of
+from trainer.checkpointing.resume import no_valid_checkpoint, resume_candidates
 from trainer.event_types import Resume
 from trainer.rundir import RunDir
 from trainer.workload import DataSource
@@ -44,27 +47,15 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class Fresh:
-    """No checkpoint and none recorded: start at step 0."""
-
-
-@dataclass(frozen=True)
-class Failed:
-    """No checkpoint can be resumed from, and starting over would lose what was recorded."""
-
-    why: str
-
-
-@dataclass(frozen=True)
 class Candidates:
-    """Newest first; ``rejected``: (step, why) of those that failed a check already."""
+    """Rank 0's decision. Newest first; ``rejected``: (step, why) of those that failed a check
+    already; none ``found`` (committed directories seen): start at step 0. ``failed``: nothing
+    can be resumed from, and starting over would lose what was recorded."""
 
-    ok: tuple[Candidate, ...]
-    rejected: tuple[tuple[int, str], ...]
-    found: int  # committed directories seen
-
-
-ResumeDecision = Fresh | Failed | Candidates
+    ok: tuple[Candidate, ...] = ()
+    rejected: tuple[tuple[int, str], ...] = ()
+    found: int = 0
+    failed: str = ""
 
 
 @dataclass(frozen=True)
@@ -77,19 +68,16 @@ class DurableRestorer:
     ) -> Resumed:
         """All ranks: the newest committed checkpoint every rank's share vouches for, loaded;
         step 0 where there is none and none was recorded; :class:`FatalError` otherwise."""
-        decision: list[Any] = [None]
-        if self.ctx.rank == 0:
-            decision[0] = self.decide()
+        decision: list[Any] = [self.decide() if self.ctx.rank == 0 else None]
         dist.broadcast_object_list(decision, src=0, group=self.ctx.group)
-        made: ResumeDecision = decision[0]
-        if isinstance(made, Fresh):
+        made: Candidates = decision[0]
+        if made.failed:
+            raise FatalError(made.failed)
+        if not made.found:
             return Resumed(0, None, None)
-        chosen = self._verify(made) if isinstance(made, Candidates) else made
-        if isinstance(chosen, Failed):
-            raise FatalError(chosen.why)
-        return self._load(model, optim, sampler, chosen)
+        return self._load(model, optim, sampler, self._verify(made))
 
-    def decide(self) -> ResumeDecision:
+    def decide(self) -> Candidates:
         """Rank 0: settle what a crash left and list what may be resumed from."""
         cfg = self.ctx.cfg
         root = cfg.run_root
@@ -97,50 +85,45 @@ class DurableRestorer:
             self._start_fresh()
         verify = cfg.checkpoint.durable.verify_on_resume
         with self.ctx.fence.hold("settle what a crash left in the checkpoints"):
-            settled = checkpointing.recover(
-                root, fingerprint=self.fingerprint, verify_digests=verify
-            )
+            settled = recover(root, fingerprint=self.fingerprint, verify_digests=verify)
         for r in settled:
             self.ctx.events.emit(Resume(action=r.action, dir=r.dir, step=r.step, reason=r.reason))
-        ok, rejected, found = checkpointing.resume_candidates(root, fingerprint=self.fingerprint)
-        if not found:
-            recorded = RunDir(root).recorded_commit()
-            if recorded is not None:
-                why = _checkpoints_gone(root, recorded)
-                self.ctx.events.emit(Resume(action="failed", reason=why, recorded_step=recorded))
-                return Failed(why)
-            return Fresh()
+        ok, rejected, found = resume_candidates(root, fingerprint=self.fingerprint)
+        recorded = None if found else RunDir(root).recorded_commit()
+        if recorded is not None:
+            ckdir = checkpoints_dir(root)
+            why = (
+                f"run {root}: its events.jsonl records committed checkpoints up to step "
+                f"{recorded}, but {ckdir} holds no checkpoint (missing or emptied). Refusing to "
+                f"start from step 0: restore {ckdir}, or start over explicitly with resume=fresh."
+            )
+            self.ctx.events.emit(Resume(action="failed", reason=why, recorded_step=recorded))
+            return Candidates(failed=why)
         return Candidates(tuple(Candidate(s, str(p), m) for s, p, m in ok), tuple(rejected), found)
 
-    def _verify(self, made: Candidates) -> Candidate | Failed:
+    def _verify(self, made: Candidates) -> Candidate:
         """All ranks, newest candidate first: each rank digests its share of the files
-        (``checkpointing.digest_share``) and the ranks agree; the first candidate every share
-        vouches for is chosen. Rank 0 records every newer checkpoint skipped, and why."""
+        (:func:`digest_share`) and the ranks agree; the first candidate every share vouches for
+        is chosen. Rank 0 records every newer checkpoint skipped, and why."""
         ctx = self.ctx
-        chosen: Candidate | None = None
         rejected = list(made.rejected)
         for c in made.ok:
             mine = None
             if ctx.cfg.checkpoint.durable.verify_on_resume:
-                mine = checkpointing.digest_share(
-                    Path(c.path), c.info, index=ctx.rank, count=ctx.world_size
-                )
+                mine = digest_share(Path(c.path), c.info, index=ctx.rank, count=ctx.world_size)
             reasons: list[Any] = [None] * ctx.world_size
             dist.all_gather_object(reasons, mine, group=ctx.group)
             bad = next((r for r in reasons if r), None)
             if bad is None:
-                chosen = c
-                break
+                if ctx.rank == 0:
+                    for s, why in sorted(((s, w) for s, w in rejected if s > c.step), reverse=True):
+                        ctx.events.emit(Resume(action="skipped", step=s, reason=why))
+                return c
             rejected.append((c.step, bad))
-        if chosen is None:
-            why = checkpointing.no_valid_checkpoint(ctx.cfg.run_root, made.found, rejected)
-            if ctx.rank == 0:
-                ctx.events.emit(Resume(action="failed", reason=why))
-            return Failed(why)
+        why = no_valid_checkpoint(ctx.cfg.run_root, made.found, rejected)
         if ctx.rank == 0:
-            for s, why in sorted(((s, w) for s, w in rejected if s > chosen.step), reverse=True):
-                ctx.events.emit(Resume(action="skipped", step=s, reason=why))
-        return chosen
+            ctx.events.emit(Resume(action="failed", reason=why))
+        raise FatalError(why)
 
     def _load(
         self, model: nn.Module, optim: Optimizer, sampler: DataSource, c: Candidate
@@ -155,7 +138,7 @@ class DurableRestorer:
         except Exception as e:
             raise FatalError(str(e)) from e
         self.ctx.loaded(
-            c.step, SOURCE, t0, checkpointing.listed_bytes(c.info),
+            c.step, SOURCE, t0, listed_bytes(c.info),
             path=c.path, saved_world_size=c.info.get("world_size"),
         )  # fmt: skip
         return Resumed(c.step, loss_of(c.info), Path(c.path))
@@ -164,24 +147,13 @@ class DurableRestorer:
         """Explicit fresh start: archive (never delete) what is there; the ``fresh`` event also
         tells later resumes that commits recorded before it are not expected on disk."""
         root = self.ctx.cfg.run_root
-        ckdir = checkpointing.checkpoints_dir(root)
+        ckdir = checkpoints_dir(root)
         archived = None
         # Only if it holds steps: the writer's warm-up alone is no checkpoint (if the move
         # catches the warm-up mid-write, that failure is only logged).
         with self.ctx.fence.hold("start fresh"):
-            if ckdir.is_dir() and any(
-                checkpointing.step_of(p) is not None for p in ckdir.iterdir()
-            ):
+            if ckdir.is_dir() and any(step_of(p) is not None for p in ckdir.iterdir()):
                 archived = ckdir.with_name(f"checkpoints.before-fresh-{int(time.time())}")
                 shutil.move(str(ckdir), archived)
             RunDir(root).record_commit(None)
         self.ctx.events.emit(Resume(action="fresh", archived=archived and str(archived)))
-
-
-def _checkpoints_gone(run_root: Path, recorded: int) -> str:
-    ckdir = checkpointing.checkpoints_dir(run_root)
-    return (
-        f"run {run_root}: its events.jsonl records committed checkpoints up to step {recorded}, "
-        f"but {ckdir} holds no checkpoint (missing or emptied). Refusing to start from step 0: "
-        f"restore {ckdir}, or start over explicitly with resume=fresh."
-    )

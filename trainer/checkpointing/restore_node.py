@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from pydantic import ValidationError
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
 from trainer.checkpointing import node_format, tiers
-from trainer.checkpointing import node_transport as transport
 from trainer.checkpointing.node_copy import SOURCE, NodeMemory
 from trainer.checkpointing.node_format import Header, NodeCopyError
 from trainer.checkpointing.restoring import RestoreContext, Resumed, loss_of
@@ -84,15 +84,12 @@ class NodeRestorer:
         if failure is not None:
             raise failure
         h = plan[rank]
-        if h < 0:
-            mine = self.own[step]
-            return mine, self.node.map(mine, None), str(self.node.dir)
-        if h == rank:
-            mine = self.peers[rank][step]
-            where = self.node.peer_dir(rank)
-            return mine, self.node.map(mine, where), str(where)
-        assert received is not None
-        return received
+        if h >= 0 and h != rank:
+            assert received is not None
+            return received
+        mine = self.own[step] if h < 0 else self.peers[rank][step]  # its node's own, or a peer's
+        where = None if h < 0 else self.node.peer_dir(rank)
+        return mine, self.node.map(mine, where), str(where or self.node.dir)
 
 
 def send_shard(
@@ -109,7 +106,7 @@ def send_shard(
             header = None
     blob = header.model_dump_json().encode() if header is not None else b""
     size = header.size if header is not None else 0
-    for w in transport.send(blob, size, mm, dst, group, tags=transport.RESUME_TAGS):
+    for w in node_format.send(blob, size, mm, dst, group, tags=node_format.RESUME_TAGS):
         if w is not None:
             w.wait()
 
@@ -117,16 +114,14 @@ def send_shard(
 def recv_shard(node: NodeMemory, src: int, group: Any) -> tuple[Header, mmap.mmap]:
     """A shard sent by ``src``'s :func:`send_shard`, in anonymous memory, its header validated
     (this rank's, world size, fingerprint, epoch); the bytes are checked by the restore."""
-    import torch.distributed as dist
-
-    announced = transport.receive_header(src, group, tags=transport.RESUME_TAGS)
+    announced = node_format.receive_header(src, group, tags=node_format.RESUME_TAGS)
     if announced is None:
         raise NodeCopyError(f"rank {src} had no copy to send")
     blob, size = announced
     mm = mmap.mmap(-1, max(size, 1))
     if size:
         data = torch.frombuffer(mm, dtype=torch.uint8)[:size]
-        dist.recv(data, src, group=group, tag=transport.RESUME_TAGS[2])
+        dist.recv(data, src, group=group, tag=node_format.RESUME_TAGS[2])
     try:
         header = Header.model_validate_json(blob)
     except ValidationError as e:

@@ -1,13 +1,11 @@
-"""What every tier's restorer shares (issue 40, item 1): the ranks' context, the result, the
-agreement on a failure and the events that say what was read or skipped.
+"""What every tier's restorer shares: the ranks' context, the result, the agreement on a
+failure and the events that say what was read or skipped.
 
 A resume chooses a tier (:mod:`~trainer.checkpointing.tiers`), then that tier's restorer loads
-it into the live model and optimizer on every rank: :mod:`~trainer.checkpointing.restore_own`
-(the process's own copy), :mod:`~trainer.checkpointing.restore_node` (node memory and the peer
-copies), :mod:`~trainer.checkpointing.restore_durable` (the committed checkpoint). A memory tier
-that fails on any rank gives None on every rank, and the manager chooses again over what is
-left; the durable restorer is the last word (it loads, starts fresh, or raises
-:class:`FatalError`).
+it into the live model and optimizer on every rank (``process_copy.OwnCopyRestorer``,
+``restore_node``, ``restore_durable``). A memory tier that fails on any rank gives None on every
+rank, and the manager chooses again over what is left; the durable restorer is the last word (it
+loads, starts fresh, or raises :class:`FatalError`).
 """
 
 from __future__ import annotations
@@ -15,19 +13,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch.distributed as dist
-from torch import nn
-from torch.optim import Optimizer
 
-from trainer.checkpointing import tiers
 from trainer.config import TrainConfig
 from trainer.errors import TerminalError
 from trainer.event_types import Resume
 from trainer.events import EventLog
 from trainer.fence import Fence
-from trainer.workload import DataSource
 
 
 class FatalError(TerminalError):
@@ -79,15 +73,6 @@ class RestoreContext:
         """Rank 0: the ``resume`` event of a candidate not read, and why."""
         if self.rank == 0:
             self.events.emit(Resume(action="skipped", step=step, source=source, reason=reason))
-
-
-class Restorer(Protocol):
-    """One tier's restore, on every rank alike: the resume, or None where some rank could not
-    (every rank then chooses again over what is left)."""
-
-    def restore(
-        self, model: nn.Module, optim: Optimizer, sampler: DataSource, choice: tiers.Choice
-    ) -> Resumed | None: ...
 
 
 def loss_of(info: dict[str, Any]) -> float | None:

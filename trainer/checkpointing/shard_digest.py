@@ -1,22 +1,18 @@
 """A shard's digest, taken while the writer streams its bytes to the file (arch §3).
 
-NVRx's writer process writes each shard file in a child it forks (0.4.1; newer NVRx may use
-threads), through torch DCP's ``_write_item``, which sends every byte of the file through the
-storage writer's stream transforms: ``transforms.transform_save_stream(item, file)`` returns
-what the item is written to (the file, wrapped by compression extensions if any; none here).
-:func:`install` wraps the writer's transforms so that the file each item reaches is a
-:class:`Tap`: every ``write`` updates the file's xxh3-128 and goes on to the file unchanged. The
-inner transforms and their descriptors are untouched, so nothing enters the DCP metadata and the
-files stay plain DCP for any reader. The wrapper is set on the writer object each save creates
-(the attribute torch fills from its ``_extensions`` argument, which NVRx passes on as it is): no
-module is patched.
+NVRx's writer process writes each shard file (in a child it forks, in 0.4.1) through torch DCP's
+``_write_item``, which sends every byte through the storage writer's stream transforms
+(``transform_save_stream(item, file)``). :func:`install` wraps the writer object's transforms
+(no module is patched) so that the file each item reaches is a :class:`Tap`: every ``write``
+updates the file's xxh3-128 and goes on unchanged. Nothing enters the DCP metadata: the files
+stay plain DCP for any reader.
 
 The child's digests come back through memory the writer process maps, shared, before the child
-is forked (:func:`capture`: one slot per file of the save): at the end of every item the tap
-publishes the file's bytes so far and their digest. The writer then trusts a slot only if it
-counted exactly the file's size on disk and nothing seeked or truncated; any other file is
-hashed once after writing, with a log line (:mod:`~trainer.checkpointing.manifest`). So a torch
-or NVRx without this seam, or one that spawns its writers, costs a read, never a wrong digest.
+is forked (:func:`capture`: one slot per file), published at the end of every item. A slot is
+trusted only if it counted exactly the file's size and nothing seeked or truncated; any other
+file is hashed once after writing, with a log line (:mod:`~trainer.checkpointing.manifest`). So
+a torch or NVRx without this seam, or one that spawns its writers, costs a read, never a wrong
+digest.
 """
 
 from __future__ import annotations
@@ -52,8 +48,8 @@ class Capture:
         self._open: dict[int, _Running] = {}  # per process: a forked child fills its own
 
     def running(self, raw: Any) -> _Running | None:
-        """The running digest of the file ``raw`` is, or None when it is not one of this save's
-        (by name: what NVRx opened is the bucket's path)."""
+        """The running digest of the file ``raw`` is (by name: NVRx opens the bucket's path),
+        or None when it is not one of this save's."""
         name = getattr(raw, "name", None)
         slot = self._slots.get(name) if isinstance(name, str) else None
         if slot is None:
@@ -98,9 +94,8 @@ class _Running:
 
 
 class Tap:
-    """The file object an item is written to: each write updates the file's digest, then the
-    state is published at every flush (the end of each item: torch closes what the item was
-    written to, and closing cascades to a flush here). Everything else goes to the file."""
+    """The file object an item is written to: each write updates the file's digest, published
+    at every flush (torch closes what each item was written to, which flushes here)."""
 
     def __init__(self, raw: Any, run: _Running) -> None:
         self._raw = raw
@@ -142,7 +137,7 @@ _current: Capture | None = None
 @contextlib.contextmanager
 def capture(files: list[Path]) -> Iterator[Capture]:
     """In the writer process, around the save function that writes ``files``: taps opened in
-    it (or in its forked children) publish into the returned :class:`Capture`."""
+    it (or its forked children) publish into the :class:`Capture`."""
     global _current
     cap = Capture(files)
     _current = cap
@@ -154,8 +149,8 @@ def capture(files: list[Path]) -> Iterator[Capture]:
 
 
 class DigestTransforms:
-    """Wraps a storage writer's stream transforms: the raw file becomes a :class:`Tap` before
-    the inner transforms wrap it, so the tap sees the bytes as they reach the file."""
+    """A storage writer's stream transforms, the raw file made a :class:`Tap` before the inner
+    transforms wrap it (so the tap sees the bytes as they reach the file)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner

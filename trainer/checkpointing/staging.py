@@ -1,22 +1,19 @@
 """The snapshot of a rank's state that a save writes: CPU buffers the size of the state,
-allocated once and refilled on every save while the state layout is unchanged.
+allocated once and refilled on every save while the state layout is unchanged, in shared memory
+(the writer process receives a handle, not the bytes; page-locked too when the source is on
+CUDA). A ``DTensor`` is staged as ``DTensor(cpu_buffer, source._spec)``: same global shape,
+placements and mesh (the DCP planner makes the same plan, the cached plan stays valid), its
+local tensor on the CPU.
 
-Buffers live in shared memory, so the writer process receives a handle, not the bytes (and are
-page-locked once as well when the source is on CUDA). A ``DTensor`` is staged as
-``DTensor(cpu_buffer, source._spec)``: same global shape, placements and mesh (so the DCP
-planner makes the same plan, and the cached plan stays valid), but its local tensor stays on
-the CPU.
-
-The copy itself (:class:`SyncCopy`, :class:`CudaSideStreamCopy`): on CPU it is synchronous and
-required ("moving to CPU" is a no-op for CPU tensors, so without it the writer would read the
-live parameters while ``optimizer.step()`` mutates them: measured corrupt checkpoints); on CUDA
-it runs on a side stream that first waits on the current one, with an event recorded behind it,
-and no ``torch.cuda.synchronize()``.
+The copy (:class:`Copier`) is required on CPU too ("moving to CPU" is a no-op for CPU tensors:
+the writer would read the live parameters while ``optimizer.step()`` mutates them, measured
+corrupt checkpoints). A memory save's bytes leave the device the same way (:class:`DeviceCopy`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -31,49 +28,28 @@ from torch.distributed._state_dict_utils import (
 from torch.distributed.tensor import DTensor
 
 
-class SyncCopy:
-    """CPU: the staging copy runs on the calling thread and is complete when ``copy_`` returns,
-    so nothing is ever in flight and every method is a no-op."""
-
-    non_blocking = False
-
-    @contextlib.contextmanager
-    def copying(self) -> Iterator[None]:
-        yield
-
-    @property
-    def in_flight(self) -> bool:
-        return False
-
-    def query(self) -> bool:
-        """Whether the last copy has completed (and forget it if so)."""
-        return True
-
-    def order_current_stream(self) -> None:
-        """Make work queued after this call on the current stream run after the copy."""
-
-    def synchronize(self) -> None:
-        """Block the host until the copy has completed."""
-
-
-class CudaSideStreamCopy(SyncCopy):
-    """CUDA: device-to-host copies on a side stream that first waits on the current stream (so
-    it sees the finished optimizer step); an event recorded behind them tells when they are
-    done. Nothing here synchronizes the device."""
-
-    non_blocking = True
+class Copier:
+    """The staging copy. On CPU it runs on the calling thread and is complete when ``copy_``
+    returns: nothing is ever in flight. On CUDA, device-to-host copies on a side stream that
+    first waits on the current stream (so it sees the finished optimizer step); an event
+    recorded behind them tells when they are done. Nothing here synchronizes the device."""
 
     def __init__(self, device: torch.device) -> None:
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
-        # Created on the training thread after its current stream is set up (as DCP's
-        # DefaultStager does), never the default stream.
-        self.stream = torch.cuda.Stream(device=device)
+        self.non_blocking = device.type == "cuda"
         self.event: torch.cuda.Event | None = None
+        if self.non_blocking:
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            # Created on the training thread after its current stream is set up (as DCP's
+            # DefaultStager does), never the default stream.
+            self.stream = torch.cuda.Stream(device=device)
+        self.device = device
 
     @contextlib.contextmanager
     def copying(self) -> Iterator[None]:
+        if not self.non_blocking:
+            yield
+            return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
             with torch.cuda.stream(self.stream):
@@ -88,6 +64,7 @@ class CudaSideStreamCopy(SyncCopy):
         return self.event is not None
 
     def query(self) -> bool:
+        """Whether the last copy has completed (and forget it if so)."""
         if self.event is None:
             return True
         if self.event.query():
@@ -98,19 +75,17 @@ class CudaSideStreamCopy(SyncCopy):
     # The event is read once into a local: a memory save's sealing thread may clear it
     # (synchronize) while the training thread's optimizer hook orders its stream on it.
     def order_current_stream(self) -> None:
+        """Make work queued after this call on the current stream run after the copy."""
         event = self.event
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
     def synchronize(self) -> None:
+        """Block the host until the copy has completed."""
         event = self.event
         if event is not None:
             event.synchronize()
             self.event = None
-
-
-def make_copier(device: torch.device) -> SyncCopy:
-    return CudaSideStreamCopy(device) if device.type == "cuda" else SyncCopy()
 
 
 def local_tensors(obj: Any) -> list[torch.Tensor]:
@@ -152,26 +127,22 @@ def _signature(obj: Any) -> Any:
 
 
 class Staging:
-    """CPU buffers the size of this rank's state, allocated once and refilled on every save.
-
-    Built with torch's own state-dict helpers (``torch.distributed._state_dict_utils``):
-    ``_iterate_state_dict`` to build the staged state around the buffers, ``_copy_state_dict`` to
-    fill them. Not ``_create_cpu_state_dict``: it gives 0-dim tensors a buffer that is neither
-    shared nor pinned (on CUDA a copy into pageable memory makes the host wait for the stream)
-    and returns a 0-dim DTensor itself, i.e. the live device tensor.
-    """
+    """The buffers, built and filled with torch's ``_iterate_state_dict`` and
+    ``_copy_state_dict``. Not ``_create_cpu_state_dict``: it gives 0-dim tensors a buffer that
+    is neither shared nor pinned (on CUDA a copy into pageable memory makes the host wait for
+    the stream) and returns a 0-dim DTensor itself, i.e. the live device tensor."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.key: Any = None
         self.buffers: list[torch.Tensor] = []  # local CPU tensors, in traversal order
         self.reallocated = False
-        self._copier: SyncCopy | None = None
+        self._copier: Copier | None = None
 
     @property
-    def copier(self) -> SyncCopy:
+    def copier(self) -> Copier:
         if self._copier is None:
-            self._copier = make_copier(self.device)
+            self._copier = Copier(self.device)
         return self._copier
 
     @staticmethod
@@ -229,3 +200,57 @@ class Staging:
                     state_dict, target, non_blocking=self.copier.non_blocking, type_check=False
                 )
         return staged
+
+
+class DeviceCopy:
+    """How a memory save's bytes (node_copy) leave ``device``. On CPU the copy *is* the save:
+    synchronous, on the training thread, complete when it returns. On CUDA the training thread
+    only launches it, as :class:`Copier` does:
+
+    - each generation's buffer (a mapping of node memory, kept across saves) is page-locked once
+      when it is made (:meth:`pin`, as :meth:`Staging._alloc` pins the durable save's buffers) and
+      unregistered before it is unmapped, so the copy runs at the pinned floor and truly
+      asynchronously (into pageable memory the host would wait for the stream);
+    - the sealing thread waits on the copy's event before it digests the bytes;
+    - until then every optimizer step first makes its stream wait on it (a global optimizer-step
+      pre-hook, installed while this object lives): the copy must see this step's parameters and
+      moments, not the next step's. The host is never blocked by it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.copier = Copier(device)
+        self._pinned: dict[int, int] = {}  # id(mapping) -> the registered address
+        self._hook: Any = None
+        if self.copier.non_blocking:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            copier = self.copier
+            self._hook = register_optimizer_step_pre_hook(lambda *_: copier.order_current_stream())
+
+    def pin(self, mm: mmap.mmap) -> None:
+        """Page-lock a generation's new buffer (CUDA only; once per mapping)."""
+        if not self.copier.non_blocking or id(mm) in self._pinned or len(mm) == 0:
+            return
+        from torch.cuda import _pin_memory_utils
+
+        view = torch.frombuffer(mm, dtype=torch.uint8)
+        ptr = view.data_ptr()
+        del view  # an exported buffer would keep the mapping from closing
+        _pin_memory_utils.pin_memory(ptr, len(mm))
+        self._pinned[id(mm)] = ptr
+
+    def unpin(self, mm: mmap.mmap) -> None:
+        """Before a pinned buffer is unmapped (no copy is in flight: the caller waited)."""
+        ptr = self._pinned.pop(id(mm), None)
+        if ptr is not None:
+            from torch.cuda import _pin_memory_utils
+
+            with contextlib.suppress(AssertionError):  # already gone with its context
+                _pin_memory_utils.unpin_memory(ptr)
+
+    def close(self) -> None:
+        self.copier.synchronize()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None

@@ -84,26 +84,15 @@ def choose(offers: list[Offer], newest_committed: int) -> Choice:
                 for r, o in enumerate(offers)
             ]
             newest = max((s for o in offers for s in o.node_steps), default=0)
-            skipped.append(
-                Skipped(
-                    "node",
-                    newest,
-                    "no step every rank holds in node memory, its own or a peer's ("
-                    + "; ".join(missing[:8])
-                    + ")",
-                )
-            )
+            why = "no step every rank holds in node memory, its own or a peer's"
+            skipped.append(Skipped("node", newest, f"{why} ({'; '.join(missing[:8])})"))
 
     usable = [c for c in candidates if c[0] >= newest_committed]
-    for step, _, tier in candidates:
-        if step < newest_committed:
-            skipped.append(
-                Skipped(
-                    tier,
-                    step,
-                    f"step {newest_committed} is committed, newer than the copy's {step}",
-                )
-            )
+    skipped += [
+        Skipped(tier, step, f"step {newest_committed} is committed, newer than the copy's {step}")
+        for step, _, tier in candidates
+        if step < newest_committed
+    ]
     if not usable:
         return Choice("durable", newest_committed, newest_committed, tuple(skipped))
     # An older or equal tier not chosen is no news: the newest step wins by design.

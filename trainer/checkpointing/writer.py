@@ -1,19 +1,14 @@
 """NVRx's persistent writer process, one per training process: its lifecycle and what runs in it.
 
-The writer is an ``AsyncCallsQueue(persistent=True)`` worker. On CPU the training process forks
-it, and NVRx's results-queue Manager, at its start, before any other thread runs
-(``start(fork=True)``, see ``nvrx_compat.start_persistent_writer``): ready at once, with nothing
-to import. Where that cannot be (CUDA, threads already running) it is spawned once training runs
-(``ensure_started`` in the save) and never waited for: its interpreter's start-up (~1–2 s of
-importing torch here) overlaps training, not the restart's model build and load (measured: the
-build took 1.0–1.4 s beside them, 0.7 s without, on 2 cores). It writes a rank's DCP shard with
-NVRx's ``FileSystemWriterAsync`` (fsync included), digesting the bytes as they are written
-(:func:`write_shard`), while training goes on.
-
-A writer found dead is replaced only at a restart's ``bind``: mid-run its save is still being
-agreed on by every rank, and that agreement reports the death. A save in flight never makes
-NVRx's blocking finalize wait on a dead writer: the caller only polls (:meth:`finished_all`) and
-checks :meth:`alive`.
+An ``AsyncCallsQueue(persistent=True)`` worker that writes the rank's DCP shard with NVRx's
+``FileSystemWriterAsync`` (fsync included), digesting the bytes as they are written, while
+training goes on. On CPU the training process forks it, and NVRx's results-queue Manager, before
+any other thread runs (``start(fork=True)``): ready at once. Otherwise (CUDA, threads running) it
+is spawned once training runs and never waited for: its start-up (~1–2 s of importing torch)
+overlaps training, not the restart's build and load (the build took 1.0–1.4 s beside it, 0.7 s
+without, on 2 cores). A dead writer is replaced only at a restart's ``bind`` (mid-run the ranks'
+agreement reports it), and NVRx's blocking finalize is never used: the caller polls
+(:meth:`~PersistentWriter.finished_all`) and checks :meth:`~PersistentWriter.alive`.
 """
 
 from __future__ import annotations
@@ -42,9 +37,8 @@ def write_shard(
     write_buckets: list[Any],
     results_queue: Any,
 ) -> None:
-    """Runs in NVRx's persistent writer process: write this rank's files, digesting them as
-    they are written (:mod:`~trainer.checkpointing.shard_digest`), then list them with their
-    digests in the rank's sidecar."""
+    """In the writer process: write this rank's files, digesting them as they are written
+    (:mod:`~trainer.checkpointing.shard_digest`), then list them in the rank's sidecar."""
     files = [Path(bucket[0]) for bucket in write_buckets]
     with shard_digest.capture(files) as captured:
         if save_fn is not None:
@@ -60,8 +54,7 @@ def plan_write(
     staged: dict[str, Any], directory: Path, group: Any, md_cache: Any
 ) -> tuple[Any, Any, Any, Any]:
     """DCP's save plan of a staged state (across ``group``; ``md_cache``: NVRx's cached plan,
-    or None), and the request that has the writer process write this rank's shard of it,
-    digested as it goes (:mod:`shard_digest`): (request, writer, metadata, dist_wrapper)."""
+    or None) and the writer process's request: (request, writer, metadata, dist_wrapper)."""
     # Here, not at the top: the writer process imports this module and needs neither.
     import torch.distributed as dist
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -99,12 +92,9 @@ class PersistentWriter:
         self._results_queue_thread: threading.Thread | None = None
 
     def start(self, *, rank: int = 0, fork: bool = False) -> None:
-        """Start a new writer now, replacing the current one, without waiting for it.
-
-        ``fork``: fork this process instead (the caller's word that no other thread runs yet and
-        CUDA is not in use), and NVRx's results-queue Manager with it; both are ready at once.
-        Otherwise the writer is a spawned interpreter, and the Manager another, started on a
-        thread of its own."""
+        """Start a new writer now, replacing the current one, without waiting for it. ``fork``:
+        the caller's word that no other thread runs yet and CUDA is not in use (the Manager is
+        forked too); otherwise both are spawned, the Manager from a thread of its own."""
         self.reset()
         if fork:  # before the writer: its queue's feeder thread starts with the first request
             nvrx_compat.fork_write_results_queue()
@@ -126,16 +116,15 @@ class PersistentWriter:
             self._results_queue_thread.join()
 
     def take_ready(self) -> float | None:
-        """Seconds the current writer took from ``start`` to ready, once per writer (then
-        None): for the ``writer_ready`` phase event."""
+        """Seconds from ``start`` to ready, once per writer (the ``writer_ready`` event)."""
         if self.ready_at is None or self.started_at is None or self._ready_taken:
             return None
         self._ready_taken = True
         return self.ready_at - self.started_at
 
     def finished_all(self) -> bool:
-        """Has the writer done everything it was given (finalizing what it finished, without
-        blocking)? The first time it has, it is ready: a save's write starts at once."""
+        """Has the writer done everything it was given (finalized without blocking)? The first
+        time it has, it is ready."""
         if self.queue is None:
             return True
         self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
@@ -145,8 +134,7 @@ class PersistentWriter:
         return bool(done)
 
     def note_ready(self) -> None:
-        """Record when the writer first has nothing left to do (its start-up no-op, the warm-up
-        write), while no save is pending."""
+        """While no save is pending: note when the writer is first idle (ready)."""
         if self.ready_at is None and self.queue is not None:
             self.finished_all()
 
