@@ -51,32 +51,13 @@ from trainer.rundir import Layout
 
 
 @dataclass
-class JobStatus:
-    """What the watcher sees of the simulated nodes at one instant."""
-
-    exit_codes: dict[int, int | None]  # node -> exit code (None: still running)
-    lost_nodes: set[int] = field(default_factory=set)  # nodes that vanished (killed, not exited)
-    stopped_nodes: set[int] = field(default_factory=set)  # stopped by the watcher (``stop``)
-
-    @property
-    def running(self) -> list[int]:
-        return [
-            n
-            for n, code in self.exit_codes.items()
-            if code is None and n not in self.stopped_nodes and n not in self.lost_nodes
-        ]
-
-
-@dataclass
 class LocalJob:
     request: LaunchRequest
     nodes: dict[int, NodeProcess]
-    logs: dict[int, Path]
-    lost: set[int] = field(default_factory=set)
-    stopped: set[int] = field(default_factory=set)
+    lost: set[int] = field(default_factory=set)  # killed by a drill, not exited
+    stopped: set[int] = field(default_factory=set)  # stopped by the watcher (``stop``)
     invocation: str = ""  # the tag its processes carry (the dead owner's, when adopted)
     recorder: Recorder | None = None
-    adopted: bool = False
     # Starts simulated node n (again); None for an adopted job (its launcher's argv is gone).
     start: Callable[[int], NodeProcess] | None = None
     deferred: list[int] = field(default_factory=list)  # spares, started once the world formed
@@ -97,17 +78,17 @@ class LocalJob:
     def attempt(self) -> int:
         return self.request.attempt
 
+    def _running(self) -> set[int]:
+        up = {n for n, p in self.nodes.items() if p.poll() is None}
+        return up - self.stopped - self.lost
+
     def running(self) -> bool:
-        return bool(self.status().running)
+        return bool(self._running())
 
     def observation(self) -> Observation:
-        status = self.status()
         return Observation(
-            exit_codes={
-                n: None if n in status.stopped_nodes else code
-                for n, code in status.exit_codes.items()
-            },
-            lost=frozenset(status.lost_nodes),
+            exit_codes={n: None if n in self.stopped else p.poll() for n, p in self.nodes.items()},
+            lost=frozenset(self.lost),
             where="logs: "
             + str(self.request.cfg.run_root / Layout.attempt_log(self.attempt, "node*.log")),
         )
@@ -116,12 +97,6 @@ class LocalJob:
         self.stop()
         return {}
 
-    def status(self) -> JobStatus:
-        codes = {n: p.poll() for n, p in self.nodes.items()}
-        return JobStatus(
-            exit_codes=codes, lost_nodes=set(self.lost), stopped_nodes=set(self.stopped)
-        )
-
     def observe(self, event: Event) -> None:
         if self.deferred and isinstance(event, TrainStart) and self.start is not None:
             for node in self.deferred:
@@ -129,7 +104,7 @@ class LocalJob:
             self.deferred.clear()
 
     def alive_nodes(self) -> frozenset[int]:
-        return frozenset(self.status().running) | frozenset(self.deferred)
+        return frozenset(self._running() | set(self.deferred))
 
     def losses(self) -> frozenset[int]:
         # A simulated node is lost only by the drill, which the watcher carries out itself.
@@ -240,15 +215,7 @@ class LocalBackend:
                 f"; initial weights {w.source} -> {w.dest}: {w.files} files, "
                 f"{w.downloaded} downloaded"
             )
-        return Hydrated(
-            source=r.source,
-            dest=r.dest,
-            detail=detail,
-            files=r.files,
-            seconds=r.seconds,
-            manifest_sha256=r.manifest_sha256,
-            report=r.to_dict(),
-        )
+        return Hydrated.of(r, detail)
 
     def reattach(self, request: LaunchRequest) -> LocalJob | None:
         """The dead owner's attempt, when the takeover found it healthy (arch §6)."""
@@ -283,13 +250,10 @@ class LocalBackend:
         watched from here on."""
         root = request.cfg.run_root
         nodes = {r.node: NodeProcess.from_record(r, root) for r in records}
-        logs = {n: root / Layout.attempt_log(request.attempt, f"node{n}.log") for n in nodes}
         if self.recorder is not None:
             for n in nodes.values():
                 self.recorder.record(n.record(request.attempt))
-        return LocalJob(
-            request, nodes, logs, invocation=invocation, recorder=self.recorder, adopted=True
-        )
+        return LocalJob(request, nodes, invocation=invocation, recorder=self.recorder)
 
     def launch(self, request: LaunchRequest) -> LocalJob:
         cfg = request.cfg
@@ -318,10 +282,11 @@ class LocalBackend:
         network = self._network(
             request, env, cfg.run_root / Layout.attempt_log(request.attempt, "net.log")
         )
+        enter = network.enter() if network is not None else []
         start = NodeStarter(
             run_root=cfg.run_root,
             attempt=request.attempt,
-            enter=network.enter() if network is not None else [],
+            enter=enter,
             argv=argv,
             env=env,
             memory=node_memory.prepare(cfg.run_root, request.attempt, request.invocation),
@@ -331,12 +296,8 @@ class LocalBackend:
         store = None
         try:
             if spec.external_store:
-                store = start_store(
-                    spec.rdzv_endpoint,
-                    env,
-                    cfg.run_root / Layout.attempt_log(request.attempt, "rdzv.log"),
-                    enter=network.enter() if network is not None else [],
-                )
+                rdzv_log = cfg.run_root / Layout.attempt_log(request.attempt, "rdzv.log")
+                store = start_store(spec.rdzv_endpoint, env, rdzv_log, enter=enter)
         except BaseException:
             if network is not None:
                 network.close()
@@ -344,14 +305,9 @@ class LocalBackend:
         # The nodes the job trains on start now; hot spares once those formed the world (the
         # first ``train_start``), so that they are the ones waiting in the rendezvous.
         nodes = {node: start(node) for node in range(request.nodes)}
-        logs = {
-            n: cfg.run_root / Layout.attempt_log(request.attempt, f"node{n}.log")
-            for n in range(request.launched)
-        }
         return LocalJob(
             request,
             nodes,
-            logs,
             invocation=request.invocation,
             recorder=self.recorder,
             start=start,

@@ -34,21 +34,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and every descendant (collected first: children re-parent on death)."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
-    psutil.wait_procs(procs, timeout=10)
-
-
-def freeze_tree(pid: int) -> list[psutil.Process]:
-    """SIGSTOP a process and every descendant, parents first; returns them."""
+def _signal_tree(pid: int, sig: signal.Signals) -> list[psutil.Process]:
+    """Signal a process and every descendant (collected first: children re-parent on death),
+    parents first; returns them."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
@@ -56,15 +44,23 @@ def freeze_tree(pid: int) -> list[psutil.Process]:
         return []
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGSTOP)
+            p.send_signal(sig)
+    return procs
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant."""
+    psutil.wait_procs(_signal_tree(pid, signal.SIGKILL), timeout=10)
+
+
+def freeze_tree(pid: int) -> None:
+    """SIGSTOP a process and every descendant, parents first."""
+    stopped = _signal_tree(pid, signal.SIGSTOP)
     # Whatever a stopping parent started in between (a respawn) stops too.
     with contextlib.suppress(psutil.NoSuchProcess):
-        for p in root.children(recursive=True):
-            if p not in procs:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    p.send_signal(signal.SIGSTOP)
-                procs.append(p)
-    return procs
+        for p in set(psutil.Process(pid).children(recursive=True)) - set(stopped):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGSTOP)
 
 
 # Each simulated node runs under a tiny shell that writes the agent's exit code to a file: an

@@ -40,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -111,7 +111,6 @@ class PrivateNetwork:
     holder: subprocess.Popen[bytes]
     published: int | None = None  # the port forwarded from the host's 127.0.0.1, if any
     mode: Mode = Mode.USER
-    _closed: bool = field(default=False, repr=False)
 
     def enter(self) -> list[str]:
         """The argv prefix that runs a command inside (``nsenter`` then ``exec`` s it)."""
@@ -127,24 +126,9 @@ class PrivateNetwork:
 
     def close(self) -> None:
         """Idempotent: the namespace goes with its last process."""
-        if self._closed:
-            return
-        self._closed = True
         if self.holder.poll() is None:
             self.holder.kill()
         self.holder.wait()
-
-
-def _publish_socket(port: int) -> socket.socket:
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        s.bind(("127.0.0.1", port))
-        s.listen(64)
-    except OSError:
-        s.close()
-        raise
-    return s
 
 
 def open_network(
@@ -166,7 +150,7 @@ def open_network(
     listener: socket.socket | None = None
     if publish is not None:
         try:
-            listener = _publish_socket(publish)
+            listener = socket.create_server(("127.0.0.1", publish), backlog=64)
         except OSError as e:
             with open(log, "a") as out:
                 print(f"rank 0's metrics port 127.0.0.1:{publish} not published: {e}", file=out)

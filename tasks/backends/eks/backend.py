@@ -336,16 +336,10 @@ class EksBackend:
             data_dir=request.data_dir,
             progress=self.log,
         )
-        return Hydrated(
-            source=r.source,
-            dest=r.dest,
-            files=r.files,
-            seconds=r.seconds,
-            manifest_sha256=r.manifest_sha256,
-            report=r.to_dict(),
-            detail=f"{r.files} files, {r.bytes} bytes through FSx association "
-            f"{r.association_id}, import task {r.import_task_id} and Job {r.job}; checked "
-            "against the manifest",
+        return Hydrated.of(
+            r,
+            f"{r.files} files, {r.bytes} bytes through FSx association {r.association_id}, "
+            f"import task {r.import_task_id} and Job {r.job}; checked against the manifest",
         )
 
     def _job(self, name: str, attempt: int, nodes: int) -> EksJob:

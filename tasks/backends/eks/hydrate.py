@@ -43,9 +43,6 @@ class FsxHydrateReport:
     # What the hydration Job digested every file against (trainer.data.manifest_digest).
     manifest_sha256: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return self.__dict__.copy()
-
 
 def fsx_dataset_path(bucket: str, prefix: str) -> str:
     """Where a dataset lives on the file system (relative to its root; the pods and the flow

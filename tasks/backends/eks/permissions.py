@@ -42,7 +42,7 @@ KUBE_CALLS: tuple[KubeCall, ...] = (
     KubeCall("create_namespaced_service", "", "services", "create", "kube.Kube.apply"),
     KubeCall("patch_namespaced_service", "", "services", "patch", "kube.Kube.apply (on 409)"),
     KubeCall("delete_namespaced_service", "", "services", "delete", "kube.Kube.delete_job"),
-    # the attempt's config, carried in the bundle (render.render_config_map)
+    # the attempt's config, carried in the bundle (render.render_all)
     KubeCall("create_namespaced_config_map", "", "configmaps", "create", "kube.Kube.apply"),
     KubeCall("patch_namespaced_config_map", "", "configmaps", "patch", "kube.Kube.apply (on 409)"),
     KubeCall("delete_namespaced_config_map", "", "configmaps", "delete", "kube.Kube.delete_job"),
