@@ -505,19 +505,15 @@ def test_wait_for_nodes_gives_up_with_the_reason(kube: Kube):
 
 
 def test_hydration_job_failure_names_the_job(kube: Kube):
-    from tasks.backends.eks.fsx import render_hydration_job
-    from tasks.backends.eks.hydrate import wait_for_job
+    from tasks.backends.eks.hydrate import hydration_job, wait_for_job
+    from tasks.backends.eks.params import EksParams
     from tasks.errors import HydrationError
 
-    job = render_hydration_job(
+    job = hydration_job(
         name="nvrx-r1-hydrate",
-        namespace=NS,
-        image="img",
+        eks=EksParams(namespace=NS, image="img"),
         data_dir="/fsx/datasets/b/p",
         manifest_sha256="ab" * 32,
-        fsx_claim="fsx-claim",
-        fsx_mount="/fsx",
-        service_account="nvrx-trainer",
     )
     kube.apply(job)
     kube.batch.patch_namespaced_job_status(

@@ -23,9 +23,15 @@ from typing import Any
 
 from tasks.backends.eks.classify import IMAGE_PULL_REASONS
 from tasks.backends.eks.clients import EksClients
-from tasks.backends.eks.fsx import ensure_association, import_metadata, render_hydration_job
+from tasks.backends.eks.fsx import ensure_association, import_metadata
 from tasks.backends.eks.kube import Kube
 from tasks.backends.eks.params import EksParams
+from tasks.backends.eks.pod import guaranteed
+from tasks.backends.eks.security import (
+    container_security_context,
+    pod_security_context,
+    scratch_volumes,
+)
 from tasks.errors import HydrationError
 from trainer.data import DataError, load_manifest, manifest_digest, verify_dataset
 
@@ -69,12 +75,10 @@ def image_pull_failure(pods: list[dict[str, Any]]) -> str | None:
     the registry or the pull credentials stay wrong."""
     for pod in pods:
         name = (pod.get("metadata") or {}).get("name", "?")
-        images = {c.get("name"): c.get("image") for c in _all_containers(pod.get("spec") or {})}
-        status = pod.get("status") or {}
-        for cs in [
-            *(status.get("initContainerStatuses") or []),
-            *(status.get("containerStatuses") or []),
-        ]:
+        spec, status = pod.get("spec") or {}, pod.get("status") or {}
+        kinds = ("initContainer", "container")  # spec.<kind>s, status.<kind>Statuses
+        images = {c.get("name"): c.get("image") for k in kinds for c in spec.get(f"{k}s") or []}
+        for cs in [c for k in kinds for c in status.get(f"{k}Statuses") or []]:
             waiting = (cs.get("state") or {}).get("waiting") or {}
             reason = waiting.get("reason")
             if reason in IMAGE_PULL_REASONS:
@@ -89,10 +93,6 @@ def image_pull_failure(pods: list[dict[str, Any]]) -> str | None:
                     "imagePullSecret on the ServiceAccount)"
                 )
     return None
-
-
-def _all_containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    return [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
 
 
 def wait_for_job(
@@ -140,27 +140,64 @@ def wait_for_job(
 def hydration_job(
     *, name: str, eks: EksParams, data_dir: str, manifest_sha256: str
 ) -> dict[str, Any]:
-    """The hydration Job (:func:`render_hydration_job`) with the run's pod policy: limits equal
-    to its requests in every container (Guaranteed QoS: not the first pod evicted when a system
-    node runs short) and eks.priority_class."""
-    job = render_hydration_job(
-        name=name,
-        namespace=eks.namespace,
-        image=eks.image,
-        data_dir=data_dir,
-        manifest_sha256=manifest_sha256,
-        fsx_claim=eks.fsx_claim,
-        fsx_mount=eks.fsx_mount,
-        service_account=eks.service_account,
-    )
-    pod = job["spec"]["template"]["spec"]
-    for container in _all_containers(pod):
-        res = container.setdefault("resources", {})
-        res["limits"] = dict(res.get("requests") or {})
-        res["requests"] = dict(res["limits"])
-    if eks.priority_class:
-        pod["priorityClassName"] = eks.priority_class
-    return job
+    """A Job that mounts the FSx claim and preloads ``data_dir`` by reading every file once
+    through the Lustre client, digesting it against the manifest (``python -m trainer.data
+    --verify``; the manifest must be the one the flow read). On FSx a lazily imported file's
+    first read loads it from its data repository, so the read is the preload; 8 readers keep
+    several loads in flight. Nothing but the image's Python: no Lustre user-space tools
+    (``lfs``), no shell. It runs as the image's non-root user and needs read access to the files,
+    which FSx's imported files give (see deploy/eks/README.md), and nothing else: no capability,
+    no API token, no network (the Lustre client is the node's kernel). Limits equal its requests
+    (Guaranteed QoS: not the first pod evicted when a system node runs short)."""
+    scratch, scratch_mounts = scratch_volumes(tmp_gi=1)
+    command = [
+        "python", "-m", "trainer.data", "--verify", "--out", data_dir,
+        "--readers", "8", "--manifest-sha256", manifest_sha256,
+    ]  # fmt: skip
+    resources = {"cpu": "1", "memory": "2Gi"}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": name,
+            "namespace": eks.namespace,
+            "labels": {
+                "app.kubernetes.io/name": "nvrx-pipeline",
+                "app.kubernetes.io/component": "hydrate",
+            },
+        },
+        "spec": {
+            "backoffLimit": 2,
+            "ttlSecondsAfterFinished": 24 * 3600,
+            "template": {
+                "metadata": {"labels": {"app.kubernetes.io/component": "hydrate"}},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "serviceAccountName": eks.service_account,
+                    "automountServiceAccountToken": False,
+                    **({"priorityClassName": eks.priority_class} if eks.priority_class else {}),
+                    "securityContext": pod_security_context(),
+                    "containers": [
+                        {
+                            "name": "hydrate",
+                            "image": eks.image,
+                            "command": command,
+                            "securityContext": container_security_context(),
+                            "resources": guaranteed(resources),
+                            "volumeMounts": [
+                                {"name": "fsx", "mountPath": eks.fsx_mount},
+                                *scratch_mounts,  # Python's own temporary files
+                            ],
+                        }
+                    ],
+                    "volumes": [
+                        {"name": "fsx", "persistentVolumeClaim": {"claimName": eks.fsx_claim}},
+                        *scratch,
+                    ],
+                },
+            },
+        },
+    }
 
 
 def hydrate_fsx(
