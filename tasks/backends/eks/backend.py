@@ -81,7 +81,7 @@ class _RankZeroLog:
     def __init__(self, kube: Kube, ns: str, on_line: Callable[[str], None]) -> None:
         self.kube, self.ns, self.on_line = kube, ns, on_line
         self.pod: str | None = None
-        self._stop: threading.Event | None = None
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def follow(self, pod: str | None) -> None:
@@ -99,9 +99,9 @@ class _RankZeroLog:
 
     def close(self, grace_s: float) -> None:
         """Give the stream ``grace_s`` to deliver the last lines of an ended container."""
-        if self._thread is not None and self._stop is not None:
+        if self._thread is not None:
             self._thread.join(grace_s)
-            self._stop.set()
+        self._stop.set()
 
 
 class EksJob:
@@ -126,22 +126,15 @@ class EksJob:
         self.loss_grace_s = 2.0
         self.history = History(completions=nodes, not_ready_s=float(eks.unreachable_toleration_s))
         self.observed: Observation | None = None
-        self.lost: set[int] = set()
         self._reported: set[str] = set()  # pods whose loss losses() reported
         self._deleted = False
         self._q: queue.Queue[tuple[str, str, dict[str, Any]]] = queue.Queue()
         self._stop = threading.Event()
-        self._watchers = [
+        for what in ("pod", "node"):
+            args = (what, self.ns, self._q, self._stop)
             threading.Thread(
-                target=kube.watch,
-                args=(what, self.ns, self._q, self._stop),
-                daemon=True,
-                name=f"watch-{what}",
-            )
-            for what in ("pod", "node")
-        ]
-        for w in self._watchers:
-            w.start()
+                target=kube.watch, args=args, daemon=True, name=f"watch-{what}"
+            ).start()
         self._log = _RankZeroLog(kube, self.ns, on_log)
 
     def _drain(self, now: float) -> None:
@@ -153,8 +146,8 @@ class EksJob:
                 self.history.nodes.append(observe_node(obj, now, deleted=kind == "DELETED"))
 
     def _settled(self) -> bool:
-        latest = {p.name: p for p in self.history.pods}
-        return all(p.phase in ("Succeeded", "Failed") or p.deleted for p in latest.values())
+        pods = self.history.latest().values()
+        return all(p.phase in ("Succeeded", "Failed") or p.deleted for p in pods)
 
     # -- the Job protocol --------------------------------------------------------------------
     def running(self) -> bool:
@@ -181,11 +174,10 @@ class EksJob:
 
     def alive_nodes(self) -> frozenset[int]:
         self._drain(time.time())
-        latest = {p.name: p for p in self.history.pods}
         gone = node_loss_evidence(self.history, now=time.time())
         return frozenset(
             p.index
-            for p in latest.values()
+            for p in self.history.latest().values()
             if p.index is not None
             and not p.deleted
             and p.phase not in ("Succeeded", "Failed")
@@ -203,7 +195,7 @@ class EksJob:
         # Kubernetes has not evicted it): it is taken away, so that the survivors re-form
         # without it and a writer of it is not left training beside them.
         not_ready = not_ready_since(self.history, now)
-        latest = {p.name: p for p in self.history.pods}
+        latest = self.history.latest()
         for name in new:
             pod = latest.get(name)
             if pod is not None and pod.node in not_ready and not pod.deleted:
@@ -233,7 +225,6 @@ class EksJob:
         ]
         if not pods:
             raise ValueError(f"node-loss drill: Job {self.name} has no pod of index {node}")
-        self.lost.add(node)
         for p in pods:
             self.history.deleted_by_us.add(p["metadata"]["name"])
             self.kube.delete_pod(self.ns, p["metadata"]["name"])
@@ -327,20 +318,7 @@ class EksBackend:
     def hydrate(
         self, request: HydrateRequest, progress: Callable[[int, int, str], None]
     ) -> Hydrated:
-        r = hydrate_fsx(
-            self.clients,
-            run_id=request.run_id,
-            eks=self.eks,
-            bucket=request.bucket,
-            prefix=request.prefix,
-            data_dir=request.data_dir,
-            progress=self.log,
-        )
-        return Hydrated.of(
-            r,
-            f"{r.files} files, {r.bytes} bytes through FSx association {r.association_id}, "
-            f"import task {r.import_task_id} and Job {r.job}; checked against the manifest",
-        )
+        return hydrate_fsx(self.clients, self.eks, request, progress=self.log)
 
     def _job(self, name: str, attempt: int, nodes: int) -> EksJob:
         def on_log(line: str) -> None:

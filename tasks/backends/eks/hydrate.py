@@ -18,9 +18,9 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from tasks.backends.base import Hydrated, HydrateRequest
 from tasks.backends.eks.classify import IMAGE_PULL_REASONS
 from tasks.backends.eks.clients import EksClients
 from tasks.backends.eks.fsx import ensure_association, import_metadata
@@ -48,12 +48,6 @@ class FsxHydrateReport:
     seconds: float
     # What the hydration Job digested every file against (trainer.data.manifest_digest).
     manifest_sha256: str | None = None
-
-
-def fsx_dataset_path(bucket: str, prefix: str) -> str:
-    """Where a dataset lives on the file system (relative to its root; the pods and the flow
-    runner see it under their FSx mount)."""
-    return f"/datasets/{bucket}/{prefix}".rstrip("/")
 
 
 def hydration_job_name(run_id: str, fs_path: str, manifest_sha256: str) -> str:
@@ -102,11 +96,12 @@ def wait_for_job(
     *,
     deadline_s: float,
     poll_s: float,
-    on_wait: Callable[[float], None] = lambda waited: None,
+    progress: Callable[[str], None] = lambda msg: None,
 ) -> None:
     """Until the Job has condition Complete; raises on Failed (with the controller's reason),
-    at once when a pod of the Job cannot pull its image, or at the deadline."""
-    started = time.monotonic()
+    at once when a pod of the Job cannot pull its image, or at the deadline. Says it still
+    runs every 30 s, not every poll."""
+    started = noted = time.monotonic()
     while True:
         job = kube.read_job(ns, name)
         if job is None:
@@ -133,7 +128,9 @@ def wait_for_job(
                 f"Job {ns}/{name} did not complete within {deadline_s:.0f} s "
                 f"(eks.hydrate_timeout_s); see `kubectl describe -n {ns} job/{name}`"
             )
-        on_wait(waited)
+        if time.monotonic() - noted >= 30.0:
+            noted = time.monotonic()
+            progress(f"hydration Job {name} running for {waited:.0f} s")
         time.sleep(poll_s)
 
 
@@ -202,20 +199,19 @@ def hydration_job(
 
 def hydrate_fsx(
     clients: EksClients,
-    *,
-    run_id: str,
     eks: EksParams,
-    bucket: str,
-    prefix: str,
-    data_dir: Path,
+    request: HydrateRequest,
     progress: Callable[[str], None] = lambda msg: None,
-) -> FsxHydrateReport:
-    """``data_dir``: the dataset as this process sees it on the FSx mount."""
+) -> Hydrated:
+    """``request.data_dir``: the dataset as this process sees it on the FSx mount."""
     if not eks.file_system_id:
         raise HydrationError("eks.file_system_id is not set: give the fs-... id of the FSx claim")
     t0 = time.monotonic()
-    s3_path = f"s3://{bucket}/{prefix}/"
-    fs_path = fsx_dataset_path(bucket, prefix)
+    run_id, data_dir = request.run_id, request.data_dir
+    s3_path = f"s3://{request.bucket}/{request.prefix}/"
+    # Where the dataset lives on the file system (the pods and the flow runner see it under
+    # their FSx mount).
+    fs_path = f"/datasets/{request.bucket}/{request.prefix}".rstrip("/")
     assoc = ensure_association(
         clients.fsx,
         file_system_id=eks.file_system_id,
@@ -245,20 +241,9 @@ def hydrate_fsx(
     progress(f"hydration Job {name}: reads and digests every file of manifest {digest[:12]}")
     clients.kube.apply(job)  # the same run and dataset: joins (or reuses) the Job there
     remaining = eks.hydrate_timeout_s - (time.monotonic() - t0)
-    last_note = [0.0]
-
-    def note(waited: float) -> None:
-        if waited - last_note[0] >= 30.0:  # a line every 30 s, not every poll
-            last_note[0] = waited
-            progress(f"hydration Job {name} running for {waited:.0f} s")
-
+    poll_s = clients.poll_s
     wait_for_job(
-        clients.kube,
-        eks.namespace,
-        name,
-        deadline_s=remaining,
-        poll_s=clients.poll_s,
-        on_wait=note,
+        clients.kube, eks.namespace, name, deadline_s=remaining, poll_s=poll_s, progress=progress
     )
     try:
         manifest = verify_dataset(data_dir, digests=False, manifest_sha256=digest)
@@ -266,7 +251,7 @@ def hydrate_fsx(
         raise HydrationError(
             f"hydration Job {name} completed but the dataset on FSx is incomplete: {e}"
         ) from e
-    return FsxHydrateReport(
+    r = FsxHydrateReport(
         source=s3_path,
         dest=str(data_dir),
         files=len(manifest["files"]),
@@ -276,4 +261,9 @@ def hydrate_fsx(
         job=name,
         seconds=round(time.monotonic() - t0, 3),
         manifest_sha256=manifest_digest(manifest),
+    )
+    return Hydrated.of(
+        r,
+        f"{r.files} files, {r.bytes} bytes through FSx association {assoc}, import task "
+        f"{r.import_task_id} and Job {name}; checked against the manifest",
     )
