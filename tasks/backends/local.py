@@ -30,7 +30,6 @@ from tasks.backends.local_nodes import (
     REPO,
     NodeProcess,
     NodeStarter,
-    Recorder,
     free_port,
     freeze_tree,
     kill_tree,
@@ -41,7 +40,6 @@ from tasks.checks import CheckResult
 from tasks.classify import Observation, Outcome
 from tasks.ownership import processes
 from tasks.ownership.lease import RunLease
-from tasks.ownership.takeover import NodeRecord
 from tasks.secrets import resolve_local, scrubbed
 from trainer.config import save_config
 from trainer.event_types import Event, TrainStart
@@ -57,7 +55,7 @@ class LocalJob:
     lost: set[int] = field(default_factory=set)  # killed by a drill, not exited
     stopped: set[int] = field(default_factory=set)  # stopped by the watcher (``stop``)
     invocation: str = ""  # the tag its processes carry (the dead owner's, when adopted)
-    recorder: Recorder | None = None
+    recorder: RunLease | None = None
     # Starts simulated node n (again); None for an adopted job (its launcher's argv is gone).
     start: Callable[[int], NodeProcess] | None = None
     deferred: list[int] = field(default_factory=list)  # spares, started once the world formed
@@ -188,7 +186,6 @@ class LocalBackend:
         self.state_dir = Path(state_dir).absolute()
         self.placement = Placement(shared_root=self.state_dir / "fsx")
         self.lease = lease
-        self.recorder: Recorder | None = lease
         self.log = log
         self._said_shared = False
 
@@ -218,14 +215,19 @@ class LocalBackend:
         return Hydrated.of(r, detail)
 
     def reattach(self, request: LaunchRequest) -> LocalJob | None:
-        """The dead owner's attempt, when the takeover found it healthy (arch §6)."""
+        """The nodes the dead owner started for its attempt, watched from here on, when the
+        takeover found them healthy (arch §6)."""
         held = self.lease
         if held is None or held.adoptable is None or held.takeover is None:
             return None
         plan, held.adoptable = held.adoptable, None  # taken once
-        attempt = dataclasses.replace(request, attempt=plan.attempt)
+        request = dataclasses.replace(request, attempt=plan.attempt)
         self.log(f"train attempt {plan.attempt}: adopted from the previous owner: {plan.reason}")
-        return self.adopt(attempt, list(plan.nodes), invocation=held.takeover.owner.invocation)
+        nodes = {r.node: NodeProcess.from_record(r, request.cfg.run_root) for r in plan.nodes}
+        for n in nodes.values():
+            held.record(n.record(plan.attempt))
+        invocation = held.takeover.owner.invocation
+        return LocalJob(request, nodes, invocation=invocation, recorder=held)
 
     def cleanup(self, run_id: str, run_root: Path) -> list[str]:
         """End every process of the run but a live other owner's, remove their node memory,
@@ -242,18 +244,6 @@ class LocalBackend:
             + [f"node memory {m.name}" for m in memory]
             + ([f"S3 server pid {stopped}"] if stopped else [])
         )
-
-    def adopt(
-        self, request: LaunchRequest, records: list[NodeRecord], *, invocation: str
-    ) -> LocalJob:
-        """The nodes invocation ``invocation`` (now dead) started for ``request.attempt``,
-        watched from here on."""
-        root = request.cfg.run_root
-        nodes = {r.node: NodeProcess.from_record(r, root) for r in records}
-        if self.recorder is not None:
-            for n in nodes.values():
-                self.recorder.record(n.record(request.attempt))
-        return LocalJob(request, nodes, invocation=invocation, recorder=self.recorder)
 
     def launch(self, request: LaunchRequest) -> LocalJob:
         cfg = request.cfg
@@ -291,7 +281,7 @@ class LocalBackend:
             env=env,
             memory=node_memory.prepare(cfg.run_root, request.attempt, request.invocation),
             gpus=gpus,
-            recorder=self.recorder,
+            recorder=self.lease,
         )
         store = None
         try:
@@ -309,7 +299,7 @@ class LocalBackend:
             request,
             nodes,
             invocation=request.invocation,
-            recorder=self.recorder,
+            recorder=self.lease,
             start=start,
             deferred=list(range(request.nodes, request.launched)),
             store=store,

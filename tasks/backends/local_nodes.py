@@ -14,13 +14,13 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import psutil
 
 from tasks.backends import node_memory
 from tasks.backends.netns import await_ready
-from tasks.ownership.lease import process_is
+from tasks.ownership.lease import RunLease, process_is
 from tasks.ownership.takeover import NodeRecord
 from trainer.run_files import read_small
 from trainer.rundir import Layout
@@ -70,14 +70,6 @@ _EXIT_WRAPPER = (
     'rc=0; "$@" || rc=$?; printf "%s\\n" "$rc" > "$NVRX_EXIT_FILE.tmp" && '
     'mv -f "$NVRX_EXIT_FILE.tmp" "$NVRX_EXIT_FILE"; exit "$rc"'
 )
-
-
-class Recorder(Protocol):
-    """Where the backend notes what it starts (the run's lease, arch §6)."""
-
-    def record(self, resource: dict[str, Any]) -> None: ...
-
-    def forget(self, match: dict[str, Any]) -> None: ...
 
 
 def exit_file(run_root: Path, attempt: int, node: int) -> Path:
@@ -144,7 +136,7 @@ class NodeStarter:
     env: dict[str, str]
     memory: Path  # the attempt's node memory, one directory per node
     gpus: dict[int, str] | None  # each node's CUDA_VISIBLE_DEVICES; None: CPU workers
-    recorder: Recorder | None = None
+    recorder: RunLease | None = None  # notes what it starts (arch §6)
 
     def __call__(self, node: int) -> NodeProcess:
         log_path = self.run_root / Layout.attempt_log(self.attempt, f"node{node}.log")

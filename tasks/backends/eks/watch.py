@@ -128,12 +128,8 @@ class WatchCursor:
         for key, obj in before.items():
             if key not in self.known:
                 out.append(Decision(Step.EMIT, type="DELETED", obj=obj, why="gone at a relist"))
-        self.on_relisted(list_version(listing))
+        self.version = list_version(listing)  # None: from now
         return out
-
-    def on_relisted(self, list_version: str | None) -> None:
-        """A list answered: the watch resumes from its version (none: from now)."""
-        self.version = list_version or None
 
     def on_failure(self) -> None:
         """The stream or the request failed (reset, timeout, 5xx): back off, keep the version."""
