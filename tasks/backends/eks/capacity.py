@@ -15,15 +15,6 @@ from tasks.preflight.checks import Snapshot
 from tasks.preflight.eks import EksRequirements, check_nodes
 
 
-def node_check(kube: Kube, req: EksRequirements) -> CheckResult:
-    snap = Snapshot()
-    try:
-        snap.facts["nodes"] = kube.nodes()
-    except Exception as e:
-        snap.errors["nodes"] = f"cannot list nodes: {e}"
-    return check_nodes(snap, req)
-
-
 def wait_for_nodes(
     kube: Kube,
     req: EksRequirements,
@@ -34,7 +25,12 @@ def wait_for_nodes(
 ) -> CheckResult:
     started = time.monotonic()
     while True:
-        result = node_check(kube, req)
+        snap = Snapshot()
+        try:
+            snap.facts["nodes"] = kube.nodes()
+        except Exception as e:
+            snap.errors["nodes"] = f"cannot list nodes: {e}"
+        result = check_nodes(snap, req)
         if result.status == Status.PASSED:
             return result
         waited = time.monotonic() - started
