@@ -20,6 +20,7 @@ import psutil
 
 from tasks.backends import node_memory
 from tasks.backends.netns import await_ready
+from tasks.ownership import processes
 from tasks.ownership.lease import RunLease, process_is
 from tasks.ownership.takeover import NodeRecord
 from trainer.run_files import read_small
@@ -34,33 +35,30 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _signal_tree(pid: int, sig: signal.Signals) -> list[psutil.Process]:
-    """Signal a process and every descendant (collected first: children re-parent on death),
-    parents first; returns them."""
+def _tree(pid: int) -> list[psutil.Process]:
+    """A process and every descendant, parents first (collected before any is signalled:
+    children re-parent on death)."""
     try:
         root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
+        return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(sig)
-    return procs
 
 
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and every descendant."""
-    psutil.wait_procs(_signal_tree(pid, signal.SIGKILL), timeout=10)
+    processes.end(_tree(pid))
 
 
 def freeze_tree(pid: int) -> None:
-    """SIGSTOP a process and every descendant, parents first."""
-    stopped = _signal_tree(pid, signal.SIGSTOP)
-    # Whatever a stopping parent started in between (a respawn) stops too.
-    with contextlib.suppress(psutil.NoSuchProcess):
-        for p in set(psutil.Process(pid).children(recursive=True)) - set(stopped):
+    """SIGSTOP a process and every descendant, parents first, twice: whatever a stopping parent
+    started in between (a respawn) stops too."""
+    stopped: set[psutil.Process] = set()
+    for _ in range(2):
+        for p in [p for p in _tree(pid) if p not in stopped]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGSTOP)
+            stopped.add(p)
 
 
 # Each simulated node runs under a tiny shell that writes the agent's exit code to a file: an
