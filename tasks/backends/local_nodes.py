@@ -7,7 +7,6 @@ every node; and the process-tree kill and freeze that simulate a lost or frozen 
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import subprocess
@@ -19,7 +18,7 @@ from typing import Any
 import psutil
 
 from tasks.backends import node_memory
-from tasks.backends.netns import await_ready
+from tasks.backends.netns import start_ready
 from tasks.ownership import processes
 from tasks.ownership.lease import RunLease, process_is
 from tasks.ownership.takeover import NodeRecord
@@ -170,37 +169,9 @@ def start_store(
     endpoint: str, env: dict[str, str], log: Path, *, enter: list[str] | None = None
 ) -> subprocess.Popen[bytes]:
     """The rendezvous store of an elastic job, in a session of its own (and in the attempt's
-    network when ``enter`` says how), listening when this returns: it says so on a pipe, as a
-    connection from here could not reach it inside the attempt's network. It carries the run's
-    tags, so whatever ends the run's processes ends it too."""
+    network when ``enter`` says how), listening when this returns. It carries the run's tags,
+    so whatever ends the run's processes ends it too."""
     host, _, port = endpoint.rpartition(":")
-    r, w = os.pipe()
-    try:
-        with open(log, "ab") as out:
-            popen = subprocess.Popen(
-                [
-                    *(enter or []),
-                    *(sys.executable, "-m", "tasks.backends.rdzv_store", "--host", host),
-                    *("--port", port, "--ready-fd", str(w)),
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=REPO,
-                pass_fds=(w,),
-                start_new_session=True,
-            )
-    finally:
-        os.close(w)
-    try:
-        ready = await_ready(r, timeout_s=60)
-    finally:
-        os.close(r)
-    if ready:
-        return popen
-    kill_tree(popen.pid)
-    popen.wait()
-    raise RuntimeError(
-        f"the rendezvous store did not listen on {endpoint} within 60 s (exit code "
-        f"{popen.returncode}); see {log}"
-    )
+    argv = [*(enter or []), sys.executable, "-m", "tasks.backends.rdzv_store", "--host", host]
+    failed = f"the rendezvous store did not listen on {endpoint} within 60 s"
+    return start_ready([*argv, "--port", port], failed, log=log, env=env, cwd=REPO, timeout_s=60)

@@ -154,42 +154,60 @@ def open_network(
         except OSError as e:
             with open(log, "a") as out:
                 print(f"rank 0's metrics port 127.0.0.1:{publish} not published: {e}", file=out)
-    r, w = os.pipe()
-    argv = [*UNSHARE[how], "--", sys.executable, "-m", "tasks.backends.netns", "--ready-fd", str(w)]
-    fds = [w]
+    argv = [*UNSHARE[how], "--", sys.executable, "-m", "tasks.backends.netns"]
+    fds: tuple[int, ...] = ()
     if listener is not None:
         argv += ["--publish-fd", str(listener.fileno()), "--port", str(publish)]
-        fds.append(listener.fileno())
+        fds = (listener.fileno(),)
+    failed = "the attempt's network namespace did not start"
+    try:
+        holder = start_ready(argv, failed, log=log, env=env, cwd=cwd, pass_fds=fds)
+    finally:
+        if listener is not None:
+            listener.close()  # the holder has its own copy
+    return PrivateNetwork(holder, published=publish if listener is not None else None, mode=how)
+
+
+def start_ready(
+    argv: list[str],
+    failed: str,
+    *,
+    log: Path,
+    env: dict[str, str],
+    cwd: Path,
+    pass_fds: tuple[int, ...] = (),
+    timeout_s: float = READY_TIMEOUT_S,
+) -> subprocess.Popen[bytes]:
+    """Start ``argv --ready-fd FD`` in a session of its own (not in the caller's signals), its
+    output appended to ``log``; return it once it says :data:`READY` on that pipe (a connection
+    from here could not reach what listens inside an attempt's network). Otherwise it is killed
+    and this raises ``failed`` with its exit code and the log's tail."""
+    r, w = os.pipe()
     try:
         with open(log, "ab") as out:
-            holder = subprocess.Popen(
-                argv,
+            popen = subprocess.Popen(
+                [*argv, "--ready-fd", str(w)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
                 cwd=cwd,
-                pass_fds=fds,
-                start_new_session=True,  # not in the caller's signals; ended by close()
+                pass_fds=(w, *pass_fds),
+                start_new_session=True,
             )
     finally:
         os.close(w)
-        if listener is not None:
-            listener.close()  # the holder has its own copy
     try:
-        ready = await_ready(r)
+        ready = await_ready(r, timeout_s=timeout_s)
     finally:
         os.close(r)
-    if not ready:
-        if holder.poll() is None:
-            holder.kill()
-        holder.wait()
-        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-        raise RuntimeError(
-            f"the attempt's network namespace did not start (holder exited "
-            f"{holder.returncode}); {log}:\n{tail}"
-        )
-    return PrivateNetwork(holder, published=publish if listener is not None else None, mode=how)
+    if ready:
+        return popen
+    if popen.poll() is None:
+        popen.kill()
+    popen.wait()
+    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+    raise RuntimeError(f"{failed} (exit code {popen.returncode}); {log}:\n{tail}")
 
 
 def await_ready(fd: int, *, timeout_s: float = READY_TIMEOUT_S) -> bool:
