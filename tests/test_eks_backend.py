@@ -493,9 +493,9 @@ def test_wait_for_nodes_gives_up_with_the_reason(kube: Kube):
 
     seed_cluster(kube)
     kube.core.patch_node_status(NODES[1], p5(NODES[1], ready="Unknown"), _preload_content=False)
-    waits: list[float] = []
+    waits: list[str] = []
     with pytest.raises(CapacityNotRestored) as err:
-        wait_for_nodes(kube, REQ, timeout_s=0.6, poll_s=0.2, on_wait=lambda r, w: waits.append(w))
+        wait_for_nodes(kube, REQ, timeout_s=0.6, poll_s=0.2, log=waits.append)
     assert "1 usable node(s), need 2" in str(err.value) and f"{NODES[1]}: not Ready" in str(
         err.value
     )

@@ -52,7 +52,7 @@ from tasks.preflight.local import gather_s3
 from tasks.preflight.memory import node_memory_need_of
 from trainer.config import save_config
 from trainer.event_types import Event, StaleJobsDeleted
-from trainer.events import EventLog
+from trainer.events import STDOUT_PREFIX, EventLog
 from trainer.rundir import Layout
 
 # Failures whose Job is kept for forensics (when its pods have ended), and how long to wait
@@ -76,10 +76,11 @@ def delete_run_jobs(kube: Kube, namespace: str, run_id: str) -> list[str]:
 
 
 class _RankZeroLog:
-    """Follows the log of the newest rank-0 pod (a relaunched pod gets a new stream)."""
+    """Follows the log of the newest rank-0 pod (a relaunched pod gets a new stream) into
+    ``log``, less its events (those arrive from events.jsonl)."""
 
-    def __init__(self, kube: Kube, ns: str, on_line: Callable[[str], None]) -> None:
-        self.kube, self.ns, self.on_line = kube, ns, on_line
+    def __init__(self, kube: Kube, ns: str, log: Callable[[str], None]) -> None:
+        self.kube, self.ns, self.log = kube, ns, log
         self.pod: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -91,11 +92,15 @@ class _RankZeroLog:
         self.pod, self._stop = pod, threading.Event()
         self._thread = threading.Thread(
             target=self.kube.follow_log,
-            args=(self.ns, pod, self.on_line, self._stop),
+            args=(self.ns, pod, self._line, self._stop),
             daemon=True,
             name=f"log-{pod}",
         )
         self._thread.start()
+
+    def _line(self, line: str) -> None:
+        if not line.startswith(STDOUT_PREFIX):
+            self.log(f"[rank 0] {line}")
 
     def close(self, grace_s: float) -> None:
         """Give the stream ``grace_s`` to deliver the last lines of an ended container."""
@@ -117,7 +122,7 @@ class EksJob:
         attempt: int,
         nodes: int,
         poll_s: float,
-        on_log: Callable[[str], None],
+        log: Callable[[str], None],
     ) -> None:
         self.kube, self.eks, self.name, self.attempt = kube, eks, name, attempt
         self.ns = eks.namespace
@@ -135,7 +140,7 @@ class EksJob:
             threading.Thread(
                 target=kube.watch, args=args, daemon=True, name=f"watch-{what}"
             ).start()
-        self._log = _RankZeroLog(kube, self.ns, on_log)
+        self._log = _RankZeroLog(kube, self.ns, log)
 
     def _drain(self, now: float) -> None:
         for what, kind, obj in iter_queue(self._q):
@@ -321,20 +326,9 @@ class EksBackend:
         return hydrate_fsx(self.clients, self.eks, request, progress=self.log)
 
     def _job(self, name: str, attempt: int, nodes: int) -> EksJob:
-        def on_log(line: str) -> None:
-            from trainer.events import STDOUT_PREFIX
-
-            if not line.startswith(STDOUT_PREFIX):  # those arrive as events from events.jsonl
-                self.log(f"[rank 0] {line}")
-
+        kube, poll_s = self.clients.kube, self.clients.poll_s
         return EksJob(
-            self.clients.kube,
-            eks=self.eks,
-            name=name,
-            attempt=attempt,
-            nodes=nodes,
-            poll_s=self.clients.poll_s,
-            on_log=on_log,
+            kube, eks=self.eks, name=name, attempt=attempt, nodes=nodes, poll_s=poll_s, log=self.log
         )
 
     def reattach(self, request: LaunchRequest) -> EksJob | None:
@@ -407,16 +401,9 @@ class EksBackend:
         if stale:
             EventLog(cfg.run_root).emit(StaleJobsDeleted(jobs=stale, attempt=request.attempt))
         if request.attempt > 1 or stale:
-
-            def on_wait(check: CheckResult, waited: float) -> None:
-                self.log(f"waiting for healthy nodes ({waited:.0f} s): {check.detail}")
-
+            poll_s = self.clients.poll_s
             wait_for_nodes(
-                kube,
-                self.requirements,
-                timeout_s=eks.node_wait_s,
-                poll_s=self.clients.poll_s,
-                on_wait=on_wait,
+                kube, self.requirements, timeout_s=eks.node_wait_s, poll_s=poll_s, log=self.log
             )
         cfg.run_root.mkdir(parents=True, exist_ok=True)
         # The record of what the attempt ran (the pods read the bundle's ConfigMap).

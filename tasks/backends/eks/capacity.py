@@ -21,7 +21,7 @@ def wait_for_nodes(
     *,
     timeout_s: float,
     poll_s: float,
-    on_wait: Callable[[CheckResult, float], None] = lambda r, waited: None,
+    log: Callable[[str], None] = lambda msg: None,
 ) -> CheckResult:
     started = time.monotonic()
     while True:
@@ -40,5 +40,5 @@ def wait_for_nodes(
                 f"nodes: {result.detail}; {result.fix or 'check the node group'}, then re-run "
                 "with the same run_id to resume from the newest valid checkpoint"
             )
-        on_wait(result, waited)
+        log(f"waiting for healthy nodes ({waited:.0f} s): {result.detail}")
         time.sleep(poll_s)
