@@ -319,21 +319,21 @@ class Kube:
                     kwargs["resource_version"] = cursor.version
                 resp = func(*args, **kwargs)
                 ended = self._stream(resp, what, cursor, out, stop)
-                if ended is None:
-                    cursor.on_stream_end()
+                if ended is None:  # the server closed it (its timeoutSeconds): resume at once
+                    cursor.failures = 0
                 elif ended.step is Step.RELIST:
                     relist = True
                 else:
-                    cursor.on_failure()
+                    cursor.failures += 1
                     retry_after = ended.retry_after_s
             except self._exc as e:
                 if e.status == 410:
                     relist = True
                 else:
-                    cursor.on_failure()
+                    cursor.failures += 1
                     retry_after = _retry_after(e)
             except Exception:  # connection reset, read timeout: resume from the version held
-                cursor.on_failure()
+                cursor.failures += 1
             finally:
                 if resp is not None:
                     with contextlib.suppress(Exception):
