@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import enum
-import errno
 import fcntl
 import functools
 import os
@@ -267,11 +266,9 @@ def publish(listener: socket.socket, port: int) -> None:
     slots = threading.BoundedSemaphore(MAX_FORWARDED)
     while True:
         try:
-            client, _ = listener.accept()
-        except OSError as e:
-            if e.errno in (errno.EINTR, errno.ECONNABORTED):
-                continue
-            raise
+            client, _ = listener.accept()  # EINTR is retried by Python itself (PEP 475)
+        except ConnectionAbortedError:  # the client left before it was accepted
+            continue
         if not slots.acquire(blocking=False):
             client.close()
             continue
