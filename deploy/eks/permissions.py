@@ -1,4 +1,6 @@
-"""Every Kubernetes and AWS API call the EKS backend makes, and what it needs to be allowed.
+"""Every Kubernetes and AWS API call the EKS backend makes, and what it needs to be allowed
+(``where``: relative to ``tasks/backends/eks``). The deployment's table: the product never
+imports it.
 
 One table, three readers: deploy/eks/rbac.yaml and deploy/eks/iam-flow-runner-policy.json grant
 exactly these (tests/test_deploy_assets.py fails on a grant missing *or* extra), the same test
