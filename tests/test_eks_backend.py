@@ -487,7 +487,8 @@ def test_every_kubernetes_call_has_a_request_timeout(monkeypatch):
 
 
 def test_wait_for_nodes_gives_up_with_the_reason(kube: Kube):
-    from tasks.backends.eks.capacity import CapacityNotRestored, wait_for_nodes
+    from tasks.backends.eks.backend import wait_for_nodes
+    from tasks.errors import CapacityNotRestored
     from tests.eks_cluster import NODES, p5, seed_cluster
     from tests.test_eks_preflight import REQ
 

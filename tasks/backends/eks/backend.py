@@ -28,7 +28,6 @@ from tasks.backends.base import (
     HydrateRequest,
     LaunchRequest,
 )
-from tasks.backends.eks.capacity import wait_for_nodes
 from tasks.backends.eks.classify import (
     History,
     end_of,
@@ -44,10 +43,11 @@ from tasks.backends.eks.objects import JobObs, healthy, observe_job, observe_nod
 from tasks.backends.eks.params import EksParams, cpu_millicores
 from tasks.backends.eks.placement import placement
 from tasks.backends.eks.render import LABEL_ATTEMPT, LABEL_RUN, job_name, render_all, run_label
-from tasks.checks import CheckResult
+from tasks.checks import CheckResult, Status
 from tasks.classify import EndKind, Observation, Outcome
-from tasks.preflight.checks import S3_CHECKS, check_node_memory
-from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks
+from tasks.errors import CapacityNotRestored
+from tasks.preflight.checks import S3_CHECKS, Snapshot, check_node_memory
+from tasks.preflight.eks import EksRequirements, check_nodes, gather_eks, run_eks_checks
 from tasks.preflight.local import gather_s3
 from tasks.preflight.memory import node_memory_need_of
 from trainer.config import save_config
@@ -73,6 +73,39 @@ def delete_run_jobs(kube: Kube, namespace: str, run_id: str) -> list[str]:
     for name in stale:
         kube.delete_job(namespace, name)
     return stale
+
+
+def wait_for_nodes(
+    kube: Kube,
+    req: EksRequirements,
+    *,
+    timeout_s: float,
+    poll_s: float,
+    log: Callable[[str], None] = lambda msg: None,
+) -> CheckResult:
+    """Before a train attempt that follows a node loss: wait, bounded, until the cluster again
+    has enough healthy GPU/EFA nodes. The decision is the preflight's own pure node check on a
+    fresh node list each poll, so "healthy" means the same before the first attempt and after
+    a loss."""
+    started = time.monotonic()
+    while True:
+        snap = Snapshot()
+        try:
+            snap.facts["nodes"] = kube.nodes()
+        except Exception as e:
+            snap.errors["nodes"] = f"cannot list nodes: {e}"
+        result = check_nodes(snap, req)
+        if result.status == Status.PASSED:
+            return result
+        waited = time.monotonic() - started
+        if waited >= timeout_s:
+            raise CapacityNotRestored(
+                f"after {waited:.0f} s (eks.node_wait_s={timeout_s:.0f}) still too few healthy "
+                f"nodes: {result.detail}; {result.fix or 'check the node group'}, then re-run "
+                "with the same run_id to resume from the newest valid checkpoint"
+            )
+        log(f"waiting for healthy nodes ({waited:.0f} s): {result.detail}")
+        time.sleep(poll_s)
 
 
 class _RankZeroLog:

@@ -46,23 +46,15 @@ def ensure_association(
     found = fsx.describe_data_repository_associations(
         Filters=[{"Name": "file-system-id", "Values": [file_system_id]}]
     )["Associations"]
-    match = next(
-        (
-            a
-            for a in found
-            if a.get("FileSystemPath") == file_system_path
-            and a.get("DataRepositoryPath") == s3_path
-        ),
-        None,
-    )
+    # FSx allows one association per file system path.
+    match = next((a for a in found if a.get("FileSystemPath") == file_system_path), None)
+    if match is not None and match.get("DataRepositoryPath") != s3_path:
+        raise HydrationError(
+            f"{file_system_id}:{file_system_path} is already associated with "
+            f"{match.get('DataRepositoryPath')}, not {s3_path}: remove that association or "
+            "choose another path"
+        )
     if match is None:
-        clash = next((a for a in found if a.get("FileSystemPath") == file_system_path), None)
-        if clash is not None:
-            raise HydrationError(
-                f"{file_system_id}:{file_system_path} is already associated with "
-                f"{clash.get('DataRepositoryPath')}, not {s3_path}: remove that association or "
-                "choose another path"
-            )
         match = fsx.create_data_repository_association(
             FileSystemId=file_system_id,
             FileSystemPath=file_system_path,
