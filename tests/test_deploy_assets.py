@@ -38,10 +38,7 @@ from tasks.backends.eks import security
 from tasks.backends.eks.params import ALLOWED_ENV
 from tasks.deployment_policy import BACKENDS, EVERY_LIST
 from tasks.preflight.eks import PERMISSIONS as PREFLIGHT_PERMISSIONS
-from tests.test_eks_render import restricted_violations
-
-# The Kubernetes version of deploy/eks/cluster.yaml; the manifests are validated at this version.
-K8S_VERSION = "1.34"
+from tests.test_eks_render import K8S_VERSION, restricted_violations
 
 REPO = Path(__file__).resolve().parents[1]
 EKS_DIR = REPO / "deploy" / "eks"

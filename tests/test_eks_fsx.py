@@ -12,7 +12,6 @@ import kubernetes_validate
 import pytest
 from botocore.stub import Stubber
 
-from tasks.backends.eks import K8S_VERSION
 from tasks.backends.eks.fsx import (
     Backoff,
     ensure_association,
@@ -21,6 +20,7 @@ from tasks.backends.eks.fsx import (
 from tasks.backends.eks.hydrate import hydration_job
 from tasks.backends.eks.params import EksParams
 from tasks.errors import HydrationError
+from tests.test_eks_render import K8S_VERSION
 
 FS = "fs-0123456789abcdef0"
 NOW = datetime(2026, 11, 29, tzinfo=UTC)

@@ -15,10 +15,14 @@ import yaml
 
 from flows.context import eks_train_config
 from flows.models import PipelineParams
-from tasks.backends.eks import K8S_VERSION, hydrate, security
+from tasks.backends.eks import hydrate, security
 from tasks.backends.eks.params import INSTANCE_TYPES, EksParams
 from tasks.backends.eks.render import JOB_NAME_LABEL, job_name, labels, render_all
 from tests.helpers import REPO, worker_env
+
+# The Kubernetes version the manifests are validated against; deploy/eks/cluster.yaml pins the
+# same one.
+K8S_VERSION = "1.34"
 
 
 def params(**kw) -> PipelineParams:
