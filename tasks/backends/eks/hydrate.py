@@ -137,15 +137,12 @@ def wait_for_job(
 def hydration_job(
     *, name: str, eks: EksParams, data_dir: str, manifest_sha256: str
 ) -> dict[str, Any]:
-    """A Job that mounts the FSx claim and preloads ``data_dir`` by reading every file once
-    through the Lustre client, digesting it against the manifest (``python -m trainer.data
-    --verify``; the manifest must be the one the flow read). On FSx a lazily imported file's
-    first read loads it from its data repository, so the read is the preload; 8 readers keep
-    several loads in flight. Nothing but the image's Python: no Lustre user-space tools
-    (``lfs``), no shell. It runs as the image's non-root user and needs read access to the files,
-    which FSx's imported files give (see deploy/eks/README.md), and nothing else: no capability,
-    no API token, no network (the Lustre client is the node's kernel). Limits equal its requests
-    (Guaranteed QoS: not the first pod evicted when a system node runs short)."""
+    """The Job that mounts the FSx claim and reads every file of ``data_dir`` once, digesting
+    it against the manifest the flow read (8 readers keep several lazy loads in flight).
+    Nothing but the image's Python (no ``lfs``, no shell), as its non-root user: read access
+    to the imported files is all it needs (deploy/eks/README.md), no capability, API token or
+    network (the Lustre client is the node's kernel). Limits equal requests (Guaranteed QoS:
+    not the first pod evicted when a system node runs short)."""
     scratch, scratch_mounts = scratch_volumes(tmp_gi=1)
     command = [
         "python", "-m", "trainer.data", "--verify", "--out", data_dir,
