@@ -169,10 +169,8 @@ class EksJob:
         self._q: queue.Queue[tuple[str, str, dict[str, Any]]] = queue.Queue()
         self._stop = threading.Event()
         for what in ("pod", "node"):
-            args = (what, self.ns, self._q, self._stop)
-            threading.Thread(
-                target=kube.watch, args=args, daemon=True, name=f"watch-{what}"
-            ).start()
+            args, thread = (what, self.ns, self._q, self._stop), f"watch-{what}"
+            threading.Thread(target=kube.watch, args=args, daemon=True, name=thread).start()
         self._log = _RankZeroLog(kube, self.ns, log)
 
     def _drain(self, now: float) -> None:

@@ -96,15 +96,14 @@ def render_job(
     node_memory_gb: float = 0.0,
 ) -> dict[str, Any]:
     """``nodes``: the most the job trains on; ``min_nodes`` (elastic) the fewest; ``spares``:
-    pods launched beyond ``nodes`` to wait in the rendezvous. ``rdzv_id``: unique per
-    invocation (default: the Job's name). A later invocation of the run starts its attempts at 1
-    again, and the workers tell an in-job respawn by finding their rendezvous id in the events
-    already. ``deadline_s``: the attempt's (``activeDeadlineSeconds`` adds a margin);
-    ``node_memory_gb``: the memory saves' need per node, which sizes /dev/shm where
-    ``eks.shm_gi`` is empty. ``tag``: see :func:`job_name`."""
+    pods beyond ``nodes`` that wait in the rendezvous. ``rdzv_id`` (default: the Job's name) is
+    unique per invocation: a later one starts its attempts at 1 again, and the workers tell an
+    in-job respawn by finding their rendezvous id in the events. ``deadline_s``: the attempt's
+    (``activeDeadlineSeconds`` adds a margin); ``node_memory_gb``: the memory saves' need per
+    node, sizing /dev/shm where ``eks.shm_gi`` is empty; ``tag``: see :func:`job_name`."""
     meta = _metadata(run_id, attempt, tag, eks.namespace)
-    name, ns = meta["name"], eks.namespace
-    rdzv = f"{name}-0.{name}.{ns}.svc.cluster.local:{eks.rdzv_port}"
+    name = meta["name"]
+    rdzv = f"{name}-0.{name}.{eks.namespace}.svc.cluster.local:{eks.rdzv_port}"
     spec = LaunchSpec(
         nnodes=nodes,
         min_nodes=min_nodes,
