@@ -4,7 +4,7 @@
   mode (unknown fields and wrong types fail) against the Kubernetes schema of ``K8S_VERSION``
   with kubernetes-validate, plus the facts the pipeline relies on (claim binding, IRSA only).
 - RBAC and IAM: ``rbac.yaml`` and ``iam-flow-runner-policy.json`` grant exactly the calls in
-  ``tasks/backends/eks/permissions.py``, and the sources make no Kubernetes or AWS call that
+  ``deploy/eks/permissions.py``, and the sources make no Kubernetes or AWS call that
   table does not list (a grep of the client calls).
 - ``work-pool-template.json``: a Prefect Kubernetes base job template; its Job manifest, rendered
   as the worker renders it, validated the same way.
@@ -18,9 +18,11 @@ that passes here can still be rejected by a real API server.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import re
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -32,17 +34,28 @@ from packaging.requirements import Requirement
 
 from flows.models import EksParams, PipelineParams
 from tasks import aws
-from tasks.backends.eks import permissions, security
+from tasks.backends.eks import security
 from tasks.backends.eks.params import ALLOWED_ENV
 from tasks.deployment_policy import BACKENDS, EVERY_LIST
 from tasks.preflight.eks import PERMISSIONS as PREFLIGHT_PERMISSIONS
-from tests.test_eks_render import restricted_violations
-
-# The Kubernetes version of deploy/eks/cluster.yaml; the manifests are validated at this version.
-K8S_VERSION = "1.34"
+from tests.test_eks_render import K8S_VERSION, restricted_violations
 
 REPO = Path(__file__).resolve().parents[1]
 EKS_DIR = REPO / "deploy" / "eks"
+
+
+def _permissions() -> Any:
+    """deploy/eks/permissions.py: the calls the pipeline makes, what rbac.yaml and the IAM
+    policy grant (not product code: nothing at run time reads it)."""
+    path = EKS_DIR / "permissions.py"
+    spec = importlib.util.spec_from_file_location("nvrx_eks_permissions", path)
+    assert spec is not None and spec.loader is not None
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+permissions = _permissions()
 MANIFESTS = (
     "fsx.yaml",
     "rbac.yaml",
@@ -221,7 +234,7 @@ def test_every_kubernetes_call_is_in_the_permissions_table() -> None:
     declared = {(c.group, c.method) for c in permissions.KUBE_CALLS}
     in_source = _kube_calls_in_source()
     assert in_source, "the grep found no calls: has the client moved?"
-    assert in_source - declared == set(), "add these to tasks/backends/eks/permissions.py"
+    assert in_source - declared == set(), "add these to deploy/eks/permissions.py"
     assert declared - in_source == set(), "the code no longer makes these calls"
     for c in permissions.KUBE_CALLS:
         verb, resource = _verb_resource(c.method)
@@ -250,7 +263,7 @@ def test_every_aws_call_is_in_the_permissions_table() -> None:
         for path in paths:
             found |= {f"{service}.{m}" for m in AWS_CALL[service].findall(path.read_text())}
     assert {m for m in found if m.startswith("fsx.")}, "the grep found no FSx calls"
-    assert found - declared == set(), "add these to tasks/backends/eks/permissions.py"
+    assert found - declared == set(), "add these to deploy/eks/permissions.py"
     assert declared - found == set(), "the code no longer makes these calls"
 
 

@@ -487,15 +487,16 @@ def test_every_kubernetes_call_has_a_request_timeout(monkeypatch):
 
 
 def test_wait_for_nodes_gives_up_with_the_reason(kube: Kube):
-    from tasks.backends.eks.capacity import CapacityNotRestored, wait_for_nodes
+    from tasks.backends.eks.backend import wait_for_nodes
+    from tasks.errors import CapacityNotRestored
     from tests.eks_cluster import NODES, p5, seed_cluster
     from tests.test_eks_preflight import REQ
 
     seed_cluster(kube)
     kube.core.patch_node_status(NODES[1], p5(NODES[1], ready="Unknown"), _preload_content=False)
-    waits: list[float] = []
+    waits: list[str] = []
     with pytest.raises(CapacityNotRestored) as err:
-        wait_for_nodes(kube, REQ, timeout_s=0.6, poll_s=0.2, on_wait=lambda r, w: waits.append(w))
+        wait_for_nodes(kube, REQ, timeout_s=0.6, poll_s=0.2, log=waits.append)
     assert "1 usable node(s), need 2" in str(err.value) and f"{NODES[1]}: not Ready" in str(
         err.value
     )
@@ -505,19 +506,15 @@ def test_wait_for_nodes_gives_up_with_the_reason(kube: Kube):
 
 
 def test_hydration_job_failure_names_the_job(kube: Kube):
-    from tasks.backends.eks.fsx import render_hydration_job
-    from tasks.backends.eks.hydrate import wait_for_job
+    from tasks.backends.eks.hydrate import hydration_job, wait_for_job
+    from tasks.backends.eks.params import EksParams
     from tasks.errors import HydrationError
 
-    job = render_hydration_job(
+    job = hydration_job(
         name="nvrx-r1-hydrate",
-        namespace=NS,
-        image="img",
+        eks=EksParams(namespace=NS, image="img"),
         data_dir="/fsx/datasets/b/p",
         manifest_sha256="ab" * 32,
-        fsx_claim="fsx-claim",
-        fsx_mount="/fsx",
-        service_account="nvrx-trainer",
     )
     kube.apply(job)
     kube.batch.patch_namespaced_job_status(

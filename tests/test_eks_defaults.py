@@ -19,7 +19,6 @@ from pydantic import ValidationError
 
 from flows.context import eks_train_config, render_global_batch
 from flows.models import PipelineParams
-from tasks.backends.eks import K8S_VERSION
 from tasks.backends.eks.hydrate import hydration_job, image_pull_failure, wait_for_job
 from tasks.backends.eks.kube import JOB_NAME_LABEL, Kube
 from tasks.backends.eks.params import (
@@ -33,6 +32,7 @@ from tasks.backends.eks.render import KUEUE_QUEUE_LABEL, render_all
 from tasks.errors import HydrationError
 from tests.eks_cluster import NS
 from tests.helpers import REPO, worker_env
+from tests.test_eks_render import K8S_VERSION
 
 # -- Kubernetes' QoS class, computed as the API server does --------------------------------------
 QOS_RESOURCES = ("cpu", "memory")  # qos.go: supportedQoSComputeResources

@@ -12,14 +12,15 @@ import kubernetes_validate
 import pytest
 from botocore.stub import Stubber
 
-from tasks.backends.eks import K8S_VERSION
 from tasks.backends.eks.fsx import (
     Backoff,
     ensure_association,
     import_metadata,
-    render_hydration_job,
 )
+from tasks.backends.eks.hydrate import hydration_job
+from tasks.backends.eks.params import EksParams
 from tasks.errors import HydrationError
+from tests.test_eks_render import K8S_VERSION
 
 FS = "fs-0123456789abcdef0"
 NOW = datetime(2026, 11, 29, tzinfo=UTC)
@@ -197,15 +198,11 @@ def test_failed_import_names_the_report(fsx):
 
 
 def test_hydration_job_validates():
-    job = render_hydration_job(
+    job = hydration_job(
         name="nvrx-hydrate-run1",
-        namespace="nvrx",
-        image="img:1",
+        eks=EksParams(image="img:1"),
         data_dir="/fsx/datasets/nvrx-datasets/synthetic/v1",
         manifest_sha256="ab" * 32,
-        fsx_claim="fsx-claim",
-        fsx_mount="/fsx",
-        service_account="nvrx-trainer",
     )
     kubernetes_validate.validate(job, K8S_VERSION, strict=True)
     # Nothing but the image's Python: no shell, no Lustre user-space tools (the image has none).

@@ -15,11 +15,14 @@ import yaml
 
 from flows.context import eks_train_config
 from flows.models import PipelineParams
-from tasks.backends.eks import K8S_VERSION, security
-from tasks.backends.eks.fsx import render_hydration_job
-from tasks.backends.eks.params import INSTANCE_TYPES
+from tasks.backends.eks import hydrate, security
+from tasks.backends.eks.params import INSTANCE_TYPES, EksParams
 from tasks.backends.eks.render import JOB_NAME_LABEL, job_name, labels, render_all
 from tests.helpers import REPO, worker_env
+
+# The Kubernetes version the manifests are validated against; deploy/eks/cluster.yaml pins the
+# same one.
+K8S_VERSION = "1.34"
 
 
 def params(**kw) -> PipelineParams:
@@ -214,15 +217,11 @@ def restricted_violations(pod: dict, *, api_token: bool = False) -> list[str]:
 
 
 def hydration_job() -> dict:
-    return render_hydration_job(
+    return hydrate.hydration_job(
         name="nvrx-r1-hydrate",
-        namespace="nvrx",
-        image="img:1",
+        eks=EksParams(image="img:1"),
         data_dir="/fsx/datasets/b/p",
         manifest_sha256="ab" * 32,
-        fsx_claim="fsx-claim",
-        fsx_mount="/fsx",
-        service_account="nvrx-trainer",
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tasks.backends.eks.watch import Step, WatchCursor, backoff_s, list_version
+from tasks.backends.eks.watch import Step, WatchCursor, backoff_s
 
 
 def _node(name: str, rv: str) -> dict[str, Any]:
@@ -70,9 +70,9 @@ def test_each_answer_means_what_the_api_server_says() -> None:
     assert cursor.dropped == {"not JSON": 1, "not a Node": 1, "no object": 1, "type 'WEIRD'": 1}
     retry = cursor.on_line(HISTORY[8][0])
     assert retry.retry_after_s == 3.0 and "429" in retry.why
-    cursor.on_relisted(list_version({"metadata": {"resourceVersion": "40"}, "items": []}))
+    cursor.on_list({"metadata": {"resourceVersion": "40"}, "items": []})
     assert cursor.version == "40"
-    cursor.on_relisted(None)  # a server without versions: watch from now
+    cursor.on_list({"items": []})  # a server without versions: watch from now
     assert cursor.version is None
 
 

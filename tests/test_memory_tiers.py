@@ -195,7 +195,7 @@ def test_a_memory_save_of_a_kept_state_copies_its_newest_values(tmp_path: Path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA memory save needs a GPU")
 def test_a_cuda_memory_save_is_launched_and_sees_its_own_step(tmp_path: Path):
-    """CUDA (node_device): the copy is only launched (pinned buffers, a side stream); the
+    """CUDA (staging.DeviceCopy): the copy is only launched (pinned buffers, a side stream); the
     optimizer steps that follow at once, with no host wait, must not reach it (the step
     pre-hook orders them after it), and the sealed copy restores that step's state bitwise."""
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ same way (events, drills, deadline, result) and asks the job for its outcome at 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -27,23 +27,13 @@ class RunParams(Protocol):
     """What a backend reads of a run's parameters (:class:`flows.models.PipelineParams`)."""
 
     @property
-    def max_nodes(self) -> int: ...
-    @property
-    def node_range(self) -> NodeRange: ...
-    @property
-    def spares(self) -> int: ...
-    @property
     def launched_nodes(self) -> int: ...
     @property
     def nproc_per_node(self) -> int: ...
     @property
     def eks(self) -> EksParams: ...
     @property
-    def s3_endpoint(self) -> str | None: ...
-    @property
     def state_dir(self) -> str: ...
-    @property
-    def world_size(self) -> int: ...
     @property
     def metrics_port(self) -> int | None: ...
 
@@ -119,65 +109,58 @@ class Hydrated:
     manifest_sha256: str | None
     report: dict[str, Any]  # the backend's own report, whole (its own fields besides these)
 
+    @classmethod
+    def of(cls, r: Any, detail: str) -> Hydrated:
+        """From a backend's report: a dataclass with these fields (and its own)."""
+        return cls(r.source, r.dest, detail, r.files, r.seconds, r.manifest_sha256, asdict(r))
+
 
 class Job(Protocol):
     """One launched attempt."""
 
     @property
-    def name(self) -> str:  # how events and messages name it
-        ...
-
+    def name(self) -> str: ...  # how events and messages name it
     @property
-    def attempt(self) -> int:  # the train-stage attempt it runs (a reattached one's own)
-        ...
+    def attempt(self) -> int: ...  # the train-stage attempt it runs (a reattached one's own)
 
     poll_s: float  # how often the watcher polls it
     # After a node-loss drill, how long the survivors run on before the watcher stops them (they
     # would only wait in rendezvous for the lost node): what the backend needs to see the loss
     # as a real one looks (EKS: the deleted pod's conditions), nothing more.
     loss_grace_s: float
-
-    def running(self) -> bool:
-        """Poll once: is anything of the attempt still running normally?"""
-        ...
-
     # The node whose loss takes the rendezvous store with it (None: the store runs apart, so
     # any node may be lost): tasks.loss_policy sends such a loss to a stage retry.
     store_host: int | None
 
+    def running(self) -> bool:
+        """Poll once: is anything of the attempt still running normally?"""
+
     def observe(self, event: Event) -> None:
         """Every event of the attempt, as the watcher reads it (a backend may act on one: the
         local backend starts its hot spares once the world formed)."""
-        ...
 
     def alive_nodes(self) -> frozenset[int]:
         """The nodes still running (or about to start), spares included."""
-        ...
 
     def losses(self) -> frozenset[int]:
         """Nodes the backend saw lost since the watcher last asked (each reported once; a
         drill's loss is the watcher's own). The watcher decides each (tasks.loss_policy)."""
-        ...
 
     def lose_node(self, node: int) -> None:
         """End every process of node ``node`` now, as a real node loss would: a node-loss
         drill, or a node the watcher found silent (frozen, partitioned)."""
-        ...
 
     def stop(self) -> None:
         """End everything of the attempt still running, now (idempotent; safe while
         unwinding)."""
-        ...
 
     def observation(self) -> Observation:
         """What the backend saw of the attempt's end (every node's end, a loss, a reason of
         its own), for the one judge, :func:`tasks.classify.judge`."""
-        ...
 
     def finish(self, outcome: Outcome) -> dict[str, Any]:
         """After a normal end: release what the attempt holds (a backend may keep a failed
         attempt's objects for forensics). Returns what the end event should record."""
-        ...
 
 
 # What a job can do besides: capabilities the watcher asks for with isinstance, and the form
@@ -187,14 +170,12 @@ class ElasticJob(Protocol):
     def absorb(self, node: int) -> None:
         """The in-job layer carries on without node ``node`` (an elastic shrink or a spare's
         takeover): its loss must not end the attempt. Called before a drill takes it away."""
-        ...
 
 
 @runtime_checkable
 class ReturnDrills(Protocol):
     def restore_node(self, node: int) -> None:
         """Fault drill: bring lost node ``node`` back, as a replacement node joining would."""
-        ...
 
 
 @runtime_checkable
@@ -202,7 +183,6 @@ class FreezeDrills(Protocol):
     def freeze_node(self, node: int) -> None:
         """Fault drill: stop every process of node ``node`` without ending any (SIGSTOP), as a
         frozen host or a partition looks; the watcher must notice its silence by itself."""
-        ...
 
 
 class Backend(Protocol):
@@ -212,7 +192,6 @@ class Backend(Protocol):
     def preflight(self, req: Any, s3: dict[str, Any]) -> list[CheckResult]:
         """``req``: :class:`tasks.preflight.checks.Requirements`; ``s3``: the S3 inputs of
         :func:`tasks.preflight.local.gather_s3`."""
-        ...
 
     def hydrate(
         self, request: HydrateRequest, progress: Callable[[int, int, str], None]
@@ -221,11 +200,9 @@ class Backend(Protocol):
     def reattach(self, request: LaunchRequest) -> Job | None:
         """An attempt of this run still running and healthy, started by an invocation that is
         gone: watched from here on instead of launching another. None: launch."""
-        ...
 
     def launch(self, request: LaunchRequest) -> Job: ...
 
     def cleanup(self, run_id: str, run_root: Path) -> list[str]:
         """Remove everything of run ``run_id`` that a dead (or this) invocation left running;
         what was removed. Never touches a live other owner's run."""
-        ...

@@ -30,7 +30,6 @@ from tasks.backends.local_nodes import (
     REPO,
     NodeProcess,
     NodeStarter,
-    Recorder,
     free_port,
     freeze_tree,
     kill_tree,
@@ -41,7 +40,6 @@ from tasks.checks import CheckResult
 from tasks.classify import Observation, Outcome
 from tasks.ownership import processes
 from tasks.ownership.lease import RunLease
-from tasks.ownership.takeover import NodeRecord
 from tasks.secrets import resolve_local, scrubbed
 from trainer.config import save_config
 from trainer.event_types import Event, TrainStart
@@ -51,32 +49,13 @@ from trainer.rundir import Layout
 
 
 @dataclass
-class JobStatus:
-    """What the watcher sees of the simulated nodes at one instant."""
-
-    exit_codes: dict[int, int | None]  # node -> exit code (None: still running)
-    lost_nodes: set[int] = field(default_factory=set)  # nodes that vanished (killed, not exited)
-    stopped_nodes: set[int] = field(default_factory=set)  # stopped by the watcher (``stop``)
-
-    @property
-    def running(self) -> list[int]:
-        return [
-            n
-            for n, code in self.exit_codes.items()
-            if code is None and n not in self.stopped_nodes and n not in self.lost_nodes
-        ]
-
-
-@dataclass
 class LocalJob:
     request: LaunchRequest
     nodes: dict[int, NodeProcess]
-    logs: dict[int, Path]
-    lost: set[int] = field(default_factory=set)
-    stopped: set[int] = field(default_factory=set)
+    lost: set[int] = field(default_factory=set)  # killed by a drill, not exited
+    stopped: set[int] = field(default_factory=set)  # stopped by the watcher (``stop``)
     invocation: str = ""  # the tag its processes carry (the dead owner's, when adopted)
-    recorder: Recorder | None = None
-    adopted: bool = False
+    recorder: RunLease | None = None
     # Starts simulated node n (again); None for an adopted job (its launcher's argv is gone).
     start: Callable[[int], NodeProcess] | None = None
     deferred: list[int] = field(default_factory=list)  # spares, started once the world formed
@@ -97,17 +76,17 @@ class LocalJob:
     def attempt(self) -> int:
         return self.request.attempt
 
+    def _running(self) -> set[int]:
+        up = {n for n, p in self.nodes.items() if p.poll() is None}
+        return up - self.stopped - self.lost
+
     def running(self) -> bool:
-        return bool(self.status().running)
+        return bool(self._running())
 
     def observation(self) -> Observation:
-        status = self.status()
         return Observation(
-            exit_codes={
-                n: None if n in status.stopped_nodes else code
-                for n, code in status.exit_codes.items()
-            },
-            lost=frozenset(status.lost_nodes),
+            exit_codes={n: None if n in self.stopped else p.poll() for n, p in self.nodes.items()},
+            lost=frozenset(self.lost),
             where="logs: "
             + str(self.request.cfg.run_root / Layout.attempt_log(self.attempt, "node*.log")),
         )
@@ -116,12 +95,6 @@ class LocalJob:
         self.stop()
         return {}
 
-    def status(self) -> JobStatus:
-        codes = {n: p.poll() for n, p in self.nodes.items()}
-        return JobStatus(
-            exit_codes=codes, lost_nodes=set(self.lost), stopped_nodes=set(self.stopped)
-        )
-
     def observe(self, event: Event) -> None:
         if self.deferred and isinstance(event, TrainStart) and self.start is not None:
             for node in self.deferred:
@@ -129,7 +102,7 @@ class LocalJob:
             self.deferred.clear()
 
     def alive_nodes(self) -> frozenset[int]:
-        return frozenset(self.status().running) | frozenset(self.deferred)
+        return frozenset(self._running() | set(self.deferred))
 
     def losses(self) -> frozenset[int]:
         # A simulated node is lost only by the drill, which the watcher carries out itself.
@@ -213,7 +186,6 @@ class LocalBackend:
         self.state_dir = Path(state_dir).absolute()
         self.placement = Placement(shared_root=self.state_dir / "fsx")
         self.lease = lease
-        self.recorder: Recorder | None = lease
         self.log = log
         self._said_shared = False
 
@@ -240,25 +212,22 @@ class LocalBackend:
                 f"; initial weights {w.source} -> {w.dest}: {w.files} files, "
                 f"{w.downloaded} downloaded"
             )
-        return Hydrated(
-            source=r.source,
-            dest=r.dest,
-            detail=detail,
-            files=r.files,
-            seconds=r.seconds,
-            manifest_sha256=r.manifest_sha256,
-            report=r.to_dict(),
-        )
+        return Hydrated.of(r, detail)
 
     def reattach(self, request: LaunchRequest) -> LocalJob | None:
-        """The dead owner's attempt, when the takeover found it healthy (arch §6)."""
+        """The nodes the dead owner started for its attempt, watched from here on, when the
+        takeover found them healthy (arch §6)."""
         held = self.lease
         if held is None or held.adoptable is None or held.takeover is None:
             return None
         plan, held.adoptable = held.adoptable, None  # taken once
-        attempt = dataclasses.replace(request, attempt=plan.attempt)
+        request = dataclasses.replace(request, attempt=plan.attempt)
         self.log(f"train attempt {plan.attempt}: adopted from the previous owner: {plan.reason}")
-        return self.adopt(attempt, list(plan.nodes), invocation=held.takeover.owner.invocation)
+        nodes = {r.node: NodeProcess.from_record(r, request.cfg.run_root) for r in plan.nodes}
+        for n in nodes.values():
+            held.record(n.record(plan.attempt))
+        invocation = held.takeover.owner.invocation
+        return LocalJob(request, nodes, invocation=invocation, recorder=held)
 
     def cleanup(self, run_id: str, run_root: Path) -> list[str]:
         """End every process of the run but a live other owner's, remove their node memory,
@@ -274,21 +243,6 @@ class LocalBackend:
             [f"pid {p}" for p in ended]
             + [f"node memory {m.name}" for m in memory]
             + ([f"S3 server pid {stopped}"] if stopped else [])
-        )
-
-    def adopt(
-        self, request: LaunchRequest, records: list[NodeRecord], *, invocation: str
-    ) -> LocalJob:
-        """The nodes invocation ``invocation`` (now dead) started for ``request.attempt``,
-        watched from here on."""
-        root = request.cfg.run_root
-        nodes = {r.node: NodeProcess.from_record(r, root) for r in records}
-        logs = {n: root / Layout.attempt_log(request.attempt, f"node{n}.log") for n in nodes}
-        if self.recorder is not None:
-            for n in nodes.values():
-                self.recorder.record(n.record(request.attempt))
-        return LocalJob(
-            request, nodes, logs, invocation=invocation, recorder=self.recorder, adopted=True
         )
 
     def launch(self, request: LaunchRequest) -> LocalJob:
@@ -318,25 +272,22 @@ class LocalBackend:
         network = self._network(
             request, env, cfg.run_root / Layout.attempt_log(request.attempt, "net.log")
         )
+        enter = network.enter() if network is not None else []
         start = NodeStarter(
             run_root=cfg.run_root,
             attempt=request.attempt,
-            enter=network.enter() if network is not None else [],
+            enter=enter,
             argv=argv,
             env=env,
             memory=node_memory.prepare(cfg.run_root, request.attempt, request.invocation),
             gpus=gpus,
-            recorder=self.recorder,
+            recorder=self.lease,
         )
         store = None
         try:
             if spec.external_store:
-                store = start_store(
-                    spec.rdzv_endpoint,
-                    env,
-                    cfg.run_root / Layout.attempt_log(request.attempt, "rdzv.log"),
-                    enter=network.enter() if network is not None else [],
-                )
+                rdzv_log = cfg.run_root / Layout.attempt_log(request.attempt, "rdzv.log")
+                store = start_store(spec.rdzv_endpoint, env, rdzv_log, enter=enter)
         except BaseException:
             if network is not None:
                 network.close()
@@ -344,16 +295,11 @@ class LocalBackend:
         # The nodes the job trains on start now; hot spares once those formed the world (the
         # first ``train_start``), so that they are the ones waiting in the rendezvous.
         nodes = {node: start(node) for node in range(request.nodes)}
-        logs = {
-            n: cfg.run_root / Layout.attempt_log(request.attempt, f"node{n}.log")
-            for n in range(request.launched)
-        }
         return LocalJob(
             request,
             nodes,
-            logs,
             invocation=request.invocation,
-            recorder=self.recorder,
+            recorder=self.lease,
             start=start,
             deferred=list(range(request.nodes, request.launched)),
             store=store,

@@ -20,11 +20,9 @@ class DeviceSplitError(TrainerError, ValueError):
 def visible_gpus(env_value: str | None, device_count: int) -> list[str]:
     """The GPUs this process may hand out: its own ``CUDA_VISIBLE_DEVICES`` list when set (ids
     or UUIDs, as the driver takes them), else 0..device_count-1."""
-    if env_value is not None and env_value.strip():
-        return [d.strip() for d in env_value.split(",") if d.strip()]
-    if env_value is not None:  # set but empty: CUDA sees no device
-        return []
-    return [str(i) for i in range(device_count)]
+    if env_value is None:
+        return [str(i) for i in range(device_count)]
+    return [d.strip() for d in env_value.split(",") if d.strip()]  # set but empty: none
 
 
 def split_devices(

@@ -7,20 +7,20 @@ every node; and the process-tree kill and freeze that simulate a lost or frozen 
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import psutil
 
 from tasks.backends import node_memory
-from tasks.backends.netns import await_ready
-from tasks.ownership.lease import process_is
+from tasks.backends.netns import start_ready
+from tasks.ownership import processes
+from tasks.ownership.lease import RunLease, process_is
 from tasks.ownership.takeover import NodeRecord
 from trainer.run_files import read_small
 from trainer.rundir import Layout
@@ -34,37 +34,30 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and every descendant (collected first: children re-parent on death)."""
+def _tree(pid: int) -> list[psutil.Process]:
+    """A process and every descendant, parents first (collected before any is signalled:
+    children re-parent on death)."""
     try:
         root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
-    psutil.wait_procs(procs, timeout=10)
-
-
-def freeze_tree(pid: int) -> list[psutil.Process]:
-    """SIGSTOP a process and every descendant, parents first; returns them."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
+        return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGSTOP)
-    # Whatever a stopping parent started in between (a respawn) stops too.
-    with contextlib.suppress(psutil.NoSuchProcess):
-        for p in root.children(recursive=True):
-            if p not in procs:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    p.send_signal(signal.SIGSTOP)
-                procs.append(p)
-    return procs
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant."""
+    processes.end(_tree(pid))
+
+
+def freeze_tree(pid: int) -> None:
+    """SIGSTOP a process and every descendant, parents first, twice: whatever a stopping parent
+    started in between (a respawn) stops too."""
+    stopped: set[psutil.Process] = set()
+    for _ in range(2):
+        for p in [p for p in _tree(pid) if p not in stopped]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGSTOP)
+            stopped.add(p)
 
 
 # Each simulated node runs under a tiny shell that writes the agent's exit code to a file: an
@@ -74,14 +67,6 @@ _EXIT_WRAPPER = (
     'rc=0; "$@" || rc=$?; printf "%s\\n" "$rc" > "$NVRX_EXIT_FILE.tmp" && '
     'mv -f "$NVRX_EXIT_FILE.tmp" "$NVRX_EXIT_FILE"; exit "$rc"'
 )
-
-
-class Recorder(Protocol):
-    """Where the backend notes what it starts (the run's lease, arch §6)."""
-
-    def record(self, resource: dict[str, Any]) -> None: ...
-
-    def forget(self, match: dict[str, Any]) -> None: ...
 
 
 def exit_file(run_root: Path, attempt: int, node: int) -> Path:
@@ -148,7 +133,7 @@ class NodeStarter:
     env: dict[str, str]
     memory: Path  # the attempt's node memory, one directory per node
     gpus: dict[int, str] | None  # each node's CUDA_VISIBLE_DEVICES; None: CPU workers
-    recorder: Recorder | None = None
+    recorder: RunLease | None = None  # notes what it starts (arch §6)
 
     def __call__(self, node: int) -> NodeProcess:
         log_path = self.run_root / Layout.attempt_log(self.attempt, f"node{node}.log")
@@ -184,37 +169,9 @@ def start_store(
     endpoint: str, env: dict[str, str], log: Path, *, enter: list[str] | None = None
 ) -> subprocess.Popen[bytes]:
     """The rendezvous store of an elastic job, in a session of its own (and in the attempt's
-    network when ``enter`` says how), listening when this returns: it says so on a pipe, as a
-    connection from here could not reach it inside the attempt's network. It carries the run's
-    tags, so whatever ends the run's processes ends it too."""
+    network when ``enter`` says how), listening when this returns. It carries the run's tags,
+    so whatever ends the run's processes ends it too."""
     host, _, port = endpoint.rpartition(":")
-    r, w = os.pipe()
-    try:
-        with open(log, "ab") as out:
-            popen = subprocess.Popen(
-                [
-                    *(enter or []),
-                    *(sys.executable, "-m", "tasks.backends.rdzv_store", "--host", host),
-                    *("--port", port, "--ready-fd", str(w)),
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=REPO,
-                pass_fds=(w,),
-                start_new_session=True,
-            )
-    finally:
-        os.close(w)
-    try:
-        ready = await_ready(r, timeout_s=60)
-    finally:
-        os.close(r)
-    if ready:
-        return popen
-    kill_tree(popen.pid)
-    popen.wait()
-    raise RuntimeError(
-        f"the rendezvous store did not listen on {endpoint} within 60 s (exit code "
-        f"{popen.returncode}); see {log}"
-    )
+    argv = [*(enter or []), sys.executable, "-m", "tasks.backends.rdzv_store", "--host", host]
+    failed = f"the rendezvous store did not listen on {endpoint} within 60 s"
+    return start_ready([*argv, "--port", port], failed, log=log, env=env, cwd=REPO, timeout_s=60)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import enum
-import errno
 import fcntl
 import functools
 import os
@@ -40,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -111,7 +110,6 @@ class PrivateNetwork:
     holder: subprocess.Popen[bytes]
     published: int | None = None  # the port forwarded from the host's 127.0.0.1, if any
     mode: Mode = Mode.USER
-    _closed: bool = field(default=False, repr=False)
 
     def enter(self) -> list[str]:
         """The argv prefix that runs a command inside (``nsenter`` then ``exec`` s it)."""
@@ -127,24 +125,9 @@ class PrivateNetwork:
 
     def close(self) -> None:
         """Idempotent: the namespace goes with its last process."""
-        if self._closed:
-            return
-        self._closed = True
         if self.holder.poll() is None:
             self.holder.kill()
         self.holder.wait()
-
-
-def _publish_socket(port: int) -> socket.socket:
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        s.bind(("127.0.0.1", port))
-        s.listen(64)
-    except OSError:
-        s.close()
-        raise
-    return s
 
 
 def open_network(
@@ -166,46 +149,64 @@ def open_network(
     listener: socket.socket | None = None
     if publish is not None:
         try:
-            listener = _publish_socket(publish)
+            listener = socket.create_server(("127.0.0.1", publish), backlog=64)
         except OSError as e:
             with open(log, "a") as out:
                 print(f"rank 0's metrics port 127.0.0.1:{publish} not published: {e}", file=out)
-    r, w = os.pipe()
-    argv = [*UNSHARE[how], "--", sys.executable, "-m", "tasks.backends.netns", "--ready-fd", str(w)]
-    fds = [w]
+    argv = [*UNSHARE[how], "--", sys.executable, "-m", "tasks.backends.netns"]
+    fds: tuple[int, ...] = ()
     if listener is not None:
         argv += ["--publish-fd", str(listener.fileno()), "--port", str(publish)]
-        fds.append(listener.fileno())
+        fds = (listener.fileno(),)
+    failed = "the attempt's network namespace did not start"
+    try:
+        holder = start_ready(argv, failed, log=log, env=env, cwd=cwd, pass_fds=fds)
+    finally:
+        if listener is not None:
+            listener.close()  # the holder has its own copy
+    return PrivateNetwork(holder, published=publish if listener is not None else None, mode=how)
+
+
+def start_ready(
+    argv: list[str],
+    failed: str,
+    *,
+    log: Path,
+    env: dict[str, str],
+    cwd: Path,
+    pass_fds: tuple[int, ...] = (),
+    timeout_s: float = READY_TIMEOUT_S,
+) -> subprocess.Popen[bytes]:
+    """Start ``argv --ready-fd FD`` in a session of its own (not in the caller's signals), its
+    output appended to ``log``; return it once it says :data:`READY` on that pipe (a connection
+    from here could not reach what listens inside an attempt's network). Otherwise it is killed
+    and this raises ``failed`` with its exit code and the log's tail."""
+    r, w = os.pipe()
     try:
         with open(log, "ab") as out:
-            holder = subprocess.Popen(
-                argv,
+            popen = subprocess.Popen(
+                [*argv, "--ready-fd", str(w)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
                 cwd=cwd,
-                pass_fds=fds,
-                start_new_session=True,  # not in the caller's signals; ended by close()
+                pass_fds=(w, *pass_fds),
+                start_new_session=True,
             )
     finally:
         os.close(w)
-        if listener is not None:
-            listener.close()  # the holder has its own copy
     try:
-        ready = await_ready(r)
+        ready = await_ready(r, timeout_s=timeout_s)
     finally:
         os.close(r)
-    if not ready:
-        if holder.poll() is None:
-            holder.kill()
-        holder.wait()
-        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-        raise RuntimeError(
-            f"the attempt's network namespace did not start (holder exited "
-            f"{holder.returncode}); {log}:\n{tail}"
-        )
-    return PrivateNetwork(holder, published=publish if listener is not None else None, mode=how)
+    if ready:
+        return popen
+    if popen.poll() is None:
+        popen.kill()
+    popen.wait()
+    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+    raise RuntimeError(f"{failed} (exit code {popen.returncode}); {log}:\n{tail}")
 
 
 def await_ready(fd: int, *, timeout_s: float = READY_TIMEOUT_S) -> bool:
@@ -265,11 +266,9 @@ def publish(listener: socket.socket, port: int) -> None:
     slots = threading.BoundedSemaphore(MAX_FORWARDED)
     while True:
         try:
-            client, _ = listener.accept()
-        except OSError as e:
-            if e.errno in (errno.EINTR, errno.ECONNABORTED):
-                continue
-            raise
+            client, _ = listener.accept()  # EINTR is retried by Python itself (PEP 475)
+        except ConnectionAbortedError:  # the client left before it was accepted
+            continue
         if not slots.acquire(blocking=False):
             client.close()
             continue

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trainer.checkpointing.layout import NODE_MEMORY_ENV as ENV
 
-__all__ = ["ENV", "attempt_dir", "forget", "forget_attempt", "forget_node", "node_dir", "prepare"]
+__all__ = ["ENV", "attempt_dir", "forget", "forget_attempt", "forget_node", "prepare"]
 
 
 def base_dir() -> Path:
@@ -38,10 +38,6 @@ def attempt_dir(run_root: Path, attempt: int, invocation: str) -> Path:
     return _run_dir(run_root) / f"attempt{attempt}-{invocation[:8]}"
 
 
-def node_dir(run_root: Path, attempt: int, invocation: str, node: int) -> Path:
-    return attempt_dir(run_root, attempt, invocation) / f"node-{node}"
-
-
 def prepare(run_root: Path, attempt: int, invocation: str) -> Path:
     """The attempt's directory, empty, with every earlier attempt's of the run removed (their
     nodes are gone: a stage retry runs on new ones)."""
@@ -55,7 +51,7 @@ def prepare(run_root: Path, attempt: int, invocation: str) -> Path:
 
 def forget_node(run_root: Path, attempt: int, invocation: str, node: int) -> None:
     """A lost node's memory goes with it."""
-    shutil.rmtree(node_dir(run_root, attempt, invocation, node), ignore_errors=True)
+    shutil.rmtree(attempt_dir(run_root, attempt, invocation) / f"node-{node}", ignore_errors=True)
 
 
 def forget_attempt(run_root: Path, attempt: int, invocation: str) -> None:

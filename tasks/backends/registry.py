@@ -15,10 +15,6 @@ if TYPE_CHECKING:
     from tasks.ownership.lease import RunLease
 
 
-def _no_check(params: RunParams) -> None:
-    return None
-
-
 @dataclass(frozen=True)
 class BackendType:
     name: str
@@ -31,7 +27,7 @@ class BackendType:
     # Builds the backend (imported on first use: the form needs no Kubernetes client).
     factory: Callable[..., Backend]
     # Refuse what this backend's deployment does not allow (raises ValueError naming the field).
-    check: Callable[[RunParams], None] = _no_check
+    check: Callable[[RunParams], None] = lambda params: None
     # The node drills (trainer.faults.NODE_KINDS) its jobs can carry out (the watcher asks the
     # job through tasks.backends.base's capability protocols); the form refuses the others.
     drills: frozenset[str] = frozenset()

@@ -168,7 +168,7 @@ class _Layout:
     entries: list[Entry]
     size: int
     views: list[tuple[int, int, torch.Tensor]] | None
-    device: torch.device  # where the state's tensors are (node_device: how they are copied)
+    device: torch.device  # where the state's tensors are (staging.DeviceCopy: how they are copied)
     # Per generation: the buffer the slices view, and the slices (kept while it is the same).
     targets: dict[int, tuple[mmap.mmap, list[torch.Tensor]]] = field(default_factory=dict)
     _json: list[str] = field(default_factory=list)  # the entries' JSON, once made
@@ -199,7 +199,7 @@ class _Layout:
         self, gen: int, buf: mmap.mmap, state: dict[str, Any], *, non_blocking: bool = False
     ) -> None:
         """Copy the state's tensors' bytes into ``buf`` (generation ``gen``'s buffer);
-        ``non_blocking``: from CUDA into a pinned ``buf``, launched only (``node_device``)."""
+        ``non_blocking``: from CUDA into a pinned ``buf``, launched only (``DeviceCopy``)."""
         if self.views is None:
             sources = [
                 (e.offset, e.nbytes, _bytes_of(_local(leaf.value)))

@@ -28,7 +28,6 @@ from tasks.backends.base import (
     HydrateRequest,
     LaunchRequest,
 )
-from tasks.backends.eks.capacity import wait_for_nodes
 from tasks.backends.eks.classify import (
     History,
     end_of,
@@ -44,15 +43,16 @@ from tasks.backends.eks.objects import JobObs, healthy, observe_job, observe_nod
 from tasks.backends.eks.params import EksParams, cpu_millicores
 from tasks.backends.eks.placement import placement
 from tasks.backends.eks.render import LABEL_ATTEMPT, LABEL_RUN, job_name, render_all, run_label
-from tasks.checks import CheckResult
+from tasks.checks import CheckResult, Status
 from tasks.classify import EndKind, Observation, Outcome
-from tasks.preflight.checks import S3_CHECKS, check_node_memory
-from tasks.preflight.eks import EksRequirements, gather_eks, run_eks_checks
+from tasks.errors import CapacityNotRestored
+from tasks.preflight.checks import S3_CHECKS, Snapshot, check_node_memory
+from tasks.preflight.eks import EksRequirements, check_nodes, gather_eks, run_eks_checks
 from tasks.preflight.local import gather_s3
 from tasks.preflight.memory import node_memory_need_of
 from trainer.config import save_config
 from trainer.event_types import Event, StaleJobsDeleted
-from trainer.events import EventLog
+from trainer.events import STDOUT_PREFIX, EventLog
 from trainer.rundir import Layout
 
 # Failures whose Job is kept for forensics (when its pods have ended), and how long to wait
@@ -75,13 +75,47 @@ def delete_run_jobs(kube: Kube, namespace: str, run_id: str) -> list[str]:
     return stale
 
 
-class _RankZeroLog:
-    """Follows the log of the newest rank-0 pod (a relaunched pod gets a new stream)."""
+def wait_for_nodes(
+    kube: Kube,
+    req: EksRequirements,
+    *,
+    timeout_s: float,
+    poll_s: float,
+    log: Callable[[str], None] = lambda msg: None,
+) -> CheckResult:
+    """Before a train attempt that follows a node loss: wait, bounded, until the cluster again
+    has enough healthy GPU/EFA nodes. The decision is the preflight's own pure node check on a
+    fresh node list each poll, so "healthy" means the same before the first attempt and after
+    a loss."""
+    started = time.monotonic()
+    while True:
+        snap = Snapshot()
+        try:
+            snap.facts["nodes"] = kube.nodes()
+        except Exception as e:
+            snap.errors["nodes"] = f"cannot list nodes: {e}"
+        result = check_nodes(snap, req)
+        if result.status == Status.PASSED:
+            return result
+        waited = time.monotonic() - started
+        if waited >= timeout_s:
+            raise CapacityNotRestored(
+                f"after {waited:.0f} s (eks.node_wait_s={timeout_s:.0f}) still too few healthy "
+                f"nodes: {result.detail}; {result.fix or 'check the node group'}, then re-run "
+                "with the same run_id to resume from the newest valid checkpoint"
+            )
+        log(f"waiting for healthy nodes ({waited:.0f} s): {result.detail}")
+        time.sleep(poll_s)
 
-    def __init__(self, kube: Kube, ns: str, on_line: Callable[[str], None]) -> None:
-        self.kube, self.ns, self.on_line = kube, ns, on_line
+
+class _RankZeroLog:
+    """Follows the log of the newest rank-0 pod (a relaunched pod gets a new stream) into
+    ``log``, less its events (those arrive from events.jsonl)."""
+
+    def __init__(self, kube: Kube, ns: str, log: Callable[[str], None]) -> None:
+        self.kube, self.ns, self.log = kube, ns, log
         self.pod: str | None = None
-        self._stop: threading.Event | None = None
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def follow(self, pod: str | None) -> None:
@@ -91,17 +125,21 @@ class _RankZeroLog:
         self.pod, self._stop = pod, threading.Event()
         self._thread = threading.Thread(
             target=self.kube.follow_log,
-            args=(self.ns, pod, self.on_line, self._stop),
+            args=(self.ns, pod, self._line, self._stop),
             daemon=True,
             name=f"log-{pod}",
         )
         self._thread.start()
 
+    def _line(self, line: str) -> None:
+        if not line.startswith(STDOUT_PREFIX):
+            self.log(f"[rank 0] {line}")
+
     def close(self, grace_s: float) -> None:
         """Give the stream ``grace_s`` to deliver the last lines of an ended container."""
-        if self._thread is not None and self._stop is not None:
+        if self._thread is not None:
             self._thread.join(grace_s)
-            self._stop.set()
+        self._stop.set()
 
 
 class EksJob:
@@ -117,7 +155,7 @@ class EksJob:
         attempt: int,
         nodes: int,
         poll_s: float,
-        on_log: Callable[[str], None],
+        log: Callable[[str], None],
     ) -> None:
         self.kube, self.eks, self.name, self.attempt = kube, eks, name, attempt
         self.ns = eks.namespace
@@ -126,23 +164,14 @@ class EksJob:
         self.loss_grace_s = 2.0
         self.history = History(completions=nodes, not_ready_s=float(eks.unreachable_toleration_s))
         self.observed: Observation | None = None
-        self.lost: set[int] = set()
         self._reported: set[str] = set()  # pods whose loss losses() reported
         self._deleted = False
         self._q: queue.Queue[tuple[str, str, dict[str, Any]]] = queue.Queue()
         self._stop = threading.Event()
-        self._watchers = [
-            threading.Thread(
-                target=kube.watch,
-                args=(what, self.ns, self._q, self._stop),
-                daemon=True,
-                name=f"watch-{what}",
-            )
-            for what in ("pod", "node")
-        ]
-        for w in self._watchers:
-            w.start()
-        self._log = _RankZeroLog(kube, self.ns, on_log)
+        for what in ("pod", "node"):
+            args, thread = (what, self.ns, self._q, self._stop), f"watch-{what}"
+            threading.Thread(target=kube.watch, args=args, daemon=True, name=thread).start()
+        self._log = _RankZeroLog(kube, self.ns, log)
 
     def _drain(self, now: float) -> None:
         for what, kind, obj in iter_queue(self._q):
@@ -153,8 +182,8 @@ class EksJob:
                 self.history.nodes.append(observe_node(obj, now, deleted=kind == "DELETED"))
 
     def _settled(self) -> bool:
-        latest = {p.name: p for p in self.history.pods}
-        return all(p.phase in ("Succeeded", "Failed") or p.deleted for p in latest.values())
+        pods = self.history.latest().values()
+        return all(p.phase in ("Succeeded", "Failed") or p.deleted for p in pods)
 
     # -- the Job protocol --------------------------------------------------------------------
     def running(self) -> bool:
@@ -181,11 +210,10 @@ class EksJob:
 
     def alive_nodes(self) -> frozenset[int]:
         self._drain(time.time())
-        latest = {p.name: p for p in self.history.pods}
         gone = node_loss_evidence(self.history, now=time.time())
         return frozenset(
             p.index
-            for p in latest.values()
+            for p in self.history.latest().values()
             if p.index is not None
             and not p.deleted
             and p.phase not in ("Succeeded", "Failed")
@@ -203,7 +231,7 @@ class EksJob:
         # Kubernetes has not evicted it): it is taken away, so that the survivors re-form
         # without it and a writer of it is not left training beside them.
         not_ready = not_ready_since(self.history, now)
-        latest = {p.name: p for p in self.history.pods}
+        latest = self.history.latest()
         for name in new:
             pod = latest.get(name)
             if pod is not None and pod.node in not_ready and not pod.deleted:
@@ -233,7 +261,6 @@ class EksJob:
         ]
         if not pods:
             raise ValueError(f"node-loss drill: Job {self.name} has no pod of index {node}")
-        self.lost.add(node)
         for p in pods:
             self.history.deleted_by_us.add(p["metadata"]["name"])
             self.kube.delete_pod(self.ns, p["metadata"]["name"])
@@ -327,42 +354,12 @@ class EksBackend:
     def hydrate(
         self, request: HydrateRequest, progress: Callable[[int, int, str], None]
     ) -> Hydrated:
-        r = hydrate_fsx(
-            self.clients,
-            run_id=request.run_id,
-            eks=self.eks,
-            bucket=request.bucket,
-            prefix=request.prefix,
-            data_dir=request.data_dir,
-            progress=self.log,
-        )
-        return Hydrated(
-            source=r.source,
-            dest=r.dest,
-            files=r.files,
-            seconds=r.seconds,
-            manifest_sha256=r.manifest_sha256,
-            report=r.to_dict(),
-            detail=f"{r.files} files, {r.bytes} bytes through FSx association "
-            f"{r.association_id}, import task {r.import_task_id} and Job {r.job}; checked "
-            "against the manifest",
-        )
+        return hydrate_fsx(self.clients, self.eks, request, progress=self.log)
 
     def _job(self, name: str, attempt: int, nodes: int) -> EksJob:
-        def on_log(line: str) -> None:
-            from trainer.events import STDOUT_PREFIX
-
-            if not line.startswith(STDOUT_PREFIX):  # those arrive as events from events.jsonl
-                self.log(f"[rank 0] {line}")
-
+        kube, poll_s = self.clients.kube, self.clients.poll_s
         return EksJob(
-            self.clients.kube,
-            eks=self.eks,
-            name=name,
-            attempt=attempt,
-            nodes=nodes,
-            poll_s=self.clients.poll_s,
-            on_log=on_log,
+            kube, eks=self.eks, name=name, attempt=attempt, nodes=nodes, poll_s=poll_s, log=self.log
         )
 
     def reattach(self, request: LaunchRequest) -> EksJob | None:
@@ -435,16 +432,9 @@ class EksBackend:
         if stale:
             EventLog(cfg.run_root).emit(StaleJobsDeleted(jobs=stale, attempt=request.attempt))
         if request.attempt > 1 or stale:
-
-            def on_wait(check: CheckResult, waited: float) -> None:
-                self.log(f"waiting for healthy nodes ({waited:.0f} s): {check.detail}")
-
+            poll_s = self.clients.poll_s
             wait_for_nodes(
-                kube,
-                self.requirements,
-                timeout_s=eks.node_wait_s,
-                poll_s=self.clients.poll_s,
-                on_wait=on_wait,
+                kube, self.requirements, timeout_s=eks.node_wait_s, poll_s=poll_s, log=self.log
             )
         cfg.run_root.mkdir(parents=True, exist_ok=True)
         # The record of what the attempt ran (the pods read the bundle's ConfigMap).

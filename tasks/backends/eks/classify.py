@@ -15,7 +15,7 @@ node. ``NodeLost`` is not relied on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from tasks.backends.eks.objects import JobObs, NodeObs, PodObs
@@ -54,6 +54,10 @@ class History:
     # (a runtime or CNI hiccup) decide nothing.
     not_ready_s: float = 60.0
 
+    def latest(self) -> dict[str, PodObs]:
+        """Each pod's latest observation, by name."""
+        return {p.name: p for p in sorted(self.pods, key=lambda p: p.t)}
+
 
 # A pod deleted by none of ours decides the attempt this long after its deletion was seen, so
 # that a Job condition saying the Job controller did it (the deletion and the condition come
@@ -62,13 +66,6 @@ DELETED_GRACE_S = 5.0
 
 
 # -- judgement ---------------------------------------------------------------------------------
-def _latest(pods: Iterable[PodObs]) -> dict[str, PodObs]:
-    out: dict[str, PodObs] = {}
-    for p in sorted(pods, key=lambda p: p.t):
-        out[p.name] = p
-    return out
-
-
 def lost_nodes(h: History, now: float | None = None) -> set[str]:
     """Kubernetes nodes seen unreachable or deleted, ever, or NotReady past the bound now."""
     out = {n.name for n in h.nodes if n.deleted or (n.ready == "Unknown")}
@@ -126,7 +123,7 @@ def node_loss_evidence(
     not_ready = not_ready_since(h, now)
     lost_under = _lost_under(h, not_ready)
     out: dict[str, str] = {}
-    for p in (_latest(h.pods) if pods is None else pods).values():
+    for p in (h.latest() if pods is None else pods).values():
         if p.disruption_reason in NODE_LOSS_REASONS:
             out[p.name] = f"pod {p.name}: DisruptionTarget {p.disruption_reason}"
         elif now is not None and p.node in not_ready and p.phase != "Succeeded":
@@ -146,7 +143,7 @@ def node_loss_evidence(
 def lost_indexes(h: History, now: float | None = None) -> dict[str, int]:
     """Pods (by name) lost with their node, not absorbed yet, and their index: what the watcher
     decides, one loss at a time (tasks.loss_policy)."""
-    pods = {name: p for name, p in _latest(h.pods).items() if name not in h.absorbed}
+    pods = {name: p for name, p in h.latest().items() if name not in h.absorbed}
     return {
         name: index
         for name in node_loss_evidence(h, pods, now)
@@ -174,7 +171,7 @@ def deleted_outside(h: History, pods: dict[str, PodObs], job: JobObs | None, now
 def end_of(h: History, *, now: float, unschedulable_timeout_s: float) -> Observation | None:
     """What the pods, nodes and Job showed once the attempt ended, or None while it still runs
     normally: the EKS backend's observation for the one judge (:func:`tasks.classify.judge`)."""
-    every = _latest(h.pods)
+    every = h.latest()
     pods = {name: p for name, p in every.items() if name not in h.absorbed}
     job = max(h.jobs, key=lambda j: j.t) if h.jobs else None
     codes = _exit_codes(pods)

@@ -1,7 +1,5 @@
-"""FSx for Lustre hydration: the data repository association (idempotent), an
-``IMPORT_METADATA_FROM_REPOSITORY`` task polled with backoff (FSx has no waiters), and the
-hydration Job that preloads file contents by reading every file once (a lazily imported file's
-first read loads it from S3) while digesting it against the dataset manifest.
+"""FSx for Lustre hydration's AWS side: the data repository association (idempotent) and an
+``IMPORT_METADATA_FROM_REPOSITORY`` task polled with backoff (FSx has no waiters).
 
 The boto3 calls go through ``fsx`` (a boto3 FSx client): tests drive it with
 ``botocore.stub.Stubber``, which checks every call and response against the real FSx service model.
@@ -14,11 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.backends.eks.security import (
-    container_security_context,
-    pod_security_context,
-    scratch_volumes,
-)
 from tasks.errors import HydrationError
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELED")
@@ -53,23 +46,15 @@ def ensure_association(
     found = fsx.describe_data_repository_associations(
         Filters=[{"Name": "file-system-id", "Values": [file_system_id]}]
     )["Associations"]
-    match = next(
-        (
-            a
-            for a in found
-            if a.get("FileSystemPath") == file_system_path
-            and a.get("DataRepositoryPath") == s3_path
-        ),
-        None,
-    )
+    # FSx allows one association per file system path.
+    match = next((a for a in found if a.get("FileSystemPath") == file_system_path), None)
+    if match is not None and match.get("DataRepositoryPath") != s3_path:
+        raise HydrationError(
+            f"{file_system_id}:{file_system_path} is already associated with "
+            f"{match.get('DataRepositoryPath')}, not {s3_path}: remove that association or "
+            "choose another path"
+        )
     if match is None:
-        clash = next((a for a in found if a.get("FileSystemPath") == file_system_path), None)
-        if clash is not None:
-            raise HydrationError(
-                f"{file_system_id}:{file_system_path} is already associated with "
-                f"{clash.get('DataRepositoryPath')}, not {s3_path}: remove that association or "
-                "choose another path"
-            )
         match = fsx.create_data_repository_association(
             FileSystemId=file_system_id,
             FileSystemPath=file_system_path,
@@ -133,75 +118,3 @@ def import_metadata(
             f"FSx import task {task_id} {state}: {detail} (failure report under {report})"
         )
     raise HydrationError(f"FSx import task {task_id} still {state} at the deadline")
-
-
-def hydration_command(data_dir: str, manifest_sha256: str) -> list[str]:
-    """What the hydration pod runs: read every file of the dataset once through the Lustre
-    client, digesting it against the manifest (``python -m trainer.data --verify``). On FSx a
-    lazily imported file's first read loads it from its data repository, so the read is the
-    preload; 8 readers keep several loads in flight. Nothing but the image's Python: no Lustre
-    user-space tools (``lfs``), no shell. The manifest must be the one the flow read."""
-    return [
-        "python", "-m", "trainer.data", "--verify", "--out", data_dir,
-        "--readers", "8", "--manifest-sha256", manifest_sha256,
-    ]  # fmt: skip
-
-
-def render_hydration_job(
-    *,
-    name: str,
-    namespace: str,
-    image: str,
-    data_dir: str,
-    manifest_sha256: str,
-    fsx_claim: str,
-    fsx_mount: str,
-    service_account: str,
-) -> dict[str, Any]:
-    """A Job that mounts the FSx claim and preloads ``data_dir`` by reading it
-    (:func:`hydration_command`), as the image's non-root user. Reading needs read access to
-    the files, which FSx's imported files give (see deploy/eks/README.md), and nothing else:
-    no capability, no API token, no network (the Lustre client is the node's kernel)."""
-    scratch, scratch_mounts = scratch_volumes(tmp_gi=1)
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": {
-                "app.kubernetes.io/name": "nvrx-pipeline",
-                "app.kubernetes.io/component": "hydrate",
-            },
-        },
-        "spec": {
-            "backoffLimit": 2,
-            "ttlSecondsAfterFinished": 24 * 3600,
-            "template": {
-                "metadata": {"labels": {"app.kubernetes.io/component": "hydrate"}},
-                "spec": {
-                    "restartPolicy": "Never",
-                    "serviceAccountName": service_account,
-                    "automountServiceAccountToken": False,
-                    "securityContext": pod_security_context(),
-                    "containers": [
-                        {
-                            "name": "hydrate",
-                            "image": image,
-                            "command": hydration_command(data_dir, manifest_sha256),
-                            "securityContext": container_security_context(),
-                            "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
-                            "volumeMounts": [
-                                {"name": "fsx", "mountPath": fsx_mount},
-                                *scratch_mounts,  # Python's own temporary files
-                            ],
-                        }
-                    ],
-                    "volumes": [
-                        {"name": "fsx", "persistentVolumeClaim": {"claimName": fsx_claim}},
-                        *scratch,
-                    ],
-                },
-            },
-        },
-    }

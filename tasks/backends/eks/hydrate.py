@@ -18,14 +18,20 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from tasks.backends.base import Hydrated, HydrateRequest
 from tasks.backends.eks.classify import IMAGE_PULL_REASONS
 from tasks.backends.eks.clients import EksClients
-from tasks.backends.eks.fsx import ensure_association, import_metadata, render_hydration_job
+from tasks.backends.eks.fsx import ensure_association, import_metadata
 from tasks.backends.eks.kube import Kube
 from tasks.backends.eks.params import EksParams
+from tasks.backends.eks.pod import guaranteed
+from tasks.backends.eks.security import (
+    container_security_context,
+    pod_security_context,
+    scratch_volumes,
+)
 from tasks.errors import HydrationError
 from trainer.data import DataError, load_manifest, manifest_digest, verify_dataset
 
@@ -42,15 +48,6 @@ class FsxHydrateReport:
     seconds: float
     # What the hydration Job digested every file against (trainer.data.manifest_digest).
     manifest_sha256: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.__dict__.copy()
-
-
-def fsx_dataset_path(bucket: str, prefix: str) -> str:
-    """Where a dataset lives on the file system (relative to its root; the pods and the flow
-    runner see it under their FSx mount)."""
-    return f"/datasets/{bucket}/{prefix}".rstrip("/")
 
 
 def hydration_job_name(run_id: str, fs_path: str, manifest_sha256: str) -> str:
@@ -72,12 +69,10 @@ def image_pull_failure(pods: list[dict[str, Any]]) -> str | None:
     the registry or the pull credentials stay wrong."""
     for pod in pods:
         name = (pod.get("metadata") or {}).get("name", "?")
-        images = {c.get("name"): c.get("image") for c in _all_containers(pod.get("spec") or {})}
-        status = pod.get("status") or {}
-        for cs in [
-            *(status.get("initContainerStatuses") or []),
-            *(status.get("containerStatuses") or []),
-        ]:
+        spec, status = pod.get("spec") or {}, pod.get("status") or {}
+        kinds = ("initContainer", "container")  # spec.<kind>s, status.<kind>Statuses
+        images = {c.get("name"): c.get("image") for k in kinds for c in spec.get(f"{k}s") or []}
+        for cs in [c for k in kinds for c in status.get(f"{k}Statuses") or []]:
             waiting = (cs.get("state") or {}).get("waiting") or {}
             reason = waiting.get("reason")
             if reason in IMAGE_PULL_REASONS:
@@ -94,10 +89,6 @@ def image_pull_failure(pods: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def _all_containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    return [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
-
-
 def wait_for_job(
     kube: Kube,
     ns: str,
@@ -105,11 +96,12 @@ def wait_for_job(
     *,
     deadline_s: float,
     poll_s: float,
-    on_wait: Callable[[float], None] = lambda waited: None,
+    progress: Callable[[str], None] = lambda msg: None,
 ) -> None:
     """Until the Job has condition Complete; raises on Failed (with the controller's reason),
-    at once when a pod of the Job cannot pull its image, or at the deadline."""
-    started = time.monotonic()
+    at once when a pod of the Job cannot pull its image, or at the deadline. Says it still
+    runs every 30 s, not every poll."""
+    started = noted = time.monotonic()
     while True:
         job = kube.read_job(ns, name)
         if job is None:
@@ -136,52 +128,87 @@ def wait_for_job(
                 f"Job {ns}/{name} did not complete within {deadline_s:.0f} s "
                 f"(eks.hydrate_timeout_s); see `kubectl describe -n {ns} job/{name}`"
             )
-        on_wait(waited)
+        if time.monotonic() - noted >= 30.0:
+            noted = time.monotonic()
+            progress(f"hydration Job {name} running for {waited:.0f} s")
         time.sleep(poll_s)
 
 
 def hydration_job(
     *, name: str, eks: EksParams, data_dir: str, manifest_sha256: str
 ) -> dict[str, Any]:
-    """The hydration Job (:func:`render_hydration_job`) with the run's pod policy: limits equal
-    to its requests in every container (Guaranteed QoS: not the first pod evicted when a system
-    node runs short) and eks.priority_class."""
-    job = render_hydration_job(
-        name=name,
-        namespace=eks.namespace,
-        image=eks.image,
-        data_dir=data_dir,
-        manifest_sha256=manifest_sha256,
-        fsx_claim=eks.fsx_claim,
-        fsx_mount=eks.fsx_mount,
-        service_account=eks.service_account,
-    )
-    pod = job["spec"]["template"]["spec"]
-    for container in _all_containers(pod):
-        res = container.setdefault("resources", {})
-        res["limits"] = dict(res.get("requests") or {})
-        res["requests"] = dict(res["limits"])
-    if eks.priority_class:
-        pod["priorityClassName"] = eks.priority_class
-    return job
+    """The Job that mounts the FSx claim and reads every file of ``data_dir`` once, digesting
+    it against the manifest the flow read (8 readers keep several lazy loads in flight).
+    Nothing but the image's Python (no ``lfs``, no shell), as its non-root user: read access
+    to the imported files is all it needs (deploy/eks/README.md), no capability, API token or
+    network (the Lustre client is the node's kernel). Limits equal requests (Guaranteed QoS:
+    not the first pod evicted when a system node runs short)."""
+    scratch, scratch_mounts = scratch_volumes(tmp_gi=1)
+    command = [
+        "python", "-m", "trainer.data", "--verify", "--out", data_dir,
+        "--readers", "8", "--manifest-sha256", manifest_sha256,
+    ]  # fmt: skip
+    resources = {"cpu": "1", "memory": "2Gi"}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": name,
+            "namespace": eks.namespace,
+            "labels": {
+                "app.kubernetes.io/name": "nvrx-pipeline",
+                "app.kubernetes.io/component": "hydrate",
+            },
+        },
+        "spec": {
+            "backoffLimit": 2,
+            "ttlSecondsAfterFinished": 24 * 3600,
+            "template": {
+                "metadata": {"labels": {"app.kubernetes.io/component": "hydrate"}},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "serviceAccountName": eks.service_account,
+                    "automountServiceAccountToken": False,
+                    **({"priorityClassName": eks.priority_class} if eks.priority_class else {}),
+                    "securityContext": pod_security_context(),
+                    "containers": [
+                        {
+                            "name": "hydrate",
+                            "image": eks.image,
+                            "command": command,
+                            "securityContext": container_security_context(),
+                            "resources": guaranteed(resources),
+                            "volumeMounts": [
+                                {"name": "fsx", "mountPath": eks.fsx_mount},
+                                *scratch_mounts,  # Python's own temporary files
+                            ],
+                        }
+                    ],
+                    "volumes": [
+                        {"name": "fsx", "persistentVolumeClaim": {"claimName": eks.fsx_claim}},
+                        *scratch,
+                    ],
+                },
+            },
+        },
+    }
 
 
 def hydrate_fsx(
     clients: EksClients,
-    *,
-    run_id: str,
     eks: EksParams,
-    bucket: str,
-    prefix: str,
-    data_dir: Path,
+    request: HydrateRequest,
     progress: Callable[[str], None] = lambda msg: None,
-) -> FsxHydrateReport:
-    """``data_dir``: the dataset as this process sees it on the FSx mount."""
+) -> Hydrated:
+    """``request.data_dir``: the dataset as this process sees it on the FSx mount."""
     if not eks.file_system_id:
         raise HydrationError("eks.file_system_id is not set: give the fs-... id of the FSx claim")
     t0 = time.monotonic()
-    s3_path = f"s3://{bucket}/{prefix}/"
-    fs_path = fsx_dataset_path(bucket, prefix)
+    run_id, data_dir = request.run_id, request.data_dir
+    s3_path = f"s3://{request.bucket}/{request.prefix}/"
+    # Where the dataset lives on the file system (the pods and the flow runner see it under
+    # their FSx mount).
+    fs_path = f"/datasets/{request.bucket}/{request.prefix}".rstrip("/")
     assoc = ensure_association(
         clients.fsx,
         file_system_id=eks.file_system_id,
@@ -211,20 +238,9 @@ def hydrate_fsx(
     progress(f"hydration Job {name}: reads and digests every file of manifest {digest[:12]}")
     clients.kube.apply(job)  # the same run and dataset: joins (or reuses) the Job there
     remaining = eks.hydrate_timeout_s - (time.monotonic() - t0)
-    last_note = [0.0]
-
-    def note(waited: float) -> None:
-        if waited - last_note[0] >= 30.0:  # a line every 30 s, not every poll
-            last_note[0] = waited
-            progress(f"hydration Job {name} running for {waited:.0f} s")
-
+    poll_s = clients.poll_s
     wait_for_job(
-        clients.kube,
-        eks.namespace,
-        name,
-        deadline_s=remaining,
-        poll_s=clients.poll_s,
-        on_wait=note,
+        clients.kube, eks.namespace, name, deadline_s=remaining, poll_s=poll_s, progress=progress
     )
     try:
         manifest = verify_dataset(data_dir, digests=False, manifest_sha256=digest)
@@ -232,7 +248,7 @@ def hydrate_fsx(
         raise HydrationError(
             f"hydration Job {name} completed but the dataset on FSx is incomplete: {e}"
         ) from e
-    return FsxHydrateReport(
+    r = FsxHydrateReport(
         source=s3_path,
         dest=str(data_dir),
         files=len(manifest["files"]),
@@ -242,4 +258,9 @@ def hydrate_fsx(
         job=name,
         seconds=round(time.monotonic() - t0, 3),
         manifest_sha256=manifest_digest(manifest),
+    )
+    return Hydrated.of(
+        r,
+        f"{r.files} files, {r.bytes} bytes through FSx association {assoc}, import task "
+        f"{r.import_task_id} and Job {name}; checked against the manifest",
     )

@@ -52,14 +52,11 @@ def retry_wait(
 ) -> float | None:
     """Seconds to wait before trying a failed call again, or None to give up: ``tries`` failures
     so far, the last answered ``status`` (None: no answer, 0: the client's own TLS error)."""
-    if status is not None and status not in TRANSIENT_STATUS:
-        return None
-    if tries >= CALL_TRIES:
+    if (status is not None and status not in TRANSIENT_STATUS) or tries >= CALL_TRIES:
         return None
     wait = backoff_s(tries, retry_after_s=retry_after_s, rand=rand)
-    if waited_s + wait > CALL_BUDGET_S:
-        return None  # a Retry-After past the budget: the caller's own deadline decides
-    return wait
+    # A Retry-After past the budget: the caller's own deadline decides.
+    return None if waited_s + wait > CALL_BUDGET_S else wait
 
 
 def with_request_timeout(api_client: Any, *, sleep: Callable[[float], None] = time.sleep) -> Any:
@@ -125,6 +122,15 @@ class Kube:
             config.load_kube_config()
         return cls(client.ApiClient())
 
+    @contextlib.contextmanager
+    def _missing_ok(self) -> Iterator[None]:
+        """A 404 is an answer: the object is gone (or the emulator lacks the resource)."""
+        try:
+            yield
+        except self._exc as e:
+            if e.status != 404:
+                raise
+
     # -- apply / delete ----------------------------------------------------------------------
     def apply(self, obj: dict[str, Any]) -> None:
         """Create, or patch when it exists (same run + attempt -> same name: idempotent)."""
@@ -158,42 +164,30 @@ class Kube:
             self.core.delete_namespaced_config_map,
             self.networking.delete_namespaced_network_policy,
         ):
-            try:
+            with self._missing_ok():
                 fn(name, ns, propagation_policy="Background", _preload_content=False)
-            except self._exc as e:
-                if e.status != 404:
-                    raise
 
     def delete_pod(self, ns: str, name: str) -> None:
         """Delete a pod at once (grace period 0), as a lost node's pods go (the node-loss
         drill). A pod already gone is fine."""
-        try:
+        with self._missing_ok():
             self.core.delete_namespaced_pod(
                 name, ns, grace_period_seconds=0, _preload_content=False
             )
-        except self._exc as e:
-            if e.status != 404:
-                raise
 
     # -- reads ---------------------------------------------------------------------------------
     def read_job(self, ns: str, name: str) -> dict[str, Any] | None:
-        try:
+        with self._missing_ok():
             return dict(_json(self.batch.read_namespaced_job(name, ns, _preload_content=False)))
-        except self._exc as e:
-            if e.status == 404:
-                return None
-            raise
+        return None
 
     def _labelled(self, list_fn: Any, ns: str, key: str, value: str) -> list[dict[str, Any]]:
         """The objects of ``list_fn`` in ``ns`` carrying label ``key=value`` (the selector is
         re-checked here: an emulator may ignore it)."""
-        try:
-            items = _json(list_fn(ns, label_selector=f"{key}={value}", _preload_content=False))
-        except self._exc as e:
-            if e.status != 404:  # an emulator without the resource yet: none
-                raise
-            return []
-        return [o for o in items["items"] if (o["metadata"].get("labels") or {}).get(key) == value]
+        items, selector = [], f"{key}={value}"
+        with self._missing_ok():  # an emulator without the resource yet: none
+            items = _json(list_fn(ns, label_selector=selector, _preload_content=False))["items"]
+        return [o for o in items if (o["metadata"].get("labels") or {}).get(key) == value]
 
     def jobs_labelled(self, ns: str, key: str, value: str) -> list[str]:
         """Names of the Jobs carrying label ``key=value`` (e.g. every attempt of one run)."""
@@ -319,21 +313,21 @@ class Kube:
                     kwargs["resource_version"] = cursor.version
                 resp = func(*args, **kwargs)
                 ended = self._stream(resp, what, cursor, out, stop)
-                if ended is None:
-                    cursor.on_stream_end()
+                if ended is None:  # the server closed it (its timeoutSeconds): resume at once
+                    cursor.failures = 0
                 elif ended.step is Step.RELIST:
                     relist = True
                 else:
-                    cursor.on_failure()
+                    cursor.failures += 1
                     retry_after = ended.retry_after_s
             except self._exc as e:
                 if e.status == 410:
                     relist = True
                 else:
-                    cursor.on_failure()
+                    cursor.failures += 1
                     retry_after = _retry_after(e)
             except Exception:  # connection reset, read timeout: resume from the version held
-                cursor.on_failure()
+                cursor.failures += 1
             finally:
                 if resp is not None:
                     with contextlib.suppress(Exception):

@@ -19,7 +19,7 @@ class PodObs:
     waiting_reason: str | None = None  # e.g. ImagePullBackOff
     waiting_message: str = ""
     image: str | None = None  # the container's image (what an image pull failure names)
-    disruption_reason: str | None = None  # DisruptionTarget=True reason
+    disruption_reason: str | None = None  # DisruptionTarget=True: its reason
     unschedulable_message: str | None = None  # PodScheduled=False/Unschedulable
     status_reason: str | None = None  # Evicted, Terminated
     deleted: bool = False
@@ -85,7 +85,7 @@ def observe_pod(pod: dict[str, Any], t: float, *, deleted: bool = False) -> PodO
         waiting_reason=waiting_reason,
         waiting_message=waiting_message,
         image=image,
-        disruption_reason=disruption.get("reason")
+        disruption_reason=(disruption.get("reason") or "DisruptionTarget")
         if disruption and disruption.get("status") == "True"
         else None,
         unschedulable_message=scheduled.get("message", "")
@@ -140,14 +140,7 @@ def healthy(
     if j.failed:
         return False, f"Job {name} has failed ({j.failed_reason or 'Failed'})"
     completions = int((job.get("spec") or {}).get("completions") or 1)
-    latest: dict[int, PodObs] = {}
-    disrupted: set[str] = set()
-    for raw in pods:
-        p = observe_pod(raw, t)
-        if p.index is not None:
-            latest[p.index] = p
-        if _conditions(raw).get("DisruptionTarget", {}).get("status") == "True":
-            disrupted.add(p.name)
+    latest = {p.index: p for p in (observe_pod(raw, t) for raw in pods) if p.index is not None}
     missing = sorted(set(range(completions)) - set(latest))
     if missing:
         return False, f"Job {name}: no pod for index(es) {missing}"
@@ -155,9 +148,8 @@ def healthy(
     for i, p in sorted(latest.items()):
         if p.phase != "Running" or p.exit_code is not None or p.waiting_reason is not None:
             return False, f"Job {name}: pod {p.name} (index {i}) is {p.phase}"
-        if p.name in disrupted:
-            why = p.disruption_reason or "DisruptionTarget"
-            return False, f"Job {name}: pod {p.name} is being disrupted ({why})"
+        if p.disruption_reason is not None:
+            return False, f"Job {name}: pod {p.name} is being disrupted ({p.disruption_reason})"
         if ready.get(p.node or "") != "True":
             return False, f"Job {name}: pod {p.name}'s node {p.node} is not Ready"
     return True, f"Job {name}: all {completions} pod(s) running on Ready nodes"

@@ -248,28 +248,19 @@ class EksParams(BaseModel):
                 "may use: the node's allocatable less its daemonsets' requests)"
             )
         if itype is not None:
-            if self.gpus_per_node > itype.gpus:
-                raise ValueError(
-                    f"eks.gpus_per_node: {self.gpus_per_node} but {self.instance_type} has "
-                    f"{itype.gpus} GPUs; the pods would never schedule"
-                )
-            if self.efa_per_node is not None and self.efa_per_node > itype.efa:
-                raise ValueError(
-                    f"eks.efa_per_node: {self.efa_per_node} but {self.instance_type} has "
-                    f"{itype.efa} EFA interface(s); the pods would never schedule (empty: "
-                    f"{itype.efa})"
-                )
-            if self.cpu is not None and cpu_millicores(self.cpu) > itype.vcpus * 1000:
-                raise ValueError(
-                    f"eks.cpu: {self.cpu} is more than {self.instance_type}'s {itype.vcpus} "
-                    f"vCPUs; the pods would never schedule (empty: {pod_cpu_for(itype)})"
-                )
-            if self.memory_gi is not None and self.memory_gi > itype.memory_gib:
-                raise ValueError(
-                    f"eks.memory_gi: {self.memory_gi} is more than {self.instance_type}'s "
-                    f"{itype.memory_gib} GiB; the pods would never schedule (empty: "
-                    f"{pod_memory_gi_for(itype)})"
-                )
+            cpu = cpu_millicores(self.cpu) / 1000 if self.cpu is not None else None
+            for field, asked, has, unit, empty in (
+                ("gpus_per_node", self.gpus_per_node, itype.gpus, "GPUs", None),
+                ("efa_per_node", self.efa_per_node, itype.efa, "EFA interface(s)", itype.efa),
+                ("cpu", cpu, itype.vcpus, "vCPUs", pod_cpu_for(itype)),
+                ("memory_gi", self.memory_gi, itype.memory_gib, "GiB", pod_memory_gi_for(itype)),
+            ):
+                if asked is not None and asked > has:
+                    raise ValueError(
+                        f"eks.{field}: {getattr(self, field)} but {self.instance_type} has {has} "
+                        f"{unit}; the pods would never schedule"
+                        + (f" (empty: {empty})" if empty is not None else "")
+                    )
         if self.cpu is not None and cpu_millicores(self.cpu) == 0:
             raise ValueError("eks.cpu: must be more than 0")
         memory = self.pod_memory_gi()

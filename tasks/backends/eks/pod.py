@@ -153,18 +153,15 @@ def _placement(eks: EksParams, same_attempt: Mapping[str, str]) -> dict[str, Any
             ),
             # Evict sooner than the default 300 s when a node is lost: the stage retry
             # (not a wait) is what recovers a node loss.
-            {
-                "key": "node.kubernetes.io/unreachable",
-                "operator": "Exists",
-                "effect": "NoExecute",
-                "tolerationSeconds": eks.unreachable_toleration_s,
-            },
-            {
-                "key": "node.kubernetes.io/not-ready",
-                "operator": "Exists",
-                "effect": "NoExecute",
-                "tolerationSeconds": eks.unreachable_toleration_s,
-            },
+            *(
+                {
+                    "key": f"node.kubernetes.io/{taint}",
+                    "operator": "Exists",
+                    "effect": "NoExecute",
+                    "tolerationSeconds": eks.unreachable_toleration_s,
+                }
+                for taint in ("unreachable", "not-ready")
+            ),
         ],
     }
 

@@ -28,13 +28,17 @@ from typing import Any
 from tasks.backends.eks.kube import JOB_NAME_LABEL  # set on every pod by the Job controller
 from tasks.backends.eks.params import EksParams
 from tasks.backends.eks.pod import CONFIG_MOUNT, CONTAINER, pod_env, pod_template
+from tasks.classify import EXIT_DO_NOT_REQUEUE
 from trainer.config import TrainConfig, config_text
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
 from trainer.rundir import Layout
 
 LABEL_RUN = "nvrx.io/run-id"
 LABEL_ATTEMPT = "nvrx.io/attempt"
-EXIT_DO_NOT_REQUEUE = 93
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+# Beyond the flow's own deadline for the attempt: the flow stops the Job first; the API server's
+# deadline is what still ends it when the flow runner is gone (crashed, evicted, cancelled hard).
+JOB_DEADLINE_MARGIN_S = 600
 
 
 def job_name(run_id: str, attempt: int, tag: str = "") -> str:
@@ -56,6 +60,12 @@ def run_label(run_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", run_id)[:63]
 
 
+def _metadata(run_id: str, attempt: int, tag: str, namespace: str) -> dict[str, Any]:
+    """The name and labels every object of the attempt shares."""
+    name = job_name(run_id, attempt, tag)
+    return {"name": name, "namespace": namespace, "labels": labels(run_id, attempt)}
+
+
 def labels(run_id: str, attempt: int) -> dict[str, str]:
     """Kubernetes' recommended labels (app.kubernetes.io/*: the instance is the run) and ours."""
     return {
@@ -67,49 +77,6 @@ def labels(run_id: str, attempt: int) -> dict[str, str]:
         LABEL_RUN: run_label(run_id),
         LABEL_ATTEMPT: str(attempt),
     }
-
-
-def render_service(
-    run_id: str, attempt: int, *, namespace: str, port: int, tag: str = ""
-) -> dict[str, Any]:
-    name = job_name(run_id, attempt, tag)
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels(run_id, attempt)},
-        "spec": {
-            "clusterIP": "None",  # headless: DNS names for the pods, no load balancing
-            # Resolvable before the pods are ready: ranks rendezvous while starting up.
-            "publishNotReadyAddresses": True,
-            "selector": {JOB_NAME_LABEL: name},
-            "ports": [{"name": "rdzv", "port": port, "targetPort": port, "protocol": "TCP"}],
-        },
-    }
-
-
-def render_config_map(
-    cfg: TrainConfig, run_id: str, attempt: int, *, namespace: str, tag: str = ""
-) -> dict[str, Any]:
-    """The attempt's config (the JSON workers read), under the Job's name: carried in the
-    bundle, so that the bundle alone is what `kubectl apply` needs."""
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {
-            "name": job_name(run_id, attempt, tag),
-            "namespace": namespace,
-            "labels": labels(run_id, attempt),
-        },
-        "data": {Layout.train_config(attempt).name: config_text(cfg)},
-    }
-
-
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-
-
-# Beyond the flow's own deadline for the attempt: the flow stops the Job first; the API server's
-# deadline is what still ends it when the flow runner is gone (crashed, evicted, cancelled hard).
-JOB_DEADLINE_MARGIN_S = 600
 
 
 def render_job(
@@ -129,13 +96,14 @@ def render_job(
     node_memory_gb: float = 0.0,
 ) -> dict[str, Any]:
     """``nodes``: the most the job trains on; ``min_nodes`` (elastic) the fewest; ``spares``:
-    pods launched beyond ``nodes`` to wait in the rendezvous. ``rdzv_id``: unique per
-    invocation (default: the Job's name). A later invocation of the run starts its attempts at 1
-    again, and the workers tell an in-job respawn by finding their rendezvous id in the events
-    already. ``tag``: see :func:`job_name`."""
-    name = job_name(run_id, attempt, tag)
-    ns = eks.namespace
-    rdzv = f"{name}-0.{name}.{ns}.svc.cluster.local:{eks.rdzv_port}"
+    pods beyond ``nodes`` that wait in the rendezvous. ``rdzv_id`` (default: the Job's name) is
+    unique per invocation: a later one starts its attempts at 1 again, and the workers tell an
+    in-job respawn by finding their rendezvous id in the events. ``deadline_s``: the attempt's
+    (``activeDeadlineSeconds`` adds a margin); ``node_memory_gb``: the memory saves' need per
+    node, sizing /dev/shm where ``eks.shm_gi`` is empty; ``tag``: see :func:`job_name`."""
+    meta = _metadata(run_id, attempt, tag, eks.namespace)
+    name = meta["name"]
+    rdzv = f"{name}-0.{name}.{eks.namespace}.svc.cluster.local:{eks.rdzv_port}"
     spec = LaunchSpec(
         nnodes=nodes,
         min_nodes=min_nodes,
@@ -146,7 +114,7 @@ def render_job(
         cpu_only=False,
     )
     # The attempt's config travels in the bundle, as the ConfigMap of the Job's name
-    # (render_config_map), mounted read-only: `kubectl apply` of a rendered bundle needs nothing
+    # (render_all), mounted read-only: `kubectl apply` of a rendered bundle needs nothing
     # the flow would have written first. (The flow keeps its copy on FSx, for the record.)
     config = CONFIG_MOUNT / Layout.train_config(attempt).name
     # The image's programs, not this machine's paths.
@@ -161,16 +129,15 @@ def render_job(
         metrics_port=cfg.metrics_port,
         node_memory_gb=node_memory_gb,
     )
-    job_labels = labels(run_id, attempt)
     if eks.queue:
         # Kueue admits the Job from this LocalQueue. The Job is not created suspended: Kueue's
         # webhook suspends it on creation and resumes it once admitted ("Run A Kubernetes
         # Job", kueue.sigs.k8s.io: "you do not need to create the Job in a suspended state").
-        job_labels[KUEUE_QUEUE_LABEL] = eks.queue
+        meta["labels"][KUEUE_QUEUE_LABEL] = eks.queue
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": name, "namespace": ns, "labels": job_labels},
+        "metadata": meta,
         "spec": {
             "completionMode": "Indexed",
             "completions": spec.launched,
@@ -220,14 +187,8 @@ def _pod_failure_policy(*, elastic: bool) -> dict[str, Any]:
     }
 
 
-def render_network_policy(
-    run_id: str,
-    attempt: int,
-    *,
-    namespace: str,
-    tag: str = "",
-    metrics_port: int | None = None,
-    monitoring_namespace: str = "monitoring",
+def _network_policy(
+    meta: dict[str, Any], eks: EksParams, metrics_port: int | None
 ) -> dict[str, Any]:
     """Only this Job's pods reach this Job's pods; they reach only each other and DNS.
 
@@ -243,11 +204,10 @@ def render_network_policy(
     pod network, so they need no rule; the training pods call no AWS or Prefect API, so they
     get no other egress.
 
-    With ``metrics_port``, Prometheus in ``monitoring_namespace`` may reach that one port (rank
-    0's metrics endpoint); the namespace's default-deny policy would refuse the scrape otherwise.
+    With ``metrics_port``, Prometheus in ``eks.monitoring_namespace`` may reach that one port
+    (rank 0's metrics endpoint); the namespace's default-deny policy would refuse the scrape.
     """
-    name = job_name(run_id, attempt, tag)
-    own_pods = [{"podSelector": {"matchLabels": {JOB_NAME_LABEL: name}}}]
+    own_pods = [{"podSelector": {"matchLabels": {JOB_NAME_LABEL: meta["name"]}}}]
     ingress: list[dict[str, Any]] = [{"from": own_pods}]
     if metrics_port is not None:
         ingress.append(
@@ -255,7 +215,7 @@ def render_network_policy(
                 "from": [
                     {
                         "namespaceSelector": {
-                            "matchLabels": {"kubernetes.io/metadata.name": monitoring_namespace}
+                            "matchLabels": {"kubernetes.io/metadata.name": eks.monitoring_namespace}
                         }
                     }
                 ],
@@ -265,9 +225,9 @@ def render_network_policy(
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels(run_id, attempt)},
+        "metadata": meta,
         "spec": {
-            "podSelector": {"matchLabels": {JOB_NAME_LABEL: name}},
+            "podSelector": own_pods[0]["podSelector"],
             "policyTypes": ["Ingress", "Egress"],
             "ingress": ingress,
             "egress": [
@@ -289,50 +249,31 @@ def render_network_policy(
 
 
 def render_all(
-    cfg: TrainConfig,
-    *,
-    run_id: str,
-    attempt: int,
-    nodes: int,
-    eks: EksParams,
-    deadline_s: float | None = None,
-    rdzv_id: str | None = None,
-    tag: str = "",
-    min_nodes: int | None = None,
-    spares: int = 0,
-    epoch: int | None = None,
-    secrets: Mapping[str, str] | None = None,
-    node_memory_gb: float = 0.0,
+    cfg: TrainConfig, *, run_id: str, attempt: int, eks: EksParams, tag: str = "", **job: Any
 ) -> list[dict[str, Any]]:
-    """``deadline_s``: the attempt's deadline (``activeDeadlineSeconds`` adds a margin);
-    ``tag``: the invocation's, in every name (:func:`job_name`); ``nodes``, ``min_nodes``,
-    ``spares``: see :func:`render_job`; ``node_memory_gb``: the memory saves' need per node,
-    which sizes /dev/shm where ``eks.shm_gi`` is empty."""
-    # The policy first: the pods never run unprotected, not even for the first seconds.
+    """The attempt's objects, the NetworkPolicy first: the pods never run unprotected, not even
+    for the first seconds. ``tag``: the invocation's, in every name (:func:`job_name`);
+    ``job``: :func:`render_job`'s other arguments."""
+    name, port = job_name(run_id, attempt, tag), eks.rdzv_port
     return [
-        render_network_policy(
-            run_id,
-            attempt,
-            namespace=eks.namespace,
-            tag=tag,
-            metrics_port=cfg.metrics_port,
-            monitoring_namespace=eks.monitoring_namespace,
-        ),
-        render_service(run_id, attempt, namespace=eks.namespace, port=eks.rdzv_port, tag=tag),
-        render_config_map(cfg, run_id, attempt, namespace=eks.namespace, tag=tag),
-        render_job(
-            cfg,
-            run_id=run_id,
-            attempt=attempt,
-            nodes=nodes,
-            eks=eks,
-            deadline_s=deadline_s,
-            rdzv_id=rdzv_id,
-            tag=tag,
-            min_nodes=min_nodes,
-            spares=spares,
-            epoch=epoch,
-            secrets=secrets,
-            node_memory_gb=node_memory_gb,
-        ),
+        _network_policy(_metadata(run_id, attempt, tag, eks.namespace), eks, cfg.metrics_port),
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _metadata(run_id, attempt, tag, eks.namespace),
+            "spec": {
+                "clusterIP": "None",  # headless: DNS names for the pods, no load balancing
+                # Resolvable before the pods are ready: ranks rendezvous while starting up.
+                "publishNotReadyAddresses": True,
+                "selector": {JOB_NAME_LABEL: name},
+                "ports": [{"name": "rdzv", "port": port, "targetPort": port, "protocol": "TCP"}],
+            },
+        },
+        {  # the attempt's config, the JSON workers read
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _metadata(run_id, attempt, tag, eks.namespace),
+            "data": {Layout.train_config(attempt).name: config_text(cfg)},
+        },
+        render_job(cfg, run_id=run_id, attempt=attempt, eks=eks, tag=tag, **job),
     ]

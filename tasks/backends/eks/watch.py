@@ -1,28 +1,24 @@
-"""A Kubernetes watch as the API server defines it, as pure decisions over what the server sends.
+"""A Kubernetes watch as pure decisions over what the API server sends; ``Kube.watch`` (the
+seam) opens the watches and lists, so this is tested over tables of recorded answers:
 
-The seam (``tasks.backends.eks.kube.Kube.watch``) opens the watches and lists; this module says
-what each answer means, so it is tested over tables of recorded answers with no server:
-
-- ``ADDED``/``MODIFIED``/``DELETED`` carry an object: it is passed on, and its
-  ``metadata.resourceVersion`` is where the next watch resumes.
-- ``BOOKMARK`` carries only a newer resourceVersion (asked for with ``allowWatchBookmarks``): a
-  quiet resource's watch can then resume after etcd compaction instead of expiring.
-- ``ERROR`` carries a ``Status``, never an object of the watched kind. ``410 Gone`` (``Expired``:
-  routine after compaction, on a quiet resource, after control-plane maintenance) means the
-  version is too old: list again and watch from the list's version. Any other code (429, 5xx):
-  back off and resume from the version held.
-- A line that is not JSON, or an event whose object is not one of the watched kind, is dropped
-  and counted: one bad object never stops the watch nor reaches the caller.
+- ``ADDED``/``MODIFIED``/``DELETED`` carry an object: passed on; its resourceVersion is where
+  the next watch resumes. ``BOOKMARK`` (``allowWatchBookmarks``) carries only a newer version,
+  so a quiet resource's watch resumes after etcd compaction instead of expiring.
+- ``ERROR`` carries a ``Status``, never an object of the watched kind. ``410 Gone``
+  (``Expired``: routine after compaction, on a quiet resource, after control-plane maintenance):
+  list again and watch from the list's version. Any other code (429, 5xx): back off and resume
+  from the version held.
+- A line that is not JSON, or an object not of the watched kind, is dropped and counted: one
+  bad object never stops the watch nor reaches the caller.
 - A list (the first, or after a 410) replaces what the watch knew, as an informer's store does:
-  every object listed is passed on as ``ADDED``, and every object known before and absent from
-  the list as ``DELETED`` (its last state). A pod deleted while the watch was expired or cut
-  is otherwise never seen to go: the attempt would wait on it until its deadline.
+  every item is passed on as ``ADDED``, every object known before and not listed as ``DELETED``
+  (its last state); else a pod deleted while the watch was cut is never seen to go, and the
+  attempt waits on it until its deadline.
 
-Every (re)open waits at least ``min_interval_s`` after the previous one, and after failures a
-jittered exponential backoff (``backoff_s``) up to ``max_backoff_s``: a server answering every
-request at once with an error sees a few requests a second at most, not a busy loop (a watch
-that kept re-opening with a stale version made 80 k requests/s against an in-process fake).
-A server's ``Retry-After`` is honoured when longer.
+Every (re)open waits ``min_interval_s`` after the previous one, and after failures a jittered
+exponential backoff (``backoff_s``, at least a server's ``Retry-After``): a server failing
+every request sees a few a second, not a busy loop (a watch re-opening with a stale version
+once made 80 k requests/s against an in-process fake).
 """
 
 from __future__ import annotations
@@ -94,19 +90,16 @@ class WatchCursor:
                 why=f"{code} {reason}".strip(),
                 retry_after_s=float(retry) if isinstance(retry, int | float) else None,
             )
-        meta = obj.get("metadata")
-        version = meta.get("resourceVersion") if isinstance(meta, dict) else None
+        version = _version(obj)
         if kind == "BOOKMARK":
-            if isinstance(version, str) and version:
-                self.version = version
+            self.version = version or self.version
             return Decision(Step.SKIP, why="bookmark")
         if kind not in ("ADDED", "MODIFIED", "DELETED"):
             return self._drop(f"type {kind!r}")
-        if obj.get("kind") not in (self.kind, None) or not isinstance(meta, dict):
+        if obj.get("kind") not in (self.kind, None) or not isinstance(obj.get("metadata"), dict):
             # A Status (or anything else) read as a Node was what deleted a healthy Job.
             return self._drop(f"not a {self.kind}")
-        if isinstance(version, str) and version:
-            self.version = version
+        self.version = version or self.version
         self.failures = 0
         key = _key(obj)
         if kind == "DELETED":
@@ -128,20 +121,8 @@ class WatchCursor:
         for key, obj in before.items():
             if key not in self.known:
                 out.append(Decision(Step.EMIT, type="DELETED", obj=obj, why="gone at a relist"))
-        self.on_relisted(list_version(listing))
+        self.version = _version(listing)  # None: from now
         return out
-
-    def on_relisted(self, list_version: str | None) -> None:
-        """A list answered: the watch resumes from its version (none: from now)."""
-        self.version = list_version or None
-
-    def on_failure(self) -> None:
-        """The stream or the request failed (reset, timeout, 5xx): back off, keep the version."""
-        self.failures += 1
-
-    def on_stream_end(self) -> None:
-        """The server closed the watch normally (its timeoutSeconds): resume at once."""
-        self.failures = 0
 
 
 def backoff_s(
@@ -164,8 +145,8 @@ def _key(obj: dict[str, Any]) -> str:
     return f"{meta.get('namespace') or ''}/{meta.get('name') or ''}"
 
 
-def list_version(listing: dict[str, Any]) -> str | None:
-    """The resourceVersion a list answered with (where a watch after it starts)."""
-    meta = listing.get("metadata")
+def _version(obj: dict[str, Any]) -> str | None:
+    """An object's (or a list's) resourceVersion: where a watch after it starts."""
+    meta = obj.get("metadata")
     version = meta.get("resourceVersion") if isinstance(meta, dict) else None
     return version if isinstance(version, str) and version else None

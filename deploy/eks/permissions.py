@@ -1,4 +1,6 @@
-"""Every Kubernetes and AWS API call the EKS backend makes, and what it needs to be allowed.
+"""Every Kubernetes and AWS API call the EKS backend makes, and what it needs to be allowed
+(``where``: relative to ``tasks/backends/eks``). The deployment's table: the product never
+imports it.
 
 One table, three readers: deploy/eks/rbac.yaml and deploy/eks/iam-flow-runner-policy.json grant
 exactly these (tests/test_deploy_assets.py fails on a grant missing *or* extra), the same test
@@ -32,41 +34,29 @@ class AwsCall:
     where: str
 
 
+# The attempt's objects (render.render_all: the training Job, its Service, ConfigMap and
+# NetworkPolicy; and the hydration Job): kube.Kube.apply creates each, patching on 409, and
+# kube.Kube.delete_job deletes them together.
+_APPLIED = (
+    ("job", "batch", "jobs"),
+    ("service", "", "services"),
+    ("config_map", "", "configmaps"),
+    ("network_policy", "networking.k8s.io", "networkpolicies"),
+)
+_APPLY = (
+    ("create", "kube.Kube.apply"),
+    ("patch", "kube.Kube.apply (on 409)"),
+    ("delete", "kube.Kube.delete_job"),
+)
+
 KUBE_CALLS: tuple[KubeCall, ...] = (
-    # the training Job, its Service and NetworkPolicy, and the hydration Job
-    KubeCall("create_namespaced_job", "batch", "jobs", "create", "kube.Kube.apply"),
-    KubeCall("patch_namespaced_job", "batch", "jobs", "patch", "kube.Kube.apply (on 409)"),
+    *(
+        KubeCall(f"{verb}_namespaced_{kind}", group, resource, verb, where)
+        for kind, group, resource in _APPLIED
+        for verb, where in _APPLY
+    ),
     KubeCall("read_namespaced_job", "batch", "jobs", "get", "kube.Kube.read_job"),
     KubeCall("list_namespaced_job", "batch", "jobs", "list", "kube.Kube.jobs_labelled"),
-    KubeCall("delete_namespaced_job", "batch", "jobs", "delete", "kube.Kube.delete_job"),
-    KubeCall("create_namespaced_service", "", "services", "create", "kube.Kube.apply"),
-    KubeCall("patch_namespaced_service", "", "services", "patch", "kube.Kube.apply (on 409)"),
-    KubeCall("delete_namespaced_service", "", "services", "delete", "kube.Kube.delete_job"),
-    # the attempt's config, carried in the bundle (render.render_config_map)
-    KubeCall("create_namespaced_config_map", "", "configmaps", "create", "kube.Kube.apply"),
-    KubeCall("patch_namespaced_config_map", "", "configmaps", "patch", "kube.Kube.apply (on 409)"),
-    KubeCall("delete_namespaced_config_map", "", "configmaps", "delete", "kube.Kube.delete_job"),
-    KubeCall(
-        "create_namespaced_network_policy",
-        "networking.k8s.io",
-        "networkpolicies",
-        "create",
-        "kube.Kube.apply",
-    ),
-    KubeCall(
-        "patch_namespaced_network_policy",
-        "networking.k8s.io",
-        "networkpolicies",
-        "patch",
-        "kube.Kube.apply (on 409)",
-    ),
-    KubeCall(
-        "delete_namespaced_network_policy",
-        "networking.k8s.io",
-        "networkpolicies",
-        "delete",
-        "kube.Kube.delete_job",
-    ),
     # watching the attempt
     KubeCall("list_namespaced_pod", "", "pods", "list", "kube.Kube.job_pods"),
     KubeCall("list_namespaced_pod", "", "pods", "watch", "kube.Kube.watch('pod')"),
