@@ -2,19 +2,10 @@
 (:mod:`trainer.script`) both run around the model's own forward and backward.
 
 A :class:`TrainSession` is one attempt of the train function in this process (a new one after
-each in-process restart). In order:
-
-- :meth:`~TrainSession.init_process_group`: the process group of this restart iteration and the
-  checkpoints' own gloo group; the share of each step's micro-batches this rank computes;
-- :meth:`~TrainSession.resume`: the newest valid commit loaded, the hooks built, and at rank 0
-  the ``world_change`` (an elastic job's world changed), ``train_start`` and the launch fact;
-- :meth:`~TrainSession.step_start`: drills, and the step's clock;
-- :meth:`~TrainSession.micro_batches`: this rank's micro-batches of the step, each with its
-  dropout stream seeded by (seed, step, micro-batch), never by rank: a smaller world computes
-  the same micro-batches, so an elastic run is bitwise exact;
-- :meth:`~TrainSession.step_end`: one all-reduce of the loss and the save flags, the save when
-  due, the hooks (heartbeat, the Wrapper's ping, the step event);
-- :meth:`~TrainSession.finish`: the last commit waited for, ``result.json`` and ``train_end``.
+each in-process restart), called in order: ``init_process_group``, ``resume``, then per step
+``step_start``, ``micro_batches``, ``step_end``, and ``finish``. Each micro-batch's dropout stream
+is seeded by (seed, step, micro-batch), never by rank: a smaller world computes the same
+micro-batches, so an elastic run is bitwise exact.
 """
 
 from __future__ import annotations
@@ -210,7 +201,8 @@ class TrainSession:
 
     def micro_batches(self, step: int, model: nn.Module) -> Iterator[MicroBatch]:
         """This rank's passes of ``step``, each with its dropout stream seeded by (seed, step,
-        micro-batch), and ``model``'s (the FSDP root's) gradient reduced once, after the last."""
+        micro-batch), and ``model``'s (the FSDP root's) gradient reduced once, after the last.
+        ``mb.backward(loss)`` weights each; ``step_end(step, None, ...)`` takes their sum."""
         share = self._share()
         plan = share.plan()
         sync = getattr(model, "set_requires_gradient_sync", None)
@@ -233,9 +225,10 @@ class TrainSession:
         tokens: int = 0,
     ) -> float:
         """After the optimizer step: ``loss`` is the sum of this rank's micro-batch losses
-        (a plain script's one loss per rank; None: the sum :meth:`micro_batches` kept). One
-        all-reduce carries it and whether the save in flight is done on every rank; returns the
-        step's loss over the global batch."""
+        (a plain script's one loss per rank; None: the sum :meth:`micro_batches` kept);
+        ``tokens``: the step's global batch's, for tokens/s (optional). One all-reduce carries
+        the loss and whether the save in flight is done on every rank; returns the step's loss
+        over the global batch."""
         hooks, ckpt = self._hooks(), self.ckpt
         assert ckpt is not None
         if loss is None:
@@ -266,34 +259,23 @@ class TrainSession:
         if ckpt is None:
             raise RuntimeError("call session.resume() first")
         ckpt.finish()
-        digest = params_sha256(model, rank=self.rank)
-        latest = checkpointing.read_latest(self.cfg.run_root)
-        result = {
-            "status": "completed",
-            "final_step": self.cfg.steps,
-            "final_loss": self.loss,
-            "params_sha256": digest,
-            "world_size": self.world_size,
-            "latest_checkpoint": latest,
-            "config_hash": self.cfg.fingerprint(),
-        }
+        result = RunResult(
+            status="completed",
+            final_step=self.cfg.steps,
+            final_loss=self.loss,
+            params_sha256=params_sha256(model, rank=self.rank),
+            world_size=self.world_size,
+            latest_checkpoint=checkpointing.read_latest(self.cfg.run_root),
+            config_hash=self.cfg.fingerprint(),
+        )
+        fields = result.model_dump(exclude={"status", "error", "requeue", "epoch"})
         if self.rank == 0:
-            run_dir = RunDir.from_env(self.cfg.run_root)
-            run_dir.write_result(RunResult.model_validate(result), self.ctx.events)
-            self.ctx.events.emit(
-                TrainEnd(
-                    final_step=self.cfg.steps,
-                    final_loss=self.loss,
-                    params_sha256=digest,
-                    world_size=self.world_size,
-                    latest_checkpoint=latest,
-                    config_hash=self.cfg.fingerprint(),
-                )
-            )
+            RunDir.from_env(self.cfg.run_root).write_result(result, self.ctx.events)
+            self.ctx.events.emit(TrainEnd(**fields))
         dist.barrier(group=ckpt.group)
         dist.destroy_process_group()
-        self.result = result
-        return result
+        self.result = {"status": "completed", **fields}
+        return self.result
 
     def _hooks(self) -> Hooks:
         if self.hooks is None:
