@@ -23,40 +23,10 @@ from pydantic import (
     ConfigDict,
     Field,
     TypeAdapter,
-    ValidationError,
     ValidationInfo,
     model_validator,
 )
-
-__all__ = [
-    "Checkpoint",
-    "CheckpointFailed",
-    "Cleanup",
-    "Event",
-    "Fatal",
-    "Fault",
-    "FencedEvent",
-    "MemoryInterval",
-    "NodeReturn",
-    "Phase",
-    "PruneRefused",
-    "Recovered",
-    "Restart",
-    "Resume",
-    "StageAttempt",
-    "StageAttemptEnd",
-    "StaleJobsDeleted",
-    "Step",
-    "Takeover",
-    "TimeoutsSet",
-    "TrainEnd",
-    "TrainStart",
-    "ValidationError",
-    "WorkerStart",
-    "WorldChange",
-    "decode_json",
-    "decode_obj",
-]
+from pydantic import ValidationError as ValidationError  # re-exported: the decoders' error
 
 # A step or node number, a count, a world size: never negative. Node -1 is the trainer's "no
 # backend told this worker its node" (trainer.loop), so node lists admit it.

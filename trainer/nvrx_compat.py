@@ -15,13 +15,14 @@ import os
 import queue
 from typing import Any
 
+from nvidia_resiliency_ext.checkpointing.async_ckpt import core as _core
 from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async as _fs_async
 from nvidia_resiliency_ext.checkpointing.async_ckpt import state_dict_saver as _saver
-from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 
 log = logging.getLogger(__name__)
 
 FileSystemWriterAsync = _fs_async.FileSystemWriterAsync
+AsyncCallsQueue, AsyncRequest = _core.AsyncCallsQueue, _core.AsyncRequest
 _PLAN_PARAMS = set(inspect.signature(_saver.save_state_dict_async_plan).parameters)
 
 
@@ -138,9 +139,7 @@ def start_persistent_writer(queue: Any, request: Any, *, rank: int, fork: bool =
     if fork and _can_fork_writer(caller):
         import multiprocessing as mp
 
-        from nvidia_resiliency_ext.checkpointing.async_ckpt import core
-
-        level = logging.getLogger(core.__name__).getEffectiveLevel()
+        level = logging.getLogger(_core.__name__).getEffectiveLevel()
         process = mp.get_context("fork").Process(
             target=_with_parent(type(caller).async_loop),
             args=(rank, caller.queue, caller.preload_q, caller.comp_q, level),
@@ -244,8 +243,6 @@ def request_no_restart(rank: int, reason: str) -> bool:
     """Ask the ft_launcher that started this worker not to restart the workload. Works before
     (and without) ``RankMonitorClient.init_workload_monitoring``: a worker whose configuration
     is bad may never get that far. False when not under ft_launcher or not supported."""
-    import os
-
     from nvidia_resiliency_ext.fault_tolerance.data import FT_LAUNCHER_IPC_SOCKET_ENV_VAR
 
     path = os.environ.get(FT_LAUNCHER_IPC_SOCKET_ENV_VAR)
@@ -263,24 +260,6 @@ def request_no_restart(rank: int, reason: str) -> bool:
         log.warning("could not ask ft_launcher not to restart: %s", e)
         return False
     return True
-
-
-__all__ = [
-    "AsyncCallsQueue",
-    "AsyncRequest",
-    "FileSystemWriterAsync",
-    "disable_device_health_checks",
-    "discard_write_results",
-    "inprocess_available",
-    "new_metadata_cache",
-    "no_restart_request_supported",
-    "request_no_restart",
-    "save_state_dict_async_plan",
-    "start_persistent_writer",
-    "version",
-    "warm_write_results_queue",
-    "write_results_queue_ready",
-]
 
 
 def step_section_timeout(client: Any) -> float | None:
