@@ -1,4 +1,4 @@
-"""NVRx glue: ft_launcher heartbeats and the control markers (the in-process Wrapper is
+"""NVRx glue: ft_launcher heartbeats and timed sections (the in-process Wrapper is
 :mod:`trainer.inprocess_layer`).
 
 Both layers are switchable by config and each works without the other:
@@ -6,6 +6,8 @@ Both layers are switchable by config and each works without the other:
   interpreters after an exception or a timed-out collective;
 - in-job (``ft_launcher`` + ``RankMonitorClient``) kills and respawns the workers when a rank dies
   or stops sending heartbeats.
+
+NVRx is imported only inside the functions that need it (importing it costs seconds).
 """
 
 from __future__ import annotations
@@ -15,35 +17,14 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
-from trainer.events import EventLog
-from trainer.layer_config import CHECKPOINT_SECTION, LOAD_SECTION, STEP_SECTION
-from trainer.rundir import RunDir
+from trainer.layer_config import STEP_SECTION
 from trainer.timeouts import OUT_OF_SECTION, STEP, TimeoutLearner, Timeouts
-
-__all__ = ["CHECKPOINT_SECTION", "LOAD_SECTION", "STEP_SECTION", "Heartbeat"]
 
 log = logging.getLogger(__name__)
 
 FT_RANK_MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
-
-# Imports NVRx only inside the functions that need it (importing it costs seconds).
-
-
-def stop_without_restart(run_root: Path | None, *, rank: int, reason: str) -> bool:
-    """No restart can fix ``reason`` (bad configuration, a fatal error): write the
-    ``no_restart`` marker (:meth:`trainer.rundir.RunDir.write_no_restart`: a peer's exit 93 can
-    be masked on multi-node jobs, so whoever classifies the end reads it too), then ask
-    ft_launcher not to respawn the workers. Returns whether the launcher took the request
-    (False outside ft_launcher, or on an NVRx without it: the marker still ends the stage)."""
-    from trainer import nvrx_compat
-
-    if run_root is not None:
-        events = EventLog(run_root)
-        RunDir.from_env(run_root).write_no_restart(rank=rank, reason=reason, events=events)
-    return nvrx_compat.request_no_restart(rank, reason)
 
 
 class Heartbeat:
@@ -114,18 +95,23 @@ class Heartbeat:
         now = time.monotonic()
         if STEP_SECTION in self._open and now - self._last < self.interval_s:
             return
-        if STEP_SECTION in self._open:
-            self.client.end_section(STEP_SECTION)
-            del self._open[STEP_SECTION]
-            self._learn(STEP, now - self._step_opened)
-        elif not self._open:  # the first step after start-up, a restart or another section
-            self._learn(OUT_OF_SECTION, now - self._out_since)
+        self._leave_step(now)
         if not self._open:  # never inside a checkpoint or load section
             self.client.start_section(STEP_SECTION)
             self._open[STEP_SECTION] = 1
             self._step_opened = now
         self.client.send_heartbeat()
         self._last = now
+
+    def _leave_step(self, now: float) -> None:
+        """Close the open step section, or end the out-of-section stretch (start-up, a restart,
+        another section), learning its length."""
+        if STEP_SECTION in self._open:
+            self.client.end_section(STEP_SECTION)
+            del self._open[STEP_SECTION]
+            self._learn(STEP, now - self._step_opened)
+        elif not self._open:
+            self._learn(OUT_OF_SECTION, now - self._out_since)
 
     def _learn(self, kind: str, seconds: float) -> None:
         """A section (or an out-of-section stretch) closed normally (never one a fault ended):
@@ -154,13 +140,7 @@ class Heartbeat:
             yield
             return
         if name not in self._open:
-            now = time.monotonic()
-            if STEP_SECTION in self._open:
-                self.client.end_section(STEP_SECTION)
-                del self._open[STEP_SECTION]
-                self._learn(STEP, now - self._step_opened)
-            elif not self._open:
-                self._learn(OUT_OF_SECTION, now - self._out_since)
+            self._leave_step(time.monotonic())
             self.client.start_section(name)
         self._open[name] = self._open.get(name, 0) + 1
         opened = time.monotonic()

@@ -10,6 +10,7 @@ the sampler's position *is* the step, and it is saved (and checked) in every che
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,11 +51,7 @@ class SamplerState:
     num_samples: int
 
     def to_dict(self) -> dict[str, int]:
-        return {
-            "consumed_samples": self.consumed_samples,
-            "seed": self.seed,
-            "num_samples": self.num_samples,
-        }
+        return dataclasses.asdict(self)
 
 
 class StepSampler:

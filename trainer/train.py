@@ -140,12 +140,18 @@ def _terminal(cfg: TrainConfig, message: str) -> None:
 
 
 def _stop_without_restart(run_root: Path | None, message: str) -> None:
-    """Every rank that finds the error says so (the marker) and asks its own launcher: on a
-    multi-node job the failing rank need not be rank 0."""
-    from trainer.resilience import stop_without_restart
+    """Every rank that finds the error writes the ``no_restart`` marker (a peer's exit 93 can be
+    masked on multi-node jobs, so whoever classifies the end reads it too) and asks its own
+    launcher not to respawn the workers: on a multi-node job the failing rank need not be rank 0.
+    Without ft_launcher (or an NVRx that lacks the request) the marker still ends the stage."""
+    from trainer import nvrx_compat
 
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        stop_without_restart(run_root, rank=int(os.environ.get("RANK", "0")), reason=message)
+        if run_root is not None:
+            events = EventLog(run_root)
+            RunDir.from_env(run_root).write_no_restart(rank=rank, reason=message, events=events)
+        nvrx_compat.request_no_restart(rank, message)
     except OSError as e:  # the exit code still reports it; never hide the cause behind this
         log.warning("could not record the no-restart marker: %s", e)
 

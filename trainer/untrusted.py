@@ -191,18 +191,8 @@ def _reader_and_planner() -> tuple[type, type]:
     return SafeFileSystemReader, SafeLoadPlanner
 
 
-def safe_reader(path: Path | str) -> Any:
-    """A DCP storage reader for the checkpoint directory ``path`` that unpickles safely."""
-    reader_cls, _ = _reader_and_planner()
-    return reader_cls(str(path))
-
-
-def safe_planner() -> Any:
-    _, planner_cls = _reader_and_planner()
-    return planner_cls()
-
-
 def dcp_load_args(path: Path | str) -> dict[str, Any]:
     """Keyword arguments that make ``dcp.load`` read ``path`` without running code from it:
     ``dcp.load(state, process_group=pg, **dcp_load_args(path))``."""
-    return {"storage_reader": safe_reader(path), "planner": safe_planner()}
+    reader_cls, planner_cls = _reader_and_planner()
+    return {"storage_reader": reader_cls(str(path)), "planner": planner_cls()}
