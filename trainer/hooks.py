@@ -259,4 +259,4 @@ def emit_recoveries(events: EventLog, layer: str, step: int, *, began: float) ->
                     recovery_s=round(max(0.0, now - f.t), 3),
                 )
             )
-            run_dir.close_fault(path)
+            path.unlink(missing_ok=True)
