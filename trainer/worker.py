@@ -1,8 +1,6 @@
-"""One worker process under the enabled layers (arch §5): its environment, its long-lived
-parts (the checkpoint writer, the heartbeat, the node's beat, node memory, the metrics endpoint),
-its start event, and then the train function: once, or under the in-process layer
-(:mod:`trainer.inprocess_layer`). :func:`trainer.train.execute` turns the outcome into the
-exit code."""
+"""One worker process under the enabled layers (arch §5): its environment, its long-lived parts
+(the checkpoint writer, the heartbeat, the node's beat, node memory, the metrics endpoint), its
+start event, and the train function, once or under :mod:`trainer.inprocess_layer`."""
 
 from __future__ import annotations
 
@@ -47,9 +45,8 @@ def _ensure_dist_env() -> None:
 
 
 def _cpu_threads() -> None:
-    """Intra-op threads per worker: NVRX_CPU_THREADS when the launcher knows how many workers
-    share the host (several simulated nodes), else cores / local workers. Results are bitwise
-    reproducible for a given thread count, not across thread counts."""
+    """Intra-op threads per worker: NVRX_CPU_THREADS (set where simulated nodes share a host),
+    else cores / local workers. Results are bitwise reproducible for a given thread count only."""
     explicit = os.environ.get("NVRX_CPU_THREADS")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     threads = int(explicit) if explicit else (os.cpu_count() or 1) // local_world
@@ -82,10 +79,8 @@ def run(
     cfg: TrainConfig, body: Body | None = None, data: DataFactory = workload_data
 ) -> dict[str, Any]:
     """Run training in this worker process under the enabled layers; raises on failure.
-
-    ``body(ctx, call_wrapper)`` is one attempt of the training run (re-entered by the in-process
-    layer after a fault): the built-in loop (:func:`trainer.loop.train`) by default, a user
-    script's train function in script mode (:mod:`trainer.script`)."""
+    ``body(ctx, call_wrapper)`` is one attempt (re-entered by the in-process layer): the built-in
+    loop (:func:`trainer.loop.train`) by default, a script's train function in script mode."""
     from trainer.checkpointing.async_save import AsyncCheckpointer
     from trainer.loop import train
     from trainer.parallel import resolve_device
@@ -125,9 +120,8 @@ def run(
 
 
 def _node_beat(cfg: TrainConfig) -> Any:
-    """The node's sign of life for the watcher (trainer.node_beat): written by its first
-    worker, from a thread that outlives in-process restarts. None where no backend said
-    which node this is (run by hand)."""
+    """The node's sign of life (trainer.node_beat), written by its first worker; None where no
+    backend said which node this is."""
     from trainer.elastic import node_id
     from trainer.node_beat import NodeBeat
     from trainer.rundir import RunDir
@@ -140,8 +134,7 @@ def _node_beat(cfg: TrainConfig) -> Any:
 
 
 def _node_memory(cfg: TrainConfig, rank: int, world: int) -> Any:
-    """This rank's node-memory tier, where the launcher gave the node a directory and
-    the config has memory tiers."""
+    """This rank's node-memory tier, where the launcher gave the node a directory."""
     from trainer import fence
     from trainer.checkpointing import node_copy
 
@@ -196,11 +189,9 @@ def _run(
                 injob=heartbeat.active,
                 restart_count=restart_count,
                 config_hash=cfg.fingerprint(),
-                # The credential-like names this worker was given (the run's declared secrets, and
-                # nothing of the orchestrator's: tasks.secrets), never their values.
+                # The credential-like names this worker was given (tasks.secrets), never values.
                 secret_env=secret_like(os.environ),
-                # Recovery phases (trainer.timeline): when this interpreter started, and how long
-                # the dataset check took (sizes and manifest digest, or every shard's digest).
+                # Recovery phases (trainer.timeline): the interpreter's start, the dataset check.
                 process_start_t=process_start_time(),
                 data_s=round(data_s, 4),
             )
@@ -228,8 +219,7 @@ def _run(
 
 
 def _announce_timeouts(events: EventLog, *, rank: int) -> Any:
-    """Rank 0 says what its rank monitor now times with (every rank learns its own: one event
-    per change of rank 0's, not one per rank)."""
+    """Rank 0 says what its rank monitor now times with (one event per change, not per rank)."""
 
     def announce(timeouts: Any, applied: bool) -> None:
         if rank == 0:
@@ -249,8 +239,7 @@ def _announce_timeouts(events: EventLog, *, rank: int) -> Any:
 
 
 def process_start_time() -> float | None:
-    """This process's start (epoch seconds): a respawned worker's interpreter start-up and
-    imports are part of its recovery time."""
+    """This process's start (epoch seconds): a respawn's start-up is part of its recovery."""
     try:
         import psutil
 
