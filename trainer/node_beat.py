@@ -1,16 +1,11 @@
 """A node's sign of life on the shared filesystem, for the watcher (arch §4, silent nodes).
 
-A node can stop without dying: a frozen VM, a partitioned host, a stalled kubelet. Its processes
-stay in the process table (locally) or its pod stays ``Running`` (EKS), and its own rank monitor
-is frozen with it, so no layer of the job notices; the survivors only block in a collective. So
-the first worker of each node (local rank 0) rewrites a small file every ``interval_s`` from a
-thread of its own, beside the training loop (which may block in a collective for good reasons):
-``control/beats/e<epoch>-node<N>`` (:meth:`trainer.rundir.RunDir.beat_file`), which the watcher
-reads (:meth:`~trainer.rundir.RunDir.beats`) and judges on its own monotonic clock
-(:func:`tasks.watch_state.silent`): no two hosts' clocks are ever compared.
-
-The file holds no decision, only a changing token; a frozen writer that wakes writes its own
-epoch's file, which no watcher of a later attempt reads.
+A frozen VM or a partitioned host keeps its processes (or its pod ``Running``) and freezes its
+own rank monitor with it, so no layer notices; the survivors only block in a collective. So each
+node's first worker rewrites ``control/beats/e<epoch>-node<N>`` every ``interval_s`` from a
+thread of its own (the loop may block in a collective for good reasons), and the watcher judges
+it on its own monotonic clock (:func:`tasks.watch_state.silent`): no two hosts' clocks are
+compared. A frozen writer that wakes writes its own epoch's file, which no later watcher reads.
 """
 
 from __future__ import annotations

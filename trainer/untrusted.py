@@ -1,19 +1,15 @@
 """Reading files from the shared filesystem, which anyone who can write there controls (arch §6).
 
-Two rules live here, once:
+- **Nothing unpickled runs code.** DCP's ``FileSystemReader`` loads ``.metadata`` with plain
+  ``pickle.load`` and its default planner every non-tensor entry with
+  ``torch.load(weights_only=False)``; a manifest digest stops neither (whoever writes
+  ``.metadata`` can rewrite ``manifest.json``). So metadata goes through
+  :class:`RestrictedUnpickler` and shard bytes through ``weights_only=True``: use
+  :func:`dcp_load_args` for every ``dcp.load``.
+- **A name from a file is one plain path component** (:func:`check_component`).
 
-- **Nothing unpickled runs code.** A DCP checkpoint's ``.metadata`` is a pickle that torch's
-  ``FileSystemReader`` loads with plain ``pickle.load``, and DCP's default planner loads every
-  non-tensor entry of a shard with ``torch.load(weights_only=False)``. A manifest digest does not
-  stop either: whoever writes ``.metadata`` can rewrite ``manifest.json`` to match. So metadata goes
-  through :class:`RestrictedUnpickler` (only the classes DCP metadata is made of) and shard bytes
-  through ``weights_only=True`` (:class:`SafeLoadPlanner`); use :func:`dcp_load_args` for every
-  ``dcp.load``.
-- **A name from a file is one plain path component** (:func:`check_component`), so joining it
-  onto a directory never leaves that directory.
-
-What these refuse raises :class:`UnsafeCheckpointError` / :class:`UnsafeNameError`, whose message
-names the file and what it asked for.
+What these refuse raises :class:`UnsafeCheckpointError` / :class:`UnsafeNameError`, naming the
+file and what it asked for.
 """
 
 from __future__ import annotations
@@ -42,14 +38,12 @@ class UnsafeNameError(TrainerError, ValueError):
 
 class UnsafeCheckpointError(TrainerError, RuntimeError):
     """A checkpoint file asks for something no checkpoint holds (a class outside the allowlist,
-    a path outside its directory): refused before anything it names is called or opened.
-    (Not a ``trainer.checkpointing.CheckpointError``: this module imports nothing from the trainer,
-    so that ``trainer.checkpointing`` can use it.)"""
+    a path outside its directory): refused before anything it names is called or opened."""
 
 
 def check_component(value: object, *, where: str) -> str:
-    """``value`` if it is one safe path component, else :class:`UnsafeNameError` naming
-    ``where`` (the file and field it came from) and the value."""
+    """``value`` if it is one safe path component, else :class:`UnsafeNameError` naming ``where``
+    (the file and field) and the value."""
     if not isinstance(value, str) or not SAFE_COMPONENT.fullmatch(value):
         raise UnsafeNameError(
             f"{where}: {value!r} is not a plain file name (letters, digits, '_.+-', not starting "
@@ -129,8 +123,8 @@ def _check_metadata(md: object, source: str) -> Metadata:
 
 
 def load_dcp_metadata(path: Path) -> Metadata:
-    """The DCP metadata of the checkpoint directory ``path`` (or of a ``.metadata`` file),
-    unpickled by :class:`RestrictedUnpickler`. Check the file's digest first (arch §6)."""
+    """The DCP metadata of a checkpoint directory (or ``.metadata`` file), restricted-unpickled.
+    Check the file's digest first (arch §6)."""
     path = Path(path)
     file = path / METADATA if path.is_dir() else path
     return loads_dcp_metadata(file.read_bytes(), source=str(file))
