@@ -26,6 +26,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from trainer.config import TrainConfig
+from trainer.event_types import TimeoutsSet
 from trainer.layer_config import AUTO_TIMEOUTS, backstop
 
 STEP, CHECKPOINT, LOAD, OUT_OF_SECTION = "step", "checkpoint", "load", "out_of_section"
@@ -60,6 +61,11 @@ class Timeouts:
 
     def values(self) -> tuple[float, ...]:
         return tuple(getattr(self, f.name).seconds for f in dataclasses.fields(self))
+
+    def event(self, applied: bool) -> TimeoutsSet:
+        """The ``timeouts`` event rank 0 says them in (``applied``: the rank monitor took them)."""
+        seconds = {f"{k}_timeout_s": getattr(self, k).seconds for k in (*SECTIONS, "heartbeat")}
+        return TimeoutsSet(**seconds, applied=applied, detail=self.describe())
 
     def describe(self) -> dict[str, str]:
         """Each timeout's value and why, as the event and the report say it."""

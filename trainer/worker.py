@@ -16,9 +16,10 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.data import DataError
-from trainer.event_types import Restart, TimeoutsSet, WorkerStart
+from trainer.event_types import Restart, WorkerStart
 from trainer.events import EventLog
 from trainer.process import Body, Origin, ProcessContext
+from trainer.timeouts import Timeouts
 from trainer.workload import DataSettings, DataSource
 
 log = logging.getLogger("trainer")
@@ -218,22 +219,12 @@ def _run(
     return InProcessLayer(ctx, body, rank=rank, world_size=world).run()
 
 
-def _announce_timeouts(events: EventLog, *, rank: int) -> Any:
+def _announce_timeouts(events: EventLog, *, rank: int) -> Callable[[Timeouts, bool], None]:
     """Rank 0 says what its rank monitor now times with (one event per change, not per rank)."""
 
-    def announce(timeouts: Any, applied: bool) -> None:
+    def announce(timeouts: Timeouts, applied: bool) -> None:
         if rank == 0:
-            events.emit(
-                TimeoutsSet(
-                    step_timeout_s=timeouts.step.seconds,
-                    checkpoint_timeout_s=timeouts.checkpoint.seconds,
-                    load_timeout_s=timeouts.load.seconds,
-                    out_of_section_timeout_s=timeouts.out_of_section.seconds,
-                    heartbeat_timeout_s=timeouts.heartbeat.seconds,
-                    applied=applied,
-                    detail=timeouts.describe(),
-                )
-            )
+            events.emit(timeouts.event(applied))
 
     return announce
 
