@@ -28,20 +28,17 @@ FT_RANK_MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
 
 
 class Heartbeat:
-    """``RankMonitorClient`` heartbeats and timed sections when the worker runs under
-    ft_launcher, no-op otherwise. One per process (it survives in-process restarts).
+    """``RankMonitorClient`` heartbeats and timed sections under ft_launcher, no-op otherwise;
+    one per process (it survives in-process restarts).
 
-    Hang detection is by section (arch §2): the steps run in the ``step`` section; a
-    checkpoint save and commit and a checkpoint load run in sections of their own; start-up and
+    Hang detection is by section (arch §2): ``step``, a save and commit, a load; start-up and
     in-process restarts are out of section. Every message is a synchronous round trip to the
-    node's rank monitor, so the loop pays for them at most once per ``interval_s``: the step
-    section is closed and reopened (and a heartbeat sent, the backstop) when that much time has
-    passed, never per step; a heartbeat also goes out at every other section's end. A hang is
-    therefore detected between ``step timeout - interval`` and ``step timeout`` after its start.
+    rank monitor, so the step section is closed and reopened (with a heartbeat, the backstop)
+    at most once per ``interval_s``, never per step: a hang is detected between ``step timeout
+    - interval`` and ``step timeout`` after it starts. A heartbeat also ends every other section.
 
-    Every timeout is the incarnation's own (trainer.timeouts): the ``learner`` sees each closed
-    section's length and out-of-section stretch, and whatever timeouts it derives are sent to
-    the rank monitor and handed to ``on_timeouts`` (with whether the monitor took them).
+    The ``learner`` (trainer.timeouts) sees each closed section's length; what it derives goes
+    to the rank monitor and to ``on_timeouts`` (with whether the monitor took it).
     """
 
     def __init__(
@@ -74,15 +71,10 @@ class Heartbeat:
             from trainer import nvrx_compat
 
             self.step_timeout_s = nvrx_compat.step_section_timeout(self.client)
-            # The rank monitor outlives the workers: it may still hold the previous
-            # incarnation's learned timeouts. Each incarnation learns afresh, from the launch
-            # values (a shrunk world, a slower node, has slower steps).
+            # The rank monitor outlives the workers and may hold the previous incarnation's
+            # learned timeouts: each incarnation starts afresh from the launch values (said).
             if learner is not None:
-                applied = nvrx_compat.set_timeouts(self.client, learner.in_force)
-                if applied:
-                    self.step_timeout_s = learner.in_force.step.seconds
-                if on_timeouts is not None:  # what is in force until measured, said at once
-                    on_timeouts(learner.in_force, applied)
+                self._apply(learner.in_force)
 
     @property
     def active(self) -> bool:
@@ -119,16 +111,19 @@ class Heartbeat:
         if self.learner is None:
             return
         new = self.learner.observe(kind, seconds)
-        if new is None:
-            return
+        if new is not None:
+            log.info("in-job timeouts %s (applied: %s)", new.describe(), self._apply(new))
+
+    def _apply(self, timeouts: Timeouts) -> bool:
+        """Send ``timeouts`` to the rank monitor (applied at once) and say them."""
         from trainer import nvrx_compat
 
-        applied = nvrx_compat.set_timeouts(self.client, new)
+        applied = nvrx_compat.set_timeouts(self.client, timeouts)
         if applied:
-            self.step_timeout_s = new.step.seconds
-        log.info("in-job timeouts %s (applied: %s)", new.describe(), applied)
+            self.step_timeout_s = timeouts.step.seconds
         if self.on_timeouts is not None:
-            self.on_timeouts(new, applied)
+            self.on_timeouts(timeouts, applied)
+        return applied
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
