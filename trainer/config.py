@@ -20,6 +20,7 @@ from trainer.checkpointing.manifest import WorkloadRef
 from trainer.errors import ConfigError, require
 from trainer.faults import FaultSpec, parse_faults
 from trainer.layer_config import InJobConfig, InProcessConfig
+from trainer.run_files import write_text_atomic
 
 if TYPE_CHECKING:
     from trainer.workload import Workload
@@ -335,13 +336,8 @@ def config_text(cfg: TrainConfig) -> str:
 
 def save_config(cfg: TrainConfig, path: Path) -> Path:
     """Write ``cfg`` atomically as JSON (the one serialized form workers read)."""
-    import os
-
     path = Path(path).absolute()  # workers may run in another directory
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(config_text(cfg))
-    os.replace(tmp, path)
+    write_text_atomic(path, config_text(cfg))
     return path
 
 

@@ -83,6 +83,17 @@ def check_vocab_fits(vocab_size: int, dtype: str, *, field: str = "vocab_size") 
         )
 
 
+def write_durably(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``, synced before the rename: a crash leaves the old file or
+    the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def _markov_tokens(rng: np.random.Generator, n: int, vocab: int, chains: int = 256) -> np.ndarray:
     """``n`` tokens from a sparse Markov chain: each token has 4 likely successors."""
     successors = rng.integers(0, vocab, size=(vocab, 4))
@@ -121,12 +132,7 @@ def write_synthetic_dataset(
     for i in range(shards):
         name = f"shard_{i:05d}.bin"
         part = tokens[i * tokens_per_shard : (i + 1) * tokens_per_shard]
-        tmp = out / f".{name}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(part.tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out / name)
+        write_durably(out / name, part.tobytes())
         files.append(
             {
                 "name": name,
@@ -143,9 +149,7 @@ def write_synthetic_dataset(
         "total_tokens": int(tokens.size),
         "files": files,
     }
-    tmp = out / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / MANIFEST)
+    write_durably(out / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     return manifest
 
 
