@@ -27,7 +27,7 @@ from trainer import nvrx_compat
 from trainer.errors import TerminalError
 from trainer.gloo_release import release_process_groups
 from trainer.process import Body, ProcessContext
-from trainer.rundir import Layout, RunDir
+from trainer.rundir import Layout, RunDir, RunResult
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class InProcessLayer:
     def __init__(self, ctx: ProcessContext, body: Body, *, rank: int, world_size: int) -> None:
         self.ctx, self.body, self.rank, self.world_size = ctx, body, rank, world_size
 
-    def attempt(self, call_wrapper: Any = None) -> dict[str, Any]:
+    def attempt(self, call_wrapper: Any = None) -> RunResult:
         """One iteration: the body, with what no restart fixes turned into an escape."""
         try:
             return self.body(self.ctx, call_wrapper)
@@ -74,7 +74,7 @@ class InProcessLayer:
                 log.info("rank %d released its process groups in %.3f s", self.rank, released_s)
             raise
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> RunResult:
         """Wrap and enter (the Wrapper must exist before any process group does)."""
         from trainer.stores import BoundNvrxStore, tcp_store
 

@@ -21,7 +21,7 @@ from trainer.elastic import PriorWorld
 from trainer.events import EventLog
 from trainer.hooks import FaultDrills, Heartbeats, Hooks, StepEvents
 from trainer.parallel import Placement
-from trainer.rundir import RunDir
+from trainer.rundir import RunDir, RunResult
 from trainer.workload import DataSource
 
 
@@ -91,7 +91,7 @@ class ProcessContext:
 
 
 # One attempt of the training run, re-entered by the in-process layer after a fault.
-Body = Callable[[ProcessContext, Any], dict[str, Any]]
+Body = Callable[[ProcessContext, Any], RunResult]
 
 
 def init_process_group(ctx: ProcessContext, iteration: int) -> tuple[int, int]:

@@ -44,6 +44,7 @@ import torch
 from trainer.config import TrainConfig, load_config
 from trainer.launch import CONFIG_ENV
 from trainer.process import ProcessContext
+from trainer.rundir import RunResult
 from trainer.session import MicroBatch, TrainSession, step_seed
 
 __all__ = ["MicroBatch", "Session", "StepPosition", "launch"]
@@ -130,7 +131,7 @@ def launch(
         print(f"error: invalid configuration: {e}", file=sys.stderr)
         return 2
 
-    def body(ctx: ProcessContext, call_wrapper: Any) -> dict[str, Any]:
+    def body(ctx: ProcessContext, call_wrapper: Any) -> RunResult:
         session = Session(ctx, call_wrapper)
         train(session)
         if session.result is None:

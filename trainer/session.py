@@ -103,7 +103,7 @@ class TrainSession:
         self.ckpt: CheckpointManager | None = None
         self.hooks: Hooks | None = None
         self.loss: float | None = None  # the newest step's loss (all ranks), or the resumed one
-        self.result: dict[str, Any] | None = None  # set by finish()
+        self.result: RunResult | None = None  # set by finish()
         self._t0 = 0.0
         self._step_loss: torch.Tensor | None = None  # micro-batch losses of the step so far
 
@@ -254,7 +254,7 @@ class TrainSession:
         hooks.on_step_end(StepEnd(step, self.loss, step_s, tokens, blocking))
         return self.loss
 
-    def finish(self, model: nn.Module) -> dict[str, Any]:
+    def finish(self, model: nn.Module) -> RunResult:
         ckpt = self.ckpt
         if ckpt is None:
             raise RuntimeError("call session.resume() first")
@@ -268,14 +268,14 @@ class TrainSession:
             latest_checkpoint=checkpointing.read_latest(self.cfg.run_root),
             config_hash=self.cfg.fingerprint(),
         )
-        fields = result.model_dump(exclude={"status", "error", "requeue", "epoch"})
         if self.rank == 0:
             RunDir.from_env(self.cfg.run_root).write_result(result, self.ctx.events)
-            self.ctx.events.emit(TrainEnd(**fields))
+            end = result.model_dump(exclude={"status", "error", "requeue", "epoch"})
+            self.ctx.events.emit(TrainEnd(**end))
         dist.barrier(group=ckpt.group)
         dist.destroy_process_group()
-        self.result = {"status": "completed", **fields}
-        return self.result
+        self.result = result
+        return result
 
     def _hooks(self) -> Hooks:
         if self.hooks is None:

@@ -89,7 +89,7 @@ def execute(cfg: TrainConfig, body: Body | None = None, data: DataFactory = work
             _terminal(cfg, f"{type(terminal).__name__}: {terminal}")
         return terminal.exit_code
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(result))
+        print(json.dumps(result.model_dump(exclude={"error", "requeue", "epoch"})))
     return ExitCode.OK
 
 

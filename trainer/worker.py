@@ -19,6 +19,7 @@ from trainer.data import DataError
 from trainer.event_types import Restart, WorkerStart
 from trainer.events import EventLog
 from trainer.process import Body, Origin, ProcessContext
+from trainer.rundir import RunResult
 from trainer.timeouts import Timeouts
 from trainer.workload import DataSettings, DataSource
 
@@ -76,9 +77,7 @@ def workload_data(cfg: TrainConfig) -> DataSource:
     return sampler
 
 
-def run(
-    cfg: TrainConfig, body: Body | None = None, data: DataFactory = workload_data
-) -> dict[str, Any]:
+def run(cfg: TrainConfig, body: Body | None = None, data: DataFactory = workload_data) -> RunResult:
     """Run training in this worker process under the enabled layers; raises on failure.
     ``body(ctx, call_wrapper)`` is one attempt (re-entered by the in-process layer): the built-in
     loop (:func:`trainer.loop.train`) by default, a script's train function in script mode."""
@@ -159,7 +158,7 @@ def _run(
     placement: Any,
     saver: Any,
     heartbeat: Any,
-) -> dict[str, Any]:
+) -> RunResult:
     from trainer import nvrx_compat
     from trainer.credentials import secret_like
 

@@ -23,7 +23,7 @@ from trainer.workload import WorkloadSpec
 
 # Named shapes: plain data. Llama-3.2-1B (1.24B parameters, tied embeddings), and Llama-3.1-8B
 # (8.03B parameters) changed from it.
-_1B: dict[str, Any] = {
+_1B = {
     "vocab_size": 128256,
     "hidden_size": 2048,
     "intermediate_size": 8192,
