@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,7 @@ class StepPosition:
     def state_at(self, step: int) -> Any:
         return _Position(step)
 
-    def check_state(self, state: dict[str, Any], step: int) -> None:
+    def check_state(self, state: Mapping[str, object], step: int) -> None:
         if state.get("step", step) != step:
             raise ValueError(f"checkpoint data position {state} does not match step {step}")
 
