@@ -77,12 +77,8 @@ def _open_token_file(path: Path, input_dtype: str | None) -> tuple[np.ndarray, s
 
 def _chunks(arr: np.ndarray, chunk_tokens: int) -> Iterator[np.ndarray]:
     """The array's elements in C order, flat, a bounded number at a time."""
-    if arr.ndim <= 1:
-        flat = arr.reshape(-1)
-        for i in range(0, flat.size, chunk_tokens):
-            yield np.asarray(flat[i : i + chunk_tokens])
-        return
-    row = int(np.prod(arr.shape[1:]))
+    arr = arr.reshape(1) if arr.ndim == 0 else arr
+    row = int(np.prod(arr.shape[1:]))  # 1 for a flat array
     if row == 0:
         return
     rows = max(1, chunk_tokens // row)
