@@ -1,34 +1,19 @@
-"""Fault injection for tests, benchmarks and game days.
+"""Fault injection for tests, benchmarks and game days (the spec, ``KIND@step=N[,rank=R]
+[,node=K][,phase=checkpoint]``, and its kinds: arch §5, "Fault spec").
 
-Spec (arch §5): ``KIND@step=N`` with optional ``,rank=R`` / ``,node=K`` and, for ``sigkill``,
-``,phase=checkpoint`` (kill right after the save at step N was handed to the async writer, while
-its shards are written and before the commit). Kinds the trainer fires:
-
-- ``exception``: raises :class:`InjectedFault` (recovered in-process);
-- ``stall``: the rank stops making progress in Python, as one waiting on a collective its peers
-  never join; the peers time out and the in-process layer restarts every rank in place;
-- ``hang``: the rank stops dead (SIGSTOP to itself), as one wedged in native code: no heartbeats,
-  only killing it helps (recovered in-job by ft_launcher);
-- ``sigkill``: the rank SIGKILLs itself (recovered in-job);
-- ``corrupt-checkpoint``: flips bytes in a shard of the first checkpoint committed at or after
-  step N (the next resume falls back to the previous checkpoint);
-- ``corrupt-memory``: at step N, flips bytes in every generation of the rank's own node-memory
-  copies (``trainer.checkpointing.node_copy``) and carries on; the next resume falls back past
-  node memory. A second fault at the same step (``sigkill@step=N``, after it) makes that resume
-  happen at once;
-- ``corrupt-peer``: at the first resume after step N, on rank R, flips bytes in the newest peer
-  copy R's node holds, after the resume listed it; the owner finds the digest wrong and falls
-  back to the older generation or tier. Name the rank whose node holds the lost node's peer
-  copies (the previous node's, ``tiers.peer_ring``).
-
-``node-loss``, ``node-return`` and ``node-freeze`` are the watcher's, through the backend (its
-``BackendType.drills``): kill a node, start a lost one again, or SIGSTOP every process of a node
-(a frozen host), which the watcher must notice itself (``tasks.watch_state.silent``).
+The trainer fires ``exception`` (in-process recovery), ``stall`` (stuck in Python, as on a
+collective its peers never join), ``hang`` (SIGSTOP: no heartbeats; only in-job recovery helps),
+``sigkill`` (``phase=checkpoint``: while the save's shards are written, before the commit) and the
+damage kinds, which restart nothing and are noticed by the resume that reads the copy:
+``corrupt-checkpoint``, ``corrupt-memory`` (every generation of the rank's node-memory copies;
+a ``sigkill`` at the same step, listed after it, makes that resume happen at once) and
+``corrupt-peer`` (name the rank whose node holds the lost node's peer copies: the previous
+node's, ``tiers.peer_ring``). ``node-loss``, ``node-return`` and ``node-freeze`` are the
+watcher's, through the backend.
 
 A spec is parsed once where it enters (:func:`parse_fault`) into a frozen :class:`FaultSpec`
-whose predicates its readers ask, never the text. A fault fires once per run: a marker under
-``<run_root>/faults/`` is created atomically *before* it fires, so its restart does not fire it
-again.
+whose predicates its readers ask. A fault fires once per run: its marker under
+``<run_root>/faults/`` is created atomically *before* it fires, so its restart does not refire it.
 """
 
 from __future__ import annotations
