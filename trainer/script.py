@@ -1,32 +1,14 @@
-"""Script mode: an existing FSDP training script adopts the layers through a small API (public).
+"""Script mode: an existing FSDP training script adopts the layers through a small API (public;
+the walk-through is docs/training.md, "Script mode").
 
-The script keeps its model, optimizer, data and loop. It adds: a ``Session`` handed to its train
-function, three calls in the loop, and the launch at the bottom::
-
-    from trainer import script as nvrx
-
-    def train(session: nvrx.Session) -> None:
-        session.init_process_group()            # instead of dist.init_process_group()
-        model, optim = build()                  # the script's own, FSDP2-sharded
-        start = session.resume(model, optim)    # exact position: 1 on a fresh run
-        for step in range(start, args.steps + 1):
-            session.step_start(step)            # drills; per-(seed, step, rank) RNG
-            loss = ...                          # the script's own step; its data must be a
-            session.step_end(step, loss, model, optim)  # function of the step (exact resume)
-        session.finish(model)
-
-    if __name__ == "__main__":
-        sys.exit(nvrx.launch(train, run_root=args.run_root, data_dir=args.data_dir,
-                             steps=args.steps))
-
-The calls are :class:`trainer.session.TrainSession`'s. ``micro_batches`` (optional) is for a job
-whose world may change (``nodes=MIN:MAX``): this rank's micro-batches of the step, each seeded by
-(seed, step, micro-batch), so that a smaller world computes the same ones and the run stays
-bitwise exact (``tests/scripts/gpt_script.py``). ``launch`` runs ``train`` under in-process
-restart when the installed NVRx has it and the config enables it (NVRx >= 0.7 deprecates it),
-sends heartbeats under ft_launcher, and returns the exit code (0 done, 2 bad configuration, 3
-fatal). Under the pipeline the config comes from ``NVRX_CONFIG`` (the keyword arguments are then
-ignored); standalone, they make one.
+The script keeps its model, optimizer, data and loop; its train function gets a :class:`Session`
+(``init_process_group``, ``resume``, then per step ``step_start`` and ``step_end``, and
+``finish``) and the script ends with ``sys.exit(launch(train, run_root=..., data_dir=...,
+steps=...))``. ``micro_batches`` (optional) keeps a job whose world may change (``nodes=MIN:MAX``)
+bitwise exact: each micro-batch is seeded by (seed, step, micro-batch), so a smaller world
+computes the same ones (``tests/scripts/gpt_script.py``). ``launch`` returns the exit code (0
+done, 2 bad configuration, 3 fatal). Under the pipeline the config comes from ``NVRX_CONFIG``
+(the keyword arguments are then ignored); standalone, they make one.
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
-"""The workload API: what the three fault-tolerance layers wrap (public).
+"""The workload API: what the three fault-tolerance layers wrap (public; the walk-through with
+an example is docs/training.md, "Your own training"; ``trainer/workloads/gpt.py`` is a complete
+one).
 
 A workload (:class:`WorkloadSpec`: plain functions and a pydantic model of its options) says how
 to build the model, which module classes FSDP2 shards one by one, the optimizer, the loss, and a
 data source whose batch depends only on (seed, step, rank, world), so a resume sees exactly the
-data it would have. The trainer owns the rest. The pipeline picks one by name::
-
-    workload: "gpt-tiny" | "gpt-100m" | "gpt-8b" | "llama-tiny" | "llama-1b" | "llama3-8b"
-    workload: "my_pkg.my_module:spec"     # any importable WorkloadSpec (on EKS: in the image)
-    workload_options: {...}               # validated by the spec's own options model
-
-Writing one (the whole contract; see ``trainer/workloads/gpt.py`` for a complete example)::
-
-    class Options(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        width: int = Field(256, ge=8)
-
-    spec = WorkloadSpec(
-        name="my-mlp",
-        options=Options,
-        build_model=lambda o, device: MyModel(o.width).to(device),
-        block_classes=lambda o: (MyBlock,),
-        loss=lambda model, inputs, targets: F.cross_entropy(model(inputs).flatten(0, 1),
-                                                            targets.flatten()),
-        vocab_size=lambda o: 512,
-        seq_len=lambda o: 64,
-    )
-
-Options may declare ``mixed_precision: "none" | "bf16"`` and ``activation_checkpointing: bool``;
-the trainer applies them when it shards (bf16 on CUDA only: CPU trains in fp32).
+data it would have. The trainer owns the rest. ``workload`` names a built-in (:data:`BUILTIN`)
+or any importable ``package.module:attr``; ``workload_options`` are validated by its options
+model. Options may declare ``mixed_precision: "none" | "bf16"`` and
+``activation_checkpointing: bool``, applied when sharding (bf16 on CUDA only).
 """
 
 from __future__ import annotations
