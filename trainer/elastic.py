@@ -1,13 +1,8 @@
 """Elastic node counts: a job that keeps training on fewer nodes than it started with (arch §7).
 
-``nodes`` is ``N`` or ``MIN:MAX``: when a node is lost and the survivors still meet ``MIN``, the
-in-job layer re-forms the job on them and resumes (DCP reshards); a node joining later is
-admitted at the next restart. Hot spares, launched beyond ``MAX``, wait in the rendezvous and
-take a lost node's place.
-
-A step must not depend on how many ranks share it, so the global batch is split into a fixed
-number of *micro-batches* (``MAX x ranks per node``: one per rank at full size) and each rank
-accumulates its contiguous share (:func:`micro_batches`).
+``nodes`` is ``N`` or ``MIN:MAX`` (:class:`NodeRange`). A step must not depend on how many ranks
+share it, so the global batch is split into ``MAX x ranks per node`` micro-batches on every world
+and each rank accumulates its contiguous share (:func:`micro_batches`).
 """
 
 from __future__ import annotations
@@ -69,14 +64,8 @@ class NodeRange:
 
 def micro_batches(rank: int, world: int, count: int) -> range:
     """The micro-batches (of ``count`` per global batch) that rank ``rank`` of ``world`` trains:
-    ``[r*count//world, (r+1)*count//world)``, micro-batch ``r`` alone on a full world.
-
-    Across a change of world size the data, each micro-batch's dropout stream, the resharded
-    state and the step counter are bitwise the same (``tests/test_elastic*.py``). The gradient
-    is summed in another order when ranks hold different shares, so it is bitwise equal only
-    with two micro-batches (2 ranks to 1 and back) at the same thread count; otherwise steps
-    differ in the last fp32 bits, never in the data.
-    """
+    ``[r*count//world, (r+1)*count//world)``, micro-batch ``r`` alone on a full world. What stays
+    bitwise equal across a change of world size: arch §7, "Exactness"."""
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not a rank of a world of {world}")
     if count < world:

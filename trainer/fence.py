@@ -1,16 +1,13 @@
-"""Epoch fencing: which attempt may change the run root (arch §5).
+"""Epoch fencing: which attempt may change the run root (arch §5; docs/architecture.md §6,
+"Epoch fencing").
 
 Deleting a Job does not stop a pod on an unreachable node, and a frozen VM can wake long after
-its attempt was replaced. Before each launch the watcher publishes a new epoch
-(``control/epoch.json``) and hands it to the workers (``NVRX_EPOCH``). Every mutation a worker
-makes of the run root runs inside :meth:`Fence.hold`: under an exclusive ``flock`` on
-``control/.fence.lock`` (FSx for Lustre is mounted with ``flock``) it re-reads the epoch, and a
-writer whose epoch is no longer current changes nothing: it emits a ``fenced`` event and exits
-``ExitCode.FENCED``. The watcher publishes under the same lock.
-
-A new epoch is one more than the highest on record, ``epoch.json``'s or any event's, so a lost or
-corrupt ``epoch.json`` lets no zombie pass; a writer whose epoch is the highest repairs it. A
-worker started without an epoch (run by hand) is unfenced.
+its attempt was replaced. So the watcher publishes a new epoch before each launch
+(``control/epoch.json``, handed over as ``NVRX_EPOCH``), and every mutation a worker makes runs
+inside :meth:`Fence.hold`: under an exclusive ``flock`` of ``control/.fence.lock`` it re-reads
+the epoch, and a writer of an older one changes nothing, emits ``fenced`` and exits 4. A new
+epoch is one more than the highest on record (``epoch.json``'s or any event's), so a lost
+``epoch.json`` lets no zombie pass. A worker started without an epoch is unfenced.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
-"""In-job timeouts derived from what this incarnation measures (issue 40, item 0).
+"""In-job timeouts derived from what this incarnation measures (issue 40, item 0; the rules and
+the measurements behind them: docs/architecture.md §2, "Every in-job timeout scales with the
+work").
 
-ft_launcher's rank monitor kills a rank whose section (a step, a save, a load, or "out of
-section": start-up, an in-process restart) outlasts its timeout, or that sends no heartbeat for
-the backstop's. Fixed timeouts must cover the slowest job they may ever run (on EKS a hung 2 s
-step went unnoticed for 300 s; locally a 35 s step was killed by a 30 s constant). So, as NVRx's
-``calculate_and_set_section_timeouts`` does, each is learned, but bounded and without a
-collective:
-
-- until measured, an ``auto`` timeout is the start-up allowance (``injob.startup_allowance_s``);
-- the step timeout, once ``learn_after`` step sections closed after the warm-up one: ``multiple``
-  x the longest, between the step floor and the ceiling (the pinned value, or the allowance);
-  decided once per incarnation;
-- the checkpoint, load and out-of-section timeouts: ``multiple`` x the longest seen, between
-  their floor and the allowance, from then on; a longer one later raises them, never lowers;
-- the heartbeat backstop: the out-of-section timeout plus the longest section's.
-
-A pinned timeout is never changed (the step timeout's caps it). :class:`TimeoutPolicy` and
-:class:`Observed` decide; ``trainer.resilience.Heartbeat`` applies the result and rank 0 reports
-it. Each incarnation learns afresh: a shrunk world or a slower node has other steps.
+Until measured an ``auto`` timeout is the start-up allowance; then the step timeout is learned
+once per incarnation from ``learn_after`` step sections after the warm-up, and the checkpoint,
+load and out-of-section timeouts rise with the longest such stretch seen (never fall); the
+heartbeat backstop is the out-of-section timeout plus the longest section's. Each is bounded
+(floor, pin or allowance) and, unlike NVRx's ``calculate_and_set_section_timeouts``, needs no
+collective. A pinned timeout never changes (the step's caps it). :class:`TimeoutPolicy` and
+:class:`Observed` decide; ``trainer.resilience.Heartbeat`` applies the result. Each incarnation
+learns afresh: a shrunk world or a slower node has other steps.
 """
 
 from __future__ import annotations
