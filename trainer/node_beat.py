@@ -1,11 +1,8 @@
-"""A node's sign of life on the shared filesystem, for the watcher (arch §4, silent nodes).
-
-A frozen VM or a partitioned host keeps its processes (or its pod ``Running``) and freezes its
-own rank monitor with it, so no layer notices; the survivors only block in a collective. So each
-node's first worker rewrites ``control/beats/e<epoch>-node<N>`` every ``interval_s`` from a
-thread of its own (the loop may block in a collective for good reasons), and the watcher judges
-it on its own monotonic clock (:func:`tasks.watch_state.silent`): no two hosts' clocks are
-compared. A frozen writer that wakes writes its own epoch's file, which no later watcher reads.
+"""A node's sign of life on the shared filesystem, for the watcher (docs/architecture.md §4,
+"Silent nodes"): a frozen host keeps its processes and freezes its own rank monitor, so no layer
+of the job notices. Each node's first worker rewrites ``control/beats/e<epoch>-node<N>`` from a
+thread of its own (the loop may block in a collective for good reasons); the watcher judges the
+changes on its own monotonic clock. The file holds no decision, only a changing token.
 """
 
 from __future__ import annotations

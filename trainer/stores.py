@@ -1,13 +1,11 @@
-"""TCPStores that listen where they are told, not on every interface.
+"""TCPStores that listen where they are told, not on every interface (docs/architecture.md §4,
+"Doors").
 
 torch's ``TCPStore`` server binds ``*:PORT`` whatever host it is given, and its clients trust
 what it holds (torch elastic's rendezvous state is a pickle). Given a socket already bound to the
-host's own address (``master_listen_fd``), it listens there alone: 127.0.0.1 locally, the pod's
-address on EKS (which the Job's NetworkPolicy closes to all but the Job's pods). Used for every
-store the pipeline hosts: the trainer's (one per incarnation, at ``MASTER_PORT``, which
-:class:`BoundNvrxStore` joins for NVRx) and a local elastic job's rendezvous store. torch
-elastic's own still bind every interface, closed by the attempt's network namespace locally and
-the NetworkPolicy on EKS (docs/architecture.md, "Doors").
+host's own address (``master_listen_fd``) it listens there alone. Used for the trainer's store
+(one per incarnation, at ``MASTER_PORT``, which :class:`BoundNvrxStore` joins for NVRx) and a
+local elastic job's rendezvous store.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
-"""Reading files from the shared filesystem, which anyone who can write there controls (arch §6).
+"""Reading files from the shared filesystem, which anyone who can write there controls (arch §6;
+docs/architecture.md §3, "What is untrusted").
 
 - **Nothing unpickled runs code.** DCP's ``FileSystemReader`` loads ``.metadata`` with plain
-  ``pickle.load`` and its default planner every non-tensor entry with
-  ``torch.load(weights_only=False)``; a manifest digest stops neither (whoever writes
-  ``.metadata`` can rewrite ``manifest.json``). So metadata goes through
-  :class:`RestrictedUnpickler` and shard bytes through ``weights_only=True``: use
-  :func:`dcp_load_args` for every ``dcp.load``.
+  ``pickle.load`` and its default planner non-tensor entries with ``torch.load(weights_only=
+  False)``; a manifest digest stops neither (whoever writes ``.metadata`` can rewrite
+  ``manifest.json``). Use :func:`dcp_load_args` for every ``dcp.load``.
 - **A name from a file is one plain path component** (:func:`check_component`).
 
-What these refuse raises :class:`UnsafeCheckpointError` / :class:`UnsafeNameError`, naming the
-file and what it asked for.
+Refusals raise :class:`UnsafeCheckpointError` / :class:`UnsafeNameError`, naming the file.
 """
 
 from __future__ import annotations
