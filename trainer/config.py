@@ -36,8 +36,7 @@ class Device(enum.StrEnum):
 class TrainConfig:
     run_root: Path
     data_dir: Path
-    # What to train (trainer.workload): a built-in name or 'package.module:attr', and its options
-    # (validated by the workload's own options model).
+    # What to train (trainer.workload): a built-in or 'package.module:attr', and its options.
     workload: str = "gpt-tiny"
     workload_options: dict[str, Any] = field(default_factory=dict)
     # Script mode (workload "script:PATH"): the script's own arguments; {run_root}, {data_dir},
@@ -45,9 +44,8 @@ class TrainConfig:
     script_args: tuple[str, ...] = ()
     steps: int = 20
     global_batch: int = 8
-    # Elastic jobs (trainer.elastic): the global batch is split into this many micro-batches
-    # whatever the world size (the largest world's rank count), each rank accumulating its
-    # share. None: one micro-batch per rank (a fixed-size job).
+    # Elastic jobs: the global batch's micro-batches on any world (the largest world's rank
+    # count), each rank accumulating its share. None: one per rank (a fixed-size job).
     micro_batches: int | None = None
     lr: float = 3e-3
     weight_decay: float = 0.01
@@ -62,12 +60,10 @@ class TrainConfig:
     # Set after hydration verified every shard: workers then check the manifest is still that
     # one and the shards' sizes, not every digest (arch §3).
     data_manifest_sha256: str | None = None
-    # Drills, parsed where the config is made (a spec's text is its form in a config file).
     faults: tuple[FaultSpec, ...] = ()
     inprocess: InProcessConfig = field(default_factory=InProcessConfig)
     injob: InJobConfig = field(default_factory=InJobConfig)
-    # False when the config is built for workers elsewhere (an EKS pod's /fsx): paths are then
-    # checked by the workers, not here.
+    # False when built for workers elsewhere (an EKS pod's /fsx): they check the paths.
     local_paths: bool = True
     # Rank 0's Prometheus endpoint (trainer.metrics): off unless a port is given.
     metrics_port: int | None = None
@@ -77,7 +73,7 @@ class TrainConfig:
     metrics_every_node: bool = False
 
     def __post_init__(self) -> None:
-        # The one parse of the drills: from here inward they are FaultSpecs.
+        # The one parse of the drills (a config file gives their text): inward, FaultSpecs.
         object.__setattr__(self, "faults", parse_faults(self.faults))
         require(self.steps >= 1, "steps", f"must be a positive number of steps, got {self.steps}")
         self._check_batch()

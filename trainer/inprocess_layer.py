@@ -80,10 +80,8 @@ class InProcessLayer:
 
         cfg, port = self.ctx.cfg.inprocess, int(os.environ["MASTER_PORT"])
         s = datetime.timedelta(seconds=1)
-        # One store per incarnation at MASTER_PORT (free for this rendezvous round), hosted by rank
-        # 0 on MASTER_ADDR's address alone (trainer.stores), for our process groups and the
-        # Wrapper's keys alike. Not MASTER_PORT+1: never reserved, one taken by any socket left
-        # every rank waiting on a store nobody hosted (issue 29, item 7).
+        # One store per incarnation at MASTER_PORT, hosted by rank 0, for our process groups and
+        # the Wrapper's keys alike: not MASTER_PORT+1, never reserved (architecture.md, "Doors").
         store = tcp_store(
             os.environ["MASTER_ADDR"],
             port,
