@@ -250,14 +250,11 @@ def verify_dataset(
     every_s: float = 10.0,
 ) -> dict[str, Any]:
     """Check every shard is present, full-sized and (with ``digests``) matches its digest.
-
-    ``manifest_sha256``: the manifest hydration verified (:func:`manifest_digest`); the manifest
-    must still be that one, and digests are then not read again unless ``digests=True`` (a
-    worker's start-up checks sizes only, not the whole dataset on every restart's critical path).
-
-    Digests read every byte, by ``readers`` threads, no further than the manifest size: on FSx
-    for Lustre that read loads a lazily imported file, so hydration preloads and verifies in one
-    pass. ``progress`` hears how far it is at most every ``every_s`` seconds, and at the end."""
+    ``manifest_sha256``: the manifest hydration verified, which must still be this one; digests
+    are then not read again unless asked (a worker's start-up, on every restart's critical path,
+    checks sizes only). Digests read every byte (``readers`` threads, never past the manifest
+    size): on FSx for Lustre that loads a lazily imported file, so hydration preloads and
+    verifies in one pass. ``progress`` hears how far it is every ``every_s`` s and at the end."""
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)
     if manifest_sha256 is not None:
