@@ -164,9 +164,8 @@ def _run(
 
     started = time.time()  # a node lost after this is this process's to hand over
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    t_data = time.time()
     sampler = data(cfg)
-    data_s = time.time() - t_data
+    data_s = time.time() - started
     inprocess_ok, why_not = nvrx_compat.inprocess_available()
     use_inprocess = cfg.inprocess.enabled and inprocess_ok
     origin = Origin.of(cfg.run_root)
