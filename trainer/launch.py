@@ -48,9 +48,10 @@ def ft_launcher_argv(
 ) -> list[str]:
     """``portable``: the programs as a container image's PATH has them, not this machine's."""
     inj = cfg.injob
+    low = spec.nnodes if spec.min_nodes is None else spec.min_nodes
     argv = [
         *launcher_command(cfg, spec, portable=portable),
-        f"--nnodes={nnodes_arg(spec)}",
+        f"--nnodes={NodeRange(low, spec.nnodes)}",  # N, or MIN:MAX for an elastic job
         f"--nproc-per-node={spec.nproc_per_node}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={spec.rdzv_endpoint}",
@@ -81,12 +82,6 @@ def launcher_command(cfg: TrainConfig, spec: LaunchSpec, *, portable: bool = Fal
     python = "python" if portable else sys.executable
     keep_alive = f"{inj.rdzv_keep_alive_s:g}:{inj.rdzv_keep_alive_misses}"
     return [python, "-m", "trainer.agent", "--keep-alive", keep_alive, "--"]
-
-
-def nnodes_arg(spec: LaunchSpec) -> str:
-    """``--nnodes``: ``N``, or ``MIN:MAX`` for an elastic job."""
-    low = spec.nnodes if spec.min_nodes is None else spec.min_nodes
-    return str(NodeRange(low, spec.nnodes))
 
 
 def rdzv_conf(cfg: TrainConfig, spec: LaunchSpec) -> str:

@@ -50,10 +50,9 @@ class Share:
     count: int
     mine: range
     # Passes every rank runs: the largest share (shares differ by one when the world does not
-    # divide the micro-batches, e.g. 3 on 2 ranks after a 2:3 job lost a node).
+    # divide the micro-batches).
     passes: int
-    # FSDP averages the gradient over the world; a rank's micro-batches are scaled so that the
-    # average is their mean over the whole global batch (1 on a full world: nothing to scale).
+    # FSDP averages the gradient over the world: scaled, it is the mean over the global batch.
     scale: float
 
     @classmethod
@@ -110,14 +109,12 @@ class TrainSession:
     # -- the attempt ---------------------------------------------------------------------------
     def init_process_group(self) -> tuple[int, int]:
         self.rank, self.world_size = init_process_group(self.ctx, self.iteration)
-        # Checkpoint collectives (resume decision, commit, DCP finalize) get their own gloo
-        # group: its timeout covers checkpoint I/O, and async-save traffic never collides with
-        # FSDP's.
+        # Checkpoint collectives get their own gloo group: its timeout covers checkpoint I/O, and
+        # async-save traffic never collides with FSDP's.
         timeout = datetime.timedelta(seconds=self.cfg.checkpoint.durable.timeout_s)
         self.ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
-        # The peer copy's own (issue 29, item 2): the memory saves' thread sends each shard to
-        # a rank on another node through it, never in the way of the training's collectives.
-        # Made by every rank (a group is collective), used by those with node memory.
+        # The peer copies' own (issue 29, item 2), out of the training collectives' way; made by
+        # every rank (a group is collective), used by those with node memory.
         if self.world_size > 1 and self.cfg.checkpoint.memory.enabled:
             self.peer_group = dist.new_group(backend="gloo", timeout=timeout)
         if self.rank == 0 and self.iteration > 0:
