@@ -1,4 +1,4 @@
-"""The in-process layer (trainer.inprocess_layer): NVRx's Wrapper with a Compose of small steps."""
+"""The in-process layer (trainer.inprocess_layer): NVRx's Wrapper and its finalize."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from nvidia_resiliency_ext.inprocess.exception import RestartAbort
 
 from trainer.errors import ConfigError
-from trainer.inprocess_layer import InProcessLayer, finalize
+from trainer.inprocess_layer import Finalize, InProcessLayer
 from trainer.rundir import RunDir
 
 
@@ -29,18 +29,18 @@ def _ctx(tmp_path: Path, calls: list[str]) -> SimpleNamespace:
 def test_finalize_ends_sections_then_drops_the_save(tmp_path: Path):
     calls: list[str] = []
     state = object()
-    assert finalize(_ctx(tmp_path, calls))(state) is state  # type: ignore[arg-type]
+    assert Finalize(_ctx(tmp_path, calls))(state) is state  # type: ignore[arg-type]
     assert calls == ["end_sections", "abandon"]
 
 
 def test_a_lost_node_hands_over_before_anything_is_undone(tmp_path: Path):
-    """Compose runs right to left: the node-loss check is the first step, so a restart the
-    full-world Wrapper would refuse drains nothing."""
+    """The node-loss check is the first step, so a restart the full-world Wrapper would refuse
+    drains nothing."""
     calls: list[str] = []
     ctx = _ctx(tmp_path, calls)
     RunDir(tmp_path).write_node_lost(node=1, t=ctx.started + 1)
     with pytest.raises(RestartAbort, match="in-job layer"):
-        finalize(ctx)(object())  # type: ignore[arg-type]
+        Finalize(ctx)(object())  # type: ignore[arg-type]
     assert calls == []
 
 

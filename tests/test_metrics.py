@@ -311,8 +311,9 @@ def test_no_port_serves_nothing(tmp_path: Path) -> None:
 _RANK0 = """
 import sys, time
 from trainer.event_types import Step
-from trainer.metrics import serve
-metrics, server = serve("r1", port=int(sys.argv[1]), addr="127.0.0.1")
+from trainer.metrics import MetricsServer, Rank0Metrics
+metrics = Rank0Metrics("r1")
+server = MetricsServer(metrics.registry, port=int(sys.argv[1]), addr="127.0.0.1")
 metrics.observe(Step(step=int(sys.argv[2]), loss=1.0, step_s=0.1))
 print("serving" if server.serving else "waiting", flush=True)
 time.sleep(120)

@@ -1,21 +1,15 @@
 """``ft_launcher`` with the rendezvous keep-alive an elastic job needs:
 ``python -m trainer.agent --keep-alive SECONDS:MISSES -- FT_LAUNCHER_ARGS...``.
 
-NVRx 0.4.1's rendezvous drops a dead node from the world only after it has missed 3 renewals
-5 s apart, a setting hard-coded in ``FtRendezvousHandler.from_backend`` (``--rdzv-conf`` does
-not reach it). The survivors of a node loss (trainer.elastic) re-form only after that, so a
-spare's takeover or an elastic shrink costs 15 s of waiting on a node known to be dead. This
-entry point runs NVRx's own launcher ``main`` unchanged, with those two settings replaced.
+NVRx 0.4.1 drops a dead node from the world only after 3 missed renewals 5 s apart, hard-coded
+in ``FtRendezvousHandler.from_backend`` (``--rdzv-conf`` does not reach it): a spare's takeover
+or an elastic shrink waited 15 s on a node known to be dead. This runs NVRx's own launcher
+``main`` with those two settings replaced (feature-detected: otherwise a warning, and NVRx's).
 
-Feature-detected: where the rendezvous module has no such settings (another NVRx version), the
-launcher runs as it is and a warning says so.
-
-It also ends a node that the job turned away with exit 0, not 1: a hot spare still waiting, or a
-lost node's replacement arriving, when the job's world finishes and closes the rendezvous. NVRx's
-launcher reports that closure as a failed run (``RendezvousClosedError``, exit 1); on EKS such a
-pod's exit 1 could fail the Indexed Job (``backoffLimit: 0``) before the rendezvous host's
-success ends it. Only an agent that never joined a world of this rendezvous is turned away: one
-that trained keeps NVRx's exit code.
+It also ends a node the job turned away (a waiting hot spare, a late replacement, when the
+world finishes and closes the rendezvous) with exit 0, not NVRx's 1 (``RendezvousClosedError``):
+on EKS that exit 1 could fail the Indexed Job (``backoffLimit: 0``). Only an agent that never
+joined a world of this rendezvous is turned away.
 """
 
 from __future__ import annotations
@@ -28,8 +22,8 @@ from typing import Any
 
 
 def patch_keep_alive(interval_s: float, misses: int) -> bool:
-    """Make every rendezvous this process creates renew its membership every ``interval_s``
-    and drop a node after ``misses`` missed renewals. False: this NVRx has no such setting."""
+    """Every rendezvous this process creates renews every ``interval_s`` and drops a node after
+    ``misses`` missed renewals. False: this NVRx has no such setting."""
     try:
         from nvidia_resiliency_ext.fault_tolerance import _ft_rendezvous as rdzv
     except ImportError:
@@ -60,8 +54,8 @@ class Admission:
 
 
 def patch_admission(admission: type[Admission] = Admission) -> bool:
-    """Record on ``admission`` how this process's rendezvous rounds end. False: this NVRx's
-    rendezvous handler is not the one expected (the launcher's exit code then stands)."""
+    """Record on ``admission`` how this process's rendezvous rounds end. False: an unexpected
+    handler (the launcher's exit code then stands)."""
     try:
         from nvidia_resiliency_ext.fault_tolerance import _ft_rendezvous as rdzv
     except ImportError:

@@ -1,11 +1,6 @@
-"""Typed, validated trainer configuration.
-
-Every config object is keyword-only and checks itself at construction: a bad value raises
-:class:`ConfigError` naming the field and what to change, before any process group starts.
-:class:`TrainConfig` is the whole run as a worker sees it, saved as one file per attempt; the
-fault layers' sections are :mod:`trainer.layer_config`, the checkpoint's
-:mod:`trainer.checkpointing.config`, the built-in model's :mod:`trainer.model_config`.
-"""
+"""Typed, validated trainer configuration: :class:`TrainConfig`, the whole run as a worker sees
+it (one file per attempt), checked at construction (:class:`ConfigError` names the field and the
+fix). Its sections: :mod:`trainer.layer_config`, :mod:`trainer.checkpointing.config`."""
 
 from __future__ import annotations
 
@@ -25,6 +20,7 @@ from trainer.checkpointing.manifest import WorkloadRef
 from trainer.errors import ConfigError, require
 from trainer.faults import FaultSpec, parse_faults
 from trainer.layer_config import InJobConfig, InProcessConfig
+from trainer.run_files import write_text_atomic
 
 if TYPE_CHECKING:
     from trainer.workload import Workload
@@ -36,15 +32,11 @@ class Device(enum.StrEnum):
     CUDA = "cuda"
 
 
-# ----------------------------------------------------------------------------------------------
-# Training
-# ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     run_root: Path
     data_dir: Path
-    # What to train (trainer.workload): a built-in name or 'package.module:attr', and its options
-    # (validated by the workload's own options model).
+    # What to train (trainer.workload): a built-in or 'package.module:attr', and its options.
     workload: str = "gpt-tiny"
     workload_options: dict[str, Any] = field(default_factory=dict)
     # Script mode (workload "script:PATH"): the script's own arguments; {run_root}, {data_dir},
@@ -52,43 +44,36 @@ class TrainConfig:
     script_args: tuple[str, ...] = ()
     steps: int = 20
     global_batch: int = 8
-    # Elastic jobs (trainer.elastic): the global batch is split into this many micro-batches
-    # whatever the world size (the largest world's rank count), each rank accumulating its
-    # share. None: one micro-batch per rank (a fixed-size job).
+    # Elastic jobs: the global batch's micro-batches on any world (the largest world's rank
+    # count), each rank accumulating its share. None: one per rank (a fixed-size job).
     micro_batches: int | None = None
     lr: float = 3e-3
     weight_decay: float = 0.01
     seed: int = 1234
     device: Device = Device.AUTO
-    # CUDA only: deterministic kernels (torch.use_deterministic_algorithms, a fixed cuBLAS
-    # workspace), so that a recovered run can be bitwise equal to a fault-free one, as on the
-    # CPU. Off by default: measured on an H200 (benchmarks/results/gpu_check.json), two
-    # fault-free CUDA runs already differ in the last bits without it, and it slows some kernels.
+    # CUDA only: deterministic kernels, so a recovered run can be bitwise equal to a fault-free
+    # one. Off by default: it slows some kernels (without it two fault-free H200 runs differ in
+    # the last bits: benchmarks/results/gpu_check.json).
     deterministic: bool = False
-    # Every checkpoint setting: the durable tier, the memory tiers, how a run resumes
-    # (trainer.checkpointing.config).
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     verify_data: bool = True
-    # Set by the pipeline after hydration verified every shard: the workers then check that the
-    # manifest is still that one and the shards' sizes, not every shard's digest (arch §3).
+    # Set after hydration verified every shard: workers then check the manifest is still that
+    # one and the shards' sizes, not every digest (arch §3).
     data_manifest_sha256: str | None = None
-    # Drills, parsed where the config is made (a spec's text is its form in a config file).
     faults: tuple[FaultSpec, ...] = ()
     inprocess: InProcessConfig = field(default_factory=InProcessConfig)
     injob: InJobConfig = field(default_factory=InJobConfig)
-    # False when the config is built for workers elsewhere (an EKS pod's /fsx): paths are then
-    # checked by the workers, not here.
+    # False when built for workers elsewhere (an EKS pod's /fsx): they check the paths.
     local_paths: bool = True
     # Rank 0's Prometheus endpoint (trainer.metrics): off unless a port is given.
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
-    # Every node's first worker serves on metrics_port too (trainer.metrics.NodeMetrics), where
-    # each node is a scrape target of its own (EKS pods); off where simulated nodes share a host.
+    # Every node's first worker serves on metrics_port too (EKS pods are scrape targets of their
+    # own); off where simulated nodes share a host.
     metrics_every_node: bool = False
 
     def __post_init__(self) -> None:
-        # The one parse of the drills the workers get: a config file (and a caller) gives their
-        # text, and from here inward they are FaultSpecs.
+        # The one parse of the drills (a config file gives their text): inward, FaultSpecs.
         object.__setattr__(self, "faults", parse_faults(self.faults))
         require(self.steps >= 1, "steps", f"must be a positive number of steps, got {self.steps}")
         self._check_batch()
@@ -192,21 +177,18 @@ class TrainConfig:
         )
 
     def step_timeout_floor(self) -> float:
-        """The lowest step-section timeout a learned one may be (trainer.timeouts):
-        ``injob.step_timeout_floor_s``, and with both layers on more than the in-process layer's
-        window for a stalled step (``inprocess.pg_timeout_s + injob.heartbeat_interval_s``, the
-        same rule as for ``injob.step_timeout_s``, with the defaults' 0.5 s margin), never above
-        ``injob.step_timeout_s``."""
+        """The lowest learned step timeout (trainer.timeouts): with both layers on, above the
+        in-process window for a stalled step (the rule for ``injob.step_timeout_s``, plus the
+        defaults' 0.5 s margin); never above ``injob.step_timeout_s``."""
         floor = self.injob.step_timeout_floor_s
         if self.inprocess.enabled and self.injob.enabled:
             floor = max(floor, self.inprocess.pg_timeout_s + self.injob.heartbeat_interval_s + 0.5)
         return min(floor, self.injob.seconds("step_timeout_s"))
 
     def out_of_section_floor(self) -> float:
-        """The lowest out-of-section timeout a learned one may be (trainer.timeouts):
-        ``injob.section_floor_s``, and with both layers on more than an in-process restart may
-        take (``inprocess.hard_timeout_s + inprocess.barrier_timeout_s``: the Wrapper's
-        detection, then its wait for every rank), never above the launch value."""
+        """The lowest learned out-of-section timeout: with both layers on, above what an
+        in-process restart may take (the Wrapper's detection, then its wait for every rank);
+        never above the launch value."""
         floor = self.injob.section_floor_s
         if self.inprocess.enabled and self.injob.enabled:
             floor = max(floor, self.inprocess.hard_timeout_s + self.inprocess.barrier_timeout_s)
@@ -214,7 +196,7 @@ class TrainConfig:
 
     @property
     def is_script(self) -> bool:
-        """Script mode: a user's training script runs under the layers (``trainer.script``)."""
+        """A user's training script runs under the layers (``trainer.script``)."""
         return self.workload.startswith("script:")
 
     @property
@@ -283,11 +265,8 @@ class TrainConfig:
         return self.global_batch // self.micro_batch_count(world_size)
 
     def fingerprint(self) -> str:
-        """Hash of everything that determines the trained parameters (not paths or timeouts).
-
-        Stored in every checkpoint manifest, so a checkpoint is never resumed by a run whose
-        model or optimisation settings differ.
-        """
+        """Hash of what determines the trained parameters (not paths or timeouts): in every
+        checkpoint manifest, so no run with another model or optimisation resumes it."""
         relevant = {
             "workload": {"script": self.workload, "args": list(self.script_args)}
             if self.is_script
@@ -329,18 +308,11 @@ class TrainConfig:
                 require(isinstance(sub, dict), name, "must be a mapping")
                 _check_keys(kind, sub, f"{name}.")
                 nested[name] = kind(**sub)
+        kinds = {"run_root": Path, "data_dir": Path, "device": Device, "script_args": tuple}
         try:
-            if "run_root" in data:
-                data["run_root"] = Path(data["run_root"])
-            if "data_dir" in data:
-                data["data_dir"] = Path(data["data_dir"])
-            if "device" in data:
-                data["device"] = Device(data["device"])
+            data.update({k: kind(data[k]) for k, kind in kinds.items() if k in data})
         except ValueError as e:
             raise ConfigError("config", str(e)) from e
-        if "script_args" in data:
-            data["script_args"] = tuple(data["script_args"])
-
         return cls(**data, **nested)
 
 
@@ -360,13 +332,8 @@ def config_text(cfg: TrainConfig) -> str:
 
 def save_config(cfg: TrainConfig, path: Path) -> Path:
     """Write ``cfg`` atomically as JSON (the one serialized form workers read)."""
-    import os
-
     path = Path(path).absolute()  # workers may run in another directory
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(config_text(cfg))
-    os.replace(tmp, path)
+    write_text_atomic(path, config_text(cfg))
     return path
 
 

@@ -1,17 +1,14 @@
 """Token shards on the shared filesystem: the manifest, its verification, a synthetic dataset.
 
-Layout of a dataset directory (the run's "FSx" copy)::
+A dataset directory::
 
     dataset.json          manifest: format, dtype, vocab size, every shard with tokens/bytes/sha256
-    shard_00000.bin ...   little-endian tokens of the manifest's ``dtype`` (``uint16``, or
-                          ``uint32`` for vocabularies over 65,536 ids such as Llama 3's),
-                          one flat stream across shards
+    shard_00000.bin ...   one flat stream of little-endian tokens of the manifest's ``dtype``
+                          (``uint16``, or ``uint32`` for vocabularies over 65,536 ids)
 
-The deterministic, resumable sampler over the stream is :mod:`trainer.sampler`.
-
-``python -m trainer.data --out DIR`` writes a seeded synthetic dataset whose tokens follow a sparse
-random Markov chain, so a model has something to learn and the loss falls. Real data (token files
-or JSONL text) becomes a dataset with :mod:`trainer.prepare`.
+``python -m trainer.data --out DIR`` writes a seeded synthetic dataset from a sparse random Markov
+chain, so the loss falls. Real data becomes a dataset with :mod:`trainer.prepare`; the sampler
+over the stream is :mod:`trainer.sampler`.
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ from trainer.untrusted import UnsafeNameError, check_component
 
 MANIFEST = "dataset.json"
 FORMAT = "nvrx-tokens-v1"
-# A manifest is untrusted (the shared filesystem, a bucket): one past this is refused unread.
-# 16 MiB holds ~100 k shard entries.
+# A manifest is untrusted: one past this (~100 k shard entries) is refused unread.
 MAX_MANIFEST_BYTES = 16 << 20
 # Token dtypes a dataset may use (always little-endian) and the vocabulary each can hold.
 DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -87,9 +83,17 @@ def check_vocab_fits(vocab_size: int, dtype: str, *, field: str = "vocab_size") 
         )
 
 
-# ----------------------------------------------------------------------------------------------
-# Writing a synthetic dataset
-# ----------------------------------------------------------------------------------------------
+def write_durably(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``, synced before the rename: a crash leaves the old file or
+    the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def _markov_tokens(rng: np.random.Generator, n: int, vocab: int, chains: int = 256) -> np.ndarray:
     """``n`` tokens from a sparse Markov chain: each token has 4 likely successors."""
     successors = rng.integers(0, vocab, size=(vocab, 4))
@@ -112,9 +116,8 @@ def write_synthetic_dataset(
     seed: int = 0,
     dtype: str | None = None,
 ) -> dict[str, Any]:
-    """Write a seeded dataset and its manifest (written last, atomically). Idempotent: the same
-    arguments give byte-identical files. ``dtype``: ``"uint16"`` or ``"uint32"`` (default: the
-    smallest that holds ``vocab_size``)."""
+    """Write a seeded dataset and its manifest (last, atomically); the same arguments give
+    byte-identical files. ``dtype``: default the smallest that holds ``vocab_size``."""
     if shards < 1 or tokens_per_shard < 2:
         raise ValueError("shards must be >= 1 and tokens_per_shard >= 2")
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
@@ -129,12 +132,7 @@ def write_synthetic_dataset(
     for i in range(shards):
         name = f"shard_{i:05d}.bin"
         part = tokens[i * tokens_per_shard : (i + 1) * tokens_per_shard]
-        tmp = out / f".{name}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(part.tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out / name)
+        write_durably(out / name, part.tobytes())
         files.append(
             {
                 "name": name,
@@ -151,15 +149,10 @@ def write_synthetic_dataset(
         "total_tokens": int(tokens.size),
         "files": files,
     }
-    tmp = out / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / MANIFEST)
+    write_durably(out / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     return manifest
 
 
-# ----------------------------------------------------------------------------------------------
-# Reading
-# ----------------------------------------------------------------------------------------------
 def load_manifest(data_dir: Path) -> dict[str, Any]:
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
@@ -194,10 +187,9 @@ def load_manifest(data_dir: Path) -> dict[str, Any]:
 
 
 def check_file_names(manifest: dict[str, Any], *, source: str) -> None:
-    """Every ``files[i]`` names one plain file, with a size and a digest that can bound and
-    judge reading it: the manifest lives on the shared filesystem (or in a bucket), its names
-    are joined onto the dataset directory, read, and written by hydration, and no read goes
-    past ``bytes``. DataError names the manifest, the field and the value."""
+    """Every ``files[i]`` names one plain file, with a size and a digest that bound and judge
+    reading it (the manifest is untrusted; its names are joined onto the dataset directory).
+    DataError names the manifest, the field and the value."""
     files = manifest.get("files")
     if not isinstance(files, list):
         raise DataError(f"dataset manifest {source}: files must be a list")
@@ -225,8 +217,7 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def manifest_digest(manifest: dict[str, Any]) -> str:
-    """The sha256 of a dataset manifest's content (canonical JSON: independent of how the file
-    is formatted, so the S3 object and the hydrated copy agree)."""
+    """The sha256 of a manifest's canonical JSON (the S3 object and the hydrated copy agree)."""
     blob = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 
@@ -258,19 +249,12 @@ def verify_dataset(
     progress: Callable[[ReadProgress], None] | None = None,
     every_s: float = 10.0,
 ) -> dict[str, Any]:
-    """Check every shard is present, full-sized and (optionally) matches its digest.
-
-    ``manifest_sha256``: the manifest hydration verified every shard against (its
-    :func:`manifest_digest`). When given, the manifest must still be that one, and the shards'
-    digests are not read again (unless ``digests=True`` asks; None: read them only without
-    ``manifest_sha256``): a worker's start-up checks sizes
-    only, instead of hashing the whole dataset on the critical path of every restart.
-
-    With digests every byte is read, by ``readers`` threads, each shard no further than its
-    manifest size (:func:`trainer.hashing.sha256_capped`): on FSx for Lustre that read is
-    what loads a lazily imported file from its data repository, so the hydration Job preloads
-    and verifies in one pass with nothing but Python (no Lustre user-space tools).
-    ``progress`` hears how far it is at most every ``every_s`` seconds, and at the end."""
+    """Check every shard is present, full-sized and (with ``digests``) matches its digest.
+    ``manifest_sha256``: the manifest hydration verified, which must still be this one; digests
+    are then not read again unless asked (a worker's start-up, on every restart's critical path,
+    checks sizes only). Digests read every byte (``readers`` threads, never past the manifest
+    size): on FSx for Lustre that loads a lazily imported file, so hydration preloads and
+    verifies in one pass. ``progress`` hears how far it is every ``every_s`` s and at the end."""
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)
     if manifest_sha256 is not None:

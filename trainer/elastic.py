@@ -1,16 +1,8 @@
 """Elastic node counts: a job that keeps training on fewer nodes than it started with (arch §7).
 
-``nodes`` is ``N`` (fixed) or ``MIN:MAX``: ft_launcher's rendezvous admits any count in the
-range, so when a node is lost and the survivors still meet ``MIN`` the in-job layer re-forms the
-job on them and resumes from the newest checkpoint (DCP reshards it); a node that joins later
-is admitted at the next restart and the world grows back. Hot spares are nodes launched beyond
-``MAX``: they wait in the rendezvous and take a lost node's place at its restart.
-
-What a step computes must not depend on how many ranks share it, so the global batch is split
-into a fixed number of *micro-batches*, ``MAX x ranks per node`` of them (one per rank at full
-size), and each rank accumulates the gradients of its contiguous share. On a full world that is
-one micro-batch per rank: exactly the fixed-size job. What stays bitwise equal across a change
-of world size, and what does not, is in :func:`micro_batches` and arch §7.
+``nodes`` is ``N`` or ``MIN:MAX`` (:class:`NodeRange`). A step must not depend on how many ranks
+share it, so the global batch is split into ``MAX x ranks per node`` micro-batches on every world
+and each rank accumulates its contiguous share (:func:`micro_batches`).
 """
 
 from __future__ import annotations
@@ -71,24 +63,9 @@ class NodeRange:
 
 
 def micro_batches(rank: int, world: int, count: int) -> range:
-    """The micro-batches (of ``count`` per global batch) that rank ``rank`` of ``world`` trains.
-
-    Contiguous shares, as even as they can be: rank ``r`` takes ``[r*count//world,
-    (r+1)*count//world)``. With ``world == count`` that is micro-batch ``r`` alone, the slice a
-    fixed-size job gives rank ``r``; on a smaller world each rank takes several, in order.
-
-    Exactness across a change of world size (measured and asserted in
-    ``tests/test_elastic.py`` and ``tests/test_elastic_pipeline.py``): the data of every step,
-    the micro-batch each sample belongs to,
-    each micro-batch's dropout stream, the parameters and optimizer state loaded from a
-    checkpoint written on another world size (DCP reshards by copying) and the step counter are
-    bitwise the same. The gradient is the mean of the micro-batches' gradients; it is summed in a
-    different order when ranks hold different shares (a rank sums its own micro-batches first,
-    then the collective sums the ranks), so it is bitwise equal only when both orders agree: two
-    micro-batches (a 2-rank job shrinking to 1, or growing back) at the same intra-op thread
-    count, where every sum has two terms. Otherwise a step differs in the last bits of fp32 and
-    the runs drift apart within a tolerance, never in the data they see.
-    """
+    """The micro-batches (of ``count`` per global batch) that rank ``rank`` of ``world`` trains:
+    ``[r*count//world, (r+1)*count//world)``, micro-batch ``r`` alone on a full world. What stays
+    bitwise equal across a change of world size: arch §7, "Exactness"."""
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not a rank of a world of {world}")
     if count < world:
@@ -99,8 +76,8 @@ def micro_batches(rank: int, world: int, count: int) -> range:
     return range(rank * count // world, (rank + 1) * count // world)
 
 
-# Where a worker learns which node it runs on: the local backend's simulated node, or the
-# Indexed Job's pod index on EKS. Only reported (which nodes trained), never trusted for ranks.
+# A worker's node: the local backend's simulated node, or the Indexed Job's pod index on EKS.
+# Only reported (which nodes trained), never trusted for ranks.
 NODE_ENV = ("NVRX_NODE", "JOB_COMPLETION_INDEX")
 
 

@@ -1,15 +1,10 @@
 """The one decoder of ``events.jsonl``: incremental, bounded, and never raising into its caller.
 
-Every reader of the run's events goes through :class:`EventReader`. It opens the file only as a
-regular file (:func:`trainer.run_files.open_regular`: no FIFO, no symlink), reads at most
+:class:`EventReader` opens the file only as a regular file (no FIFO, no symlink), reads at most
 ``CHUNK`` bytes at a time from where it stopped, caps a line at ``MAX_LINE`` bytes, and decodes
-each line against the typed events of :mod:`trainer.event_types`. What does not decode is
-dropped and counted by reason (:class:`DropCounts`; the flow's metrics export them), never
-raised: one bad line from any writer must not stop a healthy job.
-
-An incomplete last line (a writer between its ``write`` calls, or one killed mid-``write``) is
-held until its newline arrives; the writer that follows a torn line starts with a newline
-(:class:`trainer.events.EventLog`), so the fragment is then dropped as one bad line.
+each line against :mod:`trainer.event_types`. What does not decode is dropped and counted by
+reason (:class:`DropCounts`), never raised: one bad line must not stop a healthy job. An
+incomplete last line is held until its newline arrives.
 """
 
 from __future__ import annotations
@@ -37,9 +32,8 @@ _log = logging.getLogger(__name__)
 
 @dataclass
 class DropCounts:
-    """Lines dropped, by reason: ``not-json`` (torn or foreign), ``not-an-event`` (JSON that is
-    no typed event: ``1``, ``null``, an unknown kind, a field of the wrong type), ``too-long``,
-    and ``unreadable`` (reads of a path that is not a regular file, or that failed)."""
+    """Lines dropped, by reason: ``not-json`` (torn or foreign), ``not-an-event`` (``1``, an
+    unknown kind, a wrong type), ``too-long``, ``unreadable`` (not a regular file, or failed)."""
 
     by_reason: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
 
@@ -56,8 +50,7 @@ class DropCounts:
 
 class EventReader:
     """Follows one ``events.jsonl``: each :meth:`read_new` returns the events appended since
-    the last one (from the file's start, or from its end at construction with
-    ``from_start=False``). Thread-safe: the metrics follower and a report may share one."""
+    the last (from the start, or from its end at construction). Thread-safe."""
 
     def __init__(self, path: Path, *, from_start: bool = True) -> None:
         self.path = Path(path)
@@ -79,13 +72,6 @@ class EventReader:
 
     def iter_new(self) -> Iterator[Event]:
         """As :meth:`read_new`, chunk by chunk: folding a large file never holds it whole."""
-        for raw in self.iter_new_lines():
-            ev = self._decode(raw)
-            if ev is not None:
-                yield ev
-
-    def iter_new_lines(self) -> Iterator[bytes]:
-        """The complete lines appended since the last call (not yet decoded)."""
         with self._lock:
             try:
                 with open_regular(self.path) as fd:
@@ -100,7 +86,9 @@ class EventReader:
                         if not data:
                             return
                         self.offset += len(data)
-                        yield from self._split(data)
+                        for line in self._split(data):
+                            if (ev := self._decode(line)) is not None:
+                                yield ev
             except FileNotFoundError:
                 return
             except OSError as e:  # UnsafeFile (a FIFO, a link), EIO from a failing mount

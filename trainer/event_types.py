@@ -1,16 +1,11 @@
 """Every kind of ``events.jsonl`` line as a frozen, typed record (arch §5).
 
-The file is shared state on a shared filesystem: any process that can write the run root can
-append to it, so a reader trusts only what decodes against these types. One pydantic
-discriminated union on ``kind`` declares them all: writers go through it (``EventLog.emit``
-refuses an event that would not decode), and the one decoder (:mod:`trainer.event_read`) drops
-every line that does not (a bare ``1``, ``null``, a ``step`` without ``step`` or with a string,
-an unknown kind), so no reader meets a malformed event.
-
-Types are strict: a string is not a number and ``true`` is not a step (pydantic would otherwise
-coerce ``"5"`` to 5). Fields a reader decides from are required; the rest are optional, and
-fields not declared here are kept (``extra="allow"``) so that a newer writer's additions reach
-an older reader's reports instead of failing its decode.
+Any process that can write the run root can append to the file, so a reader trusts only what
+decodes against these types: one pydantic union on ``kind`` that writers go through
+(``EventLog.emit`` refuses an event that would not decode) and the one decoder
+(:mod:`trainer.event_read`) drops every line that does not. Types are strict (``"5"`` is not a
+step); fields a reader decides from are required; undeclared fields are kept (``extra="allow"``),
+so a newer writer's additions reach an older reader instead of failing its decode.
 """
 
 from __future__ import annotations
@@ -23,40 +18,10 @@ from pydantic import (
     ConfigDict,
     Field,
     TypeAdapter,
-    ValidationError,
     ValidationInfo,
     model_validator,
 )
-
-__all__ = [
-    "Checkpoint",
-    "CheckpointFailed",
-    "Cleanup",
-    "Event",
-    "Fatal",
-    "Fault",
-    "FencedEvent",
-    "MemoryInterval",
-    "NodeReturn",
-    "Phase",
-    "PruneRefused",
-    "Recovered",
-    "Restart",
-    "Resume",
-    "StageAttempt",
-    "StageAttemptEnd",
-    "StaleJobsDeleted",
-    "Step",
-    "Takeover",
-    "TimeoutsSet",
-    "TrainEnd",
-    "TrainStart",
-    "ValidationError",
-    "WorkerStart",
-    "WorldChange",
-    "decode_json",
-    "decode_obj",
-]
+from pydantic import ValidationError as ValidationError  # re-exported: the decoders' error
 
 # A step or node number, a count, a world size: never negative. Node -1 is the trainer's "no
 # backend told this worker its node" (trainer.loop), so node lists admit it.
@@ -68,11 +33,10 @@ _WIRE = {"wire": True}  # the validation context of a decode
 class _Base(BaseModel):
     model_config = ConfigDict(frozen=True, strict=True, extra="allow")
 
-    # Unix time the event was made (the writer's clock): a writer's new event takes now; a line
-    # read back must carry it (``_on_the_wire``).
+    # Unix time the event was made (the writer's clock); a line read back must carry it.
     t: float = Field(default_factory=time.time)
-    # The writer's epoch (trainer.fence): the attempt that wrote it. None: no pipeline epoch
-    # (the trainer run by hand). The watcher decides only from its own epoch's events.
+    # The writer's attempt (trainer.fence; None: run by hand). The watcher decides only from its
+    # own epoch's events.
     epoch: Annotated[int, Field(ge=1)] | None = None
 
     @model_validator(mode="before")
@@ -171,9 +135,8 @@ class Resume(_Base):
     saved_world_size: NonNeg | None = None
     world_size: NonNeg | None = None
     load_s: Seconds | None = None
-    # A load's tier (issue 29, trainer.checkpointing.tiers): "memory" (the process's own copy),
-    # "node" (node memory), "peer" (peer copies, some from another node) or "durable" (the DCP
-    # checkpoint on the shared filesystem); and the bytes it read (every rank's).
+    # A load's tier (trainer.checkpointing.tiers: memory, node, peer or durable) and the bytes
+    # it read (every rank's).
     source: str | None = None
     bytes: NonNeg | None = None
 
@@ -188,8 +151,7 @@ class Fault(_Base):
     nodes: list[int] | None = None
     path: str | None = None  # a node loss's path (tasks.loss_policy)
     detail: str | None = None
-    # A hang or stall drill: the step-section timeout in force on the faulty rank when it fired
-    # (the learned bound, or the configured one), so the detection can be held against it.
+    # A hang or stall drill: the step timeout in force on the rank, to hold detection against.
     bound_s: Seconds | None = None
 
 

@@ -1,13 +1,9 @@
 """The run's event log: ``<run_root>/events.jsonl``, one JSON object per line (arch §5).
 
-Rank 0 writes steps, checkpoints, restarts and resumes; any rank writes the ``fault`` it fires
-(the faulting rank may not be rank 0). Lines are appended with one ``write`` on an ``O_APPEND``
-descriptor, which keeps concurrent writers' lines whole on a local or Lustre filesystem; step
-events are buffered for up to a second (``EventLog.buffer``). Writers hand it typed events
-(:mod:`trainer.event_types`); the log fills in its epoch.
-
-A writer killed mid-``write`` (or a full disk) can leave a torn last line: readers skip it, and
-the next writer starts its line with a newline so that its event is not glued onto the fragment.
+Rank 0 writes steps, checkpoints, restarts and resumes; any rank the ``fault`` it fires. A line
+is one ``write`` on an ``O_APPEND`` descriptor, which keeps concurrent writers' lines whole on a
+local or Lustre filesystem. A writer killed mid-``write`` (or a full disk) can leave a torn last
+line: readers skip it, and the next writer starts its line with a newline.
 """
 
 from __future__ import annotations
@@ -26,9 +22,7 @@ from trainer.event_types import Event, ValidationError, decode_json
 from trainer.fence import epoch_from_env
 from trainer.rundir import Layout
 
-# The layers a recovery is attributed to (``restart``/``recovered`` events, the result's
-# ``faults[].recovered_by``): in-process, in-job respawn, an elastic job re-formed on fewer
-# nodes, a hot spare taking a lost node's place, and a new train-stage attempt.
+# The layers a recovery is attributed to (``restart``/``recovered`` events, ``recovered_by``).
 RecoveryLayer = Literal["inprocess", "injob", "elastic", "spare", "stage-retry"]
 LAYERS: tuple[str, ...] = get_args(RecoveryLayer)
 
@@ -43,8 +37,7 @@ E = TypeVar("E", bound=Event)
 
 class EventLog:
     def __init__(self, run_root: Path, *, enabled: bool = True, epoch: int | None = None) -> None:
-        """``epoch``: the epoch every event carries (trainer.fence); None: this process's own
-        (``NVRX_EPOCH``), if it was given one."""
+        """``epoch``: the one every event carries (None: ``NVRX_EPOCH``, if given)."""
         self.path = Path(run_root) / Layout.EVENTS
         self.enabled = enabled
         self.epoch = epoch if epoch is not None else epoch_from_env()
@@ -60,15 +53,12 @@ class EventLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def emit(self, event: E) -> E:
-        """Append one event (and any held by ``buffer`` before it); the event as written (with
-        this log's epoch)."""
+        """Append one event (and any buffered before it); the event as written."""
         return self._add(event, buffered=False)
 
     def buffer(self, event: E) -> E:
-        """The per-step events: held, and written with the next ``emit`` or once ``FLUSH_S``
-        has passed, so the loop opens the file about once a second instead of once a step.
-        Each keeps the time it was made at; a process killed with events held loses at most
-        the last second of them."""
+        """The per-step events: held until the next ``emit`` or ``FLUSH_S``, so the loop opens
+        the file about once a second; a killed process loses at most the last second."""
         return self._add(event, buffered=True)
 
     def _add(self, event: E, *, buffered: bool) -> E:

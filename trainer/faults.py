@@ -1,42 +1,19 @@
-"""Fault injection for tests, benchmarks and game days.
+"""Fault injection for tests, benchmarks and game days (the spec, ``KIND@step=N[,rank=R]
+[,node=K][,phase=checkpoint]``, and its kinds: arch §5, "Fault spec").
 
-Spec (arch §5): ``KIND@step=N`` with optional ``,rank=R`` / ``,node=K`` and, for ``sigkill``,
-``,phase=checkpoint`` (kill right after the save at step N was handed to the async writer, while
-its shards are being written and before the commit).
+The trainer fires ``exception`` (in-process recovery), ``stall`` (stuck in Python, as on a
+collective its peers never join), ``hang`` (SIGSTOP: no heartbeats; only in-job recovery helps),
+``sigkill`` (``phase=checkpoint``: while the save's shards are written, before the commit) and the
+damage kinds, which restart nothing and are noticed by the resume that reads the copy:
+``corrupt-checkpoint``, ``corrupt-memory`` (every generation of the rank's node-memory copies;
+a ``sigkill`` at the same step, listed after it, makes that resume happen at once) and
+``corrupt-peer`` (name the rank whose node holds the lost node's peer copies: the previous
+node's, ``tiers.peer_ring``). ``node-loss``, ``node-return`` and ``node-freeze`` are the
+watcher's, through the backend.
 
-Kinds handled by the trainer:
-- ``exception``: raises :class:`InjectedFault` in the rank (recovered in-process).
-- ``stall``: the rank stops making progress in Python (as one waiting forever on a collective
-  its peers never join). Peers' collectives time out, and the in-process layer interrupts the
-  stalled rank and restarts every rank in place (recovered in-process).
-- ``hang``: the rank stops dead (SIGSTOP to itself), as a rank wedged in native code does: no
-  heartbeats, no progress; only killing it helps (recovered in-job by ft_launcher).
-- ``sigkill``: the rank SIGKILLs itself (recovered in-job).
-- ``corrupt-checkpoint``: after the first checkpoint at or beyond step N commits, flip bytes in one
-  of its shards (detected on the next resume, which falls back to the previous checkpoint).
-- ``corrupt-memory``: at the start of step N, flip bytes in every generation of the rank's own
-  node-memory copies (``trainer.checkpointing.node_copy``) and carry on; the next resume that
-  would read them finds their digests wrong and falls back, past node memory, to the next tier.
-  Give a second fault at the same step (``sigkill@step=N``, listed after it) to make that resume
-  happen at once.
-- ``corrupt-peer``: at the first resume after step N, on rank R, flip bytes in the newest peer
-  copy rank R's node holds (another node's rank's shard), after the resume listed it; the rank
-  it belongs to finds the digest wrong when the copy reaches it, and the resume falls back to
-  the next newest copy (the older generation) or tier. Name the rank whose node holds the lost
-  node's peer copies (the previous node's, ``tiers.peer_ring``).
-``node-loss``, ``node-return`` and ``node-freeze`` are carried out by the watcher through the
-backend, not here: it kills a whole node, starts a lost one again (a replacement joining an
-elastic job), or stops every process of a node without ending any (SIGSTOP: a frozen host, a
-partition), which the watcher must then notice by itself (``tasks.watch_state.silent``). Which
-of them a backend can carry out is its ``BackendType.drills``.
-
-A spec is parsed once, where it enters (:func:`parse_fault`: the run form's validation,
-``DrillParams.specs``; a worker's config, ``TrainConfig.faults``), into a frozen
-:class:`FaultSpec`; what its readers ask (is it the watcher's? does it take a node away? does it
-need node memory?) are its predicates, never a look at the text.
-
-A fault fires once per run: a marker file under ``<run_root>/faults/`` is created atomically
-*before* it fires, so the restart it causes does not fire it again.
+A spec is parsed once where it enters (:func:`parse_fault`) into a frozen :class:`FaultSpec`
+whose predicates its readers ask. A fault fires once per run: its marker under
+``<run_root>/faults/`` is created atomically *before* it fires, so its restart does not refire it.
 """
 
 from __future__ import annotations
@@ -152,26 +129,20 @@ class FaultSpec:
     def target_node(self) -> int:
         return 0 if self.node is None else self.node
 
+    def _fields(self) -> list[tuple[str, object]]:
+        fields: list[tuple[str, object]] = [("step", self.step)]
+        fields += [(k, v) for k, v in (("rank", self.rank), ("node", self.node)) if v is not None]
+        return fields + ([("phase", self.phase.value)] if self.phase is not Phase.STEP else [])
+
     @property
     def slug(self) -> str:
-        parts = [self.kind.value, f"step{self.step}"]
-        if self.rank is not None:
-            parts.append(f"rank{self.rank}")
-        if self.node is not None:
-            parts.append(f"node{self.node}")
-        if self.phase is not Phase.STEP:
-            parts.append(self.phase.value)
-        return "-".join(parts)
+        # "checkpoint", not "phasecheckpoint": the drills' marker names stay as they were.
+        return "-".join(
+            [self.kind.value, *(f"{k}{v}".removeprefix("phase") for k, v in self._fields())]
+        )
 
     def __str__(self) -> str:
-        out = f"{self.kind.value}@step={self.step}"
-        if self.rank is not None:
-            out += f",rank={self.rank}"
-        if self.node is not None:
-            out += f",node={self.node}"
-        if self.phase is not Phase.STEP:
-            out += f",phase={self.phase.value}"
-        return out
+        return f"{self.kind.value}@" + ",".join(f"{k}={v}" for k, v in self._fields())
 
 
 def parse_fault(spec: str | FaultSpec) -> FaultSpec:

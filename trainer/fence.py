@@ -1,22 +1,13 @@
-"""Epoch fencing: which attempt may change the run root (arch §5).
+"""Epoch fencing: which attempt may change the run root (arch §5; docs/architecture.md §6,
+"Epoch fencing").
 
-Deleting a Job does not stop a pod on an unreachable node, and a frozen VM or a stalled host can
-wake long after its attempt was replaced. Before each launch the watcher publishes a new epoch
-(``control/epoch.json``: a counter, the invocation and the attempt) and hands it to the workers
-(``NVRX_EPOCH``). Every mutation a worker makes of the run root (creating and committing a
-checkpoint, pruning, settling what a crash left, a fresh start, ``result.json``, the
-``no_restart`` marker) runs inside :meth:`Fence.hold`: under an exclusive ``flock`` on
-``control/.fence.lock`` (FSx for Lustre is mounted with ``flock``) it re-reads the epoch, and a
-writer whose epoch is no longer current changes nothing: it emits a ``fenced`` event and exits
-with ``ExitCode.FENCED`` (4). The watcher publishes under the same lock, so no epoch changes in the
-middle of a fenced mutation.
-
-The epoch never goes back: a new one is one more than the highest on record, ``epoch.json``'s
-or any event's (every attempt's first event carries its epoch), so a lost or corrupt
-``epoch.json`` lets no zombie of an earlier attempt pass. Nor does it fence a live writer: under
-the lock, a writer whose epoch is the highest on record repairs the file and goes on.
-
-A worker started without an epoch (the trainer run by hand, outside the pipeline) is unfenced.
+Deleting a Job does not stop a pod on an unreachable node, and a frozen VM can wake long after
+its attempt was replaced. So the watcher publishes a new epoch before each launch
+(``control/epoch.json``, handed over as ``NVRX_EPOCH``), and every mutation a worker makes runs
+inside :meth:`Fence.hold`: under an exclusive ``flock`` of ``control/.fence.lock`` it re-reads
+the epoch, and a writer of an older one changes nothing, emits ``fenced`` and exits 4. A new
+epoch is one more than the highest on record (``epoch.json``'s or any event's), so a lost
+``epoch.json`` lets no zombie pass. A worker started without an epoch is unfenced.
 """
 
 from __future__ import annotations
@@ -39,11 +30,9 @@ from trainer.event_types import FencedEvent, ValidationError, decode_json
 from trainer.run_files import open_regular, read_model, write_json_atomic
 
 EPOCH_ENV = "NVRX_EPOCH"
-# How long a mutation or a publication waits for the lock: a mutation holds it for a rename or
-# a few (milliseconds); longer means a holder that stopped while holding it (a frozen process).
+# A mutation holds the lock for milliseconds; longer means a holder that stopped (frozen).
 LOCK_TIMEOUT_S = 60.0
-# How much of the event log's end is read for the highest epoch on record: every attempt's
-# events since its start carry its epoch, and the newest attempt's are the log's last.
+# The event log's tail read for the highest epoch on record (the newest attempt's are last).
 EVENTS_TAIL = 4 << 20
 
 _log = logging.getLogger(__name__)
@@ -92,7 +81,7 @@ def epoch_from_env(env: dict[str, str] | None = None) -> int | None:
 @contextlib.contextmanager
 def locked(path: Path | str, *, timeout_s: float | None = None) -> Iterator[None]:
     """The lock file ``path`` (the fence's, a lease's), exclusive, waited for at most
-    ``timeout_s`` (None: :data:`LOCK_TIMEOUT_S`)."""
+    ``timeout_s`` (default :data:`LOCK_TIMEOUT_S`)."""
     timeout_s = LOCK_TIMEOUT_S if timeout_s is None else timeout_s
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,15 +129,13 @@ def logged(files: Files) -> int:
 
 
 def highest(files: Files) -> int:
-    """The highest epoch on record, ``epoch.json``'s or the event log's (0: none): an epoch.json
-    lost or corrupt is no reason to count from 1 again."""
+    """The highest epoch on record, ``epoch.json``'s or the event log's (0: none)."""
     now = current(files)
     return max(now.epoch if now is not None else 0, logged(files))
 
 
 def publish(files: Files, *, invocation: str, attempt: int) -> Epoch:
-    """A new epoch for an attempt about to launch (the watcher, under the run's lease): every
-    writer of an earlier one is fenced from now on."""
+    """A new epoch for an attempt about to launch (the watcher): earlier ones are fenced."""
     with locked(files.lock_file):
         new = Epoch(
             epoch=highest(files) + 1,
@@ -161,8 +148,8 @@ def publish(files: Files, *, invocation: str, attempt: int) -> Epoch:
 
 
 def _exit_fenced() -> None:
-    """A zombie's end: ask its own launcher not to respawn it (a respawn would only be fenced
-    again; no marker is written, that would be a change to the run root), then exit."""
+    """A zombie's end: ask its launcher not to respawn it (no marker: that would change the run
+    root), then exit."""
     with contextlib.suppress(Exception):
         from trainer import nvrx_compat
 
@@ -186,8 +173,7 @@ class Fence:
         self.files = files
         self.epoch = epoch
         self.events = events
-        # What a fenced writer does once it has said so: exit (a zombie has nothing left to
-        # do), from whichever thread found out. Tests raise instead.
+        # A fenced writer exits, from whichever thread found out (tests raise instead).
         self.on_fenced = on_fenced or _exit_fenced
 
     @contextlib.contextmanager
@@ -206,7 +192,7 @@ class Fence:
 
     def _repair(self) -> Epoch:
         """Under the lock: ``epoch.json`` is lost or corrupt and this writer's epoch is the
-        highest on record, so it is the run's: written back, and said."""
+        highest on record: written back, and said."""
         assert self.epoch is not None
         _log.warning("%s unreadable: repaired with epoch %d", self.files.epoch_file, self.epoch)
         now = Epoch(epoch=self.epoch, invocation="repaired", attempt=1, t=time.time())

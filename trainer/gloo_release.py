@@ -1,19 +1,14 @@
 """Release a raising rank's gloo connections at once, so that its peers' collectives fail now.
 
-gloo collectives cannot be aborted: ``ProcessGroupGloo.abort()`` and ``shutdown()`` return at
-once and leave a peer's pending collective blocked (measured; NVRx's ``AbortTorchDistributed``
-aborts NCCL only). When one rank raises, its peers sit in their next collective until the
-process-group timeout, and only then does the in-process restart begin: the exception's
-recovery was that timeout plus the restart (3.4 s with ``pg_timeout_s`` 3).
+gloo collectives cannot be aborted: ``ProcessGroupGloo.abort()``/``shutdown()`` leave a peer's
+pending collective blocked (NVRx's ``AbortTorchDistributed`` aborts NCCL only), so peers of a
+raising rank waited out the process-group timeout before the in-process restart began.
 
 A gloo group closes its TCP pairs when its last reference goes, and a peer blocked on a closed
-pair fails at once ("Connection closed by peer"). So the raising rank, before the exception
-leaves the function that the Wrapper restarts, drops every reference it holds to the dead
-iteration's groups: the traceback's frames (the model, whose FSDP state holds its shard group),
-the default group's registry (``destroy_process_group``), and the registries of the device
-meshes that outlive the model in torch's caches (DTensor specs hold their mesh, and a mesh keeps
-its groups in ``_pg_registry``). A ``gc.collect`` then frees the cycles modules form with their
-hooks. Every group is destroyed by then, so nothing can use what is dropped.
+pair fails at once. So the raising rank, before the exception leaves the Wrapper's function,
+drops every reference to the dead iteration's groups: the traceback's frames (the model's FSDP
+state), the default group (``destroy_process_group``), and the device meshes' ``_pg_registry``
+(DTensor specs keep meshes alive in torch's caches); ``gc.collect`` frees the cycles.
 
 Only for gloo: on NCCL the Wrapper's abort releases the peers, and a destroy on the main thread
 could wait on the very collective it is meant to end.
@@ -31,9 +26,9 @@ log = logging.getLogger(__name__)
 
 
 def release_process_groups(tb: TracebackType | None) -> float:
-    """Destroy this process's process groups and drop every reference the raised exception's
-    frames and torch's device meshes keep to them; returns the seconds it took. Never raises:
-    a failure here leaves the peers to their process-group timeout, as before."""
+    """Destroy this process's process groups and drop every reference the exception's frames and
+    torch's device meshes keep to them; the seconds it took. Never raises (on failure the peers
+    wait out their process-group timeout)."""
     t0 = time.perf_counter()
     try:
         import torch.distributed as dist

@@ -1,16 +1,13 @@
 """A run's history, folded once from its typed events: what every reader decides and reports from.
 
-:class:`RunHistory` takes events one at a time (:meth:`RunHistory.observe`), in file order, and
-keeps only what its readers ask: the stage attempts, the faults with the layer that recovered
-each, the world changes, the restarts, the newest step and checkpoint, and running
-sums. Its live state grows with attempts, faults, restarts and world changes, never with steps:
-a 1 M-step log folds in the memory of a 1 k-step one (``benchmarks/fold_events.py``).
+:class:`RunHistory` takes events one at a time, in file order, and keeps only what its readers
+ask. Its state grows with attempts, faults, restarts and world changes, never with steps: a 1
+M-step log folds in the memory of a 1 k-step one (``benchmarks/fold_events.py``).
 
-The one step-sized quantity, productive time (each step's *last* execution: a replay after a
-restart replaces the lost execution), is kept exactly with a window: a step's time is final once
-a kept checkpoint at or after it exists, because no resume can go back past the oldest kept
-checkpoint (an explicit fresh start discards everything instead). Until then it stays in the
-window, which therefore spans at most the checkpoints kept and one interval.
+Productive time (each step's *last* execution: a replay replaces the lost one) is kept exactly
+with a window: a step's time is final once a kept checkpoint at or after it exists, since no
+resume goes back past the oldest kept checkpoint (a fresh start discards everything). The window
+spans at most the checkpoints kept and one interval.
 """
 
 from __future__ import annotations
@@ -45,9 +42,8 @@ from trainer.records import (
 )
 from trainer.rundir import RunDir
 
-# Committed checkpoints remembered for the productive-time window. A run keeps a few
-# (``checkpoint.keep_last``); a writer that never reports pruning (the torchrun baseline) is
-# bounded here: a resume from further back than this many checkpoints is not a case to plan for.
+# Committed checkpoints remembered for the window: a writer that never reports pruning (the
+# torchrun baseline) is bounded here; a resume from further back is not a case to plan for.
 KEPT_CHECKPOINTS = 64
 
 
@@ -57,9 +53,8 @@ class RunHistory:
 
     def __init__(self, *, since: float = 0.0) -> None:
         self.since = since
-        # The newest epoch on record (trainer.fence): epochs only go up, so an event of an
-        # older one, after a newer one, is a replaced attempt's zombie (its appends are not
-        # fenced, its control files are) and counts for nothing here.
+        # The newest epoch on record: an older epoch's event after it is a replaced attempt's
+        # zombie (its appends are not fenced) and counts for nothing here.
         self.epoch: int | None = None
         self.stale_events = 0
         self.events_seen = 0
@@ -97,18 +92,15 @@ class RunHistory:
         self._step_blocking_s = 0.0
         self._time = {"startup": 0.0, "recovery": 0.0, "end": 0.0, "other": 0.0}
         self._attempt_t: float | None = None  # the open train attempt's start
-        # The time parts before the open attempt began: its own are scaled at its end when the
-        # event clock ran ahead of its wall time (``_close_attempt``).
+        # The time parts before the open attempt began (``_close_attempt`` may scale its own).
         self._time_before: dict[str, float] = dict(self._time)
         self._timed_before = 0.0  # and the step and blocking seconds before it
         self._prev_step_t: float | None = None  # its newest step event
         self._disturbed = False  # a fault or restart since that step
-        # Per fault (as recovered events name it): the step training went back to, and how many
-        # completed steps ran again.
+        # Per fault: the step training went back to, and how many completed steps ran again.
         self._resumed: dict[tuple[str | None, int | None], tuple[int, int, Resume | None]] = {}
-        # Per fault still open: the newest checkpoint load since it (what its recovery resumed
-        # from). Per fault, not "since the last fault": a second fault can be recorded (by
-        # another rank) before the first one's recovered event.
+        # Per fault still open: the newest load since it (what its recovery resumed from). Per
+        # fault: another rank's fault can be recorded before the first one's recovered event.
         self._load_of: dict[tuple[str | None, int | None], Resume] = {}
 
     # -- building -------------------------------------------------------------------------
@@ -116,14 +108,11 @@ class RunHistory:
     @classmethod
     def read(cls, run_root: Path, *, since: float = 0.0) -> RunHistory:
         """The fold of a run's ``events.jsonl``, streamed (never held whole)."""
-        h = cls(since=since)
-        for ev in RunDir(run_root).event_reader().iter_new():
-            h.observe(ev)
-        return h
+        return cls.of(RunDir(run_root).event_reader().iter_new(), since=since)
 
     @classmethod
     def of(cls, events: Iterable[Event], *, since: float = 0.0) -> RunHistory:
-        """The fold of events already read (:func:`trainer.rundir.read_events`)."""
+        """The fold of events already read."""
         h = cls(since=since)
         for e in events:
             h.observe(e)
@@ -237,10 +226,9 @@ class RunHistory:
             tail = max(0.0, ev.t - self._prev_step_t)
             done = ev.outcome == "completed" and not self._disturbed
             self._time["end" if done else "recovery"] += tail
-        # The parts above are spans of event times (the wall clock); the attempt's wall_s is
-        # monotonic. Where the wall clock ran ahead (a step of it, a paused VM resumed), its
-        # spans would add up to more than the attempt lasted: scale this attempt's down to fit.
-        # (The steps' own seconds are measured, not spans: they stay, and the rest shrinks.)
+        # The parts above are wall-clock spans, wall_s is monotonic: where the wall clock ran
+        # ahead (a paused VM resumed), scale this attempt's spans down to fit (the steps' own
+        # measured seconds stay).
         timed = self._steps_s + self._step_blocking_s - self._timed_before
         span = ev.t - self._attempt_t
         if span > ev.wall_s > 0 and span > timed:
@@ -295,38 +283,24 @@ class RunHistory:
             resume_step, replayed, loaded = self._resumed.get((f.fault, f.step), (None, None, None))
             out.append(
                 FaultRecord(
-                    fault=f.fault,
+                    **f.model_dump(
+                        include={"fault", "step", "rank", "node", "path", "detail", "t"}
+                    ),
                     kind=f.fault_kind,
-                    step=f.step,
-                    rank=f.rank,
-                    node=f.node,
                     recovered_by=r.layer if r else "none",
                     recovery_s=r.recovery_s if r else None,
-                    path=f.path,
-                    detail=f.detail,
                     resume_step=resume_step,
                     replayed_steps=replayed,
                     resume_source=(loaded.source or "durable") if loaded else None,
                     load_bytes=loaded.bytes if loaded else None,
                     load_s=loaded.load_s if loaded else None,
-                    t=f.t,
                 )
             )
         return out
 
     def world_change_records(self) -> list[WorldChangeRecord]:
         """Every time an elastic job re-formed on another number of ranks (trainer.elastic)."""
-        return [
-            WorldChangeRecord(
-                step=c.step,
-                from_world=c.from_world,
-                to_world=c.to_world,
-                nodes=list(c.nodes),
-                cause=c.cause,
-                t=c.t,
-            )
-            for c in self.world_changes
-        ]
+        return [WorldChangeRecord.model_validate(c.model_dump()) for c in self.world_changes]
 
     def stage_attempts(self, stage: str = "train") -> int:
         return sum(1 for a in self.attempts if a.stage == stage)

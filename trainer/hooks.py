@@ -7,9 +7,8 @@ The loop calls four points and knows nothing of what hangs on them::
     hooks.on_save_started(step)          # a save of `step` was handed to the async writer
     hooks.on_commit(step, path)          # rank 0: checkpoint `step` is committed at `path`
 
-Drills, ft_launcher heartbeats, step/recovery events: each is one
-small hook; :class:`Hooks` composes them (as NVRx's ``Compose`` does for its extension points).
-Script mode (``trainer.script``) gives a user's own loop the same hooks.
+Drills, ft_launcher heartbeats and step/recovery events are each one small hook; :class:`Hooks`
+composes them (as NVRx's ``Compose`` does). Script mode gives a user's loop the same hooks.
 """
 
 from __future__ import annotations
@@ -104,15 +103,7 @@ class FaultDrills(Hook):
         extra: dict[str, Any] = {} if bound is None else {"bound_s": bound}
         if spec.kind is FaultKind.CORRUPT_MEMORY:
             extra["file"] = self._damage_node_memory(spec)
-        event = self.events.emit(
-            Fault(
-                fault=str(spec),
-                fault_kind=spec.kind.value,
-                step=spec.step,
-                rank=self.rank,
-                **extra,
-            )
-        )
+        event = self._fault(spec, spec.step, **extra)
         # Open until the first step after the restart closes it (before the fault fires).
         if not spec.is_damage:
             with self.fence.hold(f"record the fault {spec}"):
@@ -143,17 +134,7 @@ class FaultDrills(Hook):
             return
         path = self.node_memory.bin_path(header.generation, self.node_memory.peer_dir(src))
         flip_bytes(path)
-        self.events.emit(
-            Fault(
-                fault=str(spec),
-                fault_kind=spec.kind.value,
-                step=spec.step,
-                rank=self.rank,
-                file=str(path),
-                copy_of_rank=src,
-                copy_step=step,
-            )
-        )
+        self._fault(spec, spec.step, file=str(path), copy_of_rank=src, copy_step=step)
 
     def on_step_start(self, step: int) -> None:
         self.injector.maybe_fire(step)
@@ -167,15 +148,14 @@ class FaultDrills(Hook):
             return
         victim = sorted(path.glob("*.distcp"))[0]
         flip_bytes(victim)
-        self.events.emit(
-            Fault(
-                fault=str(spec),
-                fault_kind=spec.kind.value,
-                step=step,
-                rank=self.rank,
-                file=str(victim),
-            )
+        self._fault(spec, step, file=str(victim))
+
+    def _fault(self, spec: FaultSpec, step: int, **extra: Any) -> Fault:
+        """The ``fault`` event of a drill this rank carried out."""
+        fault = Fault(
+            fault=str(spec), fault_kind=spec.kind.value, step=step, rank=self.rank, **extra
         )
+        return self.events.emit(fault)
 
 
 class Heartbeats(Hook):
@@ -259,4 +239,4 @@ def emit_recoveries(events: EventLog, layer: str, step: int, *, began: float) ->
                     recovery_s=round(max(0.0, now - f.t), 3),
                 )
             )
-            run_dir.close_fault(path)
+            path.unlink(missing_ok=True)

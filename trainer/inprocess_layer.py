@@ -1,6 +1,5 @@
-"""The in-process restart layer (arch §2), in NVRx's own shape: one ``inprocess.Wrapper`` around
-the train function, configured by small callables, its finalize a ``Compose`` of steps that each
-undo one thing before every rank re-enters the function in the same interpreter.
+"""The in-process layer (arch §2): one NVRx ``inprocess.Wrapper`` around the train function;
+every rank re-enters it in the same interpreter after a fault.
 
 - it restarts only with the full world (``RetryController(min_world_size=world_size)``): if a
   rank is gone for good, shrinking would change the data order, so the Wrapper gives up and the
@@ -17,7 +16,6 @@ import dataclasses
 import datetime
 import logging
 import os
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -26,73 +24,33 @@ from nvidia_resiliency_ext import inprocess
 from nvidia_resiliency_ext.inprocess.exception import RestartAbort
 
 from trainer import nvrx_compat
-from trainer.config import InProcessConfig
 from trainer.errors import TerminalError
 from trainer.gloo_release import release_process_groups
 from trainer.process import Body, ProcessContext
-from trainer.rundir import Layout, RunDir
+from trainer.rundir import Layout, RunDir, RunResult
 
 log = logging.getLogger(__name__)
 
 
-class HandOverOnNodeLoss(inprocess.finalize.Finalize):  # type: ignore[misc]
-    """A node of this job is gone: the full-world Wrapper cannot restart without it, so leave now
-    to the in-job layer (it re-forms the world), not after draining a save for a refused restart."""
-
-    def __init__(self, run_root: Path, since: float) -> None:
-        self.run_root, self.since = run_root, since
-
-    def __call__(self, state: Any) -> Any:
-        if RunDir(self.run_root).node_lost_since(self.since):
-            raise RestartAbort("a node of this job was lost: the in-job layer re-forms the world")
-        return state
-
-
-class EndSectionsAndSave(inprocess.finalize.Finalize):  # type: ignore[misc]
-    """The restart runs out of the rank monitor's sections; the save in flight is dropped (the
-    next iteration resumes from the last complete one)."""
+class Finalize(inprocess.finalize.Finalize):  # type: ignore[misc]
+    """What every rank undoes before it re-enters the train function, in order."""
 
     def __init__(self, ctx: ProcessContext) -> None:
-        self.heartbeat, self.saver = ctx.heartbeat, ctx.saver
+        self.ctx = ctx
 
     def __call__(self, state: Any) -> Any:
-        self.heartbeat.end_sections()
-        self.saver.abandon()
-        return state
-
-
-class DestroyProcessGroup(inprocess.finalize.Finalize):  # type: ignore[misc]
-    """The next iteration makes a new group under a fresh store prefix (trainer.process)."""
-
-    def __call__(self, state: Any) -> Any:
+        # A node of this job is gone: the full-world Wrapper cannot restart without it, so leave
+        # now to the in-job layer (it re-forms the world), before draining a save for nothing.
+        if RunDir(self.ctx.cfg.run_root).node_lost_since(self.ctx.started):
+            raise RestartAbort("a node of this job was lost: the in-job layer re-forms the world")
+        # The restart runs out of the rank monitor's sections; the save in flight is dropped
+        # (the next iteration resumes from the last complete one).
+        self.ctx.heartbeat.end_sections()
+        self.ctx.saver.abandon()
+        # The next iteration makes a new group under a fresh store prefix (trainer.process).
         if dist.is_initialized():
             dist.destroy_process_group()
         return state
-
-
-def finalize(ctx: ProcessContext) -> Any:
-    # Compose runs right to left: the node-loss check first, the process group last.
-    return inprocess.Compose(
-        DestroyProcessGroup(),
-        EndSectionsAndSave(ctx),
-        HandOverOnNodeLoss(ctx.cfg.run_root, ctx.started),
-    )
-
-
-def health_check(cfg: InProcessConfig) -> Any:
-    if not torch.cuda.is_available():
-        return None
-    return inprocess.health_check.CudaHealthCheck(
-        timeout=datetime.timedelta(seconds=cfg.soft_timeout_s)
-    )
-
-
-def initialize(cfg: InProcessConfig, world_size: int) -> Any:
-    return inprocess.initialize.RetryController(
-        max_iterations=cfg.max_restarts + 1,
-        min_world_size=world_size,
-        min_active_world_size=world_size,
-    )
 
 
 class InProcessLayer:
@@ -101,7 +59,7 @@ class InProcessLayer:
     def __init__(self, ctx: ProcessContext, body: Body, *, rank: int, world_size: int) -> None:
         self.ctx, self.body, self.rank, self.world_size = ctx, body, rank, world_size
 
-    def attempt(self, call_wrapper: Any = None) -> dict[str, Any]:
+    def attempt(self, call_wrapper: Any = None) -> RunResult:
         """One iteration: the body, with what no restart fixes turned into an escape."""
         try:
             return self.body(self.ctx, call_wrapper)
@@ -116,18 +74,14 @@ class InProcessLayer:
                 log.info("rank %d released its process groups in %.3f s", self.rank, released_s)
             raise
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> RunResult:
         """Wrap and enter (the Wrapper must exist before any process group does)."""
         from trainer.stores import BoundNvrxStore, tcp_store
 
         cfg, port = self.ctx.cfg.inprocess, int(os.environ["MASTER_PORT"])
         s = datetime.timedelta(seconds=1)
-        # One store per incarnation, at MASTER_PORT (the port the launcher found free for this
-        # rendezvous round), hosted by rank 0 on MASTER_ADDR's address alone (trainer.stores):
-        # our process groups (a prefix per restart iteration) and the Wrapper's keys (the
-        # workers' and their monitor processes') are all its clients. No port next to it:
-        # MASTER_PORT+1 and +2 were never reserved, and one taken by any socket of the host left
-        # every rank waiting on a store nobody hosted (issue 29, item 7).
+        # One store per incarnation at MASTER_PORT, hosted by rank 0, for our process groups and
+        # the Wrapper's keys alike: not MASTER_PORT+1, never reserved (architecture.md, "Doors").
         store = tcp_store(
             os.environ["MASTER_ADDR"],
             port,
@@ -140,17 +94,23 @@ class InProcessLayer:
 
         logfile = self.ctx.cfg.run_root / Layout.monitor_log("{rank}")
         wrapper = inprocess.Wrapper(
-            # A client of the incarnation's store (rank 0 hosts it at MASTER_PORT, above),
-            # in the worker and in its monitor process alike.
+            # A client of that store, in the worker and in its monitor process alike.
             store_factory=BoundNvrxStore,
             store_kwargs={
                 "port": port,
                 "join": True,
-                "timeout": datetime.timedelta(seconds=cfg.barrier_timeout_s),
+                "timeout": cfg.barrier_timeout_s * s,
             },
-            initialize=initialize(cfg, self.world_size),
-            finalize=finalize(self.ctx),
-            health_check=health_check(cfg),
+            initialize=inprocess.initialize.RetryController(
+                max_iterations=cfg.max_restarts + 1,
+                min_world_size=self.world_size,
+                min_active_world_size=self.world_size,
+            ),
+            finalize=Finalize(self.ctx),
+            # NVRx's default CUDA health check needs CUDA.
+            health_check=inprocess.health_check.CudaHealthCheck(timeout=cfg.soft_timeout_s * s)
+            if torch.cuda.is_available()
+            else None,
             soft_timeout=cfg.soft_timeout_s * s,
             hard_timeout=cfg.hard_timeout_s * s,
             heartbeat_timeout=cfg.heartbeat_timeout_s * s,

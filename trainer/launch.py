@@ -46,12 +46,12 @@ class LaunchSpec:
 def ft_launcher_argv(
     cfg: TrainConfig, spec: LaunchSpec, trainer_args: list[str], *, portable: bool = False
 ) -> list[str]:
-    """``portable``: name the programs as a container image has them on its PATH
-    (``ft_launcher``, ``python``), not by this machine's paths."""
+    """``portable``: the programs as a container image's PATH has them, not this machine's."""
     inj = cfg.injob
+    low = spec.nnodes if spec.min_nodes is None else spec.min_nodes
     argv = [
         *launcher_command(cfg, spec, portable=portable),
-        f"--nnodes={nnodes_arg(spec)}",
+        f"--nnodes={NodeRange(low, spec.nnodes)}",  # N, or MIN:MAX for an elastic job
         f"--nproc-per-node={spec.nproc_per_node}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={spec.rdzv_endpoint}",
@@ -74,21 +74,14 @@ def ft_launcher_argv(
 
 
 def launcher_command(cfg: TrainConfig, spec: LaunchSpec, *, portable: bool = False) -> list[str]:
-    """ft_launcher itself, or for a job whose world may change in-job NVRx's launcher through
-    :mod:`trainer.agent`, which shortens the rendezvous keep-alive (a dead node is dropped from
-    the world only after it)."""
+    """ft_launcher, or for an elastic job NVRx's launcher through :mod:`trainer.agent` (which
+    shortens the rendezvous keep-alive a dead node is dropped after)."""
     if not spec.elastic:
         return ["ft_launcher" if portable else ft_launcher_path()]
     inj = cfg.injob
     python = "python" if portable else sys.executable
     keep_alive = f"{inj.rdzv_keep_alive_s:g}:{inj.rdzv_keep_alive_misses}"
     return [python, "-m", "trainer.agent", "--keep-alive", keep_alive, "--"]
-
-
-def nnodes_arg(spec: LaunchSpec) -> str:
-    """``--nnodes``: ``N``, or ``MIN:MAX`` for an elastic job."""
-    low = spec.nnodes if spec.min_nodes is None else spec.min_nodes
-    return str(NodeRange(low, spec.nnodes))
 
 
 def rdzv_conf(cfg: TrainConfig, spec: LaunchSpec) -> str:
@@ -127,10 +120,8 @@ CONFIG_ENV = "NVRX_CONFIG"  # the attempt's config file, for script mode (traine
 
 
 def trainer_args(cfg: TrainConfig, config_path: Path) -> list[str]:
-    """What ft_launcher runs in each worker: the built-in trainer reading the attempt's config
-    file (one serialized config; nothing is lost on a round trip through flags), or in script
-    mode the user's script with its own arguments (it finds the config through
-    ``NVRX_CONFIG``, see :func:`worker_env`)."""
+    """What ft_launcher runs in each worker: the trainer reading the attempt's config file, or
+    the user's script with its own arguments (it finds the config through ``NVRX_CONFIG``)."""
     if cfg.is_script:
         return [str(cfg.script_path), *cfg.expanded_script_args()]
     return ["-m", "trainer", f"--config={config_path}"]
@@ -143,9 +134,8 @@ def worker_env(config_path: Path) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m trainer.launch [--nnodes N] [--nproc-per-node P] [--rdzv-endpoint H:P]
-    [--rdzv-id ID] TRAINER_ARGS...``: validate the trainer config here, then exec ft_launcher."""
+    [--rdzv-id ID] TRAINER_ARGS...``: validate the config here, then exec ft_launcher."""
     import argparse
-    import os
 
     from trainer.config import ConfigError, save_config
     from trainer.errors import ExitCode
@@ -183,8 +173,8 @@ if __name__ == "__main__":
 
 
 def incarnation(env: dict[str, str] | None = None) -> str | None:
-    """This worker group under its launcher: the rendezvous id and the group's restart count
-    (every node's agent restarts its group together); None when not under a launcher."""
+    """This worker group: the rendezvous id and the group's restart count (every node's agent
+    restarts its group together); None when not under a launcher."""
     env = dict(os.environ) if env is None else env
     run = env.get("TORCHELASTIC_RUN_ID")
     return None if not run else f"{run}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"

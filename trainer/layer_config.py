@@ -1,11 +1,10 @@
-"""The fault layers' settings: the in-process restart (:class:`InProcessConfig`) and the in-job
-layer (:class:`InJobConfig`: ft_launcher's heartbeat and section timeouts, respawns, node silence),
-each validated at construction so that the timeouts nest as the layers need; the section names
-ft_launcher times, and the in-job timeouts a worker may derive itself (``auto``,
-:mod:`trainer.timeouts`)."""
+"""The fault layers' settings, validated at construction so that the timeouts nest: the
+in-process restart (:class:`InProcessConfig`) and the in-job layer (:class:`InJobConfig`), whose
+timeouts a worker may derive itself (``auto``, :mod:`trainer.timeouts`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from trainer.errors import require
@@ -28,29 +27,16 @@ class InProcessConfig:
     barrier_timeout_s: float = 60.0
     completion_timeout_s: float = 60.0
     max_restarts: int = 5
-    # NVRx's polling periods (monitor thread, monitor process, progress watchdog, its own
-    # heartbeat), 1 s by default: every restart and every clean exit waits up to one of them
-    # several times over. A quarter second costs nothing measurable on the loop.
+    # NVRx's polling periods (1 s by default): every restart and clean exit waits up to one of
+    # them several times over; a quarter second costs nothing measurable on the loop.
     monitor_interval_s: float = 0.25
-    # How long the Wrapper waits after a fault for other ranks to report theirs before it
-    # restarts (NVRx default 1 s, all of it on the exception-recovery path).
+    # The Wrapper's wait after a fault for other ranks' (NVRx: 1 s, all on the recovery path).
     last_call_wait_s: float = 0.25
-    # SIGTERM to SIGKILL when the monitor process terminates an unresponsive rank (NVRx default
-    # 5 s; a rank that ignores SIGTERM, or a stopped one, waits all of it).
+    # SIGTERM to SIGKILL for an unresponsive rank (NVRx: 5 s, all of it for a stopped rank).
     termination_grace_s: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in (
-            "pg_timeout_s",
-            "soft_timeout_s",
-            "hard_timeout_s",
-            "heartbeat_timeout_s",
-            "barrier_timeout_s",
-            "completion_timeout_s",
-            "monitor_interval_s",
-            "last_call_wait_s",
-            "termination_grace_s",
-        ):
+        for name in (f.name for f in dataclasses.fields(self) if f.name.endswith("_s")):
             value = getattr(self, name)
             require(value > 0, f"inprocess.{name}", f"must be > 0 seconds, got {value}")
         require(
@@ -85,18 +71,16 @@ class InProcessConfig:
         )
 
 
-# ft_launcher section names (trainer.resilience.Heartbeat opens them): the steps, a checkpoint
-# save and commit, a checkpoint load. Anything else (start-up, an in-process restart) is "out of
-# section", which has its own timeout.
+# ft_launcher's sections (trainer.resilience.Heartbeat); anything else (start-up, an in-process
+# restart) is "out of section", with its own timeout.
 STEP_SECTION = "step"
 CHECKPOINT_SECTION = "checkpoint"
 LOAD_SECTION = "load"
 
 
 def backstop(out_of_section_s: float, longest_section_s: float) -> float:
-    """The heartbeat timeout auto: a beat goes out at every section's end and step-section
-    renewal (trainer.resilience.Heartbeat), so no healthy gap between two beats is longer than
-    an out-of-section stretch and the longest section after it."""
+    """The heartbeat timeout auto: a beat goes out at every section's end and step renewal, so
+    no healthy gap is longer than an out-of-section stretch and the longest section after it."""
     return out_of_section_s + longest_section_s
 
 
@@ -119,39 +103,32 @@ AUTO_TIMEOUTS = (
 class InJobConfig:
     """In-job restart: ``ft_launcher`` + ``RankMonitorClient`` heartbeats.
 
-    Every timeout (:data:`AUTO_TIMEOUTS`) is ``"auto"`` by default: until the incarnation has
-    measured what a timeout covers it is ``startup_allowance_s`` (interpreter start, the model
-    build, the first steps and the first save, which no earlier run of this job predicts), then
-    ``timeout_multiple`` x the longest such stretch measured, between its floor and the
-    allowance (trainer.timeouts). A number pins a timeout: the step timeout is then the ceiling
-    the learned one stays under (as the allowance is for ``auto``), every other one is fixed.
-    """
+    Every timeout (:data:`AUTO_TIMEOUTS`) is ``"auto"`` by default: ``startup_allowance_s`` until
+    the incarnation has measured what it covers, then ``timeout_multiple`` x the longest such
+    stretch, between its floor and the allowance (trainer.timeouts). A number pins a timeout
+    (for the step timeout: the ceiling the learned one stays under)."""
 
     enabled: bool = True
     max_restarts: int = 3
-    # What every auto timeout is until measured: a model whose build or first step takes longer
-    # needs more (or those timeouts pinned).
+    # A model whose build or first step takes longer needs more (or the timeouts pinned).
     startup_allowance_s: float = 600.0
     initial_heartbeat_timeout_s: Timeout = AUTO
-    # The backstop: no heartbeat for this long kills the rank whatever section it is in. A beat
-    # goes out at every section's end and every step-section renewal, so it must cover the
-    # out-of-section timeout and the longest section (auto: their sum).
+    # The backstop: no heartbeat for this long kills the rank whatever section it is in (auto:
+    # the out-of-section timeout + the longest section's, see backstop()).
     heartbeat_timeout_s: Timeout = AUTO
-    # How often ft_launcher polls its workers: a worker's death, and its clean exit, wait for it.
+    # How often ft_launcher polls its workers: a death, and a clean exit, wait for it.
     monitor_interval_s: float = 0.25
     workers_stop_timeout_s: float = 5.0
     # Survivors of a lost node wait this long in rendezvous before ft_launcher gives up (exit 1).
     rdzv_join_timeout_s: float = 20.0
-    # Elastic jobs (trainer.elastic): once the range's minimum has joined, how long the
-    # rendezvous waits for more nodes before it closes the round; and how often a node renews
-    # its membership, and how many renewals it may miss before it is dropped (a dead node holds
-    # its place in the world that long: the survivors re-form after it).
+    # Elastic jobs: how long the rendezvous waits for more nodes once the minimum has joined;
+    # how often a node renews its membership, and how many renewals it may miss before it is
+    # dropped (the survivors re-form only after that).
     rdzv_last_call_s: float = 2.0
     rdzv_keep_alive_s: float = 1.0
     rdzv_keep_alive_misses: int = 3
-    # Hang detection by section (trainer.resilience.Heartbeat): the steps, reported at most once
-    # per heartbeat_interval_s; a checkpoint save and commit; a checkpoint load; and everything
-    # else (start-up, an in-process restart).
+    # Hang detection by section: the steps (reported at most once per heartbeat_interval_s), a
+    # checkpoint save and commit, a load, and everything else.
     heartbeat_interval_s: float = 1.0
     step_timeout_s: Timeout = AUTO
     checkpoint_timeout_s: Timeout = AUTO
@@ -159,22 +136,16 @@ class InJobConfig:
     out_of_section_timeout_s: Timeout = AUTO
     # How often each node's rank monitor checks those timeouts (NVRx default 5 s).
     check_interval_s: float = 0.25
-    # Learning (trainer.timeouts): the step timeout once learn_after_sections step sections have
-    # closed after the first (the warm-up: compilation, allocator growth), timeout_multiple x the
-    # longest, at least step_timeout_floor_s; the checkpoint, load and out-of-section timeouts
-    # timeout_multiple x the longest such section seen (rising when a longer one comes), at
-    # least section_floor_s. 0 sections: nothing is learned, the allowance (or the pinned
-    # values) stay in force.
+    # Learning (trainer.timeouts): the step timeout after learn_after_sections step sections past
+    # the warm-up one; the others from the longest such section seen (rising, never falling).
+    # 0 sections: nothing is learned.
     learn_after_sections: int = 10
     timeout_multiple: float = 5.0
     step_timeout_floor_s: float = 3.0
     section_floor_s: float = 30.0
-    # A node that stops without dying (a frozen host, a partition) stops its beat file
-    # (trainer.node_beat, rewritten every heartbeat_interval_s); the watcher takes a training
-    # node away as lost once its beat has not changed for this long while another node's has.
-    # It must cover the longest stretch a node's first worker is gone for good reasons: an
-    # in-job respawn (stop, rendezvous, interpreter start, the model build). Auto: measured
-    # from the attempt's own start (tasks.watch_state.SilenceRule).
+    # A frozen node's beat file (trainer.node_beat) stops changing; the watcher takes it as lost
+    # after this long while another node's beat changes. It must cover an in-job respawn (stop,
+    # rendezvous, interpreter start, model build). Auto: tasks.watch_state.SilenceRule.
     node_silence_s: Timeout = AUTO
 
     def __post_init__(self) -> None:
@@ -194,19 +165,12 @@ class InJobConfig:
             require(
                 ok, f"injob.{name}", f"must be 'auto' or a number of seconds > 0, got {value!r}"
             )
-        for name in (
-            "startup_allowance_s",
-            "monitor_interval_s",
-            "workers_stop_timeout_s",
-            "rdzv_join_timeout_s",
-            "rdzv_last_call_s",
-            "rdzv_keep_alive_s",
-            "heartbeat_interval_s",
-            "check_interval_s",
-            "section_floor_s",
-        ):
-            value = getattr(self, name)
-            require(value > 0, f"injob.{name}", f"must be > 0 seconds, got {value}")
+        # Every other number of seconds (the step floor is checked against the interval below).
+        skip = {*AUTO_TIMEOUTS, "step_timeout_floor_s"}
+        for name in (f.name for f in dataclasses.fields(self) if f.name.endswith("_s")):
+            if name not in skip:
+                value = getattr(self, name)
+                require(value > 0, f"injob.{name}", f"must be > 0 seconds, got {value}")
         require(
             isinstance(self.rdzv_keep_alive_misses, int) and self.rdzv_keep_alive_misses >= 1,
             "injob.rdzv_keep_alive_misses",
@@ -276,9 +240,8 @@ class InJobConfig:
         return None if value == AUTO else float(value)
 
     def seconds(self, name: str) -> float:
-        """The timeout ``name`` at launch, before this incarnation measured anything: the pinned
-        value, or the start-up allowance (the heartbeat backstop auto: the out-of-section
-        timeout plus the longest section's, see ``heartbeat_timeout_s``)."""
+        """The timeout ``name`` at launch: the pinned value, or the start-up allowance (the
+        heartbeat ones: :func:`backstop`)."""
         value = self.pinned(name)
         if value is not None:
             return value

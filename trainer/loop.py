@@ -16,6 +16,7 @@ import torch
 from trainer.event_types import Phase
 from trainer.events import EventLog
 from trainer.process import ProcessContext
+from trainer.rundir import RunResult
 from trainer.session import TrainSession
 from trainer.workload import OptimSettings
 
@@ -35,7 +36,7 @@ class _Phases:
         self.t = now
 
 
-def train(ctx: ProcessContext, call_wrapper: Any = None) -> dict[str, Any]:
+def train(ctx: ProcessContext, call_wrapper: Any = None) -> RunResult:
     """One attempt of the whole training run in this process (all ranks): the workload's model,
     data and loss around the one training core (:class:`trainer.session.TrainSession`)."""
     cfg, wl = ctx.cfg, ctx.cfg.wl

@@ -1,18 +1,13 @@
 """Rank 0's Prometheus metrics: ``nvrx_train_*`` and ``nvrx_checkpoint_*`` on a scrape endpoint.
 
-They are fed from the events rank 0 already makes (``EventLog.observers``): a ``step`` event
-carries the step, the loss and tokens/s the loop computed anyway, a ``checkpoint`` event its
-blocking and save-to-commit seconds, a ``restart`` event its layer. So the feature costs the
-loop a few in-memory updates a step: no collective, no I/O (a scrape reads the registry on the
-server's own thread).
+Fed from the events rank 0 already makes (``EventLog.observers``: the step, loss and tokens/s of
+a ``step``, a ``checkpoint``'s seconds, a ``restart``'s layer), they cost the loop a few
+in-memory updates a step: no collective, no I/O (a scrape reads on the server's own thread).
 
-One endpoint per process (:func:`serve`, called once per worker process by
-``trainer.worker``): an in-process restart re-enters the train function in the same process
-and keeps it; an in-job restart is a new process, which binds the port again (the old process
-is gone by then; :class:`MetricsServer` retries a little while in case it is still exiting).
-
-:class:`TrainingSeries` is also what the flow side (``tasks.metrics``) maps the same events
-with, so a series means the same thing on either endpoint.
+One endpoint per worker process (:func:`start_endpoint`): an in-process restart keeps it; an
+in-job restart's new process binds the port again (:class:`MetricsServer` retries while the old
+one exits). :class:`TrainingSeries` is also what the flow side (``tasks.metrics``) maps the same
+events with, so a series means the same thing on either endpoint.
 """
 
 from __future__ import annotations
@@ -29,8 +24,7 @@ from trainer.event_types import Checkpoint, Event, Restart, Step
 
 log = logging.getLogger(__name__)
 
-# Seconds the loop is blocked by a save (the device-to-host copy): well under a second is the
-# target, seconds means the copy is in the way.
+# Seconds a save blocks the loop (the device-to-host copy): the target is well under a second.
 BLOCKING_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # From save() until the checkpoint is committed (written, manifest, rename) while training goes on.
 COMMIT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -93,11 +87,7 @@ class TrainingSeries:
             "Seconds from a checkpoint's save until it was committed",
             COMMIT_BUCKETS,
         )
-        # The conventional build-info series (value 1): which versions a target runs, for a
-        # dashboard's table and for joins (`* on(run_id) group_left(version)`).
-        Info("nvrx_build", "Versions this process runs", ["run_id"], registry=registry).labels(
-            run_id
-        ).info(build_versions())
+        build_info(registry, run_id)
 
     def observe(self, e: Event) -> None:
         if isinstance(e, Step):
@@ -120,8 +110,7 @@ class TrainingSeries:
 
 
 class Rank0Metrics:
-    """What rank 0's endpoint serves: the training series and the in-process restarts this
-    process went through."""
+    """Rank 0's endpoint: the training series and this process's in-process restarts."""
 
     def __init__(self, run_id: str) -> None:
         self.registry = CollectorRegistry()  # ours alone: no process or platform collectors
@@ -139,21 +128,6 @@ class Rank0Metrics:
             self.inprocess_restarts.inc()
 
 
-class NodeMetrics:
-    """What every other pod's first worker serves where each pod is a scrape target (EKS,
-    ``TrainConfig.metrics_every_node``): its versions and the rank it holds. So no training pod
-    is a target that refuses the scrape (``up == 0``, kube-prometheus-stack's ``TargetDown``),
-    and ``nvrx_train_rank == 0`` names the pod that has rank 0's series. The training series
-    stay rank 0's alone: a dashboard summing pods counts nothing twice."""
-
-    def __init__(self, run_id: str, rank: int) -> None:
-        self.registry = CollectorRegistry()
-        Info("nvrx_build", "Versions this process runs", ["run_id"], registry=self.registry).labels(
-            run_id
-        ).info(build_versions())
-        rank_gauge(self.registry, run_id).set(rank)
-
-
 def rank_gauge(registry: CollectorRegistry, run_id: str) -> Any:
     return Gauge(
         "nvrx_train_rank",
@@ -163,10 +137,18 @@ def rank_gauge(registry: CollectorRegistry, run_id: str) -> Any:
     ).labels(run_id)
 
 
+def build_info(registry: CollectorRegistry, run_id: str) -> None:
+    """The conventional build-info series (value 1): which versions a target runs, for a
+    dashboard's table and for joins (``* on(run_id) group_left(version)``)."""
+    Info("nvrx_build", "Versions this process runs", ["run_id"], registry=registry).labels(
+        run_id
+    ).info(build_versions())
+
+
 class MetricsServer:
     """A scrape endpoint for one registry on ``addr:port``. A port still held (the previous
-    incarnation of this rank exiting, another run on the host) is retried in the background for
-    ``retry_s``, then given up with a warning: metrics never stop training or a flow."""
+    incarnation exiting, another run) is retried in the background for ``retry_s``, then given
+    up with a warning: metrics never stop training or a flow."""
 
     def __init__(
         self, registry: CollectorRegistry, *, port: int, addr: str, retry_s: float = 30.0
@@ -225,29 +207,22 @@ class MetricsServer:
             httpd.server_close()
 
 
-def serve(run_id: str, *, port: int, addr: str) -> tuple[Rank0Metrics, MetricsServer]:
-    """Rank 0's metrics and their endpoint; feed them with ``events.observers.append``."""
-    metrics = Rank0Metrics(run_id)
-    rank_gauge(metrics.registry, run_id).set(0)
-    return metrics, MetricsServer(metrics.registry, port=port, addr=addr)
-
-
-def serve_node(run_id: str, rank: int, *, port: int, addr: str) -> MetricsServer:
-    """The endpoint of a pod whose first worker is not rank 0 (:class:`NodeMetrics`)."""
-    return MetricsServer(NodeMetrics(run_id, rank).registry, port=port, addr=addr)
-
-
 def start_endpoint(cfg: Any, rank: int, local_rank: int, events: Any) -> MetricsServer | None:
-    """This worker's endpoint, if it has one: rank 0's (fed by its event log's observers), or,
-    with ``cfg.metrics_every_node``, a node's first worker's. ``cfg`` is a TrainConfig; the run
-    directory is named by the run id (<shared root>/runs/<run_id>)."""
-    if cfg.metrics_port is None:
+    """This worker's endpoint, if it has one (``cfg`` a TrainConfig; the run directory is named
+    by the run id): rank 0's, fed by its event log's observers; or, with
+    ``cfg.metrics_every_node``, a node's first worker's: its versions and its rank, so that no
+    training pod is a target refusing the scrape (``up == 0``, ``TargetDown``) and
+    ``nvrx_train_rank == 0`` names the pod with rank 0's series (the training series stay rank
+    0's alone: a dashboard summing pods counts nothing twice)."""
+    if cfg.metrics_port is None or (rank != 0 and not (cfg.metrics_every_node and local_rank == 0)):
         return None
     run_id = cfg.run_root.name
     if rank == 0:
-        metrics, server = serve(run_id, port=cfg.metrics_port, addr=cfg.metrics_addr)
+        metrics = Rank0Metrics(run_id)
         events.observers.append(metrics.observe)
-        return server
-    if cfg.metrics_every_node and local_rank == 0:
-        return serve_node(run_id, rank, port=cfg.metrics_port, addr=cfg.metrics_addr)
-    return None
+        registry = metrics.registry
+    else:
+        registry = CollectorRegistry()
+        build_info(registry, run_id)
+    rank_gauge(registry, run_id).set(rank)
+    return MetricsServer(registry, port=cfg.metrics_port, addr=cfg.metrics_addr)

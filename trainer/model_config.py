@@ -1,10 +1,8 @@
-"""The built-in GPT's shape (:class:`ModelConfig`), validated at construction. Named sizes are
-plain functions (``tiny()``, ``gpt_100m()``, ``gpt_8b()``) derived by copy-and-change, not piles
-of flags; :func:`model_config` looks one up by name (``trainer.workloads.gpt``)."""
+"""The built-in GPT's shape (:class:`ModelConfig`), validated at construction, and its named
+sizes (:func:`model_config` looks one up by name, for ``trainer.workloads.gpt``)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,17 +42,8 @@ class ModelConfig:
     def num_params(self) -> int:
         """Exact parameter count of :class:`trainer.model.GPT` for this config."""
         d, f, v, s = self.d_model, self.d_ff, self.vocab_size, self.seq_len
-        per_block = (
-            2 * 2 * d  # two LayerNorms (weight + bias)
-            + 3 * d * d
-            + 3 * d  # qkv projection
-            + d * d
-            + d  # attention output projection
-            + d * f
-            + f
-            + f * d
-            + d  # MLP
-        )
+        # Two LayerNorms (weight + bias), the qkv projection, the attention output, the MLP.
+        per_block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f + f * d + d)
         return v * d + s * d + self.n_layers * per_block + 2 * d + d * v
 
 
@@ -65,26 +54,15 @@ def tiny() -> ModelConfig:
     )
 
 
-def gpt_100m() -> ModelConfig:
-    """~110M parameters (GPT-2 small shape with a 16k vocabulary): the single-GPU smoke size."""
-    return ModelConfig(
-        name="100m",
-        vocab_size=16384,
-        seq_len=1024,
-        d_model=768,
-        n_layers=12,
-        n_heads=12,
-        d_ff=3072,
-    )
-
-
-def gpt_8b() -> ModelConfig:
-    """~7.5B parameters, the 8B class (Llama-3-8B width, depth and vocabulary).
-
-    For p5.48xlarge nodes (8x H100 80 GB each), FSDP2 over >= 2 nodes; not run on CPU machines.
-    Global batch is set in TrainConfig."""
-    return dataclasses.replace(
-        gpt_100m(),
+# Named sizes: 100m is the GPT-2 small shape with a 16k vocabulary (the single-GPU smoke size,
+# ~110M parameters); 8b has Llama-3-8B's width, depth and vocabulary (~7.5B parameters: FSDP2
+# over >= 2 p5.48xlarge nodes, not run on CPU machines).
+MODEL_SIZES: dict[str, Callable[[], ModelConfig]] = {
+    "tiny": tiny,
+    "100m": lambda: ModelConfig(
+        name="100m", vocab_size=16384, seq_len=1024, d_model=768, n_layers=12, n_heads=12, d_ff=3072
+    ),
+    "8b": lambda: ModelConfig(
         name="8b",
         vocab_size=128256,
         seq_len=8192,
@@ -92,13 +70,7 @@ def gpt_8b() -> ModelConfig:
         n_layers=32,
         n_heads=32,
         d_ff=16384,
-    )
-
-
-MODEL_SIZES: dict[str, Callable[[], ModelConfig]] = {
-    "tiny": tiny,
-    "100m": gpt_100m,
-    "8b": gpt_8b,
+    ),
 }
 
 

@@ -1,16 +1,8 @@
-"""A node's sign of life on the shared filesystem, for the watcher (arch §4, silent nodes).
-
-A node can stop without dying: a frozen VM, a partitioned host, a stalled kubelet. Its processes
-stay in the process table (locally) or its pod stays ``Running`` (EKS), and its own rank monitor
-is frozen with it, so no layer of the job notices; the survivors only block in a collective. So
-the first worker of each node (local rank 0) rewrites a small file every ``interval_s`` from a
-thread of its own, beside the training loop (which may block in a collective for good reasons):
-``control/beats/e<epoch>-node<N>`` (:meth:`trainer.rundir.RunDir.beat_file`), which the watcher
-reads (:meth:`~trainer.rundir.RunDir.beats`) and judges on its own monotonic clock
-(:func:`tasks.watch_state.silent`): no two hosts' clocks are ever compared.
-
-The file holds no decision, only a changing token; a frozen writer that wakes writes its own
-epoch's file, which no watcher of a later attempt reads.
+"""A node's sign of life on the shared filesystem, for the watcher (docs/architecture.md §4,
+"Silent nodes"): a frozen host keeps its processes and freezes its own rank monitor, so no layer
+of the job notices. Each node's first worker rewrites ``control/beats/e<epoch>-node<N>`` from a
+thread of its own (the loop may block in a collective for good reasons); the watcher judges the
+changes on its own monotonic clock. The file holds no decision, only a changing token.
 """
 
 from __future__ import annotations

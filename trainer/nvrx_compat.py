@@ -15,13 +15,14 @@ import os
 import queue
 from typing import Any
 
+from nvidia_resiliency_ext.checkpointing.async_ckpt import core as _core
 from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async as _fs_async
 from nvidia_resiliency_ext.checkpointing.async_ckpt import state_dict_saver as _saver
-from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 
 log = logging.getLogger(__name__)
 
 FileSystemWriterAsync = _fs_async.FileSystemWriterAsync
+AsyncCallsQueue, AsyncRequest = _core.AsyncCallsQueue, _core.AsyncRequest
 _PLAN_PARAMS = set(inspect.signature(_saver.save_state_dict_async_plan).parameters)
 
 
@@ -48,21 +49,17 @@ def new_metadata_cache() -> Any:
 
 
 def warm_write_results_queue() -> None:
-    """NVRx's writer reports results through a ``multiprocessing`` Manager queue that it creates
-    lazily (a process spawn, ~1 s): create it at init rather than inside the first save. Not
-    thread-safe against a save planning at the same time (two Managers): the caller makes sure
-    no save starts before this returns."""
+    """Create NVRx's lazily made results-queue Manager (a spawn, ~1 s) now, not in the first
+    save. Not thread-safe against a save planning meanwhile (two Managers): the caller waits."""
     getter = getattr(_fs_async, "_get_write_results_queue", None)
     if getter is not None:
         getter()
 
 
 def fork_write_results_queue() -> bool:
-    """Create NVRx's results-queue Manager by forking this process (see
-    :func:`start_persistent_writer`'s ``fork``) if none exists: its server unpickles the write
-    results, torch types among them, so a spawned one imports torch on the first save's results
-    (measured: the first save's finalize waited 2.8 s for it); a forked one has it already.
-    False (nothing done) where this NVRx keeps no such queue."""
+    """Create NVRx's results-queue Manager by forking this process, if none exists: its server
+    unpickles torch types, so a spawned one imports torch on the first save's results (the
+    first finalize waited 2.8 s for it). False where this NVRx keeps no such queue."""
     if not hasattr(_fs_async, "_results_queue") or not hasattr(
         _fs_async, "_get_write_results_queue"
     ):
@@ -83,13 +80,10 @@ def write_results_queue_ready() -> bool:
 
 
 def stop_write_results_queue() -> None:
-    """At the worker's end: stop NVRx's results-queue Manager now, and forget it.
-
-    Left to its exit finalizer, every worker's exit waited ~1 s for it: the finalizer asks the
-    Manager to shut down and joins it for up to 1 s, and the Manager, which has imported torch
-    to unpickle the write results it carries, takes about that long to wind down (measured
-    0.8-1.0 s, then terminated). Nothing is lost by killing it once every save is finalized or
-    abandoned; a later save in this process (tests) starts a new one."""
+    """At the worker's end: kill NVRx's results-queue Manager now, and forget it. Left to its
+    exit finalizer (a join of up to 1 s; having imported torch it takes 0.8-1.0 s to wind down),
+    every worker's exit waited ~1 s. Nothing is lost once every save is finalized or abandoned;
+    a later save in this process starts a new one."""
     results = getattr(_fs_async, "_results_queue", None)
     process = getattr(getattr(results, "_manager", None), "_process", None)
     if process is None:
@@ -101,13 +95,10 @@ def stop_write_results_queue() -> None:
 
 
 def discard_write_results() -> int:
-    """Empty NVRx's process-wide write-results queue; returns how many results were dropped.
-
-    The writer puts one item per save (its write results, or its exception) and only a finalize
-    takes one, first in, first out. A save that is abandoned (a fault) or forgotten (a dead
-    writer) leaves its item behind, and the next finalize would build that save's DCP
-    ``.metadata`` from it: a checkpoint that does not load (measured: a KeyError on the first
-    tensor the other layout lacks), or one that hides its own write error."""
+    """Empty NVRx's process-wide write-results queue; how many results were dropped. The writer
+    puts one item per save and a finalize takes the oldest: an abandoned save's item would give
+    the next finalize that save's DCP ``.metadata`` (a checkpoint that does not load, or that
+    hides its own write error)."""
     results = getattr(_fs_async, "_results_queue", None)
     dropped = 0
     while results is not None:
@@ -120,17 +111,12 @@ def discard_write_results() -> int:
 
 
 def start_persistent_writer(queue: Any, request: Any, *, rank: int, fork: bool = False) -> str:
-    """Schedule ``request`` on a persistent ``AsyncCallsQueue``, starting its writer process,
-    before any process group exists: NVRx asks ``torch.distributed.get_rank()`` for a log line
-    on the first call unless the caller's rank is already set. Returns how the writer started.
-
-    NVRx spawns the persistent writer: a new interpreter that imports torch and the DCP writer
-    before it can write (measured here: 4.5 s for a lone worker, 7-16 s with 2-3 workers on 2
-    cores, each save after the first waiting for it). With ``fork`` (the caller's word that
-    this process has no other thread yet and has not touched CUDA: at a worker's start), the
-    writer is this process forked instead, running NVRx's own loop on NVRx's own queues: ready
-    at once, with nothing to import. Where this NVRx's caller does not look as expected, it is
-    spawned as NVRx does it."""
+    """Schedule ``request`` on a persistent ``AsyncCallsQueue``, starting its writer, before any
+    process group exists (the caller's rank is set so NVRx does not ask ``get_rank()``); returns
+    how the writer started. NVRx spawns it: an interpreter that imports torch first (4.5 s for a
+    lone worker, 7-16 s with 2-3 workers on 2 cores). With ``fork`` (the caller's word that no
+    other thread runs and CUDA is untouched) this process is forked to run NVRx's own loop on
+    its own queues: ready at once. An NVRx whose caller looks unexpected spawns as usual."""
     caller = queue._get_async_caller()
     if getattr(caller, "rank", None) is None:
         caller.rank = rank
@@ -138,9 +124,7 @@ def start_persistent_writer(queue: Any, request: Any, *, rank: int, fork: bool =
     if fork and _can_fork_writer(caller):
         import multiprocessing as mp
 
-        from nvidia_resiliency_ext.checkpointing.async_ckpt import core
-
-        level = logging.getLogger(core.__name__).getEffectiveLevel()
+        level = logging.getLogger(_core.__name__).getEffectiveLevel()
         process = mp.get_context("fork").Process(
             target=_with_parent(type(caller).async_loop),
             args=(rank, caller.queue, caller.preload_q, caller.comp_q, level),
@@ -153,15 +137,11 @@ def start_persistent_writer(queue: Any, request: Any, *, rank: int, fork: bool =
 
 
 def _die_with_parent(parent: int) -> None:
-    """In a forked helper: die with the worker (PR_SET_PDEATHSIG). A worker killed by the
-    launcher (a hang, a SIGKILL drill) would otherwise leave its forked writer and Manager
-    behind for good, blocked on queues nobody feeds (measured: 2 per killed worker)."""
+    """In a forked helper: die with the worker (PR_SET_PDEATHSIG), or a killed worker leaves its
+    forked writer and Manager blocked for good on queues nobody feeds."""
     _pdeathsig(parent)
-    # The same for whatever this helper forks in turn: NVRx's writer forks a process per
-    # write (FileSystemWriterAsync.write_preloaded_data_multiproc); the death signal is not
-    # inherited across fork, so a writer killed with its worker would leave a write process
-    # orphaned for good, blocked on a queue's lock, holding the staged state's shared memory
-    # (seen after a frozen attempt was killed mid-write).
+    # The same for what it forks: NVRx's writer forks a process per write, and the death signal
+    # is not inherited, so a killed writer would orphan it, holding the staged shared memory.
     forking: list[int] = []
     os.register_at_fork(
         before=lambda: forking.append(os.getpid()),
@@ -195,8 +175,7 @@ _WRITER_LOOP_ARGS = ["rank", "queue", "preload_q", "comp_q", "log_level"]
 
 
 def _can_fork_writer(caller: Any) -> bool:
-    """NVRx's persistent caller as 0.4.1 has it: no process yet, its three queues, and its loop
-    taking (rank, queue, preload_q, comp_q, log_level)."""
+    """NVRx's persistent caller as 0.4.1 has it: no process yet, its queues, its loop's args."""
     loop = getattr(type(caller), "async_loop", None)
     if loop is None or getattr(caller, "process", False) is not None:
         return False
@@ -222,17 +201,16 @@ def inprocess_available() -> tuple[bool, str]:
 
 
 def disable_device_health_checks(wrapper: Any) -> None:
-    """0.7+: with ``LOCAL_RANK`` set the Wrapper chains GPU/NVLink/NIC checks (NVML) into its
-    restart health check; on CPU they fail on every restart. Keep only ours."""
+    """0.7+ chains NVML GPU/NVLink/NIC checks into the restart health check: on CPU they fail
+    on every restart. Keep only ours."""
     if hasattr(wrapper, "restart_health_check"):
         wrapper.restart_health_check = getattr(wrapper, "health_check", None)
 
 
 # -- in-job (ft_launcher) --------------------------------------------------------------------
 def no_restart_request_supported() -> bool:
-    """Whether this NVRx's launcher takes a worker's "shut the workload down, do not restart"
-    request (``WorkloadAction.ShutdownWorkload`` over the launcher's IPC socket; 0.4.1 has it:
-    the launcher closes the rendezvous at its next round instead of respawning, and exits 1)."""
+    """Whether this NVRx's launcher takes ``WorkloadAction.ShutdownWorkload`` (0.4.1 does: it
+    closes the rendezvous at its next round instead of respawning, and exits 1)."""
     try:
         from nvidia_resiliency_ext.fault_tolerance.data import WorkloadAction
     except Exception:  # pragma: no cover - depends on the installed wheel
@@ -244,8 +222,6 @@ def request_no_restart(rank: int, reason: str) -> bool:
     """Ask the ft_launcher that started this worker not to restart the workload. Works before
     (and without) ``RankMonitorClient.init_workload_monitoring``: a worker whose configuration
     is bad may never get that far. False when not under ft_launcher or not supported."""
-    import os
-
     from nvidia_resiliency_ext.fault_tolerance.data import FT_LAUNCHER_IPC_SOCKET_ENV_VAR
 
     path = os.environ.get(FT_LAUNCHER_IPC_SOCKET_ENV_VAR)
@@ -265,28 +241,9 @@ def request_no_restart(rank: int, reason: str) -> bool:
     return True
 
 
-__all__ = [
-    "AsyncCallsQueue",
-    "AsyncRequest",
-    "FileSystemWriterAsync",
-    "disable_device_health_checks",
-    "discard_write_results",
-    "inprocess_available",
-    "new_metadata_cache",
-    "no_restart_request_supported",
-    "request_no_restart",
-    "save_state_dict_async_plan",
-    "start_persistent_writer",
-    "version",
-    "warm_write_results_queue",
-    "write_results_queue_ready",
-]
-
-
 def step_section_timeout(client: Any) -> float | None:
-    """The ``step`` section's timeout the rank monitor holds now, as the client learned it at
-    its connection (it outlives the workers, so it may be an earlier incarnation's); None where
-    this NVRx keeps it elsewhere."""
+    """The ``step`` section's timeout the rank monitor held at connection (maybe an earlier
+    incarnation's); None where this NVRx keeps it elsewhere."""
     timeouts = getattr(client, "section_timeouts", None)
     section = getattr(timeouts, "section", None)
     value = section.get("step") if isinstance(section, dict) else None
@@ -294,14 +251,10 @@ def step_section_timeout(client: Any) -> float | None:
 
 
 def set_timeouts(client: Any, timeouts: Any) -> bool:
-    """Tell this rank's rank monitor to time its sections and heartbeats with ``timeouts``
-    (``trainer.timeouts.Timeouts``) from now on; whether it was told.
-
-    NVRx computes such timeouts itself (``calculate_and_set_section_timeouts``: a safety factor
-    times the longest section seen, max over ranks by a collective, unbounded) and sends them
-    with the client's ``_set_calculated_timeouts`` (an ``UpdateConfigMsg``, applied at once).
-    We send our own, bounded and without a collective, through the same call; where this NVRx
-    lacks it (a later version), the launch timeouts simply stay in force."""
+    """Tell this rank's monitor to time with ``timeouts`` (``trainer.timeouts.Timeouts``) from
+    now on; whether it was told. Through the call NVRx's own ``calculate_and_set_section_timeouts``
+    uses (``_set_calculated_timeouts``, applied at once), ours bounded and without its collective;
+    an NVRx without it keeps the launch timeouts."""
     send = getattr(client, "_set_calculated_timeouts", None)
     current = getattr(client, "section_timeouts", None)
     if send is None or current is None or not isinstance(getattr(current, "section", None), dict):

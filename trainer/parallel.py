@@ -19,8 +19,7 @@ class Placement:
 
 
 def resolve_device(choice: Device, *, deterministic: bool = False) -> Placement:
-    """The device and backend of this worker; on CUDA with ``deterministic``, kernels that give
-    the same bits every run (see :func:`use_deterministic_cuda`)."""
+    """The device and backend of this worker (``deterministic``: :func:`use_deterministic_cuda`)."""
     want_cuda = choice == Device.CUDA or (choice == Device.AUTO and torch.cuda.is_available())
     if want_cuda:
         if not torch.cuda.is_available():
@@ -40,14 +39,10 @@ def world() -> tuple[int, int]:
 
 
 def use_deterministic_cuda() -> None:
-    """Deterministic CUDA kernels for this process, before its first matrix product.
-
-    cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG`` when it makes its handle (the first matmul), so it is
-    set here, not later. ``warn_only=False`` matters: with it, PyTorch's flash and
-    memory-efficient attention backward passes take their deterministic paths (with
-    ``warn_only=True`` they only warn and stay non-deterministic), and an op with no
-    deterministic kernel raises instead of silently breaking bitwise recovery. The CPU path
-    needs none of this: its kernels are already deterministic for a fixed thread count."""
+    """Deterministic CUDA kernels for this process, before its first matmul (cuBLAS reads
+    ``CUBLAS_WORKSPACE_CONFIG`` when it makes its handle). ``warn_only=False`` matters: flash and
+    memory-efficient attention backward then take their deterministic paths, and an op without
+    one raises instead of silently breaking bitwise recovery. (CPU kernels already are.)"""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=False)
     torch.backends.cudnn.deterministic = True

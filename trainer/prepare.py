@@ -1,20 +1,13 @@
-"""Bring your own data: turn token files or JSONL text into a dataset (``trainer.data`` format).
+"""Bring your own data: token files or JSONL text into a dataset (``trainer.data`` format).
 
-Two sources:
+:func:`from_token_files` takes ``.bin`` files (raw little-endian ``uint16``/``uint32``, the caller
+says which) or ``.npy`` integer arrays; :func:`from_jsonl` takes one document per line, tokenized
+with a local ``tokenizer.json`` (Hugging Face ``tokenizers``), each followed by the EOS id.
 
-- :func:`from_token_files`: already-tokenized ``.bin`` files (raw little-endian ``uint16`` or
-  ``uint32``; the caller says which) or ``.npy`` arrays (any integer dtype, flattened);
-- :func:`from_jsonl`: JSONL text, one document per line, tokenized with a local ``tokenizer.json``
-  (Hugging Face ``tokenizers``), each document followed by the tokenizer's EOS id.
-
-Both stream: inputs are read and encoded in chunks and shards are written as they fill, so memory
-stays bounded whatever the input size. The result is ``shard_00000.bin ...`` of the output dtype
-and ``dataset.json`` (written last, atomically, so a half-written directory never looks complete)
-with every shard's tokens, bytes and sha256 and a ``source`` block that says what produced it (the
-inputs' names and sha256, the tokenizer's sha256). Errors are :class:`PrepareError`, whose ``field``
-names the parameter or the file (``path:line`` for a JSONL line) at fault.
-
-No Prefect and no S3 here; ``nvrx-pipeline prepare-dataset`` wraps this and can upload the result.
+Both stream (memory stays bounded whatever the input size) and write the manifest last and
+atomically (a half-written directory never looks complete), with a ``source`` block saying what
+produced it. Errors are :class:`PrepareError`, whose ``field`` names the parameter or the file
+(``path:line`` for a JSONL line). ``nvrx-pipeline prepare-dataset`` wraps this (and uploads).
 """
 
 from __future__ import annotations
@@ -48,9 +41,6 @@ BATCH_LINES = 1024  # JSONL lines encoded per encode_batch call
 EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>")
 
 
-# ----------------------------------------------------------------------------------------------
-# Token files
-# ----------------------------------------------------------------------------------------------
 def _open_token_file(path: Path, input_dtype: str | None) -> tuple[np.ndarray, str]:
     """A read-only view of the file's tokens (memory-mapped, never loaded whole) and its dtype."""
     if path.suffix == ".npy":
@@ -87,12 +77,8 @@ def _open_token_file(path: Path, input_dtype: str | None) -> tuple[np.ndarray, s
 
 def _chunks(arr: np.ndarray, chunk_tokens: int) -> Iterator[np.ndarray]:
     """The array's elements in C order, flat, a bounded number at a time."""
-    if arr.ndim <= 1:
-        flat = arr.reshape(-1)
-        for i in range(0, flat.size, chunk_tokens):
-            yield np.asarray(flat[i : i + chunk_tokens])
-        return
-    row = int(np.prod(arr.shape[1:]))
+    arr = arr.reshape(1) if arr.ndim == 0 else arr
+    row = int(np.prod(arr.shape[1:]))  # 1 for a flat array
     if row == 0:
         return
     rows = max(1, chunk_tokens // row)
@@ -110,20 +96,17 @@ def from_token_files(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Re-shard token files into a dataset at ``out``; returns its manifest.
-
-    ``paths``: ``.bin`` files of raw little-endian ``input_dtype`` tokens, or ``.npy`` integer
-    arrays (1-D, or flattened in C order), concatenated in the order given. ``dtype``: the
-    output's (default: the smallest holding ``vocab_size``). Every token must be in
-    ``[0, vocab_size)``. ``progress(done_tokens, total_tokens, file_name)`` is called per chunk.
+    """Re-shard token files (concatenated in order; ``.npy`` flattened in C order) into a dataset
+    at ``out``; its manifest. ``dtype``: default the smallest holding ``vocab_size``. Every token
+    must be in ``[0, vocab_size)``. ``progress(done_tokens, total_tokens, file_name)`` per chunk.
     """
     out = Path(out)
     progress = progress or no_progress
     check_shard_tokens(shard_tokens)
     name = out_dtype(vocab_size, dtype)
     files = input_paths(paths, out)
-    # Every input is checked before anything is written; each is mapped again when its turn
-    # comes (a map holds a file descriptor, and there may be thousands of inputs).
+    # Every input is checked before anything is written, and mapped again in its turn (a map
+    # holds a file descriptor, and there may be thousands of inputs).
     total = sum(int(_open_token_file(p, input_dtype)[0].size) for p in files)
     writer = ShardWriter(out, name, shard_tokens)
     inputs = []
@@ -154,9 +137,6 @@ def from_token_files(
         raise
 
 
-# ----------------------------------------------------------------------------------------------
-# JSONL text
-# ----------------------------------------------------------------------------------------------
 def load_tokenizer(tokenizer_json: Path | str) -> Any:
     """A ``tokenizers.Tokenizer`` from a local file (never a hub download)."""
     path = Path(tokenizer_json)
@@ -242,14 +222,10 @@ def from_jsonl(
     batch_lines: int = BATCH_LINES,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Tokenize JSONL documents (the string ``text_field`` of each line) into a dataset at
-    ``out``; returns its manifest.
-
-    Each document is ``tokenizer.encode(text).ids`` (the tokenizer's own special tokens
-    included), then ``eos_id`` when ``append_eos``: by default the tokenizer's EOS
-    (:func:`find_eos_id`); a tokenizer without a known one needs ``eos_id``. ``vocab_size``
-    defaults to ``tokenizer.get_vocab_size()``. ``progress(done_bytes, total_bytes, file_name)``
-    is called per batch of ``batch_lines`` lines.
+    """Tokenize JSONL documents (each line's ``text_field``) into a dataset at ``out``; its
+    manifest. A document is ``tokenizer.encode(text).ids``, then ``eos_id`` when ``append_eos``
+    (default the tokenizer's own, :func:`find_eos_id`). ``vocab_size`` defaults to the
+    tokenizer's. ``progress(done_bytes, total_bytes, file_name)`` per ``batch_lines`` lines.
     """
     out = Path(out)
     progress = progress or no_progress

@@ -1,9 +1,7 @@
 """The worker process (arch §5): how it came to be (:class:`Origin`, the one place a restart is
-attributed to a layer), what it keeps across in-process restarts (:class:`ProcessContext`,
-frozen), and what each restart iteration of the training core
-(:class:`trainer.session.TrainSession`, which holds what changes per iteration) sets up from it:
-the process group, the fault-tolerance hooks, and at the end ``result.json``. The built-in loop
-(:mod:`trainer.loop`) and script mode (:mod:`trainer.script`) both run that core."""
+attributed to a layer), what it keeps across in-process restarts (:class:`ProcessContext`), and
+what each restart iteration of the training core (:class:`trainer.session.TrainSession`) sets up
+from it: the process group and the fault-tolerance hooks."""
 
 from __future__ import annotations
 
@@ -23,14 +21,14 @@ from trainer.elastic import PriorWorld
 from trainer.events import EventLog
 from trainer.hooks import FaultDrills, Heartbeats, Hooks, StepEvents
 from trainer.parallel import Placement
-from trainer.rundir import RunDir
+from trainer.rundir import RunDir, RunResult
 from trainer.workload import DataSource
 
 
 @dataclass(frozen=True, kw_only=True)
 class Origin:
-    """How this worker process came to be, read once at its start, and which layer recovered
-    the run when it (or an iteration of it) resumes: the one attribution of a restart."""
+    """How this worker process came to be, read once at its start: the one attribution of a
+    restart to the layer that recovered the run."""
 
     restart_count: int = 0  # ft_launcher's TORCHELASTIC_RESTART_COUNT (this agent's restarts)
     # The previous incarnation of this launcher job (an elastic job's world may change); None
@@ -53,11 +51,9 @@ class Origin:
         return self.restart_count > 0 or self.prior is not None
 
     def layer(self, iteration: int, world_size: int) -> str | None:
-        """Which layer recovered the run at ``iteration`` of this process: ``inprocess`` (a
-        restart iteration), for a respawned worker ``elastic`` (the world shrank), ``spare`` (a
-        node was lost and the world kept its size: a spare took its place) or ``injob`` (a
-        worker's crash or hang, a returning node's admission), ``stage-retry`` for a new train
-        attempt's first start, None for a run's very first start."""
+        """Which layer recovered the run at ``iteration`` of this process (None: a run's very
+        first start). A respawn is ``elastic`` if the world shrank, ``spare`` if a node was lost
+        and the world kept its size, else ``injob`` (a crash, a hang, a returning node)."""
         if iteration > 0:
             return "inprocess"
         if self.respawned:
@@ -74,8 +70,7 @@ class Origin:
 
 @dataclass(frozen=True, kw_only=True)
 class ProcessContext:
-    """What one worker process keeps across in-process restarts: set once, never reassigned
-    (the saver, heartbeat and node memory are long-lived objects with their own state)."""
+    """What one worker process keeps across in-process restarts: set once, never reassigned."""
 
     cfg: TrainConfig
     placement: Placement
@@ -96,7 +91,7 @@ class ProcessContext:
 
 
 # One attempt of the training run, re-entered by the in-process layer after a fault.
-Body = Callable[[ProcessContext, Any], dict[str, Any]]
+Body = Callable[[ProcessContext, Any], RunResult]
 
 
 def init_process_group(ctx: ProcessContext, iteration: int) -> tuple[int, int]:
@@ -133,12 +128,10 @@ def build_hooks(
         )
     ]
     hooks.append(Heartbeats(ctx.heartbeat))
-    # No manual ping of the in-process Wrapper (issue 40, item 0): its first ping arms a manual
-    # progress timeout, the soft timeout (8 s here) from each step's end to the next, so a
-    # healthy 35 s step of gpt-100m was interrupted at every second step of an incarnation.
-    # The Wrapper's automatic watchdog (the main thread running Python) stays; a rank wedged in
-    # a C call still trips it, a stalled collective its peers' process-group timeout, and a
-    # step slower than the learned bound the in-job step timeout (trainer.timeouts).
+    # No manual ping of the in-process Wrapper (issue 40, item 0): its first ping arms the soft
+    # timeout (8 s) between steps, which interrupted every second healthy 35 s gpt-100m step.
+    # Its automatic watchdog stays; a stalled collective trips the peers' process-group timeout
+    # and a slow step the learned in-job step timeout.
     if rank == 0:
         launcher_drills = any(spec.is_node_fault for spec in ctx.cfg.faults)
         hooks.append(

@@ -1,5 +1,5 @@
-"""The fold's typed outputs (:class:`trainer.history.RunHistory`): what the result, the report
-and ``status`` show, each a record that goes into :class:`flows.models.PipelineResult` as it is."""
+"""The fold's typed outputs (:class:`trainer.history.RunHistory`), each going into
+:class:`flows.models.PipelineResult` as it is."""
 
 from __future__ import annotations
 
@@ -9,20 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class TimeBreakdown(BaseModel):
-    """Where the train stage's wall time went (seconds; they add up to ``wall_s``): what a
-    reader needs to see why ETTR is what it is. Measured from rank 0's step events and the
-    watcher's attempt bounds:
-
-    - ``startup``: each attempt's launch to its first step (processes, imports, process
-      groups, resume), failed starts included;
-    - ``productive``: each step's last execution (ETTR's numerator);
-    - ``replayed``: executions that a later restart ran again (lost work);
-    - ``checkpoint_blocking``: the training thread waiting on saves;
-    - ``recovery``: after a fault or restart, until training resumed (detection, restart,
-      reload), and a failed attempt's end;
-    - ``end``: a completed attempt's last step to its end (the last save's commit, exit);
-    - ``other``: the rest (gaps between steps without a fault, the watcher's own overhead,
-      time between attempts' events)."""
+    """Where the train stage's wall time went (seconds adding up to ``wall_s``): why ETTR is
+    what it is, from rank 0's step events and the watcher's attempt bounds. ``startup``: launch
+    to first step, failed starts included; ``productive``: each step's last execution (ETTR's
+    numerator); ``replayed``: executions a restart ran again; ``checkpoint_blocking``: waiting on
+    saves; ``recovery``: after a fault or restart until training resumed, and a failed attempt's
+    end; ``end``: a completed attempt's last step to its end; ``other``: the rest."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -37,8 +29,7 @@ class TimeBreakdown(BaseModel):
 
 
 class FaultRecord(BaseModel):
-    """A fault as the fold saw it: the layer that recovered it and how (the result's
-    ``faults``, the report's and ``status``'s rows)."""
+    """A fault as the fold saw it: the layer that recovered it and how."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -49,16 +40,13 @@ class FaultRecord(BaseModel):
     node: int | None = None
     recovered_by: str = "none"  # a RecoveryLayer, or none: no recovered event closed it
     recovery_s: float | None = None
-    # A node loss: the path chosen at the loss (elastic, spare, node-wait, stage-retry: see
-    # tasks.loss_policy) and why; recovered_by is the layer that did recover it.
+    # A node loss: the path chosen at the loss (tasks.loss_policy) and why.
     path: str | None = None
     detail: str | None = None
-    # The step training went back to after it, and the completed steps that ran again (None:
-    # no restart followed it).
+    # The step training went back to, and the completed steps that ran again (None: no restart).
     resume_step: int | None = None
     replayed_steps: int | None = None
-    # Where that step was loaded from (a tier: memory, node, peer or durable; None: nothing
-    # was committed, training started over), the bytes read and the seconds the load took.
+    # The tier that step was loaded from (None: training started over), its bytes and seconds.
     resume_source: str | None = None
     load_bytes: int | None = None
     load_s: float | None = None
@@ -66,8 +54,7 @@ class FaultRecord(BaseModel):
 
 
 class WorldChangeRecord(BaseModel):
-    """An elastic job re-formed on another number of ranks: shrank after a loss, or grew when
-    a node returned."""
+    """An elastic job re-formed on another number of ranks (a loss, or a node's return)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -80,8 +67,7 @@ class WorldChangeRecord(BaseModel):
 
 
 class RunSummary(BaseModel):
-    """``python -m trainer.report``: the run's outcome, its faults and their recovery, the
-    restarts (by layer, in order) and the checkpoints' cost."""
+    """``python -m trainer.report``: outcome, faults and recoveries, restarts, checkpoints."""
 
     model_config = ConfigDict(frozen=True)
 

@@ -1,4 +1,4 @@
-"""NVRx glue: ft_launcher heartbeats and the control markers (the in-process Wrapper is
+"""NVRx glue: ft_launcher heartbeats and timed sections (the in-process Wrapper is
 :mod:`trainer.inprocess_layer`).
 
 Both layers are switchable by config and each works without the other:
@@ -6,6 +6,8 @@ Both layers are switchable by config and each works without the other:
   interpreters after an exception or a timed-out collective;
 - in-job (``ft_launcher`` + ``RankMonitorClient``) kills and respawns the workers when a rank dies
   or stops sending heartbeats.
+
+NVRx is imported only inside the functions that need it (importing it costs seconds).
 """
 
 from __future__ import annotations
@@ -15,52 +17,28 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
-from trainer.events import EventLog
-from trainer.layer_config import CHECKPOINT_SECTION, LOAD_SECTION, STEP_SECTION
-from trainer.rundir import RunDir
+from trainer.layer_config import STEP_SECTION
 from trainer.timeouts import OUT_OF_SECTION, STEP, TimeoutLearner, Timeouts
-
-__all__ = ["CHECKPOINT_SECTION", "LOAD_SECTION", "STEP_SECTION", "Heartbeat"]
 
 log = logging.getLogger(__name__)
 
 FT_RANK_MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
 
-# Imports NVRx only inside the functions that need it (importing it costs seconds).
-
-
-def stop_without_restart(run_root: Path | None, *, rank: int, reason: str) -> bool:
-    """No restart can fix ``reason`` (bad configuration, a fatal error): write the
-    ``no_restart`` marker (:meth:`trainer.rundir.RunDir.write_no_restart`: a peer's exit 93 can
-    be masked on multi-node jobs, so whoever classifies the end reads it too), then ask
-    ft_launcher not to respawn the workers. Returns whether the launcher took the request
-    (False outside ft_launcher, or on an NVRx without it: the marker still ends the stage)."""
-    from trainer import nvrx_compat
-
-    if run_root is not None:
-        events = EventLog(run_root)
-        RunDir.from_env(run_root).write_no_restart(rank=rank, reason=reason, events=events)
-    return nvrx_compat.request_no_restart(rank, reason)
-
 
 class Heartbeat:
-    """``RankMonitorClient`` heartbeats and timed sections when the worker runs under
-    ft_launcher, no-op otherwise. One per process (it survives in-process restarts).
+    """``RankMonitorClient`` heartbeats and timed sections under ft_launcher, no-op otherwise;
+    one per process (it survives in-process restarts).
 
-    Hang detection is by section (arch §2): the steps run in the ``step`` section; a
-    checkpoint save and commit and a checkpoint load run in sections of their own; start-up and
+    Hang detection is by section (arch §2): ``step``, a save and commit, a load; start-up and
     in-process restarts are out of section. Every message is a synchronous round trip to the
-    node's rank monitor, so the loop pays for them at most once per ``interval_s``: the step
-    section is closed and reopened (and a heartbeat sent, the backstop) when that much time has
-    passed, never per step; a heartbeat also goes out at every other section's end. A hang is
-    therefore detected between ``step timeout - interval`` and ``step timeout`` after its start.
+    rank monitor, so the step section is closed and reopened (with a heartbeat, the backstop)
+    at most once per ``interval_s``, never per step: a hang is detected between ``step timeout
+    - interval`` and ``step timeout`` after it starts. A heartbeat also ends every other section.
 
-    Every timeout is the incarnation's own (trainer.timeouts): the ``learner`` sees each closed
-    section's length and out-of-section stretch, and whatever timeouts it derives are sent to
-    the rank monitor and handed to ``on_timeouts`` (with whether the monitor took them).
+    The ``learner`` (trainer.timeouts) sees each closed section's length; what it derives goes
+    to the rank monitor and to ``on_timeouts`` (with whether the monitor took it).
     """
 
     def __init__(
@@ -93,15 +71,10 @@ class Heartbeat:
             from trainer import nvrx_compat
 
             self.step_timeout_s = nvrx_compat.step_section_timeout(self.client)
-            # The rank monitor outlives the workers: it may still hold the previous
-            # incarnation's learned timeouts. Each incarnation learns afresh, from the launch
-            # values (a shrunk world, a slower node, has slower steps).
+            # The rank monitor outlives the workers and may hold the previous incarnation's
+            # learned timeouts: each incarnation starts afresh from the launch values (said).
             if learner is not None:
-                applied = nvrx_compat.set_timeouts(self.client, learner.in_force)
-                if applied:
-                    self.step_timeout_s = learner.in_force.step.seconds
-                if on_timeouts is not None:  # what is in force until measured, said at once
-                    on_timeouts(learner.in_force, applied)
+                self._apply(learner.in_force)
 
     @property
     def active(self) -> bool:
@@ -114,12 +87,7 @@ class Heartbeat:
         now = time.monotonic()
         if STEP_SECTION in self._open and now - self._last < self.interval_s:
             return
-        if STEP_SECTION in self._open:
-            self.client.end_section(STEP_SECTION)
-            del self._open[STEP_SECTION]
-            self._learn(STEP, now - self._step_opened)
-        elif not self._open:  # the first step after start-up, a restart or another section
-            self._learn(OUT_OF_SECTION, now - self._out_since)
+        self._leave_step(now)
         if not self._open:  # never inside a checkpoint or load section
             self.client.start_section(STEP_SECTION)
             self._open[STEP_SECTION] = 1
@@ -127,22 +95,35 @@ class Heartbeat:
         self.client.send_heartbeat()
         self._last = now
 
+    def _leave_step(self, now: float) -> None:
+        """Close the open step section, or end the out-of-section stretch (start-up, a restart,
+        another section), learning its length."""
+        if STEP_SECTION in self._open:
+            self.client.end_section(STEP_SECTION)
+            del self._open[STEP_SECTION]
+            self._learn(STEP, now - self._step_opened)
+        elif not self._open:
+            self._learn(OUT_OF_SECTION, now - self._out_since)
+
     def _learn(self, kind: str, seconds: float) -> None:
         """A section (or an out-of-section stretch) closed normally (never one a fault ended):
         the learner may now have new timeouts, which the rank monitor applies at once."""
         if self.learner is None:
             return
         new = self.learner.observe(kind, seconds)
-        if new is None:
-            return
+        if new is not None:
+            log.info("in-job timeouts %s (applied: %s)", new.describe(), self._apply(new))
+
+    def _apply(self, timeouts: Timeouts) -> bool:
+        """Send ``timeouts`` to the rank monitor (applied at once) and say them."""
         from trainer import nvrx_compat
 
-        applied = nvrx_compat.set_timeouts(self.client, new)
+        applied = nvrx_compat.set_timeouts(self.client, timeouts)
         if applied:
-            self.step_timeout_s = new.step.seconds
-        log.info("in-job timeouts %s (applied: %s)", new.describe(), applied)
+            self.step_timeout_s = timeouts.step.seconds
         if self.on_timeouts is not None:
-            self.on_timeouts(new, applied)
+            self.on_timeouts(timeouts, applied)
+        return applied
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
@@ -154,13 +135,7 @@ class Heartbeat:
             yield
             return
         if name not in self._open:
-            now = time.monotonic()
-            if STEP_SECTION in self._open:
-                self.client.end_section(STEP_SECTION)
-                del self._open[STEP_SECTION]
-                self._learn(STEP, now - self._step_opened)
-            elif not self._open:
-                self._learn(OUT_OF_SECTION, now - self._out_since)
+            self._leave_step(time.monotonic())
             self.client.start_section(name)
         self._open[name] = self._open.get(name, 0) + 1
         opened = time.monotonic()

@@ -1,10 +1,9 @@
 """Reading a file of the run root as the untrusted input it is.
 
-Anything that can write the shared filesystem can put a FIFO where ``events.jsonl``,
-``result.json`` or a ``control/`` marker belongs (an ``open`` for reading then blocks until a
-writer comes: forever, in the watcher's loop), a symlink to another run's or the host's files,
-or a file too large to hold. Every read of the run root's state goes through :func:`open_regular`:
-it never follows a link, never blocks on a FIFO or device, and hands back only a regular file.
+Anything that can write the shared filesystem can put a FIFO where a control file belongs (a
+read then blocks until a writer comes: forever, in the watcher's loop), a symlink to other
+files, or a file too large to hold. Every read of the run root's state goes through
+:func:`open_regular`: it never follows a link, never blocks, and hands back only a regular file.
 """
 
 from __future__ import annotations
@@ -38,9 +37,8 @@ class UnsafeFile(TrainerError, OSError):
 
 @contextlib.contextmanager
 def open_regular(path: Path) -> Iterator[int]:
-    """A read-only descriptor of ``path`` if it is a regular file; raises FileNotFoundError
-    when it is absent and :class:`UnsafeFile` when it is anything else. ``O_NONBLOCK`` makes
-    opening a FIFO return at once (it is then refused); on a regular file it changes nothing."""
+    """A read-only descriptor of ``path`` if it is a regular file; FileNotFoundError when it is
+    absent, :class:`UnsafeFile` for anything else (``O_NONBLOCK``: a FIFO returns at once)."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags)
@@ -60,8 +58,8 @@ def open_regular(path: Path) -> Iterator[int]:
 
 
 def read_small(path: Path, *, limit: int = SMALL_FILE_LIMIT) -> bytes | None:
-    """The whole of a small run-root file (a result, a marker), or None when it is absent.
-    Raises :class:`UnsafeFile` for anything but a regular file of at most ``limit`` bytes."""
+    """A small run-root file's bytes, or None when absent; :class:`UnsafeFile` for anything but
+    a regular file of at most ``limit`` bytes."""
     try:
         with open_regular(path) as fd:
             size = os.fstat(fd).st_size
@@ -88,9 +86,8 @@ def _read_upto(fd: int, n: int) -> bytes:
 
 
 def read_json_object(path: Path, *, limit: int = SMALL_FILE_LIMIT) -> dict[str, Any] | None:
-    """A small JSON object file of the run root (``result.json``, a marker), or None when it is
-    absent, not a regular file, too large, not JSON, or JSON but not an object: its readers
-    decide as if it were not there, and this says why in the log."""
+    """A small JSON object file of the run root, or None when it is absent, unsafe, too large,
+    or no JSON object (its readers decide as if it were not there; the log says why)."""
     try:
         data = read_small(path, limit=limit)
     except OSError as e:
@@ -110,8 +107,7 @@ def read_json_object(path: Path, *, limit: int = SMALL_FILE_LIMIT) -> dict[str, 
 
 
 def read_model(path: Path, model: type[M]) -> M | None:
-    """A small JSON file of the run root as ``model`` (a pydantic model), or None when it is
-    absent, unsafe, not JSON, or does not validate (said in the log)."""
+    """A small JSON file of the run root as ``model``, or None (as above, or invalid: said)."""
     obj = read_json_object(path)
     if obj is None:
         return None

@@ -1,14 +1,11 @@
 """The run directory (``cfg.run_root``): :class:`Layout`, the one list of its paths, and
-:class:`RunDir`, a run root as one attempt's ``epoch`` sees it: the one way to its control files,
-for the watcher (:mod:`tasks.train_stage`) and the workers alike. The epoch and its fence
-(:mod:`trainer.fence`, through :meth:`RunDir.publish` and :meth:`RunDir.fence`), the result
-(:class:`RunResult`), the start-up facts, the open faults, the drills' claims, the markers and
-the node beats.
+:class:`RunDir`, a run root as one attempt's ``epoch`` sees it: the one way to its control files
+(the fence, the result, the start-up facts, the open faults, the drills' claims, the markers, the
+node beats) for the watcher and the workers alike.
 
-The start-up facts (architecture §5) each live in a file of their own under ``control/``, read
-in O(1) whatever the event log's length. Every file is written atomically (then ``rename``) and,
-like everything on the shared filesystem, read as untrusted input (:mod:`trainer.run_files`):
-bounded, schema-checked, and a bad one is no file (said in the log).
+Each start-up fact (arch §5) is a file of its own under ``control/``, read in O(1) whatever the
+event log's length. Every file is written atomically and read as untrusted input
+(:mod:`trainer.run_files`): bounded, schema-checked, and a bad one is no file (said in the log).
 """
 
 from __future__ import annotations
@@ -84,8 +81,7 @@ class _File(BaseModel):
 
 
 class RunResult(_File):
-    """``result.json``: how the trainer ended, written by rank 0 under its fence (a terminal
-    error's by the first rank that finds it: :meth:`RunDir.record_terminal`)."""
+    """``result.json``: how the trainer ended, written under the writer's fence."""
 
     # result.json gains fields over time: an unknown one is ignored, a bad known one refused.
     model_config = ConfigDict(frozen=True, strict=True, extra="ignore")
@@ -156,8 +152,7 @@ class RunDir:
         return self.root / Layout.EVENTS
 
     def event_reader(self, *, from_start: bool = True) -> EventReader:
-        """The event log, read incrementally (``from_start`` False: only what is appended from
-        now on)."""
+        """The event log, read incrementally (``from_start`` False: only what comes next)."""
         return EventReader(self.events_file, from_start=from_start)
 
     @property
@@ -187,8 +182,7 @@ class RunDir:
 
     # -- result.json ---------------------------------------------------------------------------
     def result(self) -> RunResult | None:
-        """``result.json`` if this attempt's workers wrote it: a result of another epoch, or one
-        that is not a regular small file of the schema, is none (said)."""
+        """``result.json`` if this attempt's workers wrote it (another epoch's is none, said)."""
         result = read_model(self.root / Layout.RESULT, RunResult)
         if result is None or self.epoch is None or self._mine(Layout.RESULT, result.epoch):
             return result
@@ -201,8 +195,7 @@ class RunDir:
         return epoch == self.epoch
 
     def write_result(self, result: RunResult, events: _fence.Emits | None) -> None:
-        """``result.json``, carrying this view's epoch, under its fence: a writer whose attempt
-        was replaced writes none."""
+        """``result.json`` with this view's epoch, under its fence (a replaced writer's: none)."""
         with self.fence(events).hold("write result.json"):
             self._write_result(result)
 
@@ -218,8 +211,7 @@ class RunDir:
         write_json_atomic(self.root / Layout.COMMIT, {"step": step, "t": time.time()})
 
     def recorded_commit(self) -> int | None:
-        """The newest step recorded as committed since the last explicit fresh start; None:
-        none, or no (readable) ``control/commit.json``."""
+        """The newest step recorded as committed since the last explicit fresh start."""
         fact = read_model(self.root / Layout.COMMIT, CommitFact)
         return None if fact is None else fact.step
 
@@ -229,7 +221,7 @@ class RunDir:
             write_json_atomic(self.root / Layout.LAUNCH, fact)
 
     def prior_world(self, job_id: str | None) -> PriorWorld | None:
-        """The world launcher job ``job_id`` last trained in, if it trained (a respawn)."""
+        """The world launcher job ``job_id`` last trained in (a respawn's)."""
         fact = read_model(self.root / Layout.LAUNCH, LaunchFact) if job_id else None
         if fact is None or fact.job_id != job_id:
             return None
@@ -253,21 +245,18 @@ class RunDir:
         write_json_atomic(self.root / Layout.OPEN_FAULTS / name, obj)
 
     def open_faults(self) -> list[tuple[Path, Fault]]:
-        """The open faults, oldest first (malformed files are skipped, and said)."""
+        """The open faults, oldest first (malformed files are skipped, and said); a recovery
+        closes one by removing its path."""
         where = self.root / Layout.OPEN_FAULTS
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             names = sorted(e.name for e in os.scandir(where) if e.name.endswith(".json"))
             return [f for name in names[:MAX_OPEN_FAULTS] if (f := _fault(where / name))]
         return []
 
-    @staticmethod
-    def close_fault(path: Path) -> None:
-        path.unlink(missing_ok=True)
-
     # -- drills' claims ------------------------------------------------------------------------
     def claim(self, slug: str) -> bool:
         """Atomically record that the drill ``slug`` fired in this run; False when it already
-        has (in an earlier life of a worker, or an earlier attempt of the stage)."""
+        has (in any earlier life of a worker or attempt)."""
         marker_dir = self.root / Layout.DRILLS
         marker_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -282,8 +271,8 @@ class RunDir:
 
     # -- markers -------------------------------------------------------------------------------
     def write_no_restart(self, *, rank: int, reason: str, events: _fence.Emits | None) -> None:
-        """The terminal marker, carrying this view's epoch, under its fence: the watcher counts
-        only its own attempt's, and a writer whose attempt was replaced writes none."""
+        """The terminal marker with this view's epoch (the watcher counts only its attempt's),
+        under its fence."""
         with self.fence(events).hold("write the no_restart marker"):
             self._write_marker(rank, reason, incarnation=None)
 
@@ -296,9 +285,9 @@ class RunDir:
     def record_terminal(
         self, *, rank: int, reason: str, events: _Emits, incarnation: str | None
     ) -> bool:
-        """An error no restart can fix: the marker, the ``fatal`` event and ``result.json``,
-        once per worker group, by its first rank to take the fence lock (a peer that exits first
-        may have its launcher stop rank 0 before rank 0 records). Whether this rank did."""
+        """An error no restart can fix: the marker, the ``fatal`` event and ``result.json``, once
+        per worker group, by its first rank under the fence lock (not rank 0: a peer exiting
+        first may have its launcher stop rank 0). Whether this rank did."""
         with self.fence(events).hold("record a terminal error"):
             marker = read_model(self.root / Layout.NO_RESTART, NoRestart)
             if (
@@ -313,9 +302,8 @@ class RunDir:
         return True
 
     def no_restart(self) -> str | None:
-        """The marker's reason, or None when there is none that is this attempt's verdict: only
-        a marker carrying this view's ``epoch`` (None: an unfenced run's, which carries none).
-        Anything else (not JSON, another epoch's) nothing of this attempt wrote: ignored, said."""
+        """The marker's reason, if it carries this view's ``epoch`` (None for an unfenced run);
+        any other marker is ignored, and said."""
         marker = read_model(self.root / Layout.NO_RESTART, NoRestart)
         if marker is None or not self._mine(Layout.NO_RESTART, marker.epoch):
             return None
@@ -326,14 +314,12 @@ class RunDir:
         write_json_atomic(self.root / Layout.NODE_LOST, marker.model_dump())
 
     def node_lost_since(self, since: float) -> bool:
-        """Was a node of this job reported lost after ``since`` (epoch seconds)? Anything but a
-        well-formed marker reads as no."""
+        """Was a node of this job reported lost after ``since`` (a bad marker reads as no)?"""
         marker = read_model(self.root / Layout.NODE_LOST, NodeLost)
         return marker is not None and marker.t > since
 
     def clear_markers(self) -> None:
-        """A new attempt starts without an earlier attempt's verdict (the config was fixed) or
-        word of a lost node."""
+        """A new attempt starts without an earlier one's verdict or word of a lost node."""
         for rel in (Layout.NO_RESTART, Layout.NODE_LOST):
             (self.root / rel).unlink(missing_ok=True)
 
@@ -342,8 +328,8 @@ class RunDir:
         return self.root / Layout.beat(self.epoch, node)
 
     def beats(self) -> dict[int, str]:
-        """Node -> its beat file's content, for this view's epoch (other epochs' files are not
-        read). A file that is not a small regular file is left out (a node's silence)."""
+        """Node -> its beat file's content, for this view's epoch only; a file that is not a
+        small regular file is left out (a node's silence)."""
         prefix = Layout.beat(self.epoch, 0).name.removesuffix("0")
         out: dict[int, str] = {}
         for entry in self._beat_entries():
@@ -359,8 +345,7 @@ class RunDir:
         return out
 
     def clear_other_beats(self) -> None:
-        """Before an attempt: earlier attempts' beat files go (only the current one's are read;
-        this only keeps the directory small)."""
+        """Before an attempt: earlier attempts' beat files go (this keeps the directory small)."""
         keep = Layout.beat(self.epoch, 0).name.removesuffix("node0")
         for entry in self._beat_entries():
             if not entry.name.startswith(keep) and entry.is_file(follow_symlinks=False):
@@ -378,9 +363,7 @@ class RunDir:
 
 
 def read_events(run_root: Path) -> list[Event]:
-    """Every valid event of a run, typed: a torn, foreign or malformed line is dropped, and a
-    path that is not a regular file reads as no events. The whole log at once: a reader that
-    folds it streams it instead (:meth:`RunDir.event_reader`, ``RunHistory.read``)."""
+    """Every valid event of a run, at once (a fold streams them: ``RunHistory.read``)."""
     return RunDir(run_root).event_reader().read_new()
 
 

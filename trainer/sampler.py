@@ -10,6 +10,8 @@ the sampler's position *is* the step, and it is saved (and checked) in every che
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,11 +52,7 @@ class SamplerState:
     num_samples: int
 
     def to_dict(self) -> dict[str, int]:
-        return {
-            "consumed_samples": self.consumed_samples,
-            "seed": self.seed,
-            "num_samples": self.num_samples,
-        }
+        return dataclasses.asdict(self)
 
 
 class StepSampler:
@@ -115,7 +113,7 @@ class StepSampler:
     def state_at(self, step: int) -> SamplerState:
         return SamplerState(step * self.global_batch, self.seed, self.num_samples)
 
-    def check_state(self, state: dict[str, Any], step: int) -> None:
+    def check_state(self, state: Mapping[str, object], step: int) -> None:
         """A checkpoint's sampler position must be where this sampler would be at its step."""
         expected = self.state_at(step).to_dict()
         if {k: state.get(k) for k in expected} != expected:

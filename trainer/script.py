@@ -1,46 +1,14 @@
-"""Script mode: an existing FSDP training script adopts the layers through a small API (public).
+"""Script mode: an existing FSDP training script adopts the layers through a small API (public;
+the walk-through is docs/training.md, "Script mode").
 
-The script keeps its model, optimizer, data and loop. It adds: a ``Session`` handed to its train
-function, three calls in the loop, and the launch at the bottom::
-
-    from trainer import script as nvrx
-
-    def train(session: nvrx.Session) -> None:
-        session.init_process_group()            # instead of dist.init_process_group()
-        model, optim = build()                  # the script's own, FSDP2-sharded
-        start = session.resume(model, optim)    # exact position: 1 on a fresh run
-        for step in range(start, args.steps + 1):
-            session.step_start(step)            # drills; per-(seed, step, rank) RNG
-            loss = ...                          # the script's own step; its data must be a
-            session.step_end(step, loss, model, optim)  # function of the step (exact resume)
-        session.finish(model)
-
-    if __name__ == "__main__":
-        sys.exit(nvrx.launch(train, run_root=args.run_root, data_dir=args.data_dir,
-                             steps=args.steps))
-
-What each call does:
-- ``init_process_group``: the process group of this restart iteration (a fresh prefix on a
-  long-lived store under in-process restart, so it can be re-created after a fault);
-- ``resume``: loads the newest valid committed checkpoint into the model and optimizer (DCP,
-  resharding across world sizes); returns the first step to run;
-- ``step_start``: fault drills; reseeds torch's RNG from (seed, step, this rank's first
-  micro-batch);
-- ``micro_batches`` (optional): for a job whose world may change (``nodes=MIN:MAX``), this
-  rank's micro-batches of the step, each seeded by (seed, step, micro-batch), so that a smaller
-  world computes the same ones and the run stays bitwise exact (``tests/scripts/gpt_script.py``);
-- ``step_end``: the step's loss averaged over the global batch into ``events.jsonl`` (the
-  pipeline's progress) in one all-reduce with the checkpoint's flags, the ft_launcher heartbeat,
-  and an async checkpoint when one is due, committed with the
-  manifest protocol;
-- ``finish``: waits for the last commit and writes ``result.json`` with the parameters' digest;
-- ``launch``: runs ``train`` under in-process restart when the installed NVRx has it and the
-  config enables it, sends heartbeats under ft_launcher, and returns the exit code (0 done,
-  2 bad configuration, 3 fatal). Under the pipeline the config comes from ``NVRX_CONFIG``
-  (the keyword arguments are then ignored); standalone, they make one.
-
-Each layer stays optional: without ft_launcher there are no heartbeats, with
-``inprocess.enabled=False`` (or NVRx >= 0.7, which deprecates it) the function runs once.
+The script keeps its model, optimizer, data and loop; its train function gets a :class:`Session`
+(``init_process_group``, ``resume``, then per step ``step_start`` and ``step_end``, and
+``finish``) and the script ends with ``sys.exit(launch(train, run_root=..., data_dir=...,
+steps=...))``. ``micro_batches`` (optional) keeps a job whose world may change (``nodes=MIN:MAX``)
+bitwise exact: each micro-batch is seeded by (seed, step, micro-batch), so a smaller world
+computes the same ones (``tests/scripts/gpt_script.py``). ``launch`` returns the exit code (0
+done, 2 bad configuration, 3 fatal). Under the pipeline the config comes from ``NVRX_CONFIG``
+(the keyword arguments are then ignored); standalone, they make one.
 """
 
 from __future__ import annotations
@@ -48,18 +16,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.optim import Optimizer
 
 from trainer.config import TrainConfig, load_config
 from trainer.launch import CONFIG_ENV
 from trainer.process import ProcessContext
+from trainer.rundir import RunResult
 from trainer.session import MicroBatch, TrainSession, step_seed
 
 __all__ = ["MicroBatch", "Session", "StepPosition", "launch"]
@@ -78,7 +45,7 @@ class StepPosition:
     def state_at(self, step: int) -> Any:
         return _Position(step)
 
-    def check_state(self, state: dict[str, Any], step: int) -> None:
+    def check_state(self, state: Mapping[str, object], step: int) -> None:
         if state.get("step", step) != step:
             raise ValueError(f"checkpoint data position {state} does not match step {step}")
 
@@ -91,32 +58,9 @@ class _Position:
         return {"step": self.step}
 
 
-class Session:
+class Session(TrainSession):
     """One attempt of the script's train function (a new one after each in-process restart):
-    the public face of the training core the built-in loop runs too
-    (:class:`trainer.session.TrainSession`)."""
-
-    def __init__(self, ctx: ProcessContext, call_wrapper: Any = None) -> None:
-        self._core = TrainSession(ctx, call_wrapper)
-        self.ctx = ctx
-        self.cfg = ctx.cfg
-
-    # -- what the script may read --------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self._core.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._core.world_size
-
-    @property
-    def iteration(self) -> int:
-        return self._core.iteration
-
-    @property
-    def result(self) -> dict[str, Any] | None:
-        return self._core.result
+    the training core the built-in loop runs too, with what a script may read."""
 
     @property
     def device(self) -> torch.device:
@@ -138,48 +82,17 @@ class Session:
     def data_dir(self) -> Path:
         return self.cfg.data_dir
 
-    # -- the calls -----------------------------------------------------------------------------
-    def init_process_group(self) -> tuple[int, int]:
-        return self._core.init_process_group()
-
-    def resume(self, model: nn.Module, optim: Optimizer) -> int:
-        return self._core.resume(model, optim)
-
     def step_start(self, step: int) -> None:
         """Drills, the step's clock, and torch's RNG seeded by (seed, step, this rank's first
         micro-batch): on a fixed-size world, the rank."""
-        core = self._core
-        core.step_start(step)
-        assert core.share is not None
-        torch.manual_seed(step_seed(self.cfg.seed, step, core.share.mine[0]))
-
-    def micro_batches(self, step: int, model: nn.Module) -> Iterator[MicroBatch]:
-        """Optional, for a run whose world may change (``nodes=MIN:MAX``) to stay bitwise exact:
-        this rank's micro-batches of ``step`` (``mb.index`` among ``mb.count`` picks the data,
-        the same on any world), each with its own dropout stream; ``mb.backward(loss)`` weights
-        it, and ``step_end(step, None, ...)`` then takes their summed loss."""
-        return self._core.micro_batches(step, model)
+        super().step_start(step)
+        assert self.share is not None
+        torch.manual_seed(step_seed(self.cfg.seed, step, self.share.mine[0]))
 
     def before_optimizer_step(self) -> None:
         """Optional, right before ``optim.step()``: on CUDA, waits for the device-to-host copy
         of a save in flight (the copy must see this step's parameters)."""
         self.ctx.saver.before_optimizer_step()
-
-    def step_end(
-        self,
-        step: int,
-        loss: torch.Tensor | float | None,
-        model: nn.Module,
-        optim: Optimizer,
-        *,
-        tokens: int = 0,
-    ) -> None:
-        """``loss``: this rank's loss (None: the micro-batches' sum); ``tokens``: tokens in the
-        step's global batch, for the tokens/s the progress shows (optional)."""
-        self._core.step_end(step, loss, model, optim, tokens=tokens)
-
-    def finish(self, model: nn.Module) -> dict[str, Any]:
-        return self._core.finish(model)
 
 
 def launch(
@@ -200,7 +113,7 @@ def launch(
         print(f"error: invalid configuration: {e}", file=sys.stderr)
         return 2
 
-    def body(ctx: ProcessContext, call_wrapper: Any) -> dict[str, Any]:
+    def body(ctx: ProcessContext, call_wrapper: Any) -> RunResult:
         session = Session(ctx, call_wrapper)
         train(session)
         if session.result is None:

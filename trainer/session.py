@@ -2,19 +2,10 @@
 (:mod:`trainer.script`) both run around the model's own forward and backward.
 
 A :class:`TrainSession` is one attempt of the train function in this process (a new one after
-each in-process restart). In order:
-
-- :meth:`~TrainSession.init_process_group`: the process group of this restart iteration and the
-  checkpoints' own gloo group; the share of each step's micro-batches this rank computes;
-- :meth:`~TrainSession.resume`: the newest valid commit loaded, the hooks built, and at rank 0
-  the ``world_change`` (an elastic job's world changed), ``train_start`` and the launch fact;
-- :meth:`~TrainSession.step_start`: drills, and the step's clock;
-- :meth:`~TrainSession.micro_batches`: this rank's micro-batches of the step, each with its
-  dropout stream seeded by (seed, step, micro-batch), never by rank: a smaller world computes
-  the same micro-batches, so an elastic run is bitwise exact;
-- :meth:`~TrainSession.step_end`: one all-reduce of the loss and the save flags, the save when
-  due, the hooks (heartbeat, the Wrapper's ping, the step event);
-- :meth:`~TrainSession.finish`: the last commit waited for, ``result.json`` and ``train_end``.
+each in-process restart), called in order: ``init_process_group``, ``resume``, then per step
+``step_start``, ``micro_batches``, ``step_end``, and ``finish``. Each micro-batch's dropout stream
+is seeded by (seed, step, micro-batch), never by rank: a smaller world computes the same
+micro-batches, so an elastic run is bitwise exact.
 """
 
 from __future__ import annotations
@@ -59,10 +50,9 @@ class Share:
     count: int
     mine: range
     # Passes every rank runs: the largest share (shares differ by one when the world does not
-    # divide the micro-batches, e.g. 3 on 2 ranks after a 2:3 job lost a node).
+    # divide the micro-batches).
     passes: int
-    # FSDP averages the gradient over the world; a rank's micro-batches are scaled so that the
-    # average is their mean over the whole global batch (1 on a full world: nothing to scale).
+    # FSDP averages the gradient over the world: scaled, it is the mean over the global batch.
     scale: float
 
     @classmethod
@@ -112,21 +102,19 @@ class TrainSession:
         self.ckpt: CheckpointManager | None = None
         self.hooks: Hooks | None = None
         self.loss: float | None = None  # the newest step's loss (all ranks), or the resumed one
-        self.result: dict[str, Any] | None = None  # set by finish()
+        self.result: RunResult | None = None  # set by finish()
         self._t0 = 0.0
         self._step_loss: torch.Tensor | None = None  # micro-batch losses of the step so far
 
     # -- the attempt ---------------------------------------------------------------------------
     def init_process_group(self) -> tuple[int, int]:
         self.rank, self.world_size = init_process_group(self.ctx, self.iteration)
-        # Checkpoint collectives (resume decision, commit, DCP finalize) get their own gloo
-        # group: its timeout covers checkpoint I/O, and async-save traffic never collides with
-        # FSDP's.
+        # Checkpoint collectives get their own gloo group: its timeout covers checkpoint I/O, and
+        # async-save traffic never collides with FSDP's.
         timeout = datetime.timedelta(seconds=self.cfg.checkpoint.durable.timeout_s)
         self.ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
-        # The peer copy's own (issue 29, item 2): the memory saves' thread sends each shard to
-        # a rank on another node through it, never in the way of the training's collectives.
-        # Made by every rank (a group is collective), used by those with node memory.
+        # The peer copies' own (issue 29, item 2), out of the training collectives' way; made by
+        # every rank (a group is collective), used by those with node memory.
         if self.world_size > 1 and self.cfg.checkpoint.memory.enabled:
             self.peer_group = dist.new_group(backend="gloo", timeout=timeout)
         if self.rank == 0 and self.iteration > 0:
@@ -210,7 +198,8 @@ class TrainSession:
 
     def micro_batches(self, step: int, model: nn.Module) -> Iterator[MicroBatch]:
         """This rank's passes of ``step``, each with its dropout stream seeded by (seed, step,
-        micro-batch), and ``model``'s (the FSDP root's) gradient reduced once, after the last."""
+        micro-batch), and ``model``'s (the FSDP root's) gradient reduced once, after the last.
+        ``mb.backward(loss)`` weights each; ``step_end(step, None, ...)`` takes their sum."""
         share = self._share()
         plan = share.plan()
         sync = getattr(model, "set_requires_gradient_sync", None)
@@ -233,9 +222,10 @@ class TrainSession:
         tokens: int = 0,
     ) -> float:
         """After the optimizer step: ``loss`` is the sum of this rank's micro-batch losses
-        (a plain script's one loss per rank; None: the sum :meth:`micro_batches` kept). One
-        all-reduce carries it and whether the save in flight is done on every rank; returns the
-        step's loss over the global batch."""
+        (a plain script's one loss per rank; None: the sum :meth:`micro_batches` kept);
+        ``tokens``: the step's global batch's, for tokens/s (optional). One all-reduce carries
+        the loss and whether the save in flight is done on every rank; returns the step's loss
+        over the global batch."""
         hooks, ckpt = self._hooks(), self.ckpt
         assert ckpt is not None
         if loss is None:
@@ -261,35 +251,24 @@ class TrainSession:
         hooks.on_step_end(StepEnd(step, self.loss, step_s, tokens, blocking))
         return self.loss
 
-    def finish(self, model: nn.Module) -> dict[str, Any]:
+    def finish(self, model: nn.Module) -> RunResult:
         ckpt = self.ckpt
         if ckpt is None:
             raise RuntimeError("call session.resume() first")
         ckpt.finish()
-        digest = params_sha256(model, rank=self.rank)
-        latest = checkpointing.read_latest(self.cfg.run_root)
-        result = {
-            "status": "completed",
-            "final_step": self.cfg.steps,
-            "final_loss": self.loss,
-            "params_sha256": digest,
-            "world_size": self.world_size,
-            "latest_checkpoint": latest,
-            "config_hash": self.cfg.fingerprint(),
-        }
+        result = RunResult(
+            status="completed",
+            final_step=self.cfg.steps,
+            final_loss=self.loss,
+            params_sha256=params_sha256(model, rank=self.rank),
+            world_size=self.world_size,
+            latest_checkpoint=checkpointing.read_latest(self.cfg.run_root),
+            config_hash=self.cfg.fingerprint(),
+        )
         if self.rank == 0:
-            run_dir = RunDir.from_env(self.cfg.run_root)
-            run_dir.write_result(RunResult.model_validate(result), self.ctx.events)
-            self.ctx.events.emit(
-                TrainEnd(
-                    final_step=self.cfg.steps,
-                    final_loss=self.loss,
-                    params_sha256=digest,
-                    world_size=self.world_size,
-                    latest_checkpoint=latest,
-                    config_hash=self.cfg.fingerprint(),
-                )
-            )
+            RunDir.from_env(self.cfg.run_root).write_result(result, self.ctx.events)
+            end = result.model_dump(exclude={"status", "error", "requeue", "epoch"})
+            self.ctx.events.emit(TrainEnd(**end))
         dist.barrier(group=ckpt.group)
         dist.destroy_process_group()
         self.result = result

@@ -23,6 +23,7 @@ from trainer.data import (
     check_vocab_fits,
     dtype_for_vocab,
     token_dtype,
+    write_durably,
 )
 
 SHARD_NAME = "shard_{:05d}.bin"
@@ -154,12 +155,7 @@ class ShardWriter:
             "files": self.files,
             "source": source,
         }
-        tmp = self.out / f".{MANIFEST}.tmp"
-        with open(tmp, "w") as f:
-            f.write(json.dumps(manifest, indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.out / MANIFEST)
+        write_durably(self.out / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
         return manifest
 
     def abort(self) -> None:

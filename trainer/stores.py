@@ -1,19 +1,11 @@
-"""TCPStores that listen where they are told, not on every interface.
+"""TCPStores that listen where they are told, not on every interface (docs/architecture.md §4,
+"Doors").
 
-torch's ``TCPStore`` server binds the wildcard address whatever host it is given (``*:PORT``,
-measured: ``ss -ltn``), and what the stores hold is trusted by their clients (torch elastic's
-rendezvous state is a pickle). Given a socket already bound to the host's own address
-(``master_listen_fd``), the server listens there alone: on the embedded default 127.0.0.1, so
-nothing off the machine reaches it; on EKS the pod's address, which the Job's NetworkPolicy
-then closes to everything but the Job's own pods.
-
-Used for every store the pipeline hosts: the trainer's store (one per incarnation, at
-``MASTER_PORT``: its process groups and NVRx in-process restart's keys, whose
-:class:`BoundNvrxStore` joins it as the Wrapper's ``store_factory``) and a local elastic job's
-rendezvous store (tasks.backends.rdzv_store). torch elastic's own (the rendezvous store an
-agent hosts for a fixed-size job, the workers' ``MASTER_PORT`` store) still bind every
-interface: locally the attempt's network namespace (tasks.backends.netns) closes them to the
-rest of the machine, on EKS the Job's NetworkPolicy (docs/architecture.md, "Doors").
+torch's ``TCPStore`` server binds ``*:PORT`` whatever host it is given, and its clients trust
+what it holds (torch elastic's rendezvous state is a pickle). Given a socket already bound to the
+host's own address (``master_listen_fd``) it listens there alone. Used for the trainer's store
+(one per incarnation, at ``MASTER_PORT``, which :class:`BoundNvrxStore` joins for NVRx) and a
+local elastic job's rendezvous store.
 """
 
 from __future__ import annotations
@@ -29,8 +21,8 @@ import torch.distributed as dist
 
 
 def listening_socket(host: str, port: int) -> int:
-    """A TCP socket bound to ``host``'s address (its first, as the resolver answers) and
-    ``port``, listening; its file descriptor, which the store's server then owns."""
+    """A listening TCP socket bound to ``host``'s (first) address and ``port``; its file
+    descriptor, which the store's server then owns."""
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -44,9 +36,8 @@ def listening_socket(host: str, port: int) -> int:
 
 
 def _bound_fd(host: str, port: int) -> int | None:
-    """:func:`listening_socket`, or None when ``host`` names no address of this machine (a
-    name resolved differently here than by the clients): the server then binds as torch
-    would, every interface, and says so, rather than not start at all."""
+    """:func:`listening_socket`, or None when ``host`` names no address of this machine: the
+    server then binds every interface, as torch would, and says so, rather than not start."""
     try:
         return listening_socket(host, port)
     except OSError as e:
@@ -82,10 +73,9 @@ def _nvrx_store_base() -> type:
 
 
 class BoundNvrxStore(_nvrx_store_base()):  # type: ignore[misc]
-    """NVRx in-process restart's ``TCPStore`` (the Wrapper's ``store_factory``), its server
-    bound as :func:`tcp_store` binds one. The same contract as NVRx's: rank 0 hosts, and if it
-    cannot (the port taken by a store still closing), it joins as a client. With ``join``,
-    every rank is a client of a store hosted already (the trainer's, at the same port)."""
+    """NVRx in-process restart's ``TCPStore`` (the Wrapper's ``store_factory``), bound as
+    :func:`tcp_store` binds one. As NVRx's: rank 0 hosts, or joins as a client if it cannot.
+    With ``join`` every rank is a client of a store hosted already (the trainer's)."""
 
     def __init__(
         self,

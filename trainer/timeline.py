@@ -1,22 +1,12 @@
 """A run's recovery timeline from its ``events.jsonl``: pure phase arithmetic, and a plot.
 
-Phases of one recovery, from the events both the trainer and the baseline write:
-
-- ``detect_s``: the fault until the next incarnation begins: an in-process ``restart``, a new
-  worker's ``worker_start`` (ft_launcher or torchrun respawned it; this includes tearing the old
-  workers down), or a new train-stage attempt (``stage_attempt``);
-- ``restart_s``: from there until the checkpoint load begins (process start-up, process group,
-  model build);
-- ``load_s``: the checkpoint load (``resume``/``loaded``'s own ``load_s``);
-- ``first_step_s``: from the end of the load until the first step completes;
-- ``total_s``: the fault until that first step.
-
-Where the trainer's phase events allow (``worker_start.process_start_t`` and ``phase``), an
-in-job recovery's ``detect_s`` is split into ``respawn_s`` (the fault until the new worker
-process exists: detection, teardown, rendezvous, spawn) and ``startup_s`` (interpreter, imports,
-dataset check), and ``restart_s`` gets ``process_group_s`` and ``model_built_s`` beside it. A
-restart with nothing to load (no commit before the fault) has ``load_s`` 0 and
-``from_scratch``.
+Phases of one recovery: ``detect_s`` (the fault until the next incarnation begins: an
+in-process ``restart``, a new ``worker_start``, or a new ``stage_attempt``), ``restart_s``
+(until the checkpoint load begins), ``load_s`` (the load's own), ``first_step_s`` (until the
+first step completes) and ``total_s`` (the fault until that step). Where the trainer's phase
+events allow, an in-job ``detect_s`` splits into ``respawn_s`` and ``startup_s``, and
+``restart_s`` gets ``process_group_s`` and ``model_built_s``. A restart with nothing to load has
+``load_s`` 0 and ``from_scratch``.
 """
 
 from __future__ import annotations
@@ -65,8 +55,7 @@ def recovery_phases(events: list[Event]) -> list[dict[str, Any]]:
             "step": f.step,
             "layer": begin.layer if isinstance(begin, Restart) else None,
         }
-        # The first step after the fault that follows a load (or, with nothing to load, the new
-        # incarnation's training start).
+        # The first step after a load (with nothing to load: after the training start).
         step = None
         if begin is not None:
             first_load = next((e for e in events if e.t > begin.t and _loaded(e)), None)
@@ -76,8 +65,7 @@ def recovery_phases(events: list[Event]) -> list[dict[str, Any]]:
             row.update(recovered=False)
             rows.append(row)
             continue
-        # The load that led to that step: a later one supersedes an earlier load that never got
-        # a step done (survivors of a lost node restarting in place, say).
+        # The load that led to that step (a later one supersedes one that got no step done).
         loads = [e for e in events if t0 < e.t < step.t and _loaded(e)]
         loaded = loads[-1] if loads else None
         if isinstance(loaded, Resume):
@@ -118,9 +106,8 @@ def _split(events: list[Event], t0: float, begin: Event, load_start: float) -> d
 
 
 def _is_restart(e: Event, after_fault: bool) -> bool:
-    """Drawn as a restart: an in-process restart, a train attempt after the first, and a
-    worker's start after a fault (the first one of that recovery); every rank's first start is
-    not one."""
+    """Drawn as a restart: an in-process restart, a train attempt after the first, a worker's
+    first start after a fault."""
     if isinstance(e, Restart):
         return True
     if isinstance(e, StageAttempt):
@@ -138,10 +125,8 @@ def plot_timeline(
     label: str = "this run",
 ) -> Path:
     """Step versus wall time, faults / restarts / checkpoints marked; PNG at ``out``.
-
-    ``compare``: optional ``(label, events)`` of a second run drawn on the same axes;
-    ``align_on_fault``: time 0 is each run's first fault (else its first event), so two runs'
-    recoveries line up."""
+    ``compare``: ``(label, events)`` of a second run on the same axes; ``align_on_fault``: time
+    0 is each run's first fault (else its first event), so two recoveries line up."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,33 +1,15 @@
-"""In-job timeouts derived from what this incarnation measures (issue 40, item 0).
+"""In-job timeouts derived from what this incarnation measures (issue 40, item 0; the rules and
+the measurements behind them: docs/architecture.md §2, "Every in-job timeout scales with the
+work").
 
-ft_launcher's rank monitor kills a rank whose section (a step, a checkpoint save, a load, or
-"out of section": start-up, an in-process restart) stays open past its timeout, or that sends
-no heartbeat for the backstop's. Fixed timeouts must cover the slowest job they may ever run: on
-EKS a hang of a 2-second step went unnoticed for 300 s, and locally a model whose step takes
-35 s was killed as hung by a 30 s constant. So, as NVRx itself does
-(``calculate_and_set_section_timeouts``: observed intervals x a safety factor), each one is
-learned, but bounded and without a collective:
-
-- until measured, an ``auto`` timeout is the stated start-up allowance
-  (``injob.startup_allowance_s``): the model build, the first step and the first save are
-  nothing this incarnation can have measured;
-- the step timeout, once ``learn_after`` step sections have closed after the first one (the
-  warm-up: compilation, allocator growth): ``multiple`` x the longest, at least the step floor
-  (above the in-process layer's window for a stalled step), at most the ceiling (the pinned
-  value, or the allowance). Decided once per incarnation: a step slower than that is a hang;
-- the checkpoint, load and out-of-section timeouts: ``multiple`` x the longest such stretch
-  seen so far, between their floor and the allowance, from the moment the step timeout is
-  learned; a longer one seen later raises them (they never fall: a slow save is not a hang);
-- the heartbeat backstop: the out-of-section timeout plus the longest section timeout (a beat
-  goes out at every section's end and step renewal, so no healthy gap is longer).
-
-A pinned timeout (a number in ``injob.*``) is never changed, but for the step timeout, which a
-number caps. Pure: :class:`TimeoutPolicy` and :class:`Observed` decide, the heartbeat
-(``trainer.resilience.Heartbeat``) applies the result to the node's rank monitor and rank 0
-says it in a ``timeouts`` event (and the report).
-
-Each incarnation learns afresh from the launch values: a world that shrank or a node that
-slowed down has other steps than the one before it.
+Until measured an ``auto`` timeout is the start-up allowance; then the step timeout is learned
+once per incarnation from ``learn_after`` step sections after the warm-up, and the checkpoint,
+load and out-of-section timeouts rise with the longest such stretch seen (never fall); the
+heartbeat backstop is the out-of-section timeout plus the longest section's. Each is bounded
+(floor, pin or allowance) and, unlike NVRx's ``calculate_and_set_section_timeouts``, needs no
+collective. A pinned timeout never changes (the step's caps it). :class:`TimeoutPolicy` and
+:class:`Observed` decide; ``trainer.resilience.Heartbeat`` applies the result. Each incarnation
+learns afresh: a shrunk world or a slower node has other steps.
 """
 
 from __future__ import annotations
@@ -36,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from trainer.config import TrainConfig
+from trainer.event_types import TimeoutsSet
 from trainer.layer_config import AUTO_TIMEOUTS, backstop
 
 STEP, CHECKPOINT, LOAD, OUT_OF_SECTION = "step", "checkpoint", "load", "out_of_section"
@@ -70,6 +53,11 @@ class Timeouts:
 
     def values(self) -> tuple[float, ...]:
         return tuple(getattr(self, f.name).seconds for f in dataclasses.fields(self))
+
+    def event(self, applied: bool) -> TimeoutsSet:
+        """The ``timeouts`` event rank 0 says them in (``applied``: the rank monitor took them)."""
+        seconds = {f"{k}_timeout_s": getattr(self, k).seconds for k in (*SECTIONS, "heartbeat")}
+        return TimeoutsSet(**seconds, applied=applied, detail=self.describe())
 
     def describe(self) -> dict[str, str]:
         """Each timeout's value and why, as the event and the report say it."""
@@ -147,8 +135,8 @@ class TimeoutPolicy:
         return Derived(seconds, "start-up allowance")
 
     def at_start(self) -> Timeouts:
-        """The launch values: what ft_launcher was given, and what a new incarnation resets
-        its rank monitor to (it outlives the workers and may hold the last one's)."""
+        """The launch values, which a new incarnation resets its rank monitor to (it outlives
+        the workers and may hold the last one's)."""
         return Timeouts(
             step=self._launch("step_timeout_s"),
             checkpoint=self._launch("checkpoint_timeout_s"),
@@ -224,7 +212,7 @@ def _learn(
 
 class TimeoutLearner:
     """The mutable shell over :class:`TimeoutPolicy`: sees each closed section's length and
-    returns the timeouts whenever they change (first when the step sample completes)."""
+    returns the timeouts whenever they change."""
 
     def __init__(self, policy: TimeoutPolicy) -> None:
         self.policy = policy

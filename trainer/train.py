@@ -1,16 +1,7 @@
-"""Worker program: ``python -m trainer --config FILE [--set KEY=VALUE ...]`` (or ``-m
-trainer.train``; the command line is :mod:`trainer.worker_cli`).
-
-Under a launcher, enter it as ``-m trainer`` (``trainer/__main__.py``): the checkpoint writer and
-its Manager are spawned processes, and each would re-import this module, and torch with it, if it
-were ``__main__``.
-
-The config file is the attempt's whole :class:`~trainer.config.TrainConfig` as JSON (the launcher
-writes it: ``trainer.config.save_config``); ``--set`` overrides single fields, for debugging.
-Without ``--config``, ``--set run_root=DIR --set data_dir=DIR`` and the defaults make one.
-
-Runs under ``ft_launcher`` (in-job restart), under plain ``torchrun``, or as a single process for
-debugging (no launcher environment: world size 1). CPU + gloo without a GPU, CUDA + NCCL with one.
+"""Worker program: ``python -m trainer --config FILE [--set KEY=VALUE ...]`` (command line:
+:mod:`trainer.worker_cli`). Under a launcher enter it as ``-m trainer`` (``trainer/__main__.py``),
+not ``-m trainer.train``: the spawned writer and Manager would re-import torch with ``__main__``.
+Runs under ``ft_launcher``, plain ``torchrun``, or alone for debugging (world size 1).
 
 Local, 2 simulated nodes x 1 CPU worker each (run both lines, e.g. in two shells; the first agent
 to start hosts the c10d rendezvous store)::
@@ -35,15 +26,8 @@ CPU hosts with NVRx >= 0.7)::
         --ft-workload-check-interval=5 --ft-enable-nic-monitor=false \\
         -m trainer --config /fsx/runs/$RUN_ID/config/train-attempt1.json
 
-(``trainer.launch.ft_launcher_argv`` builds the same line from a config.)
-
-Exit codes (``trainer.errors.ExitCode``): 0 done (``<run_root>/result.json`` written); 2 bad
-configuration; 3 fatal (bad data, no valid checkpoint). For 2 and 3 the worker first writes
-``<run_root>/control/no_restart`` and asks ft_launcher not to restart (NVRx's
-``WorkloadAction.ShutdownWorkload``: the launcher closes the rendezvous instead of respawning the
-workers), so the job ends after one start and the pipeline reports do-not-requeue. 4: fenced
-(``trainer.fence``: its attempt was replaced, and it changed nothing). Anything else is a crash
-that the in-job layer may restart.
+(``trainer.launch.ft_launcher_argv`` builds the same line from a config.) Exit codes:
+``trainer.errors.ExitCode``.
 """
 
 from __future__ import annotations
@@ -88,11 +72,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def execute(cfg: TrainConfig, body: Body | None = None, data: DataFactory = workload_data) -> int:
-    """:func:`run`, turned into the worker's exit code (arch §5): 0 done, 2 bad
-    configuration, 3 fatal (4, fenced, exits in :mod:`trainer.fence`); a crash raises (the
-    in-job layer may restart it). For 2 and 3 the whole job is stopped without restarts first
-    (:func:`_terminal`): respawning the workers cannot fix either, and under ft_launcher the exit
-    code alone would be retried until the launcher's restarts ran out."""
+    """:func:`run`, turned into the worker's exit code (arch §5); a crash raises (the in-job
+    layer may restart it). For a terminal error the whole job is stopped without restarts
+    first (:func:`_terminal`): under ft_launcher the exit code alone would be retried until the
+    launcher's restarts ran out."""
     try:
         result = run(cfg, body, data)
     except BaseException as e:
@@ -106,7 +89,7 @@ def execute(cfg: TrainConfig, body: Body | None = None, data: DataFactory = work
             _terminal(cfg, f"{type(terminal).__name__}: {terminal}")
         return terminal.exit_code
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(result))
+        print(json.dumps(result.model_dump(exclude={"error", "requeue", "epoch"})))
     return ExitCode.OK
 
 
@@ -140,12 +123,18 @@ def _terminal(cfg: TrainConfig, message: str) -> None:
 
 
 def _stop_without_restart(run_root: Path | None, message: str) -> None:
-    """Every rank that finds the error says so (the marker) and asks its own launcher: on a
-    multi-node job the failing rank need not be rank 0."""
-    from trainer.resilience import stop_without_restart
+    """Every rank that finds the error writes the ``no_restart`` marker (a peer's exit 93 can be
+    masked on multi-node jobs, so whoever classifies the end reads it too) and asks its own
+    launcher not to respawn the workers: on a multi-node job the failing rank need not be rank 0.
+    Without ft_launcher (or an NVRx that lacks the request) the marker still ends the stage."""
+    from trainer import nvrx_compat
 
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        stop_without_restart(run_root, rank=int(os.environ.get("RANK", "0")), reason=message)
+        if run_root is not None:
+            events = EventLog(run_root)
+            RunDir.from_env(run_root).write_no_restart(rank=rank, reason=message, events=events)
+        nvrx_compat.request_no_restart(rank, message)
     except OSError as e:  # the exit code still reports it; never hide the cause behind this
         log.warning("could not record the no-restart marker: %s", e)
 

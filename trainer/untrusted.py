@@ -1,19 +1,13 @@
-"""Reading files from the shared filesystem, which anyone who can write there controls (arch §6).
+"""Reading files from the shared filesystem, which anyone who can write there controls (arch §6;
+docs/architecture.md §3, "What is untrusted").
 
-Two rules live here, once:
+- **Nothing unpickled runs code.** DCP's ``FileSystemReader`` loads ``.metadata`` with plain
+  ``pickle.load`` and its default planner non-tensor entries with ``torch.load(weights_only=
+  False)``; a manifest digest stops neither (whoever writes ``.metadata`` can rewrite
+  ``manifest.json``). Use :func:`dcp_load_args` for every ``dcp.load``.
+- **A name from a file is one plain path component** (:func:`check_component`).
 
-- **Nothing unpickled runs code.** A DCP checkpoint's ``.metadata`` is a pickle that torch's
-  ``FileSystemReader`` loads with plain ``pickle.load``, and DCP's default planner loads every
-  non-tensor entry of a shard with ``torch.load(weights_only=False)``. A manifest digest does not
-  stop either: whoever writes ``.metadata`` can rewrite ``manifest.json`` to match. So metadata goes
-  through :class:`RestrictedUnpickler` (only the classes DCP metadata is made of) and shard bytes
-  through ``weights_only=True`` (:class:`SafeLoadPlanner`); use :func:`dcp_load_args` for every
-  ``dcp.load``.
-- **A name from a file is one plain path component** (:func:`check_component`), so joining it
-  onto a directory never leaves that directory.
-
-What these refuse raises :class:`UnsafeCheckpointError` / :class:`UnsafeNameError`, whose message
-names the file and what it asked for.
+Refusals raise :class:`UnsafeCheckpointError` / :class:`UnsafeNameError`, naming the file.
 """
 
 from __future__ import annotations
@@ -42,14 +36,12 @@ class UnsafeNameError(TrainerError, ValueError):
 
 class UnsafeCheckpointError(TrainerError, RuntimeError):
     """A checkpoint file asks for something no checkpoint holds (a class outside the allowlist,
-    a path outside its directory): refused before anything it names is called or opened.
-    (Not a ``trainer.checkpointing.CheckpointError``: this module imports nothing from the trainer,
-    so that ``trainer.checkpointing`` can use it.)"""
+    a path outside its directory): refused before anything it names is called or opened."""
 
 
 def check_component(value: object, *, where: str) -> str:
-    """``value`` if it is one safe path component, else :class:`UnsafeNameError` naming
-    ``where`` (the file and field it came from) and the value."""
+    """``value`` if it is one safe path component, else :class:`UnsafeNameError` naming ``where``
+    (the file and field) and the value."""
     if not isinstance(value, str) or not SAFE_COMPONENT.fullmatch(value):
         raise UnsafeNameError(
             f"{where}: {value!r} is not a plain file name (letters, digits, '_.+-', not starting "
@@ -129,8 +121,8 @@ def _check_metadata(md: object, source: str) -> Metadata:
 
 
 def load_dcp_metadata(path: Path) -> Metadata:
-    """The DCP metadata of the checkpoint directory ``path`` (or of a ``.metadata`` file),
-    unpickled by :class:`RestrictedUnpickler`. Check the file's digest first (arch §6)."""
+    """The DCP metadata of a checkpoint directory (or ``.metadata`` file), restricted-unpickled.
+    Check the file's digest first (arch §6)."""
     path = Path(path)
     file = path / METADATA if path.is_dir() else path
     return loads_dcp_metadata(file.read_bytes(), source=str(file))
@@ -191,18 +183,8 @@ def _reader_and_planner() -> tuple[type, type]:
     return SafeFileSystemReader, SafeLoadPlanner
 
 
-def safe_reader(path: Path | str) -> Any:
-    """A DCP storage reader for the checkpoint directory ``path`` that unpickles safely."""
-    reader_cls, _ = _reader_and_planner()
-    return reader_cls(str(path))
-
-
-def safe_planner() -> Any:
-    _, planner_cls = _reader_and_planner()
-    return planner_cls()
-
-
 def dcp_load_args(path: Path | str) -> dict[str, Any]:
     """Keyword arguments that make ``dcp.load`` read ``path`` without running code from it:
     ``dcp.load(state, process_group=pg, **dcp_load_args(path))``."""
-    return {"storage_reader": safe_reader(path), "planner": safe_planner()}
+    reader_cls, planner_cls = _reader_and_planner()
+    return {"storage_reader": reader_cls(str(path)), "planner": planner_cls()}

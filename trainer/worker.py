@@ -1,8 +1,6 @@
-"""One worker process under the enabled layers (arch §5): its environment, its long-lived
-parts (the checkpoint writer, the heartbeat, the node's beat, node memory, the metrics endpoint),
-its start event, and then the train function: once, or under the in-process layer
-(:mod:`trainer.inprocess_layer`). :func:`trainer.train.execute` turns the outcome into the
-exit code."""
+"""One worker process under the enabled layers (arch §5): its environment, its long-lived parts
+(the checkpoint writer, the heartbeat, the node's beat, node memory, the metrics endpoint), its
+start event, and the train function, once or under :mod:`trainer.inprocess_layer`."""
 
 from __future__ import annotations
 
@@ -18,9 +16,11 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.data import DataError
-from trainer.event_types import Restart, TimeoutsSet, WorkerStart
+from trainer.event_types import Restart, WorkerStart
 from trainer.events import EventLog
 from trainer.process import Body, Origin, ProcessContext
+from trainer.rundir import RunResult
+from trainer.timeouts import Timeouts
 from trainer.workload import DataSettings, DataSource
 
 log = logging.getLogger("trainer")
@@ -47,9 +47,8 @@ def _ensure_dist_env() -> None:
 
 
 def _cpu_threads() -> None:
-    """Intra-op threads per worker: NVRX_CPU_THREADS when the launcher knows how many workers
-    share the host (several simulated nodes), else cores / local workers. Results are bitwise
-    reproducible for a given thread count, not across thread counts."""
+    """Intra-op threads per worker: NVRX_CPU_THREADS (set where simulated nodes share a host),
+    else cores / local workers. Results are bitwise reproducible for a given thread count only."""
     explicit = os.environ.get("NVRX_CPU_THREADS")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     threads = int(explicit) if explicit else (os.cpu_count() or 1) // local_world
@@ -78,14 +77,10 @@ def workload_data(cfg: TrainConfig) -> DataSource:
     return sampler
 
 
-def run(
-    cfg: TrainConfig, body: Body | None = None, data: DataFactory = workload_data
-) -> dict[str, Any]:
+def run(cfg: TrainConfig, body: Body | None = None, data: DataFactory = workload_data) -> RunResult:
     """Run training in this worker process under the enabled layers; raises on failure.
-
-    ``body(ctx, call_wrapper)`` is one attempt of the training run (re-entered by the in-process
-    layer after a fault): the built-in loop (:func:`trainer.loop.train`) by default, a user
-    script's train function in script mode (:mod:`trainer.script`)."""
+    ``body(ctx, call_wrapper)`` is one attempt (re-entered by the in-process layer): the built-in
+    loop (:func:`trainer.loop.train`) by default, a script's train function in script mode."""
     from trainer.checkpointing.async_save import AsyncCheckpointer
     from trainer.loop import train
     from trainer.parallel import resolve_device
@@ -125,9 +120,8 @@ def run(
 
 
 def _node_beat(cfg: TrainConfig) -> Any:
-    """The node's sign of life for the watcher (trainer.node_beat): written by its first
-    worker, from a thread that outlives in-process restarts. None where no backend said
-    which node this is (run by hand)."""
+    """The node's sign of life (trainer.node_beat), written by its first worker; None where no
+    backend said which node this is."""
     from trainer.elastic import node_id
     from trainer.node_beat import NodeBeat
     from trainer.rundir import RunDir
@@ -140,8 +134,7 @@ def _node_beat(cfg: TrainConfig) -> Any:
 
 
 def _node_memory(cfg: TrainConfig, rank: int, world: int) -> Any:
-    """This rank's node-memory tier, where the launcher gave the node a directory and
-    the config has memory tiers."""
+    """This rank's node-memory tier, where the launcher gave the node a directory."""
     from trainer import fence
     from trainer.checkpointing import node_copy
 
@@ -165,15 +158,14 @@ def _run(
     placement: Any,
     saver: Any,
     heartbeat: Any,
-) -> dict[str, Any]:
+) -> RunResult:
     from trainer import nvrx_compat
     from trainer.credentials import secret_like
 
     started = time.time()  # a node lost after this is this process's to hand over
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    t_data = time.time()
     sampler = data(cfg)
-    data_s = time.time() - t_data
+    data_s = time.time() - started
     inprocess_ok, why_not = nvrx_compat.inprocess_available()
     use_inprocess = cfg.inprocess.enabled and inprocess_ok
     origin = Origin.of(cfg.run_root)
@@ -196,11 +188,9 @@ def _run(
                 injob=heartbeat.active,
                 restart_count=restart_count,
                 config_hash=cfg.fingerprint(),
-                # The credential-like names this worker was given (the run's declared secrets, and
-                # nothing of the orchestrator's: tasks.secrets), never their values.
+                # The credential-like names this worker was given (tasks.secrets), never values.
                 secret_env=secret_like(os.environ),
-                # Recovery phases (trainer.timeline): when this interpreter started, and how long
-                # the dataset check took (sizes and manifest digest, or every shard's digest).
+                # Recovery phases (trainer.timeline): the interpreter's start, the dataset check.
                 process_start_t=process_start_time(),
                 data_s=round(data_s, 4),
             )
@@ -227,30 +217,18 @@ def _run(
     return InProcessLayer(ctx, body, rank=rank, world_size=world).run()
 
 
-def _announce_timeouts(events: EventLog, *, rank: int) -> Any:
-    """Rank 0 says what its rank monitor now times with (every rank learns its own: one event
-    per change of rank 0's, not one per rank)."""
+def _announce_timeouts(events: EventLog, *, rank: int) -> Callable[[Timeouts, bool], None]:
+    """Rank 0 says what its rank monitor now times with (one event per change, not per rank)."""
 
-    def announce(timeouts: Any, applied: bool) -> None:
+    def announce(timeouts: Timeouts, applied: bool) -> None:
         if rank == 0:
-            events.emit(
-                TimeoutsSet(
-                    step_timeout_s=timeouts.step.seconds,
-                    checkpoint_timeout_s=timeouts.checkpoint.seconds,
-                    load_timeout_s=timeouts.load.seconds,
-                    out_of_section_timeout_s=timeouts.out_of_section.seconds,
-                    heartbeat_timeout_s=timeouts.heartbeat.seconds,
-                    applied=applied,
-                    detail=timeouts.describe(),
-                )
-            )
+            events.emit(timeouts.event(applied))
 
     return announce
 
 
 def process_start_time() -> float | None:
-    """This process's start (epoch seconds): a respawned worker's interpreter start-up and
-    imports are part of its recovery time."""
+    """This process's start (epoch seconds): a respawn's start-up is part of its recovery."""
     try:
         import psutil
 

@@ -1,36 +1,14 @@
-"""The workload API: what the three fault-tolerance layers wrap (public).
+"""The workload API: what the three fault-tolerance layers wrap (public; the walk-through with
+an example is docs/training.md, "Your own training"; ``trainer/workloads/gpt.py`` is a complete
+one).
 
-A workload says how to build the model for a device, which module classes are the blocks FSDP2
-shards one by one, the optimizer, the loss of a batch, and a data source whose batch depends only
-on (seed, step, rank, world), so a resumed run sees exactly the data it would have seen. The
-trainer owns everything else: process groups, sharding, checkpoints, heartbeats, restarts.
-
-A workload is a :class:`WorkloadSpec` (a handful of plain functions and a pydantic model of its
-options). The pipeline picks one by name::
-
-    workload: "gpt-tiny" | "gpt-100m" | "gpt-8b" | "llama-tiny" | "llama-1b" | "llama3-8b"
-    workload: "my_pkg.my_module:spec"     # any importable WorkloadSpec (on EKS: in the image)
-    workload_options: {...}               # validated by the spec's own options model
-
-Writing one (the whole contract; see ``trainer/workloads/gpt.py`` for a complete example)::
-
-    class Options(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        width: int = Field(256, ge=8)
-
-    spec = WorkloadSpec(
-        name="my-mlp",
-        options=Options,
-        build_model=lambda o, device: MyModel(o.width).to(device),
-        block_classes=lambda o: (MyBlock,),
-        loss=lambda model, inputs, targets: F.cross_entropy(model(inputs).flatten(0, 1),
-                                                            targets.flatten()),
-        vocab_size=lambda o: 512,
-        seq_len=lambda o: 64,
-    )
-
-Options may declare ``mixed_precision: "none" | "bf16"`` and ``activation_checkpointing: bool``;
-the trainer applies them when it shards (bf16 on CUDA only: CPU trains in fp32).
+A workload (:class:`WorkloadSpec`: plain functions and a pydantic model of its options) says how
+to build the model, which module classes FSDP2 shards one by one, the optimizer, the loss, and a
+data source whose batch depends only on (seed, step, rank, world), so a resume sees exactly the
+data it would have. The trainer owns the rest. ``workload`` names a built-in (:data:`BUILTIN`)
+or any importable ``package.module:attr``; ``workload_options`` are validated by its options
+model. Options may declare ``mixed_precision: "none" | "bf16"`` and
+``activation_checkpointing: bool``, applied when sharding (bf16 on CUDA only).
 """
 
 from __future__ import annotations
@@ -53,10 +31,8 @@ from trainer.errors import ConfigError
 
 
 class DataSource(Protocol):
-    """Token batches as a pure function of (step, rank, world): resume is exact by construction.
-
-    ``state_at``/``check_state`` let a checkpoint record the position and a resume prove that the
-    data order did not change (:class:`trainer.sampler.StepSampler` is the built-in one)."""
+    """Token batches as a pure function of (step, rank, world); ``state_at``/``check_state`` let
+    a checkpoint record the position and a resume prove the data order did not change."""
 
     vocab_size: int
 
@@ -64,7 +40,7 @@ class DataSource(Protocol):
 
     def state_at(self, step: int) -> Any: ...
 
-    def check_state(self, state: dict[str, Any], step: int) -> None: ...
+    def check_state(self, state: Mapping[str, object], step: int) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,8 +97,7 @@ class WorkloadSpec:
     description: str = ""
 
 
-# Built-in workloads: name -> (spec reference, default options). Imported on first use, so a
-# GPT run never imports transformers.
+# Built-ins: name -> (spec, default options), imported on use (GPT never imports transformers).
 BUILTIN: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt-tiny": ("trainer.workloads.gpt:SPEC", {"size": "tiny"}),
     "gpt-100m": ("trainer.workloads.gpt:SPEC", {"size": "100m"}),
@@ -135,10 +110,9 @@ SCRIPT_PREFIX = "script:"
 
 
 def safe_to_name_from_file(ref: str) -> bool:
-    """May a workload named by an untrusted file (a checkpoint's manifest) be used without the
-    caller naming it too? Built-ins only: a ``package.module:attr`` reference is code to import,
-    and a file on the shared filesystem must not choose which code runs. (``script:`` names a
-    script that nothing here runs.)"""
+    """May a workload named by an untrusted file (a checkpoint's manifest) be used unconfirmed?
+    Built-ins only: a file on the shared filesystem must not choose code to import (``script:``
+    names a script nothing here runs)."""
     return ref in BUILTIN or ref.startswith(SCRIPT_PREFIX)
 
 
@@ -227,10 +201,8 @@ class Workload:
         return self.spec.data_source(settings)
 
     def shard(self, model: nn.Module, *, device: torch.device, world_size: int) -> nn.Module:
-        """FSDP2 ``fully_shard`` on every block (outermost first found), then the root.
-
-        Activation checkpointing wraps each block before it is sharded; bf16 mixed precision
-        (parameters and activations in bf16, gradient reduction in fp32) applies on CUDA."""
+        """FSDP2 ``fully_shard`` on every outermost block, then the root; activation
+        checkpointing wraps each block first; bf16 mixed precision (fp32 reductions) on CUDA."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

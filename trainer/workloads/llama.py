@@ -21,9 +21,23 @@ from torch import nn
 from trainer.errors import ConfigError
 from trainer.workload import WorkloadSpec
 
-# Named shapes: plain data, derived by copy-and-change.
+# Named shapes: plain data. Llama-3.2-1B (1.24B parameters, tied embeddings), and Llama-3.1-8B
+# (8.03B parameters) changed from it.
+_1B = {
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "seq_len": 2048,
+}
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
+        **_1B,
         "vocab_size": 512,
         "hidden_size": 64,
         "intermediate_size": 176,
@@ -31,33 +45,15 @@ SIZES: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": 256,
-        "rope_theta": 500000.0,
         "tie_word_embeddings": False,
         "seq_len": 64,
     },
-    # Llama-3.2-1B (1.24B parameters, tied embeddings).
-    "1b": {
-        "vocab_size": 128256,
-        "hidden_size": 2048,
-        "intermediate_size": 8192,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "max_position_embeddings": 131072,
-        "rope_theta": 500000.0,
-        "tie_word_embeddings": True,
-        "seq_len": 2048,
-    },
-    # Llama-3.1-8B (8.03B parameters).
+    "1b": _1B,
     "8b": {
-        "vocab_size": 128256,
+        **_1B,
         "hidden_size": 4096,
         "intermediate_size": 14336,
         "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "max_position_embeddings": 131072,
-        "rope_theta": 500000.0,
         "tie_word_embeddings": False,
         "seq_len": 8192,
         "rope_scaling": {
