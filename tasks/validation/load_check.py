@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.validation.load_report import LoadReport, Pretrained, Safetensors, WrittenFile
-from trainer.checkpointing.manifest import WorkloadRef
+from trainer.checkpointing.manifest import Manifest, WorkloadRef
 
 
 def load_and_inspect(
@@ -46,9 +46,9 @@ def load_and_inspect(
     torch.set_num_threads(1)
     man = checkpointing.read_manifest(path)
     verify_before_loading(path, man)
-    step = int(man["step"])
+    step = man.step
     wl = _workload(path, man, workload)
-    cfg = man.get("config") or {}
+    cfg = man.config
     # Its own port, whatever MASTER_PORT the caller's environment carries (it may be in use).
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
@@ -91,14 +91,13 @@ def load_and_inspect(
         dist.destroy_process_group()
 
 
-def _workload(path: Path, man: dict[str, Any], workload: WorkloadRef | None) -> Any:
+def _workload(path: Path, man: Manifest, workload: WorkloadRef | None) -> Any:
     """The workload to rebuild the model with: the one asked for, else the manifest's if a
     file may name it (a file on the shared filesystem does not choose what code runs)."""
     from tasks.validation.files import untrusted_workload_message
-    from trainer import checkpointing
     from trainer.workload import load_workload, safe_to_name_from_file
 
-    chosen = workload or checkpointing.workload_of(man)
+    chosen = workload or man.workload
     if chosen is None:
         raise ValueError(f"{path}: the manifest does not say which workload wrote it; name one")
     if workload is None and not safe_to_name_from_file(chosen.ref):
@@ -132,34 +131,24 @@ def _heldout_loss(
     return float(loss) if math.isfinite(float(loss)) else None
 
 
-def verify_before_loading(path: Path, man: dict[str, Any]) -> None:
+def verify_before_loading(path: Path, man: Manifest) -> None:
     """Loading unpickles ``.metadata`` and the shards' non-tensor entries: only files whose size
     and digest the manifest vouches for, and only files it lists, are read (arch §6). Raises
     :class:`UnsafeCheckpointError` naming the files. (The manifest is not signed: this stops
     corruption and half-done tampering; the restricted unpickler stops a forged pair.)"""
-    from tasks.validation.files import check_file_names, hash_files
-    from trainer import checkpointing
+    from tasks.validation.files import hash_files
     from trainer.untrusted import METADATA, UnsafeCheckpointError, load_dcp_metadata
 
-    try:
-        check_file_names(man, path)
-    except ValueError as e:
-        raise UnsafeCheckpointError(str(e)) from e
-    listed = {e["name"]: e for e in man["files"]}
+    listed = {e.name: e for e in man.files}
     if METADATA not in listed:
         raise UnsafeCheckpointError(f"{path}: {METADATA} is not in its manifest: not loaded")
-    digest = checkpointing.digest_of(man)
-    sizes = {n: int(e["bytes"]) for n, e in listed.items()}
-    got, _ = hash_files(path, sorted(listed), digest, limits=sizes)
-    bad = sorted(
-        n
-        for n, e in listed.items()
-        if got.get(n, {}).get("bytes") != e["bytes"] or got.get(n, {}).get(digest) != e[digest]
-    )
+    sizes = {n: e.bytes for n, e in listed.items()}
+    got, _ = hash_files(path, sorted(listed), man.digest, limits=sizes)
+    bad = sorted(n for n, e in listed.items() if got.get(n) != e)
     if bad:
         raise UnsafeCheckpointError(
-            f"{path}: {', '.join(bad)} missing or not matching the manifest (size or {digest}): "
-            "not loaded"
+            f"{path}: {', '.join(bad)} missing or not matching the manifest (size or "
+            f"{man.digest}): not loaded"
         )
     md = load_dcp_metadata(path)
     unlisted = sorted({i.relative_path for i in md.storage_data.values()} - set(listed))

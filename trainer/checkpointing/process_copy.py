@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 
 from trainer.checkpointing import tiers
-from trainer.checkpointing.restoring import RestoreContext, Resumed, loss_of
+from trainer.checkpointing.manifest import loss_of
+from trainer.checkpointing.restoring import RestoreContext, Resumed
 from trainer.checkpointing.staging import local_tensors
 from trainer.workload import DataSource
 

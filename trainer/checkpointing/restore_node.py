@@ -20,9 +20,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 
 from trainer.checkpointing import node_format, tiers
+from trainer.checkpointing.manifest import loss_of
 from trainer.checkpointing.node_copy import SOURCE, NodeMemory
 from trainer.checkpointing.node_format import Header, NodeCopyError
-from trainer.checkpointing.restoring import RestoreContext, Resumed, loss_of
+from trainer.checkpointing.restoring import RestoreContext, Resumed
 from trainer.workload import DataSource
 
 log = logging.getLogger(__name__)
