@@ -236,7 +236,7 @@ class _Uploader:
         self.sources, self.on_object = files.sources, on_object
         self.staged = files.staged
         self.modes: set[str] = set()  # how the uploaded objects were verified
-        self.extra: dict[str, Any] = {}
+        self.extra: dict[str, str] = {}
         if opts.sse:
             self.extra["ServerSideEncryption"] = opts.sse
         if opts.kms_key_id:

@@ -46,7 +46,6 @@ def load_and_inspect(
     torch.set_num_threads(1)
     man = checkpointing.read_manifest(path)
     verify_before_loading(path, man)
-    step = man.step
     wl = _workload(path, man, workload)
     cfg = man.config
     # Its own port, whatever MASTER_PORT the caller's environment carries (it may be in use).
@@ -75,13 +74,11 @@ def load_and_inspect(
             tensors=sum(1 for _ in _tensors({"model": model_sd, "optim": optim_sd})),
             nonfinite=nonfinite[:20],
             params_sha256=digest,
-            heldout_loss=(
-                None if data_dir is None else _heldout_loss(wl, model, cfg, data_dir, step)
-            ),
+            heldout_loss=(None if data_dir is None else _heldout_loss(wl, model, man, data_dir)),
             safetensors=(
                 None
                 if safetensors_out is None
-                else _write_safetensors(model, safetensors_out, step=step, digest=digest)
+                else _write_safetensors(model, safetensors_out, step=man.step, digest=digest)
             ),
             pretrained=(
                 None if pretrained_out is None else _write_pretrained(wl, model, pretrained_out)
@@ -107,9 +104,7 @@ def _workload(path: Path, man: Manifest, workload: WorkloadRef | None) -> Any:
     return load_workload(chosen.ref, options)
 
 
-def _heldout_loss(
-    wl: Any, model: Any, cfg: dict[str, Any], data_dir: Path, step: int
-) -> float | None:
+def _heldout_loss(wl: Any, model: Any, man: Manifest, data_dir: Path) -> float | None:
     """The loss on the batch of the step after the checkpoint's, which it has not trained on."""
     import torch
 
@@ -119,12 +114,12 @@ def _heldout_loss(
         DataSettings(
             data_dir=data_dir,
             seq_len=wl.seq_len,
-            global_batch=int(cfg.get("global_batch", 8)),
-            seed=int(cfg.get("seed", 1234)),
+            global_batch=int(man.config.get("global_batch", 8)),
+            seed=int(man.config.get("seed", 1234)),
             verify=False,
         )
     )
-    x, y = source.batch(step + 1, 0, 1)
+    x, y = source.batch(man.step + 1, 0, 1)
     model.eval()
     with torch.no_grad():
         loss = wl.loss(model, torch.from_numpy(x), torch.from_numpy(y))

@@ -228,7 +228,7 @@ def parse_manifest(path: Path | str, obj: Any) -> Manifest:
     for key in ("format", "step", "world_size", "files"):
         if key not in obj:
             raise CheckpointError(f"{path} lacks field {key!r}")
-    digest = _digest_named(path, obj)
+    digest = _digest_named(path, obj["format"], obj.get("digest"))
     for key, low in (("step", 0), ("world_size", 1)):
         if type(obj[key]) is not int or obj[key] < low:
             raise CheckpointError(
@@ -246,21 +246,19 @@ def parse_manifest(path: Path | str, obj: Any) -> Manifest:
         digest,
         files,
         config_hash=config_hash,
-        loss=loss_of(obj),
-        workload=_workload_of(obj),
+        loss=as_loss(obj.get("loss")),
+        workload=_workload_of(obj.get("workload"), obj.get("model")),
         raw=obj,
     )
 
 
-def loss_of(info: dict[str, Any]) -> float | None:
-    """The recorded loss of a manifest or a copy, where it is a number (untrusted input)."""
-    loss = info.get("loss")
+def as_loss(loss: object) -> float | None:
+    """A loss recorded in a manifest or a copy, where it is a number (untrusted input)."""
     return float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None
 
 
-def _digest_named(path: Path | str, manifest: dict[str, Any]) -> str:
+def _digest_named(path: Path | str, fmt: object, digest: object) -> str:
     """The digest a manifest's entries hold, from its format and its ``"digest"`` field."""
-    fmt, digest = manifest["format"], manifest.get("digest")
     if fmt == FORMAT_V1:
         if digest not in (None, SHA256):
             raise CheckpointError(
@@ -313,16 +311,13 @@ def as_sha256(manifest: Manifest, sha256: dict[str, str]) -> dict[str, Any]:
     return {**manifest.raw, "format": FORMAT_V1, "digest": SHA256, "files": files}
 
 
-def _workload_of(manifest: dict[str, Any]) -> WorkloadRef | None:
-    """The workload that wrote a checkpoint, as its manifest says (older manifests name only a
-    GPT size under ``model``)."""
-    wl = manifest.get("workload")
+def _workload_of(wl: object, model: object) -> WorkloadRef | None:
+    """The workload that wrote a checkpoint, as its manifest's ``workload`` says (older
+    manifests name only a GPT size under ``model``)."""
     if isinstance(wl, dict) and isinstance(wl.get("ref"), str):
         options = wl.get("options")
         return WorkloadRef(wl["ref"], dict(options) if isinstance(options, dict) else {})
-    if isinstance(manifest.get("model"), str):
-        return WorkloadRef(f"gpt-{manifest['model']}")
-    return None
+    return WorkloadRef(f"gpt-{model}") if isinstance(model, str) else None
 
 
 @dataclass(frozen=True)
