@@ -196,10 +196,6 @@ class Manifest:
         state = self.raw.get("data_loader")
         return state if isinstance(state, dict) else {}
 
-    def listed_bytes(self) -> int:
-        """The bytes of every file it lists: what a load of it reads."""
-        return sum(e.bytes for e in self.files)
-
 
 def read_manifest(directory: Path) -> Manifest:
     """The manifest of ``directory``, checked: a regular file of at most

@@ -137,11 +137,11 @@ class DurableRestorer:
             sampler.check_state(c.manifest.data_loader, c.step)
         except Exception as e:
             raise FatalError(str(e)) from e
-        man = c.manifest
+        nbytes = sum(e.bytes for e in c.manifest.files)  # what the load read
         self.ctx.loaded(
-            c.step, SOURCE, t0, man.listed_bytes(), path=c.path, saved_world_size=man.world_size
+            c.step, SOURCE, t0, nbytes, path=c.path, saved_world_size=c.manifest.world_size
         )
-        return Resumed(c.step, man.loss, Path(c.path))
+        return Resumed(c.step, c.manifest.loss, Path(c.path))
 
     def _start_fresh(self) -> None:
         """Explicit fresh start: archive (never delete) what is there; the ``fresh`` event also
