@@ -42,7 +42,7 @@ from tasks.storage.verified_upload import (
     verify_uploaded,
 )
 from trainer import checkpointing
-from trainer.checkpointing import WorkloadRef
+from trainer.checkpointing import FileEntry, Manifest, WorkloadRef
 from trainer.hashing import SHA256, new_hasher, read_capped, sha256_file
 
 CONSOLIDATED = "model.safetensors"
@@ -88,10 +88,10 @@ class ExportReport:
         return self.__dict__.copy()
 
 
-def checked_sha256(path: Path, entry: dict[str, Any], digest: str) -> str:
+def checked_sha256(path: Path, entry: FileEntry, digest: str) -> str:
     """One read of a checkpoint file: refused (naming it) unless it is the checked manifest
     ``entry``'s size and ``digest``, never read past that size; its sha256."""
-    size = int(entry["bytes"])
+    size = entry.bytes
     other = None if digest == SHA256 else new_hasher(digest)
     try:
         with open(path, "rb") as f:
@@ -102,21 +102,19 @@ def checked_sha256(path: Path, entry: dict[str, Any], digest: str) -> str:
         raise ExportError(
             f"refusing to export {path}: it is not the {size} bytes its manifest gives"
         )
-    if (sha if other is None else other.hexdigest()) != entry[digest]:
+    if (sha if other is None else other.hexdigest()) != entry.digest:
         raise ExportError(
             f"refusing to export {path}: it does not match its {digest} in the manifest"
         )
     return sha
 
 
-def checked_digests(ckpt_dir: Path, man: dict[str, Any], max_workers: int) -> dict[str, str]:
+def checked_digests(ckpt_dir: Path, man: Manifest, max_workers: int) -> dict[str, str]:
     """name -> sha256 of every file a checked manifest lists, each checked against it
     (:func:`checked_sha256`), in parallel: hashlib and xxhash release the GIL."""
-    digest = checkpointing.digest_of(man)
-    entries = man["files"]
     with ThreadPoolExecutor(max_workers=max_workers) as pool:
-        shas = pool.map(lambda e: checked_sha256(ckpt_dir / e["name"], e, digest), entries)
-        return dict(zip((e["name"] for e in entries), shas, strict=True))
+        shas = pool.map(lambda e: checked_sha256(ckpt_dir / e.name, e, man.digest), man.files)
+        return dict(zip((e.name for e in man.files), shas, strict=True))
 
 
 def export_checkpoint(
@@ -135,12 +133,11 @@ def export_checkpoint(
     validate_prefix(prefix)
     # Sizes, the .metadata's digest and its restricted unpickling; every file's digest next,
     # in the read that also takes its sha256.
-    verdict = checkpointing.verify_checkpoint(ckpt_dir, digests=False)
-    if not verdict.ok:
+    man = (verdict := checkpointing.verify_checkpoint(ckpt_dir, digests=False)).manifest
+    if man is None:
         raise ExportError(f"refusing to export {ckpt_dir}: {verdict.reason}")
-    man = verdict.manifest
     shas = checked_digests(ckpt_dir, man, opts.max_workers)
-    base = "/".join(p for p in (prefix, run_id, f"step_{man['step']}") if p)
+    base = "/".join(p for p in (prefix, run_id, f"step_{man.step}") if p)
     with _outward_files(ckpt_dir, man, shas, opts) as files:
         up = _Uploader(client, bucket, base, opts, files, on_object)
         try:
@@ -174,14 +171,14 @@ class _Files:
 
 @contextlib.contextmanager
 def _outward_files(
-    ckpt_dir: Path, man: dict[str, Any], shas: dict[str, str], opts: ExportOptions
+    ckpt_dir: Path, man: Manifest, shas: dict[str, str], opts: ExportOptions
 ) -> Iterator[_Files]:
-    sources = {e["name"]: ckpt_dir / e["name"] for e in man["files"]}
+    sources = {e.name: ckpt_dir / e.name for e in man.files}
     staged: set[str] = set()
     # The manifest goes as format v1, with sha256 (module doc): a v1 checkpoint's own file as it
     # is, unless consolidated files join it; any other written here.
     outward = checkpointing.as_sha256(man, shas)
-    if not opts.consolidated and outward == man:
+    if not opts.consolidated and outward == man.raw:
         yield _Files({**sources, checkpointing.MANIFEST: ckpt_dir / checkpointing.MANIFEST}, staged)
         return
     staging = Path(tempfile.mkdtemp(prefix="nvrx-export-"))
@@ -239,7 +236,7 @@ class _Uploader:
         self.sources, self.on_object = files.sources, on_object
         self.staged = files.staged
         self.modes: set[str] = set()  # how the uploaded objects were verified
-        self.extra: dict[str, Any] = {}
+        self.extra: dict[str, str] = {}
         if opts.sse:
             self.extra["ServerSideEncryption"] = opts.sse
         if opts.kms_key_id:

@@ -21,7 +21,7 @@ import shutil
 import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from tasks.errors import PullError, PullUsageError, StorageError
 from tasks.export import CONSOLIDATED
 from tasks.storage.s3 import describe_client_error
 from trainer import checkpointing
+from trainer.checkpointing import FileEntry, Manifest
 from trainer.hashing import SHA256, read_capped, sha256_file
 
 _CHUNK = 8 << 20
@@ -39,13 +40,6 @@ _STEP_SEGMENT_RE = re.compile(r"step_(\d+)")
 
 # (bytes done, bytes in all, the file just finished or None mid-file)
 Progress = Callable[[int, int, "str | None"], None]
-
-
-@dataclass(frozen=True)
-class PullFile:
-    name: str  # relative to the export: one safe component, or "<dir>/<file>" (hf/...)
-    bytes: int
-    sha256: str
 
 
 @dataclass
@@ -67,56 +61,51 @@ class PullReport:
 
 
 # -- decisions (pure) -------------------------------------------------------------------------
-def files_to_pull(manifest: dict[str, Any], *, where: str) -> list[PullFile]:
-    """Every file an export holds besides its manifest: the DCP files (already checked by
-    :func:`trainer.checkpointing.read_manifest`) and what a consolidated export added under
-    ``consolidated`` (``model.safetensors``; a directory such as ``hf/`` with its files).
-    Each name is checked like the manifest's own; a name given twice, or naming the manifest,
-    is refused (it would overwrite another file)."""
-    digest = checkpointing.digest_of(manifest)
-    if digest != SHA256:  # a checkpoint's own manifest copied up by hand, not an export's
+def files_to_pull(manifest: Manifest, *, where: str) -> list[FileEntry]:
+    """Every file an export holds besides its manifest, each entry's digest its sha256: the DCP
+    files (already checked by :func:`trainer.checkpointing.read_manifest`) and what a
+    consolidated export added under ``consolidated`` (``model.safetensors``; a directory such as
+    ``hf/`` with its files, named ``hf/<file>``). Each name is checked like the manifest's own;
+    a name given twice, or naming the manifest, is refused (it would overwrite another file)."""
+    if manifest.digest != SHA256:  # a checkpoint's own manifest copied up by hand, not an export's
         raise PullError(
-            f"{where}: field 'digest' is {digest!r}: an export's manifest lists every file's "
-            "sha256 (export the checkpoint with this project's export)"
+            f"{where}: field 'digest' is {manifest.digest!r}: an export's manifest lists every "
+            "file's sha256 (export the checkpoint with this project's export)"
         )
-    entries: list[tuple[str, dict[str, Any]]] = [(e["name"], e) for e in manifest["files"]]
-    consolidated = manifest.get("consolidated", {})
+    entries = list(manifest.files)
+    consolidated = manifest.raw.get("consolidated", {})  # an export's own field, checked here
     if not isinstance(consolidated, dict):
         raise PullError(f"{where}: 'consolidated' is not an object")
     for key, value in consolidated.items():
         if isinstance(value, dict) and "sha256" in value:
-            entry = {**value, "name": key}
-            checkpointing.check_entry(where, entry)
-            entries.append((key, entry))
+            entries.append(checkpointing.check_entry(where, {**value, "name": key}))
         elif isinstance(value, dict) and isinstance(value.get("files"), list):
             if not checkpointing.is_safe_name(key):
                 raise PullError(
                     f"{where} lists the directory name {key!r}: not a single safe path component"
                 )
             for f in value["files"]:
-                checkpointing.check_entry(where, f)
-                entries.append((f"{key}/{f['name']}", f))
+                entry = checkpointing.check_entry(where, f)
+                entries.append(replace(entry, name=f"{key}/{entry.name}"))
         else:
             raise PullError(f"{where}: consolidated[{key!r}] is neither a file nor a directory")
     seen: set[str] = set()
-    out = []
-    for name, e in entries:
-        if name == checkpointing.MANIFEST or name in seen:
-            raise PullError(f"{where} lists {name!r} twice (or as the manifest): refusing it")
-        seen.add(name)
-        out.append(PullFile(name, int(e["bytes"]), str(e["sha256"])))
+    for e in entries:
+        if e.name == checkpointing.MANIFEST or e.name in seen:
+            raise PullError(f"{where} lists {e.name!r} twice (or as the manifest): refusing it")
+        seen.add(e.name)
     dirs = {n.split("/")[0] for n in seen if "/" in n}
     if clash := dirs & seen:
         raise PullError(f"{where} lists {sorted(clash)[0]!r} as a file and a directory")
-    return out
+    return entries
 
 
-def mismatch(f: PullFile, size: int, sha256: str) -> str | None:
+def mismatch(f: FileEntry, size: int, sha256: str) -> str | None:
     """Why ``size`` bytes hashing to ``sha256`` are not the manifest's ``f`` (to follow the
     file's name or URI); None if they are."""
     if size != f.bytes:
         return f"is {size} bytes, the manifest says {f.bytes}"
-    if sha256 != f.sha256:
+    if sha256 != f.digest:
         return "does not match its sha256 in the manifest"
     return None
 
@@ -127,12 +116,12 @@ def step_in_prefix(prefix: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def params_sha256_of(manifest: dict[str, Any]) -> str | None:
+def params_sha256_of(manifest: Manifest) -> str | None:
     """The digest of the model parameters, when the manifest records one (a consolidated export
     does, beside its ``model.safetensors``)."""
-    if isinstance(manifest.get("params_sha256"), str):
-        return str(manifest["params_sha256"])
-    consolidated = manifest.get("consolidated")
+    if isinstance(value := manifest.raw.get("params_sha256"), str):
+        return value
+    consolidated = manifest.raw.get("consolidated")
     entry = consolidated.get(CONSOLIDATED) if isinstance(consolidated, dict) else None
     value = entry.get("params_sha256") if isinstance(entry, dict) else None
     return value if isinstance(value, str) else None
@@ -156,7 +145,7 @@ def check_destination(dest: Path) -> bool:
     return True
 
 
-def verify_local(directory: Path, files: list[PullFile]) -> str | None:
+def verify_local(directory: Path, files: list[FileEntry]) -> str | None:
     """Why ``directory`` is not a verified copy of ``files`` (every size and sha256, then the
     DCP checks of :func:`trainer.checkpointing.verify_checkpoint`); None if it is."""
     for f in files:
@@ -280,7 +269,7 @@ class _Get:
     staging: Path
     endpoint: str | None
 
-    def one(self, f: PullFile, *, on_bytes: Callable[[int], None]) -> None:
+    def one(self, f: FileEntry, *, on_bytes: Callable[[int], None]) -> None:
         """One file, hashed as it arrives; never more than the manifest's size (an object past
         it is refused without reading on: it could be endless)."""
         key, dest = f"{self.prefix}/{f.name}", self.staging / f.name
@@ -296,7 +285,7 @@ class _Get:
             raise PullError(f"s3://{self.bucket}/{key} {why}")
 
     def all(
-        self, files: list[PullFile], *, first_bytes: int, max_workers: int, on_progress: Progress
+        self, files: list[FileEntry], *, first_bytes: int, max_workers: int, on_progress: Progress
     ) -> None:
         """Every file, ``max_workers`` at a time, each verified as it arrives; the first
         failure stops the others and is raised (``first_bytes``: the manifest's, already
@@ -312,7 +301,7 @@ class _Get:
                 done[0] += n
                 on_progress(done[0], total, None)
 
-        def fetch(f: PullFile) -> str:
+        def fetch(f: FileEntry) -> str:
             if stop.is_set():
                 raise _Stopped
             self.one(f, on_bytes=on_bytes)
@@ -338,7 +327,7 @@ class _Get:
             raise StorageError(why) from e
 
 
-def _parse(uri: str, directory: Path, prefix: str) -> tuple[dict[str, Any], list[PullFile]]:
+def _parse(uri: str, directory: Path, prefix: str) -> tuple[Manifest, list[FileEntry]]:
     where = uri + checkpointing.MANIFEST
     try:
         man = checkpointing.read_manifest(directory)
@@ -346,8 +335,8 @@ def _parse(uri: str, directory: Path, prefix: str) -> tuple[dict[str, Any], list
     except checkpointing.CheckpointError as e:
         raise PullError(str(e).replace(str(directory / checkpointing.MANIFEST), where)) from e
     named = step_in_prefix(prefix)
-    if named is not None and named != man["step"]:
-        raise PullError(f"{where} is the manifest of step {man['step']}, not {named}")
+    if named is not None and named != man.step:
+        raise PullError(f"{where} is the manifest of step {man.step}, not {named}")
     return man, files
 
 
@@ -370,8 +359,8 @@ def _already_there(uri: str, prefix: str, dest: Path, raw: bytes) -> PullReport:
 def _report(
     uri: str,
     dest: Path,
-    man: dict[str, Any],
-    files: list[PullFile],
+    man: Manifest,
+    files: list[FileEntry],
     manifest_bytes: int,
     *,
     downloaded: int,
@@ -382,7 +371,7 @@ def _report(
         files=len(files) + 1,
         bytes=manifest_bytes + sum(f.bytes for f in files),
         verified=True,
-        step=int(man["step"]),
+        step=man.step,
         downloaded=downloaded,
         params_sha256=params_sha256_of(man),
     )

@@ -180,13 +180,13 @@ def vouch_for(ckpt: Path, name: str, data: bytes) -> None:
     """Write ``data`` as the checkpoint's file ``name`` and make its manifest vouch for it (size
     and digest, in the manifest's own algorithm): a consistent pair, what a writer of other
     bytes leaves, or anyone who can write the checkpoint (the digests are no signature)."""
-    from trainer.checkpointing.manifest import digest_of
+    from trainer.checkpointing.manifest import read_manifest
     from trainer.hashing import new_hasher
 
+    digest = read_manifest(ckpt).digest
     (ckpt / name).write_bytes(data)
     path = ckpt / "manifest.json"
     man = json.loads(path.read_text())
-    digest = digest_of(man)
     h = new_hasher(digest)
     h.update(data)
     for e in man["files"]:

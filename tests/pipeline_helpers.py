@@ -42,10 +42,7 @@ def assert_exported(result: PipelineResult, s3: S3Settings) -> None:
     remote = json.loads(client.get_object(Bucket=bucket, Key=f"{base}manifest.json")["Body"].read())
     # A consolidated export adds what it made (model.safetensors, hf/...) under "consolidated".
     consolidated = remote.pop("consolidated", {})
-    shas = {
-        e["name"]: hashlib.sha256((ckpt / e["name"]).read_bytes()).hexdigest()
-        for e in local["files"]
-    }
+    shas = {e.name: hashlib.sha256((ckpt / e.name).read_bytes()).hexdigest() for e in local.files}
     assert remote == checkpointing.as_sha256(local, shas)
     made = [{"name": n, **e} for n, e in consolidated.items() if "sha256" in e]
     made += [
@@ -56,7 +53,7 @@ def assert_exported(result: PipelineResult, s3: S3Settings) -> None:
     for entry in [*remote["files"], *made]:
         body = client.get_object(Bucket=bucket, Key=f"{base}{entry['name']}")["Body"].read()
         assert hashlib.sha256(body).hexdigest() == entry["sha256"], entry["name"]
-    assert result.export.objects == len(local["files"]) + len(made) + 1
+    assert result.export.objects == len(local.files) + len(made) + 1
 
 
 def nvrx_events(run_id: str, *, expect: str, timeout_s: float = 15.0) -> list[Any]:

@@ -198,15 +198,12 @@ def test_a_committed_save_lists_the_xxh3_of_its_files(saver: AsyncCheckpointer, 
     assert saver.wait(commit=commit_for) is not None
     ckpt = checkpointing.committed_path(root, 7)
     man = checkpointing.read_manifest(ckpt)
-    assert (man["format"], man["digest"]) == ("nvrx-ckpt-v2", "xxh3_128")
-    assert sorted(e["name"] for e in man["files"]) == [".metadata", "__0_0.distcp"]
-    for e in man["files"]:
-        data = (ckpt / e["name"]).read_bytes()
-        assert e == {
-            "name": e["name"],
-            "bytes": len(data),
-            "xxh3_128": xxhash.xxh3_128_hexdigest(data),
-        }
+    assert (man.raw["format"], man.digest) == ("nvrx-ckpt-v2", "xxh3_128")
+    assert sorted(e.name for e in man.files) == [".metadata", "__0_0.distcp"]
+    for e, raw in zip(man.files, man.raw["files"], strict=True):
+        data = (ckpt / e.name).read_bytes()
+        assert set(raw) == {"name", "bytes", "xxh3_128"}
+        assert e == checkpointing.FileEntry(e.name, len(data), xxhash.xxh3_128_hexdigest(data))
     assert checkpointing.verify_checkpoint(ckpt).ok
 
 

@@ -196,20 +196,19 @@ def test_the_manifest_read_is_bounded(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_a_file_grown_past_its_manifest_is_not_read_on(tmp_path: Path):
     ckpt = _checkpoint(tmp_path, 5)
     man = m.read_manifest(ckpt)
-    entry = next(e for e in man["files"] if e["name"] == "__0_0.distcp")
+    entry = next(e for e in man.files if e.name == "__0_0.distcp")
     with open(ckpt / "__0_0.distcp", "ab") as f:
         f.write(b"more")  # after the size check, say
     why = manifest_module.mismatch(ckpt / "__0_0.distcp", entry, XXH3_128)
     assert (
-        why
-        == f"{ckpt / '__0_0.distcp'} holds more than the {entry['bytes']} bytes its manifest gives"
+        why == f"{ckpt / '__0_0.distcp'} holds more than the {entry.bytes} bytes its manifest gives"
     )
 
 
 def test_the_export_manifest_is_v1_sha256(tmp_path: Path):
     ckpt = _checkpoint(tmp_path, 5)
     man = m.read_manifest(ckpt)
-    shas = {e["name"]: file_digest(ckpt / e["name"], SHA256) for e in man["files"]}
+    shas = {e.name: file_digest(ckpt / e.name, SHA256) for e in man.files}
     out = m.as_sha256(man, shas)
     assert (out["format"], out["digest"]) == ("nvrx-ckpt-v1", "sha256")
     assert [set(e) for e in out["files"]] == [{"name", "bytes", "sha256"}] * 3

@@ -72,10 +72,10 @@ def test_happy_path_manifest_last(ckpt: Path, client, s3_settings):
     assert order[-1] == ("manifest.json", "uploaded")
     local = checkpointing.read_manifest(ckpt)
     objs = remote_objects(client, "happy/run1/step_5/")
-    assert set(objs) == {e["name"] for e in local["files"]} | {"manifest.json"}
+    assert set(objs) == {e.name for e in local.files} | {"manifest.json"}
     # The checkpoint's manifest, with what a reader outside checks: every file's sha256 (v1).
     remote = json.loads(objs["manifest.json"])
-    assert (local["digest"], remote["format"], remote["digest"]) == (
+    assert (local.digest, remote["format"], remote["digest"]) == (
         "xxh3_128",
         "nvrx-ckpt-v1",
         "sha256",
@@ -122,7 +122,7 @@ class _FailAfter:
 
 
 def test_interrupted_export_resumes(ckpt: Path, client, s3_settings):
-    n_files = len(checkpointing.read_manifest(ckpt)["files"])
+    n_files = len(checkpointing.read_manifest(ckpt).files)
     with pytest.raises(StorageError, match="unreachable"):
         export_checkpoint(
             _FailAfter(client, 1),
@@ -191,8 +191,8 @@ def test_a_checkpoint_of_manifest_v1_exports_as_before(ckpt: Path, client, s3_se
     assert report.verified and report.verification == "sha256"
     objs = remote_objects(client, "old/run1/step_5/")
     assert objs["manifest.json"] == (ckpt / "manifest.json").read_bytes()
-    for e in checkpointing.read_manifest(ckpt)["files"]:
-        assert objs[e["name"]] == (ckpt / e["name"]).read_bytes()
+    for e in checkpointing.read_manifest(ckpt).files:
+        assert objs[e.name] == (ckpt / e.name).read_bytes()
 
 
 def test_sse_s3(ckpt: Path, client, s3_settings):
@@ -281,7 +281,7 @@ def test_consolidated_safetensors(ckpt: Path, client, s3_settings):
     assert {k: v for k, v in remote_manifest.items() if k != "consolidated"} == (
         checkpointing.as_sha256(checkpointing.read_manifest(ckpt), _shas(ckpt))
     )
-    assert report.objects == len(checkpointing.read_manifest(ckpt)["files"]) + 2
+    assert report.objects == len(checkpointing.read_manifest(ckpt).files) + 2
 
 
 # -- verified against the manifest, and no stale manifest window ---------------------------------

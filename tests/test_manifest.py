@@ -195,7 +195,7 @@ def test_incomplete_partial_is_discarded(tmp_path: Path, damage: str, reason: st
         fp = "other" if damage == "other-config" else FP
         files = m.collect_file_entries(partial, 2)
         doc = {"format": m.FORMAT, "digest": m.DIGEST, "step": 10, "world_size": 2}
-        doc.update(config_hash=fp, files=files)
+        doc.update(config_hash=fp, files=[e.record(m.DIGEST) for e in files])
         (partial / "manifest.json").write_text(json.dumps(doc))
     if damage == "truncated":
         (partial / "__0_0.distcp").write_bytes(b"short")
@@ -276,7 +276,7 @@ def test_digest_shares_cover_every_file_once(tmp_path: Path, monkeypatch: pytest
         assert all(
             m.digest_share(newest, manifest, index=i, count=world) is None for i in range(world)
         )
-        assert sorted(seen) == sorted(e["name"] for e in manifest["files"]), world
+        assert sorted(seen) == sorted(e.name for e in manifest.files), world
     monkeypatch.setattr(manifest_module, "file_digest", real)
     flip_bytes(newest / "__1_0.distcp")
     reasons = [m.digest_share(newest, manifest, index=i, count=2) for i in range(2)]

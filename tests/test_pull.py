@@ -18,7 +18,7 @@ import torch
 from flows.cli import EXIT_FAILED, EXIT_USAGE, main
 from tasks.errors import PullError
 from tasks.export import ExportOptions, export_checkpoint
-from tasks.pull import PullFile, files_to_pull, mismatch, pull_export, step_in_prefix
+from tasks.pull import files_to_pull, mismatch, pull_export, step_in_prefix
 from tasks.storage.s3 import S3Settings, boto3_client
 from tests.helpers import REPO, SmallCheckpoint
 from trainer import checkpointing
@@ -79,10 +79,10 @@ def test_good_pull_verifies_and_matches(
     rc, summary, err = pull(uri, dest, s3_settings, capsys)
     assert rc == 0, err
     local = checkpointing.read_manifest(small_checkpoint.path)
-    names = {e["name"] for e in local["files"]} | {"model.safetensors", "manifest.json"}
+    names = {e.name for e in local.files} | {"model.safetensors", "manifest.json"}
     assert {p.name for p in dest.iterdir()} == names
-    for e in local["files"]:  # byte for byte the committed checkpoint
-        assert (dest / e["name"]).read_bytes() == (small_checkpoint.path / e["name"]).read_bytes()
+    for e in local.files:  # byte for byte the committed checkpoint
+        assert (dest / e.name).read_bytes() == (small_checkpoint.path / e.name).read_bytes()
     assert summary == {
         "uri": uri,
         "dir": str(dest),
@@ -254,7 +254,9 @@ GOOD = {"bytes": 3, "sha256": "a" * 64}
     ],
 )
 def test_files_to_pull(manifest_extra, refused):
-    man = {"files": [{"name": "shard", **GOOD}], **manifest_extra}
+    shard = {"name": "shard", **GOOD, "xxh3_128": "b" * 32}
+    doc = {"format": "nvrx-ckpt-v1", "step": 5, "world_size": 1, "files": [shard]}
+    man = checkpointing.parse_manifest("M", {**doc, **manifest_extra})
     if refused is None:
         names = [f.name for f in files_to_pull(man, where="M")]
         assert names[0] == "shard" and len(names) == 1 + len(manifest_extra.get("consolidated", {}))
@@ -264,7 +266,7 @@ def test_files_to_pull(manifest_extra, refused):
 
 
 def test_mismatch_and_step():
-    f = PullFile("a", 3, "a" * 64)
+    f = checkpointing.FileEntry("a", 3, "a" * 64)
     assert mismatch(f, 3, "a" * 64) is None
     assert mismatch(f, 2, "a" * 64) == "is 2 bytes, the manifest says 3"
     assert mismatch(f, 3, "b" * 64) == "does not match its sha256 in the manifest"

@@ -15,7 +15,7 @@ from tasks.validation.checkpoint import Expectations, Facts, gather, judge, vali
 from tasks.validation.load_report import LoadReport
 from tests.helpers import REPO, as_pre_v2_checkpoint, make_config, run_single, vouch_for, worker_env
 from trainer import checkpointing
-from trainer.checkpointing import WorkloadRef
+from trainer.checkpointing import FileEntry, Manifest, WorkloadRef
 from trainer.faults import flip_bytes
 
 
@@ -141,7 +141,7 @@ def test_an_elastic_runs_checkpoint_may_come_from_any_world_in_its_range(low, hi
 def _facts(**kw) -> Facts:
     base = Facts(
         path=Path("/x/step_000000010"),
-        manifest={"step": 10, "world_size": 2, "files": [], "loss": 4.0},
+        manifest=Manifest(step=10, world_size=2, digest="sha256", files=(), loss=4.0),
     )
     for k, v in kw.items():
         setattr(base, k, v)
@@ -393,7 +393,7 @@ def test_cgroup_memory_left(tmp_path: Path):
 def test_items_past_their_shard_end_fail_coverage():
     from tasks.validation.checkpoint import extent_errors
 
-    files = {"__0_0.distcp": {"bytes": 100, "sha256": "x"}}
+    files = {"__0_0.distcp": FileEntry("__0_0.distcp", 100, "x")}
     bad = extent_errors(
         [("model.a", "__0_0.distcp", 100), ("model.b", "__0_0.distcp", 101), ("c", "gone", 1)],
         files,

@@ -75,7 +75,7 @@ def _refused(e: Exception) -> bool:
 
 
 def put_single(
-    client: Any, bucket: str, key: str, path: Path, sha_hex: str, extra: dict[str, Any]
+    client: Any, bucket: str, key: str, path: Path, sha_hex: str, extra: dict[str, str]
 ) -> None:
     """One PUT whose SHA-256 checksum is the manifest's digest: the server checks the bytes."""
     try:
@@ -105,7 +105,7 @@ def upload_multipart(
     sha_hex: str,
     *,
     part_size: int,
-    extra: dict[str, Any],
+    extra: dict[str, str],
 ) -> list[str]:
     """A multipart upload with a SHA-256 checksum per part (the server checks each part), and
     the whole of what was sent compared with the manifest's digest before completing: on a

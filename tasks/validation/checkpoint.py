@@ -25,18 +25,17 @@ import os
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from tasks.errors import ValidationFailed
 from tasks.secrets import scrubbed
 from tasks.validation import load_process
-from tasks.validation.files import check_file_names, hash_files, untrusted_workload_message
+from tasks.validation.files import hash_files, untrusted_workload_message
 from tasks.validation.judge import CheckpointReport, Expectations, Facts, judge
 from tasks.validation.load_mode import LoadMode, choose_load_mode, memory_budget
 from tasks.validation.load_report import LoadReport
 from trainer import checkpointing
-from trainer.checkpointing import WorkloadRef
-from trainer.untrusted import METADATA, UnsafeNameError, load_dcp_metadata
+from trainer.checkpointing import FileEntry, WorkloadRef
+from trainer.untrusted import METADATA, load_dcp_metadata
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -101,19 +100,16 @@ def _dcp_index(path: Path) -> DcpIndex:
     return DcpIndex(shapes, dtypes, total, extents)
 
 
-def extent_errors(
-    extents: list[tuple[str, str, int]], files: dict[str, dict[str, Any]]
-) -> list[str]:
+def extent_errors(extents: list[tuple[str, str, int]], files: dict[str, FileEntry]) -> list[str]:
     """Stored items that would be read past the end of their shard file (or from a file that
     is not there): a truncated shard the manifest's digests would also catch, found here
     without reading a tensor."""
     bad = []
     for item, name, end in extents:
-        size = (files.get(name) or {}).get("bytes")
-        if size is None:
+        if (got := files.get(name)) is None:
             bad.append(f"{item} is stored in {name}, which is missing")
-        elif end > size:
-            bad.append(f"{item} ends at byte {end} of {name}, which has {size}")
+        elif end > got.bytes:
+            bad.append(f"{item} ends at byte {end} of {name}, which has {got.bytes}")
     return bad
 
 
@@ -178,24 +174,14 @@ def _read_files(path: Path, facts: Facts) -> bool:
     """The manifest, every file's digest against it, and the DCP metadata once they match;
     whether they all match."""
     try:
-        facts.manifest = checkpointing.read_manifest(path)
+        man = facts.manifest = checkpointing.read_manifest(path)
     except checkpointing.CheckpointError as e:
         facts.errors["manifest"] = str(e)
         facts.errors["load"] = "not loaded: no manifest to vouch for the files"
         return False
-    try:
-        check_file_names(facts.manifest, path)
-    except UnsafeNameError as e:
-        facts.errors["manifest"] = str(e)
-        facts.errors["load"] = "not loaded: the manifest names files outside the checkpoint"
-        return False
-    names = [e["name"] for e in facts.manifest["files"]]
-    digest = checkpointing.digest_of(facts.manifest)
-    sizes = {e["name"]: int(e["bytes"]) for e in facts.manifest["files"]}
-    facts.files, facts.hash_mb_s = hash_files(path, names, digest, limits=sizes)
-    digests_ok = all(
-        facts.files.get(e["name"], {}).get(digest) == e[digest] for e in facts.manifest["files"]
-    )
+    sizes = {e.name: e.bytes for e in man.files}
+    facts.files, facts.hash_mb_s = hash_files(path, list(sizes), man.digest, limits=sizes)
+    digests_ok = all(facts.files.get(e.name) == e for e in man.files)
     if not digests_ok:
         # The DCP .metadata is a pickle: never read it before the manifest vouched for it.
         facts.errors["dcp"] = "not read: files do not match the manifest"
@@ -217,7 +203,7 @@ def _read_expected(path: Path, exp: Expectations, facts: Facts) -> WorkloadRef |
     be named from a file) and the tensors it expects."""
     from trainer.workload import safe_to_name_from_file  # imports torch: only when validating
 
-    workload = exp.workload or checkpointing.workload_of(facts.manifest or {})
+    workload = exp.workload or (facts.manifest.workload if facts.manifest else None)
     if workload and exp.workload is None and not safe_to_name_from_file(workload.ref):
         why = untrusted_workload_message(path, workload.ref)
         facts.errors["expected"] = why

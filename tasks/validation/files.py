@@ -1,7 +1,8 @@
 """A checkpoint's files read as untrusted input, for validation (:mod:`tasks.validation.checkpoint`)
-and the load check's process (:mod:`tasks.validation.load_check`) alike: names that stay inside
-the checkpoint's directory, digests hashed in parallel and never past the size a manifest gives,
-and the refusal to import the workload a manifest names."""
+and the load check's process (:mod:`tasks.validation.load_check`) alike: digests hashed in
+parallel and never past the size a manifest gives (its names were checked as it was read:
+:func:`trainer.checkpointing.parse_manifest`), and the refusal to import the workload a
+manifest names."""
 
 from __future__ import annotations
 
@@ -10,11 +11,9 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
-from trainer import checkpointing
+from trainer.checkpointing import FileEntry
 from trainer.hashing import SHA256, file_digest
-from trainer.untrusted import METADATA, check_component
 
 
 def hash_files(
@@ -23,10 +22,10 @@ def hash_files(
     digest: str = SHA256,
     *,
     limits: Mapping[str, int] | None = None,
-) -> tuple[dict[str, dict[str, Any]], float]:
-    """name -> {"bytes", ``digest``} of every file of ``names`` present, and the MB/s. ``limits``:
-    the sizes a manifest gives; a file that grew past its own is not read on (its digest is
-    then "", which matches nothing)."""
+) -> tuple[dict[str, FileEntry], float]:
+    """name -> the entry (size, ``digest``) of every file of ``names`` present, and the MB/s.
+    ``limits``: the sizes a manifest gives; a file that grew past its own is not read on (its
+    digest is then "", which matches nothing)."""
     t0 = time.perf_counter()
     present = [n for n in names if (path / n).is_file()]
 
@@ -41,17 +40,8 @@ def hash_files(
         digests = dict(zip(present, pool.map(one, present), strict=True))
     total = sum((path / n).stat().st_size for n in present)
     seconds = time.perf_counter() - t0
-    files = {n: {"bytes": (path / n).stat().st_size, digest: digests[n]} for n in present}
+    files = {n: FileEntry(n, (path / n).stat().st_size, digests[n]) for n in present}
     return files, (total / 1e6 / seconds if seconds > 0 else 0.0)
-
-
-def check_file_names(manifest: dict[str, Any], path: Path) -> None:
-    """Every ``files[i].name`` of a checkpoint manifest is a plain file name in ``path``: the
-    manifest is untrusted, and its names are joined onto the directory and opened."""
-    for i, entry in enumerate(manifest["files"]):
-        name = entry.get("name") if isinstance(entry, dict) else None
-        if name != METADATA:  # DCP's one dot-file, by its exact name
-            check_component(name, where=f"{path / checkpointing.MANIFEST}: files[{i}].name")
 
 
 def untrusted_workload_message(path: Path, ref: str) -> str:

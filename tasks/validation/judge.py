@@ -15,8 +15,7 @@ from typing import Any
 from tasks.checks import Check, CheckResult, Snapshot, Source, Status, Verdict, blocks, run_all
 from tasks.validation.load_mode import LoadMode
 from tasks.validation.load_report import LoadReport
-from trainer import checkpointing
-from trainer.checkpointing import WorkloadRef
+from trainer.checkpointing import FileEntry, Manifest, WorkloadRef
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,8 +38,8 @@ class Expectations:
 @dataclass
 class Facts:
     path: Path
-    manifest: dict[str, Any] | None = None
-    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> size, digest
+    manifest: Manifest | None = None
+    files: dict[str, FileEntry] = field(default_factory=dict)  # name -> what is on disk
     hash_mb_s: float | None = None
     dcp_entries: dict[str, tuple[int, ...] | None] | None = None  # key -> shape (None: bytes)
     expected_entries: dict[str, tuple[int, ...] | None] | None = None
@@ -92,7 +91,7 @@ LOADED = Source("load", "give the fresh-process load the files, memory and time 
 
 def snapshot(f: Facts) -> Snapshot:
     facts: dict[str, Any] = {"gathered": f}
-    if "manifest" not in f.errors and f.manifest is not None:
+    if f.manifest is not None:
         facts["manifest"] = f.manifest
     if f.dcp_entries is not None or "dcp_invalid" in f.errors:
         facts["dcp"] = True  # read: its entries, or refused (a finding, FAILED)
@@ -113,40 +112,37 @@ def _gathered(snap: Snapshot) -> Facts:
 
 def manifest_verdict(snap: Snapshot, exp: Expectations) -> Verdict:
     f = _gathered(snap)
-    if "manifest" in f.errors:
-        return Verdict(Status.FAILED, f.errors["manifest"])
-    m = f.manifest or {}
+    if (m := f.manifest) is None:
+        return Verdict(Status.FAILED, f.errors.get("manifest", "not read"))
     problems = []
     dir_step = f.path.name.removeprefix("step_")
-    if not dir_step.isdigit() or int(dir_step) != m.get("step"):
-        problems.append(f"step {m.get('step')} does not match directory {f.path.name}")
-    if exp.config_hash is not None and m.get("config_hash") != exp.config_hash:
-        problems.append(f"config hash {m.get('config_hash')} != the run's {exp.config_hash}")
+    if not dir_step.isdigit() or int(dir_step) != m.step:
+        problems.append(f"step {m.step} does not match directory {f.path.name}")
+    if exp.config_hash is not None and m.config_hash != exp.config_hash:
+        problems.append(f"config hash {m.config_hash} != the run's {exp.config_hash}")
     if exp.world_size is not None:
-        low, ws = exp.min_world_size or exp.world_size, m.get("world_size")
+        low, ws = exp.min_world_size or exp.world_size, m.world_size
         if low == exp.world_size and ws != exp.world_size:
             problems.append(f"world size {ws} != the run's {exp.world_size}")
-        elif not (isinstance(ws, int) and low <= ws <= exp.world_size):
+        elif not low <= ws <= exp.world_size:
             problems.append(f"world size {ws} is outside the run's {low}..{exp.world_size}")
     if problems:
         return Verdict(Status.FAILED, "; ".join(problems))
-    return Verdict(
-        Status.PASSED, f"step {m['step']}, world size {m['world_size']}, {len(m['files'])} files"
-    )
+    return Verdict(Status.PASSED, f"step {m.step}, world size {m.world_size}, {len(m.files)} files")
 
 
 def files_verdict(snap: Snapshot, exp: Expectations) -> Verdict:
     f = _gathered(snap)
     bad = []
-    digest = checkpointing.digest_of(snap.facts["manifest"])
-    for e in snap.facts["manifest"]["files"]:
-        got = f.files.get(e["name"])
+    man: Manifest = snap.facts["manifest"]
+    for e in man.files:
+        got = f.files.get(e.name)
         if got is None:
-            bad.append(f"{f.path / e['name']} is missing")
-        elif got["bytes"] != e["bytes"]:
-            bad.append(f"{f.path / e['name']} is {got['bytes']} bytes, manifest says {e['bytes']}")
-        elif got.get(digest) != e[digest]:
-            bad.append(f"{f.path / e['name']} does not match its {digest}")
+            bad.append(f"{f.path / e.name} is missing")
+        elif got.bytes != e.bytes:
+            bad.append(f"{f.path / e.name} is {got.bytes} bytes, manifest says {e.bytes}")
+        elif got.digest != e.digest:
+            bad.append(f"{f.path / e.name} does not match its {man.digest}")
     if bad:
         return Verdict(Status.FAILED, "; ".join(bad))
     return Verdict(Status.PASSED, f"{len(f.files)} files verified at {f.hash_mb_s or 0:.0f} MB/s")
@@ -212,7 +208,7 @@ def loss_verdict(snap: Snapshot, exp: Expectations) -> Verdict:
     res: LoadReport = snap.facts["load"]
     if not res.loaded:
         return Verdict(Status.SKIPPED, "checkpoint did not load")
-    recorded = (f.manifest or {}).get("loss")
+    recorded = f.manifest.loss if f.manifest else None
     got = res.heldout_loss
     if recorded is None:
         return Verdict(Status.SKIPPED, "the manifest records no loss")
@@ -252,7 +248,7 @@ def judge(f: Facts, exp: Expectations) -> CheckpointReport:
     return CheckpointReport(
         status="failed" if any(blocks(r) for r in results) else "passed",
         path=str(f.path),
-        step=(f.manifest or {}).get("step"),
+        step=f.manifest.step if f.manifest else None,
         checks=results,
         hash_mb_s=None if f.hash_mb_s is None else round(f.hash_mb_s, 1),
         params_sha256=None if f.load is None else f.load.params_sha256,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.validation.load_report import LoadReport, Pretrained, Safetensors, WrittenFile
-from trainer.checkpointing.manifest import WorkloadRef
+from trainer.checkpointing.manifest import Manifest, WorkloadRef
 
 
 def load_and_inspect(
@@ -46,9 +46,8 @@ def load_and_inspect(
     torch.set_num_threads(1)
     man = checkpointing.read_manifest(path)
     verify_before_loading(path, man)
-    step = int(man["step"])
     wl = _workload(path, man, workload)
-    cfg = man.get("config") or {}
+    cfg = man.config
     # Its own port, whatever MASTER_PORT the caller's environment carries (it may be in use).
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
@@ -75,13 +74,11 @@ def load_and_inspect(
             tensors=sum(1 for _ in _tensors({"model": model_sd, "optim": optim_sd})),
             nonfinite=nonfinite[:20],
             params_sha256=digest,
-            heldout_loss=(
-                None if data_dir is None else _heldout_loss(wl, model, cfg, data_dir, step)
-            ),
+            heldout_loss=(None if data_dir is None else _heldout_loss(wl, model, man, data_dir)),
             safetensors=(
                 None
                 if safetensors_out is None
-                else _write_safetensors(model, safetensors_out, step=step, digest=digest)
+                else _write_safetensors(model, safetensors_out, step=man.step, digest=digest)
             ),
             pretrained=(
                 None if pretrained_out is None else _write_pretrained(wl, model, pretrained_out)
@@ -91,14 +88,13 @@ def load_and_inspect(
         dist.destroy_process_group()
 
 
-def _workload(path: Path, man: dict[str, Any], workload: WorkloadRef | None) -> Any:
+def _workload(path: Path, man: Manifest, workload: WorkloadRef | None) -> Any:
     """The workload to rebuild the model with: the one asked for, else the manifest's if a
     file may name it (a file on the shared filesystem does not choose what code runs)."""
     from tasks.validation.files import untrusted_workload_message
-    from trainer import checkpointing
     from trainer.workload import load_workload, safe_to_name_from_file
 
-    chosen = workload or checkpointing.workload_of(man)
+    chosen = workload or man.workload
     if chosen is None:
         raise ValueError(f"{path}: the manifest does not say which workload wrote it; name one")
     if workload is None and not safe_to_name_from_file(chosen.ref):
@@ -108,9 +104,7 @@ def _workload(path: Path, man: dict[str, Any], workload: WorkloadRef | None) -> 
     return load_workload(chosen.ref, options)
 
 
-def _heldout_loss(
-    wl: Any, model: Any, cfg: dict[str, Any], data_dir: Path, step: int
-) -> float | None:
+def _heldout_loss(wl: Any, model: Any, man: Manifest, data_dir: Path) -> float | None:
     """The loss on the batch of the step after the checkpoint's, which it has not trained on."""
     import torch
 
@@ -120,46 +114,36 @@ def _heldout_loss(
         DataSettings(
             data_dir=data_dir,
             seq_len=wl.seq_len,
-            global_batch=int(cfg.get("global_batch", 8)),
-            seed=int(cfg.get("seed", 1234)),
+            global_batch=int(man.config.get("global_batch", 8)),
+            seed=int(man.config.get("seed", 1234)),
             verify=False,
         )
     )
-    x, y = source.batch(step + 1, 0, 1)
+    x, y = source.batch(man.step + 1, 0, 1)
     model.eval()
     with torch.no_grad():
         loss = wl.loss(model, torch.from_numpy(x), torch.from_numpy(y))
     return float(loss) if math.isfinite(float(loss)) else None
 
 
-def verify_before_loading(path: Path, man: dict[str, Any]) -> None:
+def verify_before_loading(path: Path, man: Manifest) -> None:
     """Loading unpickles ``.metadata`` and the shards' non-tensor entries: only files whose size
     and digest the manifest vouches for, and only files it lists, are read (arch §6). Raises
     :class:`UnsafeCheckpointError` naming the files. (The manifest is not signed: this stops
     corruption and half-done tampering; the restricted unpickler stops a forged pair.)"""
-    from tasks.validation.files import check_file_names, hash_files
-    from trainer import checkpointing
+    from tasks.validation.files import hash_files
     from trainer.untrusted import METADATA, UnsafeCheckpointError, load_dcp_metadata
 
-    try:
-        check_file_names(man, path)
-    except ValueError as e:
-        raise UnsafeCheckpointError(str(e)) from e
-    listed = {e["name"]: e for e in man["files"]}
+    listed = {e.name: e for e in man.files}
     if METADATA not in listed:
         raise UnsafeCheckpointError(f"{path}: {METADATA} is not in its manifest: not loaded")
-    digest = checkpointing.digest_of(man)
-    sizes = {n: int(e["bytes"]) for n, e in listed.items()}
-    got, _ = hash_files(path, sorted(listed), digest, limits=sizes)
-    bad = sorted(
-        n
-        for n, e in listed.items()
-        if got.get(n, {}).get("bytes") != e["bytes"] or got.get(n, {}).get(digest) != e[digest]
-    )
+    sizes = {n: e.bytes for n, e in listed.items()}
+    got, _ = hash_files(path, sorted(listed), man.digest, limits=sizes)
+    bad = sorted(n for n, e in listed.items() if got.get(n) != e)
     if bad:
         raise UnsafeCheckpointError(
-            f"{path}: {', '.join(bad)} missing or not matching the manifest (size or {digest}): "
-            "not loaded"
+            f"{path}: {', '.join(bad)} missing or not matching the manifest (size or "
+            f"{man.digest}): not loaded"
         )
     md = load_dcp_metadata(path)
     unlisted = sorted({i.relative_path for i in md.storage_data.values()} - set(listed))

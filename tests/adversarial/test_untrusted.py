@@ -71,12 +71,12 @@ def flip_offset(path: Path) -> int:
     if path.name != checkpointing.MANIFEST:
         return path.stat().st_size // 2
     text = path.read_bytes()
-    key = f'"{checkpointing.digest_of(json.loads(text))}": "'.encode()
+    key = f'"{checkpointing.read_manifest(path.parent).digest}": "'.encode()
     return text.index(key) + len(key) + 16
 
 
 def checkpoint_files(ckpt: Path) -> list[str]:
-    names = sorted(e["name"] for e in checkpointing.read_manifest(ckpt)["files"])
+    names = sorted(e.name for e in checkpointing.read_manifest(ckpt).files)
     return [*names, checkpointing.MANIFEST]
 
 

@@ -75,7 +75,7 @@ def commit(
         "created_at": time.time(),
         "digest": DIGEST,
         **info,
-        "files": files,
+        "files": [e.record(DIGEST) for e in files],
     }
     write_atomic(src / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     drop_bookkeeping(src)
@@ -186,10 +186,10 @@ def _incomplete(path: Path, fingerprint: str, digests: bool) -> str:
     if not (path / MANIFEST).is_file():
         return "no manifest.json: the save never reached its commit"
     verdict = verify_checkpoint(path, digests=digests)
-    if not verdict.ok:
+    if verdict.manifest is None:
         return verdict.reason
-    if verdict.manifest.get("config_hash") != fingerprint:
-        return f"written with config hash {verdict.manifest.get('config_hash')}, not {fingerprint}"
+    if verdict.manifest.config_hash != fingerprint:
+        return f"written with config hash {verdict.manifest.config_hash}, not {fingerprint}"
     return ""
 
 

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import TypeGuard
 
 LATEST = "LATEST"
 
@@ -73,7 +74,7 @@ def step_of(directory: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def is_safe_name(name: object) -> bool:
+def is_safe_name(name: object) -> TypeGuard[str]:
     """May ``name`` be joined onto a checkpoint directory? One plain path component only."""
     return isinstance(name, str) and (name == DCP_METADATA or bool(_SAFE_NAME_RE.fullmatch(name)))
 

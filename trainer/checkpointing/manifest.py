@@ -119,7 +119,7 @@ def _sidecar_digests(directory: Path, world_size: int) -> dict[tuple[str, int], 
     return known
 
 
-def collect_file_entries(directory: Path, world_size: int) -> list[dict[str, Any]]:
+def collect_file_entries(directory: Path, world_size: int) -> list[FileEntry]:
     """Every file actually in ``directory`` (not a name only a sidecar mentions), to list."""
     known = _sidecar_digests(directory, world_size)
     entries = []
@@ -132,8 +132,7 @@ def collect_file_entries(directory: Path, world_size: int) -> list[dict[str, Any
             continue
         size = path.stat().st_size
         # No sidecar for it (the DCP .metadata, kilobytes written by the coordinator): hash here.
-        digest = known.get((name, size)) or file_digest(path, DIGEST)
-        entries.append({"name": name, "bytes": size, DIGEST: digest})
+        entries.append(FileEntry(name, size, known.get((name, size)) or file_digest(path, DIGEST)))
     return entries
 
 
@@ -143,9 +142,64 @@ def drop_bookkeeping(directory: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-def read_manifest(directory: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class FileEntry:
+    """A file a manifest lists (:func:`check_entry` checked it): one safe name in the checkpoint
+    directory, its size and its hex digest in the manifest's algorithm."""
+
+    name: str
+    bytes: int
+    digest: str
+
+    def record(self, algorithm: str) -> dict[str, str | int]:
+        """The entry as a manifest holds it: the digest under its algorithm's name."""
+        return {"name": self.name, "bytes": self.bytes, algorithm: self.digest}
+
+
+@dataclass(frozen=True)
+class WorkloadRef:
+    """A workload by reference, as :func:`trainer.workload.load_workload` takes it: the one that
+    wrote a checkpoint, or the one a caller says did."""
+
+    ref: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_script(self) -> bool:
+        return self.ref.startswith("script:")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A checkpoint's manifest as :func:`parse_manifest` checked it, the fields readers use
+    typed. ``raw``: the JSON object as read, every field, unchecked beyond them (what an export's
+    manifest carries on, :func:`as_sha256`: never re-serialized from the typed fields)."""
+
+    step: int
+    world_size: int
+    digest: str  # the algorithm: each entry's digest is under this key (module doc)
+    files: tuple[FileEntry, ...]
+    config_hash: str | None = None
+    loss: float | None = None  # the loss recorded at its step, where it is a number
+    workload: WorkloadRef | None = None  # the workload that wrote it, as it says
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The training config it was written with (``{}`` where there is none)."""
+        config = self.raw.get("config")
+        return config if isinstance(config, dict) else {}
+
+    @property
+    def data_loader(self) -> dict[str, Any]:
+        """The sampler's position at its step (``{}`` where there is none)."""
+        state = self.raw.get("data_loader")
+        return state if isinstance(state, dict) else {}
+
+
+def read_manifest(directory: Path) -> Manifest:
     """The manifest of ``directory``, checked: a regular file of at most
-    :data:`MANIFEST_MAX_BYTES`, of a known format, every entry well-formed."""
+    :data:`MANIFEST_MAX_BYTES`, parsed by :func:`parse_manifest`."""
     path = Path(directory) / MANIFEST
     try:
         raw = read_small(path, limit=MANIFEST_MAX_BYTES)
@@ -156,25 +210,51 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if raw is None:
         raise CheckpointError(f"{path} is missing")
     try:
-        manifest = json.loads(raw)
+        obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(manifest, dict):
+    return parse_manifest(path, obj)
+
+
+def parse_manifest(path: Path | str, obj: Any) -> Manifest:
+    """``obj`` (the JSON of the manifest at ``path``, untrusted) as a :class:`Manifest`: of a
+    known format, its step and world size integers, every entry well-formed."""
+    if not isinstance(obj, dict):
         raise CheckpointError(f"{path} is not a JSON object")
     for key in ("format", "step", "world_size", "files"):
-        if key not in manifest:
+        if key not in obj:
             raise CheckpointError(f"{path} lacks field {key!r}")
-    digest = _digest_named(path, manifest)
-    if not isinstance(manifest["files"], list):
+    digest = _digest_named(path, obj["format"], obj.get("digest"))
+    for key, low in (("step", 0), ("world_size", 1)):
+        if type(obj[key]) is not int or obj[key] < low:
+            raise CheckpointError(
+                f"{path}: field {key!r} is {_short(obj[key])}, not an integer of at least {low}"
+            )
+    if not isinstance(obj["files"], list):
         raise CheckpointError(f"{path}: field 'files' is not a list")
-    for index, entry in enumerate(manifest["files"]):
-        check_entry(path, entry, digest=digest, index=index)
-    return manifest
+    files = tuple(check_entry(path, e, digest=digest, index=i) for i, e in enumerate(obj["files"]))
+    config_hash = obj.get("config_hash")
+    if config_hash is not None and not isinstance(config_hash, str):
+        raise CheckpointError(f"{path}: field 'config_hash' is {_short(config_hash)}, not a string")
+    return Manifest(
+        obj["step"],
+        obj["world_size"],
+        digest,
+        files,
+        config_hash=config_hash,
+        loss=as_loss(obj.get("loss")),
+        workload=_workload_of(obj.get("workload"), obj.get("model")),
+        raw=obj,
+    )
 
 
-def _digest_named(path: Path, manifest: dict[str, Any]) -> str:
+def as_loss(loss: object) -> float | None:
+    """A loss recorded in a manifest or a copy, where it is a number (untrusted input)."""
+    return float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None
+
+
+def _digest_named(path: Path | str, fmt: object, digest: object) -> str:
     """The digest a manifest's entries hold, from its format and its ``"digest"`` field."""
-    fmt, digest = manifest["format"], manifest.get("digest")
     if fmt == FORMAT_V1:
         if digest not in (None, SHA256):
             raise CheckpointError(
@@ -194,15 +274,9 @@ def _digest_named(path: Path, manifest: dict[str, Any]) -> str:
     return digest
 
 
-def digest_of(manifest: dict[str, Any]) -> str:
-    """The digest algorithm of a manifest :func:`read_manifest` checked: the key of every
-    entry's digest."""
-    return str(manifest["digest"]) if manifest.get("format") == FORMAT else SHA256
-
-
 def check_entry(
     path: Path | str, entry: Any, *, digest: str = SHA256, index: int | None = None
-) -> None:
+) -> FileEntry:
     """A file entry is trusted only if its name is one safe path component (it is joined onto
     the checkpoint directory) and its size and ``digest`` are well-formed. ``path`` (a manifest
     file or an S3 URI) and ``index`` (in ``files``) say where, in the message."""
@@ -223,79 +297,58 @@ def check_entry(
             f"{at} gives {name!r} a malformed {digest} (field {digest!r}): {_short(value)}, "
             f"not {HEX_DIGITS[digest]} lowercase hex digits"
         )
+    return FileEntry(name, size, value)
 
 
-def as_sha256(manifest: dict[str, Any], sha256: dict[str, str]) -> dict[str, Any]:
-    """A checked manifest as format v1, every file's digest the sha256 given for it by name
-    (an export's manifest: what a reader outside this project checks)."""
-    files = [
-        {"name": e["name"], "bytes": e["bytes"], SHA256: sha256[e["name"]]}
-        for e in manifest["files"]
-    ]
-    return {**manifest, "format": FORMAT_V1, "digest": SHA256, "files": files}
+def as_sha256(manifest: Manifest, sha256: dict[str, str]) -> dict[str, Any]:
+    """A checked manifest as format v1 (its JSON), every file's digest the sha256 given for it
+    by name (an export's manifest: what a reader outside this project checks)."""
+    files = [FileEntry(e.name, e.bytes, sha256[e.name]).record(SHA256) for e in manifest.files]
+    return {**manifest.raw, "format": FORMAT_V1, "digest": SHA256, "files": files}
 
 
-def listed_bytes(manifest: dict[str, Any]) -> int:
-    """The bytes of every file a (read, checked) manifest lists: what a load of it reads."""
-    return sum(int(e["bytes"]) for e in manifest.get("files", []))
-
-
-@dataclass(frozen=True)
-class WorkloadRef:
-    """A workload by reference, as :func:`trainer.workload.load_workload` takes it: the one that
-    wrote a checkpoint, or the one a caller says did."""
-
-    ref: str
-    options: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def is_script(self) -> bool:
-        return self.ref.startswith("script:")
-
-
-def workload_of(manifest: dict[str, Any]) -> WorkloadRef | None:
-    """The workload that wrote a checkpoint, as its manifest says (older manifests name only a
-    GPT size under ``model``)."""
-    wl = manifest.get("workload")
+def _workload_of(wl: object, model: object) -> WorkloadRef | None:
+    """The workload that wrote a checkpoint, as its manifest's ``workload`` says (older
+    manifests name only a GPT size under ``model``)."""
     if isinstance(wl, dict) and isinstance(wl.get("ref"), str):
         options = wl.get("options")
         return WorkloadRef(wl["ref"], dict(options) if isinstance(options, dict) else {})
-    if isinstance(manifest.get("model"), str):
-        return WorkloadRef(f"gpt-{manifest['model']}")
-    return None
+    return WorkloadRef(f"gpt-{model}") if isinstance(model, str) else None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ManifestCheck:
-    ok: bool
+    """A checkpoint directory's verdict: its manifest where it verifies, else why not."""
+
     reason: str = ""
-    manifest: dict[str, Any] = field(default_factory=dict)
+    manifest: Manifest | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.manifest is not None
 
 
-def mismatch(path: Path, entry: dict[str, Any], digest: str) -> str | None:
+def mismatch(path: Path, entry: FileEntry, digest: str) -> str | None:
     """Why the file at ``path`` is not the checked ``entry`` (read once, never past the size the
     entry gives), or None."""
     try:
-        got = file_digest(path, digest, limit=int(entry["bytes"]))
+        got = file_digest(path, digest, limit=entry.bytes)
     except ValueError:
-        return f"{path} holds more than the {entry['bytes']} bytes its manifest gives"
+        return f"{path} holds more than the {entry.bytes} bytes its manifest gives"
     except OSError as e:
         return f"{path} cannot be read: {e}"
-    if got != entry[digest]:
+    if got != entry.digest:
         return f"{path} does not match its {digest} in the manifest"
     return None
 
 
-def digest_share(
-    directory: Path, manifest: dict[str, Any], *, index: int, count: int
-) -> str | None:
+def digest_share(directory: Path, manifest: Manifest, *, index: int, count: int) -> str | None:
     """Why this share of the checkpoint's files (every ``count``-th from ``index``, largest
     first so the shares weigh about the same) does not match its digests, or None. One share
     per rank: a resume reads the checkpoint once, in parallel."""
-    digest = digest_of(manifest)
-    entries = sorted(manifest["files"], key=lambda e: (-int(e["bytes"]), str(e["name"])))
+    entries = sorted(manifest.files, key=lambda e: (-e.bytes, e.name))
     for entry in entries[index::count]:
-        why = mismatch(Path(directory) / entry["name"], entry, digest)
+        why = mismatch(Path(directory) / entry.name, entry, manifest.digest)
         if why:
             return why
     return None
@@ -309,28 +362,23 @@ def verify_checkpoint(directory: Path, *, digests: bool = True) -> ManifestCheck
     try:
         manifest = read_manifest(directory)
     except CheckpointError as e:
-        return ManifestCheck(False, str(e))
+        return ManifestCheck(str(e))
     named = step_of(directory)
-    if named is not None and manifest["step"] != named:
-        return ManifestCheck(
-            False, f"{directory} holds a manifest of step {manifest['step']}", manifest
-        )
-    if not any(e["name"] == DCP_METADATA for e in manifest["files"]):
-        return ManifestCheck(False, f"{directory} has no DCP .metadata in its manifest", manifest)
-    digest = digest_of(manifest)
-    for entry in manifest["files"]:
-        path = directory / entry["name"]
+    if named is not None and manifest.step != named:
+        return ManifestCheck(f"{directory} holds a manifest of step {manifest.step}")
+    if not any(e.name == DCP_METADATA for e in manifest.files):
+        return ManifestCheck(f"{directory} has no DCP .metadata in its manifest")
+    for entry in manifest.files:
+        path = directory / entry.name
         if not path.is_file():
-            return ManifestCheck(False, f"{path} is missing", manifest)
+            return ManifestCheck(f"{path} is missing")
         size = path.stat().st_size
-        if size != entry["bytes"]:
-            return ManifestCheck(
-                False, f"{path} is {size} bytes, manifest says {entry['bytes']}", manifest
-            )
-        if digests or entry["name"] == DCP_METADATA:
-            why = mismatch(path, entry, digest)
+        if size != entry.bytes:
+            return ManifestCheck(f"{path} is {size} bytes, manifest says {entry.bytes}")
+        if digests or entry.name == DCP_METADATA:
+            why = mismatch(path, entry, manifest.digest)
             if why:
-                return ManifestCheck(False, why, manifest)
+                return ManifestCheck(why)
     # The manifest is not signed: whoever can write the shared filesystem can forge a .metadata
     # and its digest together. Read through the restricted unpickler, a forged one is refused
     # (and never runs) and the reader falls back like for any invalid checkpoint.
@@ -339,5 +387,5 @@ def verify_checkpoint(directory: Path, *, digests: bool = True) -> ManifestCheck
     try:
         load_dcp_metadata(directory)
     except UnsafeCheckpointError as e:
-        return ManifestCheck(False, str(e), manifest)
-    return ManifestCheck(True, "", manifest)
+        return ManifestCheck(str(e))
+    return ManifestCheck("", manifest)

@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 
 from trainer.checkpointing import tiers
-from trainer.checkpointing.restoring import RestoreContext, Resumed, loss_of
+from trainer.checkpointing.manifest import as_loss
+from trainer.checkpointing.restoring import RestoreContext, Resumed
 from trainer.checkpointing.staging import local_tensors
 from trainer.workload import DataSource
 
@@ -89,4 +90,4 @@ class OwnCopyRestorer:
             return None
         assert self.copy is not None
         self.ctx.loaded(self.copy.step, SOURCE, t0, self.total_bytes)
-        return Resumed(self.copy.step, loss_of(self.copy.info), None)
+        return Resumed(self.copy.step, as_loss(self.copy.info.get("loss")), None)

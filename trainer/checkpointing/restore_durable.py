@@ -27,8 +27,8 @@ from trainer.checkpointing import tiers
 from trainer.checkpointing.commit import recover
 from trainer.checkpointing.config import ResumePolicy
 from trainer.checkpointing.layout import checkpoints_dir, step_of
-from trainer.checkpointing.manifest import digest_share, listed_bytes
-from trainer.checkpointing.restoring import FatalError, RestoreContext, Resumed, loss_of
+from trainer.checkpointing.manifest import Manifest, digest_share
+from trainer.checkpointing.restoring import FatalError, RestoreContext, Resumed
 from trainer.checkpointing.resume import no_valid_checkpoint, resume_candidates
 from trainer.event_types import Resume
 from trainer.rundir import RunDir
@@ -43,7 +43,7 @@ class Candidate:
 
     step: int
     path: str
-    info: dict[str, Any]  # its manifest
+    manifest: Manifest
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class DurableRestorer:
         for c in made.ok:
             mine = None
             if ctx.cfg.checkpoint.durable.verify_on_resume:
-                mine = digest_share(Path(c.path), c.info, index=ctx.rank, count=ctx.world_size)
+                mine = digest_share(Path(c.path), c.manifest, index=ctx.rank, count=ctx.world_size)
             reasons: list[Any] = [None] * ctx.world_size
             dist.all_gather_object(reasons, mine, group=ctx.group)
             bad = next((r for r in reasons if r), None)
@@ -134,14 +134,14 @@ class DurableRestorer:
         dcp.load(state, process_group=self.ctx.group, **untrusted.dcp_load_args(c.path))
         set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
         try:
-            sampler.check_state(c.info.get("data_loader", {}), c.step)
+            sampler.check_state(c.manifest.data_loader, c.step)
         except Exception as e:
             raise FatalError(str(e)) from e
+        nbytes = sum(e.bytes for e in c.manifest.files)  # what the load read
         self.ctx.loaded(
-            c.step, SOURCE, t0, listed_bytes(c.info),
-            path=c.path, saved_world_size=c.info.get("world_size"),
-        )  # fmt: skip
-        return Resumed(c.step, loss_of(c.info), Path(c.path))
+            c.step, SOURCE, t0, nbytes, path=c.path, saved_world_size=c.manifest.world_size
+        )
+        return Resumed(c.step, c.manifest.loss, Path(c.path))
 
     def _start_fresh(self) -> None:
         """Explicit fresh start: archive (never delete) what is there; the ``fresh`` event also

@@ -20,9 +20,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 
 from trainer.checkpointing import node_format, tiers
+from trainer.checkpointing.manifest import as_loss
 from trainer.checkpointing.node_copy import SOURCE, NodeMemory
 from trainer.checkpointing.node_format import Header, NodeCopyError
-from trainer.checkpointing.restoring import RestoreContext, Resumed, loss_of
+from trainer.checkpointing.restoring import RestoreContext, Resumed
 from trainer.workload import DataSource
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class NodeRestorer:
             self.ctx.skipped(choice.step, source, reason)
             return None
         self.ctx.loaded(choice.step, source, t0, total)
-        return Resumed(choice.step, loss_of(info), None)
+        return Resumed(choice.step, as_loss(info.get("loss")), None)
 
     def _shard_for(self, step: int, plan: tuple[int, ...]) -> tuple[Header, mmap.mmap, str]:
         """All ranks, in one order: the peer copies that must travel (a holder sends, the rank

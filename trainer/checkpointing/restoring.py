@@ -73,9 +73,3 @@ class RestoreContext:
         """Rank 0: the ``resume`` event of a candidate not read, and why."""
         if self.rank == 0:
             self.events.emit(Resume(action="skipped", step=step, source=source, reason=reason))
-
-
-def loss_of(info: dict[str, Any]) -> float | None:
-    """A copy's recorded loss, where it is a number (a copy is untrusted input)."""
-    loss = info.get("loss")
-    return float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None

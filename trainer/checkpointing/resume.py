@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from trainer.checkpointing.errors import NoValidCheckpoint
 from trainer.checkpointing.layout import (
@@ -18,14 +17,14 @@ from trainer.checkpointing.layout import (
     named,
     step_of,
 )
-from trainer.checkpointing.manifest import ManifestCheck, digest_share, verify_checkpoint
+from trainer.checkpointing.manifest import Manifest, digest_share, verify_checkpoint
 
 
 @dataclass
 class ResumeChoice:
     step: int | None  # None: start fresh (no checkpoints at all)
     path: Path | None
-    manifest: dict[str, Any]
+    manifest: Manifest | None  # None: start fresh
     rejected: list[tuple[int, str]]  # (step, why) for every newer checkpoint that was skipped
 
 
@@ -44,25 +43,22 @@ def candidates(run_root: Path) -> list[tuple[int, Path]]:
 
 def resume_candidates(
     run_root: Path, *, fingerprint: str
-) -> tuple[list[tuple[int, Path, dict[str, Any]]], list[tuple[int, str]], int]:
+) -> tuple[list[tuple[int, Path, Manifest]], list[tuple[int, str]], int]:
     """Newest first, the checkpoints that pass every check but the files' digests (sizes, the
     ``.metadata`` digest and its restricted unpickling, this run's config hash); the rejected
     ones with why; and how many there were. The digests are the caller's (``digest_share``)."""
     rejected: list[tuple[int, str]] = []
-    ok: list[tuple[int, Path, dict[str, Any]]] = []
+    ok: list[tuple[int, Path, Manifest]] = []
     found = candidates(run_root)
     for step, path in reversed(found):
         verdict = verify_checkpoint(path, digests=False)
-        if verdict.ok and verdict.manifest.get("config_hash") != fingerprint:
-            verdict = ManifestCheck(
-                False,
-                f"{path} was written with config hash {verdict.manifest.get('config_hash')}, this "
-                f"run has {fingerprint} (model or optimisation settings changed)",
-            )
-        if verdict.ok:
-            ok.append((step, path, verdict.manifest))
-        else:
+        if verdict.manifest is None:
             rejected.append((step, verdict.reason))
+        elif (got := verdict.manifest.config_hash) != fingerprint:
+            why = f"{path} was written with config hash {got}, this run has {fingerprint}"
+            rejected.append((step, f"{why} (model or optimisation settings changed)"))
+        else:
+            ok.append((step, path, verdict.manifest))
     return ok, rejected, len(found)
 
 
@@ -92,4 +88,4 @@ def choose_resume(run_root: Path, *, fingerprint: str, verify_digests: bool = Tr
         rejected.append((step, bad))
     if found:
         raise NoValidCheckpoint(no_valid_checkpoint(run_root, found, rejected))
-    return ResumeChoice(None, None, {}, rejected)
+    return ResumeChoice(None, None, None, rejected)
