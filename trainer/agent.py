@@ -129,4 +129,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import gc
+
+    try:
+        sys.exit(main())
+    finally:
+        gc.freeze()  # as trainer/__main__.py: skip the exit's walk over torch's objects
