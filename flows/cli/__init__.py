@@ -7,7 +7,6 @@ object (the ``PipelineResult`` for ``run``)."""
 from __future__ import annotations
 
 import argparse
-import sys
 from types import ModuleType
 
 from flows.cli import (
@@ -24,24 +23,6 @@ from flows.cli import (
     status,
     validate,
 )
-from flows.cli.common import (
-    EXIT_FAILED,
-    EXIT_USAGE,
-    format_validation_error,
-    load_params_dict,
-    params_from_args,
-)
-
-__all__ = [
-    "EXIT_CODES",
-    "EXIT_FAILED",
-    "EXIT_USAGE",
-    "build_parser",
-    "format_validation_error",
-    "load_params_dict",
-    "main",
-    "params_from_args",
-]
 
 # In the order of the top-level --help.
 COMMANDS: tuple[ModuleType, ...] = (
@@ -114,7 +95,3 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.fn(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_FAILED, EXIT_USAGE, command, exit_codes_text
+from flows.cli.common import EXIT_FAILED, EXIT_USAGE, command, fail
 
 EXIT = {
     0: "applied (or printed, with --dry-run)",
@@ -19,48 +18,37 @@ EXIT = {
 def cmd_automations(args: argparse.Namespace) -> int:
     import yaml
 
-    from flows.automations import (
-        AutomationConfigError,
-        apply,
-        load,
-        resolve,
-        resume_parameters,
-        stall_ids,
-    )
+    from flows import automations as shipped
 
     try:
         if args.dry_run:
             # Dry run: no server to look names up in; a nil id stands in for each one given.
-            ids: dict[str, Any] = {
-                k: "00000000-0000-0000-0000-000000000000"
-                for k, given in _placeholder_flags(args)
-                if given
-            }
+            nil = "00000000-0000-0000-0000-000000000000"
+            ids: dict[str, object] = {"{notify_block}": nil} if args.notify_block else {}
             if args.deployment:
-                ids["{resume_parameters}"] = resume_parameters()
-            resolved = resolve(load(args.file), {**ids, **stall_ids(args.checkpoint_stall_minutes)})
+                ids |= {"{deployment}": nil, "{resume_parameters}": shipped.resume_parameters()}
+            stall = shipped.stall_ids(args.checkpoint_stall_minutes)
+            resolved = shipped.resolve(shipped.load(args.file), ids | stall)
             print(yaml.safe_dump({"automations": resolved.automations}, sort_keys=False), end="")
             applied: dict[str, str] = {}
             skipped = resolved.skipped
         else:
-            applied, skipped = apply(
+            applied, skipped = shipped.apply(
                 path=args.file,
                 notify_block=args.notify_block,
                 deployment=args.deployment,
                 checkpoint_stall_minutes=args.checkpoint_stall_minutes,
             )
-    except AutomationConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    except shipped.AutomationConfigError as e:
+        return fail(e, EXIT_USAGE)
     except Exception as e:  # the server: unreachable, or it refused an automation
         from prefect.settings import PREFECT_API_URL
 
-        print(
-            f"error: the Prefect server at {PREFECT_API_URL.value() or '(none configured)'}: "
+        return fail(
+            f"the Prefect server at {PREFECT_API_URL.value() or '(none configured)'}: "
             f"{type(e).__name__}: {e}; check PREFECT_API_URL and that the server is up",
-            file=sys.stderr,
+            EXIT_FAILED,
         )
-        return EXIT_FAILED
     for name, aid in applied.items():
         print(f"applied {name} ({aid})")
     for name, why in skipped.items():
@@ -68,21 +56,16 @@ def cmd_automations(args: argparse.Namespace) -> int:
     return 0
 
 
-def _placeholder_flags(args: argparse.Namespace) -> list[tuple[str, bool]]:
-    return [("{notify_block}", bool(args.notify_block)), ("{deployment}", bool(args.deployment))]
-
-
 def add(sub: Any) -> None:
-    auto = command(sub, "automations", EXIT, help="Prefect automations for nvrx events")
-    auto_sub = auto.add_subparsers(dest="action", required=True)
-    ap = auto_sub.add_parser(
-        "apply",
-        help="create or replace the shipped automations",
-        epilog=exit_codes_text(EXIT),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
     from flows.automations import DEFAULT_FILE
 
+    auto = command(
+        sub, "automations", EXIT, cmd_automations, help="Prefect automations for nvrx events"
+    )
+    auto_sub = auto.add_subparsers(dest="action", required=True)
+    ap = command(
+        auto_sub, "apply", EXIT, cmd_automations, help="create or replace the shipped automations"
+    )
     ap.add_argument("--file", type=Path, default=DEFAULT_FILE, help="automations YAML")
     ap.add_argument(
         "--notify-block", help="notification block TYPE-SLUG/NAME, e.g. slack-webhook/ops"
@@ -99,4 +82,3 @@ def add(sub: Any) -> None:
         help="notify when a training run commits no checkpoint for N minutes (30)",
     )
     ap.add_argument("--dry-run", action="store_true", help="print what would be applied")
-    ap.set_defaults(fn=cmd_automations)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +22,10 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 
 
-def exit_codes_text(codes: dict[int, str]) -> str:
-    return "exit codes:\n" + "\n".join(f"  {code}  {what}" for code, what in codes.items())
+def fail(message: object, code: int) -> int:
+    """Print ``error: MESSAGE`` on stderr; return the exit status ``code``."""
+    print(f"error: {message}", file=sys.stderr)
+    return code
 
 
 def add_s3_endpoint(parser: argparse.ArgumentParser) -> None:
@@ -36,14 +39,28 @@ def add_s3_endpoint(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", dest="endpoint", help=argparse.SUPPRESS)
 
 
-def command(sub: Any, name: str, codes: dict[int, str], **kw: Any) -> argparse.ArgumentParser:
-    """A subcommand whose --help ends with its exit codes."""
-    return sub.add_parser(  # type: ignore[no-any-return]
+def add_params_options(
+    parser: argparse.ArgumentParser,
+    config: str = "YAML or JSON file of PipelineParams",
+    overrides: str = "override a parameter (dotted keys: dataset.bucket=...)",
+) -> None:
+    """``--config FILE`` and ``--set KEY=VALUE`` (repeatable), as :func:`params_from_args` reads."""
+    parser.add_argument("--config", type=Path, help=config)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=overrides)
+
+
+def command(
+    sub: Any, name: str, codes: dict[int, str], fn: Callable[[Any], int], **kw: Any
+) -> argparse.ArgumentParser:
+    """A subcommand running ``fn(args)``, whose --help ends with its exit codes."""
+    parser: argparse.ArgumentParser = sub.add_parser(
         name,
-        epilog=exit_codes_text(codes),
+        epilog="exit codes:\n" + "\n".join(f"  {code}  {what}" for code, what in codes.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         **kw,
     )
+    parser.set_defaults(fn=fn)
+    return parser
 
 
 def load_params_dict(

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_FAILED, add_s3_endpoint, command
+from flows.cli.common import EXIT_FAILED, add_s3_endpoint, command, fail
 
 EXIT = {
     0: "exported and verified against the manifest",
@@ -44,8 +43,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             ),
         )
     except (PipelineError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        return fail(e, EXIT_FAILED)
     if args.json:
         print(json.dumps(report.to_dict()), flush=True)
     else:
@@ -57,7 +55,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def add(sub: Any) -> None:
-    exp = command(sub, "export", EXIT, help="export a committed checkpoint to S3")
+    exp = command(sub, "export", EXIT, cmd_export, help="export a committed checkpoint to S3")
     exp.add_argument("path", type=Path)
     exp.add_argument("s3_uri")
     exp.add_argument("--run-id")
@@ -78,4 +76,3 @@ def add(sub: Any) -> None:
         "--workload-options", type=json.loads, default={}, help="with --workload: JSON object"
     )
     exp.add_argument("--json", action="store_true")
-    exp.set_defaults(fn=cmd_export)

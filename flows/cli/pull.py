@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_FAILED, EXIT_USAGE, add_s3_endpoint, command
+from flows.cli.common import EXIT_FAILED, EXIT_USAGE, add_s3_endpoint, command, fail
 
 EXIT = {
     0: "pulled and verified",
@@ -19,9 +19,6 @@ EXIT = {
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    """An export prefix -> a local directory, verified against its manifest (tasks.pull).
-    Exit 2 for a bad S3_URI or a DIR that cannot take it, 1 if the pull fails or does not
-    verify (DIR is then left as it was)."""
     from tasks.errors import PipelineError, PullUsageError, StorageError
     from tasks.pull import pull_export
     from tasks.storage.s3 import S3Settings, boto3_client, parse_s3_uri
@@ -29,8 +26,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     try:
         bucket, prefix = parse_s3_uri(args.s3_uri)
     except StorageError as e:
-        print(f"error: S3_URI: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(f"S3_URI: {e}", EXIT_USAGE)
     tty, last = sys.stderr.isatty(), [-1]
 
     def progress(done: int, total: int, name: str | None) -> None:
@@ -52,11 +48,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
             on_progress=progress,
         )
     except PullUsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(e, EXIT_USAGE)
     except (PipelineError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        return fail(e, EXIT_FAILED)
     if args.json:
         print(json.dumps(report.to_dict()), flush=True)
     else:
@@ -73,6 +67,7 @@ def add(sub: Any) -> None:
         sub,
         "pull",
         EXIT,
+        cmd_pull,
         help="download an export from S3 into a directory, verified against its manifest",
         description="Download the export at S3_URI (s3://bucket/prefix/<run_id>/step_<N>/) into "
         "DIR, every file checked against the export's manifest.json (size and sha256). It lands "
@@ -84,4 +79,3 @@ def add(sub: Any) -> None:
     pull.add_argument("dir", metavar="DIR", type=Path, help="directory to create (or empty one)")
     add_s3_endpoint(pull)
     pull.add_argument("--json", action="store_true", help="print a summary as JSON last")
-    pull.set_defaults(fn=cmd_pull)

@@ -37,8 +37,9 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def add(sub: Any) -> None:
-    runs = command(sub, "runs", EXIT, help="list the runs of a state directory, newest first")
+    runs = command(
+        sub, "runs", EXIT, cmd_runs, help="list the runs of a state directory, newest first"
+    )
     runs.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
     runs.add_argument("--runs-root", type=Path, help="the runs directory itself (EKS: /fsx/runs)")
     runs.add_argument("--json", action="store_true", help="a JSON list instead of text")
-    runs.set_defaults(fn=cmd_runs)

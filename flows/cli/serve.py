@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_FAILED, EXIT_USAGE, command, params_from_args
+from flows.cli.common import EXIT_FAILED, EXIT_USAGE, add_params_options, command, params_from_args
 
 EXIT = {
     0: "stopped (Ctrl-C)",
@@ -33,13 +32,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def add(sub: Any) -> None:
-    serve = command(sub, "serve", EXIT, help="serve the deployments (schedules included)")
-    serve.add_argument("--config", type=Path, help="YAML or JSON file: the deployments' defaults")
-    serve.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a default parameter of both deployments (the UI form starts from these)",
+    serve = command(
+        sub, "serve", EXIT, cmd_serve, help="serve the deployments (schedules included)"
     )
-    serve.set_defaults(fn=cmd_serve)
+    add_params_options(
+        serve,
+        "YAML or JSON file: the deployments' defaults",
+        "override a default parameter of both deployments (the UI form starts from these)",
+    )

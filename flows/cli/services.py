@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_FAILED, command
+from flows.cli.common import EXIT_FAILED, command, fail
 
 UP_EXIT = {
     0: "both servers up (their addresses printed)",
@@ -31,8 +30,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         endpoint = keep_local_s3(S3Settings(endpoint_url=args.s3_endpoint), state)
         api = start_prefect(state, port=args.port)
     except PipelineError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        return fail(e, EXIT_FAILED)
     ui = api.removesuffix("/api")
     print(f"Prefect UI: {ui} (runs of --state-dir {state} use it; its data in {state}/prefect)")
     print(f"S3: {endpoint} (the demo's data and exports, kept until `nvrx-pipeline down`)")
@@ -57,6 +55,7 @@ def add(sub: Any) -> None:
         sub,
         "up",
         UP_EXIT,
+        cmd_up,
         help="keep a local Prefect server (the UI) and the S3 server up across runs",
         description="Start, for a state directory, a Prefect server (UI and artifacts, its "
         "database under STATE_DIR/prefect) and the embedded S3 server, and keep them up after "
@@ -65,7 +64,5 @@ def add(sub: Any) -> None:
     up.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
     up.add_argument("--port", type=int, default=4200, help="the Prefect server's port (4200)")
     up.add_argument("--s3-endpoint", default="http://127.0.0.1:8333", help="the S3 server's")
-    up.set_defaults(fn=cmd_up)
-    down = command(sub, "down", DOWN_EXIT, help="stop what `up` started")
+    down = command(sub, "down", DOWN_EXIT, cmd_down, help="stop what `up` started")
     down.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
-    down.set_defaults(fn=cmd_down)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_USAGE, command
+from flows.cli.common import EXIT_USAGE, command, fail
 
 EXIT = {
     0: "the summary printed",
@@ -17,28 +16,20 @@ EXIT = {
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from flows import report
     from flows.models import RUN_ID
-    from flows.report import (
-        ETTR_DEFINITION,
-        SHORT_RUN_NOTE,
-        resumed_from,
-        time_rows,
-        too_short_for_ettr,
-    )
     from tasks.run_status import RunNotFound, locate_run, read_status
 
     if not RUN_ID.fullmatch(args.run_id):
-        print(
-            f"error: run_id {args.run_id!r}: lowercase letters, digits and dashes (a run's id, "
-            "as `run` printed it)",
-            file=sys.stderr,
+        return fail(
+            f"run_id {args.run_id!r}: lowercase letters, digits and dashes (a run's id, as `run` "
+            "printed it)",
+            EXIT_USAGE,
         )
-        return EXIT_USAGE
     try:
         run_root = locate_run(args.run_id, state_dir=Path(args.state_dir), run_root=args.run_root)
     except RunNotFound as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(e, EXIT_USAGE)
     st = read_status(run_root)
     if args.json:
         print(json.dumps({"run_id": args.run_id, **st.model_dump(mode="json")}))
@@ -63,20 +54,20 @@ def cmd_status(args: argparse.Namespace) -> int:
             else (f"recovered by {f.recovered_by} in {f.recovery_s:.1f} s")
         )
         if f.resume_step is not None:
-            rec += f", {resumed_from(f.resume_step, f)}, {f.replayed_steps} step(s) replayed"
+            rec += f", {report.resumed_from(f.resume_step, f)}, {f.replayed_steps} step(s) replayed"
         print(f"  fault {f.fault}: {rec}")
     print(
         f"  checkpoints: {st.checkpoints} committed, latest step {st.latest_checkpoint_step}"
         + (f", max blocking {st.ckpt_blocking_s_max:.3f} s" if st.checkpoints else "")
     )
     if st.ettr is not None:
-        print(f"  ETTR: {st.ettr:.3f} ({ETTR_DEFINITION})")
+        print(f"  ETTR: {st.ettr:.3f} ({report.ETTR_DEFINITION})")
     if (time_s := st.time) is not None:
         print(f"  train attempts {time_s.wall_s:.1f} s:")
-        for label, sec, share in time_rows(time_s):
+        for label, sec, share in report.time_rows(time_s):
             print(f"    {label:<20} {sec:7.1f} s  {share:4.0%}")
-        if too_short_for_ettr(time_s):
-            print(f"  {SHORT_RUN_NOTE}")
+        if report.too_short_for_ettr(time_s):
+            print(f"  {report.SHORT_RUN_NOTE}")
     if st.export_uri:
         print(f"  export: {st.export_uri}")
     if st.error:
@@ -85,9 +76,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def add(sub: Any) -> None:
-    stp = command(sub, "status", EXIT, help="summarise a run from its events file")
+    stp = command(sub, "status", EXIT, cmd_status, help="summarise a run from its events file")
     stp.add_argument("run_id")
     stp.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
     stp.add_argument("--run-root", type=Path, help="the run directory itself (EKS: /fsx/runs/ID)")
     stp.add_argument("--json", action="store_true")
-    stp.set_defaults(fn=cmd_status)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_FAILED, EXIT_USAGE, command
+from flows.cli.common import EXIT_FAILED, EXIT_USAGE, command, fail
 
 EXIT = {
     0: "every check passed",
@@ -22,8 +21,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from trainer.checkpointing import WorkloadRef
 
     if not args.path.is_dir():
-        print(f"error: {args.path} is not a checkpoint directory", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(f"{args.path} is not a checkpoint directory", EXIT_USAGE)
     # The workload, batch and seed come from the checkpoint's own manifest unless overridden.
     workload = None if args.workload is None else WorkloadRef(args.workload, args.workload_options)
     exp = Expectations(workload=workload, data_dir=args.data_dir)
@@ -38,7 +36,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def add(sub: Any) -> None:
-    val = command(sub, "validate", EXIT, help="validate a committed checkpoint directory")
+    val = command(
+        sub, "validate", EXIT, cmd_validate, help="validate a committed checkpoint directory"
+    )
     val.add_argument("path", type=Path)
     val.add_argument(
         "--workload", help="workload that wrote it (default: the one its manifest names)"
@@ -48,4 +48,3 @@ def add(sub: Any) -> None:
     )
     val.add_argument("--data-dir", type=Path, help="dataset: enables the held-out loss check")
     val.add_argument("--json", action="store_true")
-    val.set_defaults(fn=cmd_validate)
