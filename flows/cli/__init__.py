@@ -1,41 +1,34 @@
-"""``nvrx-pipeline``, one module per command (each parses its arguments and prints; the work is
-in ``tasks/`` and ``flows/``): run the pipeline, serve its deployments, validate, export or pull a
-checkpoint, prepare a dataset, apply the automations. Every command's usage and exit codes are
-in its ``--help`` (:data:`EXIT_CODES`); with ``--json`` the last line of stdout is one JSON
-object (the ``PipelineResult`` for ``run``)."""
+"""``nvrx-pipeline``, a module per command or a few of one concept (each parses its arguments
+and prints; the work is in ``tasks/`` and ``flows/``): run the pipeline, serve its deployments,
+validate, export or pull a checkpoint, prepare a dataset, apply the automations. Every command's
+usage and exit codes are in its ``--help`` (:data:`EXIT_CODES`); with ``--json`` the last line of
+stdout is one JSON object (the ``PipelineResult`` for ``run``)."""
 
 from __future__ import annotations
 
 import argparse
-from types import ModuleType
 
 from flows.cli import (
     automations,
     export,
     params,
     prepare_dataset,
-    pull,
     render_k8s,
     run,
-    runs,
-    serve,
     services,
     status,
     validate,
 )
 
 # In the order of the top-level --help.
-COMMANDS: tuple[ModuleType, ...] = (
+COMMANDS = (
     run,
     params,
     render_k8s,
-    serve,
     services,
     validate,
     export,
-    pull,
     status,
-    runs,
     automations,
     prepare_dataset,
 )
@@ -45,14 +38,14 @@ EXIT_CODES: dict[str, dict[int, str]] = {
     "run": run.EXIT,
     "params": params.EXIT,
     "render-k8s": render_k8s.EXIT,
-    "serve": serve.EXIT,
+    "serve": services.SERVE_EXIT,
     "up": services.UP_EXIT,
     "down": services.DOWN_EXIT,
     "validate": validate.EXIT,
     "export": export.EXIT,
-    "pull": pull.EXIT,
+    "pull": export.PULL_EXIT,
     "status": status.EXIT,
-    "runs": runs.EXIT,
+    "runs": status.RUNS_EXIT,
     "automations": automations.EXIT,
     "prepare-dataset": prepare_dataset.EXIT,
 }

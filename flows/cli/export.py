@@ -1,19 +1,27 @@
-"""``nvrx-pipeline export``: a committed checkpoint to S3, verified against its manifest."""
+"""``nvrx-pipeline export``: a committed checkpoint to S3, verified against its manifest;
+``pull``: an export from S3 into a directory, verified (tasks.export, tasks.pull)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_FAILED, add_s3_endpoint, command, fail
+from flows.cli.common import EXIT_FAILED, EXIT_USAGE, add_s3_endpoint, command, fail
 
 EXIT = {
     0: "exported and verified against the manifest",
     1: "the export failed",
     2: "bad usage",
+}
+
+PULL_EXIT = {
+    0: "pulled and verified",
+    1: "the pull failed or did not verify (DIR left as it was)",
+    2: "bad usage (S3_URI not an S3 URI, DIR not empty and not this export)",
 }
 
 
@@ -54,6 +62,50 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pull(args: argparse.Namespace) -> int:
+    from tasks.errors import PipelineError, PullUsageError, StorageError
+    from tasks.pull import pull_export
+    from tasks.storage.s3 import S3Settings, boto3_client, parse_s3_uri
+
+    try:
+        bucket, prefix = parse_s3_uri(args.s3_uri)
+    except StorageError as e:
+        return fail(f"S3_URI: {e}", EXIT_USAGE)
+    tty, last = sys.stderr.isatty(), [-1]
+
+    def progress(done: int, total: int, name: str | None) -> None:
+        # A terminal gets a line per file; a log, a line every 10 % (mid-file too).
+        tenth = 10 * done // max(total, 1)
+        if (tty and name is not None) or (not tty and tenth != last[0]):
+            last[0] = tenth
+            what = f" ({name})" if name else ""
+            print(f"pull: {100 * done // max(total, 1):3d}%{what}", file=sys.stderr, flush=True)
+
+    settings = S3Settings(endpoint_url=args.endpoint or os.environ.get("AWS_ENDPOINT_URL"))
+    try:
+        report = pull_export(
+            boto3_client(settings),
+            bucket,
+            prefix,
+            args.dir,
+            endpoint=settings.endpoint_url,
+            on_progress=progress,
+        )
+    except PullUsageError as e:
+        return fail(e, EXIT_USAGE)
+    except (PipelineError, OSError) as e:
+        return fail(e, EXIT_FAILED)
+    if args.json:
+        print(json.dumps(report.to_dict()), flush=True)
+    else:
+        how = "downloaded" if report.downloaded else "already there"
+        print(
+            f"pulled {report.uri} to {report.dir}: step {report.step}, {report.files} files, "
+            f"{report.bytes} bytes, verified ({how})"
+        )
+    return 0
+
+
 def add(sub: Any) -> None:
     exp = command(sub, "export", EXIT, cmd_export, help="export a committed checkpoint to S3")
     exp.add_argument("path", type=Path)
@@ -76,3 +128,19 @@ def add(sub: Any) -> None:
         "--workload-options", type=json.loads, default={}, help="with --workload: JSON object"
     )
     exp.add_argument("--json", action="store_true")
+    pull = command(
+        sub,
+        "pull",
+        PULL_EXIT,
+        cmd_pull,
+        help="download an export from S3 into a directory, verified against its manifest",
+        description="Download the export at S3_URI (s3://bucket/prefix/<run_id>/step_<N>/) into "
+        "DIR, every file checked against the export's manifest.json (size and sha256). It lands "
+        "in a hidden directory beside DIR and is renamed to DIR only once it verifies. DIR must "
+        "be absent or empty, or already hold the same verified export (then nothing is "
+        "downloaded).",
+    )
+    pull.add_argument("s3_uri", metavar="S3_URI", help="the export prefix")
+    pull.add_argument("dir", metavar="DIR", type=Path, help="directory to create (or empty one)")
+    add_s3_endpoint(pull)
+    pull.add_argument("--json", action="store_true", help="print a summary as JSON last")

@@ -1,5 +1,6 @@
-"""``nvrx-pipeline up`` / ``down``: keep a local Prefect server and the S3 server up across runs
-(tasks.local_services, tasks.storage.local_s3), and stop them."""
+"""``nvrx-pipeline serve`` / ``up`` / ``down``: serve the deployments (schedules included) until
+Ctrl-C; keep a local Prefect server and the S3 server up across runs (tasks.local_services,
+tasks.storage.local_s3), and stop them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,20 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_FAILED, command, fail
+from flows.cli.common import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    add_params_options,
+    command,
+    fail,
+    params_from_args,
+)
+
+SERVE_EXIT = {
+    0: "stopped (Ctrl-C)",
+    1: "the Prefect server failed",
+    2: "bad default parameters",
+}
 
 UP_EXIT = {
     0: "both servers up (their addresses printed)",
@@ -17,6 +31,21 @@ UP_EXIT = {
 DOWN_EXIT = {
     0: "stopped (or nothing was up)",
 }
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from flows.deployments import serve_all
+
+    defaults = params_from_args(args, inject=[], deployment=True)
+    if defaults is None:
+        return EXIT_USAGE
+    try:
+        serve_all(defaults)
+    except KeyboardInterrupt:
+        return 0
+    except Exception as e:  # the server: unreachable, or it refused the deployments
+        return fail(f"serving the deployments failed: {type(e).__name__}: {e}", EXIT_FAILED)
+    return 0
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -51,6 +80,14 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def add(sub: Any) -> None:
+    serve = command(
+        sub, "serve", SERVE_EXIT, cmd_serve, help="serve the deployments (schedules included)"
+    )
+    add_params_options(
+        serve,
+        "YAML or JSON file: the deployments' defaults",
+        "override a default parameter of both deployments (the UI form starts from these)",
+    )
     up = command(
         sub,
         "up",

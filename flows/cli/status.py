@@ -1,9 +1,11 @@
-"""``nvrx-pipeline status``: one run's summary (tasks.run_status), printed."""
+"""``nvrx-pipeline status`` and ``runs``: one run's summary, and the runs of a state directory
+newest first (tasks.run_status), printed."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,10 @@ from flows.cli.common import EXIT_USAGE, command, fail
 EXIT = {
     0: "the summary printed",
     2: "no events for that run (pass --state-dir or --run-root)",
+}
+
+RUNS_EXIT = {
+    0: "the list printed (empty: no run under that root)",
 }
 
 
@@ -75,9 +81,36 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_runs(args: argparse.Namespace) -> int:
+    from tasks.run_status import list_runs
+
+    root = args.runs_root or Path(args.state_dir) / "fsx" / "runs"
+    rows = list_runs(root)
+    if args.json:
+        print(json.dumps([r.__dict__ for r in rows]))
+        return 0
+    if not rows:
+        print(f"no runs under {root} (pass --state-dir, or --runs-root /fsx/runs on EKS)")
+        return 0
+    print(f"{'run id':<34} {'state':<12} {'step':>10}  updated")
+    for r in rows:
+        step = f"{r.step}/{r.target_steps}" if r.target_steps else str(r.step)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.updated))
+        owner = f"  (owner {r.owner})" if r.owner else ""
+        print(f"{r.run_id:<34} {r.state:<12} {step:>10}  {when}{owner}")
+    print(f"details: nvrx-pipeline status RUN_ID --state-dir {args.state_dir}")
+    return 0
+
+
 def add(sub: Any) -> None:
     stp = command(sub, "status", EXIT, cmd_status, help="summarise a run from its events file")
     stp.add_argument("run_id")
     stp.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
     stp.add_argument("--run-root", type=Path, help="the run directory itself (EKS: /fsx/runs/ID)")
     stp.add_argument("--json", action="store_true")
+    runs = command(
+        sub, "runs", RUNS_EXIT, cmd_runs, help="list the runs of a state directory, newest first"
+    )
+    runs.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
+    runs.add_argument("--runs-root", type=Path, help="the runs directory itself (EKS: /fsx/runs)")
+    runs.add_argument("--json", action="store_true", help="a JSON list instead of text")
