@@ -8,10 +8,7 @@ from typing import Any
 
 from flows.cli.common import EXIT_USAGE, command, fail
 
-EXIT = {
-    0: "the parameters printed",
-    2: "no parameter matches NAME",
-}
+EXIT = {0: "the parameters printed", 2: "no parameter matches NAME"}
 
 
 def cmd_params(args: argparse.Namespace) -> int:

@@ -19,10 +19,7 @@ from flows.cli.common import (
     params_from_args,
 )
 
-EXIT = {
-    0: "the manifests printed",
-    2: "bad parameters",
-}
+EXIT = {0: "the manifests printed", 2: "bad parameters"}
 
 
 def cmd_render_k8s(args: argparse.Namespace) -> int:
@@ -39,10 +36,11 @@ def cmd_render_k8s(args: argparse.Namespace) -> int:
         forced["global_batch"] = batch
     derived = None
     if not data.get("run_id"):
-        # The same parameters name the same run: rendering twice gives one bundle, which
-        # `kubectl apply` takes as unchanged (a new id each call made a second Job).
-        derived = derived_run_id({**data, **forced})
-        forced["run_id"] = derived
+        # The same parameters name the same run (their canonical JSON's digest): rendering twice
+        # gives one bundle, which `kubectl apply` takes as unchanged (a new id each call made a
+        # second Job).
+        canonical = json.dumps({**data, **forced}, sort_keys=True, default=str)
+        derived = forced["run_id"] = f"rk-{hashlib.sha256(canonical.encode()).hexdigest()[:12]}"
     params = params_from_args(args, inject=[], **forced)
     if params is None:
         return EXIT_USAGE
@@ -78,12 +76,6 @@ class _NoAliases(yaml.SafeDumper):
 
     def ignore_aliases(self, data: Any) -> bool:
         return True
-
-
-def derived_run_id(data: dict[str, object]) -> str:
-    """A run id from the parameters themselves (their canonical JSON's digest)."""
-    digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
-    return f"rk-{digest[:12]}"
 
 
 def add(sub: Any) -> None:

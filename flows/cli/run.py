@@ -14,13 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from flows.cli.common import (
-    EXIT_FAILED,
-    EXIT_USAGE,
-    add_params_options,
-    command,
-    params_from_args,
-)
+from flows.cli.common import EXIT_FAILED, EXIT_USAGE, add_params_options, command, params_from_args
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import State

@@ -23,14 +23,9 @@ SERVE_EXIT = {
     2: "bad default parameters",
 }
 
-UP_EXIT = {
-    0: "both servers up (their addresses printed)",
-    1: "a server did not start",
-}
+UP_EXIT = {0: "both servers up (their addresses printed)", 1: "a server did not start"}
 
-DOWN_EXIT = {
-    0: "stopped (or nothing was up)",
-}
+DOWN_EXIT = {0: "stopped (or nothing was up)"}
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

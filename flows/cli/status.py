@@ -11,14 +11,9 @@ from typing import Any
 
 from flows.cli.common import EXIT_USAGE, command, fail
 
-EXIT = {
-    0: "the summary printed",
-    2: "no events for that run (pass --state-dir or --run-root)",
-}
+EXIT = {0: "the summary printed", 2: "no events for that run (pass --state-dir or --run-root)"}
 
-RUNS_EXIT = {
-    0: "the list printed (empty: no run under that root)",
-}
+RUNS_EXIT = {0: "the list printed (empty: no run under that root)"}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
