@@ -143,7 +143,7 @@ def test_runs_lists_a_state_directorys_runs_newest_first(tmp_path, capsys):
 
 
 def test_one_module_per_command_that_parses_and_prints() -> None:
-    """Issue 27: each command lives in a module of flows/cli/ (its parser, its exit codes,
+    """Issue 27: each command lives in a module of flows/cli/ (its parser, its checks,
     its printing), and the modules stay small: the work is in tasks/ and flows/."""
     import argparse
     import inspect

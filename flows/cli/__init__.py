@@ -19,6 +19,7 @@ from flows.cli import (
     status,
     validate,
 )
+from flows.cli.common import EXIT_CODES
 
 # In the order of the top-level --help.
 COMMANDS = (
@@ -32,23 +33,6 @@ COMMANDS = (
     automations,
     prepare_dataset,
 )
-
-# What each command's exit status means: its --help lists them, and the top-level --help all.
-EXIT_CODES: dict[str, dict[int, str]] = {
-    "run": run.EXIT,
-    "params": params.EXIT,
-    "render-k8s": render_k8s.EXIT,
-    "serve": services.SERVE_EXIT,
-    "up": services.UP_EXIT,
-    "down": services.DOWN_EXIT,
-    "validate": validate.EXIT,
-    "export": export.EXIT,
-    "pull": export.PULL_EXIT,
-    "status": status.EXIT,
-    "runs": status.RUNS_EXIT,
-    "automations": automations.EXIT,
-    "prepare-dataset": prepare_dataset.EXIT,
-}
 
 
 def _version() -> str:

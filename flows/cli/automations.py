@@ -8,12 +8,6 @@ from typing import Any
 
 from flows.cli.common import EXIT_FAILED, EXIT_USAGE, command, fail
 
-EXIT = {
-    0: "applied (or printed, with --dry-run)",
-    1: "the Prefect server refused them or could not be reached",
-    2: "a bad automations file or flag",
-}
-
 
 def cmd_automations(args: argparse.Namespace) -> int:
     import yaml
@@ -59,12 +53,14 @@ def cmd_automations(args: argparse.Namespace) -> int:
 def add(sub: Any) -> None:
     from flows.automations import DEFAULT_FILE
 
-    auto = command(
-        sub, "automations", EXIT, cmd_automations, help="Prefect automations for nvrx events"
-    )
+    auto = command(sub, "automations", cmd_automations, help="Prefect automations for nvrx events")
     auto_sub = auto.add_subparsers(dest="action", required=True)
     ap = command(
-        auto_sub, "apply", EXIT, cmd_automations, help="create or replace the shipped automations"
+        auto_sub,
+        "apply",
+        cmd_automations,
+        "automations",
+        help="create or replace the shipped automations",
     )
     ap.add_argument("--file", type=Path, default=DEFAULT_FILE, help="automations YAML")
     ap.add_argument(

@@ -1,4 +1,4 @@
-"""What every command shares: exit statuses, a subcommand whose --help lists its exit codes,
+"""What every command shares: exit codes (one table), a subcommand whose --help lists its own,
 and the run parameters from --config/--set/--inject/--run-id (validated, errors naming the field
 and the fix)."""
 
@@ -20,6 +20,55 @@ if TYPE_CHECKING:
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+
+# What each command's exit status means, in the order of the top-level --help (which lists them
+# all; each command's --help, its own).
+EXIT_CODES: dict[str, dict[int, str]] = {
+    "run": {
+        0: "the run completed (checkpoint validated, export verified)",
+        1: "the pipeline failed: the cause on stderr (--json: the PipelineResult)",
+        2: "bad parameters: the field and the fix on stderr",
+    },
+    "params": {0: "the parameters printed", 2: "no parameter matches NAME"},
+    "render-k8s": {0: "the manifests printed", 2: "bad parameters"},
+    "serve": {
+        0: "stopped (Ctrl-C)",
+        1: "the Prefect server failed",
+        2: "bad default parameters",
+    },
+    "up": {0: "both servers up (their addresses printed)", 1: "a server did not start"},
+    "down": {0: "stopped (or nothing was up)"},
+    "validate": {
+        0: "every check passed",
+        1: "a check failed: the report names it and the file",
+        2: "bad usage (no such directory, a bad --workload)",
+    },
+    "export": {
+        0: "exported and verified against the manifest",
+        1: "the export failed",
+        2: "bad usage",
+    },
+    "pull": {
+        0: "pulled and verified",
+        1: "the pull failed or did not verify (DIR left as it was)",
+        2: "bad usage (S3_URI not an S3 URI, DIR not empty and not this export)",
+    },
+    "status": {
+        0: "the summary printed",
+        2: "no events for that run (pass --state-dir or --run-root)",
+    },
+    "runs": {0: "the list printed (empty: no run under that root)"},
+    "automations": {
+        0: "applied (or printed, with --dry-run)",
+        1: "the Prefect server refused them or could not be reached",
+        2: "a bad automations file or flag",
+    },
+    "prepare-dataset": {
+        0: "written (and uploaded)",
+        1: "the upload failed",
+        2: "bad input: error: <field>: <message>",
+    },
+}
 
 
 def fail(message: object, code: int) -> int:
@@ -50,12 +99,14 @@ def add_params_options(
 
 
 def command(
-    sub: Any, name: str, codes: dict[int, str], fn: Callable[[Any], int], **kw: Any
+    sub: Any, name: str, fn: Callable[[Any], int], codes_of: str | None = None, **kw: Any
 ) -> argparse.ArgumentParser:
-    """A subcommand running ``fn(args)``, whose --help ends with its exit codes."""
+    """A subcommand running ``fn(args)``, whose --help ends with its exit codes (``codes_of``:
+    another command's, for a subcommand of a group)."""
+    codes = EXIT_CODES[codes_of or name].items()
     parser: argparse.ArgumentParser = sub.add_parser(
         name,
-        epilog="exit codes:\n" + "\n".join(f"  {code}  {what}" for code, what in codes.items()),
+        epilog="exit codes:\n" + "\n".join(f"  {code}  {what}" for code, what in codes),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         **kw,
     )

@@ -12,18 +12,6 @@ from typing import Any
 
 from flows.cli.common import EXIT_FAILED, EXIT_USAGE, add_s3_endpoint, command, fail
 
-EXIT = {
-    0: "exported and verified against the manifest",
-    1: "the export failed",
-    2: "bad usage",
-}
-
-PULL_EXIT = {
-    0: "pulled and verified",
-    1: "the pull failed or did not verify (DIR left as it was)",
-    2: "bad usage (S3_URI not an S3 URI, DIR not empty and not this export)",
-}
-
 
 def cmd_export(args: argparse.Namespace) -> int:
     from tasks.errors import PipelineError
@@ -107,7 +95,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def add(sub: Any) -> None:
-    exp = command(sub, "export", EXIT, cmd_export, help="export a committed checkpoint to S3")
+    exp = command(sub, "export", cmd_export, help="export a committed checkpoint to S3")
     exp.add_argument("path", type=Path)
     exp.add_argument("s3_uri")
     exp.add_argument("--run-id")
@@ -131,7 +119,6 @@ def add(sub: Any) -> None:
     pull = command(
         sub,
         "pull",
-        PULL_EXIT,
         cmd_pull,
         help="download an export from S3 into a directory, verified against its manifest",
         description="Download the export at S3_URI (s3://bucket/prefix/<run_id>/step_<N>/) into "

@@ -8,8 +8,6 @@ from typing import Any
 
 from flows.cli.common import EXIT_USAGE, command, fail
 
-EXIT = {0: "the parameters printed", 2: "no parameter matches NAME"}
-
 
 def cmd_params(args: argparse.Namespace) -> int:
     from flows.param_docs import did_you_mean, format_table, params_docs
@@ -35,7 +33,6 @@ def add(sub: Any) -> None:
     par = command(
         sub,
         "params",
-        EXIT,
         cmd_params,
         help="list every run parameter with its default and description",
         description="Every run parameter: its dotted name (what --set and a --config file's "

@@ -12,12 +12,6 @@ from typing import Any
 
 from flows.cli.common import EXIT_FAILED, EXIT_USAGE, command, fail
 
-EXIT = {
-    0: "written (and uploaded)",
-    1: "the upload failed",
-    2: "bad input: error: <field>: <message>",
-}
-
 
 def cmd_prepare_dataset(args: argparse.Namespace) -> int:
     from tasks.dataset_prep import PrepareInputError, PrepareRequest, UploadError, prepare_dataset
@@ -54,7 +48,6 @@ def add(sub: Any) -> None:
     prep = command(
         sub,
         "prepare-dataset",
-        EXIT,
         cmd_prepare_dataset,
         help="turn token files (.bin/.npy) or JSONL text into a dataset (optionally upload it)",
         description="Token files (.bin raw tokens, .npy integer arrays) or, with --tokenizer, "

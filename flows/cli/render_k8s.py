@@ -19,8 +19,6 @@ from flows.cli.common import (
     params_from_args,
 )
 
-EXIT = {0: "the manifests printed", 2: "bad parameters"}
-
 
 def cmd_render_k8s(args: argparse.Namespace) -> int:
     from flows.context import eks_train_config, launch_request, render_global_batch
@@ -80,7 +78,7 @@ class _NoAliases(yaml.SafeDumper):
 
 def add(sub: Any) -> None:
     rk = command(
-        sub, "render-k8s", EXIT, cmd_render_k8s, help="print the EKS train-stage manifests as YAML"
+        sub, "render-k8s", cmd_render_k8s, help="print the EKS train-stage manifests as YAML"
     )
     add_params_options(rk)
     rk.add_argument("--run-id", help="run id (default: derived from the parameters)")

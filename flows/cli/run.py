@@ -21,12 +21,6 @@ if TYPE_CHECKING:
 
     from flows.models import PipelineResult
 
-EXIT = {
-    0: "the run completed (checkpoint validated, export verified)",
-    1: "the pipeline failed: the cause on stderr (--json: the PipelineResult)",
-    2: "bad parameters: the field and the fix on stderr",
-}
-
 
 @contextmanager
 def _live_progress(run_root: Path, target: int, tty: bool) -> Iterator[None]:
@@ -144,7 +138,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def add(sub: Any) -> None:
-    run = command(sub, "run", EXIT, cmd_run, help="run the whole pipeline")
+    run = command(sub, "run", cmd_run, help="run the whole pipeline")
     add_params_options(run)
     run.add_argument(
         "--inject",

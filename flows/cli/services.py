@@ -17,16 +17,6 @@ from flows.cli.common import (
     params_from_args,
 )
 
-SERVE_EXIT = {
-    0: "stopped (Ctrl-C)",
-    1: "the Prefect server failed",
-    2: "bad default parameters",
-}
-
-UP_EXIT = {0: "both servers up (their addresses printed)", 1: "a server did not start"}
-
-DOWN_EXIT = {0: "stopped (or nothing was up)"}
-
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from flows.deployments import serve_all
@@ -75,9 +65,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def add(sub: Any) -> None:
-    serve = command(
-        sub, "serve", SERVE_EXIT, cmd_serve, help="serve the deployments (schedules included)"
-    )
+    serve = command(sub, "serve", cmd_serve, help="serve the deployments (schedules included)")
     add_params_options(
         serve,
         "YAML or JSON file: the deployments' defaults",
@@ -86,7 +74,6 @@ def add(sub: Any) -> None:
     up = command(
         sub,
         "up",
-        UP_EXIT,
         cmd_up,
         help="keep a local Prefect server (the UI) and the S3 server up across runs",
         description="Start, for a state directory, a Prefect server (UI and artifacts, its "
@@ -96,5 +83,5 @@ def add(sub: Any) -> None:
     up.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
     up.add_argument("--port", type=int, default=4200, help="the Prefect server's port (4200)")
     up.add_argument("--s3-endpoint", default="http://127.0.0.1:8333", help="the S3 server's")
-    down = command(sub, "down", DOWN_EXIT, cmd_down, help="stop what `up` started")
+    down = command(sub, "down", cmd_down, help="stop what `up` started")
     down.add_argument("--state-dir", default=".state", help="local state dir (default .state)")

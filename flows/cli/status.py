@@ -11,10 +11,6 @@ from typing import Any
 
 from flows.cli.common import EXIT_USAGE, command, fail
 
-EXIT = {0: "the summary printed", 2: "no events for that run (pass --state-dir or --run-root)"}
-
-RUNS_EXIT = {0: "the list printed (empty: no run under that root)"}
-
 
 def cmd_status(args: argparse.Namespace) -> int:
     from flows import report
@@ -98,14 +94,12 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def add(sub: Any) -> None:
-    stp = command(sub, "status", EXIT, cmd_status, help="summarise a run from its events file")
+    stp = command(sub, "status", cmd_status, help="summarise a run from its events file")
     stp.add_argument("run_id")
     stp.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
     stp.add_argument("--run-root", type=Path, help="the run directory itself (EKS: /fsx/runs/ID)")
     stp.add_argument("--json", action="store_true")
-    runs = command(
-        sub, "runs", RUNS_EXIT, cmd_runs, help="list the runs of a state directory, newest first"
-    )
+    runs = command(sub, "runs", cmd_runs, help="list the runs of a state directory, newest first")
     runs.add_argument("--state-dir", default=".state", help="local state dir (default .state)")
     runs.add_argument("--runs-root", type=Path, help="the runs directory itself (EKS: /fsx/runs)")
     runs.add_argument("--json", action="store_true", help="a JSON list instead of text")

@@ -9,12 +9,6 @@ from typing import Any
 
 from flows.cli.common import EXIT_FAILED, EXIT_USAGE, command, fail
 
-EXIT = {
-    0: "every check passed",
-    1: "a check failed: the report names it and the file",
-    2: "bad usage (no such directory, a bad --workload)",
-}
-
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from tasks.validation.checkpoint import Expectations, validate_checkpoint
@@ -36,9 +30,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def add(sub: Any) -> None:
-    val = command(
-        sub, "validate", EXIT, cmd_validate, help="validate a committed checkpoint directory"
-    )
+    val = command(sub, "validate", cmd_validate, help="validate a committed checkpoint directory")
     val.add_argument("path", type=Path)
     val.add_argument(
         "--workload", help="workload that wrote it (default: the one its manifest names)"
