@@ -7,31 +7,20 @@ stdout is one JSON object (the ``PipelineResult`` for ``run``)."""
 from __future__ import annotations
 
 import argparse
+from importlib import import_module
 
-from flows.cli import (
-    automations,
-    export,
-    params,
-    prepare_dataset,
-    render_k8s,
-    run,
-    services,
-    status,
-    validate,
-)
 from flows.cli.common import EXIT_CODES
 
-# In the order of the top-level --help.
+# Modules of flows.cli, in the order of the top-level --help.
 COMMANDS = (
-    run,
-    params,
-    render_k8s,
-    services,
-    validate,
-    export,
-    status,
-    automations,
-    prepare_dataset,
+    "run",
+    "params",
+    "render_k8s",
+    "services",
+    "checkpoint",
+    "status",
+    "automations",
+    "prepare_dataset",
 )
 
 
@@ -64,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True)
-    for module in COMMANDS:
-        module.add(sub)
+    for name in COMMANDS:
+        import_module(f"flows.cli.{name}").add(sub)
     return p
 
 

@@ -45,11 +45,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     for a in st.train_attempts:
         print(f"  train attempt {a.attempt} ({a.backend}): {a.outcome}")
     for f in st.faults:
-        rec = (
-            "not recovered"
-            if f.recovered_by == "none"
-            else (f"recovered by {f.recovered_by} in {f.recovery_s:.1f} s")
-        )
+        rec = "not recovered"
+        if f.recovered_by != "none":
+            rec = f"recovered by {f.recovered_by} in {f.recovery_s:.1f} s"
         if f.resume_step is not None:
             rec += f", {report.resumed_from(f.resume_step, f)}, {f.replayed_steps} step(s) replayed"
         print(f"  fault {f.fault}: {rec}")

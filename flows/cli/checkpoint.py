@@ -1,5 +1,6 @@
-"""``nvrx-pipeline export``: a committed checkpoint to S3, verified against its manifest;
-``pull``: an export from S3 into a directory, verified (tasks.export, tasks.pull)."""
+"""``nvrx-pipeline validate`` / ``export`` / ``pull``: a committed checkpoint directory's every
+check; the checkpoint to S3, verified against its manifest; an export from S3 back into a
+directory, verified (tasks.validation.checkpoint, tasks.export, tasks.pull)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,32 @@ from typing import Any
 from flows.cli.common import EXIT_FAILED, EXIT_USAGE, add_s3_endpoint, command, fail
 
 
+def cmd_validate(args: argparse.Namespace) -> int:
+    from tasks.validation.checkpoint import Expectations, validate_checkpoint
+    from trainer.checkpointing import WorkloadRef
+
+    if not args.path.is_dir():
+        return fail(f"{args.path} is not a checkpoint directory", EXIT_USAGE)
+    # The workload, batch and seed come from the checkpoint's own manifest unless overridden.
+    workload = None if args.workload is None else WorkloadRef(args.workload, args.workload_options)
+    exp = Expectations(workload=workload, data_dir=args.data_dir)
+    report = validate_checkpoint(args.path, exp)
+    if args.json:
+        print(json.dumps(report.to_dict()), flush=True)
+    else:
+        print(f"{report.status.upper()}: {report.path} (step {report.step})")
+        for c in report.checks:
+            print(f"  {c.status.value:<8} {c.name}: {c.detail}")
+    return 0 if report.passed else EXIT_FAILED
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from tasks.errors import PipelineError
     from tasks.export import ExportOptions, export_checkpoint
     from tasks.storage.s3 import S3Settings, boto3_client, parse_s3_uri
     from trainer.checkpointing import WorkloadRef
 
+    workload = None if args.workload is None else WorkloadRef(args.workload, args.workload_options)
     try:
         bucket, prefix = parse_s3_uri(args.s3_uri)
         settings = S3Settings(endpoint_url=args.endpoint or os.environ.get("AWS_ENDPOINT_URL"))
@@ -33,9 +54,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 sse=args.sse,
                 kms_key_id=args.kms_key_id,
                 consolidated=args.consolidated,
-                workload=None
-                if args.workload is None
-                else WorkloadRef(args.workload, args.workload_options),
+                workload=workload,
             ),
         )
     except (PipelineError, OSError) as e:
@@ -95,6 +114,16 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def add(sub: Any) -> None:
+    val = command(sub, "validate", cmd_validate, help="validate a committed checkpoint directory")
+    val.add_argument("path", type=Path)
+    val.add_argument(
+        "--workload", help="workload that wrote it (default: the one its manifest names)"
+    )
+    val.add_argument(
+        "--workload-options", type=json.loads, default={}, help="with --workload: JSON object"
+    )
+    val.add_argument("--data-dir", type=Path, help="dataset: enables the held-out loss check")
+    val.add_argument("--json", action="store_true")
     exp = command(sub, "export", cmd_export, help="export a committed checkpoint to S3")
     exp.add_argument("path", type=Path)
     exp.add_argument("s3_uri")
