@@ -15,7 +15,14 @@ def cmd_automations(args: argparse.Namespace) -> int:
     from flows import automations as shipped
 
     try:
-        if args.dry_run:
+        if not args.dry_run:
+            applied, skipped = shipped.apply(
+                path=args.file,
+                notify_block=args.notify_block,
+                deployment=args.deployment,
+                checkpoint_stall_minutes=args.checkpoint_stall_minutes,
+            )
+        else:
             # Dry run: no server to look names up in; a nil id stands in for each one given.
             nil = "00000000-0000-0000-0000-000000000000"
             ids: dict[str, object] = {"{notify_block}": nil} if args.notify_block else {}
@@ -24,15 +31,7 @@ def cmd_automations(args: argparse.Namespace) -> int:
             stall = shipped.stall_ids(args.checkpoint_stall_minutes)
             resolved = shipped.resolve(shipped.load(args.file), ids | stall)
             print(yaml.safe_dump({"automations": resolved.automations}, sort_keys=False), end="")
-            applied: dict[str, str] = {}
-            skipped = resolved.skipped
-        else:
-            applied, skipped = shipped.apply(
-                path=args.file,
-                notify_block=args.notify_block,
-                deployment=args.deployment,
-                checkpoint_stall_minutes=args.checkpoint_stall_minutes,
-            )
+            applied, skipped = {}, resolved.skipped
     except shipped.AutomationConfigError as e:
         return fail(e, EXIT_USAGE)
     except Exception as e:  # the server: unreachable, or it refused an automation

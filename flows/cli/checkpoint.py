@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_FAILED, EXIT_USAGE, add_s3_endpoint, command, fail
+from flows.cli.common import EXIT_FAILED, EXIT_USAGE, add_s3_endpoint, command, emit, fail
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -24,12 +24,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     workload = None if args.workload is None else WorkloadRef(args.workload, args.workload_options)
     exp = Expectations(workload=workload, data_dir=args.data_dir)
     report = validate_checkpoint(args.path, exp)
-    if args.json:
-        print(json.dumps(report.to_dict()), flush=True)
-    else:
-        print(f"{report.status.upper()}: {report.path} (step {report.step})")
-        for c in report.checks:
-            print(f"  {c.status.value:<8} {c.name}: {c.detail}")
+    lines = [f"{report.status.upper()}: {report.path} (step {report.step})"]
+    lines += (f"  {c.status.value:<8} {c.name}: {c.detail}" for c in report.checks)
+    emit(args.json, report.to_dict(), "\n".join(lines))
     return 0 if report.passed else EXIT_FAILED
 
 
@@ -59,14 +56,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
     except (PipelineError, OSError) as e:
         return fail(e, EXIT_FAILED)
-    if args.json:
-        print(json.dumps(report.to_dict()), flush=True)
-    else:
-        print(
-            f"exported {report.uri}: {report.objects} objects ({report.uploaded} uploaded, "
-            f"{report.skipped} already there), verified by {report.verification}"
-        )
-    return 0
+    return emit(
+        args.json,
+        report.to_dict(),
+        f"exported {report.uri}: {report.objects} objects ({report.uploaded} uploaded, "
+        f"{report.skipped} already there), verified by {report.verification}",
+    )
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -102,15 +97,13 @@ def cmd_pull(args: argparse.Namespace) -> int:
         return fail(e, EXIT_USAGE)
     except (PipelineError, OSError) as e:
         return fail(e, EXIT_FAILED)
-    if args.json:
-        print(json.dumps(report.to_dict()), flush=True)
-    else:
-        how = "downloaded" if report.downloaded else "already there"
-        print(
-            f"pulled {report.uri} to {report.dir}: step {report.step}, {report.files} files, "
-            f"{report.bytes} bytes, verified ({how})"
-        )
-    return 0
+    how = "downloaded" if report.downloaded else "already there"
+    return emit(
+        args.json,
+        report.to_dict(),
+        f"pulled {report.uri} to {report.dir}: step {report.step}, {report.files} files, "
+        f"{report.bytes} bytes, verified ({how})",
+    )
 
 
 def add(sub: Any) -> None:

@@ -77,6 +77,13 @@ def fail(message: object, code: int) -> int:
     return code
 
 
+def emit(as_json: bool, data: object, text: str) -> int:
+    """Print ``text``, or with --json ``data`` as one JSON object or list, the last line of
+    stdout (what scripts parse); exit status 0."""
+    print(json.dumps(data) if as_json else text, flush=True)
+    return 0
+
+
 def add_s3_endpoint(parser: argparse.ArgumentParser) -> None:
     """``--s3-endpoint`` (as ``args.endpoint``): one spelling, like prepare-dataset's and the
     s3_endpoint parameter; the old ``--endpoint`` still works, unlisted."""

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
-from flows.cli.common import EXIT_USAGE, command, fail
+from flows.cli.common import EXIT_USAGE, command, emit, fail
 
 
 def cmd_params(args: argparse.Namespace) -> int:
@@ -22,11 +21,7 @@ def cmd_params(args: argparse.Namespace) -> int:
             hint = f" (did you mean {', '.join(near)}?)" if near else ""
             return fail(f"no parameter named {' '.join(args.names)}{hint}", EXIT_USAGE)
         docs = picked
-    if args.json:
-        print(json.dumps([d.__dict__ for d in docs]))
-    else:
-        print(format_table(docs))
-    return 0
+    return emit(args.json, [d.__dict__ for d in docs], format_table(docs))
 
 
 def add(sub: Any) -> None:

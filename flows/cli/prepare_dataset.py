@@ -4,13 +4,12 @@ optionally its S3 prefix (tasks.dataset_prep does the work)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_FAILED, EXIT_USAGE, command, fail
+from flows.cli.common import EXIT_FAILED, EXIT_USAGE, command, emit, fail
 
 
 def cmd_prepare_dataset(args: argparse.Namespace) -> int:
@@ -32,16 +31,13 @@ def cmd_prepare_dataset(args: argparse.Namespace) -> int:
         return fail(e, EXIT_USAGE)
     except UploadError as e:
         return fail(f"upload: {e}", EXIT_FAILED)
-    if args.json:
-        print(json.dumps(summary), flush=True)
-    else:
-        print(
-            f"wrote {summary['dir']}: {summary['files']} shards, {summary['tokens']} "
-            f"{summary['dtype']} tokens (vocab_size {summary['vocab_size']})"
-        )
-        if "uri" in summary:
-            print(f"uploaded {summary['uri']} ({summary['objects']} objects)")
-    return 0
+    text = (
+        f"wrote {summary['dir']}: {summary['files']} shards, {summary['tokens']} "
+        f"{summary['dtype']} tokens (vocab_size {summary['vocab_size']})"
+    )
+    if "uri" in summary:
+        text += f"\nuploaded {summary['uri']} ({summary['objects']} objects)"
+    return emit(args.json, summary, text)
 
 
 def add(sub: Any) -> None:
