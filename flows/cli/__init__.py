@@ -19,7 +19,6 @@ COMMANDS = (
     "services",
     "checkpoint",
     "status",
-    "automations",
     "prepare_dataset",
 )
 

@@ -38,6 +38,11 @@ EXIT_CODES: dict[str, dict[int, str]] = {
     },
     "up": {0: "both servers up (their addresses printed)", 1: "a server did not start"},
     "down": {0: "stopped (or nothing was up)"},
+    "automations": {
+        0: "applied (or printed, with --dry-run)",
+        1: "the Prefect server refused them or could not be reached",
+        2: "a bad automations file or flag",
+    },
     "validate": {
         0: "every check passed",
         1: "a check failed: the report names it and the file",
@@ -58,11 +63,6 @@ EXIT_CODES: dict[str, dict[int, str]] = {
         2: "no events for that run (pass --state-dir or --run-root)",
     },
     "runs": {0: "the list printed (empty: no run under that root)"},
-    "automations": {
-        0: "applied (or printed, with --dry-run)",
-        1: "the Prefect server refused them or could not be reached",
-        2: "a bad automations file or flag",
-    },
     "prepare-dataset": {
         0: "written (and uploaded)",
         1: "the upload failed",
@@ -180,8 +180,7 @@ def params_from_args(
             from tasks.storage.local_s3 import kept_endpoint
 
             # The S3 server `up` keeps for this state directory, on whatever port it has.
-            kept = kept_endpoint(Path(str(data.get("state_dir") or ".state")))
-            if kept is not None:
+            if (kept := kept_endpoint(Path(str(data.get("state_dir") or ".state")))) is not None:
                 data["s3_endpoint"] = kept
         data.update(forced)
         if deployment:

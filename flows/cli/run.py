@@ -93,8 +93,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         # The state directory's kept server (`nvrx-pipeline up`): the run, its report and
         # artifacts stay in its UI; without one Prefect starts a temporary server.
-        kept = kept_prefect_api(Path(params.state_dir))
-        if kept is not None:
+        if (kept := kept_prefect_api(Path(params.state_dir))) is not None:
             os.environ["PREFECT_API_URL"] = kept
             print(
                 f"Prefect server: {kept.removesuffix('/api')} (nvrx-pipeline up)", file=sys.stderr

@@ -18,11 +18,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     from tasks.run_status import RunNotFound, locate_run, read_status
 
     if not RUN_ID.fullmatch(args.run_id):
-        return fail(
-            f"run_id {args.run_id!r}: lowercase letters, digits and dashes (a run's id, as `run` "
-            "printed it)",
-            EXIT_USAGE,
-        )
+        why = "lowercase letters, digits and dashes (a run's id, as `run` printed it)"
+        return fail(f"run_id {args.run_id!r}: {why}", EXIT_USAGE)
     try:
         run_root = locate_run(args.run_id, state_dir=Path(args.state_dir), run_root=args.run_root)
     except RunNotFound as e:
