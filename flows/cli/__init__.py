@@ -1,8 +1,7 @@
-"""``nvrx-pipeline``, a module per command or a few of one concept (each parses its arguments
-and prints; the work is in ``tasks/`` and ``flows/``): run the pipeline, serve its deployments,
-validate, export or pull a checkpoint, prepare a dataset, apply the automations. Every command's
-usage and exit codes are in its ``--help`` (:data:`EXIT_CODES`); with ``--json`` the last line of
-stdout is one JSON object (the ``PipelineResult`` for ``run``)."""
+"""``nvrx-pipeline``: a module per command or per few of one concept, each parsing its arguments
+and printing (the work is in ``tasks/`` and ``flows/``). Every command's usage and exit codes are
+in its ``--help`` (:data:`EXIT_CODES`); with ``--json`` the last line of stdout is one JSON
+object (the ``PipelineResult`` for ``run``)."""
 
 from __future__ import annotations
 

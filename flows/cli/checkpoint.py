@@ -22,8 +22,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         return fail(f"{args.path} is not a checkpoint directory", EXIT_USAGE)
     # The workload, batch and seed come from the checkpoint's own manifest unless overridden.
     workload = None if args.workload is None else WorkloadRef(args.workload, args.workload_options)
-    exp = Expectations(workload=workload, data_dir=args.data_dir)
-    report = validate_checkpoint(args.path, exp)
+    report = validate_checkpoint(args.path, Expectations(workload=workload, data_dir=args.data_dir))
     lines = [f"{report.status.upper()}: {report.path} (step {report.step})"]
     lines += (f"  {c.status.value:<8} {c.name}: {c.detail}" for c in report.checks)
     emit(args.json, report.to_dict(), "\n".join(lines))

@@ -100,7 +100,6 @@ def add_params_options(
     config: str = "YAML or JSON file of PipelineParams",
     overrides: str = "override a parameter (dotted keys: dataset.bucket=...)",
 ) -> None:
-    """``--config FILE`` and ``--set KEY=VALUE`` (repeatable), as :func:`params_from_args` reads."""
     parser.add_argument("--config", type=Path, help=config)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=overrides)
 
@@ -126,13 +125,12 @@ def load_params_dict(
 ) -> dict[str, Any]:
     data: dict[str, Any] = {}
     if config is not None:
-        text = config.read_text()
         if config.suffix in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.safe_load(text) or {}
+            data = yaml.safe_load(config.read_text()) or {}
         else:
-            data = json.loads(text)
+            data = json.loads(config.read_text())
         if not isinstance(data, dict):
             raise ValueError(f"{config}: expected a mapping of parameters")
     for item in sets:
@@ -183,12 +181,11 @@ def params_from_args(
             if (kept := kept_endpoint(Path(str(data.get("state_dir") or ".state")))) is not None:
                 data["s3_endpoint"] = kept
         data.update(forced)
-        if deployment:
-            if data.get("run_id"):
-                # Every run of the deployment would share it; each later one would resume the first.
-                raise ValueError("run_id: a deployment default cannot name the run; set it per run")
-        else:
+        if not deployment:
             data.setdefault("run_id", new_run_id())  # known up front: progress tails its events
+        elif data.get("run_id"):
+            # Every run of the deployment would share it; each later one would resume the first.
+            raise ValueError("run_id: a deployment default cannot name the run; set it per run")
         return PipelineParams(**data)
     except ValidationError as e:
         print(f"error: {format_validation_error(e)}", file=sys.stderr)

@@ -51,18 +51,13 @@ def _tail(run_root: Path, target: int, tty: bool, stop: threading.Event) -> None
             BarColumn(),
             TextColumn("{task.completed}/{task.total} steps"),
             TimeElapsedColumn(),
-            transient=False,
         ) as bar:
             task = bar.add_task("training", total=target)
             while not stop.wait(0.5):
                 for e in tail.read_new():
                     if isinstance(e, Step):
-                        bar.update(
-                            task,
-                            completed=e.step,
-                            description=f"training loss {e.loss or 0.0:.3f} "
-                            f"{e.tokens_per_s or 0:,.0f} tok/s",
-                        )
+                        desc = f"training loss {e.loss or 0.0:.3f} {e.tokens_per_s or 0:,.0f} tok/s"
+                        bar.update(task, completed=e.step, description=desc)
         return
     while not stop.wait(1.0):
         for e in tail.read_new():

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_USAGE, command, fail
+from flows.cli.common import EXIT_USAGE, command, emit, fail
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -72,12 +72,9 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
     root = args.runs_root or Path(args.state_dir) / "fsx" / "runs"
     rows = list_runs(root)
-    if args.json:
-        print(json.dumps([r.__dict__ for r in rows]))
-        return 0
-    if not rows:
-        print(f"no runs under {root} (pass --state-dir, or --runs-root /fsx/runs on EKS)")
-        return 0
+    if args.json or not rows:
+        none = f"no runs under {root} (pass --state-dir, or --runs-root /fsx/runs on EKS)"
+        return emit(args.json, [r.__dict__ for r in rows], none)
     print(f"{'run id':<34} {'state':<12} {'step':>10}  updated")
     for r in rows:
         step = f"{r.step}/{r.target_steps}" if r.target_steps else str(r.step)
