@@ -2,7 +2,7 @@
 the id it was asked for), what its events say (``trainer.history.RunHistory``), its saved result,
 and who holds its lease; and the runs under a shared root as ``nvrx-pipeline runs`` lists them,
 newest first (issue 27: there was no way to find a run's id again but reading directory names).
-The commands only parse and print (``flows.cli.status``, ``flows.cli.runs``).
+The commands only parse and print (``flows.cli.status``).
 
 Every file read is the run's own and untrusted: ``pipeline_result.json`` validated
 (:class:`SavedEnd`), the lease through its validated record. A run that has not ended is folded

@@ -76,7 +76,7 @@ def test_status_checks_the_id_it_is_given(tmp_path, capsys):
 def test_one_spelling_per_option_across_commands(capsys):
     """Issue 27: the S3 endpoint is --s3-endpoint and the state directory --state-dir wherever
     a command takes them (run sets its parameters from them)."""
-    from flows.cli import build_parser, params_from_args
+    from flows.cli.common import params_from_args
 
     for cmd in ("run", "export", "pull", "prepare-dataset"):
         assert "--s3-endpoint" in _help([cmd, "--help"], capsys), cmd
@@ -143,7 +143,7 @@ def test_runs_lists_a_state_directorys_runs_newest_first(tmp_path, capsys):
 
 
 def test_one_module_per_command_that_parses_and_prints() -> None:
-    """Issue 27: each command lives in its own module of flows/cli/ (its parser, its exit codes,
+    """Issue 27: each command lives in a module of flows/cli/ (its parser, its checks,
     its printing), and the modules stay small: the work is in tasks/ and flows/."""
     import argparse
     import inspect

@@ -60,7 +60,8 @@ def test_served_defaults_carry_overrides():
     ],
 )
 def test_serve_rejects_bad_defaults(argv: list[str], expect: str, capsys):
-    from flows.cli import EXIT_USAGE, main
+    from flows.cli import main
+    from flows.cli.common import EXIT_USAGE
 
     assert main(["serve", *argv]) == EXIT_USAGE
     assert expect in capsys.readouterr().err

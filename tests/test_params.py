@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from flows.cli import load_params_dict, main
+from flows.cli import main
+from flows.cli.common import load_params_dict
 from flows.models import FaultRecord, PipelineParams, PipelineResult
 from flows.report import render_report
 from tasks.errors import StorageError

@@ -312,7 +312,8 @@ def test_cli_prepare_upload_and_hydrate(tmp_path: Path, tokenizer_json: Path, s3
 
 
 def test_cli_missing_bucket_fails_before_converting(tmp_path: Path, s3_settings, capsys):
-    from flows.cli import EXIT_FAILED, main
+    from flows.cli import main
+    from flows.cli.common import EXIT_FAILED
 
     np.arange(10, dtype="<u2").tofile(tmp_path / "t.bin")
     argv = ["prepare-dataset", str(tmp_path / "t.bin"), "--out", str(tmp_path / "out")]
@@ -347,7 +348,8 @@ def test_cli_token_files_plain_output(tmp_path: Path, capsys):
     ],
 )
 def test_cli_bad_input_exits_2_naming_the_field(tmp_path: Path, capsys, extra, message):
-    from flows.cli import EXIT_USAGE, main
+    from flows.cli import main
+    from flows.cli.common import EXIT_USAGE
 
     np.arange(10, dtype="<u2").tofile(tmp_path / "t.bin")
     argv = ["prepare-dataset", str(tmp_path / "t.bin"), "--out", str(tmp_path / "out"), *extra]

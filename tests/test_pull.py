@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from flows.cli import EXIT_FAILED, EXIT_USAGE, main
+from flows.cli import main
+from flows.cli.common import EXIT_FAILED, EXIT_USAGE
 from tasks.errors import PullError
 from tasks.export import ExportOptions, export_checkpoint
 from tasks.pull import files_to_pull, mismatch, pull_export, step_in_prefix

@@ -1,80 +1,25 @@
-"""``nvrx-pipeline``, one module per command (each parses its arguments and prints; the work is
-in ``tasks/`` and ``flows/``): run the pipeline, serve its deployments, validate, export or pull a
-checkpoint, prepare a dataset, apply the automations. Every command's usage and exit codes are
+"""``nvrx-pipeline``: a module per command or per few of one concept, each parsing its arguments
+and printing (the work is in ``tasks/`` and ``flows/``). Every command's usage and exit codes are
 in its ``--help`` (:data:`EXIT_CODES`); with ``--json`` the last line of stdout is one JSON
 object (the ``PipelineResult`` for ``run``)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from types import ModuleType
+from importlib import import_module
 
-from flows.cli import (
-    automations,
-    export,
-    params,
-    prepare_dataset,
-    pull,
-    render_k8s,
-    run,
-    runs,
-    serve,
-    services,
-    status,
-    validate,
+from flows.cli.common import EXIT_CODES
+
+# Modules of flows.cli, in the order of the top-level --help.
+COMMANDS = (
+    "run",
+    "params",
+    "render_k8s",
+    "services",
+    "checkpoint",
+    "status",
+    "prepare_dataset",
 )
-from flows.cli.common import (
-    EXIT_FAILED,
-    EXIT_USAGE,
-    format_validation_error,
-    load_params_dict,
-    params_from_args,
-)
-
-__all__ = [
-    "EXIT_CODES",
-    "EXIT_FAILED",
-    "EXIT_USAGE",
-    "build_parser",
-    "format_validation_error",
-    "load_params_dict",
-    "main",
-    "params_from_args",
-]
-
-# In the order of the top-level --help.
-COMMANDS: tuple[ModuleType, ...] = (
-    run,
-    params,
-    render_k8s,
-    serve,
-    services,
-    validate,
-    export,
-    pull,
-    status,
-    runs,
-    automations,
-    prepare_dataset,
-)
-
-# What each command's exit status means: its --help lists them, and the top-level --help all.
-EXIT_CODES: dict[str, dict[int, str]] = {
-    "run": run.EXIT,
-    "params": params.EXIT,
-    "render-k8s": render_k8s.EXIT,
-    "serve": serve.EXIT,
-    "up": services.UP_EXIT,
-    "down": services.DOWN_EXIT,
-    "validate": validate.EXIT,
-    "export": export.EXIT,
-    "pull": pull.EXIT,
-    "status": status.EXIT,
-    "runs": runs.EXIT,
-    "automations": automations.EXIT,
-    "prepare-dataset": prepare_dataset.EXIT,
-}
 
 
 def _version() -> str:
@@ -106,15 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True)
-    for module in COMMANDS:
-        module.add(sub)
+    for name in COMMANDS:
+        import_module(f"flows.cli.{name}").add(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.fn(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
-from flows.cli.common import EXIT_USAGE, command
-
-EXIT = {
-    0: "the parameters printed",
-    2: "no parameter matches NAME",
-}
+from flows.cli.common import EXIT_USAGE, command, emit, fail
 
 
 def cmd_params(args: argparse.Namespace) -> int:
@@ -26,25 +19,19 @@ def cmd_params(args: argparse.Namespace) -> int:
         if not picked:
             near = [m for n in args.names if (m := did_you_mean(n, docs))]
             hint = f" (did you mean {', '.join(near)}?)" if near else ""
-            print(f"error: no parameter named {' '.join(args.names)}{hint}", file=sys.stderr)
-            return EXIT_USAGE
+            return fail(f"no parameter named {' '.join(args.names)}{hint}", EXIT_USAGE)
         docs = picked
-    if args.json:
-        print(json.dumps([d.__dict__ for d in docs]))
-    else:
-        print(format_table(docs))
-    return 0
+    return emit(args.json, [d.__dict__ for d in docs], format_table(docs))
 
 
 def add(sub: Any) -> None:
     par = command(
         sub,
         "params",
-        EXIT,
+        cmd_params,
         help="list every run parameter with its default and description",
         description="Every run parameter: its dotted name (what --set and a --config file's "
         "nesting take), type, default and description.",
     )
     par.add_argument("names", nargs="*", metavar="NAME", help="only these (a group: dataset)")
     par.add_argument("--json", action="store_true", help="a JSON list instead of text")
-    par.set_defaults(fn=cmd_params)

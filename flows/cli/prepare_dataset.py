@@ -4,23 +4,15 @@ optionally its S3 prefix (tasks.dataset_prep does the work)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_FAILED, EXIT_USAGE, command
-
-EXIT = {
-    0: "written (and uploaded)",
-    1: "the upload failed",
-    2: "bad input: error: <field>: <message>",
-}
+from flows.cli.common import EXIT_FAILED, EXIT_USAGE, command, emit, fail
 
 
 def cmd_prepare_dataset(args: argparse.Namespace) -> int:
-    """Token files or JSONL text -> a dataset directory (and, with --s3-uri, its S3 prefix).
-    Exit 2 with ``error: <field>: <message>`` for bad input, 1 if the upload fails."""
     from tasks.dataset_prep import PrepareInputError, PrepareRequest, UploadError, prepare_dataset
 
     last = [-1]
@@ -31,45 +23,28 @@ def cmd_prepare_dataset(args: argparse.Namespace) -> int:
             last[0] = tenth
             print(f"prepare: {10 * tenth:3d}% ({what})", file=sys.stderr, flush=True)
 
-    request = PrepareRequest(
-        inputs=args.inputs,
-        out=args.out,
-        tokenizer=args.tokenizer,
-        text_field=args.text_field,
-        eos_id=args.eos_id,
-        no_eos=args.no_eos,
-        input_dtype=args.input_dtype,
-        vocab_size=args.vocab_size,
-        dtype=args.dtype,
-        shard_tokens=args.shard_tokens,
-        s3_uri=args.s3_uri,
-        s3_endpoint=args.s3_endpoint,
-    )
+    # Each flag is the request's field of the same name.
+    request = PrepareRequest(**{f.name: getattr(args, f.name) for f in fields(PrepareRequest)})
     try:
         summary = prepare_dataset(request, progress)
     except PrepareInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(e, EXIT_USAGE)
     except UploadError as e:
-        print(f"error: upload: {e}", file=sys.stderr)
-        return EXIT_FAILED
-    if args.json:
-        print(json.dumps(summary), flush=True)
-    else:
-        print(
-            f"wrote {summary['dir']}: {summary['files']} shards, {summary['tokens']} "
-            f"{summary['dtype']} tokens (vocab_size {summary['vocab_size']})"
-        )
-        if "uri" in summary:
-            print(f"uploaded {summary['uri']} ({summary['objects']} objects)")
-    return 0
+        return fail(f"upload: {e}", EXIT_FAILED)
+    text = (
+        f"wrote {summary['dir']}: {summary['files']} shards, {summary['tokens']} "
+        f"{summary['dtype']} tokens (vocab_size {summary['vocab_size']})"
+    )
+    if "uri" in summary:
+        text += f"\nuploaded {summary['uri']} ({summary['objects']} objects)"
+    return emit(args.json, summary, text)
 
 
 def add(sub: Any) -> None:
     prep = command(
         sub,
         "prepare-dataset",
-        EXIT,
+        cmd_prepare_dataset,
         help="turn token files (.bin/.npy) or JSONL text into a dataset (optionally upload it)",
         description="Token files (.bin raw tokens, .npy integer arrays) or, with --tokenizer, "
         "JSONL text -> shard_*.bin + dataset.json in --out.",
@@ -87,4 +62,3 @@ def add(sub: Any) -> None:
     prep.add_argument("--s3-uri", help="also upload the dataset to s3://bucket/prefix")
     prep.add_argument("--s3-endpoint", help="S3 endpoint URL (default: AWS, or $AWS_ENDPOINT_URL)")
     prep.add_argument("--json", action="store_true", help="print a summary as JSON last")
-    prep.set_defaults(fn=cmd_prepare_dataset)

@@ -6,39 +6,39 @@ import argparse
 import hashlib
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import yaml
 
-from flows.cli.common import EXIT_USAGE, command, load_params_dict, params_from_args
-from flows.context import render_global_batch
-
-EXIT = {
-    0: "the manifests printed",
-    2: "bad parameters",
-}
+from flows.cli.common import (
+    EXIT_USAGE,
+    add_params_options,
+    command,
+    fail,
+    load_params_dict,
+    params_from_args,
+)
 
 
 def cmd_render_k8s(args: argparse.Namespace) -> int:
-    from flows.context import eks_train_config, launch_request
+    from flows.context import eks_train_config, launch_request, render_global_batch
     from tasks.backends.eks.backend import EksBackend
 
     try:
         data = load_params_dict(args.config, args.set, [], args.run_id)
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(e, EXIT_USAGE)
     batch = render_global_batch(data)
     forced: dict[str, Any] = {"backend": "eks"}
     if batch is not None:
         forced["global_batch"] = batch
     derived = None
     if not data.get("run_id"):
-        # The same parameters name the same run: rendering twice gives one bundle, which
-        # `kubectl apply` takes as unchanged (a new id each call made a second Job).
-        derived = derived_run_id({**data, **forced})
-        forced["run_id"] = derived
+        # The same parameters name the same run (their canonical JSON's digest): rendering twice
+        # gives one bundle, which `kubectl apply` takes as unchanged (a new id each call made a
+        # second Job).
+        canonical = json.dumps({**data, **forced}, sort_keys=True, default=str)
+        derived = forced["run_id"] = f"rk-{hashlib.sha256(canonical.encode()).hexdigest()[:12]}"
     params = params_from_args(args, inject=[], **forced)
     if params is None:
         return EXIT_USAGE
@@ -76,16 +76,11 @@ class _NoAliases(yaml.SafeDumper):
         return True
 
 
-def derived_run_id(data: dict[str, Any]) -> str:
-    """A run id from the parameters themselves (their canonical JSON's digest)."""
-    digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
-    return f"rk-{digest[:12]}"
-
-
 def add(sub: Any) -> None:
-    rk = command(sub, "render-k8s", EXIT, help="print the EKS train-stage manifests as YAML")
-    rk.add_argument("--config", type=Path, help="YAML or JSON file of PipelineParams")
-    rk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    rk = command(
+        sub, "render-k8s", cmd_render_k8s, help="print the EKS train-stage manifests as YAML"
+    )
+    add_params_options(rk)
     rk.add_argument("--run-id", help="run id (default: derived from the parameters)")
     rk.add_argument("--attempt", type=int, default=1, help="train-stage attempt (names the Job)")
     rk.add_argument(
@@ -97,4 +92,3 @@ def add(sub: Any) -> None:
     rk.add_argument(
         "--epoch", type=int, help="the attempt's epoch (NVRX_EPOCH), as the flow publishes it"
     )
-    rk.set_defaults(fn=cmd_render_k8s)

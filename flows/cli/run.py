@@ -9,79 +9,65 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from flows.cli.common import EXIT_FAILED, EXIT_USAGE, command, params_from_args
+from flows.cli.common import EXIT_FAILED, EXIT_USAGE, add_params_options, command, params_from_args
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import State
 
     from flows.models import PipelineResult
 
-EXIT = {
-    0: "the run completed (checkpoint validated, export verified)",
-    1: "the pipeline failed: the cause on stderr (--json: the PipelineResult)",
-    2: "bad parameters: the field and the fix on stderr",
-}
 
-
-class _LiveProgress:
+@contextmanager
+def _live_progress(run_root: Path, target: int, tty: bool) -> Iterator[None]:
     """Tails the run's step events: a progress bar on a terminal, a line every 10 steps
     otherwise. Faults, restarts and recoveries are the flow's log lines alone (printing them
     here too showed each twice)."""
+    stop = threading.Event()
+    thread = threading.Thread(target=_tail, args=(run_root, target, tty, stop), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
 
-    def __init__(self, run_root: Path, target: int, tty: bool) -> None:
-        self.run_root, self.target, self.tty = run_root, target, tty
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> _LiveProgress:
-        self.thread.start()
-        return self
+def _tail(run_root: Path, target: int, tty: bool, stop: threading.Event) -> None:
+    from trainer.event_read import EventReader
+    from trainer.event_types import Step
+    from trainer.rundir import Layout
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
+    tail = EventReader(run_root / Layout.EVENTS, from_start=False)
+    if tty:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    def _run(self) -> None:
-        from trainer.event_read import EventReader
-        from trainer.event_types import Step
-        from trainer.rundir import Layout
-
-        path = self.run_root / Layout.EVENTS
-        tail = EventReader(path, from_start=False)
-        out = sys.stderr
-        if self.tty:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-            with Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                TextColumn("{task.completed}/{task.total} steps"),
-                TimeElapsedColumn(),
-                transient=False,
-            ) as bar:
-                task = bar.add_task("training", total=self.target)
-                while not self.stop.wait(0.5):
-                    for e in tail.read_new():
-                        if isinstance(e, Step):
-                            bar.update(
-                                task,
-                                completed=e.step,
-                                description=f"training loss {e.loss or 0.0:.3f} "
-                                f"{e.tokens_per_s or 0:,.0f} tok/s",
-                            )
-            return
-        while not self.stop.wait(1.0):
-            for e in tail.read_new():
-                if isinstance(e, Step) and (e.step % 10 == 0 or e.step == self.target):
-                    print(
-                        f"step {e.step}/{self.target} loss {e.loss or 0.0:.4f} "
-                        f"{e.tokens_per_s or 0:.0f} tok/s",
-                        file=out,
-                        flush=True,
-                    )
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} steps"),
+            TimeElapsedColumn(),
+        ) as bar:
+            task = bar.add_task("training", total=target)
+            while not stop.wait(0.5):
+                for e in tail.read_new():
+                    if isinstance(e, Step):
+                        desc = f"training loss {e.loss or 0.0:.3f} {e.tokens_per_s or 0:,.0f} tok/s"
+                        bar.update(task, completed=e.step, description=desc)
+        return
+    while not stop.wait(1.0):
+        for e in tail.read_new():
+            if isinstance(e, Step) and (e.step % 10 == 0 or e.step == target):
+                print(
+                    f"step {e.step}/{target} loss {e.loss or 0.0:.4f} "
+                    f"{e.tokens_per_s or 0:.0f} tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -102,8 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         # The state directory's kept server (`nvrx-pipeline up`): the run, its report and
         # artifacts stay in its UI; without one Prefect starts a temporary server.
-        kept = kept_prefect_api(Path(params.state_dir))
-        if kept is not None:
+        if (kept := kept_prefect_api(Path(params.state_dir))) is not None:
             os.environ["PREFECT_API_URL"] = kept
             print(
                 f"Prefect server: {kept.removesuffix('/api')} (nvrx-pipeline up)", file=sys.stderr
@@ -111,13 +96,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.pipeline import training_pipeline
     from trainer.rundir import Layout
 
-    status = 0
     started = time.time()
     # SIGTERM (a scheduler, `kill`, Prefect cancelling the process) unwinds like Ctrl-C, so the
     # run ends what it started and gives its lease back (arch §6); SIGKILL is what the next
     # invocation's takeover is for.
     signal.signal(signal.SIGTERM, _interrupt)
-    with _LiveProgress(ctx.run_root, params.steps, sys.stderr.isatty()):
+    with _live_progress(ctx.run_root, params.steps, sys.stderr.isatty()):
         # (``**fields`` in the flow's signature hides Prefect's return_state overload from mypy)
         state = cast(
             "State[PipelineResult]",
@@ -126,7 +110,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if state.is_completed():
         result = state.result()
     else:
-        status = EXIT_FAILED
         saved = ctx.run_root / Layout.PIPELINE_RESULT
         # Only this invocation's: a refused second invocation must not report the owner's.
         if saved.exists() and saved.stat().st_mtime >= started:
@@ -145,19 +128,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         saved = ctx.run_root / REPORT_FILE
         if saved.exists() and saved.stat().st_mtime >= started:
             print(f"report saved: {saved} (the timeline: {ctx.run_root / 'timeline.png'})")
-    return status
+    return 0 if state.is_completed() else EXIT_FAILED
 
 
 def add(sub: Any) -> None:
-    run = command(sub, "run", EXIT, help="run the whole pipeline")
-    run.add_argument("--config", type=Path, help="YAML or JSON file of PipelineParams")
-    run.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a parameter (dotted keys: dataset.bucket=...)",
-    )
+    run = command(sub, "run", cmd_run, help="run the whole pipeline")
+    add_params_options(run)
     run.add_argument(
         "--inject",
         action="append",
@@ -178,4 +154,3 @@ def add(sub: Any) -> None:
         "parameters: `nvrx-pipeline params` lists every one with its default and description;\n"
         "examples/params/ holds a params file per backend (--config).\n\n" + (run.epilog or "")
     )
-    run.set_defaults(fn=cmd_run)
