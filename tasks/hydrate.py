@@ -95,13 +95,12 @@ def _destination(dest: Path) -> Iterator[tuple[Path, Path]]:
 
 def _read_manifest(fs: Any, src: str) -> DatasetManifest:
     try:
-        # Untrusted: never read past the cap, whatever the object's size.
+        # Untrusted: never read past the cap, whatever the object's size. Names are joined onto
+        # dest, sizes bound every read: checked before any read or write.
         raw = fs.cat_file(f"{src}/{MANIFEST}", start=0, end=MAX_MANIFEST_BYTES + 1)
+        return DatasetManifest.parse(raw, source=f"s3://{src}/{MANIFEST}")
     except FileNotFoundError as e:
         raise HydrationError(f"dataset manifest s3://{src}/{MANIFEST} not found") from e
-    try:
-        # Names are joined onto dest, sizes bound every read: checked before any read or write.
-        return DatasetManifest.parse(raw, source=f"s3://{src}/{MANIFEST}")
     except DataError as e:
         raise HydrationError(str(e)) from e
 
@@ -147,7 +146,7 @@ def hydrate_dataset(
             for i, (entry, n) in enumerate(zip(files, pool.map(fetch, files), strict=True)):
                 got.append(n)
                 progress(i + 1, len(files), entry.name)
-        (staging / MANIFEST).write_text(manifest.to_json())
+        manifest.write(staging)  # the private directory: no name there can be planted
         os.replace(staging / MANIFEST, dest / MANIFEST)
     try:
         written = verify_dataset(dest, digests=False)  # digests were checked file by file above

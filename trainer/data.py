@@ -195,10 +195,10 @@ class DatasetManifest:
             raise DataError(f"{where} is malformed (a JSON {type(raw).__name__}, not an object)")
         if raw.get("format") != FORMAT:
             raise DataError(f"{where} is malformed: format {raw.get('format')!r}, not {FORMAT!r}")
-        files = _shard_files(raw.get("files"), where)
         token_dtype(raw.get("dtype"), field=f"{where}: dtype")
         dtype: str = raw["dtype"]  # a str: checked just above
-        return cls(dtype, check_vocab_fits(raw.get("vocab_size"), dtype, field=where), files, raw)
+        vocab_size = check_vocab_fits(raw.get("vocab_size"), dtype, field=where)
+        return cls(dtype, vocab_size, _shard_files(raw.get("files"), dtype, where), raw)
 
     @property
     def total_tokens(self) -> int:
@@ -209,22 +209,21 @@ class DatasetManifest:
         blob = json.dumps(self.raw, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 
-    def to_json(self) -> str:
-        return json.dumps(self.raw, indent=2) + "\n"
-
     def write(self, out: Path) -> DatasetManifest:
         """Write ``out/dataset.json`` durably (last: it marks the dataset complete); ``self``."""
-        write_durably(out / MANIFEST, self.to_json().encode())
+        write_durably(out / MANIFEST, (json.dumps(self.raw, indent=2) + "\n").encode())
         return self
 
 
-def _shard_files(entries: object, where: str) -> tuple[ShardFile, ...]:
-    """Every ``files[i]`` names one plain file, with a size and a digest that bound and judge
-    reading it (the manifest is untrusted; its names are joined onto the dataset directory)."""
+def _shard_files(entries: object, dtype: str, where: str) -> tuple[ShardFile, ...]:
+    """Every ``files[i]`` names one plain file, with a size (its tokens of ``dtype``) and a
+    digest that bound and judge reading it (the manifest is untrusted; its names are joined
+    onto the dataset directory)."""
     if not isinstance(entries, list) or not entries:
         raise DataError(f"{where}: files must be a non-empty list")
     files: list[ShardFile] = []
     seen: set[str] = set()
+    itemsize = DTYPES[dtype].itemsize
     for i, entry in enumerate(entries):
         at = f"{where}: files[{i}]"
         if not isinstance(entry, dict):
@@ -243,7 +242,13 @@ def _shard_files(entries: object, where: str) -> tuple[ShardFile, ...]:
             raise DataError(
                 f"{at}.sha256 must be 64 lowercase hex digits, not {str(digest)[:80]!r}"
             )
-        files.append(ShardFile(name, entry["tokens"], entry["bytes"], digest))
+        tokens, size = entry["tokens"], entry["bytes"]
+        if size != tokens * itemsize:
+            raise DataError(
+                f"{at} ({name}): {size} bytes, but {tokens} tokens of {dtype} are "
+                f"{tokens * itemsize} bytes: the manifest's dtype or sizes are wrong"
+            )
+        files.append(ShardFile(name, tokens, size, digest))
     return tuple(files)
 
 
@@ -306,15 +311,8 @@ def verify_dataset(
             )
     if digests is None:
         digests = manifest_sha256 is None
-    itemsize = DTYPES[manifest.dtype].itemsize
     for entry in manifest.files:
         path = data_dir / entry.name
-        if entry.bytes != entry.tokens * itemsize:
-            raise DataError(
-                f"dataset shard {path}: {MANIFEST} says {entry.tokens} tokens of "
-                f"{manifest.dtype} ({entry.tokens * itemsize} bytes) but {entry.bytes} "
-                "bytes: the manifest's dtype or sizes are wrong"
-            )
         if not path.is_file():
             raise DataError(f"dataset shard {path} is missing (listed in {MANIFEST})")
         size = path.stat().st_size

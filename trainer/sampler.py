@@ -25,9 +25,7 @@ class TokenStream:
 
     def __init__(self, data_dir: Path, manifest: DatasetManifest) -> None:
         dtype = DTYPES[manifest.dtype]
-        self.maps = [
-            np.memmap(Path(data_dir) / e.name, dtype=dtype, mode="r") for e in manifest.files
-        ]
+        self.maps = [np.memmap(Path(data_dir) / e.name, dtype, "r") for e in manifest.files]
         self.offsets = np.cumsum([0] + [m.size for m in self.maps])
         self.total = int(self.offsets[-1])
 
