@@ -165,7 +165,6 @@ class DatasetManifest:
         dtype: str,
         vocab_size: int,
         files: list[ShardFile],
-        *,
         seed: int | None = None,
         source: Mapping[str, object] | None = None,
     ) -> DatasetManifest:
@@ -191,10 +190,8 @@ class DatasetManifest:
             raw = json.loads(blob)
         except (ValueError, RecursionError) as e:
             raise DataError(f"{where} is malformed ({type(e).__name__}: {e})") from e
-        if not isinstance(raw, dict):
-            raise DataError(f"{where} is malformed (a JSON {type(raw).__name__}, not an object)")
-        if raw.get("format") != FORMAT:
-            raise DataError(f"{where} is malformed: format {raw.get('format')!r}, not {FORMAT!r}")
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise DataError(f"{where} is malformed: not a JSON object of format {FORMAT!r}")
         token_dtype(raw.get("dtype"), field=f"{where}: dtype")
         dtype: str = raw["dtype"]  # a str: checked just above
         vocab_size = check_vocab_fits(raw.get("vocab_size"), dtype, field=where)
