@@ -10,7 +10,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tasks.errors import StorageError
 from tasks.storage.s3 import S3Settings, parse_s3_uri
@@ -83,9 +82,7 @@ def prepare_dataset(
     """Write the dataset (and upload it); a summary: dir, dtype, vocab_size, files, tokens,
     source, and with an upload its uri and objects."""
     upload = _uploader(req)
-    common: dict[str, Any] = {"dtype": req.dtype, "progress": progress}
-    if req.shard_tokens is not None:
-        common["shard_tokens"] = req.shard_tokens
+    shard_tokens = prepare.DEFAULT_SHARD_TOKENS if req.shard_tokens is None else req.shard_tokens
     try:
         if req.tokenizer is not None:
             if req.input_dtype is not None:
@@ -100,7 +97,9 @@ def prepare_dataset(
                 append_eos=not req.no_eos,
                 eos_id=req.eos_id,
                 vocab_size=req.vocab_size,
-                **common,
+                dtype=req.dtype,
+                shard_tokens=shard_tokens,
+                progress=progress,
             )
         else:
             if req.vocab_size is None:
@@ -121,7 +120,9 @@ def prepare_dataset(
                 req.out,
                 vocab_size=req.vocab_size,
                 input_dtype=req.input_dtype,
-                **common,
+                dtype=req.dtype,
+                shard_tokens=shard_tokens,
+                progress=progress,
             )
     except prepare.PrepareError as e:
         raise PrepareInputError(e.field, e.message) from None
@@ -129,10 +130,10 @@ def prepare_dataset(
         raise PrepareInputError(None, str(e)) from None
     summary: dict[str, object] = {
         "dir": str(req.out),
-        "dtype": manifest["dtype"],
-        "vocab_size": manifest["vocab_size"],
-        "files": len(manifest["files"]),
-        "tokens": manifest["total_tokens"],
-        "source": manifest["source"]["kind"],
+        "dtype": manifest.dtype,
+        "vocab_size": manifest.vocab_size,
+        "files": len(manifest.files),
+        "tokens": manifest.total_tokens,
+        "source": "token-files" if req.tokenizer is None else "jsonl",
     }
     return summary if upload is None else {**summary, **upload()}

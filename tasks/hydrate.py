@@ -5,7 +5,6 @@ the local ``dataset.json`` is written last, so a half-hydrated directory never l
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -22,8 +21,9 @@ from trainer.data import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     DataError,
-    check_file_names,
-    manifest_digest,
+    DatasetManifest,
+    ShardFile,
+    load_manifest,
     verify_dataset,
 )
 from trainer.hashing import read_capped, sha256_file
@@ -38,8 +38,8 @@ class HydrateReport:
     skipped: int
     bytes_downloaded: int
     seconds: float
-    # The digest of the manifest every file was checked against (trainer.data.manifest_digest):
-    # the workers then check sizes only (a dataset of weights has none).
+    # The digest of the manifest every file was checked against (DatasetManifest.digest): the
+    # workers then check sizes only (a dataset of weights has none).
     manifest_sha256: str | None = None
 
     @classmethod
@@ -49,16 +49,13 @@ class HydrateReport:
         n = sum(1 for g in got if g)
         return cls(source, str(dest), len(got), n, len(got) - n, sum(got), seconds, **kw)
 
-    def to_dict(self) -> dict[str, Any]:
-        return self.__dict__.copy()
 
-
-def _local_ok(path: Path, entry: dict[str, Any]) -> bool:
+def _local_ok(path: Path, entry: ShardFile) -> bool:
     return (
         not path.is_symlink()  # a link is replaced by the real file, never written through
         and path.is_file()
-        and path.stat().st_size == entry["bytes"]
-        and sha256_file(path) == entry["sha256"]
+        and path.stat().st_size == entry.bytes
+        and sha256_file(path) == entry.sha256
     )
 
 
@@ -96,29 +93,16 @@ def _destination(dest: Path) -> Iterator[tuple[Path, Path]]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _read_manifest(fs: Any, src: str) -> dict[str, Any]:
-    where = f"dataset manifest s3://{src}/{MANIFEST}"
+def _read_manifest(fs: Any, src: str) -> DatasetManifest:
     try:
-        # Untrusted: never read past the cap, whatever the object's size.
+        # Untrusted: never read past the cap, whatever the object's size. Names are joined onto
+        # dest, sizes bound every read: checked before any read or write.
         raw = fs.cat_file(f"{src}/{MANIFEST}", start=0, end=MAX_MANIFEST_BYTES + 1)
-        if len(raw) > MAX_MANIFEST_BYTES:
-            raise HydrationError(
-                f"{where} is over the {MAX_MANIFEST_BYTES} bytes a manifest may hold: it is not "
-                "one this pipeline wrote"
-            )
-        manifest = json.loads(raw)
+        return DatasetManifest.parse(raw, source=f"s3://{src}/{MANIFEST}")
     except FileNotFoundError as e:
-        raise HydrationError(f"{where} not found") from e
-    except json.JSONDecodeError as e:
-        raise HydrationError(f"{where} is not valid JSON") from e
-    if not isinstance(manifest, dict):
-        raise HydrationError(f"{where} is not a JSON object")
-    try:
-        # Names are joined onto dest, sizes bound every read: checked before any read or write.
-        check_file_names(manifest, source=f"s3://{src}/{MANIFEST}")
+        raise HydrationError(f"dataset manifest s3://{src}/{MANIFEST} not found") from e
     except DataError as e:
         raise HydrationError(str(e)) from e
-    return manifest
 
 
 def hydrate_dataset(
@@ -134,12 +118,12 @@ def hydrate_dataset(
     t0 = time.perf_counter()
     src = f"{bucket}/{prefix}".rstrip("/")
     manifest = _read_manifest(fs, src)
-    files: list[dict[str, Any]] = manifest.get("files") or []
+    files = manifest.files
     with _destination(dest) as (dest, staging):
 
-        def fetch(entry: dict[str, Any]) -> int:
+        def fetch(entry: ShardFile) -> int:
             """Bytes downloaded for this file (0: already present and verified)."""
-            name, size = entry["name"], entry["bytes"]
+            name, size = entry.name, entry.bytes
             if _local_ok(dest / name, entry):
                 return 0
             try:
@@ -148,27 +132,27 @@ def hydrate_dataset(
                 raise HydrationError(
                     f"s3://{src}/{name} is listed in the manifest but missing"
                 ) from e
-            if n != size or digest != entry["sha256"]:
+            if n != size or digest != entry.sha256:
                 raise HydrationError(
                     f"s3://{src}/{name} does not match the dataset manifest (size or sha256): the "
                     "source is corrupt"
                 )
             os.replace(staging / name, dest / name)
-            return int(size)
+            return size
 
         got = []
         # Several files at once: one stream rarely fills the link; results come back in order.
         with ThreadPoolExecutor(max_workers=max_workers) as pool:
             for i, (entry, n) in enumerate(zip(files, pool.map(fetch, files), strict=True)):
                 got.append(n)
-                progress(i + 1, len(files), entry["name"])
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+                progress(i + 1, len(files), entry.name)
+        manifest.write(staging)  # the private directory: no name there can be planted
         os.replace(staging / MANIFEST, dest / MANIFEST)
     try:
         written = verify_dataset(dest, digests=False)  # digests were checked file by file above
     except DataError as e:
         raise HydrationError(str(e)) from e
-    return HydrateReport.of(f"s3://{src}", dest, got, t0, manifest_sha256=manifest_digest(written))
+    return HydrateReport.of(f"s3://{src}", dest, got, t0, manifest_sha256=written.digest())
 
 
 def _get_capped(fs: Any, path: str, out: Path, size: int) -> tuple[int, str]:
@@ -180,12 +164,11 @@ def _get_capped(fs: Any, path: str, out: Path, size: int) -> tuple[int, str]:
 
 def upload_dataset(client: Any, local: Path, bucket: str, prefix: str) -> int:
     """Seed a bucket with a local dataset (demo and tests); the manifest goes last."""
-    manifest = json.loads((local / MANIFEST).read_text())
-    check_file_names(manifest, source=str(local / MANIFEST))
-    for entry in manifest["files"]:
-        client.upload_file(str(local / entry["name"]), bucket, f"{prefix}/{entry['name']}")
+    manifest = load_manifest(local)
+    for entry in manifest.files:
+        client.upload_file(str(local / entry.name), bucket, f"{prefix}/{entry.name}")
     client.upload_file(str(local / MANIFEST), bucket, f"{prefix}/{MANIFEST}")
-    return len(manifest["files"]) + 1
+    return len(manifest.files) + 1
 
 
 # Files of a Hugging Face model directory that the Llama workload reads; nothing else is fetched

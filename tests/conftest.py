@@ -211,10 +211,10 @@ def baseline(prefect_server, s3_settings, tmp_path_factory):
     # start-up checks the manifest and sizes only (the attempt's config says so).
     from tests.helpers import read_events
     from trainer.config import load_config
-    from trainer.data import load_manifest, manifest_digest
+    from trainer.data import load_manifest
 
     attempt = load_config(ctx.run_root / "config" / "train-attempt1.json")
-    assert attempt.data_manifest_sha256 == manifest_digest(load_manifest(ctx.data_dir))
+    assert attempt.data_manifest_sha256 == load_manifest(ctx.data_dir).digest()
     data_s = [e["data_s"] for e in read_events(ctx.run_root) if e["kind"] == "worker_start"]
     assert data_s, "worker_start records the dataset check's seconds"
     with get_client(sync_client=True) as client:

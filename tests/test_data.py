@@ -12,7 +12,6 @@ from trainer.data import (
     check_vocab_fits,
     dtype_for_vocab,
     load_manifest,
-    manifest_digest,
     verify_dataset,
     write_synthetic_dataset,
 )
@@ -23,7 +22,7 @@ def test_dataset_is_reproducible(tmp_path: Path):
     a = write_synthetic_dataset(tmp_path / "a", shards=2, tokens_per_shard=1000, seed=7)
     b = write_synthetic_dataset(tmp_path / "b", shards=2, tokens_per_shard=1000, seed=7)
     c = write_synthetic_dataset(tmp_path / "c", shards=2, tokens_per_shard=1000, seed=8)
-    assert a["files"] == b["files"] != c["files"]
+    assert a.files == b.files != c.files
 
 
 def test_step_data_independent_of_world_size(dataset: Path):
@@ -80,7 +79,7 @@ def test_corrupt_shard_named(copy: Path):
 def test_a_hydrated_dataset_is_checked_by_manifest_digest_and_sizes(copy: Path):
     """After hydration verified every shard, a worker's start-up reads no shard: it checks that
     the manifest is the one hydration verified, and the sizes."""
-    verified = manifest_digest(load_manifest(copy))
+    verified = load_manifest(copy).digest()
     path = copy / "shard_00003.bin"
     data = bytearray(path.read_bytes())
     data[100] ^= 0xFF  # a flip after hydration: not read again (the accepted trade)
@@ -98,7 +97,7 @@ def test_a_hydrated_dataset_is_checked_by_manifest_digest_and_sizes(copy: Path):
     # The digest is of the content, not the file's formatting (S3 object vs hydrated copy).
     manifest["vocab_size"] += 1
     (copy / "dataset.json").write_text(json.dumps(manifest))
-    assert manifest_digest(load_manifest(copy)) == verified
+    assert load_manifest(copy).digest() == verified
 
 
 def test_missing_or_malformed_manifest(copy: Path):
@@ -132,7 +131,7 @@ def test_dtype_for_vocab_and_fits():
 
 def test_uint32_dataset_round_trips_through_the_sampler(tmp_path: Path):
     m = write_synthetic_dataset(tmp_path, shards=2, tokens_per_shard=3000, vocab_size=128256)
-    assert m["dtype"] == "uint32" and m["files"][0]["bytes"] == 3000 * 4
+    assert m.dtype == "uint32" and m.files[0].bytes == 3000 * 4
     flat = np.concatenate(
         [np.fromfile(tmp_path / f"shard_{i:05d}.bin", dtype="<u4") for i in range(2)]
     )
@@ -150,8 +149,8 @@ def test_explicit_dtype_and_default_digests_unchanged(tmp_path: Path):
     a = write_synthetic_dataset(tmp_path / "a", shards=1, tokens_per_shard=1000)
     b = write_synthetic_dataset(tmp_path / "b", shards=1, tokens_per_shard=1000, dtype="uint16")
     c = write_synthetic_dataset(tmp_path / "c", shards=1, tokens_per_shard=1000, dtype="uint32")
-    assert a == b and a["dtype"] == "uint16"
-    assert c["dtype"] == "uint32" and c["files"][0]["bytes"] == 4000
+    assert a == b and a.dtype == "uint16"
+    assert c.dtype == "uint32" and c.files[0].bytes == 4000
     # Same tokens whatever the width.
     assert np.array_equal(
         np.fromfile(tmp_path / "a" / "shard_00000.bin", dtype="<u2"),
@@ -195,7 +194,7 @@ def test_vocab_size_must_be_a_positive_int(copy: Path, vocab):
 def test_shard_bytes_must_be_tokens_times_itemsize(copy: Path):
     # A uint16 dataset relabelled uint32: sizes still match the files, token counts do not.
     _rewrite_manifest(copy, dtype="uint32")
-    with pytest.raises(DataError, match=r"shard_00000.bin: .* 65536 tokens of uint32 \(262144"):
+    with pytest.raises(DataError, match=r"\(shard_00000.bin\): 131072 bytes, but 65536 tokens"):
         verify_dataset(copy, digests=False)
 
 
@@ -233,14 +232,14 @@ def test_the_preload_reads_every_byte_with_progress_and_stops_at_the_manifest(
     from trainer.hashing import sha256_capped
 
     m = load_manifest(copy)
-    verified = manifest_digest(m)
+    verified = m.digest()
     seen: list[data.ReadProgress] = []
     verify_dataset(copy, digests=True, manifest_sha256=verified, readers=3, progress=seen.append)
-    total = sum(f["bytes"] for f in m["files"])
-    assert (seen[-1].files, seen[-1].bytes) == (len(m["files"]), total)
+    total = sum(f.bytes for f in m.files)
+    assert (seen[-1].files, seen[-1].bytes) == (len(m.files), total)
     assert seen[-1].total_bytes == total and "files" in seen[-1].line()
     assert data.main(["--verify", "--out", str(copy), "--manifest-sha256", verified]) == 0
-    assert f"read {len(m['files'])}/{len(m['files'])} files" in capsys.readouterr().out
+    assert f"read {len(m.files)}/{len(m.files)} files" in capsys.readouterr().out
     # another manifest than the flow read: the Job fails, naming it
     assert data.main(["--verify", "--out", str(copy), "--manifest-sha256", "0" * 64]) == 2
     assert "changed since hydration verified" in capsys.readouterr().err

@@ -72,7 +72,7 @@ from tests.kube_chaos import ChaosProxy, Misbehaviour
 from tests.pipeline_helpers import assert_exported, run_pipeline
 from trainer.checkpointing.layout import NODE_MEMORY_ENV
 from trainer.config import Device, TrainConfig, load_config
-from trainer.data import load_manifest, manifest_digest
+from trainer.data import load_manifest
 from trainer.elastic import NodeRange
 from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
 
@@ -262,7 +262,7 @@ class Cluster(threading.Thread):
         digest = written.data_manifest_sha256
         self.manifest_digests.append(digest)
         if digest is not None:
-            assert digest == manifest_digest(load_manifest(written.data_dir))
+            assert digest == load_manifest(written.data_dir).digest()
         assert written == dataclasses.replace(
             eks_train_config(self.params, self.ctx.run_id), data_manifest_sha256=digest
         )

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer.data import verify_dataset
+from trainer.data import ShardFile, verify_dataset
 from trainer.hashing import sha256_file
 from trainer.prepare import PrepareError, find_eos_id, from_jsonl, from_token_files
 from trainer.sampler import StepSampler
@@ -24,25 +24,19 @@ LINES = [
 ]
 
 
-def _expected_files(tokens: np.ndarray, dtype: str, shard_tokens: int) -> list[dict]:
+def _expected_files(tokens: np.ndarray, dtype: str, shard_tokens: int) -> tuple[ShardFile, ...]:
     out = []
     for i, start in enumerate(range(0, tokens.size, shard_tokens)):
         raw = tokens[start : start + shard_tokens].astype(np.dtype(dtype).newbyteorder("<"))
-        out.append(
-            {
-                "name": f"shard_{i:05d}.bin",
-                "tokens": int(raw.size),
-                "bytes": int(raw.nbytes),
-                "sha256": hashlib.sha256(raw.tobytes()).hexdigest(),
-            }
-        )
-    return out
+        digest = hashlib.sha256(raw.tobytes()).hexdigest()
+        out.append(ShardFile(f"shard_{i:05d}.bin", int(raw.size), int(raw.nbytes), digest))
+    return tuple(out)
 
 
 def _stream(path: Path) -> np.ndarray:
     m = verify_dataset(path)
-    dt = {"uint16": "<u2", "uint32": "<u4"}[m["dtype"]]
-    return np.concatenate([np.fromfile(path / f["name"], dtype=dt) for f in m["files"]])
+    dt = {"uint16": "<u2", "uint32": "<u4"}[m.dtype]
+    return np.concatenate([np.fromfile(path / f.name, dtype=dt) for f in m.files])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,13 +58,13 @@ def test_bin_and_npy_inputs_become_one_digest_checked_dataset(tmp_path: Path):
         progress=lambda d, t, w: seen.append((d, t, w)),
     )
     expected = np.concatenate([a.astype(np.int64), b.reshape(-1)])
-    assert m["dtype"] == "uint32" and m["vocab_size"] == 128256
-    assert m["total_tokens"] == expected.size == 1330
-    assert m["files"] == _expected_files(expected, "uint32", 256)
-    assert [f["tokens"] for f in m["files"]] == [256] * 5 + [50]
-    assert json.loads((tmp_path / "out" / "dataset.json").read_text()) == m
+    assert m.dtype == "uint32" and m.vocab_size == 128256
+    assert m.total_tokens == m.raw["total_tokens"] == expected.size == 1330
+    assert m.files == _expected_files(expected, "uint32", 256)
+    assert [f.tokens for f in m.files] == [256] * 5 + [50]
+    assert json.loads((tmp_path / "out" / "dataset.json").read_text()) == m.raw
     assert np.array_equal(_stream(tmp_path / "out"), expected)
-    src = m["source"]
+    src = m.raw["source"]
     assert src["kind"] == "token-files"
     assert [(i["name"], i["dtype"], i["tokens"]) for i in src["inputs"]] == [
         ("a.bin", "uint32", 1000),
@@ -91,8 +85,8 @@ def test_uint16_bin_to_uint16_is_byte_identical(tmp_path: Path):
     m = from_token_files(
         [tmp_path / "t.bin"], tmp_path / "out", vocab_size=50257, input_dtype="uint16"
     )
-    assert m["dtype"] == "uint16" and len(m["files"]) == 1
-    assert m["files"][0]["sha256"] == sha256_file(tmp_path / "t.bin")
+    assert m.dtype == "uint16" and len(m.files) == 1
+    assert m.files[0].sha256 == sha256_file(tmp_path / "t.bin")
 
 
 def test_reconversion_replaces_a_longer_earlier_dataset(tmp_path: Path):
@@ -100,9 +94,7 @@ def test_reconversion_replaces_a_longer_earlier_dataset(tmp_path: Path):
     kw = {"vocab_size": 1000, "input_dtype": "uint16"}
     from_token_files([tmp_path / "t.bin"], tmp_path / "out", shard_tokens=100, **kw)
     m = from_token_files([tmp_path / "t.bin"], tmp_path / "out", shard_tokens=400, **kw)
-    assert sorted(p.name for p in (tmp_path / "out").glob("shard_*")) == [
-        f["name"] for f in m["files"]
-    ]
+    assert sorted(p.name for p in (tmp_path / "out").glob("shard_*")) == [f.name for f in m.files]
     verify_dataset(tmp_path / "out")
 
 
@@ -185,9 +177,9 @@ def test_jsonl_stream_is_the_tokenizers_ids_plus_eos(tmp_path: Path, tokenizer_j
     eos = tok.token_to_id("</s>")
     expected = [i for t in [*LINES, "unseen words here"] for i in [*tok.encode(t).ids, eos]]
     assert np.array_equal(_stream(tmp_path / "out"), expected)
-    assert m["vocab_size"] == tok.get_vocab_size() and m["dtype"] == "uint16"
-    assert m["files"] == _expected_files(np.array(expected), "uint16", 16)
-    src = m["source"]
+    assert m.vocab_size == tok.get_vocab_size() and m.dtype == "uint16"
+    assert m.files == _expected_files(np.array(expected), "uint16", 16)
+    src = m.raw["source"]
     assert src["kind"] == "jsonl" and src["eos_id"] == eos and src["documents"] == 7
     assert src["tokenizer"] == {"name": "tokenizer.json", "sha256": sha256_file(tokenizer_json)}
     assert [(i["name"], i["documents"], i["sha256"]) for i in src["inputs"]] == [
@@ -212,7 +204,7 @@ def test_jsonl_text_field_no_eos_and_uint32(tmp_path: Path, tokenizer_json: Path
         vocab_size=100000,
     )
     tok = Tokenizer.from_file(str(tokenizer_json))
-    assert m["dtype"] == "uint32" and m["vocab_size"] == 100000
+    assert m.dtype == "uint32" and m.vocab_size == 100000
     assert _stream(tmp_path / "out").tolist() == [i for t in LINES for i in tok.encode(t).ids]
 
 
@@ -242,7 +234,7 @@ def test_eos_is_found_or_must_be_given(tmp_path: Path):
     with pytest.raises(PrepareError, match=r"^eos_id: tokenizer .* --eos-id N"):
         from_jsonl([src], tmp_path / "out", tokenizer_json=plain)
     m = from_jsonl([src], tmp_path / "out", tokenizer_json=plain, eos_id=0)
-    assert m["source"]["eos_id"] == 0
+    assert m.raw["source"]["eos_id"] == 0
     with pytest.raises(PrepareError, match=r"^eos_id: 999 is not a token id below"):
         from_jsonl([src], tmp_path / "out", tokenizer_json=plain, eos_id=999)
     # tokenizer_config.json beside tokenizer.json names the EOS the model was trained with.
@@ -292,21 +284,21 @@ def test_cli_prepare_upload_and_hydrate(tmp_path: Path, tokenizer_json: Path, s3
     assert summary == {
         "dir": str(out),
         "dtype": "uint16",
-        "vocab_size": manifest["vocab_size"],
-        "files": len(manifest["files"]),
-        "tokens": manifest["total_tokens"],
+        "vocab_size": manifest.vocab_size,
+        "files": len(manifest.files),
+        "tokens": manifest.total_tokens,
         "source": "jsonl",
         "uri": "s3://prepare-test/byod/v1",
-        "objects": len(manifest["files"]) + 1,
+        "objects": len(manifest.files) + 1,
     }
     assert summary["files"] > 1 and "100%" in captured.err
     listed = client.list_objects_v2(Bucket="prepare-test", Prefix="byod/v1/")["Contents"]
     assert sorted(o["Key"].rsplit("/", 1)[1] for o in listed) == sorted(
-        ["dataset.json", *(f["name"] for f in manifest["files"])]
+        ["dataset.json", *(f.name for f in manifest.files)]
     )
     dest = tmp_path / "fsx"
     report = hydrate_dataset(s3fs_filesystem(s3_settings), "prepare-test", "byod/v1", dest)
-    assert report.downloaded == len(manifest["files"])
+    assert report.downloaded == len(manifest.files)
     assert verify_dataset(dest) == manifest
     StepSampler(dest, seq_len=16, global_batch=4, seed=0).batch(1, 0, 1)
 
@@ -331,7 +323,7 @@ def test_cli_token_files_plain_output(tmp_path: Path, capsys):
     argv = ["prepare-dataset", str(tmp_path / "t.bin"), "--out", str(out)]
     assert main([*argv, "--vocab-size", "3000", "--input-dtype", "uint32"]) == 0
     assert capsys.readouterr().out.startswith(f"wrote {out}: 1 shards, 3000 uint16 tokens")
-    assert verify_dataset(out)["dtype"] == "uint16"
+    assert verify_dataset(out).dtype == "uint16"
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,7 @@ def test_hydrate_reads_untrusted_objects_only_as_far_as_the_manifest_says(
     downloaded whole: it could fill the shared filesystem); a manifest over the cap is refused
     before it is parsed; nothing is left in the destination either way."""
     import tasks.hydrate as hydrate
+    from trainer import data
 
     settings, bucket = seeded
     client = boto3_client(settings)
@@ -74,7 +75,7 @@ def test_hydrate_reads_untrusted_objects_only_as_far_as_the_manifest_says(
         hydrate_dataset(s3fs_filesystem(settings), bucket, "big", tmp_path / "a")
     assert read and max(read) == 1  # one byte past the manifest's size, never the whole object
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == []
-    monkeypatch.setattr(hydrate, "MAX_MANIFEST_BYTES", 64)
+    monkeypatch.setattr(data, "MAX_MANIFEST_BYTES", 64)
     with pytest.raises(HydrationError, match="over the 64 bytes a manifest may hold"):
         hydrate_dataset(s3fs_filesystem(settings), bucket, "ds/v1", tmp_path / "b")
     assert not (tmp_path / "b").exists()

@@ -21,8 +21,8 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +64,9 @@ def dtype_for_vocab(vocab_size: int) -> str:
     raise DataError(f"vocab_size: {vocab_size} is over {MAX_VOCAB['uint32']}, the uint32 limit")
 
 
-def check_vocab_fits(vocab_size: int, dtype: str, *, field: str = "vocab_size") -> None:
-    """``vocab_size`` must be a positive int whose ids all fit ``dtype``; the error names
-    ``field`` (where the vocab size came from), ``vocab_size`` and ``dtype`` and says the fix."""
+def check_vocab_fits(vocab_size: object, dtype: str, *, field: str = "vocab_size") -> int:
+    """``vocab_size`` must be a positive int whose ids all fit ``dtype`` (returned); the error
+    names ``field`` (where the vocab size came from), ``vocab_size`` and ``dtype``, and the fix."""
     token_dtype(dtype)
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
         raise DataError(f"{field}: vocab_size must be a positive integer, got {vocab_size!r}")
@@ -81,6 +81,7 @@ def check_vocab_fits(vocab_size: int, dtype: str, *, field: str = "vocab_size") 
             f"{field}: vocab_size {vocab_size} does not fit dtype {dtype} (at most {limit} token "
             f"ids, vocab_size <= {limit}); {fix}"
         )
+    return vocab_size
 
 
 def write_durably(path: Path, data: bytes) -> None:
@@ -115,7 +116,7 @@ def write_synthetic_dataset(
     vocab_size: int = 512,
     seed: int = 0,
     dtype: str | None = None,
-) -> dict[str, Any]:
+) -> DatasetManifest:
     """Write a seeded dataset and its manifest (last, atomically); the same arguments give
     byte-identical files. ``dtype``: default the smallest that holds ``vocab_size``."""
     if shards < 1 or tokens_per_shard < 2:
@@ -133,93 +134,133 @@ def write_synthetic_dataset(
         name = f"shard_{i:05d}.bin"
         part = tokens[i * tokens_per_shard : (i + 1) * tokens_per_shard]
         write_durably(out / name, part.tobytes())
-        files.append(
-            {
-                "name": name,
-                "tokens": int(part.size),
-                "bytes": int(part.nbytes),
-                "sha256": hashlib.sha256(part.tobytes()).hexdigest(),
-            }
-        )
-    manifest = {
-        "format": FORMAT,
-        "dtype": dtype,
-        "vocab_size": vocab_size,
-        "seed": seed,
-        "total_tokens": int(tokens.size),
-        "files": files,
-    }
-    write_durably(out / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
-    return manifest
+        digest = hashlib.sha256(part.tobytes()).hexdigest()
+        files.append(ShardFile(name, int(part.size), int(part.nbytes), digest))
+    return DatasetManifest.build(dtype, vocab_size, files, seed=seed).write(out)
 
 
-def load_manifest(data_dir: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ShardFile:
+    """One ``files[i]`` entry of a manifest: a plain file name in the dataset directory."""
+
+    name: str
+    tokens: int
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class DatasetManifest:
+    """A dataset's ``dataset.json``, checked. ``raw`` is the JSON object as read or written:
+    the digest and a hydrated copy are made of it, so they never change with this class."""
+
+    dtype: str
+    vocab_size: int
+    files: tuple[ShardFile, ...]
+    raw: Mapping[str, object]
+
+    @classmethod
+    def build(
+        cls,
+        dtype: str,
+        vocab_size: int,
+        files: list[ShardFile],
+        seed: int | None = None,
+        source: Mapping[str, object] | None = None,
+    ) -> DatasetManifest:
+        """A new dataset's manifest: ``seed`` (synthetic data) or ``source`` (what produced it)."""
+        raw: dict[str, object] = {"format": FORMAT, "dtype": dtype, "vocab_size": vocab_size}
+        raw |= {} if seed is None else {"seed": seed}
+        raw |= {"total_tokens": sum(f.tokens for f in files), "files": [asdict(f) for f in files]}
+        raw |= {} if source is None else {"source": source}
+        return cls(dtype, vocab_size, tuple(files), raw)
+
+    @classmethod
+    def parse(cls, blob: bytes, *, source: str) -> DatasetManifest:
+        """An untrusted manifest's bytes (read no further than ``MAX_MANIFEST_BYTES + 1``),
+        checked: a token dtype and a vocabulary that fits it, every file named, sized and
+        digested (:func:`_shard_files`). DataError names ``source``, the field and the value."""
+        where = f"dataset manifest {source}"
+        if len(blob) > MAX_MANIFEST_BYTES:
+            raise DataError(
+                f"{where} is over the {MAX_MANIFEST_BYTES} bytes a manifest may hold: it is not "
+                "one this pipeline wrote (write the dataset as fewer, larger shards)"
+            )
+        try:
+            raw = json.loads(blob)
+        except (ValueError, RecursionError) as e:
+            raise DataError(f"{where} is malformed ({type(e).__name__}: {e})") from e
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise DataError(f"{where} is malformed: not a JSON object of format {FORMAT!r}")
+        token_dtype(raw.get("dtype"), field=f"{where}: dtype")
+        dtype: str = raw["dtype"]  # a str: checked just above
+        vocab_size = check_vocab_fits(raw.get("vocab_size"), dtype, field=where)
+        return cls(dtype, vocab_size, _shard_files(raw.get("files"), dtype, where), raw)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(f.tokens for f in self.files)
+
+    def digest(self) -> str:
+        """The sha256 of the canonical JSON (the S3 object and the hydrated copy agree)."""
+        blob = json.dumps(self.raw, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def write(self, out: Path) -> DatasetManifest:
+        """Write ``out/dataset.json`` durably (last: it marks the dataset complete); ``self``."""
+        write_durably(out / MANIFEST, (json.dumps(self.raw, indent=2) + "\n").encode())
+        return self
+
+
+def _shard_files(entries: object, dtype: str, where: str) -> tuple[ShardFile, ...]:
+    """Every ``files[i]`` names one plain file, with a size (its tokens of ``dtype``) and a
+    digest that bound and judge reading it (the manifest is untrusted; its names are joined
+    onto the dataset directory)."""
+    if not isinstance(entries, list) or not entries:
+        raise DataError(f"{where}: files must be a non-empty list")
+    files: list[ShardFile] = []
+    seen: set[str] = set()
+    itemsize = DTYPES[dtype].itemsize
+    for i, entry in enumerate(entries):
+        at = f"{where}: files[{i}]"
+        if not isinstance(entry, dict):
+            raise DataError(f"{at} must be an object, not {type(entry).__name__}")
+        try:
+            name = check_component(entry.get("name"), where=f"{at}.name")
+        except UnsafeNameError as e:
+            raise DataError(str(e)) from e
+        if name == MANIFEST or name in seen:
+            raise DataError(f"{at}.name: {name!r} is the manifest itself or listed twice")
+        seen.add(name)
+        for key in ("bytes", "tokens"):
+            if not isinstance(n := entry.get(key), int) or isinstance(n, bool) or n < 0:
+                raise DataError(f"{at}.{key} must be a non-negative integer, not {n!r}")
+        if not (isinstance(digest := entry.get("sha256"), str) and _SHA256_HEX.fullmatch(digest)):
+            raise DataError(
+                f"{at}.sha256 must be 64 lowercase hex digits, not {str(digest)[:80]!r}"
+            )
+        tokens, size = entry["tokens"], entry["bytes"]
+        if size != tokens * itemsize:
+            raise DataError(
+                f"{at} ({name}): {size} bytes, but {tokens} tokens of {dtype} are "
+                f"{tokens * itemsize} bytes: the manifest's dtype or sizes are wrong"
+            )
+        files.append(ShardFile(name, tokens, size, digest))
+    return tuple(files)
+
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def load_manifest(data_dir: Path) -> DatasetManifest:
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
         raise DataError(
             f"dataset manifest {path} is missing; write a dataset with "
             f"`python -m trainer.data --out {data_dir}` or hydrate it first"
         )
-    size = path.stat().st_size
-    if size > MAX_MANIFEST_BYTES:
-        raise DataError(
-            f"dataset manifest {path} is {size} bytes, over the {MAX_MANIFEST_BYTES} bytes a "
-            "manifest may hold: it is not one this pipeline wrote (split the dataset into fewer, "
-            "larger shards)"
-        )
-    try:
-        with open(path, "rb") as f:
-            manifest = json.loads(f.read(MAX_MANIFEST_BYTES + 1))
-        files = manifest["files"]
-        assert manifest["format"] == FORMAT and isinstance(files, list) and files
-        for entry in files:
-            assert {"name", "tokens", "bytes", "sha256"} <= set(entry)
-    except (ValueError, KeyError, AssertionError, TypeError) as e:
-        raise DataError(f"dataset manifest {path} is malformed ({type(e).__name__}: {e})") from e
-    check_file_names(manifest, source=str(path))
-    token_dtype(manifest.get("dtype"), field=f"dataset manifest {path}: dtype")
-    check_vocab_fits(
-        manifest.get("vocab_size"),  # type: ignore[arg-type]  # checked there
-        manifest["dtype"],
-        field=f"dataset manifest {path}",
-    )
-    return manifest
-
-
-def check_file_names(manifest: dict[str, Any], *, source: str) -> None:
-    """Every ``files[i]`` names one plain file, with a size and a digest that bound and judge
-    reading it (the manifest is untrusted; its names are joined onto the dataset directory).
-    DataError names the manifest, the field and the value."""
-    files = manifest.get("files")
-    if not isinstance(files, list):
-        raise DataError(f"dataset manifest {source}: files must be a list")
-    seen: set[str] = set()
-    for i, entry in enumerate(files):
-        where = f"dataset manifest {source}: files[{i}]"
-        name = entry.get("name") if isinstance(entry, dict) else None
-        try:
-            check_component(name, where=f"{where}.name")
-        except UnsafeNameError as e:
-            raise DataError(str(e)) from e
-        if name == MANIFEST or name in seen:
-            raise DataError(f"{where}.name: {name!r} is the manifest itself or listed twice")
-        seen.add(str(name))
-        size, digest = entry.get("bytes"), entry.get("sha256")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise DataError(f"{where}.bytes must be a non-negative integer, not {size!r}")
-        if not (isinstance(digest, str) and _SHA256_HEX.fullmatch(digest)):
-            raise DataError(
-                f"{where}.sha256 must be 64 lowercase hex digits, not {str(digest)[:80]!r}"
-            )
-
-
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-
-def manifest_digest(manifest: dict[str, Any]) -> str:
-    """The sha256 of a manifest's canonical JSON (the S3 object and the hydrated copy agree)."""
-    blob = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()
+    with open(path, "rb") as f:  # untrusted: never read past the cap
+        return DatasetManifest.parse(f.read(MAX_MANIFEST_BYTES + 1), source=str(path))
 
 
 @dataclass
@@ -248,7 +289,7 @@ def verify_dataset(
     readers: int = 1,
     progress: Callable[[ReadProgress], None] | None = None,
     every_s: float = 10.0,
-) -> dict[str, Any]:
+) -> DatasetManifest:
     """Check every shard is present, full-sized and (with ``digests``) matches its digest.
     ``manifest_sha256``: the manifest hydration verified, which must still be this one; digests
     are then not read again unless asked (a worker's start-up, on every restart's critical path,
@@ -258,7 +299,7 @@ def verify_dataset(
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)
     if manifest_sha256 is not None:
-        found = manifest_digest(manifest)
+        found = manifest.digest()
         if found != manifest_sha256:
             raise DataError(
                 f"dataset manifest {data_dir / MANIFEST} changed since hydration verified the "
@@ -267,31 +308,24 @@ def verify_dataset(
             )
     if digests is None:
         digests = manifest_sha256 is None
-    itemsize = DTYPES[manifest["dtype"]].itemsize
-    for entry in manifest["files"]:
-        path = data_dir / entry["name"]
-        if entry["bytes"] != entry["tokens"] * itemsize:
-            raise DataError(
-                f"dataset shard {path}: {MANIFEST} says {entry['tokens']} tokens of "
-                f"{manifest['dtype']} ({entry['tokens'] * itemsize} bytes) but {entry['bytes']} "
-                "bytes: the manifest's dtype or sizes are wrong"
-            )
+    for entry in manifest.files:
+        path = data_dir / entry.name
         if not path.is_file():
             raise DataError(f"dataset shard {path} is missing (listed in {MANIFEST})")
         size = path.stat().st_size
-        if size != entry["bytes"]:
+        if size != entry.bytes:
             raise DataError(
-                f"dataset shard {path} is {'short' if size < entry['bytes'] else 'too long'}: "
-                f"{size} bytes, manifest says {entry['bytes']}"
+                f"dataset shard {path} is {'short' if size < entry.bytes else 'too long'}: "
+                f"{size} bytes, manifest says {entry.bytes}"
             )
     if digests:
-        _read_all(data_dir, manifest["files"], readers, progress, every_s)
+        _read_all(data_dir, manifest.files, readers, progress, every_s)
     return manifest
 
 
 def _read_all(
     data_dir: Path,
-    files: list[dict[str, Any]],
+    files: tuple[ShardFile, ...],
     readers: int,
     progress: Callable[[ReadProgress], None] | None,
     every_s: float,
@@ -303,7 +337,7 @@ def _read_all(
     t0 = time.monotonic()
     done = {"files": 0, "bytes": 0}
     said = [t0]
-    total = sum(int(e["bytes"]) for e in files)
+    total = sum(e.bytes for e in files)
 
     def say(force: bool = False) -> None:
         now = time.monotonic()
@@ -316,13 +350,13 @@ def _read_all(
             done["bytes"] += n
             say()
 
-    def check(entry: dict[str, Any]) -> None:
-        path = data_dir / entry["name"]
+    def check(entry: ShardFile) -> None:
+        path = data_dir / entry.name
         try:
-            digest = sha256_capped(path, int(entry["bytes"]), on_bytes)
+            digest = sha256_capped(path, entry.bytes, on_bytes)
         except ValueError as e:
             raise DataError(f"dataset shard {path}: {e} ({MANIFEST})") from e
-        if digest != entry["sha256"]:
+        if digest != entry.sha256:
             raise DataError(f"dataset shard {path} is corrupt: sha256 does not match {MANIFEST}")
         with lock:
             done["files"] += 1
@@ -375,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({"dir": str(args.out), "files": len(m["files"]), "tokens": m["total_tokens"]}))
+    print(json.dumps({"dir": str(args.out), "files": len(m.files), "tokens": m.total_tokens}))
     return 0
 
 

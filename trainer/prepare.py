@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.data import DTYPES, token_dtype
+from trainer.data import DTYPES, DatasetManifest, token_dtype
 from trainer.hashing import sha256_file
 from trainer.shard_writer import (
     PrepareError,
@@ -95,7 +95,7 @@ def from_token_files(
     dtype: str | None = None,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     progress: Progress | None = None,
-) -> dict[str, Any]:
+) -> DatasetManifest:
     """Re-shard token files (concatenated in order; ``.npy`` flattened in C order) into a dataset
     at ``out``; its manifest. ``dtype``: default the smallest holding ``vocab_size``. Every token
     must be in ``[0, vocab_size)``. ``progress(done_tokens, total_tokens, file_name)`` per chunk.
@@ -221,7 +221,7 @@ def from_jsonl(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     batch_lines: int = BATCH_LINES,
     progress: Progress | None = None,
-) -> dict[str, Any]:
+) -> DatasetManifest:
     """Tokenize JSONL documents (each line's ``text_field``) into a dataset at ``out``; its
     manifest. A document is ``tokenizer.encode(text).ids``, then ``eos_id`` when ``append_eos``
     (default the tokenizer's own, :func:`find_eos_id`). ``vocab_size`` defaults to the

@@ -14,21 +14,18 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from trainer.data import DataError, token_dtype, verify_dataset
+from trainer.data import DTYPES, DataError, DatasetManifest, verify_dataset
 
 
 class TokenStream:
     """The concatenated shards, memory-mapped."""
 
-    def __init__(self, data_dir: Path, manifest: dict[str, Any]) -> None:
-        dtype = token_dtype(manifest.get("dtype"))
-        self.maps = [
-            np.memmap(Path(data_dir) / e["name"], dtype=dtype, mode="r") for e in manifest["files"]
-        ]
+    def __init__(self, data_dir: Path, manifest: DatasetManifest) -> None:
+        dtype = DTYPES[manifest.dtype]
+        self.maps = [np.memmap(Path(data_dir) / e.name, dtype, "r") for e in manifest.files]
         self.offsets = np.cumsum([0] + [m.size for m in self.maps])
         self.total = int(self.offsets[-1])
 
@@ -71,7 +68,7 @@ class StepSampler:
         manifest = verify_dataset(
             data_dir, digests=verify, manifest_sha256=verified_manifest if verify else None
         )
-        self.vocab_size = int(manifest["vocab_size"])
+        self.vocab_size = manifest.vocab_size
         self.stream = TokenStream(data_dir, manifest)
         self.seq_len = seq_len
         self.global_batch = global_batch

@@ -6,9 +6,8 @@ manifest last), the checks every conversion makes on its inputs and tokens, and
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -17,13 +16,13 @@ import numpy as np
 
 from trainer.data import (
     DTYPES,
-    FORMAT,
     MANIFEST,
     DataError,
+    DatasetManifest,
+    ShardFile,
     check_vocab_fits,
     dtype_for_vocab,
     token_dtype,
-    write_durably,
 )
 
 SHARD_NAME = "shard_{:05d}.bin"
@@ -92,7 +91,7 @@ class ShardWriter:
         out.mkdir(parents=True, exist_ok=True)
         # An older manifest here would describe shards about to be overwritten.
         (out / MANIFEST).unlink(missing_ok=True)
-        self.files: list[dict[str, Any]] = []
+        self.files: list[ShardFile] = []
         self.total = 0
         self._f: Any = None
         self._hash: Any = None
@@ -128,35 +127,21 @@ class ShardWriter:
         self._f = None
         name = SHARD_NAME.format(len(self.files))
         os.replace(tmp, self.out / name)
-        self.files.append(
-            {
-                "name": name,
-                "tokens": self._count,
-                "bytes": self._count * self.dtype.itemsize,
-                "sha256": self._hash.hexdigest(),
-            }
-        )
+        size = self._count * self.dtype.itemsize
+        self.files.append(ShardFile(name, self._count, size, self._hash.hexdigest()))
 
-    def finish(self, vocab_size: int, source: dict[str, Any]) -> dict[str, Any]:
+    def finish(self, vocab_size: int, source: Mapping[str, object]) -> DatasetManifest:
         if self._f is not None:
             self._close_shard()
         if self.total < 2:
             self.abort()
             raise PrepareError("inputs", f"hold {self.total} tokens; a dataset needs at least 2")
-        keep = {f["name"] for f in self.files}
+        keep = {f.name for f in self.files}
         for stale in self.out.glob("shard_*.bin"):  # from an earlier, longer conversion
             if stale.name not in keep:
                 stale.unlink()
-        manifest = {
-            "format": FORMAT,
-            "dtype": self.dtype_name,
-            "vocab_size": vocab_size,
-            "total_tokens": self.total,
-            "files": self.files,
-            "source": source,
-        }
-        write_durably(self.out / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
-        return manifest
+        manifest = DatasetManifest.build(self.dtype_name, vocab_size, self.files, source=source)
+        return manifest.write(self.out)
 
     def abort(self) -> None:
         if self._f is not None:
@@ -164,7 +149,7 @@ class ShardWriter:
             self._f = None
             self._tmp().unlink(missing_ok=True)
         for entry in self.files:
-            (self.out / entry["name"]).unlink(missing_ok=True)
+            (self.out / entry.name).unlink(missing_ok=True)
         self.files = []
 
 

@@ -420,3 +420,36 @@ def test_a_manifests_sizes_and_digests_are_checked_before_any_read(
     with pytest.raises(HydrationError, match=rf"files\[0\]\.{field} must be"):
         hydrate_dataset(FakeS3(objects), "b", "ds", tmp_path / "fsx")
     assert not (tmp_path / "fsx").exists()
+
+
+HOSTILE_MANIFESTS: dict[str, tuple[Any, str]] = {
+    "not JSON": (b"\xff{", r"is malformed \(UnicodeDecodeError"),
+    "nested past the recursion limit": (b"[" * 100_000, r"is malformed \(RecursionError"),
+    "a list": ([], "not a JSON object of format 'nvrx-tokens-v1'"),
+    "another format": ({"format": "other"}, "not a JSON object of format"),
+    "no files": ({"files": []}, "files must be a non-empty list"),
+    "an entry not an object": ({"files": ["shard_00000.bin"]}, r"files\[0\] must be an object"),
+    "an unknown dtype": ({"dtype": "int8"}, r"dtype: 'int8' is not a token dtype"),
+    "a vocabulary the dtype cannot hold": ({"vocab_size": 70000}, "does not fit dtype uint16"),
+    "tokens not a count": ({"tokens": "8"}, r"files\[0\]\.tokens must be a non-negative integer"),
+    "sizes that disagree with the dtype": ({"tokens": 4}, r"16 bytes, but 4 tokens of uint16"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_MANIFESTS))
+def test_a_bad_manifest_is_refused_whole_before_any_read(tmp_path: Path, case: str) -> None:
+    """The S3 manifest is parsed as strictly as a local one (trainer.data.DatasetManifest), and
+    before anything is fetched or written: a bad one never starts a download."""
+    objects = _dataset_objects("shard_00000.bin")
+    change, message = HOSTILE_MANIFESTS[case]
+    if isinstance(change, dict):
+        man = json.loads(objects["b/ds/dataset.json"])
+        for key, value in change.items():
+            (man["files"][0] if key == "tokens" else man)[key] = value
+        change = json.dumps(man).encode()
+    objects["b/ds/dataset.json"] = (
+        change if isinstance(change, bytes) else json.dumps(change).encode()
+    )
+    with pytest.raises(HydrationError, match=f"dataset manifest s3://b/ds/dataset.json.*{message}"):
+        hydrate_dataset(FakeS3(objects), "b", "ds", tmp_path / "fsx")
+    assert not (tmp_path / "fsx").exists()

@@ -33,7 +33,7 @@ from tasks.backends.eks.security import (
     scratch_volumes,
 )
 from tasks.errors import HydrationError
-from trainer.data import DataError, load_manifest, manifest_digest, verify_dataset
+from trainer.data import DataError, load_manifest, verify_dataset
 
 
 @dataclass
@@ -46,7 +46,7 @@ class FsxHydrateReport:
     import_task_id: str
     job: str
     seconds: float
-    # What the hydration Job digested every file against (trainer.data.manifest_digest).
+    # What the hydration Job digested every file against (trainer.data's DatasetManifest.digest).
     manifest_sha256: str | None = None
 
 
@@ -228,7 +228,7 @@ def hydrate_fsx(
     )
     progress(f"metadata import task {task['TaskId']} SUCCEEDED")
     try:  # the imported manifest, read through the mount (capped): what the Job must verify
-        digest = manifest_digest(load_manifest(data_dir))
+        digest = load_manifest(data_dir).digest()
     except DataError as e:
         raise HydrationError(f"dataset {s3_path} on FSx: {e}") from e
     name = hydration_job_name(run_id, fs_path, digest)
@@ -251,13 +251,13 @@ def hydrate_fsx(
     r = FsxHydrateReport(
         source=s3_path,
         dest=str(data_dir),
-        files=len(manifest["files"]),
-        bytes=sum(int(f["bytes"]) for f in manifest["files"]),
+        files=len(manifest.files),
+        bytes=sum(f.bytes for f in manifest.files),
         association_id=assoc,
         import_task_id=str(task["TaskId"]),
         job=name,
         seconds=round(time.monotonic() - t0, 3),
-        manifest_sha256=manifest_digest(manifest),
+        manifest_sha256=manifest.digest(),
     )
     return Hydrated.of(
         r,
