@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import re
 import sys
 import threading
@@ -30,6 +29,7 @@ import numpy as np
 
 from trainer.errors import TerminalError
 from trainer.hashing import sha256_capped
+from trainer.run_files import write_durably
 from trainer.untrusted import UnsafeNameError, check_component
 
 MANIFEST = "dataset.json"
@@ -82,17 +82,6 @@ def check_vocab_fits(vocab_size: object, dtype: str, *, field: str = "vocab_size
             f"ids, vocab_size <= {limit}); {fix}"
         )
     return vocab_size
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data``, synced before the rename: a crash leaves the old file or
-    the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _markov_tokens(rng: np.random.Generator, n: int, vocab: int, chains: int = 256) -> np.ndarray:

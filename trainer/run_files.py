@@ -123,6 +123,27 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj) + "\n")
 
 
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory entry, e.g. after a rename)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: str | bytes) -> None:
+    """Replace ``path`` with ``data``, the file synced before the rename and its directory after:
+    a crash, even of the machine, leaves the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` in one rename: a reader sees the old or the new."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,6 @@ from trainer.checkpointing.layout import LATEST as LATEST
 from trainer.checkpointing.layout import checkpoints_dir as checkpoints_dir
 from trainer.checkpointing.layout import committed_path as committed_path
 from trainer.checkpointing.layout import committed_steps as committed_steps
-from trainer.checkpointing.layout import fsync_path as fsync_path
 from trainer.checkpointing.layout import is_safe_name as is_safe_name
 from trainer.checkpointing.layout import named as named
 from trainer.checkpointing.layout import partial_path as partial_path
@@ -47,3 +46,4 @@ from trainer.checkpointing.manifest import write_digest_sidecar as write_digest_
 from trainer.checkpointing.resume import candidates as candidates
 from trainer.checkpointing.resume import choose_resume as choose_resume
 from trainer.checkpointing.resume import resume_candidates as resume_candidates
+from trainer.run_files import fsync_path as fsync_path

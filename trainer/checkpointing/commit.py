@@ -34,7 +34,6 @@ from trainer.checkpointing.layout import (
     read_latest,
     step_of,
     superseded_path,
-    write_atomic,
 )
 from trainer.checkpointing.manifest import (
     DIGEST,
@@ -44,6 +43,7 @@ from trainer.checkpointing.manifest import (
     drop_bookkeeping,
     verify_checkpoint,
 )
+from trainer.run_files import write_durably
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def commit(
         **info,
         "files": [e.record(DIGEST) for e in files],
     }
-    write_atomic(src / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    write_durably(src / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     drop_bookkeeping(src)
     dst = install(run_root, step, src)
     if keep_last is not None:
@@ -98,7 +98,7 @@ def install(run_root: Path, step: int, src: Path | None = None) -> Path:
             delete_dir(aside)
         durable_rename(dst, aside)
     durable_rename(src, dst)
-    write_atomic(checkpoints_dir(run_root) / LATEST, f"{step}\n")
+    write_durably(checkpoints_dir(run_root) / LATEST, f"{step}\n")
     if aside.exists():
         delete_dir(aside)
     return dst
@@ -138,7 +138,7 @@ def repair_latest(run_root: Path) -> None:
     (checkpoints_dir(run_root) / f".{LATEST}.tmp").unlink(missing_ok=True)  # a killed write's
     steps = committed_steps(run_root)
     if steps and read_latest(run_root) != steps[-1]:
-        write_atomic(checkpoints_dir(run_root) / LATEST, f"{steps[-1]}\n")
+        write_durably(checkpoints_dir(run_root) / LATEST, f"{steps[-1]}\n")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ import shutil
 from pathlib import Path
 from typing import TypeGuard
 
+from trainer.run_files import fsync_path
+
 LATEST = "LATEST"
 
 # Node memory (trainer.checkpointing.node_copy) is not on the shared filesystem: the launcher
@@ -106,25 +108,6 @@ def read_latest(run_root: Path) -> int | None:
         return int(path.read_text().strip())
     except (OSError, ValueError):
         return None
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory entry, e.g. after a rename)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 def durable_rename(src: Path, dst: Path) -> None:

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpointing.errors import CheckpointError
-from trainer.checkpointing.layout import DCP_METADATA, is_safe_name, step_of, write_atomic
+from trainer.checkpointing.layout import DCP_METADATA, is_safe_name, step_of
 from trainer.hashing import HEX_DIGITS, SHA256, XXH3_128, file_digest
-from trainer.run_files import UnsafeFile, read_small
+from trainer.run_files import UnsafeFile, read_small, write_durably
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def write_digest_sidecar(
             _log_read_back(p, why)
             digest = file_digest(p, DIGEST)
         entries.append({"name": p.name, "bytes": size, DIGEST: digest})
-    write_atomic(Path(directory) / DIGEST_SIDECAR.format(rank=rank), json.dumps(entries))
+    write_durably(Path(directory) / DIGEST_SIDECAR.format(rank=rank), json.dumps(entries))
 
 
 _read_back_logged = False

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from trainer.checkpointing import node_format
-from trainer.checkpointing.layout import NODE_MEMORY_ENV, write_atomic
+from trainer.checkpointing.layout import NODE_MEMORY_ENV
 from trainer.checkpointing.node_format import (
     EMPTY_ENTRIES,
     FORMAT,
@@ -49,7 +49,7 @@ from trainer.checkpointing.node_format import (
     _Layout,
 )
 from trainer.checkpointing.staging import DeviceCopy
-from trainer.run_files import read_json_object
+from trainer.run_files import read_json_object, write_durably
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class NodeMemory:
                 raise NodeCopyError(f"its bytes do not match its header (xxh3_128 {digest[:12]}…)")
             if token != self._token:
                 raise NodeCopyError("an earlier incarnation's copy")
-            write_atomic(self.header_path(header.generation, d), blob.decode())
+            write_durably(self.header_path(header.generation, d), blob.decode())
         except (NodeCopyError, OSError, UnicodeDecodeError) as e:
             log.warning("rank %d: the peer copy of rank %d was dropped: %s", self.rank, src, e)
         finally:
@@ -325,7 +325,7 @@ class NodeMemory:
                 text = top.model_dump_json().replace(
                     EMPTY_ENTRIES, f'"entries":{layout.entries_json()}', 1
                 )
-                write_atomic(self.header_path(gen), text)
+                write_durably(self.header_path(gen), text)
                 self._newest_gen = gen
                 written = (text, header.size)
             except (OSError, ValueError) as e:
