@@ -71,8 +71,9 @@ from trainer.checkpointing.config import CheckpointConfig, DurableConfig
 from trainer.config import InProcessConfig, TrainConfig
 from trainer.event_types import Checkpoint, Fault, Resume, Step, TrainEnd, WorkerStart
 from trainer.events import EventLog
-from trainer.faults import FaultSpec, claim, parse_fault
+from trainer.faults import FaultSpec, parse_fault
 from trainer.layer_config import CHECKPOINT_SECTION, LOAD_SECTION, STEP_SECTION
+from trainer.rundir import RunDir
 from trainer.worker import process_start_time, workload_data
 from trainer.workload import OptimSettings
 
@@ -306,7 +307,12 @@ def main(argv: list[str] | None = None) -> int:
                 mine = spec.node in (None, node)
             else:
                 mine = spec.rank in (None, rank)
-            if spec.step == step and spec.phase == phase and mine and claim(cfg.run_root, spec):
+            if (
+                spec.step == step
+                and spec.phase == phase
+                and mine
+                and RunDir(cfg.run_root).claim(spec.slug)
+            ):
                 events.emit(Fault(fault=str(spec), fault_kind=spec.kind, step=step, rank=rank))
                 _fire(spec)
 

@@ -52,9 +52,9 @@ from tasks.train_stage import run_attempt  # noqa: E402
 from trainer.checkpointing.config import CheckpointConfig, DurableConfig, MemoryConfig  # noqa: E402
 from trainer.config import InProcessConfig, TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
-from trainer.event_read import read_events  # noqa: E402
 from trainer.event_types import Event  # noqa: E402
 from trainer.history import RunHistory  # noqa: E402
+from trainer.rundir import read_events  # noqa: E402
 from trainer.timeline import plot_timeline, recovery_phases  # noqa: E402
 
 CYCLE = ("exception@step={s},rank=1", "sigkill@step={s},rank=1", "hang@step={s},rank=1")

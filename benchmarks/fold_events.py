@@ -13,7 +13,7 @@ attempts, three faults), then measures, each in a fresh interpreter and ``--samp
   steps. Target: the same.
 - ``status``: ``nvrx-pipeline status`` of the run (the whole command in a fresh interpreter):
   its peak resident memory at 1 M steps and at 1 k. Target: within 64 MB, under 10 s.
-- ``startup``: what a worker reads of the run at start-up (trainer.run_state: the recorded
+- ``startup``: what a worker reads of the run at start-up (trainer.rundir.RunDir: the recorded
   commit, the last launch, open faults, the newest retry) beside a 1 M-line log and beside an
   empty one. Target: within 0.1 s of each other.
 
@@ -41,7 +41,7 @@ TARGET_STARTUP_DELTA_S = 0.1
 
 def write_log(run_root: Path, steps: int) -> int:
     """A run of ``steps`` steps as the trainer writes it; returns the file's size."""
-    from trainer import run_state
+    from trainer.rundir import RunDir
 
     run_root.mkdir(parents=True, exist_ok=True)
     t = 1.7e9
@@ -73,8 +73,8 @@ def write_log(run_root: Path, steps: int) -> int:
         add("train_end", final_step=steps, final_loss=2.0, params_sha256="0" * 64)
         add("stage_attempt_end", stage="train", attempt=1, outcome="completed", wall_s=1.0)
         f.write("\n".join(lines) + "\n")
-    run_state.record_commit(run_root, steps)
-    run_state.record_launch(run_root, job_id="a1", world_size=2, nodes=[0, 1])
+    RunDir(run_root).record_commit(steps)
+    RunDir(run_root).record_launch(job_id="a1", world_size=2, nodes=[0, 1])
     return (run_root / "events.jsonl").stat().st_size
 
 
@@ -85,7 +85,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[3])
 what, root = sys.argv[1], Path(sys.argv[2])
 from trainer.history import RunHistory
-from trainer import run_state
+from trainer.rundir import RunDir
 def rss_mb(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 before = rss_mb()
 t0 = time.perf_counter()
@@ -108,10 +108,11 @@ elif what == "status":
         out["rc"] = cli(["status", root.name, "--run-root", str(root)])
     out["peak_mb"] = rss_mb()
 elif what == "startup":
-    run_state.recorded_commit(root)
-    run_state.prior_world(root, "a1")
-    run_state.open_faults(root)
-    run_state.retry_began(root)
+    run = RunDir(root)
+    run.recorded_commit()
+    run.prior_world("a1")
+    run.open_faults()
+    run.retry_began()
 out["s"] = time.perf_counter() - t0
 out["added_mb"] = rss_mb() - before
 print(json.dumps(out))

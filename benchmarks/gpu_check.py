@@ -457,7 +457,7 @@ def bench_memory_save(
             t0 = time.perf_counter()
             b = node.save(i + 1, sd, {"loss": 0.0})
             assert node._device is not None
-            node._device.wait()  # host-side only, to time the copy itself
+            node._device.copier.synchronize()  # host-side only, to time the copy itself
             t_copy = time.perf_counter() - t0
             node.wait()
             t_sealed = time.perf_counter() - t0
@@ -564,7 +564,7 @@ def _drill_start(
 
 
 def _drill_wait(started: dict[str, Any], timeout: float) -> dict[str, Any]:
-    from trainer.event_read import read_events
+    from trainer.rundir import read_events
 
     p = started["proc"]
     try:

@@ -58,8 +58,8 @@ def _free_port() -> int:
 def run_once(cfg, *, layers: bool, nproc: int, warmup: int, log: Path) -> float:
     """One training run; returns steps/s over the measured window."""
     from trainer.config import save_config
-    from trainer.event_read import read_events
     from trainer.launch import LaunchSpec, ft_launcher_argv, trainer_args
+    from trainer.rundir import read_events
 
     shutil.rmtree(cfg.run_root, ignore_errors=True)
     config = save_config(cfg, cfg.run_root.parent / f"{cfg.run_root.name}.json")

@@ -47,9 +47,9 @@ from tasks.train_stage import run_attempt  # noqa: E402
 from trainer.checkpointing.config import CheckpointConfig, DurableConfig, MemoryConfig  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
-from trainer.event_read import read_events  # noqa: E402
 from trainer.event_types import Event  # noqa: E402
 from trainer.history import RunHistory  # noqa: E402
+from trainer.rundir import read_events  # noqa: E402
 
 SPECS = {
     **RECOVERY_SPECS,  # the classes recovery_time.py samples, spelled the same

@@ -51,7 +51,7 @@ from tasks.train_stage import run_attempt  # noqa: E402
 from trainer.checkpointing.config import CheckpointConfig, DurableConfig  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
-from trainer.event_read import read_events  # noqa: E402
+from trainer.rundir import read_events  # noqa: E402
 from trainer.timeline import recovery_phases  # noqa: E402
 
 
