@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.fold_events import stats
 
 ENTRIES = {"freeze": "trainer", "no-freeze": "trainer.train"}
 
@@ -64,12 +65,7 @@ def one(root: Path, module: str) -> dict[str, float]:
 
 
 def summary(xs: list[float]) -> dict[str, object]:
-    return {
-        "median": round(statistics.median(xs), 3),
-        "min": round(min(xs), 3),
-        "max": round(max(xs), 3),
-        "samples": [round(x, 3) for x in xs],
-    }
+    return {**stats(xs), "samples": [round(x, 3) for x in xs]}
 
 
 def main(argv: list[str] | None = None) -> int:
