@@ -16,8 +16,9 @@ class DrillParams(BaseModel):
         default_factory=list,
         description="faults to inject, e.g. exception@step=7,rank=1 or node-loss@step=9,node=1; "
         "kinds: exception, stall, hang, sigkill, corrupt-checkpoint, corrupt-memory, "
-        "corrupt-peer (the trainer's); "
-        "node-loss, node-return, node-freeze (the watcher's, as the backend allows)",
+        "corrupt-peer, slow (node=K,factor=F), corrupt-grad (rank=R or node=K[,every]) "
+        "(the trainer's); "
+        "node-loss, node-return, node-freeze, node-evict (the watcher's, as the backend allows)",
     )
 
     # The drills parsed, once, here at the edge; everything inward gets these FaultSpecs.
@@ -57,11 +58,11 @@ def check_drills(
             )
         if spec.needs_other_nodes and min_nodes < 2:
             raise ValueError(
-                f"{where}: a frozen node is noticed against the other nodes' beats, so the "
+                f"{where}: a {spec.kind} node is noticed against the other nodes, so the "
                 f"job must train on at least 2 nodes (nodes' minimum is "
                 f"{min_nodes}); raise nodes, or drill a node-loss instead"
             )
-        if spec.is_node_fault and spec.target_node >= launched_nodes:
+        if (spec.is_node_fault or spec.node is not None) and spec.target_node >= launched_nodes:
             raise ValueError(
                 f"{where} names node {spec.node}, there are {launched_nodes} (nodes' "
                 "maximum plus spares, numbered from 0)"

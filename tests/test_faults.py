@@ -27,6 +27,14 @@ from trainer.faults import (
             FaultSpec(FaultKind.SIGKILL, 10, phase=Phase.CHECKPOINT),
         ),
         ("corrupt-checkpoint@step=5", FaultSpec(FaultKind.CORRUPT_CHECKPOINT, 5)),
+        ("node-evict@step=4,node=1", FaultSpec(FaultKind.NODE_EVICT, 4, node=1)),
+        ("slow@step=20,node=1,factor=3", FaultSpec(FaultKind.SLOW, 20, node=1, factor=3.0)),
+        ("slow@step=2,node=0,factor=1.5", FaultSpec(FaultKind.SLOW, 2, node=0, factor=1.5)),
+        ("corrupt-grad@step=6,rank=1", FaultSpec(FaultKind.CORRUPT_GRAD, 6, rank=1)),
+        (
+            "corrupt-grad@step=6,node=1,every",
+            FaultSpec(FaultKind.CORRUPT_GRAD, 6, node=1, every=True),
+        ),
     ],
 )
 def test_parse_round_trips(spec: str, expected: FaultSpec):
@@ -43,7 +51,17 @@ INVALID = [
     ("exception@step=0", "step", "must be 1 or more"),
     ("exception@step=x", "step", "must be an integer"),
     ("exception@step=1,rank=-1", "rank", "ranks count from 0"),
-    ("exception@step=1,when=3", "when", "the fields are step, rank, node and phase"),
+    ("exception@step=1,when=3", "when", "the fields are step, rank, node, phase, factor, every"),
+    ("slow@step=5,node=1", "factor", "add factor=F"),
+    ("slow@step=5,factor=3", "node", "slow needs node=K"),
+    ("slow@step=5,node=1,factor=1", "factor", "more than 1, at most 100"),
+    ("slow@step=5,node=1,factor=nan", "factor", "more than 1"),
+    ("slow@step=5,node=1,factor=x", "factor", "must be a number"),
+    ("exception@step=1,factor=2", "factor", "applies to slow only"),
+    ("exception@step=1,every", "every", "applies to corrupt-grad only"),
+    ("corrupt-grad@step=1,every=1", "every", "bare flag"),
+    ("corrupt-grad@step=1,rank=0,node=1", "node", "rank=R or node=K, not both"),
+    ("node-evict@step=2,rank=1", "rank", "takes node=K, not rank=R"),
     ("hang@step=2,phase=checkpoint", "phase", "applies to sigkill only"),
     ("sigkill@step=2,phase=later", "phase", "must be step or checkpoint"),
     ("node-loss@step=2,rank=1", "rank", "takes node=K, not rank=R"),
@@ -76,6 +94,20 @@ def test_predicates_say_what_each_reader_asks():
     assert peer.is_damage and peer.at_resume and peer.needs_node_memory and peer.target_rank == 3
     assert not kill.is_damage and not kill.needs_node_memory and kill.target_rank == 0
     assert parse_faults([loss]) == (loss,)  # a parsed spec passes through as it is
+    evict, slow, once, every = parse_faults(
+        [
+            "node-evict@step=3,node=1",
+            "slow@step=4,node=1,factor=3",
+            "corrupt-grad@step=5,rank=1",
+            "corrupt-grad@step=5,node=1,every",
+        ]
+    )
+    assert evict.is_node_fault and evict.evicts_node and evict.takes_node_away
+    assert slow.is_gray and slow.slows and slow.needs_other_nodes and not slow.is_node_fault
+    assert once.corrupts_grad and not once.every and every.every
+    # A node's gray fault plays on each of its ranks; a rank's on that rank only.
+    assert slow.targets(rank=5, node=1) and not slow.targets(rank=1, node=0)
+    assert once.targets(rank=1, node=0) and not once.targets(rank=0, node=1)
 
 
 def test_fires_once_per_run_across_restarts(tmp_path: Path):

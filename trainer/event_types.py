@@ -85,6 +85,15 @@ class WorldChange(_Base):
     cause: str
 
 
+class NodeTime(BaseModel):
+    """One node's share of a step: the slowest of its ranks' time from the step's start to the
+    step check (trainer.step_check), before any wait on the others: the straggler signal."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="allow")
+    node: Annotated[int, Field(ge=-1)]
+    busy_s: Seconds
+
+
 class Step(_Base):
     kind: Literal["step"] = "step"
     step: NonNeg
@@ -93,6 +102,25 @@ class Step(_Base):
     ckpt_blocking_s: Seconds | None = None
     tokens_per_s: float | None = None
     tokens: NonNeg | None = None  # the step's tokens, all ranks (a script may not say)
+    # Per node (the step check gathers them in its one collective); absent without the check.
+    nodes: list[NodeTime] | None = None
+
+
+class StepCheck(_Base):
+    """A step's pre-update check (trainer.step_check) failed, or its replay decided: no update
+    was applied from a rejected step. ``verdict``: ``rejected`` (first failure, replaying in
+    place), ``transient`` (the replay passed), ``repeat`` (the replay failed again: the
+    ``nodes`` named are bad)."""
+
+    kind: Literal["step_check"] = "step_check"
+    step: NonNeg
+    verdict: Literal["rejected", "transient", "repeat"]
+    reason: str
+    ranks: list[NonNeg] = []
+    nodes: list[Annotated[int, Field(ge=-1)]] = []
+    loss: float | None = None
+    grad_norm: float | None = None
+    bound: float | None = None
 
 
 class TrainEnd(_Base):
@@ -272,6 +300,7 @@ Event = Annotated[
     | TrainStart
     | WorldChange
     | Step
+    | StepCheck
     | TrainEnd
     | Checkpoint
     | CheckpointFailed

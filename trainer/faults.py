@@ -42,6 +42,9 @@ class FaultKind(enum.StrEnum):
     CORRUPT_CHECKPOINT = "corrupt-checkpoint"
     CORRUPT_MEMORY = "corrupt-memory"
     CORRUPT_PEER = "corrupt-peer"
+    NODE_EVICT = "node-evict"
+    SLOW = "slow"
+    CORRUPT_GRAD = "corrupt-grad"
 
 
 class Phase(enum.StrEnum):
@@ -51,14 +54,24 @@ class Phase(enum.StrEnum):
 
 KINDS = tuple(FaultKind)
 # The watcher's, carried out through the backend (its BackendType.drills), not the trainer's.
-NODE_KINDS = (FaultKind.NODE_LOSS, FaultKind.NODE_RETURN, FaultKind.NODE_FREEZE)
+NODE_KINDS = (
+    FaultKind.NODE_LOSS,
+    FaultKind.NODE_RETURN,
+    FaultKind.NODE_FREEZE,
+    FaultKind.NODE_EVICT,
+)
 # Damage, not a failure: nothing restarts for it, and no recovery closes it; the next resume
 # that would read the damaged copy notices it (and says so in a resume event). Event readers
 # compare their ``fault_kind`` strings against these (a StrEnum member equals its value).
 DAMAGE_KINDS = (FaultKind.CORRUPT_CHECKPOINT, FaultKind.CORRUPT_MEMORY, FaultKind.CORRUPT_PEER)
 # Damage a resume finds, not a step: never fired at a step's start.
 RESUME_KINDS = (FaultKind.CORRUPT_CHECKPOINT, FaultKind.CORRUPT_PEER)
-USAGE = "KIND@step=N[,rank=R][,node=K][,phase=checkpoint]"
+# Gray faults the trainer plays from their step on (not once at a step's start): a node that
+# runs slow, gradients that come out corrupted (once, or ``every`` step on the node).
+GRAY_KINDS = (FaultKind.SLOW, FaultKind.CORRUPT_GRAD)
+USAGE = "KIND@step=N[,rank=R][,node=K][,phase=checkpoint][,factor=F][,every]"
+FIELDS = ("step", "rank", "node", "phase", "factor", "every")
+MAX_SLOW_FACTOR = 100.0
 
 
 class FaultSpecError(TrainerError, ValueError):
@@ -79,6 +92,8 @@ class FaultSpec:
     rank: int | None = None
     node: int | None = None
     phase: Phase = Phase.STEP
+    factor: float | None = None  # slow: how many times its steps take
+    every: bool = False  # corrupt-grad: on every step from ``step`` on, not once
 
     @property
     def is_node_fault(self) -> bool:
@@ -98,14 +113,43 @@ class FaultSpec:
         return self.kind is FaultKind.NODE_FREEZE
 
     @property
+    def evicts_node(self) -> bool:
+        """SIGTERM to the node's launcher, SIGKILL after the grace period (a drain, a spot
+        reclaim): a loss with notice."""
+        return self.kind is FaultKind.NODE_EVICT
+
+    @property
     def takes_node_away(self) -> bool:
-        """A loss, or a freeze (noticed as a loss): the node is down until a node-return."""
-        return self.kills_node or self.freezes_node
+        """A loss, a freeze (noticed as a loss) or an eviction: the node is down until a
+        node-return."""
+        return self.kills_node or self.freezes_node or self.evicts_node
+
+    @property
+    def is_gray(self) -> bool:
+        """Played by the trainer on every step from ``step`` on (``slow``, ``corrupt-grad``),
+        through the step check, not fired once at a step's start."""
+        return self.kind in GRAY_KINDS
+
+    @property
+    def slows(self) -> bool:
+        return self.kind is FaultKind.SLOW
+
+    @property
+    def corrupts_grad(self) -> bool:
+        return self.kind is FaultKind.CORRUPT_GRAD
+
+    def targets(self, *, rank: int, node: int | None) -> bool:
+        """Whether it plays on this rank: the node named (every rank of it), else the rank
+        (rank 0 when neither is named)."""
+        if self.node is not None and not self.is_node_fault:
+            return node == self.node
+        return self.target_rank == rank
 
     @property
     def needs_other_nodes(self) -> bool:
-        """Noticed only against the other nodes' beats: the job must train on 2 or more."""
-        return self.freezes_node
+        """Noticed only against the other nodes (their beats, their step times): the job must
+        train on 2 or more."""
+        return self.freezes_node or self.slows
 
     @property
     def is_damage(self) -> bool:
@@ -132,7 +176,9 @@ class FaultSpec:
     def _fields(self) -> list[tuple[str, object]]:
         fields: list[tuple[str, object]] = [("step", self.step)]
         fields += [(k, v) for k, v in (("rank", self.rank), ("node", self.node)) if v is not None]
-        return fields + ([("phase", self.phase.value)] if self.phase is not Phase.STEP else [])
+        fields += [("phase", self.phase.value)] if self.phase is not Phase.STEP else []
+        fields += [("factor", f"{self.factor:g}")] if self.factor is not None else []
+        return fields + ([("every", "")] if self.every else [])
 
     @property
     def slug(self) -> str:
@@ -142,12 +188,14 @@ class FaultSpec:
         )
 
     def __str__(self) -> str:
-        return f"{self.kind.value}@" + ",".join(f"{k}={v}" for k, v in self._fields())
+        return f"{self.kind.value}@" + ",".join(
+            f"{k}={v}" if k != "every" else k for k, v in self._fields()
+        )
 
 
 def parse_fault(spec: str | FaultSpec) -> FaultSpec:
-    """Parse ``KIND@step=N[,rank=R][,node=K][,phase=P]`` (a spec already parsed is returned as
-    it is). Each error names the spec, the field at fault and the fix."""
+    """Parse ``KIND@step=N[,rank=R][,node=K][,phase=P][,factor=F][,every]`` (a spec already
+    parsed is returned as it is). Each error names the spec, the field at fault and the fix."""
     if isinstance(spec, FaultSpec):
         return spec
     kind_text, sep, rest = spec.strip().partition("@")
@@ -164,9 +212,12 @@ def parse_fault(spec: str | FaultSpec) -> FaultSpec:
     fields: dict[str, str] = {}
     for item in rest.split(","):
         key, eq, value = (part.strip() for part in item.partition("="))
-        if key not in ("step", "rank", "node", "phase"):
-            raise bad(key or "field", "unknown; the fields are step, rank, node and phase")
-        if not eq or key in fields:
+        if key not in FIELDS:
+            raise bad(key or "field", f"unknown; the fields are {', '.join(FIELDS)}")
+        if key == "every":  # a flag, no value
+            if eq or key in fields:
+                raise bad(key, "give it once, as a bare flag: ,every")
+        elif not eq or key in fields:
             raise bad(key, "give it once, as key=value")
         fields[key] = value
     if "step" not in fields:
@@ -182,7 +233,34 @@ def parse_fault(spec: str | FaultSpec) -> FaultSpec:
         raise bad("phase", "phase=checkpoint applies to sigkill only; drop it")
     if kind in NODE_KINDS and "rank" in ints:
         raise bad("rank", f"{kind} takes node=K, not rank=R")
-    return FaultSpec(kind, ints["step"], ints.get("rank"), ints.get("node"), phase)
+    factor = _factor(fields, kind, bad)
+    if "every" in fields and kind is not FaultKind.CORRUPT_GRAD:
+        raise bad("every", "applies to corrupt-grad only; drop it")
+    if kind in GRAY_KINDS and "rank" in ints and "node" in ints:
+        raise bad("node", f"{kind} takes rank=R or node=K, not both")
+    if kind is FaultKind.SLOW and "node" not in ints:
+        raise bad("node", "missing; slow needs node=K, the node whose steps slow down")
+    return FaultSpec(
+        kind, ints["step"], ints.get("rank"), ints.get("node"), phase, factor, "every" in fields
+    )
+
+
+def _factor(
+    fields: dict[str, str], kind: FaultKind, bad: Callable[[str, str], FaultSpecError]
+) -> float | None:
+    if kind is not FaultKind.SLOW:
+        if "factor" in fields:
+            raise bad("factor", "applies to slow only; drop it")
+        return None
+    if "factor" not in fields:
+        raise bad("factor", "missing; add factor=F, how many times longer its steps take (e.g. 3)")
+    try:
+        factor = float(fields["factor"])
+    except ValueError:
+        raise bad("factor", f"{fields['factor']!r} must be a number") from None
+    if not 1.0 < factor <= MAX_SLOW_FACTOR:  # also refuses nan and inf
+        raise bad("factor", f"{factor:g} is out of range: more than 1, at most {MAX_SLOW_FACTOR:g}")
+    return factor
 
 
 def _count(text: str, key: str, bad: Callable[[str, str], FaultSpecError]) -> int:
@@ -229,7 +307,7 @@ class FaultInjector:
     def maybe_fire(self, step: int, phase: str = "step") -> None:
         """Called by every rank at ``step`` (the step being computed) in each phase."""
         for spec in self.specs:
-            if spec.at_resume or not self._due(spec, step, phase):
+            if spec.at_resume or spec.is_gray or not self._due(spec, step, phase):
                 continue
             if not self._claim(spec):
                 continue
