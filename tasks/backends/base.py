@@ -178,13 +178,6 @@ class ReturnDrills(Protocol):
         """Fault drill: bring lost node ``node`` back, as a replacement node joining would."""
 
 
-@runtime_checkable
-class FreezeDrills(Protocol):
-    def freeze_node(self, node: int) -> None:
-        """Fault drill: stop every process of node ``node`` without ending any (SIGSTOP), as a
-        frozen host or a partition looks; the watcher must notice its silence by itself."""
-
-
 class Backend(Protocol):
     name: str
     placement: Placement
