@@ -44,7 +44,13 @@ class InJobParams(BaseModel):
     initial_heartbeat_timeout_s: float | Literal["auto"] = _timeout("until the first heartbeat")
     node_silence_s: float | Literal["auto"] = _timeout(
         "a node whose beat stops this long while another's goes on is taken away as lost "
-        "(auto: thrice the attempt's measured start-up + the workers' stop timeout)"
+        "(auto: 5 beats of the node's agent, 5 s)"
+    )
+    evict_grace_s: float | Literal["auto"] = Field(
+        "auto",
+        description="a node evicted with notice (a drain, a spot reclaim) has this long "
+        "between SIGTERM and SIGKILL: the pods' terminationGracePeriodSeconds and the "
+        "node-evict drill's (seconds, more than 3; auto: 30)",
     )
 
     @field_validator("*")

@@ -16,6 +16,7 @@ from typing import Any
 from tasks.backends.base import (
     Backend,
     ElasticJob,
+    EvictDrills,
     Job,
     LaunchRequest,
     ReturnDrills,
@@ -346,6 +347,10 @@ class _Watch:
             _log.warning("drill %s: node %d told to stop every process of its own", spec, node)
             self.run_dir.request_freeze(node)
             self.state = frozen(self.state, node, spec)
+        elif spec.evicts_node:
+            grace = self.request.cfg.injob.evict_grace_s
+            why = f"node {node} evicted with notice (SIGTERM, SIGKILL {grace:g} s later)"
+            self._lose(node, str(spec), step, drilled=True, why=why, evict_grace_s=grace)
         else:
             self._lose(node, str(spec), step, drilled=True)
 
@@ -370,6 +375,7 @@ class _Watch:
         drilled: bool,
         why: str = "",
         best_effort: bool = False,
+        evict_grace_s: float | None = None,
     ) -> None:
         """A node lost, by a drill or a silence (``drilled``: the watcher takes it away now)
         or as the backend saw it: which path its loss takes, decided once, and recorded."""
@@ -395,7 +401,11 @@ class _Watch:
                 run_dir.write_node_lost(node=node)
             job.absorb(node)
         try:
-            if drilled:
+            if drilled and evict_grace_s is not None:
+                if not isinstance(job, EvictDrills):
+                    raise ValueError(f"{fault}: {job.name} cannot evict a node")
+                job.evict_node(node, evict_grace_s)
+            elif drilled:
                 job.lose_node(node)
         except Exception as e:
             # A silent node: ending it is best effort (its pod may be gone already, or its host

@@ -252,55 +252,63 @@ BOUND_S = InJobConfig().seconds("node_silence_s") + 1.0 + 0.2 + 3.0
 
 
 @dataclass(frozen=True)
-class Freeze:
+class GrayNode:
     name: str
+    spec: str
     spares: int
     path: str  # the loss's (tasks.loss_policy)
     attempts: int  # to completion
 
 
-FREEZES = [
+GRAY_NODES = [
     # A fixed-size job: the stage retry resumes from the commit.
-    Freeze("fixed", 0, "stage-retry", 2),
+    GrayNode("freeze-fixed", "node-freeze@step=7,node=1", 0, "stage-retry", 2),
     # A hot spare takes the frozen node's place in-job; the frozen node is ended, and the
     # attempt ends right after training does (it used to wait on the stopped processes, and
     # then read the healthy node that had finished as silent).
-    Freeze("spare", 1, "spare", 1),
+    GrayNode("freeze-spare", "node-freeze@step=7,node=1", 1, "spare", 1),
+    # Evicted with notice (SIGTERM to its agent, SIGKILL after the grace): a node loss, not
+    # in-job restarts exhausted (its launcher's exit 1 used to read so: no stage retry).
+    GrayNode("evict-fixed", "node-evict@step=7,node=1", 0, "stage-retry", 2),
+    GrayNode("evict-spare", "node-evict@step=7,node=1", 1, "spare", 1),
 ]
 
 
-@pytest.mark.parametrize("case", FREEZES, ids=[c.name for c in FREEZES])
-def test_a_frozen_node_is_noticed_within_the_bound_and_recovered_bitwise(
-    case: Freeze, baseline: RunOutcome, dataset: Path, tmp_path: Path
+@pytest.mark.parametrize("case", GRAY_NODES, ids=[c.name for c in GRAY_NODES])
+def test_a_frozen_or_evicted_node_is_taken_away_and_recovered_bitwise(
+    case: GrayNode, baseline: RunOutcome, dataset: Path, tmp_path: Path
 ):
     """Node 1 of two frozen (SIGSTOP: its agent, worker and checkpoint writer, by its own agent:
     trainer.node_beat) after the first commit, as a hung host or a partition looks: alive to the
-    process table, silent to the job. The watcher notices its agent's beat stop while the
-    others' go on, within the bound, takes it away, and the run is bitwise equal to the
-    fault-free one; none of the frozen processes outlives the attempt."""
+    process table, silent to the job; the watcher notices its agent's beat stop while the
+    others' go on, within the bound. Or evicted with notice. Either way it is taken away as a
+    lost node, the run is bitwise equal to the fault-free one, and none of its processes
+    outlives the attempt."""
     from tasks.backends.base import LaunchRequest
     from tasks.backends.local import LocalBackend
     from tasks.classify import EndKind
     from tasks.ownership import processes
     from tasks.train_stage import run_attempt
 
-    spec = "node-freeze@step=7,node=1"
-    cfg = make_config(tmp_path / "run", dataset, faults=(spec,))
-    # The deadline is far off: only the silence can end attempt 1 in time.
+    cfg = make_config(tmp_path / "run", dataset, faults=(case.spec,))
+    # The deadline is far off: only the watcher's verdict can end attempt 1 in time.
     request = LaunchRequest(
-        run_id="frozen", attempt=1, cfg=cfg, nodes=2, nproc_per_node=1, spares=case.spares,
+        run_id="gray", attempt=1, cfg=cfg, nodes=2, nproc_per_node=1, spares=case.spares,
         deadline_s=400,
     )  # fmt: skip
     reports = [run_attempt(LocalBackend(), request)]
-    assert not processes.tagged(cfg.run_root), "a frozen process outlived its attempt"
+    assert not processes.tagged(cfg.run_root), "a process of the node outlived its attempt"
     events = read_events(cfg.run_root)
     faults = [e for e in events if e["kind"] == "fault"]
-    assert [(f["fault"], f["node"], f["path"]) for f in faults] == [(spec, 1, case.path)]
-    assert "silent for" in faults[0]["detail"]
-    quiet = float(faults[0]["detail"].split("silent for ")[1].split(" s")[0])
-    assert quiet >= InJobConfig().seconds("node_silence_s") - 1  # never before the bound
-    frozen_at = RunDir(cfg.run_root, 1).freeze_file(1).stat().st_mtime
-    assert faults[0]["t"] - frozen_at <= BOUND_S, "noticed later than the bound"
+    assert [(f["fault"], f["node"], f["path"]) for f in faults] == [(case.spec, 1, case.path)]
+    if "freeze" in case.spec:
+        assert "silent for" in faults[0]["detail"]
+        quiet = float(faults[0]["detail"].split("silent for ")[1].split(" s")[0])
+        assert quiet >= InJobConfig().seconds("node_silence_s") - 1  # never before the bound
+        frozen_at = RunDir(cfg.run_root, 1).freeze_file(1).stat().st_mtime
+        assert faults[0]["t"] - frozen_at <= BOUND_S, "noticed later than the bound"
+    else:
+        assert "evicted with notice" in faults[0]["detail"]
     if case.attempts == 1:
         assert reports[0].outcome.kind == EndKind.COMPLETED, reports[0].outcome.message
         # The attempt ends right after its training does: nothing left to wait on.
@@ -314,4 +322,4 @@ def test_a_frozen_node_is_noticed_within_the_bound_and_recovered_bitwise(
     result = json.loads((cfg.run_root / "result.json").read_text())
     assert result["params_sha256"] == baseline.result["params_sha256"]  # type: ignore[index]
     recovered = [e for e in read_events(cfg.run_root) if e["kind"] == "recovered"]
-    assert [(r["fault"], r["layer"]) for r in recovered] == [(spec, case.path)]
+    assert [(r["fault"], r["layer"]) for r in recovered] == [(case.spec, case.path)]

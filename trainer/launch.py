@@ -60,6 +60,8 @@ def ft_launcher_argv(
         f"--max-restarts={inj.max_restarts}",
         f"--monitor-interval={inj.monitor_interval_s}",
         f"--workers-stop-timeout={int(inj.workers_stop_timeout_s)}",
+        # An eviction's SIGTERM: the workers end within the grace, not NVRx's 1800 s default.
+        f"--term-timeout={inj.term_timeout_s}",
         f"--ft-initial-rank-heartbeat-timeout={inj.seconds('initial_heartbeat_timeout_s')}",
         f"--ft-rank-heartbeat-timeout={inj.seconds('heartbeat_timeout_s')}",
         "--ft-rank-section-timeouts="

@@ -90,6 +90,9 @@ AUTO = "auto"
 # loaded filesystem, plus the watcher's poll, as a freeze; 5 stays within the 10 s target at
 # the 1 s beat with room for both.
 SILENCE_BEATS = 5
+# Of injob.evict_grace_s, what the launcher keeps after its workers' end for its own (leaving
+# the rendezvous, saying its last beat).
+EVICT_MARGIN_S = 3.0
 Timeout = float | str  # seconds, or AUTO
 # The in-job timeouts that may be AUTO (every one the run form exposes).
 AUTO_TIMEOUTS = (
@@ -151,6 +154,11 @@ class InJobConfig:
     # every respawn) stops changing; the watcher takes it as lost after this long while another
     # node's beat changes. Auto: SILENCE_BEATS beats.
     node_silence_s: Timeout = AUTO
+    # A node evicted with notice (a drain, a spot reclaim, an upgrade: SIGTERM to its launcher,
+    # SIGKILL this long after): the grace a pod renders (terminationGracePeriodSeconds) and the
+    # node-evict drill's. The launcher ends its workers within it (--term-timeout, EVICT_MARGIN_S
+    # less), leaving time to leave the rendezvous cleanly before the SIGKILL.
+    evict_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         self._check_values()
@@ -198,6 +206,12 @@ class InJobConfig:
             f"often a node rewrites its beat, got {self.node_silence_s}",
         )
         require(
+            self.evict_grace_s > EVICT_MARGIN_S,
+            "injob.evict_grace_s",
+            f"must exceed {EVICT_MARGIN_S:g} s, what the launcher keeps after its workers end to "
+            f"leave the rendezvous, got {self.evict_grace_s}",
+        )
+        require(
             self.seconds("heartbeat_timeout_s") <= self.seconds("initial_heartbeat_timeout_s"),
             "injob.initial_heartbeat_timeout_s",
             "must be >= injob.heartbeat_timeout_s: the first heartbeat comes after start-up and "
@@ -237,6 +251,11 @@ class InJobConfig:
             f"must be >= every section timeout ({longest} s): no heartbeat goes out during a "
             "checkpoint save or load, and the heartbeat timeout is checked in every section",
         )
+
+    @property
+    def term_timeout_s(self) -> int:
+        """ft_launcher's ``--term-timeout``: how long its workers get after a SIGTERM."""
+        return max(1, int(self.evict_grace_s - EVICT_MARGIN_S))
 
     def pinned(self, name: str) -> float | None:
         """The timeout ``name`` as the operator pinned it; None where it is auto."""

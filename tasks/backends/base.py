@@ -178,6 +178,13 @@ class ReturnDrills(Protocol):
         """Fault drill: bring lost node ``node`` back, as a replacement node joining would."""
 
 
+@runtime_checkable
+class EvictDrills(Protocol):
+    def evict_node(self, node: int, grace_s: float) -> None:
+        """Fault drill: tell node ``node`` to go with notice (SIGTERM to its launcher, SIGKILL
+        ``grace_s`` later), as a drain or a spot reclaim does; returns at once."""
+
+
 class Backend(Protocol):
     name: str
     placement: Placement

@@ -10,13 +10,19 @@ process-group kill would miss them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 import subprocess
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from tasks.backends import node_memory
 from tasks.backends.base import (
@@ -128,6 +134,29 @@ class LocalJob:
     @property
     def _memory_key(self) -> tuple[Path, int, str]:
         return (self.request.cfg.run_root, self.attempt, self.invocation or self.request.invocation)
+
+    def evict_node(self, node: int, grace_s: float) -> None:
+        """A node told to go (a drain, a spot reclaim): SIGTERM to its agent, as the kubelet
+        sends a pod's first process, and SIGKILL to whatever of it is left ``grace_s`` later.
+        Returns at once: the node uses its notice while the watch goes on."""
+        if node not in self.nodes or self.nodes[node].poll() is not None:
+            raise ValueError(f"node-evict names node {node}, which is not running")
+        self.lost.add(node)
+        proc = self.nodes[node]
+        # The recorded process is the exit-code shell; the agent is its child.
+        for child in _children(proc.pid):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.send_signal(signal.SIGTERM)
+
+        def after_grace() -> None:
+            deadline = time.monotonic() + grace_s
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            kill_tree(proc.pid)
+            proc.wait()
+            node_memory.forget_node(*self._memory_key, node)
+
+        threading.Thread(target=after_grace, name=f"evict node {node}", daemon=True).start()
 
     def restore_node(self, node: int) -> None:
         if node not in self.lost:
@@ -313,6 +342,13 @@ class LocalBackend:
                 )
             return None
         return open_network(env=env, cwd=REPO, log=log, publish=request.cfg.metrics_port)
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return list(psutil.Process(pid).children())
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _worker_env(request: LaunchRequest, config: Path) -> dict[str, str]:

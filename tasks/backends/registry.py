@@ -65,7 +65,7 @@ TYPES: dict[str, BackendType] = {
         embedded_s3=True,
         hydrates_s3_weights=True,
         factory=_local,
-        drills=frozenset({"node-loss", "node-return", "node-freeze"}),
+        drills=frozenset({"node-loss", "node-return", "node-freeze", "node-evict"}),
     ),
     "eks": BackendType(
         "eks",
@@ -76,8 +76,9 @@ TYPES: dict[str, BackendType] = {
         factory=_eks,
         check=_eks_check,
         # A lost pod's replacement is the Job controller's to start, and the API cannot stop
-        # a pod's processes without ending them.
-        drills=frozenset({"node-loss"}),
+        # a pod's processes without ending them: a freeze is its own agent's
+        # (trainer.node_beat).
+        drills=frozenset({"node-loss", "node-freeze"}),
     ),
 }
 

@@ -36,6 +36,7 @@ def pod_template(
     env: list[dict[str, Any]],
     metrics_port: int | None,
     node_memory_gb: float,
+    grace_s: float,
 ) -> dict[str, Any]:
     """``name``: the Job's (its headless Service's and its ConfigMap's too); ``same_attempt``:
     the labels that select this attempt's pods, kept one per node."""
@@ -52,7 +53,9 @@ def pod_template(
             "automountServiceAccountToken": False,
             **({"priorityClassName": eks.priority_class} if eks.priority_class else {}),
             "securityContext": pod_security_context(),
-            "terminationGracePeriodSeconds": 30,
+            # An eviction's notice (injob.evict_grace_s): the launcher ends its workers and
+            # leaves the rendezvous within it (--term-timeout).
+            "terminationGracePeriodSeconds": int(grace_s),
             **_placement(eks, same_attempt),
             "containers": [
                 {

@@ -128,6 +128,7 @@ def render_job(
         env=pod_env(eks, attempt=attempt, epoch=epoch, config=config, secrets=secrets),
         metrics_port=cfg.metrics_port,
         node_memory_gb=node_memory_gb,
+        grace_s=cfg.injob.evict_grace_s,
     )
     if eks.queue:
         # Kueue admits the Job from this LocalQueue. The Job is not created suspended: Kueue's
