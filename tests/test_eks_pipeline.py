@@ -93,6 +93,7 @@ class Cluster(threading.Thread):
         nodes: tuple[str, ...] = NODES,
         victims: int = 1,
         return_after_s: float | None = None,
+        graceful_delete: bool = False,
     ) -> None:
         super().__init__(daemon=True)
         self.kube, self.params, self.s3 = kube, params, s3
@@ -106,6 +107,10 @@ class Cluster(threading.Thread):
         # trained a step (None), or that many seconds after the losses (survivors below the
         # minimum wait).
         self.victims, self.return_after_s = victims, return_after_s
+        # The kubelets honour a deletion's grace (an eviction's): SIGTERM to the pod's first
+        # process, SIGKILL the pod's grace later. kmock keeps no deletionTimestamp, so a test
+        # that evicts says so here (the watcher's other deletions have grace 0).
+        self.graceful_delete = graceful_delete
         self.replaced: list[str] = []  # replacement pods the "Job controller" created
         self.exit_codes: dict[str, int] = {}  # of elastic Jobs' pods, as their kubelet saw
         self.trained = 0
@@ -298,7 +303,8 @@ class Cluster(threading.Thread):
         # sizes them for simulated nodes (results are bitwise equal for one thread count).
         workers = spec.nnodes * spec.nproc_per_node
         env = {**env, "NVRX_CPU_THREADS": str(max(1, (os.cpu_count() or 1) // workers))}
-        pods = ElasticPods(self, name, argv, env)
+        grace = job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        pods = ElasticPods(self, name, argv, env, grace_s=grace if self.graceful_delete else 0)
         pods.start(0)
         _wait_listening(endpoint)
         for i in range(1, launched):
@@ -381,7 +387,9 @@ class Cluster(threading.Thread):
 class ElasticPods:
     """The pods of one elastic Job and the agent each runs (kubelets of kmock's nodes)."""
 
-    def __init__(self, cluster: Cluster, job: str, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self, cluster: Cluster, job: str, argv: list[str], env: dict[str, str], grace_s: float
+    ) -> None:
         self.cluster, self.kube, self.job, self.argv, self.env = (
             cluster,
             cluster.kube,
@@ -389,6 +397,7 @@ class ElasticPods:
             argv,
             env,
         )
+        self.grace_s = grace_s
         self.lock = threading.Lock()
         self.running: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}  # pod -> index, agent
         self.logs: list[Any] = []
@@ -456,9 +465,11 @@ class ElasticPods:
                     running = dict(self.running)
                 for pod, (index, proc) in running.items():
                     if pod not in present:  # deleted (a drill): the kubelet kills it
-                        _end_pod(pod, proc)
                         with self.lock:
                             self.running.pop(pod, None)
+                        threading.Thread(
+                            target=_end_pod, args=(pod, proc, self.grace_s), daemon=True
+                        ).start()
                         continue
                     rc = proc.poll()
                     if rc is None:
@@ -502,8 +513,13 @@ class ElasticPods:
 POD_ENV = "NVRX_TEST_POD"
 
 
-def _end_pod(pod: str, proc: subprocess.Popen[bytes]) -> int:
-    """End every process of ``pod`` (its agent ``proc`` first); the agent's exit code."""
+def _end_pod(pod: str, proc: subprocess.Popen[bytes], grace_s: float = 0) -> int:
+    """End every process of ``pod`` (its agent ``proc`` first; with a grace, as a kubelet does:
+    SIGTERM to it, SIGKILL to all of them ``grace_s`` later); the agent's exit code."""
+    if grace_s > 0:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
     kill_tree(proc.pid)
     rc = proc.wait()
     escaped = []
@@ -829,3 +845,42 @@ def test_node_loss_absorbed_in_job_on_eks(
     assert kube.jobs_labelled(NS, "nvrx.io/run-id", params.run_id or "") == []
     assert result.checkpoint.validated and result.checkpoint.step == 20
     assert_exported(result, s3_settings)
+
+
+# Issue 42 on the stand-in: a pod's node frozen (its agent stops the pod: trainer.node_beat) or
+# evicted with notice (the pod deleted with its grace; the stand-in's kubelet sends SIGTERM,
+# then SIGKILL), beside a hot spare: the spare takes its place in-job, bitwise.
+GRAY_PODS = [
+    pytest.param("node-freeze@step=7,node=1", "silent for", id="freeze"),
+    pytest.param("node-evict@step=7,node=1", "evicted with notice", id="evict"),
+]
+
+
+@pytest.mark.parametrize(("drill", "said"), GRAY_PODS)
+def test_a_frozen_or_evicted_pod_is_replaced_by_a_spare_on_eks(
+    kube: Kube,
+    baseline: PipelineResult,
+    s3_settings: S3Settings,
+    tmp_path: Path,
+    drill: str,
+    said: str,
+):
+    seed_cluster(kube)
+    spare_node = "ip-10-0-1-3"
+    kube.core.create_node(p5(spare_node), _preload_content=False)
+    params = eks_params("eks-gray", s3_settings, tmp_path, spares=1, drills={"faults": [drill]})
+    cluster = Cluster(
+        kube, params, s3_settings, lose_node_in=set(), nodes=(*NODES, spare_node),
+        graceful_delete="evict" in drill,
+    )  # fmt: skip
+    state, result = run_on_cluster(cluster)
+    assert state.is_completed(), state.message
+    assert result is not None and result.final_step == 20
+    assert result.stage_attempts["train"] == 1, "no stage retry"
+    assert result.params_sha256 == baseline.params_sha256
+    assert [(f.fault, f.path, f.recovered_by) for f in result.faults] == [(drill, "spare", "spare")]
+    [fault] = [e for e in read_events(cluster.ctx.run_root) if e["kind"] == "fault"]
+    assert said in fault["detail"]
+    starts = [e for e in read_events(cluster.ctx.run_root) if e["kind"] == "train_start"]
+    assert starts[-1]["nodes"] == [0, 2], "the spare trained in node 1's place"
+    assert kube.jobs_labelled(NS, "nvrx.io/run-id", params.run_id or "") == []

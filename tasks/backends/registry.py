@@ -77,8 +77,8 @@ TYPES: dict[str, BackendType] = {
         check=_eks_check,
         # A lost pod's replacement is the Job controller's to start, and the API cannot stop
         # a pod's processes without ending them: a freeze is its own agent's
-        # (trainer.node_beat).
-        drills=frozenset({"node-loss", "node-freeze"}),
+        # (trainer.node_beat); an eviction deletes the pod with its grace.
+        drills=frozenset({"node-loss", "node-freeze", "node-evict"}),
     ),
 }
 

@@ -254,16 +254,26 @@ class EksJob:
         watcher found silent), as a lost node's pods go (grace period 0: a dead node runs no
         SIGTERM handler; on an unreachable node the pod may live on until the node returns,
         and its writers are fenced then)."""
+        self._delete_index(node, grace_s=0)
+
+    def evict_node(self, node: int, grace_s: float) -> None:
+        """The node-evict drill: delete the pod of index ``node`` with the grace an eviction
+        gives it (a drain's Eviction API call does the same delete once its disruption budget
+        allows), so its kubelet sends the launcher SIGTERM and SIGKILL ``grace_s`` later. The
+        delete permission the pipeline holds already; the Eviction API would be one more."""
+        self._delete_index(node, grace_s=int(grace_s))
+
+    def _delete_index(self, node: int, *, grace_s: int) -> None:
         pods = [
             p
             for p in self.kube.job_pods(self.ns, self.name)
             if observe_pod(p, 0.0).index == node and not p["metadata"].get("deletionTimestamp")
         ]
         if not pods:
-            raise ValueError(f"node-loss drill: Job {self.name} has no pod of index {node}")
+            raise ValueError(f"drill: Job {self.name} has no pod of index {node}")
         for p in pods:
             self.history.deleted_by_us.add(p["metadata"]["name"])
-            self.kube.delete_pod(self.ns, p["metadata"]["name"])
+            self.kube.delete_pod(self.ns, p["metadata"]["name"], grace_s=grace_s)
 
     def stop(self) -> None:
         self._close_watch()

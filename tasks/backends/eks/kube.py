@@ -167,12 +167,13 @@ class Kube:
             with self._missing_ok():
                 fn(name, ns, propagation_policy="Background", _preload_content=False)
 
-    def delete_pod(self, ns: str, name: str) -> None:
-        """Delete a pod at once (grace period 0), as a lost node's pods go (the node-loss
-        drill). A pod already gone is fine."""
+    def delete_pod(self, ns: str, name: str, *, grace_s: int = 0) -> None:
+        """Delete a pod: at once (grace period 0), as a lost node's pods go (the node-loss
+        drill), or with a grace, as an eviction's (its kubelet sends SIGTERM, then SIGKILL
+        ``grace_s`` later). A pod already gone is fine."""
         with self._missing_ok():
             self.core.delete_namespaced_pod(
-                name, ns, grace_period_seconds=0, _preload_content=False
+                name, ns, grace_period_seconds=grace_s, _preload_content=False
             )
 
     # -- reads ---------------------------------------------------------------------------------
