@@ -311,6 +311,12 @@ def test_a_frozen_or_evicted_node_is_taken_away_and_recovered_bitwise(
         assert "evicted with notice" in faults[0]["detail"]
     if case.attempts == 1:
         assert reports[0].outcome.kind == EndKind.COMPLETED, reports[0].outcome.message
+        # The spare resumed from the peer copies of a memory save every step: at most the step
+        # in flight is replayed (or one more where the node went before that save was sealed).
+        t = faults[0]["t"]
+        before = max(e["step"] for e in events if e["kind"] == "step" and e["t"] < t)
+        resumed = [e for e in events if e["kind"] == "resume" and e["t"] > t]
+        assert resumed[0]["action"] == "loaded" and resumed[0]["step"] >= before - 1
         # The attempt ends right after its training does: nothing left to wait on.
         [end] = [e for e in events if e["kind"] == "train_end"]
         [over] = [e for e in events if e["kind"] == "stage_attempt_end"]
