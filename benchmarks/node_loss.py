@@ -20,6 +20,8 @@ runs every path on the same step, the order rotating between samples. The measur
 resume, split into detect / restart / load / first step. Per path: median, min and max of the
 total and the median of each phase over the recovered samples, and each path's median over the
 SIGKILL one's. Target (issue 17): the spare path's median within 2 s of the SIGKILL median.
+Issue 42's gray nodes (``freeze-spare``, ``evict-spare``) add ``noticed_s`` (a freeze: from the
+drill's request to the watcher's verdict; target <= 10 s) and ``steps_replayed``.
 
     python benchmarks/node_loss.py [--paths sigkill spare elastic stage-retry] [--samples 3]
         [--seed 0] [--steps 20] [--ckpt-interval 5] [--json] [--out FILE]
@@ -51,7 +53,7 @@ from tasks.train_stage import run_attempt  # noqa: E402
 from trainer.checkpointing.config import CheckpointConfig, DurableConfig  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.data import write_synthetic_dataset  # noqa: E402
-from trainer.rundir import read_events  # noqa: E402
+from trainer.rundir import RunDir, read_events  # noqa: E402
 from trainer.timeline import recovery_phases  # noqa: E402
 
 
@@ -70,6 +72,10 @@ PATHS = {
         LossPath("spare", "node-loss@step={s},node=1", spares=1),
         LossPath("elastic", "node-loss@step={s},node=1", min_nodes=1),
         LossPath("stage-retry", "node-loss@step={s},node=1"),
+        # Issue 42: gray nodes beside a hot spare. A freeze is noticed by its agent's beat
+        # stopping (noticed_s: the drill's request to the fault event); an eviction is told.
+        LossPath("freeze-spare", "node-freeze@step={s},node=1", spares=1),
+        LossPath("evict-spare", "node-evict@step={s},node=1", spares=1),
     )
 }
 SPARE_TARGET_S = 2.0  # issue 17: the spare path within 2 s of the SIGKILL in-job recovery
@@ -110,6 +116,17 @@ def run_path(path: LossPath, step: int, run_root: Path, data: Path, args: argpar
     row["layer"] = next((getattr(e, "layer", None) for e in events if e.kind == "recovered"), None)
     row["attempts"] = attempt
     row["completed"] = report.outcome.kind == EndKind.COMPLETED
+    fault = next((e for e in events if e.kind == "fault"), None)
+    if fault is not None:
+        freeze = RunDir(run_root, 1).freeze_file(1)
+        if freeze.exists():  # a freeze drill: from the request to the watcher's verdict
+            row["noticed_s"] = round(fault.t - freeze.stat().st_mtime, 3)
+        # Steps trained before the fault and trained again after it (the step in flight
+        # excluded): what the recovery lost.
+        before = max((e.step for e in events if e.kind == "step" and e.t < fault.t), default=0)
+        resumed = next((e for e in events if e.kind == "resume" and e.t > fault.t), None)
+        if resumed is not None and getattr(resumed, "step", None) is not None:
+            row["steps_replayed"] = max(0, before - resumed.step)
     return row
 
 
@@ -124,6 +141,11 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for k in PHASES
         if any(k in r for r in ok)
     }
+    for extra in ("noticed_s", "steps_replayed"):
+        values = [float(r[extra]) for r in ok if extra in r]
+        if values:
+            out[extra] = {"median": statistics.median(values), "min": min(values),
+                          "max": max(values)}  # fmt: skip
     out["layers"] = sorted({str(r.get("layer")) for r in ok if r.get("layer")})
     out["attempts"] = sorted({int(r["attempts"]) for r in rows})
     return out

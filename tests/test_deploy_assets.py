@@ -756,7 +756,6 @@ def test_the_image_installs_the_tested_versions_and_has_every_command_the_jobs_r
                               env=env, timeout=120)  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         for needed in (
-            "ft_launcher",
             "python -m trainer.data",
             "python -m trainer.agent",
             "prefect",

@@ -83,6 +83,7 @@ def _every_field_changed(dataset: Path, tmp_path: Path) -> TrainConfig:
             section_floor_s=20.0,
             step_timeout_floor_s=2.5,
             node_silence_s=45.0,
+            evict_grace_s=20.0,
         ),
         local_paths=False,
         metrics_port=9999,

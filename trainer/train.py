@@ -6,22 +6,27 @@ Runs under ``ft_launcher``, plain ``torchrun``, or alone for debugging (world si
 Local, 2 simulated nodes x 1 CPU worker each (run both lines, e.g. in two shells; the first agent
 to start hosts the c10d rendezvous store)::
 
-    ft_launcher --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d \\
+    NVRX_NODE=0 python -m trainer.agent --beat /tmp/run1:1 -- \\
+        --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d \\
         --rdzv-endpoint=127.0.0.1:29500 --rdzv-id=run1 --rdzv-conf=join_timeout=20 \\
-        --max-restarts=3 --monitor-interval=0.5 --workers-stop-timeout=5 \\
+        --max-restarts=3 --monitor-interval=0.5 --workers-stop-timeout=5 --term-timeout=27 \\
         --ft-initial-rank-heartbeat-timeout=90 --ft-rank-heartbeat-timeout=30 \\
         --ft-workload-check-interval=1 --ft-enable-nic-monitor=false \\
         -m trainer --set run_root=/tmp/run1 --set data_dir=/tmp/data --set steps=20
 
-One node, 2 CPU workers: the same with ``--nnodes=1 --nproc-per-node=2``.
+One node, 2 CPU workers: the same with ``--nnodes=1 --nproc-per-node=2``. (``trainer.agent`` runs
+NVRx's ``ft_launcher`` in its own process and beats for the node, ``NVRX_NODE`` on
+``control/beats``: the watcher's sign of life; plain ``ft_launcher`` with the same arguments
+trains the same, unwatched.)
 
 EKS, p5.48xlarge, 8 GPUs per node, N nodes (one pod per node; ``$JOB-0.$SVC`` is the index-0 pod
 of the Indexed Job behind its headless Service; add ``--ft-gpu-memory-reclaim-timeout=0`` only on
 CPU hosts with NVRx >= 0.7)::
 
-    ft_launcher --nnodes=$N --nproc-per-node=8 --rdzv-backend=c10d \\
+    python -m trainer.agent --beat /fsx/runs/$RUN_ID:1 -- \\
+        --nnodes=$N --nproc-per-node=8 --rdzv-backend=c10d \\
         --rdzv-endpoint=$JOB-0.$SVC:29500 --rdzv-id=$RUN_ID --rdzv-conf=join_timeout=120 \\
-        --max-restarts=3 --monitor-interval=1 --workers-stop-timeout=30 \\
+        --max-restarts=3 --monitor-interval=1 --workers-stop-timeout=30 --term-timeout=27 \\
         --ft-initial-rank-heartbeat-timeout=900 --ft-rank-heartbeat-timeout=300 \\
         --ft-workload-check-interval=5 --ft-enable-nic-monitor=false \\
         -m trainer --config /fsx/runs/$RUN_ID/config/train-attempt1.json
