@@ -30,6 +30,7 @@ from tasks.watch_state import (
     Tick,
     WatchState,
     beat,
+    condemned,
     drop,
     due,
     frozen,
@@ -51,6 +52,7 @@ from trainer.event_types import (
     StageAttempt,
     StageAttemptEnd,
     Step,
+    StepCheck,
 )
 from trainer.events import EventLog
 from trainer.faults import FaultSpec
@@ -310,6 +312,9 @@ class _Watch:
                 except Exception as err:
                     self.complain(what, err)
             self._drills(event.step if isinstance(event, Step) else None)
+            if isinstance(event, StepCheck):
+                for node in condemned(self.state, event):
+                    self._condemn(node, event)
         self._drills(None)
         try:
             self.state = beat(self.state, self.beats_read.call(min(timeout, 1.0)), self.clock())
@@ -353,6 +358,16 @@ class _Watch:
             self._lose(node, str(spec), step, drilled=True, why=why, evict_grace_s=grace)
         else:
             self._lose(node, str(spec), step, drilled=True)
+
+    def _condemn(self, node: int, e: StepCheck) -> None:
+        """A node whose step failed its check again on replay: corrupting, so taken away."""
+        why = (
+            f"node {node} failed step {e.step}'s check twice (rejected, then again on replay: "
+            f"{e.reason}): a node that corrupts, taken away"
+        )
+        _log.warning("%s", why)
+        fault = f"step-check@step={e.step},node={node}"
+        self._lose(node, fault, e.step, drilled=True, why=why, best_effort=True)
 
     def _silent(self, node: int) -> None:
         """A training node silent past the bound while others beat: taken away as lost."""

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from tasks.loss_policy import LossDecision, LossPath
-from trainer.event_types import Event, Fatal, Step, TrainStart
+from trainer.event_types import Event, Fatal, Step, StepCheck, TrainStart
 from trainer.faults import FaultSpec
 from trainer.node_beat import is_done
 
@@ -113,6 +113,15 @@ def observe(s: WatchState, e: Event, now: float) -> WatchState:
     if isinstance(e, Step):
         return replace(s, last_step=max(e.step, s.last_step or 0))
     return s
+
+
+def condemned(s: WatchState, e: Event) -> list[int]:
+    """Nodes a step check found bad (trainer.step_check: a step rejected, replayed in place and
+    rejected again, attributed to them): to be taken away as lost, so a spare replaces them or
+    the world re-forms without them. A node not known (-1) or lost already is not."""
+    if not (mine(s, e) and isinstance(e, StepCheck) and e.verdict == "repeat"):
+        return []
+    return sorted({n for n in e.nodes if n >= 0} - s.lost)
 
 
 def due(s: WatchState, at_step: int | None = None) -> FaultSpec | None:

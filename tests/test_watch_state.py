@@ -17,6 +17,7 @@ from tasks.watch_state import (
     Tick,
     WatchState,
     beat,
+    condemned,
     drop,
     due,
     lost,
@@ -27,7 +28,7 @@ from tasks.watch_state import (
     silent,
     tick,
 )
-from trainer.event_types import Event, Fatal, Step, TrainStart
+from trainer.event_types import Event, Fatal, Step, StepCheck, TrainStart
 from trainer.faults import parse_fault
 
 T0 = 1000.0  # the watcher's monotonic clock when the watch began
@@ -278,3 +279,21 @@ def test_a_reads_error_reaches_the_caller_and_bounded_gives_the_default():
     gate = threading.Event()
     assert bounded("hung", blocking(gate, "late"), 0.05, "default") == "default"
     gate.set()
+
+
+# -- nodes a step check condemned ---------------------------------------------------------------
+def test_a_repeated_step_check_failure_condemns_its_nodes_once():
+    def check(verdict: str, nodes: list[int], epoch: int | None = None) -> Event:
+        return StepCheck(t=1.0, step=8, verdict=verdict, reason="non-finite", nodes=nodes,
+                         epoch=epoch)  # type: ignore[arg-type]  # fmt: skip
+
+    s = replay(replace(BASE, epoch=3), [(1, start(0, 1, 2))])
+    assert condemned(s, check("repeat", [1], epoch=3)) == [1]
+    # A first rejection (replaying) or a transient one condemns nothing; nor another attempt's
+    # verdict, a node no backend named, or one lost already.
+    assert condemned(s, check("rejected", [1], epoch=3)) == []
+    assert condemned(s, check("transient", [1], epoch=3)) == []
+    assert condemned(s, check("repeat", [1], epoch=2)) == []
+    assert condemned(s, check("repeat", [-1], epoch=3)) == []
+    s = replay(s, [(2, ("loss", 1, LossPath.SPARE))])
+    assert condemned(s, check("repeat", [1, 2], epoch=3)) == [2]
