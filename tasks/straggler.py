@@ -31,7 +31,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from trainer.event_types import Step
+from trainer.event_types import Step, Straggler
 from trainer.straggler_config import StragglerConfig, StragglerPolicy
 
 
@@ -250,3 +250,18 @@ def _verdict(
     if kind == Kind.CLEARED:
         evidence = f"node {node} back to {score:.2f}x the median (< {cfg.leave}) at step {step}"
     return Verdict(node, kind, round(score, 4), scores, (first, step), round(seconds, 3), evidence)
+
+
+def event(v: Verdict, cfg: StragglerConfig) -> Straggler:
+    """The ``straggler`` event that says ``v`` (the watcher emits it)."""
+    return Straggler(
+        node=v.node,
+        verdict=v.kind.value,
+        score=v.score,
+        scores=list(v.scores),
+        window=cfg.window,
+        steps=list(v.steps),
+        seconds=v.seconds,
+        policy=cfg.policy.value,
+        evidence=v.evidence,
+    )

@@ -294,3 +294,25 @@ def test_bad_settings_name_the_field(changes: dict[str, Any], field: str) -> Non
 
 def test_policy_text_is_accepted() -> None:
     assert StragglerConfig(policy="replace").policy == StragglerPolicy.REPLACE  # type: ignore[arg-type]
+
+
+def test_the_section_travels_with_the_trainer_config(tmp_path) -> None:
+    """``--set straggler.KEY=VALUE`` reaches TrainConfig, survives its JSON, and a bad value is
+    refused naming the field; the run form's section builds the same config."""
+    from flows.models import PipelineParams
+    from trainer.config import TrainConfig
+    from trainer.worker_cli import build_parser, config_from_args
+
+    paths = ["--set", f"run_root={tmp_path}", "--set", f"data_dir={tmp_path}"]
+    args = build_parser().parse_args(
+        [*paths, "--set", "straggler.policy=replace", "--set", "straggler.confirm_s=5"]
+    )
+    cfg = config_from_args(args)
+    assert cfg.straggler == StragglerConfig(policy=StragglerPolicy.REPLACE, confirm_s=5.0)
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    assert TrainConfig(run_root=tmp_path, data_dir=tmp_path).straggler.policy == "report"
+    bad = build_parser().parse_args([*paths, "--set", "straggler.polcy=replace"])
+    with pytest.raises(ConfigError, match=r"straggler\.polcy: unknown field"):
+        config_from_args(bad)
+    form = PipelineParams(straggler={"policy": "replace", "window": 4})
+    assert form.straggler.config() == StragglerConfig(policy=StragglerPolicy.REPLACE, window=4)
