@@ -383,7 +383,7 @@ class _Watch:
                 except Exception as e:  # its replacement may land on it again: said, not fatal
                     self.complain(f"cordoning node {v.node}", e)
             fault = f"slow@step={event.step},node={v.node}"
-            why = f"slow node taken away (score {v.score:.2f}): {v.evidence}"
+            why = f"slow node taken away: {v.evidence}"
             self._lose(
                 v.node, fault, event.step, drilled=True, why=why, best_effort=True,
                 fault_kind="slow",
