@@ -195,3 +195,51 @@ def decoded_events(root: Path) -> list[Any]:
     from trainer.rundir import RunDir
 
     return list(RunDir(root).event_reader().iter_new())
+
+
+def test_on_eks_a_slow_node_is_cordoned_and_its_pod_taken_away(kube: Any, tmp_path: Path):
+    """The EKS backend against kmock's API server: under ``replace`` the watcher cordons the
+    Kubernetes Node under the slow index's pod (spec.unschedulable, the one Node verb the RBAC
+    adds) and deletes the pod; a fixed-size Job's replacement is the stage retry. The other
+    Node is left schedulable."""
+    from flows.models import PipelineParams
+    from tasks.backends.eks.render import job_name
+    from tests.eks_cluster import NS
+    from tests.test_eks_backend import TAG, ControlPlane, attempt_on
+    from trainer import fence
+    from trainer.event_types import NodeTime, Step, TrainStart
+    from trainer.events import EventLog
+    from trainer.rundir import RunDir
+
+    params = PipelineParams(
+        backend="eks", nodes=2, global_batch=16, run_id="k-slow",
+        eks={"fsx_mount": str(tmp_path)},
+        straggler={"policy": "replace", "window": 5, "confirm_s": 0, "warmup_steps": 2},
+    )  # fmt: skip
+    name = job_name("k-slow", 1, TAG)
+    root = tmp_path / "runs" / "k-slow"
+
+    def pods_train(k: Any, job: str) -> None:
+        """What rank 0 writes on FSx: the world, then steps in which node 1 is 3x slow."""
+        now = fence.current(RunDir(root))
+        log = EventLog(root, epoch=now.epoch if now else None)
+        log.emit(TrainStart(world_size=16, nodes=[0, 1]))
+        for step in range(1, 40):
+            times = [NodeTime(node=0, busy_s=0.1), NodeTime(node=1, busy_s=0.3)]
+            log.emit(Step(step=step, step_s=0.3, nodes=times))
+
+    driver = ControlPlane(kube, name, pods_train)
+    driver.start()
+    report = attempt_on(kube, params, deadline_s=30)
+    driver.join(5)
+    assert report.outcome.kind == EndKind.NODE_LOSS, report.outcome.message
+    events = read_events(root)
+    [fault] = [e for e in events if e["kind"] == "fault"]
+    assert fault["fault_kind"] == "slow" and fault["node"] == 1
+    assert fault["path"] == "stage-retry"
+    assert [e["verdict"] for e in events if e["kind"] == "straggler"] == ["suspect", "replaced"]
+    nodes = {n["metadata"]["name"]: n.get("spec") or {} for n in kube.nodes()}
+    assert nodes["ip-10-0-1-2"].get("unschedulable") is True
+    assert not nodes["ip-10-0-1-1"].get("unschedulable")
+    left = {p["metadata"]["name"] for p in kube.job_pods(NS, name)}
+    assert f"{name}-1-x" not in left and f"{name}-0-x" in left
