@@ -18,7 +18,6 @@ from tasks.backends.base import (
     Backend,
     Cordons,
     ElasticJob,
-    FreezeDrills,
     Job,
     LaunchRequest,
     ReturnDrills,
@@ -29,7 +28,6 @@ from tasks.loss_policy import LossPath, LossSnapshot, decide
 from tasks.off_loop import OffLoop, bounded
 from tasks.ownership.lease import LeaseLost
 from tasks.watch_state import (
-    SilenceRule,
     Tick,
     WatchState,
     beat,
@@ -39,11 +37,11 @@ from tasks.watch_state import (
     lost,
     mine,
     observe,
+    quiet,
     returned,
     silent,
     tick,
 )
-from trainer.config import TrainConfig
 from trainer.elastic import NodeRange
 from trainer.event_types import (
     Event,
@@ -117,13 +115,12 @@ def run_attempt(
     tail = run_dir.event_reader(from_start=False)
     started = clock()
     check_owner("start an attempt")
-    job, run_dir, events, adopted, fatal = _start(backend, request, run_dir)
+    job, run_dir, events, fatal = _start(backend, request, run_dir)
     request = dataclasses.replace(request, epoch=run_dir.epoch)
     # An elastic job's survivors below its minimum wait in the rendezvous for a node to return,
     # as long as their own join timeout lets them (tasks.loss_policy NODE_WAIT); a fixed-size
     # job's lost node nothing replaces in-job (nor one whose backend cannot re-form it).
     elastic = isinstance(job, ElasticJob) and (request.node_range.elastic or request.spares > 0)
-    silence_s, silence_rule = _silence(cfg, adopted=adopted)
     # The drills the watcher carries out: node losses and returns, in step order.
     drills = (f for f in cfg.faults if f.is_node_fault)
     state = WatchState(
@@ -133,8 +130,7 @@ def run_attempt(
         wait_s=cfg.injob.rdzv_join_timeout_s if elastic else 0.0,
         min_nodes=request.node_range.min,
         wait_grace_s=WAIT_GRACE_S,
-        silence_s=silence_s,
-        silence_rule=silence_rule,
+        silence_s=cfg.injob.seconds("node_silence_s"),
         epoch=run_dir.epoch,
         drills=tuple(sorted(drills, key=lambda f: (f.step, not f.kills_node))),
         fatal=fatal,
@@ -164,9 +160,9 @@ def run_attempt(
 
 def _start(
     backend: Backend, request: LaunchRequest, run_dir: RunDir
-) -> tuple[Job, RunDir, EventLog, bool, str | None]:
+) -> tuple[Job, RunDir, EventLog, str | None]:
     """The attempt's job (launched now, or adopted), its run directory under its epoch, its
-    event log, whether it was adopted, and the first fatal error it said before we came."""
+    event log, and the first fatal error it said before we came (adopted)."""
     job = backend.reattach(request)
     if job is None:
         # A new epoch first: from here on, no writer of an earlier attempt (a pod on an
@@ -184,7 +180,7 @@ def _start(
         run_dir.clear_other_beats()
         run_dir.record_retry(request.attempt)
         events.emit(_attempt(backend, request, request.attempt, adopted=False))
-        return backend.launch(request), run_dir, events, False, None
+        return backend.launch(request), run_dir, events, None
     # Adopted: the attempt runs under the epoch its (dead) watcher published, the highest
     # on record (epoch.json's, or the event log's where that file was lost).
     run_dir = run_dir.adopted()
@@ -195,7 +191,7 @@ def _start(
         END_READ_TIMEOUT_S, None,
     )  # fmt: skip
     events.emit(_attempt(backend, request, job.attempt, adopted=True))
-    return job, run_dir, events, True, fatal
+    return job, run_dir, events, fatal
 
 
 def _watch_to_the_end(watch: _Watch, check_owner: Callable[[str], None]) -> None:
@@ -353,10 +349,9 @@ class _Watch:
             job.restore_node(node)
             self.state = returned(self.state, node)
         elif spec.freezes_node:
-            if not isinstance(job, FreezeDrills):
-                raise ValueError(f"{spec}: {job.name} cannot freeze a node")
-            _log.warning("drill %s: every process of node %d stopped (SIGSTOP)", spec, node)
-            job.freeze_node(node)
+            # Its agent stops the node (trainer.node_beat): the same on every backend.
+            _log.warning("drill %s: node %d told to stop every process of its own", spec, node)
+            self.run_dir.request_freeze(node)
             self.state = frozen(self.state, node, spec)
         else:
             self._lose(node, str(spec), step, drilled=True)
@@ -420,7 +415,8 @@ class _Watch:
             LossSnapshot(
                 lost=node,
                 world_nodes=self.state.world_nodes,
-                alive=job.alive_nodes() - {node},
+                # A node alive to the backend but silent (a frozen one) is no spare.
+                alive=job.alive_nodes() - {node} - quiet(self.state, self.clock()),
                 nodes=(
                     request.node_range
                     if isinstance(job, ElasticJob)
@@ -472,18 +468,6 @@ class _Watch:
                     recovery_s=0.0,
                 )
             )
-
-
-def _silence(cfg: TrainConfig, *, adopted: bool) -> tuple[float | None, SilenceRule | None]:
-    """The watcher's node-silence bound: pinned, or auto (measured from this attempt's start,
-    :class:`tasks.watch_state.SilenceRule`); an adopted attempt started before this watch, so
-    its start cannot be measured here: the start-up allowance."""
-    inj = cfg.injob
-    pinned = inj.pinned("node_silence_s")
-    if pinned is not None or adopted:
-        return (inj.startup_allowance_s if pinned is None else pinned), None
-    floor = max(inj.section_floor_s, 3 * inj.heartbeat_interval_s)
-    return None, SilenceRule(inj.workers_stop_timeout_s, floor, inj.startup_allowance_s)
 
 
 def _loss_name(step: int | None, node: int) -> str:

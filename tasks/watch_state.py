@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from tasks.loss_policy import LossDecision, LossPath
 from trainer.event_types import Event, Fatal, Step, TrainStart
 from trainer.faults import FaultSpec
+from trainer.node_beat import is_done
 
 
 class Tick(enum.Enum):
@@ -35,27 +36,10 @@ class Beat:
     token: str  # what its beat file said (any change is a sign of life)
     changed_at: float  # watcher's monotonic clock
 
-
-@dataclass(frozen=True)
-class SilenceRule:
-    """``injob.node_silence_s`` auto (issue 40, item 0): a node's first worker is gone for good
-    reasons at most as long as an in-job respawn takes (its stop, then the start-up again:
-    rendezvous, interpreter, the model build, a load), so the silence bound is three times this
-    attempt's own start-up as the watcher measured it (launch to the first ``train_start``)
-    plus the workers' stop timeout, between ``floor_s`` and ``ceiling_s`` (the start-up
-    allowance). Until measured no world trains, and silence is not judged. Thrice, not twice:
-    a respawn also loads the state (1.3 GB from node memory in 2.6 s for gpt-100m here) and
-    follows a failure that may have stalled the node first (an OOM's reclaim: 18 s in a
-    gpt-100m run whose healthy-but-dying node 0 was taken away at 2 x)."""
-
-    stop_s: float
-    floor_s: float
-    ceiling_s: float
-    multiple: float = 3.0
-
-    def bound(self, startup_s: float) -> float:
-        raw = self.multiple * max(0.0, startup_s) + self.stop_s
-        return round(min(max(raw, self.floor_s), self.ceiling_s), 3)
+    @property
+    def done(self) -> bool:
+        """The node's agent said its last beat on a normal exit: ended, never silent."""
+        return is_done(self.token)
 
 
 @dataclass(frozen=True)
@@ -70,11 +54,9 @@ class WatchState:
     min_nodes: int = 1  # the fewest nodes the job trains on (a world this size ends a wait)
     # Past the survivors' own wait, how long before the watcher stops what is left.
     wait_grace_s: float = 10.0
-    # A training node whose beat has not changed for this long, while another node's has, is
-    # taken away as lost (None: silence is not judged).
+    # A node whose beat has not changed for this long, while another node's has, is taken
+    # away as lost (None: silence is not judged).
     silence_s: float | None = None
-    # Where ``silence_s`` is auto: how it is derived from the first train_start (then None).
-    silence_rule: SilenceRule | None = None
     epoch: int | None = None  # the attempt's: only its own fatal error decides
     drills: tuple[FaultSpec, ...] = ()  # node drills not carried out yet, in step order
     fatal: str | None = None  # the attempt's first fatal error
@@ -116,20 +98,16 @@ def observe(s: WatchState, e: Event, now: float) -> WatchState:
         waiting_until = s.waiting_until
         if len(named) >= s.min_nodes and e.t > s.wait_began:
             waiting_until = None  # a node returned in time: the world re-formed
-        silence_s, rule = s.silence_s, s.silence_rule
-        if rule is not None:  # the attempt's own start-up, measured: the bound
-            silence_s, rule = rule.bound(now - s.started), None
         return replace(
             s,
-            silence_s=silence_s,
-            silence_rule=rule,
             world_nodes=world,
             world_at=now,
             reformed=s.reformed | s.lost,
             # A lost node training again (its replacement joined): a later loss is new.
             lost=s.lost - world,
             waiting_until=waiting_until,
-            # The world's workers just started: their silence counts from now.
+            # A new world: every node's silence counts from now (a node re-forming it may have
+            # waited in the rendezvous with its beat unread).
             beats={n: Beat(b.token, now) for n, b in s.beats.items()},
         )
     if isinstance(e, Step):
@@ -203,29 +181,46 @@ def beat(s: WatchState, tokens: Mapping[int, str], now: float) -> WatchState:
     return replace(s, beats=beats, beats_read_at=now)
 
 
-def silent(s: WatchState, now: float) -> list[int]:
-    """Training nodes whose beat has not changed for ``silence_s`` while another's has: to be
-    taken away as lost. No verdict while the world re-forms (a loss being recovered, survivors
-    waiting), when the beat files could not be read lately, or when every node is silent at
-    once (a job-wide stall, a restart of every worker: ft_launcher's and the deadline's)."""
-    if s.silence_s is None or s.world_at is None or len(s.world_nodes) < 2:
-        return []
-    if s.loss_at is not None or s.waiting_until is not None:
-        return []
-    # Judged on the newest successful read: a read stuck on a hung mount proves nothing.
-    if s.beats_read_at is None or now - s.beats_read_at > s.silence_s / 2:
-        return []
+def quiet(s: WatchState, now: float) -> frozenset[int]:
+    """Nodes of the attempt (training, or waiting as spares: every node that beats) whose beat
+    has not changed for ``silence_s``, on the newest successful read; a node lost already, or
+    one whose agent said it finished, is not. No spare is offered from these."""
+    if s.silence_s is None or s.world_at is None or s.beats_read_at is None:
+        return frozenset()
     at = s.beats_read_at
 
     def quiet_since(node: int) -> float:
         b = s.beats.get(node)
         return max(s.world_at or 0.0, b.changed_at if b is not None else 0.0)
 
-    nodes = sorted(s.world_nodes - s.lost)
-    quiet = [n for n in nodes if at - quiet_since(n) > s.silence_s]
-    if len(quiet) == len(nodes):
+    return frozenset(n for n in _judged(s) if at - quiet_since(n) > s.silence_s)
+
+
+def _judged(s: WatchState) -> frozenset[int]:
+    finished = {n for n, b in s.beats.items() if b.done}
+    return frozenset((s.world_nodes | set(s.beats)) - s.lost - finished)
+
+
+def silent(s: WatchState, now: float) -> list[int]:
+    """Nodes whose beat has not changed for ``silence_s`` while another's has: to be taken away
+    as lost. Judged over every node that beats, not only the world's (a frozen node the
+    rendezvous already dropped must still be ended, a frozen spare is lost too); a node that
+    finished is never silent (its last beat says ``done``). No verdict while the world
+    re-forms (a loss being recovered, survivors waiting), when the beat files could not be read
+    lately, with fewer than two nodes to compare, or when every node is silent at once (a
+    machine-wide stall, or the watcher's own reads stalled)."""
+    if s.silence_s is None or s.world_at is None or len(s.world_nodes) < 1:
         return []
-    return quiet
+    if s.loss_at is not None or s.waiting_until is not None:
+        return []
+    # Judged on the newest successful read: a read stuck on a hung mount proves nothing.
+    if s.beats_read_at is None or now - s.beats_read_at > s.silence_s / 2:
+        return []
+    nodes = _judged(s)
+    out = quiet(s, now)
+    if len(nodes) < 2 or len(out) == len(nodes):
+        return []
+    return sorted(out)
 
 
 def tick(s: WatchState, now: float, *, running: bool) -> tuple[WatchState, Tick]:

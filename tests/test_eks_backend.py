@@ -429,7 +429,7 @@ def test_a_silent_pod_is_taken_away_as_a_lost_node(kube: Kube, tmp_path: Path):
         EventLog(root, epoch=epoch).emit(TrainStart(world_size=2, nodes=[0, 1]))
         beats = [NodeBeat(RunDir(root, epoch).beat_file(n), interval_s=0.1) for n in (0, 1)]
         time.sleep(0.5)
-        beats[1].close()  # frozen: alive to the API, silent to the job
+        beats[1].close(done=False)  # frozen: alive to the API, silent to the job
         threading.Timer(30, beats[0].close).start()
 
     driver = ControlPlane(kube, name, pods_train)

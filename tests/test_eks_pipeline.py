@@ -172,7 +172,7 @@ class Cluster(threading.Thread):
 
     def train(self, name: str, job: Any) -> None:
         container = job["spec"]["template"]["spec"]["containers"][0]
-        if container["args"][:2] == ["-m", "trainer.agent"]:
+        if "--keep-alive" in container["args"]:
             self.train_elastic(name, job, *self.workload(name, job))
             return
         for i, node in enumerate(NODES):

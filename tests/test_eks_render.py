@@ -80,8 +80,10 @@ def test_launch_contract():
     assert pod["restartPolicy"] == "Never" and pod["subdomain"] == svc["metadata"]["name"] == name
     assert svc["spec"]["clusterIP"] == "None"
     c = pod["containers"][0]
-    assert c["command"] == ["ft_launcher"]
+    # NVRx's launcher through the agent, which beats for the node on FSx (trainer.node_beat).
+    assert c["command"] == ["python"]
     args = c["args"]
+    assert args[:5] == ["-m", "trainer.agent", "--beat", "/fsx/runs/run-2026-11-29:1", "--"]
     assert f"--rdzv-endpoint={name}-0.{name}.nvrx.svc.cluster.local:29500" in args
     assert "--nproc-per-node=8" in args and "--nnodes=4" in args and "--max-restarts=3" in args
     # The workers read the attempt's whole config from the ConfigMap of the Job's name, which
@@ -352,7 +354,7 @@ def test_an_elastic_job(nodes, spares, nnodes):
     assert spec["successPolicy"] == {"rules": [{"succeededIndexes": "0", "succeededCount": 1}]}
     container = spec["template"]["spec"]["containers"][0]
     argv = container["command"] + container["args"]
-    assert argv[:3] == ["python", "-m", "trainer.agent"]  # the shortened rendezvous keep-alive
+    assert argv[:5] == ["python", "-m", "trainer.agent", "--keep-alive", "1:3"]  # shortened
     assert f"--nnodes={nnodes}" in argv
 
 

@@ -245,16 +245,20 @@ def _cfg(tmp_path: Path) -> TrainConfig:
     return TrainConfig(run_root=tmp_path / "run", data_dir=tmp_path, micro_batches=2)
 
 
-def test_fixed_job_runs_plain_ft_launcher(tmp_path):
-    argv = ft_launcher_argv(_cfg(tmp_path), LaunchSpec(nnodes=2), ["x"])
-    assert argv[0].endswith("ft_launcher") and "--nnodes=2" in argv
+def test_fixed_job_runs_through_the_agent_for_its_beat(tmp_path):
+    cfg = _cfg(tmp_path)
+    argv = ft_launcher_argv(cfg, LaunchSpec(nnodes=2), ["x"], portable=True)
+    # The node's beat from the agent (it outlives the workers' respawns); no keep-alive patch.
+    assert argv[:6] == ["python", "-m", "trainer.agent", "--beat", f"{cfg.run_root}:1", "--"]
+    assert "--nnodes=2" in argv
     assert rdzv_conf(_cfg(tmp_path), LaunchSpec(nnodes=2)) == "join_timeout=20"
 
 
 def test_elastic_job_runs_through_the_agent(tmp_path):
     spec = LaunchSpec(nnodes=2, min_nodes=1, external_store=True)
     argv = ft_launcher_argv(_cfg(tmp_path), spec, ["x"], portable=True)
-    assert argv[:6] == ["python", "-m", "trainer.agent", "--keep-alive", "1:3", "--"]
+    assert argv[:5] == ["python", "-m", "trainer.agent", "--keep-alive", "1:3"]
+    assert argv[5:8] == ["--beat", f"{tmp_path / 'run'}:1", "--"]
     assert "--nnodes=1:2" in argv
     conf = next(a for a in argv if a.startswith("--rdzv-conf="))
     assert conf == "--rdzv-conf=join_timeout=20,last_call_timeout=2,is_host=false"

@@ -14,7 +14,6 @@ import pytest
 from tasks.loss_policy import LossDecision, LossPath
 from tasks.off_loop import OffLoop, Stuck, bounded
 from tasks.watch_state import (
-    SilenceRule,
     Tick,
     WatchState,
     beat,
@@ -23,6 +22,7 @@ from tasks.watch_state import (
     lost,
     mine,
     observe,
+    quiet,
     returned,
     silent,
     tick,
@@ -156,21 +156,15 @@ def test_a_return_is_due_at_once_while_the_survivors_wait():
 
 # -- silent nodes -------------------------------------------------------------------------------
 SILENT = replace(BASE, silence_s=10.0)
-AUTO: dict[str, Any] = {
-    "silence_s": None,
-    "silence_rule": SilenceRule(stop_s=5.0, floor_s=3.0, ceiling_s=600.0),
-}
-
-
-def test_the_auto_silence_bound_is_measured_and_bounded():
-    rule = SilenceRule(stop_s=5.0, floor_s=30.0, ceiling_s=600.0)
-    assert [rule.bound(s) for s in (1.0, 20.0, 400.0)] == [30.0, 65.0, 600.0]
-    s = replay(replace(BASE, **AUTO), [(20, start(0, 1)), (40, start(0, 1))])
-    assert (s.silence_s, s.silence_rule) == (65.0, None)  # the first start measures, once
 
 
 def beats(t: float, **tokens: int) -> list[tuple[float, Seen]]:
     return [(t, {int(k[1:]): str(v) for k, v in tokens.items()})]
+
+
+def finished(t: float, node: int) -> list[tuple[float, Seen]]:
+    """The node's agent's last beat (trainer.node_beat: a normal exit)."""
+    return [(t, {node: f"{node} 9 {t} done"})]
 
 
 def every_second(until: float, **nodes: int) -> list[tuple[float, Seen]]:
@@ -205,13 +199,20 @@ SILENCES: list[tuple[str, dict[str, Any], list[tuple[float, Seen]], float, list[
     ("during-a-wait", {}, [(1, start(0, 1, 2)), *every_second(20, n0=99, n1=99, n2=99),
                            (20, ("loss", 2, LossPath.NODE_WAIT)),
                            *every_second(60, n0=20, n1=99)], 60, []),
-    # Auto (issue 40, item 0): the bound is measured from the attempt's own start-up, thrice
-    # it plus the workers' stop timeout: a world up 1 s after launch gives 8 s, so a node silent
-    # for 10 s is found; one up after 20 s gives 65 s, so the same node is not, until later.
-    ("auto-fast-start", AUTO, [(1, start(0, 1)), *every_second(40, n0=99, n1=30)], 40, [1]),
-    ("auto-slow-start", AUTO, [(20, start(0, 1)), *every_second(60, n0=99, n1=30)], 60, []),
-    ("auto-slow-start-later", AUTO, [(20, start(0, 1)), *every_second(100, n0=99, n1=30)], 100,
-     [1]),
+    # Issue 42: the beat is the agent's, so a finished node says so and is never silent...
+    ("finished-not-silent", {}, [(1, start(0, 1)), *every_second(30, n0=99, n1=99),
+                                 *finished(30.5, 0), *every_second(60, n1=99)], 60, []),
+    # ... even when the nodes stop a beat apart, each judged on its own poll.
+    ("finished-apart", {}, [(1, start(0, 1, 2)), *every_second(30, n0=99, n1=99, n2=99),
+                            *finished(30.1, 0), *finished(31, 1), *finished(32, 2)], 45, []),
+    # A frozen node the rendezvous already dropped from the world is still judged and ended.
+    ("frozen-outside-the-world", {},
+     [(1, start(0, 1)), *every_second(15, n0=99, n1=99, n2=99), (16, start(0, 2)),
+      *every_second(40, n0=99, n1=15, n2=99)], 40, [1]),
+    # A waiting hot spare that froze is found too (its loss is an idle spare's).
+    ("frozen-spare", {}, [(1, start(0, 1)), *every_second(40, n0=99, n1=99, n2=20)], 40, [2]),
+    ("spare-turned-away", {}, [(1, start(0, 1)), *every_second(20, n0=99, n1=99, n2=99),
+                               *finished(20.5, 2), *every_second(40, n0=99, n1=99)], 40, []),
     # A lost node is not judged again.
     ("lost-not-judged", {}, [(1, start(0, 1, 2)), (2, ("loss", 2, LossPath.ELASTIC)),
                              *every_second(60, n0=99, n1=99)], 60, []),
@@ -226,6 +227,14 @@ def test_silent_nodes_are_found_from_their_beats(
 ):  # fmt: skip
     s = replay(replace(SILENT, **settings), history)
     assert silent(s, T0 + at) == nodes
+
+
+def test_a_frozen_node_is_no_spare_even_when_every_node_is_quiet():
+    # silent() gives no verdict when every node is quiet, but none of them is a live spare.
+    s = replay(SILENT, [(1, start(0, 1)), *every_second(60, n0=30, n1=30, n2=30)])
+    assert silent(s, T0 + 60) == [] and quiet(s, T0 + 60) == {0, 1, 2}
+    s = replay(SILENT, [(1, start(0, 1)), *every_second(60, n0=99, n1=99, n2=30)])
+    assert quiet(s, T0 + 60) == {2}
 
 
 # -- reads off the loop ---------------------------------------------------------------------------

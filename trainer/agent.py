@@ -1,5 +1,7 @@
-"""``ft_launcher`` with the rendezvous keep-alive an elastic job needs:
-``python -m trainer.agent --keep-alive SECONDS:MISSES -- FT_LAUNCHER_ARGS...``.
+"""Every node's launcher: NVRx's ``ft_launcher`` run in this process, with the node's beat
+(:mod:`trainer.node_beat`: it lives through every respawn of the node's workers) and, for an
+elastic job, the rendezvous keep-alive it needs:
+``python -m trainer.agent [--keep-alive SECONDS:MISSES] [--beat RUN_ROOT:INTERVAL_S] -- ARGS...``.
 
 NVRx 0.4.1 drops a dead node from the world only after 3 missed renewals 5 s apart, hard-coded
 in ``FtRendezvousHandler.from_backend`` (``--rdzv-conf`` does not reach it): a spare's takeover
@@ -94,29 +96,73 @@ def parse_keep_alive(value: str) -> tuple[float, int]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) < 3 or args[0] != "--keep-alive" or args[2] != "--":
+USAGE = (
+    "usage: python -m trainer.agent [--keep-alive SECONDS:MISSES] "
+    "[--beat RUN_ROOT:INTERVAL_S] -- FT_LAUNCHER_ARGS..."
+)
+
+
+def _options(args: list[str]) -> tuple[dict[str, str], list[str]]:
+    """This module's options (before ``--``) and ft_launcher's arguments (after it)."""
+    if "--" not in args:
+        raise SystemExit(USAGE)
+    ours, theirs = args[: args.index("--")], args[args.index("--") + 1 :]
+    if len(ours) % 2 or not theirs:
+        raise SystemExit(USAGE)
+    options = dict(zip(ours[::2], ours[1::2], strict=True))
+    if set(options) - {"--keep-alive", "--beat"} or len(options) != len(ours) // 2:
+        raise SystemExit(USAGE)
+    return options, theirs
+
+
+def _beat(value: str) -> Any:
+    """The node's beat (trainer.node_beat), from this agent for as long as it lives: its
+    workers come and go with every respawn. None where no backend said which node this is."""
+    from pathlib import Path
+
+    from trainer.elastic import node_id
+    from trainer.node_beat import NodeBeat
+    from trainer.rundir import RunDir
+
+    root, sep, interval = value.rpartition(":")
+    try:
+        interval_s = float(interval)
+    except ValueError:
+        interval_s = 0.0
+    if not sep or not root or not interval_s > 0:
+        raise SystemExit(f"--beat: expected RUN_ROOT:INTERVAL_S (e.g. /fsx/run:1), got {value!r}")
+    node = node_id()
+    if node < 0:
         print(
-            "usage: python -m trainer.agent --keep-alive SECONDS:MISSES -- FT_LAUNCHER_ARGS...",
-            file=sys.stderr,
+            "trainer.agent: no node id (NVRX_NODE, JOB_COMPLETION_INDEX): no beat", file=sys.stderr
         )
-        return 2
-    interval, misses = parse_keep_alive(args[1])
-    if not patch_keep_alive(interval, misses):
-        warnings.warn(
-            "this NVRx rendezvous has no keep-alive settings to replace: a lost node is dropped "
-            "from the world after NVRx's own keep-alive",
-            stacklevel=1,
-        )
-    patch_admission()
+        return None
+    run_dir = RunDir.from_env(Path(root))
+    return NodeBeat(
+        run_dir.beat_file(node), interval_s=interval_s, freeze=run_dir.freeze_file(node)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    options, launcher_args = _options(list(sys.argv[1:] if argv is None else argv))
+    elastic = "--keep-alive" in options
+    if elastic:
+        interval, misses = parse_keep_alive(options["--keep-alive"])
+        if not patch_keep_alive(interval, misses):
+            warnings.warn(
+                "this NVRx rendezvous has no keep-alive settings to replace: a lost node is "
+                "dropped from the world after NVRx's own keep-alive",
+                stacklevel=1,
+            )
+        patch_admission()
+    beat = _beat(options["--beat"]) if "--beat" in options else None
     from nvidia_resiliency_ext.fault_tolerance.launcher import main as ft_main
 
-    sys.argv = ["ft_launcher", *args[3:]]
+    sys.argv = ["ft_launcher", *launcher_args]
     try:
         ft_main()
     except SystemExit as e:
-        if e.code not in (0, None) and Admission.turned_away:
+        if e.code not in (0, None) and elastic and Admission.turned_away:
             print(
                 "trainer.agent: the job ended while this node waited to join (a hot spare or a "
                 "late replacement): turned away, exit 0",
@@ -125,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0
         raise
+    finally:
+        if beat is not None:
+            beat.close(done=True)  # whatever the exit code: ended, not frozen
     return 0
 
 

@@ -74,14 +74,15 @@ def ft_launcher_argv(
 
 
 def launcher_command(cfg: TrainConfig, spec: LaunchSpec, *, portable: bool = False) -> list[str]:
-    """ft_launcher, or for an elastic job NVRx's launcher through :mod:`trainer.agent` (which
-    shortens the rendezvous keep-alive a dead node is dropped after)."""
-    if not spec.elastic:
-        return ["ft_launcher" if portable else ft_launcher_path()]
+    """NVRx's launcher through :mod:`trainer.agent`: the node's beat from the process that
+    outlives its workers' respawns, and for an elastic job the shorter rendezvous keep-alive a
+    dead node is dropped after."""
     inj = cfg.injob
     python = "python" if portable else sys.executable
-    keep_alive = f"{inj.rdzv_keep_alive_s:g}:{inj.rdzv_keep_alive_misses}"
-    return [python, "-m", "trainer.agent", "--keep-alive", keep_alive, "--"]
+    argv = [python, "-m", "trainer.agent"]
+    if spec.elastic:
+        argv += ["--keep-alive", f"{inj.rdzv_keep_alive_s:g}:{inj.rdzv_keep_alive_misses}"]
+    return [*argv, "--beat", f"{cfg.run_root}:{inj.heartbeat_interval_s:g}", "--"]
 
 
 def rdzv_conf(cfg: TrainConfig, spec: LaunchSpec) -> str:

@@ -86,6 +86,10 @@ def backstop(out_of_section_s: float, longest_section_s: float) -> float:
 
 # An in-job timeout the worker derives from what its incarnation measures (trainer.timeouts).
 AUTO = "auto"
+# node_silence_s auto: this many beats missed. Fewer than 3 would read one late write on a
+# loaded filesystem, plus the watcher's poll, as a freeze; 5 stays within the 10 s target at
+# the 1 s beat with room for both.
+SILENCE_BEATS = 5
 Timeout = float | str  # seconds, or AUTO
 # The in-job timeouts that may be AUTO (every one the run form exposes).
 AUTO_TIMEOUTS = (
@@ -143,9 +147,9 @@ class InJobConfig:
     timeout_multiple: float = 5.0
     step_timeout_floor_s: float = 3.0
     section_floor_s: float = 30.0
-    # A frozen node's beat file (trainer.node_beat) stops changing; the watcher takes it as lost
-    # after this long while another node's beat changes. It must cover an in-job respawn (stop,
-    # rendezvous, interpreter start, model build). Auto: tasks.watch_state.SilenceRule.
+    # A frozen node's beat file (trainer.node_beat, written by its agent, which lives through
+    # every respawn) stops changing; the watcher takes it as lost after this long while another
+    # node's beat changes. Auto: SILENCE_BEATS beats.
     node_silence_s: Timeout = AUTO
 
     def __post_init__(self) -> None:
@@ -245,6 +249,8 @@ class InJobConfig:
         value = self.pinned(name)
         if value is not None:
             return value
+        if name == "node_silence_s":
+            return SILENCE_BEATS * self.heartbeat_interval_s
         if name == "heartbeat_timeout_s":
             return backstop(
                 self.seconds("out_of_section_timeout_s"), max(self.section_timeouts().values())

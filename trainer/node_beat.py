@@ -1,48 +1,92 @@
 """A node's sign of life on the shared filesystem, for the watcher (docs/architecture.md §4,
 "Silent nodes"): a frozen host keeps its processes and freezes its own rank monitor, so no layer
-of the job notices. Each node's first worker rewrites ``control/beats/e<epoch>-node<N>`` from a
-thread of its own (the loop may block in a collective for good reasons); the watcher judges the
-changes on its own monotonic clock. The file holds no decision, only a changing token.
+of the job notices. The node's agent (:mod:`trainer.agent`, the process that outlives every
+respawn of its workers) rewrites ``control/beats/e<epoch>-node<N>`` from a thread of its own, so
+a silence of a few beats is a frozen node, never a respawn; its last word on a normal exit is
+``done``, so a node that finished is never read as silent. The watcher judges the changes on its
+own monotonic clock. The file holds no decision, only a changing token and that state.
+
+The same thread carries out a ``node-freeze`` drill aimed at its node (the watcher's marker,
+``Layout.freeze``): it stops its children and then itself (SIGSTOP), as a hung host would. The
+drill thus runs the same way on every backend (a pod's agent can stop its own pod), with no
+permission to reach into another node.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import threading
 import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+UP = "up"
+DONE = "done"  # the agent's last beat on a normal exit: finished, not silent
+
+
+def is_done(token: str) -> bool:
+    """Whether a beat file's content is a finished node's last beat."""
+    return token.split()[-1:] == [DONE]
+
 
 class NodeBeat:
-    """Rewrites this node's beat file until :meth:`close` (a daemon thread)."""
+    """Rewrites this node's beat file until :meth:`close` (a daemon thread); freezes the node
+    when ``freeze`` (a drill's marker) appears."""
 
-    def __init__(self, path: Path, *, interval_s: float):
+    def __init__(self, path: Path, *, interval_s: float, freeze: Path | None = None):
         self.path = path
         self.interval_s = interval_s
+        self.freeze = freeze
+        self._n = 0
+        self._warned = False
+        self._lock = threading.Lock()  # the thread's beat and close()'s last one never interleave
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node beat", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        n = 0
-        warned = False
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        while not self._stop.is_set():
-            n += 1
+    def _write(self, state: str) -> None:
+        with self._lock:
+            self._n += 1
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                tmp.write_text(f"{os.getpid()} {n} {time.time():.3f}\n")
+                tmp.write_text(f"{os.getpid()} {self._n} {time.time():.3f} {state}\n")
                 os.replace(tmp, self.path)
-                warned = False
+                self._warned = False
             except OSError as e:  # a full or flaky filesystem: the watcher sees silence
-                if not warned:
+                if not self._warned:
                     log.warning("could not write the node beat %s: %s", self.path, e)
-                    warned = True
+                    self._warned = True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.freeze is not None and self.freeze.exists():
+                _freeze_self()
+            self._write(UP)
             self._stop.wait(self.interval_s)
 
-    def close(self) -> None:
+    def close(self, *, done: bool = True) -> None:
+        """Stop beating; ``done``: say so first (a normal exit), so the watcher never reads
+        this node's end as a silence."""
         self._stop.set()
         self._thread.join(timeout=5)
+        if done:
+            self._write(DONE)
+
+
+def _freeze_self() -> None:
+    """SIGSTOP every descendant (twice: whatever a stopping parent started in between stops
+    too), then this process: alive to the process table, silent to the job."""
+    import psutil
+
+    log.warning("node-freeze drill: stopping this node's processes (SIGSTOP)")
+    me = psutil.Process()
+    for _ in range(2):
+        for child in me.children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.send_signal(signal.SIGSTOP)
+    os.kill(os.getpid(), signal.SIGSTOP)

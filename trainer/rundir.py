@@ -51,6 +51,7 @@ class Layout:
     NO_RESTART = CONTROL / "no_restart"
     NODE_LOST = CONTROL / "node_lost"
     BEATS = CONTROL / "beats"
+    FREEZE = CONTROL / "freeze"  # e<epoch>-node<N>: a node-freeze drill its agent carries out
     DRILLS = Path("faults")  # <slug>.fired: a drill claimed, once per run
     CONFIG = Path("config")  # train-attempt<N>.json, launch.json
     LOGS = Path("logs")  # attempt<N>-node<M>.log/.exit, inprocess-monitor-<rank>.log
@@ -74,6 +75,10 @@ class Layout:
     @staticmethod
     def beat(epoch: int | None, node: int) -> Path:
         return Layout.BEATS / f"e{'x' if epoch is None else epoch}-node{node}"
+
+    @staticmethod
+    def freeze(epoch: int | None, node: int) -> Path:
+        return Layout.FREEZE / f"e{'x' if epoch is None else epoch}-node{node}"
 
 
 class _File(BaseModel):
@@ -328,6 +333,16 @@ class RunDir:
     # -- node beats (trainer.node_beat writes them) --------------------------------------------
     def beat_file(self, node: int) -> Path:
         return self.root / Layout.beat(self.epoch, node)
+
+    def freeze_file(self, node: int) -> Path:
+        """The node-freeze drill's marker for ``node`` of this epoch (its agent stops the node
+        when it appears: trainer.node_beat)."""
+        return self.root / Layout.freeze(self.epoch, node)
+
+    def request_freeze(self, node: int) -> None:
+        path = self.freeze_file(node)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
 
     def beats(self) -> dict[int, str]:
         """Node -> its beat file's content, for this view's epoch only; a file that is not a

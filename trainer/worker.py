@@ -107,7 +107,6 @@ def run(cfg: TrainConfig, body: Body | None = None, data: DataFactory = workload
         learner=TimeoutLearner(TimeoutPolicy.of(cfg)),  # the launch values until measured
         on_timeouts=_announce_timeouts(events, rank=int(os.environ["RANK"])),
     )
-    beat = _node_beat(cfg)
     try:
         # A spawned writer starts after this incarnation's first step (maybe_save): its
         # interpreter would otherwise compete with the model build and the load.
@@ -115,22 +114,6 @@ def run(cfg: TrainConfig, body: Body | None = None, data: DataFactory = workload
     finally:
         saver.close()
         heartbeat.close()
-        if beat is not None:
-            beat.close()
-
-
-def _node_beat(cfg: TrainConfig) -> Any:
-    """The node's sign of life (trainer.node_beat), written by its first worker; None where no
-    backend said which node this is."""
-    from trainer.elastic import node_id
-    from trainer.node_beat import NodeBeat
-    from trainer.rundir import RunDir
-
-    node = node_id()
-    if node < 0 or os.environ.get("LOCAL_RANK", "0") != "0":
-        return None
-    path = RunDir.from_env(cfg.run_root).beat_file(node)
-    return NodeBeat(path, interval_s=cfg.injob.heartbeat_interval_s)
 
 
 def _node_memory(cfg: TrainConfig, rank: int, world: int) -> Any:

@@ -179,13 +179,6 @@ class ReturnDrills(Protocol):
 
 
 @runtime_checkable
-class FreezeDrills(Protocol):
-    def freeze_node(self, node: int) -> None:
-        """Fault drill: stop every process of node ``node`` without ending any (SIGSTOP), as a
-        frozen host or a partition looks; the watcher must notice its silence by itself."""
-
-
-@runtime_checkable
 class Cordons(Protocol):
     def cordon_node(self, node: int) -> str | None:
         """Mark the machine under node ``node`` unschedulable (a node confirmed slow), so that

@@ -31,7 +31,6 @@ from tasks.backends.local_nodes import (
     NodeProcess,
     NodeStarter,
     free_port,
-    freeze_tree,
     kill_tree,
     start_store,
 )
@@ -129,14 +128,6 @@ class LocalJob:
     @property
     def _memory_key(self) -> tuple[Path, int, str]:
         return (self.request.cfg.run_root, self.attempt, self.invocation or self.request.invocation)
-
-    def freeze_node(self, node: int) -> None:
-        """Stop (SIGSTOP) every process of the node's tree, its agent first so that it sees no
-        worker stop: alive to the process table, silent to the job. Ending the job (or taking
-        the node away) kills them stopped (SIGKILL needs no SIGCONT)."""
-        if node not in self.nodes or self.nodes[node].poll() is not None:
-            raise ValueError(f"node-freeze names node {node}, which is not running")
-        freeze_tree(self.nodes[node].pid)
 
     def restore_node(self, node: int) -> None:
         if node not in self.lost:

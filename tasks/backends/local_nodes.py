@@ -1,7 +1,8 @@
 """A simulated node's processes (:mod:`tasks.backends.local`): each node an ``ft_launcher``
 agent in a session of its own under a tiny shell that records its exit code, found again by pid
 and start time by an invocation that adopts it; the elastic job's rendezvous store apart from
-every node; and the process-tree kill and freeze that simulate a lost or frozen node.
+every node; and the process-tree kill that simulates a lost node (a frozen one stops itself:
+trainer.node_beat).
 """
 
 from __future__ import annotations
@@ -47,17 +48,6 @@ def _tree(pid: int) -> list[psutil.Process]:
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and every descendant."""
     processes.end(_tree(pid))
-
-
-def freeze_tree(pid: int) -> None:
-    """SIGSTOP a process and every descendant, parents first, twice: whatever a stopping parent
-    started in between (a respawn) stops too."""
-    stopped: set[psutil.Process] = set()
-    for _ in range(2):
-        for p in [p for p in _tree(pid) if p not in stopped]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(signal.SIGSTOP)
-            stopped.add(p)
 
 
 # Each simulated node runs under a tiny shell that writes the agent's exit code to a file: an
