@@ -93,6 +93,7 @@ def train_config(
         injob=replace(
             where.injob or InJobConfig(), enabled=params.injob_restart, **params.injob.pinned()
         ),
+        straggler=params.straggler.config(),
         metrics_port=None
         if params.metrics_port is None
         else params.metrics_port + where.rank0_metrics_offset,

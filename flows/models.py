@@ -13,11 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from flows.drills import DrillParams, check_drills
 from flows.injob_params import InJobParams
 from flows.locations import DatasetLocation, ExportLocation
+from flows.straggler_params import StragglerParams
 from tasks.backends.eks.params import EksParams
 from tasks.backends.registry import BackendType, backend_type
 from tasks.deployment_policy import check_run
 from tasks.secrets import check_declared
-from trainer.records import FaultRecord, TimeBreakdown, WorldChangeRecord
+from trainer.records import FaultRecord, StragglerRecord, TimeBreakdown, WorldChangeRecord
 
 if TYPE_CHECKING:
     from trainer.elastic import NodeRange
@@ -119,6 +120,10 @@ class PipelineParams(BaseModel):
     injob: InJobParams = Field(
         default_factory=InJobParams,
         description="the in-job layer's timeouts: each auto (measured) unless pinned",
+    )
+    straggler: StragglerParams = Field(
+        default_factory=StragglerParams,
+        description="slow nodes: scored against the job's median, and reported or replaced",
     )
     deterministic: bool = Field(
         False,
@@ -373,6 +378,8 @@ class PipelineResult(BaseModel):
     export: ExportInfo = Field(default_factory=ExportInfo)
     faults: list[FaultRecord] = Field(default_factory=list)
     world_changes: list[WorldChangeRecord] = Field(default_factory=list)
+    # Nodes confirmed slow (tasks.straggler): reported, replaced or rate-limited.
+    stragglers: list[StragglerRecord] = Field(default_factory=list)
     # The newest in-job timeouts rank 0 applied (trainer.timeouts): each value with why.
     timeouts: dict[str, str] = Field(default_factory=dict)
     # How often the newest incarnation's memory saves ran, and why (memory_interval auto).

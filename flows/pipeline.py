@@ -248,6 +248,7 @@ class _Run:
             else ExportInfo.model_validate(export, from_attributes=True),
             faults=history.fault_records(),
             world_changes=history.world_change_records(),
+            stragglers=history.straggler_records(),
             timeouts=dict(history.timeouts.detail) if history.timeouts is not None else {},
             memory_interval=history.memory_interval.detail if history.memory_interval else None,
             stage_attempts=self.attempts,

@@ -56,6 +56,7 @@ def render_report(r: PipelineResult) -> str:
         _train_time(r),
         _faults(r),
         _world_changes(r),
+        _stragglers(r),
         _memory_and_timeouts(r),
         _outputs(r),
     ]
@@ -154,6 +155,22 @@ def _world_changes(r: PipelineResult) -> str:
         for c in r.world_changes
     ]
     return _table("World size (elastic)", ("from step", "ranks", "nodes", "why"), rows)
+
+
+def _stragglers(r: PipelineResult) -> str:
+    """Each node the straggler judge confirmed slow: its score, what it cost, the evidence."""
+    if not r.stragglers:
+        return ""
+    action = {
+        "confirmed": "reported (policy report: it trained on)",
+        "replaced": "replaced (taken away as lost)",
+        "rate-limited": "reported only: the eviction budget was spent",
+    }
+    rows: list[tuple[object, ...]] = [
+        (s.node, f"{s.score:.2f}x", action.get(s.verdict, s.verdict), s.evidence)
+        for s in r.stragglers
+    ]
+    return _table("Slow nodes", ("node", "score", "action", "evidence"), rows)
 
 
 def _memory_and_timeouts(r: PipelineResult) -> str:

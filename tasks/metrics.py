@@ -23,6 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from tasks.straggler import Kind as StragglerVerdict
+from tasks.straggler import ratios
 from trainer.event_read import DROP_REASONS, DropCounts
 from trainer.event_types import (
     Checkpoint,
@@ -33,6 +35,7 @@ from trainer.event_types import (
     Resume,
     StageAttempt,
     Step,
+    Straggler,
 )
 from trainer.events import LAYERS
 from trainer.faults import KINDS as FAULT_KINDS
@@ -102,6 +105,35 @@ class RunMetrics:
             ["run_id", "kind"],
             registry=r,
         )
+        # Slow nodes (tasks.straggler): each node's busy time over the step's median (every
+        # step that carries per-node times), the judge's window score at its verdicts, the
+        # verdicts and the evictions they caused.
+        self.node_ratio = Gauge(
+            "nvrx_node_busy_ratio",
+            "A node's busy time in the last step over the median of the job's nodes",
+            ["run_id", "node"],
+            registry=r,
+        )
+        self.straggler_score = Gauge(
+            "nvrx_straggler_score",
+            "A node's window score (busy time over the job's median) at its newest verdict",
+            ["run_id", "node"],
+            registry=r,
+        )
+        self.straggler_verdicts = Counter(
+            "nvrx_straggler_verdicts",
+            "Straggler verdicts: suspect, confirmed, replaced, rate-limited, cleared",
+            ["run_id", "verdict"],
+            registry=r,
+        )
+        self.straggler_evictions = Counter(
+            "nvrx_straggler_evictions",
+            "Nodes taken away for being slow (straggler policy replace)",
+            ["run_id"],
+            registry=r,
+        ).labels(run_id)
+        for verdict in StragglerVerdict:
+            self.straggler_verdicts.labels(run_id, verdict.value)
         self.checkpoints = Counter(
             "nvrx_checkpoints_committed", "Checkpoints committed", ["run_id"], registry=r
         ).labels(run_id)
@@ -143,6 +175,8 @@ class RunMetrics:
             # Only rank 0 writes steps, in order: one seen before (the file read again) is not
             # folded again.
             self.series.observe(e)
+            for node, ratio in (ratios((n.node, n.busy_s) for n in e.nodes or ()) or {}).items():
+                self.node_ratio.labels(self.run_id, str(node)).set(ratio)
             if e.t > self._last_step_t:
                 self._last_step_t = e.t
                 self.history.observe(e)
@@ -167,6 +201,11 @@ class RunMetrics:
                     self.load_seconds.labels(self.run_id, source).observe(e.load_s)
                 if e.bytes is not None:
                     self.load_bytes.labels(self.run_id, source).inc(e.bytes)
+            case Straggler():
+                self.straggler_score.labels(self.run_id, str(e.node)).set(e.score)
+                self.straggler_verdicts.labels(self.run_id, e.verdict).inc()
+                if e.verdict == StragglerVerdict.REPLACED:
+                    self.straggler_evictions.inc()
             case Checkpoint():
                 self.checkpoints.inc()
                 self.last_committed.set(e.step)

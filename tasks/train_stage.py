@@ -13,8 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tasks import straggler
 from tasks.backends.base import (
     Backend,
+    Cordons,
     ElasticJob,
     EvictDrills,
     Job,
@@ -53,6 +55,7 @@ from trainer.event_types import (
     StageAttemptEnd,
     Step,
     StepCheck,
+    TrainStart,
 )
 from trainer.events import EventLog
 from trainer.faults import FaultSpec
@@ -278,6 +281,8 @@ class _Watch:
     beats_read: OffLoop[dict[int, str]]
     # What went wrong observing, said once each.
     _complaints: dict[str, str] = field(default_factory=dict)
+    # The straggler judge's state (tasks.straggler).
+    slow: straggler.StragglerState = field(default_factory=straggler.StragglerState)
 
     def complain(self, what: str, e: BaseException) -> None:
         """An observation failed: said once per kind of failure (until it changes), never
@@ -315,6 +320,8 @@ class _Watch:
             if isinstance(event, StepCheck):
                 for node in condemned(self.state, event):
                     self._condemn(node, event)
+            if isinstance(event, (Step, TrainStart)):
+                self._stragglers(event)
         self._drills(None)
         try:
             self.state = beat(self.state, self.beats_read.call(min(timeout, 1.0)), self.clock())
@@ -369,6 +376,34 @@ class _Watch:
         fault = f"step-check@step={e.step},node={node}"
         self._lose(node, fault, e.step, drilled=True, why=why, best_effort=True)
 
+    def _stragglers(self, event: Step | TrainStart) -> None:
+        """Each step's per-node busy times judged (tasks.straggler; a train_start is a new
+        median); every verdict said as a ``straggler`` event; under policy ``replace`` a
+        confirmed node is taken away as lost (cordoned first where the backend can)."""
+        if isinstance(event, TrainStart):
+            self.slow = straggler.restarted(self.slow, self.state.world_nodes)
+            return
+        cfg = self.request.cfg.straggler
+        sample = straggler.Sample.of(event)
+        nodes = self.request.nodes
+        self.slow, verdicts = straggler.judge(self.slow, sample, event.t, cfg, nodes_total=nodes)
+        for v in verdicts:
+            self.events.emit(straggler.event(v, cfg))
+            if v.kind != straggler.Kind.REPLACED or v.node in self.state.lost:
+                continue
+            _log.warning("straggler: %s; taking it away", v.evidence)
+            if isinstance(self.job, Cordons):
+                try:
+                    self.job.cordon_node(v.node)
+                except Exception as e:  # its replacement may land on it again: said, not fatal
+                    self.complain(f"cordoning node {v.node}", e)
+            fault = f"slow@step={event.step},node={v.node}"
+            why = f"slow node taken away: {v.evidence}"
+            self._lose(
+                v.node, fault, event.step, drilled=True, why=why, best_effort=True,
+                fault_kind="slow",
+            )  # fmt: skip
+
     def _silent(self, node: int) -> None:
         """A training node silent past the bound while others beat: taken away as lost."""
         s = self.state
@@ -391,6 +426,7 @@ class _Watch:
         why: str = "",
         best_effort: bool = False,
         evict_grace_s: float | None = None,
+        fault_kind: str = "node-loss",
     ) -> None:
         """A node lost, by a drill or a silence (``drilled``: the watcher takes it away now)
         or as the backend saw it: which path its loss takes, decided once, and recorded."""
@@ -433,7 +469,7 @@ class _Watch:
         fault_event = self.events.emit(
             Fault(
                 fault=fault,
-                fault_kind="node-loss",
+                fault_kind=fault_kind,
                 step=step,
                 node=node,
                 path=decision.path.value,
@@ -451,7 +487,7 @@ class _Watch:
                 Recovered(
                     layer=LossPath.SPARE.value,
                     fault=fault,
-                    fault_kind="node-loss",
+                    fault_kind=fault_kind,
                     fault_step=step,
                     step=step or 0,  # no step read yet: before the first
                     recovery_s=0.0,

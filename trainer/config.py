@@ -21,6 +21,7 @@ from trainer.errors import ConfigError, require
 from trainer.faults import FaultSpec, parse_faults
 from trainer.layer_config import InJobConfig, InProcessConfig
 from trainer.run_files import write_text_atomic
+from trainer.straggler_config import StragglerConfig
 
 if TYPE_CHECKING:
     from trainer.workload import Workload
@@ -63,6 +64,8 @@ class TrainConfig:
     faults: tuple[FaultSpec, ...] = ()
     inprocess: InProcessConfig = field(default_factory=InProcessConfig)
     injob: InJobConfig = field(default_factory=InJobConfig)
+    # The watcher's straggler detector and what a confirmed slow node costs it (issue 42).
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
     # False when built for workers elsewhere (an EKS pod's /fsx): they check the paths.
     local_paths: bool = True
     # Rank 0's Prometheus endpoint (trainer.metrics): off unless a port is given.
@@ -81,6 +84,11 @@ class TrainConfig:
             isinstance(self.checkpoint, CheckpointConfig),
             "checkpoint",
             "must be a CheckpointConfig (a mapping in a config file)",
+        )
+        require(
+            isinstance(self.straggler, StragglerConfig),
+            "straggler",
+            "must be a StragglerConfig (a mapping in a config file)",
         )
         require(
             self.metrics_port is None
@@ -286,6 +294,7 @@ class TrainConfig:
         out["data_dir"] = str(self.data_dir)
         out["device"] = self.device.value
         out["checkpoint"] = self.checkpoint.to_dict()
+        out["straggler"]["policy"] = self.straggler.policy.value
         out["faults"] = [str(spec) for spec in self.faults]
         out["script_args"] = list(self.script_args)
         return out
@@ -302,7 +311,12 @@ class TrainConfig:
         nested: dict[str, Any] = {}
         if "checkpoint" in data:
             nested["checkpoint"] = CheckpointConfig.from_dict(data.pop("checkpoint"))
-        for name, kind in (("inprocess", InProcessConfig), ("injob", InJobConfig)):
+        sections = (
+            ("inprocess", InProcessConfig),
+            ("injob", InJobConfig),
+            ("straggler", StragglerConfig),
+        )
+        for name, kind in sections:
             if name in data:
                 sub = data.pop(name)
                 require(isinstance(sub, dict), name, "must be a mapping")

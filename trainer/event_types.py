@@ -123,6 +123,25 @@ class StepCheck(_Base):
     bound: float | None = None
 
 
+class Straggler(_Base):
+    """The watcher's straggler judge (tasks.straggler) about one node: ``verdict`` suspect,
+    confirmed (policy report: it trains on), replaced (policy replace: taken away as lost),
+    rate-limited (replace, but the eviction budget is spent: reported only) or cleared.
+    ``score``: the newest window's median of the node's busy time over the job's median;
+    ``scores``: the windows the verdict rests on; ``steps``: their first and last step."""
+
+    kind: Literal["straggler"] = "straggler"
+    node: NonNeg
+    verdict: Literal["suspect", "confirmed", "replaced", "rate-limited", "cleared"]
+    score: float
+    scores: list[float] = []
+    window: NonNeg  # steps per window
+    steps: list[NonNeg] = []
+    seconds: Seconds = 0.0
+    policy: str
+    evidence: str
+
+
 class TrainEnd(_Base):
     kind: Literal["train_end"] = "train_end"
     final_step: NonNeg
@@ -301,6 +320,7 @@ Event = Annotated[
     | WorldChange
     | Step
     | StepCheck
+    | Straggler
     | TrainEnd
     | Checkpoint
     | CheckpointFailed

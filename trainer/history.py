@@ -28,6 +28,7 @@ from trainer.event_types import (
     StageAttempt,
     StageAttemptEnd,
     Step,
+    Straggler,
     Takeover,
     TimeoutsSet,
     TrainEnd,
@@ -37,11 +38,15 @@ from trainer.records import (
     AttemptView,
     FaultRecord,
     RunSummary,
+    StragglerRecord,
     TimeBreakdown,
     WorldChangeRecord,
 )
 from trainer.rundir import RunDir
 
+# Straggler confirmations remembered (each takes windows of steps; a node that flaps for days
+# must not grow the fold with them): the newest.
+KEPT_STRAGGLERS = 100
 # Committed checkpoints remembered for the window: a writer that never reports pruning (the
 # torchrun baseline) is bounded here; a resume from further back is not a case to plan for.
 KEPT_CHECKPOINTS = 64
@@ -66,6 +71,7 @@ class RunHistory:
         self.faults: list[Fault] = []
         self._recovered: dict[tuple[str | None, int | None], Recovered] = {}
         self.world_changes: list[WorldChange] = []
+        self.stragglers: list[Straggler] = []  # confirmed, replaced or rate-limited only
         self.restarts: list[Restart] = []
         self.timeouts: TimeoutsSet | None = None  # the newest in-job timeouts rank 0 applied
         self.memory_interval: MemoryInterval | None = None  # the newest memory cadence chosen
@@ -183,6 +189,9 @@ class RunHistory:
                     a.outcome, a.message, a.wall_s = ev.outcome, ev.message, ev.wall_s
         elif isinstance(ev, WorldChange):
             self.world_changes.append(ev)
+        elif isinstance(ev, Straggler):
+            if ev.verdict not in ("suspect", "cleared"):
+                self.stragglers = [*self.stragglers, ev][-KEPT_STRAGGLERS:]
         elif isinstance(ev, TimeoutsSet):
             self.timeouts = ev
         elif isinstance(ev, MemoryInterval):
@@ -301,6 +310,17 @@ class RunHistory:
     def world_change_records(self) -> list[WorldChangeRecord]:
         """Every time an elastic job re-formed on another number of ranks (trainer.elastic)."""
         return [WorldChangeRecord.model_validate(c.model_dump()) for c in self.world_changes]
+
+    def straggler_records(self) -> list[StragglerRecord]:
+        """Every node confirmed slow (tasks.straggler), with its score and the evidence."""
+        return [
+            StragglerRecord.model_validate(
+                e.model_dump(
+                    include={"node", "verdict", "score", "steps", "seconds", "evidence", "t"}
+                )
+            )
+            for e in self.stragglers
+        ]
 
     def stage_attempts(self, stage: str = "train") -> int:
         return sum(1 for a in self.attempts if a.stage == stage)

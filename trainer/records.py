@@ -66,6 +66,21 @@ class WorldChangeRecord(BaseModel):
     t: float | None = Field(None, exclude=True)
 
 
+class StragglerRecord(BaseModel):
+    """A node the straggler judge confirmed slow (tasks.straggler): reported, replaced, or
+    reported only because the eviction budget was spent (``rate-limited``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    node: int
+    verdict: str  # confirmed, replaced or rate-limited
+    score: float  # its newest window's busy time over the job's median
+    steps: list[int] = Field(default_factory=list)  # first and last step of the evidence
+    seconds: float = 0.0
+    evidence: str = ""
+    t: float | None = Field(None, exclude=True)
+
+
 class RunSummary(BaseModel):
     """``python -m trainer.report``: outcome, faults and recoveries, restarts, checkpoints."""
 

@@ -230,7 +230,9 @@ class RunDir:
         fact = read_model(self.root / Layout.LAUNCH, LaunchFact) if job_id else None
         if fact is None or fact.job_id != job_id:
             return None
-        loss = any(f.fault_kind == "node-loss" and f.t > fact.t for _, f in self.open_faults())
+        # A node the watcher took away: lost, or confirmed slow (tasks.straggler).
+        taken = ("node-loss", "slow")
+        loss = any(f.fault_kind in taken and f.t > fact.t for _, f in self.open_faults())
         return PriorWorld(fact.world_size, tuple(fact.nodes), loss)
 
     def record_retry(self, attempt: int) -> None:

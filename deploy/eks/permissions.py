@@ -64,6 +64,8 @@ KUBE_CALLS: tuple[KubeCall, ...] = (
     KubeCall("read_namespaced_pod_log", "", "pods/log", "get", "kube.Kube.follow_log"),
     KubeCall("list_node", "", "nodes", "list", "kube.Kube.nodes", cluster=True),
     KubeCall("list_node", "", "nodes", "watch", "kube.Kube.watch('node')", cluster=True),
+    # straggler policy replace: a node confirmed slow is cordoned before its pod is taken away
+    KubeCall("patch_node", "", "nodes", "patch", "kube.Kube.cordon (stragglers)", cluster=True),
     # preflight (tasks/preflight/eks.py gather_eks)
     KubeCall(
         "list_daemon_set_for_all_namespaces",

@@ -185,6 +185,14 @@ class EvictDrills(Protocol):
         ``grace_s`` later), as a drain or a spot reclaim does; returns at once."""
 
 
+@runtime_checkable
+class Cordons(Protocol):
+    def cordon_node(self, node: int) -> str | None:
+        """Mark the machine under node ``node`` unschedulable (a node confirmed slow), so that
+        its replacement lands elsewhere; returns its name (None: none known). The local
+        backend has nothing to cordon: a spare or the elastic world replaces the node."""
+
+
 class Backend(Protocol):
     name: str
     placement: Placement

@@ -275,6 +275,17 @@ class EksJob:
             self.history.deleted_by_us.add(p["metadata"]["name"])
             self.kube.delete_pod(self.ns, p["metadata"]["name"], grace_s=grace_s)
 
+    def cordon_node(self, node: int) -> str | None:
+        """Cordon the Kubernetes Node under the pod of index ``node`` (a node confirmed slow,
+        tasks.straggler) before the watcher takes the pod away, so that the pod replacing it
+        is scheduled elsewhere; returns the Node's name (None: the pod was not placed)."""
+        for p in self.kube.job_pods(self.ns, self.name):
+            pod = observe_pod(p, 0.0)
+            if pod.index == node and pod.node and not p["metadata"].get("deletionTimestamp"):
+                self.kube.cordon(pod.node)
+                return pod.node
+        return None
+
     def stop(self) -> None:
         self._close_watch()
         if not self._deleted:

@@ -176,6 +176,13 @@ class Kube:
                 name, ns, grace_period_seconds=grace_s, _preload_content=False
             )
 
+    def cordon(self, node: str) -> None:
+        """Mark Kubernetes Node ``node`` unschedulable (``kubectl cordon``): a node confirmed
+        slow takes no pod of the next attempt or of the Job's replacement. Its running pods
+        stay; nothing else about it changes. A node already gone is fine."""
+        with self._missing_ok():
+            self.core.patch_node(node, {"spec": {"unschedulable": True}}, _preload_content=False)
+
     # -- reads ---------------------------------------------------------------------------------
     def read_job(self, ns: str, name: str) -> dict[str, Any] | None:
         with self._missing_ok():
