@@ -340,3 +340,13 @@ def test_a_repeat_raises_after_its_wait(tmp_path: Path):
     checks = [e for e in read_events(tmp_path) if e.kind == "step_check"]
     assert [(e.verdict, e.nodes) for e in checks] == [("rejected", [0]), ("repeat", [0])]
     assert c.checked is None and not c.window.norms  # nothing from it was let through
+
+
+def test_an_unchecked_non_finite_step_is_refused(tmp_path: Path):
+    """A script that never passes its model: step_end's fallback, before any save."""
+    c = checker(tmp_path)
+    with pytest.raises(StepCheckFailed, match="not saved"):
+        c.refuse(7, math.nan)
+    [event] = [e for e in read_events(tmp_path) if e.kind == "step_check"]
+    assert (event.step, event.verdict, event.loss) == (7, "rejected", None)
+    assert "unchecked update" in event.reason
