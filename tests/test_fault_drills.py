@@ -18,6 +18,8 @@ import pytest
 
 from tests.helpers import (
     AUTO_INJOB,
+    FAST_INJOB,
+    FAST_INPROCESS,
     RunOutcome,
     make_config,
     read_events,
@@ -329,3 +331,78 @@ def test_a_frozen_or_evicted_node_is_taken_away_and_recovered_bitwise(
     assert result["params_sha256"] == baseline.result["params_sha256"]  # type: ignore[index]
     recovered = [e for e in read_events(cfg.run_root) if e["kind"] == "recovered"]
     assert [(r["fault"], r["layer"]) for r in recovered] == [(case.spec, case.path)]
+    assert [(r["fault"], r["layer"]) for r in recovered] == [
+        ("node-freeze@step=7,node=1", "stage-retry")
+    ]
+
+
+@dataclass(frozen=True)
+class GrayDrill:
+    name: str
+    fault: str
+    verdicts: tuple[str, ...]  # the step_check events, in order
+    ranks: list[int]  # attributed, in each
+    completes: bool  # trains on to the end, bitwise equal (else: ends with StepCheckFailed)
+
+
+# The step check (trainer.step_check), played inside it: NaN in a rank's own gradient shard
+# between backward and the check. Step 10 is a save step: its rejected attempt is never saved,
+# its replay is (and matches the fault-free run's step 10). A node that corrupts every step:
+# rejected, its replay rejected again, the node named (the watcher's reaction, taking it away,
+# is the watcher's drill); here no layer restarts it, so it ends with the named error and
+# nothing trained through it is committed.
+GRAY_DRILLS = [
+    GrayDrill("transient", "corrupt-grad@step=10,rank=1", ("rejected", "transient"), [1], True),
+    GrayDrill("repeat", "corrupt-grad@step=8,node=0,every", ("rejected", "repeat"), [0, 1], False),
+]
+
+
+# The repeat drill: the named error ends the workers (no layer restarts them to replay it again).
+NO_RESTARTS = {
+    "inprocess": replace(FAST_INPROCESS, enabled=False),
+    "injob": replace(FAST_INJOB, max_restarts=0),
+}
+
+
+@pytest.mark.parametrize("drill", GRAY_DRILLS, ids=[d.name for d in GRAY_DRILLS])
+def test_a_corrupted_step_is_never_applied(
+    drill: GrayDrill, baseline: RunOutcome, dataset: Path, tmp_path: Path
+):
+    from trainer.step_check import StepCheckConfig
+
+    cfg = make_config(
+        tmp_path / drill.name,
+        dataset,
+        faults=(drill.fault,),
+        step_check=StepCheckConfig(repeat_wait_s=1.0),
+        **({} if drill.completes else NO_RESTARTS),
+    )
+    out = run_ft_launcher(cfg, env={"NVRX_NODE": "0"})
+    step = int(drill.fault.split("step=")[1].split(",")[0])
+    assert [f["fault"] for f in out.of_kind("fault")] == [drill.fault]  # said once
+    checks = out.of_kind("step_check")
+    assert [c["verdict"] for c in checks] == list(drill.verdicts), checks
+    assert all(c["step"] == step and c["ranks"] == drill.ranks for c in checks), checks
+    assert all(c["nodes"] == [0] and "non-finite" in c["reason"] for c in checks), checks
+    assert not out.of_kind("restart")  # replayed in place, no layer restarted anything
+    steps = out.of_kind("step")
+    assert all(s["nodes"] and s["nodes"][0]["node"] == 0 for s in steps)  # Step.nodes, each step
+    rejected_t = checks[0]["t"]
+    committed = [e["step"] for e in out.of_kind("checkpoint")]
+    if drill.completes:
+        assert out.returncode == 0, out.log[-4000:]
+        assert out.result is not None
+        assert out.result["params_sha256"] == baseline.result["params_sha256"]  # type: ignore[index]
+        # One step event per step, step 10's loss the fault-free run's; its save after the replay.
+        assert [s["step"] for s in steps] == list(range(1, cfg.steps + 1))
+        same = {s["step"]: s["loss"] for s in baseline.of_kind("step")}
+        assert all(s["loss"] == same[s["step"]] for s in steps)
+        saved = [e for e in out.of_kind("checkpoint") if e["step"] == step]
+        assert saved and saved[0]["t"] > checks[1]["t"]
+    else:
+        assert out.returncode != 0 and "StepCheckFailed" in out.log, out.log[-4000:]
+        assert out.result is None or out.result.get("status") != "completed"
+        assert max(s["step"] for s in steps) == step - 1  # the step was never applied
+        assert all(s < step for s in committed), committed
+        late = [e for e in out.of_kind("checkpoint") if e["t"] > rejected_t]
+        assert all(e["step"] < step for e in late), late

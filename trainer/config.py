@@ -21,6 +21,7 @@ from trainer.errors import ConfigError, require
 from trainer.faults import FaultSpec, parse_faults
 from trainer.layer_config import InJobConfig, InProcessConfig
 from trainer.run_files import write_text_atomic
+from trainer.step_check import StepCheckConfig
 from trainer.straggler_config import StragglerConfig
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class TrainConfig:
     injob: InJobConfig = field(default_factory=InJobConfig)
     # The watcher's straggler detector and what a confirmed slow node costs it (issue 42).
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    # The pre-update step check (trainer.step_check): finite, no spike, agreed by every rank.
+    step_check: StepCheckConfig = field(default_factory=StepCheckConfig)
     # False when built for workers elsewhere (an EKS pod's /fsx): they check the paths.
     local_paths: bool = True
     # Rank 0's Prometheus endpoint (trainer.metrics): off unless a port is given.
@@ -110,7 +113,18 @@ class TrainConfig:
             f"dataset directory {str(self.data_dir)!r} does not exist; write one with "
             "`python -m trainer.data --out DIR` or hydrate it first",
         )
+        require(
+            isinstance(self.step_check, StepCheckConfig),
+            "step_check",
+            "must be a StepCheckConfig (a mapping in a config file)",
+        )
         for spec in self.faults:
+            require(
+                not spec.is_gray or self.step_check.enabled,
+                "faults",
+                f"{spec} is played inside the step check, and step_check.enabled is false: "
+                "turn the check on, or drop the drill",
+            )
             require(
                 not spec.needs_node_memory or self.checkpoint.memory.enabled,
                 "faults",
@@ -315,6 +329,7 @@ class TrainConfig:
             ("inprocess", InProcessConfig),
             ("injob", InJobConfig),
             ("straggler", StragglerConfig),
+            ("step_check", StepCheckConfig),
         )
         for name, kind in sections:
             if name in data:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.event_types import Fault, Recovered, Step
+from trainer.event_types import Fault, NodeTime, Recovered, Step
 from trainer.events import EventLog
 from trainer.faults import FaultInjector, FaultKind, FaultSpec, flip_bytes
 from trainer.rundir import RunDir
@@ -32,6 +32,8 @@ class StepEnd:
     step_s: float
     tokens: int  # tokens in the global batch of this step
     ckpt_blocking_s: float | None = None  # set when a save started at this step
+    # Per node, its slowest rank's busy time (trainer.step_check); None: the step was unchecked.
+    nodes: list[NodeTime] | None = None
 
 
 class Hook:
@@ -194,6 +196,8 @@ class StepEvents(Hook):
         # The first step after a (re)start goes out at once: a recovery ends with it.
         at_once = not self.buffered or end.step == self.first_step
         emit = self.events.emit if at_once else self.events.buffer
+        # Left out (not null) when the step was unchecked: a reader tells them apart.
+        extra: dict[str, Any] = {} if end.nodes is None else {"nodes": end.nodes}
         emit(
             Step(
                 step=end.step,
@@ -204,6 +208,7 @@ class StepEvents(Hook):
                 else round(end.ckpt_blocking_s, 4),
                 tokens_per_s=round(end.tokens / end.step_s, 1) if counted else None,
                 tokens=end.tokens if counted else None,
+                **extra,
             )
         )
         if end.step == self.first_step and self.layer is not None:

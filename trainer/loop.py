@@ -62,11 +62,14 @@ def train(ctx: ProcessContext, call_wrapper: Any = None) -> RunResult:
     tokens_per_step = cfg.global_batch * wl.seq_len
     for step in range(first_step, cfg.steps + 1):
         session.step_start(step)
-        for mb in session.micro_batches(step, model):
-            x, y = ctx.sampler.batch(step, mb.index, mb.count)
-            mb.backward(
-                wl.loss(model, torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
-            )
+        applied = False
+        while not applied:  # a step the check rejects is computed again, nothing applied
+            for mb in session.micro_batches(step, model):
+                x, y = ctx.sampler.batch(step, mb.index, mb.count)
+                mb.backward(
+                    wl.loss(model, torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
+                )
+            applied = session.check_step(step, model)
         ctx.saver.before_optimizer_step()  # a save's device-to-host copy must see this step's
         optim.step()  # parameters, not the next one's
         optim.zero_grad(set_to_none=True)

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from trainer.launch import CONFIG_ENV
 from trainer.process import ProcessContext
 from trainer.rundir import RunResult
 from trainer.session import MicroBatch, TrainSession, step_seed
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["MicroBatch", "Session", "StepPosition", "launch"]
 
@@ -89,10 +92,23 @@ class Session(TrainSession):
         assert self.share is not None
         torch.manual_seed(step_seed(self.cfg.seed, step, self.share.mine[0]))
 
-    def before_optimizer_step(self) -> None:
-        """Optional, right before ``optim.step()``: on CUDA, waits for the device-to-host copy
-        of a save in flight (the copy must see this step's parameters)."""
+    def before_optimizer_step(
+        self, model: nn.Module | None = None, loss: torch.Tensor | float | None = None
+    ) -> bool:
+        """Right before ``optim.step()``. With ``model``: the step check (trainer.step_check);
+        False when it rejected the step: its gradients are cleared, nothing may be applied, and
+        the script computes the same step again (``micro_batches`` reseeds each pass; the
+        rank's stream is reseeded here too). ``loss``: this rank's (None: the micro-batches'
+        sum, or only gradients are checked). A replay that fails again raises. Without
+        ``model`` (older scripts): no check, but a non-finite loss at ``step_end`` is never
+        saved and restarts from the newest good state. On CUDA it also waits for the
+        device-to-host copy of a save in flight (the copy must see this step's parameters)."""
+        if model is not None and not self.check_step(self._step, model, loss):
+            assert self.share is not None
+            torch.manual_seed(step_seed(self.cfg.seed, self._step, self.share.mine[0]))
+            return False
         self.ctx.saver.before_optimizer_step()
+        return True
 
 
 def launch(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -27,9 +28,11 @@ from trainer.digest import params_sha256
 from trainer.elastic import micro_batches, node_id
 from trainer.event_types import Restart, TrainEnd, TrainStart, WorldChange
 from trainer.faults import FaultKind
+from trainer.gray_drills import GrayDrills
 from trainer.hooks import FaultDrills, Hooks, StepEnd
 from trainer.process import ProcessContext, build_hooks, init_process_group
 from trainer.rundir import RunDir, RunResult
+from trainer.step_check import StepChecker
 
 if TYPE_CHECKING:
     from torch import nn
@@ -103,7 +106,10 @@ class TrainSession:
         self.hooks: Hooks | None = None
         self.loss: float | None = None  # the newest step's loss (all ranks), or the resumed one
         self.result: RunResult | None = None  # set by finish()
+        self.checker: StepChecker | None = None  # set by resume()
         self._t0 = 0.0
+        self._busy_t0 = 0.0  # the step's (or its replay's) start: the check's busy time
+        self._step = 0
         self._step_loss: torch.Tensor | None = None  # micro-batch losses of the step so far
 
     # -- the attempt ---------------------------------------------------------------------------
@@ -157,6 +163,7 @@ class TrainSession:
             began=self.began,
         )
         ckpt.on_commit = self.hooks.on_commit
+        self.checker = self._step_checker()
         nodes = world_nodes(world, self.ckpt_group)
         if rank != 0:
             return first
@@ -194,7 +201,8 @@ class TrainSession:
     def step_start(self, step: int) -> None:
         self._hooks().on_step_start(step)
         self._step_loss = None
-        self._t0 = time.perf_counter()
+        self._step = step
+        self._t0 = self._busy_t0 = time.perf_counter()
 
     def micro_batches(self, step: int, model: nn.Module) -> Iterator[MicroBatch]:
         """This rank's passes of ``step``, each with its dropout stream seeded by (seed, step,
@@ -208,6 +216,59 @@ class TrainSession:
                 sync(i == len(plan) - 1)
             torch.manual_seed(step_seed(self.cfg.seed, step, m))
             yield MicroBatch(m, share.count, weight, self)
+
+    def check_step(
+        self, step: int, model: nn.Module, loss: torch.Tensor | float | None = None
+    ) -> bool:
+        """Every rank, after backward and before ``optimizer.step()`` (trainer.step_check):
+        True to apply the update. False: the step was rejected, its gradients are cleared and
+        nothing was applied; compute the same step again (its micro-batches are seeded by
+        (seed, step, micro-batch), so a clean replay is bitwise the step it replaces). A replay
+        that fails again raises :class:`~trainer.step_check.StepCheckFailed`. ``loss``: this
+        rank's (None: the sum :meth:`micro_batches` kept, if any)."""
+        checker = self._checker()
+        if not checker.cfg.enabled:
+            return True
+        if loss is None:
+            loss = self._step_loss
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach()
+        count = self._share().count
+        if checker.check(step, model, loss, count=count, started=self._busy_t0):
+            return True
+        model.zero_grad(set_to_none=True)
+        self._step_loss = None
+        self._busy_t0 = time.perf_counter()
+        return False
+
+    def _step_checker(self) -> StepChecker:
+        ctx, rank = self.ctx, self.rank
+        node = node_id()
+        drills = GrayDrills(
+            self.cfg.faults,
+            self.cfg.run_root,
+            ctx.events,
+            rank=rank,
+            node=node,
+            guard=RunDir.from_env(self.cfg.run_root).fence(ctx.events).hold,
+        )
+        beat = getattr(ctx.heartbeat, "beat", None)
+        return StepChecker(
+            self.cfg.step_check,
+            rank,
+            self.world_size,
+            node,
+            ctx.events if rank == 0 else None,
+            ctx.placement.device,
+            corrupt=drills.corrupt,
+            slow=drills.slow,
+            beat=beat if beat is not None else (lambda: None),
+        )
+
+    def _checker(self) -> StepChecker:
+        if self.checker is None:
+            raise RuntimeError("call session.resume(model, optim) before the training loop")
+        return self.checker
 
     def _add_loss(self, loss: torch.Tensor) -> None:
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
@@ -239,6 +300,10 @@ class TrainSession:
         dist.all_reduce(reduced)
         reduced = reduced.cpu()
         self.loss = float(reduced[0].item() / self._share().count)
+        checker = self._checker()
+        checked = checker.cfg.enabled and checker.checked == step
+        if checker.cfg.enabled and not checked and not math.isfinite(self.loss):
+            checker.refuse(step, self.loss)  # raises: the update is never saved
         step_s = time.perf_counter() - self._t0
         blocking = ckpt.maybe_save(step, model, optim, self.ctx.sampler, self.loss, step_s)
         if blocking is not None:  # a durable save started at this step
@@ -248,7 +313,8 @@ class TrainSession:
         memory = ckpt.take_memory_blocking()
         if memory is not None:
             blocking = (blocking or 0.0) + memory
-        hooks.on_step_end(StepEnd(step, self.loss, step_s, tokens, blocking))
+        nodes = checker.last.node_times() if checked and checker.last is not None else None
+        hooks.on_step_end(StepEnd(step, self.loss, step_s, tokens, blocking, nodes))
         return self.loss
 
     def finish(self, model: nn.Module) -> RunResult:

@@ -38,10 +38,12 @@ def train(session: nvrx.Session) -> None:
     start = session.resume(model, optim)
     for step in range(start, session.steps + 1):
         session.step_start(step)
-        for mb in session.micro_batches(step, model):
-            x, y = data.batch(step, mb.index, mb.count)
-            mb.backward(wl.loss(model, torch.from_numpy(x), torch.from_numpy(y)))
-        session.before_optimizer_step()
+        applied = False
+        while not applied:  # a step the check rejects is computed again (nothing applied)
+            for mb in session.micro_batches(step, model):
+                x, y = data.batch(step, mb.index, mb.count)
+                mb.backward(wl.loss(model, torch.from_numpy(x), torch.from_numpy(y)))
+            applied = session.before_optimizer_step(model)
         optim.step()
         optim.zero_grad(set_to_none=True)
         session.step_end(step, None, model, optim, tokens=cfg.global_batch * wl.seq_len)
