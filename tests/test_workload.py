@@ -22,6 +22,8 @@ from trainer.config import (
     load_config,
     save_config,
 )
+from trainer.step_check import StepCheckConfig
+from trainer.straggler_config import StragglerConfig, StragglerPolicy
 from trainer.worker_cli import build_parser, config_from_args
 from trainer.workload import BUILTIN, load_workload
 
@@ -84,6 +86,21 @@ def _every_field_changed(dataset: Path, tmp_path: Path) -> TrainConfig:
             step_timeout_floor_s=2.5,
             node_silence_s=45.0,
             evict_grace_s=20.0,
+        ),
+        step_check=StepCheckConfig(
+            enabled=False, window=64, sigma=8.0, min_samples=16, repeat_wait_s=30.0
+        ),
+        straggler=StragglerConfig(
+            policy=StragglerPolicy.REPLACE,
+            enter=1.2,
+            leave=1.1,
+            window=5,
+            confirm_windows=2,
+            confirm_s=10.0,
+            warmup_steps=3,
+            ckpt_share=0.5,
+            max_evict_share=0.5,
+            evict_period_s=600.0,
         ),
         local_paths=False,
         metrics_port=9999,
