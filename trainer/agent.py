@@ -1,7 +1,9 @@
 """Every node's launcher: NVRx's ``ft_launcher`` run in this process, with the node's beat
 (:mod:`trainer.node_beat`: it lives through every respawn of the node's workers) and, for an
 elastic job, the rendezvous keep-alive it needs:
-``python -m trainer.agent [--keep-alive SECONDS:MISSES] [--beat RUN_ROOT:INTERVAL_S] -- ARGS...``.
+``python -m trainer.agent [--keep-alive SECONDS:MISSES] [--beat RUN_ROOT:INTERVAL_S]
+[--freeze-drill yes] -- ARGS...`` (``--freeze-drill``: the run has a node-freeze drill, whose
+marker the beat thread looks for).
 
 NVRx 0.4.1 drops a dead node from the world only after 3 missed renewals 5 s apart, hard-coded
 in ``FtRendezvousHandler.from_backend`` (``--rdzv-conf`` does not reach it): a spare's takeover
@@ -98,7 +100,7 @@ def parse_keep_alive(value: str) -> tuple[float, int]:
 
 USAGE = (
     "usage: python -m trainer.agent [--keep-alive SECONDS:MISSES] "
-    "[--beat RUN_ROOT:INTERVAL_S] -- FT_LAUNCHER_ARGS..."
+    "[--beat RUN_ROOT:INTERVAL_S] [--freeze-drill yes] -- FT_LAUNCHER_ARGS..."
 )
 
 
@@ -110,12 +112,15 @@ def _options(args: list[str]) -> tuple[dict[str, str], list[str]]:
     if len(ours) % 2 or not theirs:
         raise SystemExit(USAGE)
     options = dict(zip(ours[::2], ours[1::2], strict=True))
-    if set(options) - {"--keep-alive", "--beat"} or len(options) != len(ours) // 2:
+    if (
+        set(options) - {"--keep-alive", "--beat", "--freeze-drill"}
+        or len(options) != len(ours) // 2
+    ):
         raise SystemExit(USAGE)
     return options, theirs
 
 
-def _beat(value: str) -> Any:
+def _beat(value: str, *, freeze_drill: bool) -> Any:
     """The node's beat (trainer.node_beat), from this agent for as long as it lives: its
     workers come and go with every respawn. None where no backend said which node this is."""
     from pathlib import Path
@@ -138,9 +143,8 @@ def _beat(value: str) -> Any:
         )
         return None
     run_dir = RunDir.from_env(Path(root))
-    return NodeBeat(
-        run_dir.beat_file(node), interval_s=interval_s, freeze=run_dir.freeze_file(node)
-    )
+    freeze = run_dir.freeze_file(node) if freeze_drill else None
+    return NodeBeat(run_dir.beat_file(node), interval_s=interval_s, freeze=freeze)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                 stacklevel=1,
             )
         patch_admission()
-    beat = _beat(options["--beat"]) if "--beat" in options else None
+    freeze_drill = options.get("--freeze-drill") == "yes"
+    beat = _beat(options["--beat"], freeze_drill=freeze_drill) if "--beat" in options else None
     from nvidia_resiliency_ext.fault_tolerance.launcher import main as ft_main
 
     sys.argv = ["ft_launcher", *launcher_args]

@@ -84,7 +84,10 @@ def launcher_command(cfg: TrainConfig, spec: LaunchSpec, *, portable: bool = Fal
     argv = [python, "-m", "trainer.agent"]
     if spec.elastic:
         argv += ["--keep-alive", f"{inj.rdzv_keep_alive_s:g}:{inj.rdzv_keep_alive_misses}"]
-    return [*argv, "--beat", f"{cfg.run_root}:{inj.heartbeat_interval_s:g}", "--"]
+    argv += ["--beat", f"{cfg.run_root}:{inj.heartbeat_interval_s:g}"]
+    if any(f.freezes_node for f in cfg.faults):
+        argv += ["--freeze-drill", "yes"]  # the beat thread looks for the drill's marker
+    return [*argv, "--"]
 
 
 def rdzv_conf(cfg: TrainConfig, spec: LaunchSpec) -> str:

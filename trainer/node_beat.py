@@ -7,7 +7,8 @@ a silence of a few beats is a frozen node, never a respawn; its last word on a n
 own monotonic clock. The file holds no decision, only a changing token and that state.
 
 The same thread carries out a ``node-freeze`` drill aimed at its node (the watcher's marker,
-``Layout.freeze``): it stops its children and then itself (SIGSTOP), as a hung host would. The
+``Layout.freeze``, looked for only where the run has such a drill): it stops its children and
+then itself (SIGSTOP), as a hung host would. The
 drill thus runs the same way on every backend (a pod's agent can stop its own pod), with no
 permission to reach into another node.
 """
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 UP = "up"
 DONE = "done"  # the agent's last beat on a normal exit: finished, not silent
+FREEZE_POLL_S = 0.05
 
 
 def is_done(token: str) -> bool:
@@ -64,10 +66,18 @@ class NodeBeat:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self.freeze is not None and self.freeze.exists():
-                _freeze_self()
             self._write(UP)
-            self._stop.wait(self.interval_s)
+            if self.freeze is None:
+                self._stop.wait(self.interval_s)
+                continue
+            # A freeze drill is due: looked for every FREEZE_POLL_S between beats, so the node
+            # stops within a step or two of the drill's (a tiny model's steps take 0.1 s).
+            until = time.monotonic() + self.interval_s
+            while not self._stop.wait(min(FREEZE_POLL_S, max(0.0, until - time.monotonic()))):
+                if self.freeze.exists():
+                    _freeze_self()
+                if time.monotonic() >= until:
+                    break
 
     def close(self, *, done: bool = True) -> None:
         """Stop beating; ``done``: say so first (a normal exit), so the watcher never reads
