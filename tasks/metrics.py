@@ -105,35 +105,7 @@ class RunMetrics:
             ["run_id", "kind"],
             registry=r,
         )
-        # Slow nodes (tasks.straggler): each node's busy time over the step's median (every
-        # step that carries per-node times), the judge's window score at its verdicts, the
-        # verdicts and the evictions they caused.
-        self.node_ratio = Gauge(
-            "nvrx_node_busy_ratio",
-            "A node's busy time in the last step over the median of the job's nodes",
-            ["run_id", "node"],
-            registry=r,
-        )
-        self.straggler_score = Gauge(
-            "nvrx_straggler_score",
-            "A node's window score (busy time over the job's median) at its newest verdict",
-            ["run_id", "node"],
-            registry=r,
-        )
-        self.straggler_verdicts = Counter(
-            "nvrx_straggler_verdicts",
-            "Straggler verdicts: suspect, confirmed, replaced, rate-limited, cleared",
-            ["run_id", "verdict"],
-            registry=r,
-        )
-        self.straggler_evictions = Counter(
-            "nvrx_straggler_evictions",
-            "Nodes taken away for being slow (straggler policy replace)",
-            ["run_id"],
-            registry=r,
-        ).labels(run_id)
-        for verdict in StragglerVerdict:
-            self.straggler_verdicts.labels(run_id, verdict.value)
+        self._straggler_metrics(r, run_id)
         self.checkpoints = Counter(
             "nvrx_checkpoints_committed", "Checkpoints committed", ["run_id"], registry=r
         ).labels(run_id)
@@ -167,6 +139,37 @@ class RunMetrics:
         self._last_step_t = 0.0
         # The one fold (as the report's and the result's ETTR): bounded in steps.
         self.history = RunHistory()
+
+    def _straggler_metrics(self, r: CollectorRegistry, run_id: str) -> None:
+        # Slow nodes (tasks.straggler): each node's busy time over the step's median (every
+        # step that carries per-node times), the judge's window score at its verdicts, the
+        # verdicts and the evictions they caused.
+        self.node_ratio = Gauge(
+            "nvrx_node_busy_ratio",
+            "A node's busy time in the last step over the median of the job's nodes",
+            ["run_id", "node"],
+            registry=r,
+        )
+        self.straggler_score = Gauge(
+            "nvrx_straggler_score",
+            "A node's window score (busy time over the job's median) at its newest verdict",
+            ["run_id", "node"],
+            registry=r,
+        )
+        self.straggler_verdicts = Counter(
+            "nvrx_straggler_verdicts",
+            "Straggler verdicts: suspect, confirmed, replaced, rate-limited, cleared",
+            ["run_id", "verdict"],
+            registry=r,
+        )
+        self.straggler_evictions = Counter(
+            "nvrx_straggler_evictions",
+            "Nodes taken away for being slow (straggler policy replace)",
+            ["run_id"],
+            registry=r,
+        ).labels(run_id)
+        for verdict in StragglerVerdict:
+            self.straggler_verdicts.labels(run_id, verdict.value)
 
     def observe(self, e: Event) -> None:
         if self.history.stale(e):  # a replaced attempt's zombie: not the run's

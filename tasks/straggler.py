@@ -247,6 +247,9 @@ def _verdict(
         f"{len(scores)} window(s) of {cfg.window} steps >= {cfg.enter} "
         f"(scores {listed}) over steps {first}-{step}, {seconds:.1f} s"
     )
+    if kind in (Kind.CONFIRMED, Kind.REPLACED, Kind.RATE_LIMITED) and step > first:
+        bound, _ = cfg.detection_bound(seconds / (step - first + 1))  # at the pace it ran
+        evidence += f"; the stated bound at this pace: {bound} measured steps"
     if kind == Kind.CLEARED:
         evidence = f"node {node} back to {score:.2f}x the median (< {cfg.leave}) at step {step}"
     return Verdict(node, kind, round(score, 4), scores, (first, step), round(seconds, 3), evidence)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks import straggler
+from tasks.attempt_start import start
 from tasks.backends.base import (
     Backend,
     Cordons,
@@ -24,7 +25,6 @@ from tasks.backends.base import (
     ReturnDrills,
 )
 from tasks.classify import EndKind, Evidence, Outcome, judge
-from tasks.errors import FenceBusy
 from tasks.loss_policy import LossPath, LossSnapshot, decide
 from tasks.off_loop import OffLoop, bounded
 from tasks.ownership.lease import LeaseLost
@@ -47,11 +47,9 @@ from tasks.watch_state import (
 from trainer.elastic import NodeRange
 from trainer.event_types import (
     Event,
-    Fatal,
     Fault,
     NodeReturn,
     Recovered,
-    StageAttempt,
     StageAttemptEnd,
     Step,
     StepCheck,
@@ -80,19 +78,6 @@ class AttemptReport:
     released: dict[str, Any] = field(default_factory=dict)  # what Job.finish reported
 
 
-def _fatal_since_last_attempt_start(run_dir: RunDir) -> str | None:
-    """The first ``fatal`` error of ``run_dir``'s epoch recorded since the newest train attempt
-    started (streamed: the watcher keeps no event it has read)."""
-    fatal: str | None = None
-    epoch = run_dir.epoch
-    for e in run_dir.event_reader().iter_new():
-        if isinstance(e, StageAttempt):
-            fatal = None
-        elif isinstance(e, Fatal) and fatal is None and (epoch is None or e.epoch == epoch):
-            fatal = e.error
-    return fatal
-
-
 def run_attempt(
     backend: Backend,
     request: LaunchRequest,
@@ -118,7 +103,7 @@ def run_attempt(
     tail = run_dir.event_reader(from_start=False)
     started = clock()
     check_owner("start an attempt")
-    job, run_dir, events, fatal = _start(backend, request, run_dir)
+    job, run_dir, events, fatal = start(backend, request, run_dir)
     request = dataclasses.replace(request, epoch=run_dir.epoch)
     # An elastic job's survivors below its minimum wait in the rendezvous for a node to return,
     # as long as their own join timeout lets them (tasks.loss_policy NODE_WAIT); a fixed-size
@@ -159,42 +144,6 @@ def run_attempt(
     )
     watch.pump(END_READ_TIMEOUT_S)
     return AttemptReport(job.attempt, outcome, wall, kept)
-
-
-def _start(
-    backend: Backend, request: LaunchRequest, run_dir: RunDir
-) -> tuple[Job, RunDir, EventLog, str | None]:
-    """The attempt's job (launched now, or adopted), its run directory under its epoch, its
-    event log, and the first fatal error it said before we came (adopted)."""
-    job = backend.reattach(request)
-    if job is None:
-        # A new epoch first: from here on, no writer of an earlier attempt (a pod on an
-        # unreachable node, a frozen host that wakes) changes the run root (trainer.fence). A
-        # fence lock held past its timeout (a writer frozen holding it) launches nothing: a
-        # stage retry's (FenceBusy), not the run's end.
-        try:
-            run_dir = run_dir.publish(invocation=request.invocation, attempt=request.attempt)
-        except TimeoutError as e:  # trainer.fence.LockTimeout
-            raise FenceBusy(f"attempt {request.attempt} not launched: {e}") from e
-        request = dataclasses.replace(request, epoch=run_dir.epoch)
-        events = EventLog(run_dir.root, epoch=run_dir.epoch)
-        run_dir.clear_result()  # only this attempt's result counts
-        run_dir.clear_markers()  # nor an earlier attempt's verdict (the config was fixed)
-        run_dir.clear_other_beats()
-        run_dir.record_retry(request.attempt)
-        events.emit(_attempt(backend, request, request.attempt, adopted=False))
-        return backend.launch(request), run_dir, events, None
-    # Adopted: the attempt runs under the epoch its (dead) watcher published, the highest
-    # on record (epoch.json's, or the event log's where that file was lost).
-    run_dir = run_dir.adopted()
-    events = EventLog(run_dir.root, epoch=run_dir.epoch)
-    # What the attempt said before we came: a fatal error there decides its outcome too.
-    fatal = bounded(
-        "the event log", lambda: _fatal_since_last_attempt_start(run_dir),
-        END_READ_TIMEOUT_S, None,
-    )  # fmt: skip
-    events.emit(_attempt(backend, request, job.attempt, adopted=True))
-    return job, run_dir, events, fatal
 
 
 def _watch_to_the_end(watch: _Watch, check_owner: Callable[[str], None]) -> None:
@@ -497,14 +446,3 @@ class _Watch:
 
 def _loss_name(step: int | None, node: int) -> str:
     return f"node-loss@step={step},node={node}" if step is not None else f"node-loss@node={node}"
-
-
-def _attempt(backend: Backend, request: LaunchRequest, n: int, adopted: bool) -> StageAttempt:
-    return StageAttempt(
-        stage="train",
-        attempt=n,
-        nodes=request.nodes,
-        nproc_per_node=request.nproc_per_node,
-        backend=backend.name,
-        adopted=adopted,
-    )

@@ -252,6 +252,7 @@ def test_a_verdict_names_the_node_its_score_and_the_evidence() -> None:
     assert replaced.seconds == 45.0  # three windows of five 3 s steps
     assert "node 2 took 3.00x the median busy time of 4 nodes" in replaced.evidence
     assert "3 window(s) of 5 steps" in replaced.evidence
+    assert "the stated bound at this pace:" in replaced.evidence
 
 
 @pytest.mark.parametrize("onset", range(W))

@@ -96,11 +96,11 @@ def render_job(
     node_memory_gb: float = 0.0,
 ) -> dict[str, Any]:
     """``nodes``: the most the job trains on; ``min_nodes`` (elastic) the fewest; ``spares``:
-    pods beyond ``nodes`` that wait in the rendezvous. ``rdzv_id`` (default: the Job's name) is
-    unique per invocation: a later one starts its attempts at 1 again, and the workers tell an
-    in-job respawn by finding their rendezvous id in the events. ``deadline_s``: the attempt's
+    pods beyond ``nodes`` waiting in the rendezvous. ``rdzv_id`` (default: the Job's name) is
+    unique per invocation (a later one starts its attempts at 1 again; the workers tell an
+    in-job respawn by their rendezvous id in the events). ``deadline_s``: the attempt's
     (``activeDeadlineSeconds`` adds a margin); ``node_memory_gb``: the memory saves' need per
-    node, sizing /dev/shm where ``eks.shm_gi`` is empty; ``tag``: see :func:`job_name`."""
+    node, sizing /dev/shm where ``eks.shm_gi`` is empty. ``tag``: :func:`job_name`'s."""
     meta = _metadata(run_id, attempt, tag, eks.namespace)
     name = meta["name"]
     rdzv = f"{name}-0.{name}.{eks.namespace}.svc.cluster.local:{eks.rdzv_port}"
@@ -117,8 +117,7 @@ def render_job(
     # (render_all), mounted read-only: `kubectl apply` of a rendered bundle needs nothing
     # the flow would have written first. (The flow keeps its copy on FSx, for the record.)
     config = CONFIG_MOUNT / Layout.train_config(attempt).name
-    # The image's programs, not this machine's paths.
-    argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config), portable=True)
+    argv = ft_launcher_argv(cfg, spec, trainer_args(cfg, config), portable=True)  # the image's
     template = pod_template(
         eks,
         name=name,
