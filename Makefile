@@ -85,7 +85,7 @@ promtool:
 # tight hang timeouts read CPU contention as a hang (suite_time.json: parallel_experiment).
 test: venv browser promtool
 	$(PY) -m pytest -q -m "not slow and not extended" -n 3
-	$(PY) -m pytest -q -m "slow and not extended"
+	$(PY) -m pytest -q -m "slow and not extended" --durations=25
 
 test-fast: venv promtool
 	$(PY) -m pytest -q -m "not slow and not extended"
