@@ -7,7 +7,6 @@ Spellings are the ones that work on NVRx 0.4.1 and still on 0.7.0 (not ``--ft-pa
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,14 +101,6 @@ def rdzv_conf(cfg: TrainConfig, spec: LaunchSpec) -> str:
     if spec.external_store:
         conf["is_host"] = "false"
     return ",".join(f"{k}={v}" for k, v in conf.items())
-
-
-def ft_launcher_path() -> str:
-    # The console script of the interpreter running us (a venv need not be on PATH).
-    beside = Path(sys.executable).parent / "ft_launcher"
-    if beside.exists():
-        return str(beside)
-    return shutil.which("ft_launcher") or "ft_launcher"
 
 
 def _nvrx_major_minor() -> tuple[int, int]:

@@ -159,7 +159,9 @@ def versions(snap: Snapshot, req: Requirements) -> Verdict:
     if _version_tuple(nvrx_v)[:3] < req.min_nvrx:
         problems.append(f"nvidia-resiliency-ext {nvrx_v} < {'.'.join(map(str, req.min_nvrx))}")
     if not snap.facts["ft_launcher"]:
-        problems.append("ft_launcher not found")
+        problems.append(
+            "NVRx's launcher module (nvidia_resiliency_ext.fault_tolerance.launcher) not found"
+        )
     if problems:
         return failed("; ".join(problems), "make venv (reinstall)")
     return passed(f"torch {torch_v}, NVRx {nvrx_v}")

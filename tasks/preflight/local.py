@@ -3,6 +3,7 @@ blinds the checks that need it."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -68,12 +69,13 @@ def gather_local(
     try:
         import torch
 
-        from trainer import launch, nvrx_compat
+        from trainer import nvrx_compat
 
         f["torch_version"] = torch.__version__
         f["nvrx_version"] = nvrx_compat.version()
-        path = launch.ft_launcher_path()
-        f["ft_launcher"] = path if shutil.which(path) else ""
+        # What every node runs: NVRx's launcher, in-process through trainer.agent.
+        spec = importlib.util.find_spec("nvidia_resiliency_ext.fault_tolerance.launcher")
+        f["ft_launcher"] = (spec.origin or "") if spec is not None else ""
     except Exception as e:
         err["versions"] = str(e)
     gather_s3(
