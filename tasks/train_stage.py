@@ -36,6 +36,7 @@ from tasks.watch_state import (
     drop,
     due,
     frozen,
+    leaving,
     lost,
     mine,
     observe,
@@ -276,6 +277,8 @@ class _Watch:
             self.state = beat(self.state, self.beats_read.call(min(timeout, 1.0)), self.clock())
         except Exception as e:
             self.complain("reading the node beats", e)
+        for node in leaving(self.state):
+            self._evicted(node)
         for node in silent(self.state, self.clock()):
             self._silent(node)
         # Losses only the backend saw (EKS: a node gone under its pod), after the drills'.
@@ -311,7 +314,9 @@ class _Watch:
         elif spec.evicts_node:
             grace = self.request.cfg.injob.evict_grace_s
             why = f"node {node} evicted with notice (SIGTERM, SIGKILL {grace:g} s later)"
-            self._lose(node, str(spec), step, drilled=True, why=why, evict_grace_s=grace)
+            self._lose(
+                node, str(spec), step, drilled=True, why=why, evict_grace_s=grace, notice_s=grace
+            )
         else:
             self._lose(node, str(spec), step, drilled=True)
 
@@ -353,6 +358,17 @@ class _Watch:
                 fault_kind="slow",
             )  # fmt: skip
 
+    def _evicted(self, node: int) -> None:
+        """A node told to go that no drill of ours evicted (a drain, a spot reclaim: its agent
+        got SIGTERM and says so in its beat): taken away as lost, named as an eviction; its
+        workers save the step in flight and leave on their own (trainer.notice)."""
+        step = self.state.last_step
+        fault = _loss_name(step, node) if step is None else f"node-evict@step={step},node={node}"
+        grace = self.request.cfg.injob.evict_grace_s
+        why = f"node {node} evicted with notice (its agent got SIGTERM; {grace:g} s to leave)"
+        _log.warning("%s", why)
+        self._lose(node, fault, step, drilled=True, why=why, notice_s=grace)
+
     def _silent(self, node: int) -> None:
         """A training node silent past the bound while others beat: taken away as lost."""
         s = self.state
@@ -375,10 +391,14 @@ class _Watch:
         why: str = "",
         best_effort: bool = False,
         evict_grace_s: float | None = None,
+        notice_s: float | None = None,
         fault_kind: str = "node-loss",
     ) -> None:
         """A node lost, by a drill or a silence (``drilled``: the watcher takes it away now)
-        or as the backend saw it: which path its loss takes, decided once, and recorded."""
+        or as the backend saw it: which path its loss takes, decided once, and recorded.
+        ``evict_grace_s``: the drill evicts it with that grace; ``notice_s``: it was evicted
+        with that much notice (by the drill or not), and is not ended here: it leaves on its
+        own once its step is saved, which a stop waits for."""
         job, run_dir, request = self.job, self.run_dir, self.request
         # Decided before a drilled node goes: the survivors read the marker the moment they fail.
         decision = decide(
@@ -405,7 +425,7 @@ class _Watch:
                 if not isinstance(job, EvictDrills):
                     raise ValueError(f"{fault}: {job.name} cannot evict a node")
                 job.evict_node(node, evict_grace_s)
-            elif drilled:
+            elif drilled and notice_s is None:
                 job.lose_node(node)
         except Exception as e:
             # A silent node: ending it is best effort (its pod may be gone already, or its host
@@ -426,7 +446,13 @@ class _Watch:
             )
         )
         self.state = lost(
-            self.state, node, decision, drilled=drilled, now=self.clock(), wall=time.time()
+            self.state,
+            node,
+            decision,
+            drilled=drilled,
+            now=self.clock(),
+            wall=time.time(),
+            notice_s=notice_s,
         )
         if not decision.idle_spare:  # open until the first step after the recovery
             run_dir.open_fault(fault_event)

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from tasks.loss_policy import LossDecision, LossPath
-from trainer.event_types import Event, Fatal, Step, StepCheck, TrainStart
+from trainer.event_types import Event, Fatal, Handoff, Step, StepCheck, TrainStart
 from trainer.faults import FaultSpec
-from trainer.node_beat import is_done
+from trainer.node_beat import is_done, is_leaving
 
 
 class Tick(enum.Enum):
@@ -40,6 +40,11 @@ class Beat:
     def done(self) -> bool:
         """The node's agent said its last beat on a normal exit: ended, never silent."""
         return is_done(self.token)
+
+    @property
+    def leaving(self) -> bool:
+        """The node's agent was told to go (an eviction's notice) and has not ended yet."""
+        return is_leaving(self.token)
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,9 @@ class WatchState:
     world_at: float | None = None  # when that train_start was read (monotonic)
     last_step: int | None = None
     loss_at: float | None = None  # a loss only a stage retry recovers: when (monotonic)
+    # A node evicted with notice is saving the step in flight (trainer.notice): the stop after
+    # such a loss waits for that hand-off (a ``handoff`` event) until then (monotonic).
+    hold_until: float | None = None
     waiting_until: float | None = None  # end of the survivors' wait for a node (monotonic)
     wait_began: float = 0.0  # when it began (epoch seconds, as events carry)
     beats: Mapping[int, Beat] = field(default_factory=dict)
@@ -112,6 +120,8 @@ def observe(s: WatchState, e: Event, now: float) -> WatchState:
         )
     if isinstance(e, Step):
         return replace(s, last_step=max(e.step, s.last_step or 0))
+    if isinstance(e, Handoff):  # the evicted node's step is committed: no more to wait for
+        return replace(s, hold_until=None)
     return s
 
 
@@ -164,15 +174,20 @@ def lost(
     drilled: bool,
     now: float,
     wall: float,
+    notice_s: float | None = None,
 ) -> WatchState:
     """Node ``node`` is gone (``drilled``: the watcher took it away itself), on the path
-    ``decision`` says."""
+    ``decision`` says; ``notice_s``: it was evicted with that much notice, and is saving the
+    step in flight meanwhile (a stop waits for its hand-off, or for that long)."""
     s = replace(s, lost=s.lost | {node})
     if decision.idle_spare:
         return s
     if decision.path == LossPath.STAGE_RETRY and drilled:
         # A loss the backend saw ends the attempt through its own classification.
-        return s if s.loss_at is not None else replace(s, loss_at=now)
+        if s.loss_at is not None:
+            return s
+        hold = now + notice_s if notice_s is not None else None
+        return replace(s, loss_at=now, hold_until=hold)
     if decision.path == LossPath.NODE_WAIT and s.waiting_until is None:
         # The survivors give up after their join timeout (and the attempt ends in a node
         # loss, so a stage retry); the watcher stops whatever is left a little later.
@@ -188,6 +203,12 @@ def beat(s: WatchState, tokens: Mapping[int, str], now: float) -> WatchState:
         if old is None or old.token != token:
             beats[node] = Beat(token, now)
     return replace(s, beats=beats, beats_read_at=now)
+
+
+def leaving(s: WatchState) -> list[int]:
+    """Nodes whose agent says they were told to go (an eviction's SIGTERM: trainer.node_beat),
+    not taken away yet: to be recorded as evicted with notice, and waited for."""
+    return sorted(n for n, b in s.beats.items() if b.leaving and n not in s.lost)
 
 
 def quiet(s: WatchState, now: float) -> frozenset[int]:
@@ -239,8 +260,9 @@ def tick(s: WatchState, now: float, *, running: bool) -> tuple[WatchState, Tick]
     # After the watcher takes a node away and too few remain (tasks.loss_policy), the
     # survivors fail their collectives and then wait in rendezvous (bounded by ft_launcher's
     # join timeout). The watcher knows the node is gone: it stops them (after the backend's
-    # grace) instead of waiting.
-    if s.loss_at is not None and now - s.loss_at >= s.loss_grace_s:
+    # grace) instead of waiting; after an eviction with notice, once its hand-off is done.
+    held = s.hold_until is not None and now < s.hold_until
+    if s.loss_at is not None and now - s.loss_at >= s.loss_grace_s and not held:
         return s, Tick.STOP_LOST
     if s.waiting_until is not None and now > s.waiting_until:
         return s, Tick.STOP_WAITED  # no node returned in time: the stage retry

@@ -225,6 +225,22 @@ def read_events(run_root: Path) -> list[dict[str, Any]]:
     return [e.model_dump(mode="json", exclude_unset=True) for e in typed_events(run_root)]
 
 
+def assert_handed_off(events: list[dict[str, Any]], fault: dict[str, Any]) -> None:
+    """A node evicted with notice (trainer.notice) handed off: every rank heard the notice at
+    one step, no earlier than the step in flight when the eviction came, and saved it durably
+    before the node left; the job went on from exactly that step (nothing before it replayed)."""
+    [handoff] = [e for e in events if e["kind"] == "handoff"]
+    before = max(e["step"] for e in events if e["kind"] == "step" and e["t"] < fault["t"])
+    assert handoff["step"] >= before and handoff["leaving"] >= 1, (handoff, before)
+    commits = {e["step"] for e in events if e["kind"] == "checkpoint" and e["step"] >= before}
+    assert handoff["path"] and handoff["step"] in commits, "committed"
+    loaded = [
+        e for e in events if e["kind"] == "resume" and e["action"] == "loaded"
+        and e["t"] > handoff["t"]
+    ]  # fmt: skip
+    assert loaded and loaded[0]["step"] == handoff["step"], (loaded[:1], handoff)
+
+
 @dataclass
 class RunOutcome:
     returncode: int

@@ -48,7 +48,13 @@ def test_what_no_restart_fixes_is_terminal_with_its_exit_code():
 
 
 def test_the_worker_exit_codes_are_one_enum():
-    assert {c.name: int(c) for c in ExitCode} == {"OK": 0, "CONFIG": 2, "FATAL": 3, "FENCED": 4}
+    assert {c.name: int(c) for c in ExitCode} == {
+        "OK": 0,
+        "CONFIG": 2,
+        "FATAL": 3,
+        "FENCED": 4,
+        "LEFT": 5,
+    }
     assert isinstance(TerminalError.exit_code, ExitCode) and isinstance(
         ConfigError.exit_code, ExitCode
     )

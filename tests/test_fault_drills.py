@@ -19,6 +19,7 @@ import pytest
 from tests.helpers import (
     AUTO_INJOB,
     RunOutcome,
+    assert_handed_off,
     make_config,
     read_events,
     run_ft_launcher,
@@ -357,6 +358,8 @@ def test_a_frozen_or_evicted_node_is_taken_away_and_recovered_bitwise(
     assert result["params_sha256"] == baseline.result["params_sha256"]  # type: ignore[index]
     recovered = [e for e in read_events(cfg.run_root) if e["kind"] == "recovered"]
     assert [(r["fault"], r["layer"]) for r in recovered] == [(case.loss, case.path)]
+    if "evict" in case.spec:  # its step saved within the grace: nothing before it replayed
+        assert_handed_off(read_events(cfg.run_root), faults[0])
 
 
 # The step check (trainer.step_check), played inside it: NaN in rank 1's own gradient shard

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from trainer.node_beat import NodeBeat, is_done
+from trainer.node_beat import NodeBeat, is_done, is_leaving
 from trainer.rundir import RunDir
 
 
@@ -43,6 +43,23 @@ def test_a_normal_exit_says_done(tmp_path: Path):
     silenced = NodeBeat(run.beat_file(1), interval_s=0.05)
     silenced.close(done=False)
     assert not is_done(run.beats()[1])
+
+
+def test_a_node_told_to_go_says_so_at_once_and_in_every_beat_after(tmp_path: Path):
+    run = RunDir(tmp_path, 3)
+    beat = NodeBeat(run.beat_file(0), interval_s=0.05)
+    try:
+        beat.leave()
+        assert is_leaving(run.beats()[0])  # written before the workers are told
+        first = run.beats()[0]
+        deadline = time.monotonic() + 10
+        while run.beats()[0] == first:  # still a sign of life: never read as silent
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert is_leaving(run.beats()[0]) and not is_done(run.beats()[0])
+    finally:
+        beat.close()
+    assert is_done(run.beats()[0]) and not is_leaving(run.beats()[0])
 
 
 # The agent's beat in a process of its own, as trainer.agent starts it; with a child, as the

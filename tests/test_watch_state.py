@@ -20,6 +20,7 @@ from tasks.watch_state import (
     condemned,
     drop,
     due,
+    leaving,
     lost,
     mine,
     observe,
@@ -28,7 +29,7 @@ from tasks.watch_state import (
     silent,
     tick,
 )
-from trainer.event_types import Event, Fatal, Step, StepCheck, TrainStart
+from trainer.event_types import Event, Fatal, Handoff, Step, StepCheck, TrainStart
 from trainer.faults import parse_fault
 
 T0 = 1000.0  # the watcher's monotonic clock when the watch began
@@ -43,16 +44,18 @@ def step(n: int) -> Event:
 
 
 # A history: (the watcher's clock, what it saw). What it saw is an event, a beat read
-# (node -> token), or a loss with the path its decision took.
-Seen = Event | dict[int, str] | tuple[str, int, LossPath]
+# (node -> token), or a loss with the path its decision took (and, for an eviction with notice,
+# how long the notice is).
+Seen = Event | dict[int, str] | tuple[str, int, LossPath] | tuple[str, int, LossPath, float]
 
 
 def replay(s: WatchState, history: list[tuple[float, Seen]]) -> WatchState:
     for now, seen in history:
         if isinstance(seen, tuple):
-            _, node, path = seen
+            node, path = seen[1], seen[2]
+            notice = seen[3] if len(seen) > 3 else None
             decision = LossDecision(path, "recorded")
-            s = lost(s, node, decision, drilled=True, now=T0 + now, wall=now)
+            s = lost(s, node, decision, drilled=True, now=T0 + now, wall=now, notice_s=notice)
         elif isinstance(seen, dict):
             s = beat(s, seen, T0 + now)
         else:
@@ -87,6 +90,21 @@ TICKS: list[tuple[str, dict[str, Any], list[tuple[float, Seen]], float, Tick]] =
      Tick.STOP_WAITED),
     ("elastic-shrink-goes-on", {}, [(1, start(0, 1, 2)), (5, ("loss", 2, LossPath.ELASTIC))],
      300, Tick.CONTINUE),
+    # Evicted with 30 s of notice: its workers save the step in flight (trainer.notice); the
+    # stop waits for that hand-off, or for the notice to run out, never longer.
+    ("evicted-waits-for-its-handoff", {},
+     [(1, start(0, 1)), (5, ("evict", 1, LossPath.STAGE_RETRY, 30.0))], 34.9, Tick.CONTINUE),
+    ("evicted-stops-once-handed-off", {},
+     [(1, start(0, 1)), (5, ("evict", 1, LossPath.STAGE_RETRY, 30.0)),
+      (8, Handoff(t=1.0, step=9, leaving=1))], 8.0, Tick.STOP_LOST),
+    ("evicted-handoff-still-gets-the-grace", {},
+     [(1, start(0, 1)), (5, ("evict", 1, LossPath.STAGE_RETRY, 30.0)),
+      (5.5, Handoff(t=1.0, step=9, leaving=1))], 6.9, Tick.CONTINUE),
+    ("evicted-notice-ran-out", {},
+     [(1, start(0, 1)), (5, ("evict", 1, LossPath.STAGE_RETRY, 30.0))], 35.0, Tick.STOP_LOST),
+    ("another-epochs-handoff-ends-no-wait", {"epoch": 2},
+     [(1, start(0, 1)), (5, ("evict", 1, LossPath.STAGE_RETRY, 30.0)),
+      (8, Handoff(t=1.0, step=9, leaving=1, epoch=1))], 8.0, Tick.CONTINUE),
 ]  # fmt: skip
 
 
@@ -297,3 +315,14 @@ def test_a_repeated_step_check_failure_condemns_its_nodes_once():
     assert condemned(s, check("repeat", [-1], epoch=3)) == []
     s = replay(s, [(2, ("loss", 1, LossPath.SPARE))])
     assert condemned(s, check("repeat", [1, 2], epoch=3)) == [2]
+
+
+def test_a_node_told_to_go_is_named_once_until_taken_away():
+    """A beat saying ``leaving`` (its agent got an eviction's SIGTERM: trainer.node_beat) is an
+    eviction to record, once: a node lost already, or one that finished, is not."""
+    s = replay(BASE, [(1, start(0, 1, 2)), (2, {0: "7 1 1.0 up", 1: "8 4 2.0 leaving"})])
+    assert leaving(s) == [1]
+    s = lost(s, 1, LossDecision(LossPath.SPARE, "spare"), drilled=True, now=T0 + 3, wall=3.0)
+    assert leaving(s) == []
+    s = beat(s, {2: "9 2 3.0 leaving", 0: "7 2 3.0 done"}, T0 + 4)
+    assert leaving(s) == [2]

@@ -10,6 +10,9 @@ if __name__ == "__main__":
     import gc
     import sys
 
+    from trainer import notice
+
+    notice.install()  # before torch's import: an eviction's notice may come at any time
     from trainer.train import main
 
     try:

@@ -14,12 +14,21 @@ It also ends a node the job turned away (a waiting hot spare, a late replacement
 world finishes and closes the rendezvous) with exit 0, not NVRx's 1 (``RendezvousClosedError``):
 on EKS that exit 1 could fail the Indexed Job (``backoffLimit: 0``). Only an agent that never
 joined a world of this rendezvous is turned away.
+
+An eviction's SIGTERM (a drain, a spot reclaim: docs/architecture.md §4, "Evictions with
+notice") is first the node's: its beat says ``leaving`` and its workers are told
+(:mod:`trainer.notice`, SIGUSR1) and given the launcher's ``--term-timeout`` to save their step
+and leave; only then does NVRx's launcher end what is left, as it always did.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+import signal
 import sys
+import time
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -85,6 +94,92 @@ def patch_admission(admission: type[Admission] = Admission) -> bool:
     next_rendezvous._nvrx_admission = True  # type: ignore[attr-defined]
     handler.next_rendezvous = next_rendezvous
     return True
+
+
+class Notice:
+    """An eviction's notice, passed on to this node's workers (see the module's docstring)."""
+
+    def __init__(self, beat: Any, wait_s: float) -> None:
+        self.beat, self.wait_s = beat, wait_s
+        self.told = False
+        self.workers: Any = None  # the launcher's newest process context
+
+    def pids(self) -> list[int]:
+        return list(self.workers.pids().values()) if self.workers is not None else []
+
+    def on_sigterm(self, original: Any, signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM and not self.told:
+            self.told = True
+            if self.beat is not None:
+                self.beat.leave()  # first: the watcher names the eviction, and waits for it
+            pids = self.pids()
+            from trainer.notice import SIGNAL
+
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, SIGNAL)
+            print(
+                f"trainer.agent: SIGTERM (an eviction's notice): workers {pids} told to save "
+                f"their step and leave, within {self.wait_s:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            until = time.monotonic() + self.wait_s
+            while time.monotonic() < until and any(_running(p) for p in pids):
+                time.sleep(0.1)
+        original(signum, frame)  # NVRx's: its launcher ends whatever is left
+
+
+def _running(pid: int) -> bool:
+    """Not ended (a child that exited stays a zombie until the launcher reaps it: it must keep
+    its exit code for the launcher, so it is looked at, never waited on here)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def patch_notice(notice: Notice) -> bool:
+    """Every handler NVRx's launcher installs for SIGTERM goes through ``notice`` first, and it
+    learns each process context the launcher starts. False: an unexpected NVRx (an eviction
+    then ends the workers at once, as before: a node loss with nothing saved)."""
+    try:
+        from nvidia_resiliency_ext.fault_tolerance import launcher
+        from nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.multiprocessing import (
+            api,
+        )
+    except ImportError:
+        return False
+    start = getattr(launcher, "start_processes", None)
+    original = getattr(api, "_terminate_process_handler", None)
+    if start is None or original is None:
+        return False
+
+    def start_processes(*args: Any, **kwargs: Any) -> Any:
+        notice.workers = start(*args, **kwargs)
+        return notice.workers
+
+    def handler(signum: int, frame: Any) -> None:
+        notice.on_sigterm(original, signum, frame)
+
+    # Both are looked up in their modules at call time (PContext.start installs the handler).
+    launcher.start_processes = start_processes
+    api._terminate_process_handler = handler
+    signal.signal(signal.SIGTERM, handler)  # before the first workers start, too
+    return True
+
+
+def term_timeout(launcher_args: list[str]) -> float:
+    """The launcher's ``--term-timeout`` (trainer.launch always passes it; NVRx's default else)."""
+    for i, arg in enumerate(launcher_args):
+        name, sep, value = arg.partition("=")
+        if name in ("--term-timeout", "--term_timeout"):
+            raw = value if sep else (launcher_args[i + 1] if i + 1 < len(launcher_args) else "")
+            with contextlib.suppress(ValueError):
+                return float(raw)
+    return 1800.0
 
 
 def parse_keep_alive(value: str) -> tuple[float, int]:
@@ -161,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         patch_admission()
     freeze_drill = options.get("--freeze-drill") == "yes"
     beat = _beat(options["--beat"], freeze_drill=freeze_drill) if "--beat" in options else None
+    if not patch_notice(Notice(beat, term_timeout(launcher_args))):
+        warnings.warn(
+            "this NVRx's launcher has no SIGTERM handler to extend: an eviction's notice ends "
+            "the workers at once, with nothing saved",
+            stacklevel=1,
+        )
     from nvidia_resiliency_ext.fault_tolerance.launcher import main as ft_main
 
     sys.argv = ["ft_launcher", *launcher_args]

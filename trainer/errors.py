@@ -18,6 +18,7 @@ class ExitCode(enum.IntEnum):
     CONFIG = 2  # bad configuration: nothing started, not restarted
     FATAL = 3  # bad data, no valid checkpoint, a full disk: not restarted
     FENCED = 4  # its attempt was replaced: it changed nothing (trainer.fence)
+    LEFT = 5  # its node was evicted with notice: its step saved, it left (trainer.notice)
 
 
 class TrainerError(Exception):

@@ -123,6 +123,20 @@ class StepCheck(_Base):
     bound: float | None = None
 
 
+class Handoff(_Base):
+    """Ranks told their node must go (an eviction's notice: trainer.notice) were heard by every
+    rank at ``step``, and that step was saved durably (``path``, committed) before they left:
+    a resume replays nothing before it. ``leaving``: how many ranks were told; ``s``: from the
+    first notice to the commit."""
+
+    kind: Literal["handoff"] = "handoff"
+    step: NonNeg
+    leaving: NonNeg
+    path: str | None = None
+    save_s: Seconds = 0.0
+    s: Seconds | None = None
+
+
 class Straggler(_Base):
     """The watcher's straggler judge (tasks.straggler) about one node: ``verdict`` suspect,
     confirmed (policy report: it trains on), replaced (policy replace: taken away as lost),
@@ -271,6 +285,9 @@ class StageAttempt(_Base):
     nproc_per_node: NonNeg | None = None
     backend: str | None = None
     adopted: bool = False
+    # What a node evicted with notice gets to save and leave (tasks.evict_grace), and why.
+    evict_grace_s: Seconds | None = None
+    evict_grace: str | None = None
 
 
 class StageAttemptEnd(_Base):
@@ -320,6 +337,7 @@ Event = Annotated[
     | WorldChange
     | Step
     | StepCheck
+    | Handoff
     | Straggler
     | TrainEnd
     | Checkpoint

@@ -4,7 +4,10 @@ of the job notices. The node's agent (:mod:`trainer.agent`, the process that out
 respawn of its workers) rewrites ``control/beats/e<epoch>-node<N>`` from a thread of its own, so
 a silence of a few beats is a frozen node, never a respawn; its last word on a normal exit is
 ``done``, so a node that finished is never read as silent. The watcher judges the changes on its
-own monotonic clock. The file holds no decision, only a changing token and that state.
+own monotonic clock. The file holds no decision, only a changing token and that state. A node
+told to go (an eviction's SIGTERM to its agent: :mod:`trainer.agent`) beats ``leaving`` from
+then on: the watcher names the eviction and waits for its hand-off (docs/architecture.md §4,
+"Evictions with notice").
 
 The same thread carries out a ``node-freeze`` drill aimed at its node (the watcher's marker,
 ``Layout.freeze``, looked for only where the run has such a drill): it stops its children and
@@ -27,12 +30,18 @@ log = logging.getLogger(__name__)
 
 UP = "up"
 DONE = "done"  # the agent's last beat on a normal exit: finished, not silent
+LEAVING = "leaving"  # told to go (an eviction's notice): saving what it has, then gone
 FREEZE_POLL_S = 0.05
 
 
 def is_done(token: str) -> bool:
     """Whether a beat file's content is a finished node's last beat."""
     return token.split()[-1:] == [DONE]
+
+
+def is_leaving(token: str) -> bool:
+    """Whether a beat file's content says the node was told to go (and has not ended yet)."""
+    return token.split()[-1:] == [LEAVING]
 
 
 class NodeBeat:
@@ -44,6 +53,7 @@ class NodeBeat:
         self.interval_s = interval_s
         self.freeze = freeze
         self._n = 0
+        self._state = UP
         self._warned = False
         self._lock = threading.Lock()  # the thread's beat and close()'s last one never interleave
         self._stop = threading.Event()
@@ -66,7 +76,7 @@ class NodeBeat:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._write(UP)
+            self._write(self._state)
             if self.freeze is None:
                 self._stop.wait(self.interval_s)
                 continue
@@ -78,6 +88,12 @@ class NodeBeat:
                     _freeze_self()
                 if time.monotonic() >= until:
                     break
+
+    def leave(self) -> None:
+        """Told to go: every beat from now on says so, the first one at once (the workers are
+        told after it, so the watcher can name the eviction before their hand-off)."""
+        self._state = LEAVING
+        self._write(LEAVING)
 
     def close(self, *, done: bool = True) -> None:
         """Stop beating; ``done``: say so first (a normal exit), so the watcher never reads

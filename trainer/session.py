@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from trainer import checkpointing
+from trainer import checkpointing, notice
 from trainer.checkpointing.manager import CheckpointManager
 from trainer.digest import params_sha256
 from trainer.elastic import micro_batches, node_id
-from trainer.event_types import Restart, TrainEnd, TrainStart, WorldChange
+from trainer.event_types import Handoff, Restart, TrainEnd, TrainStart, WorldChange
 from trainer.faults import FaultKind
 from trainer.gray_drills import GrayDrills
 from trainer.hooks import FaultDrills, Hooks, StepEnd
@@ -295,10 +295,14 @@ class TrainSession:
             loss = self._step_loss
         value = torch.as_tensor(loss).detach().float().reshape(1)
         device = value.device
-        # gloo has no AVG: sum, then divide by the micro-batches of the global batch.
-        reduced = torch.cat([value, ckpt.save_flags().to(device)])
+        # gloo has no AVG: sum, then divide by the micro-batches of the global batch. The last
+        # slot counts the ranks whose node was told to go (trainer.notice).
+        told = torch.tensor([1.0 if notice.given() else 0.0])
+        reduced = torch.cat([value, ckpt.save_flags().to(device), told.to(device)])
         dist.all_reduce(reduced)
         reduced = reduced.cpu()
+        leaving = int(reduced[-1].item())
+        reduced = reduced[:-1]
         self.loss = float(reduced[0].item() / self._share().count)
         checker = self._checker()
         checked = checker.cfg.enabled and checker.checked == step
@@ -315,7 +319,34 @@ class TrainSession:
             blocking = (blocking or 0.0) + memory
         nodes = checker.last.node_times() if checked and checker.last is not None else None
         hooks.on_step_end(StepEnd(step, self.loss, step_s, tokens, blocking, nodes))
+        if leaving:
+            self._hand_off(step, leaving, self.loss, model, optim)
         return self.loss
+
+    def _hand_off(
+        self, step: int, leaving: int, loss: float, model: nn.Module, optim: Optimizer
+    ) -> None:
+        """Every rank, at the step where they all heard that a node must go (an eviction's
+        notice): that step saved durably and committed, then the ranks told to go leave
+        (:func:`trainer.notice.leave`). The others train on and meet the loss at their next
+        collective, as after any node loss; whichever way the job goes on (a spare, an elastic
+        shrink, a stage retry), it resumes here: nothing before the step in flight is lost."""
+        ckpt = self.ckpt
+        assert ckpt is not None
+        t0 = time.perf_counter()
+        path = ckpt.save_now(step, model, optim, self.ctx.sampler, loss)
+        if self.rank == 0:
+            self.ctx.events.emit(
+                Handoff(
+                    step=step,
+                    leaving=leaving,
+                    path=str(path) if path is not None else None,
+                    save_s=round(time.perf_counter() - t0, 3),
+                )
+            )
+        if notice.given():
+            why = f"node {node_id()} was told to go (an eviction's notice): step {step} is saved"
+            notice.leave(f"{why} and committed; leaving", self.ctx.saver)
 
     def finish(self, model: nn.Module) -> RunResult:
         ckpt = self.ckpt

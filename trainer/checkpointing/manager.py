@@ -106,6 +106,7 @@ class CheckpointManager:
         self.group = group
         self.fingerprint = cfg.fingerprint()
         self._inflight: dict[str, Any] = {}
+        self._started_step: int | None = None  # the newest durable save started (_save)
         saver.bind(group, warmup_dir=checkpointing.checkpoints_dir(cfg.run_root) / ".writer-warmup")
 
     # -- resume --------------------------------------------------------------------------------
@@ -289,10 +290,24 @@ class CheckpointManager:
         cadence = self.cadence
         return cadence is not None and cadence.due(step, self.cfg.steps)
 
+    def save_now(
+        self, step: int, model: nn.Module, optim: Optimizer, sampler: DataSource, loss: float
+    ) -> Path | None:
+        """Every rank: ``step`` saved durably and committed before this returns (an eviction's
+        hand-off, trainer.notice), started now unless this step's save already was. Rank 0:
+        the committed directory (None where this poll did not learn of the commit)."""
+        with self._section():
+            if self._started_step != step:
+                self._save(step, model, optim, sampler, loss)
+            result = self.poll(block=True)
+        committed = result.committed if result is not None else None
+        return committed if isinstance(committed, Path) else None
+
     def _save(
         self, step: int, model: nn.Module, optim: Optimizer, sampler: DataSource, loss: float
     ) -> float:
         self.poll(block=True)  # the previous save is committed before the next starts
+        self._started_step = step
         partial = checkpointing.partial_path(self.cfg.run_root, step, self.fence.epoch)
         if self.rank == 0:
             with self.fence.hold(f"start writing step {step}"):
