@@ -94,6 +94,7 @@ def train_config(
             where.injob or InJobConfig(), enabled=params.injob_restart, **params.injob.pinned()
         ),
         straggler=params.straggler.config(),
+        step_check=params.step_check.config(),
         metrics_port=None
         if params.metrics_port is None
         else params.metrics_port + where.rank0_metrics_offset,

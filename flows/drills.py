@@ -45,11 +45,17 @@ def check_drills(
     min_nodes: int,
     launched_nodes: int,
     steps: int,
+    step_check: bool = True,
 ) -> None:
-    """Each drill fits the run (its backend, nodes, world and steps), and node drills come in an
-    order a real cluster could produce: refused at the form, not at a worker mid-run."""
+    """Each drill fits the run (its backend, nodes, world, steps and step check), and node drills
+    come in an order a real cluster could produce: refused at the form, not at a worker mid-run."""
     for spec in specs:
         where = f"drills.faults: {spec}"
+        if spec.is_gray and not step_check:
+            raise ValueError(
+                f"{where} is played inside the step check, and step_check.enabled is false: "
+                "turn the check on, or drop the drill"
+            )
         if spec.is_node_fault and spec.kind not in kind.drills:
             can = ", ".join(sorted(kind.drills)) or "none"
             raise ValueError(

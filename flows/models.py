@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from flows.drills import DrillParams, check_drills
 from flows.injob_params import InJobParams
 from flows.locations import DatasetLocation, ExportLocation
+from flows.step_check_params import StepCheckParams
 from flows.straggler_params import StragglerParams
 from tasks.backends.eks.params import EksParams
 from tasks.backends.registry import BackendType, backend_type
@@ -124,6 +125,11 @@ class PipelineParams(BaseModel):
     straggler: StragglerParams = Field(
         default_factory=StragglerParams,
         description="slow nodes: scored against the job's median, and reported or replaced",
+    )
+    step_check: StepCheckParams = Field(
+        default_factory=StepCheckParams,
+        description="the check before each update: a step whose loss or gradient norm is "
+        "non-finite or a spike is not applied and is computed again in place",
     )
     deterministic: bool = Field(
         False,
@@ -339,6 +345,7 @@ class PipelineParams(BaseModel):
             min_nodes=self.node_range.min,
             launched_nodes=self.launched_nodes,
             steps=self.steps,
+            step_check=self.step_check.enabled,
         )
         return self
 

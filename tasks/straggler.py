@@ -20,7 +20,8 @@ The rule (settings: :class:`trainer.straggler_config.StragglerConfig`):
   ``evict_period_s``; a confirmed node past that is reported ``rate-limited`` (and evicted once
   the period allows, if it is still slow then).
 - A (re)start or a new world (:func:`restarted`) is a new median: windows and suspicions start
-  over after the warm-up; the evictions already made still count for the rate.
+  over after the warm-up; the evictions already made still count for the rate, a new attempt's
+  watcher's too (:func:`recorded_evictions`, from the run's ``straggler`` events).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from trainer.event_types import Step, Straggler
+from trainer.event_types import Event, Step, Straggler
 from trainer.straggler_config import StragglerConfig, StragglerPolicy
 
 
@@ -119,6 +120,30 @@ class StragglerState:
 def restarted(s: StragglerState, world: Iterable[int] = ()) -> StragglerState:
     """A (re)start or a new world (a ``train_start``): a new median; only evictions carry."""
     return StragglerState(world=frozenset(world), evicted_at=s.evicted_at, unmeasured=s.unmeasured)
+
+
+def recorded_evictions(record: Iterable[Event], cfg: StragglerConfig) -> tuple[float, ...]:
+    """The ``evicted_at`` a new attempt's watcher starts from: the times of the run's recorded
+    evictions (``straggler`` events, verdict ``replaced``, every earlier attempt's), oldest
+    first, so that a stage retry does not reset ``max_evict_share`` per ``evict_period_s``.
+
+    Clocks: the judge runs on the writer's clock, the step events' ``t`` (unix seconds), never
+    on the watcher's ``clock`` (``time.monotonic``, whose origin is the watching process's and
+    means nothing to the next attempt or invocation). A ``straggler`` event's ``t`` is unix
+    seconds too: the watcher's ``time.time()`` when it said the verdict, one poll after the step
+    whose time the judge used, on a host that NTP keeps within milliseconds of the writer's. So
+    it is taken as is, no conversion: its error counts an eviction a little longer, the safe
+    side of a rate limit. An eviction older than ``evict_period_s`` before the newest event on
+    record can never count again (every step of the new attempt comes after it): left out."""
+    if cfg.policy != StragglerPolicy.REPLACE:
+        return ()  # this attempt evicts nothing: the record need not be read
+    evicted: list[float] = []
+    newest = -math.inf
+    for e in record:
+        newest = max(newest, e.t)
+        if isinstance(e, Straggler) and e.verdict == Kind.REPLACED.value:
+            evicted.append(e.t)
+    return tuple(sorted(t for t in evicted if newest - t < cfg.evict_period_s))
 
 
 def ratios(busy: Iterable[tuple[int, float]]) -> dict[int, float] | None:

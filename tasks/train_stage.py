@@ -124,10 +124,19 @@ def run_attempt(
         drills=tuple(sorted(drills, key=lambda f: (f.step, not f.kills_node))),
         fatal=fatal,
     )
+    # The straggler eviction budget spans the run's attempts: seeded from the run's record
+    # (read once and bounded: a log that does not answer starts it afresh, as before).
+    evicted: tuple[float, ...] = bounded(
+        "the event log",
+        lambda: straggler.recorded_evictions(run_dir.event_reader().iter_new(), cfg.straggler),
+        END_READ_TIMEOUT_S,
+        (),
+    )
     watch = _Watch(
         state, job, request, run_dir, events, on_event, clock,
         events_read=OffLoop("the event log", tail.read_new),
         beats_read=OffLoop("the node beats", run_dir.beats),
+        slow=straggler.StragglerState(evicted_at=evicted),
     )  # fmt: skip
     _watch_to_the_end(watch, check_owner)
     watch.pump(END_READ_TIMEOUT_S)

@@ -228,6 +228,83 @@ def test_worker_cli_sets_the_check(dataset: Path, tmp_path: Path):
     assert (cfg.step_check.window, cfg.step_check.enabled) == (64, False)
 
 
+# -- the run form (flows.step_check_params) ----------------------------------------------------
+@pytest.mark.parametrize(
+    "form, expected",
+    [
+        ({}, StepCheckConfig()),
+        ({"enabled": False}, StepCheckConfig(enabled=False)),
+        ({"window": 16, "min_samples": 16}, StepCheckConfig(window=16, min_samples=16)),
+        ({"sigma": 4, "repeat_wait_s": 0}, StepCheckConfig(sigma=4.0, repeat_wait_s=0.0)),
+    ],
+)
+def test_the_form_builds_the_config(form, expected):
+    from flows.models import PipelineParams
+
+    assert PipelineParams(step_check=form).step_check.config() == expected
+
+
+@pytest.mark.parametrize(
+    "form, field",
+    [
+        ({"window": 1}, "step_check.window"),
+        ({"window": 8.5}, "step_check.window"),
+        ({"min_samples": 1}, "step_check.min_samples"),
+        # the cross-field rule is the config's, and its error names the field too
+        ({"window": 16, "min_samples": 32}, "step_check.min_samples"),
+        ({"sigma": 0}, "step_check.sigma"),
+        ({"sigma": "nan"}, "step_check.sigma"),
+        ({"repeat_wait_s": -1}, "step_check.repeat_wait_s"),
+        ({"repeat_wait_s": 3601}, "step_check.repeat_wait_s"),
+        ({"sigmaa": 8}, "step_check.sigmaa"),
+    ],
+)
+def test_bad_form_values_name_the_field(form, field):
+    from pydantic import ValidationError
+
+    from flows.models import PipelineParams
+
+    with pytest.raises(ValidationError) as e:
+        PipelineParams(step_check=form)
+    assert field in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "enabled, faults, refused",
+    [
+        (False, ["corrupt-grad@step=3,rank=1"], True),
+        (False, ["slow@step=3,node=1,factor=3"], True),
+        (False, ["exception@step=3"], False),
+        (True, ["corrupt-grad@step=3,rank=1"], False),
+    ],
+)
+def test_the_form_refuses_a_gray_drill_without_the_check(enabled, faults, refused):
+    """At the form, not when the workers' config is built after hydration."""
+    from pydantic import ValidationError
+
+    from flows.models import PipelineParams
+
+    def build() -> PipelineParams:
+        return PipelineParams(step_check={"enabled": enabled}, drills={"faults": faults})
+
+    if not refused:
+        assert build().step_check.enabled is enabled
+        return
+    with pytest.raises(ValidationError, match=r"step_check\.enabled is false"):
+        build()
+
+
+def test_the_form_reaches_the_workers_config(tmp_path: Path):
+    from flows.context import train_config
+    from flows.models import PipelineParams
+    from tasks.backends.base import Placement
+
+    params = PipelineParams(step_check={"sigma": 8, "repeat_wait_s": 5})
+    where = Placement(shared_root=tmp_path, local_paths=False)
+    cfg = train_config(params, where, tmp_path / "r", tmp_path / "d")
+    assert cfg.step_check == StepCheckConfig(sigma=8.0, repeat_wait_s=5.0)
+
+
 # -- the gray drills --------------------------------------------------------------------------
 def drills(tmp_path: Path, spec: str, *, rank: int, node: int, slept: list[float]) -> GrayDrills:
     events = EventLog(tmp_path)

@@ -16,10 +16,11 @@ from tasks.straggler import (
     Unmeasured,
     Verdict,
     judge,
+    recorded_evictions,
     restarted,
 )
 from trainer.errors import ConfigError
-from trainer.event_types import Event, NodeTime, Step, TrainStart
+from trainer.event_types import Event, NodeTime, StageAttempt, Step, Straggler, TrainStart
 from trainer.straggler_config import StragglerConfig, StragglerPolicy
 
 # Windows of 5 steps of 1 s: three windows (the confirmation) span 15 s >= confirm_s.
@@ -88,11 +89,15 @@ def warm(clock: Clock, nodes: int) -> list[Event]:
 
 
 def replay(
-    history: list[Event], cfg: StragglerConfig = CFG, nodes_total: int = 4
+    history: list[Event],
+    cfg: StragglerConfig = CFG,
+    nodes_total: int = 4,
+    start: StragglerState | None = None,
 ) -> tuple[StragglerState, list[tuple[int, Verdict]]]:
-    """Feed a history as the watcher does: every train_start restarts the judge, every step
-    event is judged. Returns the state and (window number since the first start, verdict)."""
-    s, said = StragglerState(), []
+    """Feed a history as the watcher does, from ``start`` (a new one by default): every
+    train_start restarts the judge, every step event is judged. Returns the state and (window
+    number since the first start, verdict)."""
+    s, said = start or StragglerState(), []
     for e in history:
         if isinstance(e, TrainStart):
             s = restarted(s, e.nodes)
@@ -243,6 +248,67 @@ def test_the_rate_limit_spans_restarts_and_lapses() -> None:
     ]  # fmt: skip
     first, last = said[1][1], said[-1][1]
     assert last.seconds > 0 and first.steps[0] <= first.steps[1]
+
+
+def said(t: float, node: int, verdict: str) -> Straggler:
+    """A ``straggler`` event as the watcher records it (its own unix time)."""
+    return Straggler(t=t, node=node, verdict=verdict, score=3.0, window=W, policy="replace",
+                     evidence="")  # fmt: skip
+
+
+def attempt(t: float, n: int) -> StageAttempt:
+    return StageAttempt(t=t, stage="train", attempt=n, nodes=4, nproc_per_node=1, backend="local")
+
+
+HOUR = CFG.evict_period_s
+
+
+@pytest.mark.parametrize(
+    ("record", "cfg", "expected"),
+    [
+        ([], CFG, ()),
+        ([attempt(1000, 1), *steps(Clock(), {0: 1.0, 1: 1.0})], CFG, ()),
+        # Only evictions count: what was reported, rate-limited or cleared took nobody away.
+        ([said(1010, 1, "suspect"), said(1020, 1, "confirmed"), said(1030, 2, "rate-limited"),
+          said(1040, 1, "cleared")], CFG, ()),
+        ([attempt(1000, 1), said(1050, 1, "replaced"), attempt(1100, 2)], CFG, (1050.0,)),
+        # Every attempt's, oldest first, whatever order the record holds them in.
+        ([said(1900, 2, "replaced"), attempt(2000, 3), said(1050, 1, "replaced")], CFG,
+         (1050.0, 1900.0)),
+        # An eviction a period before the newest event on record can never count again.
+        ([said(1000, 1, "replaced"), said(1500, 2, "replaced"), attempt(1000 + HOUR, 2)], CFG,
+         (1500.0,)),
+        ([said(1000, 1, "replaced"), attempt(1000 + HOUR - 1, 2)], CFG, (1000.0,)),
+        # A policy that evicts nothing needs no budget (and reads no record).
+        ([said(1050, 1, "replaced")], replace(CFG, policy=StragglerPolicy.REPORT), ()),
+        ([said(1050, 1, "replaced")], replace(CFG, policy=StragglerPolicy.OFF), ()),
+    ],
+)  # fmt: skip
+def test_recorded_evictions(
+    record: list[Event], cfg: StragglerConfig, expected: tuple[float, ...]
+) -> None:
+    assert recorded_evictions(record, cfg) == expected
+
+
+def test_a_new_attempt_keeps_the_budget_of_the_last() -> None:
+    """Attempt 1 replaced node 1 (budget: one per period on 4 nodes); its stage retry's watcher,
+    seeded from the record, reports node 2 rate-limited within the period and replaces it once
+    the period lapsed. Unseeded, it would have replaced node 2 at once."""
+    cfg = replace(CFG, evict_period_s=100.0)
+    clock = Clock()
+    first, said_first = replay(warm(clock, 4) + windows(clock, 4, {1: [3.0]}, 3), cfg)
+    assert [(v.node, v.kind) for _, v in said_first][-1] == (1, Kind.REPLACED)
+    # As the watcher records it: its own time, a poll after the step the judge read.
+    record = [said(t + 0.5, 1, "replaced") for t in first.evicted_at]
+    retry = warm(clock, 4)
+    for _ in range(12):  # 60 steps of 3 s: past the period
+        retry += steps(clock, {0: 1.0, 1: 1.0, 2: 3.0, 3: 1.0})
+    for seed, expected in (
+        (recorded_evictions(record, cfg), [Kind.SUSPECT, Kind.RATE_LIMITED, Kind.REPLACED]),
+        ((), [Kind.SUSPECT, Kind.REPLACED]),
+    ):
+        _, out = replay(retry, cfg, start=StragglerState(evicted_at=seed))
+        assert [v.kind for _, v in out] == expected
 
 
 def test_a_verdict_names_the_node_its_score_and_the_evidence() -> None:

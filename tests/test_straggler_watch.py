@@ -191,6 +191,29 @@ def test_the_watcher_judges_reports_and_replaces(c: Case, tmp_path: Path, datase
         assert "Slow nodes" not in md
 
 
+def test_a_stage_retry_keeps_the_eviction_budget(tmp_path: Path, dataset: Path):
+    """Two nodes: one eviction per hour. Attempt 1 replaces slow node 1 (a stage retry, no
+    spare); the retry's watcher starts from that eviction on record, so node 1, slow again, is
+    only reported rate-limited and the attempt trains to its end."""
+    straggler = StragglerConfig(**{**CFG.__dict__, "policy": StragglerPolicy.REPLACE})
+    cfg = make_config(tmp_path / "run", dataset, steps=STEPS, straggler=straggler)
+    outcomes, lost = [], []
+    for attempt in (1, 2):
+        request = LaunchRequest(
+            run_id="slow", attempt=attempt, cfg=cfg, nodes=2, nproc_per_node=1, spares=0,
+            deadline_s=60,
+        )  # fmt: skip
+        backend = ClusterBackend(slow_node_1(Writer(), after=[0, 1]))
+        outcomes.append(run_attempt(backend, request).outcome.kind)
+        assert backend.job is not None
+        lost.append(backend.job.lost)
+    assert outcomes == [EndKind.NODE_LOSS, EndKind.COMPLETED] and lost == [[1], []]
+    said = [
+        (e["node"], e["verdict"]) for e in read_events(cfg.run_root) if e["kind"] == "straggler"
+    ]
+    assert said == [(1, "suspect"), (1, "replaced"), (1, "suspect"), (1, "rate-limited")]
+
+
 def decoded_events(root: Path) -> list[Any]:
     from trainer.rundir import RunDir
 

@@ -34,6 +34,7 @@ from tests.pipeline_helpers import (
     nvrx_events,
     run_pipeline,
 )
+from trainer.faults import parse_faults
 
 pytestmark = pytest.mark.slow
 
@@ -78,8 +79,10 @@ CASES = [
             "workload": f"script:{SCRIPT.relative_to(REPO)}",
             "script_args": ["--data-dir", "{data_dir}", "--steps", "{steps}"],
         },
-        ("sigkill@step=5,rank=0", "node-loss@step=9,node=1"),
-        ("injob", "stage-retry"),
+        # The example passes its model to the step check: a NaN in rank 1's gradient is
+        # rejected and the step replayed in place (no layer recovers it: "none").
+        ("corrupt-grad@step=2,rank=1", "sigkill@step=5,rank=0", "node-loss@step=9,node=1"),
+        ("none", "injob", "stage-retry"),
         2,
     ),
 ]
@@ -135,6 +138,11 @@ def test_workload_recovers_bitwise(
     run_root = RunContext.create(params).run_root
     events = read_events(run_root)
     assert [e["fault"] for e in events if e["kind"] == "fault"] == list(case.faults)  # once each
+    checks = [(e["step"], e["verdict"]) for e in events if e["kind"] == "step_check"]
+    # Each corrupted step (none in the llama case) rejected once, then its replay passed: the
+    # script calls the check itself and computes the step again.
+    corrupted = [f.step for f in parse_faults(case.faults) if f.kind == "corrupt-grad"]
+    assert checks == [(s, v) for s in corrupted for v in ("rejected", "transient")], checks
     loaded = [e["step"] for e in events if e["kind"] == "resume" and e.get("action") == "loaded"]
     assert loaded and loaded[-1] >= 3, "the stage retry resumed from a committed checkpoint"
     # Issue 29: a respawn reads the rank's shard from node memory; a stage retry runs on new

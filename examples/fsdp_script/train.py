@@ -7,7 +7,8 @@ Under the pipeline (``workload: "script:examples/fsdp_script/train.py"``, script
     ft_launcher --nproc-per-node 2 ... examples/fsdp_script/train.py --data-dir D --run-root R
 
 Changes from the plain script (``diff train_plain.py train.py``): the import, ``--run-root``,
-``session`` calls around the loop, and ``nvrx.launch`` at the bottom.
+``session`` calls around the loop, the step check before ``optim.step()`` (a rejected step is
+computed again in place), and ``nvrx.launch`` at the bottom.
 """
 
 import argparse
@@ -95,8 +96,11 @@ def train(session: nvrx.Session, args: argparse.Namespace) -> None:
     for step in range(start, args.steps + 1):
         session.step_start(step)
         x, y = (t.to(device) for t in get_batch(tokens, step, rank, world, args))
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
+        applied = False
+        while not applied:  # a step the check rejects (grads cleared, no update) runs again
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            applied = session.before_optimizer_step(model, loss)
         optim.step()
         optim.zero_grad()
         if rank == 0:
