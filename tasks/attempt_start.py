@@ -5,7 +5,9 @@ event, and what an adopted attempt said before the new watcher came."""
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
+from tasks import evict_grace
 from tasks.backends.base import Backend, Job, LaunchRequest
 from tasks.errors import FenceBusy
 from tasks.off_loop import bounded
@@ -17,11 +19,16 @@ from trainer.rundir import RunDir
 READ_TIMEOUT_S = 10.0
 
 
-def start(
-    backend: Backend, request: LaunchRequest, run_dir: RunDir
-) -> tuple[Job, RunDir, EventLog, str | None]:
-    """The attempt's job (launched now, or adopted), its run directory under its epoch, its
-    event log, and the first fatal error it said before we came (adopted)."""
+class Started(NamedTuple):
+    job: Job
+    run_dir: RunDir  # under the attempt's epoch
+    events: EventLog
+    fatal: str | None  # the first fatal error it said before we came (adopted)
+    request: LaunchRequest  # as launched: its epoch, its eviction grace sized (tasks.evict_grace)
+
+
+def start(backend: Backend, request: LaunchRequest, run_dir: RunDir) -> Started:
+    """The attempt's job, launched now or adopted (see :class:`Started`)."""
     job = backend.reattach(request)
     if job is None:
         # A new epoch first: from here on, no writer of an earlier attempt (a pod on an
@@ -32,14 +39,19 @@ def start(
             run_dir = run_dir.publish(invocation=request.invocation, attempt=request.attempt)
         except TimeoutError as e:  # trainer.fence.LockTimeout
             raise FenceBusy(f"attempt {request.attempt} not launched: {e}") from e
-        request = dataclasses.replace(request, epoch=run_dir.epoch)
+        grace = _grace(request, run_dir)
+        cfg = request.cfg
+        cfg = dataclasses.replace(
+            cfg, injob=dataclasses.replace(cfg.injob, evict_grace_s=grace.seconds)
+        )
+        request = dataclasses.replace(request, epoch=run_dir.epoch, cfg=cfg)
         events = EventLog(run_dir.root, epoch=run_dir.epoch)
         run_dir.clear_result()  # only this attempt's result counts
         run_dir.clear_markers()  # nor an earlier attempt's verdict (the config was fixed)
         run_dir.clear_other_beats()
         run_dir.record_retry(request.attempt)
-        events.emit(_attempt(backend, request, request.attempt, adopted=False))
-        return backend.launch(request), run_dir, events, None
+        events.emit(_attempt(backend, request, request.attempt, adopted=False, grace=grace))
+        return Started(backend.launch(request), run_dir, events, None, request)
     # Adopted: the attempt runs under the epoch its (dead) watcher published, the highest
     # on record (epoch.json's, or the event log's where that file was lost).
     run_dir = run_dir.adopted()
@@ -50,7 +62,26 @@ def start(
         READ_TIMEOUT_S, None,
     )  # fmt: skip
     events.emit(_attempt(backend, request, job.attempt, adopted=True))
-    return job, run_dir, events, fatal
+    # Its eviction grace is what its first watcher rendered: not known here, the configured one
+    # stands for it.
+    return Started(job, run_dir, events, fatal, dataclasses.replace(request, epoch=run_dir.epoch))
+
+
+def _grace(request: LaunchRequest, run_dir: RunDir) -> evict_grace.Grace:
+    """The eviction grace this attempt renders, sized from what the run measured (one bounded
+    fold of its event log: a log that does not answer leaves the configured grace)."""
+    configured = request.cfg.injob.evict_grace_s
+    measured = bounded(
+        "the event log",
+        lambda: evict_grace.measured(run_dir.event_reader().iter_new()),
+        READ_TIMEOUT_S,
+        None,
+    )
+    if measured is None:
+        return evict_grace.Grace(
+            configured, f"{configured:g} s as configured: the log did not answer"
+        )
+    return evict_grace.size(configured, measured)
 
 
 def _fatal_since_last_attempt_start(run_dir: RunDir) -> str | None:
@@ -66,7 +97,13 @@ def _fatal_since_last_attempt_start(run_dir: RunDir) -> str | None:
     return fatal
 
 
-def _attempt(backend: Backend, request: LaunchRequest, n: int, adopted: bool) -> StageAttempt:
+def _attempt(
+    backend: Backend,
+    request: LaunchRequest,
+    n: int,
+    adopted: bool,
+    grace: evict_grace.Grace | None = None,
+) -> StageAttempt:
     return StageAttempt(
         stage="train",
         attempt=n,
@@ -74,4 +111,6 @@ def _attempt(backend: Backend, request: LaunchRequest, n: int, adopted: bool) ->
         nproc_per_node=request.nproc_per_node,
         backend=backend.name,
         adopted=adopted,
+        evict_grace_s=grace.seconds if grace is not None else None,
+        evict_grace=grace.why if grace is not None else None,
     )

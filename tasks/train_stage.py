@@ -6,7 +6,6 @@ artifacts through callbacks.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -104,8 +103,7 @@ def run_attempt(
     tail = run_dir.event_reader(from_start=False)
     started = clock()
     check_owner("start an attempt")
-    job, run_dir, events, fatal = start(backend, request, run_dir)
-    request = dataclasses.replace(request, epoch=run_dir.epoch)
+    job, run_dir, events, fatal, request = start(backend, request, run_dir)
     # An elastic job's survivors below its minimum wait in the rendezvous for a node to return,
     # as long as their own join timeout lets them (tasks.loss_policy NODE_WAIT); a fixed-size
     # job's lost node nothing replaces in-job (nor one whose backend cannot re-form it).

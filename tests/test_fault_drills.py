@@ -360,6 +360,10 @@ def test_a_frozen_or_evicted_node_is_taken_away_and_recovered_bitwise(
     assert [(r["fault"], r["layer"]) for r in recovered] == [(case.loss, case.path)]
     if "evict" in case.spec:  # its step saved within the grace: nothing before it replayed
         assert_handed_off(read_events(cfg.run_root), faults[0])
+        # Each attempt's grace is sized from what the run measured (tasks.evict_grace).
+        starts = [e for e in read_events(cfg.run_root) if e["kind"] == "stage_attempt"]
+        assert "no step and save measured yet" in starts[0]["evict_grace"]
+        assert all("which holds a step" in e["evict_grace"] for e in starts[1:]), starts
 
 
 # The step check (trainer.step_check), played inside it: NaN in rank 1's own gradient shard
