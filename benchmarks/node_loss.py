@@ -21,7 +21,8 @@ resume, split into detect / restart / load / first step. Per path: median, min a
 total and the median of each phase over the recovered samples, and each path's median over the
 SIGKILL one's. Target (issue 17): the spare path's median within 2 s of the SIGKILL median.
 Issue 42's gray nodes (``freeze-spare``, ``evict-spare``) add ``noticed_s`` (a freeze: from the
-drill's request to the watcher's verdict; target <= 10 s) and ``steps_replayed``.
+drill's request to the watcher's verdict; target <= 10 s) and ``steps_replayed``; an eviction
+(``evict-spare``, ``evict-fixed``) ``handoff_s``, from the eviction to its step's commit.
 
     python benchmarks/node_loss.py [--paths sigkill spare elastic stage-retry] [--samples 3]
         [--seed 0] [--steps 20] [--ckpt-interval 5] [--json] [--out FILE]
@@ -76,6 +77,8 @@ PATHS = {
         # stopping (noticed_s: the drill's request to the fault event); an eviction is told.
         LossPath("freeze-spare", "node-freeze@step={s},node=1", spares=1),
         LossPath("evict-spare", "node-evict@step={s},node=1", spares=1),
+        # An eviction on a fixed job: its hand-off (trainer.notice) is the stage retry's resume.
+        LossPath("evict-fixed", "node-evict@step={s},node=1"),
     )
 }
 SPARE_TARGET_S = 2.0  # issue 17: the spare path within 2 s of the SIGKILL in-job recovery
@@ -124,9 +127,20 @@ def run_path(path: LossPath, step: int, run_root: Path, data: Path, args: argpar
         # Steps trained before the fault and trained again after it (the step in flight
         # excluded): what the recovery lost.
         before = max((e.step for e in events if e.kind == "step" and e.t < fault.t), default=0)
-        resumed = next((e for e in events if e.kind == "resume" and e.t > fault.t), None)
+        resumed = next(
+            (
+                e
+                for e in events
+                if e.kind == "resume" and e.t > fault.t and getattr(e, "action", "") == "loaded"
+            ),
+            None,
+        )  # the tier it resumed from (not one it passed over for a newer commit)
         if resumed is not None and getattr(resumed, "step", None) is not None:
             row["steps_replayed"] = max(0, before - resumed.step)
+        handoff = next((e for e in events if e.kind == "handoff"), None)
+        if handoff is not None:  # an eviction's: its step saved before the node left
+            row["handoff_s"] = round(handoff.t - fault.t, 3)
+            row["handoff_step_minus_before"] = handoff.step - before
     return row
 
 
@@ -141,7 +155,7 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for k in PHASES
         if any(k in r for r in ok)
     }
-    for extra in ("noticed_s", "steps_replayed"):
+    for extra in ("noticed_s", "steps_replayed", "handoff_s", "handoff_step_minus_before"):
         values = [float(r[extra]) for r in ok if extra in r]
         if values:
             out[extra] = {"median": statistics.median(values), "min": min(values),

@@ -54,6 +54,7 @@ def test_the_worker_exit_codes_are_one_enum():
         "FATAL": 3,
         "FENCED": 4,
         "LEFT": 5,
+        "REFORM": 6,
     }
     assert isinstance(TerminalError.exit_code, ExitCode) and isinstance(
         ConfigError.exit_code, ExitCode

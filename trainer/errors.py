@@ -19,6 +19,9 @@ class ExitCode(enum.IntEnum):
     FATAL = 3  # bad data, no valid checkpoint, a full disk: not restarted
     FENCED = 4  # its attempt was replaced: it changed nothing (trainer.fence)
     LEFT = 5  # its node was evicted with notice: its step saved, it left (trainer.notice)
+    # A node of its world left with notice (its step saved): restarted in-job at once, since no
+    # in-process restart re-forms a world without that node (trainer.notice).
+    REFORM = 6
 
 
 class TrainerError(Exception):

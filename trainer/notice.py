@@ -7,8 +7,9 @@ stops the workers for every in-job restart, and must go on ending a rank at once
 blocked in a collective (a Python handler would only run once the collective returns).
 
 Here the signal only raises a flag. The step loop carries it in ``step_end``'s one all-reduce,
-so every rank learns of it at the same step; they save that step durably together, and the
-ranks told to go then leave at once (:func:`leave`, exit ``ExitCode.LEFT``).
+so every rank learns of it at the same step; they save that step durably together, and then
+every rank ends at once (:func:`leave`): the ranks told to go with ``ExitCode.LEFT``, the
+others with ``ExitCode.REFORM``, for their launchers to restart them without that node.
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ def given_at() -> float | None:
     return _given_at
 
 
-def leave(why: str, saver: Any) -> NoReturn:
-    """This rank's node was told to go and its step is committed: the process ends now, its
-    writer first. Not through the in-process layer, whose exit path took 2-4 s that the
-    survivors spent in a collective waiting on this rank (and the spare's takeover with them)."""
+def leave(why: str, saver: Any, code: ExitCode) -> NoReturn:
+    """The hand-off's step is committed: the process ends now, its writer first. ``LEFT``: this
+    rank's node was told to go. ``REFORM``: another's was; the launcher restarts this node's
+    workers at once, into a world without that node (a spare's, a smaller one, or none: a stage
+    retry), where the in-process layer would first wait out its barrier for a rank that is gone.
+    Not through the in-process layer's exit either: that took 2-4 s more."""
     log.warning("rank %s: %s", os.environ.get("RANK", "0"), why)
     with contextlib.suppress(Exception):
         saver.close()
     logging.shutdown()
-    os._exit(ExitCode.LEFT)
+    os._exit(code)

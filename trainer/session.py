@@ -26,6 +26,7 @@ from trainer import checkpointing, notice
 from trainer.checkpointing.manager import CheckpointManager
 from trainer.digest import params_sha256
 from trainer.elastic import micro_batches, node_id
+from trainer.errors import ExitCode
 from trainer.event_types import Handoff, Restart, TrainEnd, TrainStart, WorldChange
 from trainer.faults import FaultKind
 from trainer.gray_drills import GrayDrills
@@ -344,9 +345,12 @@ class TrainSession:
                     save_s=round(time.perf_counter() - t0, 3),
                 )
             )
+        saved = f"step {step} is saved and committed"
         if notice.given():
-            why = f"node {node_id()} was told to go (an eviction's notice): step {step} is saved"
-            notice.leave(f"{why} and committed; leaving", self.ctx.saver)
+            why = f"node {node_id()} was told to go (an eviction's notice): {saved}; leaving"
+            notice.leave(why, self.ctx.saver, ExitCode.LEFT)
+        why = f"{leaving} rank(s) left with notice: {saved}; restarting without them"
+        notice.leave(why, self.ctx.saver, ExitCode.REFORM)
 
     def finish(self, model: nn.Module) -> RunResult:
         ckpt = self.ckpt
