@@ -24,7 +24,7 @@ from tasks.backends.base import (
     ReturnDrills,
 )
 from tasks.classify import EndKind, Evidence, Outcome, judge
-from tasks.loss_policy import LossPath, LossSnapshot, decide
+from tasks.loss_policy import LossDecision, LossPath, LossSnapshot, decide
 from tasks.off_loop import OffLoop, bounded
 from tasks.ownership.lease import LeaseLost
 from tasks.watch_state import (
@@ -388,6 +388,25 @@ class _Watch:
         _log.warning("%s", why)
         self._lose(node, fault, step, drilled=True, why=why, best_effort=True)
 
+    def _decide(self, node: int) -> LossDecision:
+        """The path the loss of ``node`` takes (tasks.loss_policy), from what is known now."""
+        job, request = self.job, self.request
+        return decide(
+            LossSnapshot(
+                lost=node,
+                world_nodes=self.state.world_nodes,
+                # A node alive to the backend but silent (a frozen one) is no spare.
+                alive=job.alive_nodes() - {node} - quiet(self.state, self.clock()),
+                nodes=(
+                    request.node_range
+                    if isinstance(job, ElasticJob)
+                    else NodeRange(request.nodes, request.nodes)
+                ),
+                store_host=job.store_host,
+                wait_s=self.state.wait_s,
+            )
+        )
+
     def _lose(
         self,
         node: int,
@@ -406,23 +425,9 @@ class _Watch:
         ``evict_grace_s``: the drill evicts it with that grace; ``notice_s``: it was evicted
         with that much notice (by the drill or not), and is not ended here: it leaves on its
         own once its step is saved, which a stop waits for."""
-        job, run_dir, request = self.job, self.run_dir, self.request
+        job, run_dir = self.job, self.run_dir
         # Decided before a drilled node goes: the survivors read the marker the moment they fail.
-        decision = decide(
-            LossSnapshot(
-                lost=node,
-                world_nodes=self.state.world_nodes,
-                # A node alive to the backend but silent (a frozen one) is no spare.
-                alive=job.alive_nodes() - {node} - quiet(self.state, self.clock()),
-                nodes=(
-                    request.node_range
-                    if isinstance(job, ElasticJob)
-                    else NodeRange(request.nodes, request.nodes)
-                ),
-                store_host=job.store_host,
-                wait_s=self.state.wait_s,
-            )
-        )
+        decision = self._decide(node)
         if decision.path != LossPath.STAGE_RETRY and isinstance(job, ElasticJob):
             if not decision.idle_spare:
                 run_dir.write_node_lost(node=node)
