@@ -185,13 +185,13 @@ class NodeMemory:
             if mm is not None and not landed and header is not None:
                 self._discard(header.generation, src)
 
-    def refusal(self, blob: bytes, size: int, src: int) -> tuple[Header | None, str]:
-        """The header ``src`` announced with ``size`` bytes, and why its copy is refused ("":
-        it is not): a header, of ``src``'s shard for this world, model and epoch, of exactly
-        the size, entries, dtypes and shapes a shard of ``src`` of this model has. Before any
-        allocation: nothing here is as large as what it announced but the bounded header."""
+    def refusal(self, blob: bytes, size: int, src: int) -> tuple[Announced | None, str]:
+        """The header ``src`` announced with ``size`` bytes (its top fields), and why its copy
+        is refused ("": it is not): a header, of ``src``'s shard for this world, model and
+        epoch, of exactly the size a shard of ``src`` of this model has (``peer_wire``). Before
+        any allocation: nothing here is as large as what it announced but the bounded header."""
         try:
-            header = Header.model_validate_json(blob)
+            header = Announced.model_validate_json(blob)  # its entries: where it is restored
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(map(str, first["loc"])) or "the header"

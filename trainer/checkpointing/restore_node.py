@@ -128,7 +128,7 @@ def recv_shard(
     why = ""
     try:
         header = Header.model_validate_json(blob)
-        why = node.mismatch(header) or _layout_refusal(header, size, target)
+        why = node.mismatch(header) or layout_refusal(header, size, target)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(map(str, first["loc"])) or "the header"
@@ -142,7 +142,7 @@ def recv_shard(
     return header, mm
 
 
-def _layout_refusal(header: Header, size: int, target: dict[str, Any]) -> str:
+def layout_refusal(header: Header, size: int, target: dict[str, Any]) -> str:
     """Why ``header`` (announcing ``size`` bytes) is not a copy of ``target``'s layout ("": it
     is); entries mismatched raise (``node_format.match``)."""
     _, want = node_format.plan(target)
