@@ -487,8 +487,8 @@ def _peer_pair(rank: int, world: int, port: int, root: str, out: str) -> None:
                 flip_bytes(mem.bin_path(held[7].generation, mem.peer_dir(1)))
             send_shard(mem, held[7], mem.peer_dir(1), 1, dist.group.WORLD)
         else:
-            header, mm = recv_shard(mem, 0, dist.group.WORLD)
             target = _state(*_model(5))
+            header, mm = recv_shard(mem, 0, dist.group.WORLD, target)
             try:
                 node_format.restore(header, mm, target, "rank 0's peer copy")
                 mine = _state(m, o)["model"].values()

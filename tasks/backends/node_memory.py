@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from trainer.checkpointing.layout import NODE_MEMORY_ENV as ENV
+from trainer.checkpointing.node_dir import private_dir
 
 __all__ = ["ENV", "attempt_dir", "forget", "forget_attempt", "forget_node", "prepare"]
 
@@ -40,13 +41,13 @@ def attempt_dir(run_root: Path, attempt: int, invocation: str) -> Path:
 
 def prepare(run_root: Path, attempt: int, invocation: str) -> Path:
     """The attempt's directory, empty, with every earlier attempt's of the run removed (their
-    nodes are gone: a stage retry runs on new ones)."""
+    nodes are gone: a stage retry runs on new ones). Each level is this user's alone
+    (``node_dir.private_dir``: made 0700, or an existing one checked, else refused)."""
     run = _run_dir(run_root)
+    private_dir(base_dir())  # another user's, or open to them: refused (node_dir)
     shutil.rmtree(run, ignore_errors=True)
-    path = attempt_dir(run_root, attempt, invocation)
-    path.mkdir(parents=True, mode=0o700)
-    os.chmod(base_dir(), 0o700)
-    return path
+    private_dir(run)
+    return private_dir(attempt_dir(run_root, attempt, invocation))
 
 
 def forget_node(run_root: Path, attempt: int, invocation: str, node: int) -> None:

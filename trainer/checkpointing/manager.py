@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.optim import Optimizer
 
 from trainer import __version__, checkpointing
-from trainer.checkpointing import node_format, tiers
+from trainer.checkpointing import coordination, node_format, tiers
 from trainer.checkpointing.async_commit import CommitTask, SaveResult
 from trainer.checkpointing.async_save import WARMUP_STEP, AsyncCheckpointer
 from trainer.checkpointing.errors import (
@@ -184,12 +184,13 @@ class CheckpointManager:
             ),
         )
         offers = self._bind_peers(offer)
-        decision: list[Any] = [None]
+        # Only the newest commit is rank 0's (it reads the run root): with every offer on every
+        # rank, each makes the same pure choice, as at every fallback after it.
+        newest = torch.tensor([0], dtype=torch.int64)
         if self.rank == 0:
-            newest = max(checkpointing.committed_steps(self.cfg.run_root), default=0)
-            decision[0] = tiers.choose(offers, newest)
-        dist.broadcast_object_list(decision, src=0, group=self.group)
-        choice: tiers.Choice = decision[0]
+            newest[0] = max(checkpointing.committed_steps(self.cfg.run_root), default=0)
+        dist.broadcast(newest, group_src=0, group=self.group)
+        choice = tiers.choose(offers, int(newest[0]))
         if self.rank == 0:
             for s in choice.skipped:
                 self.events.emit(
@@ -199,21 +200,23 @@ class CheckpointManager:
         self._offers = offers
         return choice, copy
 
-    def _bind_peers(self, offer: tiers.Offer | None) -> list[Any]:
+    def _bind_peers(self, offer: tiers.Offer | None) -> list[tiers.Offer]:
         """All ranks: gather this rank's offer with the node each rank runs on, where it has
         node memory and a peer group, draw the ring of peer copies among those
         (:func:`tiers.peer_ring`) and bind this rank's part; returns the offers by rank."""
         mine = node_id() if self.node is not None and self.peer_group is not None else None
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (offer, mine), group=self.group)
-        ring = tiers.peer_ring([n for _, n in gathered])
+        sent = coordination.OfferMessage(
+            offer=None if offer is None else coordination.TierOffer.of(offer), node=mine
+        )
+        gathered = coordination.gather(sent, self.group, limit=coordination.OFFER_LIMIT)
+        ring = tiers.peer_ring([m.node for m in gathered])
         if self.node is not None and self.peer_group is not None:
             self.node.bind_peers(
                 self.peer_group,
                 ring[self.rank],
                 tuple(q for q, p in enumerate(ring) if p == self.rank),
             )
-        return [o for o, _ in gathered]
+        return [m.offer.offer() if m.offer is not None else tiers.Offer() for m in gathered]
 
     # -- saving --------------------------------------------------------------------------------
     def due(self, step: int) -> bool:

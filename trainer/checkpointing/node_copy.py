@@ -21,6 +21,7 @@ itself, and the resume falls back to the next newest copy (``tiers.without``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -31,23 +32,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from pydantic import ValidationError
 
-from trainer.checkpointing import node_format
+from trainer.checkpointing import node_format, peer_wire
 from trainer.checkpointing.layout import NODE_MEMORY_ENV
+from trainer.checkpointing.node_dir import private_dir
 from trainer.checkpointing.node_format import (
     EMPTY_ENTRIES,
     FORMAT,
     GENERATIONS,
     HEADER_LIMIT,
-    REPLICA_TAGS,
     Announced,
     Header,
     NodeCopyError,
     _Layout,
 )
+from trainer.checkpointing.peer_wire import REPLICA_TAGS
 from trainer.checkpointing.staging import DeviceCopy
 from trainer.run_files import read_json_object, write_durably
 
@@ -86,6 +86,10 @@ class NodeMemory:
         self._peers: tuple[Any, int | None, tuple[int, ...]] | None = None
         self._token = 0
         self._layout: _Layout | None = None  # the last save's, kept for its state's version
+        # The last save's layout whatever its version: what a peer's copy is checked against
+        # before a byte of it is accepted (peer_wire.expected), by the rank it is of.
+        self._shape: _Layout | None = None
+        self._expected: dict[int, peer_wire.Expected] = {}
         # How the bytes leave the device: made at the first save, from where its state is.
         self._device: DeviceCopy | None = None
 
@@ -113,6 +117,8 @@ class NodeMemory:
         self._peers = (
             (group, send_to, tuple(recv_from)) if (send_to is not None or recv_from) else None
         )
+        for src in recv_from:
+            self.sweep(src)
 
     def unbind(self) -> None:
         """At a restart: the old incarnation's group goes (its last reference must, for its
@@ -133,7 +139,7 @@ class NodeMemory:
         if send_to is not None:
             mm = self._maps[gen] if sealed is not None else None
             blob, size = (sealed[0].encode(), sealed[1]) if sealed is not None else (b"", 0)
-            works = node_format.send(blob, size, mm, send_to, group, tags=REPLICA_TAGS)
+            works = peer_wire.send(blob, size, mm, send_to, group, tags=REPLICA_TAGS)
         for q in recv_from:
             self._receive(q, group, token)
         for w in works:
@@ -142,54 +148,99 @@ class NodeMemory:
 
     def _receive(self, src: int, group: Any, token: int) -> None:
         """One shard from ``src``, into the generation it announces as a save of this node's own
-        does (its header removed, the bytes into its kept mapping, the checksum, the header): a
-        copy cut mid-way leaves a generation without a header. Anything wrong is logged and the
-        copy dropped (the stream is read to its end all the same)."""
-        announced = node_format.receive_header(src, group, tags=REPLICA_TAGS)
+        does (its header removed, the bytes into its kept mapping, the checksum, the header).
+        What it announced is checked against what a shard of ``src`` must be (:meth:`refusal`)
+        before its file exists; a refused copy's bytes are read and dropped in bounded chunks.
+        Anything wrong is logged and the copy dropped; a copy that did not land, a cut one
+        included (its sender lost mid-way), leaves no file behind (the ``finally``)."""
+        announced = peer_wire.receive_header(src, group, tags=REPLICA_TAGS)
         if announced is None:  # its save failed: nothing comes
             return
         blob, size = announced
-        d = self.peer_dir(src)
-        why = ""
-        header: Announced | None = None
+        header, why = self.refusal(blob, size, src)
         mm: mmap.mmap | None = None
+        landed = False
         try:
-            # Its top fields only: its entries are validated whole when it is restored.
-            header = Announced.model_validate_json(blob)
-            why = self.mismatch(header, rank=src)
-            if header.size != size:
-                why = why or f"it announced {size} bytes, its header {header.size}"
-            if not why:
-                d.mkdir(parents=True, exist_ok=True)
-                self.header_path(header.generation, d).unlink(missing_ok=True)
-                mm = self._buffer(header.generation, size, src=src)
-        except (ValidationError, OSError, UnicodeDecodeError) as e:
-            why = f"no room in node memory for it ({e})" if isinstance(e, OSError) else str(e)
-        # The bytes are on their way all the same: a copy refused already goes into anonymous
-        # memory and is dropped, or the sender would wait on its send until the group's timeout.
-        sink = mm if mm is not None else mmap.mmap(-1, max(size, 1))
-        try:
-            if size:
-                dist.recv(
-                    torch.frombuffer(sink, dtype=torch.uint8)[:size],
-                    src,
-                    group=group,
-                    tag=REPLICA_TAGS[2],
-                )
-            if why or header is None:
+            if header is not None and not why:
+                d = self.peer_dir(src)
+                try:
+                    d.mkdir(mode=0o700, exist_ok=True)
+                    self.header_path(header.generation, d).unlink(missing_ok=True)
+                    mm = self._buffer(header.generation, size, src=src)
+                except OSError as e:
+                    why = _no_room(d, size, e)
+            peer_wire.receive_bytes(src, group, size, mm, tags=REPLICA_TAGS)
+            if why or header is None or mm is None:
                 raise NodeCopyError(why or "no header")
-            digest = node_format.checksum(memoryview(sink)[:size])
+            digest = node_format.checksum(memoryview(mm)[:size])
             if digest != header.xxh3_128:
                 raise NodeCopyError(f"its bytes do not match its header (xxh3_128 {digest[:12]}…)")
             if token != self._token:
                 raise NodeCopyError("an earlier incarnation's copy")
-            write_durably(self.header_path(header.generation, d), blob.decode())
+            write_durably(self.header_path(header.generation, self.peer_dir(src)), blob.decode())
+            landed = True
         except (NodeCopyError, OSError, UnicodeDecodeError) as e:
             log.warning("rank %d: the peer copy of rank %d was dropped: %s", self.rank, src, e)
         finally:
-            if sink is not mm:
-                with contextlib.suppress(BufferError):
-                    sink.close()
+            if mm is not None and not landed and header is not None:
+                self._discard(header.generation, src)
+
+    def refusal(self, blob: bytes, size: int, src: int) -> tuple[Announced | None, str]:
+        """The header ``src`` announced with ``size`` bytes (its top fields), and why its copy
+        is refused ("": it is not): a header, of ``src``'s shard for this world, model and
+        epoch, of exactly the size a shard of ``src`` of this model has (``peer_wire``). Before
+        any allocation: nothing here is as large as what it announced but the bounded header."""
+        try:
+            header = Announced.model_validate_json(blob)  # its entries: where it is restored
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(map(str, first["loc"])) or "the header"
+            return None, f"its header is not a node-copy header: {where}: {first['msg']}"
+        why = self.mismatch(header, rank=src)
+        if why:
+            return header, why
+        layout = self._shape
+        if layout is None:
+            return header, "this rank has no save of its own to check it against yet"
+        want = self._expected.get(src)
+        if want is None:
+            want = self._expected[src] = peer_wire.expected(layout, src)
+        return header, peer_wire.refusal(header, size, want)
+
+    def _discard(self, gen: int, src: int | None = None) -> None:
+        """Generation ``gen``'s bytes (this rank's, or the peer copy of ``src``) and their
+        mapping: gone from node memory."""
+        mm = self._maps.pop(gen if src is None else (src, gen), None)
+        if mm is not None:
+            self._unmap(mm)
+        where = None if src is None else self.peer_dir(src)
+        self.bin_path(gen, where).unlink(missing_ok=True)
+
+    def sweep(self, src: int) -> list[str]:
+        """What a receive of ``src``'s copies that never finished left in its peer directory
+        (this rank is the only one that receives them): bytes no header vouches for, and
+        temporary files, each this user's and named as this module names them. Returns what
+        went."""
+        d = self.peer_dir(src)
+        gone = []
+        try:
+            names = sorted(p.name for p in d.iterdir())[:1024]  # untrusted: bounded
+        except OSError:
+            return []
+        for name in names:
+            m = _LEFTOVER.fullmatch(name)
+            if m is None or (m[1] is not None and self.header_path(int(m[1]), d).exists()):
+                continue
+            path = d / name
+            try:
+                if os.lstat(path).st_uid == os.getuid():
+                    path.unlink()
+                    gone.append(name)
+            except OSError:
+                continue
+        if gone:
+            log.info("rank %d: removed what unfinished copies left in %s: %s", self.rank, d, gone)
+        return gone
 
     def forget_other_worlds(self) -> list[str]:
         """Remove this node's copies of worlds of another size (an elastic job that shrank or
@@ -232,12 +283,14 @@ class NodeMemory:
         gen = 0 if self._newest_gen is None else (self._newest_gen + 1) % GENERATIONS
         sealed: tuple[Header, _Layout] | None = None  # None: the peers learn there is nothing
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir.mkdir(parents=True, mode=0o700, exist_ok=True)
             self.header_path(gen).unlink(missing_ok=True)  # first: nothing vouches for it now
             layout = self._layout
             if version is None or layout is None or layout.version != version:
                 layout = _Layout.of(state, version)
                 self._layout = layout if version is not None else None
+            if layout is not self._shape:  # what a peer's copy must be is worked out anew
+                self._shape, self._expected = layout, {}
             if self._device is None or self._device.device != layout.device:
                 self._close_device()
                 self._device = DeviceCopy(layout.device)
@@ -261,6 +314,8 @@ class NodeMemory:
             sealed = (header, layout)
         except (OSError, TypeError, RuntimeError) as e:
             self._layout = None
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                e = OSError(_no_room(self.dir, self._shape.size if self._shape else 0, e))
             self._failed = f"the memory save of step {step} failed: {e}"
         self._thread = threading.Thread(
             target=self._seal,
@@ -434,8 +489,32 @@ def _allocated_map(path: Path, size: int) -> mmap.mmap:
     try:
         os.posix_fallocate(fd, 0, max(size, 1))
         return mmap.mmap(fd, max(size, 1))
+    except OSError:
+        path.unlink(missing_ok=True)  # a full node memory keeps no half-allocated file
+        raise
     finally:
         os.close(fd)
+
+
+def _no_room(d: Path, size: int, error: OSError) -> str:
+    """A copy that node memory has no room for, said as such: no other memory takes it (a
+    full node stays visible, never hidden in the process's anonymous memory)."""
+    try:
+        st = os.statvfs(d)
+        free = f"{st.f_bavail * st.f_frsize} bytes free"
+    except OSError:
+        free = "its free space unknown"
+    if error.errno != errno.ENOSPC:
+        return f"node memory {d} refused {size} bytes: {error}"
+    return (
+        f"node memory is full: {d} has {free}, the copy needs {size} bytes; it is dropped "
+        "(make the node's memory larger: locally /dev/shm, on EKS eks.shm_gi)"
+    )
+
+
+# What a receive that never finished may leave in a peer directory: a generation's bytes (kept
+# only where its header exists) and write_durably's temporary header.
+_LEFTOVER = re.compile(rf"gen-([0-{GENERATIONS - 1}])\.bin|\.gen-[0-{GENERATIONS - 1}]\.json\.tmp")
 
 
 def _no_follow(path: str, flags: int) -> int:
@@ -449,6 +528,11 @@ def from_env(
     root = os.environ.get(NODE_MEMORY_ENV)  # absent: the node has no node-memory tier
     if not root:
         return None
+    # This user's alone, or refused (node_dir): another user's would read or plant copies.
     return NodeMemory(
-        Path(root), rank=rank, world_size=world_size, fingerprint=fingerprint, epoch=epoch
+        private_dir(Path(root)),
+        rank=rank,
+        world_size=world_size,
+        fingerprint=fingerprint,
+        epoch=epoch,
     )

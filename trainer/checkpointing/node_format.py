@@ -7,8 +7,8 @@ topology, config fingerprint, fence epoch, where each tensor lies, every non-ten
 value, the digest of the bytes and the save's loss and data-loader position. Nothing of a copy
 is trusted before it is checked: the header is bounded and validated, the bytes must have the
 header's size and digest, every floating-point tensor must be finite, and every entry must match
-the live state's path, dtype and shape (:func:`restore`). The peer copy's wire (:func:`send`,
-:func:`receive_header`) moves one copy between two ranks over a gloo group.
+the live state's path, dtype and shape, and every other leaf its type (:func:`restore`). The
+peer copy's wire is :mod:`~trainer.checkpointing.peer_wire`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import torch
-import torch.distributed as dist
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from torch.distributed.tensor import DTensor
@@ -158,6 +157,27 @@ def plan(state: dict[str, Any]) -> tuple[list[Entry], int]:
 
 
 @dataclass(frozen=True)
+class Sharding:
+    """A tensor's element size and local shape, and for a DTensor what every rank's local shape
+    follows from (its global shape, mesh and placements)."""
+
+    itemsize: int
+    shape: tuple[int, ...]
+    dtype: str
+    global_shape: tuple[int, ...] | None = None
+    mesh: Any = None  # a DeviceMesh
+    placements: tuple[Any, ...] = ()
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> Sharding:
+        local = _local(t)
+        common = (local.element_size(), tuple(local.shape), str(local.dtype))
+        if isinstance(t, DTensor):
+            return cls(*common, tuple(t.shape), t.device_mesh, tuple(t.placements))
+        return cls(*common)
+
+
+@dataclass(frozen=True)
 class _Layout:
     """Where a state's tensors go in a memory save (:func:`plan`), with the tensors' bytes as
     views of their live storage when every one of them is contiguous, and the slices of each
@@ -169,6 +189,9 @@ class _Layout:
     size: int
     views: list[tuple[int, int, torch.Tensor]] | None
     device: torch.device  # where the state's tensors are (staging.DeviceCopy: how they are copied)
+    # Each tensor entry's sharding, in entry order: what another rank's copy of the same model
+    # must hold (peer_wire.expected), worked out before a byte of it is accepted.
+    shards: tuple[Sharding, ...] = ()
     # Per generation: the buffer the slices view, and the slices (kept while it is the same).
     targets: dict[int, tuple[mmap.mmap, list[torch.Tensor]]] = field(default_factory=dict)
     _json: list[str] = field(default_factory=list)  # the entries' JSON, once made
@@ -183,7 +206,10 @@ class _Layout:
         entries, size = plan(state)
         views: list[tuple[int, int, torch.Tensor]] | None = []
         device = torch.device("cpu")
+        shards = []
         for leaf, e in zip(leaves(state), entries, strict=True):
+            if e.dtype is not None:
+                shards.append(Sharding.of(leaf.value))
             if e.dtype is None or not e.nbytes:
                 continue
             t = _local(leaf.value)
@@ -193,7 +219,7 @@ class _Layout:
                 continue
             if views is not None:
                 views.append((e.offset, e.nbytes, _bytes_of(t)))
-        return cls(version, entries, size, views, device)
+        return cls(version, entries, size, views, device, tuple(shards))
 
     def copy_into(
         self, gen: int, buf: mmap.mmap, state: dict[str, Any], *, non_blocking: bool = False
@@ -296,6 +322,11 @@ def match(header: Header, target: dict[str, Any]) -> list[tuple[Entry, Leaf]]:
         is_tensor = isinstance(leaf.value, torch.Tensor)
         if is_tensor != (e.dtype is not None):
             raise NodeCopyError(f"{where}: a tensor in one, not in the other")
+        if not is_tensor:
+            why = scalar_mismatch(e.value, leaf.value)
+            if why:
+                raise NodeCopyError(f"{where}: {why}")
+            continue
         if is_tensor:
             t = _local(leaf.value)
             if e.dtype != str(t.dtype) or e.shape != list(t.shape):
@@ -307,41 +338,23 @@ def match(header: Header, target: dict[str, Any]) -> list[tuple[Entry, Leaf]]:
     return list(zip(header.entries, live, strict=True))
 
 
-# One shard on the wire (the memory saves' replication and a resume's transfer alike): its
-# header's length and the bytes' size, the header (JSON), the bytes; a length of 0 says nothing
-# comes. Each use has its own tags, so the two never match each other's messages.
-REPLICA_TAGS = (1, 2, 3)
-RESUME_TAGS = (4, 5, 6)
+def scalar_mismatch(value: Any, live: Any) -> str:
+    """Why a copy's non-tensor ``value`` may not replace the live state's ``live`` ("" when it
+    may): the same type exactly (a bool is no int, a list is the tuple it was saved from), item
+    by item. A header's digest is a checksum: a forged learning rate ``"1e9"`` or ``True`` would
+    otherwise go straight into the optimizer."""
+    if isinstance(live, tuple):
+        if not isinstance(value, list) or len(value) != len(live):
+            return f"{_kind(value)} in the copy, a tuple of {len(live)} live"
+        for i, (v, w) in enumerate(zip(value, live, strict=True)):
+            why = scalar_mismatch(v, w)
+            if why:
+                return f"item {i}: {why}"
+        return ""
+    if type(value) is not type(live):
+        return f"{_kind(value)} in the copy, {_kind(live)} live"
+    return ""
 
 
-def send(
-    blob: bytes, size: int, mm: mmap.mmap | None, dst: int, group: Any, *, tags: tuple[int, ...]
-) -> list[Any]:
-    """Post a shard, its header's JSON ``blob`` (empty: nothing comes) and ``size`` bytes mapped
-    in ``mm``, to ``dst``; the sends' handles."""
-    meta = torch.tensor([len(blob), size], dtype=torch.int64)
-    works = [dist.isend(meta, dst, group=group, tag=tags[0])]
-    if blob:
-        payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        works.append(dist.isend(payload, dst, group=group, tag=tags[1]))
-    if mm is not None and size:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # frombuffer on a copy-on-write map
-            data = torch.frombuffer(mm, dtype=torch.uint8)[:size]
-        works.append(dist.isend(data, dst, group=group, tag=tags[2]))
-    return works
-
-
-def receive_header(src: int, group: Any, *, tags: tuple[int, ...]) -> tuple[bytes, int] | None:
-    """The header (JSON bytes, bounded) and the size of the shard ``src`` sends, or None when
-    it says nothing comes; the bytes follow with ``tags[2]``."""
-    meta = torch.zeros(2, dtype=torch.int64)
-    dist.recv(meta, src, group=group, tag=tags[0])
-    hlen, size = int(meta[0]), int(meta[1])
-    if hlen == 0:
-        return None
-    if not 0 < hlen <= HEADER_LIMIT or size < 0:
-        raise NodeCopyError(f"rank {src} announced a {hlen}-byte header and {size} bytes")
-    blob = torch.empty(hlen, dtype=torch.uint8)
-    dist.recv(blob, src, group=group, tag=tags[1])
-    return blob.numpy().tobytes(), size
+def _kind(v: Any) -> str:
+    return "a list" if isinstance(v, list) else f"{type(v).__name__} {str(v)[:40]!r}"

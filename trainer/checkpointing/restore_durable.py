@@ -16,18 +16,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from pydantic import Field
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
 from trainer import untrusted
-from trainer.checkpointing import tiers
+from trainer.checkpointing import coordination, tiers
 from trainer.checkpointing.commit import recover
 from trainer.checkpointing.config import ResumePolicy
+from trainer.checkpointing.errors import CheckpointError
 from trainer.checkpointing.layout import checkpoints_dir, step_of
-from trainer.checkpointing.manifest import Manifest, digest_share
+from trainer.checkpointing.manifest import (
+    MANIFEST_MAX_BYTES,
+    Manifest,
+    digest_share,
+    parse_manifest,
+)
 from trainer.checkpointing.restoring import FatalError, RestoreContext, Resumed
 from trainer.checkpointing.resume import no_valid_checkpoint, resume_candidates
 from trainer.event_types import Resume
@@ -58,6 +64,46 @@ class Candidates:
     failed: str = ""
 
 
+class _Sent(coordination.Message):
+    step: int = Field(ge=0)
+    path: str = Field(max_length=4096)
+    manifest: dict[str, Any]  # as read: parsed again on receipt, as from the file
+
+
+class Decision(coordination.Message):
+    """:class:`Candidates` as rank 0 broadcasts them (typed JSON, not a pickle: the
+    ``coordination`` module); every rank parses each manifest again on receipt."""
+
+    ok: tuple[_Sent, ...] = Field(max_length=1024)
+    rejected: tuple[tuple[int, str], ...] = Field(max_length=1024)
+    found: int = Field(ge=0)
+    failed: str = Field(max_length=coordination.REASON_LIMIT)
+
+    @classmethod
+    def of(cls, made: Candidates) -> Decision:
+        return cls(
+            ok=tuple(_Sent(step=c.step, path=c.path, manifest=c.manifest.raw) for c in made.ok),
+            rejected=tuple((s, coordination.cut(why) or "") for s, why in made.rejected),
+            found=made.found,
+            failed=coordination.cut(made.failed) or "",
+        )
+
+    def candidates(self) -> Candidates:
+        try:
+            ok = tuple(
+                Candidate(c.step, c.path, parse_manifest(c.path, c.manifest)) for c in self.ok
+            )
+        except CheckpointError as e:
+            raise coordination.CoordinationError(
+                f"rank 0 sent a manifest that is not one: {e}"
+            ) from e
+        return Candidates(ok, self.rejected, self.found, self.failed)
+
+
+# Every candidate's manifest (each read at most MANIFEST_MAX_BYTES), a few of them.
+DECISION_LIMIT = 4 * MANIFEST_MAX_BYTES
+
+
 @dataclass(frozen=True)
 class DurableRestorer:
     ctx: RestoreContext
@@ -68,9 +114,10 @@ class DurableRestorer:
     ) -> Resumed:
         """All ranks: the newest committed checkpoint every rank's share vouches for, loaded;
         step 0 where there is none and none was recorded; :class:`FatalError` otherwise."""
-        decision: list[Any] = [self.decide() if self.ctx.rank == 0 else None]
-        dist.broadcast_object_list(decision, src=0, group=self.ctx.group)
-        made: Candidates = decision[0]
+        mine = Decision.of(self.decide()) if self.ctx.rank == 0 else None
+        made = coordination.broadcast(
+            mine, Decision, 0, self.ctx.group, limit=DECISION_LIMIT
+        ).candidates()
         if made.failed:
             raise FatalError(made.failed)
         if not made.found:
@@ -111,9 +158,9 @@ class DurableRestorer:
             mine = None
             if ctx.cfg.checkpoint.durable.verify_on_resume:
                 mine = digest_share(Path(c.path), c.manifest, index=ctx.rank, count=ctx.world_size)
-            reasons: list[Any] = [None] * ctx.world_size
-            dist.all_gather_object(reasons, mine, group=ctx.group)
-            bad = next((r for r in reasons if r), None)
+            sent = coordination.Outcome(failed=coordination.cut(mine) or "")
+            reasons = coordination.gather(sent, ctx.group, limit=coordination.OUTCOME_LIMIT)
+            bad = next((r.failed for r in reasons if r.failed), None)
             if bad is None:
                 if ctx.rank == 0:
                     for s, why in sorted(((s, w) for s, w in rejected if s > c.step), reverse=True):

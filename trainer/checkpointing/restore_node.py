@@ -12,14 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from pydantic import ValidationError
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from trainer.checkpointing import node_format, tiers
+from trainer.checkpointing import node_format, peer_wire, tiers
 from trainer.checkpointing.manifest import as_loss
 from trainer.checkpointing.node_copy import SOURCE, NodeMemory
 from trainer.checkpointing.node_format import Header, NodeCopyError
@@ -46,10 +44,10 @@ class NodeRestorer:
         source = "peer" if any(h >= 0 for h in plan) else SOURCE
         failed, nbytes, info = "", 0, {}
         try:
-            header, mm, where = self._shard_for(choice.step, plan)
-            info = header.info
             model_sd, optim_sd = get_state_dict(model, optim)
             state = {"model": model_sd, "optim": optim_sd}
+            header, mm, where = self._shard_for(choice.step, plan, state)
+            info = header.info
             nbytes = node_format.restore(header, mm, state, where)
             set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
             sampler.check_state(info.get("data_loader", {}), choice.step)
@@ -63,10 +61,13 @@ class NodeRestorer:
         self.ctx.loaded(choice.step, source, t0, total)
         return Resumed(choice.step, as_loss(info.get("loss")), None)
 
-    def _shard_for(self, step: int, plan: tuple[int, ...]) -> tuple[Header, mmap.mmap, str]:
+    def _shard_for(
+        self, step: int, plan: tuple[int, ...], state: dict[str, Any]
+    ) -> tuple[Header, mmap.mmap, str]:
         """All ranks, in one order: the peer copies that must travel (a holder sends, the rank
-        it belongs to receives, on the checkpoint group), then this rank's (header, bytes,
-        where from). A failure is raised after every transfer of this rank ran."""
+        it belongs to receives, checked against ``state``, on the checkpoint group), then this
+        rank's (header, bytes, where from). A failure is raised after every transfer of this
+        rank ran."""
         rank, group = self.ctx.rank, self.ctx.group
         received: tuple[Header, mmap.mmap, str] | None = None
         failure: Exception | None = None
@@ -78,7 +79,7 @@ class NodeRestorer:
                 send_shard(self.node, header, self.node.peer_dir(r), r, group)
             elif rank == r:
                 try:
-                    got, mm = recv_shard(self.node, h, group)
+                    got, mm = recv_shard(self.node, h, group, state)
                     received = (got, mm, f"rank {h}'s peer copy")
                 except Exception as e:
                     failure = e
@@ -107,29 +108,45 @@ def send_shard(
             header = None
     blob = header.model_dump_json().encode() if header is not None else b""
     size = header.size if header is not None else 0
-    for w in node_format.send(blob, size, mm, dst, group, tags=node_format.RESUME_TAGS):
+    for w in peer_wire.send(blob, size, mm, dst, group, tags=peer_wire.RESUME_TAGS):
         if w is not None:
             w.wait()
 
 
-def recv_shard(node: NodeMemory, src: int, group: Any) -> tuple[Header, mmap.mmap]:
-    """A shard sent by ``src``'s :func:`send_shard`, in anonymous memory, its header validated
-    (this rank's, world size, fingerprint, epoch); the bytes are checked by the restore."""
-    announced = node_format.receive_header(src, group, tags=node_format.RESUME_TAGS)
+def recv_shard(
+    node: NodeMemory, src: int, group: Any, target: dict[str, Any]
+) -> tuple[Header, mmap.mmap]:
+    """A shard sent by ``src``'s :func:`send_shard`, in anonymous memory. Before that memory
+    exists, its header is checked: this rank's, world size, fingerprint and epoch, and every
+    entry against ``target`` (this rank's live state: count, paths, dtypes, shapes, the other
+    leaves' types) and its size against the state's; a refused copy's bytes are read and
+    dropped in bounded chunks. The bytes' digest is checked by the restore."""
+    announced = peer_wire.receive_header(src, group, tags=peer_wire.RESUME_TAGS)
     if announced is None:
         raise NodeCopyError(f"rank {src} had no copy to send")
     blob, size = announced
-    mm = mmap.mmap(-1, max(size, 1))
-    if size:
-        data = torch.frombuffer(mm, dtype=torch.uint8)[:size]
-        dist.recv(data, src, group=group, tag=node_format.RESUME_TAGS[2])
+    why = ""
     try:
         header = Header.model_validate_json(blob)
+        why = node.mismatch(header) or layout_refusal(header, size, target)
     except ValidationError as e:
-        raise NodeCopyError(
-            f"rank {src} sent no node-copy header ({e.error_count()} errors)"
-        ) from e
-    why = node.mismatch(header)
-    if why or header.size != size:
-        raise NodeCopyError(f"the copy rank {src} sent: {why or 'its size is not its header'}")
+        first = e.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "the header"
+        why = f"no node-copy header: {where}: {first['msg']} ({e.error_count()} errors)"
+    except NodeCopyError as e:
+        why = str(e)
+    mm = None if why else mmap.mmap(-1, max(size, 1))
+    peer_wire.receive_bytes(src, group, size, mm, tags=peer_wire.RESUME_TAGS)
+    if why or mm is None:
+        raise NodeCopyError(f"the copy rank {src} sent: {why}")
     return header, mm
+
+
+def layout_refusal(header: Header, size: int, target: dict[str, Any]) -> str:
+    """Why ``header`` (announcing ``size`` bytes) is not a copy of ``target``'s layout ("": it
+    is); entries mismatched raise (``node_format.match``)."""
+    _, want = node_format.plan(target)
+    if size != header.size or size != want:
+        return f"size: it announced {size} bytes, its header {header.size}, this state is {want}"
+    node_format.match(header, target)
+    return ""

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
+from trainer.checkpointing import coordination
 from trainer.config import TrainConfig
 from trainer.errors import TerminalError
 from trainer.event_types import Resume
@@ -49,10 +48,10 @@ class RestoreContext:
     def failure(self, mine: str, nbytes: int = 0) -> tuple[str, int]:
         """All ranks: this rank's failure ("" for none) and bytes read, gathered; the first
         failure named with its rank ("" when every rank succeeded) and the bytes of all."""
-        outcomes: list[Any] = [None] * self.world_size
-        dist.all_gather_object(outcomes, (mine, nbytes), group=self.group)
-        why = next((f"rank {r}: {o[0]}" for r, o in enumerate(outcomes) if o[0]), "")
-        return why, sum(int(o[1]) for o in outcomes)
+        sent = coordination.Outcome(failed=coordination.cut(mine) or "", nbytes=nbytes)
+        outcomes = coordination.gather(sent, self.group, limit=coordination.OUTCOME_LIMIT)
+        why = next((f"rank {r}: {o.failed}" for r, o in enumerate(outcomes) if o.failed), "")
+        return why, sum(o.nbytes for o in outcomes)
 
     def loaded(self, step: int, source: str, began: float, nbytes: int, **extra: Any) -> None:
         """Rank 0: the ``resume`` event of a load."""
