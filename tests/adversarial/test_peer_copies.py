@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from tasks.backends import node_memory
 from tests.helpers import free_port
-from trainer.checkpointing import coordination, node_copy, node_format, peer_wire
+from trainer.checkpointing import coordination, node_copy, node_dir, node_format, peer_wire
 from trainer.checkpointing.coordination import CoordinationError, OfferMessage, TierOffer
 from trainer.checkpointing.node_copy import NodeMemory
 from trainer.checkpointing.node_dir import NodeMemoryDirError, private_dir, refusal
@@ -290,9 +290,9 @@ def test_a_full_node_memory_is_said_and_leaves_no_file(shm: Path):
     such (the directory, its free bytes, the size), and its half-made file removed."""
     path = shm / "gen-0.bin"
     with pytest.raises(OSError) as e:
-        node_copy._allocated_map(path, 1 << 50)  # more than any tmpfs here: ENOSPC at once
+        node_dir.allocated_map(path, 1 << 50)  # more than any tmpfs here: ENOSPC at once
     assert not path.exists()
-    said = node_copy._no_room(shm, 1 << 50, e.value)
+    said = node_dir.no_room(shm, 1 << 50, e.value)
     assert said.startswith(f"node memory is full: {shm} has ") and "bytes free" in said
 
 
@@ -358,8 +358,8 @@ def _drill(rank: int, port: int, root: str, out: str) -> None:
     state = _state(*_model(rank))
     result: dict[str, Any] = {}
     allocated: list[str] = []  # every node-memory file made, by path (a spy on the real call)
-    real = node_copy._allocated_map
-    node_copy._allocated_map = lambda path, size: (allocated.append(str(path)), real(path, size))[1]
+    real = node_dir.allocated_map
+    node_dir.allocated_map = lambda path, size: (allocated.append(str(path)), real(path, size))[1]
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]

@@ -34,7 +34,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from trainer.checkpointing import node_format, peer_wire
+from trainer.checkpointing import node_dir, node_format, peer_wire
 from trainer.checkpointing.layout import NODE_MEMORY_ENV
 from trainer.checkpointing.node_dir import private_dir
 from trainer.checkpointing.node_format import (
@@ -168,7 +168,7 @@ class NodeMemory:
                     self.header_path(header.generation, d).unlink(missing_ok=True)
                     mm = self._buffer(header.generation, size, src=src)
                 except OSError as e:
-                    why = _no_room(d, size, e)
+                    why = node_dir.no_room(d, size, e)
             peer_wire.receive_bytes(src, group, size, mm, tags=REPLICA_TAGS)
             if why or header is None or mm is None:
                 raise NodeCopyError(why or "no header")
@@ -222,22 +222,7 @@ class NodeMemory:
         temporary files, each this user's and named as this module names them. Returns what
         went."""
         d = self.peer_dir(src)
-        gone = []
-        try:
-            names = sorted(p.name for p in d.iterdir())[:1024]  # untrusted: bounded
-        except OSError:
-            return []
-        for name in names:
-            m = _LEFTOVER.fullmatch(name)
-            if m is None or (m[1] is not None and self.header_path(int(m[1]), d).exists()):
-                continue
-            path = d / name
-            try:
-                if os.lstat(path).st_uid == os.getuid():
-                    path.unlink()
-                    gone.append(name)
-            except OSError:
-                continue
+        gone = node_dir.sweep(d, lambda gen: self.header_path(gen, d).exists())
         if gone:
             log.info("rank %d: removed what unfinished copies left in %s: %s", self.rank, d, gone)
         return gone
@@ -315,7 +300,7 @@ class NodeMemory:
         except (OSError, TypeError, RuntimeError) as e:
             self._layout = None
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                e = OSError(_no_room(self.dir, self._shape.size if self._shape else 0, e))
+                e = OSError(node_dir.no_room(self.dir, self._shape.size if self._shape else 0, e))
             self._failed = f"the memory save of step {step} failed: {e}"
         self._thread = threading.Thread(
             target=self._seal,
@@ -337,7 +322,7 @@ class NodeMemory:
             return mm
         if mm is not None:
             self._unmap(mm)
-        mm = _allocated_map(path, size)
+        mm = node_dir.allocated_map(path, size)
         self._maps[key] = mm
         if src is None and self._device is not None:
             try:
@@ -473,52 +458,13 @@ class NodeMemory:
         """``header``'s bytes, mapped copy-on-write (a restore never changes the file)."""
         path = self.bin_path(header.generation, where)
         try:
-            with open(path, "rb", opener=_no_follow) as f:
+            with open(path, "rb", opener=node_dir.no_follow) as f:
                 size = os.fstat(f.fileno()).st_size
                 if size < header.size:
                     raise NodeCopyError(f"{path} holds {size} bytes, its header {header.size}")
                 return mmap.mmap(f.fileno(), max(header.size, 1), access=mmap.ACCESS_COPY)
         except OSError as e:
             raise NodeCopyError(f"{path}: {e}") from e
-
-
-def _allocated_map(path: Path, size: int) -> mmap.mmap:
-    """A new file of ``size`` bytes, its pages allocated first (a full tmpfs raises ENOSPC
-    here rather than SIGBUS at the first write), mapped read-write."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, max(size, 1))
-        return mmap.mmap(fd, max(size, 1))
-    except OSError:
-        path.unlink(missing_ok=True)  # a full node memory keeps no half-allocated file
-        raise
-    finally:
-        os.close(fd)
-
-
-def _no_room(d: Path, size: int, error: OSError) -> str:
-    """A copy that node memory has no room for, said as such: no other memory takes it (a
-    full node stays visible, never hidden in the process's anonymous memory)."""
-    try:
-        st = os.statvfs(d)
-        free = f"{st.f_bavail * st.f_frsize} bytes free"
-    except OSError:
-        free = "its free space unknown"
-    if error.errno != errno.ENOSPC:
-        return f"node memory {d} refused {size} bytes: {error}"
-    return (
-        f"node memory is full: {d} has {free}, the copy needs {size} bytes; it is dropped "
-        "(make the node's memory larger: locally /dev/shm, on EKS eks.shm_gi)"
-    )
-
-
-# What a receive that never finished may leave in a peer directory: a generation's bytes (kept
-# only where its header exists) and write_durably's temporary header.
-_LEFTOVER = re.compile(rf"gen-([0-{GENERATIONS - 1}])\.bin|\.gen-[0-{GENERATIONS - 1}]\.json\.tmp")
-
-
-def _no_follow(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW)
 
 
 def from_env(

@@ -11,10 +11,15 @@ else. Inside a directory only its owner can write, the rank and peer directories
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
+import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
+from trainer.checkpointing.layout import NODE_MEMORY_GENERATIONS as GENERATIONS
 from trainer.errors import TerminalError
 
 MODE = 0o700
@@ -56,3 +61,66 @@ def private_dir(path: Path) -> Path:
             f"NVRX_NODE_MEMORY) and run again"
         )
     return path
+
+
+# -- files in it -----------------------------------------------------------------------------
+def allocated_map(path: Path, size: int) -> mmap.mmap:
+    """A new file of ``size`` bytes, its pages allocated first (a full tmpfs raises ENOSPC
+    here rather than SIGBUS at the first write), mapped read-write."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(size, 1))
+        return mmap.mmap(fd, max(size, 1))
+    except OSError:
+        path.unlink(missing_ok=True)  # a full node memory keeps no half-allocated file
+        raise
+    finally:
+        os.close(fd)
+
+
+def no_room(d: Path, size: int, error: OSError) -> str:
+    """A copy that node memory has no room for, said as such: no other memory takes it (a
+    full node stays visible, never hidden in the process's anonymous memory)."""
+    try:
+        st = os.statvfs(d)
+        free = f"{st.f_bavail * st.f_frsize} bytes free"
+    except OSError:
+        free = "its free space unknown"
+    if error.errno != errno.ENOSPC:
+        return f"node memory {d} refused {size} bytes: {error}"
+    return (
+        f"node memory is full: {d} has {free}, the copy needs {size} bytes; it is dropped "
+        "(make the node's memory larger: locally /dev/shm, on EKS eks.shm_gi)"
+    )
+
+
+def no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
+# What a receive that never finished may leave in a peer directory: a generation's bytes (kept
+# only where its header exists) and write_durably's temporary header.
+_LEFTOVER = re.compile(rf"gen-([0-{GENERATIONS - 1}])\.bin|\.gen-[0-{GENERATIONS - 1}]\.json\.tmp")
+
+
+def sweep(d: Path, vouched: Callable[[int], bool]) -> list[str]:
+    """Remove from ``d`` what unfinished receives left: a generation's bytes no header vouches
+    for (``vouched(gen)``), and temporary headers; each this user's and named as node_copy names
+    them (the listing is untrusted: bounded). Returns the names removed."""
+    gone: list[str] = []
+    try:
+        names = sorted(p.name for p in d.iterdir())[:1024]
+    except OSError:
+        return gone
+    for name in names:
+        m = _LEFTOVER.fullmatch(name)
+        if m is None or (m[1] is not None and vouched(int(m[1]))):
+            continue
+        path = d / name
+        try:
+            if os.lstat(path).st_uid == os.getuid():
+                path.unlink()
+                gone.append(name)
+        except OSError:
+            continue
+    return gone
