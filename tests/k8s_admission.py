@@ -27,10 +27,16 @@ RESOURCES = {
 }
 
 
-def policies(path: Path = POLICY_FILE) -> dict[str, dict[str, Any]]:
-    """The file's ValidatingAdmissionPolicies by name."""
+def policies(path: Path = POLICY_FILE, fsx_mount: str = "/fsx") -> dict[str, dict[str, Any]]:
+    """The file's ValidatingAdmissionPolicies by name; ``fsx_mount``: the deployment's FSx mount
+    in their ``mounts`` (as the README's sed fills the image)."""
     docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
-    return {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
+    out = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
+    for policy in out.values():
+        for v in policy["spec"].get("variables", []):
+            if v["name"] == "mounts":
+                v["expression"] = v["expression"].replace('"/fsx"', f'"{fsx_mount}"')
+    return out
 
 
 def _join(items: Any, sep: Any = "") -> Any:

@@ -444,6 +444,8 @@ def test_admission_policies_hold_jobs_to_the_pool_allow_lists() -> None:
                               ("scriptRoots", "NVRX_ALLOWED_SCRIPT_ROOTS")):  # fmt: skip
             if variable in lists:
                 assert constant(policy, variable) == allowed[env].split(","), (name, variable)
+        if "mounts" in lists:  # the FSx mount first, then the pods' own paths
+            assert constant(policy, "mounts")[0] == allowed["NVRX_ALLOWED_FSX_MOUNTS"], name
     jobs = policies["nvrx-pipeline-jobs"]
     assert {"images", "claims", "scriptRoots"} <= {v["name"] for v in jobs["spec"]["variables"]}
     # a script root is regular-expression text in the entry-point rule: nothing special in it

@@ -256,6 +256,12 @@ def _job_rows() -> list[Any]:
         # an allowed script hidden in an option's value, the real entry after it
         ("smuggled-entry", _entry(f"--rdzv-id=x {SCRIPT}", "/fsx/evil.py"), ENTRY),
         ("agent-unknown-option", _args(lambda a: [*a[:2], "--exec", "sh", *a[2:]]), ENTRY),
+        # python -m puts the working directory first on sys.path: /fsx/x/trainer/agent.py
+        ("working-dir", _set("spec.template.spec.containers.0.workingDir", "/fsx/x"), ENTRY),
+        ("postStart-exec", _set("spec.template.spec.containers.0.lifecycle",
+                                {"postStart": {"exec": {"command": ["sh", "-c", "env"]}}}), ENTRY),
+        ("exec-probe", _set("spec.template.spec.containers.0.livenessProbe",
+                            {"exec": {"command": ["sh", "-c", "env"]}}), ENTRY),
         # environment that changes what runs
         ("PYTHONPATH", _env({"name": "PYTHONPATH", "value": "/fsx/evil"}), ENV),
         ("LD_PRELOAD", _env({"name": "LD_PRELOAD", "value": "/fsx/evil.so"}), ENV),
@@ -277,6 +283,9 @@ def _job_rows() -> list[Any]:
         ("projected-token", _volume({"projected": {"sources": [
             {"serviceAccountToken": {"path": "token"}}]}}), VOLUMES),
         ("csi-inline", _volume({"csi": {"driver": "fsx.csi.aws.com"}}), VOLUMES),
+        # the FSx claim over the image's code: the allowed command would run what it holds
+        ("fsx-over-the-code", _set("spec.template.spec.containers.0.volumeMounts.0.mountPath",
+                                   "/opt/nvrx-pipeline"), VOLUMES),
     ]  # fmt: skip
     return [pytest.param(edit, rule, id=name) for name, edit, rule in rows]
 
@@ -333,6 +342,12 @@ def _flow_run_rows() -> list[Any]:
          FR_ACCOUNT),
         ("hostPath", _volume(HOST_ROOT), FR_VOLUMES),
         ("configmap-volume", _volume({"configMap": {"name": "aws-auth"}}), FR_VOLUMES),
+        ("fsx-over-the-code", _set("spec.template.spec.containers.0.volumeMounts.0.mountPath",
+                                   "/opt/nvrx-pipeline"), FR_VOLUMES),
+        ("working-dir", _set("spec.template.spec.containers.0.workingDir", "/fsx/x"), FR_COMMAND),
+        ("postStart-exec", _set("spec.template.spec.containers.0.lifecycle",
+                                {"postStart": {"exec": {"command": ["sh", "-c", "env"]}}}),
+         FR_COMMAND),
         ("envFrom-secret", _set("spec.template.spec.containers.0.envFrom",
                                 [{"secretRef": {"name": "hf-token"}}]), FR_SECRETS),
         ("secret-in-env", _env(_secret("HF_TOKEN", "hf-token")), FR_SECRETS),
@@ -471,6 +486,13 @@ def test_the_policies_lists_are_what_the_renderer_emits() -> None:
 
     assert allowed(JOBS) == kinds(_jobs()) == {"persistentVolumeClaim", "emptyDir", "configMap"}
     assert allowed(FLOW_RUNS) == kinds([flow_run_job()]) == {"persistentVolumeClaim", "emptyDir"}
+
+    def mounts(jobs: list[dict[str, Any]]) -> set[str]:
+        containers = [c for j in jobs for c in _pod(j)["containers"]]
+        return {m["mountPath"] for c in containers for m in c["volumeMounts"]}
+
+    assert set(constant(JOBS, "mounts")) == mounts(_jobs())
+    assert set(constant(FLOW_RUNS, "mounts")) == mounts([flow_run_job()])
     (fr,) = flow_run_job()["spec"]["template"]["spec"]["containers"]
     command = next(v for v in FLOW_RUNS["spec"]["validations"] if "c.command" in v["expression"])
     assert (
