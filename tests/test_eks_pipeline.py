@@ -69,6 +69,7 @@ from tests.helpers import (
     worker_env,
     write_config,
 )
+from tests.k8s_admission import admit, policies
 from tests.kube_chaos import ChaosProxy, Misbehaviour
 from tests.pipeline_helpers import assert_exported, run_pipeline
 from trainer.checkpointing.layout import NODE_MEMORY_ENV
@@ -140,6 +141,11 @@ class Cluster(threading.Thread):
 
     def run_job(self, name: str, job: dict[str, Any]) -> None:
         try:
+            # What the API server's admission policies answer the pipeline's token for it
+            # (deploy/eks/admission-policy.yaml): the Job as the flow created it is admitted.
+            filled = policies(fsx_mount=self.params.eks.fsx_mount)  # this test's mount
+            denied = [m for p in filled.values() for m in admit(p, "CREATE", job)]
+            assert not denied, (name, denied)
             if name.startswith("nvrx-hydrate-"):
                 self.hydrate(name, job)
             else:
