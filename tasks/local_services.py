@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -50,11 +51,21 @@ def kept_prefect_api(state_dir: Path) -> str | None:
     return f"http://127.0.0.1:{port}/api" if isinstance(port, int) and _health(port) else None
 
 
-def start_prefect(state_dir: Path, port: int = DEFAULT_PORT, timeout: float = 180.0) -> str:
-    """Start the kept Prefect server (or find it up); its API URL."""
+def start_prefect(
+    state_dir: Path,
+    port: int = DEFAULT_PORT,
+    timeout: float = 180.0,
+    *,
+    meanwhile: Callable[[], object] | None = None,
+) -> str:
+    """Start the kept Prefect server (or find it up); its API URL. ``meanwhile`` runs while the
+    server starts (its imports and database migrations take seconds: ``up`` starts the S3 server
+    then, not after); when it raises, the server this call started is stopped."""
     home = Path(state_dir).absolute() / PREFECT_DIR
     api = kept_prefect_api(state_dir)
     if api is not None:
+        if meanwhile is not None:
+            meanwhile()
         return api
     if _health(port):
         raise ServiceError(
@@ -82,6 +93,12 @@ def start_prefect(state_dir: Path, port: int = DEFAULT_PORT, timeout: float = 18
         )
     record = {"pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(), "port": port}
     write_json_atomic(home / RECORD, record)
+    if meanwhile is not None:
+        try:
+            meanwhile()
+        except BaseException:
+            stop_prefect(state_dir)
+            raise
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

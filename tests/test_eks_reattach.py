@@ -41,9 +41,13 @@ pytestmark = pytest.mark.slow
 
 DEAD = "0123456789abcdef"  # the dead owner's invocation
 # (case, training Jobs whose node 1 is lost, expected path, workload). Only the healthy case
-# needs training slow enough to still run when the flow run is executed again.
+# needs training slow enough to still run when the flow run is executed again: 1.2 s a step
+# until the reattach (its adopted stage_attempt), full speed after it (the 13 or so steps left
+# then cost 16 s of sleep and proved nothing more).
 CASES = [
-    pytest.param("healthy", set(), "reattached", "tests.adversarial.workloads:SLOWER_GPT"),
+    pytest.param(
+        "healthy", set(), "reattached", "tests.adversarial.workloads:PACED_UNTIL_ADOPTED_GPT"
+    ),
     # `extended` (not in `make test`): the health judgement (tests/test_eks_classify.py), the
     # deletion of a run's Jobs before a launch on kmock (tests/test_eks_backend.py), the
     # takeover decision and a dead owner's broken job ended and relaunched from its newest

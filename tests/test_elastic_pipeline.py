@@ -54,7 +54,9 @@ DRILLS = [
         {
             "nodes": "1:2",
             "workload": "script:tests/scripts/gpt_script.py",
-            "script_args": ["--pace-from", "12", "--pace-s", "1.0"],
+            # The pace ends once the world has grown back: 4 s of the grown world's last
+            # steps bought nothing.
+            "script_args": ["--pace-from", "12", "--pace-s", "1.0", "--pace-until-grown"],
         },
         ("node-loss@step=12,node=1", "node-return@step=13,node=1"),
         "elastic",

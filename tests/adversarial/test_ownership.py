@@ -554,9 +554,10 @@ def test_orchestrator_sigkilled_mid_train_then_rerun(
     port = free_s3_port()
     s3 = S3Settings(endpoint_url=f"http://127.0.0.1:{port}")  # this run's own server
     run_id = f"crash-{sc.name}"
-    params = _cli_params(
-        tmp_path, s3, run_id, workload="tests.adversarial.workloads:SLOW_GPT", ckpt_interval=5
-    )
+    # Slowed (0.5 s a step) until the re-run's takeover, so that the kill comes mid-train; the
+    # re-run's own steps need no pace (a relaunch from step 5 spent 7 s sleeping).
+    slowed = "tests.adversarial.workloads:PACED_UNTIL_TAKEOVER_GPT"
+    params = _cli_params(tmp_path, s3, run_id, workload=slowed, ckpt_interval=5)
     run_root = RunContext.create(make_params(tmp_path, s3, run_id=run_id)).run_root
     first = _cli(params, prefect_server)
     deadline = time.monotonic() + 300

@@ -4,8 +4,10 @@ when its world changes (``nodes=MIN:MAX``). ``tests/test_elastic_pipeline.py`` s
 elastically and compares its parameters with the built-in loop's fault-free run."""
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -13,13 +15,32 @@ from trainer import script as nvrx
 from trainer.workload import DataSettings, OptimSettings, load_workload, token_shards
 
 
+def grown(run_root: Path) -> bool:
+    """Has the world grown back in this run (a ``world_change`` event of cause ``grow``)?"""
+    try:
+        lines = (run_root / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("kind") == "world_change" and event.get("cause") == "grow":
+            return True
+    return False
+
+
 def train(session: nvrx.Session) -> None:
     # A pace for drills (the same maths): from step --pace-from on, each step takes --pace-s
-    # more, so that a returning node's start-up fits before the last step.
+    # more, so that a returning node's start-up fits before the last step; with
+    # --pace-until-grown, only until it has (the grown world's last steps need no time).
     p = argparse.ArgumentParser()
     p.add_argument("--pace-from", type=int, default=0)
     p.add_argument("--pace-s", type=float, default=0.0)
+    p.add_argument("--pace-until-grown", action="store_true")
     pace, _ = p.parse_known_args()
+    paced = True
     session.init_process_group()
     cfg, device = session.cfg, session.device
     wl = load_workload("gpt-tiny")
@@ -47,8 +68,10 @@ def train(session: nvrx.Session) -> None:
         optim.step()
         optim.zero_grad(set_to_none=True)
         session.step_end(step, None, model, optim, tokens=cfg.global_batch * wl.seq_len)
-        if pace.pace_from and step >= pace.pace_from:
-            time.sleep(pace.pace_s)
+        if pace.pace_from and step >= pace.pace_from and paced:
+            paced = not (pace.pace_until_grown and grown(cfg.run_root))
+            if paced:
+                time.sleep(pace.pace_s)
     session.finish(model)
 
 
