@@ -20,7 +20,7 @@ from uuid import UUID
 import psutil
 import pytest
 
-from flows.models import PipelineParams
+from flows.models import LOCAL_S3_ENDPOINT, PipelineParams
 from flows.pipeline import run_id_of_flow_run
 from tasks.backends.eks.kube import JOB_NAME_LABEL, Kube
 from tasks.backends.eks.render import LABEL_RUN
@@ -61,8 +61,9 @@ def served(
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_RUNNER_POLL_FREQUENCY": "1",  # pick the run up (and its cancel) within a second
         "PYTHONPATH": str(REPO),
-        "NVRX_ALLOWED_STATE_DIRS": os.path.normpath(params.state_dir),
-        "NVRX_ALLOWED_S3_ENDPOINTS": params.s3_endpoint or "aws",
+        # the served deployments' own defaults (validated as the runner starts) and this run's
+        "NVRX_ALLOWED_STATE_DIRS": f"{os.path.normpath(params.state_dir)},.state",
+        "NVRX_ALLOWED_S3_ENDPOINTS": f"{params.s3_endpoint or 'aws'},{LOCAL_S3_ENDPOINT}",
     }
     with open(log, "w") as out:
         runner = subprocess.Popen(

@@ -244,8 +244,9 @@ def test_capacity_restored_resumes_the_failed_run(automations, s3_settings):
         resumed = next((r for r in runs if r.id != failed.id), None)
         time.sleep(1)
     assert resumed is not None, "the automation created no flow run within 60 s"
-    # The run's own values, but no drill: the resume injects none (automations.NOT_RESUMED).
-    assert "drills" not in resumed.parameters
+    # The run's own values, but no drill: the resume copies none (automations.NOT_RESUMED),
+    # so the run has its deployment's own (none here).
+    assert resumed.parameters["drills"] == {"faults": []}
     own = {k: v for k, v in custom.items() if k != "drills"}
     assert {k: resumed.parameters[k] for k in own} == own
     state = run_flow(
