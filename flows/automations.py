@@ -65,12 +65,28 @@ def _fill(value: Any, ids: dict[str, Any]) -> Any:
     return value
 
 
-def resume_parameters() -> dict[str, Any]:
-    """The run-deployment action's parameters that resume a run: each flow parameter taken from
-    the ``nvrx.run.awaiting-capacity`` event's ``parameters`` (the failed run's own, its run id
-    included), kept as JSON (Prefect's ``json`` + ``jinja`` templates), so a custom run
-    resumes with its own values, not the deployment's defaults."""
+# What the capacity-resume never copies from the event: a resume injects no drill (the failed
+# run's fired already; an event's must not add one). Anyone who may emit events can forge an
+# awaiting-capacity event, so each field it does copy reaches a run the flow validates as any
+# other run of the deployment: its allow-lists and own endpoints, buckets, state directory and
+# secrets (tasks.deployment_policy), and a run_id the deployment itself created
+# (tasks.ownership.binding). An event asks for nothing a run of the deployment could not.
+NOT_RESUMED = frozenset({"drills"})
+
+
+def resumed_fields() -> list[str]:
+    """The flow parameters the capacity-resume copies from the event, in the form's order."""
     from flows.models import PipelineParams
+
+    return [name for name in PipelineParams.model_fields if name not in NOT_RESUMED]
+
+
+def resume_parameters() -> dict[str, Any]:
+    """The run-deployment action's parameters that resume a run: each flow parameter of
+    :func:`resumed_fields` taken from the ``nvrx.run.awaiting-capacity`` event's ``parameters``
+    (the failed run's own, its run id included), kept as JSON (Prefect's ``json`` + ``jinja``
+    templates), so a custom run resumes with its own values, not the deployment's defaults;
+    each validated again by the flow (:data:`NOT_RESUMED` says how)."""
 
     event = f'(events | selectattr("event", "equalto", "{AWAITING_CAPACITY}") | list | last)'
     return {
@@ -81,7 +97,7 @@ def resume_parameters() -> dict[str, Any]:
                 "template": f"{{{{ {event}.payload.parameters[{name!r}] | tojson }}}}",
             },
         }
-        for name in PipelineParams.model_fields
+        for name in resumed_fields()
     }
 
 

@@ -3,12 +3,21 @@ every field has limits and a description, and bad values are rejected naming the
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from flows.drills import DrillParams, check_drills
 from flows.injob_params import InJobParams
@@ -17,7 +26,7 @@ from flows.step_check_params import StepCheckParams
 from flows.straggler_params import StragglerParams
 from tasks.backends.eks.params import EksParams
 from tasks.backends.registry import BackendType, backend_type
-from tasks.deployment_policy import check_run
+from tasks.deployment_policy import Deployment, Reach, check_reach, check_run
 from tasks.secrets import check_declared
 from trainer.records import FaultRecord, StragglerRecord, TimeBreakdown, WorldChangeRecord
 
@@ -30,6 +39,11 @@ MAX_NODES = 64
 # Matched with fullmatch: `re.match(r"^...$")` would accept a trailing newline ("abc\n").
 RUN_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _S3_ENDPOINT = re.compile(r"https?://[^/@\s]+(:\d+)?/?")
+
+
+def normal_endpoint(v: str | None) -> str | None:
+    """An endpoint as the form keeps it: no trailing slash; empty: AWS S3's own (None)."""
+    return None if v in (None, "") else v.rstrip("/")
 
 
 def new_run_id() -> str:
@@ -226,7 +240,7 @@ class PipelineParams(BaseModel):
             return None
         if not _S3_ENDPOINT.fullmatch(v):
             raise ValueError("expected http(s)://host[:port] with no path or credentials")
-        return v.rstrip("/")
+        return normal_endpoint(v)
 
     def flow_parameters(self) -> dict[str, Any]:
         """These parameters as the flow's keyword arguments (JSON values, every field)."""
@@ -236,6 +250,21 @@ class PipelineParams(BaseModel):
         """``workload_options.init_weights`` when it names an S3 prefix (hydrated like the data)."""
         value = self.workload_options.get("init_weights")
         return value if isinstance(value, str) and value.startswith("s3://") else None
+
+    def reach(self) -> Reach:
+        """What this run reaches beyond its own run (checked against its deployment's)."""
+        from tasks.storage.s3 import parse_s3_uri
+
+        weights = self.s3_init_weights()
+        return Reach(
+            s3_endpoint=self.s3_endpoint,
+            dataset_bucket=self.dataset.bucket,
+            export_bucket=self.export.bucket,
+            state_dir=os.path.normpath(self.state_dir),
+            init_weights_bucket=None if weights is None else parse_s3_uri(weights)[0],
+            secrets=tuple(sorted(set(self.secrets.values()))),
+            drills=tuple((str(s), s.kind.value) for s in self.drills.specs),
+        )
 
     @property
     def is_script(self) -> bool:
@@ -313,7 +342,7 @@ class PipelineParams(BaseModel):
         return self.world_size * self.grad_accumulation
 
     @model_validator(mode="after")
-    def _consistent(self) -> PipelineParams:
+    def _consistent(self, info: ValidationInfo) -> PipelineParams:
         # What the deployment lets a run ask for, before anything else is resolved (a
         # workload is imported below: one the deployment does not allow never is).
         check_run(self.backend, self.workload)
@@ -325,6 +354,10 @@ class PipelineParams(BaseModel):
             self.s3_endpoint = None
         kind.check(self)
         self._check_workload()
+        # Endpoints, buckets, the state directory, secrets and drills: the deployment's own or
+        # on its lists (flows.pipeline.resolve_params says which deployment, when there is one).
+        deployment = (info.context or {}).get("deployment") if info is not None else None
+        check_reach(self.reach(), deployment)
         world = self.world_size
         if self.global_batch % world:
             nodes = "nodes' maximum" if self.node_range.elastic else "nodes"
@@ -348,6 +381,52 @@ class PipelineParams(BaseModel):
             step_check=self.step_check.enabled,
         )
         return self
+
+
+def own_reach(raw: Mapping[str, Any]) -> Reach:
+    """What a deployment's own parameters (as stored: partial, JSON) reach, normalized as the
+    form normalizes a run's; a malformed value reaches nothing."""
+    from tasks.errors import StorageError
+    from tasks.storage.s3 import parse_s3_uri
+    from trainer.faults import FaultSpecError, parse_faults
+
+    fields = PipelineParams.model_fields
+
+    def group(name: str, key: str, model: type[BaseModel]) -> str:
+        value = dict(raw.get(name) or {}).get(key, model.model_fields[key].default)
+        return str(value)
+
+    endpoint = normal_endpoint(raw.get("s3_endpoint", fields["s3_endpoint"].default))
+    try:
+        embedded = backend_type(str(raw.get("backend", "local"))).embedded_s3
+    except ValueError:
+        embedded = True
+    if endpoint == LOCAL_S3_ENDPOINT and not embedded:
+        endpoint = None  # as the form rewrites it (an EKS deployment's local default)
+    weights = dict(raw.get("workload_options") or {}).get("init_weights")
+    try:
+        weights_bucket = parse_s3_uri(str(weights))[0] if str(weights).startswith("s3://") else None
+    except StorageError:
+        weights_bucket = None
+    try:
+        faults = dict(raw.get("drills") or {}).get("faults") or []
+        drills = tuple((str(s), s.kind.value) for s in parse_faults(faults))
+    except (FaultSpecError, TypeError, AttributeError):
+        drills = ()
+    secrets = dict(raw.get("secrets") or {})
+    return Reach(
+        s3_endpoint=endpoint,
+        dataset_bucket=group("dataset", "bucket", DatasetLocation),
+        export_bucket=group("export", "bucket", ExportLocation),
+        state_dir=os.path.normpath(str(raw.get("state_dir", fields["state_dir"].default))),
+        init_weights_bucket=weights_bucket,
+        secrets=tuple(sorted({str(v) for v in secrets.values()})),
+        drills=drills,
+    )
+
+
+def deployment_scope(id_: Any, name: str, raw: Mapping[str, Any]) -> Deployment:
+    return Deployment(id=str(id_), name=name, own=own_reach(raw))
 
 
 class CheckpointInfo(BaseModel):

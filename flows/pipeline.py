@@ -23,7 +23,14 @@ from flows import parameters
 from flows.context import RunContext, RunPlan
 from flows.demo_data import seed_demo_dataset
 from flows.events import emit
-from flows.models import CheckpointInfo, ExportInfo, PipelineParams, PipelineResult, TakeoverInfo
+from flows.models import (
+    CheckpointInfo,
+    ExportInfo,
+    PipelineParams,
+    PipelineResult,
+    TakeoverInfo,
+    deployment_scope,
+)
 from flows.report import REPORT_FILE, png_data_uri, render_report
 from flows.results import ExportResult, TrainResult, ValidationResult
 from flows.stages import (
@@ -36,7 +43,7 @@ from flows.stages import (
 from tasks import metrics as run_metrics
 from tasks import retry_policy
 from tasks.backends import registry
-from tasks.ownership import lease, takeover
+from tasks.ownership import binding, lease, takeover
 from tasks.storage.local_s3 import local_s3
 from trainer.event_types import Cleanup, Event, Step, Takeover
 from trainer.events import EventLog
@@ -68,17 +75,34 @@ def resolve_params(values: Mapping[str, Any], deployment_id: Any) -> PipelinePar
     from pydantic import BaseModel
 
     deployment: Mapping[str, Any] = {}
+    scope = None
     if deployment_id:
         from prefect.client.orchestration import get_client
 
         with get_client(sync_client=True) as client:
-            deployment = dict(client.read_deployment(deployment_id).parameters or {})
+            dep = client.read_deployment(deployment_id)
+            flow_name = client.read_flow(dep.flow_id).name
+        deployment = dict(dep.parameters or {})
+        # What the deployment reaches itself is what its runs may (tasks.deployment_policy).
+        scope = deployment_scope(dep.id, f"{flow_name}/{dep.name}", deployment)
     # A group as the run gave it: only the fields it set (validated models remember them).
     given = {
         k: v.model_dump(mode="json", exclude_unset=True) if isinstance(v, BaseModel) else v
         for k, v in values.items()
     }
-    return PipelineParams.model_validate(parameters.deep_merge(deployment, given))
+    return PipelineParams.model_validate(
+        parameters.deep_merge(deployment, given), context={"deployment": scope}
+    )
+
+
+def creator() -> binding.Creator:
+    """The deployment this flow run comes from (none outside one), as runs record it."""
+    from prefect.runtime import deployment, flow_run
+
+    ident = deployment.get_id()
+    if not ident:
+        return binding.Creator()
+    return binding.Creator(str(ident), f"{flow_run.get_flow_name()}/{deployment.get_name()}")
 
 
 def _clean_up_after(flow: Any, flow_run: Any, state: Any) -> None:
@@ -93,6 +117,14 @@ def _clean_up_after(flow: Any, flow_run: Any, state: Any) -> None:
     try:
         params = resolve_params(flow_run.parameters or {}, flow_run.deployment_id)
         ctx = RunContext.create(params, run_id=params.run_id or run_id_of_flow_run(flow_run.id))
+        # Only a run this flow run's deployment created: a run of another deployment, named
+        # by a flow run cancelled at once, is not this hook's to clean up.
+        dep = flow_run.deployment_id
+        try:
+            binding.check(ctx.run_root, ctx.run_id, binding.Creator(dep and str(dep), None))
+        except binding.RunOfAnotherDeployment as e:
+            log.warning("run %s: left alone: %s", ctx.run_id, e)
+            return
         owner = lease.live_owner(ctx.run_root)
         if owner is not None:
             log.warning("run %s: left alone, a live invocation %s owns it", ctx.run_id, owner)
@@ -118,15 +150,22 @@ def training_pipeline(**fields: Any) -> PipelineResult:
     from prefect.runtime import deployment, flow_run
 
     log = get_run_logger()
-    # Cross-field checks run here, on the run's parameters merged over the deployment's.
+    # Cross-field checks run here, on the run's parameters merged over the deployment's, and
+    # so do the deployment's allow-lists and its own endpoints, buckets, secrets and drills.
     params = resolve_params(fields, deployment.get_id())
     # Every fact of the run built once (the placement, the paths, the trainer config).
     plan = RunPlan.build(params, run_id=params.run_id or run_id_of_flow_run(flow_run.id))
     ctx = plan.ctx
     log.info("run %s: run root %s", ctx.run_id, ctx.run_root)
+    # A deployment's run continues only a run its deployment created: refused here, having
+    # read only (tasks.ownership.binding).
+    me = creator()
+    existed = ctx.run_root.exists()
+    binding.check(ctx.run_root, ctx.run_id, me)
     # Before anything else: one writer per run directory (arch §6). A second invocation of a
     # live run stops here with RunBusy naming the owner, having written nothing.
     with lease.hold(ctx.run_root, ctx.run_id, flow_run=str(flow_run.id or "")) as held:
+        binding.bind(ctx.run_root, ctx.run_id, me, existed=existed)  # a new run is ours
         since = time.time()  # this invocation's events, the takeover's included
         if held.takeover is not None:
             _take_over(held, ctx)

@@ -20,7 +20,7 @@ from uuid import UUID
 import psutil
 import pytest
 
-from flows.models import PipelineParams
+from flows.models import LOCAL_S3_ENDPOINT, PipelineParams
 from flows.pipeline import run_id_of_flow_run
 from tasks.backends.eks.kube import JOB_NAME_LABEL, Kube
 from tasks.backends.eks.render import LABEL_RUN
@@ -45,9 +45,13 @@ STEPS = 400
 
 # -- a served deployment and one flow run of it ---------------------------------------------------
 @contextlib.contextmanager
-def served(which: str, deployment: str, prefect_api: str, log: Path) -> Iterator[UUID]:
+def served(
+    which: str, deployment: str, prefect_api: str, log: Path, params: PipelineParams
+) -> Iterator[UUID]:
     """``python -m tests.served_flows <which>`` (a real runner) until the block ends; yields the
-    id of ``deployment`` once the runner has registered it."""
+    id of ``deployment`` once the runner has registered it. The runner's deployments allow the
+    state directory and S3 endpoint of ``params`` besides their own (a deployment's run names
+    no other: tasks.deployment_policy)."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
@@ -57,6 +61,9 @@ def served(which: str, deployment: str, prefect_api: str, log: Path) -> Iterator
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_RUNNER_POLL_FREQUENCY": "1",  # pick the run up (and its cancel) within a second
         "PYTHONPATH": str(REPO),
+        # the served deployments' own defaults (validated as the runner starts) and this run's
+        "NVRX_ALLOWED_STATE_DIRS": f"{os.path.normpath(params.state_dir)},.state",
+        "NVRX_ALLOWED_S3_ENDPOINTS": f"{params.s3_endpoint or 'aws'},{LOCAL_S3_ENDPOINT}",
     }
     with open(log, "w") as out:
         runner = subprocess.Popen(
@@ -164,7 +171,9 @@ def test_cancel_during_train_on_the_local_backend_leaves_no_process(
     log = tmp_path / "runner.log"
     run_root: Path | None = None
     try:
-        with served("local", "nvrx-training-pipeline/on-demand", prefect_server, log) as dep:
+        with served(
+            "local", "nvrx-training-pipeline/on-demand", prefect_server, log, params
+        ) as dep:
             flow_run = start_run(dep, params.flow_parameters())
             run_id = run_id_of_flow_run(flow_run.id)
             run_root = tmp_path / "state" / "fsx" / "runs" / run_id
@@ -254,7 +263,9 @@ def test_cancel_during_train_on_eks_leaves_no_job_service_or_pod(
     kube_url = kube.core.api_client.configuration.host
     log = tmp_path / "runner.log"
     try:
-        with served("kmock", f"{KMOCK_FLOW}/{KMOCK_DEPLOYMENT}", prefect_server, log) as dep:
+        with served(
+            "kmock", f"{KMOCK_FLOW}/{KMOCK_DEPLOYMENT}", prefect_server, log, params
+        ) as dep:
             flow_run = start_run(
                 dep, {"params": params.model_dump(mode="json"), "kube_url": kube_url}
             )

@@ -627,12 +627,15 @@ def test_work_pool_template_defaults_target_the_nvrx_namespace() -> None:
     template = _template()
     assert set(template) == {"job_configuration", "variables"}
     props = template["variables"]["properties"]
-    assert props["namespace"]["default"] == NAMESPACE
-    # what the flow-run pod runs, as whom and with which image is the pool's, not a run's
-    assert not {"image", "service_account_name", "command"} & set(props)
+    # what the flow-run pod runs, as whom, where, with which image and environment, and the
+    # worker's cluster credentials are the pool's, not a run's (tests/adversarial/
+    # test_hostile_forms.py holds the refusals)
+    assert not {"image", "service_account_name", "command", "env", "namespace"} & set(props)
+    assert not {"cluster_config"} & set(props)
+    assert template["variables"]["additionalProperties"] is False
     config = template["job_configuration"]
-    assert config["namespace"] == "{{ namespace }}"
-    assert config["job_manifest"]["metadata"]["namespace"] == "{{ namespace }}"
+    assert config["namespace"] == NAMESPACE
+    assert config["job_manifest"]["metadata"]["namespace"] == NAMESPACE
     # what the Prefect server checks when the pool is created: every placeholder is a variable
     assert _placeholders(config) <= set(props)
 

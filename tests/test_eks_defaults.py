@@ -304,7 +304,7 @@ def test_eks_deployment_defaults_render_guaranteed_pods(monkeypatch):
     for dep in spec["deployments"]:
         raw = dep["parameters"]
         for field, env in ALLOWED_ENV.items():
-            monkeypatch.setenv(env, raw["eks"][field])
+            monkeypatch.setenv(env, raw["eks"].get(field, EksParams.model_fields[field].default))
         p = PipelineParams.model_validate({**raw, "run_id": "r1"})
         assert p.global_batch % p.world_size == 0
         assert qos_class(_job(p)["spec"]["template"]["spec"]) == "Guaranteed"

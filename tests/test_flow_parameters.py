@@ -13,7 +13,7 @@ import yaml
 from flows.models import PipelineParams
 from flows.parameters import deep_merge
 from flows.pipeline import resolve_params, training_pipeline
-from tasks.backends.eks.params import ALLOWED_ENV
+from tasks.backends.eks.params import ALLOWED_ENV, EksParams
 from tests.helpers import REPO
 
 
@@ -49,7 +49,10 @@ def eks_deployment(prefect_server: str, monkeypatch) -> tuple[str, dict[str, Any
     """deploy/eks/prefect.yaml's on-demand deployment, registered on the test server."""
     defaults = _eks_defaults()
     for field, env in ALLOWED_ENV.items():  # what the EKS pool's flow-run pods allow
-        monkeypatch.setenv(env, defaults["eks"][field])
+        monkeypatch.setenv(env, defaults["eks"].get(field, EksParams.model_fields[field].default))
+    # This deployment's runs may inject exception drills (the "drill" case below); a
+    # deployment allows none unless it says so (tests/adversarial/test_hostile_forms.py).
+    monkeypatch.setenv("NVRX_ALLOWED_DRILLS", "exception")
     dep_id = training_pipeline.to_deployment(name="eks-params-test", parameters=defaults).apply()
     return str(dep_id), defaults
 

@@ -27,7 +27,7 @@ NAMES = [
 
 
 def test_shipped_automations_resolve_and_validate():
-    from flows.automations import resume_parameters, stall_ids
+    from flows.automations import NOT_RESUMED, resume_parameters, stall_ids
     from flows.models import PipelineParams
 
     items = load()
@@ -47,8 +47,10 @@ def test_shipped_automations_resolve_and_validate():
     resume = by_name["nvrx-resume-on-capacity-restored"]
     action = resume["actions"][0]
     assert action["deployment_id"] == NIL
-    # Every flow parameter of the failed run is carried over, none left to the defaults.
-    assert set(action["parameters"]) == set(PipelineParams.model_fields)
+    # Every flow parameter of the failed run is carried over but its drills (NOT_RESUMED: a
+    # resume injects none), none left to the defaults; each is validated again by the flow.
+    assert set(action["parameters"]) == set(PipelineParams.model_fields) - NOT_RESUMED
+    assert {"drills"} == NOT_RESUMED
     first = resume["trigger"]["triggers"][0]
     assert first["match_related"] == {"prefect.resource.id": f"prefect.deployment.{NIL}"}
     with pytest.raises(AutomationConfigError, match="checkpoint-stall-minutes"):
@@ -103,6 +105,10 @@ def automations(prefect_server, s3_settings, tmp_path_factory):
         json_data={"subject": "{{subject}}", "body": "{{body}}"},
     ).save("nvrx-test", overwrite=True)
     state = tmp_path_factory.mktemp("automations")
+    # The capacity test's failed run drills a node loss: a deployment's runs inject only the
+    # drills their deployment allows (tasks.deployment_policy).
+    allow = pytest.MonkeyPatch()
+    allow.setenv("NVRX_ALLOWED_DRILLS", "node-loss")
     dep_id = training_pipeline.to_deployment(
         name="resume-test", parameters=default_parameters(make_params(state, s3_settings))
     ).apply()
@@ -122,6 +128,7 @@ def automations(prefect_server, s3_settings, tmp_path_factory):
     time.sleep(2)  # the triggers service loads new automations periodically
     yield {"deployment_id": str(dep_id), "state": state}
     server.shutdown()
+    allow.undo()
 
 
 def _message(where: str, timeout: float = 60) -> dict[str, Any]:
@@ -237,7 +244,11 @@ def test_capacity_restored_resumes_the_failed_run(automations, s3_settings):
         resumed = next((r for r in runs if r.id != failed.id), None)
         time.sleep(1)
     assert resumed is not None, "the automation created no flow run within 60 s"
-    assert {k: resumed.parameters[k] for k in custom} == custom
+    # The run's own values, but no drill: the resume copies none (automations.NOT_RESUMED),
+    # so the run has its deployment's own (none here).
+    assert resumed.parameters["drills"] == {"faults": []}
+    own = {k: v for k, v in custom.items() if k != "drills"}
+    assert {k: resumed.parameters[k] for k in own} == own
     state = run_flow(
         training_pipeline, flow_run=resumed, parameters=resumed.parameters, return_type="state"
     )

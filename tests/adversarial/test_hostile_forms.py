@@ -1,0 +1,462 @@
+"""Whoever may start a run, hostile: each job variable and run form below is what a new user tried
+against the shipped pools and deployments (issue 43), with the refusal it must get (the field
+named) and, where cheap, the proof that nothing was touched. Unit-level: Prefect's own job
+variable validation and templating, the form's validation as ``resolve_params`` runs it under a
+deployment, the run binding, the capacity-resume's templates; no server.
+
+- Job variables: the pools expose none that reaches the flow-run's environment, command,
+  namespace or the worker's cluster credentials; the Prefect server refuses one (the variables
+  schema forbids any other), and one that got past it would fill no placeholder.
+- Run forms: every endpoint, bucket, state directory, secret and drill is the deployment's own
+  or on its list, refused at the form otherwise (before preflight: nothing created, nothing
+  sent).
+- Run ids: a deployment's run continues only the runs its deployment created.
+- The capacity-resume: what it copies from an event is validated again, as any run's form.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from flows.models import PipelineParams, deployment_scope
+from flows.parameters import deep_merge
+from tasks.deployment_policy import EVERY_LIST
+from tasks.ownership import binding
+from tests.helpers import REPO
+
+EKS_TEMPLATE = REPO / "deploy" / "eks" / "work-pool-template.json"
+PROCESS_TEMPLATE = REPO / "deploy" / "work-pool-template.json"
+KUBECONFIG_EXEC = {
+    "config": {
+        "apiVersion": "v1",
+        "users": [{"name": "u", "user": {"exec": {"command": "sh", "args": ["-c", "id"]}}}],
+    },
+    "context_name": "x",
+}
+
+
+# --- job variables ---------------------------------------------------------------------------
+
+# (pool template, the job variables a deployment or a flow run sets, the variable named)
+JOB_VARIABLES = [
+    (EKS_TEMPLATE, {"env": {"PREFECT_API_URL": "http://127.0.0.9:9/api"}}, "env"),
+    (EKS_TEMPLATE, {"env.PREFECT_API_URL": "http://127.0.0.9:9/api"}, "env.PREFECT_API_URL"),
+    (EKS_TEMPLATE, {"env": {"NVRX_ALLOWED_IMAGES": "attacker/image:1"}}, "env"),
+    (EKS_TEMPLATE, {"cluster_config": KUBECONFIG_EXEC}, "cluster_config"),
+    (EKS_TEMPLATE, {"namespace": "kube-system"}, "namespace"),
+    (EKS_TEMPLATE, {"command": "sh -c id"}, "command"),
+    (PROCESS_TEMPLATE, {"command": "sh -c id"}, "command"),
+    (PROCESS_TEMPLATE, {"env": {"PREFECT_API_URL": "http://127.0.0.9:9/api"}}, "env"),
+    (PROCESS_TEMPLATE, {"working_dir": "/"}, "working_dir"),
+]  # fmt: skip
+
+
+def _template(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def _defaults(template: dict[str, Any]) -> dict[str, Any]:
+    props = template["variables"]["properties"]
+    return {k: v["default"] for k, v in props.items() if "default" in v}
+
+
+@pytest.mark.parametrize(
+    ("path", "variables", "named"),
+    JOB_VARIABLES,
+    ids=[f"{p.parent.name}-{n}" for p, _, n in JOB_VARIABLES],
+)
+def test_a_widening_job_variable_is_refused_and_would_change_nothing(path, variables, named):
+    from prefect.utilities.schema_tools import ValidationError as SchemaError
+    from prefect.utilities.schema_tools import validate
+    from prefect.utilities.templating import apply_values
+
+    template = _template(path)
+    # What the Prefect server runs on a deployment's and a flow run's job variables
+    # (prefect.server.api.validation._validate_work_pool_job_variables).
+    with pytest.raises(SchemaError, match=f"'{named}' was unexpected"):
+        validate(
+            variables,
+            template["variables"],
+            raise_on_error=True,
+            preprocess=True,
+            ignore_required=True,
+            allow_none_with_default=True,
+        )
+    # Past the server (a pool edited, a deployment stored before): the worker fills the
+    # template with them (BaseJobConfiguration.from_template_and_values), and nothing changes.
+    config = template["job_configuration"]
+    plain = apply_values(config, _defaults(template))
+    assert apply_values(config, {**_defaults(template), **variables}) == plain
+    # ... and no fixed `env` for the worker to merge a job variable's env into.
+    assert not {"env", "cluster_config", "command", "working_dir"} & set(config)
+
+
+def test_the_process_pool_runs_the_engine_in_the_workers_environment():
+    """A process pool made from the template runs Prefect's own engine command, with the
+    worker's environment: a run sets neither."""
+    from prefect.utilities.templating import apply_values
+    from prefect.workers.process import ProcessJobConfiguration
+
+    template = _template(PROCESS_TEMPLATE)
+    hostile = {"command": "sh -c id", "env": {"PREFECT_API_URL": "x"}, "working_dir": "/"}
+    cfg = ProcessJobConfiguration(
+        **apply_values(template["job_configuration"], {**_defaults(template), **hostile})
+    )
+    assert cfg.command is None and cfg.env == {} and cfg.working_dir is None
+    # deploy/prefect.yaml creates the pool from this template
+    assert (
+        "--base-job-template deploy/work-pool-template.json"
+        in (REPO / "deploy" / "prefect.yaml").read_text()
+    )
+
+
+def test_every_shipped_variable_is_harmless():
+    """What the pools still let a deployment set: names, labels, timeouts, resources."""
+    eks = set(_template(EKS_TEMPLATE)["variables"]["properties"])
+    assert eks == {
+        "name", "labels", "annotations", "image_pull_policy", "backoff_limit",
+        "finished_job_ttl", "job_watch_timeout_seconds", "pod_watch_timeout_seconds",
+        "stream_output", "cpu_request", "cpu_limit", "memory_request", "memory_limit",
+    }  # fmt: skip
+    assert set(_template(PROCESS_TEMPLATE)["variables"]["properties"]) == {
+        "name",
+        "labels",
+        "stream_output",
+    }
+
+
+# --- run forms -----------------------------------------------------------------------------------
+
+
+def pool_env() -> dict[str, str]:
+    """The allow-lists the EKS pool fixes in its flow-run pods."""
+    pod = _template(EKS_TEMPLATE)["job_configuration"]["job_manifest"]["spec"]["template"]
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    assert set(EVERY_LIST) <= set(env), set(EVERY_LIST) - set(env)
+    return env
+
+
+def _deployment(path: Path) -> dict[str, Any]:
+    return dict(yaml.safe_load(path.read_text())["deployments"][0]["parameters"])
+
+
+EKS_DEPLOYMENT = _deployment(REPO / "deploy" / "eks" / "prefect.yaml")
+LOCAL_DEPLOYMENT = _deployment(REPO / "deploy" / "prefect.yaml")
+EKS_EXAMPLE = yaml.safe_load((REPO / "examples" / "params" / "eks.yaml").read_text())
+
+# (where: the deployment's parameters, or None for a run outside any deployment; the form;
+#  the field the refusal names)
+HOSTILE_FORMS = [
+    # the issue's own: the shipped example under the pool's lists, before any preflight
+    (None, {**EKS_EXAMPLE, "s3_endpoint": "http://127.0.0.9:9"}, "s3_endpoint"),
+    (None, {**EKS_EXAMPLE, "export": {"bucket": "other-team-ckpts"}}, "export.bucket"),
+    (None, {**EKS_EXAMPLE, "dataset": {"bucket": "other-team-data", "prefix": "x"}},
+     "dataset.bucket"),
+    # from the EKS deployment, in its pool
+    (EKS_DEPLOYMENT, {"s3_endpoint": "http://127.0.0.9:9"}, "s3_endpoint"),
+    (EKS_DEPLOYMENT, {"export": {"bucket": "other-team-ckpts"}}, "export.bucket"),
+    (EKS_DEPLOYMENT, {"dataset": {"bucket": "other-team-data"}}, "dataset.bucket"),
+    (EKS_DEPLOYMENT, {"secrets": {"HF_TOKEN": "other-team-token"}}, "secrets"),
+    (EKS_DEPLOYMENT, {"drills": {"faults": ["node-loss@step=9,node=1"]}}, "drills.faults"),
+    (EKS_DEPLOYMENT, {"eks": {"monitoring_namespace": "default"}}, "eks.monitoring_namespace"),
+    (EKS_DEPLOYMENT, {"state_dir": "/tmp/elsewhere"}, "state_dir"),
+    # from the local deployments (no lists set: the deployment's own values only)
+    (LOCAL_DEPLOYMENT, {"s3_endpoint": "http://127.0.0.9:9"}, "s3_endpoint"),
+    (LOCAL_DEPLOYMENT, {"s3_endpoint": None}, "s3_endpoint"),  # AWS, with the server's creds
+    (LOCAL_DEPLOYMENT, {"export": {"bucket": "other-team-ckpts"}}, "export.bucket"),
+    (LOCAL_DEPLOYMENT, {"workload": "llama-tiny",
+                        "workload_options": {"init_weights": "s3://other-team-data/w"}},
+     "workload_options.init_weights"),
+    (LOCAL_DEPLOYMENT, {"state_dir": "/tmp/other-user/.state"}, "state_dir"),
+    (LOCAL_DEPLOYMENT, {"secrets": {"HF_TOKEN": "hf-token"}}, "secrets"),
+    (LOCAL_DEPLOYMENT, {"drills": {"faults": ["sigkill@step=3"]}}, "drills.faults"),
+    (LOCAL_DEPLOYMENT, {"drills": {"faults": ["corrupt-checkpoint@step=5"]}}, "drills.faults"),
+]  # fmt: skip
+
+
+def validate_form(
+    deployment: dict[str, Any] | None, form: dict[str, Any], dep_id: str = "dep-1"
+) -> PipelineParams:
+    """What ``flows.pipeline.resolve_params`` does with a run of ``deployment``: the form over
+    the deployment's parameters, validated whole, under that deployment."""
+    if deployment is None:
+        return PipelineParams.model_validate(form)
+    scope = deployment_scope(dep_id, f"nvrx-training-pipeline/{dep_id}", deployment)
+    return PipelineParams.model_validate(
+        deep_merge(deployment, form), context={"deployment": scope}
+    )
+
+
+@pytest.fixture
+def eks_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in pool_env().items():
+        monkeypatch.setenv(name, value)
+
+
+def _where(deployment: dict[str, Any] | None) -> str:
+    return {None: "cli", id(EKS_DEPLOYMENT): "eks", id(LOCAL_DEPLOYMENT): "local"}.get(
+        None if deployment is None else id(deployment), "?"
+    )
+
+
+@pytest.mark.parametrize(
+    ("deployment", "form", "named"),
+    HOSTILE_FORMS,
+    ids=[f"{_where(d)}-{n}-{i}" for i, (d, _, n) in enumerate(HOSTILE_FORMS)],
+)
+def test_a_hostile_run_form_is_refused_at_the_form_naming_the_field(
+    deployment, form, named, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    if deployment is not LOCAL_DEPLOYMENT:
+        for name, value in pool_env().items():
+            monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)  # a relative state_dir would be made here
+    # The hostile endpoint's stand-in listens: a request to it would show as a connection.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        listener.setblocking(False)
+        endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        form = json.loads(json.dumps(form).replace("http://127.0.0.9:9", endpoint))
+        with pytest.raises(ValidationError) as err:
+            validate_form(deployment, form)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing was sent
+    msg = str(err.value)
+    assert f"{named}:" in msg and "not allowed by this deployment" in msg, msg
+    assert "NVRX_ALLOWED_" in msg  # the list that would allow it
+    assert list(tmp_path.iterdir()) == []  # no state dir, no run root
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("s3_endpoint=http://127.0.0.9:9", "s3_endpoint"),
+        ("export.bucket=other-team", "export.bucket"),
+    ],
+)
+def test_the_shipped_eks_example_with_another_endpoint_or_bucket_exits_2(
+    override, named, eks_pool, capsys
+):
+    """The issue's own case through the command line: refused at validation (exit 2), before
+    any preflight; the example itself renders."""
+    from flows.cli import main
+    from flows.cli.common import EXIT_USAGE
+
+    example = str(REPO / "examples" / "params" / "eks.yaml")
+    argv = ["render-k8s", "--config", example, "--set", "run_id=r1"]
+    assert main([*argv, "--set", override]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert named in err and "NVRX_ALLOWED_" in err, err
+    assert main(argv) == 0
+
+
+ALLOWED_FORMS = [
+    (None, EKS_EXAMPLE),
+    (EKS_DEPLOYMENT, {}),
+    (EKS_DEPLOYMENT, {"steps": 50, "eks": {"queue": "nvrx-training"}}),
+    (LOCAL_DEPLOYMENT, {}),
+    (LOCAL_DEPLOYMENT, {"s3_endpoint": "http://127.0.0.1:8333/"}),  # its own, written longer
+    (LOCAL_DEPLOYMENT, {"state_dir": "./.state"}),
+]
+
+
+@pytest.mark.parametrize(("deployment", "form"), ALLOWED_FORMS)
+def test_what_the_deployment_names_itself_passes(deployment, form, eks_pool, monkeypatch):
+    if deployment is LOCAL_DEPLOYMENT:
+        for name in EVERY_LIST:
+            monkeypatch.delenv(name, raising=False)
+    validate_form(deployment, form)
+
+
+def test_the_deployments_list_lets_a_run_choose_among_allowed_values(monkeypatch, eks_pool):
+    monkeypatch.setenv("NVRX_ALLOWED_EXPORT_BUCKETS", "nvrx-checkpoints-111122223333,team-b")
+    monkeypatch.setenv("NVRX_ALLOWED_SECRETS", "hf-token")
+    monkeypatch.setenv("NVRX_ALLOWED_DRILLS", "node-loss")
+    p = validate_form(
+        EKS_DEPLOYMENT,
+        {
+            "export": {"bucket": "team-b"},
+            "secrets": {"HF_TOKEN": "hf-token"},
+            "drills": {"faults": ["node-loss@step=9,node=1"]},
+        },
+    )
+    assert p.export.bucket == "team-b" and p.secrets == {"HF_TOKEN": "hf-token"}
+    with pytest.raises(ValidationError, match="drills.faults: 'exception@step=3,rank=1'"):
+        validate_form(EKS_DEPLOYMENT, {"drills": {"faults": ["exception@step=3,rank=1"]}})
+
+
+def test_a_deployment_that_names_a_drill_runs_it(monkeypatch):
+    """The deployment's own drills are its decision (a drill deployment); a form adds none."""
+    for name in EVERY_LIST:
+        monkeypatch.delenv(name, raising=False)
+    drilling = {**LOCAL_DEPLOYMENT, "drills": {"faults": ["exception@step=3,rank=1"]}}
+    assert validate_form(drilling, {}).drills.faults == ["exception@step=3,rank=1"]
+    with pytest.raises(ValidationError, match="drills.faults: 'sigkill@step=4'"):
+        validate_form(drilling, {"drills": {"faults": ["sigkill@step=4"]}})
+
+
+# --- run ids --------------------------------------------------------------------------------
+
+A = binding.Creator("dep-a", "nvrx-training-pipeline/team-a")
+B = binding.Creator("dep-b", "nvrx-training-pipeline/team-b")
+CLI = binding.Creator()
+
+# (who asks, what the run root records, whether it exists, refused?)
+BINDINGS = [
+    (B, A, True, "was created by deployment nvrx-training-pipeline/team-a"),
+    (B, CLI, True, "was created by no deployment"),
+    (B, None, True, "has no record of the deployment"),
+    (B, False, True, "has an unreadable deployment.json"),
+    (A, A, True, None),
+    (B, None, False, None),  # a new run: B creates it
+    (CLI, A, True, None),  # the caller's own powers
+]
+
+
+@pytest.mark.parametrize(("me", "found", "exists", "refused"), BINDINGS)
+def test_a_run_is_continued_only_from_the_deployment_that_created_it(me, found, exists, refused):
+    why = binding.refusal("victim", me, found, exists)
+    if refused is None:
+        assert why is None
+    else:
+        assert why is not None and refused in why and why.startswith("run_id: run 'victim'")
+        assert "team-b" in why  # both deployments named
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _victim(tmp_path: Path) -> Path:
+    """Deployment A's run, resumable (a checkpoint, events)."""
+    run_root = tmp_path / "fsx" / "runs" / "victim"
+    run_root.mkdir(parents=True)
+    binding.bind(run_root, "victim", A, existed=False)
+    (run_root / "events.jsonl").write_text('{"kind": "run_start"}\n')
+    return run_root
+
+
+def test_another_deployments_run_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Through the flow: deployment B's form names A's run id; refused before the lease."""
+    import logging
+
+    import flows.pipeline as pipeline
+    from flows.pipeline import training_pipeline
+
+    run_root = _victim(tmp_path)
+    before = _tree(run_root)
+    params = PipelineParams(run_id="victim", state_dir=str(tmp_path))
+    monkeypatch.setattr(pipeline, "resolve_params", lambda fields, dep: params)
+    monkeypatch.setattr(pipeline, "creator", lambda: B)
+    monkeypatch.setattr(pipeline, "get_run_logger", lambda: logging.getLogger("test"))
+    with pytest.raises(binding.RunOfAnotherDeployment, match="team-a.*team-b"):
+        training_pipeline.fn(**params.flow_parameters())
+    assert _tree(run_root) == before  # no lease, no event, no result
+
+
+def test_two_deployments_racing_for_a_new_run_id_cannot_both_have_it(tmp_path: Path):
+    run_root = tmp_path / "runs" / "new"
+    binding.check(run_root, "new", A)  # both see no run
+    binding.check(run_root, "new", B)
+    run_root.mkdir(parents=True)  # A's lease made it
+    binding.bind(run_root, "new", A, existed=False)
+    with pytest.raises(binding.RunOfAnotherDeployment, match="team-a"):
+        binding.bind(run_root, "new", B, existed=False)  # B's lease, after A's
+    assert binding.recorded(run_root) == A
+
+
+def test_a_symlinked_record_is_not_followed(tmp_path: Path):
+    run_root = tmp_path / "run"
+    run_root.mkdir()
+    (tmp_path / "forged.json").write_text(B.to_json())
+    (run_root / binding.RECORD).symlink_to(tmp_path / "forged.json")
+    assert binding.recorded(run_root) is False
+    with pytest.raises(binding.RunOfAnotherDeployment, match="unreadable"):
+        binding.check(run_root, "run", B)
+
+
+def test_the_cleanup_hook_leaves_another_deployments_run_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A flow run of B naming A's run id, cancelled at once: its hook removes nothing of A's."""
+    from types import SimpleNamespace
+
+    import flows.pipeline as pipeline
+
+    run_root = _victim(tmp_path)
+    before = _tree(run_root)
+    params = PipelineParams(run_id="victim", state_dir=str(tmp_path))
+    monkeypatch.setattr(pipeline, "resolve_params", lambda fields, dep: params)
+
+    def no_backend(*a: Any, **k: Any) -> None:
+        raise AssertionError("the hook built a backend to clean up another deployment's run")
+
+    monkeypatch.setattr(pipeline.registry, "create", no_backend)
+    flow_run = SimpleNamespace(parameters={}, deployment_id="dep-b", id="0" * 32)
+    state = SimpleNamespace(type=SimpleNamespace(value="CANCELLED"))
+    pipeline._clean_up_after(None, flow_run, state)
+    assert _tree(run_root) == before
+
+
+# --- the capacity-resume automation ----------------------------------------------------------
+
+
+def _rendered(payload_parameters: dict[str, Any]) -> dict[str, Any]:
+    """The run-deployment action's parameters for a (forged) awaiting-capacity event, rendered
+    with a sandboxed Jinja as Prefect renders them (``json`` of ``jinja``)."""
+    from jinja2.sandbox import SandboxedEnvironment
+
+    from flows.automations import AWAITING_CAPACITY, resume_parameters
+
+    env = SandboxedEnvironment()
+    events = [{"event": AWAITING_CAPACITY, "payload": {"parameters": payload_parameters}}]
+    out = {}
+    for name, spec in resume_parameters().items():
+        text = env.from_string(spec["value"]["template"]).render(events=events)
+        out[name] = json.loads(text)
+    return out
+
+
+def test_a_forged_event_adds_no_drill_and_its_values_are_validated_again(monkeypatch):
+    for name in EVERY_LIST:
+        monkeypatch.delenv(name, raising=False)
+    forged = PipelineParams().flow_parameters() | {
+        "run_id": "victim",
+        "drills": {"faults": ["sigkill@step=3"]},
+    }
+    resumed = _rendered(forged)
+    assert "drills" not in resumed and resumed["run_id"] == "victim"
+    validate_form(LOCAL_DEPLOYMENT, resumed)  # the event's own values pass as a run's would
+    for field, value in [
+        ("s3_endpoint", "http://127.0.0.9:9"),
+        ("export", {"bucket": "other-team-ckpts"}),
+        ("state_dir", "/tmp/other-user/.state"),
+    ]:
+        resumed = _rendered(forged | {field: value})
+        with pytest.raises(ValidationError, match=f"{field}.*not allowed by this deployment"):
+            validate_form(LOCAL_DEPLOYMENT, resumed)
+
+
+def test_a_forged_event_naming_another_deployments_run_is_refused(tmp_path: Path):
+    run_root = _victim(tmp_path)
+    resumed = _rendered(PipelineParams().flow_parameters() | {"run_id": "victim"})
+    with pytest.raises(binding.RunOfAnotherDeployment, match="team-a"):
+        binding.check(run_root.parent / resumed["run_id"], resumed["run_id"], B)
+
+
+def test_eks_pool_env_has_no_secret_or_drill_by_default():
+    env = pool_env()
+    assert env["NVRX_ALLOWED_SECRETS"] == env["NVRX_ALLOWED_DRILLS"] == "none"
+    assert env["NVRX_ALLOWED_S3_ENDPOINTS"] == "aws"
+    assert os.path.normpath(env["NVRX_ALLOWED_STATE_DIRS"]) == ".state"
