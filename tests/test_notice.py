@@ -1,8 +1,8 @@
-"""An eviction's notice (trainer.notice; trainer.agent.Notice): the agent's SIGTERM handler says
-``leaving`` in its beat, tells its workers (SIGUSR1) and waits for them to leave before NVRx's
-launcher ends what is left. A worker hears the notice as a flag; a SIGTERM still ends it at once,
-as every in-job restart's stop needs. Real processes, no launcher (the drills run that:
-tests/test_fault_drills.py, tests/test_eks_pipeline.py)."""
+"""An eviction's notice (trainer.notice; trainer.agent.Notice), and the agent's exit poll. The
+agent's SIGTERM handler says ``leaving`` in its beat, tells its workers (SIGUSR1) and waits for
+them to leave before NVRx's launcher ends what is left. A worker hears the notice as a flag; a
+SIGTERM still ends it at once, as every in-job restart's stop needs. Real processes, no
+launcher (the drills run that: tests/test_fault_drills.py, tests/test_eks_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -99,3 +99,43 @@ def test_a_worker_not_told_still_ends_at_once_on_sigterm():
 )
 def test_the_wait_is_the_launchers_term_timeout(args: list[str], seconds: float):
     assert term_timeout(args) == seconds
+
+
+def test_the_leaving_store_host_looks_every_tenth_of_a_second():
+    """trainer.agent.patch_exit_poll: NVRx's store host looked once a second whether the other
+    nodes left (up to 1 s on every attempt's end); the same calls, looked at every 0.1 s."""
+    import time
+
+    from nvidia_resiliency_ext.fault_tolerance import launcher
+
+    from trainer.agent import patch_exit_poll
+
+    assert patch_exit_poll() and patch_exit_poll()  # idempotent
+    calls: list[str] = []
+
+    class Handler:
+        left_at = time.monotonic() + 0.35  # the last other node leaves then
+
+        def _stop_heartbeats(self) -> None:
+            calls.append("stop")
+
+        def remove_this_node(self) -> None:
+            calls.append("remove")
+
+        def set_closed(self) -> None:
+            calls.append("close")
+
+        polls = 0
+
+        def num_nodes(self) -> int:
+            Handler.polls += 1
+            return 1 if time.monotonic() < self.left_at else 0
+
+    agent = launcher.LocalElasticAgent.__new__(launcher.LocalElasticAgent)
+    agent._rdzv_handler, agent._is_store_host, agent._exit_barrier_timeout = Handler(), True, 30
+    t0 = time.monotonic()
+    agent.clean_rdzv_shutdown(close=True)
+    assert calls == ["stop", "remove", "close"]
+    assert time.monotonic() - t0 >= 0.35  # until the last node left, not before
+    # Looked several times within those 0.35 s (NVRx's 1 s poll: once, then a second later).
+    assert Handler.polls >= 3, Handler.polls

@@ -15,6 +15,9 @@ world finishes and closes the rendezvous) with exit 0, not NVRx's 1 (``Rendezvou
 on EKS that exit 1 could fail the Indexed Job (``backoffLimit: 0``). Only an agent that never
 joined a world of this rendezvous is turned away.
 
+A leaving store host looks every 0.1 s, not NVRx's 1 s, whether the other nodes left
+(:func:`patch_exit_poll`): up to 1 s off every attempt's end.
+
 An eviction's SIGTERM (a drain, a spot reclaim: docs/architecture.md §4, "Evictions with
 notice") is first the node's: its beat says ``leaving`` and its workers are told
 (:mod:`trainer.notice`, SIGUSR1) and given the launcher's ``--term-timeout`` to save their step
@@ -56,6 +59,53 @@ def patch_keep_alive(interval_s: float, misses: int) -> bool:
     settings._nvrx_keep_alive = True  # type: ignore[attr-defined]
     # from_backend looks the name up in its module at call time.
     rdzv.RendezvousSettings = settings
+    return True
+
+
+# How often a leaving store host looks whether the other nodes left (NVRx: 1 s, hard-coded).
+EXIT_POLL_S = 0.1
+
+
+def patch_exit_poll(interval_s: float = EXIT_POLL_S) -> bool:
+    """NVRx 0.4.1's store host, leaving, looks once a second whether every other node has left
+    the rendezvous (``clean_rdzv_shutdown``'s hard-coded poll), so every attempt's end waited up
+    to 1 s more than its nodes took. This looks every ``interval_s`` instead, otherwise the same
+    (the same calls, the same exit-barrier timeout); a non-host, or an agent without the
+    attributes it uses, runs NVRx's own. False: an unexpected NVRx (its own stands)."""
+    try:
+        from nvidia_resiliency_ext.fault_tolerance import launcher
+    except ImportError:
+        return False
+    cls: Any = getattr(launcher, "LocalElasticAgent", None)
+    original = getattr(cls, "clean_rdzv_shutdown", None)
+    if original is None or list(inspect.signature(original).parameters) != ["self", "close"]:
+        return False
+    if getattr(original, "_nvrx_exit_poll", False):
+        return True
+    log = launcher.logger
+
+    def clean_rdzv_shutdown(self: Any, close: bool) -> None:
+        handler: Any = getattr(self, "_rdzv_handler", None)
+        needed = ("_stop_heartbeats", "remove_this_node", "set_closed", "num_nodes")
+        if not getattr(self, "_is_store_host", False) or not all(
+            hasattr(handler, n) for n in needed
+        ):
+            return original(self, close)
+        try:
+            handler._stop_heartbeats()
+            handler.remove_this_node()
+            if close:
+                handler.set_closed()
+            until = time.monotonic() + float(self._exit_barrier_timeout)
+            while handler.num_nodes() > 0 and time.monotonic() < until:
+                time.sleep(interval_s)
+            if handler.num_nodes() > 0:
+                log.warning("Some nodes did not leave the rendezvous on time: exiting anyway")
+        except Exception as e:  # as NVRx's: the agent is exiting either way
+            log.warning("Error while trying to gracefully exit the rendezvous: %s", e)
+
+    clean_rdzv_shutdown._nvrx_exit_poll = True  # type: ignore[attr-defined]
+    cls.clean_rdzv_shutdown = clean_rdzv_shutdown
     return True
 
 
@@ -254,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
                 stacklevel=1,
             )
         patch_admission()
+    if not patch_exit_poll():
+        warnings.warn(
+            "this NVRx's launcher has no clean_rdzv_shutdown to replace: its store host waits "
+            "up to 1 s more at every attempt's end",
+            stacklevel=1,
+        )
     freeze_drill = options.get("--freeze-drill") == "yes"
     beat = _beat(options["--beat"], freeze_drill=freeze_drill) if "--beat" in options else None
     if not patch_notice(Notice(beat, term_timeout(launcher_args))):
