@@ -283,7 +283,13 @@ GRAY_NODES = [
     # Evicted with notice (SIGTERM to its agent, SIGKILL after the grace): a node loss, not
     # in-job restarts exhausted (its launcher's exit 1 used to read so: no stage retry).
     GrayNode("evict-fixed", "node-evict@step=7,node=1", 0, "stage-retry", 2, "evicted with"),
-    GrayNode("evict-spare", "node-evict@step=7,node=1", 1, "spare", 1, "evicted with"),
+    # `extended` (the CI budget): a spare's eviction and its hand-off run on the EKS stand-in
+    # (tests/test_eks_pipeline.py, evict), the local hand-off in evict-fixed.
+    pytest.param(
+        GrayNode("evict-spare", "node-evict@step=7,node=1", 1, "spare", 1, "evicted with"),
+        marks=pytest.mark.extended,
+        id="evict-spare",
+    ),
     # A node that corrupts every step (trainer.step_check): rejected, rejected again on replay,
     # named; the watcher takes it away and the spare trains on, bitwise: no corrupted update
     # was ever applied or committed.
