@@ -19,9 +19,14 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+from tasks.backends.eks.lines import CUT, LineBuffer
 from tasks.backends.eks.watch import backoff_s
 
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+# The longest line held of a rank's log (a longer one is passed on cut), and of a watch's
+# events (etcd stores no object over 1.5 MiB: a longer line is no event, dropped).
+LOG_LINE_CAP = 64 << 10
+WATCH_LINE_CAP = 4 << 20
 
 
 def _json(resp: Any) -> Any:
@@ -241,11 +246,9 @@ class Kube:
                 kwargs["since_seconds"] = max(1, math.ceil(behind) + 1)
             try:
                 resp = self.core.read_namespaced_pod_log(pod, ns, **kwargs)
-                buf = b""
+                buf = LineBuffer(LOG_LINE_CAP)
                 for chunk in resp.stream(4096):
-                    buf += chunk
-                    *lines, buf = buf.split(b"\n")
-                    for raw in lines:
+                    for raw in buf.feed(chunk):
                         ts, _, text = raw.decode(errors="replace").partition(" ")
                         try:
                             when = datetime.fromisoformat(ts)
@@ -353,21 +356,22 @@ class Kube:
         a back-off), or None when the server closed it."""
         from tasks.backends.eks.watch import Step
 
-        buf = b""
+        buf = LineBuffer(WATCH_LINE_CAP)
         for chunk in resp.stream(4096):
             if stop.is_set():
                 return None
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
+            for line in buf.feed(chunk):
                 if not line.strip():
+                    continue
+                if line.endswith(CUT):  # no object is that large: never parsed
+                    cursor.dropped["line too long"] = cursor.dropped.get("line too long", 0) + 1
                     continue
                 d = cursor.on_line(line)
                 if d.step is Step.EMIT and d.obj is not None:
                     out.put((what, d.type, d.obj))
                 elif d.step in (Step.RELIST, Step.BACKOFF):
                     return d
-        if buf.strip():  # a stream cut mid-line: the partial line is dropped, not parsed
+        if buf.rest().strip():  # a stream cut mid-line: the partial line is dropped, not parsed
             cursor.dropped["cut mid-line"] = cursor.dropped.get("cut mid-line", 0) + 1
         return None
 
