@@ -285,7 +285,7 @@ class Kube:
         the watched kind reach ``out``: an ``ERROR`` event's ``Status`` or a bad line never does.
         A list's items are passed on as ``ADDED`` (the caller's history dedupes by time, so a
         replay is harmless), and what it no longer shows as ``DELETED``."""
-        from tasks.backends.eks.watch import Step, WatchCursor, backoff_s
+        from tasks.backends.eks.watch import Step, WatchCursor, backoff_s, relist_wait_s
 
         func, args = (
             (self.core.list_namespaced_pod, (ns,)) if what == "pod" else (self.core.list_node, ())
@@ -298,6 +298,7 @@ class Kube:
             since = time.monotonic() - last_open
             wait = max(
                 backoff_s(cursor.failures, retry_after_s=retry_after),
+                relist_wait_s(cursor.relists) if relist else 0.0,
                 min_interval_s - since,
                 min_interval_s if cursor.failures else 0.0,
             )
@@ -328,12 +329,14 @@ class Kube:
                     cursor.failures = 0
                 elif ended.step is Step.RELIST:
                     relist = True
+                    cursor.relists += 1
                 else:
                     cursor.failures += 1
                     retry_after = ended.retry_after_s
             except self._exc as e:
                 if e.status == 410:
                     relist = True
+                    cursor.relists += 1
                 else:
                     cursor.failures += 1
                     retry_after = _retry_after(e)
