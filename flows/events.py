@@ -6,6 +6,11 @@ deployment, so automations can match on any of them (and link to the flow run in
 capacity-restored automation re-runs the deployment with exactly those, so the same run
 resumes from its newest valid checkpoint.
 
+Free text in a payload (a cause, a path: from exception messages and the run root's events,
+which anyone who may write the shared filesystem can shape) is bounded and flattened to one line
+here, before it goes into an event, an automation's template and a notification:
+:func:`bounded_text`.
+
 Emitting never fails a run: outside a Prefect context (plain function calls, benchmarks)
 ``emit_event`` is a no-op, and any error is logged and dropped.
 """
@@ -14,11 +19,30 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from typing import Any
 
 from trainer.event_types import Checkpoint, Event, Fault, Recovered, WorldChange
 
 _log = logging.getLogger(__name__)
+
+# A cause or a path fits in far less; a notification shows a few hundred characters of it.
+TEXT_LIMIT = 1000
+# What a plain-text notification would take for structure rather than text: line breaks (a
+# forged "Re-run with ..." line), other C0/C1 controls (terminal escapes in a mail client), and
+# the invisible and bidirectional marks that make text read other than it is.
+_CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff]+")
+
+
+def bounded_text(value: str, limit: int = TEXT_LIMIT) -> str:
+    """``value`` as one line of at most ``limit`` characters and a note of how many were cut.
+
+    Not escaped: the notification blocks (Apprise) take their body as plain text and escape it
+    for each service (Slack's ``<!channel>`` and links, HTML mail), and Prefect's templates do
+    not evaluate what they insert; escaping here too would show ``&amp;lt;`` in Slack."""
+    head = _CONTROLS.sub(" ", value[:limit])
+    more = len(value) - limit
+    return head if more <= 0 else f"{head}… ({more} more characters)"
 
 
 def _resource(rid: str, role: str, name: str | None = None) -> dict[str, str]:
@@ -62,7 +86,11 @@ def emit(name: str, run_id: str, **payload: Any) -> None:
             event=f"nvrx.{name}",
             resource=_resource(f"nvrx.run.{run_id}", "nvrx-run", run_id),
             related=_related(run_id),
-            payload={k: v for k, v in payload.items() if v is not None},
+            payload={
+                k: bounded_text(v) if isinstance(v, str) else v
+                for k, v in payload.items()
+                if v is not None
+            },
         )
     except Exception as e:  # events inform; they must never fail the run
         _log.warning("could not emit nvrx.%s: %s", name, e)

@@ -217,9 +217,15 @@ def hydrate_weights(
             if not local.is_symlink() and local.is_file() and local.stat().st_size == size:
                 got.append(0)
             else:
-                fs.get_file(f"{src}/{name}", str(staging / name))
-                if (staging / name).stat().st_size != size:
-                    raise HydrationError(f"{uri}/{name}: downloaded size differs from the listing")
+                # Streamed no further than one byte past the listed size: an object that grew
+                # after the listing (or a listing that lied) is never copied whole.
+                n, _ = _get_capped(fs, f"{src}/{name}", staging / name, size)
+                if n != size:
+                    got_n = f"more than {size}" if n > size else str(n)
+                    raise HydrationError(
+                        f"{uri}/{name}: {got_n} bytes where the listing says {size}: the object "
+                        "changed while it was copied; copy it again once it is stable"
+                    )
                 os.replace(staging / name, local)
                 got.append(size)
             progress(i + 1, len(entries), name)

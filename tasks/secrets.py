@@ -2,8 +2,11 @@
 
 The orchestrator's environment holds its own credentials (``PREFECT_API_KEY``, AWS keys, an
 exported ``HF_TOKEN``); the workers run the user's code on data anyone who can write the shared
-filesystem controls, and need none of them: they get :func:`scrubbed` (every ``AWS_*`` and
-secret-like variable gone, the AWS SDKs' other sources pointed at nothing; the load check too).
+filesystem controls, and need none of them: they get :func:`scrubbed`, built from an allow-list
+(:data:`INHERITED`: what the trainer, torch, its launcher and the libraries under them read),
+anything credential-like dropped from it even so, the AWS SDKs' sources pointed at nothing (the
+load check too). A deny-list of names missed ``PGPASSWORD``, a proxy URL with a password,
+``*_SECRET_ACCESS_KEY`` variants.
 
 What a workload needs (a Hugging Face token, a tracker's key) it declares in the run's
 ``secrets`` (environment variable -> secret name): the values live in the platform's secret
@@ -20,12 +23,28 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainer.credentials import SECRET_NAME
+from trainer.credentials import is_credential
 
-# Variables that give a process credentials: every AWS_* variable (keys, session token,
-# profile, role ARN, web identity token file, container credentials URI and token) and every one
-# named like a secret (trainer.credentials); the SDKs' other sources (~/.aws files, instance
-# metadata) are pointed at nothing.
+# What a worker inherits of the orchestrator's environment, by name: the process basics, the
+# interpreter's, the dynamic loader's library path, Hugging Face's cache and offline switches
+# (never its token), TLS trust and proxies (a proxy URL with a password is dropped).
+INHERITED = frozenset(
+    {"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "SHELL",
+     "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER",
+     "PYTHONHASHSEED", "PYTHONWARNINGS", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "XDG_CACHE_HOME",
+     "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE",
+     "TOKENIZERS_PARALLELISM", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE",
+     "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy"}
+)  # fmt: skip
+# ...and by prefix: the locale, the pipeline's own (NVRX_*: the trainer's config, node, epoch,
+# drills), torch and its launcher (TORCH*, PYTORCH_*), the collectives (NCCL_*, GLOO_*), the GPU
+# stack, and the thread pools' sizes.
+INHERITED_PREFIXES = (
+    "LC_", "NVRX_", "TORCH", "PYTORCH_", "NCCL_", "GLOO_", "CUDA_", "NVIDIA_", "CUBLAS_",
+    "CUDNN_", "TRITON_", "OMP_", "KMP_", "MKL_", "OPENBLAS_",
+)  # fmt: skip
+# The AWS SDKs' other sources (~/.aws files, instance metadata) pointed at nothing: a worker
+# has no AWS credentials of any kind.
 OVERRIDES = {
     "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
     "AWS_CONFIG_FILE": os.devnull,
@@ -45,13 +64,17 @@ MAX_SECRETS = 16
 SECRET_KEY = "value"  # the key of a Kubernetes Secret that holds the value
 
 
+def inherited(name: str, value: str) -> bool:
+    """Whether a worker is given the orchestrator's variable ``name``: allowed by name or
+    prefix, and nothing about it looks like a credential (an ``NCCL_*_TOKEN`` is not passed)."""
+    allowed = name in INHERITED or name.startswith(INHERITED_PREFIXES)
+    return allowed and not is_credential(name, value)
+
+
 def scrubbed(parent: Mapping[str, str]) -> dict[str, str]:
-    """``parent`` without credentials, the SDKs' other sources pointed at nothing."""
-    env = {
-        k: v
-        for k, v in parent.items()
-        if not k.upper().startswith("AWS_") and not SECRET_NAME.fullmatch(k)
-    }
+    """What a worker inherits of ``parent`` (:func:`inherited`), the SDKs' other credential
+    sources pointed at nothing; the declared secrets are added by the caller."""
+    env = {k: v for k, v in parent.items() if inherited(k, v)}
     env.update(OVERRIDES)
     return env
 

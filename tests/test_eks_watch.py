@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tasks.backends.eks.watch import Step, WatchCursor, backoff_s
+from tasks.backends.eks.watch import Step, WatchCursor, backoff_s, relist_wait_s
 
 
 def _node(name: str, rv: str) -> dict[str, Any]:
@@ -115,6 +115,37 @@ def test_backoff_is_jittered_bounded_and_honours_retry_after(
     for r in (0.0, 0.5, 0.999):
         wait = backoff_s(failures, retry_after_s=retry_after, rand=lambda r=r: r)
         assert low <= wait <= high, (failures, r, wait)
+
+
+# (relists in a row, rand, wait): the first at once, then an exponential bound, capped at 30 s,
+# jittered over its upper half.
+RELIST_WAITS = [
+    (0, 0.5, 0.0), (1, 0.999, 0.0),  # a 410 after compaction: routine, list at once
+    (2, 0.0, 0.25), (2, 1.0, 0.5),
+    (3, 0.0, 0.5), (3, 1.0, 1.0),
+    (5, 0.5, 3.0),
+    (8, 0.0, 15.0), (8, 1.0, 30.0),
+    (40, 0.0, 15.0), (40, 1.0, 30.0),  # capped, never overflowing
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("relists", "r", "wait"), RELIST_WAITS)
+def test_relists_in_a_row_back_off_with_jitter_and_a_cap(relists: int, r: float, wait: float):
+    assert relist_wait_s(relists, rand=lambda: r) == pytest.approx(wait)
+
+
+def test_relists_in_a_row_are_counted_until_the_watch_delivers_again() -> None:
+    cursor = WatchCursor("Node")
+    cursor.relists = 3  # as Kube.watch counts each 410
+    gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410}}
+    assert cursor.on_line(json.dumps(gone)).step is Step.RELIST and cursor.relists == 3
+    cursor.on_list({"metadata": {"resourceVersion": "5"}, "items": [_node("n1", "5")]})
+    assert cursor.relists == 3  # a list is no sign the watch works
+    bookmark = {
+        "type": "BOOKMARK",
+        "object": {"kind": "Node", "metadata": {"resourceVersion": "6"}},
+    }
+    assert cursor.on_line(json.dumps(bookmark)).step is Step.SKIP and cursor.relists == 0
 
 
 class _BadDayServer:

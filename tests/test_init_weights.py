@@ -51,6 +51,32 @@ def test_weights_hydrate_and_load(s3_settings, tmp_path: Path):
     assert all(torch.equal(t, expected[k]) for k, t in model.state_dict().items())
 
 
+class _Listing:
+    """The real filesystem, its listing saying every object is ``size`` bytes (an object that
+    grew after it was listed)."""
+
+    def __init__(self, fs, size: int):
+        self.fs, self.size = fs, size
+
+    def ls(self, *args, **kwargs):
+        return [{**item, "size": self.size} for item in self.fs.ls(*args, **kwargs)]
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+
+def test_a_weight_larger_than_listed_is_not_copied_past_the_listing(s3_settings, tmp_path):
+    client = boto3_client(s3_settings)
+    _bucket(client, "nvrx-weights")
+    client.put_object(Bucket="nvrx-weights", Key="grown/model.safetensors", Body=b"x" * (1 << 20))
+    client.put_object(Bucket="nvrx-weights", Key="grown/config.json", Body=b"{}")
+    fs = _Listing(s3fs_filesystem(s3_settings), 2)
+    dest = tmp_path / "weights"
+    with pytest.raises(HydrationError, match=r"more than 2 bytes where the listing says 2"):
+        hydrate_weights(fs, "s3://nvrx-weights/grown", dest)
+    assert not dest.exists() or not any(dest.iterdir())  # nothing landed
+
+
 def test_untrusted_weight_listings_are_refused(s3_settings):
     client = boto3_client(s3_settings)
     _bucket(client, "nvrx-weights")

@@ -59,3 +59,39 @@ def test_the_local_launch_refuses_before_any_process_starts(dataset, tmp_path, m
     with pytest.raises(DeviceSplitError, match="need 2 GPU"):
         local.LocalBackend().launch(request)
     assert not list((tmp_path / "run").glob("logs/attempt1-node*.log"))
+
+
+def test_a_launch_failing_part_way_leaves_no_process(dataset, tmp_path, monkeypatch):
+    """An elastic launch (its rendezvous store apart, its own network where allowed) whose
+    second node cannot start: the first node, the store and the namespace holder are ended
+    before the error reaches the caller."""
+    from tasks.backends import local
+    from tasks.backends.base import LaunchRequest
+    from tasks.backends.local_nodes import NodeStarter
+    from tasks.ownership import processes
+    from tests.helpers import make_config
+
+    real = NodeStarter.__call__
+
+    def second_fails(self: NodeStarter, node: int):
+        if node == 1:
+            raise OSError("node 1: cannot start (injected)")
+        return real(self, node)
+
+    monkeypatch.setattr(NodeStarter, "__call__", second_fails)
+    cfg = make_config(tmp_path / "run", dataset, steps=2)
+    request = LaunchRequest(
+        run_id="half", attempt=1, cfg=cfg, nodes=2, nproc_per_node=1, min_nodes=1
+    )
+    stores: list = []  # the store the launch starts, seen after it failed
+    real_store = local.start_store
+
+    def start_store(*args, **kwargs):
+        stores.append(real_store(*args, **kwargs))
+        return stores[-1]
+
+    monkeypatch.setattr(local, "start_store", start_store)
+    with pytest.raises(OSError, match="injected"):
+        local.LocalBackend(tmp_path / "state").launch(request)
+    assert stores and stores[0].poll() is not None, "the rendezvous store outlived the launch"
+    assert not processes.tagged(cfg.run_root), "a process of the launch outlived it"

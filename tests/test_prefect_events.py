@@ -57,6 +57,64 @@ def test_shipped_automations_resolve_and_validate():
         stall_ids(0.1)
 
 
+# Event text as a hostile run could shape it: (name, text, what bounded_text makes of it; None:
+# checked by length only).
+HOSTILE = [
+    ("markdown", "*bold* `code` [click](http://evil)", "*bold* `code` [click](http://evil)"),
+    ("html", "<script>alert(1)</script>", "<script>alert(1)</script>"),
+    ("slack mention", "<!channel> <http://evil|click>", "<!channel> <http://evil|click>"),
+    ("jinja", "{{ 7*7 }} {% if 1 %}x{% endif %}", "{{ 7*7 }} {% if 1 %}x{% endif %}"),
+    ("forged line", "ok\r\nRe-run: http://evil", "ok Re-run: http://evil"),
+    ("terminal escape", "\x1b[31mred\x07", " [31mred "),
+    ("bidi override", "abc\u202edcba\u2066x", "abc dcba x"),
+    ("1 MB", "x" * (1 << 20), None),
+]
+
+
+@pytest.mark.parametrize(("text", "want"), [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
+def test_event_text_is_bounded_and_one_line(text: str, want: str | None):
+    from flows.events import TEXT_LIMIT, bounded_text
+
+    got = bounded_text(text)
+    if want is not None:
+        assert got == want
+    else:
+        assert got == "x" * TEXT_LIMIT + f"… ({len(text) - TEXT_LIMIT} more characters)"
+
+
+@pytest.mark.parametrize("text", [h[1] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
+def test_notifications_render_hostile_text_as_bounded_inert_text(text: str):
+    """Every shipped notification, rendered by Prefect's own template renderer from an event
+    whose free text is hostile (ours as emitted, Prefect's state message as it comes), then
+    converted for Slack by Apprise as the notification block sends it."""
+    import apprise
+    from prefect.server.utilities.user_templates import render_user_template_sync
+
+    from flows.events import bounded_text
+
+    slack = apprise.Apprise.instantiate("slack://T1ABCDEFG/A1BRTD4JD/TIiajkdnlazkcOXrIdevi7FQ/")
+
+    def context(cause: str) -> dict[str, Any]:
+        payload = {"cause": bounded_text(cause), "stage": "train", "step": 7, "attempt": 2}
+        event = {"resource": {"name": "r1"}, "payload": payload, "occurred": "t", "event": "e"}
+        state = {"name": "Crashed", "message": cause}  # Prefect's own: not bounded by us
+        return {"event": event, "flow_run": {"name": "fr", "state": state}}
+
+    for automation in load():
+        for action in automation["actions"]:
+            if action["type"] != "send-notification":
+                continue
+            # ui_url is a filter of Prefect's action renderer only: not what is tested here.
+            body = action["body"].replace("{{ flow_run|ui_url }}", "URL")
+            benign = render_user_template_sync(body, context("a cause"))
+            got = render_user_template_sync(body, context(text))
+            assert len(got) <= len(benign) + 1100, automation["name"]
+            assert got.count("\n") == benign.count("\n"), automation["name"]  # no forged line
+            assert "49" not in got  # the payload's template syntax is not evaluated
+            assert not any(c in got for c in "\x1b\x07\u202e")
+            assert "<!channel>" not in slack.dialect_convert(got, apprise.NotifyFormat.TEXT)
+
+
 def test_bad_automation_file_names_the_problem(tmp_path: Path):
     bad = tmp_path / "a.yaml"
     bad.write_text(

@@ -24,7 +24,44 @@ PARENT = {
     "GITHUB_TOKEN": "g", "DB_PASSWORD": "pw", "SSH_AUTH_SOCK": "/s", "WANDB_API_KEY": "w",
     "GOOGLE_APPLICATION_CREDENTIALS": "/c.json", "OPENAI_APIKEY": "o",
 }  # fmt: skip
-KEPT = {"PATH", "HOME", "PREFECT_API_URL", "LANG"}
+KEPT = {"PATH", "HOME", "LANG"}
+
+
+# (variable, value, passed to the workers): built from an allow-list, so what a deny-list of
+# names missed is not passed; what the trainer, torch and the collectives read is.
+INHERITANCE = [
+    ("PGPASSWORD", "pw", False),
+    ("MYSQL_PWD", "pw", False),
+    ("DATABASE_URL", "postgres://app:pw@db:5432/x", False),
+    ("HTTPS_PROXY", "http://user:pw@proxy:3128", False),  # allowed by name, not with a password
+    ("HTTPS_PROXY", "http://proxy:3128", True),
+    ("FOO_SECRET_ACCESS_KEY", "s", False),
+    ("FOOSECRETACCESSKEY", "s", False),
+    ("AWS_SECRET_ACCESS_KEY", "s", False),
+    ("R2_SECRET_ACCESS_KEY", "s", False),
+    ("NCCL_IB_SECRET_TOKEN", "s", False),  # an allowed prefix, a credential's name
+    ("NVRX_TEST_PASSWORD", "s", False),
+    ("TORCH_HOME", "/cache", True),
+    ("NVRX_API_URL", "https://u:p@x/", False),  # an allowed prefix, a password in the value
+    ("PREFECT_API_URL", "http://x/api", False),  # the orchestrator's: a worker has no use for it
+    ("SSH_AUTH_SOCK", "/s", False),
+    ("LD_PRELOAD", "/x.so", False),
+    ("PATH", "/usr/bin", True), ("HOME", "/home/u", True), ("LANG", "C.UTF-8", True),
+    ("LC_ALL", "C.UTF-8", True), ("PYTHONPATH", "/repo", True), ("TMPDIR", "/tmp", True),
+    ("NVRX_CONFIG", "/run/config.json", True), ("NVRX_LOG_LEVEL", "INFO", True),
+    ("TORCH_CPP_LOG_LEVEL", "ERROR", True), ("TORCHELASTIC_RUN_ID", "r", True),
+    ("NCCL_DEBUG", "INFO", True), ("GLOO_SOCKET_IFNAME", "lo", True),
+    ("CUDA_VISIBLE_DEVICES", "0", True), ("OMP_NUM_THREADS", "2", True),
+    ("HF_HOME", "/cache/hf", True), ("TOKENIZERS_PARALLELISM", "false", True),
+    ("HF_TOKEN", "hf", False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "passed"), INHERITANCE, ids=[f"{n}={v}" for n, v, _ in INHERITANCE]
+)
+def test_the_workers_environment_is_built_from_an_allow_list(name: str, value: str, passed: bool):
+    assert (name in scrubbed({name: value})) == passed
 
 
 def test_the_workers_environment_has_no_credential_of_the_orchestrator():

@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from trainer.run_files import write_text_atomic
+
 log = logging.getLogger(__name__)
 
 UP = "up"
@@ -63,11 +65,8 @@ class NodeBeat:
     def _write(self, state: str) -> None:
         with self._lock:
             self._n += 1
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                tmp.write_text(f"{os.getpid()} {self._n} {time.time():.3f} {state}\n")
-                os.replace(tmp, self.path)
+                write_text_atomic(self.path, f"{os.getpid()} {self._n} {time.time():.3f} {state}\n")
                 self._warned = False
             except OSError as e:  # a full or flaky filesystem: the watcher sees silence
                 if not self._warned:

@@ -12,8 +12,9 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import stat
-import uuid
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -132,21 +133,57 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def create_temp(path: Path) -> tuple[int, Path]:
+    """A new empty file beside ``path`` (its descriptor and name), for a write that ends in
+    ``os.replace(tmp, path)``.
+
+    Its name is unpredictable and it is created exclusively, never through a link (``mkstemp``:
+    ``O_CREAT | O_EXCL | O_NOFOLLOW``): a link planted at a fixed temporary name used to be
+    written through (any file the writer may write, replaced by ours), and two writers of one
+    path (a lease's two owners, a retried task beside its first try) shared one temporary file.
+    Named ``.<name>.<random>.tmp`` so readers that skip ``*.tmp`` still skip it."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # mkstemp's 0600 would hide the file from the readers that an open() under the default
+    # umask let read it (the watcher, an export running as another user of the volume).
+    os.fchmod(fd, 0o644)
+    return fd, Path(name)
+
+
+def _replace(path: Path, data: bytes, *, durable: bool) -> None:
+    """Write ``data`` to a new temporary file beside ``path`` and rename it over ``path``: the
+    file is created exclusively under a random name, never through a link (``O_EXCL |
+    O_NOFOLLOW``), by a descriptor of the directory that the rename takes it from. (The rename
+    names ``path`` whole: strace's ``-P``, which the kill drills use, matches a rename by a
+    path it names, and the temporary one is random.)"""
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        tmp = f".{path.name}.{secrets.token_hex(4)}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o644, dir_fd=directory)
+        try:
+            with open(fd, "wb") as f:
+                f.write(data)
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path, src_dir_fd=directory)
+        except BaseException:
+            with contextlib.suppress(OSError):  # a failed write leaves no temporary file behind
+                os.unlink(tmp, dir_fd=directory)
+            raise
+        if durable:
+            os.fsync(directory)  # the rename itself
+    finally:
+        os.close(directory)
+
+
 def write_durably(path: Path, data: str | bytes) -> None:
     """Replace ``path`` with ``data``, the file synced before the rename and its directory after:
     a crash, even of the machine, leaves the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
+    _replace(path, data.encode() if isinstance(data, str) else data, durable=True)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` in one rename: a reader sees the old or the new."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    _replace(path, text.encode(), durable=False)

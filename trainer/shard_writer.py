@@ -24,6 +24,7 @@ from trainer.data import (
     dtype_for_vocab,
     token_dtype,
 )
+from trainer.run_files import create_temp
 
 SHARD_NAME = "shard_{:05d}.bin"
 
@@ -94,18 +95,17 @@ class ShardWriter:
         self.files: list[ShardFile] = []
         self.total = 0
         self._f: Any = None
+        self._tmp = Path()  # the open shard's temporary file
         self._hash: Any = None
         self._count = 0
-
-    def _tmp(self) -> Path:
-        return self.out / f".{SHARD_NAME.format(len(self.files))}.tmp"
 
     def write(self, tokens: np.ndarray) -> None:
         """``tokens``: integers already checked to be in ``[0, vocab_size)``."""
         data = np.ascontiguousarray(tokens, dtype=self.dtype)
         while data.size:
             if self._f is None:
-                self._f = open(self._tmp(), "wb")  # noqa: SIM115  # closed in _close_shard
+                fd, self._tmp = create_temp(self.out / SHARD_NAME.format(len(self.files)))
+                self._f = open(fd, "wb")  # noqa: SIM115  # closed in _close_shard
                 self._hash = hashlib.sha256()
                 self._count = 0
             take = min(data.size, self.shard_tokens - self._count)
@@ -120,7 +120,7 @@ class ShardWriter:
 
     def _close_shard(self) -> None:
         assert self._f is not None
-        tmp = self._tmp()
+        tmp = self._tmp
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
@@ -147,7 +147,7 @@ class ShardWriter:
         if self._f is not None:
             self._f.close()
             self._f = None
-            self._tmp().unlink(missing_ok=True)
+            self._tmp.unlink(missing_ok=True)
         for entry in self.files:
             (self.out / entry.name).unlink(missing_ok=True)
         self.files = []

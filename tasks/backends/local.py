@@ -292,40 +292,36 @@ class LocalBackend:
         network = self._network(
             request, env, cfg.run_root / Layout.attempt_log(request.attempt, "net.log")
         )
-        enter = network.enter() if network is not None else []
-        start = NodeStarter(
-            run_root=cfg.run_root,
-            attempt=request.attempt,
-            enter=enter,
-            argv=argv,
-            env=env,
-            memory=node_memory.prepare(cfg.run_root, request.attempt, request.invocation),
-            gpus=gpus,
-            recorder=self.lease,
-        )
-        store = None
+        # The job exists before its first process does, so that a launch failing part-way
+        # (a node that cannot start, the store's port taken) ends what it started: the nodes so
+        # far, the rendezvous store, the network's namespace holder (LocalJob.stop).
+        job = LocalJob(request, {}, invocation=request.invocation, network=network)
         try:
+            enter = network.enter() if network is not None else []
+            start = NodeStarter(
+                run_root=cfg.run_root,
+                attempt=request.attempt,
+                enter=enter,
+                argv=argv,
+                env=env,
+                memory=node_memory.prepare(cfg.run_root, request.attempt, request.invocation),
+                gpus=gpus,
+                recorder=self.lease,
+            )
             if spec.external_store:
                 rdzv_log = cfg.run_root / Layout.attempt_log(request.attempt, "rdzv.log")
-                store = start_store(spec.rdzv_endpoint, env, rdzv_log, enter=enter)
+                job.store = start_store(spec.rdzv_endpoint, env, rdzv_log, enter=enter)
+                job.store_host = None
+            job.recorder, job.start = self.lease, start
+            # The nodes the job trains on start now; hot spares once those formed the world
+            # (the first ``train_start``), so that they are the ones waiting in the rendezvous.
+            for node in range(request.nodes):
+                job.nodes[node] = start(node)
         except BaseException:
-            if network is not None:
-                network.close()
+            job.stop()
             raise
-        # The nodes the job trains on start now; hot spares once those formed the world (the
-        # first ``train_start``), so that they are the ones waiting in the rendezvous.
-        nodes = {node: start(node) for node in range(request.nodes)}
-        return LocalJob(
-            request,
-            nodes,
-            invocation=request.invocation,
-            recorder=self.lease,
-            start=start,
-            deferred=list(range(request.nodes, request.launched)),
-            store=store,
-            store_host=None if store is not None else 0,
-            network=network,
-        )
+        job.deferred = list(range(request.nodes, request.launched))
+        return job
 
     def _network(
         self, request: LaunchRequest, env: dict[str, str], log: Path

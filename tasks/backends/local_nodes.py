@@ -52,10 +52,11 @@ def kill_tree(pid: int) -> None:
 
 # Each simulated node runs under a tiny shell that writes the agent's exit code to a file: an
 # invocation that adopts the node after its first owner died is not its parent and could not
-# learn the exit code otherwise.
+# learn the exit code otherwise. (mktemp: a temporary name no one can plant a link at.)
 _EXIT_WRAPPER = (
-    'rc=0; "$@" || rc=$?; printf "%s\\n" "$rc" > "$NVRX_EXIT_FILE.tmp" && '
-    'mv -f "$NVRX_EXIT_FILE.tmp" "$NVRX_EXIT_FILE"; exit "$rc"'
+    'rc=0; "$@" || rc=$?; tmp=$(mktemp "$NVRX_EXIT_FILE.XXXXXXXX") && '
+    'printf "%s\\n" "$rc" > "$tmp" && chmod 644 "$tmp" && mv -f "$tmp" "$NVRX_EXIT_FILE"; '
+    'exit "$rc"'
 )
 
 

@@ -39,6 +39,7 @@ import psutil
 
 from tasks.errors import PipelineError
 from trainer.fence import LockTimeout, locked
+from trainer.run_files import write_text_atomic
 from trainer.rundir import Layout
 
 # A swap holds its lock for a read and a rename; longer means a holder stopped while holding it.
@@ -343,9 +344,7 @@ class RunLease:
         with swapping(self.run_root, flock=self._flock):
             self.lost = self._taken_by()
             if self.lost is None:
-                tmp = self.path.with_name(f".{Layout.LEASE}.{self.owner.invocation}.tmp")
-                tmp.write_text(self._record().to_json())
-                os.replace(tmp, self.path)
+                write_text_atomic(self.path, self._record().to_json())
         if self.lost is not None:
             log.error("run %s: %s; this invocation stops acting for it", self.run_id, self.lost)
 

@@ -158,9 +158,11 @@ def _write_safetensors(model: Any, out: Path, *, step: int, digest: str) -> Safe
     from safetensors.torch import save_file
 
     from trainer.hashing import sha256_file
+    from trainer.run_files import create_temp
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
+    fd, tmp = create_temp(out)  # save_file reopens the name: ours, and no one can predict it
+    os.close(fd)
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(tmp), metadata={"step": str(step), "params_sha256": digest})
     os.replace(tmp, out)
@@ -171,12 +173,15 @@ def _write_pretrained(wl: Any, model: Any, out: Path) -> Pretrained | None:
     """The workload's own self-contained layout (Hugging Face for Llama): every file with its
     size and sha256, or None when the workload has none."""
     import shutil
+    import tempfile
 
     from trainer.hashing import sha256_file
 
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    # A new directory of an unpredictable name: a fixed one was emptied and reused, a link
+    # planted there followed.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    os.chmod(tmp, 0o755)
     if not wl.export_pretrained(model, tmp):
         shutil.rmtree(tmp)
         return None

@@ -33,18 +33,20 @@ class KillPoint:
 
 KILL_POINTS = [
     # The manifest's tmp -> manifest.json rename: the partial has no manifest, never trusted.
+    # (Temporary names are random: a file's rename into place is matched by the path it names.)
     KillPoint(
         "manifest-rename",
         RENAMES,
-        "step_000000006.partial/.manifest.json.tmp",
+        "step_000000006.partial/manifest.json",
         1,
         4,
         "removed-partial",
     ),
-    # .partial -> committed: the partial is complete (manifest verifies): rolled forward.
-    KillPoint("partial-rename", RENAMES, "step_000000006.partial", 1, 6, "rolled-forward"),
+    # .partial -> committed: the partial is complete (manifest verifies): rolled forward. (Only
+    # a plain rename: the files written in the partial are renamed by its descriptor, renameat.)
+    KillPoint("partial-rename", "rename", "step_000000006.partial", 1, 6, "rolled-forward"),
     # LATEST's tmp -> LATEST (third commit: 2, 4, 6): 6 is committed, LATEST repaired.
-    KillPoint("latest-rename", RENAMES, ".LATEST.tmp", 3, 6, None),
+    KillPoint("latest-rename", RENAMES, "LATEST", 3, 6, None),
     # Prune: step 2 -> step 2.deleting, then its files, then the directory. A kill in the
     # first file's unlink leaves a half-deleted .deleting leftover, which recovery removes.
     KillPoint(

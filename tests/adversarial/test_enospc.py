@@ -22,6 +22,7 @@ from trainer.errors import ExitCode
 pytestmark = pytest.mark.slow
 
 WRITES = "write,pwrite64,writev,pwritev,pwritev2"
+RENAMES = "rename,renameat,renameat2"
 
 
 @dataclass(frozen=True)
@@ -32,13 +33,16 @@ class FullDisk:
     # Run again once there is space. Both cases leave the same run root (asserted below: the
     # same listing, the same last commit), so one resume covers both (the CI budget).
     resume: bool = False
+    syscalls: str = WRITES  # the calls that fail
 
 
 # The writer's child and the trainer itself. (The DCP finalize's .metadata.tmp is written by
 # the trainer too, and fails the same way as the manifest; the CI budget keeps one of the two.)
 FULL_DISKS = [
     FullDisk("shard", "__0_0.distcp", "the async writer's forked child", resume=True),
-    FullDisk("manifest", ".manifest.json.tmp", "rank 0's commit"),
+    # The manifest's temporary name is random (no -P can name it): its rename into place fails
+    # (ENOSPC: no room for the directory entry), which rank 0's commit handles the same way.
+    FullDisk("manifest", "manifest.json", "rank 0's commit", syscalls=RENAMES),
 ]
 
 
@@ -49,7 +53,7 @@ def test_full_disk_fails_the_save_not_the_checkpoints(
     cfg = tiny_config(tmp_path / "run", dataset)
     ckdir = checkpointing.checkpoints_dir(cfg.run_root)
     target = checkpointing.partial_path(cfg.run_root, 6) / disk.path
-    out = run_under(cfg, Inject(WRITES, target, "error=ENOSPC"))
+    out = run_under(cfg, Inject(disk.syscalls, target, "error=ENOSPC"))
 
     assert out.returncode == ExitCode.FATAL, out.log[-3000:]
     assert "No space left on device" in out.log and "Disk: " in out.log, out.log[-3000:]

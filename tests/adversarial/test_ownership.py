@@ -32,6 +32,7 @@ from tasks.storage.s3 import S3Settings
 from tests.helpers import free_s3_port, read_events
 from tests.pipeline_helpers import make_params, nvrx_events
 from trainer.event_types import Event, Step
+from trainer.run_files import write_text_atomic
 from trainer.rundir import Layout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -691,9 +692,7 @@ def test_a_lease_taken_over_mid_train_leaves_the_nodes_to_the_new_owner(
         if isinstance(e, Step) and e.step >= 2:
             new = Owner("newowner", os.getpid(), "other-host", time.time(), time.time())
             rec = LeaseRecord("r-lost", new, time.time())
-            tmp = cfg.run_root / ".owner.lease.newowner.tmp"
-            tmp.write_text(rec.to_json())
-            os.replace(tmp, cfg.run_root / "owner.lease")
+            write_text_atomic(cfg.run_root / "owner.lease", rec.to_json())
 
     request = LaunchRequest(
         run_id="r-lost", attempt=1, cfg=cfg, nodes=2, nproc_per_node=1, deadline_s=300,

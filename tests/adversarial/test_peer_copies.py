@@ -277,7 +277,7 @@ def test_a_bind_sweeps_what_a_killed_receiver_left_and_nothing_else(shm: Path):
     peer = mem.peer_dir(1)
     peer.mkdir()
     (peer / "gen-0.bin").write_bytes(b"\0" * 4096)  # a cut receive: no header vouches for it
-    (peer / ".gen-0.json.tmp").write_text("{")  # a header being written when killed
+    (peer / ".gen-0.json.k2x_9q0a.tmp").write_text("{")  # a header being written when killed
     (peer / "gen-1.bin").write_bytes(b"\0" * 8)  # a landed copy: kept
     (peer / "gen-1.json").write_text("{}")
     (peer / "notes.txt").write_text("")  # not a name node memory writes: left alone

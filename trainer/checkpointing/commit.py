@@ -135,7 +135,8 @@ def _total_bytes(directory: Path) -> int:
 def repair_latest(run_root: Path) -> None:
     """LATEST names the newest committed step (a kill between the rename and the LATEST write
     leaves it one commit behind)."""
-    (checkpoints_dir(run_root) / f".{LATEST}.tmp").unlink(missing_ok=True)  # a killed write's
+    for tmp in checkpoints_dir(run_root).glob(f".{LATEST}.*.tmp"):  # a killed write's
+        tmp.unlink(missing_ok=True)
     steps = committed_steps(run_root)
     if steps and read_latest(run_root) != steps[-1]:
         write_durably(checkpoints_dir(run_root) / LATEST, f"{steps[-1]}\n")

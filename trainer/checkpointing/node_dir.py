@@ -100,7 +100,9 @@ def no_follow(path: str, flags: int) -> int:
 
 # What a receive that never finished may leave in a peer directory: a generation's bytes (kept
 # only where its header exists) and write_durably's temporary header.
-_LEFTOVER = re.compile(rf"gen-([0-{GENERATIONS - 1}])\.bin|\.gen-[0-{GENERATIONS - 1}]\.json\.tmp")
+_LEFTOVER = re.compile(
+    rf"gen-([0-{GENERATIONS - 1}])\.bin|\.gen-[0-{GENERATIONS - 1}]\.json\.[a-z0-9_]+\.tmp"
+)
 
 
 def sweep(d: Path, vouched: Callable[[int], bool]) -> list[str]:

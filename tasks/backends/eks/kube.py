@@ -19,9 +19,14 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+from tasks.backends.eks.lines import CUT, LineBuffer
 from tasks.backends.eks.watch import backoff_s
 
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+# The longest line held of a rank's log (a longer one is passed on cut), and of a watch's
+# events (etcd stores no object over 1.5 MiB: a longer line is no event, dropped).
+LOG_LINE_CAP = 64 << 10
+WATCH_LINE_CAP = 4 << 20
 
 
 def _json(resp: Any) -> Any:
@@ -241,11 +246,9 @@ class Kube:
                 kwargs["since_seconds"] = max(1, math.ceil(behind) + 1)
             try:
                 resp = self.core.read_namespaced_pod_log(pod, ns, **kwargs)
-                buf = b""
+                buf = LineBuffer(LOG_LINE_CAP)
                 for chunk in resp.stream(4096):
-                    buf += chunk
-                    *lines, buf = buf.split(b"\n")
-                    for raw in lines:
+                    for raw in buf.feed(chunk):
                         ts, _, text = raw.decode(errors="replace").partition(" ")
                         try:
                             when = datetime.fromisoformat(ts)
@@ -282,7 +285,7 @@ class Kube:
         the watched kind reach ``out``: an ``ERROR`` event's ``Status`` or a bad line never does.
         A list's items are passed on as ``ADDED`` (the caller's history dedupes by time, so a
         replay is harmless), and what it no longer shows as ``DELETED``."""
-        from tasks.backends.eks.watch import Step, WatchCursor, backoff_s
+        from tasks.backends.eks.watch import Step, WatchCursor, backoff_s, relist_wait_s
 
         func, args = (
             (self.core.list_namespaced_pod, (ns,)) if what == "pod" else (self.core.list_node, ())
@@ -295,6 +298,7 @@ class Kube:
             since = time.monotonic() - last_open
             wait = max(
                 backoff_s(cursor.failures, retry_after_s=retry_after),
+                relist_wait_s(cursor.relists) if relist else 0.0,
                 min_interval_s - since,
                 min_interval_s if cursor.failures else 0.0,
             )
@@ -325,12 +329,14 @@ class Kube:
                     cursor.failures = 0
                 elif ended.step is Step.RELIST:
                     relist = True
+                    cursor.relists += 1
                 else:
                     cursor.failures += 1
                     retry_after = ended.retry_after_s
             except self._exc as e:
                 if e.status == 410:
                     relist = True
+                    cursor.relists += 1
                 else:
                     cursor.failures += 1
                     retry_after = _retry_after(e)
@@ -353,21 +359,22 @@ class Kube:
         a back-off), or None when the server closed it."""
         from tasks.backends.eks.watch import Step
 
-        buf = b""
+        buf = LineBuffer(WATCH_LINE_CAP)
         for chunk in resp.stream(4096):
             if stop.is_set():
                 return None
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
+            for line in buf.feed(chunk):
                 if not line.strip():
+                    continue
+                if line.endswith(CUT):  # no object is that large: never parsed
+                    cursor.dropped["line too long"] = cursor.dropped.get("line too long", 0) + 1
                     continue
                 d = cursor.on_line(line)
                 if d.step is Step.EMIT and d.obj is not None:
                     out.put((what, d.type, d.obj))
                 elif d.step in (Step.RELIST, Step.BACKOFF):
                     return d
-        if buf.strip():  # a stream cut mid-line: the partial line is dropped, not parsed
+        if buf.rest().strip():  # a stream cut mid-line: the partial line is dropped, not parsed
             cursor.dropped["cut mid-line"] = cursor.dropped.get("cut mid-line", 0) + 1
         return None
 

@@ -18,7 +18,9 @@ seam) opens the watches and lists, so this is tested over tables of recorded ans
 Every (re)open waits ``min_interval_s`` after the previous one, and after failures a jittered
 exponential backoff (``backoff_s``, at least a server's ``Retry-After``): a server failing
 every request sees a few a second, not a busy loop (a watch re-opening with a stale version
-once made 80 k requests/s against an in-process fake).
+once made 80 k requests/s against an in-process fake). Relists have their own
+(``relist_wait_s``): one after a 410 is routine and immediate, but a list is the most expensive
+call there is, and a server answering 410 to every watch got one every ``min_interval_s``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class WatchCursor:
     kind: str  # "Pod" or "Node": the only kind an event may carry
     version: str | None = None
     failures: int = 0
+    relists: int = 0  # 410s in a row: lists since the watch last delivered anything
     dropped: dict[str, int] = field(default_factory=dict)
     # The last state of every object seen and not deleted, by namespace/name: what a relist
     # is compared with.
@@ -73,7 +76,10 @@ class WatchCursor:
             return self._drop("not JSON")
         if not isinstance(event, dict):
             return self._drop("not an event")
-        return self.on_event(event)
+        d = self.on_event(event)
+        if d.step is Step.EMIT or d.why == "bookmark":  # the watch works again
+            self.relists = 0
+        return d
 
     def on_event(self, event: dict[str, Any]) -> Decision:
         kind, obj = event.get("type"), event.get("object")
@@ -138,6 +144,23 @@ def backoff_s(
     ``Retry-After``; 0 after none."""
     wait = 0.0 if failures <= 0 else rand() * min(max_backoff_s, base_s * 2 ** (failures - 1))
     return max(wait, retry_after_s or 0.0)
+
+
+def relist_wait_s(
+    relists: int,
+    *,
+    base_s: float = 0.5,
+    max_s: float = 30.0,
+    rand: Callable[[], float] = random.random,
+) -> float:
+    """Seconds to wait before the ``relists``-th list in a row (each after a 410, with no event
+    between): none before the first (routine after compaction), then an exponential bound,
+    capped, jittered over its upper half (a relist storm never shrinks to a busy loop, and many
+    watchers do not list in step)."""
+    if relists <= 1:
+        return 0.0
+    bound = min(max_s, base_s * 2 ** (relists - 2))
+    return bound / 2 + rand() * bound / 2
 
 
 def _key(obj: dict[str, Any]) -> str:
