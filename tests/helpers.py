@@ -444,3 +444,16 @@ def assert_figures_defined(labels: list[str]) -> None:
     glossary = readme_glossary()
     undefined = [label for label in labels if f"**{label}**" not in glossary]
     assert not undefined, f"printed but not defined in the README's glossary: {undefined}"
+
+
+def small_trained_model(seed: int) -> tuple[Any, Any]:
+    """A two-layer model and its AdamW after one step (optimizer state present): what a memory
+    tier or a peer copy saves, in microseconds."""
+    import torch  # here: most users of these helpers start processes, not models
+
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    o = torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.8, 0.95))
+    m(torch.randn(2, 4)).sum().backward()
+    o.step()
+    return m, o

@@ -14,6 +14,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from tasks.backends import node_memory
+from tests.helpers import small_trained_model
 from trainer.checkpointing import node_format
 from trainer.checkpointing.live_state import LiveState
 from trainer.checkpointing.node_copy import NodeMemory
@@ -67,15 +68,6 @@ def test_a_skipped_tier_says_why():
     assert choose([Offer(), Offer(own_problem=NO_COPY)], 0).skipped == ()
 
 
-def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
-    o = torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.8, 0.95))
-    m(torch.randn(2, 4)).sum().backward()
-    o.step()
-    return m, o
-
-
 def _state(m: torch.nn.Module, o: torch.optim.Optimizer) -> dict:
     msd, osd = get_state_dict(m, o)
     return {"model": msd, "optim": osd}
@@ -87,7 +79,7 @@ def _memory(root: Path, **kw) -> NodeMemory:
 
 
 def test_a_respawned_process_restores_the_newest_copy_bitwise(tmp_path: Path):
-    m, o = _model(0)
+    m, o = small_trained_model(0)
     mem = _memory(tmp_path)
     for step in (3, 4, 5):  # three saves, two generations: 4 and 5 remain
         for p in m.parameters():
@@ -97,7 +89,7 @@ def test_a_respawned_process_restores_the_newest_copy_bitwise(tmp_path: Path):
     fresh = _memory(tmp_path)  # a new process: nothing in memory but the files
     found, why = fresh.headers()
     assert sorted(found) == [4, 5] and why is None
-    m2, o2 = _model(1)
+    m2, o2 = small_trained_model(1)
     target = _state(m2, o2)
     assert fresh.load(found[5], target) == found[5].size
     set_state_dict(m2, o2, model_state_dict=target["model"], optim_state_dict=target["optim"])
@@ -129,7 +121,7 @@ def test_the_kept_state_reads_the_live_values_and_is_retaken_when_its_structure_
     they still are what get_state_dict would give: the same values after steps, and taken anew
     when a learning rate changes, the optimizer's state is replaced (a restore) or a
     parameter's storage is swapped."""
-    m, o = _model(0)
+    m, o = small_trained_model(0)
     live = LiveState()
     kept = live.get(m, o)
     seen = {live.version}
@@ -162,7 +154,7 @@ def test_a_memory_save_of_a_kept_state_copies_its_newest_values(tmp_path: Path):
     """The layout kept for a version (no walk, no plan) still copies the values of the step
     the save follows, bitwise; a restore with a new manager (an in-process restart: a new
     LiveState, the same node memory) copies the new tensors; a new version is planned anew."""
-    m, o = _model(0)
+    m, o = small_trained_model(0)
     live, mem = LiveState(), _memory(tmp_path)
 
     def save(step: int) -> None:
@@ -172,7 +164,7 @@ def test_a_memory_save_of_a_kept_state_copies_its_newest_values(tmp_path: Path):
 
     def restored(step: int) -> dict:
         found, _ = _memory(tmp_path).headers()
-        m2, o2 = _model(1)
+        m2, o2 = small_trained_model(1)
         target = _state(m2, o2)
         _memory(tmp_path).load(found[step], target)
         return target
@@ -218,7 +210,7 @@ def test_a_cuda_memory_save_is_launched_and_sees_its_own_step(tmp_path: Path):
         mem.wait()
         assert mem.take_failure() is None
         found, _ = _memory(tmp_path).headers()
-        target = _state(*_cuda_model(dev))
+        target = _state(*_cudasmall_trained_model(dev))
         _memory(tmp_path).load(found[step], target)
         got = {k: v.detach().cpu() for k, v in _flat(target).items()}
         assert got.keys() == expected.keys()
@@ -226,7 +218,7 @@ def test_a_cuda_memory_save_is_launched_and_sees_its_own_step(tmp_path: Path):
     mem.close()
 
 
-def _cuda_model(dev: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _cudasmall_trained_model(dev: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     m = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.Linear(4096, 1024)).to(dev)
     o = torch.optim.AdamW(m.parameters(), lr=1e-2)
     m(torch.randn(2, 1024, device=dev)).sum().backward()
@@ -252,7 +244,7 @@ def _flat(state: dict) -> dict[str, torch.Tensor]:
     ],
 )
 def test_a_damaged_copy_is_refused_and_the_live_state_untouched(tmp_path, damage, expect):
-    m, o = _model(0)
+    m, o = small_trained_model(0)
     state = _state(m, o)
     if damage == "nan":
         with torch.no_grad():
@@ -266,7 +258,7 @@ def test_a_damaged_copy_is_refused_and_the_live_state_untouched(tmp_path, damage
         flip_bytes(path)
     elif damage == "truncate":
         os.truncate(path, header.size - 8)
-    m2, o2 = _model(1) if damage != "layout" else (torch.nn.Linear(4, 3), None)
+    m2, o2 = small_trained_model(1) if damage != "layout" else (torch.nn.Linear(4, 3), None)
     o2 = o2 or torch.optim.AdamW(m2.parameters())
     target = _state(m2, o2)
     before = [p.detach().clone() for p in m2.parameters()]
@@ -285,7 +277,7 @@ def test_a_damaged_copy_is_refused_and_the_live_state_untouched(tmp_path, damage
     ],
 )
 def test_a_copy_of_another_attempt_or_topology_is_not_offered(tmp_path, who, expect):
-    m, o = _model(0)
+    m, o = small_trained_model(0)
     mem = _memory(tmp_path)
     mem.save(7, _state(m, o), {})
     mem.close()
@@ -296,7 +288,7 @@ def test_a_copy_of_another_attempt_or_topology_is_not_offered(tmp_path, who, exp
 
 def _saved_header(tmp_path: Path) -> tuple[NodeMemory, Path, dict[str, Any]]:
     """A memory save of step 7 made and sealed: the node memory, its header's path and JSON."""
-    m, o = _model(0)
+    m, o = small_trained_model(0)
     mem = _memory(tmp_path)
     mem.save(7, _state(m, o), {})
     mem.wait()
@@ -324,7 +316,7 @@ def test_a_forged_header_is_refused_bounded_and_named(tmp_path: Path):
     header_path.write_text(json.dumps(obj))
     (header,) = _memory(tmp_path).headers()[0].values()
     with pytest.raises(NodeCopyError, match="outside"):
-        _memory(tmp_path).load(header, _state(*_model(1)))
+        _memory(tmp_path).load(header, _state(*small_trained_model(1)))
     header_path.write_text(json.dumps({**obj, "step": "x"}))
     found, why = _memory(tmp_path).headers()
     assert found == {} and "not a node-copy header" in why
@@ -335,7 +327,7 @@ def test_a_forged_header_is_refused_bounded_and_named(tmp_path: Path):
 def test_a_save_torn_midway_leaves_the_other_generation(tmp_path: Path):
     """The header goes first and comes back last: a kill between leaves no header vouching
     for the half-written bytes, and the older generation is what a resume finds."""
-    m, o = _model(0)
+    m, o = small_trained_model(0)
     mem = _memory(tmp_path)
     mem.save(4, _state(m, o), {})
     mem.save(5, _state(m, o), {})
@@ -472,7 +464,7 @@ def _peer_pair(rank: int, world: int, port: int, root: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     group = dist.new_group(backend="gloo")
-    m, o = _model(rank)
+    m, o = small_trained_model(rank)
     mem = NodeMemory(Path(root) / f"node-{rank}", rank=rank, world_size=2, fingerprint="f", epoch=1)
     mem.bind_peers(group, 1 - rank, (1 - rank,))
     for step in (6, 7):
@@ -487,7 +479,7 @@ def _peer_pair(rank: int, world: int, port: int, root: str, out: str) -> None:
                 flip_bytes(mem.bin_path(held[7].generation, mem.peer_dir(1)))
             send_shard(mem, held[7], mem.peer_dir(1), 1, dist.group.WORLD)
         else:
-            target = _state(*_model(5))
+            target = _state(*small_trained_model(5))
             header, mm = recv_shard(mem, 0, dist.group.WORLD, target)
             try:
                 node_format.restore(header, mm, target, "rank 0's peer copy")
@@ -519,7 +511,7 @@ def test_a_peer_copy_travels_checked_and_a_damaged_one_is_refused(tmp_path: Path
 def test_copies_of_another_world_size_are_forgotten(tmp_path: Path):
     """An elastic job that shrank and grew again must not be offered the larger world's old
     copies: they would go back past what the smaller world trained."""
-    m, o = _model(0)
+    m, o = small_trained_model(0)
     two = _memory(tmp_path, world_size=2)
     two.save(7, _state(m, o), {})
     two.wait()

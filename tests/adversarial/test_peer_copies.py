@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from tasks.backends import node_memory
-from tests.helpers import free_port
+from tests.helpers import free_port, small_trained_model
 from trainer.checkpointing import coordination, node_copy, node_dir, node_format, peer_wire
 from trainer.checkpointing.coordination import CoordinationError, OfferMessage, TierOffer
 from trainer.checkpointing.node_copy import NodeMemory
@@ -34,15 +34,6 @@ from trainer.checkpointing.node_format import Header, NodeCopyError, _Layout
 from trainer.checkpointing.tiers import Offer
 
 OTHER_UID = 65534  # nobody
-
-
-def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
-    o = torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.8, 0.95))
-    m(torch.randn(2, 4)).sum().backward()
-    o.step()
-    return m, o
 
 
 def _state(m: torch.nn.Module, o: torch.optim.Optimizer) -> dict[str, Any]:
@@ -65,7 +56,7 @@ def shm() -> Iterator[Path]:
 def _saved(root: Path, rank: int) -> tuple[NodeMemory, dict[str, Any]]:
     """Rank ``rank``'s memory save of step 7, sealed: its node memory and header JSON."""
     mem = _memory(root / f"node-{rank}", rank=rank)
-    mem.save(7, _state(*_model(rank)), {"loss": 1.0})
+    mem.save(7, _state(*small_trained_model(rank)), {"loss": 1.0})
     mem.wait()
     return mem, json.loads(mem.header_path(0).read_text())
 
@@ -131,7 +122,7 @@ def test_a_transferred_shard_is_checked_against_the_live_state_before_allocation
 
     _, honest = _saved(shm, 0)
     header, size = forge(honest)
-    live = _state(*_model(1))
+    live = _state(*small_trained_model(1))
     try:
         why = layout_refusal(Header.model_validate(header), size, live)
     except NodeCopyError as e:
@@ -181,13 +172,13 @@ def test_a_mistyped_restored_leaf_is_refused_and_the_live_state_untouched(
     tmp_path: Path, name: str, path: tuple[Any, ...], value: Any, refused: str
 ):
     mem = _memory(tmp_path, world_size=1)
-    mem.save(7, _state(*_model(0)), {})
+    mem.save(7, _state(*small_trained_model(0)), {})
     mem.wait()
     obj = json.loads(mem.header_path(0).read_text())
     (entry,) = [e for e in obj["entries"] if tuple(e["path"]) == path]
     entry["value"] = value
     header = Header.model_validate(obj)
-    target = _state(*_model(1))
+    target = _state(*small_trained_model(1))
     before = json.dumps(target["optim"]["param_groups"])
     weights = [t.clone() for t in target["model"].values()]
     with pytest.raises(NodeCopyError, match=refused) as e:
@@ -355,7 +346,7 @@ def _drill(rank: int, port: int, root: str, out: str) -> None:
     group = dist.group.WORLD
     peer_wire.CHUNK = 256  # the shard travels in several chunks: the kill falls between two
     mem = _memory(Path(root) / f"node-{rank}", rank=rank)
-    state = _state(*_model(rank))
+    state = _state(*small_trained_model(rank))
     result: dict[str, Any] = {}
     allocated: list[str] = []  # every node-memory file made, by path (a spy on the real call)
     real = node_dir.allocated_map
