@@ -63,10 +63,10 @@ def patch_keep_alive(interval_s: float, misses: int) -> bool:
 
 
 # How often a leaving store host looks whether the other nodes left (NVRx: 1 s, hard-coded).
-EXIT_POLL_S = 0.1
+LEAVE_POLL_S = 0.1
 
 
-def patch_exit_poll(interval_s: float = EXIT_POLL_S) -> bool:
+def patch_exit_poll(interval_s: float = LEAVE_POLL_S) -> bool:
     """NVRx 0.4.1's store host, leaving, looks once a second whether every other node has left
     the rendezvous (``clean_rdzv_shutdown``'s hard-coded poll), so every attempt's end waited up
     to 1 s more than its nodes took. This looks every ``interval_s`` instead, otherwise the same
