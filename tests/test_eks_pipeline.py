@@ -248,6 +248,9 @@ class Cluster(threading.Thread):
         a lost pod's memory must go with it)."""
         rendered = Path(env[NODE_MEMORY_ENV])
         shm = self.ctx.run_root.parent / f"{pod}-shm"
+        # The kubelet mounts the emptyDir before the container starts: /dev/shm exists, and the
+        # worker makes only its own directory in it (trainer.checkpointing.node_dir).
+        shm.mkdir(mode=0o1777, parents=True, exist_ok=True)
         return {NODE_MEMORY_ENV: str(shm / rendered.relative_to("/dev/shm"))}
 
     def workload(self, name: str, job: Any) -> tuple[TrainConfig, dict[str, str]]:
