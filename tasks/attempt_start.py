@@ -5,13 +5,14 @@ event, and what an adopted attempt said before the new watcher came."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import NamedTuple
 
-from tasks import evict_grace
+from tasks import evict_grace, straggler
 from tasks.backends.base import Backend, Job, LaunchRequest
 from tasks.errors import FenceBusy
 from tasks.off_loop import bounded
-from trainer.event_types import Fatal, StageAttempt
+from trainer.event_types import Event, Fatal, StageAttempt
 from trainer.events import EventLog
 from trainer.rundir import RunDir
 
@@ -25,6 +26,14 @@ class Started(NamedTuple):
     events: EventLog
     fatal: str | None  # the first fatal error it said before we came (adopted)
     request: LaunchRequest  # as launched: its epoch, its eviction grace sized (tasks.evict_grace)
+    # The run's recorded straggler evictions (tasks.straggler.recorded_evictions): the budget
+    # spans attempts.
+    evicted_at: tuple[float, ...]
+
+
+class _Record(NamedTuple):
+    measured: evict_grace.Measured | None  # None: the log did not answer
+    evicted_at: tuple[float, ...]
 
 
 def start(backend: Backend, request: LaunchRequest, run_dir: RunDir) -> Started:
@@ -39,7 +48,8 @@ def start(backend: Backend, request: LaunchRequest, run_dir: RunDir) -> Started:
             run_dir = run_dir.publish(invocation=request.invocation, attempt=request.attempt)
         except TimeoutError as e:  # trainer.fence.LockTimeout
             raise FenceBusy(f"attempt {request.attempt} not launched: {e}") from e
-        grace = _grace(request, run_dir)
+        record = _record(request, run_dir)
+        grace = _grace(request.cfg.injob.evict_grace_s, record.measured)
         cfg = request.cfg
         cfg = dataclasses.replace(
             cfg, injob=dataclasses.replace(cfg.injob, evict_grace_s=grace.seconds)
@@ -51,7 +61,8 @@ def start(backend: Backend, request: LaunchRequest, run_dir: RunDir) -> Started:
         run_dir.clear_other_beats()
         run_dir.record_retry(request.attempt)
         events.emit(_attempt(backend, request, request.attempt, adopted=False, grace=grace))
-        return Started(backend.launch(request), run_dir, events, None, request)
+        job = backend.launch(request)
+        return Started(job, run_dir, events, None, request, record.evicted_at)
     # Adopted: the attempt runs under the epoch its (dead) watcher published, the highest
     # on record (epoch.json's, or the event log's where that file was lost).
     run_dir = run_dir.adopted()
@@ -64,23 +75,38 @@ def start(backend: Backend, request: LaunchRequest, run_dir: RunDir) -> Started:
     events.emit(_attempt(backend, request, job.attempt, adopted=True))
     # Its eviction grace is what its first watcher rendered: not known here, the configured one
     # stands for it.
-    return Started(job, run_dir, events, fatal, dataclasses.replace(request, epoch=run_dir.epoch))
+    adopted = dataclasses.replace(request, epoch=run_dir.epoch)
+    return Started(job, run_dir, events, fatal, adopted, _record(request, run_dir).evicted_at)
 
 
-def _grace(request: LaunchRequest, run_dir: RunDir) -> evict_grace.Grace:
-    """The eviction grace this attempt renders, sized from what the run measured (one bounded
-    fold of its event log: a log that does not answer leaves the configured grace)."""
-    configured = request.cfg.injob.evict_grace_s
-    measured = bounded(
-        "the event log",
-        lambda: evict_grace.measured(run_dir.event_reader().iter_new()),
-        READ_TIMEOUT_S,
-        None,
-    )
+def _record(request: LaunchRequest, run_dir: RunDir) -> _Record:
+    """What an attempt starts from in the run's event log, in one bounded pass: the longest step
+    and save (the eviction grace) and the straggler evictions (their budget). A log that does
+    not answer leaves the configured grace and a fresh budget."""
+
+    def read() -> _Record:
+        measured = evict_grace.Measured()
+
+        def events() -> Iterator[Event]:
+            nonlocal measured
+            for e in run_dir.event_reader().iter_new():
+                measured = measured.with_event(e)
+                yield e
+
+        stream = events()
+        evicted = straggler.recorded_evictions(stream, request.cfg.straggler)
+        for _ in stream:  # what that did not read (it reads nothing unless policy replace)
+            pass
+        return _Record(measured, evicted)
+
+    return bounded("the event log", read, READ_TIMEOUT_S, _Record(None, ()))
+
+
+def _grace(configured: float, measured: evict_grace.Measured | None) -> evict_grace.Grace:
+    """The eviction grace this attempt renders (tasks.evict_grace)."""
     if measured is None:
-        return evict_grace.Grace(
-            configured, f"{configured:g} s as configured: the log did not answer"
-        )
+        why = f"{configured:g} s as configured: the event log did not answer"
+        return evict_grace.Grace(configured, why)
     return evict_grace.size(configured, measured)
 
 

@@ -103,7 +103,7 @@ def run_attempt(
     tail = run_dir.event_reader(from_start=False)
     started = clock()
     check_owner("start an attempt")
-    job, run_dir, events, fatal, request = start(backend, request, run_dir)
+    job, run_dir, events, fatal, request, evicted_at = start(backend, request, run_dir)
     # An elastic job's survivors below its minimum wait in the rendezvous for a node to return,
     # as long as their own join timeout lets them (tasks.loss_policy NODE_WAIT); a fixed-size
     # job's lost node nothing replaces in-job (nor one whose backend cannot re-form it).
@@ -122,19 +122,12 @@ def run_attempt(
         drills=tuple(sorted(drills, key=lambda f: (f.step, not f.kills_node))),
         fatal=fatal,
     )
-    # The straggler eviction budget spans the run's attempts: seeded from the run's record
-    # (read once and bounded: a log that does not answer starts it afresh, as before).
-    evicted: tuple[float, ...] = bounded(
-        "the event log",
-        lambda: straggler.recorded_evictions(run_dir.event_reader().iter_new(), cfg.straggler),
-        END_READ_TIMEOUT_S,
-        (),
-    )
     watch = _Watch(
         state, job, request, run_dir, events, on_event, clock,
         events_read=OffLoop("the event log", tail.read_new),
         beats_read=OffLoop("the node beats", run_dir.beats),
-        slow=straggler.StragglerState(evicted_at=evicted),
+        # The eviction budget spans the run's attempts (read from its record at the start).
+        slow=straggler.StragglerState(evicted_at=evicted_at),
     )  # fmt: skip
     _watch_to_the_end(watch, check_owner)
     watch.pump(END_READ_TIMEOUT_S)
