@@ -130,6 +130,10 @@ class RunPlan:
         cfg = replace(cfg, data_manifest_sha256=manifest_sha256)
         return replace(self, ctx=ctx, hydrated_train=cfg)
 
+    def with_s3(self, s3: S3Settings) -> RunPlan:
+        """Once the state directory's S3 server is known: its settings, which name its keys."""
+        return replace(self, ctx=replace(self.ctx, s3=s3))
+
     @property
     def train(self) -> TrainConfig:
         if self.hydrated_train is None:

@@ -319,6 +319,8 @@ def _stages(run: _Run, held: lease.RunLease) -> None:
         user=held.owner.invocation,
     ) as server:
         if server is not None:
+            plan = run.plan = plan.with_s3(server.settings(ctx.s3))
+            ctx = plan.ctx
             held.record({"kind": "s3", "endpoint": server.endpoint, "pid": server.pid})
             log.info(
                 "%s local S3 server at %s (data in %s)",

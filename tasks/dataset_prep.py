@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.errors import StorageError
-from tasks.storage.s3 import S3Settings, parse_s3_uri
+from tasks.storage.local_s3 import settings_for
+from tasks.storage.s3 import parse_s3_uri
 from trainer import prepare
 from trainer.data import DataError
 
@@ -31,6 +32,8 @@ class PrepareRequest:
     shard_tokens: int | None = None
     s3_uri: str | None = None  # also upload to s3://bucket/prefix
     s3_endpoint: str | None = None
+    # A local endpoint that is this state directory's S3 server is reached with its keys.
+    state_dir: Path = Path(".state")
 
 
 class PrepareInputError(Exception):
@@ -61,7 +64,7 @@ def _uploader(req: PrepareRequest) -> Callable[[], dict[str, object]] | None:
         raise PrepareInputError("s3_uri", str(e)) from None
     endpoint = req.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
     try:
-        client = boto3_client(S3Settings(endpoint_url=endpoint))
+        client = boto3_client(settings_for(endpoint, req.state_dir))
         check_bucket(client, bucket, endpoint=endpoint)
     except StorageError as e:
         raise UploadError(str(e)) from None

@@ -7,12 +7,18 @@ recipes for the demo's export have nothing to open afterwards.
 The Prefect server runs ``prefect server start`` on 127.0.0.1 with its home (SQLite database)
 under ``<state_dir>/prefect``, in a session of its own, recorded in ``server.json`` there (pid,
 start time, port) so that ``run`` finds it and ``down`` stops exactly it. The S3 server is the
-state directory's own (``tasks.storage.local_s3``), held by a "kept" user entry."""
+state directory's own (``tasks.storage.local_s3``), held by a "kept" user entry.
+
+The kept Prefect server requires Prefect's own API auth (issue 43): a password generated once
+for the state directory, in ``<state_dir>/prefect/auth`` (0600; the directory, which holds the
+database, 0700). The CLI's clients read it there; the UI asks for it once per browser (its login
+page); only ``/api/health`` answers without it."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -29,6 +35,8 @@ from trainer.run_files import read_json_object, write_json_atomic
 
 PREFECT_DIR = "prefect"
 RECORD = "server.json"
+AUTH = "auth"
+MAX_AUTH_BYTES = 1024
 DEFAULT_PORT = 4200
 
 
@@ -42,6 +50,45 @@ def _health(port: int) -> bool:
             return bool(r.status == 200)
     except OSError:
         return False
+
+
+def auth_file(state_dir: Path) -> Path:
+    return Path(state_dir).absolute() / PREFECT_DIR / AUTH
+
+
+def kept_prefect_auth(state_dir: Path) -> str:
+    """The kept server's password (Prefect's ``PREFECT_API_AUTH_STRING``)."""
+    from tasks.errors import StorageError
+    from tasks.storage.local_keys import check_private
+
+    path = auth_file(state_dir)
+    try:
+        check_private(path)
+        with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
+            text = f.read(MAX_AUTH_BYTES + 1).decode("ascii").strip()
+    except (StorageError, OSError, UnicodeDecodeError) as e:
+        raise ServiceError(
+            f"the kept Prefect server's password: {e}; stop the server (nvrx-pipeline down "
+            f"--state-dir {state_dir}) and start it again (up) to generate a new one"
+        ) from None
+    if not text or len(text) > MAX_AUTH_BYTES:
+        raise ServiceError(f"{path}: not a password written by `nvrx-pipeline up`; remove it")
+    return text
+
+
+def _ensure_auth(home: Path) -> str:
+    """The password, generated the first time (exclusively: two `up`s at once get one)."""
+    home.mkdir(parents=True, exist_ok=True)
+    os.chmod(home, 0o700)  # its SQLite database holds every run's parameters and logs
+    try:
+        fd = os.open(home / AUTH, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return kept_prefect_auth(home.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(24) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return kept_prefect_auth(home.parent)
 
 
 def kept_prefect_api(state_dir: Path) -> str | None:
@@ -64,6 +111,12 @@ def start_prefect(
     home = Path(state_dir).absolute() / PREFECT_DIR
     api = kept_prefect_api(state_dir)
     if api is not None:
+        if not auth_file(state_dir).exists():
+            raise ServiceError(
+                f"this state directory's Prefect server ({api}) was started without a "
+                f"password, by an older version: stop it (nvrx-pipeline down --state-dir "
+                f"{state_dir}) and run up again"
+            )
         if meanwhile is not None:
             meanwhile()
         return api
@@ -72,11 +125,12 @@ def start_prefect(
             f"port {port}: another Prefect server already answers there (not this state "
             f"directory's): use it (PREFECT_API_URL=http://127.0.0.1:{port}/api), or --port N"
         )
-    home.mkdir(parents=True, exist_ok=True)
+    password = _ensure_auth(home)
     # Nothing of the caller's Prefect profile: this server has its own home and database.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(
         PREFECT_HOME=str(home),
+        PREFECT_SERVER_API_AUTH_STRING=password,
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         # The UI's pages call the API at this URL, 127.0.0.1:4200 unless told: on any other port
         # the UI would load and then fail every call ("Can't connect to Server API").

@@ -5,6 +5,7 @@ kept S3 server, as the README says; `down` leaves no process of either."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -39,6 +40,7 @@ def test_a_finished_run_stays_in_the_ui_and_its_export_in_s3(tmp_path: Path):
         assert f"Prefect UI: http://127.0.0.1:{port}" in up.stdout and f"S3: {s3}" in up.stdout
         records = (state / "prefect" / "server.json", state / "s3" / "server.json")
         pids = [json.loads(p.read_text())["pid"] for p in records]
+        password = _assert_kept_services_need_their_credentials(state, port, s3, up.stdout)
         run = _cli(
             [  # no --s3-endpoint: the kept server is found from the state directory
                 *("run", "--state-dir", str(state), "--run-id", "kept"),
@@ -50,7 +52,11 @@ def test_a_finished_run_stays_in_the_ui_and_its_export_in_s3(tmp_path: Path):
         assert run.returncode == 0, run.stderr[-3000:]
         assert f"Prefect server: http://127.0.0.1:{port}" in run.stderr  # found without a flag
         # The run's process has exited: what it made is still served.
-        api = {**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+        api = {
+            **env,
+            "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+            "PREFECT_API_AUTH_STRING": password,  # as `up` prints it
+        }
         probe = subprocess.run(
             [sys.executable, "-c", _READ_BACK],
             env=api,
@@ -63,11 +69,11 @@ def test_a_finished_run_stays_in_the_ui_and_its_export_in_s3(tmp_path: Path):
         seen = json.loads(probe.stdout.strip().splitlines()[-1])
         assert {"kept", "kept: train attempt 1", "kept: export"} <= set(seen["runs"])
         assert seen["report"].startswith("# Run `kept`: completed")
-        _open_in_the_ui(f"http://127.0.0.1:{port}", seen["ids"]["kept"], tmp_path)
+        _open_in_the_ui(f"http://127.0.0.1:{port}", seen["ids"]["kept"], password, tmp_path)
         pulled = _cli(
             [
                 *("pull", "s3://nvrx-checkpoints/exports/kept/step_6/", str(tmp_path / "pulled")),
-                *("--s3-endpoint", s3, "--json"),
+                *("--s3-endpoint", s3, "--state-dir", str(state), "--json"),
             ],
             env,
             120,
@@ -82,10 +88,36 @@ def test_a_finished_run_stays_in_the_ui_and_its_export_in_s3(tmp_path: Path):
     assert pids and not any(psutil.pid_exists(p) for p in pids), "a kept server outlived down"
 
 
-def _open_in_the_ui(base: str, flow_run_id: str, tmp: Path) -> None:
-    """Headless Chromium on the kept server's UI, the run's own process gone: the run's page
-    lists its report and timeline; the report renders with its outcome and the timeline is a
-    real image."""
+def _assert_kept_services_need_their_credentials(
+    state: Path, port: int, s3: str, printed: str
+) -> str:
+    """Neither kept server serves a request without its credentials, which only this user can
+    read, and `up` says where they are. The Prefect password, as a client reads it."""
+    import httpx
+
+    from tasks.local_services import auth_file
+    from tasks.storage.local_keys import keys_of
+
+    password_file, keys = auth_file(state), keys_of(state / "s3").credentials
+    assert str(password_file) in printed and str(keys) in printed
+    for secret in (password_file, keys, state / "prefect", state / "s3"):
+        assert os.stat(secret).st_mode & 0o077 == 0, secret
+    api = f"http://127.0.0.1:{port}/api"
+    assert httpx.get(f"{api}/health", timeout=10).status_code == 200  # probes stay open
+    assert httpx.post(f"{api}/flow_runs/filter", json={}, timeout=10).status_code == 401
+    wrong = httpx.post(f"{api}/flow_runs/filter", json={}, auth=("x", "y"), timeout=10)
+    assert wrong.status_code == 401
+    assert httpx.get(f"{s3}/", timeout=10).status_code == 403  # an unsigned ListBuckets
+    password = password_file.read_text().strip()
+    basic = {"Authorization": "Basic " + base64.b64encode(password.encode()).decode()}
+    assert httpx.post(f"{api}/flow_runs/filter", json={}, headers=basic).status_code == 200
+    return password
+
+
+def _open_in_the_ui(base: str, flow_run_id: str, password: str, tmp: Path) -> None:
+    """Headless Chromium on the kept server's UI, the run's own process gone: the link asks
+    for the password, then the run's page lists its report and timeline; the report renders
+    with its outcome and the timeline is a real image."""
     from playwright.sync_api import expect, sync_playwright
 
     from tests.test_ui_browser import chromium_path, open_run_report, open_run_timeline
@@ -96,6 +128,11 @@ def _open_in_the_ui(base: str, flow_run_id: str, tmp: Path) -> None:
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(60_000)
+            page.goto(base)  # the link `up` prints: Prefect's own login page
+            login = page.get_by_placeholder("admin:pass")
+            login.fill(password)
+            page.get_by_role("button", name="Login").click()
+            expect(login).to_be_hidden()
             page.goto(f"{base}/runs/flow-run/{flow_run_id}")
             # on a port other than 4200 too: the UI calls its own server's API
             open_run_report(page, r"Run .*kept.*: completed")

@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_FAILED, EXIT_USAGE, add_s3_endpoint, command, emit, fail
+from flows.cli.common import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    add_s3_endpoint,
+    command,
+    emit,
+    fail,
+    s3_settings,
+)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -32,13 +39,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from tasks.errors import PipelineError
     from tasks.export import ExportOptions, export_checkpoint
-    from tasks.storage.s3 import S3Settings, boto3_client, parse_s3_uri
+    from tasks.storage.s3 import boto3_client, parse_s3_uri
     from trainer.checkpointing import WorkloadRef
 
     workload = None if args.workload is None else WorkloadRef(args.workload, args.workload_options)
     try:
         bucket, prefix = parse_s3_uri(args.s3_uri)
-        settings = S3Settings(endpoint_url=args.endpoint or os.environ.get("AWS_ENDPOINT_URL"))
+        settings = s3_settings(args)
         report = export_checkpoint(
             boto3_client(settings),
             args.path,
@@ -66,7 +73,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_pull(args: argparse.Namespace) -> int:
     from tasks.errors import PipelineError, PullUsageError, StorageError
     from tasks.pull import pull_export
-    from tasks.storage.s3 import S3Settings, boto3_client, parse_s3_uri
+    from tasks.storage.s3 import boto3_client, parse_s3_uri
 
     try:
         bucket, prefix = parse_s3_uri(args.s3_uri)
@@ -82,7 +89,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
             what = f" ({name})" if name else ""
             print(f"pull: {100 * done // max(total, 1):3d}%{what}", file=sys.stderr, flush=True)
 
-    settings = S3Settings(endpoint_url=args.endpoint or os.environ.get("AWS_ENDPOINT_URL"))
+    settings = s3_settings(args)
     try:
         report = pull_export(
             boto3_client(settings),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from trainer.worker_cli import set_dotted  # one meaning of --set KEY=VALUE, tra
 
 if TYPE_CHECKING:
     from flows.models import PipelineParams
+    from tasks.storage.s3 import S3Settings
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -93,6 +95,19 @@ def add_s3_endpoint(parser: argparse.ArgumentParser) -> None:
         help="S3 endpoint URL (default: AWS, or $AWS_ENDPOINT_URL)",
     )
     parser.add_argument("--endpoint", dest="endpoint", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--state-dir",
+        default=".state",
+        type=Path,
+        help="a local endpoint that is this state directory's S3 server uses its keys (.state)",
+    )
+
+
+def s3_settings(args: argparse.Namespace) -> S3Settings:
+    """The S3 settings of a command with :func:`add_s3_endpoint`'s options."""
+    from tasks.storage.local_s3 import settings_for
+
+    return settings_for(args.endpoint or os.environ.get("AWS_ENDPOINT_URL"), args.state_dir)
 
 
 def add_params_options(

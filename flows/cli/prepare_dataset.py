@@ -61,4 +61,10 @@ def add(sub: Any) -> None:
     prep.add_argument("--shard-tokens", type=int, help="tokens per output shard (64 Mi)")
     prep.add_argument("--s3-uri", help="also upload the dataset to s3://bucket/prefix")
     prep.add_argument("--s3-endpoint", help="S3 endpoint URL (default: AWS, or $AWS_ENDPOINT_URL)")
+    prep.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(".state"),
+        help="a local endpoint that is this state directory's S3 server uses its keys (.state)",
+    )
     prep.add_argument("--json", action="store_true", help="print a summary as JSON last")

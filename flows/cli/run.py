@@ -14,7 +14,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from flows.cli.common import EXIT_FAILED, EXIT_USAGE, add_params_options, command, params_from_args
+from flows.cli.common import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    add_params_options,
+    command,
+    fail,
+    params_from_args,
+)
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import State
@@ -84,11 +91,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     ctx = RunContext.create(params)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if not os.environ.get("PREFECT_API_URL"):
-        from tasks.local_services import kept_prefect_api
+        from tasks.local_services import ServiceError, kept_prefect_api, kept_prefect_auth
 
         # The state directory's kept server (`nvrx-pipeline up`): the run, its report and
         # artifacts stay in its UI; without one Prefect starts a temporary server.
         if (kept := kept_prefect_api(Path(params.state_dir))) is not None:
+            try:
+                os.environ["PREFECT_API_AUTH_STRING"] = kept_prefect_auth(Path(params.state_dir))
+            except ServiceError as e:
+                return fail(e, EXIT_FAILED)
             os.environ["PREFECT_API_URL"] = kept
             print(
                 f"Prefect server: {kept.removesuffix('/api')} (nvrx-pipeline up)", file=sys.stderr

@@ -36,7 +36,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from tasks.errors import PipelineError
-    from tasks.local_services import start_prefect
+    from tasks.local_services import auth_file, start_prefect
+    from tasks.storage.local_keys import PROFILE, keys_of
     from tasks.storage.local_s3 import keep_local_s3
     from tasks.storage.s3 import S3Settings
 
@@ -55,8 +56,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         return fail(e, EXIT_FAILED)
     [endpoint] = kept
     ui = api.removesuffix("/api")
+    password = auth_file(state)
     print(f"Prefect UI: {ui} (runs of --state-dir {state} use it; its data in {state}/prefect)")
+    print(f"  its login asks for the password in {password} (only you can read it)")
+    print(
+        f"  other Prefect clients: export PREFECT_API_URL={api} "
+        f"PREFECT_API_AUTH_STRING=$(cat {password})"
+    )
     print(f"S3: {endpoint} (the demo's data and exports, kept until `nvrx-pipeline down`)")
+    if endpoint is not None:
+        creds = keys_of(state / "s3").credentials
+        print(
+            f"  its keys: AWS_SHARED_CREDENTIALS_FILE={creds} AWS_PROFILE={PROFILE} "
+            f"(nvrx-pipeline's own commands find them with --state-dir {state})"
+        )
     print(f"stop both: nvrx-pipeline down --state-dir {state}")
     return 0
 

@@ -13,6 +13,11 @@ out stops it (``nvrx-pipeline up`` adds a "kept" entry, held until ``down``); a 
 dropped, so a killed orchestrator neither keeps it alive for ever nor stops it under others.
 Something else listening on the embedded default's port (a "squatter") is refused rather than
 trusted with the run's data.
+
+Credentials (issue 43): the state directory's server requires the keys generated for it
+(``tasks.storage.local_keys``: S3 keys, JWT-signed filer and volume reads, mutual TLS on gRPC);
+:meth:`SharedServer.settings` gives a run's clients the path of its keys, never the keys. Its
+data directory is 0700: the volume files are the objects.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -37,6 +42,7 @@ import psutil
 from tasks.errors import StorageError
 from tasks.ownership.lease import record_alive
 from tasks.ownership.processes import stop_session
+from tasks.storage.local_keys import LocalKeys, ensure_keys, keys_of, read_credentials
 from tasks.storage.s3 import LOCAL_HOSTS, S3Settings, boto3_client
 from trainer.run_files import read_json_object, write_json_atomic
 
@@ -78,8 +84,9 @@ class LocalS3Server:
     endpoint: str
     data_dir: Path
     process: subprocess.Popen[bytes] | None = None
-    # SeaweedFS identities JSON; None: anonymous access (the embedded default).
-    s3_config: Path | None = None
+    # The secrets it requires of every client; None: anonymous access (the tests' own servers,
+    # whose data is throwaway; a state directory's server always has them: ensure_local_s3).
+    keys: LocalKeys | None = None
 
     @property
     def port(self) -> int:
@@ -89,6 +96,8 @@ class LocalS3Server:
         p = self.port
         return [
             weed_binary(),
+            # security.toml (JWT keys, gRPC certificates) is read from here, not the cwd
+            *([f"-config_dir={self.keys.root}"] if self.keys else []),
             "mini",
             f"-dir={self.data_dir}",
             "-ip=127.0.0.1",
@@ -105,11 +114,12 @@ class LocalS3Server:
             "-s3.port.lance=0",
             # One node, no client to reroute: no pause between its last heartbeat and its stop.
             "-volume.preStopSeconds=0",
-            *([f"-s3.config={self.s3_config}"] if self.s3_config else []),
+            *([f"-s3.config={self.keys.identities}"] if self.keys else []),
         ]
 
-    def start(self, timeout: float = 90.0, *, credentials: dict[str, str] | None = None) -> None:
+    def start(self, timeout: float = 90.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.data_dir, 0o700)  # its volume files hold every object in clear
         held = volumes_on_disk(self.data_dir)  # before it starts: what it must serve again
         log = open(self.data_dir / "weed.log", "ab")  # noqa: SIM115 - owned by the child
         self.process = subprocess.Popen(
@@ -123,6 +133,7 @@ class LocalS3Server:
         created = psutil.Process(self.process.pid).create_time()
         record = {"pid": self.process.pid, "create_time": created, "port": self.port}
         write_json_atomic(self.data_dir / SERVER_RECORD, {**record, "data_dir": str(self.data_dir)})
+        credentials = None if self.keys is None else read_credentials(self.keys.credentials)
         self._wait_ready(timeout, credentials, held)
 
     def _wait_ready(
@@ -245,6 +256,10 @@ class SharedServer:
         proc = recorded_server(self.data_dir, _port(self.endpoint))
         return None if proc is None else proc.pid
 
+    def settings(self, base: S3Settings) -> S3Settings:
+        """``base`` with this server's keys (by path: settings travel in task parameters)."""
+        return replace(base, keys_file=keys_of(self.data_dir).credentials)
+
     def release(self) -> None:
         """Drop this user; the last live user out stops the server."""
         with _state_lock(self.data_dir):
@@ -268,12 +283,13 @@ def ensure_local_s3(
     with _state_lock(data_dir):
         started: LocalS3Server | None = None
         if endpoint_is_up(endpoint):
-            if recorded_server(data_dir, port) is None:
+            if (running := recorded_server(data_dir, port)) is None:
                 if endpoint.rstrip("/") == EMBEDDED_ENDPOINT:
                     raise StorageError(_squatter_message(endpoint, port, data_dir))
                 return None
+            _check_keyed(running, data_dir)
         else:
-            started = LocalS3Server(endpoint, data_dir)
+            started = LocalS3Server(endpoint, data_dir, keys=ensure_keys(data_dir))
             started.start()
         users = data_dir / USERS_DIR
         users.mkdir(exist_ok=True)
@@ -309,12 +325,37 @@ def kept_endpoint(state_dir: Path) -> str | None:
     return endpoint
 
 
+def settings_for(endpoint: str | None, state_dir: Path) -> S3Settings:
+    """Settings for a command run beside a state directory (``checkpoint export``, ``pull``,
+    ``prepare-dataset``): with that directory's keys when its server listens at ``endpoint``."""
+    settings = S3Settings(endpoint_url=endpoint)
+    if not settings.is_local:
+        return settings
+    data_dir = Path(state_dir) / "s3"
+    if recorded_server(data_dir, _port(str(endpoint))) is None:
+        return settings  # another local server: the environment's keys, or placeholders
+    return replace(settings, keys_file=keys_of(data_dir).credentials)
+
+
 def unkeep_local_s3(state_dir: Path) -> bool:
     """Drop the kept entry; the server stops unless a run still uses it. True when it stopped."""
     data_dir = Path(state_dir) / "s3"
     with _state_lock(data_dir):
         (data_dir / USERS_DIR / KEPT_USER).unlink(missing_ok=True)
         return _stop_if_unused(data_dir) is not None
+
+
+def _check_keyed(proc: psutil.Process, data_dir: Path) -> None:
+    """A server this state directory started before it had keys (an older version, kept up by
+    ``up``) serves anyone: refuse to put a run's data in it rather than restart it under
+    whoever else uses it."""
+    if f"-config_dir={keys_of(data_dir).root}" not in proc.cmdline():
+        raise StorageError(
+            f"this state directory's S3 server (pid {proc.pid}) was started without "
+            f"credentials, by an older version: stop it (nvrx-pipeline down --state-dir "
+            f"{data_dir.parent}, or end pid {proc.pid}) and run again; the next one requires "
+            f"the keys generated in {keys_of(data_dir).root}"
+        )
 
 
 def _squatter_message(endpoint: str, port: int, data_dir: Path) -> str:

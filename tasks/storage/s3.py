@@ -3,9 +3,11 @@ errors that say what is wrong (unreachable endpoint, missing bucket, bad credent
 
 Real AWS works by configuration alone: leave ``endpoint_url`` unset and the default credential
 chain (environment, profile, IRSA on EKS) applies; so do the region and the retries unless a
-region is given (:mod:`tasks.aws` builds the clients). A local endpoint with no credentials in
-the environment gets static placeholder keys (the local server accepts anonymous requests, but
-boto3 signs every request and needs some).
+region is given (:mod:`tasks.aws` builds the clients). The state directory's own S3 server
+requires its generated keys, which the settings name by path (``keys_file``: set by
+:meth:`tasks.storage.local_s3.SharedServer.settings`, read when a client is made). Any other local
+endpoint with no credentials in the environment gets static placeholder keys (an anonymous local
+server still needs signed requests from boto3).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -27,12 +30,19 @@ _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
 class S3Settings:
     endpoint_url: str | None = None  # None: real AWS
     region: str | None = None  # None: the standard chain (tasks.aws)
+    # The generated keys of the state directory's own server (tasks.storage.local_keys), which
+    # win over the environment's: a user's AWS keys are not this server's, nor its to see.
+    keys_file: Path | None = None
 
     @property
     def is_local(self) -> bool:
         return self.endpoint_url is not None and urlparse(self.endpoint_url).hostname in LOCAL_HOSTS
 
     def credentials(self) -> dict[str, str]:
+        if self.keys_file is not None:
+            from tasks.storage.local_keys import read_credentials
+
+            return read_credentials(self.keys_file)
         if self.is_local and not os.environ.get("AWS_ACCESS_KEY_ID"):
             return {"aws_access_key_id": "nvrx-local", "aws_secret_access_key": "nvrx-local"}
         return {}
