@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tasks.errors import HydrationError
-from tasks.hydrate import hydrate_weights
+from tasks.hydrate_weights import RECORD, hydrate_weights
 from tasks.storage.s3 import boto3_client, s3fs_filesystem
+from tasks.weights_pin import local_listing
 from trainer.workload import load_workload
 
 
@@ -38,11 +39,14 @@ def test_weights_hydrate_and_load(s3_settings, tmp_path: Path):
     dest = tmp_path / "fsx" / "weights"
     report = hydrate_weights(fs, "s3://nvrx-weights/llama-tiny/v1", dest)
     assert sorted(p.name for p in dest.iterdir()) == [
+        RECORD,  # written last: what a later run may reuse, read again before it does
         "config.json",
         "generation_config.json",
         "model.safetensors",
     ]
     assert report.downloaded == 3
+    # Unpinned, the digest is still reported (the hydrate line says it, to pin it next time).
+    assert report.manifest_sha256 == local_listing(tmp_path / "hf").digest()
     assert hydrate_weights(fs, "s3://nvrx-weights/llama-tiny/v1", dest).downloaded == 0
 
     torch.manual_seed(0)  # a different seed: the weights must come from the directory
