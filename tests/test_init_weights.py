@@ -381,3 +381,40 @@ def test_a_deployment_may_require_pinned_weights(monkeypatch, tmp_path: Path):
     )
     monkeypatch.setenv("NVRX_ALLOWED_UNPINNED_WEIGHTS", "scratch,nvrx-weights")
     PipelineParams(**form)
+
+
+def test_the_local_backend_hydrates_with_the_runs_pin(s3_settings, dataset: Path, tmp_path):
+    """The form's pin reaches hydration (flows.stages builds the request from it), and the
+    hydrate line says whether the weights were pinned."""
+    from tasks.backends.base import HydrateRequest
+    from tasks.backends.local import LocalBackend
+    from tasks.hydrate import upload_dataset
+
+    client = boto3_client(s3_settings)
+    _bucket(client, "nvrx-datasets")
+    _bucket(client, "nvrx-weights")
+    upload_dataset(client, dataset, "nvrx-datasets", "pin-backend")
+    weights = tmp_path / "w"
+    weights.mkdir()
+    (weights / "config.json").write_bytes(b"{}")
+    (weights / "model.safetensors").write_bytes(b"tensors")
+    for f in weights.iterdir():
+        client.upload_file(str(f), "nvrx-weights", f"pin-backend/{f.name}")
+    digest = local_listing(weights).digest()
+
+    def hydrate(pin: WeightsPin) -> str:
+        request = HydrateRequest(
+            run_id="r",
+            bucket="nvrx-datasets",
+            prefix="pin-backend",
+            data_dir=tmp_path / "fsx" / "data",
+            s3=s3_settings,
+            weights=("s3://nvrx-weights/pin-backend", tmp_path / "fsx" / "weights"),
+            weights_pin=pin,
+        )
+        return LocalBackend(tmp_path).hydrate(request, lambda *a: None).detail
+
+    with pytest.raises(HydrationError, match=r"initial_weights.sha256: the weights at"):
+        hydrate(WeightsPin(sha256="0" * 64))
+    assert f"sha256 {digest} pinned" in hydrate(WeightsPin(sha256=digest))
+    assert "NOT pinned (no initial_weights.sha256)" in hydrate(WeightsPin())
