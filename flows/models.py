@@ -24,9 +24,10 @@ from flows.injob_params import InJobParams
 from flows.locations import DatasetLocation, ExportLocation
 from flows.step_check_params import StepCheckParams
 from flows.straggler_params import StragglerParams
+from flows.weights_params import InitialWeightsParams, check_initial_weights
 from tasks.backends.eks.params import EksParams
 from tasks.backends.registry import BackendType, backend_type
-from tasks.deployment_policy import Deployment, Reach, check_reach, check_run
+from tasks.deployment_policy import Deployment, Reach, check_pinned, check_reach, check_run
 from tasks.secrets import check_declared
 from trainer.records import FaultRecord, StragglerRecord, TimeBreakdown, WorldChangeRecord
 
@@ -85,6 +86,10 @@ class PipelineParams(BaseModel):
         default_factory=dict,
         description='the workload\'s own options (e.g. {"mixed_precision": "bf16"} for '
         "Llama), validated by the workload",
+    )
+    initial_weights: InitialWeightsParams = Field(
+        default_factory=InitialWeightsParams,
+        description="s3:// workload_options.init_weights: the digest they must have, a size cap",
     )
     secrets: dict[str, str] = Field(
         default_factory=dict,
@@ -358,6 +363,9 @@ class PipelineParams(BaseModel):
         # on its lists (flows.pipeline.resolve_params says which deployment, when there is one).
         deployment = (info.context or {}).get("deployment") if info is not None else None
         check_reach(self.reach(), deployment)
+        init_weights = self.workload_options.get("init_weights")
+        check_initial_weights(self.initial_weights, self.s3_init_weights(), init_weights)
+        check_pinned(self.reach().init_weights_bucket, self.initial_weights.sha256 is not None)
         world = self.world_size
         if self.global_batch % world:
             nodes = "nodes' maximum" if self.node_range.elastic else "nodes"

@@ -175,7 +175,16 @@ def hydrate_flow(plan: RunPlan) -> HydrateResult:
         data_dir=ctx.data_dir,
         s3=ctx.s3,
         weights=None if weights is None or ctx.weights_dir is None else (weights, ctx.weights_dir),
+        weights_pin=params.initial_weights.pin(),
     )
+    if request.weights is not None and request.weights_pin.sha256 is None:
+        # Allowed (NVRX_ALLOWED_UNPINNED_WEIGHTS unset or naming the bucket), and said: whoever
+        # can write the prefix chooses the model this run starts from.
+        log.warning(
+            "initial weights %s are not pinned: set initial_weights.sha256 (the digest is in the "
+            "hydrate line below) so that a swapped file is refused",
+            weights,
+        )
     done = backend_for(plan).hydrate(request, progress)
     update_progress_artifact(artifact, 100.0)
     log.info("hydrated %s -> %s: %s", done.source, done.dest, done.detail)

@@ -20,6 +20,8 @@ deployment's own: a run started from a deployment may name its deployment's own 
 the deployment's list, never a new one (:func:`check_reach`); outside a deployment (the CLI,
 Python) a list, when set, limits it. Drills kill, stall, slow or corrupt: a deployment's run
 injects only those its deployment names itself or whose kind ``NVRX_ALLOWED_DRILLS`` lists.
+``s3://`` initial weights without a digest (``initial_weights.sha256``) come only from a bucket
+``NVRX_ALLOWED_UNPINNED_WEIGHTS`` lists, when it is set (:func:`check_pinned`).
 """
 
 from __future__ import annotations
@@ -63,8 +65,19 @@ EXPORT_BUCKETS = "NVRX_ALLOWED_EXPORT_BUCKETS"
 STATE_DIRS = "NVRX_ALLOWED_STATE_DIRS"
 SECRETS = "NVRX_ALLOWED_SECRETS"  # secret names (the values of `secrets`)
 DRILLS = "NVRX_ALLOWED_DRILLS"  # drill kinds (exception, node-loss, ...)
+# Buckets whose s3:// initial weights a run may use without a digest (initial_weights.sha256);
+# unset: any (said in the hydrate log), ``none``: every run pins its weights.
+UNPINNED_WEIGHTS = "NVRX_ALLOWED_UNPINNED_WEIGHTS"
 REACH_LISTS = (S3_ENDPOINTS, DATASET_BUCKETS, EXPORT_BUCKETS, STATE_DIRS, SECRETS, DRILLS)
-EVERY_LIST = (*STRICT.values(), *OPEN.values(), BACKENDS, WORKLOADS, SCRIPT_ROOTS, *REACH_LISTS)
+EVERY_LIST = (
+    *STRICT.values(),
+    *OPEN.values(),
+    BACKENDS,
+    WORKLOADS,
+    SCRIPT_ROOTS,
+    UNPINNED_WEIGHTS,
+    *REACH_LISTS,
+)
 AWS = "aws"
 NONE = "none"
 
@@ -125,6 +138,22 @@ def check_run(backend: str, workload: str, env: Mapping[str, str] | None = None)
                 f"workload: script {path!r} (really {str(real)!r}) is not under a script root "
                 f"this deployment allows: {', '.join(roots)} (the deployment sets {SCRIPT_ROOTS})"
             )
+
+
+def check_pinned(
+    weights_bucket: str | None, pinned: bool, env: Mapping[str, str] | None = None
+) -> None:
+    """Refuse s3:// initial weights without a digest from a bucket the deployment does not let
+    go unpinned: whoever can write the prefix could otherwise swap the model a run starts from."""
+    allowed = listed(UNPINNED_WEIGHTS, env)
+    if weights_bucket is None or pinned or allowed is None or weights_bucket in allowed:
+        return
+    raise ValueError(
+        f"initial_weights.sha256: unpinned initial weights from {weights_bucket!r} are not "
+        f"allowed by this deployment; allowed unpinned: {', '.join(allowed) or 'none'} (the "
+        f"deployment sets {UNPINNED_WEIGHTS}); set initial_weights.sha256 to the digest "
+        "`nvrx-pipeline weights-digest` prints for them"
+    )
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -70,7 +69,7 @@ def _symlink_on(path: Path) -> Path | None:
 
 
 @contextlib.contextmanager
-def _destination(dest: Path) -> Iterator[tuple[Path, Path]]:
+def staged_destination(dest: Path) -> Iterator[tuple[Path, Path]]:
     """``dest``, created, after refusing a destination that is, or goes through, a symbolic link:
     the shared filesystem is writable by others, and a link planted there would send hydration's
     writes somewhere else (checked before and after creating it: a link made in between); and
@@ -119,7 +118,7 @@ def hydrate_dataset(
     src = f"{bucket}/{prefix}".rstrip("/")
     manifest = _read_manifest(fs, src)
     files = manifest.files
-    with _destination(dest) as (dest, staging):
+    with staged_destination(dest) as (dest, staging):
 
         def fetch(entry: ShardFile) -> int:
             """Bytes downloaded for this file (0: already present and verified)."""
@@ -169,64 +168,3 @@ def upload_dataset(client: Any, local: Path, bucket: str, prefix: str) -> int:
         client.upload_file(str(local / entry.name), bucket, f"{prefix}/{entry.name}")
     client.upload_file(str(local / MANIFEST), bucket, f"{prefix}/{MANIFEST}")
     return len(manifest.files) + 1
-
-
-# Files of a Hugging Face model directory that the Llama workload reads; nothing else is fetched
-# (no pickled *.bin / *.pt: only safetensors are ever loaded).
-_WEIGHT_SUFFIXES = (".safetensors", ".json")
-# Used with fullmatch: "$" would accept a trailing newline.
-_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
-
-
-def hydrate_weights(
-    fs: Any,
-    uri: str,
-    dest: Path,
-    *,
-    progress: Callable[[int, int, str], None] = lambda done, total, name: None,
-) -> HydrateReport:
-    """Copy an HF-format weights directory (``config.json`` + ``*.safetensors``) from S3 to the
-    shared filesystem. Idempotent (files present with the listed size are skipped); each file
-    lands through a temporary name, ``config.json`` last. Names are untrusted: only plain file
-    names are accepted (no separators, no leading dot)."""
-    t0 = time.perf_counter()
-    src = uri.removeprefix("s3://").rstrip("/")
-    try:
-        listing = fs.ls(src, detail=True, refresh=True)
-    except FileNotFoundError as e:
-        raise HydrationError(f"initial weights {uri} not found") from e
-    entries = []
-    for item in listing:
-        name = str(item["name"]).rsplit("/", 1)[-1]
-        if item.get("type") != "file" or not name.endswith(_WEIGHT_SUFFIXES):
-            continue
-        if not _SAFE_NAME.fullmatch(name):
-            raise HydrationError(f"initial weights {uri}: refusing the object name {name!r}")
-        entries.append((name, int(item["size"])))
-    names = {n for n, _ in entries}
-    if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
-        raise HydrationError(
-            f"initial weights {uri} must hold config.json and *.safetensors (an HF model "
-            f"directory), found {sorted(names) or 'nothing'}"
-        )
-    entries.sort(key=lambda e: e[0] == "config.json")  # config.json last: marks it complete
-    got = []
-    with _destination(dest) as (dest, staging):
-        for i, (name, size) in enumerate(entries):
-            local = dest / name
-            if not local.is_symlink() and local.is_file() and local.stat().st_size == size:
-                got.append(0)
-            else:
-                # Streamed no further than one byte past the listed size: an object that grew
-                # after the listing (or a listing that lied) is never copied whole.
-                n, _ = _get_capped(fs, f"{src}/{name}", staging / name, size)
-                if n != size:
-                    got_n = f"more than {size}" if n > size else str(n)
-                    raise HydrationError(
-                        f"{uri}/{name}: {got_n} bytes where the listing says {size}: the object "
-                        "changed while it was copied; copy it again once it is stable"
-                    )
-                os.replace(staging / name, local)
-                got.append(size)
-            progress(i + 1, len(entries), name)
-    return HydrateReport.of(uri, dest, got, t0)

@@ -114,11 +114,12 @@ def test_workload_recovers_bitwise(
     case: Case, prefect_server, s3_settings, tmp_path: Path, monkeypatch, capsys
 ):
     monkeypatch.chdir(REPO)  # the script is named relative to the repository
-    if "init_weights" in case.params.get("workload_options", {}):
-        _seed_weights(s3_settings, tmp_path / "hf-init")
     port = free_port_pair()
     flow, rank0 = (f"http://127.0.0.1:{p}/metrics" for p in (port, port + 1))
-    extra = {"metrics_port": port} if case.observed else {}
+    extra: dict[str, Any] = {"metrics_port": port} if case.observed else {}
+    if "init_weights" in case.params.get("workload_options", {}):
+        # Pinned, as a demanding user runs: hydration checks them against this digest.
+        extra["initial_weights"] = {"sha256": _seed_weights(s3_settings, tmp_path / "hf-init")}
     prometheus = LocalPrometheus(
         tmp_path / "prometheus", flow=f"127.0.0.1:{port}", rank0=f"127.0.0.1:{port + 1}"
     )
@@ -260,8 +261,10 @@ def _assert_operators_see_each_recovery(
     assert any(b < a for a, b in itertools.pairwise(steps)), steps
 
 
-def _seed_weights(s3, local: Path) -> None:
-    """An HF directory in S3 (seeded differently from the trainer) as the run's initial weights."""
+def _seed_weights(s3, local: Path) -> str:
+    """An HF directory in S3 (seeded differently from the trainer) as the run's initial weights;
+    their digest (initial_weights.sha256)."""
+    from tasks.weights_pin import local_listing
     from trainer.workload import load_workload
 
     torch.manual_seed(7)
@@ -273,6 +276,7 @@ def _seed_weights(s3, local: Path) -> None:
         client.create_bucket(Bucket="nvrx-weights")
     for f in local.iterdir():
         client.upload_file(str(f), "nvrx-weights", f"llama-tiny/init/{f.name}")
+    return local_listing(local).digest()
 
 
 def _assert_hf_export_matches_checkpoint(

@@ -19,6 +19,7 @@ COMMANDS = (
     "checkpoint",
     "status",
     "prepare_dataset",
+    "weights_digest",
 )
 
 

@@ -70,6 +70,11 @@ EXIT_CODES: dict[str, dict[int, str]] = {
         1: "the upload failed",
         2: "bad input: error: <field>: <message>",
     },
+    "weights-digest": {
+        0: "the listing and its digest printed",
+        1: "the S3 prefix could not be read",
+        2: "bad usage (not a directory or s3:// URI, a refused file name, no weight files)",
+    },
 }
 
 

@@ -18,6 +18,7 @@ from tasks.backends.eks.params import EksParams
 from tasks.checks import CheckResult
 from tasks.classify import Observation, Outcome
 from tasks.storage.s3 import S3Settings
+from tasks.weights_pin import UNPINNED, WeightsPin
 from trainer.config import Device, InJobConfig, InProcessConfig, TrainConfig
 from trainer.elastic import NodeRange
 from trainer.event_types import Event
@@ -96,6 +97,7 @@ class HydrateRequest:
     data_dir: Path
     s3: S3Settings
     weights: tuple[str, Path] | None = None  # (s3://... initial weights, where they go)
+    weights_pin: WeightsPin = UNPINNED  # their digest (if pinned) and size cap
 
 
 @dataclass(frozen=True)

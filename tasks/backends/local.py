@@ -218,7 +218,8 @@ class LocalBackend:
     def hydrate(
         self, request: HydrateRequest, progress: Callable[[int, int, str], None]
     ) -> Hydrated:
-        from tasks.hydrate import hydrate_dataset, hydrate_weights
+        from tasks.hydrate import hydrate_dataset
+        from tasks.hydrate_weights import hydrate_weights
         from tasks.storage.s3 import s3fs_filesystem
 
         fs = s3fs_filesystem(request.s3)
@@ -227,10 +228,12 @@ class LocalBackend:
             f"{r.files} files, {r.downloaded} downloaded, {r.skipped} already present and verified"
         )
         if request.weights is not None:
-            w = hydrate_weights(fs, request.weights[0], request.weights[1])
+            pin = request.weights_pin
+            w = hydrate_weights(fs, request.weights[0], request.weights[1], pin=pin)
+            pinned = "pinned" if pin.sha256 else "NOT pinned (no initial_weights.sha256)"
             detail += (
                 f"; initial weights {w.source} -> {w.dest}: {w.files} files, "
-                f"{w.downloaded} downloaded"
+                f"{w.downloaded} downloaded, sha256 {w.manifest_sha256} {pinned}"
             )
         return Hydrated.of(r, detail)
 

@@ -458,5 +458,27 @@ def test_a_forged_event_naming_another_deployments_run_is_refused(tmp_path: Path
 def test_eks_pool_env_has_no_secret_or_drill_by_default():
     env = pool_env()
     assert env["NVRX_ALLOWED_SECRETS"] == env["NVRX_ALLOWED_DRILLS"] == "none"
+    assert env["NVRX_ALLOWED_UNPINNED_WEIGHTS"] == "none"
     assert env["NVRX_ALLOWED_S3_ENDPOINTS"] == "aws"
     assert os.path.normpath(env["NVRX_ALLOWED_STATE_DIRS"]) == ".state"
+
+
+def test_unpinned_weights_are_refused_where_the_deployment_requires_a_pin(monkeypatch, tmp_path):
+    """Whoever can write the weights' prefix chooses the model a run starts from: a deployment
+    that sets NVRX_ALLOWED_UNPINNED_WEIGHTS=none takes only pinned s3:// weights, even from its
+    own bucket; refused at the form, before anything is read or written."""
+    for name in EVERY_LIST:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NVRX_ALLOWED_UNPINNED_WEIGHTS", "none")
+    monkeypatch.chdir(tmp_path)
+    form = {
+        "workload": "llama-tiny",
+        "workload_options": {"init_weights": "s3://nvrx-datasets/llama/init"},  # its own bucket
+    }
+    with pytest.raises(ValidationError) as err:
+        validate_form(LOCAL_DEPLOYMENT, form)
+    msg = str(err.value)
+    assert "initial_weights.sha256:" in msg and "not allowed by this deployment" in msg, msg
+    assert "NVRX_ALLOWED_UNPINNED_WEIGHTS" in msg and "weights-digest" in msg
+    assert list(tmp_path.iterdir()) == []
+    validate_form(LOCAL_DEPLOYMENT, {**form, "initial_weights": {"sha256": "a" * 64}})
