@@ -7,7 +7,15 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from flows.cli.common import EXIT_FAILED, EXIT_USAGE, add_s3_endpoint, command, emit, fail
+from flows.cli.common import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    add_s3_endpoint,
+    command,
+    emit,
+    fail,
+    s3_settings,
+)
 
 
 def cmd_weights_digest(args: argparse.Namespace) -> int:
@@ -20,10 +28,10 @@ def cmd_weights_digest(args: argparse.Namespace) -> int:
         return fail(f"--write: writes {LISTING_NAME} into a local directory only", EXIT_USAGE)
     try:
         if remote:
-            from tasks.storage.s3 import S3Settings, parse_s3_uri, s3fs_filesystem
+            from tasks.storage.s3 import parse_s3_uri, s3fs_filesystem
 
             parse_s3_uri(source)
-            listing = s3_listing(s3fs_filesystem(S3Settings(endpoint_url=args.endpoint)), source)
+            listing = s3_listing(s3fs_filesystem(s3_settings(args)), source)
         else:
             listing = local_listing(Path(source))
     except StorageError as e:
