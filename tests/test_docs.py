@@ -344,3 +344,44 @@ def test_the_layout_checker_flags_drift(tmp_path: Path) -> None:
         "not in the layout": ["trainer/sub/"],
         "named twice": [],
     }
+
+
+_TEST_REF = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
+
+
+def missing_tests(text: str, root: Path = REPO) -> list[str]:
+    """``tests/x.py::name`` references whose file defines no such test (function or class, at
+    any depth: parametrized tables keep their name)."""
+    missing = []
+    for path, name in sorted(set(_TEST_REF.findall(text))):
+        file = root / path
+        tree = ast.parse(file.read_text()) if file.exists() else None
+        names = (
+            set()
+            if tree is None
+            else {
+                n.name
+                for n in ast.walk(tree)
+                if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            }
+        )
+        if name not in names:
+            missing.append(f"{path}::{name}")
+    return missing
+
+
+@pytest.mark.parametrize("doc", DOCS_MD, ids=lambda p: p.name)
+def test_every_test_a_page_names_exists(doc: Path) -> None:
+    """The security page's "held by" column (and any page's test reference) names a real test:
+    a boundary whose test was renamed away would read as held."""
+    assert missing_tests(doc.read_text()) == []
+
+
+def test_the_test_reference_checker_flags_drift(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("def test_here():\n    pass\n")
+    text = "`tests/test_a.py::test_here`, `tests/test_a.py::test_gone`, `tests/test_b.py::test_x`"
+    assert missing_tests(text, tmp_path) == [
+        "tests/test_a.py::test_gone",
+        "tests/test_b.py::test_x",
+    ]
