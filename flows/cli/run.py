@@ -104,6 +104,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(
                 f"Prefect server: {kept.removesuffix('/api')} (nvrx-pipeline up)", file=sys.stderr
             )
+        else:
+            # Prefect's temporary server inherits this environment: it then requires a password
+            # only this process (and its children) holds, for as long as the run lasts.
+            import secrets
+
+            password = secrets.token_urlsafe(24)
+            os.environ["PREFECT_SERVER_API_AUTH_STRING"] = password
+            os.environ["PREFECT_API_AUTH_STRING"] = password
     from flows.pipeline import training_pipeline
     from trainer.rundir import Layout
 
