@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import psutil
@@ -62,15 +62,16 @@ def kept_prefect_auth(state_dir: Path) -> str:
     from tasks.storage.local_keys import check_private
 
     path = auth_file(state_dir)
+    fix = (
+        f"stop the server (nvrx-pipeline down --state-dir {state_dir}) and start it again "
+        "(up): a new password is generated when none is there"
+    )
     try:
-        check_private(path)
+        check_private(path, what="the kept Prefect server's password", fix=fix)
         with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
             text = f.read(MAX_AUTH_BYTES + 1).decode("ascii").strip()
     except (StorageError, OSError, UnicodeDecodeError) as e:
-        raise ServiceError(
-            f"the kept Prefect server's password: {e}; stop the server (nvrx-pipeline down "
-            f"--state-dir {state_dir}) and start it again (up) to generate a new one"
-        ) from None
+        raise ServiceError(str(e)) from None
     if not text or len(text) > MAX_AUTH_BYTES:
         raise ServiceError(f"{path}: not a password written by `nvrx-pipeline up`; remove it")
     return text
@@ -89,6 +90,20 @@ def _ensure_auth(home: Path) -> str:
         f.flush()
         os.fsync(f.fileno())
     return kept_prefect_auth(home.parent)
+
+
+def prefect_client_env(state_dir: Path, environ: Mapping[str, str]) -> dict[str, str]:
+    """What a run's process adds to its environment to reach Prefect. A server the caller
+    names (``PREFECT_API_URL``): nothing, theirs to configure. Else the state directory's kept
+    server (``up``), with its password: the run, its report and artifacts stay in its UI. Else
+    Prefect starts a temporary server, which inherits this environment: a password of this
+    invocation's own then guards it for as long as the run lasts."""
+    if environ.get("PREFECT_API_URL"):
+        return {}
+    if (kept := kept_prefect_api(state_dir)) is not None:
+        return {"PREFECT_API_URL": kept, "PREFECT_API_AUTH_STRING": kept_prefect_auth(state_dir)}
+    password = secrets.token_urlsafe(24)
+    return {"PREFECT_SERVER_API_AUTH_STRING": password, "PREFECT_API_AUTH_STRING": password}
 
 
 def kept_prefect_api(state_dir: Path) -> str | None:

@@ -90,28 +90,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     ctx = RunContext.create(params)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    if not os.environ.get("PREFECT_API_URL"):
-        from tasks.local_services import ServiceError, kept_prefect_api, kept_prefect_auth
+    from tasks.local_services import ServiceError, prefect_client_env
 
-        # The state directory's kept server (`nvrx-pipeline up`): the run, its report and
-        # artifacts stay in its UI; without one Prefect starts a temporary server.
-        if (kept := kept_prefect_api(Path(params.state_dir))) is not None:
-            try:
-                os.environ["PREFECT_API_AUTH_STRING"] = kept_prefect_auth(Path(params.state_dir))
-            except ServiceError as e:
-                return fail(e, EXIT_FAILED)
-            os.environ["PREFECT_API_URL"] = kept
-            print(
-                f"Prefect server: {kept.removesuffix('/api')} (nvrx-pipeline up)", file=sys.stderr
-            )
-        else:
-            # Prefect's temporary server inherits this environment: it then requires a password
-            # only this process (and its children) holds, for as long as the run lasts.
-            import secrets
-
-            password = secrets.token_urlsafe(24)
-            os.environ["PREFECT_SERVER_API_AUTH_STRING"] = password
-            os.environ["PREFECT_API_AUTH_STRING"] = password
+    try:
+        prefect = prefect_client_env(Path(params.state_dir), os.environ)
+    except ServiceError as e:
+        return fail(e, EXIT_FAILED)
+    os.environ.update(prefect)
+    if "PREFECT_API_URL" in prefect:
+        kept = prefect["PREFECT_API_URL"].removesuffix("/api")
+        print(f"Prefect server: {kept} (nvrx-pipeline up)", file=sys.stderr)
     from flows.pipeline import training_pipeline
     from trainer.rundir import Layout
 

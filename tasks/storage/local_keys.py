@@ -93,23 +93,25 @@ def ensure_keys(data_dir: Path) -> LocalKeys:
     return keys
 
 
-def check_private(path: Path, *, directory: bool = False) -> None:
+def check_private(path: Path, *, directory: bool = False, what: str = "", fix: str = "") -> None:
     """``path`` must be this user's own, no link, and neither readable nor writable by anyone
-    else: a key another user can read is no key, and one they can write is theirs."""
+    else: a key another user can read is no key, and one they can write is theirs. ``what``
+    and ``fix`` word the error (default: this module's secrets, and regenerating them)."""
+    what = what or "the local S3 server's secrets"
+    fix = fix or (
+        f"remove {path if directory else path.parent} to generate new ones (the server's data "
+        "stays; clients then need the new keys)"
+    )
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        raise StorageError(
-            f"{path}: missing from the local S3 server's secrets; remove {path.parent} to "
-            "generate new ones (the server's data stays; clients then need the new keys)"
-        ) from None
+        raise StorageError(f"{path}: missing ({what}); {fix}") from None
     kind_ok = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
     if not kind_ok or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         raise StorageError(
-            f"{path}: the local S3 server's secrets must be this user's own "
-            f"{'directory' if directory else 'file'}, mode {'0700' if directory else '0600'} "
-            f"(found uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); fix the owner and "
-            f"mode, or remove {path if directory else path.parent} to generate new ones"
+            f"{path}: {what} must be this user's own {'directory' if directory else 'file'}, "
+            f"mode {'0700' if directory else '0600'} (found uid {st.st_uid}, mode "
+            f"{stat.filemode(st.st_mode)}); fix the owner and mode, or {fix}"
         )
 
 
