@@ -33,6 +33,7 @@ from flows.parameters import deep_merge
 from tasks.deployment_policy import EVERY_LIST
 from tasks.ownership import binding
 from tests.helpers import REPO
+from trainer.rundir import Layout
 
 EKS_TEMPLATE = REPO / "deploy" / "eks" / "work-pool-template.json"
 PROCESS_TEMPLATE = REPO / "deploy" / "work-pool-template.json"
@@ -465,7 +466,7 @@ BINDINGS = [
     (B, A, True, "was created by deployment nvrx-training-pipeline/team-a"),
     (B, CLI, True, "was created by no deployment"),
     (B, None, True, "has no record of the deployment"),
-    (B, False, True, "has an unreadable deployment.json"),
+    (B, False, True, f"has an unreadable {Layout.DEPLOYMENT}"),
     (A, A, True, None),
     (B, None, False, None),  # a new run: B creates it
     (CLI, A, True, None),  # the caller's own powers
@@ -530,7 +531,7 @@ def test_a_symlinked_record_is_not_followed(tmp_path: Path):
     run_root = tmp_path / "run"
     run_root.mkdir()
     (tmp_path / "forged.json").write_text(B.to_json())
-    (run_root / binding.RECORD).symlink_to(tmp_path / "forged.json")
+    (run_root / Layout.DEPLOYMENT).symlink_to(tmp_path / "forged.json")
     assert binding.recorded(run_root) is False
     with pytest.raises(binding.RunOfAnotherDeployment, match="unreadable"):
         binding.check(run_root, "run", B)
