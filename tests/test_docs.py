@@ -385,3 +385,15 @@ def test_the_test_reference_checker_flags_drift(tmp_path: Path) -> None:
         "tests/test_a.py::test_gone",
         "tests/test_b.py::test_x",
     ]
+
+
+def test_the_run_root_listing_names_every_layout_path() -> None:
+    """architecture.md's run-root listing (section 3) against ``trainer.rundir.Layout``, where
+    every run-root path is named once: a file added there is listed here too."""
+    from trainer.rundir import Layout
+
+    listing = DOC.read_text().split("  runs/<run_id>/\n", 1)[1].split("```", 1)[0]
+    paths = {name: p for name, p in vars(Layout).items() if isinstance(p, Path)}
+    assert "DEPLOYMENT" in paths  # tasks.ownership.binding's record
+    unlisted = {name: str(p) for name, p in paths.items() if p.name not in listing}
+    assert unlisted == {}, f"not in architecture.md's runs/<run_id>/ listing: {unlisted}"

@@ -56,6 +56,7 @@ class Layout:
     CONFIG = Path("config")  # train-attempt<N>.json, launch.json
     LOGS = Path("logs")  # attempt<N>-node<M>.log/.exit, inprocess-monitor-<rank>.log
     LEASE = Path("owner.lease")  # tasks.ownership.lease
+    DEPLOYMENT = Path("deployment.json")  # tasks.ownership.binding: who created the run
     OWNER_LOCK = Path(".owner.lock")
     LEASE_LOCK = Path(".lease.lock")
 

@@ -3,11 +3,12 @@ invocation that comes from a deployment.
 
 A ``run_id`` names a directory on the shared filesystem that every deployment on it can name:
 without this record, a run started from one deployment could resume, export or read another's
-run. ``<run_root>/deployment.json`` names the deployment whose run created the run (or none: the
-CLI, Python). A run started from a deployment may continue only a run its own deployment
-created; one started outside any deployment runs with its caller's own powers (it could read
-the directory anyway) and may continue any. A run directory with no record (made before runs
-were recorded) is no deployment's: a deployment's run refuses it.
+run. ``<run_root>/deployment.json`` (``trainer.rundir.Layout.DEPLOYMENT``) names the deployment
+whose run created the run (or none: the CLI, Python). A run started from a deployment may
+continue only a run its own deployment created; one started outside any deployment runs with
+its caller's own powers (it could read the directory anyway) and may continue any. A run
+directory with no record (made before runs were recorded) is no deployment's: a deployment's run
+refuses it.
 
 :func:`check`, before the lease, reads only, so a refused invocation writes nothing into the
 other run's directory; :func:`bind`, under the lease, writes the record of a new run once
@@ -24,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.errors import PipelineError
+from trainer.rundir import Layout
 
-RECORD = Path("deployment.json")
 MAX_RECORD_BYTES = 4096
 
 
@@ -67,7 +68,7 @@ class Creator:
 def recorded(run_root: Path) -> Creator | bool | None:
     """The run's creator; None: no record; False: a record that cannot be read as one."""
     try:
-        fd = os.open(Path(run_root) / RECORD, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(Path(run_root) / Layout.DEPLOYMENT, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
     except OSError:
@@ -92,7 +93,7 @@ def refusal(run_id: str, me: Creator, found: Creator | bool | None, exists: bool
     elif found is None:
         whose = "has no record of the deployment that created it (made before runs were bound)"
     else:
-        whose = f"has an unreadable {RECORD}"
+        whose = f"has an unreadable {Layout.DEPLOYMENT}"
     return (
         f"run_id: run {run_id!r} {whose}; this run comes from {me.describe()}, which may "
         "continue only the runs it created. Use another run_id (or leave it empty for a new "
@@ -117,7 +118,9 @@ def bind(run_root: Path, run_id: str, me: Creator, *, existed: bool) -> None:
     if recorded(run_root) is None and (not existed or me.deployment_id is None):
         with contextlib.suppress(FileExistsError):
             fd = os.open(
-                run_root / RECORD, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644
+                run_root / Layout.DEPLOYMENT,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                0o644,
             )
             with os.fdopen(fd, "w") as f:
                 f.write(me.to_json())

@@ -6,7 +6,8 @@ deployment, the run binding, the capacity-resume's templates; no server.
 
 - Job variables: the pools expose none that reaches the flow-run's environment, command,
   namespace or the worker's cluster credentials; the Prefect server refuses one (the variables
-  schema forbids any other), and one that got past it would fill no placeholder.
+  schema forbids any other), and one that got past it would fill no placeholder. Labels, which
+  the worker copies onto the flow-run pod, only under user.nvrx.io/: no key a selector reads.
 - Run forms: every endpoint, bucket, state directory, secret and drill is the deployment's own
   or on its list, refused at the form otherwise (before preflight: nothing created, nothing
   sent).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from flows.parameters import deep_merge
 from tasks.deployment_policy import EVERY_LIST
 from tasks.ownership import binding
 from tests.helpers import REPO
+from trainer.rundir import Layout
 
 EKS_TEMPLATE = REPO / "deploy" / "eks" / "work-pool-template.json"
 PROCESS_TEMPLATE = REPO / "deploy" / "work-pool-template.json"
@@ -53,6 +56,12 @@ JOB_VARIABLES = [
     (EKS_TEMPLATE, {"cluster_config": KUBECONFIG_EXEC}, "cluster_config"),
     (EKS_TEMPLATE, {"namespace": "kube-system"}, "namespace"),
     (EKS_TEMPLATE, {"command": "sh -c id"}, "command"),
+    # annotations reach the pod (prefect-kubernetes copies the Job's onto its pod template), where
+    # controllers act on them: a secrets injector, a service mesh's sidecar, the autoscaler
+    (EKS_TEMPLATE, {"annotations": {"vault.hashicorp.com/agent-inject": "true"}}, "annotations"),
+    (EKS_TEMPLATE, {"annotations": {"sidecar.istio.io/inject": "true"}}, "annotations"),
+    (EKS_TEMPLATE, {"annotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}},
+     "annotations"),
     (PROCESS_TEMPLATE, {"command": "sh -c id"}, "command"),
     (PROCESS_TEMPLATE, {"env": {"PREFECT_API_URL": "http://127.0.0.9:9/api"}}, "env"),
     (PROCESS_TEMPLATE, {"working_dir": "/"}, "working_dir"),
@@ -61,6 +70,21 @@ JOB_VARIABLES = [
 
 def _template(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
+
+
+def _server_validates(template: dict[str, Any], variables: dict[str, Any]) -> None:
+    """What the Prefect server runs on a deployment's and a flow run's job variables
+    (prefect.server.api.validation._validate_work_pool_job_variables)."""
+    from prefect.utilities.schema_tools import validate
+
+    validate(
+        variables,
+        template["variables"],
+        raise_on_error=True,
+        preprocess=True,
+        ignore_required=True,
+        allow_none_with_default=True,
+    )
 
 
 def _defaults(template: dict[str, Any]) -> dict[str, Any]:
@@ -75,28 +99,18 @@ def _defaults(template: dict[str, Any]) -> dict[str, Any]:
 )
 def test_a_widening_job_variable_is_refused_and_would_change_nothing(path, variables, named):
     from prefect.utilities.schema_tools import ValidationError as SchemaError
-    from prefect.utilities.schema_tools import validate
     from prefect.utilities.templating import apply_values
 
     template = _template(path)
-    # What the Prefect server runs on a deployment's and a flow run's job variables
-    # (prefect.server.api.validation._validate_work_pool_job_variables).
     with pytest.raises(SchemaError, match=f"'{named}' was unexpected"):
-        validate(
-            variables,
-            template["variables"],
-            raise_on_error=True,
-            preprocess=True,
-            ignore_required=True,
-            allow_none_with_default=True,
-        )
+        _server_validates(template, variables)
     # Past the server (a pool edited, a deployment stored before): the worker fills the
     # template with them (BaseJobConfiguration.from_template_and_values), and nothing changes.
     config = template["job_configuration"]
     plain = apply_values(config, _defaults(template))
     assert apply_values(config, {**_defaults(template), **variables}) == plain
     # ... and no fixed `env` for the worker to merge a job variable's env into.
-    assert not {"env", "cluster_config", "command", "working_dir"} & set(config)
+    assert not {"env", "cluster_config", "command", "working_dir", "annotations"} & set(config)
 
 
 def test_the_process_pool_runs_the_engine_in_the_workers_environment():
@@ -119,10 +133,15 @@ def test_the_process_pool_runs_the_engine_in_the_workers_environment():
 
 
 def test_every_shipped_variable_is_harmless():
-    """What the pools still let a deployment set: names, labels, timeouts, resources."""
+    """What the pools still let a deployment set: names, labels (on EKS only under
+    user.nvrx.io/: the tests below), timeouts, resources."""
+    from prefect.utilities.schema_tools import is_valid_schema
+
+    # the check the Prefect server makes of the schema itself before validating with it
+    is_valid_schema(_template(EKS_TEMPLATE)["variables"], preprocess=False)
     eks = set(_template(EKS_TEMPLATE)["variables"]["properties"])
     assert eks == {
-        "name", "labels", "annotations", "image_pull_policy", "backoff_limit",
+        "name", "labels", "image_pull_policy", "backoff_limit",
         "finished_job_ttl", "job_watch_timeout_seconds", "pod_watch_timeout_seconds",
         "stream_output", "cpu_request", "cpu_limit", "memory_request", "memory_limit",
     }  # fmt: skip
@@ -131,6 +150,138 @@ def test_every_shipped_variable_is_harmless():
         "labels",
         "stream_output",
     }
+
+
+# --- labels: the one map a run still sets on the flow-run pod -------------------------------------
+# prefect-kubernetes (0.8.0, KubernetesWorkerJobConfiguration.prepare_for_flow_run) merges the
+# `labels` job variable over its own prefect.io/* and app.kubernetes.io/* labels, slugifies each
+# key, and copies the result onto the pod template over the template's own labels
+# (_propagate_labels_to_pod). So a label is a pod label: the pool allows keys under
+# user.nvrx.io/ only, which no selector, controller or the worker itself reads.
+USER_LABEL = "user.nvrx.io/"
+
+# (labels a deployment or a flow run sets, what the refusal says)
+HOSTILE_LABELS = [
+    # the flow-run pods' own selector (allow-metrics-scrape, the flow-run PodMonitor): set or
+    # cleared, the pod leaves or joins them
+    ({"nvrx.io/component": "trainer"}, "'nvrx.io/component' does not match"),
+    # what delete_run_jobs and reattach list a run's Jobs by: another run's id would make this
+    # Job one of that run's (deleted by it, or watched as its training)
+    ({"nvrx.io/run-id": "team-b-run"}, "'nvrx.io/run-id' does not match"),
+    ({"nvrx.io/attempt": "1"}, "'nvrx.io/attempt' does not match"),
+    # the per-Job NetworkPolicy's peers (admits the Job's own pods to c10d/TCPStore/NCCL)
+    ({"batch.kubernetes.io/job-name": "nvrx-team-b-a1"}, "'batch.kubernetes.io/job-name'"),
+    ({"job-name": "nvrx-team-b-a1"}, "'job-name' does not match"),
+    # the trainer PodMonitor: scraped as a training pod, its podTargetLabels another run's
+    ({"app.kubernetes.io/component": "trainer"}, "'app.kubernetes.io/component'"),
+    # Kueue would queue (suspend, preempt) the flow-run Job in the training queue
+    ({"kueue.x-k8s.io/queue-name": "nvrx-training"}, "'kueue.x-k8s.io/queue-name'"),
+    # the worker's observer maps Jobs to flow runs by it: when this Job fails or is deleted,
+    # the other flow run is marked Crashed (prefect_kubernetes.observer)
+    ({"prefect.io/flow-run-id": "0b5e-other-run"}, "'prefect.io/flow-run-id'"),
+    # slugified by the worker onto nvrx.io/component: a deny-list of exact keys would miss them
+    ({"nvrx.io/component!": "x"}, "'nvrx.io/component!' does not match"),
+    ({"_nvrx.io/component": "x"}, "'_nvrx.io/component' does not match"),
+    # the user prefix, but not a key Kubernetes accepts as it is
+    ({USER_LABEL: "x"}, f"'{USER_LABEL}' does not match"),
+    ({USER_LABEL + "a/b": "x"}, f"'{USER_LABEL}a/b' does not match"),
+    ({USER_LABEL + "x" * 64: "x"}, "does not match"),
+    # bounded: values as Kubernetes takes them, at most 8 labels
+    ({USER_LABEL + "team": "x" * 64}, "is too long"),
+    ({USER_LABEL + "team": "a b"}, "'a b' does not match"),
+    ({f"{USER_LABEL}k{i}": "v" for i in range(9)}, "has too many properties"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("labels", "refusal"), HOSTILE_LABELS, ids=[next(iter(labels)) for labels, _ in HOSTILE_LABELS]
+)
+def test_a_label_outside_the_users_prefix_is_refused(labels, refusal):
+    from prefect.utilities.schema_tools import ValidationError as SchemaError
+
+    with pytest.raises(SchemaError, match="field .labels") as refused:
+        _server_validates(_template(EKS_TEMPLATE), {"labels": labels})
+    assert refusal in str(refused.value)
+
+
+def _keys_read(node: Any) -> set[str]:
+    """Every label key in ``node`` that a selector reads or an object carries: matchLabels,
+    labels, a Service's selector, matchExpressions, podTargetLabels, a CEL ``"key" in``."""
+    keys: set[str] = set()
+    if isinstance(node, list):
+        for item in node:
+            keys |= _keys_read(item)
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            if k in ("matchLabels", "labels", "selector") and isinstance(v, dict):
+                keys |= {key for key, val in v.items() if isinstance(val, str)}
+            elif k == "matchExpressions":
+                keys |= {e["key"] for e in v}
+            elif k == "podTargetLabels":
+                keys |= set(v)
+            keys |= _keys_read(v)
+    elif isinstance(node, str):
+        keys |= set(re.findall(r'"([\w.-]+/[\w.-]+)" in ', node))
+    return keys
+
+
+def _selector_keys() -> set[str]:
+    """The label keys of the deploy tree, the pool's pod, the renderer's objects, the Job
+    controller and the Prefect worker."""
+    from flows.context import eks_train_config
+    from tasks.backends.eks.render import render_all
+
+    keys = _keys_read(_template(EKS_TEMPLATE)["job_configuration"])
+    for path in sorted((REPO / "deploy" / "eks").glob("*.yaml")):
+        keys |= _keys_read(list(yaml.safe_load_all(path.read_text())))
+    params = PipelineParams(backend="eks", run_id="r", global_batch=16)
+    keys |= _keys_read(
+        render_all(eks_train_config(params, "r"), run_id="r", attempt=1, nodes=2, eks=params.eks)
+    )
+    job_controller = {"job-name", "controller-uid", "batch.kubernetes.io/controller-uid"}
+    # prefect-kubernetes 0.8.0's own (KubernetesWorkerJobConfiguration._base_*_labels)
+    worker = {"prefect.io/flow-run-id", "prefect.io/deployment-id", "prefect.io/work-pool-id"}
+    worker |= {f"app.kubernetes.io/{k}" for k in ("name", "managed-by", "part-of", "version")}
+    return keys | job_controller | worker
+
+
+def test_no_allowed_label_changes_a_selector_match_or_the_pod():
+    """The most a run may set (8 labels, the longest keys and values) validates, and leaves every
+    label any selector reads and the whole pod spec as the pool's defaults make them."""
+    from prefect.utilities.schema_tools import ValidationError as SchemaError
+    from prefect.utilities.templating import apply_values
+
+    template = _template(EKS_TEMPLATE)
+    most = {f"{USER_LABEL}{i}{'t' * 62}": "v" * 63 for i in range(8)}
+    _server_validates(template, {"labels": most})
+    read = _selector_keys()
+    assert {"nvrx.io/component", "nvrx.io/run-id", "batch.kubernetes.io/job-name"} <= read
+    for key in sorted(read):
+        assert not key.startswith(USER_LABEL), f"{key}: a selector reads a run's label"
+        with pytest.raises(SchemaError):
+            _server_validates(template, {"labels": {key: "x"}})
+
+    def job(variables: dict[str, Any]) -> dict[str, Any]:
+        config = apply_values(template["job_configuration"], {**_defaults(template), **variables})
+        job = config["job_manifest"]
+        # what the worker does with them (_slugify_labels, _propagate_labels_to_pod)
+        meta = job["spec"]["template"]["metadata"]
+        meta["labels"] = {**meta["labels"], **config.get("labels", {})}
+        return job
+
+    plain, tagged = job({}), job({"labels": most})
+    assert tagged["spec"]["template"]["spec"] == plain["spec"]["template"]["spec"]
+    assert {k: v for k, v in tagged["spec"].items() if k != "template"} == {
+        k: v for k, v in plain["spec"].items() if k != "template"
+    }
+    for labels in (tagged["metadata"]["labels"], tagged["spec"]["template"]["metadata"]["labels"]):
+        assert set(labels) - set(most) <= read
+    plain_pod = plain["spec"]["template"]["metadata"]["labels"]
+    tagged_pod = tagged["spec"]["template"]["metadata"]["labels"]
+    assert {k: tagged_pod.get(k) for k in read} == {k: plain_pod.get(k) for k in read}
+    # and nothing but labels is a run's: no annotation anywhere
+    assert "annotations" not in tagged["metadata"]
+    assert "annotations" not in tagged["spec"]["template"]["metadata"]
 
 
 # --- run forms -----------------------------------------------------------------------------------
@@ -315,7 +466,7 @@ BINDINGS = [
     (B, A, True, "was created by deployment nvrx-training-pipeline/team-a"),
     (B, CLI, True, "was created by no deployment"),
     (B, None, True, "has no record of the deployment"),
-    (B, False, True, "has an unreadable deployment.json"),
+    (B, False, True, f"has an unreadable {Layout.DEPLOYMENT}"),
     (A, A, True, None),
     (B, None, False, None),  # a new run: B creates it
     (CLI, A, True, None),  # the caller's own powers
@@ -380,7 +531,7 @@ def test_a_symlinked_record_is_not_followed(tmp_path: Path):
     run_root = tmp_path / "run"
     run_root.mkdir()
     (tmp_path / "forged.json").write_text(B.to_json())
-    (run_root / binding.RECORD).symlink_to(tmp_path / "forged.json")
+    (run_root / Layout.DEPLOYMENT).symlink_to(tmp_path / "forged.json")
     assert binding.recorded(run_root) is False
     with pytest.raises(binding.RunOfAnotherDeployment, match="unreadable"):
         binding.check(run_root, "run", B)
