@@ -12,8 +12,9 @@ ports any client. So the secrets are three locks, each where SeaweedFS looks for
   writes (the S3 gateway signs its own requests; anyone else gets 401);
 - a private CA and one certificate (``ca.crt``, ``node.crt``, ``node.key``) that every gRPC
   endpoint requires of its clients (mutual TLS), named by ``security.toml``.
-Not closed: the master's HTTP port (S3 port +1), which SeaweedFS guards by client IP only,
-takes admin requests from anyone (``/col/delete`` drops a bucket's data): docs/security.md.
+A fourth lock is not a secret: the master's and the filer's HTTP are off (``-disableHttp`` in
+``tasks.storage.local_s3``); the master's took admin requests from anyone (``/col/delete``
+dropped a bucket's data), guarded by client IP only.
 
 The directory is made whole in a temporary sibling and renamed into place, so a crash never
 leaves half a set; an existing one is used only when it is this user's alone."""

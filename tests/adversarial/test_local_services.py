@@ -4,8 +4,9 @@ afterwards. (The kept Prefect server's 401s and the UI's login: tests/test_local
 tampered secrets: tests/test_local_keys.py.)
 
 SeaweedFS serves objects on more ports than S3's: its filer (+3) and volume server (+2) answered
-any anonymous HTTP read, and its gRPC ports (+10000 each) any client, before the keys
-(tasks.storage.local_keys)."""
+any anonymous HTTP read, its master (+1) any admin request, and its gRPC ports (+10000 each) any
+client, before the keys (tasks.storage.local_keys) and ``-disableHttp`` (the master and the
+filer serve no HTTP at all now: 404; the volume server needs a JWT: 401)."""
 
 from __future__ import annotations
 
@@ -123,10 +124,10 @@ ROWS: list[tuple[str, Callable[[Held], object], object]] = [
         _s3(_wrong_secret, "delete"),
         "SignatureDoesNotMatch",
     ),
-    ("filer, read", _http("GET", 3, f"/buckets/{BUCKET}/{KEY}"), 401),
-    ("filer, listing", _http("GET", 3, f"/buckets/{BUCKET}/"), 401),
-    ("filer, write", _http("PUT", 3, f"/buckets/{BUCKET}/{KEY}", b"overwritten"), 401),
-    ("filer, delete", _http("DELETE", 3, f"/buckets/{BUCKET}/{KEY}"), 401),
+    ("filer, read", _http("GET", 3, f"/buckets/{BUCKET}/{KEY}"), 404),
+    ("filer, listing", _http("GET", 3, f"/buckets/{BUCKET}/"), 404),
+    ("filer, write", _http("PUT", 3, f"/buckets/{BUCKET}/{KEY}", b"overwritten"), 404),
+    ("filer, delete", _http("DELETE", 3, f"/buckets/{BUCKET}/{KEY}"), 404),
     ("volume server, read", _http("GET", 2, "/1,01"), 401),
     *(
         (f"gRPC +{off}, no client certificate", _grpc(off), "CERTIFICATE_REQUIRED")
@@ -158,18 +159,15 @@ def test_the_keys_open_every_door_the_table_shuts(held: Held):
         assert tls.recv(9)[3] == 0x04  # the server's SETTINGS frame
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (docs/security.md, 'Not closed yet'): the master's HTTP port (S3 port +1) "
-    "takes admin requests from anyone; `weed mini -disableHttp` shuts it, but this server's "
-    "readiness check (tasks.storage.local_s3.registered_volumes) asks the master over HTTP",
-)
 def test_the_masters_admin_port_refuses_a_client_without_the_keys(held: Held):
-    """A bucket of its own (``doomed-bucket``), so the rows above keep theirs: deleting its
-    collection through the master must be refused and leave its object readable."""
+    """The master's admin requests (delete a bucket's collection, grow volumes, assign a file
+    id, write a blob through it) answered anyone before ``-disableHttp``; a bucket of its own
+    (``doomed-bucket``), whose object must stay readable."""
     client = boto3_client(held.settings)
     client.create_bucket(Bucket="doomed-bucket")
     client.put_object(Bucket="doomed-bucket", Key=KEY, Body=BODY)
-    status = _http("GET", 1, "/col/delete?collection=doomed-bucket")(held)
-    assert status in (401, 403, 404), status
+    # SeaweedFS guards these by client IP only: the master runs with no HTTP at all.
+    for path in ("/col/delete?collection=doomed-bucket", "/vol/grow?count=1", "/dir/assign"):
+        assert _http("GET", 1, path)(held) == 404, path
+    assert _http("POST", 1, "/submit", b"a blob")(held) == 404
     assert client.get_object(Bucket="doomed-bucket", Key=KEY)["Body"].read() == BODY
