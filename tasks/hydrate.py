@@ -126,7 +126,7 @@ def hydrate_dataset(
             if _local_ok(dest / name, entry):
                 return 0
             try:
-                n, digest = _get_capped(fs, f"{src}/{name}", staging / name, size)
+                n, digest = stream_capped(fs, f"{src}/{name}", staging / name, size)
             except FileNotFoundError as e:
                 raise HydrationError(
                     f"s3://{src}/{name} is listed in the manifest but missing"
@@ -154,7 +154,7 @@ def hydrate_dataset(
     return HydrateReport.of(f"s3://{src}", dest, got, t0, manifest_sha256=written.digest())
 
 
-def _get_capped(fs: Any, path: str, out: Path, size: int) -> tuple[int, str]:
+def stream_capped(fs: Any, path: str, out: Path, size: int) -> tuple[int, str]:
     """Stream ``path`` into ``out``, digesting it, no further than one byte past ``size`` (the
     manifest's; :func:`trainer.hashing.read_capped`): the bytes read and the sha256."""
     with fs.open(path, "rb", block_size=8 << 20) as src, open(out, "wb") as dst:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.errors import HydrationError
-from tasks.hydrate import HydrateReport, staged_destination
+from tasks.hydrate import HydrateReport, staged_destination, stream_capped
 from tasks.weights_pin import (
     GIB,
     LISTING_NAME,
@@ -37,7 +37,8 @@ from tasks.weights_pin import (
     is_weight_file,
     s3_entries,
 )
-from trainer.hashing import read_capped, sha256_capped
+from trainer.hashing import sha256_capped
+from trainer.run_files import UnsafeFile, read_small
 
 RECORD = ".nvrx-weights.sha256"  # a leading dot: never a weight file's name
 SHA256_FIELD = "initial_weights.sha256"
@@ -104,9 +105,11 @@ def _known(fs: Any, uri: str, dest: Path, pin: WeightsPin) -> _Known | None:
     """The listing files are checked against: see the module's docstring."""
     record = None
     path = dest / RECORD
-    if path.is_file() and not path.is_symlink():
-        with contextlib.suppress(HydrationError):  # a garbled record: copy again
-            record = _read_listing(lambda: _read_bounded(path), str(path))
+    # A garbled, oversized or unsafe record (a link, a FIFO: the shared filesystem is others'
+    # to write too): copy again.
+    with contextlib.suppress(HydrationError, UnsafeFile):
+        if (data := read_small(path, limit=MAX_LISTING_BYTES)) is not None:
+            record = WeightsListing.parse(data, str(path))
     if pin.sha256 is None:
         return None if record is None else _Known(record.by_name(), pinned=False)
     if record is not None and record.digest() == pin.sha256:
@@ -125,11 +128,6 @@ def _known(fs: Any, uri: str, dest: Path, pin: WeightsPin) -> _Known | None:
             f"`nvrx-pipeline weights-digest {uri}`"
         )
     return _Known(beside.by_name(), pinned=True)
-
-
-def _read_bounded(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(MAX_LISTING_BYTES + 1)
 
 
 def _same_files(known: _Known, entries: list[tuple[str, int]], uri: str) -> None:
@@ -172,11 +170,7 @@ def _stage(
         # Streamed no further than one byte past the listed size: an object that grew after the
         # listing (or a listing that lied) is never copied whole; the sizes sum to the cap at
         # most, so neither is the whole.
-        with (
-            fs.open(f"{src}/{name}", "rb", block_size=8 << 20) as f,
-            open(staging / name, "wb") as out,
-        ):
-            n, digest = read_capped(f, size, out=out)
+        n, digest = stream_capped(fs, f"{src}/{name}", staging / name, size)
         copied += n
         if n != size or copied > pin.max_bytes:
             got_n = f"more than {size}" if n > size else str(n)

@@ -64,14 +64,14 @@ def test_hydrate_reads_untrusted_objects_only_as_far_as_the_manifest_says(
     for e in body["files"]:
         client.put_object(Bucket=bucket, Key=f"big/{e['name']}", Body=b"\0" * (e["bytes"] + 10**6))
     read: list[int] = []
-    real_open = hydrate._get_capped
+    real_open = hydrate.stream_capped
 
     def counting(fs, path, out, size):
         got = real_open(fs, path, out, size)
         read.append(got[0] - size)
         return got
 
-    monkeypatch.setattr(hydrate, "_get_capped", counting)
+    monkeypatch.setattr(hydrate, "stream_capped", counting)
     with pytest.raises(
         HydrationError, match=r"s3://hydrate-test/big/shard_0000\d.bin does not match"
     ):
