@@ -59,7 +59,7 @@ def auth_file(state_dir: Path) -> Path:
 def kept_prefect_auth(state_dir: Path) -> str:
     """The kept server's password (Prefect's ``PREFECT_API_AUTH_STRING``)."""
     from tasks.errors import StorageError
-    from tasks.storage.local_keys import check_private
+    from tasks.storage.local_keys import read_private
 
     path = auth_file(state_dir)
     fix = (
@@ -67,28 +67,25 @@ def kept_prefect_auth(state_dir: Path) -> str:
         "(up): a new password is generated when none is there"
     )
     try:
-        check_private(path, what="the kept Prefect server's password", fix=fix)
-        with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
-            text = f.read(MAX_AUTH_BYTES + 1).decode("ascii").strip()
-    except (StorageError, OSError, UnicodeDecodeError) as e:
+        data = read_private(
+            path, limit=MAX_AUTH_BYTES, what="the kept Prefect server's password", fix=fix
+        )
+        text = data.decode("ascii").strip()
+    except (StorageError, UnicodeDecodeError) as e:
         raise ServiceError(str(e)) from None
-    if not text or len(text) > MAX_AUTH_BYTES:
+    if not text:
         raise ServiceError(f"{path}: not a password written by `nvrx-pipeline up`; remove it")
     return text
 
 
 def _ensure_auth(home: Path) -> str:
     """The password, generated the first time (exclusively: two `up`s at once get one)."""
+    from tasks.storage.local_keys import create_private
+
     home.mkdir(parents=True, exist_ok=True)
     os.chmod(home, 0o700)  # its SQLite database holds every run's parameters and logs
-    try:
-        fd = os.open(home / AUTH, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        return kept_prefect_auth(home.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(24) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    with contextlib.suppress(FileExistsError):
+        create_private(home / AUTH, (secrets.token_urlsafe(24) + "\n").encode())
     return kept_prefect_auth(home.parent)
 
 

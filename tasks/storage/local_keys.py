@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.errors import StorageError
+from trainer.run_files import UnsafeFile, read_small
 
 SECRETS_DIR = "secrets"
 PROFILE = "nvrx-local"
@@ -119,11 +120,7 @@ def check_private(path: Path, *, directory: bool = False, what: str = "", fix: s
 
 def read_credentials(path: Path) -> dict[str, str]:
     """boto3 keyword arguments from a ``credentials`` file this module wrote."""
-    check_private(path)
-    with open(path, "rb", opener=_nofollow) as f:
-        text = f.read(MAX_FILE_BYTES + 1)
-    if len(text) > MAX_FILE_BYTES:
-        raise StorageError(f"{path}: over {MAX_FILE_BYTES} bytes, not a credentials file")
+    text = read_private(path)
     parser = configparser.ConfigParser(interpolation=None)
     try:
         parser.read_string(text.decode("utf-8"))
@@ -139,11 +136,24 @@ def read_credentials(path: Path) -> dict[str, str]:
         ) from None
 
 
-def _nofollow(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW)
+def read_private(
+    path: Path, *, limit: int = MAX_FILE_BYTES, what: str = "", fix: str = ""
+) -> bytes:
+    """A secret's bytes: :func:`check_private`, then at most ``limit`` of them, read as every
+    small file the project trusts no further than it must (``run_files.read_small``)."""
+    check_private(path, what=what, fix=fix)
+    try:
+        data = read_small(path, limit=limit)
+    except UnsafeFile:
+        raise StorageError(f"{path}: over {limit} bytes, not a secret written here") from None
+    if data is None:
+        raise StorageError(f"{path}: removed while it was read") from None
+    return data
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def create_private(path: Path, data: bytes) -> None:
+    """Create ``path`` with ``data``, 0600, exclusively (FileExistsError when it is there: two
+    creators agree on the first one's), never through a link, synced."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
@@ -155,16 +165,16 @@ def _write_all(tmp: Path, *, final: Path) -> None:
     """Every file, into ``tmp``; paths inside them name ``final`` (where ``tmp`` is renamed)."""
     access, secret = "NVRX" + secrets.token_hex(8).upper(), secrets.token_urlsafe(30)
     creds = f"[{PROFILE}]\naws_access_key_id = {access}\naws_secret_access_key = {secret}\n"
-    _write_private(tmp / CREDENTIALS, creds.encode())
+    create_private(tmp / CREDENTIALS, creds.encode())
     identity = {
         "name": PROFILE,
         "credentials": [{"accessKey": access, "secretKey": secret}],
         "actions": ["Admin", "Read", "Write", "List", "Tagging"],
     }
-    _write_private(tmp / IDENTITIES, json.dumps({"identities": [identity]}).encode())
+    create_private(tmp / IDENTITIES, json.dumps({"identities": [identity]}).encode())
     for name, pem in zip(_CERTS, _certificates(), strict=True):
-        _write_private(tmp / name, pem)
-    _write_private(tmp / SECURITY, _security_toml(final).encode())
+        create_private(tmp / name, pem)
+    create_private(tmp / SECURITY, _security_toml(final).encode())
 
 
 def _security_toml(root: Path) -> str:
